@@ -1,0 +1,769 @@
+//! The job spec: the TOML a user submits. Parsed section by section so one
+//! broken section does not hide the problems of another, then checked by
+//! [`JobSpec::validate`], which returns every problem with its field path.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// One thing wrong with a spec, with the dotted path of the field.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SpecProblem {
+    pub field: String,
+    pub message: String,
+}
+
+impl SpecProblem {
+    fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            field: field.into(),
+            message: message.into(),
+        }
+    }
+}
+
+impl fmt::Display for SpecProblem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.field, self.message)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobSpec {
+    pub job: JobSection,
+    pub model: ModelSection,
+    pub data: DataSection,
+    pub batch: BatchSection,
+    #[serde(default)]
+    pub objective: ObjectiveSection,
+    #[serde(default)]
+    pub optimizer: OptimizerSection,
+    #[serde(default)]
+    pub parallel: ParallelSection,
+    #[serde(default)]
+    pub checkpoint: CheckpointSection,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobSection {
+    pub name: String,
+    #[serde(default)]
+    pub seed: u64,
+    /// Train for this many steps ...
+    #[serde(default)]
+    pub steps: Option<u64>,
+    /// ... or for this many passes over the data (exactly one of the two).
+    #[serde(default)]
+    pub epochs: Option<u64>,
+    /// checkpoints/ and metrics.jsonl go under it.
+    pub output_dir: PathBuf,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Dtype {
+    #[default]
+    Float32,
+    Bfloat16,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSection {
+    /// "random" or a Hugging Face checkpoint directory.
+    pub init: String,
+    /// HF config.json; required when init = "random".
+    #[serde(default)]
+    pub config: Option<PathBuf>,
+    #[serde(default)]
+    pub dtype: Dtype,
+}
+
+impl ModelSection {
+    pub fn is_random(&self) -> bool {
+        self.init == "random"
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DataFormat {
+    Sft,
+    Dpo,
+    Rollouts,
+}
+
+/// What to do with a document longer than `max_tokens`, or a malformed line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum OnBad {
+    #[default]
+    Error,
+    Skip,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataSection {
+    /// JSONL, JSON array or gzipped files.
+    pub train: Vec<PathBuf>,
+    pub format: DataFormat,
+    /// "bytes" (built in) or a path to a HF tokenizer.json.
+    #[serde(default = "default_tokenizer")]
+    pub tokenizer: String,
+    /// A Jinja chat template file, overriding the one found next to the
+    /// tokenizer (tokenizer_config.json) and the built-in template.
+    #[serde(default)]
+    pub chat_template: Option<PathBuf>,
+    /// Tokens per microbatch.
+    #[serde(default = "default_max_tokens")]
+    pub max_tokens: u32,
+    #[serde(default)]
+    pub on_overlong: OnBad,
+    #[serde(default)]
+    pub on_bad_line: OnBad,
+    #[serde(default = "default_true")]
+    pub shuffle: bool,
+}
+
+impl DataSection {
+    pub fn is_byte_tokenizer(&self) -> bool {
+        self.tokenizer == "bytes"
+    }
+}
+
+fn default_tokenizer() -> String {
+    "bytes".into()
+}
+fn default_max_tokens() -> u32 {
+    4096
+}
+fn default_true() -> bool {
+    true
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct BatchSection {
+    /// Exactly this many documents per step (dynamic accumulation).
+    #[serde(default)]
+    pub docs_per_step: Option<u64>,
+    /// About this many tokens per step.
+    #[serde(default)]
+    pub tokens_per_step: Option<u64>,
+    /// Static: fill this many microbatches per rank, carry the rest over.
+    #[serde(default)]
+    pub microbatches_per_rank: Option<u32>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum ObjectiveKind {
+    #[default]
+    Sft,
+    Dpo,
+    Pg,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ObjectiveSection {
+    #[serde(default)]
+    pub kind: ObjectiveKind,
+}
+
+impl Default for ObjectiveSection {
+    fn default() -> Self {
+        Self {
+            kind: ObjectiveKind::Sft,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimizerKind {
+    #[default]
+    Adamw,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Schedule {
+    #[default]
+    Constant,
+    Linear,
+    Cosine,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OptimizerSection {
+    #[serde(default)]
+    pub kind: OptimizerKind,
+    #[serde(default = "default_lr")]
+    pub lr: f64,
+    #[serde(default = "default_betas")]
+    pub betas: [f64; 2],
+    #[serde(default = "default_eps")]
+    pub eps: f64,
+    #[serde(default)]
+    pub weight_decay: f64,
+    /// Global L2 norm; 0 disables.
+    #[serde(default = "default_grad_clip")]
+    pub grad_clip: f64,
+    #[serde(default)]
+    pub warmup_steps: u64,
+    #[serde(default)]
+    pub schedule: Schedule,
+}
+
+fn default_lr() -> f64 {
+    1e-4
+}
+fn default_betas() -> [f64; 2] {
+    [0.9, 0.999]
+}
+fn default_eps() -> f64 {
+    1e-8
+}
+fn default_grad_clip() -> f64 {
+    1.0
+}
+
+impl Default for OptimizerSection {
+    fn default() -> Self {
+        Self {
+            kind: OptimizerKind::Adamw,
+            lr: default_lr(),
+            betas: default_betas(),
+            eps: default_eps(),
+            weight_decay: 0.0,
+            grad_clip: default_grad_clip(),
+            warmup_steps: 0,
+            schedule: Schedule::Constant,
+        }
+    }
+}
+
+impl OptimizerSection {
+    /// Learning rate of 1-based `step` out of `total` (0 = unknown, which
+    /// makes decaying schedules hold at the peak): linear warmup, then the
+    /// schedule from the peak down to 0 at `total`.
+    pub fn lr_at(&self, step: u64, total: u64) -> f64 {
+        if self.warmup_steps > 0 && step <= self.warmup_steps {
+            return self.lr * step as f64 / self.warmup_steps as f64;
+        }
+        if total <= self.warmup_steps {
+            return self.lr;
+        }
+        let progress =
+            ((step - self.warmup_steps) as f64 / (total - self.warmup_steps) as f64).min(1.0);
+        match self.schedule {
+            Schedule::Constant => self.lr,
+            Schedule::Linear => self.lr * (1.0 - progress),
+            Schedule::Cosine => self.lr * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Sharding {
+    #[default]
+    Ddp,
+    Zero2,
+    Fsdp,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ParallelSection {
+    #[serde(default)]
+    pub sharding: Sharding,
+    #[serde(default = "default_min_workers")]
+    pub min_workers: u32,
+    #[serde(default = "default_max_workers")]
+    pub max_workers: u32,
+}
+
+fn default_min_workers() -> u32 {
+    1
+}
+fn default_max_workers() -> u32 {
+    8
+}
+
+impl Default for ParallelSection {
+    fn default() -> Self {
+        Self {
+            sharding: Sharding::Ddp,
+            min_workers: default_min_workers(),
+            max_workers: default_max_workers(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointSection {
+    /// Write a checkpoint every this many committed steps (0 = only at the end).
+    #[serde(default)]
+    pub every_steps: u64,
+}
+
+/// How a step's size is defined (exactly one per job).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepSize {
+    Docs(u64),
+    Tokens(u64),
+    MicrobatchesPerRank(u32),
+}
+
+const SECTIONS: &[&str] = &[
+    "job",
+    "model",
+    "data",
+    "batch",
+    "objective",
+    "optimizer",
+    "parallel",
+    "checkpoint",
+];
+
+impl JobSpec {
+    /// Parses and validates a spec. Relative paths are resolved against
+    /// `base_dir` (the submitter's working directory). Returns every problem
+    /// found: unknown sections, per-section parse errors and semantic checks.
+    pub fn parse(text: &str, base_dir: &Path) -> Result<JobSpec, Vec<SpecProblem>> {
+        let table: toml::Table = text.parse().map_err(|e: toml::de::Error| {
+            vec![SpecProblem::new("<toml>", one_line(&e.to_string()))]
+        })?;
+        let mut problems = Vec::new();
+        for key in table.keys() {
+            if !SECTIONS.contains(&key.as_str()) {
+                problems.push(SpecProblem::new(
+                    key.as_str(),
+                    format!("unknown section, expected one of: {}", SECTIONS.join(", ")),
+                ));
+            }
+        }
+        // Each section on its own, so one bad section does not hide another.
+        for &section in SECTIONS {
+            if let Some(value) = table.get(section) {
+                if let Err(e) = check_section(section, value.clone()) {
+                    problems.push(e);
+                }
+            } else if matches!(section, "job" | "model" | "data" | "batch") {
+                problems.push(SpecProblem::new(section, "missing section"));
+            }
+        }
+        if !problems.is_empty() {
+            return Err(problems);
+        }
+        let mut spec: JobSpec =
+            toml::Value::Table(table)
+                .try_into()
+                .map_err(|e: toml::de::Error| {
+                    vec![SpecProblem::new("<toml>", one_line(&e.to_string()))]
+                })?;
+        spec.resolve_paths(base_dir);
+        let problems = spec.validate();
+        if problems.is_empty() {
+            Ok(spec)
+        } else {
+            Err(problems)
+        }
+    }
+
+    /// Makes every relative path absolute against `base`.
+    pub fn resolve_paths(&mut self, base: &Path) {
+        let abs = |p: &mut PathBuf| {
+            if p.is_relative() {
+                *p = base.join(&*p);
+            }
+        };
+        abs(&mut self.job.output_dir);
+        if let Some(c) = self.model.config.as_mut() {
+            abs(c);
+        }
+        if !self.model.is_random() && Path::new(&self.model.init).is_relative() {
+            self.model.init = base.join(&self.model.init).display().to_string();
+        }
+        for f in &mut self.data.train {
+            abs(f);
+        }
+        if !self.data.is_byte_tokenizer() && Path::new(&self.data.tokenizer).is_relative() {
+            self.data.tokenizer = base.join(&self.data.tokenizer).display().to_string();
+        }
+        if let Some(t) = self.data.chat_template.as_mut() {
+            abs(t);
+        }
+    }
+
+    /// The step size mode. Valid only on a validated spec.
+    pub fn step_size(&self) -> StepSize {
+        let b = &self.batch;
+        match (b.docs_per_step, b.tokens_per_step, b.microbatches_per_rank) {
+            (Some(n), _, _) => StepSize::Docs(n),
+            (_, Some(t), _) => StepSize::Tokens(t),
+            (_, _, Some(k)) => StepSize::MicrobatchesPerRank(k),
+            _ => StepSize::Docs(1),
+        }
+    }
+
+    /// Serialises back to TOML (what workers receive in Configure).
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self).expect("a JobSpec always serialises")
+    }
+
+    /// Every semantic problem, with field paths. Checks that referenced
+    /// files exist (paths must already be resolved).
+    pub fn validate(&self) -> Vec<SpecProblem> {
+        let mut p = Vec::new();
+        let mut bad = |field: &str, msg: String| p.push(SpecProblem::new(field, msg));
+
+        let name = &self.job.name;
+        if name.is_empty() {
+            bad("job.name", "must not be empty".into());
+        } else if !name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        {
+            bad(
+                "job.name",
+                format!("{name:?} may contain only ASCII letters, digits, '-', '_' and '.'"),
+            );
+        }
+        match (self.job.steps, self.job.epochs) {
+            (Some(_), Some(_)) => bad(
+                "job.steps",
+                "give exactly one of job.steps and job.epochs, not both".into(),
+            ),
+            (None, None) => bad(
+                "job.steps",
+                "give exactly one of job.steps and job.epochs".into(),
+            ),
+            (Some(0), _) => bad("job.steps", "must be at least 1".into()),
+            (_, Some(0)) => bad("job.epochs", "must be at least 1".into()),
+            _ => {}
+        }
+        if self.job.output_dir.as_os_str().is_empty() {
+            bad("job.output_dir", "must not be empty".into());
+        }
+
+        if self.model.is_random() {
+            match &self.model.config {
+                None => bad(
+                    "model.config",
+                    "required when model.init = \"random\"".into(),
+                ),
+                Some(c) => check_file(&mut bad, "model.config", c),
+            }
+        } else {
+            let dir = Path::new(&self.model.init);
+            if !dir.is_dir() {
+                bad(
+                    "model.init",
+                    format!(
+                        "expected \"random\" or a checkpoint directory; {} is not a directory",
+                        dir.display()
+                    ),
+                );
+            } else if !dir.join("config.json").is_file() {
+                bad(
+                    "model.init",
+                    format!("{} has no config.json", dir.display()),
+                );
+            }
+            if let Some(c) = &self.model.config {
+                check_file(&mut bad, "model.config", c);
+            }
+        }
+
+        if self.data.train.is_empty() {
+            bad("data.train", "list at least one dataset file".into());
+        }
+        for (i, f) in self.data.train.iter().enumerate() {
+            check_file(&mut bad, &format!("data.train[{i}]"), f);
+        }
+        if !self.data.is_byte_tokenizer() {
+            check_file(&mut bad, "data.tokenizer", Path::new(&self.data.tokenizer));
+        }
+        if let Some(t) = &self.data.chat_template {
+            check_file(&mut bad, "data.chat_template", t);
+        }
+        if self.data.max_tokens == 0 {
+            bad("data.max_tokens", "must be at least 1".into());
+        }
+
+        let b = &self.batch;
+        let set = [
+            b.docs_per_step.is_some(),
+            b.tokens_per_step.is_some(),
+            b.microbatches_per_rank.is_some(),
+        ]
+        .iter()
+        .filter(|&&x| x)
+        .count();
+        if set != 1 {
+            bad(
+                "batch",
+                format!("give exactly one of docs_per_step, tokens_per_step, microbatches_per_rank ({set} given)"),
+            );
+        }
+        if b.docs_per_step == Some(0) {
+            bad("batch.docs_per_step", "must be at least 1".into());
+        }
+        if b.tokens_per_step == Some(0) {
+            bad("batch.tokens_per_step", "must be at least 1".into());
+        }
+        if b.microbatches_per_rank == Some(0) {
+            bad("batch.microbatches_per_rank", "must be at least 1".into());
+        }
+
+        let expected = match self.objective.kind {
+            ObjectiveKind::Sft => DataFormat::Sft,
+            ObjectiveKind::Dpo => DataFormat::Dpo,
+            ObjectiveKind::Pg => DataFormat::Rollouts,
+        };
+        if self.data.format != expected {
+            bad(
+                "objective.kind",
+                format!(
+                    "{:?} needs data.format = {:?}, got {:?}",
+                    self.objective.kind, expected, self.data.format
+                )
+                .to_lowercase(),
+            );
+        }
+
+        let o = &self.optimizer;
+        if !(o.lr.is_finite() && o.lr > 0.0) {
+            bad(
+                "optimizer.lr",
+                format!("must be a positive number, got {}", o.lr),
+            );
+        }
+        for (i, beta) in o.betas.iter().enumerate() {
+            if !(0.0..1.0).contains(beta) {
+                bad(
+                    &format!("optimizer.betas[{i}]"),
+                    format!("must be in [0, 1), got {beta}"),
+                );
+            }
+        }
+        if !(o.eps.is_finite() && o.eps > 0.0) {
+            bad(
+                "optimizer.eps",
+                format!("must be a positive number, got {}", o.eps),
+            );
+        }
+        if !(o.weight_decay.is_finite() && o.weight_decay >= 0.0) {
+            bad(
+                "optimizer.weight_decay",
+                format!("must be ≥ 0, got {}", o.weight_decay),
+            );
+        }
+        if !(o.grad_clip.is_finite() && o.grad_clip >= 0.0) {
+            bad(
+                "optimizer.grad_clip",
+                format!("must be ≥ 0 (0 disables), got {}", o.grad_clip),
+            );
+        }
+        if let Some(steps) = self.job.steps {
+            if o.warmup_steps > steps {
+                bad(
+                    "optimizer.warmup_steps",
+                    format!("{} is more than job.steps = {steps}", o.warmup_steps),
+                );
+            }
+        }
+
+        let par = &self.parallel;
+        if par.min_workers == 0 {
+            bad("parallel.min_workers", "must be at least 1".into());
+        }
+        if par.max_workers < par.min_workers {
+            bad(
+                "parallel.max_workers",
+                format!(
+                    "{} is less than parallel.min_workers = {}",
+                    par.max_workers, par.min_workers
+                ),
+            );
+        }
+        p
+    }
+}
+
+fn check_file(bad: &mut impl FnMut(&str, String), field: &str, path: &Path) {
+    if !path.is_file() {
+        bad(field, format!("file not found: {}", path.display()));
+    }
+}
+
+/// Deserialises one section alone and turns a serde error into a problem
+/// whose field path starts with the section name.
+fn check_section(section: &str, value: toml::Value) -> Result<(), SpecProblem> {
+    let result = match section {
+        "job" => value.try_into::<JobSection>().map(drop),
+        "model" => value.try_into::<ModelSection>().map(drop),
+        "data" => value.try_into::<DataSection>().map(drop),
+        "batch" => value.try_into::<BatchSection>().map(drop),
+        "objective" => value.try_into::<ObjectiveSection>().map(drop),
+        "optimizer" => value.try_into::<OptimizerSection>().map(drop),
+        "parallel" => value.try_into::<ParallelSection>().map(drop),
+        "checkpoint" => value.try_into::<CheckpointSection>().map(drop),
+        _ => Ok(()),
+    };
+    result.map_err(|e| {
+        let msg = one_line(&e.to_string());
+        // serde names the field in the message; make the path explicit too.
+        let field = field_in_message(&msg)
+            .map_or_else(|| section.to_string(), |f| format!("{section}.{f}"));
+        SpecProblem::new(field, msg)
+    })
+}
+
+fn one_line(s: &str) -> String {
+    s.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// Pulls the field name out of serde messages such as
+/// "unknown field `foo`, expected ..." or "missing field `name`".
+fn field_in_message(msg: &str) -> Option<&str> {
+    for marker in ["unknown field `", "missing field `"] {
+        if let Some(start) = msg.find(marker) {
+            let rest = &msg[start + marker.len()..];
+            return rest.find('`').map(|end| &rest[..end]);
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixture() -> (tempfile::TempDir, PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("tiny.json"), "{}").unwrap();
+        std::fs::write(dir.path().join("train.jsonl"), "").unwrap();
+        let base = dir.path().to_path_buf();
+        (dir, base)
+    }
+
+    const GOOD: &str = r#"
+[job]
+name = "sft-demo"
+seed = 1234
+steps = 100
+output_dir = "runs/sft-demo"
+[model]
+init = "random"
+config = "tiny.json"
+dtype = "float32"
+[data]
+train = ["train.jsonl"]
+format = "sft"
+tokenizer = "bytes"
+max_tokens = 4096
+on_overlong = "error"
+shuffle = true
+[batch]
+docs_per_step = 64
+[objective]
+kind = "sft"
+[optimizer]
+kind = "adamw"
+lr = 1e-4
+betas = [0.9, 0.95]
+eps = 1e-8
+weight_decay = 0.0
+grad_clip = 1.0
+warmup_steps = 0
+schedule = "constant"
+[parallel]
+sharding = "ddp"
+min_workers = 1
+max_workers = 8
+[checkpoint]
+every_steps = 50
+"#;
+
+    #[test]
+    fn issue_example_spec_is_valid() {
+        let (_d, base) = fixture();
+        let spec = JobSpec::parse(GOOD, &base).unwrap();
+        assert_eq!(spec.step_size(), StepSize::Docs(64));
+        assert_eq!(spec.job.output_dir, base.join("runs/sft-demo"));
+        assert_eq!(spec.optimizer.betas, [0.9, 0.95]);
+        // Round-trips through TOML unchanged.
+        let again: JobSpec = toml::from_str(&spec.to_toml()).unwrap();
+        assert_eq!(again, spec);
+    }
+
+    #[test]
+    fn reports_every_semantic_problem_with_its_field() {
+        let (_d, base) = fixture();
+        let text = GOOD
+            .replace("steps = 100", "steps = 100\nepochs = 2")
+            .replace("lr = 1e-4", "lr = -1.0")
+            .replace(
+                "docs_per_step = 64",
+                "docs_per_step = 64\ntokens_per_step = 10",
+            )
+            .replace("max_workers = 8", "max_workers = 0")
+            .replace("train.jsonl", "missing.jsonl")
+            .replace("kind = \"sft\"", "kind = \"dpo\"");
+        let problems = JobSpec::parse(&text, &base).unwrap_err();
+        let fields: Vec<&str> = problems.iter().map(|p| p.field.as_str()).collect();
+        for f in [
+            "job.steps",
+            "optimizer.lr",
+            "batch",
+            "parallel.max_workers",
+            "data.train[0]",
+            "objective.kind",
+        ] {
+            assert!(fields.contains(&f), "missing {f} in {problems:?}");
+        }
+    }
+
+    #[test]
+    fn parse_errors_of_several_sections_are_all_reported() {
+        let (_d, base) = fixture();
+        let text = GOOD
+            .replace("seed = 1234", "seed = 1234\nsede = 5")
+            .replace("dtype = \"float32\"", "dtype = \"float16\"")
+            .replace("[checkpoint]", "[extra]\nx = 1\n[checkpoint]");
+        let problems = JobSpec::parse(&text, &base).unwrap_err();
+        let fields: Vec<&str> = problems.iter().map(|p| p.field.as_str()).collect();
+        assert!(fields.contains(&"job.sede"), "{problems:?}");
+        assert!(
+            fields.iter().any(|f| f.starts_with("model")),
+            "{problems:?}"
+        );
+        assert!(fields.contains(&"extra"), "{problems:?}");
+    }
+
+    #[test]
+    fn lr_schedules() {
+        let mut o = OptimizerSection {
+            lr: 1.0,
+            warmup_steps: 10,
+            ..Default::default()
+        };
+        assert_eq!(o.lr_at(5, 100), 0.5);
+        assert_eq!(o.lr_at(50, 100), 1.0);
+        o.schedule = Schedule::Linear;
+        assert!((o.lr_at(55, 100) - 0.5).abs() < 1e-12);
+        o.schedule = Schedule::Cosine;
+        assert!((o.lr_at(55, 100) - 0.5).abs() < 1e-12);
+        assert!(o.lr_at(100, 100).abs() < 1e-12);
+    }
+}
