@@ -17,3 +17,41 @@ pub mod spec;
 pub mod store;
 
 pub use accrue_proto::v1 as wire;
+
+/// Installs the `tracing` subscriber (RUST_LOG filter, default `info`).
+pub fn init_tracing(json: bool) {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = if json {
+        builder.json().try_init()
+    } else {
+        builder.try_init()
+    };
+}
+
+/// A token cancelled on SIGINT or SIGTERM.
+pub fn shutdown_on_signal() -> tokio_util::sync::CancellationToken {
+    let token = tokio_util::sync::CancellationToken::new();
+    let t = token.clone();
+    tokio::spawn(async move {
+        let ctrl_c = tokio::signal::ctrl_c();
+        #[cfg(unix)]
+        {
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                    .expect("installing a SIGTERM handler");
+            tokio::select! {
+                _ = ctrl_c => {}
+                _ = term.recv() => {}
+            }
+        }
+        #[cfg(not(unix))]
+        let _ = ctrl_c.await;
+        tracing::info!("shutdown requested");
+        t.cancel();
+    });
+    token
+}

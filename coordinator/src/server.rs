@@ -1,1 +1,163 @@
-//! (filled in by its own change)
+//! The coordinator server: binds in `bind()` (so tests use 127.0.0.1:0),
+//! restores jobs from the state dir, and serves the admin and worker
+//! services plus a tick loop until the shutdown token fires.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use accrue_proto::v1::admin_server::AdminServer;
+use accrue_proto::v1::worker_service_server::WorkerServiceServer;
+use anyhow::Context;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info};
+
+use crate::core::{Coordinator, CoordinatorOptions, Event, JobRecord, JobState};
+use crate::service::{AdminService, Shared, WorkerServiceImpl};
+use crate::spec::JobSpec;
+use crate::store::Store;
+
+/// Server settings (from the `accrue-coordinator` flags).
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    pub state_dir: PathBuf,
+    pub heartbeat_interval_ms: u32,
+    pub heartbeat_timeout_ms: i64,
+    /// How often the tick loop checks liveness.
+    pub tick_ms: u64,
+}
+
+impl ServerConfig {
+    pub fn new(listen: SocketAddr, state_dir: PathBuf) -> Self {
+        Self {
+            listen,
+            state_dir,
+            heartbeat_interval_ms: 500,
+            heartbeat_timeout_ms: 2_000,
+            tick_ms: 200,
+        }
+    }
+}
+
+pub struct Server {
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    config: ServerConfig,
+}
+
+impl Server {
+    /// Opens the state dir, restores its jobs and binds the listener.
+    pub async fn bind(config: ServerConfig) -> anyhow::Result<Server> {
+        std::fs::create_dir_all(&config.state_dir)
+            .with_context(|| format!("creating state dir {}", config.state_dir.display()))?;
+        let store = Store::open(&config.state_dir)?;
+        let mut core = Coordinator::new(CoordinatorOptions {
+            heartbeat_timeout_ms: config.heartbeat_timeout_ms,
+        });
+        let records = store.jobs()?;
+        let restored = records.len();
+        for rec in records {
+            let event = restore_event(rec, &store)?;
+            core.handle(event, crate::service::now_ms())?;
+        }
+        let listener = TcpListener::bind(config.listen)
+            .await
+            .with_context(|| format!("binding {}", config.listen))?;
+        info!(addr = %listener.local_addr()?, restored, state_dir = %config.state_dir.display(), "coordinator listening");
+        Ok(Server {
+            listener,
+            shared: Shared::new(core, store),
+            config,
+        })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.listener
+            .local_addr()
+            .expect("a bound listener has an address")
+    }
+
+    pub fn shared(&self) -> Arc<Shared> {
+        self.shared.clone()
+    }
+
+    /// Serves until `shutdown` is cancelled.
+    pub async fn run(self, shutdown: CancellationToken) -> anyhow::Result<()> {
+        let shared = self.shared.clone();
+        let tick = Duration::from_millis(self.config.tick_ms);
+        let ticker_stop = shutdown.clone();
+        let ticker = tokio::spawn(async move {
+            let mut interval = tokio::time::interval(tick);
+            loop {
+                tokio::select! {
+                    _ = ticker_stop.cancelled() => return,
+                    _ = interval.tick() => {
+                        if let Err(e) = shared.apply(Event::Tick) {
+                            error!(%e, "tick failed");
+                        }
+                    }
+                }
+            }
+        });
+        let admin = AdminServer::new(AdminService::new(self.shared.clone()));
+        let worker = WorkerServiceServer::new(WorkerServiceImpl::new(
+            self.shared.clone(),
+            self.config.heartbeat_interval_ms,
+        ));
+        tonic::transport::Server::builder()
+            .http2_keepalive_interval(Some(Duration::from_secs(10)))
+            .add_service(admin)
+            .add_service(worker)
+            .serve_with_incoming_shutdown(
+                TcpListenerStream::new(self.listener),
+                shutdown.cancelled_owned(),
+            )
+            .await
+            .context("serving gRPC")?;
+        ticker.abort();
+        info!("coordinator stopped");
+        Ok(())
+    }
+}
+
+/// Rebuilds a stored job. Its dataset is re-read and re-tokenized (the same
+/// files give the same documents and ids); a job whose data can no longer be
+/// read fails with the reason rather than silently training on less.
+fn restore_event(mut rec: JobRecord, store: &Store) -> anyhow::Result<Event> {
+    let spec: JobSpec = toml::from_str(&rec.spec_toml)
+        .with_context(|| format!("stored spec of job {} does not parse", rec.id))?;
+    let docs: Arc<[crate::doc::Document]> = if rec.state.is_terminal() {
+        Arc::from(Vec::new())
+    } else {
+        match crate::data::load(&spec.data, spec.objective.kind) {
+            Ok(d) if d.docs.len() as u64 == rec.documents => d.docs.into(),
+            Ok(d) => {
+                rec.state = JobState::Failed;
+                rec.reason = format!(
+                    "after restart the dataset holds {} documents, {} when the job was submitted",
+                    d.docs.len(),
+                    rec.documents
+                );
+                Arc::from(Vec::new())
+            }
+            Err(e) => {
+                rec.state = JobState::Failed;
+                rec.reason = format!("after restart the dataset could not be loaded: {e}");
+                Arc::from(Vec::new())
+            }
+        }
+    };
+    if rec.state == JobState::Failed && docs.is_empty() {
+        error!(job = %rec.id, reason = %rec.reason, "job failed on restore");
+        store.put_job(&rec)?;
+    }
+    Ok(Event::RestoreJob {
+        rec: Box::new(rec),
+        spec: Box::new(spec),
+        docs,
+    })
+}

@@ -1,1 +1,185 @@
-//! (filled in by its own change)
+//! The coordinator as a pure state machine: `Coordinator::handle(event,
+//! now_ms) -> Vec<Effect>`. No sockets, no clock, no disk: the server shell
+//! feeds events in and carries the effects out, persisting before it sends
+//! (raft-rs `ready()/advance()` is the model). Multi-worker scenarios are
+//! tested as loops over `handle`.
+
+mod error;
+mod jobs;
+mod machine;
+pub mod metrics;
+pub mod step;
+mod workers;
+
+#[cfg(test)]
+mod tests;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+pub use error::{CoreError, Result};
+pub use jobs::{Generation, Job, JobId, JobRecord, JobState};
+pub use machine::{Coordinator, CoordinatorOptions};
+pub use metrics::{MetricSums, StepMetrics};
+pub use step::PlannedStep;
+pub use workers::{Registration, Worker, WorkerId, WorkerState};
+
+use crate::cursor::Cursor;
+use crate::doc::{DocId, Document};
+use crate::spec::JobSpec;
+
+/// Kinds of worker-reported failure (mirror of `accrue.v1.ErrorKind`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorkerErrorKind {
+    NonFinite,
+    CollectiveTimeout { peer_rank: Option<u32> },
+    InvalidPlan,
+    Internal,
+}
+
+/// Everything that can happen to the coordinator.
+#[derive(Debug, Clone)]
+pub enum Event {
+    RegisterWorker {
+        id: WorkerId,
+        reg: Registration,
+    },
+    SessionOpened {
+        worker: WorkerId,
+    },
+    SessionClosed {
+        worker: WorkerId,
+    },
+    Heartbeat {
+        worker: WorkerId,
+    },
+    Ready {
+        worker: WorkerId,
+        job: JobId,
+        generation: u64,
+        step: u64,
+    },
+    StepResult {
+        worker: WorkerId,
+        job: JobId,
+        generation: u64,
+        step: u64,
+        sums: MetricSums,
+    },
+    WorkerError {
+        worker: WorkerId,
+        job: JobId,
+        generation: u64,
+        step: u64,
+        kind: WorkerErrorKind,
+        message: String,
+    },
+    CheckpointDone {
+        worker: WorkerId,
+        job: JobId,
+        step: u64,
+    },
+    SubmitJob {
+        id: JobId,
+        spec: Box<JobSpec>,
+        spec_toml: String,
+        docs: Arc<[Document]>,
+    },
+    /// A job read back from the store after a restart.
+    RestoreJob {
+        rec: Box<JobRecord>,
+        spec: Box<JobSpec>,
+        docs: Arc<[Document]>,
+    },
+    CancelJob {
+        job: JobId,
+    },
+    PauseJob {
+        job: JobId,
+    },
+    ResumeJob {
+        job: JobId,
+    },
+    DrainWorker {
+        worker: WorkerId,
+    },
+    TriggerCheckpoint {
+        job: JobId,
+    },
+    /// Periodic: detects missed heartbeats.
+    Tick,
+}
+
+/// A message for one worker (the adapter turns it into `CoordinatorMessage`).
+#[derive(Debug, Clone)]
+pub enum ToWorker {
+    Configure {
+        job: JobId,
+        generation: u64,
+        rank: u32,
+        /// (worker id, collective address) per rank.
+        peers: Vec<(WorkerId, String)>,
+        spec_toml: String,
+        step: u64,
+        restore_from: Option<PathBuf>,
+    },
+    Plan {
+        job: JobId,
+        generation: u64,
+        rank: u32,
+        planned: Arc<PlannedStep>,
+    },
+    Abort {
+        job: JobId,
+        generation: u64,
+        step: u64,
+        reason: String,
+    },
+    Checkpoint {
+        job: JobId,
+        step: u64,
+        dir: PathBuf,
+        cursor: Cursor,
+    },
+    Release {
+        job: JobId,
+        reason: String,
+    },
+}
+
+/// One item of a job's watch stream.
+#[derive(Debug, Clone, PartialEq)]
+pub enum WatchItem {
+    Step(StepMetrics),
+    Event {
+        kind: String,
+        message: String,
+        state: JobState,
+        unix_ms: i64,
+    },
+}
+
+/// What the shell must do, in order. Persist effects come before the sends
+/// and publications that depend on them.
+#[derive(Debug, Clone)]
+pub enum Effect {
+    PersistJob(JobRecord),
+    /// The step's record, its metrics and its manifest, in one transaction.
+    CommitStep {
+        rec: JobRecord,
+        metrics: StepMetrics,
+        docs: Vec<DocId>,
+    },
+    AppendMetrics {
+        path: PathBuf,
+        metrics: StepMetrics,
+    },
+    Send {
+        worker: WorkerId,
+        msg: ToWorker,
+    },
+    Publish {
+        job: JobId,
+        item: WatchItem,
+    },
+}

@@ -1,1 +1,188 @@
-//! (filled in by its own change)
+//! The gRPC shell around the pure coordinator: decode a request, feed the
+//! state machine, carry out its effects (persist first, then send and
+//! publish), encode the reply. One `std::sync::Mutex` guards the state and
+//! is never held across an `.await`.
+
+mod admin;
+pub mod convert;
+mod worker;
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::Path;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use accrue_proto::v1 as wire;
+use tokio::sync::{broadcast, mpsc};
+use tonic::Status;
+use tracing::error;
+
+pub use admin::AdminService;
+pub use worker::WorkerServiceImpl;
+
+use crate::core::{Coordinator, CoreError, Effect, Event, JobId, WatchItem, WorkerId};
+use crate::store::{StepRecord, Store};
+
+/// Messages queued for one worker's session stream.
+pub type SessionTx = mpsc::UnboundedSender<Result<wire::CoordinatorMessage, Status>>;
+
+/// State shared by the admin and worker services.
+pub struct Shared {
+    inner: Mutex<Inner>,
+    watch: broadcast::Sender<(JobId, WatchItem)>,
+}
+
+pub(crate) struct Inner {
+    pub core: Coordinator,
+    pub store: Store,
+    /// Open session per worker, with a serial to tell reconnects apart.
+    sessions: HashMap<WorkerId, (u64, SessionTx)>,
+    next_session: u64,
+}
+
+pub fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
+impl Shared {
+    pub fn new(core: Coordinator, store: Store) -> Arc<Shared> {
+        let (watch, _) = broadcast::channel(1024);
+        Arc::new(Shared {
+            inner: Mutex::new(Inner {
+                core,
+                store,
+                sessions: HashMap::new(),
+                next_session: 0,
+            }),
+            watch,
+        })
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Feeds one event to the state machine and carries out its effects.
+    pub fn apply(&self, event: Event) -> Result<(), Status> {
+        let mut inner = self.lock();
+        self.apply_locked(&mut inner, event)
+    }
+
+    pub(crate) fn apply_locked(&self, inner: &mut Inner, event: Event) -> Result<(), Status> {
+        let effects = inner.core.handle(event, now_ms()).map_err(core_status)?;
+        self.run_effects(inner, effects)
+    }
+
+    fn run_effects(&self, inner: &mut Inner, effects: Vec<Effect>) -> Result<(), Status> {
+        let mut failure = None;
+        for e in effects {
+            match e {
+                Effect::PersistJob(rec) => {
+                    if let Err(err) = inner.store.put_job(&rec) {
+                        error!(job = %rec.id, %err, "persisting job failed");
+                        failure = Some(Status::internal(format!(
+                            "persisting job {}: {err}",
+                            rec.id
+                        )));
+                    }
+                }
+                Effect::CommitStep { rec, metrics, docs } => {
+                    if let Err(err) = inner.store.commit_step(&rec, &StepRecord { metrics, docs }) {
+                        error!(job = %rec.id, %err, "persisting step failed");
+                        failure = Some(Status::internal(format!(
+                            "persisting job {}: {err}",
+                            rec.id
+                        )));
+                    }
+                }
+                Effect::AppendMetrics { path, metrics } => {
+                    if let Err(err) = append_jsonl(&path, &metrics) {
+                        error!(path = %path.display(), %err, "writing metrics.jsonl failed");
+                    }
+                }
+                Effect::Send { worker, msg } => {
+                    if let Some((_, tx)) = inner.sessions.get(&worker) {
+                        // A closed channel means the session is going away;
+                        // its close event will follow.
+                        let _ = tx.send(Ok(convert::to_worker(&msg)));
+                    }
+                }
+                Effect::Publish { job, item } => {
+                    let _ = self.watch.send((job, item));
+                }
+            }
+        }
+        failure.map_or(Ok(()), Err)
+    }
+
+    /// Subscribes to watch items (subscribe before reading history so none
+    /// is missed).
+    pub fn subscribe(&self) -> broadcast::Receiver<(JobId, WatchItem)> {
+        self.watch.subscribe()
+    }
+
+    /// Opens a session for `worker`, returning its serial.
+    pub(crate) fn open_session(&self, worker: &str, tx: SessionTx) -> Result<u64, Status> {
+        let mut inner = self.lock();
+        if inner.core.worker(worker).is_none() {
+            return Err(Status::not_found(format!(
+                "worker {worker} is not registered; call Register first"
+            )));
+        }
+        inner.next_session += 1;
+        let serial = inner.next_session;
+        inner.sessions.insert(worker.to_string(), (serial, tx));
+        self.apply_locked(
+            &mut inner,
+            Event::SessionOpened {
+                worker: worker.to_string(),
+            },
+        )?;
+        Ok(serial)
+    }
+
+    /// Closes a session unless a newer one replaced it.
+    pub(crate) fn close_session(&self, worker: &str, serial: u64) {
+        let mut inner = self.lock();
+        if inner
+            .sessions
+            .get(worker)
+            .is_some_and(|(s, _)| *s == serial)
+        {
+            inner.sessions.remove(worker);
+            let _ = self.apply_locked(
+                &mut inner,
+                Event::SessionClosed {
+                    worker: worker.to_string(),
+                },
+            );
+        }
+    }
+}
+
+fn append_jsonl(path: &Path, metrics: &crate::core::StepMetrics) -> std::io::Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)?;
+    let mut line = serde_json::to_vec(metrics).map_err(std::io::Error::other)?;
+    line.push(b'\n');
+    f.write_all(&line)
+}
+
+/// The one mapping from domain errors to gRPC status codes.
+pub fn core_status(e: CoreError) -> Status {
+    match e {
+        CoreError::JobNotFound(_) | CoreError::WorkerNotFound(_) => {
+            Status::not_found(e.to_string())
+        }
+        CoreError::BadJobState { .. } => Status::failed_precondition(e.to_string()),
+        CoreError::DuplicateJob(_) => Status::already_exists(e.to_string()),
+    }
+}

@@ -1,0 +1,190 @@
+//! Step metrics: workers report sums, the coordinator turns the sums of all
+//! ranks into the step's weighted means (DESIGN.md "The math": means only
+//! after summing over every microbatch and rank).
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::cursor::Cursor;
+
+/// One rank's metric sums for one step (mirror of `accrue.v1.MetricSums`).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct MetricSums {
+    pub loss_sum: f64,
+    pub loss_tokens: u64,
+    pub tokens: u64,
+    pub documents: u64,
+    pub padding_tokens: u64,
+    pub microbatches: u32,
+    pub compute_s: f64,
+    pub collective_s: f64,
+    pub optimizer_s: f64,
+    pub idle_s: f64,
+    pub grad_norm: f64,
+    pub extra: BTreeMap<String, f64>,
+}
+
+/// A committed step as written to metrics.jsonl and sent to watchers.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct StepMetrics {
+    pub step: u64,
+    pub loss: f64,
+    pub tokens: u64,
+    pub loss_tokens: u64,
+    pub docs: u64,
+    pub microbatches: u32,
+    pub lr: f64,
+    pub grad_norm: f64,
+    pub tokens_per_s: f64,
+    pub tokens_per_s_per_worker: f64,
+    pub padding_fraction: f64,
+    pub step_time_s: f64,
+    pub world_size: u32,
+    pub generation: u64,
+    /// Per-rank time split, summed over ranks.
+    pub compute_s: f64,
+    pub collective_s: f64,
+    pub optimizer_s: f64,
+    pub idle_s: f64,
+    pub cursor: Cursor,
+    /// Objective-specific sums, summed over ranks.
+    pub extra: BTreeMap<String, f64>,
+    pub unix_ms: i64,
+}
+
+/// What the plan says about a step, independent of the workers' reports.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepFacts {
+    pub step: u64,
+    pub lr: f64,
+    pub world_size: u32,
+    pub generation: u64,
+    /// Microbatches over all ranks, padding ones included.
+    pub microbatches: u32,
+    pub step_time_s: f64,
+    pub unix_ms: i64,
+}
+
+/// Combines the ranks' sums into the step's metrics. `loss` is Σ loss /
+/// Σ loss tokens (a token-weighted mean); objectives whose loss is per pair
+/// report `extra["pairs"]` and are normalised by that instead.
+pub fn aggregate(facts: StepFacts, cursor: Cursor, ranks: &[MetricSums]) -> StepMetrics {
+    let mut total = MetricSums::default();
+    for r in ranks {
+        total.loss_sum += r.loss_sum;
+        total.loss_tokens += r.loss_tokens;
+        total.tokens += r.tokens;
+        total.documents += r.documents;
+        total.padding_tokens += r.padding_tokens;
+        total.compute_s += r.compute_s;
+        total.collective_s += r.collective_s;
+        total.optimizer_s += r.optimizer_s;
+        total.idle_s += r.idle_s;
+        for (k, v) in &r.extra {
+            *total.extra.entry(k.clone()).or_default() += v;
+        }
+    }
+    // Every rank computes the same global norm; take the largest so a
+    // disagreeing rank cannot hide a spike.
+    let grad_norm = ranks.iter().map(|r| r.grad_norm).fold(0.0, f64::max);
+    let denom = match total.extra.get("pairs") {
+        Some(&p) if p > 0.0 => p,
+        _ => total.loss_tokens as f64,
+    };
+    let loss = if denom > 0.0 {
+        total.loss_sum / denom
+    } else {
+        0.0
+    };
+    let tokens_per_s = if facts.step_time_s > 0.0 {
+        total.tokens as f64 / facts.step_time_s
+    } else {
+        0.0
+    };
+    let padded = total.tokens + total.padding_tokens;
+    StepMetrics {
+        step: facts.step,
+        loss,
+        tokens: total.tokens,
+        loss_tokens: total.loss_tokens,
+        docs: total.documents,
+        microbatches: facts.microbatches,
+        lr: facts.lr,
+        grad_norm,
+        tokens_per_s,
+        tokens_per_s_per_worker: tokens_per_s / facts.world_size.max(1) as f64,
+        padding_fraction: if padded > 0 {
+            total.padding_tokens as f64 / padded as f64
+        } else {
+            0.0
+        },
+        step_time_s: facts.step_time_s,
+        world_size: facts.world_size,
+        generation: facts.generation,
+        compute_s: total.compute_s,
+        collective_s: total.collective_s,
+        optimizer_s: total.optimizer_s,
+        idle_s: total.idle_s,
+        cursor,
+        extra: total.extra,
+        unix_ms: facts.unix_ms,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn facts() -> StepFacts {
+        StepFacts {
+            step: 3,
+            lr: 1e-3,
+            world_size: 2,
+            generation: 1,
+            microbatches: 4,
+            step_time_s: 2.0,
+            unix_ms: 0,
+        }
+    }
+
+    #[test]
+    fn loss_is_token_weighted_not_mean_of_rank_means() {
+        // Rank 0: 10 tokens at loss 1.0; rank 1: 30 tokens at loss 3.0.
+        let a = MetricSums {
+            loss_sum: 10.0,
+            loss_tokens: 10,
+            tokens: 12,
+            ..Default::default()
+        };
+        let b = MetricSums {
+            loss_sum: 90.0,
+            loss_tokens: 30,
+            tokens: 28,
+            padding_tokens: 10,
+            ..Default::default()
+        };
+        let m = aggregate(facts(), Cursor::default(), &[a, b]);
+        assert!((m.loss - 2.5).abs() < 1e-12, "Σℓ/ΣT = 100/40, not (1+3)/2");
+        assert_eq!(m.tokens, 40);
+        assert!((m.tokens_per_s - 20.0).abs() < 1e-12);
+        assert!((m.tokens_per_s_per_worker - 10.0).abs() < 1e-12);
+        assert!((m.padding_fraction - 0.2).abs() < 1e-12);
+    }
+
+    #[test]
+    fn pair_objectives_normalise_by_pairs() {
+        let mut a = MetricSums {
+            loss_sum: 3.0,
+            loss_tokens: 100,
+            ..Default::default()
+        };
+        a.extra.insert("pairs".into(), 2.0);
+        let mut b = a.clone();
+        b.loss_sum = 1.0;
+        b.extra.insert("pairs".into(), 2.0);
+        let m = aggregate(facts(), Cursor::default(), &[a, b]);
+        assert!((m.loss - 1.0).abs() < 1e-12);
+        assert_eq!(m.extra["pairs"], 4.0);
+    }
+}

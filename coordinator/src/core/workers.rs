@@ -1,0 +1,57 @@
+//! The worker registry: who is connected, alive, and assigned where.
+//! Liveness is judged from injected time (`now_ms`), never the clock.
+
+use serde::{Deserialize, Serialize};
+
+use super::jobs::JobId;
+
+pub type WorkerId = String;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum WorkerState {
+    /// Registered, no session yet.
+    Registered,
+    /// Session open, not in a generation.
+    Idle,
+    /// Sent a Configure, waiting for Ready.
+    Configuring,
+    /// In a generation, ready for plans.
+    Active,
+    /// Will leave at the next step boundary.
+    Draining,
+    /// Session closed or heartbeats missed.
+    Lost,
+}
+
+/// What a worker says about itself when it registers.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Registration {
+    pub hostname: String,
+    pub device: String,
+    pub memory_bytes: u64,
+    pub collective_addr: String,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Worker {
+    pub id: WorkerId,
+    pub reg: Registration,
+    pub state: WorkerState,
+    pub last_seen_ms: i64,
+    pub job: Option<JobId>,
+    pub rank: Option<u32>,
+    pub draining: bool,
+    /// Registration order, for stable rank assignment.
+    pub seq: u64,
+}
+
+impl Worker {
+    /// Free to join a generation.
+    pub fn available(&self) -> bool {
+        self.state == WorkerState::Idle && self.job.is_none() && !self.draining
+    }
+
+    pub fn connected(&self) -> bool {
+        !matches!(self.state, WorkerState::Registered | WorkerState::Lost)
+    }
+}

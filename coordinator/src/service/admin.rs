@@ -1,0 +1,303 @@
+//! `accrue.v1.Admin`: decode, call the core, encode.
+
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use accrue_proto::v1 as wire;
+use accrue_proto::v1::admin_server::Admin;
+use futures::Stream;
+use tokio::sync::broadcast::error::RecvError;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+use tracing::instrument;
+
+use super::{convert, now_ms, Shared};
+use crate::core::{Event, WatchItem};
+use crate::spec::{JobSpec, SpecProblem};
+
+pub struct AdminService {
+    shared: Arc<Shared>,
+}
+
+impl AdminService {
+    pub fn new(shared: Arc<Shared>) -> Self {
+        Self { shared }
+    }
+
+    fn summary(&self, job: &str) -> Result<wire::JobSummary, Status> {
+        let inner = self.shared.lock();
+        let j = inner.core.job(job).map_err(super::core_status)?;
+        Ok(convert::job_summary(j))
+    }
+}
+
+fn required(field: &str, value: &str) -> Result<(), Status> {
+    if value.is_empty() {
+        return Err(Status::invalid_argument(format!(
+            "{field} must not be empty"
+        )));
+    }
+    Ok(())
+}
+
+fn problems_status(problems: &[SpecProblem]) -> Status {
+    let lines: Vec<String> = problems.iter().map(ToString::to_string).collect();
+    Status::invalid_argument(format!("invalid job spec:\n{}", lines.join("\n")))
+}
+
+fn base_dir(s: &str) -> Result<PathBuf, Status> {
+    let p = PathBuf::from(s);
+    if s.is_empty() || p.is_relative() {
+        return Err(Status::invalid_argument(
+            "base_dir must be an absolute directory (relative spec paths resolve against it)",
+        ));
+    }
+    Ok(p)
+}
+
+type WatchStream = Pin<Box<dyn Stream<Item = Result<wire::WatchJobResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Admin for AdminService {
+    #[instrument(skip_all)]
+    async fn submit_job(
+        &self,
+        req: Request<wire::SubmitJobRequest>,
+    ) -> Result<Response<wire::SubmitJobResponse>, Status> {
+        let req = req.into_inner();
+        let base = base_dir(&req.base_dir)?;
+        let spec = JobSpec::parse(&req.spec_toml, &base).map_err(|p| problems_status(&p))?;
+        // Tokenizing the dataset is CPU work: keep it off the async runtime.
+        let data_spec = spec.clone();
+        let dataset = tokio::task::spawn_blocking(move || {
+            crate::data::load(&data_spec.data, data_spec.objective.kind)
+        })
+        .await
+        .map_err(|e| Status::internal(format!("data loading task: {e}")))?
+        .map_err(|e| Status::invalid_argument(format!("data: {e}")))?;
+        if dataset.docs.is_empty() {
+            return Err(Status::invalid_argument(
+                "data.train: the dataset holds no documents",
+            ));
+        }
+        let id = uuid::Uuid::new_v4().to_string();
+        let spec_toml = spec.to_toml();
+        self.shared.apply(Event::SubmitJob {
+            id: id.clone(),
+            spec: Box::new(spec),
+            spec_toml,
+            docs: dataset.docs.into(),
+        })?;
+        Ok(Response::new(wire::SubmitJobResponse { job_id: id }))
+    }
+
+    async fn validate_job(
+        &self,
+        req: Request<wire::ValidateJobRequest>,
+    ) -> Result<Response<wire::ValidateJobResponse>, Status> {
+        let req = req.into_inner();
+        let base = base_dir(&req.base_dir)?;
+        let problems = JobSpec::parse(&req.spec_toml, &base)
+            .err()
+            .unwrap_or_default();
+        Ok(Response::new(wire::ValidateJobResponse {
+            problems: problems
+                .into_iter()
+                .map(|p| wire::SpecProblem {
+                    field: p.field,
+                    message: p.message,
+                })
+                .collect(),
+        }))
+    }
+
+    async fn list_jobs(
+        &self,
+        _: Request<wire::ListJobsRequest>,
+    ) -> Result<Response<wire::ListJobsResponse>, Status> {
+        let inner = self.shared.lock();
+        let jobs = inner.core.jobs().map(convert::job_summary).collect();
+        Ok(Response::new(wire::ListJobsResponse { jobs }))
+    }
+
+    async fn get_job(
+        &self,
+        req: Request<wire::GetJobRequest>,
+    ) -> Result<Response<wire::GetJobResponse>, Status> {
+        let id = req.into_inner().job_id;
+        required("job_id", &id)?;
+        let inner = self.shared.lock();
+        let job = inner.core.job(&id).map_err(super::core_status)?;
+        let from = job.rec.step.saturating_sub(9).max(1);
+        let recent = inner
+            .store
+            .steps(&id, from)
+            .map_err(|e| Status::internal(e.to_string()))?
+            .iter()
+            .map(|r| convert::step_metrics(&r.metrics))
+            .collect();
+        Ok(Response::new(wire::GetJobResponse {
+            job: Some(convert::job_summary(job)),
+            spec_toml: job.rec.spec_toml.clone(),
+            recent_steps: recent,
+        }))
+    }
+
+    async fn cancel_job(
+        &self,
+        req: Request<wire::CancelJobRequest>,
+    ) -> Result<Response<wire::CancelJobResponse>, Status> {
+        let id = req.into_inner().job_id;
+        required("job_id", &id)?;
+        self.shared.apply(Event::CancelJob { job: id.clone() })?;
+        Ok(Response::new(wire::CancelJobResponse {
+            job: Some(self.summary(&id)?),
+        }))
+    }
+
+    async fn pause_job(
+        &self,
+        req: Request<wire::PauseJobRequest>,
+    ) -> Result<Response<wire::PauseJobResponse>, Status> {
+        let id = req.into_inner().job_id;
+        required("job_id", &id)?;
+        self.shared.apply(Event::PauseJob { job: id.clone() })?;
+        Ok(Response::new(wire::PauseJobResponse {
+            job: Some(self.summary(&id)?),
+        }))
+    }
+
+    async fn resume_job(
+        &self,
+        req: Request<wire::ResumeJobRequest>,
+    ) -> Result<Response<wire::ResumeJobResponse>, Status> {
+        let id = req.into_inner().job_id;
+        required("job_id", &id)?;
+        self.shared.apply(Event::ResumeJob { job: id.clone() })?;
+        Ok(Response::new(wire::ResumeJobResponse {
+            job: Some(self.summary(&id)?),
+        }))
+    }
+
+    async fn list_workers(
+        &self,
+        _: Request<wire::ListWorkersRequest>,
+    ) -> Result<Response<wire::ListWorkersResponse>, Status> {
+        let now = now_ms();
+        let inner = self.shared.lock();
+        let workers = inner
+            .core
+            .workers()
+            .map(|w| convert::worker_info(w, now))
+            .collect();
+        Ok(Response::new(wire::ListWorkersResponse { workers }))
+    }
+
+    async fn drain_worker(
+        &self,
+        req: Request<wire::DrainWorkerRequest>,
+    ) -> Result<Response<wire::DrainWorkerResponse>, Status> {
+        let id = req.into_inner().worker_id;
+        required("worker_id", &id)?;
+        let mut inner = self.shared.lock();
+        self.shared
+            .apply_locked(&mut inner, Event::DrainWorker { worker: id.clone() })?;
+        let w = inner
+            .core
+            .worker(&id)
+            .map(|w| convert::worker_info(w, now_ms()));
+        Ok(Response::new(wire::DrainWorkerResponse { worker: w }))
+    }
+
+    async fn trigger_checkpoint(
+        &self,
+        req: Request<wire::TriggerCheckpointRequest>,
+    ) -> Result<Response<wire::TriggerCheckpointResponse>, Status> {
+        let id = req.into_inner().job_id;
+        required("job_id", &id)?;
+        let mut inner = self.shared.lock();
+        let step = inner
+            .core
+            .checkpoint_step(&id)
+            .map_err(super::core_status)?;
+        self.shared
+            .apply_locked(&mut inner, Event::TriggerCheckpoint { job: id })?;
+        Ok(Response::new(wire::TriggerCheckpointResponse { step }))
+    }
+
+    type WatchJobStream = WatchStream;
+
+    async fn watch_job(
+        &self,
+        req: Request<wire::WatchJobRequest>,
+    ) -> Result<Response<WatchStream>, Status> {
+        let req = req.into_inner();
+        required("job_id", &req.job_id)?;
+        let job = req.job_id.clone();
+        // Subscribe before reading history so nothing falls in between.
+        let mut live = self.shared.subscribe();
+        let (history, state, last_step) = {
+            let inner = self.shared.lock();
+            let j = inner.core.job(&job).map_err(super::core_status)?;
+            let history = if req.from_step > 0 {
+                inner
+                    .store
+                    .steps(&job, req.from_step)
+                    .map_err(|e| Status::internal(e.to_string()))?
+            } else {
+                Vec::new()
+            };
+            (history, j.rec.state, j.rec.step)
+        };
+        let (tx, rx) = tokio::sync::mpsc::channel(256);
+        tokio::spawn(async move {
+            let mut sent_up_to = 0;
+            for r in &history {
+                sent_up_to = r.metrics.step;
+                if tx
+                    .send(Ok(convert::watch_item(&WatchItem::Step(r.metrics.clone()))))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+            }
+            if state.is_terminal() {
+                let end = WatchItem::Event {
+                    kind: "state".into(),
+                    message: format!("job is {state:?} at step {last_step}").to_lowercase(),
+                    state,
+                    unix_ms: now_ms(),
+                };
+                let _ = tx.send(Ok(convert::watch_item(&end))).await;
+                return;
+            }
+            loop {
+                match live.recv().await {
+                    Ok((j, item)) if j == job => {
+                        if matches!(&item, WatchItem::Step(m) if m.step <= sent_up_to) {
+                            continue;
+                        }
+                        let terminal =
+                            matches!(&item, WatchItem::Event { state, .. } if state.is_terminal());
+                        if tx.send(Ok(convert::watch_item(&item))).await.is_err() || terminal {
+                            return;
+                        }
+                    }
+                    Ok(_) => {}
+                    Err(RecvError::Lagged(n)) => {
+                        let _ = tx
+                            .send(Err(Status::data_loss(format!(
+                                "watcher fell {n} items behind"
+                            ))))
+                            .await;
+                        return;
+                    }
+                    Err(RecvError::Closed) => return,
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}

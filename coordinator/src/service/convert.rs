@@ -1,0 +1,245 @@
+//! Conversions between the wire (`accrue.v1`) and the domain types. The only
+//! place either side's shape leaks into the other.
+
+use accrue_proto::{pack_f32, pack_i32, pack_u32, v1 as wire};
+
+use crate::core::{
+    Job, JobState, MetricSums, StepMetrics, ToWorker, WatchItem, Worker, WorkerErrorKind,
+    WorkerState,
+};
+use crate::cursor::Cursor;
+use crate::plan::Normalizers;
+
+pub fn job_state(s: JobState) -> wire::JobState {
+    match s {
+        JobState::Pending => wire::JobState::Pending,
+        JobState::Running => wire::JobState::Running,
+        JobState::Paused => wire::JobState::Paused,
+        JobState::Completed => wire::JobState::Completed,
+        JobState::Failed => wire::JobState::Failed,
+        JobState::Cancelled => wire::JobState::Cancelled,
+    }
+}
+
+pub fn cursor(c: &Cursor) -> wire::DataCursor {
+    wire::DataCursor {
+        epoch: c.epoch,
+        position: c.position,
+        overflow: c.overflow.clone(),
+    }
+}
+
+pub fn job_summary(job: &Job) -> wire::JobSummary {
+    let r = &job.rec;
+    wire::JobSummary {
+        job_id: r.id.clone(),
+        name: r.name.clone(),
+        state: job_state(r.state) as i32,
+        step: r.step,
+        total_steps: r.total_steps,
+        cursor: Some(cursor(&r.cursor)),
+        generation: r.generation,
+        world_size: job.gen.as_ref().map_or(0, |g| g.world_size()),
+        reason: r.reason.clone(),
+        last_loss: r.last_loss.unwrap_or(f64::NAN),
+        submitted_unix_ms: r.submitted_unix_ms,
+        documents: r.documents,
+    }
+}
+
+pub fn step_metrics(m: &StepMetrics) -> wire::StepMetrics {
+    wire::StepMetrics {
+        step: m.step,
+        loss: m.loss,
+        tokens: m.tokens,
+        loss_tokens: m.loss_tokens,
+        documents: m.docs,
+        microbatches: m.microbatches,
+        lr: m.lr,
+        grad_norm: m.grad_norm,
+        tokens_per_s: m.tokens_per_s,
+        tokens_per_s_per_worker: m.tokens_per_s_per_worker,
+        padding_fraction: m.padding_fraction,
+        step_time_s: m.step_time_s,
+        world_size: m.world_size,
+        generation: m.generation,
+        cursor: Some(cursor(&m.cursor)),
+        extra: m.extra.clone().into_iter().collect(),
+    }
+}
+
+pub fn worker_info(w: &Worker, now_ms: i64) -> wire::WorkerInfo {
+    let state = match w.state {
+        WorkerState::Registered => wire::WorkerState::Registered,
+        WorkerState::Idle => wire::WorkerState::Idle,
+        WorkerState::Configuring => wire::WorkerState::Configuring,
+        WorkerState::Active => wire::WorkerState::Active,
+        WorkerState::Draining => wire::WorkerState::Draining,
+        WorkerState::Lost => wire::WorkerState::Lost,
+    };
+    wire::WorkerInfo {
+        worker_id: w.id.clone(),
+        hostname: w.reg.hostname.clone(),
+        device: w.reg.device.clone(),
+        state: state as i32,
+        job_id: w.job.clone().unwrap_or_default(),
+        rank: w.rank,
+        last_seen_ms_ago: (now_ms - w.last_seen_ms).max(0) as u64,
+        memory_bytes: w.reg.memory_bytes,
+    }
+}
+
+pub fn watch_item(item: &WatchItem) -> wire::WatchJobResponse {
+    use wire::watch_job_response::Item;
+    let item = match item {
+        WatchItem::Step(m) => Item::Step(step_metrics(m)),
+        WatchItem::Event {
+            kind,
+            message,
+            state,
+            unix_ms,
+        } => Item::Event(wire::JobEvent {
+            unix_ms: *unix_ms,
+            kind: kind.clone(),
+            message: message.clone(),
+            state: job_state(*state) as i32,
+        }),
+    };
+    wire::WatchJobResponse { item: Some(item) }
+}
+
+pub fn metric_sums(s: wire::MetricSums) -> MetricSums {
+    MetricSums {
+        loss_sum: s.loss_sum,
+        loss_tokens: s.loss_tokens,
+        tokens: s.tokens,
+        documents: s.documents,
+        padding_tokens: s.padding_tokens,
+        microbatches: s.microbatches,
+        compute_s: s.compute_s,
+        collective_s: s.collective_s,
+        optimizer_s: s.optimizer_s,
+        idle_s: s.idle_s,
+        grad_norm: s.grad_norm,
+        extra: s.extra.into_iter().collect(),
+    }
+}
+
+pub fn error_kind(kind: i32, peer_rank: Option<u32>) -> WorkerErrorKind {
+    match wire::ErrorKind::try_from(kind).unwrap_or(wire::ErrorKind::Unspecified) {
+        wire::ErrorKind::NonFinite => WorkerErrorKind::NonFinite,
+        wire::ErrorKind::CollectiveTimeout => WorkerErrorKind::CollectiveTimeout { peer_rank },
+        wire::ErrorKind::InvalidPlan => WorkerErrorKind::InvalidPlan,
+        wire::ErrorKind::Internal | wire::ErrorKind::Unspecified => WorkerErrorKind::Internal,
+    }
+}
+
+fn normalizers(n: &Normalizers) -> wire::Normalizers {
+    wire::Normalizers {
+        loss_tokens: n.loss_tokens,
+        pairs: n.pairs,
+        documents: n.documents,
+        sequences: n.sequences,
+        tokens: n.tokens,
+    }
+}
+
+/// The wire message for one worker. Tokens travel as packed bytes.
+pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
+    use wire::coordinator_message::Msg;
+    let msg = match msg {
+        ToWorker::Configure {
+            job,
+            generation,
+            rank,
+            peers,
+            spec_toml,
+            step,
+            restore_from,
+        } => Msg::Configure(wire::Configure {
+            job_id: job.clone(),
+            generation: *generation,
+            rank: *rank,
+            world_size: peers.len() as u32,
+            peers: peers
+                .iter()
+                .enumerate()
+                .map(|(r, (id, addr))| wire::Peer {
+                    rank: r as u32,
+                    worker_id: id.clone(),
+                    collective_addr: addr.clone(),
+                })
+                .collect(),
+            spec_toml: spec_toml.clone(),
+            step: *step,
+            restore_from: restore_from
+                .as_ref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default(),
+            nccl_unique_id: Vec::new(),
+        }),
+        ToWorker::Plan {
+            job,
+            generation,
+            rank,
+            planned,
+        } => Msg::StepPlan(wire::StepPlan {
+            job_id: job.clone(),
+            generation: *generation,
+            step: planned.step,
+            rank: *rank,
+            lr: planned.lr,
+            normalizers: Some(normalizers(&planned.normalizers)),
+            microbatches: planned.ranks[*rank as usize]
+                .iter()
+                .map(|mb| wire::Microbatch {
+                    token_ids: pack_u32(&mb.token_ids),
+                    labels: pack_i32(&mb.labels),
+                    cu_seq_lens: mb.cu_seq_lens.clone(),
+                    sequences: mb
+                        .seqs
+                        .iter()
+                        .map(|s| wire::PackedSequence {
+                            doc_id: s.doc.to_string(),
+                            role: s.role,
+                            scalars: s.scalars.iter().cloned().collect(),
+                        })
+                        .collect(),
+                    old_logprobs: if mb.old_logprobs.is_empty() {
+                        Vec::new()
+                    } else {
+                        pack_f32(&mb.old_logprobs)
+                    },
+                })
+                .collect(),
+            cursor_after: Some(cursor(&planned.cursor_after)),
+        }),
+        ToWorker::Abort {
+            job,
+            generation,
+            step,
+            reason,
+        } => Msg::Abort(wire::Abort {
+            job_id: job.clone(),
+            generation: *generation,
+            step: *step,
+            reason: reason.clone(),
+        }),
+        ToWorker::Checkpoint {
+            job,
+            step,
+            dir,
+            cursor: c,
+        } => Msg::CheckpointRequest(wire::CheckpointRequest {
+            job_id: job.clone(),
+            step: *step,
+            dir: dir.display().to_string(),
+            cursor: Some(cursor(c)),
+        }),
+        ToWorker::Release { job, reason } => Msg::Release(wire::Release {
+            job_id: job.clone(),
+            reason: reason.clone(),
+        }),
+    };
+    wire::CoordinatorMessage { msg: Some(msg) }
+}

@@ -1,0 +1,155 @@
+//! `accrue.v1.WorkerService`: registration and the session stream.
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use accrue_proto::v1 as wire;
+use accrue_proto::v1::worker_message::Msg;
+use accrue_proto::v1::worker_service_server::WorkerService;
+use futures::{Stream, StreamExt};
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+use tracing::{debug, warn};
+
+use super::{convert, Shared};
+use crate::core::{Event, Registration};
+
+pub struct WorkerServiceImpl {
+    shared: Arc<Shared>,
+    heartbeat_interval_ms: u32,
+}
+
+impl WorkerServiceImpl {
+    pub fn new(shared: Arc<Shared>, heartbeat_interval_ms: u32) -> Self {
+        Self {
+            shared,
+            heartbeat_interval_ms,
+        }
+    }
+}
+
+type SessionStream = Pin<Box<dyn Stream<Item = Result<wire::CoordinatorMessage, Status>> + Send>>;
+
+/// A worker message as a state-machine event (None: nothing to do).
+fn event_of(worker: &str, msg: Msg) -> Result<Option<Event>, Status> {
+    let worker = worker.to_string();
+    Ok(Some(match msg {
+        Msg::Hello(_) => return Err(Status::invalid_argument("hello: sent twice on one session")),
+        Msg::Heartbeat(_) => Event::Heartbeat { worker },
+        Msg::Ready(r) => Event::Ready {
+            worker,
+            job: r.job_id,
+            generation: r.generation,
+            step: r.step,
+        },
+        Msg::StepResult(r) => Event::StepResult {
+            worker,
+            job: r.job_id,
+            generation: r.generation,
+            step: r.step,
+            sums: convert::metric_sums(
+                r.sums
+                    .ok_or_else(|| Status::invalid_argument("step_result.sums: missing"))?,
+            ),
+        },
+        Msg::Error(e) => Event::WorkerError {
+            worker,
+            job: e.job_id,
+            generation: e.generation,
+            step: e.step,
+            kind: convert::error_kind(e.kind, e.peer_rank),
+            message: e.message,
+        },
+        Msg::CheckpointDone(c) => Event::CheckpointDone {
+            worker,
+            job: c.job_id,
+            step: c.step,
+        },
+    }))
+}
+
+#[tonic::async_trait]
+impl WorkerService for WorkerServiceImpl {
+    async fn register(
+        &self,
+        req: Request<wire::RegisterRequest>,
+    ) -> Result<Response<wire::RegisterResponse>, Status> {
+        let r = req.into_inner();
+        if r.hostname.is_empty() {
+            return Err(Status::invalid_argument("hostname must not be empty"));
+        }
+        let id = {
+            let inner = self.shared.lock();
+            let reuse = !r.previous_worker_id.is_empty()
+                && inner
+                    .core
+                    .worker(&r.previous_worker_id)
+                    .is_none_or(|w| !w.connected());
+            if reuse {
+                r.previous_worker_id.clone()
+            } else {
+                uuid::Uuid::new_v4().to_string()
+            }
+        };
+        self.shared.apply(Event::RegisterWorker {
+            id: id.clone(),
+            reg: Registration {
+                hostname: r.hostname,
+                device: r.device,
+                memory_bytes: r.memory_bytes,
+                collective_addr: r.collective_addr,
+            },
+        })?;
+        Ok(Response::new(wire::RegisterResponse {
+            worker_id: id,
+            heartbeat_interval_ms: self.heartbeat_interval_ms,
+        }))
+    }
+
+    type SessionStream = SessionStream;
+
+    async fn session(
+        &self,
+        req: Request<Streaming<wire::WorkerMessage>>,
+    ) -> Result<Response<SessionStream>, Status> {
+        let mut incoming = req.into_inner();
+        let worker = match incoming.next().await {
+            Some(Ok(wire::WorkerMessage {
+                msg: Some(Msg::Hello(h)),
+            })) => h.worker_id,
+            Some(Ok(_)) => {
+                return Err(Status::invalid_argument(
+                    "the first session message must be hello",
+                ))
+            }
+            Some(Err(e)) => return Err(e),
+            None => return Err(Status::invalid_argument("session closed before hello")),
+        };
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let serial = self.shared.open_session(&worker, tx.clone())?;
+        let shared = self.shared.clone();
+        tokio::spawn(async move {
+            while let Some(item) = incoming.next().await {
+                let msg = match item {
+                    Ok(wire::WorkerMessage { msg: Some(m) }) => m,
+                    Ok(_) => continue,
+                    Err(e) => {
+                        debug!(worker, %e, "session stream error");
+                        break;
+                    }
+                };
+                let result = event_of(&worker, msg).and_then(|ev| match ev {
+                    Some(ev) => shared.apply(ev),
+                    None => Ok(()),
+                });
+                if let Err(status) = result {
+                    warn!(worker, %status, "bad session message");
+                    let _ = tx.send(Err(status));
+                    break;
+                }
+            }
+            shared.close_session(&worker, serial);
+        });
+        Ok(Response::new(Box::pin(UnboundedReceiverStream::new(rx))))
+    }
+}
