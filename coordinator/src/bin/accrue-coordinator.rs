@@ -31,6 +31,8 @@ async fn main() -> anyhow::Result<()> {
     let mut config = ServerConfig::new(args.listen, args.state_dir);
     config.heartbeat_timeout_ms = args.heartbeat_timeout_ms;
     let server = Server::bind(config).await?;
+    // Machine-readable for scripts and tests that pass port 0.
+    println!("listening on {}", server.local_addr());
     let shutdown = accrue_coordinator::shutdown_on_signal();
     server.run(shutdown).await
 }

@@ -1,1 +1,460 @@
+//! Scenario tests of the state machine: loops over `handle`, no sockets, no
+//! clock. Simulated workers answer Configure with Ready and plans with
+//! results computed from the plan itself.
 
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+
+use super::*;
+use crate::doc::{DocBody, DocId, Document, Sequence};
+use crate::spec::JobSpec;
+
+fn docs(n: usize) -> Arc<[Document]> {
+    (0..n)
+        .map(|i| {
+            let len = 5 + (i * 37) % 60;
+            Document {
+                id: DocId {
+                    file: 0,
+                    line: i as u64 + 1,
+                },
+                body: DocBody::Sft(Sequence {
+                    input_ids: vec![7; len],
+                    labels: vec![7; len],
+                }),
+            }
+        })
+        .collect::<Vec<_>>()
+        .into()
+}
+
+fn spec(extra_job: &str, batch: &str, min: u32, max: u32) -> JobSpec {
+    let text = format!(
+        r#"
+[job]
+name = "t"
+seed = 3
+output_dir = "/tmp/accrue-core-test"
+{extra_job}
+[model]
+init = "random"
+config = "/dev/null"
+[data]
+train = ["/dev/null"]
+format = "sft"
+max_tokens = 128
+[batch]
+{batch}
+[parallel]
+min_workers = {min}
+max_workers = {max}
+[checkpoint]
+every_steps = 2
+"#
+    );
+    toml::from_str(&text).unwrap()
+}
+
+/// A coordinator plus simulated workers that answer what they are sent.
+struct Sim {
+    c: Coordinator,
+    now: i64,
+    /// Messages sent to workers, not yet answered.
+    inbox: VecDeque<(WorkerId, ToWorker)>,
+    committed: Vec<(StepMetrics, Vec<DocId>)>,
+    persisted: Vec<JobRecord>,
+    /// Workers that have died: they answer nothing.
+    dead: Vec<WorkerId>,
+}
+
+impl Sim {
+    fn new() -> Self {
+        Sim {
+            c: Coordinator::new(CoordinatorOptions::default()),
+            now: 1_000,
+            inbox: VecDeque::new(),
+            committed: Vec::new(),
+            persisted: Vec::new(),
+            dead: Vec::new(),
+        }
+    }
+
+    fn handle(&mut self, e: Event) -> Result<()> {
+        self.now += 10;
+        let fx = self.c.handle(e, self.now)?;
+        for f in fx {
+            match f {
+                Effect::Send { worker, msg } => self.inbox.push_back((worker, msg)),
+                Effect::CommitStep { rec, metrics, docs } => {
+                    self.persisted.push(rec);
+                    self.committed.push((metrics, docs));
+                }
+                Effect::PersistJob(rec) => self.persisted.push(rec),
+                Effect::AppendMetrics { .. } | Effect::Publish { .. } => {}
+            }
+        }
+        Ok(())
+    }
+
+    fn worker(&mut self, id: &str) {
+        self.handle(Event::RegisterWorker {
+            id: id.into(),
+            reg: Registration {
+                hostname: "h".into(),
+                collective_addr: format!("127.0.0.1:1{id}"),
+                ..Default::default()
+            },
+        })
+        .unwrap();
+        self.handle(Event::SessionOpened { worker: id.into() })
+            .unwrap();
+    }
+
+    fn submit(&mut self, spec: JobSpec, docs: Arc<[Document]>) {
+        self.handle(Event::SubmitJob {
+            id: "job".into(),
+            spec: Box::new(spec),
+            spec_toml: String::new(),
+            docs,
+        })
+        .unwrap();
+    }
+
+    /// Answers one message; returns false when the inbox is empty.
+    fn step_once(&mut self) -> bool {
+        let Some((w, msg)) = self.inbox.pop_front() else {
+            return false;
+        };
+        if self.dead.contains(&w) {
+            return true;
+        }
+        let ev = match msg {
+            ToWorker::Configure {
+                job,
+                generation,
+                step,
+                ..
+            } => Event::Ready {
+                worker: w,
+                job,
+                generation,
+                step,
+            },
+            ToWorker::Plan {
+                job,
+                generation,
+                rank,
+                planned,
+            } => {
+                let mbs = &planned.ranks[rank as usize];
+                let tokens: u64 = mbs.iter().map(|m| m.token_ids.len() as u64).sum();
+                let loss_tokens: u64 = mbs
+                    .iter()
+                    .flat_map(|m| {
+                        m.cu_seq_lens
+                            .windows(2)
+                            .map(move |w| (m, w[0] as usize, w[1] as usize))
+                    })
+                    .map(|(m, a, b)| {
+                        Sequence {
+                            input_ids: vec![],
+                            labels: m.labels[a..b].to_vec(),
+                        }
+                        .loss_tokens()
+                    })
+                    .sum();
+                let documents = mbs.iter().flat_map(|m| &m.seqs).count() as u64;
+                Event::StepResult {
+                    worker: w,
+                    job,
+                    generation,
+                    step: planned.step,
+                    sums: MetricSums {
+                        loss_sum: loss_tokens as f64 * 2.0,
+                        loss_tokens,
+                        tokens,
+                        documents,
+                        microbatches: mbs.len() as u32,
+                        grad_norm: 1.0,
+                        ..Default::default()
+                    },
+                }
+            }
+            ToWorker::Checkpoint { job, step, .. } => Event::CheckpointDone {
+                worker: w,
+                job,
+                step,
+            },
+            ToWorker::Abort { .. } | ToWorker::Release { .. } => return true,
+        };
+        self.handle(ev).unwrap();
+        true
+    }
+
+    fn run(&mut self) {
+        while self.step_once() {}
+    }
+
+    fn state(&self) -> JobState {
+        self.c.job("job").unwrap().rec.state
+    }
+}
+
+#[test]
+fn job_waits_pending_until_min_workers() {
+    let mut s = Sim::new();
+    s.submit(spec("steps = 3", "docs_per_step = 4", 2, 4), docs(20));
+    s.worker("a");
+    assert_eq!(s.state(), JobState::Pending);
+    assert!(s
+        .c
+        .job("job")
+        .unwrap()
+        .rec
+        .reason
+        .contains("min_workers = 2"));
+    assert!(
+        s.inbox.is_empty(),
+        "nothing is configured below min_workers"
+    );
+    s.worker("b");
+    let ranks: Vec<u32> = s
+        .inbox
+        .iter()
+        .filter_map(|(_, m)| match m {
+            ToWorker::Configure { rank, .. } => Some(*rank),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(ranks, vec![0, 1]);
+    assert_eq!(s.state(), JobState::Running);
+}
+
+#[test]
+fn every_document_is_trained_exactly_once_per_epoch() {
+    let mut s = Sim::new();
+    let d = docs(23);
+    s.submit(spec("epochs = 2", "docs_per_step = 5", 1, 4), d.clone());
+    s.worker("a");
+    s.worker("b");
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    let trained: Vec<DocId> = s
+        .committed
+        .iter()
+        .flat_map(|(_, docs)| docs.clone())
+        .collect();
+    assert_eq!(trained.len(), 46);
+    let mut counts: BTreeMap<DocId, u32> = BTreeMap::new();
+    for id in &trained {
+        *counts.entry(*id).or_default() += 1;
+    }
+    assert!(d.iter().all(|doc| counts[&doc.id] == 2), "{counts:?}");
+    // Steps are consecutive and the loss is the token-weighted mean.
+    for (i, (m, docs)) in s.committed.iter().enumerate() {
+        assert_eq!(m.step, i as u64 + 1);
+        assert_eq!(m.docs, docs.len() as u64);
+        assert!((m.loss - 2.0).abs() < 1e-12);
+    }
+    // 46 docs at 5 per step: the last step is short.
+    assert_eq!(s.committed.len(), 10);
+    let last = s.persisted.last().unwrap();
+    assert_eq!(last.state, JobState::Completed);
+    assert_eq!(last.step, 10);
+    assert_eq!(
+        last.last_checkpoint,
+        Some(10),
+        "a final checkpoint is written"
+    );
+}
+
+#[test]
+fn lost_worker_aborts_step_and_replans_same_documents() {
+    let mut s = Sim::new();
+    s.submit(spec("steps = 4", "docs_per_step = 6", 1, 4), docs(30));
+    s.worker("a");
+    s.worker("b");
+    // Answer the Configures, then capture step 1's plan without answering.
+    while let Some((_, ToWorker::Configure { .. })) = s.inbox.front() {
+        s.step_once();
+    }
+    let first: Vec<Arc<PlannedStep>> = s
+        .inbox
+        .iter()
+        .filter_map(|(_, m)| match m {
+            ToWorker::Plan { planned, .. } => Some(planned.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(first.len(), 2);
+    s.inbox.clear();
+    s.dead.push("b".into());
+    s.handle(Event::SessionClosed { worker: "b".into() })
+        .unwrap();
+    // The survivor is told to abort and is re-configured into generation 2.
+    assert!(s
+        .inbox
+        .iter()
+        .any(|(w, m)| w == "a" && matches!(m, ToWorker::Abort { step: 1, .. })));
+    assert!(s
+        .inbox
+        .iter()
+        .any(|(w, m)| w == "a" && matches!(m, ToWorker::Configure { generation: 2, .. })));
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    let (m1, docs1) = &s.committed[0];
+    assert_eq!(m1.world_size, 1);
+    assert_eq!(
+        docs1, &first[0].docs,
+        "the aborted step is re-planned with the same documents"
+    );
+}
+
+#[test]
+fn results_from_a_stale_generation_are_ignored() {
+    let mut s = Sim::new();
+    s.submit(spec("steps = 2", "docs_per_step = 4", 1, 1), docs(10));
+    s.worker("a");
+    s.step_once(); // Configure → Ready; step 1 dispatched
+    s.handle(Event::StepResult {
+        worker: "a".into(),
+        job: "job".into(),
+        generation: 99,
+        step: 1,
+        sums: MetricSums::default(),
+    })
+    .unwrap();
+    assert!(s.committed.is_empty());
+    s.run();
+    assert_eq!(s.committed.len(), 2);
+}
+
+#[test]
+fn heartbeat_timeout_declares_worker_lost() {
+    let mut s = Sim::new();
+    s.submit(spec("steps = 2", "docs_per_step = 4", 1, 2), docs(10));
+    s.worker("a");
+    s.now += 1_500;
+    s.handle(Event::Heartbeat { worker: "a".into() }).unwrap();
+    s.now += 1_500;
+    s.handle(Event::Tick).unwrap();
+    assert_eq!(s.c.worker("a").unwrap().state, WorkerState::Configuring);
+    s.now += 2_500;
+    s.handle(Event::Tick).unwrap();
+    assert_eq!(s.c.worker("a").unwrap().state, WorkerState::Lost);
+    assert_eq!(s.state(), JobState::Pending);
+}
+
+#[test]
+fn pause_takes_effect_at_the_step_boundary_and_resume_continues() {
+    let mut s = Sim::new();
+    s.submit(spec("steps = 3", "docs_per_step = 4", 1, 1), docs(20));
+    s.worker("a");
+    s.step_once(); // Ready → step 1 in flight
+    s.handle(Event::PauseJob { job: "job".into() }).unwrap();
+    assert_eq!(
+        s.state(),
+        JobState::Running,
+        "the in-flight step finishes first"
+    );
+    s.run();
+    assert_eq!(s.state(), JobState::Paused);
+    assert_eq!(s.committed.len(), 1);
+    s.handle(Event::ResumeJob { job: "job".into() }).unwrap();
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    assert_eq!(s.committed.len(), 3);
+}
+
+#[test]
+fn cancel_releases_workers_and_is_final() {
+    let mut s = Sim::new();
+    s.submit(spec("steps = 3", "docs_per_step = 4", 1, 1), docs(20));
+    s.worker("a");
+    s.step_once();
+    s.handle(Event::CancelJob { job: "job".into() }).unwrap();
+    assert_eq!(s.state(), JobState::Cancelled);
+    assert!(s
+        .inbox
+        .iter()
+        .any(|(_, m)| matches!(m, ToWorker::Release { .. })));
+    assert_eq!(s.c.worker("a").unwrap().state, WorkerState::Idle);
+    let err = s
+        .handle(Event::CancelJob { job: "job".into() })
+        .unwrap_err();
+    assert!(err.to_string().contains("cancelled"), "{err}");
+    assert!(matches!(
+        s.handle(Event::PauseJob { job: "nope".into() }),
+        Err(CoreError::JobNotFound(_))
+    ));
+}
+
+#[test]
+fn non_finite_loss_fails_the_job_naming_the_step() {
+    let mut s = Sim::new();
+    s.submit(spec("steps = 3", "docs_per_step = 4", 1, 1), docs(20));
+    s.worker("a");
+    s.step_once();
+    s.handle(Event::WorkerError {
+        worker: "a".into(),
+        job: "job".into(),
+        generation: 1,
+        step: 1,
+        kind: WorkerErrorKind::NonFinite,
+        message: "loss is NaN in microbatch 2".into(),
+    })
+    .unwrap();
+    assert_eq!(s.state(), JobState::Failed);
+    let reason = &s.c.job("job").unwrap().rec.reason;
+    assert!(
+        reason.contains("step 1") && reason.contains("microbatch 2"),
+        "{reason}"
+    );
+    assert!(s.committed.is_empty());
+}
+
+#[test]
+fn drained_worker_leaves_at_the_boundary() {
+    let mut s = Sim::new();
+    s.submit(spec("steps = 4", "docs_per_step = 4", 1, 2), docs(20));
+    s.worker("a");
+    s.worker("b");
+    s.step_once();
+    s.step_once(); // both ready → step 1 in flight
+    s.handle(Event::DrainWorker { worker: "b".into() }).unwrap();
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    assert_eq!(s.committed[0].0.world_size, 2, "step 1 finished with both");
+    assert!(s.committed[1..].iter().all(|(m, _)| m.world_size == 1));
+    assert!(
+        s.committed.iter().all(|(m, _)| m.docs == 4),
+        "no step lost documents"
+    );
+    assert_eq!(s.c.worker("b").unwrap().state, WorkerState::Draining);
+}
+
+#[test]
+fn restored_running_job_waits_for_workers_at_its_cursor() {
+    let mut s = Sim::new();
+    s.submit(spec("steps = 4", "docs_per_step = 4", 1, 1), docs(20));
+    s.worker("a");
+    for _ in 0..4 {
+        s.step_once();
+    }
+    let rec = s.c.job("job").unwrap().rec.clone();
+    assert!(rec.step >= 1);
+    let mut r = Sim::new();
+    r.handle(Event::RestoreJob {
+        rec: Box::new(rec.clone()),
+        spec: Box::new(spec("steps = 4", "docs_per_step = 4", 1, 1)),
+        docs: docs(20),
+    })
+    .unwrap();
+    let job = r.c.job("job").unwrap();
+    assert_eq!(job.rec.state, JobState::Pending);
+    assert_eq!(job.rec.cursor, rec.cursor);
+    r.worker("z");
+    r.run();
+    assert_eq!(r.state(), JobState::Completed);
+    assert_eq!(r.committed.first().unwrap().0.step, rec.step + 1);
+}

@@ -1,0 +1,246 @@
+//! In-process server tests: the real tonic server on 127.0.0.1:0 with real
+//! clients; bad requests get clear errors and change nothing.
+
+use std::path::Path;
+
+use accrue_coordinator::server::{Server, ServerConfig};
+use accrue_coordinator::wire;
+use tokio_util::sync::CancellationToken;
+use tonic::Code;
+
+struct Running {
+    url: String,
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+async fn start(state: &Path) -> Running {
+    let server = Server::bind(ServerConfig::new(
+        "127.0.0.1:0".parse().unwrap(),
+        state.to_path_buf(),
+    ))
+    .await
+    .unwrap();
+    let url = format!("http://{}", server.local_addr());
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(server.run(stop.clone()));
+    Running { url, stop, task }
+}
+
+fn write_fixture(dir: &Path) -> String {
+    let mut rows = String::new();
+    for i in 0..10 {
+        rows.push_str(&format!(
+            "{{\"prompt\": \"{i}+1=\", \"completion\": \"{}\"}}\n",
+            i + 1
+        ));
+    }
+    std::fs::write(dir.join("train.jsonl"), rows).unwrap();
+    std::fs::write(dir.join("tiny.json"), "{}").unwrap();
+    r#"
+[job]
+name = "inproc"
+steps = 2
+output_dir = "out"
+[model]
+init = "random"
+config = "tiny.json"
+[data]
+train = ["train.jsonl"]
+format = "sft"
+[batch]
+docs_per_step = 4
+"#
+    .to_string()
+}
+
+#[tokio::test]
+async fn admin_rpcs_validate_input_and_persist_jobs() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = write_fixture(dir.path());
+    let s = start(&dir.path().join("state")).await;
+    let mut admin = wire::admin_client::AdminClient::connect(s.url.clone())
+        .await
+        .unwrap();
+    let base = dir.path().display().to_string();
+
+    // An invalid spec: InvalidArgument listing each field, nothing created.
+    let bad = spec
+        .replace("steps = 2", "steps = 0")
+        .replace("docs_per_step = 4", "docs_per_step = 0");
+    let err = admin
+        .submit_job(wire::SubmitJobRequest {
+            spec_toml: bad.clone(),
+            base_dir: base.clone(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(
+        err.message().contains("job.steps") && err.message().contains("batch.docs_per_step"),
+        "{}",
+        err.message()
+    );
+    let problems = admin
+        .validate_job(wire::ValidateJobRequest {
+            spec_toml: bad,
+            base_dir: base.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .problems;
+    assert_eq!(problems.len(), 2, "{problems:?}");
+    let err = admin
+        .submit_job(wire::SubmitJobRequest {
+            spec_toml: spec.clone(),
+            base_dir: "relative".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(err.message().contains("base_dir"));
+    assert!(admin
+        .list_jobs(wire::ListJobsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .jobs
+        .is_empty());
+
+    // A valid one waits in pending with no workers.
+    let id = admin
+        .submit_job(wire::SubmitJobRequest {
+            spec_toml: spec,
+            base_dir: base,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .job_id;
+    let job = admin
+        .get_job(wire::GetJobRequest { job_id: id.clone() })
+        .await
+        .unwrap()
+        .into_inner()
+        .job
+        .unwrap();
+    assert_eq!(job.state, wire::JobState::Pending as i32);
+    assert_eq!(job.documents, 10);
+    assert!(job.reason.contains("waiting for workers"), "{}", job.reason);
+
+    for (code, result) in [
+        (
+            Code::NotFound,
+            admin
+                .get_job(wire::GetJobRequest {
+                    job_id: "nope".into(),
+                })
+                .await
+                .map(drop),
+        ),
+        (
+            Code::InvalidArgument,
+            admin
+                .cancel_job(wire::CancelJobRequest {
+                    job_id: String::new(),
+                })
+                .await
+                .map(drop),
+        ),
+        (
+            Code::NotFound,
+            admin
+                .drain_worker(wire::DrainWorkerRequest {
+                    worker_id: "w".into(),
+                })
+                .await
+                .map(drop),
+        ),
+        (
+            Code::NotFound,
+            admin
+                .watch_job(wire::WatchJobRequest {
+                    job_id: "nope".into(),
+                    from_step: 0,
+                })
+                .await
+                .map(drop),
+        ),
+    ] {
+        assert_eq!(result.unwrap_err().code(), code);
+    }
+
+    // Pause, resume, cancel; a cancelled job cannot be resumed.
+    let paused = admin
+        .pause_job(wire::PauseJobRequest { job_id: id.clone() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(paused.job.unwrap().state, wire::JobState::Paused as i32);
+    admin
+        .resume_job(wire::ResumeJobRequest { job_id: id.clone() })
+        .await
+        .unwrap();
+    admin
+        .cancel_job(wire::CancelJobRequest { job_id: id.clone() })
+        .await
+        .unwrap();
+    let err = admin
+        .resume_job(wire::ResumeJobRequest { job_id: id.clone() })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+
+    s.stop.cancel();
+    s.task.await.unwrap().unwrap();
+
+    // Restarted on the same state dir: the same job, cancelled.
+    let s = start(&dir.path().join("state")).await;
+    let mut admin = wire::admin_client::AdminClient::connect(s.url.clone())
+        .await
+        .unwrap();
+    let jobs = admin
+        .list_jobs(wire::ListJobsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .jobs;
+    assert_eq!(jobs.len(), 1);
+    assert_eq!(jobs[0].job_id, id);
+    assert_eq!(jobs[0].state, wire::JobState::Cancelled as i32);
+    s.stop.cancel();
+}
+
+#[tokio::test]
+async fn worker_session_rejects_bad_openings() {
+    use wire::worker_service_client::WorkerServiceClient;
+    let dir = tempfile::tempdir().unwrap();
+    let s = start(&dir.path().join("state")).await;
+    let mut client = WorkerServiceClient::connect(s.url.clone()).await.unwrap();
+    let err = client
+        .register(wire::RegisterRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(err.message().contains("hostname"));
+
+    // First message not hello.
+    let msgs = tokio_stream::iter(vec![wire::WorkerMessage {
+        msg: Some(wire::worker_message::Msg::Heartbeat(
+            wire::Heartbeat::default(),
+        )),
+    }]);
+    let err = client.session(msgs).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+
+    // Hello from a worker that never registered.
+    let msgs = tokio_stream::iter(vec![wire::WorkerMessage {
+        msg: Some(wire::worker_message::Msg::Hello(wire::Hello {
+            worker_id: "ghost".into(),
+        })),
+    }]);
+    let err = client.session(msgs).await.unwrap_err();
+    assert_eq!(err.code(), Code::NotFound);
+    s.stop.cancel();
+}
