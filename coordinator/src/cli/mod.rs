@@ -15,6 +15,8 @@ mod admin;
 mod bench;
 pub mod client;
 mod data;
+#[cfg(test)]
+mod mock_tests;
 pub mod render;
 pub mod validate;
 pub mod watch;
