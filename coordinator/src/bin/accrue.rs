@@ -1,1 +1,26 @@
-fn main() {}
+//! `accrue`: the command-line client of an Accrue coordinator. See
+//! `accrue --help`; the commands live in `accrue_coordinator::cli`.
+
+use std::process::ExitCode;
+
+use accrue_coordinator::cli::{self, Cli};
+use clap::Parser;
+use tracing_subscriber::EnvFilter;
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match cli::run(cli).await {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
