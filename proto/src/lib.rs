@@ -55,7 +55,7 @@ impl std::fmt::Display for PackedLenError {
 impl std::error::Error for PackedLenError {}
 
 fn chunks4(bytes: &[u8]) -> Result<impl Iterator<Item = [u8; 4]> + '_, PackedLenError> {
-    if bytes.len() % 4 != 0 {
+    if !bytes.len().is_multiple_of(4) {
         return Err(PackedLenError { len: bytes.len() });
     }
     Ok(bytes.chunks_exact(4).map(|c| [c[0], c[1], c[2], c[3]]))
