@@ -145,8 +145,20 @@ impl Encoder {
         tools: Option<&Json>,
         names: (&str, &str),
     ) -> RowResult<Sequence> {
+        let (p, a) = self.prompt_answer_ids(prompt, answer, tools, names)?;
+        Ok(join(p, a))
+    }
+
+    /// [`Self::prompt_answer`], as (prompt ids, answer ids).
+    pub fn prompt_answer_ids(
+        &self,
+        prompt: &Json,
+        answer: &Json,
+        tools: Option<&Json>,
+        names: (&str, &str),
+    ) -> RowResult<(Vec<u32>, Vec<u32>)> {
         if let (Json::String(p), Json::String(a)) = (prompt, answer) {
-            return Ok(join(self.prompt_ids(p)?, self.completion_ids(a)?));
+            return Ok((self.prompt_ids(p)?, self.completion_ids(a)?));
         }
         let p = to_messages(prompt, "user", names.0)?;
         let mut a = to_messages(answer, "assistant", names.1)?;
@@ -154,8 +166,7 @@ impl Encoder {
         if a.len() > p.len() && a[..p.len()] == p[..] {
             a.drain(..p.len());
         }
-        let (pi, ai) = self.chat_prompt_answer(&p, &a, tools)?;
-        Ok(join(pi, ai))
+        self.chat_prompt_answer(&p, &a, tools)
     }
 
     /// Checks pre-tokenized ids against the vocabulary.

@@ -1,12 +1,14 @@
 //! Rollout rows → a [`Rollout`]: `prompt` (text) or `prompt_ids`,
 //! `completion` (text) or `completion_ids`, `reward` (number), `group`
-//! (string or number; default: the prompt text, or the prompt ids),
+//! (string or number; default: the prompt text, its JSON for messages, or
+//! the prompt ids),
 //! `policy_version` (default 0) and optional `old_logprobs`, one per
 //! completion token. Ids win over text when a row has both.
 //!
-//! A text prompt is tokenized with the tokenizer's special tokens (BOS for
-//! the byte tokenizer) and a text completion gets EOS appended, as for SFT
-//! prompt/completion rows; given ids are used as they are. Labels cover the
+//! Text prompt and completion follow the SFT prompt/completion rules
+//! ([`super::format`]): the prompt with the tokenizer's special tokens (BOS
+//! for the byte tokenizer), the completion with EOS appended; a message-list
+//! prompt goes through the chat template. Given ids are used as they are. Labels cover the
 //! completion tokens only. `old_logprobs` are stored aligned with
 //! `input_ids`, 0.0 on prompt positions (those carry no loss).
 //!
@@ -33,29 +35,33 @@ pub fn rollout_row(enc: &Encoder, row: &Json) -> RowResult<Rollout> {
             keys(obj)
         ));
     }
-    let (prompt, prompt_text) = if obj.contains_key("prompt_ids") {
-        let ids = format::id_list(obj, "prompt_ids")?;
-        enc.check_ids(&ids, "prompt_ids")?;
-        (ids, None)
-    } else {
-        let p = format::string(obj, "prompt")?;
-        (enc.prompt_ids(p)?, Some(p))
+    let given_ids = |field: &str| -> RowResult<Option<Vec<u32>>> {
+        if !obj.contains_key(field) {
+            return Ok(None);
+        }
+        let ids = format::id_list(obj, field)?;
+        enc.check_ids(&ids, field)?;
+        Ok(Some(ids))
     };
-    let completion = if obj.contains_key("completion_ids") {
-        let ids = format::id_list(obj, "completion_ids")?;
-        enc.check_ids(&ids, "completion_ids")?;
-        ids
-    } else {
-        enc.completion_ids(format::string(obj, "completion")?)?
+    let (prompt, completion) = match (given_ids("prompt_ids")?, given_ids("completion_ids")?) {
+        (Some(p), Some(c)) => (p, c),
+        (Some(p), None) => (p, enc.completion_ids(format::string(obj, "completion")?)?),
+        (None, Some(c)) => (enc.prompt_ids(format::string(obj, "prompt")?)?, c),
+        (None, None) => {
+            let tools = format::tools(obj)?;
+            let names = ("prompt", "completion");
+            enc.prompt_answer_ids(&obj["prompt"], &obj["completion"], tools.as_ref(), names)?
+        }
     };
     let reward = obj["reward"]
         .as_f64()
         .filter(|r| r.is_finite())
         .ok_or_else(|| format!("\"reward\" must be a finite number, got {}", obj["reward"]))?;
     let group = match obj.get("group") {
-        None | Some(Json::Null) => match prompt_text {
-            Some(p) => p.to_string(),
-            None => format!("{prompt:?}"),
+        None | Some(Json::Null) => match obj.get("prompt") {
+            Some(Json::String(p)) if !obj.contains_key("prompt_ids") => p.clone(),
+            Some(p) if !obj.contains_key("prompt_ids") => p.to_string(),
+            _ => format!("{prompt:?}"),
         },
         Some(Json::String(s)) => s.clone(),
         Some(Json::Number(n)) => n.to_string(),

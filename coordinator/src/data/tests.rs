@@ -725,3 +725,109 @@ fn missing_file_and_bad_tokenizer_are_named() {
     let e = load_as(&data).unwrap_err().to_string();
     assert!(e.starts_with(&format!("tokenizer {}", t.display())), "{e}");
 }
+
+#[test]
+fn rollout_prompt_may_be_messages() {
+    let row =
+        json!({"prompt": [{"role": "user", "content": "1+1="}], "completion": "2", "reward": 1.0});
+    let ds = load_text(DataFormat::Rollouts, &format!("{row}\n")).unwrap();
+    let DocBody::Rollout(r) = &ds.docs[0].body else {
+        panic!()
+    };
+    assert_eq!(
+        show(&r.seq.input_ids),
+        "<|bos|><|user|>\n1+1=\n<|assistant|>\n2<|eos|>"
+    );
+    assert_eq!(loss_runs(&r.seq), vec![(r.seq.len() - 2, r.seq.len())]);
+    assert_eq!(r.group, r#"[{"content":"1+1=","role":"user"}]"#);
+}
+
+/// Loader throughput over gsm8k_train (7473 rows) per tokenizer, tokenizer
+/// loading excluded: `cargo test -p accrue-coordinator --lib
+/// load_throughput -- --ignored --nocapture`.
+#[test]
+#[ignore = "timing report, not a check"]
+fn load_throughput() {
+    let Some(dir) = shared_data() else { return };
+    for (name, tok) in tokenizers(&dir) {
+        let data = section(
+            vec![dir.join("rl/gsm8k_train.jsonl")],
+            DataFormat::Sft,
+            &tok,
+        );
+        let t0 = Instant::now();
+        let enc = encoder(&data).unwrap();
+        let setup = t0.elapsed();
+        let rows = read::read_rows(&data.train[0]).unwrap();
+        let t1 = Instant::now();
+        for r in &rows {
+            build_doc(&enc, data.format, r.value.as_ref().unwrap()).unwrap();
+        }
+        let one = t1.elapsed().as_secs_f64();
+        let t2 = Instant::now();
+        let ds = load_as(&data).unwrap();
+        let all = t2.elapsed().as_secs_f64() - setup.as_secs_f64();
+        eprintln!(
+            "{name:10} tokenizer load {setup:?}; one core {:.0} rows/s; load() {:.0} rows/s ({} docs)",
+            rows.len() as f64 / one,
+            rows.len() as f64 / all,
+            ds.docs.len()
+        );
+    }
+}
+
+mod props {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn message() -> impl Strategy<Value = (String, String)> {
+        (
+            prop::sample::select(vec!["system", "user", "assistant", "tool"]),
+            // No '<', so content never spells a special token.
+            "[a-z0-9 \n\u{e9}\u{4e2d}|>]{0,12}",
+        )
+            .prop_map(|(r, c)| (r.to_string(), c))
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        /// With the byte tokenizer and built-in template, the loss runs of a
+        /// chat are exactly its assistant turns' contents, each + EOS.
+        #[test]
+        fn chat_loss_runs_are_the_assistant_turns(
+            mut msgs in prop::collection::vec(message(), 1..6),
+            last in "[a-z]{1,5}",
+        ) {
+            msgs.push(("assistant".into(), last));
+            let enc = encoder(&section(vec![], DataFormat::Sft, "bytes")).unwrap();
+            let json_msgs: Vec<serde_json::Value> =
+                msgs.iter().map(|(r, c)| json!({"role": r, "content": c})).collect();
+            let seq = enc.chat(&json_msgs, None).unwrap();
+            let runs: Vec<String> =
+                loss_runs(&seq).iter().map(|&(a, b)| show(&seq.input_ids[a..b])).collect();
+            let want: Vec<String> = msgs
+                .iter()
+                .filter(|(r, _)| r == "assistant")
+                .map(|(_, c)| format!("{c}<|eos|>"))
+                .collect();
+            prop_assert_eq!(runs, want);
+            for (i, &l) in seq.labels.iter().enumerate() {
+                prop_assert!(l == IGNORE_INDEX || l == seq.input_ids[i] as i32);
+            }
+        }
+
+        /// Prompt/completion rows: the loss is the completion and EOS, and
+        /// the whole row round-trips through the byte tokenizer.
+        #[test]
+        fn prompt_completion_masks_only_the_completion(p in "\\PC{0,20}", c in "\\PC{0,20}") {
+            let enc = encoder(&section(vec![], DataFormat::Sft, "bytes")).unwrap();
+            let row = json!({"prompt": p, "completion": c});
+            let seq = sft::sft_row(&enc, &row).unwrap();
+            let start = seq.len() - c.len() - 1;
+            prop_assert!(seq.labels[..start].iter().all(|&l| l == IGNORE_INDEX));
+            prop_assert!(seq.labels[start..].iter().all(|&l| l != IGNORE_INDEX));
+            prop_assert_eq!(show(&seq.input_ids), format!("<|bos|>{p}{c}<|eos|>"));
+        }
+    }
+}
