@@ -8,8 +8,13 @@ mod pack;
 mod select;
 
 pub use error::PlanError;
-pub use pack::solve;
-pub use select::{select, StepTarget};
+pub use pack::{
+    audit, item_cost, lower_bound_per_rank, normalizers, seq_cost, solve, Audit, ATTN_SCALE,
+};
+pub use select::{select, StepTarget, MISFIT_LOOKAHEAD};
+
+#[cfg(test)]
+mod tests;
 
 /// One document as the packer sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
