@@ -1,14 +1,160 @@
 //! `accrue bench …`: benchmarks run in-process, without a coordinator.
 
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+use anyhow::Context;
+
 use super::PackingArgs;
+use crate::bench::{PackingBenchOpts, PackingRow};
+use crate::spec::{DataFormat, DataSection, ObjectiveKind, OnBad};
+
+/// The load-imbalance target where a step holds ≥ 2 microbatches per rank.
+const MAX_IMBALANCE: f64 = 1.10;
+/// Planning speed target, documents per second on one core.
+const MIN_DOCS_PER_S: f64 = 1_000_000.0;
 
 /// `accrue bench packing`.
 pub fn packing(args: &PackingArgs) -> anyhow::Result<ExitCode> {
-    // TODO(lead): wire to crate::bench::packing (written on another branch):
-    // run it on `args.data` and print its report as a table, or as JSON when
-    // `args.json` is set.
-    let _ = (args.json, &args.data);
-    anyhow::bail!("not wired yet: accrue bench packing")
+    let datasets = match data_dir(args.data.as_deref()) {
+        Some(dir) => real_datasets(&dir)?,
+        None => {
+            eprintln!("note: no shared data directory found; packing the synthetic dataset only");
+            Vec::new()
+        }
+    };
+    let opts = PackingBenchOpts {
+        datasets,
+        synthetic_docs: args.synthetic_docs,
+        ..Default::default()
+    };
+    let mut buf = Vec::new();
+    crate::bench::packing(&opts, &mut buf)?;
+    let rows: Vec<PackingRow> = String::from_utf8(buf)?
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?;
+    if args.json {
+        for r in &rows {
+            println!("{}", serde_json::to_string(r)?);
+        }
+    } else {
+        println!("{}", table(&rows));
+    }
+    let failures = check(&rows);
+    if args.check && !failures.is_empty() {
+        for f in &failures {
+            eprintln!("target missed: {f}");
+        }
+        return Ok(ExitCode::from(1));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn data_dir(arg: Option<&Path>) -> Option<PathBuf> {
+    if let Some(d) = arg {
+        return Some(d.to_path_buf());
+    }
+    let candidate = std::env::var_os("ACCRUE_SHARED_DATA")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("../shared/data"));
+    candidate.is_dir().then_some(candidate)
+}
+
+/// Every dataset file under `dir`, tokenized with the phi-3-mini tokenizer
+/// when present (else the byte tokenizer), as per-document sequence lengths.
+fn real_datasets(dir: &Path) -> anyhow::Result<Vec<(String, Vec<Vec<u32>>)>> {
+    let tokenizer = dir.join("tokenizers/phi-3-mini/tokenizer.json");
+    let tokenizer = if tokenizer.is_file() {
+        tokenizer.display().to_string()
+    } else {
+        "bytes".to_string()
+    };
+    let mut out = Vec::new();
+    // GSM8K rows are question/answer: packed as SFT documents.
+    for (sub, format, objective) in [
+        ("sft", DataFormat::Sft, ObjectiveKind::Sft),
+        ("dpo", DataFormat::Dpo, ObjectiveKind::Dpo),
+        ("rl", DataFormat::Sft, ObjectiveKind::Sft),
+    ] {
+        let Ok(entries) = std::fs::read_dir(dir.join(sub)) else { continue };
+        let mut files: Vec<PathBuf> = entries
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| {
+                let name = p.file_name().unwrap_or_default().to_string_lossy();
+                name.ends_with(".jsonl") || name.ends_with(".json") || name.ends_with(".gz")
+            })
+            .collect();
+        files.sort();
+        for file in files {
+            let section = DataSection {
+                train: vec![file.clone()],
+                format,
+                tokenizer: tokenizer.clone(),
+                chat_template: None,
+                // Nothing is excluded at load: the bench reports overlong
+                // documents per max_tokens itself.
+                max_tokens: u32::MAX,
+                on_overlong: OnBad::Error,
+                on_bad_line: OnBad::Error,
+                shuffle: false,
+            };
+            let ds = crate::data::load(&section, objective).with_context(|| format!("loading {}", file.display()))?;
+            let name = file.file_name().unwrap_or_default().to_string_lossy().into_owned();
+            out.push((name, ds.docs.iter().map(|d| d.seq_lens()).collect()));
+        }
+    }
+    Ok(out)
+}
+
+/// Every missed target, described.
+fn check(rows: &[PackingRow]) -> Vec<String> {
+    let mut missed = Vec::new();
+    for r in rows {
+        let what = format!(
+            "{} max_tokens={} docs_per_step={} world={} {}",
+            r.dataset, r.max_tokens, r.docs_per_step, r.world_size, r.packer
+        );
+        if r.docs_dropped > 0 || r.docs_truncated > 0 || r.microbatches_over_budget > 0 {
+            missed.push(format!("{what}: documents dropped or cut, or a microbatch over budget"));
+        }
+        if r.packer != "bfd" {
+            continue;
+        }
+        if r.steps_over_lower_bound_plus_one > 0 {
+            missed.push(format!("{what}: {} steps above lower bound + 1", r.steps_over_lower_bound_plus_one));
+        }
+        if r.load_imbalance_max.is_some_and(|m| m > MAX_IMBALANCE) {
+            missed.push(format!("{what}: load imbalance {:.3} > {MAX_IMBALANCE}", r.load_imbalance_max.unwrap_or(0.0)));
+        }
+        if r.plan_docs_per_s < MIN_DOCS_PER_S {
+            missed.push(format!("{what}: {:.0} docs/s planned < {MIN_DOCS_PER_S}", r.plan_docs_per_s));
+        }
+    }
+    missed
+}
+
+fn table(rows: &[PackingRow]) -> String {
+    let body: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| {
+            vec![
+                r.dataset.clone(),
+                r.max_tokens.to_string(),
+                r.docs_per_step.to_string(),
+                r.world_size.to_string(),
+                r.packer.clone(),
+                format!("{:.2}", r.microbatches_per_rank),
+                format!("{:.2}", r.lower_bound_microbatches_per_rank),
+                r.load_imbalance.map_or("-".into(), |x| format!("{x:.3}")),
+                format!("{:.3}", r.padding_fraction),
+                format!("{}/{}", r.docs_dropped, r.docs_truncated),
+                format!("{:.2e}", r.plan_docs_per_s),
+            ]
+        })
+        .collect();
+    super::render::table(
+        &["DATASET", "MAX_TOK", "DOCS/STEP", "WORLD", "PACKER", "MB/RANK", "LOWER", "IMBAL", "PAD", "DROP/CUT", "DOCS/S"],
+        &body,
+    )
 }

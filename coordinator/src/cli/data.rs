@@ -2,17 +2,20 @@
 
 use std::process::ExitCode;
 
+use anyhow::Context;
+
 use super::{SynthArgs, SynthTask};
 
 /// `accrue data synth`.
 pub fn synth(args: &SynthArgs) -> anyhow::Result<ExitCode> {
     match args.task {
         SynthTask::Arithmetic => {
-            // TODO(lead): wire to crate::data::synth_arithmetic(&args.out,
-            // args.seed, args.rows) (written on another branch) and print
-            // what it wrote.
-            let _ = (&args.out, args.seed, args.rows);
-            anyhow::bail!("not wired yet: accrue data synth --task arithmetic")
+            let files = crate::data::synth_arithmetic(&args.out, args.seed, args.rows as usize)
+                .with_context(|| format!("writing synthetic data to {}", args.out.display()))?;
+            for f in [&files.sft, &files.dpo, &files.rollouts] {
+                println!("wrote {}", f.display());
+            }
+            Ok(ExitCode::SUCCESS)
         }
     }
 }

@@ -175,9 +175,19 @@ pub struct PackingArgs {
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
-    /// Directory of datasets to pack (default: the bench's own choice).
+    /// A directory laid out like the project's shared data (sft/, dpo/, rl/,
+    /// tokenizers/): each dataset in it is tokenized and packed too. Default:
+    /// `$ACCRUE_SHARED_DATA`, else `../shared/data` when it exists.
     #[arg(long, value_name = "DIR")]
     pub data: Option<PathBuf>,
+    /// Documents drawn for the synthetic log-normal dataset.
+    #[arg(long, value_name = "N", default_value_t = 256_000)]
+    pub synthetic_docs: usize,
+    /// Exit 1 unless every target is met (no document dropped or cut,
+    /// ≤ lower bound + 1 microbatches per rank, load imbalance ≤ 1.10,
+    /// ≥ 1M documents/s planned).
+    #[arg(long)]
+    pub check: bool,
 }
 
 #[derive(Debug, Subcommand)]

@@ -86,18 +86,8 @@ pub fn plan_step(
     let order = order_of(spec, docs.len());
     let max_tokens = spec.data.max_tokens;
     // Phase 1: choose the step's documents from the stream.
-    let target = match spec.step_size() {
-        StepSize::Docs(n) => StepTarget::Docs(n),
-        StepSize::Tokens(t) => StepTarget::Tokens(t),
-        StepSize::MicrobatchesPerRank(k) => StepTarget::MicrobatchesPerRank {
-            k,
-            world_size,
-            max_tokens,
-        },
-    };
-    let offered = order
-        .candidates(cursor)
-        .map(|c| (c.index, docs[c.index as usize].tokens()));
+    let target = StepTarget::new(spec.step_size(), world_size, max_tokens);
+    let offered = order.candidates(cursor).map(|c| docs[c.index as usize].tokens());
     let selection = plan::select(target, offered);
     if selection.taken.is_empty() {
         return Ok(None);
@@ -127,10 +117,7 @@ pub fn plan_step(
             .collect(),
         max_tokens,
         world_size,
-        min_microbatches_per_rank: match spec.step_size() {
-            StepSize::MicrobatchesPerRank(k) => k,
-            _ => 1,
-        },
+        min_microbatches_per_rank: target.min_microbatches_per_rank(),
     };
     let solution = plan::solve(&problem)?;
 

@@ -271,9 +271,9 @@ fn every_document_is_trained_exactly_once_per_epoch() {
 #[test]
 fn lost_worker_aborts_step_and_replans_same_documents() {
     let mut s = Sim::new();
-    s.submit(spec("steps = 4", "docs_per_step = 6", 1, 4), docs(30));
     s.worker("a");
     s.worker("b");
+    s.submit(spec("steps = 4", "docs_per_step = 6", 1, 4), docs(30));
     // Answer the Configures, then capture step 1's plan without answering.
     while let Some((_, ToWorker::Configure { .. })) = s.inbox.front() {
         s.step_once();
@@ -416,9 +416,9 @@ fn non_finite_loss_fails_the_job_naming_the_step() {
 #[test]
 fn drained_worker_leaves_at_the_boundary() {
     let mut s = Sim::new();
-    s.submit(spec("steps = 4", "docs_per_step = 4", 1, 2), docs(20));
     s.worker("a");
     s.worker("b");
+    s.submit(spec("steps = 4", "docs_per_step = 4", 1, 2), docs(20));
     s.step_once();
     s.step_once(); // both ready → step 1 in flight
     s.handle(Event::DrainWorker { worker: "b".into() }).unwrap();
@@ -457,4 +457,22 @@ fn restored_running_job_waits_for_workers_at_its_cursor() {
     r.run();
     assert_eq!(r.state(), JobState::Completed);
     assert_eq!(r.committed.first().unwrap().0.step, rec.step + 1);
+}
+
+#[test]
+fn a_joining_worker_enters_at_the_next_step_boundary() {
+    let mut s = Sim::new();
+    s.worker("a");
+    s.submit(spec("steps = 3", "docs_per_step = 6", 1, 4), docs(30));
+    s.step_once(); // Ready → step 1 in flight with one rank
+    s.worker("b");
+    assert!(
+        !s.inbox.iter().any(|(w, _)| w == "b"),
+        "nothing is sent to the joiner while step 1 is in flight"
+    );
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    let worlds: Vec<u32> = s.committed.iter().map(|(m, _)| m.world_size).collect();
+    assert_eq!(worlds, vec![1, 2, 2]);
+    assert!(s.committed.iter().all(|(m, _)| m.docs == 6));
 }
