@@ -5,6 +5,6 @@
 mod packing;
 
 pub use packing::{
-    greedy_baseline, packing, synthetic_lognormal, PackingBenchOpts, PackingRow,
-    SYNTHETIC_DATASET, SYNTHETIC_MAX_TOKENS, SYNTHETIC_MEDIAN, SYNTHETIC_SIGMA,
+    greedy_baseline, packing, synthetic_lognormal, PackingBenchOpts, PackingRow, SYNTHETIC_DATASET,
+    SYNTHETIC_MAX_TOKENS, SYNTHETIC_MEDIAN, SYNTHETIC_SIGMA,
 };

@@ -20,7 +20,7 @@ use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
 use crate::plan::{
-    audit, lower_bound_per_rank, normalizers, seq_cost, solve, Microbatch, PackItem, PackProblem,
+    audit, item_cost, lower_bound_per_rank, normalizers, solve, Microbatch, PackItem, PackProblem,
     PackSolution, PlanError,
 };
 
@@ -97,6 +97,9 @@ pub struct PackingRow {
     pub load_imbalance_max: Option<f64>,
     /// Steps with ≥ 2 microbatches per rank.
     pub load_imbalance_steps: usize,
+    /// Mean over the same steps of what no assignment can beat:
+    /// max(1, costliest document / mean rank cost).
+    pub load_imbalance_floor: Option<f64>,
     /// Mean of the ratio over all steps (1-microbatch steps included).
     pub load_imbalance_all_steps: f64,
     /// 1 − real tokens / (all microbatches, padding ones included, × max_tokens).
@@ -155,7 +158,7 @@ pub fn greedy_baseline(problem: &PackProblem) -> Result<PackSolution, PlanError>
         b.items.push(i);
         b.tokens += t;
         b.loss_tokens += item.loss_tokens;
-        b.cost += item.seq_lens.iter().map(|&l| seq_cost(l)).sum::<f64>();
+        b.cost += item_cost(item);
     }
     let m = bins
         .len()
@@ -241,10 +244,7 @@ fn steps(
 /// Plans every step (timed as a whole), then audits and scores them.
 fn measure(problems: &[PackProblem], pack: Packer) -> anyhow::Result<PackingRow> {
     let start = Instant::now();
-    let solutions = problems
-        .iter()
-        .map(pack)
-        .collect::<Result<Vec<_>, _>>()?;
+    let solutions = problems.iter().map(pack).collect::<Result<Vec<_>, _>>()?;
     let elapsed = start.elapsed().max(Duration::from_nanos(1));
 
     let mut row = PackingRow {
@@ -263,6 +263,7 @@ fn measure(problems: &[PackProblem], pack: Packer) -> anyhow::Result<PackingRow>
         load_imbalance: None,
         load_imbalance_max: None,
         load_imbalance_steps: 0,
+        load_imbalance_floor: None,
         load_imbalance_all_steps: 0.0,
         padding_fraction: 0.0,
         docs_dropped: 0,
@@ -272,7 +273,7 @@ fn measure(problems: &[PackProblem], pack: Packer) -> anyhow::Result<PackingRow>
     };
     row.plan_docs_per_s = row.docs as f64 / elapsed.as_secs_f64();
     let (mut real, mut slots) = (0u64, 0u64);
-    let (mut imb_sum, mut imb_all_sum) = (0.0, 0.0);
+    let (mut imb_sum, mut imb_all_sum, mut floor_sum) = (0.0, 0.0, 0.0);
     for (p, s) in problems.iter().zip(&solutions) {
         let a = audit(p, s);
         row.docs_dropped += a.missing;
@@ -286,7 +287,11 @@ fn measure(problems: &[PackProblem], pack: Packer) -> anyhow::Result<PackingRow>
         row.steps_over_lower_bound_plus_one += usize::from(m > lb + 1);
         real += s.ranks.iter().flatten().map(|mb| mb.tokens).sum::<u64>();
         slots += m * u64::from(p.world_size) * u64::from(p.max_tokens);
-        let costs: Vec<f64> = s.ranks.iter().map(|r| r.iter().map(|mb| mb.cost).sum()).collect();
+        let costs: Vec<f64> = s
+            .ranks
+            .iter()
+            .map(|r| r.iter().map(|mb| mb.cost).sum())
+            .collect();
         let mean = costs.iter().sum::<f64>() / costs.len() as f64;
         let imb = if mean > 0.0 {
             costs.iter().cloned().fold(0.0, f64::max) / mean
@@ -297,6 +302,8 @@ fn measure(problems: &[PackProblem], pack: Packer) -> anyhow::Result<PackingRow>
         if m >= 2 {
             row.load_imbalance_steps += 1;
             imb_sum += imb;
+            let costliest = p.items.iter().map(item_cost).fold(0.0, f64::max);
+            floor_sum += (costliest / mean).max(1.0);
             row.load_imbalance_max = Some(row.load_imbalance_max.map_or(imb, |x: f64| x.max(imb)));
         }
     }
@@ -306,6 +313,7 @@ fn measure(problems: &[PackProblem], pack: Packer) -> anyhow::Result<PackingRow>
     row.load_imbalance_all_steps = imb_all_sum / n;
     if row.load_imbalance_steps > 0 {
         row.load_imbalance = Some(imb_sum / row.load_imbalance_steps as f64);
+        row.load_imbalance_floor = Some(floor_sum / row.load_imbalance_steps as f64);
     }
     row.padding_fraction = if slots > 0 {
         1.0 - real as f64 / slots as f64
@@ -332,7 +340,10 @@ mod tests {
     #[test]
     fn packing_bench_writes_one_row_per_configuration() {
         let opts = PackingBenchOpts {
-            datasets: vec![("pairs".into(), vec![vec![300, 200], vec![5000, 10], vec![40, 40]])],
+            datasets: vec![(
+                "pairs".into(),
+                vec![vec![300, 200], vec![5000, 10], vec![40, 40]],
+            )],
             synthetic_docs: 3000,
             max_steps: 40,
             max_tokens: vec![2048, 4096],
@@ -344,7 +355,10 @@ mod tests {
         assert_eq!(rows.len(), 2 * 2 * 2 * 2 * 2);
         for r in &rows {
             assert!(r.dataset == SYNTHETIC_DATASET || r.dataset == "pairs");
-            assert_eq!((r.docs_dropped, r.docs_truncated, r.microbatches_over_budget), (0, 0, 0));
+            assert_eq!(
+                (r.docs_dropped, r.docs_truncated, r.microbatches_over_budget),
+                (0, 0, 0)
+            );
             assert!(r.microbatches_per_rank >= r.lower_bound_microbatches_per_rank);
             assert!(r.padding_fraction >= 0.0 && r.padding_fraction < 1.0);
             assert!(r.plan_docs_per_s > 0.0);
@@ -362,12 +376,18 @@ mod tests {
             .find(|r| r.dataset == SYNTHETIC_DATASET && r.docs_per_step == 32)
             .unwrap();
         assert_eq!(syn.steps, 40);
-        assert!(syn.docs_overlong_excluded > 0, "the tail passes 2048 tokens");
+        assert!(
+            syn.docs_overlong_excluded > 0,
+            "the tail passes 2048 tokens"
+        );
     }
 
     #[test]
     fn synthetic_distribution_has_the_documented_shape() {
-        let mut lens: Vec<u32> = synthetic_lognormal(100_000, 3).into_iter().map(|d| d[0]).collect();
+        let mut lens: Vec<u32> = synthetic_lognormal(100_000, 3)
+            .into_iter()
+            .map(|d| d[0])
+            .collect();
         assert_eq!(synthetic_lognormal(10, 3), synthetic_lognormal(10, 3));
         lens.sort_unstable();
         let median = lens[lens.len() / 2];

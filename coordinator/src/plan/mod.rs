@@ -3,6 +3,7 @@
 //! and the step's global normalisers. Pure functions, no I/O; see README.md
 //! beside this file for the algorithm.
 
+mod balance;
 mod error;
 mod pack;
 mod select;

@@ -6,8 +6,9 @@
 //! described in README.md beside this file.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeSet, BinaryHeap};
+use std::collections::BTreeSet;
 
+use super::balance::{cost_key, split_for_balance, Layout};
 use super::{Microbatch, Normalizers, PackItem, PackProblem, PackSolution, PlanError};
 
 /// Attention term of the cost model: a sequence of `len` tokens costs
@@ -81,23 +82,19 @@ pub fn solve(problem: &PackProblem) -> Result<PackSolution, PlanError> {
     if w > 1 {
         split_for_balance(&mut bins, m * w, &costs);
     }
-    let mut bin_costs: Vec<f64> = bins
-        .iter()
-        .map(|b| b.iter().map(|&i| costs[i]).sum())
-        .collect();
     // Empty padding bins so every rank has exactly m slots.
-    while bins.len() < m * w {
-        bins.push(Vec::new());
-        bin_costs.push(0.0);
-    }
+    bins.resize_with(m * w, Vec::new);
 
     // Phase 3: LPT with equal counts: costliest bin first, to the cheapest
     // rank that still has a free slot.
-    let mut ranks = longest_processing_time(&bin_costs, w, m);
+    let mut layout = Layout::new(bins, &tokens, &costs, max);
+    layout.longest_processing_time(w, m);
 
-    // Phase 4: local improvement: swap one bin between the costliest and
-    // the cheapest rank while that lowers the costlier of the two.
-    improve_by_swaps(&mut ranks, &bin_costs);
+    // Phase 4: local search between the costliest and the cheapest rank:
+    // swap two bins, move a document, or exchange two documents, whichever
+    // lowers the costlier of the two most, while one does.
+    layout.improve();
+    let (bins, ranks) = layout.into_parts();
 
     // Phase 5: build the microbatches and the normalisers.
     let solution = build_solution(problem, &bins, &tokens, &costs, ranks);
@@ -202,129 +199,6 @@ fn best_fit_in_order(tokens: &[u64], max: u64) -> Vec<Vec<usize>> {
             .expect("validated: every item fits an empty bin");
     }
     fit.into_bins()
-}
-
-/// A non-negative cost as a totally ordered integer key (IEEE-754 bit
-/// patterns of non-negative floats sort like the floats).
-fn cost_key(c: f64) -> u64 {
-    debug_assert!(c >= 0.0 && c.is_finite(), "cost {c}");
-    c.to_bits()
-}
-
-/// Splits the costliest multi-item bins in two until there are `slots`
-/// bins (or nothing is left to split). Each half is a subset of a bin that
-/// fit, so it fits too.
-fn split_for_balance(bins: &mut Vec<Vec<usize>>, slots: usize, costs: &[f64]) {
-    let bin_cost = |b: &[usize]| -> f64 { b.iter().map(|&i| costs[i]).sum() };
-    let mut heap: BinaryHeap<(u64, Reverse<usize>)> = bins
-        .iter()
-        .enumerate()
-        .filter(|(_, b)| b.len() >= 2)
-        .map(|(i, b)| (cost_key(bin_cost(b)), Reverse(i)))
-        .collect();
-    while bins.len() < slots {
-        let Some((_, Reverse(b))) = heap.pop() else {
-            break;
-        };
-        let mut members = std::mem::take(&mut bins[b]);
-        members.sort_unstable_by(|&x, &y| costs[y].total_cmp(&costs[x]).then(x.cmp(&y)));
-        // Greedy two-way partition by cost: each item to the lighter half.
-        let (mut left, mut right) = (vec![members[0]], vec![members[1]]);
-        let (mut lc, mut rc) = (costs[members[0]], costs[members[1]]);
-        for &i in &members[2..] {
-            if lc <= rc {
-                left.push(i);
-                lc += costs[i];
-            } else {
-                right.push(i);
-                rc += costs[i];
-            }
-        }
-        let new = bins.len();
-        if left.len() >= 2 {
-            heap.push((cost_key(lc), Reverse(b)));
-        }
-        if right.len() >= 2 {
-            heap.push((cost_key(rc), Reverse(new)));
-        }
-        bins[b] = left;
-        bins.push(right);
-    }
-}
-
-/// Longest processing time first with `m` slots per rank: returns, per rank,
-/// the indices of its bins. Needs `bin_costs.len() == w * m`.
-fn longest_processing_time(bin_costs: &[f64], w: usize, m: usize) -> Vec<Vec<usize>> {
-    debug_assert_eq!(bin_costs.len(), w * m);
-    let mut order: Vec<usize> = (0..bin_costs.len()).collect();
-    order.sort_unstable_by(|&a, &b| bin_costs[b].total_cmp(&bin_costs[a]).then(a.cmp(&b)));
-    let mut ranks: Vec<Vec<usize>> = (0..w).map(|_| Vec::with_capacity(m)).collect();
-    let mut loads = vec![0.0f64; w];
-    // Min-heap of (load, rank) over ranks with a free slot.
-    let mut open: BinaryHeap<Reverse<(u64, usize)>> = (0..w).map(|r| Reverse((0, r))).collect();
-    for b in order {
-        let Reverse((_, r)) = open.pop().expect("w·m slots for w·m bins");
-        ranks[r].push(b);
-        loads[r] += bin_costs[b];
-        if ranks[r].len() < m {
-            open.push(Reverse((cost_key(loads[r]), r)));
-        }
-    }
-    ranks
-}
-
-/// Pairwise swaps between the costliest and the cheapest rank, each chosen
-/// to bring the two closest to their mean, while one strictly helps.
-fn improve_by_swaps(ranks: &mut [Vec<usize>], bin_costs: &[f64]) {
-    let w = ranks.len();
-    if w < 2 {
-        return;
-    }
-    let mut loads: Vec<f64> = ranks
-        .iter()
-        .map(|r| r.iter().map(|&b| bin_costs[b]).sum())
-        .collect();
-    // Each swap strictly lowers the pair's maximum; the cap only guards
-    // against floating-point dithering.
-    let max_rounds = 4 * bin_costs.len() + 16;
-    for _ in 0..max_rounds {
-        let (mut hi, mut lo) = (0, 0);
-        for r in 1..w {
-            if loads[r] > loads[hi] {
-                hi = r;
-            }
-            if loads[r] < loads[lo] {
-                lo = r;
-            }
-        }
-        let gap = loads[hi] - loads[lo];
-        if gap <= f64::EPSILON * loads[hi] {
-            break;
-        }
-        // Best swap: moved difference d in (0, gap), closest to gap / 2.
-        let mut best: Option<(f64, usize, usize)> = None;
-        for (a, &ba) in ranks[hi].iter().enumerate() {
-            for (b, &bb) in ranks[lo].iter().enumerate() {
-                let d = bin_costs[ba] - bin_costs[bb];
-                if d <= 0.0 || d >= gap {
-                    continue;
-                }
-                let miss = (gap / 2.0 - d).abs();
-                if best.is_none_or(|(m, _, _)| miss < m) {
-                    best = Some((miss, a, b));
-                }
-            }
-        }
-        let Some((_, a, b)) = best else {
-            break;
-        };
-        let (ba, bb) = (ranks[hi][a], ranks[lo][b]);
-        ranks[hi][a] = bb;
-        ranks[lo][b] = ba;
-        let d = bin_costs[ba] - bin_costs[bb];
-        loads[hi] -= d;
-        loads[lo] += d;
-    }
 }
 
 fn build_solution(

@@ -135,6 +135,35 @@ proptest! {
     }
 
     #[test]
+    fn solve_leaves_no_improving_document_move(p in arb_problem()) {
+        // Local optimality of phase 4: no document of the costliest rank
+        // fits a microbatch of the cheapest one and would narrow their gap.
+        let s = solve(&p).expect("valid problem");
+        let c = rank_costs(&s);
+        if c.len() < 2 {
+            return Ok(());
+        }
+        let top = c.iter().cloned().fold(f64::MIN, f64::max);
+        let bottom = c.iter().cloned().fold(f64::MAX, f64::min);
+        let eps = 1e-6 * top.max(1.0);
+        let unique = |v: f64| c.iter().filter(|&&x| (x - v).abs() <= eps).count() == 1;
+        if !unique(top) || !unique(bottom) {
+            return Ok(()); // a tie elsewhere holds the maximum anyway
+        }
+        let hi = c.iter().position(|&x| x == top).unwrap();
+        let lo = c.iter().position(|&x| x == bottom).unwrap();
+        let gap = top - bottom;
+        for x in s.ranks[hi].iter().flat_map(|mb| mb.items.iter().copied()) {
+            let (t, d) = (p.items[x].tokens(), item_cost(&p.items[x]));
+            let fits = s.ranks[lo].iter().any(|mb| mb.tokens + t <= u64::from(p.max_tokens));
+            prop_assert!(
+                !fits || d <= eps || d >= gap - eps,
+                "moving doc {x} (cost {d}) would narrow gap {gap}"
+            );
+        }
+    }
+
+    #[test]
     fn select_docs_takes_exactly_n(lens in prop::collection::vec(0u64..5000, 0..50), n in 0u64..60) {
         let s = select(StepTarget::Docs(n), lens.iter().copied());
         let want = (n as usize).min(lens.len());
