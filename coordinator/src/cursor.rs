@@ -147,14 +147,27 @@ impl Cursor {
             overflow: Vec::new(),
         };
         let mut last_from_stream = None;
+        let mut overflow_consumed = 0;
+        let mut untaken_from_stream = Vec::new();
         for (i, c) in order.candidates(self).take(selection.consumed).enumerate() {
-            if taken.binary_search(&i).is_err() {
-                next.overflow.push(c.index);
-            }
-            if !c.from_overflow {
+            let untaken = taken.binary_search(&i).is_err();
+            if c.from_overflow {
+                overflow_consumed += 1;
+                if untaken {
+                    next.overflow.push(c.index);
+                }
+            } else {
+                if untaken {
+                    untaken_from_stream.push(c.index);
+                }
                 last_from_stream = Some(c);
             }
         }
+        // Overflow the selector never looked at stays queued, ahead of this
+        // step's new carry-overs: nothing is lost, older documents go first.
+        next.overflow
+            .extend_from_slice(&self.overflow[overflow_consumed..]);
+        next.overflow.extend(untaken_from_stream);
         if let Some(c) = last_from_stream {
             next.epoch = c.epoch;
             next.position = c.position;
@@ -230,6 +243,48 @@ mod tests {
                 epoch: 0,
                 position: 4,
                 overflow: vec![]
+            }
+        );
+    }
+
+    #[test]
+    fn overflow_beyond_the_consumed_candidates_is_kept() {
+        // Regression: a queue longer than what a step consumed lost its tail.
+        let o = order(10, false, None);
+        let c = Cursor {
+            epoch: 0,
+            position: 5,
+            overflow: vec![1, 3, 4],
+        };
+        let n = c.advance(
+            &o,
+            &Selection {
+                taken: vec![0],
+                consumed: 1,
+            },
+        );
+        assert_eq!(
+            n,
+            Cursor {
+                epoch: 0,
+                position: 5,
+                overflow: vec![3, 4]
+            }
+        );
+        // Consumed past the queue: old untaken first, then new misfits.
+        let n = c.advance(
+            &o,
+            &Selection {
+                taken: vec![0, 3],
+                consumed: 5,
+            },
+        );
+        assert_eq!(
+            n,
+            Cursor {
+                epoch: 0,
+                position: 7,
+                overflow: vec![3, 4, 6]
             }
         );
     }

@@ -77,7 +77,9 @@ fn real_datasets(dir: &Path) -> anyhow::Result<Vec<(String, Vec<Vec<u32>>)>> {
         ("dpo", DataFormat::Dpo, ObjectiveKind::Dpo),
         ("rl", DataFormat::Sft, ObjectiveKind::Sft),
     ] {
-        let Ok(entries) = std::fs::read_dir(dir.join(sub)) else { continue };
+        let Ok(entries) = std::fs::read_dir(dir.join(sub)) else {
+            continue;
+        };
         let mut files: Vec<PathBuf> = entries
             .filter_map(|e| e.ok().map(|e| e.path()))
             .filter(|p| {
@@ -99,8 +101,13 @@ fn real_datasets(dir: &Path) -> anyhow::Result<Vec<(String, Vec<Vec<u32>>)>> {
                 on_bad_line: OnBad::Error,
                 shuffle: false,
             };
-            let ds = crate::data::load(&section, objective).with_context(|| format!("loading {}", file.display()))?;
-            let name = file.file_name().unwrap_or_default().to_string_lossy().into_owned();
+            let ds = crate::data::load(&section, objective)
+                .with_context(|| format!("loading {}", file.display()))?;
+            let name = file
+                .file_name()
+                .unwrap_or_default()
+                .to_string_lossy()
+                .into_owned();
             out.push((name, ds.docs.iter().map(|d| d.seq_lens()).collect()));
         }
     }
@@ -116,19 +123,30 @@ fn check(rows: &[PackingRow]) -> Vec<String> {
             r.dataset, r.max_tokens, r.docs_per_step, r.world_size, r.packer
         );
         if r.docs_dropped > 0 || r.docs_truncated > 0 || r.microbatches_over_budget > 0 {
-            missed.push(format!("{what}: documents dropped or cut, or a microbatch over budget"));
+            missed.push(format!(
+                "{what}: documents dropped or cut, or a microbatch over budget"
+            ));
         }
         if r.packer != "bfd" {
             continue;
         }
         if r.steps_over_lower_bound_plus_one > 0 {
-            missed.push(format!("{what}: {} steps above lower bound + 1", r.steps_over_lower_bound_plus_one));
+            missed.push(format!(
+                "{what}: {} steps above lower bound + 1",
+                r.steps_over_lower_bound_plus_one
+            ));
         }
         if r.load_imbalance_max.is_some_and(|m| m > MAX_IMBALANCE) {
-            missed.push(format!("{what}: load imbalance {:.3} > {MAX_IMBALANCE}", r.load_imbalance_max.unwrap_or(0.0)));
+            missed.push(format!(
+                "{what}: load imbalance {:.3} > {MAX_IMBALANCE}",
+                r.load_imbalance_max.unwrap_or(0.0)
+            ));
         }
         if r.plan_docs_per_s < MIN_DOCS_PER_S {
-            missed.push(format!("{what}: {:.0} docs/s planned < {MIN_DOCS_PER_S}", r.plan_docs_per_s));
+            missed.push(format!(
+                "{what}: {:.0} docs/s planned < {MIN_DOCS_PER_S}",
+                r.plan_docs_per_s
+            ));
         }
     }
     missed
@@ -154,7 +172,19 @@ fn table(rows: &[PackingRow]) -> String {
         })
         .collect();
     super::render::table(
-        &["DATASET", "MAX_TOK", "DOCS/STEP", "WORLD", "PACKER", "MB/RANK", "LOWER", "IMBAL", "PAD", "DROP/CUT", "DOCS/S"],
+        &[
+            "DATASET",
+            "MAX_TOK",
+            "DOCS/STEP",
+            "WORLD",
+            "PACKER",
+            "MB/RANK",
+            "LOWER",
+            "IMBAL",
+            "PAD",
+            "DROP/CUT",
+            "DOCS/S",
+        ],
         &body,
     )
 }

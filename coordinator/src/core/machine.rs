@@ -374,13 +374,13 @@ impl Coordinator {
             "step committed"
         );
         fx.push(Effect::CommitStep {
-            rec: job.rec.clone(),
-            metrics: m.clone(),
+            rec: Box::new(job.rec.clone()),
+            metrics: Box::new(m.clone()),
             docs: planned.docs.clone(),
         });
         fx.push(Effect::AppendMetrics {
             path: job.spec.job.output_dir.join("metrics.jsonl"),
-            metrics: m.clone(),
+            metrics: Box::new(m.clone()),
         });
         fx.push(Effect::Publish {
             job: job_id.to_string(),
@@ -389,7 +389,9 @@ impl Coordinator {
 
         let every = job.spec.checkpoint.every_steps;
         let finished = job.finished();
-        let due = (every > 0 && job.rec.step % every == 0) || job.checkpoint_requested || finished;
+        let due = (every > 0 && job.rec.step.is_multiple_of(every))
+            || job.checkpoint_requested
+            || finished;
         if due {
             job.checkpoint_requested = false;
             request_checkpoint(job, fx);

@@ -166,13 +166,13 @@ pub enum Effect {
     PersistJob(JobRecord),
     /// The step's record, its metrics and its manifest, in one transaction.
     CommitStep {
-        rec: JobRecord,
-        metrics: StepMetrics,
+        rec: Box<JobRecord>,
+        metrics: Box<StepMetrics>,
         docs: Vec<DocId>,
     },
     AppendMetrics {
         path: PathBuf,
-        metrics: StepMetrics,
+        metrics: Box<StepMetrics>,
     },
     Send {
         worker: WorkerId,

@@ -87,7 +87,9 @@ pub fn plan_step(
     let max_tokens = spec.data.max_tokens;
     // Phase 1: choose the step's documents from the stream.
     let target = StepTarget::new(spec.step_size(), world_size, max_tokens);
-    let offered = order.candidates(cursor).map(|c| docs[c.index as usize].tokens());
+    let offered = order
+        .candidates(cursor)
+        .map(|c| docs[c.index as usize].tokens());
     let selection = plan::select(target, offered);
     if selection.taken.is_empty() {
         return Ok(None);

@@ -86,8 +86,8 @@ impl Sim {
             match f {
                 Effect::Send { worker, msg } => self.inbox.push_back((worker, msg)),
                 Effect::CommitStep { rec, metrics, docs } => {
-                    self.persisted.push(rec);
-                    self.committed.push((metrics, docs));
+                    self.persisted.push(*rec);
+                    self.committed.push((*metrics, docs));
                 }
                 Effect::PersistJob(rec) => self.persisted.push(rec),
                 Effect::AppendMetrics { .. } | Effect::Publish { .. } => {}
@@ -475,4 +475,31 @@ fn a_joining_worker_enters_at_the_next_step_boundary() {
     let worlds: Vec<u32> = s.committed.iter().map(|(m, _)| m.world_size).collect();
     assert_eq!(worlds, vec![1, 2, 2]);
     assert!(s.committed.iter().all(|(m, _)| m.docs == 6));
+}
+
+/// Every step mode, end to end through planner and cursor: each document of
+/// each epoch is trained exactly once, whatever carries over.
+#[test]
+fn every_step_mode_trains_each_document_once_per_epoch() {
+    for batch in [
+        "docs_per_step = 7",
+        "tokens_per_step = 300",
+        "microbatches_per_rank = 2",
+    ] {
+        let mut s = Sim::new();
+        s.worker("a");
+        s.worker("b");
+        let d = docs(57);
+        s.submit(spec("epochs = 2", batch, 1, 2), d.clone());
+        s.run();
+        assert_eq!(s.state(), JobState::Completed, "{batch}");
+        let mut counts: BTreeMap<DocId, u32> = BTreeMap::new();
+        for (_, ids) in &s.committed {
+            for id in ids {
+                *counts.entry(*id).or_default() += 1;
+            }
+        }
+        assert_eq!(counts.len(), d.len(), "{batch}");
+        assert!(counts.values().all(|&c| c == 2), "{batch}: {counts:?}");
+    }
 }

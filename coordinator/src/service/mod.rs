@@ -90,7 +90,13 @@ impl Shared {
                     }
                 }
                 Effect::CommitStep { rec, metrics, docs } => {
-                    if let Err(err) = inner.store.commit_step(&rec, &StepRecord { metrics, docs }) {
+                    if let Err(err) = inner.store.commit_step(
+                        &rec,
+                        &StepRecord {
+                            metrics: *metrics,
+                            docs,
+                        },
+                    ) {
                         error!(job = %rec.id, %err, "persisting step failed");
                         failure = Some(Status::internal(format!(
                             "persisting job {}: {err}",
