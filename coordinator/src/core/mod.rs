@@ -4,8 +4,10 @@
 //! (raft-rs `ready()/advance()` is the model). Multi-worker scenarios are
 //! tested as loops over `handle`.
 
+mod control;
 mod error;
 mod jobs;
+mod lifecycle;
 mod machine;
 pub mod metrics;
 pub mod step;

@@ -1,0 +1,422 @@
+//! The life of a job's steps: forming generations, dispatching planned
+//! steps, collecting results, committing (cursor moves only here), and
+//! finishing. See DESIGN.md "The life of a step".
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use tracing::{info, warn};
+
+use super::jobs::{Generation, InFlight, JobState};
+use super::machine::{publish_event, request_checkpoint, Coordinator};
+use super::metrics::{self, StepFacts};
+use super::step;
+use super::workers::{Worker, WorkerId, WorkerState};
+use super::{Effect, ToWorker, WatchItem, WorkerErrorKind};
+
+impl Coordinator {
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn on_result(
+        &mut self,
+        worker: &str,
+        job_id: &str,
+        generation: u64,
+        step: u64,
+        sums: super::MetricSums,
+        now_ms: i64,
+        fx: &mut Vec<Effect>,
+    ) {
+        let Some(job) = self.jobs.get_mut(job_id) else {
+            return;
+        };
+        let (Some(gen), Some(flight)) = (job.gen.as_ref(), job.inflight.as_mut()) else {
+            return;
+        };
+        if gen.id != generation || flight.planned.step != step {
+            warn!(
+                worker,
+                job = job_id,
+                generation,
+                step,
+                "result for a stale step, ignored"
+            );
+            return;
+        }
+        let Some(rank) = gen.rank_of(worker) else {
+            return;
+        };
+        flight.results.insert(rank, sums);
+        if flight.results.len() == gen.members.len() {
+            self.commit(job_id, now_ms, fx);
+        }
+    }
+
+    /// Every rank reported: the step commits, the cursor moves.
+    pub(super) fn commit(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
+        let job = self.jobs.get_mut(job_id).expect("committing a known job");
+        let flight = job.inflight.take().expect("committing an in-flight step");
+        let gen = job.gen.clone().expect("committing within a generation");
+        let planned = &flight.planned;
+        let ranks: Vec<_> = flight.results.into_values().collect();
+        let facts = StepFacts {
+            step: planned.step,
+            lr: planned.lr,
+            world_size: gen.world_size(),
+            generation: gen.id,
+            microbatches: planned.microbatches(),
+            step_time_s: (now_ms - flight.started_ms).max(0) as f64 / 1000.0,
+            unix_ms: now_ms,
+        };
+        let m = metrics::aggregate(facts, planned.cursor_after.clone(), &ranks);
+        job.rec.step = planned.step;
+        job.rec.cursor = planned.cursor_after.clone();
+        job.rec.last_loss = Some(m.loss);
+        info!(
+            job = job_id,
+            step = m.step,
+            loss = m.loss,
+            tokens = m.tokens,
+            "step committed"
+        );
+        fx.push(Effect::CommitStep {
+            rec: Box::new(job.rec.clone()),
+            metrics: Box::new(m.clone()),
+            docs: planned.docs.clone(),
+        });
+        fx.push(Effect::AppendMetrics {
+            path: job.spec.job.output_dir.join("metrics.jsonl"),
+            metrics: Box::new(m.clone()),
+        });
+        fx.push(Effect::Publish {
+            job: job_id.to_string(),
+            item: WatchItem::Step(m),
+        });
+
+        let every = job.spec.checkpoint.every_steps;
+        let finished = job.finished();
+        let due = (every > 0 && job.rec.step.is_multiple_of(every))
+            || job.checkpoint_requested
+            || finished;
+        if due {
+            job.checkpoint_requested = false;
+            request_checkpoint(job, fx);
+        }
+        if finished {
+            self.finish(job_id, JobState::Completed, "all steps trained", now_ms, fx);
+            return;
+        }
+        // Drained workers leave at this boundary, and joiners come in: both
+        // form a new generation before the next step.
+        let leaving = gen
+            .members
+            .iter()
+            .any(|m| self.workers.get(m).is_some_and(|w| w.draining));
+        let joining = self.workers.values().any(Worker::available)
+            && gen.world_size() < job.spec.parallel.max_workers;
+        let job = self.jobs.get_mut(job_id).expect("known job");
+        if job.pause_requested {
+            job.pause_requested = false;
+            job.rec.state = JobState::Paused;
+            job.rec.reason = "paused by operator".into();
+            fx.push(Effect::PersistJob(job.rec.clone()));
+            publish_event(
+                fx,
+                job,
+                "state",
+                format!("paused after step {}", job.rec.step),
+                now_ms,
+            );
+        }
+        if leaving || joining {
+            self.release_drained(job_id, fx);
+            self.dissolve_generation(job_id, "membership change at step boundary", now_ms, fx);
+        }
+    }
+
+    /// Sends Release to the draining members of a job's generation.
+    pub(super) fn release_drained(&mut self, job_id: &str, fx: &mut Vec<Effect>) {
+        let Some(gen) = self.jobs.get(job_id).and_then(|j| j.gen.clone()) else {
+            return;
+        };
+        for m in gen.members {
+            if let Some(w) = self.workers.get_mut(&m).filter(|w| w.draining) {
+                fx.push(Effect::Send {
+                    worker: m.clone(),
+                    msg: ToWorker::Release {
+                        job: job_id.to_string(),
+                        reason: "drained".into(),
+                    },
+                });
+                w.state = WorkerState::Draining;
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn on_worker_error(
+        &mut self,
+        worker: &str,
+        job_id: &str,
+        generation: u64,
+        step: u64,
+        kind: WorkerErrorKind,
+        message: String,
+        now_ms: i64,
+        fx: &mut Vec<Effect>,
+    ) {
+        let Some(job) = self.jobs.get(job_id) else {
+            return;
+        };
+        let Some(gen) = job.gen.as_ref().filter(|g| g.id == generation) else {
+            warn!(
+                worker,
+                job = job_id,
+                generation,
+                "error from a stale generation, ignored"
+            );
+            return;
+        };
+        match kind {
+            WorkerErrorKind::CollectiveTimeout {
+                peer_rank: Some(peer),
+            } => {
+                // The silent peer is the suspect, not the reporter.
+                if let Some(peer_id) = gen.members.get(peer as usize).cloned() {
+                    let why = format!("collective timeout reported by {worker}: {message}");
+                    self.lose_worker(&peer_id, &why, now_ms, fx);
+                }
+            }
+            WorkerErrorKind::CollectiveTimeout { peer_rank: None } => {
+                let reason = format!("collective timeout at step {step} on {worker}: {message}");
+                self.dissolve_generation(job_id, &reason, now_ms, fx);
+            }
+            WorkerErrorKind::NonFinite
+            | WorkerErrorKind::InvalidPlan
+            | WorkerErrorKind::Internal => {
+                let reason = format!("step {step} failed on worker {worker}: {message}");
+                self.finish(job_id, JobState::Failed, &reason, now_ms, fx);
+            }
+        }
+    }
+
+    pub(super) fn on_checkpoint_done(
+        &mut self,
+        worker: &str,
+        job_id: &str,
+        step: u64,
+        now_ms: i64,
+        fx: &mut Vec<Effect>,
+    ) {
+        let Some(job) = self.jobs.get_mut(job_id) else {
+            return;
+        };
+        let Some((ck_step, acks)) = job.checkpoint_acks.as_mut().filter(|(s, _)| *s == step) else {
+            return;
+        };
+        if let Some(a) = acks.get_mut(worker) {
+            *a = true;
+        }
+        if acks.values().all(|&a| a) {
+            let ck_step = *ck_step;
+            job.checkpoint_acks = None;
+            job.rec.last_checkpoint = Some(ck_step);
+            fx.push(Effect::PersistJob(job.rec.clone()));
+            publish_event(
+                fx,
+                job,
+                "checkpoint",
+                format!("checkpoint of step {ck_step} written"),
+                now_ms,
+            );
+        }
+    }
+
+    pub(super) fn finish(
+        &mut self,
+        job_id: &str,
+        state: JobState,
+        reason: &str,
+        now_ms: i64,
+        fx: &mut Vec<Effect>,
+    ) {
+        let Some(job) = self.jobs.get_mut(job_id) else {
+            return;
+        };
+        if let (Some(gen), Some(flight)) = (&job.gen, &job.inflight) {
+            for m in &gen.members {
+                fx.push(Effect::Send {
+                    worker: m.clone(),
+                    msg: ToWorker::Abort {
+                        job: job_id.to_string(),
+                        generation: gen.id,
+                        step: flight.planned.step,
+                        reason: reason.to_string(),
+                    },
+                });
+            }
+        }
+        job.inflight = None;
+        if let Some(gen) = job.gen.take() {
+            for m in gen.members {
+                fx.push(Effect::Send {
+                    worker: m.clone(),
+                    msg: ToWorker::Release {
+                        job: job_id.to_string(),
+                        reason: reason.to_string(),
+                    },
+                });
+                if let Some(w) = self.workers.get_mut(&m) {
+                    w.job = None;
+                    w.rank = None;
+                    if w.state != WorkerState::Lost {
+                        w.state = if w.draining {
+                            WorkerState::Draining
+                        } else {
+                            WorkerState::Idle
+                        };
+                    }
+                }
+            }
+        }
+        job.rec.state = state;
+        job.rec.reason = reason.to_string();
+        info!(job = job_id, state = ?state, reason, "job finished");
+        fx.push(Effect::PersistJob(job.rec.clone()));
+        publish_event(fx, job, "state", reason.to_string(), now_ms);
+    }
+
+    /// Forms generations for waiting jobs (FIFO) and dispatches the next step
+    /// of every ready, running job.
+    pub(super) fn schedule(&mut self, now_ms: i64, fx: &mut Vec<Effect>) {
+        for id in self.job_order.clone() {
+            let job = &self.jobs[&id];
+            if job.rec.state == JobState::Pending && job.gen.is_none() {
+                self.form_generation(&id, now_ms, fx);
+            }
+            let job = &self.jobs[&id];
+            let ready = job.gen.as_ref().is_some_and(Generation::all_ready);
+            if job.rec.state == JobState::Running && ready && job.inflight.is_none() {
+                self.dispatch(&id, now_ms, fx);
+            }
+        }
+    }
+
+    pub(super) fn form_generation(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
+        let job = &self.jobs[job_id];
+        let (min, max) = (job.spec.parallel.min_workers, job.spec.parallel.max_workers);
+        let mut free: Vec<&Worker> = self.workers.values().filter(|w| w.available()).collect();
+        free.sort_by_key(|w| w.seq);
+        if (free.len() as u32) < min {
+            let reason = format!(
+                "waiting for workers: {} available, min_workers = {min}",
+                free.len()
+            );
+            let job = self.jobs.get_mut(job_id).expect("known job");
+            if job.rec.reason != reason {
+                job.rec.reason = reason;
+            }
+            return;
+        }
+        let members: Vec<WorkerId> = free
+            .iter()
+            .take(max as usize)
+            .map(|w| w.id.clone())
+            .collect();
+        let peers: Vec<(WorkerId, String)> = members
+            .iter()
+            .map(|m| (m.clone(), self.workers[m].reg.collective_addr.clone()))
+            .collect();
+        let job = self.jobs.get_mut(job_id).expect("known job");
+        job.rec.generation += 1;
+        job.rec.state = JobState::Running;
+        job.rec.reason = String::new();
+        let gen = Generation {
+            id: job.rec.generation,
+            members: members.clone(),
+            ready: vec![false; members.len()],
+        };
+        let restore_from = job.rec.last_checkpoint.map(|s| {
+            job.spec
+                .job
+                .output_dir
+                .join("checkpoints")
+                .join(format!("step-{s}"))
+        });
+        for (rank, m) in members.iter().enumerate() {
+            fx.push(Effect::Send {
+                worker: m.clone(),
+                msg: ToWorker::Configure {
+                    job: job_id.to_string(),
+                    generation: gen.id,
+                    rank: rank as u32,
+                    peers: peers.clone(),
+                    spec_toml: job.rec.spec_toml.clone(),
+                    step: job.rec.step,
+                    restore_from: restore_from.clone(),
+                },
+            });
+            let w = self.workers.get_mut(m).expect("member is registered");
+            w.job = Some(job_id.to_string());
+            w.rank = Some(rank as u32);
+            w.state = WorkerState::Configuring;
+        }
+        info!(
+            job = job_id,
+            generation = gen.id,
+            world_size = members.len(),
+            "generation formed"
+        );
+        fx.push(Effect::PersistJob(job.rec.clone()));
+        let msg = format!(
+            "generation {} formed with {} workers",
+            gen.id,
+            members.len()
+        );
+        job.gen = Some(gen);
+        publish_event(fx, job, "generation", msg, now_ms);
+    }
+
+    pub(super) fn dispatch(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
+        let job = self.jobs.get_mut(job_id).expect("known job");
+        if job.finished() {
+            self.finish(job_id, JobState::Completed, "all steps trained", now_ms, fx);
+            return;
+        }
+        let gen = job.gen.as_ref().expect("dispatch within a generation");
+        let next = job.rec.step + 1;
+        let planned = match step::plan_step(
+            &job.spec,
+            &job.docs,
+            &job.rec.cursor,
+            next,
+            gen.world_size(),
+        ) {
+            Ok(Some(p)) => Arc::new(p),
+            Ok(None) => {
+                self.finish(job_id, JobState::Completed, "data exhausted", now_ms, fx);
+                return;
+            }
+            Err(e) => {
+                let reason = format!("planning step {next} failed: {e}");
+                self.finish(job_id, JobState::Failed, &reason, now_ms, fx);
+                return;
+            }
+        };
+        for (rank, m) in gen.members.iter().enumerate() {
+            fx.push(Effect::Send {
+                worker: m.clone(),
+                msg: ToWorker::Plan {
+                    job: job_id.to_string(),
+                    generation: gen.id,
+                    rank: rank as u32,
+                    planned: planned.clone(),
+                },
+            });
+        }
+        job.inflight = Some(InFlight {
+            planned,
+            started_ms: now_ms,
+            results: BTreeMap::new(),
+        });
+    }
+}
