@@ -1,4 +1,7 @@
-//! Accrue worker. This crate is the only one that will link libtorch; until
-//! the worker issue lands it only pins the wire contract it builds on.
+//! Accrue worker: runs the coordinator's step plans (forward/backward over
+//! padding-free packed microbatches, exact accumulation, optimizer step) with
+//! libtorch through `tch`. The only crate that links libtorch.
+
+pub mod config;
 
 pub use accrue_proto::v1 as wire;
