@@ -1,6 +1,8 @@
 //! Parity with `transformers`: the worker's packed forward over several
 //! documents gives the per-document logits, loss and gradients of
-//! transformers run on each document separately (fp32).
+//! transformers run on each document separately (fp32). Tolerances: logits
+//! max abs 1e-4, loss sum 1e-6 relative, gradients per tensor
+//! ‖a−b‖ ≤ 1e-5·‖b‖ (measured: ~1e-6 everywhere).
 
 mod common;
 

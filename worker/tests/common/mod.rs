@@ -111,3 +111,45 @@ pub fn worst_rel(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> (f64, String
 pub fn batch(docs: &[(Vec<i64>, Vec<i64>)]) -> PackedBatch {
     PackedBatch::from_documents(docs)
 }
+
+/// A tiny Llama config.json (GQA, untied) for tests that need no Python.
+pub const TINY_CONFIG: &str = r#"{
+  "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+  "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
+  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+  "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "initializer_range": 0.05,
+  "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+  "tie_word_embeddings": false, "hidden_act": "silu"
+}"#;
+
+/// A job config with `init = "random"` and [`TINY_CONFIG`] written in `dir`.
+pub fn random_job(dir: &Path, extra: &str) -> JobConfig {
+    let path = dir.join("config.json");
+    std::fs::write(&path, TINY_CONFIG).unwrap();
+    job_config(
+        "random",
+        &format!("config = \"{}\"\n{extra}", path.display()),
+    )
+}
+
+/// Deterministic pseudo-random documents `(ids, labels)` of the given
+/// lengths; the first `len / 4` labels of each are masked (a prompt).
+pub fn synthetic_documents(lengths: &[usize], seed: u64) -> Vec<(Vec<i64>, Vec<i64>)> {
+    let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut next = move || {
+        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((state >> 33) % 300) as i64
+    };
+    lengths
+        .iter()
+        .map(|&n| {
+            let ids: Vec<i64> = (0..n).map(|_| next()).collect();
+            let labels = ids
+                .iter()
+                .enumerate()
+                .map(|(i, &t)| if i < n / 4 { -100 } else { t })
+                .collect();
+            (ids, labels)
+        })
+        .collect()
+}
