@@ -94,8 +94,14 @@ fn accumulation_k_uneven_microbatches_equal_one_microbatch() {
         let (gw, gn) = common::worst_rel(&g, &g_ref);
         let (pw, pn) = common::worst_rel(&bad.named_parameters(), &p_ref);
         println!("{how:?}: gradients {gw:e} ({gn}), parameters {pw:e} ({pn})");
-        assert!(gw > 100.0 * TOL, "{how:?} gradients should differ, got {gw}");
-        assert!(pw > 100.0 * TOL, "{how:?} parameters should differ, got {pw}");
+        assert!(
+            gw > 100.0 * TOL,
+            "{how:?} gradients should differ, got {gw}"
+        );
+        assert!(
+            pw > 100.0 * TOL,
+            "{how:?} parameters should differ, got {pw}"
+        );
     }
 }
 
@@ -105,9 +111,15 @@ fn accumulation_varying_k_across_steps_matches_one_microbatch_per_step() {
     // Three steps with different documents; the split changes every step.
     let steps: Vec<(Vec<(Vec<i64>, Vec<i64>)>, Vec<usize>)> = vec![
         (common::synthetic_documents(&LENGTHS, 2), vec![4]),
-        (common::synthetic_documents(&[50, 3, 17, 8, 33], 3), vec![1, 2, 3, 4]),
+        (
+            common::synthetic_documents(&[50, 3, 17, 8, 33], 3),
+            vec![1, 2, 3, 4],
+        ),
         (common::synthetic_documents(&[21, 64, 6], 4), vec![]),
-        (common::synthetic_documents(&[7, 7, 40, 13, 25, 3], 5), vec![2, 3]),
+        (
+            common::synthetic_documents(&[7, 7, 40, 13, 25, 3], 5),
+            vec![2, 3],
+        ),
     ];
     let mut reference = trainer(dir.path());
     let mut split_run = trainer(dir.path());
@@ -118,7 +130,10 @@ fn accumulation_varying_k_across_steps_matches_one_microbatch_per_step() {
             &split_run.named_parameters(),
             &common::snapshot(&reference.named_parameters()),
         );
-        println!("step {s} (k = {}): parameters {pw:e} ({pn})", cuts.len() + 1);
+        println!(
+            "step {s} (k = {}): parameters {pw:e} ({pn})",
+            cuts.len() + 1
+        );
         assert!(pw <= TOL, "step {s}: parameter {pn} differs by {pw}");
     }
     let (step_a, _) = reference.optimizer_state();

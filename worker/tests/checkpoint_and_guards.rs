@@ -36,18 +36,28 @@ fn checkpoint_round_trip_transformers_and_resume() {
     let out = dir.path().join("hf.safetensors");
     common::python(
         "hf_logits.py",
-        &[ckpt.to_str().unwrap(), inputs_path.to_str().unwrap(), out.to_str().unwrap()],
+        &[
+            ckpt.to_str().unwrap(),
+            inputs_path.to_str().unwrap(),
+            out.to_str().unwrap(),
+        ],
     );
     let theirs = common::read(&out);
     let ours = tch::no_grad(|| a.model().logits(&batch.input_ids, &batch.cu_seq_lens));
     for (i, w) in batch.cu_seq_lens.windows(2).enumerate() {
-        let d = common::max_abs_diff(&ours.narrow(0, w[0], w[1] - w[0]), &theirs[&format!("doc{i}.logits")]);
+        let d = common::max_abs_diff(
+            &ours.narrow(0, w[0], w[1] - w[0]),
+            &theirs[&format!("doc{i}.logits")],
+        );
         assert!(d <= 1e-4, "doc {i}: transformers logits differ by {d}");
     }
 
     // Restored trainer: same parameters and optimizer state, same next step.
     let mut b = Trainer::new(&cfg, Some(&ckpt)).unwrap();
-    let (wp, np) = common::worst_rel(&b.named_parameters(), &common::snapshot(&a.named_parameters()));
+    let (wp, np) = common::worst_rel(
+        &b.named_parameters(),
+        &common::snapshot(&a.named_parameters()),
+    );
     assert_eq!(wp, 0.0, "restored parameter {np} differs");
     let (sa, ma) = a.optimizer_state();
     let (sb, mb) = b.optimizer_state();
@@ -63,7 +73,10 @@ fn checkpoint_round_trip_transformers_and_resume() {
     assert_eq!(la.loss_sum, lb.loss_sum);
     a.optimizer_step(1e-3).unwrap();
     b.optimizer_step(1e-3).unwrap();
-    let (wp, np) = common::worst_rel(&b.named_parameters(), &common::snapshot(&a.named_parameters()));
+    let (wp, np) = common::worst_rel(
+        &b.named_parameters(),
+        &common::snapshot(&a.named_parameters()),
+    );
     assert_eq!(wp, 0.0, "after resuming, parameter {np} differs");
 }
 
@@ -84,7 +97,10 @@ fn nan_parameter_fails_the_microbatch_and_leaves_gradients_alone() {
         let _ = norm_w.get(0).fill_(f64::NAN);
     });
     let err = t.microbatch(3, &batch, total).unwrap_err().to_string();
-    assert!(err.contains("microbatch 3") && err.contains("non-finite loss"), "{err}");
+    assert!(
+        err.contains("microbatch 3") && err.contains("non-finite loss"),
+        "{err}"
+    );
     let (w, n) = common::worst_rel(&common::snapshot(&t.named_grads()), &grads_before);
     assert_eq!(w, 0.0, "gradient of {n} changed by a failed microbatch");
 }

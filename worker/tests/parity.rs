@@ -34,7 +34,10 @@ fn check_parity(variant: &str) {
         worst_logit = worst_logit.max(common::max_abs_diff(&ours, theirs));
     }
     println!("{variant}: logits max abs diff {worst_logit:e}");
-    assert!(worst_logit <= 1e-4, "{variant}: logits differ by {worst_logit}");
+    assert!(
+        worst_logit <= 1e-4,
+        "{variant}: logits differ by {worst_logit}"
+    );
 
     // Loss and gradients, from one packed microbatch.
     let sums = trainer.microbatch(0, &batch, total).unwrap();
@@ -42,8 +45,15 @@ fn check_parity(variant: &str) {
         .map(|i| f64::try_from(&reference[&format!("doc{i}.loss_sum")]).unwrap())
         .sum();
     let rel = (sums.loss_sum - expected_loss).abs() / expected_loss;
-    println!("{variant}: loss sum {} vs {expected_loss} (rel {rel:e})", sums.loss_sum);
-    assert!(rel <= 1e-6, "{variant}: loss sum {} vs {expected_loss}", sums.loss_sum);
+    println!(
+        "{variant}: loss sum {} vs {expected_loss} (rel {rel:e})",
+        sums.loss_sum
+    );
+    assert!(
+        rel <= 1e-6,
+        "{variant}: loss sum {} vs {expected_loss}",
+        sums.loss_sum
+    );
     assert_eq!(sums.loss_tokens, total);
     assert_eq!(sums.documents, docs.len() as u64);
 
@@ -61,8 +71,16 @@ fn check_parity(variant: &str) {
             worst = (d / n, name.clone());
         }
     }
-    println!("{variant}: worst gradient rel diff {:e} ({})", worst.0, worst.1);
-    assert!(worst.0 <= 1e-5, "{variant}: gradient of {} differs by {}", worst.1, worst.0);
+    println!(
+        "{variant}: worst gradient rel diff {:e} ({})",
+        worst.0, worst.1
+    );
+    assert!(
+        worst.0 <= 1e-5,
+        "{variant}: gradient of {} differs by {}",
+        worst.1,
+        worst.0
+    );
 }
 
 #[test]

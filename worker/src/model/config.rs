@@ -143,7 +143,10 @@ impl LlamaConfig {
 
     pub fn attn_bias(&self) -> AttnBias {
         if self.model_type == "qwen2" {
-            AttnBias { qkv: true, o: false }
+            AttnBias {
+                qkv: true,
+                o: false,
+            }
         } else {
             AttnBias {
                 qkv: self.attention_bias,

@@ -41,7 +41,11 @@ pub struct DecoderLayer {
 impl DecoderLayer {
     pub fn new(p: nn::Path, cfg: &LlamaConfig) -> DecoderLayer {
         DecoderLayer {
-            input_layernorm: RmsNorm::new(&p / "input_layernorm", cfg.hidden_size, cfg.rms_norm_eps),
+            input_layernorm: RmsNorm::new(
+                &p / "input_layernorm",
+                cfg.hidden_size,
+                cfg.rms_norm_eps,
+            ),
             self_attn: Attention::new(&p / "self_attn", cfg),
             post_attention_layernorm: RmsNorm::new(
                 &p / "post_attention_layernorm",
@@ -60,7 +64,13 @@ impl DecoderLayer {
         cu_seq_lens: &[i64],
         mode: PackedAttention,
     ) -> Tensor {
-        let h = x + self.self_attn.forward(&self.input_layernorm.forward(x), cos, sin, cu_seq_lens, mode);
+        let h = x + self.self_attn.forward(
+            &self.input_layernorm.forward(x),
+            cos,
+            sin,
+            cu_seq_lens,
+            mode,
+        );
         &h + self.mlp.forward(&self.post_attention_layernorm.forward(&h))
     }
 }
@@ -83,14 +93,21 @@ pub struct Llama {
 
 impl std::fmt::Debug for Llama {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Llama").field("cfg", &self.cfg).finish_non_exhaustive()
+        f.debug_struct("Llama")
+            .field("cfg", &self.cfg)
+            .finish_non_exhaustive()
     }
 }
 
 impl Llama {
     /// Builds the model with HF's random init (call `tch::manual_seed` first
     /// for a seeded init), in float32 then cast to `kind`.
-    pub fn new(cfg: LlamaConfig, raw_config: serde_json::Value, kind: Kind, device: Device) -> anyhow::Result<Llama> {
+    pub fn new(
+        cfg: LlamaConfig,
+        raw_config: serde_json::Value,
+        kind: Kind,
+        device: Device,
+    ) -> anyhow::Result<Llama> {
         cfg.validate()?;
         let mut vs = nn::VarStore::new(device);
         let root = vs.root();
@@ -99,9 +116,15 @@ impl Llama {
         let embed_tokens = (&model / "embed_tokens").var(
             "weight",
             &[cfg.vocab_size as i64, cfg.hidden_size as i64],
-            nn::Init::Randn { mean: 0.0, stdev: std },
+            nn::Init::Randn {
+                mean: 0.0,
+                stdev: std,
+            },
         );
-        if let Some(pad) = cfg.pad_token_id.filter(|&p| p >= 0 && (p as usize) < cfg.vocab_size) {
+        if let Some(pad) = cfg
+            .pad_token_id
+            .filter(|&p| p >= 0 && (p as usize) < cfg.vocab_size)
+        {
             // HF zeroes the padding row of the embedding at init.
             tch::no_grad(|| {
                 let _ = embed_tokens.get(pad).zero_();
@@ -115,7 +138,10 @@ impl Llama {
             (&root / "lm_head").var(
                 "weight",
                 &[cfg.vocab_size as i64, cfg.hidden_size as i64],
-                nn::Init::Randn { mean: 0.0, stdev: std },
+                nn::Init::Randn {
+                    mean: 0.0,
+                    stdev: std,
+                },
             )
         });
         let (theta, scaling) = cfg.rope()?;

@@ -44,7 +44,8 @@ pub fn checkpoint_files(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
 pub fn read_tensors(files: &[PathBuf]) -> anyhow::Result<HashMap<String, Tensor>> {
     let mut out = HashMap::new();
     for f in files {
-        let named = Tensor::read_safetensors(f).with_context(|| format!("reading {}", f.display()))?;
+        let named =
+            Tensor::read_safetensors(f).with_context(|| format!("reading {}", f.display()))?;
         out.extend(named);
     }
     Ok(out)
@@ -81,7 +82,11 @@ pub fn copy_into(
     }
     if !missing.is_empty() {
         missing.sort();
-        bail!("{}: missing tensors {}", source.display(), missing.join(", "));
+        bail!(
+            "{}: missing tensors {}",
+            source.display(),
+            missing.join(", ")
+        );
     }
     let mut unexpected: Vec<&String> = tensors
         .keys()
@@ -93,7 +98,11 @@ pub fn copy_into(
         bail!(
             "{}: tensors the model does not have: {}",
             source.display(),
-            unexpected.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", ")
+            unexpected
+                .iter()
+                .map(|s| s.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
         );
     }
     Ok(())

@@ -46,7 +46,10 @@ impl PackedBatch {
             return Ok(());
         }
         if self.cu_seq_lens.first() != Some(&0) {
-            bail!("microbatch cu_seq_lens: must start at 0, got {:?}", self.cu_seq_lens.first());
+            bail!(
+                "microbatch cu_seq_lens: must start at 0, got {:?}",
+                self.cu_seq_lens.first()
+            );
         }
         if let Some(i) = self.cu_seq_lens.windows(2).position(|w| w[1] <= w[0]) {
             bail!(
@@ -92,7 +95,10 @@ impl PackedBatch {
             .windows(2)
             .map(|w| {
                 let (s, e) = (w[0] as usize, w[1] as usize);
-                self.labels[(s + 1).min(e)..e].iter().filter(|&&l| l != -100).count() as u64
+                self.labels[(s + 1).min(e)..e]
+                    .iter()
+                    .filter(|&&l| l != -100)
+                    .count() as u64
             })
             .sum()
     }

@@ -35,7 +35,13 @@ pub fn dtype_name(kind: Kind) -> &'static str {
 }
 
 /// Writes the model and optimizer to `dir` (created if missing).
-pub fn save(dir: &Path, model: &Llama, names: &[String], params: &[Tensor], opt: &AdamW) -> anyhow::Result<()> {
+pub fn save(
+    dir: &Path,
+    model: &Llama,
+    names: &[String],
+    params: &[Tensor],
+    opt: &AdamW,
+) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let mut config = model.raw_config.clone();
     if let Some(obj) = config.as_object_mut() {
@@ -63,7 +69,10 @@ pub fn save(dir: &Path, model: &Llama, names: &[String], params: &[Tensor], opt:
         optimizer_step: opt.step,
         dtype: dtype_name(model.kind()).into(),
     };
-    write_atomic(&dir.join("trainer.json"), serde_json::to_string_pretty(&ts)?.as_bytes())?;
+    write_atomic(
+        &dir.join("trainer.json"),
+        serde_json::to_string_pretty(&ts)?.as_bytes(),
+    )?;
     Ok(())
 }
 
@@ -71,7 +80,8 @@ pub fn save(dir: &Path, model: &Llama, names: &[String], params: &[Tensor], opt:
 pub fn load_optimizer(dir: &Path, names: &[String], opt: &mut AdamW) -> anyhow::Result<()> {
     let ts_path = dir.join("trainer.json");
     let ts: TrainerState = serde_json::from_str(
-        &std::fs::read_to_string(&ts_path).with_context(|| format!("reading {}", ts_path.display()))?,
+        &std::fs::read_to_string(&ts_path)
+            .with_context(|| format!("reading {}", ts_path.display()))?,
     )
     .with_context(|| format!("parsing {}", ts_path.display()))?;
     let path = dir.join("optimizer.safetensors");
@@ -94,7 +104,12 @@ pub fn load_optimizer(dir: &Path, names: &[String], opt: &mut AdamW) -> anyhow::
                 .get(&key)
                 .with_context(|| format!("{}: missing tensor {key}", path.display()))?;
             if t.size() != dst.size() {
-                bail!("{}: tensor {key} has shape {:?}, expected {:?}", path.display(), t.size(), dst.size());
+                bail!(
+                    "{}: tensor {key} has shape {:?}, expected {:?}",
+                    path.display(),
+                    t.size(),
+                    dst.size()
+                );
             }
             tch::no_grad(|| dst.copy_(&t.to_kind(Kind::Float)));
         }

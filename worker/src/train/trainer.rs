@@ -134,14 +134,17 @@ impl Trainer {
         if mb.is_empty() {
             return Ok(sums);
         }
-        mb.validate().with_context(|| format!("microbatch {index}"))?;
+        mb.validate()
+            .with_context(|| format!("microbatch {index}"))?;
         let targets = loss::shifted_targets(&mb.labels, &mb.cu_seq_lens);
         if targets.iter().all(|&t| t == -100) {
             // No loss token: zero gradient, skip the forward.
             return Ok(sums);
         }
         if global_loss_tokens == 0 {
-            bail!("microbatch {index}: has loss tokens but the step's global loss-token count is 0");
+            bail!(
+                "microbatch {index}: has loss tokens but the step's global loss-token count is 0"
+            );
         }
         let hidden = self.model.hidden(&mb.input_ids, &mb.cu_seq_lens);
         let head = self.model.lm_head_weight();

@@ -85,12 +85,20 @@ pub fn diff_norms(a: &Tensor, b: &Tensor) -> (f64, f64) {
 }
 
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
-    f64::try_from((a.to_kind(Kind::Double) - b.to_kind(Kind::Double)).abs().max()).unwrap()
+    f64::try_from(
+        (a.to_kind(Kind::Double) - b.to_kind(Kind::Double))
+            .abs()
+            .max(),
+    )
+    .unwrap()
 }
 
 /// Deep copies of all parameters.
 pub fn snapshot(params: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
-    params.iter().map(|(n, t)| (n.clone(), t.detach().copy())).collect()
+    params
+        .iter()
+        .map(|(n, t)| (n.clone(), t.detach().copy()))
+        .collect()
 }
 
 /// Largest relative per-tensor difference `‖a−b‖/‖b‖` and its name.
@@ -135,9 +143,13 @@ pub fn random_job(dir: &Path, extra: &str) -> JobConfig {
 /// Deterministic pseudo-random documents `(ids, labels)` of the given
 /// lengths; the first `len / 4` labels of each are masked (a prompt).
 pub fn synthetic_documents(lengths: &[usize], seed: u64) -> Vec<(Vec<i64>, Vec<i64>)> {
-    let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     let mut next = move || {
-        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         ((state >> 33) % 300) as i64
     };
     lengths
