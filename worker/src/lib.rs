@@ -3,5 +3,7 @@
 //! libtorch through `tch`. The only crate that links libtorch.
 
 pub mod config;
+pub mod model;
+pub mod train;
 
 pub use accrue_proto::v1 as wire;
