@@ -3,5 +3,18 @@
 //! libtorch through `tch`. The only crate that links libtorch.
 
 pub mod config;
+pub mod runner;
+// lead: add `mod runner_trainer;` (and use its factory in runner::default_factory) when train lands.
+pub mod session;
 
 pub use accrue_proto::v1 as wire;
+
+/// Installs the `tracing` subscriber on stderr (RUST_LOG, default `info`).
+pub fn init_tracing() {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
