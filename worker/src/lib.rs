@@ -4,6 +4,19 @@
 
 pub mod config;
 pub mod model;
+pub mod runner;
+mod runner_trainer;
+pub mod session;
 pub mod train;
 
 pub use accrue_proto::v1 as wire;
+
+/// Installs the `tracing` subscriber on stderr (RUST_LOG, default `info`).
+pub fn init_tracing() {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
