@@ -63,8 +63,7 @@ pub trait StepExecutor {
 pub type Factory =
     Arc<dyn Fn(&JobConfig, Option<&Path>) -> anyhow::Result<Box<dyn StepExecutor>> + Send + Sync>;
 
-/// The factory of a build without a trainer.
-// lead: replace with `crate::runner_trainer::factory()` when train lands.
+/// The libtorch trainer.
 pub fn default_factory() -> Factory {
     crate::runner_trainer::factory()
 }
