@@ -3,9 +3,11 @@
 //! libtorch through `tch`. The only crate that links libtorch.
 
 pub mod config;
+pub mod model;
 pub mod runner;
-// lead: add `mod runner_trainer;` (and use its factory in runner::default_factory) when train lands.
+mod runner_trainer;
 pub mod session;
+pub mod train;
 
 pub use accrue_proto::v1 as wire;
 

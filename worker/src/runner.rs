@@ -66,7 +66,7 @@ pub type Factory =
 /// The factory of a build without a trainer.
 // lead: replace with `crate::runner_trainer::factory()` when train lands.
 pub fn default_factory() -> Factory {
-    Arc::new(|_, _| anyhow::bail!("this accrue-worker build has no trainer (crate::train)"))
+    crate::runner_trainer::factory()
 }
 
 /// Work for the runner thread, in arrival order.

@@ -1,6 +1,4 @@
 //! The real [`StepExecutor`]: the libtorch `Trainer` (crate::train).
-//! Kept out of lib.rs until `crate::train` lands; then `lib.rs` gets
-//! `mod runner_trainer;` and `runner::default_factory` returns [`factory`].
 
 use std::path::Path;
 use std::sync::Arc;

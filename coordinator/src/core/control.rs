@@ -3,7 +3,7 @@
 //! job or worker is unknown or in a state where the action makes no sense.
 
 use super::jobs::{Generation, JobState};
-use super::machine::{bad_state, publish_event, request_checkpoint, Coordinator};
+use super::machine::{bad_state, enter_paused, publish_event, request_checkpoint, Coordinator};
 use super::workers::WorkerState;
 use super::{CoreError, Effect, Result, ToWorker};
 
@@ -30,18 +30,7 @@ impl Coordinator {
             .ok_or_else(|| CoreError::JobNotFound(job_id.into()))?;
         match job.rec.state {
             JobState::Running if job.inflight.is_some() => job.pause_requested = true,
-            JobState::Running | JobState::Pending => {
-                job.rec.state = JobState::Paused;
-                job.rec.reason = "paused by operator".into();
-                fx.push(Effect::PersistJob(job.rec.clone()));
-                publish_event(
-                    fx,
-                    job,
-                    "state",
-                    format!("paused at step {}", job.rec.step),
-                    now_ms,
-                );
-            }
+            JobState::Running | JobState::Pending => enter_paused(job, now_ms, fx),
             JobState::Paused => {}
             s => return Err(bad_state(job_id, s, "pause")),
         }

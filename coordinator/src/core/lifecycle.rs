@@ -8,7 +8,7 @@ use std::sync::Arc;
 use tracing::{info, warn};
 
 use super::jobs::{Generation, InFlight, JobState};
-use super::machine::{publish_event, request_checkpoint, Coordinator};
+use super::machine::{enter_paused, publish_event, request_checkpoint, Coordinator};
 use super::metrics::{self, StepFacts};
 use super::step;
 use super::workers::{Worker, WorkerId, WorkerState};
@@ -116,16 +116,7 @@ impl Coordinator {
         let job = self.jobs.get_mut(job_id).expect("known job");
         if job.pause_requested {
             job.pause_requested = false;
-            job.rec.state = JobState::Paused;
-            job.rec.reason = "paused by operator".into();
-            fx.push(Effect::PersistJob(job.rec.clone()));
-            publish_event(
-                fx,
-                job,
-                "state",
-                format!("paused after step {}", job.rec.step),
-                now_ms,
-            );
+            enter_paused(job, now_ms, fx);
         }
         if leaving || joining {
             self.release_drained(job_id, fx);

@@ -343,6 +343,15 @@ pub(super) fn request_checkpoint(job: &mut Job, fx: &mut Vec<Effect>) {
     ));
 }
 
+/// Pauses a job at its current step boundary.
+pub(super) fn enter_paused(job: &mut Job, now_ms: i64, fx: &mut Vec<Effect>) {
+    job.rec.state = JobState::Paused;
+    job.rec.reason = "paused by operator".into();
+    fx.push(Effect::PersistJob(job.rec.clone()));
+    let msg = format!("paused at step {}", job.rec.step);
+    publish_event(fx, job, "state", msg, now_ms);
+}
+
 pub(super) fn publish_event(
     fx: &mut Vec<Effect>,
     job: &Job,
