@@ -48,7 +48,10 @@ async fn main() -> anyhow::Result<()> {
     // Machine-readable for scripts and tests that pass port 0.
     println!("listening on {}", server.local_addr());
     if let Some(a) = server.metrics_addr() {
-        println!("metrics on {a}");
+        // Not println!: a reader that took only the first line may have
+        // closed the pipe, and that must not stop the server.
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), "metrics on {a}");
     }
     let shutdown = accrue_coordinator::shutdown_on_signal();
     server.run(shutdown).await
