@@ -36,6 +36,9 @@ pub struct StepStats {
     pub grad_norm: f64,
 }
 
+/// Serialises seeded random init (see [`Trainer::new`]).
+static SEEDED_INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Model + optimizer of one worker.
 pub struct Trainer {
     model: Llama,
@@ -82,6 +85,11 @@ impl Trainer {
                     .as_ref()
                     .context("model.config: required when model.init = \"random\"")?;
                 let (mcfg, raw) = LlamaConfig::from_file(path)?;
+                // libtorch's generator is process-global: two trainers built
+                // at once (threads, tests) would interleave its draws and
+                // break the seed's reproducibility, so seeding + init is one
+                // critical section.
+                let _init = SEEDED_INIT.lock().unwrap_or_else(|p| p.into_inner());
                 tch::manual_seed(cfg.job.seed as i64);
                 Llama::new(mcfg, raw, kind, device)?
             }
