@@ -108,8 +108,9 @@ fn accumulation_k_uneven_microbatches_equal_one_microbatch() {
 #[test]
 fn accumulation_varying_k_across_steps_matches_one_microbatch_per_step() {
     let dir = tempfile::tempdir().unwrap();
-    // Three steps with different documents; the split changes every step.
-    let steps: Vec<(Vec<(Vec<i64>, Vec<i64>)>, Vec<usize>)> = vec![
+    // Four steps with different documents; the split changes every step.
+    type Docs = Vec<(Vec<i64>, Vec<i64>)>;
+    let steps: Vec<(Docs, Vec<usize>)> = vec![
         (common::synthetic_documents(&LENGTHS, 2), vec![4]),
         (
             common::synthetic_documents(&[50, 3, 17, 8, 33], 3),

@@ -48,7 +48,7 @@ fn bench_train_step() {
         let mut t = Trainer::new(&cfg, None).unwrap();
         t.model_mut().attention = mode;
         let total = batch.loss_tokens();
-        let mut step = |t: &mut Trainer| {
+        let step = |t: &mut Trainer| {
             t.microbatch(0, &batch, total).unwrap();
             t.optimizer_step(1e-4).unwrap();
         };

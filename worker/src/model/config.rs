@@ -109,17 +109,23 @@ impl LlamaConfig {
                 problems.push(format!("hidden_act: expected silu, got {act}"));
             }
         }
-        if self.num_attention_heads == 0 || self.num_attention_heads % self.kv_heads() != 0 {
+        if self.num_attention_heads == 0
+            || !self.num_attention_heads.is_multiple_of(self.kv_heads())
+        {
             problems.push(format!(
                 "num_key_value_heads: {} does not divide num_attention_heads {}",
                 self.kv_heads(),
                 self.num_attention_heads
             ));
         }
-        if self.head_dim.is_none() && self.hidden_size % self.num_attention_heads.max(1) != 0 {
+        if self.head_dim.is_none()
+            && !self
+                .hidden_size
+                .is_multiple_of(self.num_attention_heads.max(1))
+        {
             problems.push("hidden_size: not divisible by num_attention_heads".into());
         }
-        if self.head_dim() % 2 != 0 {
+        if !self.head_dim().is_multiple_of(2) {
             problems.push(format!("head_dim: must be even, got {}", self.head_dim()));
         }
         if let Err(e) = self.rope() {

@@ -22,8 +22,8 @@ pub fn shifted_targets(labels: &[i64], cu_seq_lens: &[i64]) -> Vec<i64> {
     let mut out = vec![-100; labels.len()];
     for w in cu_seq_lens.windows(2) {
         let (s, e) = (w[0] as usize, w[1] as usize);
-        for t in s..e.saturating_sub(1) {
-            out[t] = labels[t + 1];
+        if e > s + 1 {
+            out[s..e - 1].copy_from_slice(&labels[s + 1..e]);
         }
     }
     out
