@@ -1,7 +1,20 @@
 #!/usr/bin/env bash
-# Builds the workspace (coordinator, CLI, worker). Needs only the Rust toolchain.
+# Sets up a fresh clone: a Python venv in .venv with PyTorch 2.13.0 from PyPI
+# (the worker links its libtorch), then builds every binary. Needs the Rust
+# toolchain and Python 3 with venv/pip. Safe to re-run: what is there is kept.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v cargo >/dev/null || { echo "error: cargo not found; install Rust from https://rustup.rs" >&2; exit 1; }
+torch_version=2.13.0
+if [ ! -x .venv/bin/python ]; then
+  command -v python3 >/dev/null || { echo "error: python3 not found; the worker needs PyTorch's libtorch" >&2; exit 1; }
+  python3 -m venv .venv
+fi
+if ! .venv/bin/python -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$torch_version')" 2>/dev/null; then
+  echo "installing torch==$torch_version into .venv (once; large download)"
+  .venv/bin/pip install -q "torch==$torch_version"
+fi
+# shellcheck source=scripts/env.sh
+source scripts/env.sh
 cargo build --workspace --bins
-echo "built: target/debug/accrue, target/debug/accrue-coordinator"
+echo "built: target/debug/accrue, target/debug/accrue-coordinator, target/debug/accrue-worker"

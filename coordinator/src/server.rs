@@ -29,6 +29,11 @@ pub struct ServerConfig {
     pub heartbeat_timeout_ms: i64,
     /// How often the tick loop checks liveness.
     pub tick_ms: u64,
+    /// Where to serve Prometheus `GET /metrics` (None: not served).
+    pub metrics_listen: Option<SocketAddr>,
+    /// A metrics address that cannot be bound only warns (the default port
+    /// may be taken by another coordinator on the machine).
+    pub metrics_optional: bool,
 }
 
 impl ServerConfig {
@@ -39,12 +44,15 @@ impl ServerConfig {
             heartbeat_interval_ms: 500,
             heartbeat_timeout_ms: 2_000,
             tick_ms: 200,
+            metrics_listen: None,
+            metrics_optional: false,
         }
     }
 }
 
 pub struct Server {
     listener: TcpListener,
+    metrics: Option<TcpListener>,
     shared: Arc<Shared>,
     config: ServerConfig,
 }
@@ -68,8 +76,20 @@ impl Server {
             .await
             .with_context(|| format!("binding {}", config.listen))?;
         info!(addr = %listener.local_addr()?, restored, state_dir = %config.state_dir.display(), "coordinator listening");
+        let metrics = match config.metrics_listen {
+            None => None,
+            Some(addr) => match TcpListener::bind(addr).await {
+                Ok(l) => Some(l),
+                Err(e) if config.metrics_optional => {
+                    tracing::warn!(%addr, %e, "metrics endpoint disabled: cannot bind");
+                    None
+                }
+                Err(e) => return Err(e).with_context(|| format!("binding metrics on {addr}")),
+            },
+        };
         Ok(Server {
             listener,
+            metrics,
             shared: Shared::new(core, store),
             config,
         })
@@ -79,6 +99,11 @@ impl Server {
         self.listener
             .local_addr()
             .expect("a bound listener has an address")
+    }
+
+    /// Where `GET /metrics` is served, if it is.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics.as_ref().and_then(|l| l.local_addr().ok())
     }
 
     pub fn shared(&self) -> Arc<Shared> {
@@ -103,6 +128,13 @@ impl Server {
                 }
             }
         });
+        if let Some(l) = self.metrics {
+            tokio::spawn(crate::metrics_http::serve(
+                l,
+                self.shared.clone(),
+                shutdown.clone(),
+            ));
+        }
         let admin = AdminServer::new(AdminService::new(self.shared.clone()));
         let worker = WorkerServiceServer::new(WorkerServiceImpl::new(
             self.shared.clone(),

@@ -162,6 +162,7 @@ mod tests {
             documents: 10,
             total_steps: 5,
             last_checkpoint: None,
+            resumed_from: None,
         }
     }
 

@@ -15,6 +15,7 @@ mod admin;
 mod bench;
 pub mod client;
 mod data;
+pub mod local;
 #[cfg(test)]
 mod mock_tests;
 pub mod render;
@@ -249,9 +250,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Data {
             data: DataCommand::Synth(args),
         } => data::synth(&args),
-        Command::Local { .. } => {
-            anyhow::bail!("accrue local arrives with the worker (issue 3)")
-        }
+        Command::Local { spec, workers } => local::run(&spec, workers).await,
     }
 }
 
@@ -350,13 +349,10 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn placeholders_fail_clearly() {
-        let e = run(parse(&["local", "job.toml", "--workers", "2"]).unwrap())
+    async fn local_with_a_missing_spec_names_the_file() {
+        let e = run(parse(&["local", "/nonexistent/job.toml", "--workers", "2"]).unwrap())
             .await
             .unwrap_err();
-        assert_eq!(
-            e.to_string(),
-            "accrue local arrives with the worker (issue 3)"
-        );
+        assert_eq!(e.to_string(), "cannot read /nonexistent/job.toml");
     }
 }

@@ -58,6 +58,10 @@ pub struct JobRecord {
     pub total_steps: u64,
     /// Last step whose checkpoint every rank reported written.
     pub last_checkpoint: Option<u64>,
+    /// The checkpoint directory the job resumed from (restored until the
+    /// job writes a checkpoint of its own).
+    #[serde(default)]
+    pub resumed_from: Option<std::path::PathBuf>,
 }
 
 /// A fixed membership of a job: ranks 0..W-1.

@@ -326,13 +326,17 @@ impl Coordinator {
             members: members.clone(),
             ready: vec![false; members.len()],
         };
-        let restore_from = job.rec.last_checkpoint.map(|s| {
-            job.spec
-                .job
-                .output_dir
-                .join("checkpoints")
-                .join(format!("step-{s}"))
-        });
+        let restore_from = job
+            .rec
+            .last_checkpoint
+            .map(|s| {
+                job.spec
+                    .job
+                    .output_dir
+                    .join("checkpoints")
+                    .join(format!("step-{s}"))
+            })
+            .or_else(|| job.rec.resumed_from.clone());
         for (rank, m) in members.iter().enumerate() {
             fx.push(Effect::Send {
                 worker: m.clone(),

@@ -123,6 +123,7 @@ impl Coordinator {
                 spec,
                 spec_toml,
                 docs,
+                start,
             } => {
                 if self.jobs.contains_key(&id) {
                     return Err(CoreError::DuplicateJob(id));
@@ -133,14 +134,15 @@ impl Coordinator {
                     spec_toml,
                     state: JobState::Pending,
                     reason: "waiting for workers".into(),
-                    step: 0,
-                    cursor: Default::default(),
+                    step: start.as_ref().map_or(0, |s| s.step),
+                    cursor: start.as_ref().map(|s| s.cursor.clone()).unwrap_or_default(),
                     generation: 0,
                     submitted_unix_ms: now_ms,
                     last_loss: None,
                     documents: docs.len() as u64,
                     total_steps: step::total_steps(&spec, &docs),
                     last_checkpoint: None,
+                    resumed_from: start.map(|s| s.dir),
                 };
                 info!(job = %id, name = %rec.name, docs = docs.len(), "job submitted");
                 fx.push(Effect::PersistJob(rec.clone()));

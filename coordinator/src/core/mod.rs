@@ -86,6 +86,8 @@ pub enum Event {
         spec: Box<JobSpec>,
         spec_toml: String,
         docs: Arc<[Document]>,
+        /// Resume from a checkpoint of ours instead of step 0.
+        start: Option<JobStart>,
     },
     /// A job read back from the store after a restart.
     RestoreJob {
@@ -110,6 +112,16 @@ pub enum Event {
     },
     /// Periodic: detects missed heartbeats.
     Tick,
+}
+
+/// Where a job resumed from a checkpoint starts: its manifest's step and
+/// data cursor, and the directory workers restore from (model and
+/// optimizer state).
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobStart {
+    pub step: u64,
+    pub cursor: Cursor,
+    pub dir: PathBuf,
 }
 
 /// A message for one worker (the adapter turns it into `CoordinatorMessage`).

@@ -116,6 +116,7 @@ impl Sim {
             spec: Box::new(spec),
             spec_toml: String::new(),
             docs,
+            start: None,
         })
         .unwrap();
     }
@@ -501,5 +502,53 @@ fn every_step_mode_trains_each_document_once_per_epoch() {
         }
         assert_eq!(counts.len(), d.len(), "{batch}");
         assert!(counts.values().all(|&c| c == 2), "{batch}: {counts:?}");
+    }
+}
+
+#[test]
+fn a_job_resumed_from_a_checkpoint_continues_at_its_step_and_cursor() {
+    // Reference: six uninterrupted steps.
+    let mut full = Sim::new();
+    full.submit(spec("steps = 6", "docs_per_step = 4", 1, 1), docs(30));
+    full.worker("a");
+    full.run();
+    assert_eq!(full.committed.len(), 6);
+    let at3 = full.committed[2].0.cursor.clone();
+
+    // The same job resumed from the step-3 checkpoint's manifest.
+    let mut s = Sim::new();
+    s.handle(Event::SubmitJob {
+        id: "job".into(),
+        spec: Box::new(spec("steps = 6", "docs_per_step = 4", 1, 1)),
+        spec_toml: String::new(),
+        docs: docs(30),
+        start: Some(JobStart {
+            step: 3,
+            cursor: at3,
+            dir: "/ckpt/step-3".into(),
+        }),
+    })
+    .unwrap();
+    s.worker("a");
+    let configure = s.inbox.front().map(|(_, m)| m.clone());
+    let Some(ToWorker::Configure {
+        step, restore_from, ..
+    }) = configure
+    else {
+        panic!("expected a configure, got {configure:?}");
+    };
+    assert_eq!(step, 3);
+    assert_eq!(restore_from, Some(PathBuf::from("/ckpt/step-3")));
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    let steps: Vec<u64> = s.committed.iter().map(|(m, _)| m.step).collect();
+    assert_eq!(steps, vec![4, 5, 6]);
+    for (resumed, reference) in s.committed.iter().zip(&full.committed[3..]) {
+        assert_eq!(
+            resumed.1, reference.1,
+            "step {}: same documents",
+            resumed.0.step
+        );
+        assert_eq!(resumed.0.cursor, reference.0.cursor);
     }
 }

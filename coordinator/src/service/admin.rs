@@ -13,7 +13,7 @@ use tonic::{Request, Response, Status};
 use tracing::instrument;
 
 use super::{convert, now_ms, Shared};
-use crate::core::{Event, WatchItem};
+use crate::core::{Event, JobStart, WatchItem};
 use crate::spec::{JobSpec, SpecProblem};
 
 pub struct AdminService {
@@ -56,6 +56,36 @@ fn base_dir(s: &str) -> Result<PathBuf, Status> {
     Ok(p)
 }
 
+/// The `manifest.json` fields a resumed job starts from.
+#[derive(serde::Deserialize)]
+struct Manifest {
+    step: u64,
+    cursor: crate::cursor::Cursor,
+}
+
+/// A job whose `model.init` is a checkpoint of ours (it holds the
+/// `manifest.json` workers write) resumes at the manifest's step and data
+/// cursor, restoring model and optimizer state from that directory.
+pub(super) fn resume_point(spec: &JobSpec) -> Result<Option<JobStart>, String> {
+    if spec.model.is_random() {
+        return Ok(None);
+    }
+    let dir = PathBuf::from(&spec.model.init);
+    let path = dir.join("manifest.json");
+    if !path.is_file() {
+        return Ok(None);
+    }
+    let m: Manifest = std::fs::read(&path)
+        .map_err(|e| e.to_string())
+        .and_then(|b| serde_json::from_slice(&b).map_err(|e| e.to_string()))
+        .map_err(|e| format!("model.init: {}: {e}", path.display()))?;
+    Ok(Some(JobStart {
+        step: m.step,
+        cursor: m.cursor,
+        dir,
+    }))
+}
+
 type WatchStream = Pin<Box<dyn Stream<Item = Result<wire::WatchJobResponse, Status>> + Send>>;
 
 #[tonic::async_trait]
@@ -81,6 +111,7 @@ impl Admin for AdminService {
                 "data.train: the dataset holds no documents",
             ));
         }
+        let start = resume_point(&spec).map_err(Status::invalid_argument)?;
         let id = uuid::Uuid::new_v4().to_string();
         let spec_toml = spec.to_toml();
         self.shared.apply(Event::SubmitJob {
@@ -88,6 +119,7 @@ impl Admin for AdminService {
             spec: Box::new(spec),
             spec_toml,
             docs: dataset.docs.into(),
+            start,
         })?;
         Ok(Response::new(wire::SubmitJobResponse { job_id: id }))
     }
@@ -299,5 +331,48 @@ impl Admin for AdminService {
             }
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec_with_init(init: &str) -> JobSpec {
+        let mut spec: JobSpec = toml::from_str(&format!(
+            "[job]\nname = \"t\"\nsteps = 2\noutput_dir = \"/tmp/o\"\n[model]\ninit = \"{init}\"\n\
+             [data]\ntrain = []\nformat = \"sft\"\n[batch]\ndocs_per_step = 1\n"
+        ))
+        .unwrap();
+        spec.model.init = init.into();
+        spec
+    }
+
+    #[test]
+    fn a_checkpoint_with_a_manifest_is_a_resume_point() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().display().to_string();
+        assert_eq!(resume_point(&spec_with_init("random")), Ok(None));
+        assert_eq!(
+            resume_point(&spec_with_init(&d)),
+            Ok(None),
+            "a plain HF dir"
+        );
+        std::fs::write(
+            dir.path().join("manifest.json"),
+            r#"{"job":"j","step":4,"cursor":{"epoch":1,"position":9,"overflow":[2]},"world_size":1,"generation":1}"#,
+        )
+        .unwrap();
+        let start = resume_point(&spec_with_init(&d)).unwrap().unwrap();
+        assert_eq!(start.step, 4);
+        assert_eq!((start.cursor.epoch, start.cursor.position), (1, 9));
+        assert_eq!(start.cursor.overflow, vec![2]);
+        assert_eq!(start.dir, dir.path());
+        std::fs::write(dir.path().join("manifest.json"), "{").unwrap();
+        let e = resume_point(&spec_with_init(&d)).unwrap_err();
+        assert!(
+            e.starts_with("model.init: ") && e.contains("manifest.json"),
+            "{e}"
+        );
     }
 }

@@ -31,6 +31,7 @@ pub type SessionTx = mpsc::UnboundedSender<Result<wire::CoordinatorMessage, Stat
 pub struct Shared {
     inner: Mutex<Inner>,
     watch: broadcast::Sender<(JobId, WatchItem)>,
+    metrics: crate::metrics_http::Exporter,
 }
 
 pub(crate) struct Inner {
@@ -58,7 +59,17 @@ impl Shared {
                 next_session: 0,
             }),
             watch,
+            metrics: crate::metrics_http::Exporter::new(),
         })
+    }
+
+    /// The Prometheus text exposition (scrape-time gauges refreshed).
+    pub fn render_metrics(&self) -> String {
+        {
+            let inner = self.lock();
+            self.metrics.observe_core(&inner.core);
+        }
+        self.metrics.render()
     }
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -90,6 +101,7 @@ impl Shared {
                     }
                 }
                 Effect::CommitStep { rec, metrics, docs } => {
+                    self.metrics.observe_step(&rec.id, &metrics);
                     if let Err(err) = inner.store.commit_step(
                         &rec,
                         &StepRecord {

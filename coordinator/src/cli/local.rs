@@ -1,0 +1,229 @@
+//! `accrue local JOB.toml --workers N`: the embedded default. Runs a
+//! coordinator in this process (state in `OUTPUT_DIR/state`), starts N
+//! `accrue-worker` processes against it (logs in `OUTPUT_DIR/logs/`),
+//! submits the job and follows it with the `watch` progress bar. Exit 0 when
+//! the job completes, 1 with the reason when it fails, is cancelled, or every
+//! worker died. Workers and server are stopped on exit and on Ctrl-C.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{ExitCode, Stdio};
+use std::time::Duration;
+
+use anyhow::Context as _;
+use tokio::process::{Child, Command};
+use tokio_util::sync::CancellationToken;
+
+use super::client::{connect, rpc_error};
+use super::{watch, Conn};
+use crate::core::Event;
+use crate::server::{Server, ServerConfig};
+use crate::spec::JobSpec;
+use crate::wire::{GetJobRequest, SubmitJobRequest};
+
+/// How long finished workers get to write their final checkpoint and exit.
+const WORKER_GRACE: Duration = Duration::from_secs(120);
+
+/// The `accrue-worker` binary: `$ACCRUE_WORKER_BIN`, else next to this exe.
+pub fn worker_binary() -> anyhow::Result<PathBuf> {
+    if let Some(p) = std::env::var_os("ACCRUE_WORKER_BIN") {
+        return Ok(PathBuf::from(p));
+    }
+    let exe = std::env::current_exe().context("locating the accrue executable")?;
+    let bin = exe.with_file_name("accrue-worker");
+    anyhow::ensure!(
+        bin.is_file(),
+        "accrue-worker not found next to accrue ({}); run scripts/setup.sh",
+        bin.display()
+    );
+    Ok(bin)
+}
+
+/// libtorch threads per worker: the machine's cores shared out, at least 1.
+fn threads_per_worker(workers: u32) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cores / workers.max(1) as usize).max(1)
+}
+
+/// Runs `accrue local`.
+pub async fn run(spec_path: &Path, workers: u32) -> anyhow::Result<ExitCode> {
+    anyhow::ensure!(workers >= 1, "--workers must be at least 1");
+    let spec_toml = std::fs::read_to_string(spec_path)
+        .with_context(|| format!("cannot read {}", spec_path.display()))?;
+    let base = std::path::absolute(std::env::current_dir()?)?;
+    let spec = match JobSpec::parse(&spec_toml, &base) {
+        Ok(s) => s,
+        Err(problems) => {
+            eprintln!("error: {} is not a valid job spec:", spec_path.display());
+            for p in problems {
+                eprintln!("  {p}");
+            }
+            return Ok(ExitCode::FAILURE);
+        }
+    };
+    let worker_bin = worker_binary()?;
+    let out = spec.job.output_dir.clone();
+    let logs = out.join("logs");
+    std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
+
+    let config = ServerConfig::new(SocketAddr::from(([127, 0, 0, 1], 0)), out.join("state"));
+    let server = Server::bind(config).await?;
+    cancel_leftover_jobs(&server);
+    let addr = server.local_addr();
+    let url = format!("http://{addr}");
+    let stop = CancellationToken::new();
+    let serving = tokio::spawn(server.run(stop.clone()));
+    eprintln!(
+        "coordinator on {url} (state in {})",
+        out.join("state").display()
+    );
+
+    let mut children = Vec::new();
+    for k in 0..workers {
+        let log_path = logs.join(format!("worker-{k}.log"));
+        let log = std::fs::File::create(&log_path)
+            .with_context(|| format!("creating {}", log_path.display()))?;
+        let child = Command::new(&worker_bin)
+            .arg("--coordinator")
+            .arg(&url)
+            .arg("--threads")
+            .arg(threads_per_worker(workers).to_string())
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("starting {}", worker_bin.display()))?;
+        children.push((child, log_path));
+    }
+    eprintln!("{workers} worker(s) started; logs in {}", logs.display());
+
+    let result = follow(&url, &spec_toml, &base, &mut children).await;
+    // Released workers finish their final checkpoint and exit by themselves.
+    let _ = tokio::time::timeout(WORKER_GRACE, async {
+        for (c, _) in children.iter_mut() {
+            let _ = c.wait().await;
+        }
+    })
+    .await;
+    for (c, _) in children.iter_mut() {
+        let _ = c.kill().await;
+    }
+    stop.cancel();
+    let _ = serving.await;
+    result
+}
+
+/// Jobs restored from an earlier run in the same state dir would take the
+/// workers: cancel the ones that did not end.
+fn cancel_leftover_jobs(server: &Server) {
+    let shared = server.shared();
+    let open: Vec<String> = {
+        let inner = shared.lock();
+        inner
+            .core
+            .jobs()
+            .filter(|j| !j.rec.state.is_terminal())
+            .map(|j| j.rec.id.clone())
+            .collect()
+    };
+    for job in open {
+        eprintln!("cancelling job {job} left unfinished by an earlier run");
+        let _ = shared.apply(Event::CancelJob { job });
+    }
+}
+
+/// Submits the job and watches it, racing Ctrl-C and the workers' deaths.
+async fn follow(
+    url: &str,
+    spec_toml: &str,
+    base: &Path,
+    children: &mut [(Child, PathBuf)],
+) -> anyhow::Result<ExitCode> {
+    let conn = Conn {
+        coordinator: url.to_string(),
+        token: None,
+    };
+    let mut client = connect(url, None).await?;
+    let job = client
+        .submit_job(SubmitJobRequest {
+            spec_toml: spec_toml.to_string(),
+            base_dir: base.display().to_string(),
+        })
+        .await
+        .map_err(|s| rpc_error(&s, url))
+        .context("submit")?
+        .into_inner()
+        .job_id;
+    eprintln!("submitted job {job}");
+    let interrupted = crate::shutdown_on_signal();
+    let code = tokio::select! {
+        biased;
+        r = watch::run(&conn, &job, 0, false) => r?,
+        _ = interrupted.cancelled() => {
+            eprintln!("interrupted: stopping the workers and the coordinator");
+            return Ok(ExitCode::from(130));
+        }
+        dead = all_exited(children) => {
+            // Released workers exit as the job ends: a race with the watch.
+            let j = client.get_job(GetJobRequest { job_id: job.clone() }).await.ok().and_then(|r| r.into_inner().job);
+            match j.and_then(|j| watch::exit_for(j.state)) {
+                Some(code) => code,
+                None => anyhow::bail!("every worker exited before job {job} ended; see {dead}"),
+            }
+        }
+    };
+    if code != ExitCode::SUCCESS {
+        let reason = client
+            .get_job(GetJobRequest {
+                job_id: job.clone(),
+            })
+            .await
+            .ok()
+            .and_then(|r| r.into_inner().job)
+            .map(|j| j.reason)
+            .unwrap_or_default();
+        eprintln!("error: job {job} did not complete: {reason}");
+    }
+    Ok(code)
+}
+
+/// Resolves once every worker process has exited; names their logs.
+async fn all_exited(children: &mut [(Child, PathBuf)]) -> String {
+    for (c, _) in children.iter_mut() {
+        let _ = c.wait().await;
+    }
+    children
+        .iter()
+        .map(|(_, log)| log.display().to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn threads_are_shared_out_and_never_zero() {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        assert_eq!(threads_per_worker(1), cores);
+        assert_eq!(threads_per_worker(10_000), 1);
+    }
+
+    #[test]
+    fn a_missing_worker_binary_says_how_to_build_it() {
+        if std::env::var_os("ACCRUE_WORKER_BIN").is_some() {
+            return;
+        }
+        // The coordinator's test binary lives in target/*/deps, without a worker.
+        if let Err(e) = worker_binary() {
+            let msg = e.to_string();
+            assert!(
+                msg.starts_with("accrue-worker not found next to accrue"),
+                "{msg}"
+            );
+            assert!(msg.ends_with("run scripts/setup.sh"), "{msg}");
+        }
+    }
+}

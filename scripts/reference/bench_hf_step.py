@@ -1,0 +1,90 @@
+"""PyTorch eager reference for the worker benchmark: one training step of
+HF LlamaForCausalLM (same config, same packed tokens) with AdamW, 2 threads.
+
+usage: bench_hf_step.py make-batch OUT.safetensors   (writes the shared batch)
+       bench_hf_step.py run BATCH.safetensors [--mode packed|per-doc] [--steps N]
+Prints one JSON line: {"impl": ..., "tokens_per_s": ..., "step_s": ...}.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _deps import ensure_transformers  # noqa: E402
+
+ensure_transformers()
+
+import torch  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+import transformers  # noqa: E402
+
+CONFIG = dict(vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=4096,
+              rms_norm_eps=1e-6, tie_word_embeddings=False)
+# 16 documents, 4096 tokens, uneven lengths.
+LENGTHS = [512, 128, 384, 256, 64, 448, 192, 320, 256, 128, 384, 96, 224, 352, 160, 192]
+assert sum(LENGTHS) == 4096
+
+
+def make_batch(out):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, CONFIG["vocab_size"], (sum(LENGTHS),), generator=g)
+    cu = torch.tensor([0] + list(torch.tensor(LENGTHS).cumsum(0)), dtype=torch.int64)
+    save_file({"input_ids": ids, "labels": ids.clone(), "cu_seq_lens": cu}, out)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(os.path.join(os.path.dirname(os.path.abspath(out)), "config.json"), "w") as f:
+        json.dump({**CONFIG, "model_type": "llama", "architectures": ["LlamaForCausalLM"],
+                   "hidden_act": "silu", "initializer_range": 0.02,
+                   "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}}, f, indent=1)
+
+
+def run(batch, mode, steps):
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG, attn_implementation="sdpa")).float()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    b = load_file(batch)
+    ids, labels, cu = b["input_ids"], b["labels"], b["cu_seq_lens"].tolist()
+    total = sum(int((labels[s + 1:e] != -100).sum()) for s, e in zip(cu, cu[1:]))
+
+    def step():
+        if mode == "packed":
+            pos = torch.cat([torch.arange(e - s) for s, e in zip(cu, cu[1:])])
+            lab = labels.clone()
+            lab[torch.tensor(cu[1:-1])] = -100  # no prediction across documents
+            out = model(input_ids=ids[None], position_ids=pos[None], labels=lab[None])
+            out.loss.backward()
+        else:
+            for s, e in zip(cu, cu[1:]):
+                out = model(input_ids=ids[None, s:e], labels=labels[None, s:e])
+                (out.loss * (e - s - 1) / total).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    step()  # warm-up
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    dt = (time.perf_counter() - t0) / steps
+    print(json.dumps({"impl": f"pytorch-hf-{mode}", "tokens": len(ids), "step_s": dt,
+                      "tokens_per_s": len(ids) / dt}))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("cmd", choices=["make-batch", "run"])
+    ap.add_argument("path")
+    ap.add_argument("--mode", default="packed", choices=["packed", "per-doc"])
+    ap.add_argument("--steps", type=int, default=3)
+    a = ap.parse_args()
+    if a.cmd == "make-batch":
+        make_batch(a.path)
+    else:
+        run(a.path, a.mode, a.steps)
+
+
+if __name__ == "__main__":
+    main()

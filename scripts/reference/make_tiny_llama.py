@@ -1,0 +1,97 @@
+"""Parity reference for the worker's Llama: builds a tiny random HF model,
+saves it with save_pretrained, and writes per-document logits, summed NLL
+(HF label semantics) and the gradients of (sum of NLL over documents) /
+(total loss tokens), each document run separately through transformers.
+
+usage: make_tiny_llama.py OUT_DIR [--variant llama|qwen2|tied] [--seed N]
+writes OUT_DIR/model/{config.json,model.safetensors} and OUT_DIR/reference.safetensors
+"""
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _deps import ensure_transformers  # noqa: E402
+
+ensure_transformers()
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+import transformers  # noqa: E402
+
+# (length, number of leading prompt tokens masked with -100)
+DOCS = [(17, 3), (5, 0), (33, 10), (1, 0), (12, 2), (24, 0)]
+
+
+def build(variant, seed):
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        rms_norm_eps=1e-6, initializer_range=0.05,
+    )
+    if variant == "llama":
+        cfg = transformers.LlamaConfig(tie_word_embeddings=False,
+                                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+                                       rope_theta=500000.0, **common)
+        model = transformers.LlamaForCausalLM(cfg)
+    elif variant == "tied":
+        cfg = transformers.LlamaConfig(tie_word_embeddings=True, **common)
+        model = transformers.LlamaForCausalLM(cfg)
+    elif variant == "qwen2":
+        cfg = transformers.Qwen2Config(tie_word_embeddings=False, use_sliding_window=False, **common)
+        model = transformers.Qwen2ForCausalLM(cfg)
+        with torch.no_grad():  # random non-zero biases so they are checked
+            for name, p in model.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(0.0, 0.05)
+    else:
+        raise SystemExit(f"unknown variant {variant}")
+    return model.float()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--variant", default="llama")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    model = build(args.variant, args.seed)
+    model.save_pretrained(os.path.join(args.out, "model"), safe_serialization=True)
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    out = {}
+    docs = []
+    for i, (n, masked) in enumerate(DOCS):
+        ids = torch.randint(0, 300, (n,), generator=gen)
+        labels = ids.clone()
+        labels[:masked] = -100
+        docs.append((ids, labels))
+        out[f"doc{i}.input_ids"] = ids
+        out[f"doc{i}.labels"] = labels
+    total = sum(int((l[1:] != -100).sum()) for _, l in docs)
+    model.zero_grad()
+    objective = 0.0
+    for i, (ids, labels) in enumerate(docs):
+        res = model(input_ids=ids[None], labels=labels[None])
+        logits = res.logits[0]
+        nll = F.cross_entropy(logits[:-1], labels[1:], ignore_index=-100, reduction="sum")
+        n_valid = int((labels[1:] != -100).sum())
+        if n_valid > 0:  # HF's own loss is the mean over the shifted labels
+            assert abs(res.loss.item() * n_valid - nll.item()) <= 1e-4 * max(1.0, nll.item()), (res.loss, nll)
+        out[f"doc{i}.logits"] = logits.detach().contiguous()
+        out[f"doc{i}.loss_sum"] = nll.detach().reshape(1).double()
+        (nll / total).backward()
+        objective += nll.item()
+    for name, p in model.named_parameters():
+        out[f"grad.{name}"] = p.grad.detach().clone().contiguous()
+    out["total_loss_tokens"] = torch.tensor([total], dtype=torch.int64)
+    save_file(out, os.path.join(args.out, "reference.safetensors"))
+    print(json.dumps({"docs": len(docs), "loss_tokens": total, "loss_mean": objective / total}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+//! The Llama-family decoder (Llama 2/3, Qwen2) over one packed row, built
+//! from a HF `config.json` with parameter paths equal to the HF checkpoint
+//! keys (`model.layers.{i}.self_attn.q_proj.weight`, …). Follows
+//! transformers' `modeling_llama.py` and tch-rs `examples/llama`.
+//!
+//! Random init matches HF `_init_weights`: normal(0, initializer_range) for
+//! linear and embedding weights, zero biases, ones for norms, seeded by
+//! `tch::manual_seed` before the variables are created.
+
+use tch::{nn, Device, Kind, Tensor};
+
+use super::attention::{Attention, PackedAttention};
+use super::config::LlamaConfig;
+use super::mlp::Mlp;
+use super::norm::RmsNorm;
+use super::rope::Rope;
+
+/// A linear layer with HF's init (`weight: [out, in]`).
+pub(crate) fn linear(p: nn::Path, inp: usize, out: usize, bias: bool, std: f64) -> nn::Linear {
+    let ws = p.var(
+        "weight",
+        &[out as i64, inp as i64],
+        nn::Init::Randn {
+            mean: 0.0,
+            stdev: std,
+        },
+    );
+    let bs = bias.then(|| p.var("bias", &[out as i64], nn::Init::Const(0.0)));
+    nn::Linear { ws, bs }
+}
+
+/// One transformer block: pre-norm attention and pre-norm MLP, residuals.
+#[derive(Debug)]
+pub struct DecoderLayer {
+    input_layernorm: RmsNorm,
+    self_attn: Attention,
+    post_attention_layernorm: RmsNorm,
+    mlp: Mlp,
+}
+
+impl DecoderLayer {
+    pub fn new(p: nn::Path, cfg: &LlamaConfig) -> DecoderLayer {
+        DecoderLayer {
+            input_layernorm: RmsNorm::new(
+                &p / "input_layernorm",
+                cfg.hidden_size,
+                cfg.rms_norm_eps,
+            ),
+            self_attn: Attention::new(&p / "self_attn", cfg),
+            post_attention_layernorm: RmsNorm::new(
+                &p / "post_attention_layernorm",
+                cfg.hidden_size,
+                cfg.rms_norm_eps,
+            ),
+            mlp: Mlp::new(&p / "mlp", cfg),
+        }
+    }
+
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        cu_seq_lens: &[i64],
+        mode: PackedAttention,
+    ) -> Tensor {
+        let h = x + self.self_attn.forward(
+            &self.input_layernorm.forward(x),
+            cos,
+            sin,
+            cu_seq_lens,
+            mode,
+        );
+        &h + self.mlp.forward(&self.post_attention_layernorm.forward(&h))
+    }
+}
+
+/// The decoder and its LM head. Owns the variables (a `VarStore` whose names
+/// are the HF keys).
+pub struct Llama {
+    pub vs: nn::VarStore,
+    pub cfg: LlamaConfig,
+    /// The `config.json` as read, written back on save.
+    pub raw_config: serde_json::Value,
+    embed_tokens: Tensor,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    /// `None` when tied to `embed_tokens`.
+    lm_head: Option<Tensor>,
+    rope: Rope,
+    pub attention: PackedAttention,
+}
+
+impl std::fmt::Debug for Llama {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Llama")
+            .field("cfg", &self.cfg)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Llama {
+    /// Builds the model with HF's random init (call `tch::manual_seed` first
+    /// for a seeded init), in float32 then cast to `kind`.
+    pub fn new(
+        cfg: LlamaConfig,
+        raw_config: serde_json::Value,
+        kind: Kind,
+        device: Device,
+    ) -> anyhow::Result<Llama> {
+        cfg.validate()?;
+        let mut vs = nn::VarStore::new(device);
+        let root = vs.root();
+        let model = &root / "model";
+        let std = cfg.initializer_range;
+        let embed_tokens = (&model / "embed_tokens").var(
+            "weight",
+            &[cfg.vocab_size as i64, cfg.hidden_size as i64],
+            nn::Init::Randn {
+                mean: 0.0,
+                stdev: std,
+            },
+        );
+        if let Some(pad) = cfg
+            .pad_token_id
+            .filter(|&p| p >= 0 && (p as usize) < cfg.vocab_size)
+        {
+            // HF zeroes the padding row of the embedding at init.
+            tch::no_grad(|| {
+                let _ = embed_tokens.get(pad).zero_();
+            });
+        }
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| DecoderLayer::new(&model / "layers" / i, &cfg))
+            .collect();
+        let norm = RmsNorm::new(&model / "norm", cfg.hidden_size, cfg.rms_norm_eps);
+        let lm_head = (!cfg.tie_word_embeddings).then(|| {
+            (&root / "lm_head").var(
+                "weight",
+                &[cfg.vocab_size as i64, cfg.hidden_size as i64],
+                nn::Init::Randn {
+                    mean: 0.0,
+                    stdev: std,
+                },
+            )
+        });
+        let (theta, scaling) = cfg.rope()?;
+        let rope = Rope::new(cfg.head_dim(), theta, &scaling);
+        if kind != Kind::Float {
+            vs.set_kind(kind);
+        }
+        Ok(Llama {
+            vs,
+            cfg,
+            raw_config,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            rope,
+            attention: PackedAttention::default(),
+        })
+    }
+
+    /// The parameter dtype.
+    pub fn kind(&self) -> Kind {
+        self.embed_tokens.kind()
+    }
+
+    /// The LM head weight `[V, H]` (the embedding when tied).
+    pub fn lm_head_weight(&self) -> &Tensor {
+        self.lm_head.as_ref().unwrap_or(&self.embed_tokens)
+    }
+
+    /// Final hidden states `[T, H]` of a packed row. Positions restart at 0
+    /// in every document; attention never crosses `cu_seq_lens` boundaries.
+    pub fn hidden(&self, input_ids: &[i64], cu_seq_lens: &[i64]) -> Tensor {
+        let device = self.vs.device();
+        let positions = positions(cu_seq_lens);
+        let (cos, sin) = self.rope.cos_sin(&positions, self.kind(), device);
+        let ids = Tensor::from_slice(input_ids).to_device(device);
+        let mut x = Tensor::embedding(&self.embed_tokens, &ids, -1, false, false);
+        for layer in &self.layers {
+            x = layer.forward(&x, &cos, &sin, cu_seq_lens, self.attention);
+        }
+        self.norm.forward(&x)
+    }
+
+    /// Full logits `[T, V]` in float32 (evaluation and tests only: the
+    /// trainer never materialises them, see `loss`).
+    pub fn logits(&self, input_ids: &[i64], cu_seq_lens: &[i64]) -> Tensor {
+        let h = self.hidden(input_ids, cu_seq_lens);
+        h.matmul(&self.lm_head_weight().tr()).to_kind(Kind::Float)
+    }
+}
+
+/// Per-token positions, restarting at 0 at every document boundary.
+pub fn positions(cu_seq_lens: &[i64]) -> Vec<i64> {
+    cu_seq_lens
+        .windows(2)
+        .flat_map(|w| 0..(w[1] - w[0]))
+        .collect()
+}

@@ -1,0 +1,31 @@
+//! SwiGLU feed-forward: `down(silu(gate(x)) * up(x))` (HF `LlamaMLP`).
+
+use tch::{nn, Tensor};
+
+use super::config::LlamaConfig;
+use super::llama::linear;
+
+#[derive(Debug)]
+pub struct Mlp {
+    gate_proj: nn::Linear,
+    up_proj: nn::Linear,
+    down_proj: nn::Linear,
+}
+
+impl Mlp {
+    pub fn new(p: nn::Path, cfg: &LlamaConfig) -> Mlp {
+        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        let std = cfg.initializer_range;
+        Mlp {
+            gate_proj: linear(&p / "gate_proj", h, i, cfg.mlp_bias, std),
+            up_proj: linear(&p / "up_proj", h, i, cfg.mlp_bias, std),
+            down_proj: linear(&p / "down_proj", i, h, cfg.mlp_bias, std),
+        }
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Tensor {
+        use tch::nn::Module;
+        let gated = self.gate_proj.forward(x).silu() * self.up_proj.forward(x);
+        self.down_proj.forward(&gated)
+    }
+}

@@ -1,0 +1,16 @@
+//! The Llama-family model (Llama 2/3, Qwen2) in tch: HF config and
+//! safetensors compatible, padding-free packed forward, chunked LM head +
+//! cross-entropy.
+
+pub mod attention;
+pub mod config;
+pub mod llama;
+pub mod loss;
+pub mod mlp;
+pub mod norm;
+pub mod rope;
+pub mod weights;
+
+pub use attention::PackedAttention;
+pub use config::LlamaConfig;
+pub use llama::Llama;

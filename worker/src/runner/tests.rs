@@ -1,0 +1,366 @@
+//! Runner tests with a fake executor: sums, padding, error kinds, aborts,
+//! and the thread protocol (configure → ready, plan → result, checkpoint).
+
+use std::sync::atomic::AtomicBool;
+use std::time::Duration;
+
+use super::*;
+
+#[derive(Debug, Default, Clone)]
+struct Calls {
+    microbatches: Vec<(usize, u64)>,
+    zero_grads: usize,
+    steps: Vec<f64>,
+}
+
+/// Loss 2.0 per loss token (tokens after the first of each sequence).
+struct Fake {
+    calls: Arc<Mutex<Calls>>,
+    fail_at: Option<(usize, &'static str)>,
+    fail_optimizer: bool,
+    delay: Duration,
+}
+
+impl Fake {
+    fn new() -> (Fake, Arc<Mutex<Calls>>) {
+        let calls = Arc::new(Mutex::new(Calls::default()));
+        (
+            Fake {
+                calls: calls.clone(),
+                fail_at: None,
+                fail_optimizer: false,
+                delay: Duration::ZERO,
+            },
+            calls,
+        )
+    }
+}
+
+impl StepExecutor for Fake {
+    fn microbatch(
+        &mut self,
+        index: usize,
+        mb: &wire::Microbatch,
+        global: u64,
+    ) -> anyhow::Result<MicrobatchOutcome> {
+        std::thread::sleep(self.delay);
+        if let Some((i, msg)) = self.fail_at {
+            if i == index {
+                anyhow::bail!("{msg}");
+            }
+        }
+        self.calls
+            .lock()
+            .unwrap()
+            .microbatches
+            .push((index, global));
+        let labels = accrue_proto::unpack_i32(&mb.labels)?;
+        let loss_tokens = labels.iter().filter(|&&l| l != -100).count() as u64;
+        Ok(MicrobatchOutcome {
+            loss_sum: 2.0 * loss_tokens as f64,
+            loss_tokens,
+            tokens: labels.len() as u64,
+        })
+    }
+
+    fn optimizer_step(&mut self, lr: f64) -> anyhow::Result<f64> {
+        if self.fail_optimizer {
+            anyhow::bail!("gradient norm is non-finite (NaN)");
+        }
+        self.calls.lock().unwrap().steps.push(lr);
+        Ok(0.75)
+    }
+
+    fn zero_grad(&mut self) {
+        self.calls.lock().unwrap().zero_grads += 1;
+    }
+
+    fn save_checkpoint(&self, dir: &Path) -> anyhow::Result<()> {
+        std::fs::write(dir.join("model.safetensors"), b"fake")?;
+        Ok(())
+    }
+}
+
+fn mb(docs: &[(&str, usize)]) -> wire::Microbatch {
+    let mut ids = Vec::new();
+    let mut labels = Vec::new();
+    let mut cu = vec![0u32];
+    let mut seqs = Vec::new();
+    for (doc, len) in docs {
+        for t in 0..*len {
+            ids.push(t as u32);
+            labels.push(if t == 0 { -100 } else { t as i32 });
+        }
+        cu.push(ids.len() as u32);
+        seqs.push(wire::PackedSequence {
+            doc_id: (*doc).into(),
+            ..Default::default()
+        });
+    }
+    wire::Microbatch {
+        token_ids: accrue_proto::pack_u32(&ids),
+        labels: accrue_proto::pack_i32(&labels),
+        cu_seq_lens: cu,
+        sequences: seqs,
+        old_logprobs: Vec::new(),
+    }
+}
+
+fn plan(step: u64, mbs: Vec<wire::Microbatch>) -> wire::StepPlan {
+    wire::StepPlan {
+        job_id: "j".into(),
+        generation: 1,
+        step,
+        rank: 0,
+        lr: 0.01,
+        normalizers: Some(wire::Normalizers {
+            loss_tokens: 99,
+            ..Default::default()
+        }),
+        microbatches: mbs,
+        cursor_after: None,
+    }
+}
+
+#[test]
+fn a_plan_reports_sums_and_counts_padding_microbatches() {
+    let (mut fake, calls) = Fake::new();
+    // A DPO-like pair puts one doc id in two sequences: counted once.
+    let p = plan(
+        3,
+        vec![
+            mb(&[("a:1", 5), ("b:2", 3)]),
+            wire::Microbatch::default(),
+            mb(&[("c:3", 4), ("c:3", 2)]),
+        ],
+    );
+    let StepOutcome::Done(s) = run_step(&mut fake, &p, 16, 0.5, &|| false) else {
+        panic!("step failed");
+    };
+    assert_eq!(s.tokens, 14);
+    assert_eq!(s.loss_tokens, 10, "one unlabelled first token per sequence");
+    assert_eq!(s.loss_sum, 20.0);
+    assert_eq!(s.documents, 3);
+    assert_eq!(s.microbatches, 3, "the padding microbatch counts");
+    assert_eq!(s.padding_tokens, (16 - 8) + (16 - 6));
+    assert_eq!(s.grad_norm, 0.75);
+    assert_eq!(s.idle_s, 0.5);
+    let c = calls.lock().unwrap();
+    assert_eq!(
+        c.microbatches,
+        vec![(0, 99), (2, 99)],
+        "empty microbatch skipped; every call gets the step's global T"
+    );
+    assert_eq!(c.steps, vec![0.01]);
+    assert_eq!(c.zero_grads, 0);
+}
+
+#[test]
+fn a_non_finite_loss_fails_the_step_naming_step_and_microbatch() {
+    let (mut fake, calls) = Fake::new();
+    fake.fail_at = Some((1, "loss is non-finite"));
+    let p = plan(7, vec![mb(&[("a:1", 3)]), mb(&[("b:1", 3)])]);
+    let StepOutcome::Failed(e) = run_step(&mut fake, &p, 16, 0.0, &|| false) else {
+        panic!("expected a failure");
+    };
+    assert_eq!(e.kind, wire::ErrorKind::NonFinite as i32);
+    assert!(e.message.contains("step 7, microbatch 1"), "{}", e.message);
+    assert_eq!((e.step, e.generation), (7, 1));
+    let c = calls.lock().unwrap();
+    assert!(c.steps.is_empty(), "no optimizer step after a failure");
+    assert_eq!(c.zero_grads, 1, "the partial gradients are dropped");
+}
+
+#[test]
+fn other_failures_are_internal_and_optimizer_failures_name_the_step() {
+    let (mut fake, _) = Fake::new();
+    fake.fail_at = Some((0, "out of memory"));
+    let p = plan(2, vec![mb(&[("a:1", 3)])]);
+    let StepOutcome::Failed(e) = run_step(&mut fake, &p, 16, 0.0, &|| false) else {
+        panic!("expected a failure");
+    };
+    assert_eq!(e.kind, wire::ErrorKind::Internal as i32);
+
+    let (mut fake, _) = Fake::new();
+    fake.fail_optimizer = true;
+    let StepOutcome::Failed(e) = run_step(&mut fake, &p, 16, 0.0, &|| false) else {
+        panic!("expected a failure");
+    };
+    assert_eq!(e.kind, wire::ErrorKind::NonFinite as i32);
+    assert!(
+        e.message.starts_with("step 2, optimizer step"),
+        "{}",
+        e.message
+    );
+}
+
+#[test]
+fn an_abort_between_microbatches_drops_the_gradients() {
+    let (mut fake, calls) = Fake::new();
+    let seen = AtomicBool::new(false);
+    // Aborted once the first microbatch has run.
+    let aborted = || seen.swap(true, Ordering::SeqCst);
+    let p = plan(4, vec![mb(&[("a:1", 3)]), mb(&[("b:1", 3)])]);
+    assert_eq!(
+        run_step(&mut fake, &p, 16, 0.0, &aborted),
+        StepOutcome::Aborted
+    );
+    let c = calls.lock().unwrap();
+    assert_eq!(c.microbatches.len(), 1);
+    assert!(c.steps.is_empty());
+    assert_eq!(c.zero_grads, 1);
+}
+
+#[test]
+fn max_tokens_comes_from_the_spec() {
+    assert_eq!(spec_max_tokens("[data]\nmax_tokens = 64\n"), 64);
+    assert_eq!(spec_max_tokens("[job]\nname = \"x\"\n"), 4096);
+}
+
+const SPEC: &str = r#"
+[job]
+name = "t"
+output_dir = "/tmp/x"
+[model]
+init = "random"
+[data]
+max_tokens = 32
+"#;
+
+fn msg(rx: &mut tokio::sync::mpsc::UnboundedReceiver<wire::WorkerMessage>) -> Msg {
+    for _ in 0..500 {
+        if let Ok(m) = rx.try_recv() {
+            return m.msg.unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    panic!("no message from the runner");
+}
+
+#[test]
+fn the_thread_configures_runs_checkpoints_and_drains_on_shutdown() {
+    let dir = tempfile::tempdir().unwrap();
+    let calls = Arc::new(Mutex::new(Calls::default()));
+    let c2 = calls.clone();
+    let restores = Arc::new(Mutex::new(Vec::new()));
+    let r2 = restores.clone();
+    let factory: Factory = Arc::new(move |cfg, restore| {
+        assert_eq!(cfg.job.name, "t");
+        r2.lock().unwrap().push(restore.map(Path::to_path_buf));
+        Ok(Box::new(Fake {
+            calls: c2.clone(),
+            fail_at: None,
+            fail_optimizer: false,
+            delay: Duration::from_millis(50),
+        }) as Box<dyn StepExecutor>)
+    });
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let runner = Runner::spawn(factory, tx);
+    runner.submit(Work::Configure(Box::new(wire::Configure {
+        job_id: "j".into(),
+        generation: 1,
+        world_size: 1,
+        spec_toml: SPEC.into(),
+        step: 5,
+        restore_from: "/ckpt/step-5".into(),
+        ..Default::default()
+    })));
+    assert!(matches!(msg(&mut rx), Msg::Ready(r) if r.step == 5 && r.generation == 1));
+    assert_eq!(
+        *restores.lock().unwrap(),
+        vec![Some(PathBuf::from("/ckpt/step-5"))]
+    );
+
+    runner.submit(Work::Plan(Box::new(plan(6, vec![mb(&[("a:1", 4)])]))));
+    let ckpt = dir.path().join("step-6");
+    runner.submit(Work::Checkpoint(wire::CheckpointRequest {
+        job_id: "j".into(),
+        step: 6,
+        dir: ckpt.display().to_string(),
+        cursor: Some(wire::DataCursor {
+            epoch: 1,
+            position: 8,
+            overflow: vec![3],
+        }),
+    }));
+    // Shutting down still finishes the queued plan and checkpoint.
+    runner.shutdown();
+    let Msg::StepResult(r) = msg(&mut rx) else {
+        panic!("expected a step result");
+    };
+    let s = r.sums.unwrap();
+    assert_eq!((r.step, s.padding_tokens), (6, 28));
+    assert!(matches!(msg(&mut rx), Msg::CheckpointDone(c) if c.step == 6));
+    let m: Manifest =
+        serde_json::from_slice(&std::fs::read(ckpt.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(
+        m,
+        Manifest {
+            job: "j".into(),
+            step: 6,
+            cursor: ManifestCursor {
+                epoch: 1,
+                position: 8,
+                overflow: vec![3]
+            },
+            world_size: 1,
+            generation: 1,
+        }
+    );
+    assert!(ckpt.join("model.safetensors").is_file());
+}
+
+#[test]
+fn reconfiguring_at_the_held_step_keeps_the_replica() {
+    let builds = Arc::new(AtomicU64::new(0));
+    let b2 = builds.clone();
+    let factory: Factory = Arc::new(move |_, _| {
+        b2.fetch_add(1, Ordering::SeqCst);
+        Ok(Box::new(Fake::new().0) as Box<dyn StepExecutor>)
+    });
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let runner = Runner::spawn(factory, tx);
+    let configure = |generation, step| {
+        Work::Configure(Box::new(wire::Configure {
+            job_id: "j".into(),
+            generation,
+            world_size: 1,
+            spec_toml: SPEC.into(),
+            step,
+            ..Default::default()
+        }))
+    };
+    runner.submit(configure(1, 0));
+    msg(&mut rx);
+    runner.submit(Work::Plan(Box::new(plan(1, vec![mb(&[("a:1", 4)])]))));
+    msg(&mut rx);
+    runner.submit(configure(2, 1));
+    assert!(matches!(msg(&mut rx), Msg::Ready(r) if r.generation == 2 && r.step == 1));
+    assert_eq!(
+        builds.load(Ordering::SeqCst),
+        1,
+        "same job, same step: kept"
+    );
+    runner.submit(configure(3, 0));
+    msg(&mut rx);
+    assert_eq!(builds.load(Ordering::SeqCst), 2, "an older step: rebuilt");
+    assert_eq!(runner.progress().generation.load(Ordering::SeqCst), 3);
+    runner.shutdown();
+}
+
+#[test]
+fn a_bad_spec_is_an_invalid_plan_error() {
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let runner = Runner::spawn(default_factory(), tx);
+    runner.submit(Work::Configure(Box::new(wire::Configure {
+        job_id: "j".into(),
+        spec_toml: "not toml [".into(),
+        ..Default::default()
+    })));
+    let Msg::Error(e) = msg(&mut rx) else {
+        panic!("expected an error");
+    };
+    assert_eq!(e.kind, wire::ErrorKind::InvalidPlan as i32);
+    assert!(e.message.contains("does not parse"), "{}", e.message);
+    runner.shutdown();
+}

@@ -1,0 +1,222 @@
+//! The worker's side of `accrue.v1.WorkerService`: register, open the
+//! session stream, forward coordinator messages to the [`Runner`] thread
+//! and its answers back, and send heartbeats on the runtime while the
+//! thread computes. If the coordinator goes away the worker re-registers
+//! with its previous id (backoff, bounded by `reconnect_timeout`) and keeps
+//! its model replica.
+
+mod host;
+
+use std::time::{Duration, Instant};
+
+use accrue_proto::v1 as wire;
+use accrue_proto::v1::coordinator_message::Msg as In;
+use accrue_proto::v1::worker_message::Msg as Out;
+use accrue_proto::v1::worker_service_client::WorkerServiceClient;
+use anyhow::Context as _;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::{Channel, Endpoint};
+use tracing::{info, warn};
+
+pub use host::{device, hostname, memory_bytes};
+
+use crate::runner::{Factory, Runner, Work};
+
+/// Settings of one worker process (from the `accrue-worker` flags).
+#[derive(Debug, Clone)]
+pub struct SessionConfig {
+    /// The coordinator's URL (`http://host:port`; `host:port` is accepted).
+    pub coordinator: String,
+    /// Address peers reach this worker's collective endpoint on.
+    pub collective_addr: String,
+    /// Leave the process when the coordinator releases the worker.
+    pub exit_on_release: bool,
+    /// Give up after this long without reaching the coordinator.
+    pub reconnect_timeout: Duration,
+    pub hostname: String,
+    pub device: String,
+    pub memory_bytes: u64,
+}
+
+impl SessionConfig {
+    /// A config describing this host, with the defaults of the binary.
+    pub fn new(coordinator: &str) -> SessionConfig {
+        SessionConfig {
+            coordinator: coordinator.into(),
+            collective_addr: String::new(),
+            exit_on_release: true,
+            reconnect_timeout: Duration::from_secs(60),
+            hostname: hostname(),
+            device: device(),
+            memory_bytes: memory_bytes(),
+        }
+    }
+}
+
+/// How a session ended.
+enum Ended {
+    /// Released with `exit_on_release`: the process is done.
+    Released(String),
+    /// The stream broke: reconnect.
+    Lost(String),
+}
+
+/// Runs the worker until it is released (with `exit_on_release`) or the
+/// coordinator stays unreachable for `reconnect_timeout`.
+pub async fn run(cfg: SessionConfig, factory: Factory) -> anyhow::Result<()> {
+    let (out_tx, mut out_rx) = mpsc::unbounded_channel();
+    let runner = Runner::spawn(factory, out_tx);
+    let mut worker_id = String::new();
+    let mut unreachable_since: Option<Instant> = None;
+    let mut backoff = Duration::from_millis(100);
+    let result = loop {
+        match session(&cfg, &mut worker_id, &runner, &mut out_rx).await {
+            Ok(Ended::Released(reason)) => {
+                info!(%reason, "released by the coordinator; finishing queued work");
+                break Ok(());
+            }
+            Ok(Ended::Lost(why)) => {
+                warn!(%why, "session lost; reconnecting");
+                unreachable_since = None;
+                backoff = Duration::from_millis(100);
+            }
+            Err(e) => {
+                let since = *unreachable_since.get_or_insert_with(Instant::now);
+                if since.elapsed() > cfg.reconnect_timeout {
+                    break Err(e.context(format!(
+                        "coordinator {} unreachable for {:?}",
+                        cfg.coordinator, cfg.reconnect_timeout
+                    )));
+                }
+                warn!(error = %format!("{e:#}"), retry_in = ?backoff, "cannot reach the coordinator");
+            }
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(5));
+    };
+    // Finish what is queued (a final checkpoint) before the process exits.
+    tokio::task::spawn_blocking(move || runner.shutdown()).await?;
+    result
+}
+
+async fn connect(url: &str) -> anyhow::Result<WorkerServiceClient<Channel>> {
+    let url = if url.contains("://") {
+        url.to_string()
+    } else {
+        format!("http://{url}")
+    };
+    let channel = Endpoint::from_shared(url.clone())
+        .with_context(|| format!("bad coordinator url {url}"))?
+        .connect_timeout(Duration::from_secs(5))
+        .http2_keep_alive_interval(Duration::from_secs(10))
+        .keep_alive_while_idle(true)
+        .connect()
+        .await
+        .with_context(|| format!("connecting to {url}"))?;
+    Ok(WorkerServiceClient::new(channel))
+}
+
+/// One registration + session stream. `Err` means the coordinator could
+/// not be reached at all.
+async fn session(
+    cfg: &SessionConfig,
+    worker_id: &mut String,
+    runner: &Runner,
+    results: &mut mpsc::UnboundedReceiver<wire::WorkerMessage>,
+) -> anyhow::Result<Ended> {
+    let mut client = connect(&cfg.coordinator).await?;
+    let reg = client
+        .register(wire::RegisterRequest {
+            hostname: cfg.hostname.clone(),
+            device: cfg.device.clone(),
+            memory_bytes: cfg.memory_bytes,
+            collective_addr: cfg.collective_addr.clone(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            previous_worker_id: worker_id.clone(),
+        })
+        .await
+        .context("register")?
+        .into_inner();
+    *worker_id = reg.worker_id.clone();
+    info!(worker = %reg.worker_id, device = %cfg.device, "registered");
+
+    let (tx, rx) = mpsc::channel(256);
+    let send = |m: Out| wire::WorkerMessage { msg: Some(m) };
+    tx.send(send(Out::Hello(wire::Hello {
+        worker_id: reg.worker_id.clone(),
+    })))
+    .await?;
+    let mut inbound = client
+        .session(ReceiverStream::new(rx))
+        .await
+        .context("open session")?
+        .into_inner();
+    let mut beat = tokio::time::interval(Duration::from_millis(
+        u64::from(reg.heartbeat_interval_ms).max(50),
+    ));
+    let progress = runner.progress();
+    let ended = loop {
+        tokio::select! {
+            msg = inbound.message() => {
+                let msg = match msg {
+                    Ok(Some(m)) => m,
+                    Ok(None) => break Ended::Lost("the coordinator closed the session".into()),
+                    Err(s) => break Ended::Lost(format!("session stream: {s}")),
+                };
+                let Some(msg) = msg.msg else { continue };
+                match msg {
+                    In::Configure(c) => runner.submit(Work::Configure(Box::new(c))),
+                    In::StepPlan(p) => runner.submit(Work::Plan(Box::new(p))),
+                    In::CheckpointRequest(c) => runner.submit(Work::Checkpoint(c)),
+                    In::Abort(a) => runner.submit(Work::Abort(a)),
+                    In::Release(r) => {
+                        info!(job = %r.job_id, reason = %r.reason, "released");
+                        if cfg.exit_on_release {
+                            break Ended::Released(r.reason);
+                        }
+                    }
+                }
+            }
+            Some(m) = results.recv() => {
+                if tx.send(m).await.is_err() {
+                    break Ended::Lost("the outbound stream closed".into());
+                }
+            }
+            _ = beat.tick() => {
+                let hb = wire::Heartbeat {
+                    generation: progress.generation.load(std::sync::atomic::Ordering::Relaxed),
+                    step: progress.step.load(std::sync::atomic::Ordering::Relaxed),
+                };
+                if tx.send(send(Out::Heartbeat(hb))).await.is_err() {
+                    break Ended::Lost("the outbound stream closed".into());
+                }
+            }
+        }
+    };
+    if let Ended::Released(_) = &ended {
+        // Queued work (the final checkpoint) finishes and its answers go out
+        // before the stream closes, with heartbeats meanwhile.
+        while runner.pending() > 0 {
+            tokio::select! {
+                Some(m) = results.recv() => { let _ = tx.send(m).await; }
+                _ = beat.tick() => {
+                    let hb = wire::Heartbeat {
+                        generation: progress.generation.load(std::sync::atomic::Ordering::Relaxed),
+                        step: progress.step.load(std::sync::atomic::Ordering::Relaxed),
+                    };
+                    let _ = tx.send(send(Out::Heartbeat(hb))).await;
+                }
+            }
+        }
+        while let Ok(m) = results.try_recv() {
+            let _ = tx.send(m).await;
+        }
+        drop(tx);
+        let _ = tokio::time::timeout(Duration::from_secs(2), async {
+            while let Ok(Some(_)) = inbound.message().await {}
+        })
+        .await;
+    }
+    Ok(ended)
+}

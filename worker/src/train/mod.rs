@@ -1,0 +1,10 @@
+//! Training on packed microbatches: the wire batch, the trainer (SFT
+//! objective, exact accumulation), AdamW and checkpoints.
+
+pub mod batch;
+pub mod checkpoint;
+pub mod optim;
+pub mod trainer;
+
+pub use batch::PackedBatch;
+pub use trainer::{MicrobatchSums, StepStats, Trainer};

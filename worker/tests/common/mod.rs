@@ -1,0 +1,167 @@
+//! Shared helpers of the worker's integration tests: running the Python
+//! references (installed into the repo's `.venv` by the scripts), building
+//! job configs, comparing tensors.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use accrue_worker::config::JobConfig;
+use accrue_worker::train::PackedBatch;
+use tch::{Kind, Tensor};
+
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// Runs `scripts/reference/<script>` with the repo venv's python.
+pub fn python(script: &str, args: &[&str]) {
+    let root = repo_root();
+    let py = root.join(".venv/bin/python");
+    assert!(
+        py.exists(),
+        "python venv not found at {} (run scripts/setup.sh)",
+        py.display()
+    );
+    let out = Command::new(&py)
+        .arg(root.join("scripts/reference").join(script))
+        .args(args)
+        .output()
+        .expect("running python reference");
+    assert!(
+        out.status.success(),
+        "{script} failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Builds the tiny HF reference model + expectations in `dir`.
+pub fn make_reference(dir: &Path, variant: &str) -> HashMap<String, Tensor> {
+    python(
+        "make_tiny_llama.py",
+        &[dir.to_str().unwrap(), "--variant", variant],
+    );
+    read(&dir.join("reference.safetensors"))
+}
+
+pub fn read(path: &Path) -> HashMap<String, Tensor> {
+    Tensor::read_safetensors(path)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()))
+        .into_iter()
+        .collect()
+}
+
+/// The reference documents as `(input_ids, labels)`, in order.
+pub fn documents(reference: &HashMap<String, Tensor>) -> Vec<(Vec<i64>, Vec<i64>)> {
+    (0..)
+        .map_while(|i| {
+            let ids = reference.get(&format!("doc{i}.input_ids"))?;
+            let labels = &reference[&format!("doc{i}.labels")];
+            Some((
+                Vec::<i64>::try_from(ids).unwrap(),
+                Vec::<i64>::try_from(labels).unwrap(),
+            ))
+        })
+        .collect()
+}
+
+pub fn job_config(init: &str, extra: &str) -> JobConfig {
+    let text = format!(
+        "[job]\nname = \"t\"\nseed = 7\noutput_dir = \"/tmp/unused\"\n[model]\ninit = \"{init}\"\n{extra}"
+    );
+    JobConfig::from_toml(&text).unwrap()
+}
+
+/// `(‖a − b‖, ‖b‖)` in f64.
+pub fn diff_norms(a: &Tensor, b: &Tensor) -> (f64, f64) {
+    let a = a.to_kind(Kind::Double);
+    let b = b.to_kind(Kind::Double);
+    (
+        f64::try_from((&a - &b).norm()).unwrap(),
+        f64::try_from(b.norm()).unwrap(),
+    )
+}
+
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
+    f64::try_from(
+        (a.to_kind(Kind::Double) - b.to_kind(Kind::Double))
+            .abs()
+            .max(),
+    )
+    .unwrap()
+}
+
+/// Deep copies of all parameters.
+pub fn snapshot(params: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
+    params
+        .iter()
+        .map(|(n, t)| (n.clone(), t.detach().copy()))
+        .collect()
+}
+
+/// Largest relative per-tensor difference `‖a−b‖/‖b‖` and its name.
+pub fn worst_rel(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> (f64, String) {
+    assert_eq!(a.len(), b.len());
+    let mut worst = (0.0, String::new());
+    for ((na, ta), (nb, tb)) in a.iter().zip(b) {
+        assert_eq!(na, nb);
+        let (d, n) = diff_norms(ta, tb);
+        let rel = d / n.max(1e-30);
+        if rel > worst.0 {
+            worst = (rel, na.clone());
+        }
+    }
+    worst
+}
+
+pub fn batch(docs: &[(Vec<i64>, Vec<i64>)]) -> PackedBatch {
+    PackedBatch::from_documents(docs)
+}
+
+/// A tiny Llama config.json (GQA, untied) for tests that need no Python.
+pub const TINY_CONFIG: &str = r#"{
+  "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+  "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
+  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+  "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "initializer_range": 0.05,
+  "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+  "tie_word_embeddings": false, "hidden_act": "silu"
+}"#;
+
+/// A job config with `init = "random"` and [`TINY_CONFIG`] written in `dir`.
+pub fn random_job(dir: &Path, extra: &str) -> JobConfig {
+    let path = dir.join("config.json");
+    std::fs::write(&path, TINY_CONFIG).unwrap();
+    job_config(
+        "random",
+        &format!("config = \"{}\"\n{extra}", path.display()),
+    )
+}
+
+/// Deterministic pseudo-random documents `(ids, labels)` of the given
+/// lengths; the first `len / 4` labels of each are masked (a prompt).
+pub fn synthetic_documents(lengths: &[usize], seed: u64) -> Vec<(Vec<i64>, Vec<i64>)> {
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    let mut next = move || {
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((state >> 33) % 300) as i64
+    };
+    lengths
+        .iter()
+        .map(|&n| {
+            let ids: Vec<i64> = (0..n).map(|_| next()).collect();
+            let labels = ids
+                .iter()
+                .enumerate()
+                .map(|(i, &t)| if i < n / 4 { -100 } else { t })
+                .collect();
+            (ids, labels)
+        })
+        .collect()
+}
