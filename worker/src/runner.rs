@@ -345,6 +345,22 @@ impl Thread {
     }
 
     fn configure(&mut self, c: wire::Configure) {
+        // Without a gradient all-reduce, ranks would train diverging
+        // replicas: refuse rather than produce silently wrong math.
+        if c.world_size > 1 {
+            let msg = format!(
+                "configure: world size {} needs cross-rank gradient reduction, which this \
+                 worker does not have yet; run with parallel.max_workers = 1",
+                c.world_size
+            );
+            return self.error(
+                &c.job_id,
+                c.generation,
+                c.step,
+                wire::ErrorKind::InvalidPlan,
+                msg,
+            );
+        }
         // A replica of this job already at the configured step is kept
         // (a new generation or a reconnect); anything else is rebuilt.
         let keep = self

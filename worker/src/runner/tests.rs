@@ -364,3 +364,21 @@ fn a_bad_spec_is_an_invalid_plan_error() {
     assert!(e.message.contains("does not parse"), "{}", e.message);
     runner.shutdown();
 }
+
+#[test]
+fn more_than_one_rank_is_refused_until_gradients_are_reduced() {
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let runner = Runner::spawn(default_factory(), tx);
+    runner.submit(Work::Configure(Box::new(wire::Configure {
+        job_id: "j".into(),
+        world_size: 2,
+        rank: 1,
+        ..Default::default()
+    })));
+    let Msg::Error(e) = msg(&mut rx) else {
+        panic!("expected an error");
+    };
+    assert_eq!(e.kind, wire::ErrorKind::InvalidPlan as i32);
+    assert!(e.message.contains("world size 2"), "{}", e.message);
+    runner.shutdown();
+}
