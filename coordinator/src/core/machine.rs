@@ -231,7 +231,13 @@ impl Coordinator {
         if w.state == WorkerState::Lost {
             return;
         }
-        warn!(worker, reason = why, "worker lost");
+        // Losing a worker mid-job costs a step; one that was released or
+        // idle leaving is routine.
+        if w.job.is_some() {
+            warn!(worker, reason = why, "worker lost");
+        } else {
+            info!(worker, reason = why, "worker left");
+        }
         w.state = WorkerState::Lost;
         let job = w.job.take();
         w.rank = None;
