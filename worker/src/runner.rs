@@ -345,69 +345,21 @@ impl Thread {
     }
 
     fn configure(&mut self, c: wire::Configure) {
-        // Without a gradient all-reduce, ranks would train diverging
-        // replicas: refuse rather than produce silently wrong math.
-        if c.world_size > 1 {
-            let msg = format!(
-                "configure: world size {} needs cross-rank gradient reduction, which this \
-                 worker does not have yet; run with parallel.max_workers = 1",
-                c.world_size
-            );
-            return self.error(
-                &c.job_id,
-                c.generation,
-                c.step,
-                wire::ErrorKind::InvalidPlan,
-                msg,
-            );
-        }
         // A replica of this job already at the configured step is kept
         // (a new generation or a reconnect); anything else is rebuilt.
         let keep = self
             .job
             .as_ref()
             .is_some_and(|h| h.job == c.job_id && h.step == c.step);
-        if !keep {
-            self.job = None;
-            let cfg = match JobConfig::from_toml(&c.spec_toml) {
-                Ok(cfg) => cfg,
-                Err(e) => {
-                    let msg = format!("configure: the job spec does not parse: {e}");
-                    return self.error(
-                        &c.job_id,
-                        c.generation,
-                        c.step,
-                        wire::ErrorKind::InvalidPlan,
-                        msg,
-                    );
-                }
-            };
-            let restore = (!c.restore_from.is_empty()).then(|| PathBuf::from(&c.restore_from));
-            let exec = match (self.factory)(&cfg, restore.as_deref()) {
-                Ok(e) => e,
-                Err(e) => {
-                    let from = restore
-                        .as_ref()
-                        .map_or("the model's init".into(), |p| p.display().to_string());
-                    let msg = format!("configure: building the model from {from}: {e:#}");
-                    return self.error(
-                        &c.job_id,
-                        c.generation,
-                        c.step,
-                        wire::ErrorKind::Internal,
-                        msg,
-                    );
-                }
-            };
-            self.job = Some(Held {
-                job: c.job_id.clone(),
-                generation: c.generation,
-                rank: c.rank,
-                world_size: c.world_size,
-                step: c.step,
-                max_tokens: spec_max_tokens(&c.spec_toml),
-                exec,
-            });
+        let checked = check_world_size(&c).and_then(|()| {
+            if !keep {
+                self.job = None;
+                self.job = Some(self.build(&c)?);
+            }
+            Ok(())
+        });
+        if let Err((kind, msg)) = checked {
+            return self.error(&c.job_id, c.generation, c.step, kind, msg);
         }
         let h = self.job.as_mut().expect("configured above");
         h.generation = c.generation;
@@ -425,6 +377,31 @@ impl Thread {
             generation: c.generation,
             step: c.step,
         }));
+    }
+
+    /// A fresh replica for `c`: the spec parsed, the model built or restored.
+    fn build(&self, c: &wire::Configure) -> Result<Held, (wire::ErrorKind, String)> {
+        let cfg = JobConfig::from_toml(&c.spec_toml).map_err(|e| {
+            let msg = format!("configure: the job spec does not parse: {e}");
+            (wire::ErrorKind::InvalidPlan, msg)
+        })?;
+        let restore = (!c.restore_from.is_empty()).then(|| PathBuf::from(&c.restore_from));
+        let exec = (self.factory)(&cfg, restore.as_deref()).map_err(|e| {
+            let from = restore
+                .as_ref()
+                .map_or("the model's init".into(), |p| p.display().to_string());
+            let msg = format!("configure: building the model from {from}: {e:#}");
+            (wire::ErrorKind::Internal, msg)
+        })?;
+        Ok(Held {
+            job: c.job_id.clone(),
+            generation: c.generation,
+            rank: c.rank,
+            world_size: c.world_size,
+            step: c.step,
+            max_tokens: spec_max_tokens(&c.spec_toml),
+            exec,
+        })
     }
 
     fn plan(&mut self, p: &wire::StepPlan) {
@@ -525,6 +502,20 @@ pub fn write_checkpoint(
     let tmp = dir.join("manifest.json.tmp");
     std::fs::write(&tmp, serde_json::to_vec_pretty(manifest)?)?;
     std::fs::rename(&tmp, dir.join("manifest.json"))?;
+    Ok(())
+}
+
+/// Without a gradient all-reduce, ranks would train diverging replicas:
+/// refuse rather than produce silently wrong math.
+fn check_world_size(c: &wire::Configure) -> Result<(), (wire::ErrorKind, String)> {
+    if c.world_size > 1 {
+        let msg = format!(
+            "configure: world size {} needs cross-rank gradient reduction, which this \
+             worker does not have yet; run with parallel.max_workers = 1",
+            c.world_size
+        );
+        return Err((wire::ErrorKind::InvalidPlan, msg));
+    }
     Ok(())
 }
 
