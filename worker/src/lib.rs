@@ -2,6 +2,7 @@
 //! padding-free packed microbatches, exact accumulation, optimizer step) with
 //! libtorch through `tch`. The only crate that links libtorch.
 
+pub mod collective;
 pub mod config;
 pub mod model;
 pub mod runner;

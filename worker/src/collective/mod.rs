@@ -1,0 +1,171 @@
+//! Collectives between the ranks of one generation (DESIGN.md "Ranks and
+//! collectives"): the [`Collective`] trait the trainers call, over flat
+//! contiguous float32 tensors, and its backends:
+//! - [`local::LocalGroup`]: ranks as threads of one process (tests, and the
+//!   reference the other backends are checked against);
+//! - the CPU TCP ring (`accrue-collective` crate) between worker processes;
+//! - NCCL through cudarc (feature `cuda`).
+//!
+//! Shard layout for reduce-scatter / all-gather is [`shard_range`]: the
+//! first `len % world` ranks hold one element more, so any length works.
+
+pub mod local;
+
+use std::ops::Range;
+
+use tch::Tensor;
+
+/// A failed collective. Every variant names what went wrong so the worker
+/// can report it to the coordinator (and which peer, where known).
+#[derive(Debug, thiserror::Error)]
+pub enum CollectiveError {
+    #[error("{op} #{seq}: timed out after {secs:.1}s waiting for rank {peer}")]
+    Timeout {
+        op: &'static str,
+        seq: u64,
+        peer: usize,
+        secs: f64,
+    },
+    #[error("{op} #{seq}: rank {peer} closed the connection: {detail}")]
+    PeerLost {
+        op: &'static str,
+        seq: u64,
+        peer: usize,
+        detail: String,
+    },
+    #[error("{op}: ranks diverged: expected {expected}, rank {peer} sent {got}")]
+    Mismatch {
+        op: &'static str,
+        peer: usize,
+        expected: String,
+        got: String,
+    },
+    #[error("{op}: bad tensor: {detail}")]
+    BadTensor { op: &'static str, detail: String },
+    #[error("collective setup: {0}")]
+    Setup(String),
+}
+
+impl CollectiveError {
+    /// The peer this error blames, if any (reported as `peer_rank`).
+    pub fn peer(&self) -> Option<usize> {
+        match self {
+            CollectiveError::Timeout { peer, .. }
+            | CollectiveError::PeerLost { peer, .. }
+            | CollectiveError::Mismatch { peer, .. } => Some(*peer),
+            _ => None,
+        }
+    }
+}
+
+/// The operations sharded data parallelism needs. All are in place on a
+/// flat, contiguous float32 tensor of the same length on every rank, and
+/// all ranks must call the same operations in the same order.
+pub trait Collective: Send {
+    fn rank(&self) -> usize;
+    fn world_size(&self) -> usize;
+    /// Every rank ends with the element-wise sum over ranks.
+    fn all_reduce_sum(&mut self, t: &mut Tensor) -> Result<(), CollectiveError>;
+    /// Afterwards this rank's [`shard_range`] of `t` holds the sum over
+    /// ranks; the rest of `t` is unspecified.
+    fn reduce_scatter_sum(&mut self, t: &mut Tensor) -> Result<(), CollectiveError>;
+    /// Each rank contributes its [`shard_range`] of `t`; afterwards every
+    /// rank holds all shards.
+    fn all_gather(&mut self, t: &mut Tensor) -> Result<(), CollectiveError>;
+    /// Every rank ends with `root`'s `t`.
+    fn broadcast(&mut self, t: &mut Tensor, root: usize) -> Result<(), CollectiveError>;
+    fn barrier(&mut self) -> Result<(), CollectiveError>;
+}
+
+/// The elements of a flat tensor of `len` elements owned by `rank` of
+/// `world`: contiguous, in rank order, the first `len % world` ranks one
+/// element longer.
+pub fn shard_range(len: usize, world: usize, rank: usize) -> Range<usize> {
+    assert!(world > 0 && rank < world, "rank {rank} of world {world}");
+    let base = len / world;
+    let extra = len % world;
+    let start = rank * base + rank.min(extra);
+    let end = start + base + usize::from(rank < extra);
+    start..end
+}
+
+/// A single rank: every operation is the identity (world size 1).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Solo;
+
+impl Collective for Solo {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world_size(&self) -> usize {
+        1
+    }
+    fn all_reduce_sum(&mut self, _: &mut Tensor) -> Result<(), CollectiveError> {
+        Ok(())
+    }
+    fn reduce_scatter_sum(&mut self, _: &mut Tensor) -> Result<(), CollectiveError> {
+        Ok(())
+    }
+    fn all_gather(&mut self, _: &mut Tensor) -> Result<(), CollectiveError> {
+        Ok(())
+    }
+    fn broadcast(&mut self, _: &mut Tensor, _: usize) -> Result<(), CollectiveError> {
+        Ok(())
+    }
+    fn barrier(&mut self) -> Result<(), CollectiveError> {
+        Ok(())
+    }
+}
+
+/// Checks that `t` is a flat contiguous float32 CPU tensor (what the CPU
+/// backends read and write through raw slices).
+pub fn check_flat_f32_cpu(op: &'static str, t: &Tensor) -> Result<usize, CollectiveError> {
+    let bad = |detail: String| CollectiveError::BadTensor { op, detail };
+    if t.kind() != tch::Kind::Float {
+        return Err(bad(format!("expected float32, got {:?}", t.kind())));
+    }
+    if t.device() != tch::Device::Cpu {
+        return Err(bad(format!("expected a CPU tensor, got {:?}", t.device())));
+    }
+    if t.dim() != 1 || !t.is_contiguous() {
+        return Err(bad(format!(
+            "expected a flat contiguous tensor, got shape {:?}",
+            t.size()
+        )));
+    }
+    Ok(t.numel())
+}
+
+/// The f32 elements of a tensor checked by [`check_flat_f32_cpu`].
+///
+/// # Safety
+/// `t` must be a flat contiguous f32 CPU tensor, and no other reference to
+/// its storage may be used while the slice lives.
+pub unsafe fn as_f32_slice_mut(t: &mut Tensor) -> &mut [f32] {
+    let n = t.numel();
+    if n == 0 {
+        return &mut [];
+    }
+    std::slice::from_raw_parts_mut(t.data_ptr() as *mut f32, n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shards_cover_every_element_once_in_order() {
+        for len in [0usize, 1, 2, 7, 64, 1001] {
+            for world in 1..=5 {
+                let mut next = 0;
+                for rank in 0..world {
+                    let r = shard_range(len, world, rank);
+                    assert_eq!(r.start, next, "len {len} world {world} rank {rank}");
+                    assert!(r.len() == len / world || r.len() == len / world + 1);
+                    next = r.end;
+                }
+                assert_eq!(next, len);
+            }
+        }
+    }
+}
