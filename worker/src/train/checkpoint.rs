@@ -4,8 +4,16 @@
 //! `optimizer.safetensors` (`{param}.exp_avg`, `{param}.exp_avg_sq`) and
 //! `trainer.json` (optimizer step count, dtype). The caller writes the
 //! manifest (step, data cursor) next to them.
+//!
+//! With several ranks ([`save_shard`]) every rank writes, in parallel, the
+//! whole tensors [`assign_tensors`] gives it as one file of a Hugging Face
+//! sharded checkpoint (`model-0000i-of-0000n.safetensors`, rank 0 adds
+//! `model.safetensors.index.json`), and their AdamW moments as
+//! `optimizer-0000i-of-0000n.safetensors`. Moments are stored per whole
+//! parameter whatever the sharding level, so a checkpoint restores at any
+//! world size and level ([`load_optimizer_tensors`]).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
 use anyhow::{bail, Context};
@@ -118,9 +126,192 @@ pub fn load_optimizer(dir: &Path, names: &[String], opt: &mut AdamW) -> anyhow::
     Ok(())
 }
 
+/// Which rank writes each tensor: largest first onto the least-loaded rank
+/// (bytes), ties broken by name, so every rank computes the same answer.
+pub fn assign_tensors(sizes: &[(String, usize)], world: usize) -> BTreeMap<String, usize> {
+    let mut order: Vec<&(String, usize)> = sizes.iter().collect();
+    order.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    let mut load = vec![0usize; world.max(1)];
+    let mut out = BTreeMap::new();
+    for (name, bytes) in order {
+        let rank = (0..load.len()).min_by_key(|&r| (load[r], r)).unwrap_or(0);
+        load[rank] += bytes;
+        out.insert(name.clone(), rank);
+    }
+    out
+}
+
+/// `model-0000{rank+1}-of-0000{world}.safetensors` (HF's shard naming).
+pub fn model_file(rank: usize, world: usize) -> String {
+    format!("model-{:05}-of-{:05}.safetensors", rank + 1, world)
+}
+
+/// `optimizer-0000{rank+1}-of-0000{world}.safetensors`.
+pub fn optimizer_file(rank: usize, world: usize) -> String {
+    format!("optimizer-{:05}-of-{:05}.safetensors", rank + 1, world)
+}
+
+/// One whole parameter a rank writes: HF name, value, AdamW moments.
+pub struct ShardEntry {
+    pub name: String,
+    pub param: Tensor,
+    pub exp_avg: Tensor,
+    pub exp_avg_sq: Tensor,
+}
+
+/// Writes this rank's part of a sharded checkpoint: its assigned tensors
+/// (see [`assign_tensors`] over `all_sizes`, `(name, bytes)` of every
+/// parameter) and their moments. Rank 0 also writes `config.json`, the
+/// index and `trainer.json`. With `world == 1` this is [`save`]'s layout.
+#[allow(clippy::too_many_arguments)]
+pub fn save_shard(
+    dir: &Path,
+    rank: usize,
+    world: usize,
+    raw_config: &serde_json::Value,
+    kind: Kind,
+    optimizer_step: u64,
+    all_sizes: &[(String, usize)],
+    mine: &[ShardEntry],
+) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let (model_name, opt_name) = if world == 1 {
+        (
+            "model.safetensors".to_string(),
+            "optimizer.safetensors".to_string(),
+        )
+    } else {
+        (model_file(rank, world), optimizer_file(rank, world))
+    };
+    let named: Vec<(String, Tensor)> = mine
+        .iter()
+        .map(|e| (e.name.clone(), e.param.shallow_clone()))
+        .collect();
+    weights::write_tensors(&dir.join(&model_name), &named, BTreeMap::new())?;
+    let mut state = Vec::with_capacity(2 * mine.len());
+    for e in mine {
+        state.push((format!("{}.exp_avg", e.name), e.exp_avg.shallow_clone()));
+        state.push((
+            format!("{}.exp_avg_sq", e.name),
+            e.exp_avg_sq.shallow_clone(),
+        ));
+    }
+    let meta = BTreeMap::from([("step".to_string(), optimizer_step.to_string())]);
+    weights::write_tensors(&dir.join(&opt_name), &state, meta)?;
+    if rank != 0 {
+        return Ok(());
+    }
+    let mut config = raw_config.clone();
+    if let Some(obj) = config.as_object_mut() {
+        let dt = dtype_name(kind);
+        obj.insert("torch_dtype".into(), dt.into());
+        obj.insert("dtype".into(), dt.into());
+    }
+    write_atomic(
+        &dir.join("config.json"),
+        serde_json::to_string_pretty(&config)?.as_bytes(),
+    )?;
+    if world > 1 {
+        let assignment = assign_tensors(all_sizes, world);
+        let weight_map: BTreeMap<&String, String> = assignment
+            .iter()
+            .map(|(name, &r)| (name, model_file(r, world)))
+            .collect();
+        let total: usize = all_sizes.iter().map(|(_, b)| b).sum();
+        let index = serde_json::json!({
+            "metadata": {"total_size": total},
+            "weight_map": weight_map,
+        });
+        write_atomic(
+            &dir.join("model.safetensors.index.json"),
+            serde_json::to_string_pretty(&index)?.as_bytes(),
+        )?;
+    }
+    let ts = TrainerState {
+        format: 1,
+        optimizer_step,
+        dtype: dtype_name(kind).into(),
+    };
+    write_atomic(
+        &dir.join("trainer.json"),
+        serde_json::to_string_pretty(&ts)?.as_bytes(),
+    )?;
+    Ok(())
+}
+
+/// The optimizer step count and every `{param}.exp_avg` / `.exp_avg_sq`
+/// moment of a checkpoint, whichever world size wrote it.
+pub fn load_optimizer_tensors(dir: &Path) -> anyhow::Result<(u64, HashMap<String, Tensor>)> {
+    let ts_path = dir.join("trainer.json");
+    let ts: TrainerState = serde_json::from_str(
+        &std::fs::read_to_string(&ts_path)
+            .with_context(|| format!("reading {}", ts_path.display()))?,
+    )
+    .with_context(|| format!("parsing {}", ts_path.display()))?;
+    let single = dir.join("optimizer.safetensors");
+    let files: Vec<std::path::PathBuf> = if single.exists() {
+        vec![single]
+    } else {
+        let mut v: Vec<_> = std::fs::read_dir(dir)
+            .with_context(|| format!("listing {}", dir.display()))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| {
+                p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with("optimizer-") && n.ends_with(".safetensors"))
+            })
+            .collect();
+        v.sort();
+        if v.is_empty() {
+            bail!(
+                "{}: no optimizer state (optimizer*.safetensors)",
+                dir.display()
+            );
+        }
+        v
+    };
+    Ok((ts.optimizer_step, weights::read_tensors(&files)?))
+}
+
 fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
     let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
     std::fs::rename(&tmp, path).with_context(|| format!("renaming to {}", path.display()))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn assignment_balances_bytes_and_is_deterministic() {
+        let sizes: Vec<(String, usize)> = [("a", 100), ("b", 60), ("c", 50), ("d", 40), ("e", 10)]
+            .iter()
+            .map(|(n, b)| (n.to_string(), *b))
+            .collect();
+        let a = assign_tensors(&sizes, 2);
+        assert_eq!(a, assign_tensors(&sizes, 2));
+        let load = |r| {
+            sizes
+                .iter()
+                .filter(|(n, _)| a[n] == r)
+                .map(|(_, b)| b)
+                .sum::<usize>()
+        };
+        assert_eq!(load(0) + load(1), 260);
+        assert!(
+            load(0).abs_diff(load(1)) <= 20,
+            "{} vs {}",
+            load(0),
+            load(1)
+        );
+        assert!(assign_tensors(&sizes, 1).values().all(|&r| r == 0));
+    }
+
+    #[test]
+    fn shard_names_follow_hf() {
+        assert_eq!(model_file(0, 2), "model-00001-of-00002.safetensors");
+        assert_eq!(optimizer_file(1, 2), "optimizer-00002-of-00002.safetensors");
+    }
 }
