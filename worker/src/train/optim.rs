@@ -45,6 +45,15 @@ impl AdamW {
 
     /// One update of every parameter with a defined gradient.
     pub fn step(&mut self, params: &[Tensor], lr: f64) {
+        let grads: Vec<Tensor> = params.iter().map(|p| p.grad()).collect();
+        self.step_with_grads(params, &grads, lr);
+    }
+
+    /// One update of `params[i]` from `grads[i]` (undefined ones skipped):
+    /// for sharded trainers whose gradients live in flat shards rather than
+    /// in the parameters' `.grad()`.
+    pub fn step_with_grads(&mut self, params: &[Tensor], grads: &[Tensor], lr: f64) {
+        assert_eq!(params.len(), grads.len(), "one gradient per parameter");
         self.step += 1;
         let t = self.step as i32;
         let c = self.cfg;
@@ -53,7 +62,7 @@ impl AdamW {
         let step_size = lr / bias1;
         tch::no_grad(|| {
             for (i, p) in params.iter().enumerate() {
-                let g = p.grad();
+                let g = &grads[i];
                 if !g.defined() {
                     continue;
                 }
@@ -90,6 +99,20 @@ pub fn grad_norm(params: &[Tensor]) -> f64 {
         return 0.0;
     }
     f64::try_from(Tensor::stack(&norms, 0).norm()).unwrap_or(f64::NAN)
+}
+
+/// Σ g² over the given gradients (f64): a rank's share of the squared
+/// global norm, summed across ranks before the square root.
+pub fn sum_of_squares(grads: &[Tensor]) -> f64 {
+    let parts: Vec<Tensor> = grads
+        .iter()
+        .filter(|g| g.defined() && g.numel() > 0)
+        .map(|g| g.to_kind(Kind::Double).square().sum(Kind::Double))
+        .collect();
+    if parts.is_empty() {
+        return 0.0;
+    }
+    f64::try_from(Tensor::stack(&parts, 0).sum(Kind::Double)).unwrap_or(f64::NAN)
 }
 
 /// Scales all gradients by `min(1, max_norm / (norm + 1e-6))`, as
