@@ -7,6 +7,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::objective::{ObjectiveKind, ObjectiveSection, RlSection};
+
 /// One thing wrong with a spec, with the dotted path of the field.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SpecProblem {
@@ -44,6 +46,12 @@ pub struct JobSpec {
     pub parallel: ParallelSection,
     #[serde(default)]
     pub checkpoint: CheckpointSection,
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub rl: RlSection,
+}
+
+fn is_default<T: Default + PartialEq>(v: &T) -> bool {
+    *v == T::default()
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -157,30 +165,6 @@ pub struct BatchSection {
     /// Static: fill this many microbatches per rank, carry the rest over.
     #[serde(default)]
     pub microbatches_per_rank: Option<u32>,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum ObjectiveKind {
-    #[default]
-    Sft,
-    Dpo,
-    Pg,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ObjectiveSection {
-    #[serde(default)]
-    pub kind: ObjectiveKind,
-}
-
-impl Default for ObjectiveSection {
-    fn default() -> Self {
-        Self {
-            kind: ObjectiveKind::Sft,
-        }
-    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -332,6 +316,7 @@ const SECTIONS: &[&str] = &[
     "optimizer",
     "parallel",
     "checkpoint",
+    "rl",
 ];
 
 impl JobSpec {
@@ -541,6 +526,9 @@ impl JobSpec {
             );
         }
 
+        self.objective.validate(&mut bad);
+        self.rl.validate(self.objective.kind, &mut bad);
+
         let o = &self.optimizer;
         if !(o.lr.is_finite() && o.lr > 0.0) {
             bad(
@@ -618,6 +606,7 @@ fn check_section(section: &str, value: toml::Value) -> Result<(), SpecProblem> {
         "optimizer" => value.try_into::<OptimizerSection>().map(drop),
         "parallel" => value.try_into::<ParallelSection>().map(drop),
         "checkpoint" => value.try_into::<CheckpointSection>().map(drop),
+        "rl" => value.try_into::<RlSection>().map(drop),
         _ => Ok(()),
     };
     result.map_err(|e| {
