@@ -23,6 +23,23 @@ impl fmt::Display for DocId {
     }
 }
 
+impl std::str::FromStr for DocId {
+    type Err = String;
+
+    /// Parses the `file:line` form [`fmt::Display`] writes.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (file, line) = s
+            .split_once(':')
+            .ok_or_else(|| format!("expected file:line, got {s:?}"))?;
+        Ok(DocId {
+            file: file
+                .parse()
+                .map_err(|_| format!("bad file index in {s:?}"))?,
+            line: line.parse().map_err(|_| format!("bad line in {s:?}"))?,
+        })
+    }
+}
+
 /// One token row with labels aligned to `input_ids` (the shift to next-token
 /// targets happens in the loss, as in `transformers`).
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]

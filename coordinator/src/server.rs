@@ -187,9 +187,11 @@ fn restore_event(mut rec: JobRecord, store: &Store) -> anyhow::Result<Event> {
         error!(job = %rec.id, reason = %rec.reason, "job failed on restore");
         store.put_job(&rec)?;
     }
+    let reference = store.reference(&rec.id)?;
     Ok(Event::RestoreJob {
         rec: Box::new(rec),
         spec: Box::new(spec),
         docs,
+        reference,
     })
 }

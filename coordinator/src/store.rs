@@ -14,6 +14,8 @@ use crate::doc::DocId;
 const JOBS: TableDefinition<&str, &[u8]> = TableDefinition::new("jobs");
 /// Key: (job id, step).
 const STEPS: TableDefinition<(&str, u64), &[u8]> = TableDefinition::new("steps");
+/// Key: (job id, file, line) → DPO reference log-probs `[chosen, rejected]`.
+const REFERENCE: TableDefinition<(&str, u32, u64), (f64, f64)> = TableDefinition::new("reference");
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -72,6 +74,7 @@ impl Store {
         let tx = db.begin_write()?;
         tx.open_table(JOBS)?;
         tx.open_table(STEPS)?;
+        tx.open_table(REFERENCE)?;
         tx.commit()?;
         Ok(Store { db })
     }
@@ -97,6 +100,33 @@ impl Store {
         }
         tx.commit()?;
         Ok(())
+    }
+
+    /// Adds reference log-probs of `job`, in one transaction.
+    pub fn put_reference(&self, job: &str, entries: &[(DocId, [f64; 2])]) -> Result<()> {
+        let tx = self.db.begin_write()?;
+        {
+            let mut t = tx.open_table(REFERENCE)?;
+            for (d, [c, r]) in entries {
+                t.insert((job, d.file, d.line), (*c, *r))?;
+            }
+        }
+        tx.commit()?;
+        Ok(())
+    }
+
+    /// The reference log-probs stored for `job`.
+    pub fn reference(&self, job: &str) -> Result<crate::core::ReferenceLogps> {
+        let tx = self.db.begin_read()?;
+        let table = tx.open_table(REFERENCE)?;
+        let mut out = crate::core::ReferenceLogps::new();
+        for row in table.range((job, 0u32, 0u64)..=(job, u32::MAX, u64::MAX))? {
+            let (k, v) = row?;
+            let (_, file, line) = k.value();
+            let (c, r) = v.value();
+            out.insert(DocId { file, line }, [c, r]);
+        }
+        Ok(out)
     }
 
     /// Every job, in submission order.
@@ -214,5 +244,24 @@ mod tests {
         );
         assert_eq!(steps[1].docs, vec![DocId { file: 0, line: 3 }]);
         assert!(s.steps("b", 0).unwrap().is_empty());
+    }
+
+    #[test]
+    fn reference_logps_are_kept_per_job() {
+        let dir = tempfile::tempdir().unwrap();
+        let id = |line| DocId { file: 1, line };
+        {
+            let s = Store::open(dir.path()).unwrap();
+            s.put_reference("a", &[(id(1), [-1.0, -2.0]), (id(7), [-3.5, -4.0])])
+                .unwrap();
+            s.put_reference("b", &[(id(1), [-9.0, -9.0])]).unwrap();
+            s.put_reference("a", &[(id(2), [-5.0, -6.0])]).unwrap();
+        }
+        let s = Store::open(dir.path()).unwrap();
+        let a = s.reference("a").unwrap();
+        assert_eq!(a.len(), 3);
+        assert_eq!(a[&id(7)], [-3.5, -4.0]);
+        assert_eq!(s.reference("b").unwrap()[&id(1)], [-9.0, -9.0]);
+        assert!(s.reference("c").unwrap().is_empty());
     }
 }

@@ -60,6 +60,7 @@ async fn fake_worker(url: String) {
                 generation: p.generation,
                 step: p.step,
                 rank: p.rank,
+                logps: Vec::new(),
                 sums: Some(wire::MetricSums {
                     loss_sum: 20.0,
                     loss_tokens: 10,

@@ -439,6 +439,7 @@ impl Thread {
                     step: p.step,
                     rank: p.rank,
                     sums: Some(sums),
+                    logps: Vec::new(),
                 }));
             }
             StepOutcome::Failed(e) => {

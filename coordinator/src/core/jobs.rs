@@ -7,6 +7,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use super::metrics::MetricSums;
+use super::reference::{ReferenceCache, SeqLogp};
 use super::step::PlannedStep;
 use super::WorkerId;
 use crate::cursor::Cursor;
@@ -97,6 +98,8 @@ pub struct InFlight {
     pub planned: Arc<PlannedStep>,
     pub started_ms: i64,
     pub results: BTreeMap<u32, MetricSums>,
+    /// Reference plans: the sequences' log-probs reported so far.
+    pub logps: Vec<SeqLogp>,
 }
 
 /// A job with its live state.
@@ -115,6 +118,8 @@ pub struct Job {
     /// Workers asked to write the checkpoint of step `.0`, and whether each
     /// has reported it written.
     pub checkpoint_acks: Option<(u64, BTreeMap<WorkerId, bool>)>,
+    /// DPO with a cached reference: the log-probs computed so far.
+    pub reference: Option<ReferenceCache>,
 }
 
 impl Job {
@@ -128,6 +133,7 @@ impl Job {
             pause_requested: false,
             checkpoint_requested: false,
             checkpoint_acks: None,
+            reference: None,
         }
     }
 

@@ -10,7 +10,8 @@ use tracing::{info, warn};
 use super::jobs::{Generation, InFlight, JobState};
 use super::machine::{enter_paused, publish_event, request_checkpoint, Coordinator};
 use super::metrics::{self, StepFacts};
-use super::step;
+use super::reference::{self, SeqLogp};
+use super::step::{self, PlanKind};
 use super::workers::{Worker, WorkerId, WorkerState};
 use super::{Effect, ToWorker, WatchItem, WorkerErrorKind};
 
@@ -23,6 +24,7 @@ impl Coordinator {
         generation: u64,
         step: u64,
         sums: super::MetricSums,
+        logps: Vec<SeqLogp>,
         now_ms: i64,
         fx: &mut Vec<Effect>,
     ) {
@@ -46,9 +48,46 @@ impl Coordinator {
             return;
         };
         flight.results.insert(rank, sums);
+        flight.logps.extend(logps);
         if flight.results.len() == gen.members.len() {
-            self.commit(job_id, now_ms, fx);
+            if flight.planned.kind == PlanKind::Reference {
+                self.commit_reference(job_id, now_ms, fx);
+            } else {
+                self.commit(job_id, now_ms, fx);
+            }
         }
+    }
+
+    /// Every rank reported its part of a reference chunk: the log-probs are
+    /// stored (the store write precedes any plan that carries them).
+    pub(super) fn commit_reference(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
+        let job = self.jobs.get_mut(job_id).expect("committing a known job");
+        let flight = job.inflight.take().expect("committing an in-flight chunk");
+        let entries = match reference::collect_chunk(&flight.planned.docs, &flight.logps) {
+            Ok(e) => e,
+            Err(e) => {
+                let reason = format!("chunk {}: {e}", flight.planned.step);
+                self.finish(job_id, JobState::Failed, &reason, now_ms, fx);
+                return;
+            }
+        };
+        let cache = job.reference.get_or_insert_with(Default::default);
+        cache.chunks += 1;
+        cache.logps.extend(entries.iter().copied());
+        let (done, total) = (cache.logps.len(), job.docs.len());
+        info!(job = job_id, done, total, "reference chunk committed");
+        fx.push(Effect::StoreReference {
+            job: job_id.to_string(),
+            entries,
+        });
+        publish_event(
+            fx,
+            job,
+            "reference",
+            format!("reference log-probs of {done}/{total} pairs cached"),
+            now_ms,
+        );
+        self.at_boundary(job_id, now_ms, fx);
     }
 
     /// Every rank reported: the step commits, the cursor moves.
@@ -105,14 +144,23 @@ impl Coordinator {
             self.finish(job_id, JobState::Completed, "all steps trained", now_ms, fx);
             return;
         }
-        // Drained workers leave at this boundary, and joiners come in: both
-        // form a new generation before the next step.
+        self.at_boundary(job_id, now_ms, fx);
+    }
+
+    /// A step boundary: a requested pause takes effect, drained workers
+    /// leave and joiners come in (both form a new generation).
+    fn at_boundary(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
+        let gen = self.jobs[job_id]
+            .gen
+            .clone()
+            .expect("a boundary within a generation");
         let leaving = gen
             .members
             .iter()
             .any(|m| self.workers.get(m).is_some_and(|w| w.draining));
-        let joining = self.workers.values().any(Worker::available)
-            && gen.world_size() < job.spec.parallel.max_workers;
+        let max_workers = self.jobs[job_id].spec.parallel.max_workers;
+        let joining =
+            self.workers.values().any(Worker::available) && gen.world_size() < max_workers;
         let job = self.jobs.get_mut(job_id).expect("known job");
         if job.pause_requested {
             job.pause_requested = false;
@@ -379,13 +427,22 @@ impl Coordinator {
         }
         let gen = job.gen.as_ref().expect("dispatch within a generation");
         let next = job.rec.step + 1;
-        let planned = match step::plan_step(
-            &job.spec,
-            &job.docs,
-            &job.rec.cursor,
-            next,
-            gen.world_size(),
-        ) {
+        // A DPO job with a cached reference first completes its pass.
+        let pending_reference = job
+            .reference
+            .as_ref()
+            .filter(|c| !c.complete(&job.docs))
+            .map(|c| reference::plan_chunk(&job.spec, &job.docs, c, gen.world_size()));
+        let planned = match pending_reference.unwrap_or_else(|| {
+            step::plan_step(
+                &job.spec,
+                &job.docs,
+                &job.rec.cursor,
+                next,
+                gen.world_size(),
+                job.reference.as_ref(),
+            )
+        }) {
             Ok(Some(p)) => Arc::new(p),
             Ok(None) => {
                 self.finish(job_id, JobState::Completed, "data exhausted", now_ms, fx);
@@ -412,6 +469,7 @@ impl Coordinator {
             planned,
             started_ms: now_ms,
             results: BTreeMap::new(),
+            logps: Vec::new(),
         });
     }
 }

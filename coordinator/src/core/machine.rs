@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use tracing::{info, warn};
 
 use super::jobs::{Job, JobId, JobRecord, JobState};
+use super::reference::{self, ReferenceCache};
 use super::step;
 use super::workers::{Registration, Worker, WorkerId, WorkerState};
 use super::{CoreError, Effect, Event, Result, ToWorker, WatchItem};
@@ -97,9 +98,12 @@ impl Coordinator {
                 generation,
                 step,
                 sums,
+                logps,
             } => {
                 self.seen(&worker, now_ms);
-                self.on_result(&worker, &job, generation, step, sums, now_ms, &mut fx);
+                self.on_result(
+                    &worker, &job, generation, step, sums, logps, now_ms, &mut fx,
+                );
             }
             Event::WorkerError {
                 worker,
@@ -147,9 +151,16 @@ impl Coordinator {
                 info!(job = %id, name = %rec.name, docs = docs.len(), "job submitted");
                 fx.push(Effect::PersistJob(rec.clone()));
                 self.job_order.push(id.clone());
-                self.jobs.insert(id, Job::new(rec, *spec, docs));
+                let mut job = Job::new(rec, *spec, docs);
+                job.reference = reference::needs_cache(&job.spec).then(ReferenceCache::default);
+                self.jobs.insert(id, job);
             }
-            Event::RestoreJob { rec, spec, docs } => {
+            Event::RestoreJob {
+                rec,
+                spec,
+                docs,
+                reference: logps,
+            } => {
                 let mut rec = *rec;
                 if rec.state == JobState::Running {
                     // No generation survives a restart; workers re-join.
@@ -158,7 +169,10 @@ impl Coordinator {
                 }
                 let id = rec.id.clone();
                 self.job_order.push(id.clone());
-                self.jobs.insert(id, Job::new(rec, *spec, docs));
+                let mut job = Job::new(rec, *spec, docs);
+                job.reference =
+                    reference::needs_cache(&job.spec).then(|| ReferenceCache::new(logps));
+                self.jobs.insert(id, job);
             }
             Event::CancelJob { job } => self.cancel(&job, now_ms, &mut fx)?,
             Event::PauseJob { job } => self.pause(&job, now_ms, &mut fx)?,
@@ -174,7 +188,10 @@ impl Coordinator {
     /// The step at whose boundary a triggered checkpoint lands.
     pub fn checkpoint_step(&self, job: &str) -> Result<u64> {
         let j = self.job(job)?;
-        Ok(j.inflight.as_ref().map_or(j.rec.step, |f| f.planned.step))
+        Ok(j.inflight
+            .as_ref()
+            .filter(|f| f.planned.kind == step::PlanKind::Train)
+            .map_or(j.rec.step, |f| f.planned.step))
     }
 
     fn register(&mut self, id: WorkerId, reg: Registration, now_ms: i64) {

@@ -10,6 +10,7 @@ mod jobs;
 mod lifecycle;
 mod machine;
 pub mod metrics;
+pub mod reference;
 pub mod step;
 mod workers;
 
@@ -23,7 +24,8 @@ pub use error::{CoreError, Result};
 pub use jobs::{Generation, Job, JobId, JobRecord, JobState};
 pub use machine::{Coordinator, CoordinatorOptions};
 pub use metrics::{MetricSums, StepMetrics};
-pub use step::PlannedStep;
+pub use reference::{ReferenceLogps, SeqLogp};
+pub use step::{PlanKind, PlannedStep};
 pub use workers::{Registration, Worker, WorkerId, WorkerState};
 
 use crate::cursor::Cursor;
@@ -67,6 +69,8 @@ pub enum Event {
         generation: u64,
         step: u64,
         sums: MetricSums,
+        /// Reference plans: per-sequence log-probs (empty otherwise).
+        logps: Vec<SeqLogp>,
     },
     WorkerError {
         worker: WorkerId,
@@ -94,6 +98,8 @@ pub enum Event {
         rec: Box<JobRecord>,
         spec: Box<JobSpec>,
         docs: Arc<[Document]>,
+        /// The job's cached reference log-probs from the store.
+        reference: ReferenceLogps,
     },
     CancelJob {
         job: JobId,
@@ -183,6 +189,12 @@ pub enum Effect {
         rec: Box<JobRecord>,
         metrics: Box<StepMetrics>,
         docs: Vec<DocId>,
+    },
+    /// Reference log-probs of a committed chunk (persisted before the
+    /// plans that carry them are sent).
+    StoreReference {
+        job: JobId,
+        entries: Vec<(DocId, [f64; 2])>,
     },
     AppendMetrics {
         path: PathBuf,

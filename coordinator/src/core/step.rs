@@ -7,6 +7,19 @@ use crate::doc::{DocBody, DocId, Document};
 use crate::plan::{self, Normalizers, PackItem, PackProblem, PlanError, StepTarget};
 use crate::spec::{JobSpec, StepSize};
 
+use super::reference::ReferenceCache;
+
+/// What workers do with a plan (mirror of `accrue.v1.PlanKind`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PlanKind {
+    /// Forward, backward, optimizer step; commits a training step.
+    #[default]
+    Train,
+    /// Forward only, per-sequence log-probs back (DPO reference pass);
+    /// `step` numbers the chunk and the cursor does not move.
+    Reference,
+}
+
 /// One sequence inside a microbatch payload.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SeqRef {
@@ -30,6 +43,7 @@ pub struct MicrobatchPayload {
 /// A fully planned step: identical normalisers for every rank.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PlannedStep {
+    pub kind: PlanKind,
     pub step: u64,
     pub lr: f64,
     pub cursor_after: Cursor,
@@ -75,13 +89,16 @@ pub fn total_steps(spec: &JobSpec, docs: &[Document]) -> u64 {
 }
 
 /// Plans step `step` (1-based) from `cursor` for `world_size` ranks, or
-/// returns `None` when the stream has no documents left.
+/// returns `None` when the stream has no documents left. DPO jobs with a
+/// cached reference pass `reference`: each sequence then carries its
+/// `ref_logp` scalar.
 pub fn plan_step(
     spec: &JobSpec,
     docs: &[Document],
     cursor: &Cursor,
     step: u64,
     world_size: u32,
+    reference: Option<&ReferenceCache>,
 ) -> Result<Option<PlannedStep>, PlanError> {
     let order = order_of(spec, docs.len());
     let max_tokens = spec.data.max_tokens;
@@ -105,7 +122,35 @@ pub fn plan_step(
         .map(|&i| &docs[offered[i] as usize])
         .collect();
 
-    // Phase 2: pack and assign to ranks.
+    // Phase 2: pack and assign to ranks; phase 3: payloads.
+    let (ranks, normalizers) = pack_documents(
+        &chosen,
+        max_tokens,
+        world_size,
+        target.min_microbatches_per_rank(),
+        reference,
+    )?;
+    let total = total_steps(spec, docs);
+    Ok(Some(PlannedStep {
+        kind: PlanKind::Train,
+        step,
+        lr: spec.optimizer.lr_at(step, total),
+        cursor_after: cursor.advance(&order, &selection),
+        normalizers,
+        ranks,
+        docs: chosen.iter().map(|d| d.id).collect(),
+    }))
+}
+
+/// Packs `chosen` into microbatches of at most `max_tokens`, spreads them
+/// over `world_size` ranks (equal counts), and materialises the payloads.
+pub fn pack_documents(
+    chosen: &[&Document],
+    max_tokens: u32,
+    world_size: u32,
+    min_microbatches_per_rank: u32,
+    reference: Option<&ReferenceCache>,
+) -> Result<(Vec<Vec<MicrobatchPayload>>, Normalizers), PlanError> {
     let problem = PackProblem {
         items: chosen
             .iter()
@@ -119,32 +164,30 @@ pub fn plan_step(
             .collect(),
         max_tokens,
         world_size,
-        min_microbatches_per_rank: target.min_microbatches_per_rank(),
+        min_microbatches_per_rank,
     };
     let solution = plan::solve(&problem)?;
-
-    // Phase 3: materialise payloads.
     let ranks = solution
         .ranks
         .iter()
         .map(|mbs| {
             mbs.iter()
-                .map(|mb| payload(mb.items.iter().map(|&i| chosen[problem.items[i].doc])))
+                .map(|mb| {
+                    payload(
+                        mb.items.iter().map(|&i| chosen[problem.items[i].doc]),
+                        reference,
+                    )
+                })
                 .collect()
         })
         .collect();
-    let total = total_steps(spec, docs);
-    Ok(Some(PlannedStep {
-        step,
-        lr: spec.optimizer.lr_at(step, total),
-        cursor_after: cursor.advance(&order, &selection),
-        normalizers: solution.normalizers,
-        ranks,
-        docs: chosen.iter().map(|d| d.id).collect(),
-    }))
+    Ok((ranks, solution.normalizers))
 }
 
-fn payload<'a>(docs: impl Iterator<Item = &'a Document>) -> MicrobatchPayload {
+fn payload<'a>(
+    docs: impl Iterator<Item = &'a Document>,
+    reference: Option<&ReferenceCache>,
+) -> MicrobatchPayload {
     let mut p = MicrobatchPayload {
         cu_seq_lens: vec![0],
         ..Default::default()
@@ -158,6 +201,9 @@ fn payload<'a>(docs: impl Iterator<Item = &'a Document>) -> MicrobatchPayload {
             if let DocBody::Rollout(r) = &d.body {
                 scalars.push(("reward".to_string(), r.reward));
                 scalars.push(("policy_version".to_string(), r.policy_version as f64));
+            }
+            if let Some(logps) = reference.and_then(|c| c.get(&d.id)) {
+                scalars.push(("ref_logp".to_string(), logps[role.min(1)]));
             }
             p.seqs.push(SeqRef {
                 doc: d.id,

@@ -65,6 +65,15 @@ struct Sim {
     persisted: Vec<JobRecord>,
     /// Workers that have died: they answer nothing.
     dead: Vec<WorkerId>,
+    /// Reference log-probs the shell would have stored.
+    stored_ref: BTreeMap<DocId, [f64; 2]>,
+    /// Every plan sent (rank 0's copy).
+    plans: Vec<Arc<PlannedStep>>,
+}
+
+/// The log-prob a simulated worker reports in a reference pass.
+fn fake_logp(doc: DocId, role: u32) -> f64 {
+    -(doc.line as f64) - 0.5 * role as f64
 }
 
 impl Sim {
@@ -76,6 +85,8 @@ impl Sim {
             committed: Vec::new(),
             persisted: Vec::new(),
             dead: Vec::new(),
+            stored_ref: BTreeMap::new(),
+            plans: Vec::new(),
         }
     }
 
@@ -84,7 +95,16 @@ impl Sim {
         let fx = self.c.handle(e, self.now)?;
         for f in fx {
             match f {
-                Effect::Send { worker, msg } => self.inbox.push_back((worker, msg)),
+                Effect::Send { worker, msg } => {
+                    if let ToWorker::Plan {
+                        rank: 0, planned, ..
+                    } = &msg
+                    {
+                        self.plans.push(planned.clone());
+                    }
+                    self.inbox.push_back((worker, msg))
+                }
+                Effect::StoreReference { entries, .. } => self.stored_ref.extend(entries),
                 Effect::CommitStep { rec, metrics, docs } => {
                     self.persisted.push(*rec);
                     self.committed.push((*metrics, docs));
@@ -165,7 +185,20 @@ impl Sim {
                     })
                     .sum();
                 let documents = mbs.iter().flat_map(|m| &m.seqs).count() as u64;
+                let logps = if planned.kind == PlanKind::Reference {
+                    mbs.iter()
+                        .flat_map(|m| &m.seqs)
+                        .map(|q| SeqLogp {
+                            doc: q.doc,
+                            role: q.role,
+                            logp: fake_logp(q.doc, q.role),
+                        })
+                        .collect()
+                } else {
+                    Vec::new()
+                };
                 Event::StepResult {
+                    logps,
                     worker: w,
                     job,
                     generation,
@@ -323,6 +356,7 @@ fn results_from_a_stale_generation_are_ignored() {
         generation: 99,
         step: 1,
         sums: MetricSums::default(),
+        logps: Vec::new(),
     })
     .unwrap();
     assert!(s.committed.is_empty());
@@ -449,6 +483,7 @@ fn restored_running_job_waits_for_workers_at_its_cursor() {
         rec: Box::new(rec.clone()),
         spec: Box::new(spec("steps = 4", "docs_per_step = 4", 1, 1)),
         docs: docs(20),
+        reference: Default::default(),
     })
     .unwrap();
     let job = r.c.job("job").unwrap();
@@ -551,4 +586,128 @@ fn a_job_resumed_from_a_checkpoint_continues_at_its_step_and_cursor() {
         );
         assert_eq!(resumed.0.cursor, reference.0.cursor);
     }
+}
+
+fn pairs(n: usize) -> Arc<[Document]> {
+    let seq = |len: usize| Sequence {
+        input_ids: vec![7; len],
+        labels: vec![7; len],
+    };
+    (0..n)
+        .map(|i| Document {
+            id: DocId {
+                file: 0,
+                line: i as u64 + 1,
+            },
+            body: DocBody::Pair {
+                chosen: seq(5 + (i * 13) % 40),
+                rejected: seq(3 + (i * 29) % 50),
+            },
+        })
+        .collect::<Vec<_>>()
+        .into()
+}
+
+fn dpo_spec(extra_job: &str) -> JobSpec {
+    let mut s = spec(extra_job, "docs_per_step = 8", 1, 4);
+    s.data.format = crate::spec::DataFormat::Dpo;
+    s.objective.kind = crate::objective::ObjectiveKind::Dpo;
+    s
+}
+
+#[test]
+fn dpo_reference_pass_runs_first_and_training_plans_carry_its_logps() {
+    let mut s = Sim::new();
+    let d = pairs(150);
+    s.submit(dpo_spec("steps = 3"), d.clone());
+    s.worker("a");
+    s.worker("b");
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    // Every pair cached exactly as the workers reported it.
+    assert_eq!(s.stored_ref.len(), d.len());
+    for doc in d.iter() {
+        assert_eq!(
+            s.stored_ref[&doc.id],
+            [fake_logp(doc.id, 0), fake_logp(doc.id, 1)]
+        );
+    }
+    let kinds: Vec<PlanKind> = s.plans.iter().map(|p| p.kind).collect();
+    let first_train = kinds.iter().position(|&k| k == PlanKind::Train).unwrap();
+    assert!(first_train >= 1, "reference chunks come first: {kinds:?}");
+    assert!(kinds[first_train..].iter().all(|&k| k == PlanKind::Train));
+    // Training steps are numbered from 1 and carry ref_logp per sequence.
+    assert_eq!(s.committed.len(), 3);
+    assert_eq!(s.committed[0].0.step, 1);
+    for p in &s.plans[first_train..] {
+        for q in p.ranks.iter().flatten().flat_map(|m| &m.seqs) {
+            let got = q.scalars.iter().find(|(k, _)| k == "ref_logp").unwrap().1;
+            assert_eq!(got, fake_logp(q.doc, q.role));
+        }
+    }
+}
+
+#[test]
+fn dpo_reference_pass_resumes_from_the_store_and_survives_a_lost_worker() {
+    let mut s = Sim::new();
+    let d = pairs(150);
+    s.submit(dpo_spec("steps = 2"), d.clone());
+    s.worker("a");
+    s.worker("b");
+    // Run until the first chunk is cached, then kill a worker mid-chunk.
+    while s.stored_ref.is_empty() {
+        assert!(s.step_once());
+    }
+    let cached = s.stored_ref.clone();
+    assert!(cached.len() < d.len());
+    s.dead.push("b".into());
+    s.handle(Event::SessionClosed { worker: "b".into() })
+        .unwrap();
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    assert_eq!(s.stored_ref.len(), d.len());
+
+    // A restarted coordinator with a partial cache plans only the rest.
+    let rec = s.c.job("job").unwrap().rec.clone();
+    let mut r = Sim::new();
+    let mut rec0 = rec.clone();
+    rec0.state = JobState::Running;
+    rec0.step = 0;
+    rec0.cursor = Default::default();
+    r.handle(Event::RestoreJob {
+        rec: Box::new(rec0),
+        spec: Box::new(dpo_spec("steps = 2")),
+        docs: d.clone(),
+        reference: cached.clone(),
+    })
+    .unwrap();
+    r.worker("z");
+    r.run();
+    assert_eq!(r.state(), JobState::Completed);
+    let planned_again: Vec<DocId> = r
+        .plans
+        .iter()
+        .filter(|p| p.kind == PlanKind::Reference)
+        .flat_map(|p| p.docs.clone())
+        .collect();
+    assert_eq!(planned_again.len(), d.len() - cached.len());
+    assert!(planned_again.iter().all(|id| !cached.contains_key(id)));
+
+    // A complete cache skips the pass.
+    let mut q = Sim::new();
+    let mut rec1 = rec;
+    rec1.state = JobState::Running;
+    rec1.step = 0;
+    rec1.cursor = Default::default();
+    q.handle(Event::RestoreJob {
+        rec: Box::new(rec1),
+        spec: Box::new(dpo_spec("steps = 2")),
+        docs: d,
+        reference: s.stored_ref.clone(),
+    })
+    .unwrap();
+    q.worker("y");
+    q.run();
+    assert!(q.plans.iter().all(|p| p.kind == PlanKind::Train));
+    assert_eq!(q.committed.len(), 2);
 }

@@ -4,10 +4,11 @@
 use accrue_proto::{pack_f32, pack_i32, pack_u32, v1 as wire};
 
 use crate::core::{
-    Job, JobState, MetricSums, StepMetrics, ToWorker, WatchItem, Worker, WorkerErrorKind,
-    WorkerState,
+    Job, JobState, MetricSums, PlanKind, SeqLogp, StepMetrics, ToWorker, WatchItem, Worker,
+    WorkerErrorKind, WorkerState,
 };
 use crate::cursor::Cursor;
+use crate::doc::DocId;
 use crate::plan::Normalizers;
 
 pub fn job_state(s: JobState) -> wire::JobState {
@@ -125,6 +126,24 @@ pub fn metric_sums(s: wire::MetricSums) -> MetricSums {
     }
 }
 
+/// A reported sequence log-prob; `doc_id` must be a `file:line` id.
+pub fn seq_logp(i: usize, l: wire::SequenceLogp) -> Result<SeqLogp, tonic::Status> {
+    let doc = l.doc_id.parse::<DocId>().map_err(|e| {
+        tonic::Status::invalid_argument(format!("step_result.logps[{i}].doc_id: {e}"))
+    })?;
+    if l.role > 1 {
+        return Err(tonic::Status::invalid_argument(format!(
+            "step_result.logps[{i}].role: expected 0 or 1, got {}",
+            l.role
+        )));
+    }
+    Ok(SeqLogp {
+        doc,
+        role: l.role,
+        logp: l.logp,
+    })
+}
+
 pub fn error_kind(kind: i32, peer_rank: Option<u32>) -> WorkerErrorKind {
     match wire::ErrorKind::try_from(kind).unwrap_or(wire::ErrorKind::Unspecified) {
         wire::ErrorKind::NonFinite => WorkerErrorKind::NonFinite,
@@ -213,6 +232,10 @@ pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
                 })
                 .collect(),
             cursor_after: Some(cursor(&planned.cursor_after)),
+            kind: match planned.kind {
+                PlanKind::Train => wire::PlanKind::Train,
+                PlanKind::Reference => wire::PlanKind::Reference,
+            } as i32,
         }),
         ToWorker::Abort {
             job,

@@ -116,6 +116,14 @@ impl Shared {
                         )));
                     }
                 }
+                Effect::StoreReference { job, entries } => {
+                    if let Err(err) = inner.store.put_reference(&job, &entries) {
+                        error!(%job, %err, "persisting reference log-probs failed");
+                        failure = Some(Status::internal(format!(
+                            "persisting reference log-probs of job {job}: {err}"
+                        )));
+                    }
+                }
                 Effect::AppendMetrics { path, metrics } => {
                     if let Err(err) = append_jsonl(&path, &metrics) {
                         error!(path = %path.display(), %err, "writing metrics.jsonl failed");

@@ -51,6 +51,12 @@ fn event_of(worker: &str, msg: Msg) -> Result<Option<Event>, Status> {
                 r.sums
                     .ok_or_else(|| Status::invalid_argument("step_result.sums: missing"))?,
             ),
+            logps: r
+                .logps
+                .into_iter()
+                .enumerate()
+                .map(|(i, l)| convert::seq_logp(i, l))
+                .collect::<Result<_, _>>()?,
         },
         Msg::Error(e) => Event::WorkerError {
             worker,

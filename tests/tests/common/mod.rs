@@ -199,6 +199,7 @@ pub async fn fake_worker(url: String, max_steps: Option<usize>) -> anyhow::Resul
                     step: p.step,
                     rank: p.rank,
                     sums: Some(sums),
+                    logps: Vec::new(),
                 })))
                 .await?;
             }
