@@ -5,6 +5,7 @@
 pub mod collective;
 pub mod config;
 pub mod model;
+pub mod objective;
 pub mod runner;
 mod runner_trainer;
 pub mod session;

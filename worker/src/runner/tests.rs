@@ -119,6 +119,7 @@ fn plan(step: u64, mbs: Vec<wire::Microbatch>) -> wire::StepPlan {
         }),
         microbatches: mbs,
         cursor_after: None,
+        kind: wire::PlanKind::Train as i32,
     }
 }
 
