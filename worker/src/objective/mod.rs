@@ -7,6 +7,8 @@
 //! either.
 
 pub mod dpo;
+pub mod head;
+pub mod microbatch;
 pub mod pg;
 
 /// Numerically stable log σ(x).

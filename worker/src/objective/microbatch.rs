@@ -1,0 +1,235 @@
+//! One microbatch's loss and gradients for the log-prob objectives (DPO,
+//! policy gradient): log-probs from [`head::token_logps`], the objective's
+//! math per pair or token, then [`head::weighted_nll`] with the resulting
+//! per-token weights. Metric sums follow DESIGN.md "The math": sums here,
+//! means at the coordinator after summing over microbatches and ranks.
+
+use std::collections::BTreeMap;
+
+use anyhow::{anyhow, bail};
+use tch::Tensor;
+
+use super::dpo::{self, DpoParams, PairLogps};
+use super::head::{self, MicrobatchMeta};
+use super::pg::{self, PgParams, TokenIn};
+use crate::model::loss::{self, ChunkedLoss};
+use crate::train::PackedBatch;
+
+/// What the step's policy-gradient loss is divided by.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Normalization {
+    /// The step's loss tokens T (from the plan).
+    Token,
+    /// Each sequence's mean over its tokens, divided by the step's sequences.
+    Sequence,
+    /// A constant (Dr. GRPO).
+    Constant(f64),
+}
+
+/// The step's global normalisers from the plan, identical on every rank.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct StepNorms {
+    pub loss_tokens: u64,
+    pub pairs: u64,
+    pub sequences: u64,
+}
+
+/// A microbatch's gradients (to apply with `loss::backward_into_model`) and
+/// metric sums.
+#[derive(Debug)]
+pub struct ObjectiveOut {
+    pub grads: ChunkedLoss,
+    /// Σ pair losses (DPO) or Σ token losses (PG), unnormalised.
+    pub loss_sum: f64,
+    pub loss_tokens: u64,
+    pub extra: BTreeMap<String, f64>,
+}
+
+/// DPO over the pairs of one microbatch: each pair's two sequences sit in
+/// this microbatch (the planner never splits a pair); `ref` log-probs come
+/// from the plan (`ref_logp` scalar, cached pass) or from `live_ref`, the
+/// per-token log-probs of a frozen reference model on the same row.
+#[allow(clippy::too_many_arguments)]
+pub fn dpo(
+    hidden: &Tensor,
+    weight: &Tensor,
+    batch: &PackedBatch,
+    meta: &MicrobatchMeta,
+    k: &DpoParams,
+    pairs_total: u64,
+    chunk_tokens: usize,
+    live_ref: Option<&[f64]>,
+) -> anyhow::Result<ObjectiveOut> {
+    let targets = loss::shifted_targets(&batch.labels, &batch.cu_seq_lens);
+    let docs = batch.documents();
+    if meta.seqs.len() != docs {
+        bail!("{} sequence entries for {docs} sequences", meta.seqs.len());
+    }
+    if pairs_total == 0 {
+        bail!("the step's pair count is 0 but this microbatch holds pairs");
+    }
+    let lp = head::token_logps(hidden, weight, &targets, chunk_tokens)?;
+    let sums = head::sequence_sums(&lp, &targets, &batch.cu_seq_lens);
+    let ref_sums = live_ref.map(|r| head::sequence_sums(r, &targets, &batch.cu_seq_lens));
+    let ref_of = |i: usize| -> anyhow::Result<f64> {
+        match &ref_sums {
+            Some(r) => Ok(r[i].0),
+            None => meta.seqs[i]
+                .scalars
+                .get("ref_logp")
+                .copied()
+                .ok_or_else(|| {
+                    anyhow!(
+                    "document {} role {}: no ref_logp in the plan (cached reference pass missing)",
+                    meta.seqs[i].doc_id,
+                    meta.seqs[i].role
+                )
+                }),
+        }
+    };
+    // Pair the sequences by document id.
+    let mut by_doc: BTreeMap<&str, [Option<usize>; 2]> = BTreeMap::new();
+    for (i, s) in meta.seqs.iter().enumerate() {
+        let slot = by_doc.entry(s.doc_id.as_str()).or_default();
+        match slot.get_mut(s.role as usize) {
+            Some(x @ None) => *x = Some(i),
+            _ => bail!("document {}: role {} twice or unknown", s.doc_id, s.role),
+        }
+    }
+    let mut weights = vec![0.0; targets.len()];
+    let mut extra = BTreeMap::new();
+    let mut add = |k: &str, v: f64| *extra.entry(k.to_string()).or_insert(0.0) += v;
+    let mut loss_sum = 0.0;
+    let mut loss_tokens = 0;
+    let scale = 1.0 / pairs_total as f64;
+    for (doc, [c, r]) in &by_doc {
+        let (Some(c), Some(r)) = (*c, *r) else {
+            bail!("document {doc}: chosen and rejected are not both in this microbatch");
+        };
+        let out = dpo::pair(
+            &PairLogps {
+                policy_chosen: sums[c].0,
+                policy_rejected: sums[r].0,
+                ref_chosen: ref_of(c)?,
+                ref_rejected: ref_of(r)?,
+                chosen_tokens: sums[c].1,
+                rejected_tokens: sums[r].1,
+            },
+            k,
+        );
+        for (seq, d) in [(c, out.d_chosen), (r, out.d_rejected)] {
+            let (s, e) = (
+                batch.cu_seq_lens[seq] as usize,
+                batch.cu_seq_lens[seq + 1] as usize,
+            );
+            for t in s..e {
+                if targets[t] != -100 {
+                    // ∂(Σ w·nll)/∂logp = −w, and we want ∂L/∂logp = d/P.
+                    weights[t] = -d * scale;
+                }
+            }
+        }
+        loss_sum += out.loss;
+        loss_tokens += sums[c].1 + sums[r].1;
+        add("pairs", 1.0);
+        add("rewards/chosen", out.reward_chosen);
+        add("rewards/rejected", out.reward_rejected);
+        add("rewards/margin", out.margin());
+        add("rewards/accuracy", f64::from(u8::from(out.correct())));
+        add("logps/chosen", out.logp_chosen);
+        add("logps/rejected", out.logp_rejected);
+    }
+    let grads = head::weighted_nll(hidden, weight, &targets, &weights, chunk_tokens)?;
+    Ok(ObjectiveOut {
+        grads,
+        loss_sum,
+        loss_tokens,
+        extra,
+    })
+}
+
+/// Policy gradient over the rollouts of one microbatch: each sequence
+/// carries its `advantage` scalar (group-relative, from the coordinator);
+/// `old_logprobs` (if any) give the PPO ratio; `live_ref` the KL term.
+#[allow(clippy::too_many_arguments)]
+pub fn policy_gradient(
+    hidden: &Tensor,
+    weight: &Tensor,
+    batch: &PackedBatch,
+    meta: &MicrobatchMeta,
+    k: &PgParams,
+    norm: Normalization,
+    norms: &StepNorms,
+    chunk_tokens: usize,
+    live_ref: Option<&[f64]>,
+) -> anyhow::Result<ObjectiveOut> {
+    let targets = loss::shifted_targets(&batch.labels, &batch.cu_seq_lens);
+    let docs = batch.documents();
+    if meta.seqs.len() != docs {
+        bail!("{} sequence entries for {docs} sequences", meta.seqs.len());
+    }
+    if !meta.old_logprobs.is_empty() && meta.old_logprobs.len() != targets.len() {
+        bail!(
+            "{} old log-probs for {} tokens",
+            meta.old_logprobs.len(),
+            targets.len()
+        );
+    }
+    let lp = head::token_logps(hidden, weight, &targets, chunk_tokens)?;
+    let mut weights = vec![0.0; targets.len()];
+    let mut extra = BTreeMap::new();
+    let (mut loss_sum, mut loss_tokens) = (0.0, 0u64);
+    let (mut clipped, mut kl_sum) = (0.0, 0.0);
+    for (i, s) in meta.seqs.iter().enumerate() {
+        let a = *s.scalars.get("advantage").ok_or_else(|| {
+            anyhow!(
+                "document {}: no advantage in the plan (rollouts need one)",
+                s.doc_id
+            )
+        })?;
+        let (b, e) = (
+            batch.cu_seq_lens[i] as usize,
+            batch.cu_seq_lens[i + 1] as usize,
+        );
+        let n_seq = (b..e).filter(|&t| targets[t] != -100).count() as f64;
+        let denom = match norm {
+            Normalization::Token => norms.loss_tokens as f64,
+            Normalization::Sequence => n_seq * norms.sequences as f64,
+            Normalization::Constant(c) => c,
+        };
+        if n_seq > 0.0 && denom <= 0.0 {
+            bail!("document {}: the step's loss normaliser is 0", s.doc_id);
+        }
+        for t in (b..e).filter(|&t| targets[t] != -100) {
+            // Row t predicts token t+1 (same document): its old log-prob.
+            let old_logp =
+                (!meta.old_logprobs.is_empty()).then(|| f64::from(meta.old_logprobs[t + 1]));
+            let out = pg::token(
+                &TokenIn {
+                    logp: lp[t],
+                    old_logp,
+                    ref_logp: live_ref.map(|r| r[t]),
+                    advantage: a,
+                },
+                k,
+            );
+            weights[t] = -out.d_logp / denom;
+            loss_sum += out.loss;
+            loss_tokens += 1;
+            clipped += f64::from(u8::from(out.clipped));
+            kl_sum += out.kl;
+        }
+        *extra.entry("advantage".to_string()).or_insert(0.0) += a * n_seq;
+    }
+    extra.insert("clip_fraction".into(), clipped);
+    if live_ref.is_some() {
+        extra.insert("kl".into(), kl_sum);
+    }
+    let grads = head::weighted_nll(hidden, weight, &targets, &weights, chunk_tokens)?;
+    Ok(ObjectiveOut {
+        grads,
+        loss_sum,
+        loss_tokens,
+        extra,
+    })
+}
