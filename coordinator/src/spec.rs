@@ -506,6 +506,12 @@ impl JobSpec {
         if b.tokens_per_step == Some(0) {
             bad("batch.tokens_per_step", "must be at least 1".into());
         }
+        if b.microbatches_per_rank.is_some() && self.objective.kind == ObjectiveKind::Pg {
+            bad(
+                "batch.microbatches_per_rank",
+                "policy-gradient steps take whole groups of rollouts; use docs_per_step or tokens_per_step".into(),
+            );
+        }
         if b.microbatches_per_rank == Some(0) {
             bad("batch.microbatches_per_rank", "must be at least 1".into());
         }

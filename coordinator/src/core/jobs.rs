@@ -8,6 +8,8 @@ use serde::{Deserialize, Serialize};
 
 use super::metrics::MetricSums;
 use super::reference::{ReferenceCache, SeqLogp};
+use super::rollouts::RolloutPlan;
+use super::step::Annotations;
 use super::step::PlannedStep;
 use super::WorkerId;
 use crate::cursor::Cursor;
@@ -120,6 +122,8 @@ pub struct Job {
     pub checkpoint_acks: Option<(u64, BTreeMap<WorkerId, bool>)>,
     /// DPO with a cached reference: the log-probs computed so far.
     pub reference: Option<ReferenceCache>,
+    /// Policy gradient: groups and advantages.
+    pub rollouts: Option<RolloutPlan>,
 }
 
 impl Job {
@@ -134,14 +138,32 @@ impl Job {
             checkpoint_requested: false,
             checkpoint_acks: None,
             reference: None,
+            rollouts: None,
         }
+    }
+
+    /// What this job's plans carry besides the documents.
+    pub fn annotations(&self) -> Annotations<'_> {
+        Annotations {
+            reference: self.reference.as_ref(),
+            rollouts: self.rollouts.as_ref(),
+        }
+    }
+
+    /// Units of the job's stream: documents, or groups for PG.
+    pub fn stream_len(&self) -> usize {
+        self.rollouts
+            .as_ref()
+            .map_or(self.docs.len(), |r| r.units.len())
     }
 
     /// True when the job has trained all it was asked to.
     pub fn finished(&self) -> bool {
         match self.spec.job.steps {
             Some(steps) => self.rec.step >= steps,
-            None => super::step::order_of(&self.spec, self.docs.len()).exhausted(&self.rec.cursor),
+            None => {
+                super::step::order_of(&self.spec, self.stream_len()).exhausted(&self.rec.cursor)
+            }
         }
     }
 }

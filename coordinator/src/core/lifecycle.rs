@@ -106,7 +106,15 @@ impl Coordinator {
             step_time_s: (now_ms - flight.started_ms).max(0) as f64 / 1000.0,
             unix_ms: now_ms,
         };
-        let m = metrics::aggregate(facts, planned.cursor_after.clone(), &ranks);
+        let mut m = metrics::aggregate(facts, planned.cursor_after.clone(), &ranks);
+        if let (Some(s), Some(r)) = (&planned.staleness, &job.rollouts) {
+            m.extra.insert("staleness/mean".into(), s.mean());
+            m.extra.insert("staleness/max".into(), s.max as f64);
+            let zv = r.zero_variance_groups as f64;
+            m.extra.insert("count/zero_variance_groups".into(), zv);
+            let stale = r.rejected_stale as f64;
+            m.extra.insert("count/rejected_stale".into(), stale);
+        }
         job.rec.step = planned.step;
         job.rec.cursor = planned.cursor_after.clone();
         job.rec.last_loss = Some(m.loss);
@@ -440,7 +448,7 @@ impl Coordinator {
                 &job.rec.cursor,
                 next,
                 gen.world_size(),
-                job.reference.as_ref(),
+                job.annotations(),
             )
         }) {
             Ok(Some(p)) => Arc::new(p),

@@ -144,15 +144,18 @@ impl Coordinator {
                     submitted_unix_ms: now_ms,
                     last_loss: None,
                     documents: docs.len() as u64,
-                    total_steps: step::total_steps(&spec, &docs),
+                    total_steps: 0,
                     last_checkpoint: None,
                     resumed_from: start.map(|s| s.dir),
                 };
                 info!(job = %id, name = %rec.name, docs = docs.len(), "job submitted");
-                fx.push(Effect::PersistJob(rec.clone()));
                 self.job_order.push(id.clone());
                 let mut job = Job::new(rec, *spec, docs);
                 job.reference = reference::needs_cache(&job.spec).then(ReferenceCache::default);
+                job.rollouts = prepare_rollouts(&job);
+                job.rec.total_steps =
+                    step::total_steps(&job.spec, &job.docs, job.rollouts.as_ref());
+                fx.push(Effect::PersistJob(job.rec.clone()));
                 self.jobs.insert(id, job);
             }
             Event::RestoreJob {
@@ -172,6 +175,7 @@ impl Coordinator {
                 let mut job = Job::new(rec, *spec, docs);
                 job.reference =
                     reference::needs_cache(&job.spec).then(|| ReferenceCache::new(logps));
+                job.rollouts = prepare_rollouts(&job);
                 self.jobs.insert(id, job);
             }
             Event::CancelJob { job } => self.cancel(&job, now_ms, &mut fx)?,
@@ -399,4 +403,19 @@ pub(super) fn bad_state(job: &str, state: JobState, action: &'static str) -> Cor
         state: format!("{state:?}").to_lowercase(),
         action,
     }
+}
+
+/// A PG job's groups and advantages. Rollouts from files are admitted
+/// against the step the job starts from.
+fn prepare_rollouts(job: &Job) -> Option<super::rollouts::RolloutPlan> {
+    let pg = job.spec.objective.pg()?;
+    let plan = super::rollouts::prepare(&job.docs, &pg, job.spec.rl.max_staleness, job.rec.step);
+    info!(
+        job = %job.rec.id,
+        groups = plan.units.len(),
+        zero_variance_groups = plan.zero_variance_groups,
+        rejected_stale = plan.rejected_stale,
+        "rollouts grouped"
+    );
+    Some(plan)
 }

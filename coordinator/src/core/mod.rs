@@ -11,6 +11,7 @@ mod lifecycle;
 mod machine;
 pub mod metrics;
 pub mod reference;
+pub mod rollouts;
 pub mod step;
 mod workers;
 

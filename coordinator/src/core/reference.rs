@@ -17,7 +17,7 @@ use crate::objective::Reference;
 use crate::plan::PlanError;
 use crate::spec::{JobSpec, StepSize};
 
-use super::step::{pack_documents, PlanKind, PlannedStep};
+use super::step::{pack_documents, Annotations, PlanKind, PlannedStep};
 
 /// One sequence's reference log-prob as a rank reported it.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -86,7 +86,13 @@ pub fn plan_chunk(
     if chosen.is_empty() {
         return Ok(None);
     }
-    let (ranks, normalizers) = pack_documents(&chosen, spec.data.max_tokens, world_size, 1, None)?;
+    let (ranks, normalizers) = pack_documents(
+        &chosen,
+        spec.data.max_tokens,
+        world_size,
+        1,
+        Annotations::default(),
+    )?;
     Ok(Some(PlannedStep {
         kind: PlanKind::Reference,
         step: cache.chunks + 1,
@@ -95,6 +101,7 @@ pub fn plan_chunk(
         normalizers,
         ranks,
         docs: chosen.iter().map(|d| d.id).collect(),
+        staleness: None,
     }))
 }
 

@@ -8,6 +8,8 @@ use crate::plan::{self, Normalizers, PackItem, PackProblem, PlanError, StepTarge
 use crate::spec::{JobSpec, StepSize};
 
 use super::reference::ReferenceCache;
+use super::rollouts::{self, RolloutPlan};
+use crate::rl::StalenessStats;
 
 /// What workers do with a plan (mirror of `accrue.v1.PlanKind`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -52,6 +54,17 @@ pub struct PlannedStep {
     pub ranks: Vec<Vec<MicrobatchPayload>>,
     /// The step's documents, in selection order (the step manifest).
     pub docs: Vec<DocId>,
+    /// Policy-gradient steps: how old the rollouts' policies are.
+    pub staleness: Option<StalenessStats>,
+}
+
+/// Per-job data the plans carry besides the documents themselves.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Annotations<'a> {
+    /// DPO: cached reference log-probs (`ref_logp` scalar).
+    pub reference: Option<&'a ReferenceCache>,
+    /// PG: groups (the stream's unit) and advantages (`advantage` scalar).
+    pub rollouts: Option<&'a RolloutPlan>,
 }
 
 impl PlannedStep {
@@ -71,14 +84,16 @@ pub fn order_of(spec: &JobSpec, len: usize) -> Order {
 }
 
 /// Total steps of the job when it can be known up front (for LR schedules
-/// and progress), else 0.
-pub fn total_steps(spec: &JobSpec, docs: &[Document]) -> u64 {
+/// and progress), else 0. PG steps take whole groups, so for them this is
+/// an upper bound.
+pub fn total_steps(spec: &JobSpec, docs: &[Document], rollouts: Option<&RolloutPlan>) -> u64 {
     if let Some(steps) = spec.job.steps {
         return steps;
     }
     let epochs = spec.job.epochs.unwrap_or(1);
+    let count = rollouts.map_or(docs.len(), RolloutPlan::rollouts) as u64;
     match spec.step_size() {
-        StepSize::Docs(n) => (epochs * docs.len() as u64).div_ceil(n),
+        StepSize::Docs(n) => (epochs * count).div_ceil(n),
         StepSize::Tokens(t) => {
             let tokens: u64 = docs.iter().map(Document::tokens).sum();
             (epochs * tokens).div_ceil(t).max(1)
@@ -89,25 +104,38 @@ pub fn total_steps(spec: &JobSpec, docs: &[Document]) -> u64 {
 }
 
 /// Plans step `step` (1-based) from `cursor` for `world_size` ranks, or
-/// returns `None` when the stream has no documents left. DPO jobs with a
-/// cached reference pass `reference`: each sequence then carries its
-/// `ref_logp` scalar.
+/// returns `None` when the stream has no documents left. `notes` adds the
+/// per-sequence scalars of DPO (`ref_logp`) and PG (`advantage`) jobs; a PG
+/// job's stream unit is a group of rollouts.
 pub fn plan_step(
     spec: &JobSpec,
     docs: &[Document],
     cursor: &Cursor,
     step: u64,
     world_size: u32,
-    reference: Option<&ReferenceCache>,
+    notes: Annotations<'_>,
 ) -> Result<Option<PlannedStep>, PlanError> {
-    let order = order_of(spec, docs.len());
+    let stream_len = notes.rollouts.map_or(docs.len(), |r| r.units.len());
+    let order = order_of(spec, stream_len);
     let max_tokens = spec.data.max_tokens;
-    // Phase 1: choose the step's documents from the stream.
+    // Phase 1: choose the step's documents (PG: groups) from the stream.
     let target = StepTarget::new(spec.step_size(), world_size, max_tokens);
-    let offered = order
-        .candidates(cursor)
-        .map(|c| docs[c.index as usize].tokens());
-    let selection = plan::select(target, offered);
+    let selection = match notes.rollouts {
+        None => plan::select(
+            target,
+            order
+                .candidates(cursor)
+                .map(|c| docs[c.index as usize].tokens()),
+        ),
+        Some(r) => rollouts::select_groups(
+            target,
+            order.candidates(cursor).map(|c| {
+                let members = &r.units[c.index as usize];
+                let tokens = members.iter().map(|&i| docs[i as usize].tokens()).sum();
+                (tokens, members.len() as u64)
+            }),
+        ),
+    };
     if selection.taken.is_empty() {
         return Ok(None);
     }
@@ -116,11 +144,28 @@ pub fn plan_step(
         .take(selection.consumed)
         .map(|c| c.index)
         .collect();
-    let chosen: Vec<&Document> = selection
-        .taken
-        .iter()
-        .map(|&i| &docs[offered[i] as usize])
-        .collect();
+    let chosen: Vec<&Document> = match notes.rollouts {
+        None => selection
+            .taken
+            .iter()
+            .map(|&i| &docs[offered[i] as usize])
+            .collect(),
+        Some(r) => selection
+            .taken
+            .iter()
+            .flat_map(|&i| r.units[offered[i] as usize].iter())
+            .map(|&d| &docs[d as usize])
+            .collect(),
+    };
+    let staleness = notes.rollouts.map(|_| {
+        let mut s = StalenessStats::default();
+        for d in &chosen {
+            if let DocBody::Rollout(r) = &d.body {
+                s.add(crate::rl::staleness(r.policy_version, step - 1));
+            }
+        }
+        s
+    });
 
     // Phase 2: pack and assign to ranks; phase 3: payloads.
     let (ranks, normalizers) = pack_documents(
@@ -128,9 +173,9 @@ pub fn plan_step(
         max_tokens,
         world_size,
         target.min_microbatches_per_rank(),
-        reference,
+        notes,
     )?;
-    let total = total_steps(spec, docs);
+    let total = total_steps(spec, docs, notes.rollouts);
     Ok(Some(PlannedStep {
         kind: PlanKind::Train,
         step,
@@ -139,6 +184,7 @@ pub fn plan_step(
         normalizers,
         ranks,
         docs: chosen.iter().map(|d| d.id).collect(),
+        staleness,
     }))
 }
 
@@ -149,7 +195,7 @@ pub fn pack_documents(
     max_tokens: u32,
     world_size: u32,
     min_microbatches_per_rank: u32,
-    reference: Option<&ReferenceCache>,
+    notes: Annotations<'_>,
 ) -> Result<(Vec<Vec<MicrobatchPayload>>, Normalizers), PlanError> {
     let problem = PackProblem {
         items: chosen
@@ -175,7 +221,7 @@ pub fn pack_documents(
                 .map(|mb| {
                     payload(
                         mb.items.iter().map(|&i| chosen[problem.items[i].doc]),
-                        reference,
+                        notes,
                     )
                 })
                 .collect()
@@ -186,7 +232,7 @@ pub fn pack_documents(
 
 fn payload<'a>(
     docs: impl Iterator<Item = &'a Document>,
-    reference: Option<&ReferenceCache>,
+    notes: Annotations<'_>,
 ) -> MicrobatchPayload {
     let mut p = MicrobatchPayload {
         cu_seq_lens: vec![0],
@@ -202,7 +248,10 @@ fn payload<'a>(
                 scalars.push(("reward".to_string(), r.reward));
                 scalars.push(("policy_version".to_string(), r.policy_version as f64));
             }
-            if let Some(logps) = reference.and_then(|c| c.get(&d.id)) {
+            if let Some(a) = notes.rollouts.and_then(|r| r.advantage.get(&d.id)) {
+                scalars.push(("advantage".to_string(), *a));
+            }
+            if let Some(logps) = notes.reference.and_then(|c| c.get(&d.id)) {
                 scalars.push(("ref_logp".to_string(), logps[role.min(1)]));
             }
             p.seqs.push(SeqRef {

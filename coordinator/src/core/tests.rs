@@ -711,3 +711,75 @@ fn dpo_reference_pass_resumes_from_the_store_and_survives_a_lost_worker() {
     assert!(q.plans.iter().all(|p| p.kind == PlanKind::Train));
     assert_eq!(q.committed.len(), 2);
 }
+
+fn rollouts(groups: usize, size: usize) -> Arc<[Document]> {
+    let mut out = Vec::new();
+    for g in 0..groups {
+        for k in 0..size {
+            let line = (out.len() + 1) as u64;
+            // Every third group has equal rewards (no signal).
+            let reward = if g % 3 == 2 { 1.0 } else { k as f64 };
+            out.push(Document {
+                id: DocId { file: 0, line },
+                body: DocBody::Rollout(crate::doc::Rollout {
+                    seq: Sequence {
+                        input_ids: vec![7; 6 + (line as usize * 7) % 30],
+                        labels: vec![7; 6 + (line as usize * 7) % 30],
+                    },
+                    reward,
+                    group: format!("g{g}"),
+                    policy_version: 0,
+                    old_logprobs: None,
+                }),
+            });
+        }
+    }
+    out.into()
+}
+
+#[test]
+fn pg_steps_take_whole_groups_and_train_every_kept_rollout_once() {
+    let mut s = Sim::new();
+    let d = rollouts(9, 4);
+    let mut sp = spec("epochs = 1", "docs_per_step = 6", 1, 4);
+    sp.data.format = crate::spec::DataFormat::Rollouts;
+    sp.objective.kind = crate::objective::ObjectiveKind::Pg;
+    s.submit(sp, d.clone());
+    s.worker("a");
+    s.worker("b");
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    let group_of = |id: &DocId| (id.line - 1) / 4;
+    let mut seen = Vec::new();
+    for (m, docs) in &s.committed {
+        // Whole groups only: every group present has all 4 rollouts.
+        let mut counts = BTreeMap::new();
+        for id in docs {
+            *counts.entry(group_of(id)).or_insert(0) += 1;
+        }
+        assert!(
+            counts.values().all(|&c| c == 4),
+            "step {}: {counts:?}",
+            m.step
+        );
+        assert!(docs.len() >= 6 || m.step == s.committed.len() as u64);
+        assert_eq!(m.extra["count/zero_variance_groups"], 3.0);
+        assert_eq!(m.extra["staleness/max"], (m.step - 1) as f64);
+        seen.extend(docs.iter().copied());
+    }
+    seen.sort();
+    let kept: Vec<DocId> = d
+        .iter()
+        .filter(|doc| group_of(&doc.id) % 3 != 2)
+        .map(|doc| doc.id)
+        .collect();
+    assert_eq!(
+        seen, kept,
+        "each kept rollout exactly once, flat groups never"
+    );
+    for p in &s.plans {
+        for q in p.ranks.iter().flatten().flat_map(|m| &m.seqs) {
+            assert!(q.scalars.iter().any(|(k, _)| k == "advantage"));
+        }
+    }
+}
