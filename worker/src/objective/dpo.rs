@@ -7,7 +7,13 @@
 //! `h = (π_c − π_r) − (ρ_c − ρ_r)`:
 //! - sigmoid: `−(1−ε)·log σ(βh) − ε·log σ(−βh)` (ε = label smoothing);
 //! - ipo: `(h − 1/(2β))²`;
-//! - rewards: `β·(π − ρ)` per sequence, accuracy `1[r_c > r_r]`.
+//! - rewards: `β·(π − ρ)` per sequence over SUMMED log-probs whatever the
+//!   loss (as TRL 1.x logs them), accuracy `1[r_c > r_r]`; `logps/*` are
+//!   the summed policy log-probs.
+//!
+//! TRL 1.x names `dpo_norm` `sigmoid_norm`, and dropped label smoothing from
+//! `sigmoid`; we keep the conservative-DPO smoothing open-instruct and
+//! earlier TRL apply (ε = 0 is plain DPO).
 
 use super::{log_sigmoid, sigmoid};
 
@@ -63,7 +69,7 @@ pub struct PairOut {
     pub d_rejected: f64,
     pub reward_chosen: f64,
     pub reward_rejected: f64,
-    /// The policy log-probs as the loss saw them (averaged where it averages).
+    /// Summed policy log-probs.
     pub logp_chosen: f64,
     pub logp_rejected: f64,
 }
@@ -109,10 +115,10 @@ pub fn pair(p: &PairLogps, k: &DpoParams) -> PairOut {
         loss,
         d_chosen: d_h * sc,
         d_rejected: -d_h * sr,
-        reward_chosen: k.beta * (pc - rc),
-        reward_rejected: k.beta * (pr - rr),
-        logp_chosen: pc,
-        logp_rejected: pr,
+        reward_chosen: k.beta * (p.policy_chosen - p.ref_chosen),
+        reward_rejected: k.beta * (p.policy_rejected - p.ref_rejected),
+        logp_chosen: p.policy_chosen,
+        logp_rejected: p.policy_rejected,
     }
 }
 
