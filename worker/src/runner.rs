@@ -435,9 +435,10 @@ impl Thread {
         // A replica of this job already at the configured step is kept
         // (a new generation or a reconnect); anything else is rebuilt.
         let (rank, world) = (c.rank as usize, c.world_size.max(1) as usize);
-        let keep = self.job.as_ref().is_some_and(|h| {
-            h.job == c.job_id && h.step == c.step && h.exec.fits(rank, world)
-        });
+        let keep = self
+            .job
+            .as_ref()
+            .is_some_and(|h| h.job == c.job_id && h.step == c.step && h.exec.fits(rank, world));
         if !keep {
             // Frees the old replica (and its collective) before joining.
             self.job = None;

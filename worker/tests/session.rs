@@ -110,10 +110,13 @@ async fn train(url: &str, dir: &Path, spec: String, f: Factory) -> String {
         .into_inner()
         .job_id;
     let cfg = SessionConfig::new(url);
-    tokio::time::timeout(Duration::from_secs(30), session::run(cfg, RunnerConfig::new(f)))
-        .await
-        .expect("the worker is released when the job completes")
-        .unwrap();
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        session::run(cfg, RunnerConfig::new(f)),
+    )
+    .await
+    .expect("the worker is released when the job completes")
+    .unwrap();
     let state = admin
         .get_job(cwire::GetJobRequest {
             job_id: job.clone(),

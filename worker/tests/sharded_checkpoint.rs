@@ -95,7 +95,11 @@ fn two_rank_checkpoint_restores_at_world_1_and_2_and_loads_in_transformers() {
         let ckpt = dir.path().join("ckpt");
         let to = ckpt.clone();
         let saved = on_ranks(2, &cfg, None, move |r, t| train_and_save(r, t, &to));
-        assert_same(&format!("{sharding}: rank 1 vs rank 0"), &saved[1], &saved[0]);
+        assert_same(
+            &format!("{sharding}: rank 1 vs rank 0"),
+            &saved[1],
+            &saved[0],
+        );
         for f in [
             "config.json",
             "trainer.json",
@@ -154,7 +158,10 @@ fn a_non_finite_gradient_on_one_rank_is_refused_by_every_rank() {
             (err, w)
         });
         for (rank, (err, w)) in out.iter().enumerate() {
-            assert!(err.contains("non-finite gradient norm"), "{sharding} rank {rank}: {err}");
+            assert!(
+                err.contains("non-finite gradient norm"),
+                "{sharding} rank {rank}: {err}"
+            );
             assert_eq!(*w, 0.0, "{sharding} rank {rank}: parameters moved");
         }
     }

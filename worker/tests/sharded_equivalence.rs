@@ -42,12 +42,19 @@ fn layouts() -> Vec<(&'static str, Layout)> {
         vec![vec![vec![0], vec![1], vec![2, 3], vec![4, 5]]],
     ];
     let two = vec![
-        vec![vec![vec![0, 1, 2], vec![3]], vec![vec![4, 5, 6, 7, 8], vec![]]],
+        vec![
+            vec![vec![0, 1, 2], vec![3]],
+            vec![vec![4, 5, 6, 7, 8], vec![]],
+        ],
         vec![vec![vec![0, 1]], vec![vec![2, 3, 4]]],
         vec![vec![vec![0], vec![1]], vec![vec![2, 3], vec![4, 5]]],
     ];
     let three = vec![
-        vec![vec![vec![0, 1, 2]], vec![vec![3, 4, 5]], vec![vec![6, 7, 8]]],
+        vec![
+            vec![vec![0, 1, 2]],
+            vec![vec![3, 4, 5]],
+            vec![vec![6, 7, 8]],
+        ],
         // Rank 2 gets only padding this step.
         vec![
             vec![vec![0, 1], vec![2]],
@@ -112,7 +119,10 @@ fn train(sharding: &str, layout: &Layout, bug: Bug) -> Outcome {
         let d: Docs = idx.iter().map(|&i| docs[s][i].clone()).collect();
         common::batch(&d)
     };
-    let totals: Vec<u64> = docs.iter().map(|d| common::batch(d).loss_tokens()).collect();
+    let totals: Vec<u64> = docs
+        .iter()
+        .map(|d| common::batch(d).loss_tokens())
+        .collect();
     let handles: Vec<_> = LocalGroup::new(world)
         .into_iter()
         .enumerate()
@@ -158,7 +168,11 @@ fn train(sharding: &str, layout: &Layout, bug: Bug) -> Outcome {
     }
     let steps = results[0].1.len();
     Outcome {
-        params: results[0].0.iter().map(|(n, t)| (n.clone(), t.copy())).collect(),
+        params: results[0]
+            .0
+            .iter()
+            .map(|(n, t)| (n.clone(), t.copy()))
+            .collect(),
         loss_sums: (0..steps)
             .map(|s| results.iter().map(|r| r.1[s].0).sum())
             .collect(),

@@ -157,7 +157,11 @@ fn two_runners_train_checkpoint_and_rejoin_a_new_generation() {
         .microbatch(0, &PackedBatch::from_documents(&docs), total)
         .unwrap();
     let norm = single.optimizer_step(1e-3).unwrap().grad_norm;
-    assert!((s.loss_sum - loss).abs() <= 1e-5 * loss, "{} vs {loss}", s.loss_sum);
+    assert!(
+        (s.loss_sum - loss).abs() <= 1e-5 * loss,
+        "{} vs {loss}",
+        s.loss_sum
+    );
     assert!(
         (norm - sums[0].grad_norm).abs() <= 1e-5 * norm,
         "{norm} vs {}",
@@ -190,7 +194,10 @@ fn two_runners_train_checkpoint_and_rejoin_a_new_generation() {
         &restored.named_parameters(),
         &common::snapshot(&single.named_parameters()),
     );
-    assert!(w <= 1e-5, "checkpoint parameter {n} differs from one rank's by {w:e}");
+    assert!(
+        w <= 1e-5,
+        "checkpoint parameter {n} differs from one rank's by {w:e}"
+    );
 
     // A new generation at the same step: replicas kept, collective rebuilt.
     configure(2, 1);
@@ -200,7 +207,11 @@ fn two_runners_train_checkpoint_and_rejoin_a_new_generation() {
     let mut b = builds.lock().unwrap().clone();
     b.sort();
     assert_eq!(b, vec![(1, 0), (1, 1), (2, 0), (2, 1)]);
-    assert_eq!(models.load(std::sync::atomic::Ordering::SeqCst), 2, "replicas kept");
+    assert_eq!(
+        models.load(std::sync::atomic::Ordering::SeqCst),
+        2,
+        "replicas kept"
+    );
     for r in runners {
         r.shutdown();
     }

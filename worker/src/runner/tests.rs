@@ -397,10 +397,11 @@ fn more_than_one_rank_without_a_ring_fails_configure_naming_the_collective() {
 
 /// In-process ranks handed out by rank, as a connector.
 fn local_connector(world: usize) -> Connector {
-    let ranks: Vec<Option<crate::collective::local::LocalRank>> = crate::collective::local::LocalGroup::new(world)
-        .into_iter()
-        .map(Some)
-        .collect();
+    let ranks: Vec<Option<crate::collective::local::LocalRank>> =
+        crate::collective::local::LocalGroup::new(world)
+            .into_iter()
+            .map(Some)
+            .collect();
     let ranks = Mutex::new(ranks);
     Arc::new(move |_, c| {
         let r = ranks.lock().unwrap()[c.rank as usize]

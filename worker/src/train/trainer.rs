@@ -93,6 +93,9 @@ impl StateBytes {
     }
 }
 
+/// A parameter's HF name and its AdamW `(exp_avg, exp_avg_sq)`.
+pub type NamedMoments = (String, Tensor, Tensor);
+
 /// Serialises seeded random init (see [`Trainer::new`]).
 static SEEDED_INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
@@ -361,11 +364,7 @@ impl Trainer {
 
     /// This rank's element range of the flat layout.
     fn shard(&self) -> std::ops::Range<usize> {
-        shard_range(
-            self.layout.total,
-            self.coll.world_size(),
-            self.coll.rank(),
-        )
+        shard_range(self.layout.total, self.coll.world_size(), self.coll.rank())
     }
 
     fn narrow_shard(&self, flat: &Tensor) -> Tensor {
@@ -515,7 +514,7 @@ impl Trainer {
     /// HF names → AdamW `(exp_avg, exp_avg_sq)` per whole parameter and the
     /// optimizer step count. At zero2 this gathers the shards: every rank
     /// must call it.
-    pub fn optimizer_state(&mut self) -> anyhow::Result<(u64, Vec<(String, Tensor, Tensor)>)> {
+    pub fn optimizer_state(&mut self) -> anyhow::Result<(u64, Vec<NamedMoments>)> {
         let (avg, avg_sq) = self.full_moments()?;
         let state = self
             .names
