@@ -8,11 +8,18 @@
 //! from a queue in order, and sends its answers as ready-made
 //! `WorkerMessage`s on an unbounded channel the session forwards.
 //!
+//! On `Configure` the thread joins the generation's collective (world 1:
+//! [`Solo`]; more ranks: through the injected [`Connector`], the CPU TCP
+//! ring in the real worker, in-process ranks in tests) and hands it to the
+//! executor; a re-configure rebuilds the collective and keeps the replica
+//! when it is at the configured step (and its shards still fit).
+//!
 //! A step's metrics are *sums* (DESIGN.md "The math"): Σ loss over loss
 //! tokens, tokens, documents, padding, and the time split; the coordinator
 //! forms the means after summing over ranks.
 
 use std::collections::BTreeSet;
+use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
@@ -25,6 +32,7 @@ use serde::Serialize;
 use tokio::sync::mpsc::UnboundedSender;
 use tracing::{info, warn};
 
+use crate::collective::{Collective, CollectiveError, Solo};
 use crate::config::JobConfig;
 
 /// What one microbatch's forward/backward reports (sums, not means).
@@ -55,17 +63,65 @@ pub trait StepExecutor {
     fn optimizer_step(&mut self, lr: f64) -> anyhow::Result<f64>;
     /// Drops the accumulated gradients (abort, failed step).
     fn zero_grad(&mut self);
-    /// Writes `config.json`, `model.safetensors` and the optimizer state.
-    fn save_checkpoint(&self, dir: &Path) -> anyhow::Result<()>;
+    /// Writes this rank's part of the checkpoint (every rank calls it, in
+    /// parallel); returns once every rank's part is written.
+    fn save_checkpoint(&mut self, dir: &Path) -> anyhow::Result<()>;
+    /// Whether the replica's state stays valid as `rank` of `world` (a new
+    /// generation at the same step); false makes the runner rebuild it.
+    fn fits(&self, _rank: usize, _world: usize) -> bool {
+        true
+    }
+    /// Joins a new generation's collective, keeping the replica.
+    fn set_collective(&mut self, coll: Box<dyn Collective>) -> anyhow::Result<()>;
 }
 
-/// Builds an executor for a job, restoring from a checkpoint directory if given.
-pub type Factory =
-    Arc<dyn Fn(&JobConfig, Option<&Path>) -> anyhow::Result<Box<dyn StepExecutor>> + Send + Sync>;
+/// Builds an executor for a job and this rank's collective, restoring from
+/// a checkpoint directory if given.
+pub type Factory = Arc<
+    dyn Fn(&JobConfig, Option<&Path>, Box<dyn Collective>) -> anyhow::Result<Box<dyn StepExecutor>>
+        + Send
+        + Sync,
+>;
+
+/// Joins the collective of a generation of more than one rank, from this
+/// worker's listener and the configure message (rank, world, peers,
+/// generation).
+pub type Connector = Arc<
+    dyn Fn(&TcpListener, &wire::Configure) -> Result<Box<dyn Collective>, CollectiveError>
+        + Send
+        + Sync,
+>;
 
 /// The libtorch trainer.
 pub fn default_factory() -> Factory {
     crate::runner_trainer::factory()
+}
+
+/// The collective between worker processes.
+// MERGE: the lead points this at `collective::tcp::connect_cpu` (the CPU
+// TCP ring) once that module is on the branch.
+pub fn default_connector() -> Connector {
+    Arc::new(|_, _| Err(CollectiveError::Setup("cpu ring not built yet".into())))
+}
+
+/// What a [`Runner`] is built from.
+pub struct RunnerConfig {
+    pub factory: Factory,
+    pub connector: Connector,
+    /// This worker's collective endpoint (peers connect to it); needed for
+    /// world sizes above 1.
+    pub listener: Option<TcpListener>,
+}
+
+impl RunnerConfig {
+    /// `factory` with the default connector and no listener (world 1 only).
+    pub fn new(factory: Factory) -> RunnerConfig {
+        RunnerConfig {
+            factory,
+            connector: default_connector(),
+            listener: None,
+        }
+    }
 }
 
 /// Work for the runner thread, in arrival order.
@@ -125,14 +181,14 @@ pub fn run_step(
     idle_s: f64,
     aborted: &dyn Fn() -> bool,
 ) -> StepOutcome {
-    let fail = |kind: wire::ErrorKind, message: String| {
+    let fail = |e: &anyhow::Error, message: String| {
         StepOutcome::Failed(wire::WorkerError {
             job_id: plan.job_id.clone(),
             generation: plan.generation,
             step: plan.step,
-            kind: kind as i32,
+            kind: error_kind(e) as i32,
             message,
-            peer_rank: None,
+            peer_rank: blamed_peer(e),
         })
     };
     let global = plan.normalizers.as_ref().map_or(0, |n| n.loss_tokens);
@@ -162,7 +218,7 @@ pub fn run_step(
             Err(e) => {
                 exec.zero_grad();
                 return fail(
-                    error_kind(&e),
+                    &e,
                     format!(
                         "step {}, microbatch {i} of {}: {e:#}",
                         plan.step,
@@ -183,25 +239,35 @@ pub fn run_step(
         Ok(norm) => sums.grad_norm = norm,
         Err(e) => {
             exec.zero_grad();
-            return fail(
-                error_kind(&e),
-                format!("step {}, optimizer step: {e:#}", plan.step),
-            );
+            return fail(&e, format!("step {}, optimizer step: {e:#}", plan.step));
         }
     }
     sums.optimizer_s = opt.elapsed().as_secs_f64();
     StepOutcome::Done(sums)
 }
 
-/// NON_FINITE when the error says a value was not finite (the trainer's
-/// guards say "non-finite"), else INTERNAL.
+/// COLLECTIVE_TIMEOUT for a failed collective, NON_FINITE when the error
+/// says a value was not finite (the trainer's guards say "non-finite"),
+/// else INTERNAL.
 pub fn error_kind(e: &anyhow::Error) -> wire::ErrorKind {
+    if collective_error(e).is_some() {
+        return wire::ErrorKind::CollectiveTimeout;
+    }
     let text = format!("{e:#}").to_lowercase();
     if text.contains("non-finite") || text.contains("not finite") {
         wire::ErrorKind::NonFinite
     } else {
         wire::ErrorKind::Internal
     }
+}
+
+fn collective_error(e: &anyhow::Error) -> Option<&CollectiveError> {
+    e.chain().find_map(|c| c.downcast_ref::<CollectiveError>())
+}
+
+/// The peer a failed collective blames (the WorkerError's `peer_rank`).
+pub fn blamed_peer(e: &anyhow::Error) -> Option<u32> {
+    collective_error(e)?.peer().map(|p| p as u32)
 }
 
 /// `data.max_tokens` of the spec (the coordinator's default when absent).
@@ -224,8 +290,13 @@ pub struct Runner {
 }
 
 impl Runner {
-    /// Starts the thread; its answers go to `out`.
+    /// Starts the thread for world size 1 ([`RunnerConfig::new`]).
     pub fn spawn(factory: Factory, out: UnboundedSender<wire::WorkerMessage>) -> Runner {
+        Runner::start(RunnerConfig::new(factory), out)
+    }
+
+    /// Starts the thread; its answers go to `out`.
+    pub fn start(cfg: RunnerConfig, out: UnboundedSender<wire::WorkerMessage>) -> Runner {
         let (queue, rx) = mpsc::channel();
         let aborted = Arc::new(Mutex::new(None));
         let progress = Arc::new(Progress::default());
@@ -238,7 +309,9 @@ impl Runner {
             .name("accrue-runner".into())
             .spawn(move || {
                 let mut state = Thread {
-                    factory,
+                    factory: cfg.factory,
+                    connector: cfg.connector,
+                    listener: cfg.listener,
                     out,
                     aborted: a,
                     progress: p,
@@ -306,6 +379,8 @@ struct Held {
 
 struct Thread {
     factory: Factory,
+    connector: Connector,
+    listener: Option<TcpListener>,
     out: UnboundedSender<wire::WorkerMessage>,
     aborted: Arc<Mutex<Option<(u64, u64)>>>,
     progress: Arc<Progress>,
@@ -319,14 +394,26 @@ impl Thread {
     }
 
     fn error(&self, job: &str, generation: u64, step: u64, kind: wire::ErrorKind, message: String) {
-        warn!(job, step, %message, "worker error");
+        self.error_blaming(job, generation, step, kind, message, None);
+    }
+
+    fn error_blaming(
+        &self,
+        job: &str,
+        generation: u64,
+        step: u64,
+        kind: wire::ErrorKind,
+        message: String,
+        peer_rank: Option<u32>,
+    ) {
+        warn!(job, step, %message, ?peer_rank, "worker error");
         self.send(Msg::Error(wire::WorkerError {
             job_id: job.into(),
             generation,
             step,
             kind: kind as i32,
             message,
-            peer_rank: None,
+            peer_rank,
         }));
     }
 
@@ -347,19 +434,27 @@ impl Thread {
     fn configure(&mut self, c: wire::Configure) {
         // A replica of this job already at the configured step is kept
         // (a new generation or a reconnect); anything else is rebuilt.
+        let (rank, world) = (c.rank as usize, c.world_size.max(1) as usize);
         let keep = self
             .job
             .as_ref()
-            .is_some_and(|h| h.job == c.job_id && h.step == c.step);
-        let checked = check_world_size(&c).and_then(|()| {
-            if !keep {
-                self.job = None;
-                self.job = Some(self.build(&c)?);
-            }
-            Ok(())
-        });
-        if let Err((kind, msg)) = checked {
-            return self.error(&c.job_id, c.generation, c.step, kind, msg);
+            .is_some_and(|h| h.job == c.job_id && h.step == c.step && h.exec.fits(rank, world));
+        if !keep {
+            // Frees the old replica (and its collective) before joining.
+            self.job = None;
+        }
+        let checked = match self.connect(&c) {
+            Err(e) => Err(e),
+            Ok(coll) => match self.job.as_mut() {
+                Some(h) => h.exec.set_collective(coll).map_err(|e| {
+                    let msg = format!("configure: joining generation {}: {e:#}", c.generation);
+                    (wire::ErrorKind::InvalidPlan, msg, None)
+                }),
+                None => self.build(&c, coll).map(|h| self.job = Some(h)),
+            },
+        };
+        if let Err((kind, msg, peer)) = checked {
+            return self.error_blaming(&c.job_id, c.generation, c.step, kind, msg, peer);
         }
         let h = self.job.as_mut().expect("configured above");
         h.generation = c.generation;
@@ -379,19 +474,55 @@ impl Thread {
         }));
     }
 
+    /// This rank's collective for the generation `c` describes.
+    fn connect(&self, c: &wire::Configure) -> Result<Box<dyn Collective>, ConfigureError> {
+        if c.world_size <= 1 {
+            return Ok(Box::new(Solo));
+        }
+        let failed = |e: CollectiveError| {
+            let msg = format!(
+                "configure: joining the collective of generation {} as rank {} of {}: {e}",
+                c.generation, c.rank, c.world_size
+            );
+            let peer = e.peer().map(|p| p as u32);
+            (wire::ErrorKind::CollectiveTimeout, msg, peer)
+        };
+        let listener = self.listener.as_ref().ok_or_else(|| {
+            failed(CollectiveError::Setup(
+                "this worker has no collective listener".into(),
+            ))
+        })?;
+        let coll = (self.connector)(listener, c).map_err(failed)?;
+        if (coll.rank(), coll.world_size()) != (c.rank as usize, c.world_size as usize) {
+            let msg = format!(
+                "configure: the collective says rank {} of {}, the coordinator rank {} of {}",
+                coll.rank(),
+                coll.world_size(),
+                c.rank,
+                c.world_size
+            );
+            return Err((wire::ErrorKind::Internal, msg, None));
+        }
+        Ok(coll)
+    }
+
     /// A fresh replica for `c`: the spec parsed, the model built or restored.
-    fn build(&self, c: &wire::Configure) -> Result<Held, (wire::ErrorKind, String)> {
+    fn build(
+        &self,
+        c: &wire::Configure,
+        coll: Box<dyn Collective>,
+    ) -> Result<Held, ConfigureError> {
         let cfg = JobConfig::from_toml(&c.spec_toml).map_err(|e| {
             let msg = format!("configure: the job spec does not parse: {e}");
-            (wire::ErrorKind::InvalidPlan, msg)
+            (wire::ErrorKind::InvalidPlan, msg, None)
         })?;
         let restore = (!c.restore_from.is_empty()).then(|| PathBuf::from(&c.restore_from));
-        let exec = (self.factory)(&cfg, restore.as_deref()).map_err(|e| {
+        let exec = (self.factory)(&cfg, restore.as_deref(), coll).map_err(|e| {
             let from = restore
                 .as_ref()
                 .map_or("the model's init".into(), |p| p.display().to_string());
             let msg = format!("configure: building the model from {from}: {e:#}");
-            (wire::ErrorKind::Internal, msg)
+            (wire::ErrorKind::Internal, msg, None)
         })?;
         Ok(Held {
             job: c.job_id.clone(),
@@ -451,7 +582,7 @@ impl Thread {
     }
 
     fn checkpoint(&mut self, c: &wire::CheckpointRequest) {
-        let Some(h) = self.job.as_ref().filter(|h| h.job == c.job_id) else {
+        let Some(h) = self.job.as_mut().filter(|h| h.job == c.job_id) else {
             let msg = format!(
                 "checkpoint of step {}: job {} is not configured here",
                 c.step, c.job_id
@@ -459,8 +590,10 @@ impl Thread {
             return self.error(&c.job_id, 0, c.step, wire::ErrorKind::InvalidPlan, msg);
         };
         let dir = PathBuf::from(&c.dir);
-        // Single-replica checkpoints for now: rank 0 writes, the others ack.
-        if h.rank == 0 {
+        let rank = h.rank;
+        // Every rank writes its part in parallel; rank 0 adds the manifest
+        // once all parts are written (write_checkpoint).
+        {
             let manifest = Manifest {
                 job: c.job_id.clone(),
                 step: c.step,
@@ -475,50 +608,46 @@ impl Thread {
                 world_size: h.world_size,
                 generation: h.generation,
             };
-            if let Err(e) = write_checkpoint(h.exec.as_ref(), &dir, &manifest) {
+            if let Err(e) = write_checkpoint(h.exec.as_mut(), h.rank, &dir, &manifest) {
                 let msg = format!("checkpoint of step {} to {}: {e:#}", c.step, dir.display());
                 let (job, generation) = (h.job.clone(), h.generation);
-                return self.error(&job, generation, c.step, wire::ErrorKind::Internal, msg);
+                let (kind, peer) = (error_kind(&e), blamed_peer(&e));
+                return self.error_blaming(&job, generation, c.step, kind, msg, peer);
             }
-            info!(step = c.step, dir = %dir.display(), "checkpoint written");
+            info!(step = c.step, rank = h.rank, dir = %dir.display(), "checkpoint written");
         }
         self.send(Msg::CheckpointDone(wire::CheckpointDone {
             job_id: c.job_id.clone(),
             step: c.step,
-            rank: h.rank,
+            rank,
             path: c.dir.clone(),
         }));
     }
 }
 
-/// The executor's files, then `manifest.json` (written to a temporary name
-/// and renamed, so a reader never sees half of it).
+/// The executor's files (every rank, in parallel), then, on rank 0 once
+/// every rank's files are written, `manifest.json` (to a temporary name and
+/// renamed, so a reader never sees half of it: its presence means the
+/// checkpoint is complete).
 pub fn write_checkpoint(
-    exec: &dyn StepExecutor,
+    exec: &mut dyn StepExecutor,
+    rank: u32,
     dir: &Path,
     manifest: &Manifest,
 ) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir)?;
     exec.save_checkpoint(dir)?;
+    if rank != 0 {
+        return Ok(());
+    }
     let tmp = dir.join("manifest.json.tmp");
     std::fs::write(&tmp, serde_json::to_vec_pretty(manifest)?)?;
     std::fs::rename(&tmp, dir.join("manifest.json"))?;
     Ok(())
 }
 
-/// Without a gradient all-reduce, ranks would train diverging replicas:
-/// refuse rather than produce silently wrong math.
-fn check_world_size(c: &wire::Configure) -> Result<(), (wire::ErrorKind, String)> {
-    if c.world_size > 1 {
-        let msg = format!(
-            "configure: world size {} needs cross-rank gradient reduction, which this \
-             worker does not have yet; run with parallel.max_workers = 1",
-            c.world_size
-        );
-        return Err((wire::ErrorKind::InvalidPlan, msg));
-    }
-    Ok(())
-}
+/// A configure failure: kind, message, blamed peer.
+type ConfigureError = (wire::ErrorKind, String, Option<u32>);
 
 #[cfg(test)]
 mod tests;

@@ -36,7 +36,7 @@ fn trainer(dir: &std::path::Path) -> Trainer {
         dir,
         "[optimizer]\nweight_decay = 0.1\ngrad_clip = 1.0\neps = 1e-6\n[runtime]\nloss_chunk_tokens = 32\n",
     );
-    Trainer::new(&cfg, None).unwrap()
+    Trainer::single(&cfg, None).unwrap()
 }
 
 /// How a (possibly wrong) accumulation treats a step's microbatches.
@@ -137,8 +137,8 @@ fn accumulation_varying_k_across_steps_matches_one_microbatch_per_step() {
         );
         assert!(pw <= TOL, "step {s}: parameter {pn} differs by {pw}");
     }
-    let (step_a, _) = reference.optimizer_state();
-    let (step_b, _) = split_run.optimizer_state();
+    let (step_a, _) = reference.optimizer_state().unwrap();
+    let (step_b, _) = split_run.optimizer_state().unwrap();
     assert_eq!((step_a, step_b), (4, 4));
 }
 

@@ -45,7 +45,7 @@ fn bench_train_step() {
         &format!("config = \"{}\"\n", dir.join("config.json").display()),
     );
     for mode in [PackedAttention::PerDocument, PackedAttention::BlockMask] {
-        let mut t = Trainer::new(&cfg, None).unwrap();
+        let mut t = Trainer::single(&cfg, None).unwrap();
         t.model_mut().attention = mode;
         let total = batch.loss_tokens();
         let step = |t: &mut Trainer| {

@@ -19,7 +19,7 @@ fn checkpoint_round_trip_transformers_and_resume() {
     let batch = common::batch(&docs);
     let total = batch.loss_tokens();
 
-    let mut a = Trainer::new(&cfg, None).unwrap();
+    let mut a = Trainer::single(&cfg, None).unwrap();
     a.microbatch(0, &batch, total).unwrap();
     a.optimizer_step(1e-3).unwrap();
     let ckpt = dir.path().join("ckpt");
@@ -53,14 +53,14 @@ fn checkpoint_round_trip_transformers_and_resume() {
     }
 
     // Restored trainer: same parameters and optimizer state, same next step.
-    let mut b = Trainer::new(&cfg, Some(&ckpt)).unwrap();
+    let mut b = Trainer::single(&cfg, Some(&ckpt)).unwrap();
     let (wp, np) = common::worst_rel(
         &b.named_parameters(),
         &common::snapshot(&a.named_parameters()),
     );
     assert_eq!(wp, 0.0, "restored parameter {np} differs");
-    let (sa, ma) = a.optimizer_state();
-    let (sb, mb) = b.optimizer_state();
+    let (sa, ma) = a.optimizer_state().unwrap();
+    let (sb, mb) = b.optimizer_state().unwrap();
     assert_eq!(sa, sb);
     for ((n, m1, v1), (_, m2, v2)) in ma.iter().zip(&mb) {
         assert_eq!(common::max_abs_diff(m1, m2), 0.0, "exp_avg of {n}");
@@ -83,7 +83,7 @@ fn checkpoint_round_trip_transformers_and_resume() {
 #[test]
 fn nan_parameter_fails_the_microbatch_and_leaves_gradients_alone() {
     let dir = tempfile::tempdir().unwrap();
-    let mut t = Trainer::new(&job(dir.path()), None).unwrap();
+    let mut t = Trainer::single(&job(dir.path()), None).unwrap();
     let batch = common::batch(&common::synthetic_documents(&[20, 10], 3));
     let total = batch.loss_tokens();
     t.microbatch(0, &batch, total).unwrap();
@@ -108,7 +108,7 @@ fn nan_parameter_fails_the_microbatch_and_leaves_gradients_alone() {
 #[test]
 fn nan_gradient_fails_the_optimizer_step_and_leaves_parameters_unchanged() {
     let dir = tempfile::tempdir().unwrap();
-    let mut t = Trainer::new(&job(dir.path()), None).unwrap();
+    let mut t = Trainer::single(&job(dir.path()), None).unwrap();
     let batch = common::batch(&common::synthetic_documents(&[20, 10], 4));
     t.microbatch(0, &batch, batch.loss_tokens()).unwrap();
     let before = common::snapshot(&t.named_parameters());
@@ -127,5 +127,5 @@ fn nan_gradient_fails_the_optimizer_step_and_leaves_parameters_unchanged() {
         .map(|(_, g)| f64::try_from(g.abs().sum(tch::Kind::Double)).unwrap())
         .sum();
     assert_eq!(norm_after, 0.0);
-    assert_eq!(t.optimizer_state().0, 0);
+    assert_eq!(t.optimizer_state().unwrap().0, 0);
 }

@@ -21,7 +21,7 @@ fn check_parity(variant: &str) {
         model_dir.to_str().unwrap(),
         "[runtime]\nloss_chunk_tokens = 16\n",
     );
-    let mut trainer = Trainer::new(&cfg, None).unwrap();
+    let mut trainer = Trainer::single(&cfg, None).unwrap();
     let batch = common::batch(&docs);
     assert_eq!(batch.loss_tokens(), total);
 

@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use accrue_coordinator::server::{Server, ServerConfig};
 use accrue_coordinator::wire as cwire;
-use accrue_worker::runner::{Factory, MicrobatchOutcome, StepExecutor};
+use accrue_worker::collective::Collective;
+use accrue_worker::runner::{Factory, MicrobatchOutcome, RunnerConfig, StepExecutor};
 use accrue_worker::session::{self, SessionConfig};
 use accrue_worker::wire;
 use tokio_util::sync::CancellationToken;
@@ -47,7 +48,11 @@ impl StepExecutor for Fake {
 
     fn zero_grad(&mut self) {}
 
-    fn save_checkpoint(&self, dir: &Path) -> anyhow::Result<()> {
+    fn set_collective(&mut self, _: Box<dyn Collective>) -> anyhow::Result<()> {
+        Ok(())
+    }
+
+    fn save_checkpoint(&mut self, dir: &Path) -> anyhow::Result<()> {
         std::fs::write(dir.join("config.json"), "{}")?;
         std::fs::write(dir.join("model.safetensors"), self.steps.to_string())?;
         Ok(())
@@ -56,7 +61,7 @@ impl StepExecutor for Fake {
 
 /// A factory recording what each build restored from.
 fn factory(restores: Arc<Mutex<Vec<Option<PathBuf>>>>, slow_first: Option<Duration>) -> Factory {
-    Arc::new(move |_, restore| {
+    Arc::new(move |_, restore, _| {
         restores
             .lock()
             .unwrap()
@@ -105,10 +110,13 @@ async fn train(url: &str, dir: &Path, spec: String, f: Factory) -> String {
         .into_inner()
         .job_id;
     let cfg = SessionConfig::new(url);
-    tokio::time::timeout(Duration::from_secs(30), session::run(cfg, f))
-        .await
-        .expect("the worker is released when the job completes")
-        .unwrap();
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        session::run(cfg, RunnerConfig::new(f)),
+    )
+    .await
+    .expect("the worker is released when the job completes")
+    .unwrap();
     let state = admin
         .get_job(cwire::GetJobRequest {
             job_id: job.clone(),

@@ -1,6 +1,7 @@
 //! `accrue-worker`: one training process. Registers with the coordinator,
 //! runs the step plans it is sent, and exits when released.
 
+use accrue_worker::runner::{self, RunnerConfig};
 use accrue_worker::session::{self, SessionConfig};
 use clap::Parser;
 
@@ -15,8 +16,9 @@ struct Args {
         default_value = "http://127.0.0.1:7070"
     )]
     coordinator: String,
-    /// Address peers reach this worker's collective endpoint on.
-    #[arg(long, default_value = "")]
+    /// Where this worker listens for its peers' collective connections
+    /// (port 0: any free port; the bound address is advertised).
+    #[arg(long, default_value = "127.0.0.1:0")]
     collective_listen: String,
     /// libtorch intra-op threads (default: libtorch's choice).
     #[arg(long)]
@@ -33,8 +35,11 @@ async fn main() -> anyhow::Result<()> {
     if let Some(n) = args.threads {
         tch::set_num_threads(n.max(1));
     }
+    let (listener, advertised) = session::bind_collective(&args.collective_listen)?;
     let mut cfg = SessionConfig::new(&args.coordinator);
-    cfg.collective_addr = args.collective_listen;
+    cfg.collective_addr = advertised;
     cfg.exit_on_release = args.exit_on_release;
-    session::run(cfg, accrue_worker::runner::default_factory()).await
+    let mut parts = RunnerConfig::new(runner::default_factory());
+    parts.listener = Some(listener);
+    session::run(cfg, parts).await
 }

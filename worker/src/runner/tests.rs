@@ -75,7 +75,11 @@ impl StepExecutor for Fake {
         self.calls.lock().unwrap().zero_grads += 1;
     }
 
-    fn save_checkpoint(&self, dir: &Path) -> anyhow::Result<()> {
+    fn set_collective(&mut self, _: Box<dyn Collective>) -> anyhow::Result<()> {
+        Ok(())
+    }
+
+    fn save_checkpoint(&mut self, dir: &Path) -> anyhow::Result<()> {
         std::fs::write(dir.join("model.safetensors"), b"fake")?;
         Ok(())
     }
@@ -245,7 +249,7 @@ fn the_thread_configures_runs_checkpoints_and_drains_on_shutdown() {
     let c2 = calls.clone();
     let restores = Arc::new(Mutex::new(Vec::new()));
     let r2 = restores.clone();
-    let factory: Factory = Arc::new(move |cfg, restore| {
+    let factory: Factory = Arc::new(move |cfg, restore, _| {
         assert_eq!(cfg.job.name, "t");
         r2.lock().unwrap().push(restore.map(Path::to_path_buf));
         Ok(Box::new(Fake {
@@ -315,7 +319,7 @@ fn the_thread_configures_runs_checkpoints_and_drains_on_shutdown() {
 fn reconfiguring_at_the_held_step_keeps_the_replica() {
     let builds = Arc::new(AtomicU64::new(0));
     let b2 = builds.clone();
-    let factory: Factory = Arc::new(move |_, _| {
+    let factory: Factory = Arc::new(move |_, _, _| {
         b2.fetch_add(1, Ordering::SeqCst);
         Ok(Box::new(Fake::new().0) as Box<dyn StepExecutor>)
     });
@@ -367,19 +371,119 @@ fn a_bad_spec_is_an_invalid_plan_error() {
 }
 
 #[test]
-fn more_than_one_rank_is_refused_until_gradients_are_reduced() {
+fn more_than_one_rank_without_a_ring_fails_configure_naming_the_collective() {
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let runner = Runner::spawn(default_factory(), tx);
+    let mut cfg = RunnerConfig::new(default_factory());
+    cfg.listener = Some(TcpListener::bind("127.0.0.1:0").unwrap());
+    let runner = Runner::start(cfg, tx);
     runner.submit(Work::Configure(Box::new(wire::Configure {
         job_id: "j".into(),
+        generation: 4,
         world_size: 2,
         rank: 1,
+        spec_toml: SPEC.into(),
         ..Default::default()
     })));
     let Msg::Error(e) = msg(&mut rx) else {
         panic!("expected an error");
     };
-    assert_eq!(e.kind, wire::ErrorKind::InvalidPlan as i32);
-    assert!(e.message.contains("world size 2"), "{}", e.message);
+    assert_eq!(e.kind, wire::ErrorKind::CollectiveTimeout as i32);
+    assert!(
+        e.message.contains("generation 4 as rank 1 of 2") && e.message.contains("cpu ring"),
+        "{}",
+        e.message
+    );
     runner.shutdown();
+}
+
+/// In-process ranks handed out by rank, as a connector.
+fn local_connector(world: usize) -> Connector {
+    let ranks: Vec<Option<crate::collective::local::LocalRank>> =
+        crate::collective::local::LocalGroup::new(world)
+            .into_iter()
+            .map(Some)
+            .collect();
+    let ranks = Mutex::new(ranks);
+    Arc::new(move |_, c| {
+        let r = ranks.lock().unwrap()[c.rank as usize]
+            .take()
+            .ok_or_else(|| CollectiveError::Setup(format!("rank {} taken twice", c.rank)))?;
+        Ok(Box::new(r) as Box<dyn Collective>)
+    })
+}
+
+#[test]
+fn each_rank_gets_its_collective_and_a_failed_collective_blames_the_peer() {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let s2 = seen.clone();
+    struct Failing;
+    impl StepExecutor for Failing {
+        fn microbatch(
+            &mut self,
+            _: usize,
+            _: &wire::Microbatch,
+            _: u64,
+        ) -> anyhow::Result<MicrobatchOutcome> {
+            Ok(MicrobatchOutcome::default())
+        }
+        fn optimizer_step(&mut self, _: f64) -> anyhow::Result<f64> {
+            Err(anyhow::Error::new(CollectiveError::Timeout {
+                op: "all_reduce",
+                seq: 3,
+                peer: 0,
+                secs: 5.0,
+            })
+            .context("reducing gradients"))
+        }
+        fn zero_grad(&mut self) {}
+        fn save_checkpoint(&mut self, _: &Path) -> anyhow::Result<()> {
+            Ok(())
+        }
+        fn set_collective(&mut self, _: Box<dyn Collective>) -> anyhow::Result<()> {
+            Ok(())
+        }
+    }
+    let factory: Factory = Arc::new(move |_, _, coll| {
+        s2.lock().unwrap().push((coll.rank(), coll.world_size()));
+        Ok(Box::new(Failing) as Box<dyn StepExecutor>)
+    });
+    let connector = local_connector(2);
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let start = |tx| {
+        Runner::start(
+            RunnerConfig {
+                factory: factory.clone(),
+                connector: connector.clone(),
+                listener: Some(TcpListener::bind("127.0.0.1:0").unwrap()),
+            },
+            tx,
+        )
+    };
+    let runners = [start(tx.clone()), start(tx)];
+    for (rank, r) in runners.iter().enumerate() {
+        r.submit(Work::Configure(Box::new(wire::Configure {
+            job_id: "j".into(),
+            generation: 1,
+            world_size: 2,
+            rank: rank as u32,
+            spec_toml: SPEC.into(),
+            ..Default::default()
+        })));
+    }
+    for _ in 0..2 {
+        assert!(matches!(msg(&mut rx), Msg::Ready(_)));
+    }
+    let mut seen = seen.lock().unwrap().clone();
+    seen.sort();
+    assert_eq!(seen, vec![(0, 2), (1, 2)]);
+    runners[1].submit(Work::Plan(Box::new(plan(1, vec![mb(&[("a:1", 4)])]))));
+    let Msg::Error(e) = msg(&mut rx) else {
+        panic!("expected an error");
+    };
+    assert_eq!(e.kind, wire::ErrorKind::CollectiveTimeout as i32);
+    assert_eq!(e.peer_rank, Some(0));
+    assert!(e.message.contains("timed out"), "{}", e.message);
+    for r in runners {
+        r.shutdown();
+    }
 }

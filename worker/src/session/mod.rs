@@ -21,14 +21,16 @@ use tracing::{info, warn};
 
 pub use host::{device, hostname, memory_bytes};
 
-use crate::runner::{Factory, Runner, Work};
+use crate::runner::{Runner, RunnerConfig, Work};
 
 /// Settings of one worker process (from the `accrue-worker` flags).
 #[derive(Debug, Clone)]
 pub struct SessionConfig {
     /// The coordinator's URL (`http://host:port`; `host:port` is accepted).
     pub coordinator: String,
-    /// Address peers reach this worker's collective endpoint on.
+    /// Address peers reach this worker's collective endpoint on
+    /// (advertised at registration; the listener itself is in the
+    /// [`RunnerConfig`]).
     pub collective_addr: String,
     /// Leave the process when the coordinator releases the worker.
     pub exit_on_release: bool,
@@ -54,6 +56,22 @@ impl SessionConfig {
     }
 }
 
+/// Binds this worker's collective listener on `addr` (`host:port`, port 0
+/// for any free one) and returns it with the address to advertise: the
+/// bound one, with this host's name in place of an unspecified IP
+/// (`0.0.0.0`), so peers on other machines can reach it.
+pub fn bind_collective(addr: &str) -> anyhow::Result<(std::net::TcpListener, String)> {
+    let listener = std::net::TcpListener::bind(addr)
+        .with_context(|| format!("--collective-listen: binding {addr}"))?;
+    let local = listener.local_addr()?;
+    let advertised = if local.ip().is_unspecified() {
+        format!("{}:{}", hostname(), local.port())
+    } else {
+        local.to_string()
+    };
+    Ok((listener, advertised))
+}
+
 /// How a session ended.
 enum Ended {
     /// Released with `exit_on_release`: the process is done.
@@ -64,9 +82,9 @@ enum Ended {
 
 /// Runs the worker until it is released (with `exit_on_release`) or the
 /// coordinator stays unreachable for `reconnect_timeout`.
-pub async fn run(cfg: SessionConfig, factory: Factory) -> anyhow::Result<()> {
+pub async fn run(cfg: SessionConfig, runner: RunnerConfig) -> anyhow::Result<()> {
     let (out_tx, mut out_rx) = mpsc::unbounded_channel();
-    let runner = Runner::spawn(factory, out_tx);
+    let runner = Runner::start(runner, out_tx);
     let mut worker_id = String::new();
     let mut unreachable_since: Option<Instant> = None;
     let mut backoff = Duration::from_millis(100);

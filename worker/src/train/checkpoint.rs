@@ -273,6 +273,48 @@ pub fn load_optimizer_tensors(dir: &Path) -> anyhow::Result<(u64, HashMap<String
     Ok((ts.optimizer_step, weights::read_tensors(&files)?))
 }
 
+/// Takes `{name}.exp_avg` / `.exp_avg_sq` for every parameter out of a
+/// checkpoint's optimizer tensors (from [`load_optimizer_tensors`]), as f32
+/// tensors shaped like `params`. A missing, extra or misshapen moment is an
+/// error naming it.
+pub fn take_moments(
+    saved: &mut HashMap<String, Tensor>,
+    names: &[String],
+    params: &[Tensor],
+    dir: &Path,
+) -> anyhow::Result<(Vec<Tensor>, Vec<Tensor>)> {
+    if saved.len() != 2 * names.len() {
+        bail!(
+            "{}: {} optimizer tensors, expected {} (exp_avg and exp_avg_sq for {} parameters)",
+            dir.display(),
+            saved.len(),
+            2 * names.len(),
+            names.len()
+        );
+    }
+    let mut take = |key: String, want: &Tensor| -> anyhow::Result<Tensor> {
+        let t = saved
+            .remove(&key)
+            .with_context(|| format!("{}: missing optimizer tensor {key}", dir.display()))?;
+        if t.size() != want.size() {
+            bail!(
+                "{}: optimizer tensor {key} has shape {:?}, expected {:?}",
+                dir.display(),
+                t.size(),
+                want.size()
+            );
+        }
+        Ok(t.to_kind(Kind::Float).to_device(want.device()))
+    };
+    let mut avg = Vec::with_capacity(names.len());
+    let mut avg_sq = Vec::with_capacity(names.len());
+    for (n, p) in names.iter().zip(params) {
+        avg.push(take(format!("{n}.exp_avg"), p)?);
+        avg_sq.push(take(format!("{n}.exp_avg_sq"), p)?);
+    }
+    Ok((avg, avg_sq))
+}
+
 fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
     let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;

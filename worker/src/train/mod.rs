@@ -3,8 +3,9 @@
 
 pub mod batch;
 pub mod checkpoint;
+pub mod flat;
 pub mod optim;
 pub mod trainer;
 
 pub use batch::PackedBatch;
-pub use trainer::{MicrobatchSums, StepStats, Trainer};
+pub use trainer::{MicrobatchSums, Sharding, StateBytes, StepStats, Trainer};

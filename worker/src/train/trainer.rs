@@ -1,22 +1,36 @@
-//! The SFT trainer: forward + backward of packed microbatches with exact
-//! accumulation, then one AdamW step.
+//! The data-parallel SFT trainer: forward + backward of packed microbatches
+//! with exact accumulation, then one AdamW step, replicated (`ddp`) or with
+//! the optimizer state sharded over ranks (`zero2`).
 //!
 //! The math (DESIGN.md, "The math"): each microbatch backpropagates
 //! `(1/T) Σ_{t∈mb} ℓ_t` with T the step's global loss-token count from the
-//! plan; gradients are summed in place across microbatches and consumed once
-//! by `optimizer_step`. Never divide by the number of microbatches: a short
-//! microbatch must weigh less than a long one.
+//! plan, identical on every rank; gradients are summed in place across
+//! microbatches, and across ranks once, at the accumulation boundary
+//! (`optimizer_step`). Never divide by the number of microbatches or ranks:
+//! a short microbatch must weigh less than a long one.
+//!
+//! At the boundary the gradients are flattened into one f32 buffer
+//! ([`FlatLayout`], parameters in name order):
+//! - `ddp`: all-reduce (sum) the buffer; every rank clips with the global
+//!   norm and applies the same AdamW update to its full replica.
+//! - `zero2` (ZeRO stage 2, Rajbhandari et al. 2020): reduce-scatter the
+//!   buffer; each rank holds AdamW moments only for its
+//!   [`shard_range`] of the flat layout, takes the global norm as
+//!   `sqrt(Σ_ranks Σ_shard g²)`, updates its shard of the parameters, and
+//!   all-gathers the parameters.
 
 use std::path::Path;
 
 use anyhow::{anyhow, bail, Context};
 use tch::{Device, Kind, Tensor};
 
+use crate::collective::{shard_range, Collective, CollectiveError, Solo};
 use crate::config::JobConfig;
 use crate::model::{loss, weights, Llama, LlamaConfig};
 
 use super::batch::PackedBatch;
-use super::checkpoint;
+use super::checkpoint::{self, ShardEntry};
+use super::flat::FlatLayout;
 use super::optim::{self, AdamW, AdamWConfig};
 
 /// Metric sums of one microbatch (turned into means by the coordinator).
@@ -32,18 +46,69 @@ pub struct MicrobatchSums {
 /// What an optimizer step reports.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepStats {
-    /// Global L2 norm before clipping.
+    /// Global L2 norm over all ranks' summed gradients, before clipping.
     pub grad_norm: f64,
 }
+
+/// How the replicas share state (`parallel.sharding`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sharding {
+    /// Replicated parameters and optimizer state; gradients all-reduced.
+    Ddp,
+    /// Replicated parameters; gradients reduce-scattered, optimizer state
+    /// sharded by flat element range.
+    Zero2,
+}
+
+impl Sharding {
+    /// `"ddp"` (also the default, `""`) or `"zero2"`. `"fsdp"` is a
+    /// different engine (`train::fsdp`), not a mode of this trainer.
+    pub fn parse(s: &str) -> anyhow::Result<Sharding> {
+        match s.to_ascii_lowercase().as_str() {
+            "" | "ddp" => Ok(Sharding::Ddp),
+            "zero2" => Ok(Sharding::Zero2),
+            other => bail!("parallel.sharding: this trainer does ddp or zero2, got {other:?}"),
+        }
+    }
+}
+
+/// Bytes of training state one rank holds (the memory table of issue 4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StateBytes {
+    /// Parameters (model dtype).
+    pub params: u64,
+    /// Gradient accumulation buffers held through the step (model dtype).
+    pub grads: u64,
+    /// AdamW moments (f32).
+    pub optimizer: u64,
+    /// The flat f32 buffer that lives only at the accumulation boundary
+    /// (reduction, then the parameter gather), freed after the step.
+    pub boundary: u64,
+}
+
+impl StateBytes {
+    /// Parameters + gradients + optimizer state.
+    pub fn total(&self) -> u64 {
+        self.params + self.grads + self.optimizer
+    }
+}
+
+/// A parameter's HF name and its AdamW `(exp_avg, exp_avg_sq)`.
+pub type NamedMoments = (String, Tensor, Tensor);
 
 /// Serialises seeded random init (see [`Trainer::new`]).
 static SEEDED_INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-/// Model + optimizer of one worker.
+/// Model + optimizer of one rank.
 pub struct Trainer {
     model: Llama,
     names: Vec<String>,
     params: Vec<Tensor>,
+    layout: FlatLayout,
+    sharding: Sharding,
+    coll: Box<dyn Collective>,
+    /// ddp: one moment pair per parameter; zero2: one flat pair for this
+    /// rank's shard of the layout.
     opt: AdamW,
     grad_clip: f64,
     loss_chunk_tokens: usize,
@@ -67,38 +132,58 @@ pub fn load_model(dir: &Path, kind: Kind, device: Device) -> anyhow::Result<Llam
     Ok(model)
 }
 
+/// The model of `cfg.model` (seeded random init or a HF directory), or the
+/// one saved in `restore_from`.
+fn build_model(cfg: &JobConfig, restore_from: Option<&Path>) -> anyhow::Result<Llama> {
+    let kind = parse_kind(&cfg.model.dtype)?;
+    let device = Device::cuda_if_available();
+    match restore_from {
+        Some(dir) => load_model(dir, kind, device)
+            .with_context(|| format!("restoring model from {}", dir.display())),
+        None if cfg.model.init == "random" => {
+            let path = cfg
+                .model
+                .config
+                .as_ref()
+                .context("model.config: required when model.init = \"random\"")?;
+            let (mcfg, raw) = LlamaConfig::from_file(path)?;
+            // libtorch's generator is process-global: two trainers built at
+            // once (threads, tests) would interleave its draws and break the
+            // seed's reproducibility, so seeding + init is one critical
+            // section. Every rank draws the same init from the same seed.
+            let _init = SEEDED_INIT.lock().unwrap_or_else(|p| p.into_inner());
+            tch::manual_seed(cfg.job.seed as i64);
+            Llama::new(mcfg, raw, kind, device)
+        }
+        None => {
+            let dir = Path::new(&cfg.model.init);
+            load_model(dir, kind, device)
+                .with_context(|| format!("model.init: loading {}", dir.display()))
+        }
+    }
+}
+
+/// The collective operations the trainer runs on flat buffers.
+#[derive(Clone, Copy)]
+enum Op {
+    AllReduce,
+    ReduceScatter,
+    AllGather,
+}
+
 impl Trainer {
     /// Builds the model from `cfg.model` (`init = "random"` with the HF
     /// config.json at `cfg.model.config`, seeded by `cfg.job.seed`; or a HF
     /// checkpoint dir), or restores model + optimizer from a checkpoint dir
-    /// written by [`Trainer::save_checkpoint`].
-    pub fn new(cfg: &JobConfig, restore_from: Option<&Path>) -> anyhow::Result<Trainer> {
-        let kind = parse_kind(&cfg.model.dtype)?;
-        let device = Device::cuda_if_available();
-        let model = match restore_from {
-            Some(dir) => load_model(dir, kind, device)
-                .with_context(|| format!("restoring model from {}", dir.display()))?,
-            None if cfg.model.init == "random" => {
-                let path = cfg
-                    .model
-                    .config
-                    .as_ref()
-                    .context("model.config: required when model.init = \"random\"")?;
-                let (mcfg, raw) = LlamaConfig::from_file(path)?;
-                // libtorch's generator is process-global: two trainers built
-                // at once (threads, tests) would interleave its draws and
-                // break the seed's reproducibility, so seeding + init is one
-                // critical section.
-                let _init = SEEDED_INIT.lock().unwrap_or_else(|p| p.into_inner());
-                tch::manual_seed(cfg.job.seed as i64);
-                Llama::new(mcfg, raw, kind, device)?
-            }
-            None => {
-                let dir = Path::new(&cfg.model.init);
-                load_model(dir, kind, device)
-                    .with_context(|| format!("model.init: loading {}", dir.display()))?
-            }
-        };
+    /// written by [`Trainer::save_checkpoint`] at any world size. `coll` is
+    /// this rank's membership in the generation (`Solo` for one rank).
+    pub fn new(
+        cfg: &JobConfig,
+        restore_from: Option<&Path>,
+        coll: Box<dyn Collective>,
+    ) -> anyhow::Result<Trainer> {
+        let sharding = Sharding::parse(&cfg.parallel.sharding)?;
+        let model = build_model(cfg, restore_from)?;
         let [beta1, beta2] = cfg.optimizer.betas;
         let adam = AdamWConfig {
             beta1,
@@ -109,25 +194,57 @@ impl Trainer {
         let mut vars: Vec<(String, Tensor)> = model.vs.variables().into_iter().collect();
         vars.sort_by(|a, b| a.0.cmp(&b.0));
         let (names, params): (Vec<String>, Vec<Tensor>) = vars.into_iter().unzip();
-        let mut opt = AdamW::new(adam, &params);
+        let layout = FlatLayout::new(&params);
+        let device = model.vs.device();
+        let shard = shard_range(layout.total, coll.world_size(), coll.rank());
+        let mut opt = match sharding {
+            Sharding::Ddp => AdamW::new(adam, &params),
+            Sharding::Zero2 => AdamW::new(
+                adam,
+                &[Tensor::zeros([shard.len() as i64], (Kind::Float, device))],
+            ),
+        };
         if let Some(dir) = restore_from {
-            checkpoint::load_optimizer(dir, &names, &mut opt)
+            let (step, mut saved) = checkpoint::load_optimizer_tensors(dir)
                 .with_context(|| format!("restoring optimizer from {}", dir.display()))?;
+            let (avg, avg_sq) = checkpoint::take_moments(&mut saved, &names, &params, dir)?;
+            tch::no_grad(|| match sharding {
+                Sharding::Ddp => {
+                    for (i, (a, s)) in avg.iter().zip(&avg_sq).enumerate() {
+                        opt.exp_avg[i].copy_(a);
+                        opt.exp_avg_sq[i].copy_(s);
+                    }
+                }
+                Sharding::Zero2 => {
+                    opt.exp_avg[0].copy_(&layout.slice(&avg, shard.clone(), device));
+                    opt.exp_avg_sq[0].copy_(&layout.slice(&avg_sq, shard.clone(), device));
+                }
+            });
+            opt.step = step;
         }
         Ok(Trainer {
             model,
             names,
             params,
+            layout,
+            sharding,
+            coll,
             opt,
             grad_clip: cfg.optimizer.grad_clip,
             loss_chunk_tokens: cfg.runtime.loss_chunk_tokens,
         })
     }
 
+    /// A single-rank trainer ([`Solo`] collective).
+    pub fn single(cfg: &JobConfig, restore_from: Option<&Path>) -> anyhow::Result<Trainer> {
+        Trainer::new(cfg, restore_from, Box::new(Solo))
+    }
+
     /// Forward + backward of one microbatch; the loss is scaled by
     /// `1/global_loss_tokens` and gradients ACCUMULATE (never zeroed here).
     /// A non-finite loss is an error naming the microbatch; nothing is
-    /// applied to the gradients then.
+    /// applied to the gradients then. An empty (padding) microbatch does
+    /// nothing: no collective runs per microbatch.
     pub fn microbatch(
         &mut self,
         index: usize,
@@ -170,25 +287,119 @@ impl Trainer {
         Ok(sums)
     }
 
-    /// Global-norm clip, AdamW step at `lr`, then zero grads. A non-finite
-    /// gradient norm is an error; the parameters stay untouched and the
-    /// gradients are discarded.
+    /// Clip with the global norm, AdamW step at `lr`, then zero the
+    /// gradients. This is the accumulation boundary: the cross-rank
+    /// reduction runs here, once per step, and every rank must call it
+    /// (ranks with only padding microbatches contribute zeros). A
+    /// non-finite gradient norm is an error; every rank sees the same
+    /// global norm, so all of them refuse together and leave their
+    /// parameters untouched.
     pub fn optimizer_step(&mut self, lr: f64) -> anyhow::Result<StepStats> {
-        let norm = optim::grad_norm(&self.params);
+        let result = if lr.is_finite() {
+            self.boundary(lr)
+        } else {
+            Err(anyhow!(
+                "non-finite learning rate {lr}; parameters left unchanged"
+            ))
+        };
+        self.zero_grad();
+        result
+    }
+
+    fn boundary(&mut self, lr: f64) -> anyhow::Result<StepStats> {
+        let device = self.model.vs.device();
+        let grads: Vec<Tensor> = self.params.iter().map(Tensor::grad).collect();
+        let mut flat = self.layout.flatten(&grads, device);
+        drop(grads);
+        let norm = match self.sharding {
+            Sharding::Ddp => {
+                self.collective(Op::AllReduce, &mut flat)?;
+                optim::sum_of_squares(std::slice::from_ref(&flat)).sqrt()
+            }
+            Sharding::Zero2 => {
+                self.collective(Op::ReduceScatter, &mut flat)?;
+                let shard = self.narrow_shard(&flat);
+                // Σg² over this rank's shard, summed over ranks: the norm of
+                // the whole gradient, not of the shard.
+                let mine = optim::sum_of_squares(&[shard]) as f32;
+                let mut sq = Tensor::from_slice(&[mine]);
+                self.collective(Op::AllReduce, &mut sq)?;
+                (f32::try_from(&sq)? as f64).sqrt()
+            }
+        };
         if !norm.is_finite() {
-            self.zero_grad();
             bail!("non-finite gradient norm {norm}; parameters left unchanged");
         }
-        if !lr.is_finite() {
-            self.zero_grad();
-            bail!("non-finite learning rate {lr}; parameters left unchanged");
-        }
-        if self.grad_clip > 0.0 {
-            optim::clip_grads(&self.params, norm, self.grad_clip);
-        }
-        self.opt.step(&self.params, lr);
-        self.zero_grad();
+        tch::no_grad(|| -> anyhow::Result<()> {
+            if self.grad_clip > 0.0 {
+                // As clip_grad_norm_: multiplies even when the factor is 1.
+                let coef = (self.grad_clip / (norm + 1e-6)).min(1.0);
+                let _ = flat.g_mul_scalar_(coef);
+            }
+            match self.sharding {
+                Sharding::Ddp => {
+                    let views = self.layout.views(&flat);
+                    self.opt.step_with_grads(&self.params, &views, lr);
+                }
+                Sharding::Zero2 => {
+                    let grad = self.narrow_shard(&flat);
+                    drop(flat);
+                    let range = self.shard();
+                    let mine = self.layout.slice(&self.params, range.clone(), device);
+                    self.opt
+                        .step_with_grads(std::slice::from_ref(&mine), &[grad], lr);
+                    let mut full = Tensor::zeros([self.layout.total as i64], (Kind::Float, device));
+                    full.narrow(0, range.start as i64, range.len() as i64)
+                        .copy_(&mine);
+                    self.collective(Op::AllGather, &mut full)?;
+                    for (p, v) in self.params.iter().zip(self.layout.views(&full)) {
+                        p.shallow_clone().copy_(&v);
+                    }
+                }
+            }
+            Ok(())
+        })?;
         Ok(StepStats { grad_norm: norm })
+    }
+
+    /// This rank's element range of the flat layout.
+    fn shard(&self) -> std::ops::Range<usize> {
+        shard_range(self.layout.total, self.coll.world_size(), self.coll.rank())
+    }
+
+    fn narrow_shard(&self, flat: &Tensor) -> Tensor {
+        let r = self.shard();
+        flat.narrow(0, r.start as i64, r.len() as i64)
+    }
+
+    /// Runs `op` on a flat f32 buffer (staged through host memory when it
+    /// lives on a GPU: the CPU ring reads host memory). A no-op at world 1.
+    fn collective(&mut self, op: Op, t: &mut Tensor) -> Result<(), CollectiveError> {
+        if self.coll.world_size() == 1 {
+            return Ok(());
+        }
+        let coll = self.coll.as_mut();
+        let mut run = |t: &mut Tensor| match op {
+            Op::AllReduce => coll.all_reduce_sum(t),
+            Op::ReduceScatter => coll.reduce_scatter_sum(t),
+            Op::AllGather => coll.all_gather(t),
+        };
+        if t.device() == Device::Cpu {
+            run(t)
+        } else {
+            let mut host = t.to_device(Device::Cpu);
+            run(&mut host)?;
+            tch::no_grad(|| t.copy_(&host));
+            Ok(())
+        }
+    }
+
+    /// Every rank's `ok`, agreed through an all-reduce: the number of ranks
+    /// that were not ok (also a barrier).
+    fn count_failures(&mut self, ok: bool) -> Result<usize, CollectiveError> {
+        let mut t = Tensor::from_slice(&[if ok { 0f32 } else { 1f32 }]);
+        self.collective(Op::AllReduce, &mut t)?;
+        Ok(f32::try_from(&t).map_or(1.0, |v| v) as usize)
     }
 
     /// Discards accumulated gradients (aborted step).
@@ -198,10 +409,81 @@ impl Trainer {
         }
     }
 
-    /// Writes config.json, model.safetensors, optimizer.safetensors and
-    /// trainer.json to `dir`.
-    pub fn save_checkpoint(&self, dir: &Path) -> anyhow::Result<()> {
-        checkpoint::save(dir, &self.model, &self.names, &self.params, &self.opt)
+    /// Writes this rank's part of a sharded HF checkpoint in `dir` (every
+    /// rank calls it, in parallel; see [`checkpoint::save_shard`]): the
+    /// whole parameters assigned to it by size and their AdamW moments
+    /// (zero2 gathers its flat moment shards first, so moments are stored
+    /// per whole parameter and restore at any world size). Returns once
+    /// every rank has written; fails on every rank if any rank failed.
+    pub fn save_checkpoint(&mut self, dir: &Path) -> anyhow::Result<()> {
+        let (rank, world) = (self.coll.rank(), self.coll.world_size());
+        let elt = self.model.kind().elt_size_in_bytes();
+        let sizes: Vec<(String, usize)> = self
+            .names
+            .iter()
+            .zip(&self.layout.numels)
+            .map(|(n, &numel)| (n.clone(), numel * elt))
+            .collect();
+        let (avg, avg_sq) = self.full_moments()?;
+        let assigned = checkpoint::assign_tensors(&sizes, world);
+        let mine: Vec<ShardEntry> = self
+            .names
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| assigned[*n] == rank)
+            .map(|(i, n)| ShardEntry {
+                name: n.clone(),
+                param: self.params[i].shallow_clone(),
+                exp_avg: avg[i].shallow_clone(),
+                exp_avg_sq: avg_sq[i].shallow_clone(),
+            })
+            .collect();
+        let written = checkpoint::save_shard(
+            dir,
+            rank,
+            world,
+            &self.model.raw_config,
+            self.model.kind(),
+            self.opt.step,
+            &sizes,
+            &mine,
+        );
+        let failed = self.count_failures(written.is_ok())?;
+        written?;
+        if failed > 0 {
+            bail!(
+                "{failed} other rank(s) failed to write their shard of {}",
+                dir.display()
+            );
+        }
+        Ok(())
+    }
+
+    /// AdamW moments per whole parameter (zero2: all-gathered from the
+    /// ranks' shards, a collective every rank must join).
+    fn full_moments(&mut self) -> anyhow::Result<(Vec<Tensor>, Vec<Tensor>)> {
+        if self.sharding == Sharding::Ddp {
+            let c = |v: &[Tensor]| -> Vec<Tensor> { v.iter().map(Tensor::shallow_clone).collect() };
+            return Ok((c(&self.opt.exp_avg), c(&self.opt.exp_avg_sq)));
+        }
+        let device = self.model.vs.device();
+        let range = self.shard();
+        let mut out = Vec::with_capacity(2);
+        for which in 0..2 {
+            let mut full = Tensor::zeros([self.layout.total as i64], (Kind::Float, device));
+            let local = if which == 0 {
+                &self.opt.exp_avg[0]
+            } else {
+                &self.opt.exp_avg_sq[0]
+            };
+            full.narrow(0, range.start as i64, range.len() as i64)
+                .copy_(local);
+            self.collective(Op::AllGather, &mut full)?;
+            out.push(self.layout.views(&full));
+        }
+        let avg_sq = out.pop().unwrap_or_default();
+        let avg = out.pop().unwrap_or_default();
+        Ok((avg, avg_sq))
     }
 
     /// HF names → shallow clones of the parameters (sorted by name).
@@ -213,7 +495,14 @@ impl Trainer {
             .collect()
     }
 
-    /// HF names → the parameters' accumulated gradients (tests).
+    /// HF names → full parameters (every rank holds them at ddp and zero2;
+    /// the same method on the FSDP engine gathers them).
+    pub fn named_full_parameters(&mut self) -> anyhow::Result<Vec<(String, Tensor)>> {
+        Ok(self.named_parameters())
+    }
+
+    /// HF names → the parameters' accumulated (this rank's, unreduced)
+    /// gradients (tests).
     pub fn named_grads(&self) -> Vec<(String, Tensor)> {
         self.names
             .iter()
@@ -222,21 +511,71 @@ impl Trainer {
             .collect()
     }
 
-    /// HF names → AdamW `(exp_avg, exp_avg_sq)` (tests).
-    pub fn optimizer_state(&self) -> (u64, Vec<(String, Tensor, Tensor)>) {
+    /// HF names → AdamW `(exp_avg, exp_avg_sq)` per whole parameter and the
+    /// optimizer step count. At zero2 this gathers the shards: every rank
+    /// must call it.
+    pub fn optimizer_state(&mut self) -> anyhow::Result<(u64, Vec<NamedMoments>)> {
+        let (avg, avg_sq) = self.full_moments()?;
         let state = self
             .names
             .iter()
-            .enumerate()
-            .map(|(i, n)| {
-                (
-                    n.clone(),
-                    self.opt.exp_avg[i].shallow_clone(),
-                    self.opt.exp_avg_sq[i].shallow_clone(),
-                )
-            })
+            .cloned()
+            .zip(avg.into_iter().zip(avg_sq))
+            .map(|(n, (a, s))| (n, a, s))
             .collect();
-        (self.opt.step, state)
+        Ok((self.opt.step, state))
+    }
+
+    /// Bytes of parameters, gradients and optimizer state this rank holds.
+    pub fn state_bytes(&self) -> StateBytes {
+        let elt = self.model.kind().elt_size_in_bytes() as u64;
+        let numel = self.layout.total as u64;
+        let moments: u64 = self
+            .opt
+            .exp_avg
+            .iter()
+            .chain(&self.opt.exp_avg_sq)
+            .map(|t| t.numel() as u64 * 4)
+            .sum();
+        StateBytes {
+            params: numel * elt,
+            grads: numel * elt,
+            optimizer: moments,
+            boundary: numel * 4,
+        }
+    }
+
+    pub fn sharding(&self) -> Sharding {
+        self.sharding
+    }
+
+    /// (rank, world size) of this trainer's collective.
+    pub fn rank_world(&self) -> (usize, usize) {
+        (self.coll.rank(), self.coll.world_size())
+    }
+
+    /// Whether this replica's state stays valid as `rank` of `world` (a new
+    /// generation): always at ddp; at zero2 only for the same shard.
+    pub fn fits(&self, rank: usize, world: usize) -> bool {
+        match self.sharding {
+            Sharding::Ddp => true,
+            Sharding::Zero2 => (rank, world) == self.rank_world(),
+        }
+    }
+
+    /// Joins a new generation (see [`Trainer::fits`]).
+    pub fn set_collective(&mut self, coll: Box<dyn Collective>) -> anyhow::Result<()> {
+        if !self.fits(coll.rank(), coll.world_size()) {
+            let (r, w) = self.rank_world();
+            bail!(
+                "zero2: the optimizer shard of rank {r} of {w} cannot serve rank {} of {}; \
+                 restore from a checkpoint",
+                coll.rank(),
+                coll.world_size()
+            );
+        }
+        self.coll = coll;
+        Ok(())
     }
 
     pub fn model(&self) -> &Llama {

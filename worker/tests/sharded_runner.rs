@@ -1,0 +1,218 @@
+//! Two runner threads with the real trainer, joined through an injected
+//! connector (in-process `LocalGroup` ranks, one group per generation):
+//! configure at world 2, a zero2 step whose results agree across ranks and
+//! match one rank training all documents, a parallel checkpoint whose
+//! manifest rank 0 writes last, and a new generation at the same step that
+//! keeps the replicas and rebuilds the collective.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use accrue_worker::collective::local::{LocalGroup, LocalRank};
+use accrue_worker::collective::{Collective, CollectiveError};
+use accrue_worker::runner::{default_factory, Connector, Runner, RunnerConfig, Work};
+use accrue_worker::train::{PackedBatch, Trainer};
+use accrue_worker::wire;
+use accrue_worker::wire::worker_message::Msg;
+
+/// Hands out the ranks of one in-process group per generation.
+fn connector(builds: Arc<Mutex<Vec<(u64, u32)>>>) -> Connector {
+    let groups: Mutex<HashMap<u64, Vec<Option<LocalRank>>>> = Mutex::default();
+    Arc::new(move |_, c: &wire::Configure| {
+        builds.lock().unwrap().push((c.generation, c.rank));
+        let mut g = groups.lock().unwrap();
+        let ranks = g.entry(c.generation).or_insert_with(|| {
+            LocalGroup::new(c.world_size as usize)
+                .into_iter()
+                .map(Some)
+                .collect()
+        });
+        let r = ranks[c.rank as usize]
+            .take()
+            .ok_or_else(|| CollectiveError::Setup(format!("rank {} joined twice", c.rank)))?;
+        Ok(Box::new(r) as Box<dyn Collective>)
+    })
+}
+
+fn to_wire(docs: &[(Vec<i64>, Vec<i64>)]) -> wire::Microbatch {
+    let b = PackedBatch::from_documents(docs);
+    let ids: Vec<u32> = b.input_ids.iter().map(|&t| t as u32).collect();
+    let labels: Vec<i32> = b.labels.iter().map(|&t| t as i32).collect();
+    wire::Microbatch {
+        token_ids: accrue_proto::pack_u32(&ids),
+        labels: accrue_proto::pack_i32(&labels),
+        cu_seq_lens: b.cu_seq_lens.iter().map(|&c| c as u32).collect(),
+        sequences: (0..docs.len())
+            .map(|i| wire::PackedSequence {
+                doc_id: format!("d:{i}"),
+                ..Default::default()
+            })
+            .collect(),
+        old_logprobs: Vec::new(),
+    }
+}
+
+fn recv(rx: &mut tokio::sync::mpsc::UnboundedReceiver<wire::WorkerMessage>) -> Msg {
+    for _ in 0..3000 {
+        if let Ok(m) = rx.try_recv() {
+            return m.msg.unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    panic!("no message from the runners");
+}
+
+#[test]
+fn two_runners_train_checkpoint_and_rejoin_a_new_generation() {
+    tch::set_num_threads(1);
+    let dir = tempfile::tempdir().unwrap();
+    let cfg_path = dir.path().join("config.json");
+    std::fs::write(&cfg_path, common::TINY_CONFIG).unwrap();
+    let spec = format!(
+        "[job]\nname = \"t\"\nseed = 7\noutput_dir = \"{}\"\n[model]\ninit = \"random\"\n\
+         config = \"{}\"\n[parallel]\nsharding = \"zero2\"\n[data]\nmax_tokens = 256\n",
+        dir.path().display(),
+        cfg_path.display()
+    );
+    let builds = Arc::new(Mutex::new(Vec::new()));
+    let conn = connector(builds.clone());
+    let models = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = models.clone();
+    let inner = default_factory();
+    let factory: accrue_worker::runner::Factory = Arc::new(move |cfg, restore, coll| {
+        counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        inner(cfg, restore, coll)
+    });
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let runners: Vec<Runner> = (0..2)
+        .map(|_| {
+            Runner::start(
+                RunnerConfig {
+                    factory: factory.clone(),
+                    connector: conn.clone(),
+                    listener: Some(std::net::TcpListener::bind("127.0.0.1:0").unwrap()),
+                },
+                tx.clone(),
+            )
+        })
+        .collect();
+    let configure = |generation: u64, step: u64| {
+        for (rank, r) in runners.iter().enumerate() {
+            r.submit(Work::Configure(Box::new(wire::Configure {
+                job_id: "j".into(),
+                generation,
+                rank: rank as u32,
+                world_size: 2,
+                spec_toml: spec.clone(),
+                step,
+                ..Default::default()
+            })));
+        }
+    };
+    configure(1, 0);
+    for _ in 0..2 {
+        assert!(matches!(recv(&mut rx), Msg::Ready(r) if r.generation == 1));
+    }
+
+    let docs = common::synthetic_documents(&[30, 11, 25, 7, 40], 9);
+    let total = PackedBatch::from_documents(&docs).loss_tokens();
+    for (rank, r) in runners.iter().enumerate() {
+        r.submit(Work::Plan(Box::new(wire::StepPlan {
+            job_id: "j".into(),
+            generation: 1,
+            step: 1,
+            rank: rank as u32,
+            lr: 1e-3,
+            normalizers: Some(wire::Normalizers {
+                loss_tokens: total,
+                ..Default::default()
+            }),
+            // Rank 1 also runs a padding microbatch; rank 0 one more real.
+            microbatches: if rank == 0 {
+                vec![to_wire(&docs[..1]), to_wire(&docs[1..2])]
+            } else {
+                vec![to_wire(&docs[2..]), wire::Microbatch::default()]
+            },
+            cursor_after: None,
+        })));
+    }
+    let mut sums = Vec::new();
+    for _ in 0..2 {
+        let Msg::StepResult(r) = recv(&mut rx) else {
+            panic!("expected a step result");
+        };
+        sums.push(r.sums.unwrap());
+    }
+    assert_eq!(sums[0].grad_norm, sums[1].grad_norm, "one global norm");
+    let loss: f64 = sums.iter().map(|s| s.loss_sum).sum();
+    assert_eq!(sums.iter().map(|s| s.loss_tokens).sum::<u64>(), total);
+
+    // One rank, all documents in one microbatch: the same loss and norm.
+    let cfg = accrue_worker::config::JobConfig::from_toml(&spec).unwrap();
+    let mut single = Trainer::single(&cfg, None).unwrap();
+    let s = single
+        .microbatch(0, &PackedBatch::from_documents(&docs), total)
+        .unwrap();
+    let norm = single.optimizer_step(1e-3).unwrap().grad_norm;
+    assert!(
+        (s.loss_sum - loss).abs() <= 1e-5 * loss,
+        "{} vs {loss}",
+        s.loss_sum
+    );
+    assert!(
+        (norm - sums[0].grad_norm).abs() <= 1e-5 * norm,
+        "{norm} vs {}",
+        sums[0].grad_norm
+    );
+
+    let ckpt = dir.path().join("step-1");
+    for r in &runners {
+        r.submit(Work::Checkpoint(wire::CheckpointRequest {
+            job_id: "j".into(),
+            step: 1,
+            dir: ckpt.display().to_string(),
+            cursor: None,
+        }));
+    }
+    for _ in 0..2 {
+        assert!(matches!(recv(&mut rx), Msg::CheckpointDone(c) if c.step == 1));
+    }
+    for f in [
+        "manifest.json",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "optimizer-00001-of-00002.safetensors",
+        "optimizer-00002-of-00002.safetensors",
+    ] {
+        assert!(ckpt.join(f).is_file(), "{f} missing");
+    }
+    let restored = Trainer::single(&cfg, Some(&ckpt)).unwrap();
+    let (w, n) = common::worst_rel(
+        &restored.named_parameters(),
+        &common::snapshot(&single.named_parameters()),
+    );
+    assert!(
+        w <= 1e-5,
+        "checkpoint parameter {n} differs from one rank's by {w:e}"
+    );
+
+    // A new generation at the same step: replicas kept, collective rebuilt.
+    configure(2, 1);
+    for _ in 0..2 {
+        assert!(matches!(recv(&mut rx), Msg::Ready(r) if r.generation == 2 && r.step == 1));
+    }
+    let mut b = builds.lock().unwrap().clone();
+    b.sort();
+    assert_eq!(b, vec![(1, 0), (1, 1), (2, 0), (2, 1)]);
+    assert_eq!(
+        models.load(std::sync::atomic::Ordering::SeqCst),
+        2,
+        "replicas kept"
+    );
+    for r in runners {
+        r.shutdown();
+    }
+}
