@@ -3,6 +3,7 @@
 
 pub mod batch;
 pub mod checkpoint;
+pub mod fsdp;
 pub mod optim;
 pub mod trainer;
 
