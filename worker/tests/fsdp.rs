@@ -270,7 +270,9 @@ fn fsdp_checkpoint_loads_in_transformers_and_restores_at_another_world_size() {
         t.save_checkpoint(&path).unwrap();
         let at_save = t.named_full_parameters().unwrap();
         train(&mut t, rank, &p2, Norm::Global);
-        (Vec::new(), [at_save, t.named_full_parameters().unwrap()].concat())
+        let mut both = at_save;
+        both.extend(t.named_full_parameters().unwrap());
+        (Vec::new(), both)
     }))
     .1;
     let (at_save, after) = saved.split_at(saved.len() / 2);
@@ -326,7 +328,9 @@ fn fsdp_checkpoint_loads_in_transformers_and_restores_at_another_world_size() {
         assert_eq!(t.optimizer_steps(), 1);
         let loaded = t.named_full_parameters().unwrap();
         train(&mut t, rank, &second_3, Norm::Global);
-        (Vec::new(), [loaded, t.named_full_parameters().unwrap()].concat())
+        let mut both = loaded;
+        both.extend(t.named_full_parameters().unwrap());
+        (Vec::new(), both)
     }))
     .1;
     let (loaded, resumed) = restored.split_at(restored.len() / 2);
