@@ -209,8 +209,18 @@ fn assert_equivalent(label: &str, got: &(Stats, Params), want: &(Stats, Params))
             g.0, w.0, g.1, w.1, g.2, w.2
         );
         assert_eq!(g.1, w.1, "{label} step {s}: loss tokens");
-        assert!(rel(g.0, w.0) <= TOL, "{label} step {s}: loss sum {} vs {}", g.0, w.0);
-        assert!(rel(g.2, w.2) <= TOL, "{label} step {s}: grad norm {} vs {}", g.2, w.2);
+        assert!(
+            rel(g.0, w.0) <= TOL,
+            "{label} step {s}: loss sum {} vs {}",
+            g.0,
+            w.0
+        );
+        assert!(
+            rel(g.2, w.2) <= TOL,
+            "{label} step {s}: grad norm {} vs {}",
+            g.2,
+            w.2
+        );
     }
     let (pw, pn) = common::worst_rel(&got.1, &want.1);
     println!("{label}: worst parameter difference {pw:e} ({pn})");
@@ -234,7 +244,10 @@ fn equivalence(tied: bool) {
     let bad = run_fsdp(&cfg, &plan_2(&steps), Norm::PerRank);
     let (pw, _) = common::worst_rel(&bad.1, &reference.1);
     println!("per-rank normaliser: worst parameter difference {pw:e}");
-    assert!(pw > 100.0 * TOL, "a per-rank normaliser should differ, got {pw}");
+    assert!(
+        pw > 100.0 * TOL,
+        "a per-rank normaliser should differ, got {pw}"
+    );
 }
 
 #[test]
@@ -293,7 +306,10 @@ fn fsdp_checkpoint_loads_in_transformers_and_restores_at_another_world_size() {
     reference.microbatch(0, &b, b.loss_tokens()).unwrap();
     reference.optimizer_step(LR).unwrap();
     let (pw, pn) = common::worst_rel(at_save, &common::snapshot(&reference.named_parameters()));
-    assert!(pw <= TOL, "parameter {pn} differs from the trainer's by {pw}");
+    assert!(
+        pw <= TOL,
+        "parameter {pn} differs from the trainer's by {pw}"
+    );
     let inputs: Vec<(String, Tensor)> = docs
         .iter()
         .enumerate()
@@ -357,7 +373,9 @@ fn fsdp_state_memory_per_rank() {
     std::fs::write(&path, config).unwrap();
     let cfg = common::job_config("random", &format!("config = \"{}\"\n", path.display()));
     let mut ddp = 0;
-    println!("world rank     params      grads  optimizer      total  vs ddp  (+ largest gathered unit)");
+    println!(
+        "world rank     params      grads  optimizer      total  vs ddp  (+ largest gathered unit)"
+    );
     for world in [1usize, 2, 4] {
         for (rank, coll) in LocalGroup::new(world).into_iter().enumerate() {
             // No collective runs in `new`: ranks can be built one by one.
@@ -378,7 +396,10 @@ fn fsdp_state_memory_per_rank() {
             );
             assert_eq!(b.optimizer, 2 * b.params);
             if world == 4 {
-                assert!(ratio <= 0.35, "fsdp at 4 ranks holds {ratio:.3} of ddp's state");
+                assert!(
+                    ratio <= 0.35,
+                    "fsdp at 4 ranks holds {ratio:.3} of ddp's state"
+                );
             }
         }
     }

@@ -155,7 +155,12 @@ impl FsdpTrainer {
                 let t = Trainer::new(cfg, None)?;
                 let m = t.model();
                 let named = t.named_parameters().into_iter().collect();
-                (m.cfg.clone(), m.raw_config.clone(), named, "random init".into())
+                (
+                    m.cfg.clone(),
+                    m.raw_config.clone(),
+                    named,
+                    "random init".into(),
+                )
             }
             None => {
                 let dir = Path::new(&cfg.model.init);
@@ -190,8 +195,10 @@ impl FsdpTrainer {
                 .with_context(|| format!("restoring optimizer from {}", dir.display()))?;
             let source = format!("{} (optimizer state)", dir.display());
             for (u, l) in layouts.iter().enumerate() {
-                for (suffix, dst) in [(".exp_avg", &mut opt.exp_avg), (".exp_avg_sq", &mut opt.exp_avg_sq)]
-                {
+                for (suffix, dst) in [
+                    (".exp_avg", &mut opt.exp_avg),
+                    (".exp_avg_sq", &mut opt.exp_avg_sq),
+                ] {
                     let flat = l.flatten_named(&moments, suffix, &source)?;
                     dst[u] = l.take_shard(&flat, world, rank).to_device(device);
                 }
@@ -355,7 +362,10 @@ impl FsdpTrainer {
         let [failed] = self.agree_f32("checkpoint written", [written.is_err() as u8 as f32])?;
         written.with_context(|| format!("rank {rank} writing its checkpoint shard"))?;
         if failed > 0.0 {
-            bail!("checkpoint {}: another rank failed to write its shard", dir.display());
+            bail!(
+                "checkpoint {}: another rank failed to write its shard",
+                dir.display()
+            );
         }
         Ok(())
     }
@@ -393,7 +403,11 @@ impl FsdpTrainer {
     /// The float32 bytes of the largest unit: the transient all-gather
     /// buffer a forward or backward holds on top of [`state_bytes`](Self::state_bytes).
     pub fn largest_unit_bytes(&self) -> u64 {
-        self.layouts.iter().map(|l| l.numel as u64 * 4).max().unwrap_or(0)
+        self.layouts
+            .iter()
+            .map(|l| l.numel as u64 * 4)
+            .max()
+            .unwrap_or(0)
     }
 
     /// The optimizer's step count.
@@ -436,7 +450,9 @@ impl FsdpTrainer {
             return Ok(None);
         }
         if global_loss_tokens == 0 {
-            bail!("microbatch {index}: has loss tokens but the step's global loss-token count is 0");
+            bail!(
+                "microbatch {index}: has loss tokens but the step's global loss-token count is 0"
+            );
         }
         let positions = llama::positions(&mb.cu_seq_lens);
         let (cos, sin) = self.rope.cos_sin(&positions, self.kind, self.device);
@@ -492,7 +508,11 @@ impl FsdpTrainer {
         let hu = head_unit(self.shells.len());
         let tied = self.cfg.tie_word_embeddings;
         let head_flat = self.gather(hu)?;
-        let embed_flat = if tied { Some(self.gather(EMBED)?) } else { None };
+        let embed_flat = if tied {
+            Some(self.gather(EMBED)?)
+        } else {
+            None
+        };
         let outcome = match (p, last) {
             (Some(p), Some(x)) => {
                 Some(self.head_loss(index, p, x, &head_flat, embed_flat.as_ref()))
@@ -676,7 +696,11 @@ impl FsdpTrainer {
             .with_context(|| format!("microbatch {index}"))
     }
 
-    fn agree_f32<const N: usize>(&mut self, what: &str, local: [f32; N]) -> anyhow::Result<[f32; N]> {
+    fn agree_f32<const N: usize>(
+        &mut self,
+        what: &str,
+        local: [f32; N],
+    ) -> anyhow::Result<[f32; N]> {
         let mut t = Tensor::from_slice(&local).to_device(self.device);
         self.coll
             .all_reduce_sum(&mut t)

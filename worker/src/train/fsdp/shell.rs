@@ -43,10 +43,7 @@ impl LayerShell {
     /// `model.layers.{index}.…`).
     pub fn new(cfg: &LlamaConfig, index: usize, kind: Kind, device: Device) -> LayerShell {
         let mut vs = nn::VarStore::new(device);
-        let layer = DecoderLayer::new(
-            vs.root() / "model" / "layers" / index,
-            &zero_config(cfg),
-        );
+        let layer = DecoderLayer::new(vs.root() / "model" / "layers" / index, &zero_config(cfg));
         if kind != Kind::Float {
             vs.set_kind(kind);
         }

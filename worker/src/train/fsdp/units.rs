@@ -158,7 +158,8 @@ pub fn build_layouts(
     tensors: &HashMap<String, Tensor>,
     source: &str,
 ) -> anyhow::Result<Vec<UnitLayout>> {
-    let mut groups: Vec<(String, Vec<String>)> = vec![("model.embed_tokens".into(), vec![EMBED_NAME.into()])];
+    let mut groups: Vec<(String, Vec<String>)> =
+        vec![("model.embed_tokens".into(), vec![EMBED_NAME.into()])];
     for (i, names) in layer_names.iter().enumerate() {
         groups.push((format!("model.layers.{i}"), names.clone()));
     }
@@ -243,10 +244,7 @@ mod tests {
 
     #[test]
     fn slots_are_sorted_back_to_back_and_shards_cover_the_unit() {
-        let shapes = HashMap::from([
-            ("b".to_string(), vec![2, 3]),
-            ("a".to_string(), vec![5]),
-        ]);
+        let shapes = HashMap::from([("b".to_string(), vec![2, 3]), ("a".to_string(), vec![5])]);
         let u = UnitLayout::new("u", vec!["b".into(), "a".into()], &shapes);
         assert_eq!(u.numel, 11);
         assert_eq!((u.slots[0].name.as_str(), u.slots[0].offset), ("a", 0));
