@@ -404,3 +404,31 @@ fn fsdp_state_memory_per_rank() {
         }
     }
 }
+
+/// A rank whose microbatch is bad fails with its own error; the other
+/// ranks fail too instead of waiting in a collective, and no gradient is
+/// applied anywhere.
+#[test]
+fn fsdp_a_failing_rank_fails_every_rank_without_a_hang() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = job(dir.path(), false);
+    let docs = common::synthetic_documents(&[20, 30], 4);
+    let errors = on_ranks(2, move |rank, coll| {
+        let mut t = FsdpTrainer::new(&cfg, None, coll).unwrap();
+        let mut mb = batch(&docs[rank..rank + 1]);
+        if rank == 0 {
+            mb.input_ids[3] = 100_000; // outside the 300-token vocabulary
+        }
+        let err = t.microbatch(0, &mb, 40).unwrap_err();
+        // Both ranks still agree on an (all-zero) gradient norm afterwards.
+        let norm = t.optimizer_step(LR).unwrap().grad_norm;
+        (format!("{err:#}"), norm)
+    });
+    assert!(
+        errors[0].0.contains("outside the vocabulary"),
+        "{}",
+        errors[0].0
+    );
+    assert!(errors[1].0.contains("another rank"), "{}", errors[1].0);
+    assert_eq!((errors[0].1, errors[1].1), (0.0, 0.0));
+}
