@@ -73,6 +73,12 @@ pub trait StepExecutor {
     }
     /// Joins a new generation's collective, keeping the replica.
     fn set_collective(&mut self, coll: Box<dyn Collective>) -> anyhow::Result<()>;
+    /// True when every microbatch, padding included, runs collectives
+    /// (FSDP gathers per unit): empty microbatches must then be run too,
+    /// or ranks would diverge.
+    fn collective_per_microbatch(&self) -> bool {
+        false
+    }
 }
 
 /// Builds an executor for a job and this rank's collective, restoring from
@@ -204,7 +210,7 @@ pub fn run_step(
             exec.zero_grad();
             return StepOutcome::Aborted;
         }
-        if mb.token_ids.is_empty() {
+        if mb.token_ids.is_empty() && !exec.collective_per_microbatch() {
             continue;
         }
         match exec.microbatch(i, mb, global) {
@@ -212,7 +218,9 @@ pub fn run_step(
                 sums.loss_sum += o.loss_sum;
                 sums.loss_tokens += o.loss_tokens;
                 sums.tokens += o.tokens;
-                sums.padding_tokens += max_tokens.saturating_sub(o.tokens);
+                if o.tokens > 0 {
+                    sums.padding_tokens += max_tokens.saturating_sub(o.tokens);
+                }
                 docs.extend(mb.sequences.iter().map(|s| s.doc_id.as_str()));
             }
             Err(e) => {

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use crate::collective::Collective;
 use crate::config::JobConfig;
 use crate::runner::{Factory, MicrobatchOutcome, StepExecutor};
+use crate::train::fsdp::FsdpTrainer;
 use crate::train::{PackedBatch, Trainer};
 use crate::wire;
 
@@ -47,6 +48,48 @@ impl StepExecutor for Trainer {
     }
 }
 
+impl StepExecutor for FsdpTrainer {
+    fn microbatch(
+        &mut self,
+        index: usize,
+        mb: &wire::Microbatch,
+        global_loss_tokens: u64,
+    ) -> anyhow::Result<MicrobatchOutcome> {
+        let batch = PackedBatch::from_wire(mb)?;
+        let s = FsdpTrainer::microbatch(self, index, &batch, global_loss_tokens)?;
+        Ok(MicrobatchOutcome {
+            loss_sum: s.loss_sum,
+            loss_tokens: s.loss_tokens,
+            tokens: s.tokens,
+        })
+    }
+
+    fn optimizer_step(&mut self, lr: f64) -> anyhow::Result<f64> {
+        Ok(FsdpTrainer::optimizer_step(self, lr)?.grad_norm)
+    }
+
+    fn zero_grad(&mut self) {
+        FsdpTrainer::zero_grad(self);
+    }
+
+    fn save_checkpoint(&mut self, dir: &Path) -> anyhow::Result<()> {
+        FsdpTrainer::save_checkpoint(self, dir)
+    }
+
+    fn collective_per_microbatch(&self) -> bool {
+        true
+    }
+
+    /// Shards belong to one (rank, world): anything else is rebuilt.
+    fn fits(&self, rank: usize, world: usize) -> bool {
+        (rank, world) == (self.rank(), self.world_size())
+    }
+
+    fn set_collective(&mut self, coll: Box<dyn Collective>) -> anyhow::Result<()> {
+        FsdpTrainer::set_collective(self, coll)
+    }
+}
+
 /// The engine `parallel.sharding` asks for, built for this rank.
 pub fn build(
     cfg: &JobConfig,
@@ -54,10 +97,7 @@ pub fn build(
     coll: Box<dyn Collective>,
 ) -> anyhow::Result<Box<dyn StepExecutor>> {
     match cfg.parallel.sharding.to_ascii_lowercase().as_str() {
-        // MERGE: the lead replaces this arm with
-        // `Ok(Box::new(crate::train::fsdp::FsdpTrainer::new(cfg, restore, coll)?))`
-        // once train/fsdp.rs is on the branch.
-        "fsdp" => anyhow::bail!("parallel.sharding = \"fsdp\": fsdp: not built yet"),
+        "fsdp" => Ok(Box::new(FsdpTrainer::new(cfg, restore, coll)?)),
         _ => Ok(Box::new(Trainer::new(cfg, restore, coll)?)),
     }
 }

@@ -137,6 +137,7 @@ fn two_runners_train_checkpoint_and_rejoin_a_new_generation() {
                 vec![to_wire(&docs[2..]), wire::Microbatch::default()]
             },
             cursor_after: None,
+            kind: wire::PlanKind::Train as i32,
         })));
     }
     let mut sums = Vec::new();

@@ -4,6 +4,7 @@
 pub mod batch;
 pub mod checkpoint;
 pub mod flat;
+pub mod fsdp;
 pub mod optim;
 pub mod trainer;
 

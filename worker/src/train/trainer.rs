@@ -134,7 +134,7 @@ pub fn load_model(dir: &Path, kind: Kind, device: Device) -> anyhow::Result<Llam
 
 /// The model of `cfg.model` (seeded random init or a HF directory), or the
 /// one saved in `restore_from`.
-fn build_model(cfg: &JobConfig, restore_from: Option<&Path>) -> anyhow::Result<Llama> {
+pub fn build_model(cfg: &JobConfig, restore_from: Option<&Path>) -> anyhow::Result<Llama> {
     let kind = parse_kind(&cfg.model.dtype)?;
     let device = Device::cuda_if_available();
     match restore_from {

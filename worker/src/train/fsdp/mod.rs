@@ -1,0 +1,487 @@
+//! FSDP full-shard training (`parallel.sharding = "fsdp"`, DESIGN.md "Ranks
+//! and collectives"): parameters, gradients and AdamW moments are sharded per
+//! unit; a unit's full parameters exist only while it runs.
+//!
+//! Units are the embedding, each decoder layer, and the head (final norm +
+//! untied LM head); see [`units`]. Each unit's parameters are one flat
+//! float32 buffer of which this rank keeps only its [`shard_range`]
+//! (the master copy, whatever the compute dtype).
+//!
+//! A microbatch (the math of DESIGN.md "The math", as in [`Trainer`]):
+//! 1. forward, unit by unit: all-gather the unit, run it without autograd,
+//!    keep only its input activation, free the gathered parameters;
+//! 2. head: all-gather, chunked LM head + cross-entropy scaled by `1/T`
+//!    (T = the step's global loss-token count from the plan), gradient of
+//!    the final hidden state and of the head, reduce-scatter the head's
+//!    gradient into the accumulating shard;
+//! 3. backward, layer by layer in reverse: all-gather again, recompute the
+//!    layer from its saved input with autograd, backpropagate the upstream
+//!    gradient, reduce-scatter the parameter gradient and ADD this rank's
+//!    part into its gradient shard, free;
+//! 4. embedding: its gradient needs only the token ids and the upstream
+//!    gradient (`embedding_dense_backward`), so it is not gathered again.
+//!
+//! Lockstep: every rank must issue the same collectives. A microbatch opens
+//! with a two-number all-reduce (ranks with work, ranks that failed to
+//! prepare theirs): if no rank has a loss token every rank skips the
+//! microbatch with no further collective; otherwise every rank takes part,
+//! ranks without work (padding microbatches) contributing zeros. A second
+//! all-reduce after the loss makes every rank stop, before any gradient is
+//! applied, when one rank's loss is not finite.
+//!
+//! Follows PyTorch FSDP (`FlatParameter` per wrapped module, reshard after
+//! forward, pre-backward all-gather) — Zhao et al., "PyTorch FSDP", 2023.
+
+mod pass;
+mod shell;
+pub mod units;
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use anyhow::{anyhow, bail, Context};
+use tch::{nn, Device, Kind, Tensor};
+
+use crate::collective::{shard_range, Collective};
+use crate::config::JobConfig;
+use crate::model::norm::RmsNorm;
+use crate::model::rope::Rope;
+use crate::model::{weights, LlamaConfig, PackedAttention};
+
+use super::batch::PackedBatch;
+use super::checkpoint::{self, ShardEntry};
+use super::optim::{self, AdamW, AdamWConfig};
+use super::trainer::{build_model, MicrobatchSums, StepStats};
+use shell::LayerShell;
+use units::UnitLayout;
+
+/// Bytes of training state a rank holds between steps (float32 shards).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StateBytes {
+    pub params: u64,
+    pub grads: u64,
+    /// AdamW first and second moments.
+    pub optimizer: u64,
+}
+
+impl StateBytes {
+    pub fn total(&self) -> u64 {
+        self.params + self.grads + self.optimizer
+    }
+}
+
+/// One rank of an FSDP group: its shards of every unit, and the shells
+/// that run a unit on gathered parameters.
+pub struct FsdpTrainer {
+    coll: Box<dyn Collective>,
+    cfg: LlamaConfig,
+    raw_config: serde_json::Value,
+    /// Compute dtype (the shards are float32).
+    kind: Kind,
+    device: Device,
+    layouts: Vec<UnitLayout>,
+    /// Per unit: this rank's shard of the flat parameters.
+    params: Vec<Tensor>,
+    /// Per unit: this rank's shard of the accumulated gradient.
+    grads: Vec<Tensor>,
+    /// Moments of `params`, in unit order.
+    opt: AdamW,
+    shells: Vec<LayerShell>,
+    _norm_vs: nn::VarStore,
+    norm: RmsNorm,
+    rope: Rope,
+    grad_clip: f64,
+    loss_chunk_tokens: usize,
+    /// Packed-attention implementation (as `Llama::attention`).
+    pub attention: PackedAttention,
+}
+
+fn parse_kind(dtype: &str) -> anyhow::Result<Kind> {
+    match dtype {
+        "float32" | "fp32" | "f32" => Ok(Kind::Float),
+        "bfloat16" | "bf16" => Ok(Kind::BFloat16),
+        other => bail!("model.dtype: expected float32 or bfloat16, got {other}"),
+    }
+}
+
+/// Config and full tensors of a HF checkpoint directory.
+fn read_hf_dir(
+    dir: &Path,
+) -> anyhow::Result<(LlamaConfig, serde_json::Value, HashMap<String, Tensor>)> {
+    let (cfg, raw) = LlamaConfig::from_file(&dir.join("config.json"))?;
+    let tensors = weights::read_tensors(&weights::checkpoint_files(dir)?)?;
+    Ok((cfg, raw, tensors))
+}
+
+impl FsdpTrainer {
+    /// Builds this rank's shards: every rank builds the same model once
+    /// (seeded random init through [`Trainer::new`], a HF checkpoint at
+    /// `cfg.model.init`, or `restore` — a checkpoint written by any
+    /// trainer at any world size, optimizer moments included), keeps its
+    /// shards and drops the full copy. No collective is called.
+    pub fn new(
+        cfg: &JobConfig,
+        restore: Option<&Path>,
+        coll: Box<dyn Collective>,
+    ) -> anyhow::Result<FsdpTrainer> {
+        let kind = parse_kind(&cfg.model.dtype)?;
+        let device = Device::cuda_if_available();
+        let (mcfg, raw, tensors, source) = match restore {
+            Some(dir) => {
+                let (c, r, t) = read_hf_dir(dir)
+                    .with_context(|| format!("restoring model from {}", dir.display()))?;
+                (c, r, t, dir.display().to_string())
+            }
+            None if cfg.model.init == "random" => {
+                // build_model owns the seeded-init critical section.
+                let m = build_model(cfg, None)?;
+                let named = m.vs.variables().into_iter().collect();
+                (
+                    m.cfg.clone(),
+                    m.raw_config.clone(),
+                    named,
+                    "random init".into(),
+                )
+            }
+            None => {
+                let dir = Path::new(&cfg.model.init);
+                let (c, r, t) = read_hf_dir(dir)
+                    .with_context(|| format!("model.init: loading {}", dir.display()))?;
+                (c, r, t, dir.display().to_string())
+            }
+        };
+        let shells: Vec<LayerShell> = (0..mcfg.num_hidden_layers)
+            .map(|i| LayerShell::new(&mcfg, i, kind, device))
+            .collect();
+        let layer_names: Vec<Vec<String>> = shells.iter().map(|s| s.names()).collect();
+        let layouts = units::build_layouts(&mcfg, &layer_names, &tensors, &source)?;
+        let (rank, world) = (coll.rank(), coll.world_size());
+        let mut params = Vec::with_capacity(layouts.len());
+        for l in &layouts {
+            let flat = l.flatten_named(&tensors, "", &source)?;
+            params.push(l.take_shard(&flat, world, rank).to_device(device));
+        }
+        drop(tensors);
+        let grads = params.iter().map(Tensor::zeros_like).collect();
+        let [beta1, beta2] = cfg.optimizer.betas;
+        let adam = AdamWConfig {
+            beta1,
+            beta2,
+            eps: cfg.optimizer.eps,
+            weight_decay: cfg.optimizer.weight_decay,
+        };
+        let mut opt = AdamW::new(adam, &params);
+        if let Some(dir) = restore {
+            let (step, moments) = checkpoint::load_optimizer_tensors(dir)
+                .with_context(|| format!("restoring optimizer from {}", dir.display()))?;
+            let source = format!("{} (optimizer state)", dir.display());
+            for (u, l) in layouts.iter().enumerate() {
+                for (suffix, dst) in [
+                    (".exp_avg", &mut opt.exp_avg),
+                    (".exp_avg_sq", &mut opt.exp_avg_sq),
+                ] {
+                    let flat = l.flatten_named(&moments, suffix, &source)?;
+                    dst[u] = l.take_shard(&flat, world, rank).to_device(device);
+                }
+            }
+            opt.step = step;
+        }
+        let (theta, scaling) = mcfg.rope()?;
+        let rope = Rope::new(mcfg.head_dim(), theta, &scaling);
+        let (norm_vs, norm) = shell::norm_shell(&mcfg, device);
+        Ok(FsdpTrainer {
+            coll,
+            cfg: mcfg,
+            raw_config: raw,
+            kind,
+            device,
+            layouts,
+            params,
+            grads,
+            opt,
+            shells,
+            _norm_vs: norm_vs,
+            norm,
+            rope,
+            grad_clip: cfg.optimizer.grad_clip,
+            loss_chunk_tokens: cfg.runtime.loss_chunk_tokens,
+            attention: PackedAttention::default(),
+        })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.coll.rank()
+    }
+
+    /// Swaps in the collective of a new generation. The shards belong to a
+    /// (rank, world) pair, so only the same pair is accepted; any other
+    /// needs a rebuild from a checkpoint.
+    pub fn set_collective(&mut self, coll: Box<dyn Collective>) -> anyhow::Result<()> {
+        if (coll.rank(), coll.world_size()) != (self.rank(), self.world_size()) {
+            bail!(
+                "fsdp shards of rank {} of {} cannot serve rank {} of {}",
+                self.rank(),
+                self.world_size(),
+                coll.rank(),
+                coll.world_size()
+            );
+        }
+        self.coll = coll;
+        Ok(())
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.coll.world_size()
+    }
+
+    /// Forward + backward of one microbatch (a collective: every rank calls
+    /// it for every microbatch index of the step, padding ones included).
+    /// The loss is scaled by `1/global_loss_tokens`; this rank's gradient
+    /// shards ACCUMULATE. Returns this rank's metric sums.
+    pub fn microbatch(
+        &mut self,
+        index: usize,
+        mb: &PackedBatch,
+        global_loss_tokens: u64,
+    ) -> anyhow::Result<MicrobatchSums> {
+        let mut sums = MicrobatchSums {
+            tokens: mb.tokens() as u64,
+            documents: mb.documents() as u64,
+            ..Default::default()
+        };
+        let local = self.prepare(index, mb, global_loss_tokens);
+        let flags = match &local {
+            Ok(Some(_)) => [1.0, 0.0],
+            Ok(None) => [0.0, 0.0],
+            Err(_) => [0.0, 1.0],
+        };
+        let [working, failed] = self.agree(index, "work", flags)?;
+        let prep = local?;
+        if failed > 0.0 {
+            bail!("microbatch {index}: abandoned, another rank failed to prepare it");
+        }
+        if working == 0.0 {
+            return Ok(sums);
+        }
+        let saved = self.forward(prep.as_ref())?;
+        let (grad_x, loss) = self.head(index, prep.as_ref(), saved.last())?;
+        if let Some((loss_sum, loss_tokens)) = loss {
+            sums.loss_sum = loss_sum;
+            sums.loss_tokens = loss_tokens;
+        }
+        self.backward(prep.as_ref(), &saved, grad_x)?;
+        Ok(sums)
+    }
+
+    /// Global-norm clip (the norm over every rank's shards), AdamW on this
+    /// rank's shards, then zero the gradient shards (a collective). A
+    /// non-finite norm or learning rate is an error on every rank; nothing
+    /// is applied and the gradients are discarded.
+    pub fn optimizer_step(&mut self, lr: f64) -> anyhow::Result<StepStats> {
+        let local = optim::sum_of_squares(&self.grads);
+        let [total] = self.agree_f32("gradient norm", [local as f32])?;
+        let norm = (total as f64).sqrt();
+        if !norm.is_finite() {
+            self.zero_grad();
+            bail!("non-finite gradient norm {norm}; parameters left unchanged");
+        }
+        if !lr.is_finite() {
+            self.zero_grad();
+            bail!("non-finite learning rate {lr}; parameters left unchanged");
+        }
+        if self.grad_clip > 0.0 {
+            // As `optim::clip_grads` (torch's clip_grad_norm_).
+            let coef = (self.grad_clip / (norm + 1e-6)).min(1.0);
+            for g in &mut self.grads {
+                let _ = g.g_mul_scalar_(coef);
+            }
+        }
+        self.opt.step_with_grads(&self.params, &self.grads, lr);
+        if self.kind != Kind::Float {
+            // The single-process trainer keeps parameters in the compute
+            // dtype: round the master shards the same way.
+            tch::no_grad(|| {
+                for p in &mut self.params {
+                    let rounded = p.to_kind(self.kind).to_kind(Kind::Float);
+                    p.copy_(&rounded);
+                }
+            });
+        }
+        self.zero_grad();
+        Ok(StepStats { grad_norm: norm })
+    }
+
+    /// Discards this rank's accumulated gradient shards (aborted step).
+    pub fn zero_grad(&mut self) {
+        for g in &mut self.grads {
+            let _ = g.zero_();
+        }
+    }
+
+    /// Writes a sharded HF checkpoint to `dir` (a collective): every unit
+    /// and its moments are gathered, and each rank writes the whole tensors
+    /// [`checkpoint::assign_tensors`] gives it through
+    /// [`checkpoint::save_shard`]. Returns once every rank has written.
+    pub fn save_checkpoint(&mut self, dir: &Path) -> anyhow::Result<()> {
+        let elt = self.kind.elt_size_in_bytes();
+        let sizes: Vec<(String, usize)> = self
+            .layouts
+            .iter()
+            .flat_map(|l| l.slots.iter().map(|s| (s.name.clone(), s.numel * elt)))
+            .collect();
+        let (rank, world) = (self.rank(), self.world_size());
+        let assignment = checkpoint::assign_tensors(&sizes, world);
+        let mut mine = Vec::new();
+        for u in 0..self.layouts.len() {
+            let p = self.gather_shard(u, &self.params[u].shallow_clone())?;
+            let m = self.gather_shard(u, &self.opt.exp_avg[u].shallow_clone())?;
+            let v = self.gather_shard(u, &self.opt.exp_avg_sq[u].shallow_clone())?;
+            for s in &self.layouts[u].slots {
+                if assignment.get(&s.name) == Some(&rank) {
+                    mine.push(ShardEntry {
+                        name: s.name.clone(),
+                        param: s.view(&p).to_kind(self.kind).copy(),
+                        exp_avg: s.view(&m).copy(),
+                        exp_avg_sq: s.view(&v).copy(),
+                    });
+                }
+            }
+        }
+        let written = checkpoint::save_shard(
+            dir,
+            rank,
+            world,
+            &self.raw_config,
+            self.kind,
+            self.opt.step,
+            &sizes,
+            &mine,
+        );
+        let [failed] = self.agree_f32("checkpoint written", [written.is_err() as u8 as f32])?;
+        written.with_context(|| format!("rank {rank} writing its checkpoint shard"))?;
+        if failed > 0.0 {
+            bail!(
+                "checkpoint {}: another rank failed to write its shard",
+                dir.display()
+            );
+        }
+        Ok(())
+    }
+
+    /// The full parameters, gathered, in the compute dtype, with HF names
+    /// sorted by name (as [`Trainer::named_parameters`]; a collective).
+    pub fn named_full_parameters(&mut self) -> anyhow::Result<Vec<(String, Tensor)>> {
+        let mut out = Vec::new();
+        for u in 0..self.layouts.len() {
+            let flat = self.gather(u)?;
+            for s in &self.layouts[u].slots {
+                out.push((s.name.clone(), s.view(&flat).to_kind(self.kind).copy()));
+            }
+        }
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(out)
+    }
+
+    /// Parameter, gradient and optimizer bytes this rank holds between
+    /// steps (gathered units and activations are transient and not counted;
+    /// see [`largest_unit_bytes`](Self::largest_unit_bytes)).
+    pub fn state_bytes(&self) -> StateBytes {
+        let bytes = |ts: &[Tensor]| -> u64 {
+            ts.iter()
+                .map(|t| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
+                .sum()
+        };
+        StateBytes {
+            params: bytes(&self.params),
+            grads: bytes(&self.grads),
+            optimizer: bytes(&self.opt.exp_avg) + bytes(&self.opt.exp_avg_sq),
+        }
+    }
+
+    /// The float32 bytes of the largest unit: the transient all-gather
+    /// buffer a forward or backward holds on top of [`state_bytes`](Self::state_bytes).
+    pub fn largest_unit_bytes(&self) -> u64 {
+        self.layouts
+            .iter()
+            .map(|l| l.numel as u64 * 4)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// The optimizer's step count.
+    pub fn optimizer_steps(&self) -> u64 {
+        self.opt.step
+    }
+
+    /// Overrides `runtime.loss_chunk_tokens`.
+    pub fn set_loss_chunk_tokens(&mut self, n: usize) {
+        self.loss_chunk_tokens = n;
+    }
+
+    // ---- collectives ------------------------------------------------------
+
+    /// The unit's full flat float32 parameters.
+    fn gather(&mut self, u: usize) -> anyhow::Result<Tensor> {
+        let shard = self.params[u].shallow_clone();
+        self.gather_shard(u, &shard)
+    }
+
+    /// All-gathers a per-unit shard (parameters or a moment).
+    fn gather_shard(&mut self, u: usize, shard: &Tensor) -> anyhow::Result<Tensor> {
+        let layout = &self.layouts[u];
+        let r = shard_range(layout.numel, self.coll.world_size(), self.coll.rank());
+        let mut full = Tensor::zeros([layout.numel as i64], (Kind::Float, self.device));
+        full.narrow(0, r.start as i64, r.len() as i64).copy_(shard);
+        self.coll
+            .all_gather(&mut full)
+            .with_context(|| format!("fsdp: all_gather of {}", layout.name))?;
+        Ok(full)
+    }
+
+    /// Reduce-scatters a unit's flat gradient and adds this rank's part to
+    /// its accumulating shard.
+    fn scatter_grad(&mut self, u: usize, mut flat: Tensor) -> anyhow::Result<()> {
+        let layout = &self.layouts[u];
+        self.coll
+            .reduce_scatter_sum(&mut flat)
+            .with_context(|| format!("fsdp: reduce_scatter of {}", layout.name))?;
+        let r = shard_range(layout.numel, self.coll.world_size(), self.coll.rank());
+        let _ = self.grads[u].g_add_(&flat.narrow(0, r.start as i64, r.len() as i64));
+        Ok(())
+    }
+
+    /// All-reduces small per-rank counters so every rank takes the same
+    /// branch of microbatch `index`.
+    fn agree<const N: usize>(
+        &mut self,
+        index: usize,
+        what: &str,
+        local: [f32; N],
+    ) -> anyhow::Result<[f32; N]> {
+        self.agree_f32(what, local)
+            .with_context(|| format!("microbatch {index}"))
+    }
+
+    fn agree_f32<const N: usize>(
+        &mut self,
+        what: &str,
+        local: [f32; N],
+    ) -> anyhow::Result<[f32; N]> {
+        let mut t = Tensor::from_slice(&local).to_device(self.device);
+        self.coll
+            .all_reduce_sum(&mut t)
+            .with_context(|| format!("fsdp: all_reduce of {what}"))?;
+        let v = Vec::<f32>::try_from(&t.to_device(Device::Cpu))?;
+        v.try_into()
+            .map_err(|_| anyhow!("fsdp: all_reduce of {what} changed the length"))
+    }
+
+    /// A gathered float32 buffer in the compute dtype.
+    fn compute(&self, flat: &Tensor) -> Tensor {
+        if self.kind == Kind::Float {
+            flat.shallow_clone()
+        } else {
+            flat.to_kind(self.kind)
+        }
+    }
+}

@@ -1,0 +1,266 @@
+//! One microbatch through the FSDP units (see the module above for the
+//! schedule): prepare the inputs, forward without autograd, the head's
+//! loss and gradient, then the layers' recomputation and backward in
+//! reverse and the embedding's gradient.
+
+use anyhow::{anyhow, bail, Context};
+use tch::{Kind, Tensor};
+
+use crate::model::{llama, loss};
+use crate::train::batch::PackedBatch;
+
+use super::units::{self, head_unit, layer_unit, EMBED, NORM_NAME};
+use super::FsdpTrainer;
+
+/// The per-microbatch inputs a rank with loss tokens computes on.
+pub(super) struct Prepared {
+    ids: Tensor,
+    cu_seq_lens: Vec<i64>,
+    cos: Tensor,
+    sin: Tensor,
+    targets: Vec<i64>,
+    scale: f64,
+}
+
+/// What the head computes on a rank with work.
+struct HeadOutcome {
+    grad_x: Tensor,
+    head_grad: Tensor,
+    tied_grad: Option<Tensor>,
+    loss_sum: f64,
+    loss_tokens: u64,
+}
+
+impl FsdpTrainer {
+    // ---- one microbatch -------------------------------------------------
+
+    /// Checks a microbatch and builds its inputs; `None`: nothing to
+    /// compute (padding, or no loss token). No collective here.
+    pub(super) fn prepare(
+        &self,
+        index: usize,
+        mb: &PackedBatch,
+        global_loss_tokens: u64,
+    ) -> anyhow::Result<Option<Prepared>> {
+        if mb.is_empty() {
+            return Ok(None);
+        }
+        mb.validate()
+            .with_context(|| format!("microbatch {index}"))?;
+        if let Some(&bad) = mb
+            .input_ids
+            .iter()
+            .find(|&&t| t as usize >= self.cfg.vocab_size)
+        {
+            bail!(
+                "microbatch {index}: token {bad} outside the vocabulary ({} tokens)",
+                self.cfg.vocab_size
+            );
+        }
+        let targets = loss::shifted_targets(&mb.labels, &mb.cu_seq_lens);
+        if targets.iter().all(|&t| t == -100) {
+            return Ok(None);
+        }
+        if global_loss_tokens == 0 {
+            bail!(
+                "microbatch {index}: has loss tokens but the step's global loss-token count is 0"
+            );
+        }
+        let positions = llama::positions(&mb.cu_seq_lens);
+        let (cos, sin) = self.rope.cos_sin(&positions, self.kind, self.device);
+        Ok(Some(Prepared {
+            ids: Tensor::from_slice(&mb.input_ids).to_device(self.device),
+            cu_seq_lens: mb.cu_seq_lens.clone(),
+            cos,
+            sin,
+            targets,
+            scale: 1.0 / global_loss_tokens as f64,
+        }))
+    }
+
+    /// Runs the embedding and every layer without autograd; returns each
+    /// layer's input and the final hidden state (empty without work).
+    pub(super) fn forward(&mut self, p: Option<&Prepared>) -> anyhow::Result<Vec<Tensor>> {
+        let embed = self.gather(EMBED)?;
+        let mut x = p.map(|p| {
+            let w = self.layouts[EMBED].slots[0].view(&self.compute(&embed));
+            tch::no_grad(|| Tensor::embedding(&w, &p.ids, -1, false, false))
+        });
+        drop(embed);
+        let mut saved = Vec::with_capacity(self.shells.len() + 1);
+        for l in 0..self.shells.len() {
+            let u = layer_unit(l);
+            let flat = self.gather(u)?;
+            if let (Some(p), Some(input)) = (p, x.take()) {
+                let shell = &self.shells[l];
+                let _bound = shell.bind(&self.compute(&flat), &self.layouts[u]);
+                let out = tch::no_grad(|| {
+                    shell
+                        .layer
+                        .forward(&input, &p.cos, &p.sin, &p.cu_seq_lens, self.attention)
+                });
+                saved.push(input);
+                x = Some(out);
+            }
+        }
+        saved.extend(x);
+        Ok(saved)
+    }
+
+    /// Final norm, chunked LM head + loss, and the head's gradient
+    /// (reduce-scattered). Returns the gradient of the final hidden state
+    /// and `(Σ NLL, loss tokens)` on a rank with work.
+    #[allow(clippy::type_complexity)]
+    pub(super) fn head(
+        &mut self,
+        index: usize,
+        p: Option<&Prepared>,
+        last: Option<&Tensor>,
+    ) -> anyhow::Result<(Option<Tensor>, Option<(f64, u64)>)> {
+        let hu = head_unit(self.shells.len());
+        let tied = self.cfg.tie_word_embeddings;
+        let head_flat = self.gather(hu)?;
+        let embed_flat = if tied {
+            Some(self.gather(EMBED)?)
+        } else {
+            None
+        };
+        let outcome = match (p, last) {
+            (Some(p), Some(x)) => {
+                Some(self.head_loss(index, p, x, &head_flat, embed_flat.as_ref()))
+            }
+            _ => None,
+        };
+        drop((head_flat, embed_flat));
+        let bad = matches!(outcome, Some(Err(_)));
+        let [bad_ranks] = self.agree(index, "loss", [bad as u8 as f32])?;
+        let outcome = outcome.transpose()?;
+        if bad_ranks > 0.0 {
+            bail!("microbatch {index}: abandoned, another rank's loss was not finite");
+        }
+        let (grad_x, head_grad, tied_grad, loss) = match outcome {
+            Some(o) => (
+                Some(o.grad_x),
+                o.head_grad,
+                o.tied_grad,
+                Some((o.loss_sum, o.loss_tokens)),
+            ),
+            None => (
+                None,
+                self.layouts[hu].zeros(self.device),
+                tied.then(|| self.layouts[EMBED].zeros(self.device)),
+                None,
+            ),
+        };
+        self.scatter_grad(hu, head_grad)?;
+        if let Some(g) = tied_grad {
+            self.scatter_grad(EMBED, g)?;
+        }
+        Ok((grad_x, loss))
+    }
+
+    /// The head on this rank's microbatch (no collective).
+    fn head_loss(
+        &mut self,
+        index: usize,
+        p: &Prepared,
+        x: &Tensor,
+        head_flat: &Tensor,
+        embed_flat: Option<&Tensor>,
+    ) -> anyhow::Result<HeadOutcome> {
+        let hu = head_unit(self.shells.len());
+        let w = self.compute(head_flat);
+        let layout = &self.layouts[hu];
+        let slot = |name: &str| layout.slots.iter().find(|s| s.name == name);
+        let norm_w = slot(NORM_NAME)
+            .context("head unit has no final norm")?
+            .view(&w)
+            .detach()
+            .set_requires_grad(true);
+        let head_w = match embed_flat {
+            Some(e) => self.layouts[EMBED].slots[0].view(&self.compute(e)),
+            None => slot(units::LM_HEAD_NAME)
+                .context("head unit has no lm_head")?
+                .view(&w),
+        };
+        let x = x.detach().set_requires_grad(true);
+        self.norm.weight = norm_w.shallow_clone();
+        let hidden = self.norm.forward(&x);
+        self.norm.weight = Tensor::empty([0], (self.kind, self.device));
+        let chunked = loss::chunked_nll(
+            &hidden,
+            &head_w,
+            &p.targets,
+            self.loss_chunk_tokens,
+            p.scale,
+        )
+        .map_err(|e| anyhow!("microbatch {index}: {e:#}"))?;
+        let surrogate = (&hidden * &chunked.grad_hidden).sum(Kind::Float);
+        let g = Tensor::run_backward(&[surrogate], &[&x, &norm_w], false, false);
+        let layout = &self.layouts[hu];
+        let parts: Vec<Tensor> = layout
+            .slots
+            .iter()
+            .map(|s| {
+                if s.name == NORM_NAME {
+                    g[1].shallow_clone()
+                } else {
+                    chunked.grad_weight.shallow_clone()
+                }
+            })
+            .collect();
+        let head_grad = layout.flatten(&parts);
+        let tied_grad = embed_flat.map(|_| chunked.grad_weight.reshape([-1]).to_kind(Kind::Float));
+        Ok(HeadOutcome {
+            grad_x: g[0].shallow_clone(),
+            head_grad,
+            tied_grad,
+            loss_sum: chunked.loss_sum,
+            loss_tokens: chunked.loss_tokens,
+        })
+    }
+
+    /// Layers in reverse (gather, recompute, backward, reduce-scatter),
+    /// then the embedding's gradient.
+    pub(super) fn backward(
+        &mut self,
+        p: Option<&Prepared>,
+        saved: &[Tensor],
+        mut grad: Option<Tensor>,
+    ) -> anyhow::Result<()> {
+        for l in (0..self.shells.len()).rev() {
+            let u = layer_unit(l);
+            let flat = self.gather(u)?;
+            let flat_grad = match (p, grad.take()) {
+                (Some(p), Some(gy)) => {
+                    let shell = &self.shells[l];
+                    let _bound = shell.bind(&self.compute(&flat), &self.layouts[u]);
+                    let x = saved[l].detach().set_requires_grad(true);
+                    let y = shell
+                        .layer
+                        .forward(&x, &p.cos, &p.sin, &p.cu_seq_lens, self.attention);
+                    let surrogate = (&y * &gy).sum(Kind::Float);
+                    let mut inputs = vec![x];
+                    inputs.extend(shell.vars());
+                    let mut grads = Tensor::run_backward(&[surrogate], &inputs, false, false);
+                    let gx = grads.remove(0);
+                    grad = Some(gx);
+                    self.layouts[u].flatten(&grads)
+                }
+                _ => self.layouts[u].zeros(self.device),
+            };
+            drop(flat);
+            self.scatter_grad(u, flat_grad)?;
+        }
+        let embed_grad = match (p, grad) {
+            (Some(p), Some(g0)) => {
+                let vocab = self.cfg.vocab_size as i64;
+                Tensor::embedding_dense_backward(&g0, &p.ids, vocab, -1, false)
+                    .reshape([-1])
+                    .to_kind(Kind::Float)
+            }
+            _ => self.layouts[EMBED].zeros(self.device),
+        };
+        self.scatter_grad(EMBED, embed_grad)
+    }
+}

@@ -1,0 +1,101 @@
+//! Parameter-less shells of the model's modules, for running one FSDP unit
+//! at a time on gathered parameters.
+//!
+//! A shell is the model's own `DecoderLayer` / `RmsNorm` built from a copy
+//! of the config whose hidden and intermediate sizes are 0 (head counts and
+//! head_dim kept), so every variable has zero elements: building it costs
+//! nothing and draws nothing from libtorch's global generator (a zero-sized
+//! `randn` consumes no random numbers), so it cannot disturb a seeded init
+//! running on another thread. [`LayerShell::bind`] points the variables at
+//! views of a gathered flat buffer (`Tensor::set_data`, PyTorch's
+//! `param.data = view`, as FSDP1's flat parameters do) and the returned
+//! guard points them back at empty tensors, which frees the gathered
+//! buffer once the caller drops it.
+
+use tch::{nn, Device, Kind, Tensor};
+
+use crate::model::llama::DecoderLayer;
+use crate::model::norm::RmsNorm;
+use crate::model::LlamaConfig;
+
+use super::units::UnitLayout;
+
+/// `cfg` with zero-sized hidden and intermediate dimensions.
+fn zero_config(cfg: &LlamaConfig) -> LlamaConfig {
+    let mut z = cfg.clone();
+    z.head_dim = Some(cfg.head_dim());
+    z.hidden_size = 0;
+    z.intermediate_size = 0;
+    z
+}
+
+/// One decoder layer's module tree with swappable parameters.
+pub struct LayerShell {
+    /// Keeps the variables alive.
+    _vs: nn::VarStore,
+    pub layer: DecoderLayer,
+    /// The variables, sorted by HF name (the unit's slot order).
+    vars: Vec<(String, Tensor)>,
+}
+
+impl LayerShell {
+    /// The shell of decoder layer `index` (variables named
+    /// `model.layers.{index}.…`).
+    pub fn new(cfg: &LlamaConfig, index: usize, kind: Kind, device: Device) -> LayerShell {
+        let mut vs = nn::VarStore::new(device);
+        let layer = DecoderLayer::new(vs.root() / "model" / "layers" / index, &zero_config(cfg));
+        if kind != Kind::Float {
+            vs.set_kind(kind);
+        }
+        let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        LayerShell {
+            _vs: vs,
+            layer,
+            vars,
+        }
+    }
+
+    /// The HF parameter names of this layer, sorted.
+    pub fn names(&self) -> Vec<String> {
+        self.vars.iter().map(|(n, _)| n.clone()).collect()
+    }
+
+    /// The variables (leaves that require grad), in slot order.
+    pub fn vars(&self) -> Vec<Tensor> {
+        self.vars.iter().map(|(_, v)| v.shallow_clone()).collect()
+    }
+
+    /// Points the variables at views of `flat` (the unit's gathered
+    /// parameters, already in the compute dtype) until the guard drops.
+    pub fn bind(&self, flat: &Tensor, layout: &UnitLayout) -> Bound {
+        assert_eq!(layout.slots.len(), self.vars.len(), "{}", layout.name);
+        let vars = self.vars();
+        for ((slot, (name, _)), var) in layout.slots.iter().zip(&self.vars).zip(&vars) {
+            assert_eq!(&slot.name, name, "shell and layout disagree");
+            var.shallow_clone().set_data(&slot.view(flat).detach());
+        }
+        Bound { vars }
+    }
+}
+
+/// Variables bound to a gathered buffer; unbinds on drop.
+pub struct Bound {
+    vars: Vec<Tensor>,
+}
+
+impl Drop for Bound {
+    fn drop(&mut self) {
+        for v in &self.vars {
+            let empty = Tensor::empty([0], (v.kind(), v.device()));
+            v.shallow_clone().set_data(&empty);
+        }
+    }
+}
+
+/// The final RMSNorm, with its weight supplied per use.
+pub fn norm_shell(cfg: &LlamaConfig, device: Device) -> (nn::VarStore, RmsNorm) {
+    let vs = nn::VarStore::new(device);
+    let norm = RmsNorm::new(vs.root() / "model" / "norm", 0, cfg.rms_norm_eps);
+    (vs, norm)
+}
