@@ -210,6 +210,11 @@ impl ObjectiveSection {
                     "objective.kl_coef",
                     format!("must be ≥ 0, got {}", p.kl_coef),
                 );
+            } else if p.kl_coef > 0.0 && p.reference != Reference::Live {
+                bad(
+                    "objective.kl_coef",
+                    "a KL penalty needs reference = \"live\" (per-token cached reference log-probs are not built)".into(),
+                );
             }
             match (p.loss_normalization, p.normalization_constant) {
                 (LossNormalization::Constant, None) => bad(

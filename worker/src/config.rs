@@ -17,6 +17,27 @@ pub struct JobConfig {
     pub parallel: Parallel,
     #[serde(default)]
     pub runtime: Runtime,
+    #[serde(default)]
+    pub objective: ObjectiveConfig,
+}
+
+/// `[objective]`: absent fields take the coordinator spec's defaults
+/// (`coordinator/src/objective.rs`; the coordinator validated them).
+#[derive(Debug, Clone, Deserialize, Default)]
+pub struct ObjectiveConfig {
+    /// "sft" (default), "dpo" or "pg".
+    #[serde(default)]
+    pub kind: Option<String>,
+    pub beta: Option<f64>,
+    pub loss: Option<String>,
+    pub label_smoothing: Option<f64>,
+    /// "cached" (default) or "live".
+    pub reference: Option<String>,
+    pub clip_ratio: Option<f64>,
+    pub kl_coef: Option<f64>,
+    /// "token" (default), "sequence" or "constant".
+    pub loss_normalization: Option<String>,
+    pub normalization_constant: Option<f64>,
 }
 
 #[derive(Debug, Clone, Deserialize)]

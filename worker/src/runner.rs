@@ -18,7 +18,7 @@
 //! tokens, tokens, documents, padding, and the time split; the coordinator
 //! forms the means after summing over ranks.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -36,27 +36,48 @@ use crate::collective::{Collective, CollectiveError, Solo};
 use crate::config::JobConfig;
 
 /// What one microbatch's forward/backward reports (sums, not means).
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct MicrobatchOutcome {
-    /// Σ per-token loss over the microbatch's loss tokens (unscaled).
+    /// Σ per-token loss over the microbatch's loss tokens (SFT, PG), or Σ
+    /// per-pair loss (DPO), unscaled.
     pub loss_sum: f64,
     pub loss_tokens: u64,
     /// Real tokens in the row.
     pub tokens: u64,
+    /// Objective-specific sums (`pairs`, `rewards/chosen`, …).
+    pub extra: BTreeMap<String, f64>,
+}
+
+/// One sequence's summed log-prob from a reference plan.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SequenceLogp {
+    pub logp: f64,
+    pub loss_tokens: u64,
 }
 
 /// The training engine a [`Runner`] drives: one model replica with its
 /// optimizer. Gradients accumulate across `microbatch` calls and are
 /// consumed once by `optimizer_step`.
 pub trait StepExecutor {
-    /// Forward/backward of one non-empty microbatch, each loss token scaled
-    /// by `1 / global_loss_tokens`; gradients accumulate.
+    /// Forward/backward of one non-empty microbatch under the job's
+    /// objective, normalised by the step's global `norms` from the plan
+    /// (SFT: each loss token scaled by `1 / norms.loss_tokens`); gradients
+    /// accumulate.
     fn microbatch(
         &mut self,
         index: usize,
         mb: &wire::Microbatch,
-        global_loss_tokens: u64,
+        norms: &wire::Normalizers,
     ) -> anyhow::Result<MicrobatchOutcome>;
+    /// Reference plans: each sequence's log-prob summed over its loss
+    /// tokens under the job's initial weights, forward only.
+    fn sequence_logps(
+        &mut self,
+        _index: usize,
+        _mb: &wire::Microbatch,
+    ) -> anyhow::Result<Vec<SequenceLogp>> {
+        anyhow::bail!("this engine cannot run reference plans")
+    }
     /// Clip, step the optimizer at `lr`, zero the gradients; returns the
     /// global gradient norm before clipping. On a non-finite norm it fails
     /// and leaves the parameters untouched.
@@ -197,7 +218,7 @@ pub fn run_step(
             peer_rank: blamed_peer(e),
         })
     };
-    let global = plan.normalizers.as_ref().map_or(0, |n| n.loss_tokens);
+    let norms = plan.normalizers.clone().unwrap_or_default();
     let mut sums = wire::MetricSums {
         idle_s,
         microbatches: plan.microbatches.len() as u32,
@@ -213,8 +234,11 @@ pub fn run_step(
         if mb.token_ids.is_empty() && !exec.collective_per_microbatch() {
             continue;
         }
-        match exec.microbatch(i, mb, global) {
+        match exec.microbatch(i, mb, &norms) {
             Ok(o) => {
+                for (k, v) in &o.extra {
+                    *sums.extra.entry(k.clone()).or_insert(0.0) += v;
+                }
                 sums.loss_sum += o.loss_sum;
                 sums.loss_tokens += o.loss_tokens;
                 sums.tokens += o.tokens;
@@ -557,6 +581,32 @@ impl Thread {
                 msg,
             );
         };
+        if p.kind == wire::PlanKind::Reference as i32 {
+            let result = reference::run_reference(h.exec.as_mut(), p);
+            self.last_done = Instant::now();
+            match result {
+                Ok((sums, logps)) => {
+                    info!(
+                        chunk = p.step,
+                        sequences = logps.len(),
+                        "reference chunk done"
+                    );
+                    self.send(Msg::StepResult(wire::StepResult {
+                        job_id: p.job_id.clone(),
+                        generation: p.generation,
+                        step: p.step,
+                        rank: p.rank,
+                        sums: Some(sums),
+                        logps,
+                    }));
+                }
+                Err(e) => {
+                    warn!(chunk = p.step, message = %e.message, "reference chunk failed");
+                    self.send(Msg::Error(e));
+                }
+            }
+            return;
+        }
         let key = (p.generation, p.step);
         let aborted = self.aborted.clone();
         let is_aborted = move || *aborted.lock().unwrap_or_else(|e| e.into_inner()) == Some(key);
@@ -656,6 +706,8 @@ pub fn write_checkpoint(
 
 /// A configure failure: kind, message, blamed peer.
 type ConfigureError = (wire::ErrorKind, String, Option<u32>);
+
+mod reference;
 
 #[cfg(test)]
 mod tests;

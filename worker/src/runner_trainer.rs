@@ -6,25 +6,50 @@ use std::sync::Arc;
 
 use crate::collective::Collective;
 use crate::config::JobConfig;
-use crate::runner::{Factory, MicrobatchOutcome, StepExecutor};
+use crate::objective::head::MicrobatchMeta;
+use crate::objective::microbatch::StepNorms;
+use crate::objective::Objective;
+use crate::runner::{Factory, MicrobatchOutcome, SequenceLogp, StepExecutor};
 use crate::train::fsdp::FsdpTrainer;
 use crate::train::{PackedBatch, Trainer};
 use crate::wire;
+
+fn step_norms(n: &wire::Normalizers) -> StepNorms {
+    StepNorms {
+        loss_tokens: n.loss_tokens,
+        pairs: n.pairs,
+        sequences: n.sequences,
+    }
+}
 
 impl StepExecutor for Trainer {
     fn microbatch(
         &mut self,
         index: usize,
         mb: &wire::Microbatch,
-        global_loss_tokens: u64,
+        norms: &wire::Normalizers,
     ) -> anyhow::Result<MicrobatchOutcome> {
         let batch = PackedBatch::from_wire(mb)?;
-        let s = Trainer::microbatch(self, index, &batch, global_loss_tokens)?;
+        let meta = MicrobatchMeta::from_wire(mb)?;
+        let (s, extra) = Trainer::microbatch_with(self, index, &batch, &meta, &step_norms(norms))?;
         Ok(MicrobatchOutcome {
             loss_sum: s.loss_sum,
             loss_tokens: s.loss_tokens,
             tokens: s.tokens,
+            extra,
         })
+    }
+
+    fn sequence_logps(
+        &mut self,
+        index: usize,
+        mb: &wire::Microbatch,
+    ) -> anyhow::Result<Vec<SequenceLogp>> {
+        let batch = PackedBatch::from_wire(mb)?;
+        Ok(Trainer::sequence_logps(self, index, &batch)?
+            .into_iter()
+            .map(|(logp, loss_tokens)| SequenceLogp { logp, loss_tokens })
+            .collect())
     }
 
     fn optimizer_step(&mut self, lr: f64) -> anyhow::Result<f64> {
@@ -53,14 +78,15 @@ impl StepExecutor for FsdpTrainer {
         &mut self,
         index: usize,
         mb: &wire::Microbatch,
-        global_loss_tokens: u64,
+        norms: &wire::Normalizers,
     ) -> anyhow::Result<MicrobatchOutcome> {
         let batch = PackedBatch::from_wire(mb)?;
-        let s = FsdpTrainer::microbatch(self, index, &batch, global_loss_tokens)?;
+        let s = FsdpTrainer::microbatch(self, index, &batch, norms.loss_tokens)?;
         Ok(MicrobatchOutcome {
             loss_sum: s.loss_sum,
             loss_tokens: s.loss_tokens,
             tokens: s.tokens,
+            ..Default::default()
         })
     }
 
@@ -97,7 +123,15 @@ pub fn build(
     coll: Box<dyn Collective>,
 ) -> anyhow::Result<Box<dyn StepExecutor>> {
     match cfg.parallel.sharding.to_ascii_lowercase().as_str() {
-        "fsdp" => Ok(Box::new(FsdpTrainer::new(cfg, restore, coll)?)),
+        "fsdp" => {
+            if Objective::from_config(&cfg.objective)? != Objective::Sft {
+                anyhow::bail!(
+                    "parallel.sharding = \"fsdp\" trains the sft objective only so far; \
+                     use ddp or zero2 for dpo and pg"
+                );
+            }
+            Ok(Box::new(FsdpTrainer::new(cfg, restore, coll)?))
+        }
         _ => Ok(Box::new(Trainer::new(cfg, restore, coll)?)),
     }
 }

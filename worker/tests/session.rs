@@ -27,7 +27,7 @@ impl StepExecutor for Fake {
         &mut self,
         _index: usize,
         mb: &wire::Microbatch,
-        _global: u64,
+        _norms: &wire::Normalizers,
     ) -> anyhow::Result<MicrobatchOutcome> {
         if let Some(d) = self.slow_first.take() {
             std::thread::sleep(d);
@@ -38,6 +38,7 @@ impl StepExecutor for Fake {
             loss_sum: loss_tokens as f64 * 4.0 / f64::from(self.steps + 1),
             loss_tokens,
             tokens: labels.len() as u64,
+            ..Default::default()
         })
     }
 

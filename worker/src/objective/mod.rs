@@ -42,3 +42,83 @@ mod tests {
         assert!((sigmoid(3.0) + sigmoid(-3.0) - 1.0).abs() < 1e-15);
     }
 }
+
+/// The job's objective, resolved from `[objective]`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Objective {
+    Sft,
+    Dpo {
+        params: dpo::DpoParams,
+        /// Reference log-probs from a frozen model on the worker rather
+        /// than from the plan's cached pass.
+        live: bool,
+    },
+    Pg {
+        params: pg::PgParams,
+        norm: microbatch::Normalization,
+        live: bool,
+    },
+}
+
+impl Objective {
+    pub fn from_config(c: &crate::config::ObjectiveConfig) -> anyhow::Result<Objective> {
+        use anyhow::bail;
+        let live = match c.reference.as_deref().unwrap_or("cached") {
+            "cached" => false,
+            "live" => true,
+            other => bail!("objective.reference: expected cached or live, got {other:?}"),
+        };
+        Ok(match c.kind.as_deref().unwrap_or("sft") {
+            "sft" => Objective::Sft,
+            "dpo" => {
+                let loss = c.loss.as_deref().unwrap_or("sigmoid");
+                Objective::Dpo {
+                    params: dpo::DpoParams {
+                        beta: c.beta.unwrap_or(0.1),
+                        loss: dpo::DpoLoss::parse(loss).ok_or_else(|| {
+                            anyhow::anyhow!("objective.loss: unknown DPO loss {loss:?}")
+                        })?,
+                        label_smoothing: c.label_smoothing.unwrap_or(0.0),
+                    },
+                    live,
+                }
+            }
+            "pg" => {
+                let norm = match c.loss_normalization.as_deref().unwrap_or("token") {
+                    "token" => microbatch::Normalization::Token,
+                    "sequence" => microbatch::Normalization::Sequence,
+                    "constant" => {
+                        microbatch::Normalization::Constant(c.normalization_constant.ok_or_else(
+                            || anyhow::anyhow!("objective.normalization_constant: required"),
+                        )?)
+                    }
+                    other => bail!("objective.loss_normalization: unknown {other:?}"),
+                };
+                let kl_coef = c.kl_coef.unwrap_or(0.0);
+                if kl_coef > 0.0 && !live {
+                    bail!(
+                        "objective.kl_coef > 0 needs objective.reference = \"live\" \
+                         (per-token cached reference log-probs are not built)"
+                    );
+                }
+                Objective::Pg {
+                    params: pg::PgParams {
+                        clip_ratio: c.clip_ratio.unwrap_or(0.2),
+                        kl_coef,
+                    },
+                    norm,
+                    live: live && kl_coef > 0.0,
+                }
+            }
+            other => bail!("objective.kind: expected sft, dpo or pg, got {other:?}"),
+        })
+    }
+
+    /// Whether the worker keeps a frozen copy of the initial model.
+    pub fn live_reference(&self) -> bool {
+        matches!(
+            self,
+            Objective::Dpo { live: true, .. } | Objective::Pg { live: true, .. }
+        )
+    }
+}

@@ -41,8 +41,9 @@ impl StepExecutor for Fake {
         &mut self,
         index: usize,
         mb: &wire::Microbatch,
-        global: u64,
+        norms: &wire::Normalizers,
     ) -> anyhow::Result<MicrobatchOutcome> {
+        let global = norms.loss_tokens;
         std::thread::sleep(self.delay);
         if let Some((i, msg)) = self.fail_at {
             if i == index {
@@ -60,6 +61,7 @@ impl StepExecutor for Fake {
             loss_sum: 2.0 * loss_tokens as f64,
             loss_tokens,
             tokens: labels.len() as u64,
+            ..Default::default()
         })
     }
 
@@ -422,7 +424,7 @@ fn each_rank_gets_its_collective_and_a_failed_collective_blames_the_peer() {
             &mut self,
             _: usize,
             _: &wire::Microbatch,
-            _: u64,
+            _: &wire::Normalizers,
         ) -> anyhow::Result<MicrobatchOutcome> {
             Ok(MicrobatchOutcome::default())
         }

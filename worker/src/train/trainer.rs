@@ -27,6 +27,7 @@ use tch::{Device, Kind, Tensor};
 use crate::collective::{shard_range, Collective, CollectiveError, Solo};
 use crate::config::JobConfig;
 use crate::model::{loss, weights, Llama, LlamaConfig};
+use crate::objective::Objective;
 
 use super::batch::PackedBatch;
 use super::checkpoint::{self, ShardEntry};
@@ -112,7 +113,17 @@ pub struct Trainer {
     opt: AdamW,
     grad_clip: f64,
     loss_chunk_tokens: usize,
+    objective: Objective,
+    /// A frozen copy of the initial model: `reference = "live"`, or built
+    /// on demand for a reference plan once this replica has trained.
+    reference: Option<Llama>,
+    /// Whether `model` still holds the job's initial weights.
+    pristine: bool,
+    /// The job config, to rebuild the initial model for a reference plan.
+    init: JobConfig,
 }
+
+mod objectives;
 
 fn parse_kind(dtype: &str) -> anyhow::Result<Kind> {
     match dtype {
@@ -222,6 +233,12 @@ impl Trainer {
             });
             opt.step = step;
         }
+        let objective = Objective::from_config(&cfg.objective)?;
+        let reference = if objective.live_reference() {
+            Some(objectives::frozen(build_model(cfg, None)?))
+        } else {
+            None
+        };
         Ok(Trainer {
             model,
             names,
@@ -232,6 +249,10 @@ impl Trainer {
             opt,
             grad_clip: cfg.optimizer.grad_clip,
             loss_chunk_tokens: cfg.runtime.loss_chunk_tokens,
+            objective,
+            reference,
+            pristine: restore_from.is_none(),
+            init: cfg.clone(),
         })
     }
 
@@ -296,7 +317,11 @@ impl Trainer {
     /// parameters untouched.
     pub fn optimizer_step(&mut self, lr: f64) -> anyhow::Result<StepStats> {
         let result = if lr.is_finite() {
-            self.boundary(lr)
+            let r = self.boundary(lr);
+            if r.is_ok() {
+                self.pristine = false;
+            }
+            r
         } else {
             Err(anyhow!(
                 "non-finite learning rate {lr}; parameters left unchanged"

@@ -1,0 +1,63 @@
+//! Reference plans (DPO `reference = "cached"`): forward only, every
+//! sequence's log-prob under the job's initial weights, reported with the
+//! sequence's document id and role. No gradient, no optimizer step, and the
+//! replica's step does not move.
+
+use std::time::Instant;
+
+use super::{blamed_peer, error_kind, StepExecutor};
+use crate::wire;
+
+/// Runs a reference plan's microbatches; an error names the microbatch.
+pub fn run_reference(
+    exec: &mut dyn StepExecutor,
+    plan: &wire::StepPlan,
+) -> Result<(wire::MetricSums, Vec<wire::SequenceLogp>), wire::WorkerError> {
+    let start = Instant::now();
+    let mut sums = wire::MetricSums {
+        microbatches: plan.microbatches.len() as u32,
+        ..Default::default()
+    };
+    let mut logps = Vec::new();
+    for (i, mb) in plan.microbatches.iter().enumerate() {
+        if mb.token_ids.is_empty() {
+            continue;
+        }
+        let got = exec.sequence_logps(i, mb).map_err(|e| wire::WorkerError {
+            job_id: plan.job_id.clone(),
+            generation: plan.generation,
+            step: plan.step,
+            kind: error_kind(&e) as i32,
+            message: format!("reference chunk {}, microbatch {i}: {e:#}", plan.step),
+            peer_rank: blamed_peer(&e),
+        })?;
+        if got.len() != mb.sequences.len() {
+            return Err(wire::WorkerError {
+                job_id: plan.job_id.clone(),
+                generation: plan.generation,
+                step: plan.step,
+                kind: wire::ErrorKind::InvalidPlan as i32,
+                message: format!(
+                    "reference chunk {}, microbatch {i}: {} sequences in cu_seq_lens, {} sequence entries",
+                    plan.step,
+                    got.len(),
+                    mb.sequences.len()
+                ),
+                peer_rank: None,
+            });
+        }
+        sums.tokens += accrue_proto::unpack_u32(&mb.token_ids).map_or(0, |t| t.len() as u64);
+        sums.documents += mb.sequences.len() as u64;
+        for (s, l) in mb.sequences.iter().zip(got) {
+            sums.loss_tokens += l.loss_tokens;
+            logps.push(wire::SequenceLogp {
+                doc_id: s.doc_id.clone(),
+                role: s.role,
+                logp: l.logp,
+                loss_tokens: l.loss_tokens,
+            });
+        }
+    }
+    sums.compute_s = start.elapsed().as_secs_f64();
+    Ok((sums, logps))
+}

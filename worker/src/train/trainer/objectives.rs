@@ -1,0 +1,138 @@
+//! The trainer under the job's objective: SFT goes through the plain
+//! chunked loss (`Trainer::microbatch`); DPO and policy gradient through the
+//! log-prob head (`crate::objective`), with reference log-probs from the
+//! plan (cached pass) or a frozen copy of the initial model (live). Also
+//! the forward-only reference plans.
+
+use std::collections::BTreeMap;
+
+use anyhow::{anyhow, Context};
+
+use super::{build_model, MicrobatchSums, Trainer};
+use crate::model::{loss, Llama};
+use crate::objective::head::{self, MicrobatchMeta};
+use crate::objective::microbatch::{self, StepNorms};
+use crate::objective::Objective;
+use crate::train::PackedBatch;
+
+/// Freezes a model used only for reference log-probs.
+pub(super) fn frozen(model: Llama) -> Llama {
+    for (_, t) in model.vs.variables() {
+        let _ = t.set_requires_grad(false);
+    }
+    model
+}
+
+/// Per-token reference log-probs of `mb` under `model`, without autograd.
+fn reference_token_logps(
+    model: &Llama,
+    mb: &PackedBatch,
+    targets: &[i64],
+    chunk: usize,
+) -> anyhow::Result<Vec<f64>> {
+    tch::no_grad(|| {
+        let hidden = model.hidden(&mb.input_ids, &mb.cu_seq_lens);
+        head::token_logps(&hidden, model.lm_head_weight(), targets, chunk)
+    })
+}
+
+impl Trainer {
+    /// Forward/backward of one microbatch under the job's objective, with
+    /// the step's global normalisers; returns the metric sums and the
+    /// objective's extra sums. Gradients accumulate.
+    pub fn microbatch_with(
+        &mut self,
+        index: usize,
+        mb: &PackedBatch,
+        meta: &MicrobatchMeta,
+        norms: &StepNorms,
+    ) -> anyhow::Result<(MicrobatchSums, BTreeMap<String, f64>)> {
+        let objective = self.objective;
+        let (params_dpo, params_pg) = match objective {
+            Objective::Sft => {
+                let s = self.microbatch(index, mb, norms.loss_tokens)?;
+                return Ok((s, BTreeMap::new()));
+            }
+            Objective::Dpo { params, .. } => (Some(params), None),
+            Objective::Pg { params, norm, .. } => (None, Some((params, norm))),
+        };
+        let mut sums = MicrobatchSums {
+            tokens: mb.tokens() as u64,
+            documents: mb.documents() as u64,
+            ..Default::default()
+        };
+        if mb.is_empty() {
+            return Ok((sums, BTreeMap::new()));
+        }
+        mb.validate()
+            .with_context(|| format!("microbatch {index}"))?;
+        let targets = loss::shifted_targets(&mb.labels, &mb.cu_seq_lens);
+        let chunk = self.loss_chunk_tokens;
+        let live = match &self.reference {
+            Some(r) => Some(reference_token_logps(r, mb, &targets, chunk)?),
+            None => None,
+        };
+        let hidden = self.model.hidden(&mb.input_ids, &mb.cu_seq_lens);
+        let head_w = self.model.lm_head_weight();
+        let out = match (params_dpo, params_pg) {
+            (Some(k), _) => microbatch::dpo(
+                &hidden,
+                head_w,
+                mb,
+                meta,
+                &k,
+                norms.pairs,
+                chunk,
+                live.as_deref(),
+            ),
+            (_, Some((k, norm))) => microbatch::policy_gradient(
+                &hidden,
+                head_w,
+                mb,
+                meta,
+                &k,
+                norm,
+                norms,
+                chunk,
+                live.as_deref(),
+            ),
+            _ => unreachable!("sft returned above"),
+        }
+        .map_err(|e| anyhow!("microbatch {index}: {e:#}"))?;
+        loss::backward_into_model(&hidden, head_w, &out.grads);
+        sums.loss_sum = out.loss_sum;
+        sums.loss_tokens = out.loss_tokens;
+        Ok((sums, out.extra))
+    }
+
+    /// Each sequence's log-prob (Σ over its loss tokens) and loss-token
+    /// count under the job's INITIAL weights, forward only: the model
+    /// itself while it has not trained, else a frozen copy built from the
+    /// job's init (kept for later reference plans).
+    pub fn sequence_logps(
+        &mut self,
+        index: usize,
+        mb: &PackedBatch,
+    ) -> anyhow::Result<Vec<(f64, u64)>> {
+        if mb.is_empty() {
+            return Ok(Vec::new());
+        }
+        mb.validate()
+            .with_context(|| format!("microbatch {index}"))?;
+        if !self.pristine && self.reference.is_none() {
+            self.reference = Some(frozen(build_model(&self.init, None)?));
+        }
+        let model = match &self.reference {
+            Some(r) => r,
+            None => &self.model,
+        };
+        let targets = loss::shifted_targets(&mb.labels, &mb.cu_seq_lens);
+        let lp = reference_token_logps(model, mb, &targets, self.loss_chunk_tokens)
+            .map_err(|e| anyhow!("microbatch {index}: {e:#}"))?;
+        let sums = head::sequence_sums(&lp, &targets, &mb.cu_seq_lens);
+        if let Some((i, _)) = sums.iter().enumerate().find(|(_, s)| !s.0.is_finite()) {
+            anyhow::bail!("microbatch {index}: non-finite reference log-prob of sequence {i}");
+        }
+        Ok(sums)
+    }
+}
