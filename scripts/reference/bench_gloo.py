@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,8 @@ def main():
     ap.add_argument("--sizes-mib", default="1,16,64")
     a = ap.parse_args()
     torch.set_num_threads(1)
+    # reduce_scatter_tensor / all_gather_into_tensor are deprecated aliases.
+    warnings.filterwarnings("ignore", category=FutureWarning)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}",
                             rank=a.rank, world_size=a.world)
     n = a.world
