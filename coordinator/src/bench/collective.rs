@@ -122,7 +122,7 @@ pub fn run_rank(
         let bytes = (mib * (1 << 20) as f64) as usize / 4 / world * world * 4;
         let mut buf = vec![1.0f32; bytes / 4];
         for op in OPS {
-            let mut call = |ring: &mut TcpRing, buf: &mut [f32]| match op {
+            let call = |ring: &mut TcpRing, buf: &mut [f32]| match op {
                 "all_reduce" => ring.all_reduce_sum(buf),
                 "reduce_scatter" => ring.reduce_scatter_sum(buf),
                 _ => ring.all_gather(buf),
@@ -210,7 +210,11 @@ fn slowest(timings: &[RankTiming], op: &str, bytes: usize) -> Option<f64> {
     mine.iter().map(|t| t.secs_per_iter).reduce(f64::max)
 }
 
-fn run_ring(opts: &CollectiveBenchOpts, world: usize, sizes: &str) -> anyhow::Result<Vec<RankTiming>> {
+fn run_ring(
+    opts: &CollectiveBenchOpts,
+    world: usize,
+    sizes: &str,
+) -> anyhow::Result<Vec<RankTiming>> {
     let mut children = Vec::new();
     for rank in 0..world {
         let mut cmd = Command::new(&opts.exe);
@@ -305,8 +309,14 @@ mod tests {
     fn bus_bandwidth_follows_nccl_tests() {
         // 1 GB all_reduce in 1 s at world 4: 2·3/4 GB/s.
         assert_eq!(bus_bandwidth_gbps("all_reduce", 1_000_000_000, 4, 1.0), 1.5);
-        assert_eq!(bus_bandwidth_gbps("all_gather", 1_000_000_000, 4, 1.0), 0.75);
-        assert_eq!(bus_bandwidth_gbps("reduce_scatter", 1_000_000_000, 2, 0.5), 1.0);
+        assert_eq!(
+            bus_bandwidth_gbps("all_gather", 1_000_000_000, 4, 1.0),
+            0.75
+        );
+        assert_eq!(
+            bus_bandwidth_gbps("reduce_scatter", 1_000_000_000, 2, 0.5),
+            1.0
+        );
     }
 
     #[test]
@@ -320,9 +330,22 @@ mod tests {
             secs_per_iter: secs,
             error: error.map(String::from),
         };
-        assert_eq!(slowest(&[t(0, 1.0, None), t(1, 3.0, None)], "all_gather", 8), Some(3.0));
-        assert_eq!(slowest(&[t(0, 1.0, None), t(1, 3.0, None)], "all_reduce", 8), None);
-        assert_eq!(slowest(&[t(0, 1.0, None), t(1, 0.0, Some("unsupported"))], "all_gather", 8), None);
+        assert_eq!(
+            slowest(&[t(0, 1.0, None), t(1, 3.0, None)], "all_gather", 8),
+            Some(3.0)
+        );
+        assert_eq!(
+            slowest(&[t(0, 1.0, None), t(1, 3.0, None)], "all_reduce", 8),
+            None
+        );
+        assert_eq!(
+            slowest(
+                &[t(0, 1.0, None), t(1, 0.0, Some("unsupported"))],
+                "all_gather",
+                8
+            ),
+            None
+        );
     }
 
     #[test]

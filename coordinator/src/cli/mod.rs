@@ -183,10 +183,20 @@ pub struct CollectiveArgs {
     #[arg(long)]
     pub json: bool,
     /// Buffer sizes in MiB.
-    #[arg(long, value_name = "MIB,...", value_delimiter = ',', default_value = "1,16,64")]
+    #[arg(
+        long,
+        value_name = "MIB,...",
+        value_delimiter = ',',
+        default_value = "1,16,64"
+    )]
     pub sizes_mib: Vec<f64>,
     /// World sizes (ranks, each its own process).
-    #[arg(long, value_name = "N,...", value_delimiter = ',', default_value = "2,4")]
+    #[arg(
+        long,
+        value_name = "N,...",
+        value_delimiter = ',',
+        default_value = "2,4"
+    )]
     pub worlds: Vec<usize>,
     /// Python with torch for the gloo reference.
     #[arg(long, value_name = "PATH", default_value = ".venv/bin/python")]
@@ -351,9 +361,32 @@ mod tests {
             &["checkpoint", "j1"],
             &["watch", "j1", "--from-step", "5", "--json"],
             &["bench", "packing", "--json", "--data", "/d"],
-            &["bench", "collective", "--json", "--sizes-mib", "1,16", "--worlds", "2,4"],
-            &["bench", "collective", "--python", "/usr/bin/python3", "--no-gloo"],
-            &["bench", "collective-rank", "--rank", "1", "--world", "2", "--sizes-mib", "1"],
+            &[
+                "bench",
+                "collective",
+                "--json",
+                "--sizes-mib",
+                "1,16",
+                "--worlds",
+                "2,4",
+            ],
+            &[
+                "bench",
+                "collective",
+                "--python",
+                "/usr/bin/python3",
+                "--no-gloo",
+            ],
+            &[
+                "bench",
+                "collective-rank",
+                "--rank",
+                "1",
+                "--world",
+                "2",
+                "--sizes-mib",
+                "1",
+            ],
             &[
                 "data",
                 "synth",

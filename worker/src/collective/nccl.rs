@@ -72,7 +72,10 @@ pub fn connect_nccl(
     ring.broadcast_bytes(&mut id, 0).map_err(from_ring)?;
     let mut unique = sys::ncclUniqueId { internal: [0; 128] };
     if id.len() != unique.internal.len() {
-        return Err(setup("unique id", &format!("{} bytes from rank 0", id.len())));
+        return Err(setup(
+            "unique id",
+            &format!("{} bytes from rank 0", id.len()),
+        ));
     }
     for (d, s) in unique.internal.iter_mut().zip(&id) {
         *d = *s as std::ffi::c_char;
@@ -124,7 +127,10 @@ impl NcclComm {
             )));
         }
         if t.dim() != 1 || !t.is_contiguous() {
-            return Err(bad(format!("expected a flat contiguous tensor, got {:?}", t.size())));
+            return Err(bad(format!(
+                "expected a flat contiguous tensor, got {:?}",
+                t.size()
+            )));
         }
         self.seq += 1;
         Ok(t.numel())
@@ -167,7 +173,10 @@ impl NcclComm {
             }
             if Instant::now() >= deadline {
                 let secs = self.timeout.as_secs_f64();
-                return Err(fail(self, format!("timed out after {secs:.1}s (nccl names no peer)")));
+                return Err(fail(
+                    self,
+                    format!("timed out after {secs:.1}s (nccl names no peer)"),
+                ));
             }
             std::thread::sleep(Duration::from_micros(50));
         }
@@ -202,7 +211,9 @@ impl Collective for NcclComm {
         }
         let p = ptr(t, 0);
         // SAFETY: in place on n valid device floats.
-        self.run("all_reduce", |c, s| unsafe { nccl::all_reduce(p, p, n, F32, SUM, c, s) })
+        self.run("all_reduce", |c, s| unsafe {
+            nccl::all_reduce(p, p, n, F32, SUM, c, s)
+        })
     }
 
     fn reduce_scatter_sum(&mut self, t: &mut Tensor) -> Result<(), CollectiveError> {
@@ -245,14 +256,18 @@ impl Collective for NcclComm {
         if n % w == 0 {
             let (src, dst) = (ptr(t, r * m), ptr(t, 0));
             // SAFETY: NCCL's in-place form (send = recv + rank·count).
-            return self.run("all_gather", |c, s| unsafe { nccl::all_gather(src, dst, m, F32, c, s) });
+            return self.run("all_gather", |c, s| unsafe {
+                nccl::all_gather(src, dst, m, F32, c, s)
+            });
         }
         let padded = self.padded(m);
         let own = shard_range(n, w, r);
         narrow(&padded, r * m, own.len()).copy_(&narrow(t, own.start, own.len()));
         let (src, dst) = (ptr(&padded, r * m), ptr(&padded, 0));
         // SAFETY: in place within `padded` (w·m floats), alive until synced.
-        self.run("all_gather", |c, s| unsafe { nccl::all_gather(src, dst, m, F32, c, s) })?;
+        self.run("all_gather", |c, s| unsafe {
+            nccl::all_gather(src, dst, m, F32, c, s)
+        })?;
         for k in 0..w {
             let sr = shard_range(n, w, k);
             narrow(t, sr.start, sr.len()).copy_(&narrow(&padded, k * m, sr.len()));
@@ -274,7 +289,9 @@ impl Collective for NcclComm {
         let p = ptr(t, 0);
         let root = root as i32;
         // SAFETY: in place on n valid device floats.
-        self.run("broadcast", |c, s| unsafe { nccl::broadcast(p, p, n, F32, root, c, s) })
+        self.run("broadcast", |c, s| unsafe {
+            nccl::broadcast(p, p, n, F32, root, c, s)
+        })
     }
 
     fn barrier(&mut self) -> Result<(), CollectiveError> {

@@ -101,7 +101,10 @@ pub fn from_ring(e: RingError) -> CollectiveError {
             expected,
             got,
         },
-        RingError::Invalid { op: "connect", detail } => CollectiveError::Setup(detail),
+        RingError::Invalid {
+            op: "connect",
+            detail,
+        } => CollectiveError::Setup(detail),
         RingError::Invalid { op, detail } => CollectiveError::BadTensor { op, detail },
         RingError::Broken { op, seq, first } => {
             let detail = format!("ring unusable after an earlier error: {first}");
@@ -175,7 +178,10 @@ mod tests {
         let ls: Vec<_> = (0..world)
             .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
             .collect();
-        let peers: Vec<String> = ls.iter().map(|l| l.local_addr().unwrap().to_string()).collect();
+        let peers: Vec<String> = ls
+            .iter()
+            .map(|l| l.local_addr().unwrap().to_string())
+            .collect();
         let ring: Vec<_> = ls
             .into_iter()
             .enumerate()
@@ -257,7 +263,16 @@ mod tests {
         let mut c = connect_cpu(&l, 0, 1, &peers, 1, Duration::from_secs(1)).unwrap();
         let mut t = Tensor::zeros([2, 3], (Kind::Float, Device::Cpu));
         let e = c.all_reduce_sum(&mut t).unwrap_err();
-        assert!(matches!(e, CollectiveError::BadTensor { op: "all_reduce", .. }), "{e}");
+        assert!(
+            matches!(
+                e,
+                CollectiveError::BadTensor {
+                    op: "all_reduce",
+                    ..
+                }
+            ),
+            "{e}"
+        );
         let e = connect_cpu(&l, 3, 2, &peers, 1, Duration::from_secs(1)).unwrap_err();
         assert!(matches!(e, CollectiveError::Setup(_)), "{e}");
     }
