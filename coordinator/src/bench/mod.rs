@@ -1,8 +1,15 @@
 //! Benchmarks behind `accrue bench`: each writes one JSON object per line so
 //! results can be diffed and plotted. This is printing code, not domain
-//! logic: it measures the pure planners in `crate::plan`.
+//! logic: it measures the pure planners in `crate::plan` and the TCP ring
+//! of `accrue-collective`.
 
+mod collective;
 mod packing;
+
+pub use collective::{
+    bus_bandwidth_gbps, collective, iters_for, run_rank, CollectiveBenchOpts, CollectiveRow,
+    RankTiming, OPS,
+};
 
 pub use packing::{
     greedy_baseline, packing, synthetic_lognormal, PackingBenchOpts, PackingRow, SYNTHETIC_DATASET,

@@ -5,8 +5,8 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 
-use super::PackingArgs;
-use crate::bench::{PackingBenchOpts, PackingRow};
+use super::{CollectiveArgs, CollectiveRankArgs, PackingArgs};
+use crate::bench::{CollectiveBenchOpts, CollectiveRow, PackingBenchOpts, PackingRow};
 use crate::spec::{DataFormat, DataSection, ObjectiveKind, OnBad};
 
 /// The load-imbalance target where a step holds ≥ 2 microbatches per rank.
@@ -194,6 +194,93 @@ fn table(rows: &[PackingRow]) -> String {
             "PAD",
             "DROP/CUT",
             "DOCS/S",
+        ],
+        &body,
+    )
+}
+
+/// `accrue bench collective`: prints the ring's and gloo's bus bandwidth per
+/// (op, world, size) and their ratio; rows below 1.0× gloo are reported on
+/// stderr (a speed target, not a failure).
+pub fn collective(args: &CollectiveArgs) -> anyhow::Result<ExitCode> {
+    let python = if args.no_gloo {
+        None
+    } else if args.python.exists() {
+        Some(args.python.clone())
+    } else {
+        eprintln!(
+            "note: {} not found; measuring the ring only (use --python)",
+            args.python.display()
+        );
+        None
+    };
+    let opts = CollectiveBenchOpts {
+        sizes_mib: args.sizes_mib.clone(),
+        worlds: args.worlds.clone(),
+        exe: std::env::current_exe().context("locating the accrue binary")?,
+        python,
+        chunk_bytes: args.chunk_bytes,
+    };
+    let rows = crate::bench::collective(&opts)?;
+    if args.json {
+        for r in &rows {
+            println!("{}", serde_json::to_string(r)?);
+        }
+    } else {
+        println!("{}", collective_table(&rows));
+    }
+    for r in rows.iter().filter(|r| r.ratio.is_some_and(|x| x < 1.0)) {
+        eprintln!(
+            "target missed (reported, not enforced): {} world {} {} MiB at {:.2}x gloo",
+            r.op,
+            r.world,
+            r.size_mib,
+            r.ratio.unwrap_or(0.0)
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The hidden `accrue bench collective-rank`: one rank process.
+pub fn collective_rank(args: &CollectiveRankArgs) -> anyhow::Result<ExitCode> {
+    crate::bench::run_rank(
+        args.rank,
+        args.world,
+        &args.sizes_mib,
+        args.chunk_bytes,
+        &mut std::io::stdin().lock(),
+        &mut std::io::stdout().lock(),
+    )?;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn collective_table(rows: &[CollectiveRow]) -> String {
+    let opt = |x: Option<f64>, f: fn(f64) -> String| x.map_or("-".into(), f);
+    let body: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| {
+            vec![
+                r.op.clone(),
+                r.world.to_string(),
+                format!("{}", r.size_mib),
+                format!("{:.2}", r.accrue_ms),
+                format!("{:.2}", r.accrue_busbw_gbps),
+                opt(r.gloo_ms, |x| format!("{x:.2}")),
+                opt(r.gloo_busbw_gbps, |x| format!("{x:.2}")),
+                opt(r.ratio, |x| format!("{x:.2}x")),
+            ]
+        })
+        .collect();
+    super::render::table(
+        &[
+            "OP",
+            "WORLD",
+            "MIB",
+            "ACCRUE_MS",
+            "ACCRUE_GB/S",
+            "GLOO_MS",
+            "GLOO_GB/S",
+            "RATIO",
         ],
         &body,
     )

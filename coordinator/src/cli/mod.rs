@@ -168,6 +168,58 @@ pub enum Command {
 pub enum BenchCommand {
     /// Packing efficiency and planner speed on real or synthetic documents.
     Packing(PackingArgs),
+    /// Bus bandwidth of the TCP ring (one process per rank on 127.0.0.1)
+    /// beside torch.distributed gloo on the same sizes.
+    Collective(CollectiveArgs),
+    /// One rank of `bench collective` (internal: started by it).
+    #[command(hide = true)]
+    CollectiveRank(CollectiveRankArgs),
+}
+
+/// Arguments of `accrue bench collective`.
+#[derive(Debug, Clone, Args)]
+pub struct CollectiveArgs {
+    /// Print one JSON object per row instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Buffer sizes in MiB.
+    #[arg(
+        long,
+        value_name = "MIB,...",
+        value_delimiter = ',',
+        default_value = "1,16,64"
+    )]
+    pub sizes_mib: Vec<f64>,
+    /// World sizes (ranks, each its own process).
+    #[arg(
+        long,
+        value_name = "N,...",
+        value_delimiter = ',',
+        default_value = "2,4"
+    )]
+    pub worlds: Vec<usize>,
+    /// Python with torch for the gloo reference.
+    #[arg(long, value_name = "PATH", default_value = ".venv/bin/python")]
+    pub python: PathBuf,
+    /// Skip the gloo reference.
+    #[arg(long)]
+    pub no_gloo: bool,
+    /// Ring message piece size in bytes (default: the library's).
+    #[arg(long, value_name = "BYTES")]
+    pub chunk_bytes: Option<usize>,
+}
+
+/// Arguments of the hidden `accrue bench collective-rank`.
+#[derive(Debug, Clone, Args)]
+pub struct CollectiveRankArgs {
+    #[arg(long)]
+    pub rank: usize,
+    #[arg(long)]
+    pub world: usize,
+    #[arg(long, value_delimiter = ',')]
+    pub sizes_mib: Vec<f64>,
+    #[arg(long)]
+    pub chunk_bytes: Option<usize>,
 }
 
 /// Arguments of `accrue bench packing`.
@@ -247,6 +299,12 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Bench {
             bench: BenchCommand::Packing(args),
         } => bench::packing(&args),
+        Command::Bench {
+            bench: BenchCommand::Collective(args),
+        } => bench::collective(&args),
+        Command::Bench {
+            bench: BenchCommand::CollectiveRank(args),
+        } => bench::collective_rank(&args),
         Command::Data {
             data: DataCommand::Synth(args),
         } => data::synth(&args),
@@ -303,6 +361,32 @@ mod tests {
             &["checkpoint", "j1"],
             &["watch", "j1", "--from-step", "5", "--json"],
             &["bench", "packing", "--json", "--data", "/d"],
+            &[
+                "bench",
+                "collective",
+                "--json",
+                "--sizes-mib",
+                "1,16",
+                "--worlds",
+                "2,4",
+            ],
+            &[
+                "bench",
+                "collective",
+                "--python",
+                "/usr/bin/python3",
+                "--no-gloo",
+            ],
+            &[
+                "bench",
+                "collective-rank",
+                "--rank",
+                "1",
+                "--world",
+                "2",
+                "--sizes-mib",
+                "1",
+            ],
             &[
                 "data",
                 "synth",

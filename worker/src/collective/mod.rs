@@ -3,15 +3,17 @@
 //! contiguous float32 tensors, and its backends:
 //! - [`local::LocalGroup`]: ranks as threads of one process (tests, and the
 //!   reference the other backends are checked against);
-//! - the CPU TCP ring (`accrue-collective` crate) between worker processes;
-//! - NCCL through cudarc (feature `cuda`).
+//! - [`tcp::CpuRing`]: the CPU TCP ring (`accrue-collective` crate) between
+//!   worker processes;
+//! - `nccl::NcclComm`: NCCL through cudarc (feature `cuda`).
 //!
 //! Shard layout for reduce-scatter / all-gather is [`shard_range`]: the
 //! first `len % world` ranks hold one element more, so any length works.
 
 pub mod local;
-
-use std::ops::Range;
+#[cfg(feature = "cuda")]
+pub mod nccl;
+pub mod tcp;
 
 use tch::Tensor;
 
@@ -79,15 +81,8 @@ pub trait Collective: Send {
 
 /// The elements of a flat tensor of `len` elements owned by `rank` of
 /// `world`: contiguous, in rank order, the first `len % world` ranks one
-/// element longer.
-pub fn shard_range(len: usize, world: usize, rank: usize) -> Range<usize> {
-    assert!(world > 0 && rank < world, "rank {rank} of world {world}");
-    let base = len / world;
-    let extra = len % world;
-    let start = rank * base + rank.min(extra);
-    let end = start + base + usize::from(rank < extra);
-    start..end
-}
+/// element longer (defined in `accrue-collective`, shared by every backend).
+pub use accrue_collective::shard_range;
 
 /// A single rank: every operation is the identity (world size 1).
 #[derive(Debug, Default, Clone, Copy)]
