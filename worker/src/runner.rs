@@ -124,11 +124,46 @@ pub fn default_factory() -> Factory {
     crate::runner_trainer::factory()
 }
 
-/// The collective between worker processes.
-// MERGE: the lead points this at `collective::tcp::connect_cpu` (the CPU
-// TCP ring) once that module is on the branch.
+/// How long one collective may wait for a peer before it is an error. A
+/// killed peer is noticed at once (its sockets close); this bounds a
+/// stalled one, and must exceed the longest compute imbalance between
+/// ranks in a step. `ACCRUE_COLLECTIVE_TIMEOUT_S` overrides it.
+pub fn collective_timeout() -> std::time::Duration {
+    let secs = std::env::var("ACCRUE_COLLECTIVE_TIMEOUT_S")
+        .ok()
+        .and_then(|s| s.parse::<f64>().ok())
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .unwrap_or(60.0);
+    std::time::Duration::from_secs_f64(secs)
+}
+
+/// The collective between worker processes: the CPU TCP ring, with the
+/// peers' addresses in rank order from the configure message.
 pub fn default_connector() -> Connector {
-    Arc::new(|_, _| Err(CollectiveError::Setup("cpu ring not built yet".into())))
+    Arc::new(|listener, c| {
+        let mut peers: Vec<&wire::Peer> = c.peers.iter().collect();
+        peers.sort_by_key(|p| p.rank);
+        if peers.len() != c.world_size as usize
+            || peers.iter().enumerate().any(|(i, p)| p.rank as usize != i)
+        {
+            return Err(CollectiveError::Setup(format!(
+                "configure: {} peers for world size {}, ranks must be 0..{}",
+                peers.len(),
+                c.world_size,
+                c.world_size
+            )));
+        }
+        let addrs: Vec<String> = peers.iter().map(|p| p.collective_addr.clone()).collect();
+        let ring = crate::collective::tcp::connect_cpu(
+            listener,
+            c.rank as usize,
+            c.world_size as usize,
+            &addrs,
+            c.generation,
+            collective_timeout(),
+        )?;
+        Ok(Box::new(ring) as Box<dyn Collective>)
+    })
 }
 
 /// What a [`Runner`] is built from.

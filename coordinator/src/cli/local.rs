@@ -70,6 +70,7 @@ pub async fn run(spec_path: &Path, workers: u32) -> anyhow::Result<ExitCode> {
     let server = Server::bind(config).await?;
     cancel_leftover_jobs(&server);
     let addr = server.local_addr();
+    let shared = server.shared();
     let url = format!("http://{addr}");
     let stop = CancellationToken::new();
     let serving = tokio::spawn(server.run(stop.clone()));
@@ -98,7 +99,12 @@ pub async fn run(spec_path: &Path, workers: u32) -> anyhow::Result<ExitCode> {
     }
     eprintln!("{workers} worker(s) started; logs in {}", logs.display());
 
-    let result = follow(&url, &spec_toml, &base, &mut children).await;
+    // All N workers join before the job starts, so it runs at world N from
+    // step 1 rather than growing mid-run.
+    let result = match wait_for_workers(&shared, workers, &mut children).await {
+        Ok(()) => follow(&url, &spec_toml, &base, &mut children).await,
+        Err(e) => Err(e),
+    };
     // Released workers finish their final checkpoint and exit by themselves.
     let _ = tokio::time::timeout(WORKER_GRACE, async {
         for (c, _) in children.iter_mut() {
@@ -112,6 +118,39 @@ pub async fn run(spec_path: &Path, workers: u32) -> anyhow::Result<ExitCode> {
     stop.cancel();
     let _ = serving.await;
     result
+}
+
+/// Waits until `n` workers hold an open session, failing if a worker
+/// process exits first or none arrive within a minute.
+async fn wait_for_workers(
+    shared: &crate::service::Shared,
+    n: u32,
+    children: &mut [(Child, PathBuf)],
+) -> anyhow::Result<()> {
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let connected = shared
+            .lock()
+            .core
+            .workers()
+            .filter(|w| w.connected())
+            .count();
+        if connected >= n as usize {
+            return Ok(());
+        }
+        for (c, log) in children.iter_mut() {
+            if let Some(status) = c.try_wait()? {
+                anyhow::bail!(
+                    "a worker exited ({status}) before the job started; see {}",
+                    log.display()
+                );
+            }
+        }
+        if tokio::time::Instant::now() > deadline {
+            anyhow::bail!("only {connected} of {n} workers connected within 60 s");
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
 }
 
 /// Jobs restored from an earlier run in the same state dir would take the

@@ -373,7 +373,7 @@ fn a_bad_spec_is_an_invalid_plan_error() {
 }
 
 #[test]
-fn more_than_one_rank_without_a_ring_fails_configure_naming_the_collective() {
+fn more_than_one_rank_with_bad_peers_fails_configure_naming_the_collective() {
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let mut cfg = RunnerConfig::new(default_factory());
     cfg.listener = Some(TcpListener::bind("127.0.0.1:0").unwrap());
@@ -391,7 +391,7 @@ fn more_than_one_rank_without_a_ring_fails_configure_naming_the_collective() {
     };
     assert_eq!(e.kind, wire::ErrorKind::CollectiveTimeout as i32);
     assert!(
-        e.message.contains("generation 4 as rank 1 of 2") && e.message.contains("cpu ring"),
+        e.message.contains("generation 4 as rank 1 of 2") && e.message.contains("0 peers"),
         "{}",
         e.message
     );
