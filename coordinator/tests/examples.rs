@@ -26,7 +26,7 @@ fn example_specs_are_valid() {
                     .filter(|p| {
                         !(p.field.starts_with("data.train")
                             && p.message.contains("file not found")
-                            && p.message.contains("runs/data/"))
+                            && p.message.contains("runs/data"))
                     })
                     .collect();
                 assert!(real.is_empty(), "{}: {real:?}", path.display());

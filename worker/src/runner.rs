@@ -208,6 +208,11 @@ pub struct Progress {
 #[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
 pub struct Manifest {
     pub job: String,
+    /// The job's name (`job.name`): a job of the same name whose
+    /// `model.init` is this directory resumes from it; any other job only
+    /// takes its weights.
+    #[serde(default)]
+    pub name: String,
     pub step: u64,
     pub cursor: ManifestCursor,
     pub world_size: u32,
@@ -441,6 +446,7 @@ struct Held {
     /// Last step whose update the executor holds.
     step: u64,
     max_tokens: u64,
+    name: String,
     exec: Box<dyn StepExecutor>,
 }
 
@@ -584,6 +590,9 @@ impl Thread {
             (wire::ErrorKind::InvalidPlan, msg, None)
         })?;
         let restore = (!c.restore_from.is_empty()).then(|| PathBuf::from(&c.restore_from));
+        if let Some(dir) = &restore {
+            check_restore_step(dir, c.step)?;
+        }
         let exec = (self.factory)(&cfg, restore.as_deref(), coll).map_err(|e| {
             let from = restore
                 .as_ref()
@@ -598,6 +607,7 @@ impl Thread {
             world_size: c.world_size,
             step: c.step,
             max_tokens: spec_max_tokens(&c.spec_toml),
+            name: cfg.job.name.clone(),
             exec,
         })
     }
@@ -689,6 +699,7 @@ impl Thread {
         {
             let manifest = Manifest {
                 job: c.job_id.clone(),
+                name: h.name.clone(),
                 step: c.step,
                 cursor: c
                     .cursor
@@ -716,6 +727,30 @@ impl Thread {
             path: c.dir.clone(),
         }));
     }
+}
+
+/// A replica restored from `dir` must hold the step it is configured at:
+/// training on from an older checkpoint while reporting a newer step would
+/// silently diverge from the other ranks.
+fn check_restore_step(dir: &Path, step: u64) -> Result<(), ConfigureError> {
+    let path = dir.join("manifest.json");
+    let Ok(bytes) = std::fs::read(&path) else {
+        return Ok(()); // a plain HF directory: no step of ours to compare
+    };
+    let m: Manifest = serde_json::from_slice(&bytes).map_err(|e| {
+        let msg = format!("configure: {}: {e}", path.display());
+        (wire::ErrorKind::InvalidPlan, msg, None)
+    })?;
+    if m.step != step {
+        let msg = format!(
+            "configure: {} holds step {}, but this replica is configured at step {step}; \
+             refusing to train from mismatched state",
+            dir.display(),
+            m.step
+        );
+        return Err((wire::ErrorKind::InvalidPlan, msg, None));
+    }
+    Ok(())
 }
 
 /// The executor's files (every rank, in parallel), then, on rank 0 once

@@ -48,7 +48,8 @@ pub struct StepMetrics {
     pub optimizer_s: f64,
     pub idle_s: f64,
     pub cursor: Cursor,
-    /// Objective-specific sums, summed over ranks.
+    /// Objective-specific metrics: means over pairs (DPO) or loss tokens
+    /// (PG), except `pairs` and `count/*`, which are sums.
     pub extra: BTreeMap<String, f64>,
     pub unix_ms: i64,
 }
@@ -97,6 +98,13 @@ pub fn aggregate(facts: StepFacts, cursor: Cursor, ranks: &[MetricSums]) -> Step
     } else {
         0.0
     };
+    // Objective extras become means over the same denominator as the loss
+    // (pairs for DPO, loss tokens for PG); `pairs` and `count/*` stay sums.
+    for (k, v) in total.extra.iter_mut() {
+        if k != "pairs" && !k.starts_with("count/") {
+            *v = if denom > 0.0 { *v / denom } else { 0.0 };
+        }
+    }
     let tokens_per_s = if facts.step_time_s > 0.0 {
         total.tokens as f64 / facts.step_time_s
     } else {
@@ -186,5 +194,23 @@ mod tests {
         let m = aggregate(facts(), Cursor::default(), &[a, b]);
         assert!((m.loss - 1.0).abs() < 1e-12);
         assert_eq!(m.extra["pairs"], 4.0);
+    }
+
+    #[test]
+    fn objective_extras_are_means_over_pairs_counts_stay_sums() {
+        let mut a = MetricSums {
+            loss_sum: 2.0,
+            ..Default::default()
+        };
+        a.extra.insert("pairs".into(), 3.0);
+        a.extra.insert("rewards/accuracy".into(), 3.0);
+        a.extra.insert("count/zero_variance_groups".into(), 2.0);
+        let mut b = MetricSums::default();
+        b.extra.insert("pairs".into(), 1.0);
+        b.extra.insert("rewards/accuracy".into(), 0.0);
+        let m = aggregate(facts(), Cursor::default(), &[a, b]);
+        assert_eq!(m.extra["rewards/accuracy"], 0.75);
+        assert_eq!(m.extra["pairs"], 4.0);
+        assert_eq!(m.extra["count/zero_variance_groups"], 2.0);
     }
 }

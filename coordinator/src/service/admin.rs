@@ -59,6 +59,8 @@ fn base_dir(s: &str) -> Result<PathBuf, Status> {
 /// The `manifest.json` fields a resumed job starts from.
 #[derive(serde::Deserialize)]
 struct Manifest {
+    #[serde(default)]
+    name: String,
     step: u64,
     cursor: crate::cursor::Cursor,
 }
@@ -79,6 +81,11 @@ pub(super) fn resume_point(spec: &JobSpec) -> Result<Option<JobStart>, String> {
         .map_err(|e| e.to_string())
         .and_then(|b| serde_json::from_slice(&b).map_err(|e| e.to_string()))
         .map_err(|e| format!("model.init: {}: {e}", path.display()))?;
+    // Another job's checkpoint gives only its weights (e.g. DPO from an
+    // SFT checkpoint): step 0, fresh optimizer, own data stream.
+    if !m.name.is_empty() && m.name != spec.job.name {
+        return Ok(None);
+    }
     Ok(Some(JobStart {
         step: m.step,
         cursor: m.cursor,

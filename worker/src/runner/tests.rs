@@ -304,6 +304,7 @@ fn the_thread_configures_runs_checkpoints_and_drains_on_shutdown() {
         m,
         Manifest {
             job: "j".into(),
+            name: "t".into(),
             step: 6,
             cursor: ManifestCursor {
                 epoch: 1,
