@@ -57,6 +57,11 @@ pub trait StepExecutor {
     fn zero_grad(&mut self);
     /// Writes `config.json`, `model.safetensors` and the optimizer state.
     fn save_checkpoint(&self, dir: &Path) -> anyhow::Result<()>;
+    /// Training FLOPs of a microbatch run with `loss_tokens` targets (for
+    /// MFU; `model::flops`). 0 when the executor cannot tell.
+    fn model_flops(&self, _mb: &wire::Microbatch, _loss_tokens: u64) -> f64 {
+        0.0
+    }
 }
 
 /// Builds an executor for a job, restoring from a checkpoint directory if given.
@@ -156,6 +161,7 @@ pub fn run_step(
                 sums.loss_sum += o.loss_sum;
                 sums.loss_tokens += o.loss_tokens;
                 sums.tokens += o.tokens;
+                sums.model_flops += exec.model_flops(mb, o.loss_tokens);
                 sums.padding_tokens += max_tokens.saturating_sub(o.tokens);
                 docs.extend(mb.sequences.iter().map(|s| s.doc_id.as_str()));
             }

@@ -34,6 +34,11 @@ impl StepExecutor for Trainer {
     fn save_checkpoint(&self, dir: &Path) -> anyhow::Result<()> {
         Trainer::save_checkpoint(self, dir)
     }
+
+    fn model_flops(&self, mb: &wire::Microbatch, loss_tokens: u64) -> f64 {
+        let cu: Vec<i64> = mb.cu_seq_lens.iter().map(|&c| i64::from(c)).collect();
+        crate::model::flops::training_flops(&self.model().cfg, &cu, loss_tokens)
+    }
 }
 
 /// Builds a `Trainer` per job (restoring from a checkpoint when asked).
