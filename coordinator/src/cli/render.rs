@@ -648,7 +648,10 @@ mod tests {
             ..e
         };
         assert_eq!(event_line(&e), "[state] failed");
-        assert_eq!(bar_message(&step(1)), "loss 1.5000 · 12.3k tok/s · mfu 12.5%");
+        assert_eq!(
+            bar_message(&step(1)),
+            "loss 1.5000 · 12.3k tok/s · mfu 12.5%"
+        );
         let l = step_line(&step(9));
         assert!(l.starts_with("step 9  loss 1.5000"), "{l}");
     }

@@ -2,8 +2,8 @@
 
 use tch::{nn, Tensor};
 
-use super::config::LlamaConfig;
 use super::attention::fused_linear;
+use super::config::LlamaConfig;
 use super::llama::linear;
 
 #[derive(Debug)]
