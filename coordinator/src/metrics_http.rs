@@ -23,6 +23,7 @@ pub struct Exporter {
     steps: IntCounterVec,
     step_time: GaugeVec,
     tokens_per_s: GaugeVec,
+    mfu: GaugeVec,
     loss: GaugeVec,
     workers: IntGaugeVec,
     generation: IntGaugeVec,
@@ -64,6 +65,10 @@ impl Exporter {
             "accrue_tokens_per_second",
             "Real (non-padding) tokens per second in the last committed step",
         );
+        let mfu = gauge(
+            "accrue_mfu",
+            "Model FLOPs utilisation of the last committed step (0 when a worker's peak is unknown)",
+        );
         let loss = gauge(
             "accrue_loss",
             "Token-weighted loss of the last committed step",
@@ -86,6 +91,7 @@ impl Exporter {
             steps,
             step_time,
             tokens_per_s,
+            mfu,
             loss,
             workers,
             generation,
@@ -99,6 +105,7 @@ impl Exporter {
         self.tokens_per_s
             .with_label_values(&[job])
             .set(m.tokens_per_s);
+        self.mfu.with_label_values(&[job]).set(m.mfu);
         self.loss.with_label_values(&[job]).set(m.loss);
         self.generation
             .with_label_values(&[job])

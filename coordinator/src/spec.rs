@@ -46,6 +46,8 @@ pub struct JobSpec {
     pub parallel: ParallelSection,
     #[serde(default)]
     pub checkpoint: CheckpointSection,
+    #[serde(default)]
+    pub runtime: RuntimeSection,
     #[serde(default, skip_serializing_if = "is_default")]
     pub rl: RlSection,
 }
@@ -299,6 +301,29 @@ pub struct CheckpointSection {
     pub every_steps: u64,
 }
 
+/// Worker-side execution knobs: they change speed and memory, never the
+/// math (the loss and gradients are the same for any value).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RuntimeSection {
+    /// Tokens per chunk of the LM head + cross-entropy: at most
+    /// `loss_chunk_tokens × vocab` logits exist at once.
+    #[serde(default = "default_loss_chunk_tokens")]
+    pub loss_chunk_tokens: u64,
+}
+
+fn default_loss_chunk_tokens() -> u64 {
+    1024
+}
+
+impl Default for RuntimeSection {
+    fn default() -> Self {
+        Self {
+            loss_chunk_tokens: default_loss_chunk_tokens(),
+        }
+    }
+}
+
 /// How a step's size is defined (exactly one per job).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StepSize {
@@ -317,6 +342,7 @@ const SECTIONS: &[&str] = &[
     "parallel",
     "checkpoint",
     "rl",
+    "runtime",
 ];
 
 impl JobSpec {
@@ -590,6 +616,10 @@ impl JobSpec {
                 ),
             );
         }
+
+        if self.runtime.loss_chunk_tokens == 0 {
+            bad("runtime.loss_chunk_tokens", "must be at least 1".into());
+        }
         p
     }
 }
@@ -613,6 +643,7 @@ fn check_section(section: &str, value: toml::Value) -> Result<(), SpecProblem> {
         "parallel" => value.try_into::<ParallelSection>().map(drop),
         "checkpoint" => value.try_into::<CheckpointSection>().map(drop),
         "rl" => value.try_into::<RlSection>().map(drop),
+        "runtime" => value.try_into::<RuntimeSection>().map(drop),
         _ => Ok(()),
     };
     result.map_err(|e| {
@@ -688,6 +719,8 @@ min_workers = 1
 max_workers = 8
 [checkpoint]
 every_steps = 50
+[runtime]
+loss_chunk_tokens = 512
 "#;
 
     #[test]
@@ -697,6 +730,7 @@ every_steps = 50
         assert_eq!(spec.step_size(), StepSize::Docs(64));
         assert_eq!(spec.job.output_dir, base.join("runs/sft-demo"));
         assert_eq!(spec.optimizer.betas, [0.9, 0.95]);
+        assert_eq!(spec.runtime.loss_chunk_tokens, 512);
         // Round-trips through TOML unchanged.
         let again: JobSpec = toml::from_str(&spec.to_toml()).unwrap();
         assert_eq!(again, spec);
@@ -744,6 +778,33 @@ every_steps = 50
             "{problems:?}"
         );
         assert!(fields.contains(&"extra"), "{problems:?}");
+    }
+
+    #[test]
+    fn runtime_section_defaults_and_validation() {
+        let (_d, base) = fixture();
+        let start = GOOD.find("[runtime]").unwrap();
+        let spec = JobSpec::parse(&GOOD[..start], &base).unwrap();
+        assert_eq!(spec.runtime, RuntimeSection::default());
+        assert_eq!(spec.runtime.loss_chunk_tokens, 1024);
+
+        let zero = GOOD.replace("loss_chunk_tokens = 512", "loss_chunk_tokens = 0");
+        let problems = JobSpec::parse(&zero, &base).unwrap_err();
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert_eq!(problems[0].field, "runtime.loss_chunk_tokens");
+
+        for (bad, field) in [
+            ("loss_chunk_tokens = -3", "runtime"),
+            ("loss_chunk_tokens = \"big\"", "runtime"),
+            ("loss_chunk_tokenz = 5", "runtime.loss_chunk_tokenz"),
+        ] {
+            let text = GOOD.replace("loss_chunk_tokens = 512", bad);
+            let problems = JobSpec::parse(&text, &base).unwrap_err();
+            assert!(
+                problems.iter().any(|p| p.field.starts_with(field)),
+                "{bad}: {problems:?}"
+            );
+        }
     }
 
     #[test]

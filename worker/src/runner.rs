@@ -100,6 +100,11 @@ pub trait StepExecutor {
     fn collective_per_microbatch(&self) -> bool {
         false
     }
+    /// Training FLOPs of a microbatch run with `loss_tokens` targets (for
+    /// MFU; `model::flops`). 0 when the executor cannot tell.
+    fn model_flops(&self, _mb: &wire::Microbatch, _loss_tokens: u64) -> f64 {
+        0.0
+    }
 }
 
 /// Builds an executor for a job and this rank's collective, restoring from
@@ -282,6 +287,7 @@ pub fn run_step(
                 sums.loss_sum += o.loss_sum;
                 sums.loss_tokens += o.loss_tokens;
                 sums.tokens += o.tokens;
+                sums.model_flops += exec.model_flops(mb, o.loss_tokens);
                 if o.tokens > 0 {
                     sums.padding_tokens += max_tokens.saturating_sub(o.tokens);
                 }

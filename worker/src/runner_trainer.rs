@@ -71,6 +71,11 @@ impl StepExecutor for Trainer {
     fn set_collective(&mut self, coll: Box<dyn Collective>) -> anyhow::Result<()> {
         Trainer::set_collective(self, coll)
     }
+
+    fn model_flops(&self, mb: &wire::Microbatch, loss_tokens: u64) -> f64 {
+        let cu: Vec<i64> = mb.cu_seq_lens.iter().map(|&c| i64::from(c)).collect();
+        crate::model::flops::training_flops(&self.model().cfg, &cu, loss_tokens)
+    }
 }
 
 impl StepExecutor for FsdpTrainer {
@@ -104,6 +109,11 @@ impl StepExecutor for FsdpTrainer {
 
     fn collective_per_microbatch(&self) -> bool {
         true
+    }
+
+    fn model_flops(&self, mb: &wire::Microbatch, loss_tokens: u64) -> f64 {
+        let cu: Vec<i64> = mb.cu_seq_lens.iter().map(|&c| i64::from(c)).collect();
+        crate::model::flops::training_flops(self.model_config(), &cu, loss_tokens)
     }
 
     /// Shards belong to one (rank, world): anything else is rebuilt.

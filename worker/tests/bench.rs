@@ -66,6 +66,63 @@ fn bench_train_step() {
     }
 }
 
+/// Time split of one training step (forward to hidden states, chunked LM
+/// head + cross-entropy with its backward, backward through the decoder,
+/// optimizer), averaged over `ACCRUE_BENCH_STEPS` steps after a warm-up.
+#[test]
+#[ignore]
+fn bench_profile_step() {
+    tch::set_num_threads(2);
+    let dir = bench_dir();
+    let b = common::read(&dir.join("batch.safetensors"));
+    let batch = PackedBatch {
+        input_ids: Vec::<i64>::try_from(&b["input_ids"]).unwrap(),
+        labels: Vec::<i64>::try_from(&b["labels"]).unwrap(),
+        cu_seq_lens: Vec::<i64>::try_from(&b["cu_seq_lens"]).unwrap(),
+    };
+    let steps: usize = std::env::var("ACCRUE_BENCH_STEPS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(3);
+    let chunk: usize = std::env::var("ACCRUE_BENCH_LOSS_CHUNK")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1024);
+    let cfg = common::job_config(
+        "random",
+        &format!("config = \"{}\"\n", dir.join("config.json").display()),
+    );
+    let mut t = Trainer::single(&cfg, None).unwrap();
+    let total = batch.loss_tokens();
+    let targets = loss::shifted_targets(&batch.labels, &batch.cu_seq_lens);
+    let mut split = [0.0f64; 4];
+    for i in 0..=steps {
+        let mut lap = Instant::now();
+        let mut mark = |k: usize, lap: &mut Instant| {
+            if i > 0 {
+                split[k] += lap.elapsed().as_secs_f64();
+            }
+            *lap = Instant::now();
+        };
+        let model = t.model();
+        let hidden = model.hidden(&batch.input_ids, &batch.cu_seq_lens);
+        mark(0, &mut lap);
+        let head = model.lm_head_weight();
+        let out = loss::chunked_nll(&hidden, head, &targets, chunk, 1.0 / total as f64).unwrap();
+        mark(1, &mut lap);
+        loss::backward_into_model(&hidden, head, &out);
+        mark(2, &mut lap);
+        t.optimizer_step(1e-4).unwrap();
+        mark(3, &mut lap);
+    }
+    let n = steps as f64;
+    let [fwd, head, bwd, opt] = split.map(|s| s / n);
+    println!(
+        "{{\"profile\": \"accrue\", \"chunk\": {chunk}, \"forward_s\": {fwd:.3}, \"loss_head_s\": {head:.3}, \"backward_s\": {bwd:.3}, \"optimizer_s\": {opt:.3}, \"step_s\": {:.3}}}",
+        fwd + head + bwd + opt
+    );
+}
+
 /// (current RSS, high-water RSS) in bytes, from /proc/self/status.
 fn rss() -> (u64, u64) {
     let status = std::fs::read_to_string("/proc/self/status").unwrap();

@@ -217,6 +217,8 @@ pub fn step_json(s: &StepMetrics) -> Value {
         "tokens_per_s_per_worker": s.tokens_per_s_per_worker,
         "padding_fraction": s.padding_fraction,
         "step_time_s": s.step_time_s,
+        "model_flops": s.model_flops,
+        "mfu": s.mfu,
         "world_size": s.world_size,
         "generation": s.generation,
         "cursor": s.cursor.as_ref().map(cursor_json),
@@ -247,7 +249,7 @@ pub fn watch_item_json(item: &WatchJobResponse) -> Option<Value> {
 /// stderr is not a terminal.
 pub fn step_line(s: &StepMetrics) -> String {
     format!(
-        "step {}  loss {:.4}  lr {:.3e}  grad_norm {:.3}  tokens {}  docs {}  mbs {}  {} tok/s  {:.2}s  world {}",
+        "step {}  loss {:.4}  lr {:.3e}  grad_norm {:.3}  tokens {}  docs {}  mbs {}  {} tok/s  mfu {}  {:.2}s  world {}",
         s.step,
         s.loss,
         s.lr,
@@ -256,6 +258,7 @@ pub fn step_line(s: &StepMetrics) -> String {
         s.documents,
         s.microbatches,
         human_rate(s.tokens_per_s),
+        mfu_text(s.mfu),
         s.step_time_s,
         s.world_size
     )
@@ -263,7 +266,21 @@ pub fn step_line(s: &StepMetrics) -> String {
 
 /// The progress bar's message for the latest step.
 pub fn bar_message(s: &StepMetrics) -> String {
-    format!("loss {:.4} · {} tok/s", s.loss, human_rate(s.tokens_per_s))
+    format!(
+        "loss {:.4} · {} tok/s · mfu {}",
+        s.loss,
+        human_rate(s.tokens_per_s),
+        mfu_text(s.mfu)
+    )
+}
+
+/// MFU as a percentage, `-` when unknown (a worker did not report its peak).
+fn mfu_text(mfu: f64) -> String {
+    if mfu > 0.0 && mfu.is_finite() {
+        format!("{:.1}%", mfu * 100.0)
+    } else {
+        "-".into()
+    }
 }
 
 /// An event on one line: `[state] running: generation 2 formed`.
@@ -463,6 +480,8 @@ mod tests {
             generation: 2,
             cursor: None,
             extra: [("rewards/chosen".to_string(), 0.25)].into(),
+            model_flops: 1.0e12,
+            mfu: 0.125,
         }
     }
 
@@ -629,7 +648,10 @@ mod tests {
             ..e
         };
         assert_eq!(event_line(&e), "[state] failed");
-        assert_eq!(bar_message(&step(1)), "loss 1.5000 · 12.3k tok/s");
+        assert_eq!(
+            bar_message(&step(1)),
+            "loss 1.5000 · 12.3k tok/s · mfu 12.5%"
+        );
         let l = step_line(&step(9));
         assert!(l.starts_with("step 9  loss 1.5000"), "{l}");
     }

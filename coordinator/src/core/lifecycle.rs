@@ -16,6 +16,23 @@ use super::workers::{Worker, WorkerId, WorkerState};
 use super::{Effect, ToWorker, WatchItem, WorkerErrorKind};
 
 impl Coordinator {
+    /// Σ peak FLOP/s of the job's current generation; 0 when any member's
+    /// peak is unknown (a partial sum would overstate MFU).
+    fn generation_peak_flops(&self, job_id: &str) -> f64 {
+        let Some(gen) = self.jobs.get(job_id).and_then(|j| j.gen.as_ref()) else {
+            return 0.0;
+        };
+        let peaks: Vec<u64> = gen
+            .members
+            .iter()
+            .map(|id| self.worker(id).map_or(0, |w| w.reg.peak_flops))
+            .collect();
+        if peaks.contains(&0) {
+            return 0.0;
+        }
+        peaks.iter().map(|&p| p as f64).sum()
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub(super) fn on_result(
         &mut self,
@@ -92,6 +109,7 @@ impl Coordinator {
 
     /// Every rank reported: the step commits, the cursor moves.
     pub(super) fn commit(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
+        let peak_flops = self.generation_peak_flops(job_id);
         let job = self.jobs.get_mut(job_id).expect("committing a known job");
         let flight = job.inflight.take().expect("committing an in-flight step");
         let gen = job.gen.clone().expect("committing within a generation");
@@ -105,6 +123,7 @@ impl Coordinator {
             microbatches: planned.microbatches(),
             step_time_s: (now_ms - flight.started_ms).max(0) as f64 / 1000.0,
             unix_ms: now_ms,
+            peak_flops,
         };
         let mut m = metrics::aggregate(facts, planned.cursor_after.clone(), &ranks);
         if let (Some(s), Some(r)) = (&planned.staleness, &job.rollouts) {

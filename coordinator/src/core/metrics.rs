@@ -23,6 +23,9 @@ pub struct MetricSums {
     pub idle_s: f64,
     pub grad_norm: f64,
     pub extra: BTreeMap<String, f64>,
+    /// Training FLOPs of the tokens this rank processed.
+    #[serde(default)]
+    pub model_flops: f64,
 }
 
 /// A committed step as written to metrics.jsonl and sent to watchers.
@@ -52,6 +55,13 @@ pub struct StepMetrics {
     /// (PG), except `pairs` and `count/*`, which are sums.
     pub extra: BTreeMap<String, f64>,
     pub unix_ms: i64,
+    /// Σ training FLOPs of the ranks.
+    #[serde(default)]
+    pub model_flops: f64,
+    /// Model FLOPs utilisation, `model_flops / (step_time_s · peak_flops)`
+    /// (0 when the peak is unknown).
+    #[serde(default)]
+    pub mfu: f64,
 }
 
 /// What the plan says about a step, independent of the workers' reports.
@@ -65,6 +75,8 @@ pub struct StepFacts {
     pub microbatches: u32,
     pub step_time_s: f64,
     pub unix_ms: i64,
+    /// Σ peak FLOP/s of the generation's workers; 0 when any is unknown.
+    pub peak_flops: f64,
 }
 
 /// Combines the ranks' sums into the step's metrics. `loss` is Σ loss /
@@ -82,6 +94,7 @@ pub fn aggregate(facts: StepFacts, cursor: Cursor, ranks: &[MetricSums]) -> Step
         total.collective_s += r.collective_s;
         total.optimizer_s += r.optimizer_s;
         total.idle_s += r.idle_s;
+        total.model_flops += r.model_flops;
         for (k, v) in &r.extra {
             *total.extra.entry(k.clone()).or_default() += v;
         }
@@ -111,6 +124,11 @@ pub fn aggregate(facts: StepFacts, cursor: Cursor, ranks: &[MetricSums]) -> Step
         0.0
     };
     let padded = total.tokens + total.padding_tokens;
+    let mfu = if facts.step_time_s > 0.0 && facts.peak_flops > 0.0 {
+        total.model_flops / (facts.step_time_s * facts.peak_flops)
+    } else {
+        0.0
+    };
     StepMetrics {
         step: facts.step,
         loss,
@@ -137,6 +155,8 @@ pub fn aggregate(facts: StepFacts, cursor: Cursor, ranks: &[MetricSums]) -> Step
         cursor,
         extra: total.extra,
         unix_ms: facts.unix_ms,
+        model_flops: total.model_flops,
+        mfu,
     }
 }
 
@@ -153,6 +173,7 @@ mod tests {
             microbatches: 4,
             step_time_s: 2.0,
             unix_ms: 0,
+            peak_flops: 0.0,
         }
     }
 
@@ -178,6 +199,27 @@ mod tests {
         assert!((m.tokens_per_s - 20.0).abs() < 1e-12);
         assert!((m.tokens_per_s_per_worker - 10.0).abs() < 1e-12);
         assert!((m.padding_fraction - 0.2).abs() < 1e-12);
+    }
+
+    #[test]
+    fn mfu_is_summed_flops_over_step_time_and_summed_peak() {
+        let a = MetricSums {
+            model_flops: 3e12,
+            ..Default::default()
+        };
+        let b = MetricSums {
+            model_flops: 1e12,
+            ..Default::default()
+        };
+        let mut f = facts();
+        f.peak_flops = 2.0 * 5e12; // two workers of 5 TFLOP/s
+        let m = aggregate(f, Cursor::default(), &[a.clone(), b.clone()]);
+        assert_eq!(m.model_flops, 4e12);
+        // 4e12 FLOPs in 2 s on 10 TFLOP/s of peak.
+        assert!((m.mfu - 0.2).abs() < 1e-12, "{}", m.mfu);
+        // Unknown peak: no MFU rather than a division by zero.
+        let m = aggregate(facts(), Cursor::default(), &[a, b]);
+        assert_eq!(m.mfu, 0.0);
     }
 
     #[test]

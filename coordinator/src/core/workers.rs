@@ -30,6 +30,8 @@ pub struct Registration {
     pub device: String,
     pub memory_bytes: u64,
     pub collective_addr: String,
+    /// Peak FLOP/s of the device, rounded (0 = unknown): the MFU denominator.
+    pub peak_flops: u64,
 }
 
 #[derive(Debug, Clone, PartialEq)]

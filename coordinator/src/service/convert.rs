@@ -66,6 +66,8 @@ pub fn step_metrics(m: &StepMetrics) -> wire::StepMetrics {
         generation: m.generation,
         cursor: Some(cursor(&m.cursor)),
         extra: m.extra.clone().into_iter().collect(),
+        model_flops: m.model_flops,
+        mfu: m.mfu,
     }
 }
 
@@ -123,6 +125,7 @@ pub fn metric_sums(s: wire::MetricSums) -> MetricSums {
         idle_s: s.idle_s,
         grad_norm: s.grad_norm,
         extra: s.extra.into_iter().collect(),
+        model_flops: s.model_flops,
     }
 }
 

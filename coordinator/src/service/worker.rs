@@ -104,6 +104,11 @@ impl WorkerService for WorkerServiceImpl {
                 device: r.device,
                 memory_bytes: r.memory_bytes,
                 collective_addr: r.collective_addr,
+                peak_flops: if r.peak_flops.is_finite() && r.peak_flops > 0.0 {
+                    r.peak_flops.round() as u64
+                } else {
+                    0
+                },
             },
         })?;
         Ok(Response::new(wire::RegisterResponse {

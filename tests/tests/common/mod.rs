@@ -127,6 +127,7 @@ pub async fn fake_worker(url: String, max_steps: Option<usize>) -> anyhow::Resul
             collective_addr: "127.0.0.1:9".into(),
             version: "test".into(),
             previous_worker_id: String::new(),
+            peak_flops: 1e12,
         })
         .await?
         .into_inner();

@@ -23,6 +23,10 @@ struct Args {
     /// libtorch intra-op threads (default: libtorch's choice).
     #[arg(long)]
     threads: Option<i32>,
+    /// Peak TFLOP/s of this worker's device, for MFU (default: a table of
+    /// GPUs by name, or a short matmul probe on CPU).
+    #[arg(long)]
+    peak_tflops: Option<f64>,
     /// Exit when the coordinator releases this worker (job done, cancelled, drained).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     exit_on_release: bool,
@@ -39,6 +43,7 @@ async fn main() -> anyhow::Result<()> {
     let mut cfg = SessionConfig::new(&args.coordinator);
     cfg.collective_addr = advertised;
     cfg.exit_on_release = args.exit_on_release;
+    cfg.peak_flops = session::peak_flops(args.peak_tflops);
     let mut parts = RunnerConfig::new(runner::default_factory());
     parts.listener = Some(listener);
     session::run(cfg, parts).await

@@ -2,6 +2,7 @@
 
 use tch::{nn, Tensor};
 
+use super::attention::fused_linear;
 use super::config::LlamaConfig;
 use super::llama::linear;
 
@@ -25,7 +26,10 @@ impl Mlp {
 
     pub fn forward(&self, x: &Tensor) -> Tensor {
         use tch::nn::Module;
-        let gated = self.gate_proj.forward(x).silu() * self.up_proj.forward(x);
+        // gate and up as one matmul (weights concatenated at run time).
+        let gu = fused_linear(x, &[&self.gate_proj, &self.up_proj]);
+        let i = self.gate_proj.ws.size()[0];
+        let gated = gu.narrow(1, 0, i).silu() * gu.narrow(1, i, i);
         self.down_proj.forward(&gated)
     }
 }

@@ -4,6 +4,7 @@
 
 pub mod attention;
 pub mod config;
+pub mod flops;
 pub mod llama;
 pub mod loss;
 pub mod mlp;

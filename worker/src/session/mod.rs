@@ -6,6 +6,7 @@
 //! its model replica.
 
 mod host;
+mod peak;
 
 use std::time::{Duration, Instant};
 
@@ -20,6 +21,7 @@ use tonic::transport::{Channel, Endpoint};
 use tracing::{info, warn};
 
 pub use host::{device, hostname, memory_bytes};
+pub use peak::peak_flops;
 
 use crate::runner::{Runner, RunnerConfig, Work};
 
@@ -39,6 +41,8 @@ pub struct SessionConfig {
     pub hostname: String,
     pub device: String,
     pub memory_bytes: u64,
+    /// Peak FLOP/s reported at registration (MFU denominator; 0 = unknown).
+    pub peak_flops: f64,
 }
 
 impl SessionConfig {
@@ -52,6 +56,7 @@ impl SessionConfig {
             hostname: hostname(),
             device: device(),
             memory_bytes: memory_bytes(),
+            peak_flops: 0.0,
         }
     }
 }
@@ -152,6 +157,7 @@ async fn session(
             collective_addr: cfg.collective_addr.clone(),
             version: env!("CARGO_PKG_VERSION").into(),
             previous_worker_id: worker_id.clone(),
+            peak_flops: cfg.peak_flops,
         })
         .await
         .context("register")?

@@ -213,6 +213,11 @@ impl FsdpTrainer {
         self.coll.rank()
     }
 
+    /// The model's architecture.
+    pub fn model_config(&self) -> &LlamaConfig {
+        &self.cfg
+    }
+
     /// Swaps in the collective of a new generation. The shards belong to a
     /// (rank, world) pair, so only the same pair is accepted; any other
     /// needs a rebuild from a checkpoint.

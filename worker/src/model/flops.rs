@@ -1,0 +1,77 @@
+//! Training FLOPs of the tokens a microbatch actually processed, for MFU.
+//!
+//! Counted as in the PaLM paper's appendix B (and Megatron's MFU): a matmul
+//! of `[m, k] × [k, n]` is `2·m·k·n` FLOPs forward and twice that backward,
+//! so training costs 3× the forward. Elementwise work (norms, RoPE, SiLU,
+//! softmax) is not counted. Per microbatch:
+//!
+//! - decoder matmuls: `6 · N_layer · tokens`, with `N_layer` the q/k/v/o and
+//!   gate/up/down weights of every layer (GQA shrinks k/v);
+//! - LM head: `6 · V · H · head_rows`, only the rows that have a target go
+//!   through the head (see `loss`);
+//! - attention scores and the weighted sum of values: causal and per
+//!   document, so `l(l+1)/2` query–key pairs in a document of length `l`;
+//!   each pair costs `2·d` FLOPs in `QKᵀ` and `2·d` in `PV` forward, with
+//!   `d = heads · head_dim`: `3 · 4 · d · Σ l(l+1)/2 = 6 · d · Σ l(l+1)` per
+//!   layer for training.
+
+use super::config::LlamaConfig;
+
+/// Weights of one decoder layer that go through matmuls.
+pub fn layer_matmul_params(cfg: &LlamaConfig) -> f64 {
+    let h = cfg.hidden_size as f64;
+    let q = (cfg.num_attention_heads * cfg.head_dim()) as f64;
+    let kv = (cfg.kv_heads() * cfg.head_dim()) as f64;
+    let i = cfg.intermediate_size as f64;
+    h * q + 2.0 * h * kv + q * h + 3.0 * h * i
+}
+
+/// Training FLOPs (forward + backward) of one packed microbatch with
+/// document boundaries `cu_seq_lens` of which `head_rows` tokens have a
+/// target (go through the LM head).
+pub fn training_flops(cfg: &LlamaConfig, cu_seq_lens: &[i64], head_rows: u64) -> f64 {
+    let tokens = cu_seq_lens.last().copied().unwrap_or(0).max(0) as f64;
+    let layers = cfg.num_hidden_layers as f64;
+    let d = (cfg.num_attention_heads * cfg.head_dim()) as f64;
+    let pairs2: f64 = cu_seq_lens
+        .windows(2)
+        .map(|w| {
+            let l = (w[1] - w[0]).max(0) as f64;
+            l * (l + 1.0)
+        })
+        .sum();
+    let dense = 6.0 * layers * layer_matmul_params(cfg) * tokens;
+    let head = 6.0 * (cfg.vocab_size * cfg.hidden_size) as f64 * head_rows as f64;
+    let attention = 6.0 * layers * d * pairs2;
+    dense + head + attention
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> LlamaConfig {
+        serde_json::from_value(serde_json::json!({
+            "vocab_size": 100, "hidden_size": 8, "intermediate_size": 16,
+            "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn counts_matmuls_head_rows_and_causal_attention_per_document() {
+        let c = cfg();
+        // head_dim 4: q 8·8, k/v 8·4 each, o 8·8, mlp 3·8·16.
+        assert_eq!(layer_matmul_params(&c), 64.0 + 64.0 + 64.0 + 384.0);
+        // Two documents of 3 and 1 tokens, 2 rows with a target.
+        let f = training_flops(&c, &[0, 3, 4], 2);
+        let dense = 6.0 * 2.0 * 576.0 * 4.0;
+        let head = 6.0 * 800.0 * 2.0;
+        let attention = 6.0 * 2.0 * 8.0 * (3.0 * 4.0 + 1.0 * 2.0);
+        assert_eq!(f, dense + head + attention);
+        // Packing never makes attention cross documents: one document of 4
+        // costs more than 3 + 1.
+        assert!(training_flops(&c, &[0, 4], 2) > f);
+        assert_eq!(training_flops(&c, &[0], 0), 0.0);
+    }
+}
