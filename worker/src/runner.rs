@@ -263,7 +263,7 @@ pub fn run_step(
             peer_rank: blamed_peer(e),
         })
     };
-    let norms = plan.normalizers.clone().unwrap_or_default();
+    let norms = plan.normalizers.unwrap_or_default();
     let mut sums = wire::MetricSums {
         idle_s,
         microbatches: plan.microbatches.len() as u32,

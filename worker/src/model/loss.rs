@@ -114,7 +114,7 @@ fn chunked_nll_untaped(
         if kind == Kind::Float {
             let _ = h_c.mm_out(&z, &w.tr());
         } else {
-            let _ = z.shallow_clone().copy_(&h_c.mm(&w.tr()));
+            z.shallow_clone().copy_(&h_c.mm(&w.tr()));
         }
         // In place: each row is fully read (max, Σexp) before it is written.
         let _ = z.internal_log_softmax_out(&z, 1, false);
