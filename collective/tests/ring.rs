@@ -288,12 +288,22 @@ fn diverging_operations_fail_loudly_naming_both_sides() {
             ring.all_gather(&mut v)
         }
     });
-    let e = out[1].as_ref().unwrap_err().to_string();
-    assert_eq!(
-        e,
-        "all_gather: ranks diverged: expected all_gather #1 (generation 1, step 0, bytes 0..20 of 40), \
-         rank 0 sent all_reduce #1 (generation 1, step 0, bytes 20..40 of 40)"
-    );
+    // Whichever rank reads the other's header first names both sides; the
+    // other may instead see that rank hang up (it shuts its sockets at once).
+    let errs: Vec<String> = out
+        .iter()
+        .map(|r| r.as_ref().unwrap_err().to_string())
+        .collect();
+    let named = errs.iter().any(|e| {
+        e.contains("ranks diverged") && e.contains("all_gather #1") && e.contains("all_reduce #1")
+    });
+    assert!(named, "{errs:?}");
+    for e in &errs {
+        assert!(
+            e.contains("ranks diverged") || e.contains("closed the connection"),
+            "{errs:?}"
+        );
+    }
     // The ring is broken for good afterwards.
     let out = on_ring(2, Duration::from_secs(5), |ring| {
         let mut v = vec![1.0f32; 10];
