@@ -90,6 +90,19 @@ pub struct ModelSection {
     pub config: Option<PathBuf>,
     #[serde(default)]
     pub dtype: Dtype,
+    /// When `init` is a checkpoint of ours: `true` (default) resumes it
+    /// (step, data cursor, optimizer state); `false` takes only its weights
+    /// (e.g. DPO starting from an SFT checkpoint).
+    #[serde(default = "yes", skip_serializing_if = "is_true")]
+    pub resume: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn is_true(b: &bool) -> bool {
+    *b
 }
 
 impl ModelSection {

@@ -59,8 +59,6 @@ fn base_dir(s: &str) -> Result<PathBuf, Status> {
 /// The `manifest.json` fields a resumed job starts from.
 #[derive(serde::Deserialize)]
 struct Manifest {
-    #[serde(default)]
-    name: String,
     step: u64,
     cursor: crate::cursor::Cursor,
 }
@@ -81,9 +79,9 @@ pub(super) fn resume_point(spec: &JobSpec) -> Result<Option<JobStart>, String> {
         .map_err(|e| e.to_string())
         .and_then(|b| serde_json::from_slice(&b).map_err(|e| e.to_string()))
         .map_err(|e| format!("model.init: {}: {e}", path.display()))?;
-    // Another job's checkpoint gives only its weights (e.g. DPO from an
-    // SFT checkpoint): step 0, fresh optimizer, own data stream.
-    if !m.name.is_empty() && m.name != spec.job.name {
+    if !spec.model.resume {
+        // Weights only (e.g. DPO from an SFT checkpoint): step 0, a fresh
+        // optimizer, this job's own data stream.
         return Ok(None);
     }
     Ok(Some(JobStart {
@@ -375,6 +373,9 @@ mod tests {
         assert_eq!((start.cursor.epoch, start.cursor.position), (1, 9));
         assert_eq!(start.cursor.overflow, vec![2]);
         assert_eq!(start.dir, dir.path());
+        let mut weights_only = spec_with_init(&d);
+        weights_only.model.resume = false;
+        assert_eq!(resume_point(&weights_only), Ok(None), "resume = false");
         std::fs::write(dir.path().join("manifest.json"), "{").unwrap();
         let e = resume_point(&spec_with_init(&d)).unwrap_err();
         assert!(
