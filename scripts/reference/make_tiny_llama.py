@@ -3,7 +3,9 @@ saves it with save_pretrained, and writes per-document logits, summed NLL
 (HF label semantics) and the gradients of (sum of NLL over documents) /
 (total loss tokens), each document run separately through transformers.
 
-usage: make_tiny_llama.py OUT_DIR [--variant llama|qwen2|tied] [--seed N]
+usage: make_tiny_llama.py OUT_DIR [--variant llama|qwen2|tied|sharded] [--seed N]
+(`sharded`: the llama variant saved as several model-0000i-of-0000n.safetensors
+files plus model.safetensors.index.json)
 writes OUT_DIR/model/{config.json,model.safetensors} and OUT_DIR/reference.safetensors
 """
 import argparse
@@ -32,7 +34,7 @@ def build(variant, seed):
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         rms_norm_eps=1e-6, initializer_range=0.05,
     )
-    if variant == "llama":
+    if variant in ("llama", "sharded"):
         cfg = transformers.LlamaConfig(tie_word_embeddings=False,
                                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
@@ -61,7 +63,8 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(2)
     model = build(args.variant, args.seed)
-    model.save_pretrained(os.path.join(args.out, "model"), safe_serialization=True)
+    shard = {"max_shard_size": "100KB"} if args.variant == "sharded" else {}
+    model.save_pretrained(os.path.join(args.out, "model"), safe_serialization=True, **shard)
     gen = torch.Generator().manual_seed(args.seed + 1)
     out = {}
     docs = []

@@ -16,6 +16,18 @@ fn check_parity(variant: &str) {
     let docs = common::documents(&reference);
     let total = i64::try_from(&reference["total_loss_tokens"]).unwrap() as u64;
     let model_dir = dir.path().join("model");
+    if variant == "sharded" {
+        let shards = std::fs::read_dir(&model_dir)
+            .unwrap()
+            .filter(|e| {
+                let name = e.as_ref().unwrap().file_name();
+                let name = name.to_string_lossy();
+                name.starts_with("model-") && name.ends_with(".safetensors")
+            })
+            .count();
+        assert!(shards >= 2, "expected several shards, found {shards}");
+        assert!(model_dir.join("model.safetensors.index.json").is_file());
+    }
     // Small loss chunks so several chunks (and a ragged last one) are exercised.
     let cfg = common::job_config(
         model_dir.to_str().unwrap(),
@@ -96,4 +108,11 @@ fn parity_qwen2_with_qkv_biases() {
 #[test]
 fn parity_llama_tied_embeddings() {
     check_parity("tied");
+}
+
+/// A checkpoint transformers saved in several shards with an index loads
+/// with the same logits, loss and gradients.
+#[test]
+fn parity_llama_from_a_sharded_hf_checkpoint() {
+    check_parity("sharded");
 }
