@@ -89,8 +89,7 @@ impl Coordinator {
             w.state = WorkerState::Draining;
             // With no step in flight the boundary is now.
             if self.jobs.get(&job).is_some_and(|j| j.inflight.is_none()) {
-                self.release_drained(&job, fx);
-                self.dissolve_generation(&job, "worker drained", now_ms, fx);
+                self.regroup(&job, now_ms, fx);
             }
         }
         Ok(())

@@ -124,6 +124,8 @@ pub struct Job {
     pub reference: Option<ReferenceCache>,
     /// Policy gradient: groups and advantages.
     pub rollouts: Option<RolloutPlan>,
+    /// A membership change waits for the checkpoint of the current step.
+    pub regroup_after_checkpoint: bool,
 }
 
 impl Job {
@@ -139,6 +141,7 @@ impl Job {
             checkpoint_acks: None,
             reference: None,
             rollouts: None,
+            regroup_after_checkpoint: false,
         }
     }
 

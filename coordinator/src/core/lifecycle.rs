@@ -194,9 +194,29 @@ impl Coordinator {
             enter_paused(job, now_ms, fx);
         }
         if leaving || joining {
-            self.release_drained(job_id, fx);
-            self.dissolve_generation(job_id, "membership change at step boundary", now_ms, fx);
+            self.regroup(job_id, now_ms, fx);
         }
+    }
+
+    /// Forms a new generation at this boundary. New members (and members
+    /// whose shards no longer fit the new world) restore from the latest
+    /// checkpoint, so that checkpoint must hold the current step: if it
+    /// does not, one is written first and the regroup waits for it (no
+    /// step is dispatched meanwhile).
+    pub(super) fn regroup(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
+        let job = self.jobs.get_mut(job_id).expect("known job");
+        let step = job.rec.step;
+        let on_disk = step == 0 || job.rec.last_checkpoint == Some(step);
+        if !on_disk {
+            if job.checkpoint_acks.as_ref().map(|(s, _)| *s) != Some(step) {
+                request_checkpoint(job, fx);
+            }
+            job.regroup_after_checkpoint = true;
+            return;
+        }
+        job.regroup_after_checkpoint = false;
+        self.release_drained(job_id, fx);
+        self.dissolve_generation(job_id, "membership change at step boundary", now_ms, fx);
     }
 
     /// Sends Release to the draining members of a job's generation.
@@ -294,6 +314,9 @@ impl Coordinator {
                 format!("checkpoint of step {ck_step} written"),
                 now_ms,
             );
+            if job.regroup_after_checkpoint && job.gen.is_some() {
+                self.regroup(job_id, now_ms, fx);
+            }
         }
     }
 
@@ -361,7 +384,11 @@ impl Coordinator {
             }
             let job = &self.jobs[&id];
             let ready = job.gen.as_ref().is_some_and(Generation::all_ready);
-            if job.rec.state == JobState::Running && ready && job.inflight.is_none() {
+            if job.rec.state == JobState::Running
+                && ready
+                && job.inflight.is_none()
+                && !job.regroup_after_checkpoint
+            {
                 self.dispatch(&id, now_ms, fx);
             }
         }

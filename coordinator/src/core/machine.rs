@@ -281,6 +281,9 @@ impl Coordinator {
         };
         let Some(gen) = job.gen.take() else { return };
         let aborted = job.inflight.take().map(|f| f.planned.step);
+        // A checkpoint its members were still writing will never be whole.
+        job.checkpoint_acks = None;
+        job.regroup_after_checkpoint = false;
         for m in &gen.members {
             if let Some(w) = self.workers.get_mut(m) {
                 if w.state == WorkerState::Lost {

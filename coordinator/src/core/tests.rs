@@ -511,6 +511,11 @@ fn a_joining_worker_enters_at_the_next_step_boundary() {
     let worlds: Vec<u32> = s.committed.iter().map(|(m, _)| m.world_size).collect();
     assert_eq!(worlds, vec![1, 2, 2]);
     assert!(s.committed.iter().all(|(m, _)| m.docs == 6));
+    // The joiner restored from a checkpoint of step 1, written before the
+    // new generation formed.
+    let rec = s.persisted.iter().find(|r| r.generation == 2).unwrap();
+    assert_eq!(rec.last_checkpoint, Some(1));
+    assert_eq!(rec.step, 1);
 }
 
 /// Every step mode, end to end through planner and cursor: each document of
