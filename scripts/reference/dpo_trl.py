@@ -150,7 +150,7 @@ def main():
         "logps/rejected",
     ]
     print(json.dumps({
-        "loss": float(loss),
+        "loss": loss.item(),
         "metrics": {k: m[k][-1] for k in keys},
         "chosen_logps": logps[: len(pairs)],
         "rejected_logps": logps[len(pairs):],

@@ -139,7 +139,9 @@ fn alone_logps(t: &mut Trainer, pairs: &[Pair]) -> Vec<[f64; 2]> {
     pairs
         .iter()
         .map(|p| {
-            let c = t.sequence_logps(0, &common::batch(&[p.chosen.clone()])).unwrap();
+            let c = t
+                .sequence_logps(0, &common::batch(&[p.chosen.clone()]))
+                .unwrap();
             let r = t
                 .sequence_logps(0, &common::batch(&[p.rejected.clone()]))
                 .unwrap();
@@ -253,7 +255,10 @@ fn trl_parity(loss: &str, trl_loss: &str, beta: f64) {
     let rel = |a: f64, b: f64| (a - b).abs() / b.abs().max(1.0);
     let theirs = reference["loss"].as_f64().unwrap();
     let ours = loss_sum / pf;
-    println!("{loss}: loss {ours} vs TRL {theirs} (diff {:e})", rel(ours, theirs));
+    println!(
+        "{loss}: loss {ours} vs TRL {theirs} (diff {:e})",
+        rel(ours, theirs)
+    );
     assert!(rel(ours, theirs) <= 1e-5, "{loss}: loss {ours} vs {theirs}");
     let m = &reference["metrics"];
     let mut worst_metric = 0.0f64;
@@ -273,7 +278,10 @@ fn trl_parity(loss: &str, trl_loss: &str, beta: f64) {
     }
     // Not degenerate: some pairs right, some wrong.
     let acc = extra["rewards/accuracy"];
-    assert!(acc > 0.0 && acc < pf, "{loss}: accuracy {acc}/{pf} is degenerate");
+    assert!(
+        acc > 0.0 && acc < pf,
+        "{loss}: accuracy {acc}/{pf} is degenerate"
+    );
 
     // TRL's per-pair policy log-probs vs ours from the packed run.
     let alone = alone_logps(&mut trainer(dir.path(), loss, beta), &pairs);
@@ -282,30 +290,55 @@ fn trl_parity(loss: &str, trl_loss: &str, beta: f64) {
         for (r, key) in ["chosen_logps", "rejected_logps"].iter().enumerate() {
             let b = reference[key][i].as_f64().unwrap();
             worst_logp = worst_logp.max(rel(a[r], b));
+            // transformers' plain forward on the sequence alone, too.
+            let b = reference["alone_logps"][i][r].as_f64().unwrap();
+            worst_logp = worst_logp.max(rel(a[r], b));
         }
     }
-    println!("{loss}: per-sequence logps vs TRL: worst {worst_logp:e}");
+    println!("{loss}: per-sequence logps vs TRL and transformers alone: worst {worst_logp:e}");
     assert!(worst_logp <= 1e-5);
 
     // Every parameter's gradient, elementwise |a−b| ≤ 1e-4·max(1, |b|).
     let grads = t.named_grads();
     assert_eq!(grads.len(), ref_grads.len(), "{loss}: parameter count");
     let mut worst = (0.0f64, String::new());
+    let mut worst_rel = (0.0f64, String::new());
     for (name, g) in &grads {
         let b = ref_grads
             .get(&format!("grad.{name}"))
             .unwrap_or_else(|| panic!("no TRL gradient for {name}"))
             .to_kind(tch::Kind::Double);
-        assert!(f64::try_from(b.abs().max()).unwrap() > 0.0, "{name}: zero grad");
+        assert!(
+            f64::try_from(b.abs().max()).unwrap() > 0.0,
+            "{name}: zero grad"
+        );
         let d = (g.to_kind(tch::Kind::Double) - &b).abs() / b.abs().clamp_min(1.0);
         let d = f64::try_from(d.max()).unwrap();
         if d > worst.0 {
             worst = (d, name.clone());
         }
+        let (dn, n) = common::diff_norms(g, &b);
+        if dn / n > worst_rel.0 {
+            worst_rel = (dn / n, name.clone());
+        }
     }
-    println!("{loss}: worst gradient diff {:e} ({})", worst.0, worst.1);
-    assert!(worst.0 <= 1e-4, "{loss}: gradient of {} differs by {}", worst.1, worst.0);
-    let _ = worst_metric;
+    println!(
+        "{loss}: worst gradient diff {:e} ({}), per tensor ‖a−b‖/‖b‖ {:e} ({})",
+        worst.0, worst.1, worst_rel.0, worst_rel.1
+    );
+    assert!(
+        worst_rel.0 <= 1e-4,
+        "{loss}: gradient of {} differs by {:e} relative",
+        worst_rel.1,
+        worst_rel.0
+    );
+    assert!(
+        worst.0 <= 1e-4,
+        "{loss}: gradient of {} differs by {}",
+        worst.1,
+        worst.0
+    );
+    println!("{loss}: worst metric diff {worst_metric:e}");
 }
 
 #[test]
@@ -356,8 +389,15 @@ fn dpo_packed_sequence_logps_equal_unpacked() {
             let want = alone[i][role as usize];
             let d = (lp - want).abs() / want.abs().max(1.0);
             worst = worst.max(d);
-            assert!(d <= 1e-5, "pair {i} role {role}: packed {lp} vs alone {want}");
-            let doc = if role == 0 { &pairs[i].chosen } else { &pairs[i].rejected };
+            assert!(
+                d <= 1e-5,
+                "pair {i} role {role}: packed {lp} vs alone {want}"
+            );
+            let doc = if role == 0 {
+                &pairs[i].chosen
+            } else {
+                &pairs[i].rejected
+            };
             let expected_tokens = doc.1[1..].iter().filter(|&&l| l != -100).count() as u64;
             assert_eq!(*n, expected_tokens, "pair {i} role {role}: loss tokens");
         }
@@ -373,7 +413,10 @@ fn dpo_packed_sequence_logps_equal_unpacked() {
     let bad = t.sequence_logps(0, &wrong).unwrap();
     let d = (bad[1].0 - alone[0][1]).abs() / alone[0][1].abs();
     println!("with a wrong offset: {d:e}");
-    assert!(d > 1e-2, "a wrong offset should change the log-prob, got {d:e}");
+    assert!(
+        d > 1e-2,
+        "a wrong offset should change the log-prob, got {d:e}"
+    );
 }
 
 /// How a step's microbatches are normalised.
@@ -529,7 +572,10 @@ fn equivalence(loss: &str) {
     let pairs = pairs_with_reference(dir.path());
     let layouts = layouts();
     let reference = train_pairs(loss, &pairs, &layouts[0].1, Norm::Global);
-    println!("{loss}: losses {:?}, grad norms {:?}", reference.losses, reference.grad_norms);
+    println!(
+        "{loss}: losses {:?}, grad norms {:?}",
+        reference.losses, reference.grad_norms
+    );
     for (name, layout) in &layouts[1..] {
         let got = train_pairs(loss, &pairs, layout, Norm::Global);
         let (w, what) = compare(&got, &reference);
@@ -546,7 +592,10 @@ fn equivalence(loss: &str) {
         let g = (bad.grad_norms[0] - reference.grad_norms[0]).abs() / reference.grad_norms[0];
         println!("{loss}, {name}, {bug:?}: parameters {w:e} ({what}), grad norm {g:e}");
         assert!(w > 1e-3, "{loss}, {name}, {bug:?}: should miss, got {w:e}");
-        assert!(g > 1e-2, "{loss}, {name}, {bug:?}: grad norm should differ, got {g:e}");
+        assert!(
+            g > 1e-2,
+            "{loss}, {name}, {bug:?}: grad norm should differ, got {g:e}"
+        );
     }
 }
 
