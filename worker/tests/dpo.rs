@@ -140,10 +140,10 @@ fn alone_logps(t: &mut Trainer, pairs: &[Pair]) -> Vec<[f64; 2]> {
         .iter()
         .map(|p| {
             let c = t
-                .sequence_logps(0, &common::batch(&[p.chosen.clone()]))
+                .sequence_logps(0, &common::batch(std::slice::from_ref(&p.chosen)))
                 .unwrap();
             let r = t
-                .sequence_logps(0, &common::batch(&[p.rejected.clone()]))
+                .sequence_logps(0, &common::batch(std::slice::from_ref(&p.rejected)))
                 .unwrap();
             [c[0].0, r[0].0]
         })
@@ -433,6 +433,9 @@ enum Norm {
 /// `layout[step][rank][microbatch]` = pair indices of that step.
 type Layout = Vec<Vec<Vec<Vec<usize>>>>;
 
+/// One rank's step: (global pairs P, the rank's pairs, its microbatches).
+type RankStep = (u64, u64, Vec<(PackedBatch, MicrobatchMeta)>);
+
 struct Outcome {
     params: Vec<(String, Tensor)>,
     /// Per step: Σ loss, Σ metrics, grad norm.
@@ -461,7 +464,7 @@ fn train_pairs(loss: &str, pairs: &[Pair], layout: &Layout, norm: Norm) -> Outco
         .enumerate()
         .map(|(rank, coll)| {
             let cfg = cfg.clone();
-            let mine: Vec<(u64, u64, Vec<(PackedBatch, MicrobatchMeta)>)> = layout
+            let mine: Vec<RankStep> = layout
                 .iter()
                 .enumerate()
                 .map(|(s, ranks)| {
