@@ -37,6 +37,29 @@ pub fn python(script: &str, args: &[&str]) {
     );
 }
 
+/// Runs `scripts/reference/<script>` like [`python`] and returns its stdout.
+pub fn python_output(script: &str, args: &[&str]) -> String {
+    let root = repo_root();
+    let py = root.join(".venv/bin/python");
+    assert!(
+        py.exists(),
+        "python venv not found at {} (run scripts/setup.sh)",
+        py.display()
+    );
+    let out = Command::new(&py)
+        .arg(root.join("scripts/reference").join(script))
+        .args(args)
+        .output()
+        .expect("running python reference");
+    assert!(
+        out.status.success(),
+        "{script} failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("python output is not UTF-8")
+}
+
 /// Builds the tiny HF reference model + expectations in `dir`.
 pub fn make_reference(dir: &Path, variant: &str) -> HashMap<String, Tensor> {
     python(
