@@ -51,24 +51,9 @@ use crate::model::{weights, LlamaConfig, PackedAttention};
 use super::batch::PackedBatch;
 use super::checkpoint::{self, ShardEntry};
 use super::optim::{self, AdamW, AdamWConfig};
-use super::trainer::{build_model, MicrobatchSums, StepStats};
+use super::trainer::{build_model, MicrobatchSums, StateBytes, StepStats};
 use shell::LayerShell;
 use units::UnitLayout;
-
-/// Bytes of training state a rank holds between steps (float32 shards).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct StateBytes {
-    pub params: u64,
-    pub grads: u64,
-    /// AdamW first and second moments.
-    pub optimizer: u64,
-}
-
-impl StateBytes {
-    pub fn total(&self) -> u64 {
-        self.params + self.grads + self.optimizer
-    }
-}
 
 /// One rank of an FSDP group: its shards of every unit, and the shells
 /// that run a unit on gathered parameters.
@@ -400,6 +385,8 @@ impl FsdpTrainer {
             params: bytes(&self.params),
             grads: bytes(&self.grads),
             optimizer: bytes(&self.opt.exp_avg) + bytes(&self.opt.exp_avg_sq),
+            // The transient gather buffer of the largest unit.
+            boundary: self.largest_unit_bytes(),
         }
     }
 
