@@ -143,24 +143,3 @@ pub unsafe fn as_f32_slice_mut(t: &mut Tensor) -> &mut [f32] {
     }
     std::slice::from_raw_parts_mut(t.data_ptr() as *mut f32, n)
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn shards_cover_every_element_once_in_order() {
-        for len in [0usize, 1, 2, 7, 64, 1001] {
-            for world in 1..=5 {
-                let mut next = 0;
-                for rank in 0..world {
-                    let r = shard_range(len, world, rank);
-                    assert_eq!(r.start, next, "len {len} world {world} rank {rank}");
-                    assert!(r.len() == len / world || r.len() == len / world + 1);
-                    next = r.end;
-                }
-                assert_eq!(next, len);
-            }
-        }
-    }
-}

@@ -59,6 +59,30 @@ pub struct NonFiniteLoss {
     pub end: usize,
 }
 
+impl NonFiniteLoss {
+    /// Err when chunk `chunk` (of `len` rows, chunks of `chunk_tokens`)
+    /// summed to a non-finite `value`.
+    pub fn check(value: f64, chunk: usize, chunk_tokens: usize, len: usize) -> Result<(), Self> {
+        if value.is_finite() {
+            return Ok(());
+        }
+        let start = chunk * chunk_tokens;
+        Err(NonFiniteLoss {
+            value,
+            chunk,
+            start,
+            end: start + len,
+        })
+    }
+}
+
+/// Rows of a packed row that have a target (`!= -100`), in order.
+pub fn target_rows(targets: &[i64]) -> Vec<i64> {
+    (0..targets.len() as i64)
+        .filter(|&t| targets[t as usize] != -100)
+        .collect()
+}
+
 /// NLL over the targets in chunks of `chunk_tokens` and the gradients of
 /// `scale · NLL` w.r.t. `hidden: [T, H]` and `weight: [V, H]` (not yet
 /// applied to the model: see [`backward_into_model`]).
@@ -88,9 +112,7 @@ fn chunked_nll_untaped(
     let w = weight.detach();
     let (t, hid) = (h.size()[0], h.size()[1]);
     let vocab = w.size()[0];
-    let rows: Vec<i64> = (0..targets.len() as i64)
-        .filter(|&t| targets[t as usize] != -100)
-        .collect();
+    let rows = target_rows(targets);
     if rows.is_empty() {
         return Ok(ChunkedLoss {
             loss_sum: 0.0,
@@ -120,16 +142,7 @@ fn chunked_nll_untaped(
         let _ = z.internal_log_softmax_out(&z, 1, false);
         let nll = z.gather(1, &tgt, false).sum(Kind::Double).neg();
         let value = f64::try_from(&nll)?;
-        if !value.is_finite() {
-            let start = i * chunk_tokens;
-            return Err(NonFiniteLoss {
-                value,
-                chunk: i,
-                start,
-                end: start + chunk.len(),
-            }
-            .into());
-        }
+        NonFiniteLoss::check(value, i, chunk_tokens, chunk.len())?;
         loss_sum += value;
         // z ← softmax − onehot = ∂NLL/∂logits; `scale` goes on the small side.
         let _ = z.shallow_clone().exp_();

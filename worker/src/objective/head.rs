@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use anyhow::{bail, Context};
 use tch::{Kind, Reduction, Tensor};
 
-use crate::model::loss::{ChunkedLoss, NonFiniteLoss};
+use crate::model::loss::{target_rows, ChunkedLoss, NonFiniteLoss};
 
 /// What the plan says about one sequence of a microbatch.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -55,12 +55,6 @@ impl MicrobatchMeta {
             old_logprobs,
         })
     }
-}
-
-fn target_rows(targets: &[i64]) -> Vec<i64> {
-    (0..targets.len() as i64)
-        .filter(|&t| targets[t as usize] != -100)
-        .collect()
 }
 
 /// The log-prob of every row's target (`0.0` where the row has none), in
@@ -149,16 +143,7 @@ pub fn weighted_nll(
         let nll = logits.cross_entropy_loss::<Tensor>(&tgt, None, Reduction::None, -100, 0.0);
         let loss = (nll * wt).sum(Kind::Float);
         let value = f64::try_from(&loss)?;
-        if !value.is_finite() {
-            let start = i * chunk_tokens;
-            return Err(NonFiniteLoss {
-                value,
-                chunk: i,
-                start,
-                end: start + chunk.len(),
-            }
-            .into());
-        }
+        NonFiniteLoss::check(value, i, chunk_tokens, chunk.len())?;
         loss_sum += value;
         loss.backward();
     }

@@ -125,7 +125,7 @@ pub struct Trainer {
 
 mod objectives;
 
-fn parse_kind(dtype: &str) -> anyhow::Result<Kind> {
+pub(crate) fn parse_kind(dtype: &str) -> anyhow::Result<Kind> {
     match dtype {
         "float32" | "fp32" | "f32" => Ok(Kind::Float),
         "bfloat16" | "bf16" => Ok(Kind::BFloat16),
@@ -195,13 +195,7 @@ impl Trainer {
     ) -> anyhow::Result<Trainer> {
         let sharding = Sharding::parse(&cfg.parallel.sharding)?;
         let model = build_model(cfg, restore_from)?;
-        let [beta1, beta2] = cfg.optimizer.betas;
-        let adam = AdamWConfig {
-            beta1,
-            beta2,
-            eps: cfg.optimizer.eps,
-            weight_decay: cfg.optimizer.weight_decay,
-        };
+        let adam = AdamWConfig::from_spec(&cfg.optimizer);
         let mut vars: Vec<(String, Tensor)> = model.vs.variables().into_iter().collect();
         vars.sort_by(|a, b| a.0.cmp(&b.0));
         let (names, params): (Vec<String>, Vec<Tensor>) = vars.into_iter().unzip();

@@ -51,7 +51,7 @@ use crate::model::{weights, LlamaConfig, PackedAttention};
 use super::batch::PackedBatch;
 use super::checkpoint::{self, ShardEntry};
 use super::optim::{self, AdamW, AdamWConfig};
-use super::trainer::{build_model, MicrobatchSums, StateBytes, StepStats};
+use super::trainer::{build_model, parse_kind, MicrobatchSums, StateBytes, StepStats};
 use shell::LayerShell;
 use units::UnitLayout;
 
@@ -79,14 +79,6 @@ pub struct FsdpTrainer {
     loss_chunk_tokens: usize,
     /// Packed-attention implementation (as `Llama::attention`).
     pub attention: PackedAttention,
-}
-
-fn parse_kind(dtype: &str) -> anyhow::Result<Kind> {
-    match dtype {
-        "float32" | "fp32" | "f32" => Ok(Kind::Float),
-        "bfloat16" | "bf16" => Ok(Kind::BFloat16),
-        other => bail!("model.dtype: expected float32 or bfloat16, got {other}"),
-    }
 }
 
 /// Config and full tensors of a HF checkpoint directory.
@@ -148,13 +140,7 @@ impl FsdpTrainer {
         }
         drop(tensors);
         let grads = params.iter().map(Tensor::zeros_like).collect();
-        let [beta1, beta2] = cfg.optimizer.betas;
-        let adam = AdamWConfig {
-            beta1,
-            beta2,
-            eps: cfg.optimizer.eps,
-            weight_decay: cfg.optimizer.weight_decay,
-        };
+        let adam = AdamWConfig::from_spec(&cfg.optimizer);
         let mut opt = AdamW::new(adam, &params);
         if let Some(dir) = restore {
             let (step, moments) = checkpoint::load_optimizer_tensors(dir)
