@@ -42,6 +42,7 @@ fn to_wire(docs: &[(Vec<i64>, Vec<i64>)]) -> wire::Microbatch {
     let ids: Vec<u32> = b.input_ids.iter().map(|&t| t as u32).collect();
     let labels: Vec<i32> = b.labels.iter().map(|&t| t as i32).collect();
     wire::Microbatch {
+        ref_logprobs: Vec::new(),
         token_ids: accrue_proto::pack_u32(&ids),
         labels: accrue_proto::pack_i32(&labels),
         cu_seq_lens: b.cu_seq_lens.iter().map(|&c| c as u32).collect(),
@@ -121,6 +122,7 @@ fn two_runners_train_checkpoint_and_rejoin_a_new_generation() {
     let total = PackedBatch::from_documents(&docs).loss_tokens();
     for (rank, r) in runners.iter().enumerate() {
         r.submit(Work::Plan(Box::new(wire::StepPlan {
+            replay: false,
             job_id: "j".into(),
             generation: 1,
             step: 1,

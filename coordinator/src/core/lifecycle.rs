@@ -276,9 +276,12 @@ impl Coordinator {
                 let reason = format!("collective timeout at step {step} on {worker}: {message}");
                 self.dissolve_generation(job_id, &reason, now_ms, fx);
             }
+            // TODO(issue 6): fall back to an older checkpoint / a restore.
             WorkerErrorKind::NonFinite
             | WorkerErrorKind::InvalidPlan
-            | WorkerErrorKind::Internal => {
+            | WorkerErrorKind::Internal
+            | WorkerErrorKind::RestoreFailed
+            | WorkerErrorKind::StateSync => {
                 let reason = format!("step {step} failed on worker {worker}: {message}");
                 self.finish(job_id, JobState::Failed, &reason, now_ms, fx);
             }

@@ -37,9 +37,15 @@ use crate::spec::JobSpec;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WorkerErrorKind {
     NonFinite,
-    CollectiveTimeout { peer_rank: Option<u32> },
+    CollectiveTimeout {
+        peer_rank: Option<u32>,
+    },
     InvalidPlan,
     Internal,
+    /// The configured checkpoint could not be restored (missing or corrupt).
+    RestoreFailed,
+    /// State sync from live peers failed.
+    StateSync,
 }
 
 /// Everything that can happen to the coordinator.

@@ -152,6 +152,8 @@ pub fn error_kind(kind: i32, peer_rank: Option<u32>) -> WorkerErrorKind {
         wire::ErrorKind::NonFinite => WorkerErrorKind::NonFinite,
         wire::ErrorKind::CollectiveTimeout => WorkerErrorKind::CollectiveTimeout { peer_rank },
         wire::ErrorKind::InvalidPlan => WorkerErrorKind::InvalidPlan,
+        wire::ErrorKind::RestoreFailed => WorkerErrorKind::RestoreFailed,
+        wire::ErrorKind::StateSync => WorkerErrorKind::StateSync,
         wire::ErrorKind::Internal | wire::ErrorKind::Unspecified => WorkerErrorKind::Internal,
     }
 }
@@ -190,6 +192,7 @@ pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
                     rank: r as u32,
                     worker_id: id.clone(),
                     collective_addr: addr.clone(),
+                    prior: None,
                 })
                 .collect(),
             spec_toml: spec_toml.clone(),
@@ -232,6 +235,7 @@ pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
                     } else {
                         pack_f32(&mb.old_logprobs)
                     },
+                    ref_logprobs: Vec::new(),
                 })
                 .collect(),
             cursor_after: Some(cursor(&planned.cursor_after)),
@@ -239,6 +243,7 @@ pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
                 PlanKind::Train => wire::PlanKind::Train,
                 PlanKind::Reference => wire::PlanKind::Reference,
             } as i32,
+            replay: false,
         }),
         ToWorker::Abort {
             job,

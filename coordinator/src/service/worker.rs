@@ -71,6 +71,8 @@ fn event_of(worker: &str, msg: Msg) -> Result<Option<Event>, Status> {
             job: c.job_id,
             step: c.step,
         },
+        // TODO(issue 5, rl.publish_every): an event once publishing lands.
+        Msg::PolicyPublished(_) => return Ok(None),
     }))
 }
 

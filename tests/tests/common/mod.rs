@@ -121,6 +121,7 @@ pub async fn fake_worker(url: String, max_steps: Option<usize>) -> anyhow::Resul
     let mut client = wire::worker_service_client::WorkerServiceClient::connect(url).await?;
     let reg = client
         .register(wire::RegisterRequest {
+            held: None,
             hostname: "fake".into(),
             device: "cpu".into(),
             memory_bytes: 1 << 30,
@@ -215,6 +216,7 @@ pub async fn fake_worker(url: String, max_steps: Option<usize>) -> anyhow::Resul
                 .await?;
             }
             In::Abort(_) => {}
+            In::PublishPolicy(_) => {}
             In::Release(_) => {
                 report.released = true;
                 break;

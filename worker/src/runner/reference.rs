@@ -55,6 +55,7 @@ pub fn run_reference(
                 role: s.role,
                 logp: l.logp,
                 loss_tokens: l.loss_tokens,
+                token_logps: Vec::new(),
             });
         }
     }

@@ -104,6 +104,7 @@ fn mb(docs: &[(&str, usize)]) -> wire::Microbatch {
         });
     }
     wire::Microbatch {
+        ref_logprobs: Vec::new(),
         token_ids: accrue_proto::pack_u32(&ids),
         labels: accrue_proto::pack_i32(&labels),
         cu_seq_lens: cu,
@@ -114,6 +115,7 @@ fn mb(docs: &[(&str, usize)]) -> wire::Microbatch {
 
 fn plan(step: u64, mbs: Vec<wire::Microbatch>) -> wire::StepPlan {
     wire::StepPlan {
+        replay: false,
         job_id: "j".into(),
         generation: 1,
         step,

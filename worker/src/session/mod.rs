@@ -158,6 +158,8 @@ async fn session(
             version: env!("CARGO_PKG_VERSION").into(),
             previous_worker_id: worker_id.clone(),
             peak_flops: cfg.peak_flops,
+            // TODO(issue 6): report the replica this process still holds.
+            held: None,
         })
         .await
         .context("register")?
@@ -194,6 +196,8 @@ async fn session(
                     In::StepPlan(p) => runner.submit(Work::Plan(Box::new(p))),
                     In::CheckpointRequest(c) => runner.submit(Work::Checkpoint(c)),
                     In::Abort(a) => runner.submit(Work::Abort(a)),
+                    // TODO(issue 5, rl.publish_every): write the policy.
+                    In::PublishPolicy(p) => warn!(job = %p.job_id, step = p.step, "policy publishing is not built yet"),
                     In::Release(r) => {
                         info!(job = %r.job_id, reason = %r.reason, "released");
                         if cfg.exit_on_release {
