@@ -18,6 +18,7 @@ mod data;
 pub mod local;
 #[cfg(test)]
 mod mock_tests;
+mod recovery;
 pub mod render;
 pub mod validate;
 pub mod watch;
@@ -171,6 +172,9 @@ pub enum BenchCommand {
     /// Bus bandwidth of the TCP ring (one process per rank on 127.0.0.1)
     /// beside torch.distributed gloo on the same sizes.
     Collective(CollectiveArgs),
+    /// Time from a worker's death (or freeze) to its detection and to the
+    /// next committed step, with real worker processes on a tiny model.
+    Recovery(RecoveryArgs),
     /// One rank of `bench collective` (internal: started by it).
     #[command(hide = true)]
     CollectiveRank(CollectiveRankArgs),
@@ -220,6 +224,23 @@ pub struct CollectiveRankArgs {
     pub sizes_mib: Vec<f64>,
     #[arg(long)]
     pub chunk_bytes: Option<usize>,
+}
+
+/// Arguments of `accrue bench recovery`.
+#[derive(Debug, Clone, Args)]
+pub struct RecoveryArgs {
+    /// Print one JSON object per row instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Sharding levels.
+    #[arg(long, value_delimiter = ',', default_value = "ddp,fsdp")]
+    pub sharding: Vec<String>,
+    /// World sizes before the fault (the last worker is hit).
+    #[arg(long, value_delimiter = ',', default_value = "2,3")]
+    pub workers: Vec<u32>,
+    /// `kill` (kill -9) and/or `stop` (SIGSTOP, a frozen worker).
+    #[arg(long, value_delimiter = ',', default_value = "kill,stop")]
+    pub faults: Vec<String>,
 }
 
 /// Arguments of `accrue bench packing`.
@@ -302,6 +323,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Bench {
             bench: BenchCommand::Collective(args),
         } => bench::collective(&args),
+        Command::Bench {
+            bench: BenchCommand::Recovery(args),
+        } => recovery::run(&args).await,
         Command::Bench {
             bench: BenchCommand::CollectiveRank(args),
         } => bench::collective_rank(&args),
