@@ -101,11 +101,11 @@ def step_loss(model, ref_model, rollouts, adv, spec):
             objective = objective + token_loss.sum() / n / len(rollouts)
         else:
             objective = objective + token_loss.sum() / spec["constant"]
-        stats["loss_sum"] += float(token_loss.sum())
+        stats["loss_sum"] += float(token_loss.detach().sum())
         stats["loss_tokens"] += n
         stats["advantage_sum"] += a * n
         stats["clip_count"] += int((unclipped > clipped).sum())
-        stats["kl_sum"] += float(kl.sum())
+        stats["kl_sum"] += float(kl.detach().sum())
     return objective, stats
 
 
@@ -139,7 +139,7 @@ def main():
         opt.step()
         for n, p in model.named_parameters():
             tensors[f"step{s}.param.{n}"] = p.detach().clone().contiguous()
-        stats.update(objective=float(objective), advantages=adv, grad_norm=float(norm))
+        stats.update(objective=float(objective.detach()), advantages=adv, grad_norm=float(norm))
         steps.append(stats)
     save_file(tensors, out_path)
     print(json.dumps({"steps": steps}))
