@@ -292,6 +292,9 @@ pub struct SynthArgs {
 pub enum SynthTask {
     /// Small integer arithmetic questions with exact answers.
     Arithmetic,
+    /// Rollout groups of arithmetic answers rewarded 1 (right) or 0 (wrong)
+    /// for the policy-gradient demo (`--rows` rounded up to whole groups).
+    ArithmeticRollouts,
 }
 
 /// Runs one parsed command line. `Err` is printed by the binary as

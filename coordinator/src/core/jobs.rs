@@ -120,6 +120,8 @@ pub struct Job {
     /// Workers asked to write the checkpoint of step `.0`, and whether each
     /// has reported it written.
     pub checkpoint_acks: Option<(u64, BTreeMap<WorkerId, bool>)>,
+    /// Published policies (`rl.publish_every`) by step: members yet to answer.
+    pub publish_acks: BTreeMap<u64, std::collections::BTreeSet<WorkerId>>,
     /// DPO with a cached reference: the log-probs computed so far.
     pub reference: Option<ReferenceCache>,
     /// Policy gradient: groups and advantages.
@@ -139,6 +141,7 @@ impl Job {
             pause_requested: false,
             checkpoint_requested: false,
             checkpoint_acks: None,
+            publish_acks: BTreeMap::new(),
             reference: None,
             rollouts: None,
             regroup_after_checkpoint: false,

@@ -158,6 +158,7 @@ impl Coordinator {
             item: WatchItem::Step(m),
         });
 
+        super::publish::request_if_due(job, fx);
         let every = job.spec.checkpoint.every_steps;
         let finished = job.finished();
         let due = (every > 0 && job.rec.step.is_multiple_of(every))

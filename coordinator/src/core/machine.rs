@@ -122,6 +122,10 @@ impl Coordinator {
                 self.seen(&worker, now_ms);
                 self.on_checkpoint_done(&worker, &job, step, now_ms, &mut fx);
             }
+            Event::PolicyPublished { worker, job, step } => {
+                self.seen(&worker, now_ms);
+                self.on_policy_published(&worker, &job, step, now_ms, &mut fx);
+            }
             Event::SubmitJob {
                 id,
                 spec,

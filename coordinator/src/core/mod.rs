@@ -10,6 +10,7 @@ mod jobs;
 mod lifecycle;
 mod machine;
 pub mod metrics;
+mod publish;
 pub mod reference;
 pub mod rollouts;
 pub mod step;
@@ -88,6 +89,12 @@ pub enum Event {
         message: String,
     },
     CheckpointDone {
+        worker: WorkerId,
+        job: JobId,
+        step: u64,
+    },
+    /// A worker wrote its part of a published policy (`rl.publish_every`).
+    PolicyPublished {
         worker: WorkerId,
         job: JobId,
         step: u64,
@@ -171,6 +178,12 @@ pub enum ToWorker {
     Release {
         job: JobId,
         reason: String,
+    },
+    /// Write the current policy as HF safetensors into `dir`.
+    PublishPolicy {
+        job: JobId,
+        step: u64,
+        dir: PathBuf,
     },
 }
 

@@ -69,6 +69,10 @@ struct Sim {
     stored_ref: BTreeMap<DocId, [f64; 2]>,
     /// Every plan sent (rank 0's copy).
     plans: Vec<Arc<PlannedStep>>,
+    /// Watch events published: (kind, message).
+    events: Vec<(String, String)>,
+    /// Policies workers were asked to publish: (worker, step, dir).
+    publish_requests: Vec<(WorkerId, u64, std::path::PathBuf)>,
 }
 
 /// The log-prob a simulated worker reports in a reference pass.
@@ -87,6 +91,8 @@ impl Sim {
             dead: Vec::new(),
             stored_ref: BTreeMap::new(),
             plans: Vec::new(),
+            events: Vec::new(),
+            publish_requests: Vec::new(),
         }
     }
 
@@ -102,6 +108,10 @@ impl Sim {
                     {
                         self.plans.push(planned.clone());
                     }
+                    if let ToWorker::PublishPolicy { step, dir, .. } = &msg {
+                        self.publish_requests
+                            .push((worker.clone(), *step, dir.clone()));
+                    }
                     self.inbox.push_back((worker, msg))
                 }
                 Effect::StoreReference { entries, .. } => self.stored_ref.extend(entries),
@@ -110,6 +120,10 @@ impl Sim {
                     self.committed.push((*metrics, docs));
                 }
                 Effect::PersistJob(rec) => self.persisted.push(rec),
+                Effect::Publish {
+                    item: WatchItem::Event { kind, message, .. },
+                    ..
+                } => self.events.push((kind, message)),
                 Effect::AppendMetrics { .. } | Effect::Publish { .. } => {}
             }
         }
@@ -215,6 +229,11 @@ impl Sim {
                 }
             }
             ToWorker::Checkpoint { job, step, .. } => Event::CheckpointDone {
+                worker: w,
+                job,
+                step,
+            },
+            ToWorker::PublishPolicy { job, step, .. } => Event::PolicyPublished {
                 worker: w,
                 job,
                 step,
@@ -787,4 +806,69 @@ fn pg_steps_take_whole_groups_and_train_every_kept_rollout_once() {
             assert!(q.scalars.iter().any(|(k, _)| k == "advantage"));
         }
     }
+}
+
+/// `rl.publish_every = 2`: after steps 2 and 4 every member is asked to
+/// write the policy to OUTPUT_DIR/policy/step-N, and the watch stream
+/// announces each once, after the last member answered.
+#[test]
+fn pg_publishes_the_policy_every_n_steps_once_all_ranks_wrote_it() {
+    let mut s = Sim::new();
+    // 15 groups, every third flat: 10 kept groups of 4, 2 groups a step.
+    let d = rollouts(15, 4);
+    let mut sp = spec("epochs = 1", "docs_per_step = 6", 1, 4);
+    sp.data.format = crate::spec::DataFormat::Rollouts;
+    sp.objective.kind = crate::objective::ObjectiveKind::Pg;
+    sp.rl.publish_every = Some(2);
+    s.submit(sp, d);
+    s.worker("a");
+    s.worker("b");
+    // Answer until the first publish request is queued, then check that
+    // one member's answer alone announces nothing.
+    while s.publish_requests.is_empty() {
+        assert!(s.step_once(), "no policy was requested");
+    }
+    let (first, step, _) = s.publish_requests[0].clone();
+    assert_eq!(step, 2);
+    s.handle(Event::PolicyPublished {
+        worker: first.clone(),
+        job: "job".into(),
+        step: 2,
+    })
+    .unwrap();
+    assert!(
+        s.events.iter().all(|(k, _)| k != "policy"),
+        "{:?}",
+        s.events
+    );
+    s.inbox
+        .retain(|(w, m)| !(w == &first && matches!(m, ToWorker::PublishPolicy { .. })));
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    assert_eq!(s.committed.len(), 5);
+    let root = std::path::Path::new("/tmp/accrue-core-test/policy");
+    let mut asked: Vec<(String, u64, std::path::PathBuf)> = s.publish_requests.clone();
+    asked.sort();
+    assert_eq!(
+        asked,
+        vec![
+            ("a".into(), 2, root.join("step-2")),
+            ("a".into(), 4, root.join("step-4")),
+            ("b".into(), 2, root.join("step-2")),
+            ("b".into(), 4, root.join("step-4")),
+        ]
+    );
+    let policy: Vec<&String> = s
+        .events
+        .iter()
+        .filter(|(k, _)| k == "policy")
+        .map(|(_, m)| m)
+        .collect();
+    assert_eq!(
+        policy,
+        vec![
+            "policy of step 2 published to /tmp/accrue-core-test/policy/step-2",
+            "policy of step 4 published to /tmp/accrue-core-test/policy/step-4",
+        ]
+    );
 }
