@@ -9,6 +9,9 @@ use super::*;
 use crate::doc::{DocBody, DocId, Document, Sequence};
 use crate::spec::JobSpec;
 
+#[path = "stream_tests.rs"]
+mod stream_tests;
+
 fn docs(n: usize) -> Arc<[Document]> {
     (0..n)
         .map(|i| {
@@ -69,6 +72,8 @@ struct Sim {
     stored_ref: BTreeMap<DocId, [f64; 2]>,
     /// Every plan sent (rank 0's copy).
     plans: Vec<Arc<PlannedStep>>,
+    /// Rollout store writes of streamed jobs, in order.
+    rollout_writes: Vec<RolloutWrite>,
 }
 
 /// The log-prob a simulated worker reports in a reference pass.
@@ -87,6 +92,7 @@ impl Sim {
             dead: Vec::new(),
             stored_ref: BTreeMap::new(),
             plans: Vec::new(),
+            rollout_writes: Vec::new(),
         }
     }
 
@@ -110,6 +116,7 @@ impl Sim {
                     self.committed.push((*metrics, docs));
                 }
                 Effect::PersistJob(rec) => self.persisted.push(rec),
+                Effect::PersistRollouts(w) => self.rollout_writes.push(*w),
                 Effect::AppendMetrics { .. } | Effect::Publish { .. } => {}
             }
         }
