@@ -329,13 +329,12 @@ pub fn validate_source(spec: &crate::spec::JobSpec, bad: &mut impl FnMut(&str, S
                 .into(),
         );
     }
-    let Some(docs) = spec.batch.docs_per_step else {
+    if spec.batch.docs_per_step.is_none() {
         bad(
             "batch.docs_per_step",
             "required for a streamed job (a step takes whole groups until it holds this many rollouts)".into(),
         );
-        return;
-    };
+    }
     match rl.group_size {
         None => bad(
             "rl.group_size",
@@ -347,13 +346,15 @@ pub fn validate_source(spec: &crate::spec::JobSpec, bad: &mut impl FnMut(&str, S
             format!("must be at least 2 (a group of one has no reward variance), got {g}"),
         ),
         Some(g) => {
-            let step = step_rollouts(docs, g);
-            let cap = rl.queue_capacity_or_default(docs);
-            if cap < step {
-                bad(
-                    "rl.queue_capacity",
-                    format!("{cap} cannot hold one step: {step} rollouts (docs_per_step = {docs} in whole groups of {g})"),
-                );
+            if let Some(docs) = spec.batch.docs_per_step {
+                let step = step_rollouts(docs, g);
+                let cap = rl.queue_capacity_or_default(docs);
+                if cap < step {
+                    bad(
+                        "rl.queue_capacity",
+                        format!("{cap} cannot hold one step: {step} rollouts (docs_per_step = {docs} in whole groups of {g})"),
+                    );
+                }
             }
         }
     }
@@ -412,6 +413,61 @@ mod tests {
             toml::from_str("kind = \"pg\"\nloss_normalization = \"constant\"").unwrap();
         assert!(problems(&o)[0].starts_with("objective.normalization_constant: required"));
         assert!(toml::from_str::<ObjectiveSection>("kind = \"dpo\"\nloss = \"hinge\"").is_err());
+    }
+
+    #[test]
+    fn streamed_jobs_are_validated_with_field_paths() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("c.json"), "{}").unwrap();
+        let spec = |data: &str, batch: &str, rl: &str, job: &str| {
+            format!(
+                "[job]\nname = \"s\"\noutput_dir = \"o\"\n{job}\n[model]\ninit = \"random\"\n\
+                 config = \"c.json\"\n[data]\nformat = \"rollouts\"\nsource = \"stream\"\n{data}\n\
+                 [batch]\n{batch}\n[objective]\nkind = \"pg\"\n[rl]\n{rl}\n"
+            )
+        };
+        let ok = spec("", "docs_per_step = 5", "group_size = 2", "");
+        let parsed = crate::spec::JobSpec::parse(&ok, dir.path()).unwrap();
+        assert!(parsed.data.is_stream() && parsed.job.steps.is_none());
+        assert_eq!(
+            parsed.rl.queue_capacity_or_default(5),
+            24,
+            "4 steps of 3 groups of 2"
+        );
+        let fields = |text: String| -> Vec<String> {
+            crate::spec::JobSpec::parse(&text, dir.path())
+                .unwrap_err()
+                .into_iter()
+                .map(|p| p.field)
+                .collect()
+        };
+        let f = fields(spec(
+            "train = [\"c.json\"]",
+            "tokens_per_step = 100",
+            "group_size = 1",
+            "epochs = 1",
+        ));
+        for want in [
+            "data.train",
+            "job.epochs",
+            "batch.docs_per_step",
+            "rl.group_size",
+        ] {
+            assert!(f.iter().any(|x| x == want), "{want} not in {f:?}");
+        }
+        let f = fields(spec("", "docs_per_step = 5", "queue_capacity = 5", ""));
+        assert_eq!(f, ["rl.group_size"]);
+        let f = fields(spec(
+            "",
+            "docs_per_step = 5",
+            "group_size = 2\nqueue_capacity = 5",
+            "",
+        ));
+        assert_eq!(f, ["rl.queue_capacity"], "5 < one step of 6");
+        let files = ok
+            .replace("source = \"stream\"", "train = [\"c.json\"]")
+            .replace("[job]", "[job]\nsteps = 1");
+        assert_eq!(fields(files), ["rl.group_size"], "only for streams");
     }
 
     #[test]

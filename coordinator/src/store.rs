@@ -298,6 +298,47 @@ mod tests {
     }
 
     #[test]
+    fn streamed_rollouts_are_kept_until_removed() {
+        use crate::core::{RolloutWrite, StreamMeta};
+        use crate::doc::{DocBody, Document, Rollout};
+        let dir = tempfile::tempdir().unwrap();
+        let doc = |line| Document {
+            id: DocId { file: 0, line },
+            body: DocBody::Rollout(Rollout {
+                reward: line as f64,
+                group: "g".into(),
+                ..Default::default()
+            }),
+        };
+        let write = |admit: Vec<Document>, remove: Vec<u64>, head| RolloutWrite {
+            job: "a".into(),
+            admit,
+            remove: remove
+                .into_iter()
+                .map(|line| DocId { file: 0, line })
+                .collect(),
+            meta: StreamMeta {
+                head,
+                next_line: 9,
+                ..Default::default()
+            },
+            counts: None,
+        };
+        {
+            let s = Store::open(dir.path()).unwrap();
+            assert!(s.stream("a").unwrap().is_none());
+            s.put_rollouts(&write(vec![doc(1), doc(2), doc(3)], vec![], 0))
+                .unwrap();
+            s.put_rollouts(&write(vec![doc(4)], vec![1, 4], 1)).unwrap();
+        }
+        let s = Store::open(dir.path()).unwrap();
+        let got = s.stream("a").unwrap().unwrap();
+        assert_eq!(got.meta.head, 1);
+        assert_eq!(got.rollouts, vec![doc(2), doc(3)]);
+        assert!(s.stream("b").unwrap().is_none());
+    }
+
+    #[test]
     fn reference_logps_are_kept_per_job() {
         let dir = tempfile::tempdir().unwrap();
         let id = |line| DocId { file: 1, line };

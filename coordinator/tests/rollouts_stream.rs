@@ -178,7 +178,10 @@ async fn a_pusher_waits_on_a_full_queue_until_steps_commit() {
         .collect();
     let pusher = tokio::spawn(push(s.url.clone(), msgs));
     until_waiting(&s.shared).await;
-    assert!(!pusher.is_finished(), "no worker, no commit: the push waits");
+    assert!(
+        !pusher.is_finished(),
+        "no worker, no commit: the push waits"
+    );
 
     let worker = tokio::spawn(fake_worker(s.url.clone()));
     let reply = tokio::time::timeout(Duration::from_secs(30), pusher)
@@ -194,7 +197,11 @@ async fn a_pusher_waits_on_a_full_queue_until_steps_commit() {
         .expect("the worker is released when the job completes")
         .unwrap();
     let unique: BTreeSet<&String> = docs.iter().collect();
-    assert_eq!((docs.len(), unique.len()), (8, 8), "each rollout once: {docs:?}");
+    assert_eq!(
+        (docs.len(), unique.len()),
+        (8, 8),
+        "each rollout once: {docs:?}"
+    );
     s.stop.cancel();
 }
 
@@ -206,8 +213,14 @@ async fn bad_pushes_are_refused_with_the_field_and_cancel_ends_a_waiting_push() 
 
     let err = push(s.url.clone(), vec![group("", 0)]).await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
-    assert!(err.message().starts_with("messages[0].job_id"), "{}", err.message());
-    let err = push(s.url.clone(), vec![group("nope", 0)]).await.unwrap_err();
+    assert!(
+        err.message().starts_with("messages[0].job_id"),
+        "{}",
+        err.message()
+    );
+    let err = push(s.url.clone(), vec![group("nope", 0)])
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), Code::NotFound);
 
     // Message 1 holds a non-finite reward: it is refused whole, message 0
@@ -244,7 +257,9 @@ async fn bad_pushes_are_refused_with_the_field_and_cancel_ends_a_waiting_push() 
         .await
         .unwrap();
     admin
-        .cancel_job(wire::CancelJobRequest { job_id: job.clone() })
+        .cancel_job(wire::CancelJobRequest {
+            job_id: job.clone(),
+        })
         .await
         .unwrap();
     let err = tokio::time::timeout(Duration::from_secs(30), pusher)

@@ -136,7 +136,12 @@ fn locate(msg: &str, path: &Path, rows: &[(u64, wire::StreamedRollout)], batch: 
 }
 
 /// `accrue rollouts push`.
-pub async fn push(conn: &Conn, job: &str, file: &PathBuf, batch: usize) -> anyhow::Result<ExitCode> {
+pub async fn push(
+    conn: &Conn,
+    job: &str,
+    file: &PathBuf,
+    batch: usize,
+) -> anyhow::Result<ExitCode> {
     if batch == 0 {
         bail!("--batch must be at least 1");
     }
@@ -148,7 +153,9 @@ pub async fn push(conn: &Conn, job: &str, file: &PathBuf, batch: usize) -> anyho
         .connect()
         .await
         .map_err(|e| {
-            anyhow::anyhow!("cannot reach coordinator at {url}: {e} — is accrue-coordinator running?")
+            anyhow::anyhow!(
+                "cannot reach coordinator at {url}: {e} — is accrue-coordinator running?"
+            )
         })?;
     let auth = BearerAuth::new(conn.token.as_deref())?;
     let mut client = RolloutsClient::with_interceptor(channel, auth);
@@ -188,13 +195,16 @@ mod tests {
 
     #[test]
     fn rows_become_wire_rollouts_and_messages() {
-        let r = wire_rollout(&json!({"prompt": "1+1=", "completion_ids": [5, 2], "reward": 1,
-            "group": 7, "policy_version": 2, "old_logprobs": [-0.5, -1.0]}))
+        let r = wire_rollout(
+            &json!({"prompt": "1+1=", "completion_ids": [5, 2], "reward": 1,
+            "group": 7, "policy_version": 2, "old_logprobs": [-0.5, -1.0]}),
+        )
         .unwrap();
         assert_eq!((r.prompt.as_str(), r.group.as_str()), ("1+1=", "7"));
         assert_eq!((r.completion_ids, r.policy_version), (vec![5, 2], 2));
         let e = wire_rollout(&json!({"prompt": [{"role": "user", "content": "x"}],
-            "completion": "y", "reward": 0})).unwrap_err();
+            "completion": "y", "reward": 0}))
+        .unwrap_err();
         assert!(e.starts_with("\"prompt\" must be a string"), "{e}");
         assert!(wire_rollout(&json!({"prompt": "a", "completion": "b"}))
             .unwrap_err()

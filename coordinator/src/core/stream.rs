@@ -319,7 +319,10 @@ pub(super) fn push(job: &mut Job, batch: Vec<Rollout>) -> Result<Effect> {
 
 /// Plans `job`'s next step from the queue head, or `None` when fewer than
 /// a step's rollouts are queued (the job waits).
-pub fn plan_step(job: &Job, world_size: u32) -> std::result::Result<Option<PlannedStep>, PlanError> {
+pub fn plan_step(
+    job: &Job,
+    world_size: u32,
+) -> std::result::Result<Option<PlannedStep>, PlanError> {
     let Some(s) = job.stream.as_ref() else {
         return Ok(None);
     };

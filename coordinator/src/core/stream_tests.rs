@@ -113,7 +113,13 @@ fn streamed_groups_are_trained_exactly_once_and_incomplete_groups_wait() {
     assert_eq!(job.rec.reason, "waiting for rollouts: have 0 of 4");
 
     // One complete group and one half group: not a step yet.
-    let c = s.push(vec![rollout("a", 0.0, 0), rollout("a", 1.0, 0), rollout("b", 0.5, 0)]).unwrap();
+    let c = s
+        .push(vec![
+            rollout("a", 0.0, 0),
+            rollout("a", 1.0, 0),
+            rollout("b", 0.5, 0),
+        ])
+        .unwrap();
     assert_eq!((c.accepted, c.queued), (3, 3));
     s.run();
     assert!(s.plans.is_empty(), "an incomplete group is never planned");
@@ -123,7 +129,11 @@ fn streamed_groups_are_trained_exactly_once_and_incomplete_groups_wait() {
     );
     // "b" completes; "z" has equal rewards and is dropped when complete.
     let c = s
-        .push(vec![rollout("z", 1.0, 0), rollout("b", 0.0, 0), rollout("z", 1.0, 0)])
+        .push(vec![
+            rollout("z", 1.0, 0),
+            rollout("b", 0.0, 0),
+            rollout("z", 1.0, 0),
+        ])
         .unwrap();
     assert_eq!(
         (c.accepted, c.zero_variance_groups, c.zero_variance_dropped),
@@ -152,7 +162,10 @@ fn streamed_groups_are_trained_exactly_once_and_incomplete_groups_wait() {
         for id in docs {
             *per_group.entry(group_of(&s, id)).or_default() += 1;
         }
-        assert!(per_group.values().all(|&n| n == 2), "whole groups: {per_group:?}");
+        assert!(
+            per_group.values().all(|&n| n == 2),
+            "whole groups: {per_group:?}"
+        );
         assert_eq!(docs.len(), 4, "docs_per_step = 4 in groups of 2");
         assert_eq!(m.extra["count/zero_variance_groups"], 1.0);
         assert_eq!(
@@ -192,7 +205,14 @@ fn a_full_queue_refuses_pushes_until_a_commit_frees_room() {
     let writes = s.rollout_writes.len();
     let err = s.push(groups("b", 1, 0)).unwrap_err();
     assert!(
-        matches!(err, CoreError::QueueFull { buffered: 4, capacity: 4, .. }),
+        matches!(
+            err,
+            CoreError::QueueFull {
+                buffered: 4,
+                capacity: 4,
+                ..
+            }
+        ),
         "{err:?}"
     );
     assert_eq!(s.stream().buffered(), 4, "a refused push changes nothing");
@@ -329,7 +349,11 @@ fn a_restart_keeps_every_acknowledged_rollout_and_trains_none_twice() {
             l.sort();
             l
         };
-        assert_eq!(lines, [1, 2, 3, 4, 5, 6, 7, 8], "lose_delete = {lose_delete}");
+        assert_eq!(
+            lines,
+            [1, 2, 3, 4, 5, 6, 7, 8],
+            "lose_delete = {lose_delete}"
+        );
         // The owed deletion was written with the next write.
         let removed: Vec<u64> = r
             .rollout_writes

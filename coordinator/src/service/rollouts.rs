@@ -260,7 +260,10 @@ mod tests {
         let row = json_row(&r);
         assert_eq!(row["prompt"], "1+1=");
         assert_eq!(row["completion_ids"], json!([50, 2]));
-        assert!(row.get("group").is_none(), "the prompt is the default group");
+        assert!(
+            row.get("group").is_none(),
+            "the prompt is the default group"
+        );
         assert_eq!(row["old_logprobs"], json!([-0.5, -0.25]));
         let nan = wire::StreamedRollout {
             reward: f64::NAN,
