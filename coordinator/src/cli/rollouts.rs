@@ -6,7 +6,7 @@
 //! checks rollout files, so errors name the message and rollout, which this
 //! command maps back to `FILE:line`.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::ExitCode;
 
 use anyhow::{bail, Context};
@@ -136,12 +136,7 @@ fn locate(msg: &str, path: &Path, rows: &[(u64, wire::StreamedRollout)], batch: 
 }
 
 /// `accrue rollouts push`.
-pub async fn push(
-    conn: &Conn,
-    job: &str,
-    file: &PathBuf,
-    batch: usize,
-) -> anyhow::Result<ExitCode> {
+pub async fn push(conn: &Conn, job: &str, file: &Path, batch: usize) -> anyhow::Result<ExitCode> {
     if batch == 0 {
         bail!("--batch must be at least 1");
     }
