@@ -20,6 +20,7 @@ pub mod local;
 mod mock_tests;
 mod recovery;
 pub mod render;
+pub mod rollouts;
 pub mod validate;
 pub mod watch;
 
@@ -154,6 +155,11 @@ pub enum Command {
         #[command(subcommand)]
         data: DataCommand,
     },
+    /// Feed rollouts to a streamed policy-gradient job.
+    Rollouts {
+        #[command(subcommand)]
+        rollouts: RolloutsCommand,
+    },
     /// Run a coordinator and N workers on this machine for one job.
     Local {
         /// The job spec.
@@ -265,6 +271,25 @@ pub struct PackingArgs {
 }
 
 #[derive(Debug, Subcommand)]
+pub enum RolloutsCommand {
+    /// Stream a rollouts JSONL file to a job whose spec has
+    /// `data.source = "stream"`; waits while the job's queue is full and
+    /// prints the counts (accepted, rejected as stale, zero-variance, ...).
+    Push {
+        /// Job id.
+        #[arg(value_name = "JOB")]
+        job: String,
+        /// Rollout rows: prompt or prompt_ids, completion or completion_ids,
+        /// reward, group, policy_version, old_logprobs.
+        #[arg(value_name = "FILE.jsonl")]
+        file: PathBuf,
+        /// Rollouts per message (each message is admitted whole).
+        #[arg(long, value_name = "N", default_value_t = 64)]
+        batch: usize,
+    },
+}
+
+#[derive(Debug, Subcommand)]
 pub enum DataCommand {
     /// Write a synthetic dataset.
     Synth(SynthArgs),
@@ -335,6 +360,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Data {
             data: DataCommand::Synth(args),
         } => data::synth(&args),
+        Command::Rollouts {
+            rollouts: RolloutsCommand::Push { job, file, batch },
+        } => rollouts::push(conn, &job, &file, batch).await,
         Command::Local { spec, workers } => local::run(&spec, workers).await,
     }
 }
@@ -427,6 +455,7 @@ mod tests {
                 "10",
             ],
             &["local", "job.toml", "--workers", "4"],
+            &["rollouts", "push", "j1", "r.jsonl", "--batch", "8"],
         ];
         for args in cases {
             parse(args).unwrap_or_else(|e| panic!("{args:?}: {e}"));

@@ -128,6 +128,8 @@ pub struct Job {
     pub rollouts: Option<RolloutPlan>,
     /// A membership change waits for the checkpoint of the current step.
     pub regroup_after_checkpoint: bool,
+    /// Streamed PG jobs (`data.source = "stream"`): the queue of groups.
+    pub stream: Option<super::stream::RolloutStream>,
 }
 
 impl Job {
@@ -145,6 +147,7 @@ impl Job {
             reference: None,
             rollouts: None,
             regroup_after_checkpoint: false,
+            stream: None,
         }
     }
 
@@ -167,6 +170,8 @@ impl Job {
     pub fn finished(&self) -> bool {
         match self.spec.job.steps {
             Some(steps) => self.rec.step >= steps,
+            // A stream without job.steps runs until cancelled.
+            None if self.stream.is_some() => false,
             None => {
                 super::step::order_of(&self.spec, self.stream_len()).exhausted(&self.rec.cursor)
             }

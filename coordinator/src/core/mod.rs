@@ -14,6 +14,7 @@ mod publish;
 pub mod reference;
 pub mod rollouts;
 pub mod step;
+pub mod stream;
 mod workers;
 
 #[cfg(test)]
@@ -28,10 +29,11 @@ pub use machine::{Coordinator, CoordinatorOptions};
 pub use metrics::{MetricSums, StepMetrics};
 pub use reference::{ReferenceLogps, SeqLogp};
 pub use step::{PlanKind, PlannedStep};
+pub use stream::{AdmitCounts, RolloutStream, RolloutWrite, StoredStream, StreamMeta};
 pub use workers::{Registration, Worker, WorkerId, WorkerState};
 
 use crate::cursor::Cursor;
-use crate::doc::{DocId, Document};
+use crate::doc::{DocId, Document, Rollout};
 use crate::spec::JobSpec;
 
 /// Kinds of worker-reported failure (mirror of `accrue.v1.ErrorKind`).
@@ -132,6 +134,18 @@ pub enum Event {
     },
     /// Periodic: detects missed heartbeats.
     Tick,
+    /// Rollouts pushed to a streamed job (one RPC message, admitted whole).
+    /// Answered by an `Effect::PersistRollouts` carrying the counts, or
+    /// refused unchanged (`QueueFull`: wait for a commit and retry).
+    PushRollouts {
+        job: JobId,
+        rollouts: Vec<Rollout>,
+    },
+    /// A streamed job's stored queue, after its `RestoreJob`.
+    RestoreRollouts {
+        job: JobId,
+        stored: StoredStream,
+    },
 }
 
 /// Where a job resumed from a checkpoint starts: its manifest's step and
@@ -228,4 +242,8 @@ pub enum Effect {
         job: JobId,
         item: WatchItem,
     },
+    /// A streamed job's rollouts: admitted, and deleted once trained (one
+    /// transaction). A push is acknowledged only after this ran; a write
+    /// that frees room wakes waiting pushers.
+    PersistRollouts(Box<RolloutWrite>),
 }

@@ -9,6 +9,9 @@ use super::*;
 use crate::doc::{DocBody, DocId, Document, Sequence};
 use crate::spec::JobSpec;
 
+#[path = "stream_tests.rs"]
+mod stream_tests;
+
 fn docs(n: usize) -> Arc<[Document]> {
     (0..n)
         .map(|i| {
@@ -73,6 +76,8 @@ struct Sim {
     events: Vec<(String, String)>,
     /// Policies workers were asked to publish: (worker, step, dir).
     publish_requests: Vec<(WorkerId, u64, std::path::PathBuf)>,
+    /// Rollout store writes of streamed jobs, in order.
+    rollout_writes: Vec<RolloutWrite>,
 }
 
 /// The log-prob a simulated worker reports in a reference pass.
@@ -93,6 +98,7 @@ impl Sim {
             plans: Vec::new(),
             events: Vec::new(),
             publish_requests: Vec::new(),
+            rollout_writes: Vec::new(),
         }
     }
 
@@ -124,6 +130,7 @@ impl Sim {
                     item: WatchItem::Event { kind, message, .. },
                     ..
                 } => self.events.push((kind, message)),
+                Effect::PersistRollouts(w) => self.rollout_writes.push(*w),
                 Effect::AppendMetrics { .. } | Effect::Publish { .. } => {}
             }
         }
