@@ -65,6 +65,9 @@ pub struct JobRecord {
     /// job writes a checkpoint of its own).
     #[serde(default)]
     pub resumed_from: Option<std::path::PathBuf>,
+    /// Operator changes of the step settings (`accrue set`), in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub changes: Vec<crate::manifest::ConfigChange>,
 }
 
 /// A fixed membership of a job: ranks 0..W-1.
@@ -126,6 +129,9 @@ pub struct Job {
     pub rollouts: Option<RolloutPlan>,
     /// A membership change waits for the checkpoint of the current step.
     pub regroup_after_checkpoint: bool,
+    /// The last training step dispatched and how many times it was
+    /// (1 + aborts before commit); live only.
+    pub attempts: (u64, u32),
 }
 
 impl Job {
@@ -142,6 +148,7 @@ impl Job {
             reference: None,
             rollouts: None,
             regroup_after_checkpoint: false,
+            attempts: (0, 0),
         }
     }
 

@@ -148,6 +148,7 @@ impl Coordinator {
             rec: Box::new(job.rec.clone()),
             metrics: Box::new(m.clone()),
             docs: planned.docs.clone(),
+            manifest: Box::new(job.manifest_of(planned, gen.id)),
         });
         fx.push(Effect::AppendMetrics {
             path: job.spec.job.output_dir.join("metrics.jsonl"),
@@ -492,7 +493,7 @@ impl Coordinator {
             .map(|c| reference::plan_chunk(&job.spec, &job.docs, c, gen.world_size()));
         let planned = match pending_reference.unwrap_or_else(|| {
             step::plan_step(
-                &job.spec,
+                &crate::manifest::spec_at(&job.spec, &job.rec.changes, next),
                 &job.docs,
                 &job.rec.cursor,
                 next,
@@ -500,7 +501,7 @@ impl Coordinator {
                 job.annotations(),
             )
         }) {
-            Ok(Some(p)) => Arc::new(p),
+            Ok(Some(p)) => Arc::new(job.with_schedule_lr(p)),
             Ok(None) => {
                 self.finish(job_id, JobState::Completed, "data exhausted", now_ms, fx);
                 return;
@@ -522,6 +523,7 @@ impl Coordinator {
                 },
             });
         }
+        job.note_dispatch(&planned);
         job.inflight = Some(InFlight {
             planned,
             started_ms: now_ms,
