@@ -212,7 +212,10 @@ pub fn validate_update(spec: &JobSpec, docs: &[Document], update: &JobUpdate) ->
     }
     if let Some(lr) = update.lr {
         if !(lr.is_finite() && lr > 0.0) {
-            bad("optimizer.lr", format!("must be a positive number, got {lr}"));
+            bad(
+                "optimizer.lr",
+                format!("must be a positive number, got {lr}"),
+            );
         }
     }
     p
@@ -420,7 +423,6 @@ mod doc_str {
     }
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -489,10 +491,7 @@ mod tests {
         assert_eq!(at(9).max_tokens, 64);
         assert!(matches!(spec_at(&s, &changes, 2), Cow::Borrowed(_)));
         let eff = spec_at(&s, &changes, 4);
-        assert_eq!(
-            (eff.batch.docs_per_step, eff.optimizer.lr),
-            (Some(8), 0.5)
-        );
+        assert_eq!((eff.batch.docs_per_step, eff.optimizer.lr), (Some(8), 0.5));
     }
 
     #[test]
@@ -554,12 +553,26 @@ mod tests {
         assert_eq!(p[0].field, "batch.docs_per_step");
         assert!(p[0].message.contains("batch.tokens_per_step"), "{}", p[0]);
         assert_eq!(
-            validate_update(&by_tokens, &docs, &JobUpdate { tokens_per_step: Some(512), ..Default::default() }),
+            validate_update(
+                &by_tokens,
+                &docs,
+                &JobUpdate {
+                    tokens_per_step: Some(512),
+                    ..Default::default()
+                }
+            ),
             vec![]
         );
         assert_eq!(
-            validate_update(&s, &docs, &JobUpdate { lr: Some(-1.0), ..Default::default() })[0]
-                .to_string(),
+            validate_update(
+                &s,
+                &docs,
+                &JobUpdate {
+                    lr: Some(-1.0),
+                    ..Default::default()
+                }
+            )[0]
+            .to_string(),
             "optimizer.lr: must be a positive number, got -1"
         );
     }
@@ -659,15 +672,16 @@ mod tests {
             };
             prop_assert_eq!(check_exactly_once(&steps, 1, &expect), vec![]);
             let victim = docs[pick.index(docs.len())];
-            let s = pick.index(steps.len());
-            let seqs = &mut steps[s].ranks[0][0].seqs;
             let times = match fault {
-                0 => { seqs.push(SeqEntry(id(victim), 0, 1)); 2 }
+                0 => {
+                    let s = pick.index(steps.len());
+                    steps[s].ranks[0][0].seqs.push(SeqEntry(id(victim), 0, 1));
+                    2
+                }
                 1 => {
-                    let Some(pos) = seqs.iter().position(|q| q.0 == id(victim)) else {
-                        return Ok(());
-                    };
-                    seqs.remove(pos);
+                    for st in &mut steps {
+                        st.ranks[0][0].seqs.retain(|q| q.0 != id(victim));
+                    }
                     0
                 }
                 _ => return Ok(()),

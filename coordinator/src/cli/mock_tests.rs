@@ -168,7 +168,11 @@ impl Admin for Mock {
                 documents: 1,
                 complete: true,
                 attempts: 1,
-                docs: if detail { vec![format!("0:{step}")] } else { vec![] },
+                docs: if detail {
+                    vec![format!("0:{step}")]
+                } else {
+                    vec![]
+                },
                 ..Default::default()
             })
             .collect();
@@ -419,7 +423,13 @@ async fn steps_passes_the_range_and_detail_and_names_an_unknown_job() {
         ]
     );
     assert_eq!(
-        mock.auth.lock().unwrap().last().cloned().flatten().as_deref(),
+        mock.auth
+            .lock()
+            .unwrap()
+            .last()
+            .cloned()
+            .flatten()
+            .as_deref(),
         Some("Bearer t")
     );
     let missing = steps::StepsArgs {

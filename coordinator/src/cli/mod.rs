@@ -435,7 +435,9 @@ mod tests {
             &["checkpoint", "j1"],
             &["watch", "j1", "--from-step", "5", "--json"],
             &["steps", "j1"],
-            &["steps", "j1", "--from", "2", "--to", "9", "--detail", "--json"],
+            &[
+                "steps", "j1", "--from", "2", "--to", "9", "--detail", "--json",
+            ],
             &["set", "j1", "--docs-per-step", "8"],
             &["set", "j1", "--max-tokens", "512", "--lr", "2e-4"],
             &["bench", "packing", "--json", "--data", "/d"],
@@ -504,7 +506,13 @@ mod tests {
         let cli = parse(&["steps", "j1", "--to", "4"]).unwrap();
         assert!(matches!(
             cli.command,
-            Command::Steps { from: None, to: Some(4), detail: false, json: false, .. }
+            Command::Steps {
+                from: None,
+                to: Some(4),
+                detail: false,
+                json: false,
+                ..
+            }
         ));
     }
 

@@ -239,7 +239,9 @@ mod tests {
         assert_eq!(lines.len(), 3, "{t}");
         assert!(lines[0].starts_with("STEP  GEN  WORLD  LR"), "{t}");
         assert!(
-            lines[1].starts_with("1     2    2      1.00e-4  2     30      1        2         docs 2  128"),
+            lines[1].starts_with(
+                "1     2    2      1.00e-4  2     30      1        2         docs 2  128"
+            ),
             "{t}"
         );
         let d = steps_table(&steps[..1], true);
@@ -251,7 +253,10 @@ mod tests {
             ..Default::default()
         };
         let t = steps_table(&[old], false);
-        assert!(t.lines().nth(1).unwrap().ends_with("-         -     -"), "{t}");
+        assert!(
+            t.lines().nth(1).unwrap().ends_with("-         -     -"),
+            "{t}"
+        );
     }
 
     #[test]

@@ -214,7 +214,7 @@ impl Job {
         let units = order.candidates(cursor).map(|c| c.index as usize);
         let (remaining, per_step) = match spec.step_size() {
             StepSize::Docs(n) => {
-                let rem = match &self.rollouts {
+                let rem: u64 = match &self.rollouts {
                     Some(r) => units.map(|u| r.units[u].len() as u64).sum(),
                     None => units.count() as u64,
                 };
@@ -222,8 +222,11 @@ impl Job {
             }
             StepSize::Tokens(t) => {
                 let tokens = |i: usize| self.docs[i].tokens();
-                let rem = match &self.rollouts {
-                    Some(r) => units.flat_map(|u| r.units[u].iter()).map(|&d| tokens(d as usize)).sum(),
+                let rem: u64 = match &self.rollouts {
+                    Some(r) => units
+                        .flat_map(|u| r.units[u].iter())
+                        .map(|&d| tokens(d as usize))
+                        .sum(),
                     None => units.map(tokens).sum(),
                 };
                 (rem, t)

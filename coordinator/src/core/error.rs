@@ -15,7 +15,7 @@ pub enum CoreError {
     },
     #[error("job id {0} already exists")]
     DuplicateJob(String),
-    #[error("invalid update of job {job}: {}", problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
+    #[error("invalid update of job {job}: {}", .problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
     InvalidUpdate {
         job: String,
         problems: Vec<crate::spec::SpecProblem>,

@@ -858,11 +858,17 @@ fn a_settings_change_applies_from_the_next_step_and_is_in_its_manifest() {
     assert_eq!(sizes, vec![4, 6, 6, 6, 6, 6, 6]);
     let first = &s.manifests[0];
     assert_eq!(first.settings.docs_per_step, Some(4));
-    assert_eq!((first.settings.max_tokens, first.settings.base_lr), (128, 1e-4));
+    assert_eq!(
+        (first.settings.max_tokens, first.settings.base_lr),
+        (128, 1e-4)
+    );
     assert_eq!(first.lr, 1e-4);
     for m in &s.manifests[1..] {
         assert_eq!(m.settings.docs_per_step, Some(6));
-        assert_eq!((m.settings.max_tokens, m.settings.base_lr, m.lr), (100, 0.5, 0.5));
+        assert_eq!(
+            (m.settings.max_tokens, m.settings.base_lr, m.lr),
+            (100, 0.5, 0.5)
+        );
         assert!(m.ranks.iter().flatten().all(|mb| mb.tokens <= 100));
     }
     assert_eq!(check_exactly_once(&s.manifests, 1, &universe(&d)), vec![]);
@@ -892,9 +898,15 @@ fn an_aborted_step_replanned_after_a_change_keeps_its_documents() {
         .unwrap();
     s.run();
     assert_eq!(s.state(), JobState::Completed);
-    assert_eq!(s.committed[0].1, first_docs, "the re-plan took the same documents");
+    assert_eq!(
+        s.committed[0].1, first_docs,
+        "the re-plan took the same documents"
+    );
     let m = &s.manifests[0];
-    assert_eq!((m.step, m.attempts, m.world_size, m.generation), (1, 2, 1, 2));
+    assert_eq!(
+        (m.step, m.attempts, m.world_size, m.generation),
+        (1, 2, 1, 2)
+    );
     assert_eq!(m.settings.docs_per_step, Some(4));
     assert!(s.manifests[1..].iter().all(|m| m.attempts == 1));
     assert_eq!(s.committed[1].0.docs, 6);
@@ -920,7 +932,11 @@ fn a_bad_or_misplaced_update_is_refused_and_changes_nothing() {
     };
     let fields: Vec<&str> = problems.iter().map(|p| p.field.as_str()).collect();
     assert_eq!(fields, vec!["batch.docs_per_step", "batch.tokens_per_step"]);
-    assert!(e.to_string().contains("batch.docs_per_step: must be at least 1"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("batch.docs_per_step: must be at least 1"),
+        "{e}"
+    );
     let e = set(
         &mut s,
         JobUpdate {
@@ -929,7 +945,10 @@ fn a_bad_or_misplaced_update_is_refused_and_changes_nothing() {
         },
     )
     .unwrap_err();
-    assert!(e.to_string().contains("data.max_tokens: document 0:"), "{e}");
+    assert!(
+        e.to_string().contains("data.max_tokens: document 0:"),
+        "{e}"
+    );
     assert!(s.c.job("job").unwrap().rec.changes.is_empty());
     assert_eq!(s.persisted.len(), before, "nothing persisted");
     let unknown = s.handle(Event::UpdateJob {
@@ -950,7 +969,10 @@ fn a_bad_or_misplaced_update_is_refused_and_changes_nothing() {
             ..Default::default()
         },
     );
-    assert!(matches!(late, Err(CoreError::BadJobState { .. })), "{late:?}");
+    assert!(
+        matches!(late, Err(CoreError::BadJobState { .. })),
+        "{late:?}"
+    );
 }
 
 #[test]
@@ -1032,7 +1054,10 @@ fn drain_during_a_step_aborts_nothing_and_the_next_generation_is_smaller() {
         .map(|m| (m.generation, m.world_size, m.attempts))
         .collect();
     assert_eq!(shape, vec![(1, 3, 1), (2, 2, 1), (2, 2, 1), (2, 2, 1)]);
-    assert!(s.manifests.iter().all(|m| m.ranks.len() == m.world_size as usize));
+    assert!(s
+        .manifests
+        .iter()
+        .all(|m| m.ranks.len() == m.world_size as usize));
     assert_eq!(check_exactly_once(&s.manifests, 1, &universe(&d)), vec![]);
 }
 
