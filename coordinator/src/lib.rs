@@ -10,6 +10,7 @@ pub mod core;
 pub mod cursor;
 pub mod data;
 pub mod doc;
+pub mod manifest;
 pub mod metrics_http;
 pub mod objective;
 pub mod plan;

@@ -61,6 +61,10 @@ pub struct StepRecord {
     pub metrics: StepMetrics,
     /// The step manifest: the documents it trained on.
     pub docs: Vec<DocId>,
+    /// The full manifest (settings, layout per rank and microbatch,
+    /// attempts); absent on records written before it existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub manifest: Option<crate::manifest::StepManifest>,
 }
 
 pub struct Store {
@@ -244,6 +248,7 @@ mod tests {
             total_steps: 5,
             last_checkpoint: None,
             resumed_from: None,
+            changes: Vec::new(),
         }
     }
 
@@ -275,6 +280,7 @@ mod tests {
                             file: 0,
                             line: step,
                         }],
+                        manifest: None,
                     },
                 )
                 .unwrap();
@@ -355,5 +361,68 @@ mod tests {
         assert_eq!(a[&id(7)], [-3.5, -4.0]);
         assert_eq!(s.reference("b").unwrap()[&id(1)], [-9.0, -9.0]);
         assert!(s.reference("c").unwrap().is_empty());
+    }
+
+    #[test]
+    fn manifests_and_settings_changes_survive_reopen() {
+        use crate::manifest::{
+            ConfigChange, JobUpdate, MicrobatchEntry, SeqEntry, StepManifest, StepSettings,
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let mut a = rec("a", 1);
+        a.step = 1;
+        a.changes = vec![ConfigChange {
+            from_step: 2,
+            update: JobUpdate {
+                docs_per_step: Some(6),
+                lr: Some(2e-4),
+                ..Default::default()
+            },
+            unix_ms: 5,
+        }];
+        let doc = |line| DocId { file: 1, line };
+        let manifest = StepManifest {
+            step: 1,
+            generation: 3,
+            world_size: 2,
+            lr: 1e-4,
+            settings: StepSettings {
+                docs_per_step: Some(2),
+                max_tokens: 64,
+                base_lr: 1e-4,
+                ..Default::default()
+            },
+            epoch: 0,
+            tokens: 30,
+            attempts: 2,
+            replayed: false,
+            ranks: vec![
+                vec![MicrobatchEntry {
+                    tokens: 20,
+                    seqs: vec![SeqEntry(doc(4), 0, 12), SeqEntry(doc(4), 1, 8)],
+                }],
+                vec![MicrobatchEntry {
+                    tokens: 10,
+                    seqs: vec![SeqEntry(doc(9), 0, 10)],
+                }],
+            ],
+        };
+        {
+            let s = Store::open(dir.path()).unwrap();
+            let record = StepRecord {
+                metrics: StepMetrics {
+                    step: 1,
+                    ..Default::default()
+                },
+                docs: vec![doc(4), doc(9)],
+                manifest: Some(manifest.clone()),
+            };
+            s.commit_step(&a, &record).unwrap();
+        }
+        let s = Store::open(dir.path()).unwrap();
+        assert_eq!(s.jobs().unwrap()[0].changes, a.changes);
+        let steps = s.steps("a", 0).unwrap();
+        assert_eq!(steps[0].manifest.as_ref(), Some(&manifest));
+        assert_eq!(steps[0].manifest.as_ref().unwrap().docs(), steps[0].docs);
     }
 }

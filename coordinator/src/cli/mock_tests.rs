@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use tonic::{Request, Response, Status};
 
-use super::{admin, watch, Conn};
+use super::{admin, set, steps, watch, Conn};
 use crate::wire::admin_server::{Admin, AdminServer};
 use crate::wire::watch_job_response::Item;
 use crate::wire::*;
@@ -21,6 +21,9 @@ struct Mock {
     watch: Vec<WatchJobResponse>,
     /// The state GetJob reports.
     state: JobState,
+    /// Every ListSteps and UpdateJob request, in order.
+    listed: Mutex<Vec<ListStepsRequest>>,
+    updates: Mutex<Vec<UpdateJobRequest>>,
 }
 
 impl Default for Mock {
@@ -30,6 +33,8 @@ impl Default for Mock {
             submitted: Mutex::default(),
             watch: Vec::new(),
             state: JobState::Running,
+            listed: Mutex::default(),
+            updates: Mutex::default(),
         }
     }
 }
@@ -146,6 +151,50 @@ impl Admin for Mock {
     ) -> Result<Response<TriggerCheckpointResponse>, Status> {
         self.seen(&r);
         Ok(Response::new(TriggerCheckpointResponse { step: 12 }))
+    }
+    async fn list_steps(
+        &self,
+        r: Request<ListStepsRequest>,
+    ) -> Result<Response<ListStepsResponse>, Status> {
+        self.seen(&r);
+        known(&r.get_ref().job_id)?;
+        let detail = r.get_ref().detail;
+        self.listed.lock().unwrap().push(r.into_inner());
+        let steps = (1..=2)
+            .map(|step| StepManifest {
+                step,
+                generation: 1,
+                world_size: 1,
+                documents: 1,
+                complete: true,
+                attempts: 1,
+                docs: if detail {
+                    vec![format!("0:{step}")]
+                } else {
+                    vec![]
+                },
+                ..Default::default()
+            })
+            .collect();
+        Ok(Response::new(ListStepsResponse { steps }))
+    }
+    async fn update_job(
+        &self,
+        r: Request<UpdateJobRequest>,
+    ) -> Result<Response<UpdateJobResponse>, Status> {
+        self.seen(&r);
+        known(&r.get_ref().job_id)?;
+        let bad = r.get_ref().docs_per_step == Some(0);
+        self.updates.lock().unwrap().push(r.into_inner());
+        if bad {
+            return Err(Status::invalid_argument(
+                "invalid update of job job-1: batch.docs_per_step: must be at least 1",
+            ));
+        }
+        Ok(Response::new(UpdateJobResponse {
+            job: Some(self.summary("job-1")),
+            from_step: 7,
+        }))
     }
     type WatchJobStream = tokio_stream::Iter<std::vec::IntoIter<Result<WatchJobResponse, Status>>>;
     async fn watch_job(
@@ -333,4 +382,98 @@ async fn watch_of_an_unknown_job_fails_before_streaming() {
         format!("{e:#}"),
         "get job missing: no job missing (not found)"
     );
+}
+
+#[tokio::test]
+async fn steps_passes_the_range_and_detail_and_names_an_unknown_job() {
+    let mock = Arc::new(Mock::default());
+    let conn = serve(mock.clone(), Some("t")).await;
+    let args = steps::StepsArgs {
+        job: "job-1".into(),
+        from: Some(2),
+        to: Some(9),
+        detail: true,
+        json: true,
+    };
+    assert_eq!(steps::run(&conn, &args).await.unwrap(), ExitCode::SUCCESS);
+    let table = steps::StepsArgs {
+        json: false,
+        detail: false,
+        from: None,
+        to: None,
+        ..args.clone()
+    };
+    assert_eq!(steps::run(&conn, &table).await.unwrap(), ExitCode::SUCCESS);
+    let listed = mock.listed.lock().unwrap().clone();
+    assert_eq!(
+        listed,
+        vec![
+            ListStepsRequest {
+                job_id: "job-1".into(),
+                from_step: Some(2),
+                to_step: Some(9),
+                detail: true
+            },
+            ListStepsRequest {
+                job_id: "job-1".into(),
+                from_step: None,
+                to_step: None,
+                detail: false
+            },
+        ]
+    );
+    assert_eq!(
+        mock.auth
+            .lock()
+            .unwrap()
+            .last()
+            .cloned()
+            .flatten()
+            .as_deref(),
+        Some("Bearer t")
+    );
+    let missing = steps::StepsArgs {
+        job: "missing".into(),
+        ..args
+    };
+    let e = steps::run(&conn, &missing).await.unwrap_err();
+    assert_eq!(
+        format!("{e:#}"),
+        "list steps of job missing: no job missing (not found)"
+    );
+}
+
+#[tokio::test]
+async fn set_sends_only_the_given_settings_and_reports_a_refusal() {
+    let mock = Arc::new(Mock::default());
+    let conn = serve(mock.clone(), None).await;
+    let args = set::SetArgs {
+        job: "job-1".into(),
+        max_tokens: Some(512),
+        lr: Some(2e-4),
+        ..Default::default()
+    };
+    assert_eq!(set::run(&conn, &args).await.unwrap(), ExitCode::SUCCESS);
+    let bad = set::SetArgs {
+        job: "job-1".into(),
+        docs_per_step: Some(0),
+        ..Default::default()
+    };
+    let e = set::run(&conn, &bad).await.unwrap_err();
+    assert_eq!(
+        format!("{e:#}"),
+        "update job job-1: invalid update of job job-1: batch.docs_per_step: must be at least 1 (invalid argument)"
+    );
+    let sent = mock.updates.lock().unwrap().clone();
+    assert_eq!(
+        sent[0],
+        UpdateJobRequest {
+            job_id: "job-1".into(),
+            docs_per_step: None,
+            tokens_per_step: None,
+            max_tokens: Some(512),
+            lr: Some(2e-4),
+        }
+    );
+    assert_eq!(sent[1].docs_per_step, Some(0));
 }

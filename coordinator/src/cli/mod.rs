@@ -21,6 +21,8 @@ mod mock_tests;
 mod recovery;
 pub mod render;
 pub mod rollouts;
+pub mod set;
+pub mod steps;
 pub mod validate;
 pub mod watch;
 
@@ -131,6 +133,46 @@ pub enum Command {
         /// Job id.
         #[arg(value_name = "JOB")]
         job: String,
+    },
+    /// Show the manifests of a job's committed steps: generation, world
+    /// size, learning rate, documents, tokens, microbatches per rank and
+    /// how often each step was attempted.
+    Steps {
+        /// Job id.
+        #[arg(value_name = "JOB")]
+        job: String,
+        /// First step to show.
+        #[arg(long, value_name = "N")]
+        from: Option<u64>,
+        /// Last step to show.
+        #[arg(long, value_name = "M")]
+        to: Option<u64>,
+        /// Also show the documents of every microbatch of every rank.
+        #[arg(long)]
+        detail: bool,
+        /// Print one JSON object per step (a line each) instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Change a running job's step settings from its next new step on
+    /// (the step in flight keeps its settings); prints that step.
+    #[command(group = clap::ArgGroup::new("setting").required(true).multiple(true))]
+    Set {
+        /// Job id.
+        #[arg(value_name = "JOB")]
+        job: String,
+        /// Documents per step (jobs sized by docs_per_step).
+        #[arg(long, value_name = "N", group = "setting")]
+        docs_per_step: Option<u64>,
+        /// Tokens per step (jobs sized by tokens_per_step).
+        #[arg(long, value_name = "T", group = "setting")]
+        tokens_per_step: Option<u64>,
+        /// Tokens per microbatch; at least the longest document.
+        #[arg(long, value_name = "M", group = "setting")]
+        max_tokens: Option<u32>,
+        /// The schedule's base (peak) learning rate; warmup and decay go on.
+        #[arg(long, value_name = "X", group = "setting")]
+        lr: Option<f64>,
     },
     /// Follow a job until it ends: exit 0 if it completed, 1 if it failed or
     /// was cancelled.
@@ -345,6 +387,38 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             from_step,
             json,
         } => watch::run(conn, &job, from_step, json).await,
+        Command::Steps {
+            job,
+            from,
+            to,
+            detail,
+            json,
+        } => {
+            let args = steps::StepsArgs {
+                job,
+                from,
+                to,
+                detail,
+                json,
+            };
+            steps::run(conn, &args).await
+        }
+        Command::Set {
+            job,
+            docs_per_step,
+            tokens_per_step,
+            max_tokens,
+            lr,
+        } => {
+            let args = set::SetArgs {
+                job,
+                docs_per_step,
+                tokens_per_step,
+                max_tokens,
+                lr,
+            };
+            set::run(conn, &args).await
+        }
         Command::Bench {
             bench: BenchCommand::Packing(args),
         } => bench::packing(&args),
@@ -415,6 +489,12 @@ mod tests {
             &["drain", "w1"],
             &["checkpoint", "j1"],
             &["watch", "j1", "--from-step", "5", "--json"],
+            &["steps", "j1"],
+            &[
+                "steps", "j1", "--from", "2", "--to", "9", "--detail", "--json",
+            ],
+            &["set", "j1", "--docs-per-step", "8"],
+            &["set", "j1", "--max-tokens", "512", "--lr", "2e-4"],
             &["bench", "packing", "--json", "--data", "/d"],
             &[
                 "bench",
@@ -473,6 +553,23 @@ mod tests {
             panic!("not data synth");
         };
         assert_eq!((a.seed, a.rows, a.task), (0, 1000, SynthTask::Arithmetic));
+        let cli = parse(&["set", "j1", "--lr", "3e-4", "--max-tokens", "256"]).unwrap();
+        assert!(matches!(
+            cli.command,
+            Command::Set { ref job, docs_per_step: None, tokens_per_step: None, max_tokens: Some(256), lr: Some(lr) }
+                if job == "j1" && lr == 3e-4
+        ));
+        let cli = parse(&["steps", "j1", "--to", "4"]).unwrap();
+        assert!(matches!(
+            cli.command,
+            Command::Steps {
+                from: None,
+                to: Some(4),
+                detail: false,
+                json: false,
+                ..
+            }
+        ));
     }
 
     #[test]
@@ -482,6 +579,9 @@ mod tests {
             &["watch", "j1", "--from-step", "x"],
             &["data", "synth", "--task", "poetry", "--out", "o"],
             &["frobnicate"],
+            &["set", "j1"],
+            &["set", "j1", "--docs-per-step", "-1"],
+            &["steps"],
         ] {
             let e = parse(args).unwrap_err();
             assert_eq!(e.exit_code(), 2, "{args:?}");

@@ -1,11 +1,17 @@
 //! Operator controls: cancel, pause/resume at a step boundary, drain a
-//! worker, trigger a checkpoint. Each refuses (and changes nothing) when the
-//! job or worker is unknown or in a state where the action makes no sense.
+//! worker, trigger a checkpoint, change step settings (docs/tokens per
+//! step, `max_tokens`, learning rate) from the next new step on. Each
+//! refuses (and changes nothing) when the job or worker is unknown, the
+//! input is invalid, or the job is in a state where the action makes no
+//! sense.
 
-use super::jobs::{Generation, JobState};
+use super::jobs::{Generation, Job, JobState};
 use super::machine::{bad_state, enter_paused, publish_event, request_checkpoint, Coordinator};
+use super::step::{self, PlanKind, PlannedStep};
 use super::workers::WorkerState;
 use super::{CoreError, Effect, Result, ToWorker};
+use crate::manifest::{self, JobUpdate, StepManifest};
+use crate::spec::StepSize;
 
 impl Coordinator {
     pub(super) fn cancel(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) -> Result<()> {
@@ -111,5 +117,122 @@ impl Coordinator {
             job.checkpoint_requested = true;
         }
         Ok(())
+    }
+
+    /// Validates `update` against the job's spec and data and records it,
+    /// effective from the job's next new step: the in-flight step, or an
+    /// aborted one waiting to be re-planned, keeps its settings and so its
+    /// documents.
+    pub(super) fn update_job(
+        &mut self,
+        job_id: &str,
+        update: JobUpdate,
+        now_ms: i64,
+        fx: &mut Vec<Effect>,
+    ) -> Result<()> {
+        let job = self
+            .jobs
+            .get_mut(job_id)
+            .ok_or_else(|| CoreError::JobNotFound(job_id.into()))?;
+        if job.rec.state.is_terminal() {
+            return Err(bad_state(job_id, job.rec.state, "update"));
+        }
+        let problems = manifest::validate_update(&job.spec, &job.docs, &update);
+        if !problems.is_empty() {
+            return Err(CoreError::InvalidUpdate {
+                job: job_id.into(),
+                problems,
+            });
+        }
+        let from = job.next_new_step();
+        manifest::push_change(&mut job.rec.changes, from, update, now_ms);
+        if update.docs_per_step.is_some() || update.tokens_per_step.is_some() {
+            job.rec.total_steps = job.estimated_total_steps(from);
+        }
+        tracing::info!(job = job_id, from_step = from, change = %update.describe(), "step settings changed");
+        fx.push(Effect::PersistJob(job.rec.clone()));
+        let msg = format!("from step {from}: {}", update.describe());
+        publish_event(fx, job, "config", msg, now_ms);
+        Ok(())
+    }
+}
+
+impl Job {
+    /// The first step a change made now applies to.
+    pub fn next_new_step(&self) -> u64 {
+        self.rec.step.max(self.attempts.0) + 1
+    }
+
+    /// With operator changes in effect, the plan's learning rate follows
+    /// the changed base over the job's (re-estimated) schedule length.
+    pub(super) fn with_schedule_lr(&self, mut p: PlannedStep) -> PlannedStep {
+        if p.kind == PlanKind::Train && !self.rec.changes.is_empty() {
+            let spec = manifest::spec_at(&self.spec, &self.rec.changes, p.step);
+            p.lr = spec.optimizer.lr_at(p.step, self.rec.total_steps);
+        }
+        p
+    }
+
+    /// Counts a dispatch of a training step (a re-dispatch after an abort
+    /// is another attempt of the same step).
+    pub(super) fn note_dispatch(&mut self, p: &PlannedStep) {
+        if p.kind != PlanKind::Train {
+            return;
+        }
+        self.attempts = match self.attempts {
+            (s, n) if s == p.step => (s, n + 1),
+            _ => (p.step, 1),
+        };
+    }
+
+    /// The manifest of `planned`, committing in generation `generation`.
+    pub(super) fn manifest_of(&self, planned: &PlannedStep, generation: u64) -> StepManifest {
+        let settings = manifest::settings_at(&self.spec, &self.rec.changes, planned.step);
+        let attempts = if self.attempts.0 == planned.step {
+            self.attempts.1
+        } else {
+            1
+        };
+        StepManifest::of(planned, generation, settings, attempts, false)
+    }
+
+    /// Total steps when the settings change from step `from` on: the steps
+    /// before it plus what the rest of the stream needs at the new size.
+    /// Unchanged for `job.steps` jobs and when unknown (0).
+    fn estimated_total_steps(&self, from: u64) -> u64 {
+        if self.spec.job.steps.is_some() || self.rec.total_steps == 0 {
+            return self.rec.total_steps;
+        }
+        let cursor = match &self.inflight {
+            Some(f) if f.planned.kind == PlanKind::Train && f.planned.step + 1 == from => {
+                &f.planned.cursor_after
+            }
+            _ => &self.rec.cursor,
+        };
+        let spec = manifest::spec_at(&self.spec, &self.rec.changes, from);
+        let order = step::order_of(&spec, self.stream_len());
+        let units = order.candidates(cursor).map(|c| c.index as usize);
+        let (remaining, per_step) = match spec.step_size() {
+            StepSize::Docs(n) => {
+                let rem: u64 = match &self.rollouts {
+                    Some(r) => units.map(|u| r.units[u].len() as u64).sum(),
+                    None => units.count() as u64,
+                };
+                (rem, n)
+            }
+            StepSize::Tokens(t) => {
+                let tokens = |i: usize| self.docs[i].tokens();
+                let rem: u64 = match &self.rollouts {
+                    Some(r) => units
+                        .flat_map(|u| r.units[u].iter())
+                        .map(|&d| tokens(d as usize))
+                        .sum(),
+                    None => units.map(tokens).sum(),
+                };
+                (rem, t)
+            }
+            StepSize::MicrobatchesPerRank(_) => return self.rec.total_steps,
+        };
+        (from - 1) + remaining.div_ceil(per_step.max(1))
     }
 }

@@ -24,6 +24,11 @@ pub enum CoreError {
         buffered: u64,
         capacity: u64,
     },
+    #[error("invalid update of job {job}: {}", .problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
+    InvalidUpdate {
+        job: String,
+        problems: Vec<crate::spec::SpecProblem>,
+    },
 }
 
 pub type Result<T> = std::result::Result<T, CoreError>;

@@ -65,6 +65,9 @@ pub struct JobRecord {
     /// job writes a checkpoint of its own).
     #[serde(default)]
     pub resumed_from: Option<std::path::PathBuf>,
+    /// Operator changes of the step settings (`accrue set`), in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub changes: Vec<crate::manifest::ConfigChange>,
 }
 
 /// A fixed membership of a job: ranks 0..W-1.
@@ -130,6 +133,9 @@ pub struct Job {
     pub regroup_after_checkpoint: bool,
     /// Streamed PG jobs (`data.source = "stream"`): the queue of groups.
     pub stream: Option<super::stream::RolloutStream>,
+    /// The last training step dispatched and how many times it was
+    /// (1 + aborts before commit); live only.
+    pub attempts: (u64, u32),
 }
 
 impl Job {
@@ -148,6 +154,7 @@ impl Job {
             rollouts: None,
             regroup_after_checkpoint: false,
             stream: None,
+            attempts: (0, 0),
         }
     }
 

@@ -148,6 +148,7 @@ impl Coordinator {
             rec: Box::new(job.rec.clone()),
             metrics: Box::new(m.clone()),
             docs: planned.docs.clone(),
+            manifest: Box::new(job.manifest_of(planned, gen.id)),
         });
         fx.push(Effect::AppendMetrics {
             path: job.spec.job.output_dir.join("metrics.jsonl"),
@@ -504,7 +505,7 @@ impl Coordinator {
                 return super::stream::plan_step(job, gen.world_size());
             }
             step::plan_step(
-                &job.spec,
+                &crate::manifest::spec_at(&job.spec, &job.rec.changes, next),
                 &job.docs,
                 &job.rec.cursor,
                 next,
@@ -512,7 +513,7 @@ impl Coordinator {
                 job.annotations(),
             )
         }) {
-            Ok(Some(p)) => Arc::new(p),
+            Ok(Some(p)) => Arc::new(job.with_schedule_lr(p)),
             Ok(None) => {
                 self.finish(job_id, JobState::Completed, "data exhausted", now_ms, fx);
                 return;
@@ -534,6 +535,7 @@ impl Coordinator {
                 },
             });
         }
+        job.note_dispatch(&planned);
         job.inflight = Some(InFlight {
             planned,
             started_ms: now_ms,

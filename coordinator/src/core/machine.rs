@@ -151,6 +151,7 @@ impl Coordinator {
                     total_steps: 0,
                     last_checkpoint: None,
                     resumed_from: start.map(|s| s.dir),
+                    changes: Vec::new(),
                 };
                 info!(job = %id, name = %rec.name, docs = docs.len(), "job submitted");
                 self.job_order.push(id.clone());
@@ -189,6 +190,7 @@ impl Coordinator {
             Event::ResumeJob { job } => self.resume(&job, now_ms, &mut fx)?,
             Event::DrainWorker { worker } => self.drain(&worker, now_ms, &mut fx)?,
             Event::TriggerCheckpoint { job } => self.trigger_checkpoint(&job, &mut fx)?,
+            Event::UpdateJob { job, update } => self.update_job(&job, update, now_ms, &mut fx)?,
             Event::Tick => self.tick(now_ms, &mut fx),
             Event::PushRollouts { job, rollouts } => {
                 let j = self

@@ -132,6 +132,11 @@ pub enum Event {
     TriggerCheckpoint {
         job: JobId,
     },
+    /// Change step settings of a live job from its next new step on.
+    UpdateJob {
+        job: JobId,
+        update: crate::manifest::JobUpdate,
+    },
     /// Periodic: detects missed heartbeats.
     Tick,
     /// Rollouts pushed to a streamed job (one RPC message, admitted whole).
@@ -223,6 +228,7 @@ pub enum Effect {
         rec: Box<JobRecord>,
         metrics: Box<StepMetrics>,
         docs: Vec<DocId>,
+        manifest: Box<crate::manifest::StepManifest>,
     },
     /// Reference log-probs of a committed chunk (persisted before the
     /// plans that carry them are sent).

@@ -78,6 +78,10 @@ struct Sim {
     publish_requests: Vec<(WorkerId, u64, std::path::PathBuf)>,
     /// Rollout store writes of streamed jobs, in order.
     rollout_writes: Vec<RolloutWrite>,
+    /// The manifest of every committed step.
+    manifests: Vec<crate::manifest::StepManifest>,
+    /// Every Abort sent: (worker, step).
+    aborts: Vec<(WorkerId, u64)>,
 }
 
 /// The log-prob a simulated worker reports in a reference pass.
@@ -99,6 +103,8 @@ impl Sim {
             events: Vec::new(),
             publish_requests: Vec::new(),
             rollout_writes: Vec::new(),
+            manifests: Vec::new(),
+            aborts: Vec::new(),
         }
     }
 
@@ -118,10 +124,19 @@ impl Sim {
                         self.publish_requests
                             .push((worker.clone(), *step, dir.clone()));
                     }
+                    if let ToWorker::Abort { step, .. } = &msg {
+                        self.aborts.push((worker.clone(), *step));
+                    }
                     self.inbox.push_back((worker, msg))
                 }
                 Effect::StoreReference { entries, .. } => self.stored_ref.extend(entries),
-                Effect::CommitStep { rec, metrics, docs } => {
+                Effect::CommitStep {
+                    rec,
+                    metrics,
+                    docs,
+                    manifest,
+                } => {
+                    self.manifests.push(*manifest);
                     self.persisted.push(*rec);
                     self.committed.push((*metrics, docs));
                 }
@@ -878,4 +893,295 @@ fn pg_publishes_the_policy_every_n_steps_once_all_ranks_wrote_it() {
             "policy of step 4 published to /tmp/accrue-core-test/policy/step-4",
         ]
     );
+}
+// Operator controls: live step settings, and the manifests that record
+// what each step ran with.
+
+use crate::manifest::{check_exactly_once, Expectation, JobUpdate};
+
+fn set(s: &mut Sim, update: JobUpdate) -> Result<()> {
+    s.handle(Event::UpdateJob {
+        job: "job".into(),
+        update,
+    })
+}
+
+fn universe(d: &[Document]) -> Expectation {
+    Expectation {
+        universe: d.iter().map(|x| x.id).collect(),
+        complete_epochs: 1,
+        partial: false,
+    }
+}
+
+#[test]
+fn a_settings_change_applies_from_the_next_step_and_is_in_its_manifest() {
+    let mut s = Sim::new();
+    let d = docs(40);
+    s.submit(spec("epochs = 1", "docs_per_step = 4", 1, 1), d.clone());
+    assert_eq!(s.c.job("job").unwrap().rec.total_steps, 10);
+    s.worker("a");
+    s.step_once(); // Ready → step 1 in flight
+    set(
+        &mut s,
+        JobUpdate {
+            docs_per_step: Some(6),
+            lr: Some(0.5),
+            max_tokens: Some(100),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let rec = &s.c.job("job").unwrap().rec;
+    assert_eq!(rec.changes.len(), 1);
+    assert_eq!(rec.changes[0].from_step, 2, "never the in-flight step");
+    assert_eq!(
+        s.persisted.last().unwrap().changes,
+        rec.changes,
+        "persisted"
+    );
+    // 4 docs, then 36 at 6 per step.
+    assert_eq!(rec.total_steps, 7);
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    let sizes: Vec<u64> = s.committed.iter().map(|(m, _)| m.docs).collect();
+    assert_eq!(sizes, vec![4, 6, 6, 6, 6, 6, 6]);
+    let first = &s.manifests[0];
+    assert_eq!(first.settings.docs_per_step, Some(4));
+    assert_eq!(
+        (first.settings.max_tokens, first.settings.base_lr),
+        (128, 1e-4)
+    );
+    assert_eq!(first.lr, 1e-4);
+    for m in &s.manifests[1..] {
+        assert_eq!(m.settings.docs_per_step, Some(6));
+        assert_eq!(
+            (m.settings.max_tokens, m.settings.base_lr, m.lr),
+            (100, 0.5, 0.5)
+        );
+        assert!(m.ranks.iter().flatten().all(|mb| mb.tokens <= 100));
+    }
+    assert_eq!(check_exactly_once(&s.manifests, 1, &universe(&d)), vec![]);
+}
+
+#[test]
+fn an_aborted_step_replanned_after_a_change_keeps_its_documents() {
+    let mut s = Sim::new();
+    let d = docs(30);
+    s.worker("a");
+    s.worker("b");
+    s.submit(spec("epochs = 1", "docs_per_step = 4", 1, 2), d.clone());
+    s.step_once();
+    s.step_once(); // both ready → step 1 in flight
+    let first_docs = s.plans[0].docs.clone();
+    s.inbox.clear();
+    set(
+        &mut s,
+        JobUpdate {
+            docs_per_step: Some(6),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    s.dead.push("b".into());
+    s.handle(Event::SessionClosed { worker: "b".into() })
+        .unwrap();
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    assert_eq!(
+        s.committed[0].1, first_docs,
+        "the re-plan took the same documents"
+    );
+    let m = &s.manifests[0];
+    assert_eq!(
+        (m.step, m.attempts, m.world_size, m.generation),
+        (1, 2, 1, 2)
+    );
+    assert_eq!(m.settings.docs_per_step, Some(4));
+    assert!(s.manifests[1..].iter().all(|m| m.attempts == 1));
+    assert_eq!(s.committed[1].0.docs, 6);
+    assert_eq!(check_exactly_once(&s.manifests, 1, &universe(&d)), vec![]);
+}
+
+#[test]
+fn a_bad_or_misplaced_update_is_refused_and_changes_nothing() {
+    let mut s = Sim::new();
+    s.submit(spec("steps = 2", "docs_per_step = 4", 1, 1), docs(20));
+    let before = s.persisted.len();
+    let e = set(
+        &mut s,
+        JobUpdate {
+            docs_per_step: Some(0),
+            tokens_per_step: Some(10),
+            ..Default::default()
+        },
+    )
+    .unwrap_err();
+    let CoreError::InvalidUpdate { problems, .. } = &e else {
+        panic!("{e}");
+    };
+    let fields: Vec<&str> = problems.iter().map(|p| p.field.as_str()).collect();
+    assert_eq!(fields, vec!["batch.docs_per_step", "batch.tokens_per_step"]);
+    assert!(
+        e.to_string()
+            .contains("batch.docs_per_step: must be at least 1"),
+        "{e}"
+    );
+    let e = set(
+        &mut s,
+        JobUpdate {
+            max_tokens: Some(10),
+            ..Default::default()
+        },
+    )
+    .unwrap_err();
+    assert!(
+        e.to_string().contains("data.max_tokens: document 0:"),
+        "{e}"
+    );
+    assert!(s.c.job("job").unwrap().rec.changes.is_empty());
+    assert_eq!(s.persisted.len(), before, "nothing persisted");
+    let unknown = s.handle(Event::UpdateJob {
+        job: "nope".into(),
+        update: JobUpdate {
+            lr: Some(1.0),
+            ..Default::default()
+        },
+    });
+    assert!(matches!(unknown, Err(CoreError::JobNotFound(_))));
+    s.worker("a");
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    let late = set(
+        &mut s,
+        JobUpdate {
+            lr: Some(1.0),
+            ..Default::default()
+        },
+    );
+    assert!(
+        matches!(late, Err(CoreError::BadJobState { .. })),
+        "{late:?}"
+    );
+}
+
+#[test]
+fn settings_changes_survive_a_coordinator_restart() {
+    let mut s = Sim::new();
+    s.submit(spec("steps = 4", "docs_per_step = 4", 1, 1), docs(30));
+    s.worker("a");
+    s.step_once();
+    set(
+        &mut s,
+        JobUpdate {
+            docs_per_step: Some(5),
+            lr: Some(0.25),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    s.step_once(); // step 1 commits, step 2 is dispatched with the change
+    let rec = s.persisted.last().unwrap().clone();
+    assert_eq!(rec.step, 1);
+    let mut r = Sim::new();
+    r.handle(Event::RestoreJob {
+        rec: Box::new(rec),
+        spec: Box::new(spec("steps = 4", "docs_per_step = 4", 1, 1)),
+        docs: docs(30),
+        reference: Default::default(),
+    })
+    .unwrap();
+    r.worker("z");
+    r.run();
+    assert_eq!(r.state(), JobState::Completed);
+    assert_eq!(r.manifests.len(), 3);
+    assert!(r
+        .manifests
+        .iter()
+        .all(|m| m.settings.docs_per_step == Some(5) && m.lr == 0.25));
+}
+
+#[test]
+fn a_warmup_schedule_continues_with_the_new_base_lr() {
+    let mut sp = spec("steps = 6", "docs_per_step = 2", 1, 1);
+    sp.optimizer.warmup_steps = 4;
+    sp.optimizer.lr = 1.0;
+    let mut s = Sim::new();
+    s.submit(sp, docs(20));
+    s.worker("a");
+    s.step_once(); // step 1 in flight at lr 0.25
+    set(
+        &mut s,
+        JobUpdate {
+            lr: Some(2.0),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    s.run();
+    let lrs: Vec<f64> = s.manifests.iter().map(|m| m.lr).collect();
+    assert_eq!(lrs, vec![0.25, 1.0, 1.5, 2.0, 2.0, 2.0]);
+}
+
+#[test]
+fn drain_during_a_step_aborts_nothing_and_the_next_generation_is_smaller() {
+    let mut s = Sim::new();
+    let d = docs(24);
+    for w in ["a", "b", "c"] {
+        s.worker(w);
+    }
+    s.submit(spec("epochs = 1", "docs_per_step = 6", 1, 3), d.clone());
+    for _ in 0..3 {
+        s.step_once(); // all ready → step 1 in flight
+    }
+    s.handle(Event::DrainWorker { worker: "c".into() }).unwrap();
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    assert_eq!(s.aborts, vec![], "a drain aborts nothing");
+    let shape: Vec<(u64, u32, u32)> = s
+        .manifests
+        .iter()
+        .map(|m| (m.generation, m.world_size, m.attempts))
+        .collect();
+    assert_eq!(shape, vec![(1, 3, 1), (2, 2, 1), (2, 2, 1), (2, 2, 1)]);
+    assert!(s
+        .manifests
+        .iter()
+        .all(|m| m.ranks.len() == m.world_size as usize));
+    assert_eq!(check_exactly_once(&s.manifests, 1, &universe(&d)), vec![]);
+}
+
+#[test]
+fn a_paused_job_dispatches_nothing_until_resumed() {
+    let mut s = Sim::new();
+    s.submit(spec("steps = 3", "docs_per_step = 4", 1, 2), docs(20));
+    s.worker("a");
+    s.step_once(); // step 1 in flight
+    s.handle(Event::PauseJob { job: "job".into() }).unwrap();
+    s.run();
+    assert_eq!(s.state(), JobState::Paused);
+    let plans = s.plans.len();
+    // Time passes, a worker joins, an operator changes a setting: still
+    // nothing is dispatched.
+    s.now += 1_000;
+    s.handle(Event::Heartbeat { worker: "a".into() }).unwrap();
+    s.handle(Event::Tick).unwrap();
+    s.worker("b");
+    set(
+        &mut s,
+        JobUpdate {
+            docs_per_step: Some(2),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    s.run();
+    assert_eq!(s.plans.len(), plans, "no plan while paused");
+    assert_eq!(s.state(), JobState::Paused);
+    assert_eq!(s.c.job("job").unwrap().rec.changes[0].from_step, 2);
+    s.handle(Event::ResumeJob { job: "job".into() }).unwrap();
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    let sizes: Vec<u64> = s.committed.iter().map(|(m, _)| m.docs).collect();
+    assert_eq!(sizes, vec![4, 2, 2]);
 }

@@ -14,7 +14,9 @@ use tracing::instrument;
 
 use super::{convert, now_ms, Shared};
 use crate::core::{Event, JobStart, WatchItem};
+use crate::manifest::{JobUpdate, StepManifest};
 use crate::spec::{JobSpec, SpecProblem};
+use crate::store::StepRecord;
 
 pub struct AdminService {
     shared: Arc<Shared>,
@@ -89,6 +91,69 @@ pub(super) fn resume_point(spec: &JobSpec) -> Result<Option<JobStart>, String> {
         cursor: m.cursor,
         dir,
     }))
+}
+
+/// The wire form of a step record: its manifest, or what its metrics hold
+/// for steps committed before manifests were kept.
+fn step_manifest(r: &StepRecord, detail: bool) -> wire::StepManifest {
+    let m = &r.metrics;
+    let mut out = wire::StepManifest {
+        step: m.step,
+        generation: m.generation,
+        world_size: m.world_size,
+        lr: m.lr,
+        documents: m.docs,
+        tokens: m.tokens,
+        rank_microbatches: m.microbatches.checked_div(m.world_size).unwrap_or(0),
+        epoch: m.cursor.epoch,
+        ..Default::default()
+    };
+    if detail {
+        out.docs = r.docs.iter().map(ToString::to_string).collect();
+    }
+    let Some(man) = &r.manifest else {
+        return out;
+    };
+    let s = &man.settings;
+    out.base_lr = s.base_lr;
+    out.docs_per_step = s.docs_per_step;
+    out.tokens_per_step = s.tokens_per_step;
+    out.microbatches_per_rank = s.microbatches_per_rank;
+    out.max_tokens = s.max_tokens;
+    out.tokens = man.tokens;
+    out.rank_microbatches = man.microbatches_per_rank();
+    out.attempts = man.attempts;
+    out.replayed = man.replayed;
+    out.epoch = man.epoch;
+    out.complete = true;
+    if detail {
+        out.docs = man.docs().iter().map(ToString::to_string).collect();
+        out.ranks = rank_layouts(man);
+    }
+    out
+}
+
+fn rank_layouts(man: &StepManifest) -> Vec<wire::StepRankLayout> {
+    man.ranks
+        .iter()
+        .map(|mbs| wire::StepRankLayout {
+            microbatches: mbs
+                .iter()
+                .map(|mb| wire::StepMicrobatch {
+                    tokens: mb.tokens,
+                    sequences: mb
+                        .seqs
+                        .iter()
+                        .map(|q| wire::StepSequence {
+                            doc: q.0.to_string(),
+                            role: q.1,
+                            tokens: q.2,
+                        })
+                        .collect(),
+                })
+                .collect(),
+        })
+        .collect()
 }
 
 type WatchStream = Pin<Box<dyn Stream<Item = Result<wire::WatchJobResponse, Status>> + Send>>;
@@ -261,6 +326,59 @@ impl Admin for AdminService {
         self.shared
             .apply_locked(&mut inner, Event::TriggerCheckpoint { job: id })?;
         Ok(Response::new(wire::TriggerCheckpointResponse { step }))
+    }
+
+    async fn list_steps(
+        &self,
+        req: Request<wire::ListStepsRequest>,
+    ) -> Result<Response<wire::ListStepsResponse>, Status> {
+        let req = req.into_inner();
+        required("job_id", &req.job_id)?;
+        let from = req.from_step.unwrap_or(0);
+        let to = req.to_step.unwrap_or(u64::MAX);
+        if to < from {
+            return Err(Status::invalid_argument(format!(
+                "to_step ({to}) must not be below from_step ({from})"
+            )));
+        }
+        let inner = self.shared.lock();
+        inner.core.job(&req.job_id).map_err(super::core_status)?;
+        let steps = inner
+            .store
+            .steps(&req.job_id, from)
+            .map_err(|e| Status::internal(e.to_string()))?
+            .iter()
+            .take_while(|r| r.metrics.step <= to)
+            .map(|r| step_manifest(r, req.detail))
+            .collect();
+        Ok(Response::new(wire::ListStepsResponse { steps }))
+    }
+
+    async fn update_job(
+        &self,
+        req: Request<wire::UpdateJobRequest>,
+    ) -> Result<Response<wire::UpdateJobResponse>, Status> {
+        let req = req.into_inner();
+        required("job_id", &req.job_id)?;
+        let update = JobUpdate {
+            docs_per_step: req.docs_per_step,
+            tokens_per_step: req.tokens_per_step,
+            max_tokens: req.max_tokens,
+            lr: req.lr,
+        };
+        let mut inner = self.shared.lock();
+        self.shared.apply_locked(
+            &mut inner,
+            Event::UpdateJob {
+                job: req.job_id.clone(),
+                update,
+            },
+        )?;
+        let job = inner.core.job(&req.job_id).map_err(super::core_status)?;
+        Ok(Response::new(wire::UpdateJobResponse {
+            job: Some(convert::job_summary(job)),
+            from_step: job.rec.changes.last().map_or(0, |c| c.from_step),
+        }))
     }
 
     type WatchJobStream = WatchStream;

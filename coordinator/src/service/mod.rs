@@ -107,13 +107,19 @@ impl Shared {
                         )));
                     }
                 }
-                Effect::CommitStep { rec, metrics, docs } => {
+                Effect::CommitStep {
+                    rec,
+                    metrics,
+                    docs,
+                    manifest,
+                } => {
                     self.metrics.observe_step(&rec.id, &metrics);
                     if let Err(err) = inner.store.commit_step(
                         &rec,
                         &StepRecord {
                             metrics: *metrics,
                             docs,
+                            manifest: Some(*manifest),
                         },
                     ) {
                         error!(job = %rec.id, %err, "persisting step failed");
@@ -232,5 +238,6 @@ pub fn core_status(e: CoreError) -> Status {
         }
         CoreError::QueueFull { .. } => Status::resource_exhausted(e.to_string()),
         CoreError::DuplicateJob(_) => Status::already_exists(e.to_string()),
+        CoreError::InvalidUpdate { .. } => Status::invalid_argument(e.to_string()),
     }
 }
