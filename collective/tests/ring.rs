@@ -497,7 +497,10 @@ fn an_abort_from_another_thread_ends_an_operation_blocked_on_a_frozen_peer() {
         (r, started.elapsed(), again)
     });
     std::thread::sleep(Duration::from_millis(300));
-    assert!(rx.try_recv().is_err(), "the operation must block on the frozen peer");
+    assert!(
+        rx.try_recv().is_err(),
+        "the operation must block on the frozen peer"
+    );
     let aborted_at = Instant::now();
     abort.abort();
     assert!(abort.is_aborted());
@@ -510,7 +513,16 @@ fn an_abort_from_another_thread_ends_an_operation_blocked_on_a_frozen_peer() {
         "took {returned_after:?}"
     );
     let e = r.unwrap_err();
-    assert!(matches!(e, RingError::Aborted { op: "all_reduce", .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            RingError::Aborted {
+                op: "all_reduce",
+                ..
+            }
+        ),
+        "{e}"
+    );
     assert_eq!(e.peer(), None, "an abort blames no peer");
     let e = again.unwrap_err();
     assert!(matches!(e, RingError::Broken { .. }), "{e}");

@@ -28,7 +28,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::TcpListener;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
@@ -36,7 +36,6 @@ use std::time::Instant;
 
 use accrue_proto::v1 as wire;
 use accrue_proto::v1::worker_message::Msg;
-use serde::Serialize;
 use tokio::sync::mpsc::UnboundedSender;
 use tracing::{info, warn};
 
@@ -644,7 +643,11 @@ impl Thread {
         }
         let key = (p.generation, p.step);
         if p.replay {
-            info!(step = p.step, generation = p.generation, "replaying a committed step");
+            info!(
+                step = p.step,
+                generation = p.generation,
+                "replaying a committed step"
+            );
         }
         fault::point(fault::Point::BeforeStep, p.step, p.rank);
         // Set before the abort flag is polled: an abort arriving from now
@@ -686,7 +689,6 @@ impl Thread {
             ),
         }
     }
-
 }
 
 /// A configure failure: kind, message, blamed peer.

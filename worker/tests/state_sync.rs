@@ -103,17 +103,20 @@ impl Worker {
             for cmd in rx {
                 let r: anyhow::Result<()> = (|| {
                     match cmd {
-                        Cmd::Join(coll, sync) => match (exec.as_mut(), sync) {
-                            (Some(e), Some(p)) => e.sync_state(Some(coll), &p)?,
-                            (Some(e), None) => e.set_collective(coll)?,
-                            (None, sync) => {
+                        Cmd::Join(coll, sync) => {
+                            if let Some(e) = exec.as_mut() {
+                                match sync {
+                                    Some(p) => e.sync_state(Some(coll), &p)?,
+                                    None => e.set_collective(coll)?,
+                                }
+                            } else {
                                 let mut e = factory(&cfg, None, coll)?;
                                 if let Some(p) = sync {
                                     e.sync_state(None, &p)?;
                                 }
                                 exec = Some(e);
                             }
-                        },
+                        }
                         Cmd::Step(p) => {
                             let e = exec.as_mut().expect("joined");
                             match run_step(e.as_mut(), &p, 4096, 0.0, &|| false) {
@@ -220,7 +223,10 @@ fn check(label: &str, ddp_cfg: &JobConfig, out: &Path, want: &mut Trainer) {
     for which in 0..2 {
         let (mw, mn) = common::worst_rel(&moments(&gm, which), &moments(&wm, which));
         println!("{label}: worst moment {which} difference {mw:e} ({mn})");
-        assert!(mw <= TOL, "{label}: moment {which} of {mn} differs by {mw:e}");
+        assert!(
+            mw <= TOL,
+            "{label}: moment {which} of {mn} differs by {mw:e}"
+        );
     }
 }
 

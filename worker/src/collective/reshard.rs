@@ -57,7 +57,9 @@ pub struct SyncPlan {
 pub enum SyncError {
     #[error("state sync: no member of the new generation holds the state")]
     NoHolder,
-    #[error("state sync: holders disagree on the prior world size ({0:?}); resharding needs one layout")]
+    #[error(
+        "state sync: holders disagree on the prior world size ({0:?}); resharding needs one layout"
+    )]
     MixedWorlds(Vec<usize>),
     #[error("state sync: shard {shard} of {world} is held by no member of the new generation")]
     MissingShard { shard: usize, world: usize },
@@ -257,7 +259,10 @@ mod tests {
     impl StateAccess for Mem {
         fn read(&mut self, buf: usize, range: Range<usize>) -> Tensor {
             let (held, data) = &self.old[buf];
-            assert!(held.start <= range.start && range.end <= held.end, "read outside");
+            assert!(
+                held.start <= range.start && range.end <= held.end,
+                "read outside"
+            );
             Tensor::from_slice(&data[range.start - held.start..range.end - held.start])
         }
         fn write(&mut self, buf: usize, range: Range<usize>, values: &Tensor) {
@@ -329,7 +334,11 @@ mod tests {
                 };
                 for (i, got) in new[b].iter().enumerate() {
                     if want.contains(&i) {
-                        assert_eq!(*got, Some(value(b, i)), "rank {rank} buffer {b} element {i}");
+                        assert_eq!(
+                            *got,
+                            Some(value(b, i)),
+                            "rank {rank} buffer {b} element {i}"
+                        );
                     } else {
                         assert_eq!(*got, None, "rank {rank} wrote outside its shard");
                     }

@@ -19,9 +19,7 @@ use std::sync::atomic::Ordering;
 use tch::Tensor;
 use tracing::info;
 
-use super::{
-    blamed_peer, lock, spec_max_tokens, wire, ConfigureError, Held, Msg, Thread,
-};
+use super::{blamed_peer, lock, spec_max_tokens, wire, ConfigureError, Held, Msg, Thread};
 use crate::collective::reshard::{SyncPlan, DEFAULT_CHUNK};
 use crate::collective::{Collective, CollectiveError, Solo};
 use crate::config::JobConfig;
@@ -190,9 +188,9 @@ impl Thread {
         })?;
         check_restore_step(dir, c.step).map_err(restore_failed)?;
         let coll = self.connect(c)?;
-        let h = self.build(c, cfg, coll, Some(dir)).map_err(|(_, msg, _)| {
-            (wire::ErrorKind::RestoreFailed, msg, None)
-        })?;
+        let h = self
+            .build(c, cfg, coll, Some(dir))
+            .map_err(|(_, msg, _)| (wire::ErrorKind::RestoreFailed, msg, None))?;
         self.job = Some(h);
         Ok(())
     }
@@ -265,7 +263,9 @@ impl Thread {
             prior.job_id, prior.step, prior.rank, prior.world_size
         );
         let Some(h) = &self.job else {
-            return Err(format!("configure: state sync: {claim}, but it holds no state"));
+            return Err(format!(
+                "configure: state sync: {claim}, but it holds no state"
+            ));
         };
         let layout = h.exec.state_layout();
         let layout_ok =
@@ -352,8 +352,8 @@ impl Thread {
 fn check_restore_step(dir: &Path, step: u64) -> Result<(), String> {
     let path = dir.join("manifest.json");
     let bytes = std::fs::read(&path).map_err(|e| format!("configure: {}: {e}", path.display()))?;
-    let m: super::Manifest =
-        serde_json::from_slice(&bytes).map_err(|e| format!("configure: {}: {e}", path.display()))?;
+    let m: super::Manifest = serde_json::from_slice(&bytes)
+        .map_err(|e| format!("configure: {}: {e}", path.display()))?;
     if m.step != step {
         return Err(format!(
             "configure: {} holds step {}, but this replica is configured at step {step}; \

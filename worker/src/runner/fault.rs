@@ -61,7 +61,9 @@ impl Fault {
     /// Parses `stop:<point>:<step>[:<rank>]`; the error names what is wrong.
     pub fn parse(s: &str) -> Result<Fault, String> {
         let parts: Vec<&str> = s.trim().split(':').collect();
-        let bad = |why: &str| format!("ACCRUE_FAULT={s:?}: {why} (expected stop:<point>:<step>[:<rank>])");
+        let bad = |why: &str| {
+            format!("ACCRUE_FAULT={s:?}: {why} (expected stop:<point>:<step>[:<rank>])")
+        };
         match parts.as_slice() {
             ["stop", point, step, rest @ ..] if rest.len() <= 1 => {
                 let point = Point::parse(point).ok_or_else(|| {
@@ -105,7 +107,13 @@ fn configured() -> Option<Fault> {
 pub fn point(point: Point, step: u64, rank: u32) {
     let Some(f) = configured() else { return };
     if f.matches(point, step, rank) {
-        error!(point = point.name(), step, rank, "fault point {} reached at step {step}", point.name());
+        error!(
+            point = point.name(),
+            step,
+            rank,
+            "fault point {} reached at step {step}",
+            point.name()
+        );
         stop_self();
     }
 }
@@ -146,9 +154,17 @@ mod tests {
         assert!(!f.matches(Point::BeforeStep, 3, 1));
         let any = Fault::parse("stop:before_step:2").unwrap();
         assert!(any.matches(Point::BeforeStep, 2, 7));
-        for bad in ["", "stop:nowhere:1", "stop:before_step:x", "kill:before_step:1", "stop:before_step:1:2:3"] {
+        for bad in [
+            "",
+            "stop:nowhere:1",
+            "stop:before_step:x",
+            "kill:before_step:1",
+            "stop:before_step:1:2:3",
+        ] {
             assert!(Fault::parse(bad).is_err(), "{bad}");
         }
-        assert!(Fault::parse("stop:nowhere:1").unwrap_err().contains("point"));
+        assert!(Fault::parse("stop:nowhere:1")
+            .unwrap_err()
+            .contains("point"));
     }
 }

@@ -165,7 +165,12 @@ fn restoring_from_an_incomplete_or_corrupt_checkpoint_is_restore_failed_naming_t
         let Msg::Error(e) = next(rx) else {
             panic!("expected RESTORE_FAILED");
         };
-        assert_eq!(e.kind, wire::ErrorKind::RestoreFailed as i32, "{}", e.message);
+        assert_eq!(
+            e.kind,
+            wire::ErrorKind::RestoreFailed as i32,
+            "{}",
+            e.message
+        );
         assert_eq!(e.step, 4);
         assert!(e.message.contains(needle), "{needle}: {}", e.message);
     };
@@ -190,14 +195,20 @@ fn restoring_from_an_incomplete_or_corrupt_checkpoint_is_restore_failed_naming_t
     std::fs::write(c.join("model.safetensors"), b"weighTs").unwrap();
     runner.submit(configure(4, &c.display().to_string()));
     expect_failure(&mut rx, "model.safetensors: checksum");
-    assert!(runner.progress().held().is_none(), "no replica after a failed restore");
+    assert!(
+        runner.progress().held().is_none(),
+        "no replica after a failed restore"
+    );
     // The good one restores.
     let d = dir.path().join("step-4d");
     complete_checkpoint(&d, 4);
     runner.submit(configure(4, &d.display().to_string()));
     assert!(matches!(next(&mut rx), Msg::Ready(r) if r.step == 4));
     let held = runner.progress().held().unwrap();
-    assert_eq!((held.job_id.as_str(), held.step, held.world_size), ("j", 4, 1));
+    assert_eq!(
+        (held.job_id.as_str(), held.step, held.world_size),
+        ("j", 4, 1)
+    );
     runner.shutdown();
 }
 
@@ -230,7 +241,10 @@ fn training_goes_on_while_a_checkpoint_is_written_and_shutdown_waits_for_it() {
         asked.elapsed() < Duration::from_millis(1500),
         "three steps ran during the write"
     );
-    assert!(!ck.join("rank-0.json").exists(), "the write is still in flight");
+    assert!(
+        !ck.join("rank-0.json").exists(),
+        "the write is still in flight"
+    );
     assert!(runner.pending() > 0, "a write in flight counts as pending");
     runner.shutdown();
     assert!(matches!(next(&mut rx), Msg::CheckpointDone(c) if c.step == 0));
@@ -288,14 +302,24 @@ fn an_abort_interrupts_a_collective_blocked_on_a_frozen_peer() {
         reason: "peer lost".into(),
     }));
     while runner.pending() > 0 {
-        assert!(at.elapsed() < Duration::from_secs(2), "the abort did not interrupt the step");
+        assert!(
+            at.elapsed() < Duration::from_secs(2),
+            "the abort did not interrupt the step"
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
     let took = at.elapsed();
     assert!(took < Duration::from_secs(1), "took {took:?}");
     assert!(rx.try_recv().is_err(), "an aborted step reports nothing");
-    assert_eq!(counters.steps.load(Ordering::SeqCst), 0, "parameters untouched");
-    assert!(counters.zero_grads.load(Ordering::SeqCst) >= 2, "gradients dropped");
+    assert_eq!(
+        counters.steps.load(Ordering::SeqCst),
+        0,
+        "parameters untouched"
+    );
+    assert!(
+        counters.zero_grads.load(Ordering::SeqCst) >= 2,
+        "gradients dropped"
+    );
     release_tx.send(()).unwrap();
     frozen.join().unwrap();
     runner.shutdown();
@@ -341,4 +365,3 @@ fn a_holder_whose_state_does_not_match_its_prior_is_a_state_sync_error() {
     );
     runner.shutdown();
 }
-

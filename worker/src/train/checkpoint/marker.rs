@@ -96,7 +96,12 @@ pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
 }
 
 /// Measures (and fsyncs) `files` in `dir`, then writes `rank-R.json`.
-pub fn write_marker(dir: &Path, rank: u32, world_size: u32, files: &[String]) -> anyhow::Result<()> {
+pub fn write_marker(
+    dir: &Path,
+    rank: u32,
+    world_size: u32,
+    files: &[String],
+) -> anyhow::Result<()> {
     use anyhow::Context;
     let mut marked = Vec::with_capacity(files.len());
     for name in files {
@@ -127,7 +132,7 @@ pub fn verify(dir: &Path) -> Result<u32, VerifyError> {
     let text = match std::fs::read(&manifest) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(VerifyError::Missing(manifest))
+            return Err(VerifyError::Missing(manifest));
         }
         Err(e) => return Err(VerifyError::bad(&manifest, e.to_string())),
     };
@@ -137,18 +142,26 @@ pub fn verify(dir: &Path) -> Result<u32, VerifyError> {
         .get("world_size")
         .and_then(serde_json::Value::as_u64)
         .filter(|&w| w > 0)
-        .ok_or_else(|| VerifyError::bad(&manifest, "no positive world_size"))? as u32;
+        .ok_or_else(|| VerifyError::bad(&manifest, "no positive world_size"))?
+        as u32;
     let any_marker = (0..world).any(|r| dir.join(marker_name(r)).exists());
     if !any_marker {
         tracing::warn!(dir = %dir.display(), "checkpoint without rank markers (written before markers existed): not verified");
         return Ok(world);
+    }
+    // Completeness first: every rank's marker is there.
+    if let Some(missing) = (0..world)
+        .map(|r| dir.join(marker_name(r)))
+        .find(|p| !p.exists())
+    {
+        return Err(VerifyError::Missing(missing));
     }
     for rank in 0..world {
         let path = dir.join(marker_name(rank));
         let text = match std::fs::read(&path) {
             Ok(t) => t,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Err(VerifyError::Missing(path))
+                return Err(VerifyError::Missing(path));
             }
             Err(e) => return Err(VerifyError::bad(&path, e.to_string())),
         };
@@ -168,7 +181,7 @@ pub fn verify(dir: &Path) -> Result<u32, VerifyError> {
             let (bytes, crc) = match measure(&file) {
                 Ok(v) => v,
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                    return Err(VerifyError::Missing(file))
+                    return Err(VerifyError::Missing(file));
                 }
                 Err(e) => return Err(VerifyError::bad(&file, e.to_string())),
             };
@@ -204,7 +217,11 @@ const fn crc_table() -> [u32; 256] {
         let mut c = i as u32;
         let mut k = 0;
         while k < 8 {
-            c = if c & 1 != 0 { 0xedb8_8320 ^ (c >> 1) } else { c >> 1 };
+            c = if c & 1 != 0 {
+                0xedb8_8320 ^ (c >> 1)
+            } else {
+                c >> 1
+            };
             k += 1;
         }
         t[i] = c;
@@ -266,7 +283,10 @@ mod tests {
         assert_eq!(verify(d).unwrap(), 2);
         std::fs::write(d.join("b.bin"), b"World!").unwrap();
         let e = verify(d).unwrap_err();
-        assert!(e.to_string().contains("b.bin") && e.to_string().contains("corrupt"), "{e}");
+        assert!(
+            e.to_string().contains("b.bin") && e.to_string().contains("corrupt"),
+            "{e}"
+        );
         std::fs::write(d.join("b.bin"), b"w").unwrap();
         let e = verify(d).unwrap_err();
         assert!(e.to_string().contains("1 bytes"), "{e}");

@@ -54,13 +54,12 @@ impl StateAccess for Access<'_> {
         let cpu = Device::Cpu;
         match (buf, self.sharding) {
             (0, _) => self.layout.slice(self.params, range, cpu).to_device(cpu),
-            (m, Sharding::Ddp) => self.layout.slice(self.avg[m - 1], range, cpu).to_device(cpu),
+            (m, Sharding::Ddp) => self
+                .layout
+                .slice(self.avg[m - 1], range, cpu)
+                .to_device(cpu),
             (m, Sharding::Zero2) => self.avg[m - 1][0]
-                .narrow(
-                    0,
-                    (range.start - self.old.start) as i64,
-                    range.len() as i64,
-                )
+                .narrow(0, (range.start - self.old.start) as i64, range.len() as i64)
                 .to_device(cpu),
         }
     }
@@ -71,11 +70,7 @@ impl StateAccess for Access<'_> {
             (m, Sharding::Ddp) => self.scatter(self.avg[m - 1], range, values),
             (m, Sharding::Zero2) => tch::no_grad(|| {
                 self.new_avg[m - 1]
-                    .narrow(
-                        0,
-                        (range.start - self.new.start) as i64,
-                        range.len() as i64,
-                    )
+                    .narrow(0, (range.start - self.new.start) as i64, range.len() as i64)
                     .copy_(values)
             }),
         }
@@ -111,9 +106,10 @@ impl Trainer {
                 sharded: zero2 && i > 0,
             })
             .collect();
+        let new_len = new.len() as i64;
         let fresh = || {
             if zero2 {
-                Tensor::zeros([new.len() as i64], (Kind::Float, device))
+                Tensor::zeros([new_len], (Kind::Float, device))
             } else {
                 Tensor::new()
             }
