@@ -21,7 +21,10 @@ use accrue_worker::runner::{default_factory, run_step, StepExecutor, StepOutcome
 use accrue_worker::train::{PackedBatch, Trainer};
 use accrue_worker::wire;
 
-const TOL: f64 = 1e-5;
+/// Relative per-tensor tolerance: parameters (measured ≤ 2e-7).
+const TOL: f64 = 1e-6;
+/// AdamW moments (measured ≤ 7e-7: second moments square the rounding).
+const MOMENT_TOL: f64 = 2e-6;
 const LR: f64 = 1e-3;
 
 type Docs = Vec<(Vec<i64>, Vec<i64>)>;
@@ -224,7 +227,7 @@ fn check(label: &str, ddp_cfg: &JobConfig, out: &Path, want: &mut Trainer) {
         let (mw, mn) = common::worst_rel(&moments(&gm, which), &moments(&wm, which));
         println!("{label}: worst moment {which} difference {mw:e} ({mn})");
         assert!(
-            mw <= TOL,
+            mw <= MOMENT_TOL,
             "{label}: moment {which} of {mn} differs by {mw:e}"
         );
     }
