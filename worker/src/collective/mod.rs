@@ -91,6 +91,11 @@ pub trait Collective: Send {
     fn abort_handle(&self) -> Option<AbortHandle> {
         None
     }
+    /// Where the tensors this backend reduces must live (the CPU backends:
+    /// the CPU; NCCL: its GPU).
+    fn device(&self) -> tch::Device {
+        tch::Device::Cpu
+    }
 }
 
 /// Interrupts a collective from another thread (see

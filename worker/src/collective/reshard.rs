@@ -24,7 +24,7 @@
 
 use std::ops::Range;
 
-use tch::{Device, Kind, Tensor};
+use tch::{Kind, Tensor};
 
 use super::{shard_range, Collective};
 
@@ -111,12 +111,13 @@ impl SyncPlan {
 /// Where a rank's state lives: read from the held (old) layout, write into
 /// the new one. Ranges are of the whole flat buffer.
 pub trait StateAccess {
-    /// Elements `range` of buffer `buf` as a flat f32 CPU tensor; `range`
+    /// Elements `range` of buffer `buf` as a flat f32 tensor; `range`
     /// lies inside what this rank holds (its old shard, or all of a
     /// replicated buffer).
     fn read(&mut self, buf: usize, range: Range<usize>) -> Tensor;
     /// Stores elements `range` of buffer `buf` (inside this rank's new
-    /// shard, or anywhere in a replicated buffer).
+    /// shard, or anywhere in a replicated buffer); `values` lives on the
+    /// collective's device.
     fn write(&mut self, buf: usize, range: Range<usize>, values: &Tensor);
 }
 
@@ -155,10 +156,11 @@ pub fn sync(
         let buffer = buffer.to_string();
         move |source| SyncError::Collective { buffer, source }
     };
+    let device = coll.device();
     // Scalars as 16-bit pieces in f32 (exact whatever the backend).
-    let mut s = Tensor::from_slice(&encode(scalars));
+    let mut s = Tensor::from_slice(&encode(scalars)).to_device(device);
     coll.broadcast(&mut s, root).map_err(failed("scalars"))?;
-    let got = Vec::<f32>::try_from(&s).unwrap_or_default();
+    let got = Vec::<f32>::try_from(&s.to_device(tch::Device::Cpu)).unwrap_or_default();
     scalars.copy_from_slice(&decode(&got, scalars.len()));
     let chunk = plan.chunk.max(1);
     for (i, b) in buffers.iter().enumerate() {
@@ -179,9 +181,9 @@ pub fn sync(
         while start < b.len {
             let range = start..(start + chunk).min(b.len);
             start = range.end;
-            let mut t = Tensor::zeros([range.len() as i64], (Kind::Float, Device::Cpu));
+            let mut t = Tensor::zeros([range.len() as i64], (Kind::Float, device));
             if let Some(ov) = held.as_ref().and_then(|h| overlap(h, &range)) {
-                let part = state.read(i, ov.clone());
+                let part = state.read(i, ov.clone()).to_device(device);
                 t.narrow(0, (ov.start - range.start) as i64, ov.len() as i64)
                     .copy_(&part);
             }

@@ -8,7 +8,7 @@
 
 use std::ops::Range;
 
-use tch::{Device, Kind, Tensor};
+use tch::{Kind, Tensor};
 
 use super::FsdpTrainer;
 use crate::collective::reshard::{self, FlatBuffer, StateAccess, SyncPlan};
@@ -26,7 +26,6 @@ impl StateAccess for Access<'_> {
     fn read(&mut self, buf: usize, range: Range<usize>) -> Tensor {
         let (t, held) = &self.old[buf];
         t.narrow(0, (range.start - held.start) as i64, range.len() as i64)
-            .to_device(Device::Cpu)
     }
 
     fn write(&mut self, buf: usize, range: Range<usize>, values: &Tensor) {

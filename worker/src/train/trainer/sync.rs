@@ -51,16 +51,17 @@ impl Access<'_> {
 
 impl StateAccess for Access<'_> {
     fn read(&mut self, buf: usize, range: Range<usize>) -> Tensor {
-        let cpu = Device::Cpu;
+        // On the model's device; `reshard::sync` moves it where the
+        // collective needs it.
+        let device = self.params.first().map_or(Device::Cpu, Tensor::device);
         match (buf, self.sharding) {
-            (0, _) => self.layout.slice(self.params, range, cpu).to_device(cpu),
-            (m, Sharding::Ddp) => self
-                .layout
-                .slice(self.avg[m - 1], range, cpu)
-                .to_device(cpu),
-            (m, Sharding::Zero2) => self.avg[m - 1][0]
-                .narrow(0, (range.start - self.old.start) as i64, range.len() as i64)
-                .to_device(cpu),
+            (0, _) => self.layout.slice(self.params, range, device),
+            (m, Sharding::Ddp) => self.layout.slice(self.avg[m - 1], range, device),
+            (m, Sharding::Zero2) => self.avg[m - 1][0].narrow(
+                0,
+                (range.start - self.old.start) as i64,
+                range.len() as i64,
+            ),
         }
     }
 
