@@ -153,7 +153,7 @@ struct Generation {
 }
 
 /// Runs the generations over the workers; returns the final checkpoint dir.
-fn run(cfg: &JobConfig, gens: &[Generation], dir: &Path) -> PathBuf {
+fn run(cfg: &JobConfig, gens: &[Generation], dir: &Path, sync: bool) -> PathBuf {
     let docs = steps();
     let n = gens.iter().flat_map(|g| g.members.iter()).max().unwrap() + 1;
     let workers: Vec<Worker> = (0..n).map(|_| Worker::spawn(cfg.clone())).collect();
@@ -162,7 +162,8 @@ fn run(cfg: &JobConfig, gens: &[Generation], dir: &Path) -> PathBuf {
     for g in gens {
         let world = g.members.len();
         // As the runner decides: someone lacks the state, or a shard moves.
-        let needs_sync = !first
+        let needs_sync = sync
+            && !first
             && g.priors.iter().enumerate().any(|(r, p)| match p {
                 None => true,
                 Some(l) => sharded && *l != (r, world),
@@ -241,7 +242,7 @@ fn scenario(sharding: &str, label: &str, gens: &[Generation]) {
         &format!("[parallel]\nsharding = \"{sharding}\"\n"),
     );
     let ddp_cfg = common::random_job(dir.path(), "");
-    let out = run(&cfg, gens, dir.path());
+    let out = run(&cfg, gens, dir.path(), true);
     let mut want = reference(&ddp_cfg);
     check(&format!("{sharding} {label}"), &ddp_cfg, &out, &mut want);
 }
@@ -347,4 +348,21 @@ fn fsdp_3_to_2_is_a_state_sync_error_naming_the_missing_shard() {
         let e = h.join().unwrap();
         assert!(e.contains("shard 1 of 3"), "{e}");
     }
+}
+
+#[test]
+fn a_joiner_without_state_sync_fails_the_check() {
+    // The control: the third rank trains from the model's init instead.
+    tch::set_num_threads(1);
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = common::random_job(dir.path(), "");
+    let out = run(&cfg, &grow(), dir.path(), false);
+    let got = Trainer::single(&cfg, Some(&out)).unwrap();
+    let want = reference(&cfg);
+    let (pw, pn) = common::worst_rel(&got.named_parameters(), &want.named_parameters());
+    println!("no sync: worst parameter difference {pw:e} ({pn})");
+    assert!(
+        pw > 100.0 * TOL,
+        "skipping the sync should show, got {pw:e}"
+    );
 }
