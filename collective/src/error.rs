@@ -33,6 +33,10 @@ pub enum RingError {
     /// A bad argument (configuration, root rank).
     #[error("{op}: {detail}")]
     Invalid { op: &'static str, detail: String },
+    /// Aborted from another thread ([`crate::RingAbort`]): the generation
+    /// is over (a peer was declared lost); no peer is blamed.
+    #[error("{op} #{seq}: aborted")]
+    Aborted { op: &'static str, seq: u64 },
     /// An earlier operation failed; the ring cannot be used again (form a new
     /// generation).
     #[error("{op} #{seq}: ring unusable after an earlier error: {first}")]
@@ -50,7 +54,7 @@ impl RingError {
             RingError::Timeout { peer, .. }
             | RingError::PeerLost { peer, .. }
             | RingError::Mismatch { peer, .. } => Some(*peer),
-            RingError::Invalid { .. } => None,
+            RingError::Invalid { .. } | RingError::Aborted { .. } => None,
             RingError::Broken { first, .. } => first.peer(),
         }
     }

@@ -26,7 +26,7 @@ mod wire;
 use std::ops::Range;
 
 pub use error::{RingError, RingResult};
-pub use ring::{RingConfig, TcpRing};
+pub use ring::{RingAbort, RingConfig, TcpRing};
 pub use wire::Op;
 
 /// The elements of a flat buffer of `len` elements owned by `rank` of

@@ -12,7 +12,8 @@
 
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
-use std::sync::{Condvar, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::connect::{connect, Links};
@@ -79,6 +80,34 @@ pub struct TcpRing {
     links: Option<Links>,
     broken: Option<RingError>,
     scratch: Vec<f32>,
+    /// Set by a [`RingAbort`] from another thread.
+    aborted: Arc<AtomicBool>,
+}
+
+/// Interrupts a [`TcpRing`] from another thread ([`TcpRing::abort_handle`]):
+/// an operation blocked on a frozen peer returns [`RingError::Aborted`] at
+/// once instead of at its deadline, and the ring is broken from then on.
+#[derive(Debug, Clone)]
+pub struct RingAbort {
+    flag: Arc<AtomicBool>,
+    /// Clones of the ring's sockets: shutting them down wakes a blocked
+    /// read or write.
+    streams: Arc<Vec<TcpStream>>,
+}
+
+impl RingAbort {
+    /// Marks the ring aborted and shuts its sockets down (idempotent).
+    pub fn abort(&self) {
+        self.flag.store(true, Ordering::SeqCst);
+        for s in self.streams.iter() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+
+    /// Whether [`abort`](Self::abort) was called.
+    pub fn is_aborted(&self) -> bool {
+        self.flag.load(Ordering::SeqCst)
+    }
 }
 
 impl std::fmt::Debug for TcpRing {
@@ -120,6 +149,20 @@ impl TcpRing {
             links,
             broken: None,
             scratch: Vec::new(),
+            aborted: Arc::new(AtomicBool::new(false)),
+        })
+    }
+
+    /// A handle that aborts this ring from another thread (see
+    /// [`RingAbort`]). Fails only if the sockets cannot be cloned.
+    pub fn abort_handle(&self) -> std::io::Result<RingAbort> {
+        let streams = match &self.links {
+            Some(l) => vec![l.to_next.try_clone()?, l.from_prev.try_clone()?],
+            None => Vec::new(),
+        };
+        Ok(RingAbort {
+            flag: self.aborted.clone(),
+            streams: Arc::new(streams),
         })
     }
 
@@ -218,6 +261,12 @@ impl TcpRing {
     /// Runs one schedule on `buf`, under one deadline.
     fn run(&mut self, op: Op, buf: &mut [u8], sched: &Schedule) -> RingResult<()> {
         self.seq += 1;
+        if self.broken.is_none() && self.aborted.load(Ordering::SeqCst) {
+            self.broken = Some(RingError::Aborted {
+                op: op.name(),
+                seq: self.seq,
+            });
+        }
         if let Some(first) = &self.broken {
             return Err(RingError::Broken {
                 op: op.name(),
@@ -248,6 +297,7 @@ impl TcpRing {
             },
             progress: Mutex::new(Progress::default()),
             changed: Condvar::new(),
+            aborted: &self.aborted,
         };
         let scratch = &mut self.scratch;
         std::thread::scope(|s| {
@@ -338,9 +388,24 @@ struct Ctx<'a> {
     buf: RawBuf,
     progress: Mutex<Progress>,
     changed: Condvar,
+    aborted: &'a AtomicBool,
 }
 
+/// How often a thread waiting on the other one re-checks the abort flag.
+const ABORT_POLL: Duration = Duration::from_millis(20);
+
 impl Ctx<'_> {
+    fn is_aborted(&self) -> bool {
+        self.aborted.load(Ordering::SeqCst)
+    }
+
+    fn aborted_error(&self) -> RingError {
+        RingError::Aborted {
+            op: self.op.name(),
+            seq: self.seq,
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Progress> {
         self.progress.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -382,6 +447,10 @@ impl Ctx<'_> {
     }
 
     fn io_error(&self, peer: usize, e: io::Error) -> RingError {
+        if self.is_aborted() {
+            // The error is the abort's socket shutdown, not the peer's fault.
+            return self.aborted_error();
+        }
         match e.kind() {
             io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => self.timeout(peer),
             io::ErrorKind::UnexpectedEof => self.lost(peer, "connection closed".into()),
@@ -412,13 +481,16 @@ impl Ctx<'_> {
             if ready(&p) {
                 return Ok(());
             }
+            if self.is_aborted() {
+                return Err(Some(self.aborted_error()));
+            }
             let left = self.deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return Err(Some(self.timeout(blame)));
             }
             p = self
                 .changed
-                .wait_timeout(p, left)
+                .wait_timeout(p, left.min(ABORT_POLL))
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }

@@ -9,6 +9,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use accrue_collective::{shard_range, RingConfig, RingError, TcpRing};
+use std::sync::mpsc;
 
 fn listeners(world: usize) -> (Vec<TcpListener>, Vec<String>) {
     let ls: Vec<_> = (0..world)
@@ -468,4 +469,63 @@ fn a_killed_peer_process_is_an_error_within_seconds() {
             "{e}"
         );
     }
+}
+
+#[test]
+fn an_abort_from_another_thread_ends_an_operation_blocked_on_a_frozen_peer() {
+    // Rank 1 joins the ring, then freezes (never calls the operation), as
+    // a SIGSTOPped process would; rank 0's timeout is far away.
+    let (mut ls, peers) = listeners(2);
+    let (release_tx, release_rx) = mpsc::channel::<()>();
+    let p1 = peers.clone();
+    let l1 = ls.remove(1);
+    let frozen = std::thread::spawn(move || {
+        let ring = TcpRing::connect(&l1, config(1, &p1, 1, Duration::from_secs(60))).unwrap();
+        let _ = release_rx.recv();
+        drop(ring);
+    });
+    let mut ring = TcpRing::connect(&ls[0], config(0, &peers, 1, Duration::from_secs(60))).unwrap();
+    let abort = ring.abort_handle().unwrap();
+    let (tx, rx) = mpsc::channel();
+    let worker = std::thread::spawn(move || {
+        let mut v = input(0, 1_000_000);
+        let started = Instant::now();
+        let r = ring.all_reduce_sum(&mut v);
+        let _ = tx.send(());
+        // A later operation fails at once: the ring is broken.
+        let again = ring.barrier();
+        (r, started.elapsed(), again)
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        rx.try_recv().is_err(),
+        "the operation must block on the frozen peer"
+    );
+    let aborted_at = Instant::now();
+    abort.abort();
+    assert!(abort.is_aborted());
+    rx.recv_timeout(Duration::from_secs(5))
+        .expect("the aborted operation did not return");
+    let returned_after = aborted_at.elapsed();
+    let (r, _, again) = worker.join().unwrap();
+    assert!(
+        returned_after < Duration::from_secs(1),
+        "took {returned_after:?}"
+    );
+    let e = r.unwrap_err();
+    assert!(
+        matches!(
+            e,
+            RingError::Aborted {
+                op: "all_reduce",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert_eq!(e.peer(), None, "an abort blames no peer");
+    let e = again.unwrap_err();
+    assert!(matches!(e, RingError::Broken { .. }), "{e}");
+    release_tx.send(()).unwrap();
+    frozen.join().unwrap();
 }

@@ -17,10 +17,18 @@
 //! A step's metrics are *sums* (DESIGN.md "The math"): Σ loss over loss
 //! tokens, tokens, documents, padding, and the time split; the coordinator
 //! forms the means after summing over ranks.
+//!
+//! Recovery (issue 6): [`configure`] restores from a verified checkpoint or
+//! takes the state from the live members that hold it (state sync, no
+//! disk); an abort interrupts the in-flight step's collective from the
+//! session's thread ([`Runner::submit`]); [`checkpoint`] snapshots state
+//! on this thread and writes it on a background one while training goes
+//! on; [`fault`] stops the process at named points for fault-injection
+//! tests.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::net::TcpListener;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
@@ -28,12 +36,14 @@ use std::time::Instant;
 
 use accrue_proto::v1 as wire;
 use accrue_proto::v1::worker_message::Msg;
-use serde::Serialize;
 use tokio::sync::mpsc::UnboundedSender;
 use tracing::{info, warn};
 
-use crate::collective::{Collective, CollectiveError, Solo};
+use crate::collective::reshard::SyncPlan;
+use crate::collective::{AbortHandle, Collective, CollectiveError};
 use crate::config::JobConfig;
+
+pub use checkpoint::{write_checkpoint, CheckpointWrite, Manifest, ManifestCursor};
 
 /// What one microbatch's forward/backward reports (sums, not means).
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -84,9 +94,28 @@ pub trait StepExecutor {
     fn optimizer_step(&mut self, lr: f64) -> anyhow::Result<f64>;
     /// Drops the accumulated gradients (abort, failed step).
     fn zero_grad(&mut self);
-    /// Writes this rank's part of the checkpoint (every rank calls it, in
-    /// parallel); returns once every rank's part is written.
-    fn save_checkpoint(&mut self, dir: &Path) -> anyhow::Result<()>;
+    /// Copies this rank's part of a checkpoint into memory (may run
+    /// collectives: every rank calls it at the same point) and returns the
+    /// writer that puts it into a directory later, on a background thread
+    /// and without collectives; the writer returns the names of the files
+    /// it wrote.
+    fn checkpoint_snapshot(&mut self) -> anyhow::Result<CheckpointWrite>;
+    /// The shard layout `(rank, world)` of the state this replica holds;
+    /// `None` when it is whole (ddp: a replica serves any rank).
+    fn state_layout(&self) -> Option<(usize, usize)> {
+        None
+    }
+    /// Joins a new generation taking the training state from the members
+    /// that hold it (see `collective::reshard`): `coll` is the new
+    /// collective, or `None` when the executor was just built with it (a
+    /// member without state). Every rank calls it with the same `plan`.
+    fn sync_state(
+        &mut self,
+        _coll: Option<Box<dyn Collective>>,
+        _plan: &SyncPlan,
+    ) -> anyhow::Result<()> {
+        anyhow::bail!("this engine cannot take its state from peers")
+    }
     /// Whether the replica's state stays valid as `rank` of `world` (a new
     /// generation at the same step); false makes the runner rebuild it.
     fn fits(&self, _rank: usize, _world: usize) -> bool {
@@ -94,6 +123,11 @@ pub trait StepExecutor {
     }
     /// Joins a new generation's collective, keeping the replica.
     fn set_collective(&mut self, coll: Box<dyn Collective>) -> anyhow::Result<()>;
+    /// Waits until every rank reached this point (publishing a policy:
+    /// rank 0 marks it complete only after every rank wrote its part).
+    fn barrier(&mut self) -> anyhow::Result<()> {
+        Ok(())
+    }
     /// True when every microbatch, padding included, runs collectives
     /// (FSDP gathers per unit): empty microbatches must then be run too,
     /// or ranks would diverge.
@@ -208,154 +242,29 @@ pub struct Progress {
     pub generation: AtomicU64,
     /// Last step whose update this worker holds.
     pub step: AtomicU64,
+    /// The replica held, reported when re-registering after a coordinator
+    /// restart (`RegisterRequest.held`).
+    pub held: Mutex<Option<wire::HeldState>>,
 }
 
-/// The data of `manifest.json` beside a checkpoint (rank 0 writes it last,
-/// so its presence means the checkpoint is complete).
-#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
-pub struct Manifest {
-    pub job: String,
-    /// The job's name (`job.name`): a job of the same name whose
-    /// `model.init` is this directory resumes from it; any other job only
-    /// takes its weights.
-    #[serde(default)]
-    pub name: String,
-    pub step: u64,
-    pub cursor: ManifestCursor,
-    pub world_size: u32,
-    pub generation: u64,
-}
-
-/// The data cursor as the coordinator's `cursor::Cursor` serialises it.
-#[derive(Debug, Clone, PartialEq, Default, Serialize, serde::Deserialize)]
-pub struct ManifestCursor {
-    pub epoch: u64,
-    pub position: u64,
-    pub overflow: Vec<u64>,
-}
-
-/// How a step ended.
-#[derive(Debug, Clone, PartialEq)]
-pub enum StepOutcome {
-    Done(wire::MetricSums),
-    Failed(wire::WorkerError),
-    /// Aborted by the coordinator: gradients dropped, nothing to report.
-    Aborted,
-}
-
-/// Runs one plan: every non-empty microbatch (empty padding ones are
-/// counted, not run), then the optimizer step. `aborted` is polled between
-/// microbatches. `max_tokens` is the spec's budget per microbatch, for the
-/// padding a padded layout would have wasted; `idle_s` is the time since
-/// the previous plan finished.
-pub fn run_step(
-    exec: &mut dyn StepExecutor,
-    plan: &wire::StepPlan,
-    max_tokens: u64,
-    idle_s: f64,
-    aborted: &dyn Fn() -> bool,
-) -> StepOutcome {
-    let fail = |e: &anyhow::Error, message: String| {
-        StepOutcome::Failed(wire::WorkerError {
-            job_id: plan.job_id.clone(),
-            generation: plan.generation,
-            step: plan.step,
-            kind: error_kind(e) as i32,
-            message,
-            peer_rank: blamed_peer(e),
-        })
-    };
-    let norms = plan.normalizers.unwrap_or_default();
-    let mut sums = wire::MetricSums {
-        idle_s,
-        microbatches: plan.microbatches.len() as u32,
-        ..Default::default()
-    };
-    let mut docs = BTreeSet::new();
-    let compute = Instant::now();
-    for (i, mb) in plan.microbatches.iter().enumerate() {
-        if aborted() {
-            exec.zero_grad();
-            return StepOutcome::Aborted;
-        }
-        if mb.token_ids.is_empty() && !exec.collective_per_microbatch() {
-            continue;
-        }
-        match exec.microbatch(i, mb, &norms) {
-            Ok(o) => {
-                for (k, v) in &o.extra {
-                    *sums.extra.entry(k.clone()).or_insert(0.0) += v;
-                }
-                sums.loss_sum += o.loss_sum;
-                sums.loss_tokens += o.loss_tokens;
-                sums.tokens += o.tokens;
-                sums.model_flops += exec.model_flops(mb, o.loss_tokens);
-                if o.tokens > 0 {
-                    sums.padding_tokens += max_tokens.saturating_sub(o.tokens);
-                }
-                docs.extend(mb.sequences.iter().map(|s| s.doc_id.as_str()));
-            }
-            Err(e) => {
-                exec.zero_grad();
-                return fail(
-                    &e,
-                    format!(
-                        "step {}, microbatch {i} of {}: {e:#}",
-                        plan.step,
-                        plan.microbatches.len()
-                    ),
-                );
-            }
-        }
+impl Progress {
+    /// The replica this process holds, if any.
+    pub fn held(&self) -> Option<wire::HeldState> {
+        self.held.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
-    sums.documents = docs.len() as u64;
-    sums.compute_s = compute.elapsed().as_secs_f64();
-    if aborted() {
-        exec.zero_grad();
-        return StepOutcome::Aborted;
-    }
-    let opt = Instant::now();
-    match exec.optimizer_step(plan.lr) {
-        Ok(norm) => sums.grad_norm = norm,
-        Err(e) => {
-            exec.zero_grad();
-            return fail(&e, format!("step {}, optimizer step: {e:#}", plan.step));
-        }
-    }
-    sums.optimizer_s = opt.elapsed().as_secs_f64();
-    StepOutcome::Done(sums)
-}
 
-/// COLLECTIVE_TIMEOUT for a failed collective, NON_FINITE when the error
-/// says a value was not finite (the trainer's guards say "non-finite"),
-/// else INTERNAL.
-pub fn error_kind(e: &anyhow::Error) -> wire::ErrorKind {
-    if collective_error(e).is_some() {
-        return wire::ErrorKind::CollectiveTimeout;
-    }
-    let text = format!("{e:#}").to_lowercase();
-    if text.contains("non-finite") || text.contains("not finite") {
-        wire::ErrorKind::NonFinite
-    } else {
-        wire::ErrorKind::Internal
+    fn set_held(&self, held: Option<wire::HeldState>) {
+        *self.held.lock().unwrap_or_else(|p| p.into_inner()) = held;
     }
 }
 
-fn collective_error(e: &anyhow::Error) -> Option<&CollectiveError> {
-    e.chain().find_map(|c| c.downcast_ref::<CollectiveError>())
-}
-
-/// The peer a failed collective blames (the WorkerError's `peer_rank`).
-pub fn blamed_peer(e: &anyhow::Error) -> Option<u32> {
-    collective_error(e)?.peer().map(|p| p as u32)
-}
-
-/// `data.max_tokens` of the spec (the coordinator's default when absent).
-pub fn spec_max_tokens(spec_toml: &str) -> u64 {
-    toml::from_str::<toml::Value>(spec_toml)
-        .ok()
-        .and_then(|v| v.get("data")?.get("max_tokens")?.as_integer())
-        .map_or(4096, |n| n.max(0) as u64)
+/// The in-flight step's abort target: (generation, step) being run and the
+/// handle of its generation's collective.
+#[derive(Default)]
+struct InFlight {
+    running: Option<(u64, u64)>,
+    /// (generation, handle) of the current collective.
+    collective: Option<(u64, AbortHandle)>,
 }
 
 /// The runner thread's handle: queue work, flag aborts, join on shutdown.
@@ -363,10 +272,15 @@ pub struct Runner {
     queue: Option<mpsc::Sender<Work>>,
     /// (generation, step) of the last aborted step.
     aborted: Arc<Mutex<Option<(u64, u64)>>>,
+    in_flight: Arc<Mutex<InFlight>>,
     progress: Arc<Progress>,
-    /// Work queued or running.
+    /// Work queued or running, and checkpoint writes in flight.
     pending: Arc<AtomicUsize>,
     thread: Option<JoinHandle<()>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Runner {
@@ -379,10 +293,12 @@ impl Runner {
     pub fn start(cfg: RunnerConfig, out: UnboundedSender<wire::WorkerMessage>) -> Runner {
         let (queue, rx) = mpsc::channel();
         let aborted = Arc::new(Mutex::new(None));
+        let in_flight = Arc::new(Mutex::new(InFlight::default()));
         let progress = Arc::new(Progress::default());
         let pending = Arc::new(AtomicUsize::new(0));
         let left = pending.clone();
-        let (a, p) = (aborted.clone(), progress.clone());
+        let (a, p, f) = (aborted.clone(), progress.clone(), in_flight.clone());
+        let writes = pending.clone();
         // The executor is built and lives on the thread: libtorch state
         // need not be Send.
         let thread = std::thread::Builder::new()
@@ -394,31 +310,55 @@ impl Runner {
                     listener: cfg.listener,
                     out,
                     aborted: a,
+                    in_flight: f,
                     progress: p,
                     job: None,
                     last_done: Instant::now(),
+                    writer: checkpoint::Writer::new(writes),
                 };
                 while let Ok(w) = rx.recv() {
                     state.handle(w);
                     // After the answer is sent: zero means all answers are out.
                     left.fetch_sub(1, Ordering::SeqCst);
                 }
+                // Pending checkpoint writes finish before the thread ends.
+                state.writer.wait();
             })
             .expect("spawning the runner thread");
         Runner {
             queue: Some(queue),
             aborted,
+            in_flight,
             progress,
             pending,
             thread: Some(thread),
         }
     }
 
-    /// Queues work. An abort also takes effect at once, between the current
-    /// step's microbatches.
+    /// Queues work. An abort also takes effect at once: between the current
+    /// step's microbatches, and, when that step is the one running, by
+    /// interrupting its collective (a peer may be frozen). A configure of a
+    /// newer generation aborts a step of an older one still running.
     pub fn submit(&self, work: Work) {
-        if let Work::Abort(a) = &work {
-            *self.aborted.lock().unwrap_or_else(|p| p.into_inner()) = Some((a.generation, a.step));
+        let target = match &work {
+            Work::Abort(a) => Some((a.generation, a.step)),
+            // A newer generation ends the running step of an older one.
+            Work::Configure(c) => lock(&self.in_flight)
+                .running
+                .filter(|(g, _)| *g < c.generation),
+            _ => None,
+        };
+        if let Some((generation, step)) = target {
+            *lock(&self.aborted) = Some((generation, step));
+            let f = lock(&self.in_flight);
+            if f.running == Some((generation, step)) {
+                if let Some((g, abort)) = &f.collective {
+                    if *g == generation {
+                        info!(generation, step, "aborting the in-flight collective");
+                        abort();
+                    }
+                }
+            }
         }
         if let Some(q) = &self.queue {
             self.pending.fetch_add(1, Ordering::SeqCst);
@@ -458,15 +398,31 @@ struct Held {
     exec: Box<dyn StepExecutor>,
 }
 
+impl Held {
+    /// This replica as `RegisterRequest.held` reports it.
+    fn held_state(&self) -> wire::HeldState {
+        wire::HeldState {
+            job_id: self.job.clone(),
+            step: self.step,
+            world_size: self.world_size,
+            rank: self.rank,
+            generation: self.generation,
+        }
+    }
+}
+
 struct Thread {
     factory: Factory,
     connector: Connector,
     listener: Option<TcpListener>,
     out: UnboundedSender<wire::WorkerMessage>,
     aborted: Arc<Mutex<Option<(u64, u64)>>>,
+    in_flight: Arc<Mutex<InFlight>>,
     progress: Arc<Progress>,
     job: Option<Held>,
     last_done: Instant,
+    /// The background checkpoint writer (one write at a time).
+    writer: checkpoint::Writer,
 }
 
 impl Thread {
@@ -513,114 +469,6 @@ impl Thread {
         }
     }
 
-    fn configure(&mut self, c: wire::Configure) {
-        // A replica of this job already at the configured step is kept
-        // (a new generation or a reconnect); anything else is rebuilt.
-        let (rank, world) = (c.rank as usize, c.world_size.max(1) as usize);
-        let keep = self
-            .job
-            .as_ref()
-            .is_some_and(|h| h.job == c.job_id && h.step == c.step && h.exec.fits(rank, world));
-        if !keep {
-            // Frees the old replica (and its collective) before joining.
-            self.job = None;
-        }
-        let checked = match self.connect(&c) {
-            Err(e) => Err(e),
-            Ok(coll) => match self.job.as_mut() {
-                Some(h) => h.exec.set_collective(coll).map_err(|e| {
-                    let msg = format!("configure: joining generation {}: {e:#}", c.generation);
-                    (wire::ErrorKind::InvalidPlan, msg, None)
-                }),
-                None => self.build(&c, coll).map(|h| self.job = Some(h)),
-            },
-        };
-        if let Err((kind, msg, peer)) = checked {
-            return self.error_blaming(&c.job_id, c.generation, c.step, kind, msg, peer);
-        }
-        let h = self.job.as_mut().expect("configured above");
-        h.generation = c.generation;
-        h.rank = c.rank;
-        h.world_size = c.world_size;
-        h.exec.zero_grad();
-        self.progress
-            .generation
-            .store(c.generation, Ordering::Relaxed);
-        self.progress.step.store(c.step, Ordering::Relaxed);
-        self.last_done = Instant::now();
-        info!(job = %c.job_id, generation = c.generation, rank = c.rank, step = c.step, kept = keep, "configured");
-        self.send(Msg::Ready(wire::Ready {
-            job_id: c.job_id,
-            generation: c.generation,
-            step: c.step,
-        }));
-    }
-
-    /// This rank's collective for the generation `c` describes.
-    fn connect(&self, c: &wire::Configure) -> Result<Box<dyn Collective>, ConfigureError> {
-        if c.world_size <= 1 {
-            return Ok(Box::new(Solo));
-        }
-        let failed = |e: CollectiveError| {
-            let msg = format!(
-                "configure: joining the collective of generation {} as rank {} of {}: {e}",
-                c.generation, c.rank, c.world_size
-            );
-            let peer = e.peer().map(|p| p as u32);
-            (wire::ErrorKind::CollectiveTimeout, msg, peer)
-        };
-        let listener = self.listener.as_ref().ok_or_else(|| {
-            failed(CollectiveError::Setup(
-                "this worker has no collective listener".into(),
-            ))
-        })?;
-        let coll = (self.connector)(listener, c).map_err(failed)?;
-        if (coll.rank(), coll.world_size()) != (c.rank as usize, c.world_size as usize) {
-            let msg = format!(
-                "configure: the collective says rank {} of {}, the coordinator rank {} of {}",
-                coll.rank(),
-                coll.world_size(),
-                c.rank,
-                c.world_size
-            );
-            return Err((wire::ErrorKind::Internal, msg, None));
-        }
-        Ok(coll)
-    }
-
-    /// A fresh replica for `c`: the spec parsed, the model built or restored.
-    fn build(
-        &self,
-        c: &wire::Configure,
-        coll: Box<dyn Collective>,
-    ) -> Result<Held, ConfigureError> {
-        let cfg = JobConfig::from_toml(&c.spec_toml).map_err(|e| {
-            let msg = format!("configure: the job spec does not parse: {e}");
-            (wire::ErrorKind::InvalidPlan, msg, None)
-        })?;
-        let restore = (!c.restore_from.is_empty()).then(|| PathBuf::from(&c.restore_from));
-        if let Some(dir) = &restore {
-            check_restore_step(dir, c.step)?;
-        }
-        let exec = (self.factory)(&cfg, restore.as_deref(), coll).map_err(|e| {
-            let from = restore
-                .as_ref()
-                .map_or("the model's init".into(), |p| p.display().to_string());
-            let msg = format!("configure: building the model from {from}: {e:#}");
-            (wire::ErrorKind::Internal, msg, None)
-        })?;
-        Ok(Held {
-            job: c.job_id.clone(),
-            generation: c.generation,
-            rank: c.rank,
-            world_size: c.world_size,
-            step: c.step,
-            max_tokens: spec_max_tokens(&c.spec_toml),
-            name: cfg.job.name.clone(),
-            exec,
-        })
-    }
-
     fn plan(&mut self, p: &wire::StepPlan) {
         let Some(h) = self.job.as_mut().filter(|h| h.job == p.job_id) else {
             let msg = format!(
@@ -662,15 +510,28 @@ impl Thread {
             return;
         }
         let key = (p.generation, p.step);
+        if p.replay {
+            info!(
+                step = p.step,
+                generation = p.generation,
+                "replaying a committed step"
+            );
+        }
+        fault::point(fault::Point::BeforeStep, p.step, p.rank);
+        // Set before the abort flag is polled: an abort arriving from now
+        // on also interrupts the step's collective.
+        lock(&self.in_flight).running = Some(key);
         let aborted = self.aborted.clone();
-        let is_aborted = move || *aborted.lock().unwrap_or_else(|e| e.into_inner()) == Some(key);
+        let is_aborted = move || *lock(&aborted) == Some(key);
         let idle_s = self.last_done.elapsed().as_secs_f64();
         let outcome = run_step(h.exec.as_mut(), p, h.max_tokens, idle_s, &is_aborted);
+        lock(&self.in_flight).running = None;
         self.last_done = Instant::now();
         match outcome {
             StepOutcome::Done(sums) => {
                 h.step = p.step;
                 self.progress.step.store(p.step, Ordering::Relaxed);
+                self.progress.set_held(Some(h.held_state()));
                 info!(
                     step = p.step,
                     loss = sums.loss_sum / sums.loss_tokens.max(1) as f64,
@@ -689,105 +550,28 @@ impl Thread {
                 warn!(step = p.step, message = %e.message, "step failed");
                 self.send(Msg::Error(e));
             }
-            StepOutcome::Aborted => info!(step = p.step, "step aborted mid-way"),
+            StepOutcome::Aborted => info!(
+                step = p.step,
+                replay = p.replay,
+                "step aborted mid-way: gradients dropped, parameters untouched"
+            ),
         }
     }
-
-    fn checkpoint(&mut self, c: &wire::CheckpointRequest) {
-        let Some(h) = self.job.as_mut().filter(|h| h.job == c.job_id) else {
-            let msg = format!(
-                "checkpoint of step {}: job {} is not configured here",
-                c.step, c.job_id
-            );
-            return self.error(&c.job_id, 0, c.step, wire::ErrorKind::InvalidPlan, msg);
-        };
-        let dir = PathBuf::from(&c.dir);
-        let rank = h.rank;
-        // Every rank writes its part in parallel; rank 0 adds the manifest
-        // once all parts are written (write_checkpoint).
-        {
-            let manifest = Manifest {
-                job: c.job_id.clone(),
-                name: h.name.clone(),
-                step: c.step,
-                cursor: c
-                    .cursor
-                    .as_ref()
-                    .map_or_else(Default::default, |k| ManifestCursor {
-                        epoch: k.epoch,
-                        position: k.position,
-                        overflow: k.overflow.clone(),
-                    }),
-                world_size: h.world_size,
-                generation: h.generation,
-            };
-            if let Err(e) = write_checkpoint(h.exec.as_mut(), h.rank, &dir, &manifest) {
-                let msg = format!("checkpoint of step {} to {}: {e:#}", c.step, dir.display());
-                let (job, generation) = (h.job.clone(), h.generation);
-                let (kind, peer) = (error_kind(&e), blamed_peer(&e));
-                return self.error_blaming(&job, generation, c.step, kind, msg, peer);
-            }
-            info!(step = c.step, rank = h.rank, dir = %dir.display(), "checkpoint written");
-        }
-        self.send(Msg::CheckpointDone(wire::CheckpointDone {
-            job_id: c.job_id.clone(),
-            step: c.step,
-            rank,
-            path: c.dir.clone(),
-        }));
-    }
-}
-
-/// A replica restored from `dir` must hold the step it is configured at:
-/// training on from an older checkpoint while reporting a newer step would
-/// silently diverge from the other ranks.
-fn check_restore_step(dir: &Path, step: u64) -> Result<(), ConfigureError> {
-    let path = dir.join("manifest.json");
-    let Ok(bytes) = std::fs::read(&path) else {
-        return Ok(()); // a plain HF directory: no step of ours to compare
-    };
-    let m: Manifest = serde_json::from_slice(&bytes).map_err(|e| {
-        let msg = format!("configure: {}: {e}", path.display());
-        (wire::ErrorKind::InvalidPlan, msg, None)
-    })?;
-    if m.step != step {
-        let msg = format!(
-            "configure: {} holds step {}, but this replica is configured at step {step}; \
-             refusing to train from mismatched state",
-            dir.display(),
-            m.step
-        );
-        return Err((wire::ErrorKind::InvalidPlan, msg, None));
-    }
-    Ok(())
-}
-
-/// The executor's files (every rank, in parallel), then, on rank 0 once
-/// every rank's files are written, `manifest.json` (to a temporary name and
-/// renamed, so a reader never sees half of it: its presence means the
-/// checkpoint is complete).
-pub fn write_checkpoint(
-    exec: &mut dyn StepExecutor,
-    rank: u32,
-    dir: &Path,
-    manifest: &Manifest,
-) -> anyhow::Result<()> {
-    std::fs::create_dir_all(dir)?;
-    exec.save_checkpoint(dir)?;
-    if rank != 0 {
-        return Ok(());
-    }
-    let tmp = dir.join("manifest.json.tmp");
-    std::fs::write(&tmp, serde_json::to_vec_pretty(manifest)?)?;
-    std::fs::rename(&tmp, dir.join("manifest.json"))?;
-    Ok(())
 }
 
 /// A configure failure: kind, message, blamed peer.
 type ConfigureError = (wire::ErrorKind, String, Option<u32>);
 
+mod checkpoint;
+mod configure;
+pub mod fault;
 mod publish;
 mod reference;
+mod step;
 
+pub use step::{blamed_peer, error_kind, run_step, spec_max_tokens, StepOutcome};
+
+#[cfg(test)]
+mod recovery_tests;
 #[cfg(test)]
 mod tests;

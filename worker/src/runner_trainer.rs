@@ -4,12 +4,13 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use crate::collective::reshard::SyncPlan;
 use crate::collective::Collective;
 use crate::config::JobConfig;
 use crate::objective::head::MicrobatchMeta;
 use crate::objective::microbatch::StepNorms;
 use crate::objective::Objective;
-use crate::runner::{Factory, MicrobatchOutcome, SequenceLogp, StepExecutor};
+use crate::runner::{CheckpointWrite, Factory, MicrobatchOutcome, SequenceLogp, StepExecutor};
 use crate::train::fsdp::FsdpTrainer;
 use crate::train::{PackedBatch, Trainer};
 use crate::wire;
@@ -60,8 +61,21 @@ impl StepExecutor for Trainer {
         Trainer::zero_grad(self);
     }
 
-    fn save_checkpoint(&mut self, dir: &Path) -> anyhow::Result<()> {
-        Trainer::save_checkpoint(self, dir)
+    fn checkpoint_snapshot(&mut self) -> anyhow::Result<CheckpointWrite> {
+        let snap = Trainer::checkpoint_snapshot(self)?;
+        Ok(Box::new(move |dir: &Path| snap.write(dir)))
+    }
+
+    fn state_layout(&self) -> Option<(usize, usize)> {
+        Trainer::state_layout(self)
+    }
+
+    fn sync_state(
+        &mut self,
+        coll: Option<Box<dyn Collective>>,
+        plan: &SyncPlan,
+    ) -> anyhow::Result<()> {
+        Trainer::sync_state(self, coll, plan)
     }
 
     fn fits(&self, rank: usize, world: usize) -> bool {
@@ -70,6 +84,10 @@ impl StepExecutor for Trainer {
 
     fn set_collective(&mut self, coll: Box<dyn Collective>) -> anyhow::Result<()> {
         Trainer::set_collective(self, coll)
+    }
+
+    fn barrier(&mut self) -> anyhow::Result<()> {
+        Ok(self.group().barrier()?)
     }
 
     fn model_flops(&self, mb: &wire::Microbatch, loss_tokens: u64) -> f64 {
@@ -103,8 +121,21 @@ impl StepExecutor for FsdpTrainer {
         FsdpTrainer::zero_grad(self);
     }
 
-    fn save_checkpoint(&mut self, dir: &Path) -> anyhow::Result<()> {
-        FsdpTrainer::save_checkpoint(self, dir)
+    fn checkpoint_snapshot(&mut self) -> anyhow::Result<CheckpointWrite> {
+        let snap = FsdpTrainer::checkpoint_snapshot(self)?;
+        Ok(Box::new(move |dir: &Path| snap.write(dir)))
+    }
+
+    fn state_layout(&self) -> Option<(usize, usize)> {
+        Some((self.rank(), self.world_size()))
+    }
+
+    fn sync_state(
+        &mut self,
+        coll: Option<Box<dyn Collective>>,
+        plan: &SyncPlan,
+    ) -> anyhow::Result<()> {
+        FsdpTrainer::sync_state(self, coll, plan)
     }
 
     fn collective_per_microbatch(&self) -> bool {
@@ -123,6 +154,10 @@ impl StepExecutor for FsdpTrainer {
 
     fn set_collective(&mut self, coll: Box<dyn Collective>) -> anyhow::Result<()> {
         FsdpTrainer::set_collective(self, coll)
+    }
+
+    fn barrier(&mut self) -> anyhow::Result<()> {
+        Ok(self.group().barrier()?)
     }
 }
 

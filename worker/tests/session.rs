@@ -11,7 +11,9 @@ use std::time::Duration;
 use accrue_coordinator::server::{Server, ServerConfig};
 use accrue_coordinator::wire as cwire;
 use accrue_worker::collective::Collective;
-use accrue_worker::runner::{Factory, MicrobatchOutcome, RunnerConfig, StepExecutor};
+use accrue_worker::runner::{
+    CheckpointWrite, Factory, MicrobatchOutcome, RunnerConfig, StepExecutor,
+};
 use accrue_worker::session::{self, SessionConfig};
 use accrue_worker::wire;
 use tokio_util::sync::CancellationToken;
@@ -53,10 +55,13 @@ impl StepExecutor for Fake {
         Ok(())
     }
 
-    fn save_checkpoint(&mut self, dir: &Path) -> anyhow::Result<()> {
-        std::fs::write(dir.join("config.json"), "{}")?;
-        std::fs::write(dir.join("model.safetensors"), self.steps.to_string())?;
-        Ok(())
+    fn checkpoint_snapshot(&mut self) -> anyhow::Result<CheckpointWrite> {
+        let steps = self.steps;
+        Ok(Box::new(move |dir: &Path| {
+            std::fs::write(dir.join("config.json"), "{}")?;
+            std::fs::write(dir.join("model.safetensors"), steps.to_string())?;
+            Ok(vec!["config.json".into(), "model.safetensors".into()])
+        }))
     }
 }
 
@@ -209,6 +214,8 @@ async fn a_worker_trains_checkpoints_and_a_resumed_job_continues_at_the_same_ste
             (Some(1), Some(1))
         );
         assert!(ck.join("model.safetensors").is_file());
+        assert!(ck.join("rank-0.json").is_file(), "the rank's marker");
+        accrue_worker::train::checkpoint::marker::verify(&ck).unwrap();
     }
 
     // Job b resumes from a's step-2 checkpoint: it trains step 3 only, on

@@ -1,9 +1,12 @@
 //! Two runner threads with the real trainer, joined through an injected
 //! connector (in-process `LocalGroup` ranks, one group per generation):
 //! configure at world 2, a zero2 step whose results agree across ranks and
-//! match one rank training all documents, a parallel checkpoint whose
-//! manifest rank 0 writes last, and a new generation at the same step that
-//! keeps the replicas and rebuilds the collective.
+//! match one rank training all documents, a checkpoint written in the
+//! background (each rank's marker, rank 0's manifest) that verifies, a new
+//! generation at the same step that keeps the replicas and rebuilds the
+//! collective, and a third worker joining through state sync (the zero2
+//! shards move from 2 to 3 ranks) after which a step and a checkpoint
+//! match one rank training the same documents.
 
 mod common;
 
@@ -183,8 +186,11 @@ fn two_runners_train_checkpoint_and_rejoin_a_new_generation() {
     for _ in 0..2 {
         assert!(matches!(recv(&mut rx), Msg::CheckpointDone(c) if c.step == 1));
     }
+    accrue_worker::train::checkpoint::marker::verify(&ckpt).unwrap();
     for f in [
         "manifest.json",
+        "rank-0.json",
+        "rank-1.json",
         "model-00001-of-00002.safetensors",
         "model-00002-of-00002.safetensors",
         "optimizer-00001-of-00002.safetensors",
@@ -215,6 +221,107 @@ fn two_runners_train_checkpoint_and_rejoin_a_new_generation() {
         2,
         "replicas kept"
     );
+
+    // Generation 3: a third worker joins at step 1 and gets the state from
+    // the two holders over the collective (no restore_from).
+    let third = Runner::start(
+        RunnerConfig {
+            factory: factory.clone(),
+            connector: conn.clone(),
+            listener: Some(std::net::TcpListener::bind("127.0.0.1:0").unwrap()),
+        },
+        tx.clone(),
+    );
+    let all: Vec<&Runner> = runners.iter().chain([&third]).collect();
+    let peers: Vec<wire::Peer> = (0..3)
+        .map(|r| wire::Peer {
+            rank: r,
+            prior: (r < 2).then(|| wire::HeldState {
+                job_id: "j".into(),
+                step: 1,
+                world_size: 2,
+                rank: r,
+                generation: 2,
+            }),
+            ..Default::default()
+        })
+        .collect();
+    for (rank, r) in all.iter().enumerate() {
+        r.submit(Work::Configure(Box::new(wire::Configure {
+            job_id: "j".into(),
+            generation: 3,
+            rank: rank as u32,
+            world_size: 3,
+            peers: peers.clone(),
+            spec_toml: spec.clone(),
+            step: 1,
+            ..Default::default()
+        })));
+    }
+    for _ in 0..3 {
+        match recv(&mut rx) {
+            Msg::Ready(r) => assert_eq!((r.generation, r.step), (3, 1)),
+            other => panic!("expected ready, got {other:?}"),
+        }
+    }
+    assert_eq!(
+        models.load(std::sync::atomic::Ordering::SeqCst),
+        3,
+        "only the joiner built a model"
+    );
+    let docs2 = common::synthetic_documents(&[12, 33, 20, 9, 15, 28], 10);
+    let total2 = PackedBatch::from_documents(&docs2).loss_tokens();
+    for (rank, r) in all.iter().enumerate() {
+        let mine: Vec<_> = docs2.iter().skip(rank).step_by(3).cloned().collect();
+        r.submit(Work::Plan(Box::new(wire::StepPlan {
+            job_id: "j".into(),
+            generation: 3,
+            step: 2,
+            rank: rank as u32,
+            lr: 1e-3,
+            normalizers: Some(wire::Normalizers {
+                loss_tokens: total2,
+                ..Default::default()
+            }),
+            microbatches: vec![to_wire(&mine)],
+            kind: wire::PlanKind::Train as i32,
+            ..Default::default()
+        })));
+    }
+    let mut norms = Vec::new();
+    for _ in 0..3 {
+        let Msg::StepResult(r) = recv(&mut rx) else {
+            panic!("expected a step result");
+        };
+        norms.push(r.sums.unwrap().grad_norm);
+    }
+    single
+        .microbatch(0, &PackedBatch::from_documents(&docs2), total2)
+        .unwrap();
+    let norm2 = single.optimizer_step(1e-3).unwrap().grad_norm;
+    for n in &norms {
+        assert!((n - norm2).abs() <= 1e-5 * norm2, "{n} vs {norm2}");
+    }
+    let ckpt2 = dir.path().join("step-2");
+    for r in &all {
+        r.submit(Work::Checkpoint(wire::CheckpointRequest {
+            job_id: "j".into(),
+            step: 2,
+            dir: ckpt2.display().to_string(),
+            cursor: None,
+        }));
+    }
+    for _ in 0..3 {
+        assert!(matches!(recv(&mut rx), Msg::CheckpointDone(c) if c.step == 2));
+    }
+    accrue_worker::train::checkpoint::marker::verify(&ckpt2).unwrap();
+    let restored = Trainer::single(&cfg, Some(&ckpt2)).unwrap();
+    let (w, n) = common::worst_rel(
+        &restored.named_parameters(),
+        &common::snapshot(&single.named_parameters()),
+    );
+    assert!(w <= 1e-5, "after the join, parameter {n} differs by {w:e}");
+    third.shutdown();
     for r in runners {
         r.shutdown();
     }

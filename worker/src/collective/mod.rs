@@ -13,7 +13,10 @@
 pub mod local;
 #[cfg(feature = "cuda")]
 pub mod nccl;
+pub mod reshard;
 pub mod tcp;
+
+use std::sync::Arc;
 
 use tch::Tensor;
 
@@ -46,6 +49,10 @@ pub enum CollectiveError {
     BadTensor { op: &'static str, detail: String },
     #[error("collective setup: {0}")]
     Setup(String),
+    /// Interrupted from another thread ([`Collective::abort_handle`]): the
+    /// step was aborted; no peer is blamed.
+    #[error("{op} #{seq}: aborted")]
+    Aborted { op: &'static str, seq: u64 },
 }
 
 impl CollectiveError {
@@ -77,7 +84,23 @@ pub trait Collective: Send {
     /// Every rank ends with `root`'s `t`.
     fn broadcast(&mut self, t: &mut Tensor, root: usize) -> Result<(), CollectiveError>;
     fn barrier(&mut self) -> Result<(), CollectiveError>;
+    /// A handle that interrupts this collective from another thread: an
+    /// operation blocked on a frozen peer returns
+    /// [`CollectiveError::Aborted`] at once, and the collective is unusable
+    /// afterwards (the generation is over). `None` when the backend cannot.
+    fn abort_handle(&self) -> Option<AbortHandle> {
+        None
+    }
+    /// Where the tensors this backend reduces must live (the CPU backends:
+    /// the CPU; NCCL: its GPU).
+    fn device(&self) -> tch::Device {
+        tch::Device::Cpu
+    }
 }
+
+/// Interrupts a collective from another thread (see
+/// [`Collective::abort_handle`]).
+pub type AbortHandle = Arc<dyn Fn() + Send + Sync>;
 
 /// The elements of a flat tensor of `len` elements owned by `rank` of
 /// `world`: contiguous, in rank order, the first `len % world` ranks one

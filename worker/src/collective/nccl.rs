@@ -298,4 +298,8 @@ impl Collective for NcclComm {
         let mut one = Tensor::zeros([1], (Kind::Float, self.device));
         self.all_reduce_sum(&mut one)
     }
+
+    fn device(&self) -> Device {
+        self.device
+    }
 }

@@ -106,8 +106,12 @@ pub fn from_ring(e: RingError) -> CollectiveError {
             detail,
         } => CollectiveError::Setup(detail),
         RingError::Invalid { op, detail } => CollectiveError::BadTensor { op, detail },
+        RingError::Aborted { op, seq } => CollectiveError::Aborted { op, seq },
         RingError::Broken { op, seq, first } => {
             let detail = format!("ring unusable after an earlier error: {first}");
+            if let RingError::Aborted { .. } = *first {
+                return CollectiveError::Aborted { op, seq };
+            }
             match first.peer() {
                 Some(peer) => CollectiveError::PeerLost {
                     op,
@@ -148,6 +152,11 @@ impl Collective for CpuRing {
 
     fn barrier(&mut self) -> Result<(), CollectiveError> {
         self.ring.barrier().map_err(from_ring)
+    }
+
+    fn abort_handle(&self) -> Option<super::AbortHandle> {
+        let h = self.ring.abort_handle().ok()?;
+        Some(std::sync::Arc::new(move || h.abort()))
     }
 }
 

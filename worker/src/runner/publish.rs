@@ -1,10 +1,11 @@
 //! Weights out (`rl.publish_every`, issue 5): the current policy written as
 //! a Hugging Face model directory (`config.json`, `model*.safetensors`, the
 //! index when sharded) that an external generator (vLLM, transformers)
-//! reloads. Every rank writes its part in parallel through the checkpoint
+//! reloads. Every rank snapshots and writes its part through the checkpoint
 //! writer (so ddp, zero2 and fsdp all work), drops its optimizer file (a
-//! policy carries no optimizer state), and rank 0, once every rank has
-//! written, adds `policy.json` `{step, job}` last, so its presence means the
+//! policy carries no optimizer state) and lists its files in its marker
+//! `rank-R.json`; after a barrier (every rank's part is durable) rank 0
+//! adds `policy.json` `{step, job}` last, so its presence means the
 //! directory is complete, and points `../policy.json` at it for generators
 //! that poll one place.
 
@@ -14,7 +15,7 @@ use serde::Serialize;
 use tracing::info;
 
 use super::{blamed_peer, error_kind, Msg, StepExecutor, Thread};
-use crate::train::checkpoint::optimizer_file;
+use crate::train::checkpoint::{marker, optimizer_file};
 use crate::wire;
 
 /// `policy.json`: which step of which job the directory holds.
@@ -37,18 +38,26 @@ pub fn write_policy(
     marker: &PolicyMarker,
 ) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir)?;
-    // Returns once every rank has written (it fails on all if one failed).
-    exec.save_checkpoint(dir)?;
+    let write = exec.checkpoint_snapshot()?;
+    let mut files = write(dir)?;
     let opt = if world <= 1 {
         "optimizer.safetensors".to_string()
     } else {
         optimizer_file(rank as usize, world as usize)
     };
-    remove_if_present(&dir.join(opt))?;
+    let dropped = [opt.as_str(), "trainer.json"];
+    for f in dropped {
+        if f == "optimizer.safetensors" || f == opt || rank == 0 {
+            remove_if_present(&dir.join(f))?;
+        }
+    }
+    files.retain(|f| !dropped.contains(&f.as_str()));
+    marker::write_marker(dir, rank, world, &files)?;
+    // Every rank's part is durable before rank 0 marks the policy complete.
+    exec.barrier()?;
     if rank != 0 {
         return Ok(());
     }
-    remove_if_present(&dir.join("trainer.json"))?;
     write_atomic(
         &dir.join("policy.json"),
         &serde_json::to_vec_pretty(marker)?,

@@ -81,9 +81,11 @@ impl StepExecutor for Fake {
         Ok(())
     }
 
-    fn save_checkpoint(&mut self, dir: &Path) -> anyhow::Result<()> {
-        std::fs::write(dir.join("model.safetensors"), b"fake")?;
-        Ok(())
+    fn checkpoint_snapshot(&mut self) -> anyhow::Result<CheckpointWrite> {
+        Ok(Box::new(|dir: &Path| {
+            std::fs::write(dir.join("model.safetensors"), b"fake")?;
+            Ok(vec!["model.safetensors".to_string()])
+        }))
     }
 }
 
@@ -265,20 +267,19 @@ fn the_thread_configures_runs_checkpoints_and_drains_on_shutdown() {
     });
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let runner = Runner::spawn(factory, tx);
+    let ckpt5 = dir.path().join("step-5");
+    super::recovery_tests::complete_checkpoint(&ckpt5, 5);
     runner.submit(Work::Configure(Box::new(wire::Configure {
         job_id: "j".into(),
         generation: 1,
         world_size: 1,
         spec_toml: SPEC.into(),
         step: 5,
-        restore_from: "/ckpt/step-5".into(),
+        restore_from: ckpt5.display().to_string(),
         ..Default::default()
     })));
     assert!(matches!(msg(&mut rx), Msg::Ready(r) if r.step == 5 && r.generation == 1));
-    assert_eq!(
-        *restores.lock().unwrap(),
-        vec![Some(PathBuf::from("/ckpt/step-5"))]
-    );
+    assert_eq!(*restores.lock().unwrap(), vec![Some(ckpt5)]);
 
     runner.submit(Work::Plan(Box::new(plan(6, vec![mb(&[("a:1", 4)])]))));
     let ckpt = dir.path().join("step-6");
@@ -318,6 +319,7 @@ fn the_thread_configures_runs_checkpoints_and_drains_on_shutdown() {
         }
     );
     assert!(ckpt.join("model.safetensors").is_file());
+    crate::train::checkpoint::marker::verify(&ckpt).expect("a complete checkpoint");
 }
 
 #[test]
@@ -441,8 +443,8 @@ fn each_rank_gets_its_collective_and_a_failed_collective_blames_the_peer() {
             .context("reducing gradients"))
         }
         fn zero_grad(&mut self) {}
-        fn save_checkpoint(&mut self, _: &Path) -> anyhow::Result<()> {
-            Ok(())
+        fn checkpoint_snapshot(&mut self) -> anyhow::Result<CheckpointWrite> {
+            Ok(Box::new(|_: &Path| Ok(Vec::new())))
         }
         fn set_collective(&mut self, _: Box<dyn Collective>) -> anyhow::Result<()> {
             Ok(())

@@ -158,8 +158,9 @@ async fn session(
             version: env!("CARGO_PKG_VERSION").into(),
             previous_worker_id: worker_id.clone(),
             peak_flops: cfg.peak_flops,
-            // TODO(issue 6): report the replica this process still holds.
-            held: None,
+            // The replica this process still holds (a coordinator restart):
+            // the coordinator keeps it when it is at the committed step.
+            held: runner.progress().held(),
         })
         .await
         .context("register")?

@@ -12,6 +12,14 @@
 //! `optimizer-0000i-of-0000n.safetensors`. Moments are stored per whole
 //! parameter whatever the sharding level, so a checkpoint restores at any
 //! world size and level ([`load_optimizer_tensors`]).
+//!
+//! Writing is split for asynchronous checkpoints (issue 6): a trainer's
+//! `checkpoint_snapshot` copies what its rank writes into CPU memory (a
+//! [`Snapshot`], gathering through collectives where needed), and
+//! [`Snapshot::write`] writes it later on a background thread, without
+//! collectives. [`marker`] makes a directory's completeness checkable.
+
+pub mod marker;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -159,10 +167,81 @@ pub struct ShardEntry {
     pub exp_avg_sq: Tensor,
 }
 
+/// What one rank writes of a checkpoint, held in CPU memory until
+/// [`Snapshot::write`] (see [`save_shard`] for the arguments' meaning).
+pub struct Snapshot {
+    pub rank: usize,
+    pub world: usize,
+    pub raw_config: serde_json::Value,
+    pub kind: Kind,
+    pub optimizer_step: u64,
+    pub all_sizes: Vec<(String, usize)>,
+    /// This rank's tensors, deep-copied to the CPU.
+    pub mine: Vec<ShardEntry>,
+}
+
+impl Snapshot {
+    /// Builds a snapshot, deep-copying `mine` to the CPU (training may
+    /// change the originals as soon as this returns).
+    pub fn new(
+        rank: usize,
+        world: usize,
+        raw_config: &serde_json::Value,
+        kind: Kind,
+        optimizer_step: u64,
+        all_sizes: Vec<(String, usize)>,
+        mine: Vec<ShardEntry>,
+    ) -> Snapshot {
+        let cpu = |t: &Tensor| t.detach().to_device(tch::Device::Cpu).copy();
+        let mine = mine
+            .into_iter()
+            .map(|e| ShardEntry {
+                name: e.name,
+                param: cpu(&e.param),
+                exp_avg: cpu(&e.exp_avg),
+                exp_avg_sq: cpu(&e.exp_avg_sq),
+            })
+            .collect();
+        Snapshot {
+            rank,
+            world,
+            raw_config: raw_config.clone(),
+            kind,
+            optimizer_step,
+            all_sizes,
+            mine,
+        }
+    }
+
+    /// Writes the files ([`save_shard`]); returns their names in `dir`.
+    pub fn write(&self, dir: &Path) -> anyhow::Result<Vec<String>> {
+        save_shard(
+            dir,
+            self.rank,
+            self.world,
+            &self.raw_config,
+            self.kind,
+            self.optimizer_step,
+            &self.all_sizes,
+            &self.mine,
+        )
+    }
+
+    /// Bytes of tensor data held.
+    pub fn bytes(&self) -> u64 {
+        self.mine
+            .iter()
+            .flat_map(|e| [&e.param, &e.exp_avg, &e.exp_avg_sq])
+            .map(|t| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
+            .sum()
+    }
+}
+
 /// Writes this rank's part of a sharded checkpoint: its assigned tensors
 /// (see [`assign_tensors`] over `all_sizes`, `(name, bytes)` of every
 /// parameter) and their moments. Rank 0 also writes `config.json`, the
 /// index and `trainer.json`. With `world == 1` this is [`save`]'s layout.
+/// Returns the names of the files written.
 #[allow(clippy::too_many_arguments)]
 pub fn save_shard(
     dir: &Path,
@@ -173,7 +252,7 @@ pub fn save_shard(
     optimizer_step: u64,
     all_sizes: &[(String, usize)],
     mine: &[ShardEntry],
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Vec<String>> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let (model_name, opt_name) = if world == 1 {
         (
@@ -198,8 +277,9 @@ pub fn save_shard(
     }
     let meta = BTreeMap::from([("step".to_string(), optimizer_step.to_string())]);
     weights::write_tensors(&dir.join(&opt_name), &state, meta)?;
+    let mut files = vec![model_name, opt_name];
     if rank != 0 {
-        return Ok(());
+        return Ok(files);
     }
     let mut config = raw_config.clone();
     if let Some(obj) = config.as_object_mut() {
@@ -211,6 +291,7 @@ pub fn save_shard(
         &dir.join("config.json"),
         serde_json::to_string_pretty(&config)?.as_bytes(),
     )?;
+    files.push("config.json".into());
     if world > 1 {
         let assignment = assign_tensors(all_sizes, world);
         let weight_map: BTreeMap<&String, String> = assignment
@@ -226,6 +307,7 @@ pub fn save_shard(
             &dir.join("model.safetensors.index.json"),
             serde_json::to_string_pretty(&index)?.as_bytes(),
         )?;
+        files.push("model.safetensors.index.json".into());
     }
     let ts = TrainerState {
         format: 1,
@@ -236,7 +318,8 @@ pub fn save_shard(
         &dir.join("trainer.json"),
         serde_json::to_string_pretty(&ts)?.as_bytes(),
     )?;
-    Ok(())
+    files.push("trainer.json".into());
+    Ok(files)
 }
 
 /// The optimizer step count and every `{param}.exp_avg` / `.exp_avg_sq`

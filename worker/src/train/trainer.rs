@@ -124,6 +124,7 @@ pub struct Trainer {
 }
 
 mod objectives;
+mod sync;
 
 pub(crate) fn parse_kind(dtype: &str) -> anyhow::Result<Kind> {
     match dtype {
@@ -428,13 +429,12 @@ impl Trainer {
         }
     }
 
-    /// Writes this rank's part of a sharded HF checkpoint in `dir` (every
-    /// rank calls it, in parallel; see [`checkpoint::save_shard`]): the
-    /// whole parameters assigned to it by size and their AdamW moments
-    /// (zero2 gathers its flat moment shards first, so moments are stored
-    /// per whole parameter and restore at any world size). Returns once
-    /// every rank has written; fails on every rank if any rank failed.
-    pub fn save_checkpoint(&mut self, dir: &Path) -> anyhow::Result<()> {
+    /// Copies what this rank writes of a checkpoint to CPU memory (see
+    /// [`Trainer::save_checkpoint`] for the layout): the whole parameters
+    /// [`checkpoint::assign_tensors`] gives it and their AdamW moments. At
+    /// zero2 the moment shards are all-gathered first (a collective every
+    /// rank joins); nothing is written here.
+    pub fn checkpoint_snapshot(&mut self) -> anyhow::Result<checkpoint::Snapshot> {
         let (rank, world) = (self.coll.rank(), self.coll.world_size());
         let elt = self.model.kind().elt_size_in_bytes();
         let sizes: Vec<(String, usize)> = self
@@ -457,16 +457,25 @@ impl Trainer {
                 exp_avg_sq: avg_sq[i].shallow_clone(),
             })
             .collect();
-        let written = checkpoint::save_shard(
-            dir,
+        Ok(checkpoint::Snapshot::new(
             rank,
             world,
             &self.model.raw_config,
             self.model.kind(),
             self.opt.step,
-            &sizes,
-            &mine,
-        );
+            sizes,
+            mine,
+        ))
+    }
+
+    /// Writes this rank's part of a sharded HF checkpoint in `dir` (every
+    /// rank calls it, in parallel; see [`checkpoint::save_shard`]): the
+    /// whole parameters assigned to it by size and their AdamW moments
+    /// (zero2 gathers its flat moment shards first, so moments are stored
+    /// per whole parameter and restore at any world size). Returns once
+    /// every rank has written; fails on every rank if any rank failed.
+    pub fn save_checkpoint(&mut self, dir: &Path) -> anyhow::Result<()> {
+        let written = self.checkpoint_snapshot()?.write(dir);
         let failed = self.count_failures(written.is_ok())?;
         written?;
         if failed > 0 {
@@ -583,6 +592,11 @@ impl Trainer {
     }
 
     /// Joins a new generation (see [`Trainer::fits`]).
+    /// This replica's collective (for a barrier between ranks).
+    pub fn group(&mut self) -> &mut dyn Collective {
+        self.coll.as_mut()
+    }
+
     pub fn set_collective(&mut self, coll: Box<dyn Collective>) -> anyhow::Result<()> {
         if !self.fits(coll.rank(), coll.world_size()) {
             let (r, w) = self.rank_world();

@@ -34,6 +34,7 @@
 
 mod pass;
 mod shell;
+mod sync;
 pub mod units;
 
 use std::collections::HashMap;
@@ -192,6 +193,11 @@ impl FsdpTrainer {
     /// Swaps in the collective of a new generation. The shards belong to a
     /// (rank, world) pair, so only the same pair is accepted; any other
     /// needs a rebuild from a checkpoint.
+    /// This replica's collective (for a barrier between ranks).
+    pub fn group(&mut self) -> &mut dyn Collective {
+        self.coll.as_mut()
+    }
+
     pub fn set_collective(&mut self, coll: Box<dyn Collective>) -> anyhow::Result<()> {
         if (coll.rank(), coll.world_size()) != (self.rank(), self.world_size()) {
             bail!(
@@ -294,11 +300,11 @@ impl FsdpTrainer {
         }
     }
 
-    /// Writes a sharded HF checkpoint to `dir` (a collective): every unit
-    /// and its moments are gathered, and each rank writes the whole tensors
-    /// [`checkpoint::assign_tensors`] gives it through
-    /// [`checkpoint::save_shard`]. Returns once every rank has written.
-    pub fn save_checkpoint(&mut self, dir: &Path) -> anyhow::Result<()> {
+    /// Copies what this rank writes of a checkpoint to CPU memory (a
+    /// collective): every unit and its moments are gathered, unit by unit,
+    /// and the whole tensors [`checkpoint::assign_tensors`] gives this rank
+    /// are kept. Nothing is written here.
+    pub fn checkpoint_snapshot(&mut self) -> anyhow::Result<checkpoint::Snapshot> {
         let elt = self.kind.elt_size_in_bytes();
         let sizes: Vec<(String, usize)> = self
             .layouts
@@ -323,16 +329,23 @@ impl FsdpTrainer {
                 }
             }
         }
-        let written = checkpoint::save_shard(
-            dir,
+        Ok(checkpoint::Snapshot::new(
             rank,
             world,
             &self.raw_config,
             self.kind,
             self.opt.step,
-            &sizes,
-            &mine,
-        );
+            sizes,
+            mine,
+        ))
+    }
+
+    /// Writes a sharded HF checkpoint to `dir` (a collective): the
+    /// [`checkpoint_snapshot`](Self::checkpoint_snapshot), written at once.
+    /// Returns once every rank has written.
+    pub fn save_checkpoint(&mut self, dir: &Path) -> anyhow::Result<()> {
+        let rank = self.rank();
+        let written = self.checkpoint_snapshot()?.write(dir).map(|_| ());
         let [failed] = self.agree_f32("checkpoint written", [written.is_err() as u8 as f32])?;
         written.with_context(|| format!("rank {rank} writing its checkpoint shard"))?;
         if failed > 0.0 {
