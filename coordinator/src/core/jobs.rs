@@ -1,19 +1,20 @@
 //! Jobs as the coordinator tracks them: the persisted record and the live
 //! state (generation, in-flight step) that is rebuilt after a restart.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
 use super::metrics::MetricSums;
+use super::recovery::{CheckpointEntry, CommittedStep, Decision};
 use super::reference::{ReferenceCache, SeqLogp};
 use super::rollouts::RolloutPlan;
 use super::step::Annotations;
-use super::step::PlannedStep;
+use super::step::{PlanKind, PlannedStep};
 use super::WorkerId;
 use crate::cursor::Cursor;
-use crate::doc::Document;
+use crate::doc::{DocId, Document};
 use crate::spec::JobSpec;
 
 pub type JobId = String;
@@ -65,6 +66,27 @@ pub struct JobRecord {
     /// job writes a checkpoint of its own).
     #[serde(default)]
     pub resumed_from: Option<std::path::PathBuf>,
+    /// Good checkpoints, ascending by step (the newest `checkpoint.keep`;
+    /// a resumed job's starting checkpoint is the first). Recovery restores
+    /// from these.
+    #[serde(default)]
+    pub checkpoints: Vec<CheckpointEntry>,
+    /// Checkpoints that failed to restore, never used again.
+    #[serde(default)]
+    pub bad_checkpoints: Vec<u64>,
+    /// Committed steps after this one are kept for replay (their manifests
+    /// are in the store): the job's start, or its oldest retained
+    /// checkpoint once older ones were dropped.
+    #[serde(default)]
+    pub history_from: u64,
+}
+
+impl JobRecord {
+    /// Whether recovery may fall back to the model's own init: the job
+    /// started at step 0 and every step since can be replayed.
+    pub fn init_allowed(&self) -> bool {
+        self.history_from == 0 && self.resumed_from.is_none()
+    }
 }
 
 /// A fixed membership of a job: ranks 0..W-1.
@@ -75,6 +97,11 @@ pub struct Generation {
     pub members: Vec<WorkerId>,
     /// Ranks that reported Ready for this generation.
     pub ready: Vec<bool>,
+    /// The step its members hold: the configured step, then advanced by
+    /// every replayed or committed step.
+    pub step: u64,
+    /// Where its state came from, and the steps it replays.
+    pub decision: Decision,
 }
 
 impl Generation {
@@ -117,15 +144,26 @@ pub struct Job {
     pub pause_requested: bool,
     /// Checkpoint at the next step boundary.
     pub checkpoint_requested: bool,
-    /// Workers asked to write the checkpoint of step `.0`, and whether each
-    /// has reported it written.
-    pub checkpoint_acks: Option<(u64, BTreeMap<WorkerId, bool>)>,
+    /// Checkpoints being written (asynchronously; training goes on): per
+    /// step, the workers asked to write it and whether each reported it
+    /// durable. It counts once all have.
+    pub pending_checkpoints: BTreeMap<u64, BTreeMap<WorkerId, bool>>,
     /// DPO with a cached reference: the log-probs computed so far.
     pub reference: Option<ReferenceCache>,
     /// Policy gradient: groups and advantages.
     pub rollouts: Option<RolloutPlan>,
-    /// A membership change waits for the checkpoint of the current step.
+    /// A membership change waits for the checkpoint of the current step
+    /// (zero2/fsdp drains only: the leaver's shards must reach disk).
     pub regroup_after_checkpoint: bool,
+    /// Committed steps after `rec.history_from`, for replay.
+    pub history: BTreeMap<u64, CommittedStep>,
+    /// The next generation must restore from disk (a state sync failed).
+    pub force_restore: bool,
+    /// The last plan dispatched: (generation, step, kind), so that a result
+    /// arriving after its generation ended still tells what the worker holds.
+    pub last_plan: Option<(u64, u64, PlanKind)>,
+    /// Documents by id (built on the first replay).
+    pub doc_index: Option<Arc<HashMap<DocId, usize>>>,
 }
 
 impl Job {
@@ -138,11 +176,34 @@ impl Job {
             inflight: None,
             pause_requested: false,
             checkpoint_requested: false,
-            checkpoint_acks: None,
+            pending_checkpoints: BTreeMap::new(),
             reference: None,
             rollouts: None,
             regroup_after_checkpoint: false,
+            history: BTreeMap::new(),
+            force_restore: false,
+            last_plan: None,
+            doc_index: None,
         }
+    }
+
+    /// True while the generation re-runs committed steps after a restore.
+    pub fn replaying(&self) -> bool {
+        self.gen.as_ref().is_some_and(|g| g.step < self.rec.step)
+    }
+
+    /// Where the checkpoint of `step` is written.
+    pub fn checkpoint_dir(&self, step: u64) -> std::path::PathBuf {
+        self.spec
+            .job
+            .output_dir
+            .join("checkpoints")
+            .join(format!("step-{step}"))
+    }
+
+    /// Drops replay history at or below `rec.history_from`.
+    pub fn prune_history(&mut self) {
+        self.history = self.history.split_off(&(self.rec.history_from + 1));
     }
 
     /// What this job's plans carry besides the documents.

@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use tracing::{info, warn};
 
 use super::jobs::{Job, JobId, JobRecord, JobState};
+use super::recovery::{CheckpointEntry, HeldState, Source};
 use super::reference::{self, ReferenceCache};
 use super::step;
 use super::workers::{Registration, Worker, WorkerId, WorkerState};
@@ -90,7 +91,7 @@ impl Coordinator {
                 step,
             } => {
                 self.seen(&worker, now_ms);
-                self.on_ready(&worker, &job, generation, step);
+                self.on_ready(&worker, &job, generation, step, now_ms, &mut fx);
             }
             Event::StepResult {
                 worker,
@@ -101,6 +102,7 @@ impl Coordinator {
                 logps,
             } => {
                 self.seen(&worker, now_ms);
+                self.note_result(&worker, &job, generation, step);
                 self.on_result(
                     &worker, &job, generation, step, sums, logps, now_ms, &mut fx,
                 );
@@ -146,6 +148,16 @@ impl Coordinator {
                     documents: docs.len() as u64,
                     total_steps: 0,
                     last_checkpoint: None,
+                    history_from: start.as_ref().map_or(0, |s| s.step),
+                    checkpoints: start
+                        .as_ref()
+                        .map(|s| CheckpointEntry {
+                            step: s.step,
+                            dir: s.dir.clone(),
+                        })
+                        .into_iter()
+                        .collect(),
+                    bad_checkpoints: Vec::new(),
                     resumed_from: start.map(|s| s.dir),
                 };
                 info!(job = %id, name = %rec.name, docs = docs.len(), "job submitted");
@@ -163,6 +175,7 @@ impl Coordinator {
                 spec,
                 docs,
                 reference: logps,
+                history,
             } => {
                 let mut rec = *rec;
                 if rec.state == JobState::Running {
@@ -173,6 +186,9 @@ impl Coordinator {
                 let id = rec.id.clone();
                 self.job_order.push(id.clone());
                 let mut job = Job::new(rec, *spec, docs);
+                migrate_checkpoint_index(&mut job);
+                job.history = history.into_iter().map(|h| (h.step, h)).collect();
+                job.prune_history();
                 job.reference =
                     reference::needs_cache(&job.spec).then(|| ReferenceCache::new(logps));
                 job.rollouts = prepare_rollouts(&job);
@@ -200,7 +216,7 @@ impl Coordinator {
 
     fn register(&mut self, id: WorkerId, reg: Registration, now_ms: i64) {
         self.next_worker_seq += 1;
-        info!(worker = %id, host = %reg.hostname, device = %reg.device, "worker registered");
+        info!(worker = %id, host = %reg.hostname, device = %reg.device, held = ?reg.held, "worker registered");
         self.workers.insert(
             id.clone(),
             Worker {
@@ -212,6 +228,7 @@ impl Coordinator {
                 rank: None,
                 draining: false,
                 seq: self.next_worker_seq,
+                held: reg.held.clone(),
             },
         );
     }
@@ -260,8 +277,15 @@ impl Coordinator {
             info!(worker, reason = why, "worker left");
         }
         w.state = WorkerState::Lost;
+        // Whatever it held is gone with it (a re-registration reports anew).
+        w.held = None;
         let job = w.job.take();
         w.rank = None;
+        // Checkpoints it had not yet written will never be whole.
+        for j in self.jobs.values_mut() {
+            j.pending_checkpoints
+                .retain(|_, acks| acks.get(worker).is_none_or(|&done| done));
+        }
         if let Some(job) = job {
             self.dissolve_generation(&job, &format!("worker {worker} lost: {why}"), now_ms, fx);
         }
@@ -281,8 +305,8 @@ impl Coordinator {
         };
         let Some(gen) = job.gen.take() else { return };
         let aborted = job.inflight.take().map(|f| f.planned.step);
-        // A checkpoint its members were still writing will never be whole.
-        job.checkpoint_acks = None;
+        // Checkpoints its members are still writing go on (they count once
+        // every writer reports); one missing a lost writer was dropped.
         job.regroup_after_checkpoint = false;
         for m in &gen.members {
             if let Some(w) = self.workers.get_mut(m) {
@@ -321,7 +345,15 @@ impl Coordinator {
         publish_event(fx, job, "generation", message, now_ms);
     }
 
-    pub(super) fn on_ready(&mut self, worker: &str, job_id: &str, generation: u64, _step: u64) {
+    pub(super) fn on_ready(
+        &mut self,
+        worker: &str,
+        job_id: &str,
+        generation: u64,
+        step: u64,
+        now_ms: i64,
+        fx: &mut Vec<Effect>,
+    ) {
         let Some(job) = self.jobs.get_mut(job_id) else {
             return;
         };
@@ -334,28 +366,88 @@ impl Coordinator {
             );
             return;
         };
-        if let Some(rank) = gen.rank_of(worker) {
-            gen.ready[rank as usize] = true;
-            if let Some(w) = self.workers.get_mut(worker) {
-                w.state = if w.draining {
-                    WorkerState::Draining
-                } else {
-                    WorkerState::Active
-                };
+        let Some(rank) = gen.rank_of(worker) else {
+            return;
+        };
+        if step != gen.step {
+            warn!(
+                worker,
+                job = job_id,
+                generation,
+                step,
+                configured = gen.step,
+                "ready at another step than configured"
+            );
+        }
+        let was_ready = gen.all_ready();
+        gen.ready[rank as usize] = true;
+        let held = HeldState {
+            job: job_id.to_string(),
+            step,
+            world_size: gen.world_size(),
+            rank,
+            generation,
+        };
+        let all_ready = gen.all_ready() && !was_ready;
+        let decision = gen.decision.clone();
+        if all_ready && !matches!(decision.source, Source::Memory { .. }) {
+            job.force_restore = false;
+        }
+        if all_ready {
+            if let Some(r) = decision.replay() {
+                let msg = format!(
+                    "generation {generation}: {}; replayed steps do not commit again",
+                    decision.describe()
+                );
+                info!(job = job_id, generation, from = r.start(), to = r.end(), "replaying");
+                publish_event(fx, job, "replay", msg, now_ms);
             }
+        }
+        if let Some(w) = self.workers.get_mut(worker) {
+            w.held = Some(held);
+            w.state = if w.draining {
+                WorkerState::Draining
+            } else {
+                WorkerState::Active
+            };
+        }
+    }
+
+    /// A step result means the worker applied that step's update, whether
+    /// or not its generation is still current: its held state moves on.
+    fn note_result(&mut self, worker: &str, job_id: &str, generation: u64, step: u64) {
+        let Some(job) = self.jobs.get(job_id) else {
+            return;
+        };
+        if job.last_plan != Some((generation, step, step::PlanKind::Train)) {
+            return;
+        }
+        if let Some(h) = self
+            .workers
+            .get_mut(worker)
+            .and_then(|w| w.held.as_mut())
+            .filter(|h| h.job == job_id && h.generation == generation)
+        {
+            h.step = step;
         }
     }
 }
 
 pub(super) fn request_checkpoint(job: &mut Job, fx: &mut Vec<Effect>) {
     let Some(gen) = job.gen.as_ref() else { return };
+    if gen.step < job.rec.step {
+        // Mid-replay the members do not hold the committed step yet: the
+        // checkpoint is taken at the next commit.
+        job.checkpoint_requested = true;
+        return;
+    }
     let step = job.rec.step;
-    let dir = job
-        .spec
-        .job
-        .output_dir
-        .join("checkpoints")
-        .join(format!("step-{step}"));
+    if job.pending_checkpoints.contains_key(&step)
+        || job.rec.checkpoints.iter().any(|c| c.step == step)
+    {
+        return;
+    }
+    let dir = job.checkpoint_dir(step);
     for m in &gen.members {
         fx.push(Effect::Send {
             worker: m.clone(),
@@ -367,10 +459,22 @@ pub(super) fn request_checkpoint(job: &mut Job, fx: &mut Vec<Effect>) {
             },
         });
     }
-    job.checkpoint_acks = Some((
+    job.pending_checkpoints.insert(
         step,
         gen.members.iter().map(|m| (m.clone(), false)).collect(),
-    ));
+    );
+}
+
+/// Records written before the checkpoint index existed: their last
+/// checkpoint becomes the index.
+fn migrate_checkpoint_index(job: &mut Job) {
+    if !job.rec.checkpoints.is_empty() {
+        return;
+    }
+    if let Some(step) = job.rec.last_checkpoint {
+        let dir = job.checkpoint_dir(step);
+        job.rec.checkpoints.push(CheckpointEntry { step, dir });
+    }
 }
 
 /// Pauses a job at its current step boundary.
