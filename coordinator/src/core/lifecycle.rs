@@ -317,7 +317,9 @@ impl Coordinator {
                 self.on_restore_failed(worker, job_id, &message, now_ms, fx)
             }
             WorkerErrorKind::StateSync => {
-                let reason = format!("state sync failed on {worker}: {message}; restoring from a checkpoint");
+                let reason = format!(
+                    "state sync failed on {worker}: {message}; restoring from a checkpoint"
+                );
                 warn!(worker, job = job_id, generation, %message, "state sync failed");
                 self.jobs.get_mut(job_id).expect("known job").force_restore = true;
                 if let Some(w) = self.workers.get_mut(worker) {
@@ -386,7 +388,14 @@ impl Coordinator {
     /// checkpoint is marked bad (never used again, nothing loaded from it
     /// trusted) and the generation re-forms from the next older source,
     /// replaying more.
-    fn on_restore_failed(&mut self, worker: &str, job_id: &str, message: &str, now_ms: i64, fx: &mut Vec<Effect>) {
+    fn on_restore_failed(
+        &mut self,
+        worker: &str,
+        job_id: &str,
+        message: &str,
+        now_ms: i64,
+        fx: &mut Vec<Effect>,
+    ) {
         let job = self.jobs.get_mut(job_id).expect("known job");
         let gen = job.gen.clone().expect("an error within a generation");
         let Source::Checkpoint(bad) = &gen.decision.source else {
@@ -400,7 +409,13 @@ impl Coordinator {
         job.rec.bad_checkpoints.push(bad.step);
         job.rec.last_checkpoint = job.rec.checkpoints.last().map(|c| c.step);
         let committed = job.rec.step;
-        let next = match job.rec.checkpoints.iter().rev().find(|c| c.step <= committed) {
+        let next = match job
+            .rec
+            .checkpoints
+            .iter()
+            .rev()
+            .find(|c| c.step <= committed)
+        {
             Some(c) => format!("step-{}", c.step),
             None if job.rec.init_allowed() => "the model init (step 0)".to_string(),
             None => "nothing: no good checkpoint left".to_string(),
@@ -542,7 +557,8 @@ impl Coordinator {
             .map(|m| (m.clone(), self.workers[m].reg.collective_addr.clone()))
             .collect();
         let world = members.len();
-        let priors: Vec<Option<HeldState>> = (0..world).map(|i| decision.prior(i).cloned()).collect();
+        let priors: Vec<Option<HeldState>> =
+            (0..world).map(|i| decision.prior(i).cloned()).collect();
         // Memory a Configure does not overwrite: a ddp holder's (it only
         // sends), or a sharded layout that stays exactly as it was.
         let unchanged_layout = priors.iter().enumerate().all(|(i, p)| {
@@ -593,7 +609,10 @@ impl Coordinator {
             "generation formed"
         );
         fx.push(Effect::PersistJob(job.rec.clone()));
-        let msg = format!("generation {} formed with {world} workers; {source}", gen.id);
+        let msg = format!(
+            "generation {} formed with {world} workers; {source}",
+            gen.id
+        );
         job.gen = Some(gen);
         publish_event(fx, job, "generation", msg, now_ms);
     }
@@ -643,7 +662,13 @@ impl Coordinator {
         self.send_plan(job_id, planned, now_ms, fx);
     }
 
-    fn send_plan(&mut self, job_id: &str, planned: Arc<PlannedStep>, now_ms: i64, fx: &mut Vec<Effect>) {
+    fn send_plan(
+        &mut self,
+        job_id: &str,
+        planned: Arc<PlannedStep>,
+        now_ms: i64,
+        fx: &mut Vec<Effect>,
+    ) {
         let job = self.jobs.get_mut(job_id).expect("known job");
         let gen = job.gen.as_ref().expect("dispatch within a generation");
         for (rank, m) in gen.members.iter().enumerate() {

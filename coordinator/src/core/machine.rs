@@ -217,6 +217,7 @@ impl Coordinator {
     fn register(&mut self, id: WorkerId, reg: Registration, now_ms: i64) {
         self.next_worker_seq += 1;
         info!(worker = %id, host = %reg.hostname, device = %reg.device, held = ?reg.held, "worker registered");
+        let held = reg.held.clone();
         self.workers.insert(
             id.clone(),
             Worker {
@@ -228,7 +229,7 @@ impl Coordinator {
                 rank: None,
                 draining: false,
                 seq: self.next_worker_seq,
-                held: reg.held.clone(),
+                held,
             },
         );
     }
@@ -399,7 +400,13 @@ impl Coordinator {
                     "generation {generation}: {}; replayed steps do not commit again",
                     decision.describe()
                 );
-                info!(job = job_id, generation, from = r.start(), to = r.end(), "replaying");
+                info!(
+                    job = job_id,
+                    generation,
+                    from = r.start(),
+                    to = r.end(),
+                    "replaying"
+                );
                 publish_event(fx, job, "replay", msg, now_ms);
             }
         }

@@ -121,7 +121,11 @@ impl Decision {
             Source::Init => "the model init".to_string(),
         };
         match self.replay() {
-            Some(r) => format!("state from {from}; replaying steps {}..={}", r.start(), r.end()),
+            Some(r) => format!(
+                "state from {from}; replaying steps {}..={}",
+                r.start(),
+                r.end()
+            ),
             None => format!("state from {from}"),
         }
     }
@@ -221,7 +225,10 @@ fn complete_layout(
     // (step, generation, world) → rank → member index.
     let mut layouts: BTreeMap<(u64, u64, u32), BTreeMap<u32, usize>> = BTreeMap::new();
     for (i, h) in members.iter().enumerate() {
-        let Some(h) = h.as_ref().filter(|h| usable(h.step) && h.rank < h.world_size) else {
+        let Some(h) = h
+            .as_ref()
+            .filter(|h| usable(h.step) && h.rank < h.world_size)
+        else {
             continue;
         };
         layouts
@@ -428,7 +435,8 @@ mod tests {
     fn uncommitted_or_unreplayable_memory_is_not_used() {
         // Step 9 was applied but never committed; step 2 is below history.
         let members = [held(9, 3, 2, 0), held(2, 1, 2, 1)];
-        let mut s = situation(Sharding::Ddp, 8, &members, &[ck(4)]);
+        let index = [ck(4)];
+        let mut s = situation(Sharding::Ddp, 8, &members, &index);
         s.history_from = 4;
         s.init_allowed = false;
         assert_eq!(decide(&s).unwrap().source, Source::Checkpoint(ck(4)));
@@ -442,16 +450,20 @@ mod tests {
         s.init_allowed = false;
         s.history_from = 2;
         let err = decide(&s).unwrap_err();
-        assert!(err.to_string().contains("history starts after step 2"), "{err}");
+        assert!(
+            err.to_string().contains("history starts after step 2"),
+            "{err}"
+        );
         // A job at step 0 with fresh workers simply starts from the init.
         let d = decide(&situation(Sharding::Ddp, 0, &[None], &[])).unwrap();
-        assert_eq!((d.source, d.replay()), (Source::Init, None));
+        assert_eq!((d.replay(), d.source), (None, Source::Init));
     }
 
     #[test]
     fn a_failed_state_sync_forces_a_restore() {
         let members = [held(8, 3, 1, 0)];
-        let mut s = situation(Sharding::Ddp, 8, &members, &[ck(6)]);
+        let index = [ck(6)];
+        let mut s = situation(Sharding::Ddp, 8, &members, &index);
         s.memory_allowed = false;
         assert_eq!(decide(&s).unwrap().source, Source::Checkpoint(ck(6)));
     }

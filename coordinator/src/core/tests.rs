@@ -821,7 +821,6 @@ fn pg_steps_take_whole_groups_and_train_every_kept_rollout_once() {
 /// One Configure as a worker received it.
 #[derive(Debug, Clone)]
 struct Conf {
-    worker: WorkerId,
     rank: u32,
     step: u64,
     restore_from: Option<PathBuf>,
@@ -831,7 +830,10 @@ struct Conf {
 impl Sim {
     fn run_until(&mut self, done: impl Fn(&Sim) -> bool) {
         while !done(self) {
-            assert!(self.step_once(), "the inbox ran dry before the condition held");
+            assert!(
+                self.step_once(),
+                "the inbox ran dry before the condition held"
+            );
         }
     }
 
@@ -845,7 +847,7 @@ impl Sim {
         let mut out: Vec<Conf> = self
             .configures
             .iter()
-            .filter_map(|(w, m)| match m {
+            .filter_map(|(_, m)| match m {
                 ToWorker::Configure {
                     generation: g,
                     rank,
@@ -854,7 +856,6 @@ impl Sim {
                     priors,
                     ..
                 } if *g == generation => Some(Conf {
-                    worker: w.clone(),
                     rank: *rank,
                     step: *step,
                     restore_from: restore_from.clone(),
@@ -934,7 +935,11 @@ fn ddp_loss_keeps_the_survivors_state_and_replans_the_same_documents() {
     }
     let d = docs(36);
     s.submit(
-        with(spec("steps = 6", "docs_per_step = 6", 1, 3), Sharding::Ddp, 2),
+        with(
+            spec("steps = 6", "docs_per_step = 6", 1, 3),
+            Sharding::Ddp,
+            2,
+        ),
         d.clone(),
     );
     s.run_until(|s| s.committed.len() == 3);
@@ -947,13 +952,19 @@ fn ddp_loss_keeps_the_survivors_state_and_replans_the_same_documents() {
     assert_eq!(gen2.len(), 2);
     for c in &gen2 {
         assert_eq!((c.step, &c.restore_from), (3, &None), "{c:?}");
-        assert!(c.priors.iter().all(|p| p.as_ref().is_some_and(|p| p.step == 3)));
+        assert!(c
+            .priors
+            .iter()
+            .all(|p| p.as_ref().is_some_and(|p| p.step == 3)));
     }
     s.run();
     assert_eq!(s.state(), JobState::Completed);
     assert!(s.replayed().is_empty(), "survivors keep their state");
     let m = s.manifests();
-    assert_eq!(m[&4], step4.docs, "the aborted step is re-planned with the same documents");
+    assert_eq!(
+        m[&4], step4.docs,
+        "the aborted step is re-planned with the same documents"
+    );
     assert_eq!(s.committed[3].0.world_size, 2);
     assert_exactly_once(&s, &d, 1);
 }
@@ -1026,7 +1037,10 @@ fn a_join_from_two_to_three_syncs_from_memory_under_ddp_and_fsdp() {
         for c in &gen2 {
             assert_eq!((c.step, &c.restore_from), (1, &None), "{sharding:?}");
             let prior = |i: usize| c.priors[i].as_ref().map(|p| (p.rank, p.world_size));
-            assert_eq!([prior(0), prior(1), prior(2)], [Some((0, 2)), Some((1, 2)), None]);
+            assert_eq!(
+                [prior(0), prior(1), prior(2)],
+                [Some((0, 2)), Some((1, 2)), None]
+            );
         }
         assert_eq!(s.checkpoints, vec![4], "only the final checkpoint");
         assert!(s.replayed().is_empty());
@@ -1040,7 +1054,11 @@ fn an_fsdp_drain_writes_the_step_first_and_restores_it_without_replay() {
         s.worker(w);
     }
     s.submit(
-        with(spec("steps = 4", "docs_per_step = 6", 1, 3), Sharding::Fsdp, 0),
+        with(
+            spec("steps = 4", "docs_per_step = 6", 1, 3),
+            Sharding::Fsdp,
+            0,
+        ),
         docs(30),
     );
     for _ in 0..3 {
@@ -1053,7 +1071,9 @@ fn an_fsdp_drain_writes_the_step_first_and_restores_it_without_replay() {
     let gen2 = s.configures_of(2);
     assert_eq!(gen2.len(), 2);
     assert!(gen2.iter().all(|c| c.step == 1
-        && c.restore_from.as_ref().is_some_and(|d| d.ends_with("step-1"))));
+        && c.restore_from
+            .as_ref()
+            .is_some_and(|d| d.ends_with("step-1"))));
     assert!(s.replayed().is_empty());
     let worlds: Vec<u32> = s.committed.iter().map(|(m, _)| m.world_size).collect();
     assert_eq!(worlds, vec![3, 2, 2, 2]);
@@ -1065,7 +1085,11 @@ fn a_ddp_drain_needs_no_checkpoint() {
     s.worker("a");
     s.worker("b");
     s.submit(
-        with(spec("steps = 3", "docs_per_step = 4", 1, 2), Sharding::Ddp, 0),
+        with(
+            spec("steps = 3", "docs_per_step = 4", 1, 2),
+            Sharding::Ddp,
+            0,
+        ),
         docs(20),
     );
     s.step_once();
@@ -1087,7 +1111,11 @@ fn a_checkpoint_that_fails_to_restore_falls_back_to_the_previous_one() {
     }
     let d = docs(48);
     s.submit(
-        with(spec("steps = 8", "docs_per_step = 6", 1, 3), Sharding::Fsdp, 2),
+        with(
+            spec("steps = 8", "docs_per_step = 6", 1, 3),
+            Sharding::Fsdp,
+            2,
+        ),
         d.clone(),
     );
     s.run_until(|s| s.committed.len() == 5);
@@ -1116,9 +1144,10 @@ fn a_checkpoint_that_fails_to_restore_falls_back_to_the_previous_one() {
     );
     let gen3 = s.configures_of(3);
     assert_eq!(gen3.len(), 2);
-    assert!(gen3
-        .iter()
-        .all(|c| c.step == 2 && c.restore_from.as_ref().is_some_and(|d| d.ends_with("step-2"))));
+    assert!(gen3.iter().all(|c| c.step == 2
+        && c.restore_from
+            .as_ref()
+            .is_some_and(|d| d.ends_with("step-2"))));
     s.run();
     assert_eq!(s.state(), JobState::Completed);
     let replayed: Vec<u64> = s.replayed().iter().map(|p| p.step).collect();
@@ -1138,7 +1167,11 @@ fn with_no_good_checkpoint_left_the_job_replays_from_init_or_fails() {
     }
     let d = docs(30);
     s.submit(
-        with(spec("steps = 5", "docs_per_step = 6", 1, 2), Sharding::Fsdp, 2),
+        with(
+            spec("steps = 5", "docs_per_step = 6", 1, 2),
+            Sharding::Fsdp,
+            2,
+        ),
         d.clone(),
     );
     s.run_until(|s| s.committed.len() == 3);
@@ -1201,7 +1234,11 @@ fn a_failed_state_sync_reforms_with_a_restore() {
     let mut s = Sim::new();
     s.worker("a");
     s.submit(
-        with(spec("steps = 4", "docs_per_step = 4", 1, 2), Sharding::Ddp, 1),
+        with(
+            spec("steps = 4", "docs_per_step = 4", 1, 2),
+            Sharding::Ddp,
+            1,
+        ),
         docs(20),
     );
     s.run_until(|s| s.committed.len() == 2);
@@ -1219,7 +1256,9 @@ fn a_failed_state_sync_reforms_with_a_restore() {
     .unwrap();
     let gen3 = s.configures_of(3);
     assert_eq!(gen3.len(), 2);
-    assert!(gen3.iter().all(|c| c.restore_from.is_some() && c.priors.iter().all(Option::is_none)));
+    assert!(gen3
+        .iter()
+        .all(|c| c.restore_from.is_some() && c.priors.iter().all(Option::is_none)));
     s.run();
     assert_eq!(s.state(), JobState::Completed);
     // Once restored, later generations may use memory again.
@@ -1232,13 +1271,17 @@ fn two_seconds_of_silence_declare_a_worker_lost_and_ddp_survivors_continue() {
     s.worker("a");
     s.worker("b");
     s.submit(
-        with(spec("steps = 3", "docs_per_step = 4", 1, 2), Sharding::Ddp, 0),
+        with(
+            spec("steps = 3", "docs_per_step = 4", 1, 2),
+            Sharding::Ddp,
+            0,
+        ),
         docs(20),
     );
     s.run_until(|s| s.committed.len() == 1);
     s.inbox.clear();
     let last_b = s.c.worker("b").unwrap().last_seen_ms;
-    s.now = last_b + 2_000 - 10;
+    s.now = last_b + 2_000 - 20; // each handle advances 10 ms
     s.handle(Event::Heartbeat { worker: "a".into() }).unwrap();
     s.handle(Event::Tick).unwrap(); // exactly 2 s: not yet
     assert_ne!(s.c.worker("b").unwrap().state, WorkerState::Lost);
@@ -1290,7 +1333,11 @@ fn restarted(rec: &JobRecord, history: Vec<CommittedStep>, sharding: Sharding) -
     let mut r = Sim::new();
     r.handle(Event::RestoreJob {
         rec: Box::new(rec.clone()),
-        spec: Box::new(with(spec("steps = 6", "docs_per_step = 4", 2, 2), sharding, 2)),
+        spec: Box::new(with(
+            spec("steps = 6", "docs_per_step = 4", 2, 2),
+            sharding,
+            2,
+        )),
         docs: docs(30),
         reference: Default::default(),
         history,
@@ -1344,9 +1391,10 @@ fn after_a_restart_a_sharded_job_missing_a_rank_restores_and_replays() {
     r.worker_holding("a", Some(held[0].clone()));
     r.worker("z"); // b never came back
     let gen = r.configures_of(rec.generation + 1);
-    assert!(gen
-        .iter()
-        .all(|c| c.step == 2 && c.restore_from.as_ref().is_some_and(|d| d.ends_with("step-2"))));
+    assert!(gen.iter().all(|c| c.step == 2
+        && c.restore_from
+            .as_ref()
+            .is_some_and(|d| d.ends_with("step-2"))));
     r.run();
     assert_eq!(r.state(), JobState::Completed);
     let replayed = r.replayed();
@@ -1388,7 +1436,10 @@ fn exactly_once_over_a_run_with_losses_joins_and_replays() {
         if sharding == Sharding::Ddp {
             assert!(s.replayed().is_empty(), "ddp never restores");
         } else {
-            assert!(!s.replayed().is_empty(), "{sharding:?} restores and replays");
+            assert!(
+                !s.replayed().is_empty(),
+                "{sharding:?} restores and replays"
+            );
         }
     }
 }
