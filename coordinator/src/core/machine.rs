@@ -6,8 +6,10 @@ use std::collections::BTreeMap;
 
 use tracing::{info, warn};
 
+use super::generations::migrate_checkpoint_index;
+pub(super) use super::generations::request_checkpoint;
 use super::jobs::{Job, JobId, JobRecord, JobState};
-use super::recovery::{CheckpointEntry, HeldState, Source};
+use super::recovery::CheckpointEntry;
 use super::reference::{self, ReferenceCache};
 use super::step;
 use super::workers::{Registration, Worker, WorkerId, WorkerState};
@@ -344,143 +346,6 @@ impl Coordinator {
             None => format!("generation {} ended: {reason}", gen.id),
         };
         publish_event(fx, job, "generation", message, now_ms);
-    }
-
-    pub(super) fn on_ready(
-        &mut self,
-        worker: &str,
-        job_id: &str,
-        generation: u64,
-        step: u64,
-        now_ms: i64,
-        fx: &mut Vec<Effect>,
-    ) {
-        let Some(job) = self.jobs.get_mut(job_id) else {
-            return;
-        };
-        let Some(gen) = job.gen.as_mut().filter(|g| g.id == generation) else {
-            warn!(
-                worker,
-                job = job_id,
-                generation,
-                "ready from a stale generation, ignored"
-            );
-            return;
-        };
-        let Some(rank) = gen.rank_of(worker) else {
-            return;
-        };
-        if step != gen.step {
-            warn!(
-                worker,
-                job = job_id,
-                generation,
-                step,
-                configured = gen.step,
-                "ready at another step than configured"
-            );
-        }
-        let was_ready = gen.all_ready();
-        gen.ready[rank as usize] = true;
-        let held = HeldState {
-            job: job_id.to_string(),
-            step,
-            world_size: gen.world_size(),
-            rank,
-            generation,
-        };
-        let all_ready = gen.all_ready() && !was_ready;
-        let decision = gen.decision.clone();
-        if all_ready && !matches!(decision.source, Source::Memory { .. }) {
-            job.force_restore = false;
-        }
-        if all_ready {
-            if let Some(r) = decision.replay() {
-                let msg = format!(
-                    "generation {generation}: {}; replayed steps do not commit again",
-                    decision.describe()
-                );
-                info!(
-                    job = job_id,
-                    generation,
-                    from = r.start(),
-                    to = r.end(),
-                    "replaying"
-                );
-                publish_event(fx, job, "replay", msg, now_ms);
-            }
-        }
-        if let Some(w) = self.workers.get_mut(worker) {
-            w.held = Some(held);
-            w.state = if w.draining {
-                WorkerState::Draining
-            } else {
-                WorkerState::Active
-            };
-        }
-    }
-
-    /// A step result means the worker applied that step's update, whether
-    /// or not its generation is still current: its held state moves on.
-    fn note_result(&mut self, worker: &str, job_id: &str, generation: u64, step: u64) {
-        let Some(job) = self.jobs.get(job_id) else {
-            return;
-        };
-        if job.last_plan != Some((generation, step, step::PlanKind::Train)) {
-            return;
-        }
-        if let Some(h) = self
-            .workers
-            .get_mut(worker)
-            .and_then(|w| w.held.as_mut())
-            .filter(|h| h.job == job_id && h.generation == generation)
-        {
-            h.step = step;
-        }
-    }
-}
-
-pub(super) fn request_checkpoint(job: &mut Job, fx: &mut Vec<Effect>) {
-    let Some(gen) = job.gen.as_ref() else { return };
-    if gen.step < job.rec.step {
-        // Mid-replay the members do not hold the committed step yet: the
-        // checkpoint is taken at the next commit.
-        job.checkpoint_requested = true;
-        return;
-    }
-    let step = job.rec.step;
-    if job.pending_checkpoints.contains_key(&step)
-        || job.rec.checkpoints.iter().any(|c| c.step == step)
-    {
-        return;
-    }
-    let dir = job.checkpoint_dir(step);
-    for m in &gen.members {
-        fx.push(Effect::Send {
-            worker: m.clone(),
-            msg: ToWorker::Checkpoint {
-                job: job.rec.id.clone(),
-                step,
-                dir: dir.clone(),
-                cursor: job.rec.cursor.clone(),
-            },
-        });
-    }
-    job.pending_checkpoints.insert(
-        step,
-        gen.members.iter().map(|m| (m.clone(), false)).collect(),
-    );
-}
-
-/// Records written before the checkpoint index existed: their last
-/// checkpoint becomes the index.
-fn migrate_checkpoint_index(job: &mut Job) {
-    if !job.rec.checkpoints.is_empty() {
-        return;
-    }
-    if let Some(step) = job.rec.last_checkpoint {
-        let dir = job.checkpoint_dir(step);
-        job.rec.checkpoints.push(CheckpointEntry { step, dir });
     }
 }
 

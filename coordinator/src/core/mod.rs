@@ -6,6 +6,7 @@
 
 mod control;
 mod error;
+mod generations;
 mod jobs;
 mod lifecycle;
 mod machine;
