@@ -65,6 +65,7 @@ impl Server {
         let store = Store::open(&config.state_dir)?;
         let mut core = Coordinator::new(CoordinatorOptions {
             heartbeat_timeout_ms: config.heartbeat_timeout_ms,
+            ..Default::default()
         });
         let records = store.jobs()?;
         let restored = records.len();

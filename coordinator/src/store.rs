@@ -211,6 +211,7 @@ mod tests {
             checkpoints: Vec::new(),
             bad_checkpoints: Vec::new(),
             history_from: 0,
+            members: Vec::new(),
         }
     }
 

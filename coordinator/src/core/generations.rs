@@ -189,6 +189,24 @@ impl Coordinator {
             .filter(|w| w.available())
             .map(|w| (w.id.clone(), w.seq, w.held_for(job_id).cloned()))
             .collect();
+        let missing = job
+            .rec
+            .members
+            .iter()
+            .filter(|m| !self.workers.get(*m).is_some_and(|w| w.available()))
+            .count();
+        let rejoining = job
+            .rejoin_deadline_ms
+            .filter(|&d| missing > 0 && now_ms < d);
+        if let Some(deadline) = rejoining {
+            let reason = format!(
+                "coordinator restarted; waiting up to {} ms for {missing} member(s) of generation {} to re-register",
+                deadline - now_ms,
+                job.rec.generation
+            );
+            self.jobs.get_mut(job_id).expect("known job").rec.reason = reason;
+            return;
+        }
         if (free.len() as u32) < min {
             let reason = format!(
                 "waiting for workers: {} available, min_workers = {min}",
@@ -238,6 +256,8 @@ impl Coordinator {
         job.rec.generation += 1;
         job.rec.state = JobState::Running;
         job.rec.reason = String::new();
+        job.rec.members = members.clone();
+        job.rejoin_deadline_ms = None;
         let gen = Generation {
             id: job.rec.generation,
             members: members.clone(),

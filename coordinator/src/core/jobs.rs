@@ -79,6 +79,10 @@ pub struct JobRecord {
     /// checkpoint once older ones were dropped.
     #[serde(default)]
     pub history_from: u64,
+    /// Members of the last generation formed (after a restart they are
+    /// waited for briefly: they may hold the state in memory).
+    #[serde(default)]
+    pub members: Vec<WorkerId>,
 }
 
 impl JobRecord {
@@ -164,6 +168,9 @@ pub struct Job {
     pub last_plan: Option<(u64, u64, PlanKind)>,
     /// Documents by id (built on the first replay).
     pub doc_index: Option<Arc<HashMap<DocId, usize>>>,
+    /// After a restart: form no generation before this time unless every
+    /// member of the last one is back.
+    pub rejoin_deadline_ms: Option<i64>,
 }
 
 impl Job {
@@ -184,6 +191,7 @@ impl Job {
             force_restore: false,
             last_plan: None,
             doc_index: None,
+            rejoin_deadline_ms: None,
         }
     }
 

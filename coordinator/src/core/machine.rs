@@ -20,12 +20,17 @@ use super::{CoreError, Effect, Event, Result, ToWorker, WatchItem};
 pub struct CoordinatorOptions {
     /// A worker silent for this long is declared lost.
     pub heartbeat_timeout_ms: i64,
+    /// After a restart, how long a job waits for the members of its last
+    /// generation to re-register (they may still hold its state in memory)
+    /// before forming a generation without them.
+    pub rejoin_grace_ms: i64,
 }
 
 impl Default for CoordinatorOptions {
     fn default() -> Self {
         Self {
             heartbeat_timeout_ms: 2_000,
+            rejoin_grace_ms: 10_000,
         }
     }
 }
@@ -160,6 +165,7 @@ impl Coordinator {
                         .into_iter()
                         .collect(),
                     bad_checkpoints: Vec::new(),
+                    members: Vec::new(),
                     resumed_from: start.map(|s| s.dir),
                 };
                 info!(job = %id, name = %rec.name, docs = docs.len(), "job submitted");
@@ -189,6 +195,9 @@ impl Coordinator {
                 self.job_order.push(id.clone());
                 let mut job = Job::new(rec, *spec, docs);
                 migrate_checkpoint_index(&mut job);
+                if !job.rec.members.is_empty() && !job.rec.state.is_terminal() {
+                    job.rejoin_deadline_ms = Some(now_ms + self.opts.rejoin_grace_ms);
+                }
                 job.history = history.into_iter().map(|h| (h.step, h)).collect();
                 job.prune_history();
                 job.reference =

@@ -512,6 +512,7 @@ fn restored_running_job_waits_for_workers_at_its_cursor() {
     assert_eq!(job.rec.state, JobState::Pending);
     assert_eq!(job.rec.cursor, rec.cursor);
     r.worker("z");
+    r.after_rejoin_grace(); // the old members never come back
     r.run();
     assert_eq!(r.state(), JobState::Completed);
     assert_eq!(r.committed.first().unwrap().0.step, rec.step + 1);
@@ -713,6 +714,7 @@ fn dpo_reference_pass_resumes_from_the_store_and_survives_a_lost_worker() {
     })
     .unwrap();
     r.worker("z");
+    r.after_rejoin_grace(); // the old members never come back
     r.run();
     assert_eq!(r.state(), JobState::Completed);
     let planned_again: Vec<DocId> = r
@@ -739,6 +741,7 @@ fn dpo_reference_pass_resumes_from_the_store_and_survives_a_lost_worker() {
     })
     .unwrap();
     q.worker("y");
+    q.after_rejoin_grace(); // the old members never come back
     q.run();
     assert!(q.plans.iter().all(|p| p.kind == PlanKind::Train));
     assert_eq!(q.committed.len(), 2);
@@ -1347,6 +1350,21 @@ fn restarted(rec: &JobRecord, history: Vec<CommittedStep>, sharding: Sharding) -
 }
 
 impl Sim {
+    /// Lets a restarted coordinator's wait for old members run out.
+    fn after_rejoin_grace(&mut self) {
+        self.now += CoordinatorOptions::default().rejoin_grace_ms;
+        let alive: Vec<WorkerId> = self
+            .c
+            .workers()
+            .filter(|w| w.connected() && !self.dead.contains(&w.id))
+            .map(|w| w.id.clone())
+            .collect();
+        for worker in alive {
+            self.handle(Event::Heartbeat { worker }).unwrap();
+        }
+        self.handle(Event::Tick).unwrap();
+    }
+
     fn worker_holding(&mut self, id: &str, held: Option<HeldState>) {
         self.handle(Event::RegisterWorker {
             id: id.into(),
@@ -1389,7 +1407,14 @@ fn after_a_restart_a_sharded_job_missing_a_rank_restores_and_replays() {
     let (full, rec, history, held) = run_then_restart(Sharding::Fsdp);
     let mut r = restarted(&rec, history, Sharding::Fsdp);
     r.worker_holding("a", Some(held[0].clone()));
-    r.worker("z"); // b never came back
+    r.worker("z");
+    assert!(
+        r.configures.is_empty(),
+        "b may still come back with its shard"
+    );
+    let reason = r.c.job("job").unwrap().rec.reason.clone();
+    assert!(reason.contains("1 member(s) of generation"), "{reason}");
+    r.after_rejoin_grace(); // b never came back
     let gen = r.configures_of(rec.generation + 1);
     assert!(gen.iter().all(|c| c.step == 2
         && c.restore_from
