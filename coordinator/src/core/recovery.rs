@@ -486,6 +486,67 @@ mod tests {
         assert_eq!(ids, vec!["r0", "r1", "old", "other-job", "new"]);
     }
 
+    use proptest::prelude::*;
+
+    fn any_held() -> impl Strategy<Value = Option<HeldState>> {
+        prop::option::of((0u64..8, 1u64..4, 1u32..4, 0u32..4).prop_map(
+            |(step, gen, world, rank)| HeldState {
+                job: "j".into(),
+                step,
+                world_size: world,
+                rank: rank % world,
+                generation: gen,
+            },
+        ))
+    }
+
+    proptest! {
+        /// Whatever the members hold: the source never lies ahead of the
+        /// committed step, priors hold exactly the configured step, and a
+        /// sharded memory source covers every rank of one layout once.
+        #[test]
+        fn decisions_are_consistent(
+            members in prop::collection::vec(any_held(), 0..6),
+            committed in 0u64..8,
+            history_from in 0u64..8,
+            ckpts in prop::collection::btree_set(0u64..8, 0..4),
+            sharded in any::<bool>(),
+        ) {
+            let index: Vec<CheckpointEntry> = ckpts.into_iter().map(ck).collect();
+            let history_from = history_from.min(committed);
+            let sharding = if sharded { Sharding::Fsdp } else { Sharding::Ddp };
+            let s = Situation {
+                sharding,
+                committed,
+                members: &members,
+                checkpoints: &index,
+                history_from,
+                init_allowed: history_from == 0,
+                memory_allowed: true,
+            };
+            let Ok(d) = decide(&s) else { return Ok(()) };
+            prop_assert!(d.step <= committed);
+            prop_assert!(d.step == committed || d.step >= history_from);
+            match &d.source {
+                Source::Memory { priors } => {
+                    prop_assert_eq!(priors.len(), members.len());
+                    let held: Vec<&HeldState> = priors.iter().flatten().collect();
+                    prop_assert!(!held.is_empty());
+                    prop_assert!(held.iter().all(|h| h.step == d.step));
+                    if sharded {
+                        let world = held[0].world_size;
+                        let mut ranks: Vec<u32> = held.iter().map(|h| h.rank).collect();
+                        ranks.sort();
+                        prop_assert_eq!(ranks, (0..world).collect::<Vec<_>>());
+                        prop_assert!(held.iter().all(|h| h.generation == held[0].generation));
+                    }
+                }
+                Source::Checkpoint(c) => prop_assert!(index.contains(c)),
+                Source::Init => prop_assert_eq!(d.step, 0),
+            }
+        }
+    }
+
     #[test]
     fn the_index_keeps_the_newest_checkpoints() {
         let mut index = vec![];

@@ -1468,3 +1468,60 @@ fn exactly_once_over_a_run_with_losses_joins_and_replays() {
         }
     }
 }
+
+/// Per document: the scalars (`ref_logp`, `advantage`, ...) its sequences
+/// carry in a plan, by role.
+fn scalars_of(p: &PlannedStep) -> BTreeMap<(DocId, u32), Vec<(String, f64)>> {
+    p.ranks
+        .iter()
+        .flatten()
+        .flat_map(|m| &m.seqs)
+        .map(|q| ((q.doc, q.role), q.scalars.clone()))
+        .collect()
+}
+
+/// The last plan of `step` that was dispatched for real (not a replay).
+fn committed_plan(s: &Sim, step: u64) -> Arc<PlannedStep> {
+    s.plans
+        .iter()
+        .rev()
+        .find(|p| p.step == step && !p.replay && p.kind == PlanKind::Train)
+        .unwrap()
+        .clone()
+}
+
+#[test]
+fn replayed_dpo_and_pg_steps_carry_the_same_annotations() {
+    let mut pg = with(
+        spec("epochs = 1", "docs_per_step = 6", 1, 3),
+        Sharding::Fsdp,
+        2,
+    );
+    pg.data.format = crate::spec::DataFormat::Rollouts;
+    pg.objective.kind = crate::objective::ObjectiveKind::Pg;
+    let mut dpo = dpo_spec("steps = 6");
+    dpo.parallel.sharding = Sharding::Fsdp;
+    dpo.checkpoint.every_steps = 2;
+    for (sp, d, key) in [
+        (dpo, pairs(150), "ref_logp"),
+        (pg, rollouts(12, 4), "advantage"),
+    ] {
+        let mut s = Sim::new();
+        for w in ["a", "b", "c"] {
+            s.worker(w);
+        }
+        s.submit(sp, d);
+        s.run_until(|s| s.committed.len() == 3);
+        s.inbox.clear();
+        s.kill("c");
+        s.run();
+        assert_eq!(s.state(), JobState::Completed, "{key}");
+        let replayed = s.replayed();
+        assert_eq!(replayed.len(), 1, "{key}");
+        let r = &replayed[0];
+        let original = scalars_of(&committed_plan(&s, r.step));
+        assert!(original.values().flatten().any(|(k, _)| k == key));
+        assert_eq!(scalars_of(r), original, "{key}: step {}", r.step);
+        assert_eq!(r.normalizers, committed_plan(&s, r.step).normalizers);
+    }
+}

@@ -309,3 +309,54 @@ pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
     };
     wire::CoordinatorMessage { msg: Some(msg) }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn wire_held(rank: u32, world_size: u32) -> wire::HeldState {
+        wire::HeldState {
+            job_id: "j".into(),
+            step: 7,
+            world_size,
+            rank,
+            generation: 3,
+        }
+    }
+
+    #[test]
+    fn held_states_round_trip_and_bad_ones_name_the_field() {
+        let h = held_from_wire(wire_held(1, 2)).unwrap();
+        assert_eq!(held_state(&h), wire_held(1, 2));
+        let err = held_from_wire(wire_held(2, 2)).unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument);
+        assert!(err.message().contains("held.rank"), "{}", err.message());
+        let mut nameless = wire_held(0, 1);
+        nameless.job_id.clear();
+        assert!(held_from_wire(nameless)
+            .unwrap_err()
+            .message()
+            .contains("held.job_id"));
+    }
+
+    #[test]
+    fn configure_carries_each_peers_prior() {
+        let h = held_from_wire(wire_held(0, 1)).unwrap();
+        let msg = to_worker(&ToWorker::Configure {
+            job: "j".into(),
+            generation: 4,
+            rank: 1,
+            peers: vec![("a".into(), "x:1".into()), ("b".into(), "x:2".into())],
+            priors: vec![Some(h), None],
+            spec_toml: String::new(),
+            step: 7,
+            restore_from: None,
+        });
+        let Some(wire::coordinator_message::Msg::Configure(c)) = msg.msg else {
+            panic!("expected a configure");
+        };
+        assert_eq!(c.peers[0].prior, Some(wire_held(0, 1)));
+        assert_eq!(c.peers[1].prior, None);
+        assert!(c.restore_from.is_empty());
+    }
+}
