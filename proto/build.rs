@@ -7,6 +7,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "accrue/v1/types.proto",
         "accrue/v1/worker.proto",
         "accrue/v1/admin.proto",
+        "accrue/v1/rollouts.proto",
     ];
     for p in &protos {
         println!("cargo:rerun-if-changed={p}");

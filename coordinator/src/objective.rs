@@ -245,16 +245,30 @@ pub struct RlSection {
     /// Write the policy to `OUTPUT_DIR/policy/step-N/` every n committed steps.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub publish_every: Option<u64>,
-    /// Rollouts the streaming RPC buffers before it makes senders wait.
+    /// Rollouts the streaming RPC buffers before it makes senders wait
+    /// (`data.source = "stream"`; default [`RlSection::queue_capacity_or_default`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub queue_capacity: Option<u64>,
+    /// Rollouts per group of a streamed job: a group is complete (and can
+    /// be trained) when it holds this many. Required for `data.source =
+    /// "stream"`; file rollouts group by their `group` field.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group_size: Option<u32>,
+}
+
+/// Rollouts in the whole groups a streamed step takes: `docs_per_step`
+/// rounded up to whole groups of `group_size`.
+pub fn step_rollouts(docs_per_step: u64, group_size: u32) -> u64 {
+    let g = u64::from(group_size.max(1));
+    docs_per_step.div_ceil(g) * g
 }
 
 impl RlSection {
     pub fn validate(&self, kind: ObjectiveKind, bad: &mut impl FnMut(&str, String)) {
         let any = self.max_staleness.is_some()
             || self.publish_every.is_some()
-            || self.queue_capacity.is_some();
+            || self.queue_capacity.is_some()
+            || self.group_size.is_some();
         if any && kind != ObjectiveKind::Pg {
             bad("rl", "only applies to objective.kind = \"pg\"".into());
         }
@@ -263,6 +277,85 @@ impl RlSection {
         }
         if self.queue_capacity == Some(0) {
             bad("rl.queue_capacity", "must be at least 1".into());
+        }
+    }
+
+    /// The queue bound of a streamed job: `queue_capacity`, else four
+    /// steps' worth of whole groups.
+    pub fn queue_capacity_or_default(&self, docs_per_step: u64) -> u64 {
+        self.queue_capacity
+            .unwrap_or_else(|| 4 * step_rollouts(docs_per_step, self.group_size.unwrap_or(1)))
+    }
+}
+
+/// Checks tying `data.source` to the rest of the spec. A streamed job
+/// (`data.source = "stream"`) trains policy gradient on pushed rollouts: no
+/// files, no epochs (`job.steps` or until cancelled), steps counted by
+/// `batch.docs_per_step` in whole groups of `rl.group_size`, and a queue
+/// that holds at least one step.
+pub fn validate_source(spec: &crate::spec::JobSpec, bad: &mut impl FnMut(&str, String)) {
+    let rl = &spec.rl;
+    if !spec.data.is_stream() {
+        for (field, given) in [
+            ("rl.group_size", rl.group_size.is_some()),
+            ("rl.queue_capacity", rl.queue_capacity.is_some()),
+        ] {
+            if given && spec.objective.kind == ObjectiveKind::Pg {
+                bad(
+                    field,
+                    "only applies to data.source = \"stream\" (file rollouts group by their \"group\" field)".into(),
+                );
+            }
+        }
+        return;
+    }
+    if spec.objective.kind != ObjectiveKind::Pg {
+        bad(
+            "data.source",
+            "\"stream\" takes pushed rollouts: it needs objective.kind = \"pg\"".into(),
+        );
+    }
+    if !spec.data.train.is_empty() {
+        bad(
+            "data.train",
+            "a streamed job reads no files: leave data.train out, or use data.source = \"files\""
+                .into(),
+        );
+    }
+    if spec.job.epochs.is_some() {
+        bad(
+            "job.epochs",
+            "a streamed job has no epochs: give job.steps, or neither to run until cancelled"
+                .into(),
+        );
+    }
+    if spec.batch.docs_per_step.is_none() {
+        bad(
+            "batch.docs_per_step",
+            "required for a streamed job (a step takes whole groups until it holds this many rollouts)".into(),
+        );
+    }
+    match rl.group_size {
+        None => bad(
+            "rl.group_size",
+            "required for a streamed job: rollouts per group (a group is trained once complete)"
+                .into(),
+        ),
+        Some(g) if g < 2 => bad(
+            "rl.group_size",
+            format!("must be at least 2 (a group of one has no reward variance), got {g}"),
+        ),
+        Some(g) => {
+            if let Some(docs) = spec.batch.docs_per_step {
+                let step = step_rollouts(docs, g);
+                let cap = rl.queue_capacity_or_default(docs);
+                if cap < step {
+                    bad(
+                        "rl.queue_capacity",
+                        format!("{cap} cannot hold one step: {step} rollouts (docs_per_step = {docs} in whole groups of {g})"),
+                    );
+                }
+            }
         }
     }
 }
@@ -320,6 +413,61 @@ mod tests {
             toml::from_str("kind = \"pg\"\nloss_normalization = \"constant\"").unwrap();
         assert!(problems(&o)[0].starts_with("objective.normalization_constant: required"));
         assert!(toml::from_str::<ObjectiveSection>("kind = \"dpo\"\nloss = \"hinge\"").is_err());
+    }
+
+    #[test]
+    fn streamed_jobs_are_validated_with_field_paths() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("c.json"), "{}").unwrap();
+        let spec = |data: &str, batch: &str, rl: &str, job: &str| {
+            format!(
+                "[job]\nname = \"s\"\noutput_dir = \"o\"\n{job}\n[model]\ninit = \"random\"\n\
+                 config = \"c.json\"\n[data]\nformat = \"rollouts\"\nsource = \"stream\"\n{data}\n\
+                 [batch]\n{batch}\n[objective]\nkind = \"pg\"\n[rl]\n{rl}\n"
+            )
+        };
+        let ok = spec("", "docs_per_step = 5", "group_size = 2", "");
+        let parsed = crate::spec::JobSpec::parse(&ok, dir.path()).unwrap();
+        assert!(parsed.data.is_stream() && parsed.job.steps.is_none());
+        assert_eq!(
+            parsed.rl.queue_capacity_or_default(5),
+            24,
+            "4 steps of 3 groups of 2"
+        );
+        let fields = |text: String| -> Vec<String> {
+            crate::spec::JobSpec::parse(&text, dir.path())
+                .unwrap_err()
+                .into_iter()
+                .map(|p| p.field)
+                .collect()
+        };
+        let f = fields(spec(
+            "train = [\"c.json\"]",
+            "tokens_per_step = 100",
+            "group_size = 1",
+            "epochs = 1",
+        ));
+        for want in [
+            "data.train",
+            "job.epochs",
+            "batch.docs_per_step",
+            "rl.group_size",
+        ] {
+            assert!(f.iter().any(|x| x == want), "{want} not in {f:?}");
+        }
+        let f = fields(spec("", "docs_per_step = 5", "queue_capacity = 5", ""));
+        assert_eq!(f, ["rl.group_size"]);
+        let f = fields(spec(
+            "",
+            "docs_per_step = 5",
+            "group_size = 2\nqueue_capacity = 5",
+            "",
+        ));
+        assert_eq!(f, ["rl.queue_capacity"], "5 < one step of 6");
+        let files = ok
+            .replace("source = \"stream\"", "train = [\"c.json\"]")
+            .replace("[job]", "[job]\nsteps = 1");
+        assert_eq!(fields(files), ["rl.group_size"], "only for streams");
     }
 
     #[test]

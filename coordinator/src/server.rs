@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use accrue_proto::v1::admin_server::AdminServer;
+use accrue_proto::v1::rollouts_server::RolloutsServer;
 use accrue_proto::v1::worker_service_server::WorkerServiceServer;
 use anyhow::Context;
 use tokio::net::TcpListener;
@@ -16,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info};
 
 use crate::core::{Coordinator, CoordinatorOptions, Event, JobRecord, JobState};
-use crate::service::{AdminService, Shared, WorkerServiceImpl};
+use crate::service::{AdminService, RolloutsService, Shared, WorkerServiceImpl};
 use crate::spec::JobSpec;
 use crate::store::Store;
 
@@ -70,8 +71,14 @@ impl Server {
         let records = store.jobs()?;
         let restored = records.len();
         for rec in records {
+            let (id, terminal) = (rec.id.clone(), rec.state.is_terminal());
             let event = restore_event(rec, &store)?;
             core.handle(event, crate::service::now_ms())?;
+            // A streamed job's acknowledged rollouts come back with it.
+            if let Some(stored) = store.stream(&id)?.filter(|_| !terminal) {
+                let event = Event::RestoreRollouts { job: id, stored };
+                core.handle(event, crate::service::now_ms())?;
+            }
         }
         let listener = TcpListener::bind(config.listen)
             .await
@@ -141,10 +148,12 @@ impl Server {
             self.shared.clone(),
             self.config.heartbeat_interval_ms,
         ));
+        let rollouts = RolloutsServer::new(RolloutsService::new(self.shared.clone()));
         tonic::transport::Server::builder()
             .http2_keepalive_interval(Some(Duration::from_secs(10)))
             .add_service(admin)
             .add_service(worker)
+            .add_service(rollouts)
             .serve_with_incoming_shutdown(
                 TcpListenerStream::new(self.listener),
                 shutdown.cancelled_owned(),

@@ -119,6 +119,18 @@ pub enum DataFormat {
     Rollouts,
 }
 
+/// Where a job's documents come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum DataSource {
+    /// The files of `data.train`, read and tokenized at submit.
+    #[default]
+    Files,
+    /// Rollouts pushed through the `Rollouts.PushRollouts` RPC while the
+    /// job runs (policy gradient only; see `core::stream`).
+    Stream,
+}
+
 /// What to do with a document longer than `max_tokens`, or a malformed line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
@@ -131,8 +143,11 @@ pub enum OnBad {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DataSection {
-    /// JSONL, JSON array or gzipped files.
+    /// JSONL, JSON array or gzipped files (none when `source = "stream"`).
+    #[serde(default)]
     pub train: Vec<PathBuf>,
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub source: DataSource,
     pub format: DataFormat,
     /// "bytes" (built in) or a path to a HF tokenizer.json.
     #[serde(default = "default_tokenizer")]
@@ -155,6 +170,11 @@ pub struct DataSection {
 impl DataSection {
     pub fn is_byte_tokenizer(&self) -> bool {
         self.tokenizer == "bytes"
+    }
+
+    /// True when rollouts are pushed to the job rather than read from files.
+    pub fn is_stream(&self) -> bool {
+        self.source == DataSource::Stream
     }
 }
 
@@ -484,7 +504,8 @@ impl JobSpec {
                 "job.steps",
                 "give exactly one of job.steps and job.epochs, not both".into(),
             ),
-            (None, None) => bad(
+            // A streamed job may run until cancelled.
+            (None, None) if !self.data.is_stream() => bad(
                 "job.steps",
                 "give exactly one of job.steps and job.epochs".into(),
             ),
@@ -525,7 +546,7 @@ impl JobSpec {
             }
         }
 
-        if self.data.train.is_empty() {
+        if self.data.train.is_empty() && !self.data.is_stream() {
             bad("data.train", "list at least one dataset file".into());
         }
         for (i, f) in self.data.train.iter().enumerate() {
@@ -590,6 +611,7 @@ impl JobSpec {
 
         self.objective.validate(&mut bad);
         self.rl.validate(self.objective.kind, &mut bad);
+        crate::objective::validate_source(self, &mut bad);
 
         let o = &self.optimizer;
         if !(o.lr.is_finite() && o.lr > 0.0) {

@@ -16,6 +16,10 @@ const JOBS: TableDefinition<&str, &[u8]> = TableDefinition::new("jobs");
 const STEPS: TableDefinition<(&str, u64), &[u8]> = TableDefinition::new("steps");
 /// Key: (job id, file, line) → DPO reference log-probs `[chosen, rejected]`.
 const REFERENCE: TableDefinition<(&str, u32, u64), (f64, f64)> = TableDefinition::new("reference");
+/// Key: (job id, admission line) → a streamed job's queued rollout (JSON).
+const ROLLOUTS: TableDefinition<(&str, u64), &[u8]> = TableDefinition::new("rollouts");
+/// Key: job id → its stream's `StreamMeta` (JSON).
+const STREAMS: TableDefinition<&str, &[u8]> = TableDefinition::new("streams");
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -75,6 +79,8 @@ impl Store {
         tx.open_table(JOBS)?;
         tx.open_table(STEPS)?;
         tx.open_table(REFERENCE)?;
+        tx.open_table(ROLLOUTS)?;
+        tx.open_table(STREAMS)?;
         tx.commit()?;
         Ok(Store { db })
     }
@@ -127,6 +133,51 @@ impl Store {
             out.insert(DocId { file, line }, [c, r]);
         }
         Ok(out)
+    }
+
+    /// Applies a streamed job's rollout write (insert, then delete, then
+    /// the meta) in one transaction.
+    pub fn put_rollouts(&self, w: &crate::core::RolloutWrite) -> Result<()> {
+        let job = w.job.as_str();
+        let tx = self.db.begin_write()?;
+        {
+            let mut t = tx.open_table(ROLLOUTS)?;
+            for d in &w.admit {
+                t.insert((job, d.id.line), json(&d.body).as_slice())?;
+            }
+            for id in &w.remove {
+                t.remove((job, id.line))?;
+            }
+            let mut m = tx.open_table(STREAMS)?;
+            m.insert(job, json(&w.meta).as_slice())?;
+        }
+        tx.commit()?;
+        Ok(())
+    }
+
+    /// A streamed job's stored queue (rollouts in admission order), or
+    /// `None` when nothing was ever pushed to it.
+    pub fn stream(&self, job: &str) -> Result<Option<crate::core::StoredStream>> {
+        let tx = self.db.begin_read()?;
+        let metas = tx.open_table(STREAMS)?;
+        let Some(meta) = metas.get(job)? else {
+            return Ok(None);
+        };
+        let meta = decode(&format!("{job}/stream"), meta.value())?;
+        let table = tx.open_table(ROLLOUTS)?;
+        let mut rollouts = Vec::new();
+        for row in table.range((job, 0u64)..=(job, u64::MAX))? {
+            let (k, v) = row?;
+            let (_, line) = k.value();
+            rollouts.push(crate::doc::Document {
+                id: DocId {
+                    file: crate::core::stream::STREAM_FILE,
+                    line,
+                },
+                body: decode(&format!("{job}/rollout/{line}"), v.value())?,
+            });
+        }
+        Ok(Some(crate::core::StoredStream { meta, rollouts }))
     }
 
     /// Every job, in submission order.
@@ -263,6 +314,47 @@ mod tests {
         );
         assert_eq!(steps[1].docs, vec![DocId { file: 0, line: 3 }]);
         assert!(s.steps("b", 0).unwrap().is_empty());
+    }
+
+    #[test]
+    fn streamed_rollouts_are_kept_until_removed() {
+        use crate::core::{RolloutWrite, StreamMeta};
+        use crate::doc::{DocBody, Document, Rollout};
+        let dir = tempfile::tempdir().unwrap();
+        let doc = |line| Document {
+            id: DocId { file: 0, line },
+            body: DocBody::Rollout(Rollout {
+                reward: line as f64,
+                group: "g".into(),
+                ..Default::default()
+            }),
+        };
+        let write = |admit: Vec<Document>, remove: Vec<u64>, head| RolloutWrite {
+            job: "a".into(),
+            admit,
+            remove: remove
+                .into_iter()
+                .map(|line| DocId { file: 0, line })
+                .collect(),
+            meta: StreamMeta {
+                head,
+                next_line: 9,
+                ..Default::default()
+            },
+            counts: None,
+        };
+        {
+            let s = Store::open(dir.path()).unwrap();
+            assert!(s.stream("a").unwrap().is_none());
+            s.put_rollouts(&write(vec![doc(1), doc(2), doc(3)], vec![], 0))
+                .unwrap();
+            s.put_rollouts(&write(vec![doc(4)], vec![1, 4], 1)).unwrap();
+        }
+        let s = Store::open(dir.path()).unwrap();
+        let got = s.stream("a").unwrap().unwrap();
+        assert_eq!(got.meta.head, 1);
+        assert_eq!(got.rollouts, vec![doc(2), doc(3)]);
+        assert!(s.stream("b").unwrap().is_none());
     }
 
     #[test]

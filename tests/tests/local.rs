@@ -323,3 +323,131 @@ fn dpo_runs_its_reference_pass_then_reward_accuracy_rises_above_0_9() {
     assert!(acc > 0.9, "reward accuracy over the last 10 steps: {acc}");
     assert!(loss(&m[59]) < 0.5 * loss(&m[0]), "{} → {}", m[0], m[59]);
 }
+
+/// The PG demo as shipped (deploy/examples/pg-demo.toml, run from a copy of
+/// its directory layout) on two workers: every kept rollout trained exactly
+/// once in its one epoch, flat groups dropped and refused groups counted,
+/// staleness reported, the loss finite.
+#[test]
+fn pg_demo_trains_every_kept_rollout_once_and_reports_its_counters() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let examples = d.join("deploy/examples");
+    std::fs::create_dir_all(&examples).unwrap();
+    for f in ["pg-demo.toml", "tiny-llama.json"] {
+        std::fs::copy(root().join("deploy/examples").join(f), examples.join(f)).unwrap();
+    }
+    let rows = [
+        "--task",
+        "arithmetic-rollouts",
+        "--out",
+        "runs/data-pg",
+        "--rows",
+        "512",
+    ];
+    accrue(d, &[&["data", "synth"][..], &rows[..]].concat());
+    // What the coordinator should keep: groups with both rewards that claim
+    // policy 0; flat groups dropped; the rest refused at admission.
+    let mut groups: std::collections::BTreeMap<String, (Vec<f64>, u64)> = Default::default();
+    for line in std::fs::read_to_string(d.join("runs/data-pg/arith-pg.jsonl"))
+        .unwrap()
+        .lines()
+    {
+        let r: serde_json::Value = serde_json::from_str(line).unwrap();
+        let g = groups
+            .entry(r["group"].as_str().unwrap().to_string())
+            .or_default();
+        g.0.push(r["reward"].as_f64().unwrap());
+        g.1 = r["policy_version"].as_u64().unwrap();
+    }
+    let refused: usize = groups.values().filter(|g| g.1 > 0).map(|g| g.0.len()).sum();
+    let admitted: Vec<&Vec<f64>> = groups.values().filter(|g| g.1 == 0).map(|g| &g.0).collect();
+    let flat = admitted
+        .iter()
+        .filter(|r| r.iter().all(|&x| x == r[0]))
+        .count();
+    let kept: usize = admitted
+        .iter()
+        .filter(|r| r.iter().any(|&x| x != r[0]))
+        .map(|r| r.len())
+        .sum();
+    assert!(
+        refused > 0 && flat > 0 && kept > 0,
+        "{refused} {flat} {kept}"
+    );
+
+    accrue(
+        d,
+        &["local", "deploy/examples/pg-demo.toml", "--workers", "2"],
+    );
+    let m = metrics(&d.join("runs/pg-demo/metrics.jsonl"));
+    assert_eq!(m.len(), kept / 16, "steps of 16 rollouts in one epoch");
+    let docs: u64 = m.iter().map(|s| s["docs"].as_u64().unwrap()).sum();
+    assert_eq!(docs as usize, kept, "every kept rollout exactly once");
+    for (i, s) in m.iter().enumerate() {
+        let e = &s["extra"];
+        assert!(loss(s).is_finite(), "{s}");
+        assert_eq!(
+            e["count/zero_variance_groups"].as_f64().unwrap(),
+            flat as f64,
+            "{s}"
+        );
+        assert_eq!(
+            e["count/rejected_stale"].as_f64().unwrap(),
+            refused as f64,
+            "{s}"
+        );
+        // The file's rollouts come from policy 0: step N trains on N − 1.
+        assert_eq!(e["staleness/max"].as_f64().unwrap(), i as f64, "{s}");
+        assert_eq!(e["staleness/mean"].as_f64().unwrap(), i as f64, "{s}");
+        for k in ["advantage", "clip_fraction"] {
+            assert!(e[k].as_f64().unwrap().is_finite(), "{k}: {s}");
+        }
+    }
+    // Weights out (rl.publish_every = 5): a transformers-loadable policy
+    // after every 5th step, two shards (two workers) with their index, no
+    // optimizer state, policy.json last; ../policy.json names the newest.
+    let policy = d.join("runs/pg-demo/policy");
+    let published: Vec<u64> = (1..=m.len() as u64).filter(|s| s % 5 == 0).collect();
+    assert!(!published.is_empty());
+    for step in &published {
+        let p = policy.join(format!("step-{step}"));
+        for f in ["config.json", "model.safetensors.index.json", "policy.json"] {
+            assert!(p.join(f).exists(), "{}/{f} missing", p.display());
+        }
+        let marker: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(p.join("policy.json")).unwrap()).unwrap();
+        assert_eq!(marker["step"].as_u64(), Some(*step));
+        let names: Vec<String> = std::fs::read_dir(&p)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert!(
+            !names
+                .iter()
+                .any(|n| n.starts_with("optimizer") || n == "trainer.json"),
+            "{names:?}"
+        );
+    }
+    let latest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(policy.join("policy.json")).unwrap())
+            .unwrap();
+    let last = *published.last().unwrap();
+    assert_eq!(latest["step"].as_u64(), Some(last));
+    let py = root().join(".venv/bin/python");
+    let ids = ["256", "49", "43", "50", "61", "51", "257"];
+    let out = Command::new(&py)
+        .arg(root().join("scripts/reference/load_checkpoint.py"))
+        .arg(policy.join(format!("step-{last}")))
+        .args(ids)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "transformers could not load the policy:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = String::from_utf8_lossy(&out.stdout);
+    let v: serde_json::Value = serde_json::from_str(line.lines().last().unwrap()).unwrap();
+    assert_eq!(v["finite"], true, "{v}");
+}

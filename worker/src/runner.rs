@@ -198,6 +198,8 @@ pub enum Work {
     Plan(Box<wire::StepPlan>),
     Checkpoint(wire::CheckpointRequest),
     Abort(wire::Abort),
+    /// Write the policy for an external generator (`rl.publish_every`).
+    Publish(wire::PublishPolicy),
 }
 
 /// Where the worker stands, read by the heartbeat without touching the thread.
@@ -501,6 +503,7 @@ impl Thread {
             Work::Configure(c) => self.configure(*c),
             Work::Plan(p) => self.plan(&p),
             Work::Checkpoint(c) => self.checkpoint(&c),
+            Work::Publish(p) => self.publish(&p),
             Work::Abort(a) => {
                 if let Some(h) = &mut self.job {
                     h.exec.zero_grad();
@@ -783,6 +786,7 @@ pub fn write_checkpoint(
 /// A configure failure: kind, message, blamed peer.
 type ConfigureError = (wire::ErrorKind, String, Option<u32>);
 
+mod publish;
 mod reference;
 
 #[cfg(test)]

@@ -102,6 +102,7 @@ fn real_datasets(dir: &Path) -> anyhow::Result<Vec<(String, Vec<Vec<u32>>)>> {
                 max_tokens: u32::MAX,
                 on_overlong: OnBad::Error,
                 on_bad_line: OnBad::Error,
+                source: Default::default(),
                 shuffle: false,
             };
             let ds = crate::data::load(&section, objective)

@@ -17,5 +17,12 @@ pub fn synth(args: &SynthArgs) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
+        SynthTask::ArithmeticRollouts => {
+            let groups = (args.rows as usize).div_ceil(crate::data::synth::GROUP_SIZE);
+            let file = crate::data::synth::synth_arithmetic_rollouts(&args.out, args.seed, groups)
+                .with_context(|| format!("writing synthetic rollouts to {}", args.out.display()))?;
+            println!("wrote {} ({groups} groups)", file.display());
+            Ok(ExitCode::SUCCESS)
+        }
     }
 }

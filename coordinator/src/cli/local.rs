@@ -122,7 +122,7 @@ pub async fn run(spec_path: &Path, workers: u32) -> anyhow::Result<ExitCode> {
 
 /// Waits until `n` workers hold an open session, failing if a worker
 /// process exits first or none arrive within a minute.
-async fn wait_for_workers(
+pub(super) async fn wait_for_workers(
     shared: &crate::service::Shared,
     n: u32,
     children: &mut [(Child, PathBuf)],

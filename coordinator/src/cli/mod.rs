@@ -18,7 +18,9 @@ mod data;
 pub mod local;
 #[cfg(test)]
 mod mock_tests;
+mod recovery;
 pub mod render;
+pub mod rollouts;
 pub mod validate;
 pub mod watch;
 
@@ -153,6 +155,11 @@ pub enum Command {
         #[command(subcommand)]
         data: DataCommand,
     },
+    /// Feed rollouts to a streamed policy-gradient job.
+    Rollouts {
+        #[command(subcommand)]
+        rollouts: RolloutsCommand,
+    },
     /// Run a coordinator and N workers on this machine for one job.
     Local {
         /// The job spec.
@@ -171,6 +178,9 @@ pub enum BenchCommand {
     /// Bus bandwidth of the TCP ring (one process per rank on 127.0.0.1)
     /// beside torch.distributed gloo on the same sizes.
     Collective(CollectiveArgs),
+    /// Time from a worker's death (or freeze) to its detection and to the
+    /// next committed step, with real worker processes on a tiny model.
+    Recovery(RecoveryArgs),
     /// One rank of `bench collective` (internal: started by it).
     #[command(hide = true)]
     CollectiveRank(CollectiveRankArgs),
@@ -222,6 +232,23 @@ pub struct CollectiveRankArgs {
     pub chunk_bytes: Option<usize>,
 }
 
+/// Arguments of `accrue bench recovery`.
+#[derive(Debug, Clone, Args)]
+pub struct RecoveryArgs {
+    /// Print one JSON object per row instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Sharding levels.
+    #[arg(long, value_delimiter = ',', default_value = "ddp,fsdp")]
+    pub sharding: Vec<String>,
+    /// World sizes before the fault (the last worker is hit).
+    #[arg(long, value_delimiter = ',', default_value = "2,3")]
+    pub workers: Vec<u32>,
+    /// `kill` (kill -9) and/or `stop` (SIGSTOP, a frozen worker).
+    #[arg(long, value_delimiter = ',', default_value = "kill,stop")]
+    pub faults: Vec<String>,
+}
+
 /// Arguments of `accrue bench packing`.
 #[derive(Debug, Clone, Args)]
 pub struct PackingArgs {
@@ -241,6 +268,25 @@ pub struct PackingArgs {
     /// targets are reported on stderr either way.
     #[arg(long)]
     pub check: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum RolloutsCommand {
+    /// Stream a rollouts JSONL file to a job whose spec has
+    /// `data.source = "stream"`; waits while the job's queue is full and
+    /// prints the counts (accepted, rejected as stale, zero-variance, ...).
+    Push {
+        /// Job id.
+        #[arg(value_name = "JOB")]
+        job: String,
+        /// Rollout rows: prompt or prompt_ids, completion or completion_ids,
+        /// reward, group, policy_version, old_logprobs.
+        #[arg(value_name = "FILE.jsonl")]
+        file: PathBuf,
+        /// Rollouts per message (each message is admitted whole).
+        #[arg(long, value_name = "N", default_value_t = 64)]
+        batch: usize,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -271,6 +317,9 @@ pub struct SynthArgs {
 pub enum SynthTask {
     /// Small integer arithmetic questions with exact answers.
     Arithmetic,
+    /// Rollout groups of arithmetic answers rewarded 1 (right) or 0 (wrong)
+    /// for the policy-gradient demo (`--rows` rounded up to whole groups).
+    ArithmeticRollouts,
 }
 
 /// Runs one parsed command line. `Err` is printed by the binary as
@@ -303,11 +352,17 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             bench: BenchCommand::Collective(args),
         } => bench::collective(&args),
         Command::Bench {
+            bench: BenchCommand::Recovery(args),
+        } => recovery::run(&args).await,
+        Command::Bench {
             bench: BenchCommand::CollectiveRank(args),
         } => bench::collective_rank(&args),
         Command::Data {
             data: DataCommand::Synth(args),
         } => data::synth(&args),
+        Command::Rollouts {
+            rollouts: RolloutsCommand::Push { job, file, batch },
+        } => rollouts::push(conn, &job, &file, batch).await,
         Command::Local { spec, workers } => local::run(&spec, workers).await,
     }
 }
@@ -400,6 +455,7 @@ mod tests {
                 "10",
             ],
             &["local", "job.toml", "--workers", "4"],
+            &["rollouts", "push", "j1", "r.jsonl", "--batch", "8"],
         ];
         for args in cases {
             parse(args).unwrap_or_else(|e| panic!("{args:?}: {e}"));

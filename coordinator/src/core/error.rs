@@ -15,6 +15,15 @@ pub enum CoreError {
     },
     #[error("job id {0} already exists")]
     DuplicateJob(String),
+    #[error("job {0} does not take streamed rollouts (its spec has no data.source = \"stream\")")]
+    NotStreamed(String),
+    /// The job's rollout queue has no room; the pusher waits for a commit.
+    #[error("the rollout queue of job {job} is full ({buffered} of {capacity} rollouts)")]
+    QueueFull {
+        job: String,
+        buffered: u64,
+        capacity: u64,
+    },
 }
 
 pub type Result<T> = std::result::Result<T, CoreError>;

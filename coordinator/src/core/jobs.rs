@@ -152,6 +152,8 @@ pub struct Job {
     /// step, the workers asked to write it and whether each reported it
     /// durable. It counts once all have.
     pub pending_checkpoints: BTreeMap<u64, BTreeMap<WorkerId, bool>>,
+    /// Published policies (`rl.publish_every`) by step: members yet to answer.
+    pub publish_acks: BTreeMap<u64, std::collections::BTreeSet<WorkerId>>,
     /// DPO with a cached reference: the log-probs computed so far.
     pub reference: Option<ReferenceCache>,
     /// Policy gradient: groups and advantages.
@@ -171,6 +173,8 @@ pub struct Job {
     /// After a restart: form no generation before this time unless every
     /// member of the last one is back.
     pub rejoin_deadline_ms: Option<i64>,
+    /// Streamed PG jobs (`data.source = "stream"`): the queue of groups.
+    pub stream: Option<super::stream::RolloutStream>,
 }
 
 impl Job {
@@ -192,6 +196,8 @@ impl Job {
             last_plan: None,
             doc_index: None,
             rejoin_deadline_ms: None,
+            publish_acks: BTreeMap::new(),
+            stream: None,
         }
     }
 
@@ -233,6 +239,8 @@ impl Job {
     pub fn finished(&self) -> bool {
         match self.spec.job.steps {
             Some(steps) => self.rec.step >= steps,
+            // A stream without job.steps runs until cancelled.
+            None if self.stream.is_some() => false,
             None => {
                 super::step::order_of(&self.spec, self.stream_len()).exhausted(&self.rec.cursor)
             }

@@ -173,7 +173,9 @@ impl Coordinator {
             job: job_id.to_string(),
             item: WatchItem::Step(m),
         });
+        super::stream::on_commit(job, fx);
 
+        super::publish::request_if_due(job, fx);
         let every = job.spec.checkpoint.every_steps;
         let finished = job.finished();
         let due = (every > 0 && job.rec.step.is_multiple_of(every))
@@ -362,6 +364,13 @@ impl Coordinator {
             self.finish(job_id, JobState::Completed, "all steps trained", now_ms, fx);
             return;
         }
+        // A streamed job waits until its queue holds a whole step.
+        if let Some(s) = &job.stream {
+            job.rec.reason = s.waiting_reason().unwrap_or_default();
+            if !job.rec.reason.is_empty() {
+                return;
+            }
+        }
         let gen = job.gen.as_ref().expect("dispatch within a generation");
         let next = job.rec.step + 1;
         // A DPO job with a cached reference first completes its pass.
@@ -371,6 +380,9 @@ impl Coordinator {
             .filter(|c| !c.complete(&job.docs))
             .map(|c| reference::plan_chunk(&job.spec, &job.docs, c, gen.world_size()));
         let planned = match pending_reference.unwrap_or_else(|| {
+            if job.stream.is_some() {
+                return super::stream::plan_step(job, gen.world_size());
+            }
             step::plan_step(
                 &job.spec,
                 &job.docs,

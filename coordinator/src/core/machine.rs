@@ -131,6 +131,10 @@ impl Coordinator {
                 self.seen(&worker, now_ms);
                 self.on_checkpoint_done(&worker, &job, step, now_ms, &mut fx);
             }
+            Event::PolicyPublished { worker, job, step } => {
+                self.seen(&worker, now_ms);
+                self.on_policy_published(&worker, &job, step, now_ms, &mut fx);
+            }
             Event::SubmitJob {
                 id,
                 spec,
@@ -173,6 +177,7 @@ impl Coordinator {
                 let mut job = Job::new(rec, *spec, docs);
                 job.reference = reference::needs_cache(&job.spec).then(ReferenceCache::default);
                 job.rollouts = prepare_rollouts(&job);
+                job.stream = super::stream::RolloutStream::for_spec(&job.spec);
                 job.rec.total_steps =
                     step::total_steps(&job.spec, &job.docs, job.rollouts.as_ref());
                 fx.push(Effect::PersistJob(job.rec.clone()));
@@ -203,6 +208,7 @@ impl Coordinator {
                 job.reference =
                     reference::needs_cache(&job.spec).then(|| ReferenceCache::new(logps));
                 job.rollouts = prepare_rollouts(&job);
+                job.stream = super::stream::RolloutStream::for_spec(&job.spec);
                 self.jobs.insert(id, job);
             }
             Event::CancelJob { job } => self.cancel(&job, now_ms, &mut fx)?,
@@ -211,6 +217,18 @@ impl Coordinator {
             Event::DrainWorker { worker } => self.drain(&worker, now_ms, &mut fx)?,
             Event::TriggerCheckpoint { job } => self.trigger_checkpoint(&job, &mut fx)?,
             Event::Tick => self.tick(now_ms, &mut fx),
+            Event::PushRollouts { job, rollouts } => {
+                let j = self
+                    .jobs
+                    .get_mut(&job)
+                    .ok_or_else(|| CoreError::JobNotFound(job.clone()))?;
+                fx.push(super::stream::push(j, rollouts)?);
+            }
+            Event::RestoreRollouts { job, stored } => {
+                if let Some(j) = self.jobs.get_mut(&job) {
+                    super::stream::restore(j, stored);
+                }
+            }
         }
         self.schedule(now_ms, &mut fx);
         Ok(fx)

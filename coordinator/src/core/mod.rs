@@ -11,10 +11,12 @@ mod jobs;
 mod lifecycle;
 mod machine;
 pub mod metrics;
+mod publish;
 pub mod recovery;
 pub mod reference;
 pub mod rollouts;
 pub mod step;
+pub mod stream;
 mod workers;
 
 #[cfg(test)]
@@ -30,10 +32,11 @@ pub use metrics::{MetricSums, StepMetrics};
 pub use recovery::{CheckpointEntry, CommittedStep, HeldState};
 pub use reference::{ReferenceLogps, SeqLogp};
 pub use step::{PlanKind, PlannedStep};
+pub use stream::{AdmitCounts, RolloutStream, RolloutWrite, StoredStream, StreamMeta};
 pub use workers::{Registration, Worker, WorkerId, WorkerState};
 
 use crate::cursor::Cursor;
-use crate::doc::{DocId, Document};
+use crate::doc::{DocId, Document, Rollout};
 use crate::spec::JobSpec;
 
 /// Kinds of worker-reported failure (mirror of `accrue.v1.ErrorKind`).
@@ -95,6 +98,12 @@ pub enum Event {
         job: JobId,
         step: u64,
     },
+    /// A worker wrote its part of a published policy (`rl.publish_every`).
+    PolicyPublished {
+        worker: WorkerId,
+        job: JobId,
+        step: u64,
+    },
     SubmitJob {
         id: JobId,
         spec: Box<JobSpec>,
@@ -131,6 +140,18 @@ pub enum Event {
     },
     /// Periodic: detects missed heartbeats.
     Tick,
+    /// Rollouts pushed to a streamed job (one RPC message, admitted whole).
+    /// Answered by an `Effect::PersistRollouts` carrying the counts, or
+    /// refused unchanged (`QueueFull`: wait for a commit and retry).
+    PushRollouts {
+        job: JobId,
+        rollouts: Vec<Rollout>,
+    },
+    /// A streamed job's stored queue, after its `RestoreJob`.
+    RestoreRollouts {
+        job: JobId,
+        stored: StoredStream,
+    },
 }
 
 /// Where a job resumed from a checkpoint starts: its manifest's step and
@@ -181,6 +202,12 @@ pub enum ToWorker {
         job: JobId,
         reason: String,
     },
+    /// Write the current policy as HF safetensors into `dir`.
+    PublishPolicy {
+        job: JobId,
+        step: u64,
+        dir: PathBuf,
+    },
 }
 
 /// One item of a job's watch stream.
@@ -224,4 +251,8 @@ pub enum Effect {
         job: JobId,
         item: WatchItem,
     },
+    /// A streamed job's rollouts: admitted, and deleted once trained (one
+    /// transaction). A push is acknowledged only after this ran; a write
+    /// that frees room wakes waiting pushers.
+    PersistRollouts(Box<RolloutWrite>),
 }

@@ -242,12 +242,22 @@ fn payload<'a>(
         cu_seq_lens: vec![0],
         ..Default::default()
     };
+    // Rollouts' old log-probs, aligned with the row: NaN on a sequence
+    // without them (the worker treats its tokens as on-policy).
+    let mut old: Vec<(usize, Option<&[f32]>)> = Vec::new();
     for d in docs {
         for (role, seq) in d.sequences().into_iter().enumerate() {
             p.token_ids.extend_from_slice(&seq.input_ids);
             p.labels.extend_from_slice(&seq.labels);
             p.cu_seq_lens.push(p.token_ids.len() as u32);
             let mut scalars = Vec::new();
+            old.push((
+                seq.input_ids.len(),
+                match &d.body {
+                    DocBody::Rollout(r) => r.old_logprobs.as_deref(),
+                    _ => None,
+                },
+            ));
             if let DocBody::Rollout(r) = &d.body {
                 scalars.push(("reward".to_string(), r.reward));
                 scalars.push(("policy_version".to_string(), r.policy_version as f64));
@@ -263,6 +273,14 @@ fn payload<'a>(
                 role: role as u32,
                 scalars,
             });
+        }
+    }
+    if old.iter().any(|(_, o)| o.is_some()) {
+        for (len, o) in old {
+            match o {
+                Some(lp) => p.old_logprobs.extend_from_slice(lp),
+                None => p.old_logprobs.extend(std::iter::repeat_n(f32::NAN, len)),
+            }
         }
     }
     p

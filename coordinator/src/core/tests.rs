@@ -9,6 +9,9 @@ use super::*;
 use crate::doc::{DocBody, DocId, Document, Sequence};
 use crate::spec::JobSpec;
 
+#[path = "stream_tests.rs"]
+mod stream_tests;
+
 fn docs(n: usize) -> Arc<[Document]> {
     (0..n)
         .map(|i| {
@@ -75,6 +78,10 @@ struct Sim {
     events: Vec<(String, String)>,
     /// Checkpoint steps requested (rank 0's copy).
     checkpoints: Vec<u64>,
+    /// Policies workers were asked to publish: (worker, step, dir).
+    publish_requests: Vec<(WorkerId, u64, std::path::PathBuf)>,
+    /// Rollout store writes of streamed jobs, in order.
+    rollout_writes: Vec<RolloutWrite>,
 }
 
 /// The log-prob a simulated worker reports in a reference pass.
@@ -96,6 +103,8 @@ impl Sim {
             configures: Vec::new(),
             events: Vec::new(),
             checkpoints: Vec::new(),
+            publish_requests: Vec::new(),
+            rollout_writes: Vec::new(),
         }
     }
 
@@ -119,6 +128,10 @@ impl Sim {
                             self.checkpoints.push(*step);
                         }
                     }
+                    if let ToWorker::PublishPolicy { step, dir, .. } = &msg {
+                        self.publish_requests
+                            .push((worker.clone(), *step, dir.clone()));
+                    }
                     self.inbox.push_back((worker, msg))
                 }
                 Effect::Publish {
@@ -131,6 +144,7 @@ impl Sim {
                     self.committed.push((*metrics, docs));
                 }
                 Effect::PersistJob(rec) => self.persisted.push(rec),
+                Effect::PersistRollouts(w) => self.rollout_writes.push(*w),
                 Effect::AppendMetrics { .. } | Effect::Publish { .. } => {}
             }
         }
@@ -236,6 +250,11 @@ impl Sim {
                 }
             }
             ToWorker::Checkpoint { job, step, .. } => Event::CheckpointDone {
+                worker: w,
+                job,
+                step,
+            },
+            ToWorker::PublishPolicy { job, step, .. } => Event::PolicyPublished {
                 worker: w,
                 job,
                 step,
@@ -1524,4 +1543,69 @@ fn replayed_dpo_and_pg_steps_carry_the_same_annotations() {
         assert_eq!(scalars_of(r), original, "{key}: step {}", r.step);
         assert_eq!(r.normalizers, committed_plan(&s, r.step).normalizers);
     }
+}
+
+/// `rl.publish_every = 2`: after steps 2 and 4 every member is asked to
+/// write the policy to OUTPUT_DIR/policy/step-N, and the watch stream
+/// announces each once, after the last member answered.
+#[test]
+fn pg_publishes_the_policy_every_n_steps_once_all_ranks_wrote_it() {
+    let mut s = Sim::new();
+    // 15 groups, every third flat: 10 kept groups of 4, 2 groups a step.
+    let d = rollouts(15, 4);
+    let mut sp = spec("epochs = 1", "docs_per_step = 6", 1, 4);
+    sp.data.format = crate::spec::DataFormat::Rollouts;
+    sp.objective.kind = crate::objective::ObjectiveKind::Pg;
+    sp.rl.publish_every = Some(2);
+    s.submit(sp, d);
+    s.worker("a");
+    s.worker("b");
+    // Answer until the first publish request is queued, then check that
+    // one member's answer alone announces nothing.
+    while s.publish_requests.is_empty() {
+        assert!(s.step_once(), "no policy was requested");
+    }
+    let (first, step, _) = s.publish_requests[0].clone();
+    assert_eq!(step, 2);
+    s.handle(Event::PolicyPublished {
+        worker: first.clone(),
+        job: "job".into(),
+        step: 2,
+    })
+    .unwrap();
+    assert!(
+        s.events.iter().all(|(k, _)| k != "policy"),
+        "{:?}",
+        s.events
+    );
+    s.inbox
+        .retain(|(w, m)| !(w == &first && matches!(m, ToWorker::PublishPolicy { .. })));
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    assert_eq!(s.committed.len(), 5);
+    let root = std::path::Path::new("/tmp/accrue-core-test/policy");
+    let mut asked: Vec<(String, u64, std::path::PathBuf)> = s.publish_requests.clone();
+    asked.sort();
+    assert_eq!(
+        asked,
+        vec![
+            ("a".into(), 2, root.join("step-2")),
+            ("a".into(), 4, root.join("step-4")),
+            ("b".into(), 2, root.join("step-2")),
+            ("b".into(), 4, root.join("step-4")),
+        ]
+    );
+    let policy: Vec<&String> = s
+        .events
+        .iter()
+        .filter(|(k, _)| k == "policy")
+        .map(|(_, m)| m)
+        .collect();
+    assert_eq!(
+        policy,
+        vec![
+            "policy of step 2 published to /tmp/accrue-core-test/policy/step-2",
+            "policy of step 4 published to /tmp/accrue-core-test/policy/step-4",
+        ]
+    );
 }

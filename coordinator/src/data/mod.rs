@@ -132,6 +132,15 @@ pub fn load(data: &DataSection, objective: ObjectiveKind) -> Result<Dataset> {
         });
     }
     let enc = encoder(data)?;
+    if data.is_stream() {
+        // Rollouts are pushed while the job runs (`core::stream`).
+        return Ok(Dataset {
+            docs: Vec::new(),
+            files: Vec::new(),
+            report: LoadReport::default(),
+            vocab_size: enc.vocab_size,
+        });
+    }
     let mut report = LoadReport::default();
     let mut docs = Vec::new();
     for (file, path) in data.train.iter().enumerate() {

@@ -89,6 +89,20 @@ pub fn rollout_row(enc: &Encoder, row: &Json) -> RowResult<Rollout> {
     })
 }
 
+/// A rollout row checked as the data stream checks file rows: built by
+/// [`rollout_row`], then refused when longer than `max_tokens` (the caller
+/// names where the row came from). Streamed rollouts go through here too.
+pub fn checked_rollout(enc: &Encoder, max_tokens: u32, row: &Json) -> RowResult<Rollout> {
+    let r = rollout_row(enc, row)?;
+    let tokens = r.seq.len() as u64;
+    if tokens > u64::from(max_tokens) {
+        return Err(format!(
+            "the rollout has {tokens} tokens, more than data.max_tokens = {max_tokens} (it is never truncated)"
+        ));
+    }
+    Ok(r)
+}
+
 fn logprobs(
     obj: &Map<String, Json>,
     prompt: usize,

@@ -11,6 +11,9 @@
 //!   prompt, `{"prompt", "completion", "reward": 1 or 0, "group",
 //!   "policy_version": 0}`; every full group holds at least one correct and
 //!   one wrong completion, so group-normalised advantages are non-zero.
+//! - `arith-pg.jsonl` ([`synth_arithmetic_rollouts`], `accrue data synth
+//!   --task arithmetic-rollouts`): rollout groups for the policy-gradient
+//!   demo, mixed, flat (zero variance) and from a future policy (refused).
 //!
 //! Each file draws from its own ChaCha stream of `seed`, so the same seed
 //! gives byte-identical files and `rows` changes no file's prefix.
@@ -202,9 +205,143 @@ pub fn synth_arithmetic(out_dir: &Path, seed: u64, rows: usize) -> std::io::Resu
     Ok(files)
 }
 
+/// Policy version claimed by the refused groups of
+/// [`synth_arithmetic_rollouts`]: newer than any step a job starts from, so
+/// admission refuses them (counted as `count/rejected_stale`).
+pub const FUTURE_POLICY: u64 = 1_000_000;
+
+/// What one group of [`synth_arithmetic_rollouts`] holds, by group index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RolloutGroupKind {
+    /// Right and wrong completions: nonzero advantages, trained on.
+    Mixed,
+    /// Every completion equally rewarded (all right or all wrong): dropped
+    /// as a zero-variance group.
+    Flat,
+    /// Claims a policy from the future ([`FUTURE_POLICY`]): refused at
+    /// admission.
+    Refused,
+}
+
+impl RolloutGroupKind {
+    /// Group `g`: every 4th (from 3) is flat, every 8th (from 5) refused.
+    pub fn of(g: usize) -> RolloutGroupKind {
+        if g % 4 == 3 {
+            RolloutGroupKind::Flat
+        } else if g % 8 == 5 {
+            RolloutGroupKind::Refused
+        } else {
+            RolloutGroupKind::Mixed
+        }
+    }
+}
+
+/// Writes `arith-pg.jsonl` into `out_dir`: `groups` groups of
+/// [`GROUP_SIZE`] rollouts of one addition prompt each, rewards 1 (right)
+/// or 0 (wrong), shaped by [`RolloutGroupKind::of`] so a policy-gradient
+/// job sees every path of its admission: mixed groups are trained on,
+/// flat groups are dropped (zero variance), refused groups are counted as
+/// rejected. Kept groups claim policy 0, so their staleness at step N is
+/// N − 1. Deterministic in `seed` (its own ChaCha stream).
+pub fn synth_arithmetic_rollouts(
+    out_dir: &Path,
+    seed: u64,
+    groups: usize,
+) -> std::io::Result<PathBuf> {
+    std::fs::create_dir_all(out_dir)?;
+    let path = out_dir.join("arith-pg.jsonl");
+    let mut rng = stream(seed, 3);
+    let mut rows: Vec<(String, String, f64, String, u64)> = Vec::with_capacity(groups * GROUP_SIZE);
+    for g in 0..groups {
+        let (p, a) = problem(&mut rng);
+        let kind = RolloutGroupKind::of(g);
+        let mut correct: Vec<bool> = match kind {
+            RolloutGroupKind::Flat => vec![g % 8 == 3; GROUP_SIZE],
+            _ => (0..GROUP_SIZE)
+                .map(|i| match i {
+                    0 => true,
+                    1 => false,
+                    _ => rng.random_bool(0.5),
+                })
+                .collect(),
+        };
+        correct.shuffle(&mut rng);
+        let version = match kind {
+            RolloutGroupKind::Refused => FUTURE_POLICY,
+            _ => 0,
+        };
+        for ok in correct {
+            let c = if ok { a } else { wrong(&mut rng, &p, a) };
+            rows.push((
+                p.clone(),
+                c.to_string(),
+                f64::from(u8::from(ok)),
+                format!("pg-{g}"),
+                version,
+            ));
+        }
+    }
+    let text = jsonl(rows.iter().map(|(p, c, r, g, v)| RolloutRow {
+        prompt: p,
+        completion: c,
+        reward: *r,
+        group: g,
+        policy_version: *v,
+    }));
+    std::fs::write(&path, text)?;
+    Ok(path)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rollout_task_is_deterministic_with_mixed_flat_and_refused_groups() {
+        let (d1, d2, d3) = (
+            tempfile::tempdir().unwrap(),
+            tempfile::tempdir().unwrap(),
+            tempfile::tempdir().unwrap(),
+        );
+        let a = synth_arithmetic_rollouts(d1.path(), 7, 16).unwrap();
+        let b = synth_arithmetic_rollouts(d2.path(), 7, 16).unwrap();
+        let c = synth_arithmetic_rollouts(d3.path(), 8, 16).unwrap();
+        let (a, b, c) = (
+            std::fs::read_to_string(a).unwrap(),
+            std::fs::read_to_string(b).unwrap(),
+            std::fs::read_to_string(c).unwrap(),
+        );
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+        let mut groups: std::collections::BTreeMap<String, (Vec<f64>, u64)> = Default::default();
+        for line in a.lines() {
+            let r: serde_json::Value = serde_json::from_str(line).unwrap();
+            let p = r["prompt"].as_str().unwrap();
+            let (x, y) = p.trim_end_matches('=').split_once('+').unwrap();
+            let sum = x.parse::<u64>().unwrap() + y.parse::<u64>().unwrap();
+            let right = r["completion"].as_str().unwrap() == sum.to_string();
+            assert_eq!(r["reward"].as_f64().unwrap(), if right { 1.0 } else { 0.0 });
+            let e = groups
+                .entry(r["group"].as_str().unwrap().to_string())
+                .or_default();
+            e.0.push(r["reward"].as_f64().unwrap());
+            e.1 = r["policy_version"].as_u64().unwrap();
+        }
+        assert_eq!(groups.len(), 16);
+        for g in 0..16 {
+            let (rewards, version) = &groups[&format!("pg-{g}")];
+            assert_eq!(rewards.len(), GROUP_SIZE);
+            let flat = rewards.iter().all(|&r| r == rewards[0]);
+            match RolloutGroupKind::of(g) {
+                RolloutGroupKind::Mixed => assert!(!flat && *version == 0, "group {g}"),
+                RolloutGroupKind::Flat => assert!(flat && *version == 0, "group {g}"),
+                RolloutGroupKind::Refused => assert_eq!(*version, FUTURE_POLICY, "group {g}"),
+            }
+        }
+        // Both kinds of flat group: all right and all wrong.
+        assert_eq!(groups["pg-3"].0, vec![1.0; GROUP_SIZE]);
+        assert_eq!(groups["pg-7"].0, vec![0.0; GROUP_SIZE]);
+    }
 
     #[test]
     fn same_seed_gives_identical_files_and_other_seeds_differ() {

@@ -34,6 +34,7 @@ fn section(train: Vec<PathBuf>, format: DataFormat, tokenizer: &str) -> DataSect
         max_tokens: 1 << 20,
         on_overlong: OnBad::Error,
         on_bad_line: OnBad::Error,
+        source: Default::default(),
         shuffle: true,
     }
 }

@@ -111,7 +111,7 @@ impl Admin for AdminService {
         .await
         .map_err(|e| Status::internal(format!("data loading task: {e}")))?
         .map_err(|e| Status::invalid_argument(format!("data: {e}")))?;
-        if dataset.docs.is_empty() {
+        if dataset.docs.is_empty() && !spec.data.is_stream() {
             return Err(Status::invalid_argument(
                 "data.train: the dataset holds no documents",
             ));

@@ -302,6 +302,11 @@ pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
             dir: dir.display().to_string(),
             cursor: Some(cursor(c)),
         }),
+        ToWorker::PublishPolicy { job, step, dir } => Msg::PublishPolicy(wire::PublishPolicy {
+            job_id: job.clone(),
+            step: *step,
+            dir: dir.display().to_string(),
+        }),
         ToWorker::Release { job, reason } => Msg::Release(wire::Release {
             job_id: job.clone(),
             reason: reason.clone(),

@@ -5,6 +5,7 @@
 
 mod admin;
 pub mod convert;
+mod rollouts;
 mod worker;
 
 use std::collections::HashMap;
@@ -19,6 +20,7 @@ use tonic::Status;
 use tracing::error;
 
 pub use admin::AdminService;
+pub use rollouts::RolloutsService;
 pub use worker::WorkerServiceImpl;
 
 use crate::core::{Coordinator, CoreError, Effect, Event, JobId, WatchItem, WorkerId};
@@ -32,6 +34,8 @@ pub struct Shared {
     inner: Mutex<Inner>,
     watch: broadcast::Sender<(JobId, WatchItem)>,
     metrics: crate::metrics_http::Exporter,
+    /// Wakes rollout pushers waiting for queue room.
+    rollouts: rollouts::Signals,
 }
 
 pub(crate) struct Inner {
@@ -60,6 +64,7 @@ impl Shared {
             }),
             watch,
             metrics: crate::metrics_http::Exporter::new(),
+            rollouts: rollouts::Signals::default(),
         })
     }
 
@@ -92,6 +97,8 @@ impl Shared {
         for e in effects {
             match e {
                 Effect::PersistJob(rec) => {
+                    // A state change may end a waiting push (cancelled job).
+                    self.rollouts.wake();
                     if let Err(err) = inner.store.put_job(&rec) {
                         error!(job = %rec.id, %err, "persisting job failed");
                         failure = Some(Status::internal(format!(
@@ -138,6 +145,18 @@ impl Shared {
                 }
                 Effect::Publish { job, item } => {
                     let _ = self.watch.send((job, item));
+                }
+                Effect::PersistRollouts(w) => {
+                    if let Err(err) = inner.store.put_rollouts(&w) {
+                        error!(job = %w.job, %err, "persisting rollouts failed");
+                        failure = Some(Status::internal(format!(
+                            "persisting rollouts of job {}: {err}",
+                            w.job
+                        )));
+                    }
+                    if !w.remove.is_empty() {
+                        self.rollouts.wake();
+                    }
                 }
             }
         }
@@ -208,7 +227,10 @@ pub fn core_status(e: CoreError) -> Status {
         CoreError::JobNotFound(_) | CoreError::WorkerNotFound(_) => {
             Status::not_found(e.to_string())
         }
-        CoreError::BadJobState { .. } => Status::failed_precondition(e.to_string()),
+        CoreError::BadJobState { .. } | CoreError::NotStreamed(_) => {
+            Status::failed_precondition(e.to_string())
+        }
+        CoreError::QueueFull { .. } => Status::resource_exhausted(e.to_string()),
         CoreError::DuplicateJob(_) => Status::already_exists(e.to_string()),
     }
 }

@@ -71,8 +71,11 @@ fn event_of(worker: &str, msg: Msg) -> Result<Option<Event>, Status> {
             job: c.job_id,
             step: c.step,
         },
-        // TODO(issue 5, rl.publish_every): an event once publishing lands.
-        Msg::PolicyPublished(_) => return Ok(None),
+        Msg::PolicyPublished(p) => Event::PolicyPublished {
+            worker,
+            job: p.job_id,
+            step: p.step,
+        },
     }))
 }
 

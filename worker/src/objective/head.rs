@@ -31,7 +31,8 @@ pub struct SeqMeta {
 pub struct MicrobatchMeta {
     pub seqs: Vec<SeqMeta>,
     /// Aligned with the token row (log-prob of token i given its prefix,
-    /// under the generating policy); empty when the rollouts carry none.
+    /// under the generating policy); empty when the rollouts carry none,
+    /// NaN on the tokens of a rollout without them.
     pub old_logprobs: Vec<f32>,
 }
 

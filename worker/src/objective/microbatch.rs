@@ -202,8 +202,14 @@ pub fn policy_gradient(
         }
         for t in (b..e).filter(|&t| targets[t] != -100) {
             // Row t predicts token t+1 (same document): its old log-prob.
-            let old_logp =
-                (!meta.old_logprobs.is_empty()).then(|| f64::from(meta.old_logprobs[t + 1]));
+            // NaN marks a rollout without old log-probs packed next to ones
+            // with them (the coordinator refuses non-finite values at
+            // ingest, so NaN means only that): on-policy for its tokens.
+            let old_logp = meta
+                .old_logprobs
+                .get(t + 1)
+                .map(|&x| f64::from(x))
+                .filter(|x| x.is_finite());
             let out = pg::token(
                 &TokenIn {
                     logp: lp[t],

@@ -196,8 +196,7 @@ async fn session(
                     In::StepPlan(p) => runner.submit(Work::Plan(Box::new(p))),
                     In::CheckpointRequest(c) => runner.submit(Work::Checkpoint(c)),
                     In::Abort(a) => runner.submit(Work::Abort(a)),
-                    // TODO(issue 5, rl.publish_every): write the policy.
-                    In::PublishPolicy(p) => warn!(job = %p.job_id, step = p.step, "policy publishing is not built yet"),
+                    In::PublishPolicy(p) => runner.submit(Work::Publish(p)),
                     In::Release(r) => {
                         info!(job = %r.job_id, reason = %r.reason, "released");
                         if cfg.exit_on_release {

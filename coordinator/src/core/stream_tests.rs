@@ -1,0 +1,377 @@
+//! Scenario tests of streamed policy-gradient jobs (`data.source =
+//! "stream"`): rollouts pushed as events, groups trained exactly once,
+//! backpressure, aborts and restarts.
+
+use std::collections::BTreeMap;
+
+use super::*;
+use crate::doc::Rollout;
+
+fn stream_spec(steps: &str, docs_per_step: u64, group: u32, capacity: u64) -> JobSpec {
+    let mut sp = spec(steps, &format!("docs_per_step = {docs_per_step}"), 1, 4);
+    sp.data.train.clear();
+    sp.data.source = crate::spec::DataSource::Stream;
+    sp.data.format = crate::spec::DataFormat::Rollouts;
+    sp.objective.kind = crate::objective::ObjectiveKind::Pg;
+    sp.rl.group_size = Some(group);
+    sp.rl.queue_capacity = Some(capacity);
+    sp
+}
+
+fn rollout(group: &str, reward: f64, version: u64) -> Rollout {
+    let len = 6 + group.len() * 3;
+    Rollout {
+        seq: Sequence {
+            input_ids: vec![7; len],
+            labels: vec![7; len],
+        },
+        reward,
+        group: group.into(),
+        policy_version: version,
+        old_logprobs: None,
+    }
+}
+
+/// `n` complete groups of 2 with a reward spread, named `{tag}{i}`.
+fn groups(tag: &str, n: usize, version: u64) -> Vec<Rollout> {
+    (0..n)
+        .flat_map(|i| {
+            let g = format!("{tag}{i}");
+            [rollout(&g, 0.0, version), rollout(&g, 1.0, version)]
+        })
+        .collect()
+}
+
+impl Sim {
+    fn push(&mut self, rollouts: Vec<Rollout>) -> Result<AdmitCounts> {
+        let before = self.rollout_writes.len();
+        self.handle(Event::PushRollouts {
+            job: "job".into(),
+            rollouts,
+        })?;
+        Ok(self.rollout_writes[before..]
+            .iter()
+            .find_map(|w| w.counts)
+            .expect("an admitted push is persisted with its counts"))
+    }
+
+    fn stream(&self) -> &RolloutStream {
+        self.c.job("job").unwrap().stream.as_ref().unwrap()
+    }
+
+    fn submit_stream(&mut self, spec: JobSpec) {
+        self.submit(spec, Vec::new().into());
+    }
+
+    /// The rollouts the store would hold after every write so far, minus
+    /// the writes listed in `lost` (indices into `rollout_writes`).
+    fn stored(&self, lost: &[usize]) -> StoredStream {
+        let mut meta = StreamMeta::default();
+        let mut rows: BTreeMap<u64, Document> = BTreeMap::new();
+        for (i, w) in self.rollout_writes.iter().enumerate() {
+            if lost.contains(&i) {
+                continue;
+            }
+            for d in &w.admit {
+                rows.insert(d.id.line, d.clone());
+            }
+            for id in &w.remove {
+                rows.remove(&id.line);
+            }
+            meta = w.meta;
+        }
+        StoredStream {
+            meta,
+            rollouts: rows.into_values().collect(),
+        }
+    }
+}
+
+fn group_of(s: &Sim, id: &DocId) -> String {
+    // Every admitted rollout is in some write's `admit`.
+    s.rollout_writes
+        .iter()
+        .flat_map(|w| &w.admit)
+        .find(|d| d.id == *id)
+        .map(|d| match &d.body {
+            DocBody::Rollout(r) => r.group.clone(),
+            _ => unreachable!(),
+        })
+        .expect("a trained doc was admitted")
+}
+
+#[test]
+fn streamed_groups_are_trained_exactly_once_and_incomplete_groups_wait() {
+    let mut s = Sim::new();
+    let mut sp = stream_spec("steps = 3", 4, 2, 100);
+    sp.rl.max_staleness = Some(1);
+    s.submit_stream(sp);
+    s.worker("a");
+    s.run();
+    let job = s.c.job("job").unwrap();
+    assert_eq!(job.rec.state, JobState::Running);
+    assert_eq!(job.rec.reason, "waiting for rollouts: have 0 of 4");
+
+    // One complete group and one half group: not a step yet.
+    let c = s
+        .push(vec![
+            rollout("a", 0.0, 0),
+            rollout("a", 1.0, 0),
+            rollout("b", 0.5, 0),
+        ])
+        .unwrap();
+    assert_eq!((c.accepted, c.queued), (3, 3));
+    s.run();
+    assert!(s.plans.is_empty(), "an incomplete group is never planned");
+    assert_eq!(
+        s.c.job("job").unwrap().rec.reason,
+        "waiting for rollouts: have 2 of 4"
+    );
+    // "b" completes; "z" has equal rewards and is dropped when complete.
+    let c = s
+        .push(vec![
+            rollout("z", 1.0, 0),
+            rollout("b", 0.0, 0),
+            rollout("z", 1.0, 0),
+        ])
+        .unwrap();
+    assert_eq!(
+        (c.accepted, c.zero_variance_groups, c.zero_variance_dropped),
+        (3, 1, 2)
+    );
+    s.run();
+    assert_eq!(s.committed.len(), 1);
+    assert_eq!(
+        s.c.job("job").unwrap().rec.reason,
+        "waiting for rollouts: have 0 of 4"
+    );
+
+    // Step 1 committed: policy 0 is now one step old (admitted), a rollout
+    // claiming policy 5 is from the future (rejected, counted).
+    let mut more = groups("c", 4, 0);
+    more.push(rollout("c0", 3.0, 5));
+    let c = s.push(more).unwrap();
+    assert_eq!((c.accepted, c.rejected_stale), (8, 1));
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    assert_eq!(s.committed.len(), 3);
+
+    let mut seen = Vec::new();
+    for (m, docs) in &s.committed {
+        let mut per_group: BTreeMap<String, usize> = BTreeMap::new();
+        for id in docs {
+            *per_group.entry(group_of(&s, id)).or_default() += 1;
+        }
+        assert!(
+            per_group.values().all(|&n| n == 2),
+            "whole groups: {per_group:?}"
+        );
+        assert_eq!(docs.len(), 4, "docs_per_step = 4 in groups of 2");
+        assert_eq!(m.extra["count/zero_variance_groups"], 1.0);
+        assert_eq!(
+            m.extra["count/rejected_stale"],
+            if m.step == 1 { 0.0 } else { 1.0 }
+        );
+        assert_eq!(m.extra["staleness/max"], (m.step - 1) as f64);
+        seen.extend(docs.iter().copied());
+    }
+    let mut unique = seen.clone();
+    unique.sort();
+    unique.dedup();
+    assert_eq!(unique.len(), seen.len(), "no rollout trained twice");
+    assert!(!seen.iter().any(|id| group_of(&s, id) == "z"));
+    let groups_trained: std::collections::BTreeSet<String> =
+        seen.iter().map(|id| group_of(&s, id)).collect();
+    assert_eq!(
+        groups_trained.into_iter().collect::<Vec<_>>(),
+        ["a", "b", "c0", "c1", "c2", "c3"]
+    );
+    // The trained rollouts left the queue and the store; one group is left.
+    assert_eq!(s.stream().queued_groups(), 0);
+    let stored = s.stored(&[]);
+    assert!(stored.rollouts.is_empty(), "{:?}", stored.rollouts);
+    for p in &s.plans {
+        for q in p.ranks.iter().flatten().flat_map(|m| &m.seqs) {
+            assert!(q.scalars.iter().any(|(k, _)| k == "advantage"));
+        }
+    }
+}
+
+#[test]
+fn a_full_queue_refuses_pushes_until_a_commit_frees_room() {
+    let mut s = Sim::new();
+    s.submit_stream(stream_spec("steps = 5", 2, 2, 4));
+    s.push(groups("a", 2, 0)).unwrap();
+    let writes = s.rollout_writes.len();
+    let err = s.push(groups("b", 1, 0)).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            CoreError::QueueFull {
+                buffered: 4,
+                capacity: 4,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert_eq!(s.stream().buffered(), 4, "a refused push changes nothing");
+    assert_eq!(s.rollout_writes.len(), writes);
+    assert!(!s.stream().has_room(1));
+
+    // A worker comes; the first commit frees a group's room.
+    s.worker("w");
+    while s.committed.is_empty() {
+        assert!(s.step_once(), "the job trains a step");
+    }
+    assert!(s.stream().has_room(2));
+    let c = s.push(groups("b", 1, 0)).unwrap();
+    assert_eq!(c.accepted, 2);
+
+    // Cancelling ends pushes with the job's state.
+    s.handle(Event::CancelJob { job: "job".into() }).unwrap();
+    let err = s.push(groups("c", 1, 0)).unwrap_err();
+    assert!(err.to_string().contains("cancelled"), "{err}");
+}
+
+#[test]
+fn filling_groups_never_deadlock_a_full_queue() {
+    // Capacity taken by groups that are not complete: no commit could ever
+    // free room, so pushes are let through rather than waiting forever.
+    let mut s = Sim::new();
+    s.submit_stream(stream_spec("steps = 1", 2, 2, 2));
+    s.push(vec![rollout("a", 0.0, 0), rollout("b", 0.0, 0)])
+        .unwrap();
+    let c = s
+        .push(vec![rollout("c", 0.0, 0), rollout("a", 1.0, 0)])
+        .unwrap();
+    assert_eq!((c.accepted, c.queued), (2, 4));
+    assert!(s.stream().step_ready());
+    assert!(matches!(
+        s.push(vec![rollout("b", 1.0, 0)]),
+        Err(CoreError::QueueFull { .. })
+    ));
+}
+
+#[test]
+fn pushes_to_a_job_that_does_not_stream_are_refused() {
+    let mut s = Sim::new();
+    s.submit(spec("steps = 1", "docs_per_step = 2", 1, 1), docs(4));
+    let err = s.push(groups("a", 1, 0)).unwrap_err();
+    assert_eq!(err, CoreError::NotStreamed("job".into()));
+    let err = s
+        .handle(Event::PushRollouts {
+            job: "nope".into(),
+            rollouts: Vec::new(),
+        })
+        .unwrap_err();
+    assert_eq!(err, CoreError::JobNotFound("nope".into()));
+}
+
+#[test]
+fn an_aborted_streamed_step_replans_the_same_groups() {
+    let mut s = Sim::new();
+    s.worker("a");
+    s.worker("b");
+    s.submit_stream(stream_spec("steps = 2", 4, 2, 100));
+    s.push(groups("g", 3, 0)).unwrap();
+    while let Some((_, ToWorker::Configure { .. })) = s.inbox.front() {
+        s.step_once();
+    }
+    let first = s.plans.last().expect("step 1 planned").clone();
+    s.inbox.clear();
+    // More groups arrive while the step is in flight; then a worker dies.
+    s.push(groups("h", 2, 0)).unwrap();
+    s.dead.push("b".into());
+    s.handle(Event::SessionClosed { worker: "b".into() })
+        .unwrap();
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    assert_eq!(s.committed[0].1, first.docs, "the same groups, re-planned");
+    let all: Vec<DocId> = s.committed.iter().flat_map(|(_, d)| d.clone()).collect();
+    let mut unique = all.clone();
+    unique.sort();
+    unique.dedup();
+    assert_eq!((all.len(), unique.len()), (8, 8));
+    assert_eq!(s.stream().queued_groups(), 1, "one group left for later");
+}
+
+#[test]
+fn a_restart_keeps_every_acknowledged_rollout_and_trains_none_twice() {
+    // `lose_delete`: the crash fell between the commit record and the
+    // deletion of the committed group's rollouts.
+    for lose_delete in [false, true] {
+        let mut s = Sim::new();
+        s.submit_stream(stream_spec("steps = 4", 2, 2, 100));
+        s.worker("a");
+        s.push(groups("g", 3, 0)).unwrap();
+        s.push(vec![rollout("half", 0.0, 0)]).unwrap();
+        while s.committed.is_empty() {
+            assert!(s.step_once());
+        }
+        let delete = s.rollout_writes.len() - 1;
+        assert!(!s.rollout_writes[delete].remove.is_empty());
+        let lost: &[usize] = if lose_delete { &[delete] } else { &[] };
+        let stored = s.stored(lost);
+        assert_eq!(stored.rollouts.len(), if lose_delete { 7 } else { 5 });
+        let rec = s.persisted.last().unwrap().clone();
+        let trained_before = s.committed[0].1.clone();
+
+        let mut r = Sim::new();
+        r.handle(Event::RestoreJob {
+            rec: Box::new(rec),
+            spec: Box::new(stream_spec("steps = 4", 2, 2, 100)),
+            docs: Vec::new().into(),
+            reference: Default::default(),
+            history: Vec::new(),
+        })
+        .unwrap();
+        r.handle(Event::RestoreRollouts {
+            job: "job".into(),
+            stored,
+        })
+        .unwrap();
+        assert_eq!(r.stream().queued_groups(), 2, "lose_delete = {lose_delete}");
+        assert_eq!(r.stream().buffered(), 5);
+        // The worker comes back holding step 1 in memory (issue 6): no
+        // restore, no replay (a streamed group left the queue once trained).
+        let held = s.c.worker("a").unwrap().held.clone();
+        assert_eq!(held.as_ref().map(|h| h.step), Some(1));
+        r.worker_holding("a", held);
+        r.run();
+        assert!(r.replayed().is_empty());
+        assert_eq!(r.committed.len(), 2);
+        // The half group completes after the restart; ids continue.
+        let c = r.push(vec![rollout("half", 1.0, 2)]).unwrap();
+        assert_eq!(c.accepted, 1);
+        let new_line = r.rollout_writes.last().unwrap().admit[0].id.line;
+        assert_eq!(new_line, 8, "admission numbers are never reused");
+        r.run();
+        assert_eq!(r.state(), JobState::Completed);
+        let mut all = trained_before;
+        all.extend(r.committed.iter().flat_map(|(_, d)| d.clone()));
+        let lines: Vec<u64> = {
+            let mut l: Vec<u64> = all.iter().map(|d| d.line).collect();
+            l.sort();
+            l
+        };
+        assert_eq!(
+            lines,
+            [1, 2, 3, 4, 5, 6, 7, 8],
+            "lose_delete = {lose_delete}"
+        );
+        // The owed deletion was written with the next write.
+        let removed: Vec<u64> = r
+            .rollout_writes
+            .iter()
+            .flat_map(|w| w.remove.iter().map(|d| d.line))
+            .collect();
+        for line in 1..=2 {
+            assert_eq!(
+                removed.contains(&line),
+                lose_delete,
+                "line {line} (lose_delete = {lose_delete})"
+            );
+        }
+    }
+}

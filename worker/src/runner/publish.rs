@@ -1,0 +1,114 @@
+//! Weights out (`rl.publish_every`, issue 5): the current policy written as
+//! a Hugging Face model directory (`config.json`, `model*.safetensors`, the
+//! index when sharded) that an external generator (vLLM, transformers)
+//! reloads. Every rank writes its part in parallel through the checkpoint
+//! writer (so ddp, zero2 and fsdp all work), drops its optimizer file (a
+//! policy carries no optimizer state), and rank 0, once every rank has
+//! written, adds `policy.json` `{step, job}` last, so its presence means the
+//! directory is complete, and points `../policy.json` at it for generators
+//! that poll one place.
+
+use std::path::Path;
+
+use serde::Serialize;
+use tracing::info;
+
+use super::{blamed_peer, error_kind, Msg, StepExecutor, Thread};
+use crate::train::checkpoint::optimizer_file;
+use crate::wire;
+
+/// `policy.json`: which step of which job the directory holds.
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
+pub struct PolicyMarker {
+    pub job: String,
+    pub step: u64,
+    /// The policy directory (in the parent's `policy.json`).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub path: String,
+}
+
+/// Writes this rank's part of the policy in `dir`; rank 0 adds the
+/// markers once every rank's files are written.
+pub fn write_policy(
+    exec: &mut dyn StepExecutor,
+    rank: u32,
+    world: u32,
+    dir: &Path,
+    marker: &PolicyMarker,
+) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    // Returns once every rank has written (it fails on all if one failed).
+    exec.save_checkpoint(dir)?;
+    let opt = if world <= 1 {
+        "optimizer.safetensors".to_string()
+    } else {
+        optimizer_file(rank as usize, world as usize)
+    };
+    remove_if_present(&dir.join(opt))?;
+    if rank != 0 {
+        return Ok(());
+    }
+    remove_if_present(&dir.join("trainer.json"))?;
+    write_atomic(
+        &dir.join("policy.json"),
+        &serde_json::to_vec_pretty(marker)?,
+    )?;
+    if let Some(parent) = dir.parent() {
+        let latest = PolicyMarker {
+            path: dir.display().to_string(),
+            ..marker.clone()
+        };
+        write_atomic(
+            &parent.join("policy.json"),
+            &serde_json::to_vec_pretty(&latest)?,
+        )?;
+    }
+    Ok(())
+}
+
+fn remove_if_present(path: &Path) -> std::io::Result<()> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
+}
+
+fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let tmp = path.with_extension("json.tmp");
+    std::fs::write(&tmp, bytes)?;
+    std::fs::rename(&tmp, path)
+}
+
+impl Thread {
+    /// `PublishPolicy`: write, then `PolicyPublished` (or an error naming
+    /// the directory).
+    pub(super) fn publish(&mut self, p: &wire::PublishPolicy) {
+        let Some(h) = self.job.as_mut().filter(|h| h.job == p.job_id) else {
+            let msg = format!(
+                "policy of step {}: job {} is not configured here",
+                p.step, p.job_id
+            );
+            return self.error(&p.job_id, 0, p.step, wire::ErrorKind::InvalidPlan, msg);
+        };
+        let dir = Path::new(&p.dir);
+        let marker = PolicyMarker {
+            job: p.job_id.clone(),
+            step: p.step,
+            path: String::new(),
+        };
+        let rank = h.rank;
+        if let Err(e) = write_policy(h.exec.as_mut(), h.rank, h.world_size, dir, &marker) {
+            let msg = format!("policy of step {} to {}: {e:#}", p.step, dir.display());
+            let (job, generation) = (h.job.clone(), h.generation);
+            let (kind, peer) = (error_kind(&e), blamed_peer(&e));
+            return self.error_blaming(&job, generation, p.step, kind, msg, peer);
+        }
+        info!(step = p.step, rank, dir = %dir.display(), "policy published");
+        self.send(Msg::PolicyPublished(wire::PolicyPublished {
+            job_id: p.job_id.clone(),
+            step: p.step,
+            rank,
+            path: p.dir.clone(),
+        }));
+    }
+}
