@@ -66,6 +66,7 @@ impl Server {
         let store = Store::open(&config.state_dir)?;
         let mut core = Coordinator::new(CoordinatorOptions {
             heartbeat_timeout_ms: config.heartbeat_timeout_ms,
+            ..Default::default()
         });
         let records = store.jobs()?;
         let restored = records.len();
@@ -197,10 +198,16 @@ fn restore_event(mut rec: JobRecord, store: &Store) -> anyhow::Result<Event> {
         store.put_job(&rec)?;
     }
     let reference = store.reference(&rec.id)?;
+    let history = if rec.state.is_terminal() {
+        Vec::new()
+    } else {
+        crate::store::committed_steps(store, &rec.id, rec.history_from + 1)?
+    };
     Ok(Event::RestoreJob {
         rec: Box::new(rec),
         spec: Box::new(spec),
         docs,
         reference,
+        history,
     })
 }

@@ -8,7 +8,7 @@ use std::path::Path;
 use redb::{Database, ReadableTable, TableDefinition};
 use serde::{Deserialize, Serialize};
 
-use crate::core::{JobRecord, StepMetrics};
+use crate::core::{CommittedStep, JobRecord, StepMetrics};
 use crate::doc::DocId;
 
 const JOBS: TableDefinition<&str, &[u8]> = TableDefinition::new("jobs");
@@ -215,6 +215,21 @@ impl Store {
     }
 }
 
+/// What replaying `job`'s committed steps from `from` on needs (their
+/// manifests and learning rates), read from the step records.
+pub fn committed_steps(store: &Store, job: &str, from: u64) -> Result<Vec<CommittedStep>> {
+    Ok(store
+        .steps(job, from)?
+        .into_iter()
+        .map(|r| CommittedStep {
+            step: r.metrics.step,
+            lr: r.metrics.lr,
+            cursor_after: r.metrics.cursor,
+            docs: r.docs,
+        })
+        .collect())
+}
+
 fn json<T: Serialize>(v: &T) -> Vec<u8> {
     serde_json::to_vec(v).expect("store records always serialise")
 }
@@ -249,6 +264,10 @@ mod tests {
             last_checkpoint: None,
             resumed_from: None,
             changes: Vec::new(),
+            checkpoints: Vec::new(),
+            bad_checkpoints: Vec::new(),
+            history_from: 0,
+            members: Vec::new(),
         }
     }
 

@@ -7,12 +7,14 @@ use std::sync::Arc;
 
 use tracing::{info, warn};
 
+use super::generations::replay_next;
 use super::jobs::{Generation, InFlight, JobState};
 use super::machine::{enter_paused, publish_event, request_checkpoint, Coordinator};
 use super::metrics::{self, StepFacts};
+use super::recovery::CommittedStep;
 use super::reference::{self, SeqLogp};
-use super::step::{self, PlanKind};
-use super::workers::{Worker, WorkerId, WorkerState};
+use super::step::{self, PlanKind, PlannedStep};
+use super::workers::{Worker, WorkerState};
 use super::{Effect, ToWorker, WatchItem, WorkerErrorKind};
 
 impl Coordinator {
@@ -69,6 +71,8 @@ impl Coordinator {
         if flight.results.len() == gen.members.len() {
             if flight.planned.kind == PlanKind::Reference {
                 self.commit_reference(job_id, now_ms, fx);
+            } else if flight.planned.replay {
+                self.replayed(job_id, now_ms, fx);
             } else {
                 self.commit(job_id, now_ms, fx);
             }
@@ -137,6 +141,18 @@ impl Coordinator {
         job.rec.step = planned.step;
         job.rec.cursor = planned.cursor_after.clone();
         job.rec.last_loss = Some(m.loss);
+        if let Some(g) = job.gen.as_mut() {
+            g.step = planned.step;
+        }
+        job.history.insert(
+            planned.step,
+            CommittedStep {
+                step: planned.step,
+                lr: planned.lr,
+                docs: planned.docs.clone(),
+                cursor_after: planned.cursor_after.clone(),
+            },
+        );
         info!(
             job = job_id,
             step = m.step,
@@ -179,7 +195,7 @@ impl Coordinator {
 
     /// A step boundary: a requested pause takes effect, drained workers
     /// leave and joiners come in (both form a new generation).
-    fn at_boundary(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
+    pub(super) fn at_boundary(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
         let gen = self.jobs[job_id]
             .gen
             .clone()
@@ -198,46 +214,6 @@ impl Coordinator {
         }
         if leaving || joining {
             self.regroup(job_id, now_ms, fx);
-        }
-    }
-
-    /// Forms a new generation at this boundary. New members (and members
-    /// whose shards no longer fit the new world) restore from the latest
-    /// checkpoint, so that checkpoint must hold the current step: if it
-    /// does not, one is written first and the regroup waits for it (no
-    /// step is dispatched meanwhile).
-    pub(super) fn regroup(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
-        let job = self.jobs.get_mut(job_id).expect("known job");
-        let step = job.rec.step;
-        let on_disk = step == 0 || job.rec.last_checkpoint == Some(step);
-        if !on_disk {
-            if job.checkpoint_acks.as_ref().map(|(s, _)| *s) != Some(step) {
-                request_checkpoint(job, fx);
-            }
-            job.regroup_after_checkpoint = true;
-            return;
-        }
-        job.regroup_after_checkpoint = false;
-        self.release_drained(job_id, fx);
-        self.dissolve_generation(job_id, "membership change at step boundary", now_ms, fx);
-    }
-
-    /// Sends Release to the draining members of a job's generation.
-    pub(super) fn release_drained(&mut self, job_id: &str, fx: &mut Vec<Effect>) {
-        let Some(gen) = self.jobs.get(job_id).and_then(|j| j.gen.clone()) else {
-            return;
-        };
-        for m in gen.members {
-            if let Some(w) = self.workers.get_mut(&m).filter(|w| w.draining) {
-                fx.push(Effect::Send {
-                    worker: m.clone(),
-                    msg: ToWorker::Release {
-                        job: job_id.to_string(),
-                        reason: "drained".into(),
-                    },
-                });
-                w.state = WorkerState::Draining;
-            }
         }
     }
 
@@ -279,49 +255,25 @@ impl Coordinator {
                 let reason = format!("collective timeout at step {step} on {worker}: {message}");
                 self.dissolve_generation(job_id, &reason, now_ms, fx);
             }
-            // TODO(issue 6): fall back to an older checkpoint / a restore.
+            WorkerErrorKind::RestoreFailed => {
+                self.on_restore_failed(worker, job_id, &message, now_ms, fx)
+            }
+            WorkerErrorKind::StateSync => {
+                let reason = format!(
+                    "state sync failed on {worker}: {message}; restoring from a checkpoint"
+                );
+                warn!(worker, job = job_id, generation, %message, "state sync failed");
+                self.jobs.get_mut(job_id).expect("known job").force_restore = true;
+                if let Some(w) = self.workers.get_mut(worker) {
+                    w.held = None;
+                }
+                self.dissolve_generation(job_id, &reason, now_ms, fx);
+            }
             WorkerErrorKind::NonFinite
             | WorkerErrorKind::InvalidPlan
-            | WorkerErrorKind::Internal
-            | WorkerErrorKind::RestoreFailed
-            | WorkerErrorKind::StateSync => {
+            | WorkerErrorKind::Internal => {
                 let reason = format!("step {step} failed on worker {worker}: {message}");
                 self.finish(job_id, JobState::Failed, &reason, now_ms, fx);
-            }
-        }
-    }
-
-    pub(super) fn on_checkpoint_done(
-        &mut self,
-        worker: &str,
-        job_id: &str,
-        step: u64,
-        now_ms: i64,
-        fx: &mut Vec<Effect>,
-    ) {
-        let Some(job) = self.jobs.get_mut(job_id) else {
-            return;
-        };
-        let Some((ck_step, acks)) = job.checkpoint_acks.as_mut().filter(|(s, _)| *s == step) else {
-            return;
-        };
-        if let Some(a) = acks.get_mut(worker) {
-            *a = true;
-        }
-        if acks.values().all(|&a| a) {
-            let ck_step = *ck_step;
-            job.checkpoint_acks = None;
-            job.rec.last_checkpoint = Some(ck_step);
-            fx.push(Effect::PersistJob(job.rec.clone()));
-            publish_event(
-                fx,
-                job,
-                "checkpoint",
-                format!("checkpoint of step {ck_step} written"),
-                now_ms,
-            );
-            if job.regroup_after_checkpoint && job.gen.is_some() {
-                self.regroup(job_id, now_ms, fx);
             }
         }
     }
@@ -400,87 +352,15 @@ impl Coordinator {
         }
     }
 
-    pub(super) fn form_generation(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
-        let job = &self.jobs[job_id];
-        let (min, max) = (job.spec.parallel.min_workers, job.spec.parallel.max_workers);
-        let mut free: Vec<&Worker> = self.workers.values().filter(|w| w.available()).collect();
-        free.sort_by_key(|w| w.seq);
-        if (free.len() as u32) < min {
-            let reason = format!(
-                "waiting for workers: {} available, min_workers = {min}",
-                free.len()
-            );
-            let job = self.jobs.get_mut(job_id).expect("known job");
-            if job.rec.reason != reason {
-                job.rec.reason = reason;
+    pub(super) fn dispatch(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
+        let job = self.jobs.get_mut(job_id).expect("known job");
+        if job.replaying() {
+            match replay_next(job) {
+                Ok(p) => self.send_plan(job_id, Arc::new(p), now_ms, fx),
+                Err(e) => self.finish(job_id, JobState::Failed, &e.to_string(), now_ms, fx),
             }
             return;
         }
-        let members: Vec<WorkerId> = free
-            .iter()
-            .take(max as usize)
-            .map(|w| w.id.clone())
-            .collect();
-        let peers: Vec<(WorkerId, String)> = members
-            .iter()
-            .map(|m| (m.clone(), self.workers[m].reg.collective_addr.clone()))
-            .collect();
-        let job = self.jobs.get_mut(job_id).expect("known job");
-        job.rec.generation += 1;
-        job.rec.state = JobState::Running;
-        job.rec.reason = String::new();
-        let gen = Generation {
-            id: job.rec.generation,
-            members: members.clone(),
-            ready: vec![false; members.len()],
-        };
-        let restore_from = job
-            .rec
-            .last_checkpoint
-            .map(|s| {
-                job.spec
-                    .job
-                    .output_dir
-                    .join("checkpoints")
-                    .join(format!("step-{s}"))
-            })
-            .or_else(|| job.rec.resumed_from.clone());
-        for (rank, m) in members.iter().enumerate() {
-            fx.push(Effect::Send {
-                worker: m.clone(),
-                msg: ToWorker::Configure {
-                    job: job_id.to_string(),
-                    generation: gen.id,
-                    rank: rank as u32,
-                    peers: peers.clone(),
-                    spec_toml: job.rec.spec_toml.clone(),
-                    step: job.rec.step,
-                    restore_from: restore_from.clone(),
-                },
-            });
-            let w = self.workers.get_mut(m).expect("member is registered");
-            w.job = Some(job_id.to_string());
-            w.rank = Some(rank as u32);
-            w.state = WorkerState::Configuring;
-        }
-        info!(
-            job = job_id,
-            generation = gen.id,
-            world_size = members.len(),
-            "generation formed"
-        );
-        fx.push(Effect::PersistJob(job.rec.clone()));
-        let msg = format!(
-            "generation {} formed with {} workers",
-            gen.id,
-            members.len()
-        );
-        job.gen = Some(gen);
-        publish_event(fx, job, "generation", msg, now_ms);
-    }
-
-    pub(super) fn dispatch(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
-        let job = self.jobs.get_mut(job_id).expect("known job");
         if job.finished() {
             self.finish(job_id, JobState::Completed, "all steps trained", now_ms, fx);
             return;
@@ -524,6 +404,18 @@ impl Coordinator {
                 return;
             }
         };
+        self.send_plan(job_id, planned, now_ms, fx);
+    }
+
+    fn send_plan(
+        &mut self,
+        job_id: &str,
+        planned: Arc<PlannedStep>,
+        now_ms: i64,
+        fx: &mut Vec<Effect>,
+    ) {
+        let job = self.jobs.get_mut(job_id).expect("known job");
+        let gen = job.gen.as_ref().expect("dispatch within a generation");
         for (rank, m) in gen.members.iter().enumerate() {
             fx.push(Effect::Send {
                 worker: m.clone(),
@@ -535,6 +427,7 @@ impl Coordinator {
                 },
             });
         }
+        job.last_plan = Some((gen.id, planned.step, planned.kind));
         job.note_dispatch(&planned);
         job.inflight = Some(InFlight {
             planned,

@@ -6,7 +6,10 @@ use std::collections::BTreeMap;
 
 use tracing::{info, warn};
 
+use super::generations::migrate_checkpoint_index;
+pub(super) use super::generations::request_checkpoint;
 use super::jobs::{Job, JobId, JobRecord, JobState};
+use super::recovery::CheckpointEntry;
 use super::reference::{self, ReferenceCache};
 use super::step;
 use super::workers::{Registration, Worker, WorkerId, WorkerState};
@@ -17,12 +20,17 @@ use super::{CoreError, Effect, Event, Result, ToWorker, WatchItem};
 pub struct CoordinatorOptions {
     /// A worker silent for this long is declared lost.
     pub heartbeat_timeout_ms: i64,
+    /// After a restart, how long a job waits for the members of its last
+    /// generation to re-register (they may still hold its state in memory)
+    /// before forming a generation without them.
+    pub rejoin_grace_ms: i64,
 }
 
 impl Default for CoordinatorOptions {
     fn default() -> Self {
         Self {
             heartbeat_timeout_ms: 2_000,
+            rejoin_grace_ms: 10_000,
         }
     }
 }
@@ -90,7 +98,7 @@ impl Coordinator {
                 step,
             } => {
                 self.seen(&worker, now_ms);
-                self.on_ready(&worker, &job, generation, step);
+                self.on_ready(&worker, &job, generation, step, now_ms, &mut fx);
             }
             Event::StepResult {
                 worker,
@@ -101,6 +109,7 @@ impl Coordinator {
                 logps,
             } => {
                 self.seen(&worker, now_ms);
+                self.note_result(&worker, &job, generation, step);
                 self.on_result(
                     &worker, &job, generation, step, sums, logps, now_ms, &mut fx,
                 );
@@ -150,6 +159,17 @@ impl Coordinator {
                     documents: docs.len() as u64,
                     total_steps: 0,
                     last_checkpoint: None,
+                    history_from: start.as_ref().map_or(0, |s| s.step),
+                    checkpoints: start
+                        .as_ref()
+                        .map(|s| CheckpointEntry {
+                            step: s.step,
+                            dir: s.dir.clone(),
+                        })
+                        .into_iter()
+                        .collect(),
+                    bad_checkpoints: Vec::new(),
+                    members: Vec::new(),
                     resumed_from: start.map(|s| s.dir),
                     changes: Vec::new(),
                 };
@@ -169,6 +189,7 @@ impl Coordinator {
                 spec,
                 docs,
                 reference: logps,
+                history,
             } => {
                 let mut rec = *rec;
                 if rec.state == JobState::Running {
@@ -179,6 +200,12 @@ impl Coordinator {
                 let id = rec.id.clone();
                 self.job_order.push(id.clone());
                 let mut job = Job::new(rec, *spec, docs);
+                migrate_checkpoint_index(&mut job);
+                if !job.rec.members.is_empty() && !job.rec.state.is_terminal() {
+                    job.rejoin_deadline_ms = Some(now_ms + self.opts.rejoin_grace_ms);
+                }
+                job.history = history.into_iter().map(|h| (h.step, h)).collect();
+                job.prune_history();
                 job.reference =
                     reference::needs_cache(&job.spec).then(|| ReferenceCache::new(logps));
                 job.rollouts = prepare_rollouts(&job);
@@ -220,7 +247,8 @@ impl Coordinator {
 
     fn register(&mut self, id: WorkerId, reg: Registration, now_ms: i64) {
         self.next_worker_seq += 1;
-        info!(worker = %id, host = %reg.hostname, device = %reg.device, "worker registered");
+        info!(worker = %id, host = %reg.hostname, device = %reg.device, held = ?reg.held, "worker registered");
+        let held = reg.held.clone();
         self.workers.insert(
             id.clone(),
             Worker {
@@ -232,6 +260,7 @@ impl Coordinator {
                 rank: None,
                 draining: false,
                 seq: self.next_worker_seq,
+                held,
             },
         );
     }
@@ -280,8 +309,15 @@ impl Coordinator {
             info!(worker, reason = why, "worker left");
         }
         w.state = WorkerState::Lost;
+        // Whatever it held is gone with it (a re-registration reports anew).
+        w.held = None;
         let job = w.job.take();
         w.rank = None;
+        // Checkpoints it had not yet written will never be whole.
+        for j in self.jobs.values_mut() {
+            j.pending_checkpoints
+                .retain(|_, acks| acks.get(worker).is_none_or(|&done| done));
+        }
         if let Some(job) = job {
             self.dissolve_generation(&job, &format!("worker {worker} lost: {why}"), now_ms, fx);
         }
@@ -301,8 +337,8 @@ impl Coordinator {
         };
         let Some(gen) = job.gen.take() else { return };
         let aborted = job.inflight.take().map(|f| f.planned.step);
-        // A checkpoint its members were still writing will never be whole.
-        job.checkpoint_acks = None;
+        // Checkpoints its members are still writing go on (they count once
+        // every writer reports); one missing a lost writer was dropped.
         job.regroup_after_checkpoint = false;
         for m in &gen.members {
             if let Some(w) = self.workers.get_mut(m) {
@@ -340,57 +376,6 @@ impl Coordinator {
         };
         publish_event(fx, job, "generation", message, now_ms);
     }
-
-    pub(super) fn on_ready(&mut self, worker: &str, job_id: &str, generation: u64, _step: u64) {
-        let Some(job) = self.jobs.get_mut(job_id) else {
-            return;
-        };
-        let Some(gen) = job.gen.as_mut().filter(|g| g.id == generation) else {
-            warn!(
-                worker,
-                job = job_id,
-                generation,
-                "ready from a stale generation, ignored"
-            );
-            return;
-        };
-        if let Some(rank) = gen.rank_of(worker) {
-            gen.ready[rank as usize] = true;
-            if let Some(w) = self.workers.get_mut(worker) {
-                w.state = if w.draining {
-                    WorkerState::Draining
-                } else {
-                    WorkerState::Active
-                };
-            }
-        }
-    }
-}
-
-pub(super) fn request_checkpoint(job: &mut Job, fx: &mut Vec<Effect>) {
-    let Some(gen) = job.gen.as_ref() else { return };
-    let step = job.rec.step;
-    let dir = job
-        .spec
-        .job
-        .output_dir
-        .join("checkpoints")
-        .join(format!("step-{step}"));
-    for m in &gen.members {
-        fx.push(Effect::Send {
-            worker: m.clone(),
-            msg: ToWorker::Checkpoint {
-                job: job.rec.id.clone(),
-                step,
-                dir: dir.clone(),
-                cursor: job.rec.cursor.clone(),
-            },
-        });
-    }
-    job.checkpoint_acks = Some((
-        step,
-        gen.members.iter().map(|m| (m.clone(), false)).collect(),
-    ));
 }
 
 /// Pauses a job at its current step boundary.

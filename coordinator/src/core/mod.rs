@@ -6,11 +6,13 @@
 
 mod control;
 mod error;
+mod generations;
 mod jobs;
 mod lifecycle;
 mod machine;
 pub mod metrics;
 mod publish;
+pub mod recovery;
 pub mod reference;
 pub mod rollouts;
 pub mod step;
@@ -27,6 +29,7 @@ pub use error::{CoreError, Result};
 pub use jobs::{Generation, Job, JobId, JobRecord, JobState};
 pub use machine::{Coordinator, CoordinatorOptions};
 pub use metrics::{MetricSums, StepMetrics};
+pub use recovery::{CheckpointEntry, CommittedStep, HeldState};
 pub use reference::{ReferenceLogps, SeqLogp};
 pub use step::{PlanKind, PlannedStep};
 pub use stream::{AdmitCounts, RolloutStream, RolloutWrite, StoredStream, StreamMeta};
@@ -116,6 +119,9 @@ pub enum Event {
         docs: Arc<[Document]>,
         /// The job's cached reference log-probs from the store.
         reference: ReferenceLogps,
+        /// Its committed steps after `rec.history_from`, from the store
+        /// (replayed after a restore).
+        history: Vec<CommittedStep>,
     },
     CancelJob {
         job: JobId,
@@ -172,6 +178,9 @@ pub enum ToWorker {
         rank: u32,
         /// (worker id, collective address) per rank.
         peers: Vec<(WorkerId, String)>,
+        /// Per rank: the state that peer holds in memory when it holds the
+        /// configured step (no restore; the others sync from it).
+        priors: Vec<Option<HeldState>>,
         spec_toml: String,
         step: u64,
         restore_from: Option<PathBuf>,

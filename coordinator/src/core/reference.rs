@@ -102,6 +102,7 @@ pub fn plan_chunk(
         ranks,
         docs: chosen.iter().map(|d| d.id).collect(),
         staleness: None,
+        replay: false,
     }))
 }
 

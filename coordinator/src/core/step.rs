@@ -56,6 +56,9 @@ pub struct PlannedStep {
     pub docs: Vec<DocId>,
     /// Policy-gradient steps: how old the rollouts' policies are.
     pub staleness: Option<StalenessStats>,
+    /// Re-runs an already committed step after a restore (same documents
+    /// and lr); its results advance the generation but never commit.
+    pub replay: bool,
 }
 
 /// Per-job data the plans carry besides the documents themselves.
@@ -185,6 +188,7 @@ pub fn plan_step(
         ranks,
         docs: chosen.iter().map(|d| d.id).collect(),
         staleness,
+        replay: false,
     }))
 }
 

@@ -364,6 +364,7 @@ pub fn plan_step(
         ranks,
         docs: chosen.iter().map(|d| d.id).collect(),
         staleness: Some(staleness),
+        replay: false,
     }))
 }
 

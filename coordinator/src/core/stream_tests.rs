@@ -323,6 +323,7 @@ fn a_restart_keeps_every_acknowledged_rollout_and_trains_none_twice() {
             spec: Box::new(stream_spec("steps = 4", 2, 2, 100)),
             docs: Vec::new().into(),
             reference: Default::default(),
+            history: Vec::new(),
         })
         .unwrap();
         r.handle(Event::RestoreRollouts {
@@ -332,8 +333,13 @@ fn a_restart_keeps_every_acknowledged_rollout_and_trains_none_twice() {
         .unwrap();
         assert_eq!(r.stream().queued_groups(), 2, "lose_delete = {lose_delete}");
         assert_eq!(r.stream().buffered(), 5);
-        r.worker("z");
+        // The worker comes back holding step 1 in memory (issue 6): no
+        // restore, no replay (a streamed group left the queue once trained).
+        let held = s.c.worker("a").unwrap().held.clone();
+        assert_eq!(held.as_ref().map(|h| h.step), Some(1));
+        r.worker_holding("a", held);
         r.run();
+        assert!(r.replayed().is_empty());
         assert_eq!(r.committed.len(), 2);
         // The half group completes after the restart; ids continue.
         let c = r.push(vec![rollout("half", 1.0, 2)]).unwrap();

@@ -72,8 +72,12 @@ struct Sim {
     stored_ref: BTreeMap<DocId, [f64; 2]>,
     /// Every plan sent (rank 0's copy).
     plans: Vec<Arc<PlannedStep>>,
+    /// Every Configure sent.
+    configures: Vec<(WorkerId, ToWorker)>,
     /// Watch events published: (kind, message).
     events: Vec<(String, String)>,
+    /// Checkpoint steps requested (rank 0's copy).
+    checkpoints: Vec<u64>,
     /// Policies workers were asked to publish: (worker, step, dir).
     publish_requests: Vec<(WorkerId, u64, std::path::PathBuf)>,
     /// Rollout store writes of streamed jobs, in order.
@@ -100,7 +104,9 @@ impl Sim {
             dead: Vec::new(),
             stored_ref: BTreeMap::new(),
             plans: Vec::new(),
+            configures: Vec::new(),
             events: Vec::new(),
+            checkpoints: Vec::new(),
             publish_requests: Vec::new(),
             rollout_writes: Vec::new(),
             manifests: Vec::new(),
@@ -120,6 +126,14 @@ impl Sim {
                     {
                         self.plans.push(planned.clone());
                     }
+                    if let ToWorker::Configure { .. } = &msg {
+                        self.configures.push((worker.clone(), msg.clone()));
+                    }
+                    if let ToWorker::Checkpoint { step, .. } = &msg {
+                        if self.checkpoints.last() != Some(step) {
+                            self.checkpoints.push(*step);
+                        }
+                    }
                     if let ToWorker::PublishPolicy { step, dir, .. } = &msg {
                         self.publish_requests
                             .push((worker.clone(), *step, dir.clone()));
@@ -129,6 +143,10 @@ impl Sim {
                     }
                     self.inbox.push_back((worker, msg))
                 }
+                Effect::Publish {
+                    item: WatchItem::Event { kind, message, .. },
+                    ..
+                } => self.events.push((kind, message)),
                 Effect::StoreReference { entries, .. } => self.stored_ref.extend(entries),
                 Effect::CommitStep {
                     rec,
@@ -141,10 +159,6 @@ impl Sim {
                     self.committed.push((*metrics, docs));
                 }
                 Effect::PersistJob(rec) => self.persisted.push(rec),
-                Effect::Publish {
-                    item: WatchItem::Event { kind, message, .. },
-                    ..
-                } => self.events.push((kind, message)),
                 Effect::PersistRollouts(w) => self.rollout_writes.push(*w),
                 Effect::AppendMetrics { .. } | Effect::Publish { .. } => {}
             }
@@ -525,12 +539,14 @@ fn restored_running_job_waits_for_workers_at_its_cursor() {
         spec: Box::new(spec("steps = 4", "docs_per_step = 4", 1, 1)),
         docs: docs(20),
         reference: Default::default(),
+        history: Vec::new(),
     })
     .unwrap();
     let job = r.c.job("job").unwrap();
     assert_eq!(job.rec.state, JobState::Pending);
     assert_eq!(job.rec.cursor, rec.cursor);
     r.worker("z");
+    r.after_rejoin_grace(); // the old members never come back
     r.run();
     assert_eq!(r.state(), JobState::Completed);
     assert_eq!(r.committed.first().unwrap().0.step, rec.step + 1);
@@ -552,11 +568,14 @@ fn a_joining_worker_enters_at_the_next_step_boundary() {
     let worlds: Vec<u32> = s.committed.iter().map(|(m, _)| m.world_size).collect();
     assert_eq!(worlds, vec![1, 2, 2]);
     assert!(s.committed.iter().all(|(m, _)| m.docs == 6));
-    // The joiner restored from a checkpoint of step 1, written before the
-    // new generation formed.
-    let rec = s.persisted.iter().find(|r| r.generation == 2).unwrap();
-    assert_eq!(rec.last_checkpoint, Some(1));
-    assert_eq!(rec.step, 1);
+    // Issue 6: the joiner syncs from the holder's memory at step 1; no
+    // checkpoint is written first (before: a checkpoint of step 1, then a
+    // restore from it).
+    let gen2 = s.configures_of(2);
+    assert_eq!(gen2.len(), 2);
+    assert!(gen2.iter().all(|c| c.step == 1 && c.restore_from.is_none()));
+    assert!(gen2[0].priors[0].is_some() && gen2[0].priors[1].is_none());
+    assert!(!s.checkpoints.contains(&1), "{:?}", s.checkpoints);
 }
 
 /// Every step mode, end to end through planner and cursor: each document of
@@ -725,9 +744,11 @@ fn dpo_reference_pass_resumes_from_the_store_and_survives_a_lost_worker() {
         spec: Box::new(dpo_spec("steps = 2")),
         docs: d.clone(),
         reference: cached.clone(),
+        history: Vec::new(),
     })
     .unwrap();
     r.worker("z");
+    r.after_rejoin_grace(); // the old members never come back
     r.run();
     assert_eq!(r.state(), JobState::Completed);
     let planned_again: Vec<DocId> = r
@@ -750,9 +771,11 @@ fn dpo_reference_pass_resumes_from_the_store_and_survives_a_lost_worker() {
         spec: Box::new(dpo_spec("steps = 2")),
         docs: d,
         reference: s.stored_ref.clone(),
+        history: Vec::new(),
     })
     .unwrap();
     q.worker("y");
+    q.after_rejoin_grace(); // the old members never come back
     q.run();
     assert!(q.plans.iter().all(|p| p.kind == PlanKind::Train));
     assert_eq!(q.committed.len(), 2);
@@ -827,6 +850,713 @@ fn pg_steps_take_whole_groups_and_train_every_kept_rollout_once() {
         for q in p.ranks.iter().flatten().flat_map(|m| &m.seqs) {
             assert!(q.scalars.iter().any(|(k, _)| k == "advantage"));
         }
+    }
+}
+
+// ---- recovery (issue 6): memory, checkpoints, replay ------------------------
+
+/// One Configure as a worker received it.
+#[derive(Debug, Clone)]
+struct Conf {
+    rank: u32,
+    step: u64,
+    restore_from: Option<PathBuf>,
+    priors: Vec<Option<HeldState>>,
+}
+
+impl Sim {
+    fn run_until(&mut self, done: impl Fn(&Sim) -> bool) {
+        while !done(self) {
+            assert!(
+                self.step_once(),
+                "the inbox ran dry before the condition held"
+            );
+        }
+    }
+
+    fn kill(&mut self, w: &str) {
+        self.dead.push(w.into());
+        self.handle(Event::SessionClosed { worker: w.into() })
+            .unwrap();
+    }
+
+    fn configures_of(&self, generation: u64) -> Vec<Conf> {
+        let mut out: Vec<Conf> = self
+            .configures
+            .iter()
+            .filter_map(|(_, m)| match m {
+                ToWorker::Configure {
+                    generation: g,
+                    rank,
+                    step,
+                    restore_from,
+                    priors,
+                    ..
+                } if *g == generation => Some(Conf {
+                    rank: *rank,
+                    step: *step,
+                    restore_from: restore_from.clone(),
+                    priors: priors.clone(),
+                }),
+                _ => None,
+            })
+            .collect();
+        out.sort_by_key(|c| c.rank);
+        out
+    }
+
+    fn last_generation(&self) -> u64 {
+        self.c.job("job").unwrap().rec.generation
+    }
+
+    /// Committed step → its manifest; a step committed twice fails.
+    fn manifests(&self) -> BTreeMap<u64, Vec<DocId>> {
+        let mut out = BTreeMap::new();
+        for (m, docs) in &self.committed {
+            assert!(
+                out.insert(m.step, docs.clone()).is_none(),
+                "step {} committed twice",
+                m.step
+            );
+        }
+        out
+    }
+
+    fn replayed(&self) -> Vec<Arc<PlannedStep>> {
+        self.plans.iter().filter(|p| p.replay).cloned().collect()
+    }
+}
+
+fn with(mut sp: JobSpec, sharding: crate::spec::Sharding, every: u64) -> JobSpec {
+    sp.parallel.sharding = sharding;
+    sp.checkpoint.every_steps = every;
+    sp
+}
+
+use crate::spec::Sharding;
+
+/// Every document of every epoch in the committed manifests exactly once,
+/// steps 1..=n without gaps, and every replayed plan carries exactly the
+/// documents of the step it re-runs.
+fn assert_exactly_once(s: &Sim, d: &[Document], epochs: u32) {
+    let manifests = s.manifests();
+    let steps: Vec<u64> = manifests.keys().copied().collect();
+    assert_eq!(steps, (1..=steps.len() as u64).collect::<Vec<_>>());
+    let mut counts: BTreeMap<DocId, u32> = BTreeMap::new();
+    for id in manifests.values().flatten() {
+        *counts.entry(*id).or_default() += 1;
+    }
+    assert_eq!(counts.len(), d.len());
+    assert!(counts.values().all(|&c| c == epochs), "{counts:?}");
+    for p in s.replayed() {
+        assert_eq!(p.docs, manifests[&p.step], "replayed step {}", p.step);
+        let packed: Vec<DocId> = p
+            .ranks
+            .iter()
+            .flatten()
+            .flat_map(|m| &m.seqs)
+            .map(|q| q.doc)
+            .collect();
+        let (mut a, mut b) = (packed, p.docs.clone());
+        a.sort();
+        b.sort();
+        assert_eq!(a, b, "replayed step {} packs its documents once", p.step);
+    }
+}
+
+#[test]
+fn ddp_loss_keeps_the_survivors_state_and_replans_the_same_documents() {
+    let mut s = Sim::new();
+    for w in ["a", "b", "c"] {
+        s.worker(w);
+    }
+    let d = docs(36);
+    s.submit(
+        with(
+            spec("steps = 6", "docs_per_step = 6", 1, 3),
+            Sharding::Ddp,
+            2,
+        ),
+        d.clone(),
+    );
+    s.run_until(|s| s.committed.len() == 3);
+    let step4 = s.plans.last().unwrap().clone();
+    assert_eq!(step4.step, 4);
+    // c dies with step 4 in flight; nothing of step 4 was applied.
+    s.inbox.clear();
+    s.kill("c");
+    let gen2 = s.configures_of(2);
+    assert_eq!(gen2.len(), 2);
+    for c in &gen2 {
+        assert_eq!((c.step, &c.restore_from), (3, &None), "{c:?}");
+        assert!(c
+            .priors
+            .iter()
+            .all(|p| p.as_ref().is_some_and(|p| p.step == 3)));
+    }
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    assert!(s.replayed().is_empty(), "survivors keep their state");
+    let m = s.manifests();
+    assert_eq!(
+        m[&4], step4.docs,
+        "the aborted step is re-planned with the same documents"
+    );
+    assert_eq!(s.committed[3].0.world_size, 2);
+    assert_exactly_once(&s, &d, 1);
+}
+
+#[test]
+fn fsdp_loss_restores_the_checkpoint_and_replays_the_committed_steps() {
+    for sharding in [Sharding::Fsdp, Sharding::Zero2] {
+        let mut s = Sim::new();
+        for w in ["a", "b", "c"] {
+            s.worker(w);
+        }
+        let d = docs(48);
+        s.submit(
+            with(spec("steps = 8", "docs_per_step = 6", 1, 3), sharding, 2),
+            d.clone(),
+        );
+        // Step 2 is checkpointed, step 3 committed, step 4 in flight.
+        s.run_until(|s| s.committed.len() == 3);
+        assert_eq!(s.c.job("job").unwrap().rec.last_checkpoint, Some(2));
+        s.inbox.clear();
+        s.kill("c");
+        let gen2 = s.configures_of(2);
+        assert_eq!(gen2.len(), 2);
+        for c in &gen2 {
+            assert_eq!(c.step, 2);
+            let dir = c.restore_from.as_ref().expect("a restore");
+            assert!(dir.ends_with("checkpoints/step-2"), "{dir:?}");
+            assert!(c.priors.iter().all(Option::is_none));
+        }
+        s.run();
+        assert_eq!(s.state(), JobState::Completed, "{sharding:?}");
+        let replayed = s.replayed();
+        assert_eq!(replayed.len(), 1);
+        assert_eq!(replayed[0].step, 3);
+        assert_eq!(replayed[0].ranks.len(), 2, "re-packed for the new world");
+        assert_eq!(replayed[0].lr, s.committed[2].0.lr);
+        // The replay comes first, then normal steps from 4 on.
+        let after: Vec<(u64, bool)> = s
+            .plans
+            .iter()
+            .skip_while(|p| !p.replay)
+            .map(|p| (p.step, p.replay))
+            .collect();
+        assert_eq!(after[..2], [(3, true), (4, false)]);
+        let replay_events = s.events.iter().filter(|(k, _)| k == "replay").count();
+        assert_eq!(replay_events, 1);
+        assert_exactly_once(&s, &d, 1);
+    }
+}
+
+#[test]
+fn a_join_from_two_to_three_syncs_from_memory_under_ddp_and_fsdp() {
+    for sharding in [Sharding::Ddp, Sharding::Fsdp] {
+        let mut s = Sim::new();
+        s.worker("a");
+        s.worker("b");
+        s.submit(
+            with(spec("steps = 4", "docs_per_step = 6", 1, 4), sharding, 0),
+            docs(30),
+        );
+        s.step_once();
+        s.step_once(); // both Ready → step 1 in flight
+        s.worker("c");
+        s.run();
+        assert_eq!(s.state(), JobState::Completed, "{sharding:?}");
+        let worlds: Vec<u32> = s.committed.iter().map(|(m, _)| m.world_size).collect();
+        assert_eq!(worlds, vec![2, 3, 3, 3]);
+        let gen2 = s.configures_of(2);
+        assert_eq!(gen2.len(), 3);
+        for c in &gen2 {
+            assert_eq!((c.step, &c.restore_from), (1, &None), "{sharding:?}");
+            let prior = |i: usize| c.priors[i].as_ref().map(|p| (p.rank, p.world_size));
+            assert_eq!(
+                [prior(0), prior(1), prior(2)],
+                [Some((0, 2)), Some((1, 2)), None]
+            );
+        }
+        assert_eq!(s.checkpoints, vec![4], "only the final checkpoint");
+        assert!(s.replayed().is_empty());
+    }
+}
+
+#[test]
+fn an_fsdp_drain_writes_the_step_first_and_restores_it_without_replay() {
+    let mut s = Sim::new();
+    for w in ["a", "b", "c"] {
+        s.worker(w);
+    }
+    s.submit(
+        with(
+            spec("steps = 4", "docs_per_step = 6", 1, 3),
+            Sharding::Fsdp,
+            0,
+        ),
+        docs(30),
+    );
+    for _ in 0..3 {
+        s.step_once(); // all Ready → step 1 in flight
+    }
+    s.handle(Event::DrainWorker { worker: "c".into() }).unwrap();
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    assert_eq!(s.checkpoints, vec![1, 4], "the drain writes step 1 first");
+    let gen2 = s.configures_of(2);
+    assert_eq!(gen2.len(), 2);
+    assert!(gen2.iter().all(|c| c.step == 1
+        && c.restore_from
+            .as_ref()
+            .is_some_and(|d| d.ends_with("step-1"))));
+    assert!(s.replayed().is_empty());
+    let worlds: Vec<u32> = s.committed.iter().map(|(m, _)| m.world_size).collect();
+    assert_eq!(worlds, vec![3, 2, 2, 2]);
+}
+
+#[test]
+fn a_ddp_drain_needs_no_checkpoint() {
+    let mut s = Sim::new();
+    s.worker("a");
+    s.worker("b");
+    s.submit(
+        with(
+            spec("steps = 3", "docs_per_step = 4", 1, 2),
+            Sharding::Ddp,
+            0,
+        ),
+        docs(20),
+    );
+    s.step_once();
+    s.step_once();
+    s.handle(Event::DrainWorker { worker: "b".into() }).unwrap();
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    assert_eq!(s.checkpoints, vec![3]);
+    let gen2 = s.configures_of(2);
+    assert_eq!((gen2.len(), gen2[0].restore_from.clone()), (1, None));
+    assert!(gen2[0].priors[0].is_some());
+}
+
+#[test]
+fn a_checkpoint_that_fails_to_restore_falls_back_to_the_previous_one() {
+    let mut s = Sim::new();
+    for w in ["a", "b", "c"] {
+        s.worker(w);
+    }
+    let d = docs(48);
+    s.submit(
+        with(
+            spec("steps = 8", "docs_per_step = 6", 1, 3),
+            Sharding::Fsdp,
+            2,
+        ),
+        d.clone(),
+    );
+    s.run_until(|s| s.committed.len() == 5);
+    let rec = &s.c.job("job").unwrap().rec;
+    let index: Vec<u64> = rec.checkpoints.iter().map(|c| c.step).collect();
+    assert_eq!(index, vec![2, 4]);
+    s.inbox.clear();
+    s.kill("c");
+    assert_eq!(s.configures_of(2)[0].step, 4);
+    s.inbox.clear();
+    s.handle(Event::WorkerError {
+        worker: "a".into(),
+        job: "job".into(),
+        generation: 2,
+        step: 4,
+        kind: WorkerErrorKind::RestoreFailed,
+        message: "step-4/model-rank1.safetensors: checksum mismatch".into(),
+    })
+    .unwrap();
+    let line = "checkpoint step-4 failed to restore on a: \
+                step-4/model-rank1.safetensors: checksum mismatch; falling back to step-2";
+    assert!(
+        s.events.iter().any(|(_, m)| m.contains(line)),
+        "{:?}",
+        s.events
+    );
+    let gen3 = s.configures_of(3);
+    assert_eq!(gen3.len(), 2);
+    assert!(gen3.iter().all(|c| c.step == 2
+        && c.restore_from
+            .as_ref()
+            .is_some_and(|d| d.ends_with("step-2"))));
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    let replayed: Vec<u64> = s.replayed().iter().map(|p| p.step).collect();
+    assert_eq!(replayed, vec![3, 4, 5]);
+    let rec = &s.c.job("job").unwrap().rec;
+    assert_eq!(rec.bad_checkpoints, vec![4]);
+    assert!(rec.checkpoints.iter().all(|c| c.step != 4));
+    assert_exactly_once(&s, &d, 1);
+}
+
+#[test]
+fn with_no_good_checkpoint_left_the_job_replays_from_init_or_fails() {
+    // From the init: the whole history is known.
+    let mut s = Sim::new();
+    for w in ["a", "b"] {
+        s.worker(w);
+    }
+    let d = docs(30);
+    s.submit(
+        with(
+            spec("steps = 5", "docs_per_step = 6", 1, 2),
+            Sharding::Fsdp,
+            2,
+        ),
+        d.clone(),
+    );
+    s.run_until(|s| s.committed.len() == 3);
+    s.inbox.clear();
+    s.kill("b");
+    s.inbox.clear();
+    s.handle(Event::WorkerError {
+        worker: "a".into(),
+        job: "job".into(),
+        generation: 2,
+        step: 2,
+        kind: WorkerErrorKind::RestoreFailed,
+        message: "step-2/manifest.json: missing".into(),
+    })
+    .unwrap();
+    let gen3 = s.configures_of(3);
+    assert_eq!((gen3[0].step, gen3[0].restore_from.clone()), (0, None));
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    let replayed: Vec<u64> = s.replayed().iter().map(|p| p.step).collect();
+    assert_eq!(replayed, vec![1, 2, 3]);
+    assert_exactly_once(&s, &d, 1);
+
+    // Resumed from another job's checkpoint: nothing older to go back to.
+    let mut r = Sim::new();
+    r.handle(Event::SubmitJob {
+        id: "job".into(),
+        spec: Box::new(with(
+            spec("steps = 6", "docs_per_step = 4", 1, 1),
+            Sharding::Fsdp,
+            0,
+        )),
+        spec_toml: String::new(),
+        docs: docs(30),
+        start: Some(JobStart {
+            step: 3,
+            cursor: Default::default(),
+            dir: "/ckpt/step-3".into(),
+        }),
+    })
+    .unwrap();
+    r.worker("a");
+    r.inbox.clear();
+    r.handle(Event::WorkerError {
+        worker: "a".into(),
+        job: "job".into(),
+        generation: 1,
+        step: 3,
+        kind: WorkerErrorKind::RestoreFailed,
+        message: "/ckpt/step-3/model.safetensors: truncated".into(),
+    })
+    .unwrap();
+    assert_eq!(r.state(), JobState::Failed);
+    let reason = &r.c.job("job").unwrap().rec.reason;
+    assert!(reason.contains("no state to recover step 3"), "{reason}");
+}
+
+#[test]
+fn a_failed_state_sync_reforms_with_a_restore() {
+    let mut s = Sim::new();
+    s.worker("a");
+    s.submit(
+        with(
+            spec("steps = 4", "docs_per_step = 4", 1, 2),
+            Sharding::Ddp,
+            1,
+        ),
+        docs(20),
+    );
+    s.run_until(|s| s.committed.len() == 2);
+    s.worker("b"); // joins at the next boundary
+    s.run_until(|s| s.last_generation() == 2);
+    s.inbox.clear();
+    s.handle(Event::WorkerError {
+        worker: "b".into(),
+        job: "job".into(),
+        generation: 2,
+        step: 3,
+        kind: WorkerErrorKind::StateSync,
+        message: "broadcast from rank 0 timed out".into(),
+    })
+    .unwrap();
+    let gen3 = s.configures_of(3);
+    assert_eq!(gen3.len(), 2);
+    assert!(gen3
+        .iter()
+        .all(|c| c.restore_from.is_some() && c.priors.iter().all(Option::is_none)));
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    // Once restored, later generations may use memory again.
+    assert!(!s.c.job("job").unwrap().force_restore);
+}
+
+#[test]
+fn two_seconds_of_silence_declare_a_worker_lost_and_ddp_survivors_continue() {
+    let mut s = Sim::new();
+    s.worker("a");
+    s.worker("b");
+    s.submit(
+        with(
+            spec("steps = 3", "docs_per_step = 4", 1, 2),
+            Sharding::Ddp,
+            0,
+        ),
+        docs(20),
+    );
+    s.run_until(|s| s.committed.len() == 1);
+    s.inbox.clear();
+    let last_b = s.c.worker("b").unwrap().last_seen_ms;
+    s.now = last_b + 2_000 - 20; // each handle advances 10 ms
+    s.handle(Event::Heartbeat { worker: "a".into() }).unwrap();
+    s.handle(Event::Tick).unwrap(); // exactly 2 s: not yet
+    assert_ne!(s.c.worker("b").unwrap().state, WorkerState::Lost);
+    s.handle(Event::Tick).unwrap(); // 2.01 s
+    assert_eq!(s.c.worker("b").unwrap().state, WorkerState::Lost);
+    s.dead.push("b".into());
+    let gen2 = s.configures_of(2);
+    assert_eq!(gen2.len(), 1);
+    assert_eq!((gen2[0].step, gen2[0].restore_from.clone()), (1, None));
+    assert!(gen2[0].priors[0].is_some());
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    assert!(s.replayed().is_empty());
+}
+
+/// Runs a job to committed step 3 (checkpoint at 2) and hands back what a
+/// restarted coordinator reads from its store, plus the held states the
+/// workers report when they re-register.
+fn run_then_restart(sharding: Sharding) -> (Sim, JobRecord, Vec<CommittedStep>, Vec<HeldState>) {
+    let mut s = Sim::new();
+    s.worker("a");
+    s.worker("b");
+    s.submit(
+        with(spec("steps = 6", "docs_per_step = 4", 2, 2), sharding, 2),
+        docs(30),
+    );
+    s.run_until(|s| s.committed.len() == 3);
+    let rec = s.persisted.last().unwrap().clone();
+    assert_eq!(rec.step, 3);
+    let history = s
+        .committed
+        .iter()
+        .filter(|(m, _)| m.step > rec.history_from)
+        .map(|(m, docs)| CommittedStep {
+            step: m.step,
+            lr: m.lr,
+            docs: docs.clone(),
+            cursor_after: m.cursor.clone(),
+        })
+        .collect();
+    let held = ["a", "b"]
+        .iter()
+        .map(|w| s.c.worker(w).unwrap().held.clone().unwrap())
+        .collect();
+    (s, rec, history, held)
+}
+
+fn restarted(rec: &JobRecord, history: Vec<CommittedStep>, sharding: Sharding) -> Sim {
+    let mut r = Sim::new();
+    r.handle(Event::RestoreJob {
+        rec: Box::new(rec.clone()),
+        spec: Box::new(with(
+            spec("steps = 6", "docs_per_step = 4", 2, 2),
+            sharding,
+            2,
+        )),
+        docs: docs(30),
+        reference: Default::default(),
+        history,
+    })
+    .unwrap();
+    r
+}
+
+impl Sim {
+    /// Lets a restarted coordinator's wait for old members run out.
+    fn after_rejoin_grace(&mut self) {
+        self.now += CoordinatorOptions::default().rejoin_grace_ms;
+        let alive: Vec<WorkerId> = self
+            .c
+            .workers()
+            .filter(|w| w.connected() && !self.dead.contains(&w.id))
+            .map(|w| w.id.clone())
+            .collect();
+        for worker in alive {
+            self.handle(Event::Heartbeat { worker }).unwrap();
+        }
+        self.handle(Event::Tick).unwrap();
+    }
+
+    fn worker_holding(&mut self, id: &str, held: Option<HeldState>) {
+        self.handle(Event::RegisterWorker {
+            id: id.into(),
+            reg: Registration {
+                hostname: "h".into(),
+                collective_addr: format!("127.0.0.1:1{id}"),
+                held,
+                ..Default::default()
+            },
+        })
+        .unwrap();
+        self.handle(Event::SessionOpened { worker: id.into() })
+            .unwrap();
+    }
+}
+
+#[test]
+fn after_a_coordinator_restart_workers_holding_the_committed_step_continue() {
+    for sharding in [Sharding::Ddp, Sharding::Fsdp] {
+        let (full, rec, history, held) = run_then_restart(sharding);
+        assert!(held.iter().all(|h| h.step == 3));
+        let mut r = restarted(&rec, history, sharding);
+        r.worker_holding("a", Some(held[0].clone()));
+        r.worker_holding("b", Some(held[1].clone()));
+        let gen = r.configures_of(rec.generation + 1);
+        assert_eq!(gen.len(), 2, "{sharding:?}");
+        assert!(gen.iter().all(|c| c.step == 3 && c.restore_from.is_none()));
+        assert!(gen[0].priors.iter().all(Option::is_some));
+        r.run();
+        assert_eq!(r.state(), JobState::Completed);
+        assert!(r.replayed().is_empty());
+        let steps: Vec<u64> = r.committed.iter().map(|(m, _)| m.step).collect();
+        assert_eq!(steps, vec![4, 5, 6]);
+        drop(full);
+    }
+}
+
+#[test]
+fn after_a_restart_a_sharded_job_missing_a_rank_restores_and_replays() {
+    let (full, rec, history, held) = run_then_restart(Sharding::Fsdp);
+    let mut r = restarted(&rec, history, Sharding::Fsdp);
+    r.worker_holding("a", Some(held[0].clone()));
+    r.worker("z");
+    assert!(
+        r.configures.is_empty(),
+        "b may still come back with its shard"
+    );
+    let reason = r.c.job("job").unwrap().rec.reason.clone();
+    assert!(reason.contains("1 member(s) of generation"), "{reason}");
+    r.after_rejoin_grace(); // b never came back
+    let gen = r.configures_of(rec.generation + 1);
+    assert!(gen.iter().all(|c| c.step == 2
+        && c.restore_from
+            .as_ref()
+            .is_some_and(|d| d.ends_with("step-2"))));
+    r.run();
+    assert_eq!(r.state(), JobState::Completed);
+    let replayed = r.replayed();
+    assert_eq!(replayed.len(), 1);
+    assert_eq!(replayed[0].docs, full.committed[2].1, "step 3's manifest");
+    let steps: Vec<u64> = r.committed.iter().map(|(m, _)| m.step).collect();
+    assert_eq!(steps, vec![4, 5, 6]);
+}
+
+/// Losses, joins and a drain over two epochs, under ddp and fsdp: every
+/// document of each epoch is committed exactly once, and replays re-run
+/// exactly the committed documents.
+#[test]
+fn exactly_once_over_a_run_with_losses_joins_and_replays() {
+    for sharding in [Sharding::Ddp, Sharding::Fsdp, Sharding::Zero2] {
+        let mut s = Sim::new();
+        s.worker("a");
+        s.worker("b");
+        let d = docs(53);
+        s.submit(
+            with(spec("epochs = 2", "docs_per_step = 5", 1, 3), sharding, 3),
+            d.clone(),
+        );
+        let at = |n: usize| move |s: &Sim| s.committed.len() >= n;
+        s.run_until(at(4));
+        s.worker("c"); // 2 → 3
+        s.run_until(at(7));
+        s.kill("b"); // mid-step, stale plans still queued
+        s.run_until(at(9));
+        s.worker("d");
+        s.run_until(at(11));
+        s.handle(Event::DrainWorker { worker: "a".into() }).unwrap();
+        s.run_until(at(14));
+        s.kill("c");
+        s.worker("e");
+        s.run();
+        assert_eq!(s.state(), JobState::Completed, "{sharding:?}");
+        assert_exactly_once(&s, &d, 2);
+        if sharding == Sharding::Ddp {
+            assert!(s.replayed().is_empty(), "ddp never restores");
+        } else {
+            assert!(
+                !s.replayed().is_empty(),
+                "{sharding:?} restores and replays"
+            );
+        }
+    }
+}
+
+/// Per document: the scalars (`ref_logp`, `advantage`, ...) its sequences
+/// carry in a plan, by role.
+fn scalars_of(p: &PlannedStep) -> BTreeMap<(DocId, u32), Vec<(String, f64)>> {
+    p.ranks
+        .iter()
+        .flatten()
+        .flat_map(|m| &m.seqs)
+        .map(|q| ((q.doc, q.role), q.scalars.clone()))
+        .collect()
+}
+
+/// The last plan of `step` that was dispatched for real (not a replay).
+fn committed_plan(s: &Sim, step: u64) -> Arc<PlannedStep> {
+    s.plans
+        .iter()
+        .rev()
+        .find(|p| p.step == step && !p.replay && p.kind == PlanKind::Train)
+        .unwrap()
+        .clone()
+}
+
+#[test]
+fn replayed_dpo_and_pg_steps_carry_the_same_annotations() {
+    let mut pg = with(
+        spec("epochs = 1", "docs_per_step = 6", 1, 3),
+        Sharding::Fsdp,
+        2,
+    );
+    pg.data.format = crate::spec::DataFormat::Rollouts;
+    pg.objective.kind = crate::objective::ObjectiveKind::Pg;
+    let mut dpo = dpo_spec("steps = 6");
+    dpo.parallel.sharding = Sharding::Fsdp;
+    dpo.checkpoint.every_steps = 2;
+    for (sp, d, key) in [
+        (dpo, pairs(150), "ref_logp"),
+        (pg, rollouts(12, 4), "advantage"),
+    ] {
+        let mut s = Sim::new();
+        for w in ["a", "b", "c"] {
+            s.worker(w);
+        }
+        s.submit(sp, d);
+        s.run_until(|s| s.committed.len() == 3);
+        s.inbox.clear();
+        s.kill("c");
+        s.run();
+        assert_eq!(s.state(), JobState::Completed, "{key}");
+        let replayed = s.replayed();
+        assert_eq!(replayed.len(), 1, "{key}");
+        let r = &replayed[0];
+        let original = scalars_of(&committed_plan(&s, r.step));
+        assert!(original.values().flatten().any(|(k, _)| k == key));
+        assert_eq!(scalars_of(r), original, "{key}: step {}", r.step);
+        assert_eq!(r.normalizers, committed_plan(&s, r.step).normalizers);
     }
 }
 
@@ -1083,15 +1813,27 @@ fn settings_changes_survive_a_coordinator_restart() {
     s.step_once(); // step 1 commits, step 2 is dispatched with the change
     let rec = s.persisted.last().unwrap().clone();
     assert_eq!(rec.step, 1);
+    let history = s
+        .committed
+        .iter()
+        .map(|(m, d)| super::recovery::CommittedStep {
+            step: m.step,
+            lr: m.lr,
+            docs: d.clone(),
+            cursor_after: m.cursor.clone(),
+        })
+        .collect();
     let mut r = Sim::new();
     r.handle(Event::RestoreJob {
         rec: Box::new(rec),
         spec: Box::new(spec("steps = 4", "docs_per_step = 4", 1, 1)),
         docs: docs(30),
         reference: Default::default(),
+        history,
     })
     .unwrap();
     r.worker("z");
+    r.after_rejoin_grace(); // the old member never comes back
     r.run();
     assert_eq!(r.state(), JobState::Completed);
     assert_eq!(r.manifests.len(), 3);

@@ -4,6 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::jobs::JobId;
+use super::recovery::HeldState;
 
 pub type WorkerId = String;
 
@@ -32,6 +33,9 @@ pub struct Registration {
     pub collective_addr: String,
     /// Peak FLOP/s of the device, rounded (0 = unknown): the MFU denominator.
     pub peak_flops: u64,
+    /// The training state it still holds in memory (re-registering after a
+    /// coordinator restart), if any.
+    pub held: Option<HeldState>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -45,6 +49,10 @@ pub struct Worker {
     pub draining: bool,
     /// Registration order, for stable rank assignment.
     pub seq: u64,
+    /// The training state it holds in memory as far as the coordinator
+    /// knows (from its registration, its Ready, its step results); None
+    /// while a Configure may be overwriting it.
+    pub held: Option<HeldState>,
 }
 
 impl Worker {
@@ -55,5 +63,10 @@ impl Worker {
 
     pub fn connected(&self) -> bool {
         !matches!(self.state, WorkerState::Registered | WorkerState::Lost)
+    }
+
+    /// Its held state, if it is `job`'s.
+    pub fn held_for(&self, job: &str) -> Option<&HeldState> {
+        self.held.as_ref().filter(|h| h.job == job)
     }
 }

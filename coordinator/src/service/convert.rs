@@ -4,8 +4,8 @@
 use accrue_proto::{pack_f32, pack_i32, pack_u32, v1 as wire};
 
 use crate::core::{
-    Job, JobState, MetricSums, PlanKind, SeqLogp, StepMetrics, ToWorker, WatchItem, Worker,
-    WorkerErrorKind, WorkerState,
+    HeldState, Job, JobState, MetricSums, PlanKind, SeqLogp, StepMetrics, ToWorker, WatchItem,
+    Worker, WorkerErrorKind, WorkerState,
 };
 use crate::cursor::Cursor;
 use crate::doc::DocId;
@@ -158,6 +158,40 @@ pub fn error_kind(kind: i32, peer_rank: Option<u32>) -> WorkerErrorKind {
     }
 }
 
+/// A held state on the wire.
+pub fn held_state(h: &HeldState) -> wire::HeldState {
+    wire::HeldState {
+        job_id: h.job.clone(),
+        step: h.step,
+        world_size: h.world_size,
+        rank: h.rank,
+        generation: h.generation,
+    }
+}
+
+/// A worker's reported held state (`register.held`): it must name a job
+/// and a rank inside its world.
+pub fn held_from_wire(h: wire::HeldState) -> Result<HeldState, tonic::Status> {
+    if h.job_id.is_empty() {
+        return Err(tonic::Status::invalid_argument(
+            "held.job_id: must not be empty",
+        ));
+    }
+    if h.rank >= h.world_size {
+        return Err(tonic::Status::invalid_argument(format!(
+            "held.rank: {} is not below held.world_size = {}",
+            h.rank, h.world_size
+        )));
+    }
+    Ok(HeldState {
+        job: h.job_id,
+        step: h.step,
+        world_size: h.world_size,
+        rank: h.rank,
+        generation: h.generation,
+    })
+}
+
 fn normalizers(n: &Normalizers) -> wire::Normalizers {
     wire::Normalizers {
         loss_tokens: n.loss_tokens,
@@ -177,6 +211,7 @@ pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
             generation,
             rank,
             peers,
+            priors,
             spec_toml,
             step,
             restore_from,
@@ -192,7 +227,7 @@ pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
                     rank: r as u32,
                     worker_id: id.clone(),
                     collective_addr: addr.clone(),
-                    prior: None,
+                    prior: priors.get(r).and_then(Option::as_ref).map(held_state),
                 })
                 .collect(),
             spec_toml: spec_toml.clone(),
@@ -243,7 +278,7 @@ pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
                 PlanKind::Train => wire::PlanKind::Train,
                 PlanKind::Reference => wire::PlanKind::Reference,
             } as i32,
-            replay: false,
+            replay: planned.replay,
         }),
         ToWorker::Abort {
             job,
@@ -278,4 +313,55 @@ pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
         }),
     };
     wire::CoordinatorMessage { msg: Some(msg) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn wire_held(rank: u32, world_size: u32) -> wire::HeldState {
+        wire::HeldState {
+            job_id: "j".into(),
+            step: 7,
+            world_size,
+            rank,
+            generation: 3,
+        }
+    }
+
+    #[test]
+    fn held_states_round_trip_and_bad_ones_name_the_field() {
+        let h = held_from_wire(wire_held(1, 2)).unwrap();
+        assert_eq!(held_state(&h), wire_held(1, 2));
+        let err = held_from_wire(wire_held(2, 2)).unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument);
+        assert!(err.message().contains("held.rank"), "{}", err.message());
+        let mut nameless = wire_held(0, 1);
+        nameless.job_id.clear();
+        assert!(held_from_wire(nameless)
+            .unwrap_err()
+            .message()
+            .contains("held.job_id"));
+    }
+
+    #[test]
+    fn configure_carries_each_peers_prior() {
+        let h = held_from_wire(wire_held(0, 1)).unwrap();
+        let msg = to_worker(&ToWorker::Configure {
+            job: "j".into(),
+            generation: 4,
+            rank: 1,
+            peers: vec![("a".into(), "x:1".into()), ("b".into(), "x:2".into())],
+            priors: vec![Some(h), None],
+            spec_toml: String::new(),
+            step: 7,
+            restore_from: None,
+        });
+        let Some(wire::coordinator_message::Msg::Configure(c)) = msg.msg else {
+            panic!("expected a configure");
+        };
+        assert_eq!(c.peers[0].prior, Some(wire_held(0, 1)));
+        assert_eq!(c.peers[1].prior, None);
+        assert!(c.restore_from.is_empty());
+    }
 }

@@ -89,6 +89,7 @@ impl WorkerService for WorkerServiceImpl {
         if r.hostname.is_empty() {
             return Err(Status::invalid_argument("hostname must not be empty"));
         }
+        let held = r.held.map(convert::held_from_wire).transpose()?;
         let id = {
             let inner = self.shared.lock();
             let reuse = !r.previous_worker_id.is_empty()
@@ -114,6 +115,7 @@ impl WorkerService for WorkerServiceImpl {
                 } else {
                     0
                 },
+                held,
             },
         })?;
         Ok(Response::new(wire::RegisterResponse {
