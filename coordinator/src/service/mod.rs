@@ -5,6 +5,7 @@
 
 mod admin;
 pub mod convert;
+mod validate;
 mod worker;
 
 use std::collections::HashMap;
