@@ -377,13 +377,14 @@ mod tests {
         assert!(authorize(&t, ADMIN, Some(b"bearer adm1n")).is_ok());
         assert!(authorize(&t, WORKER, Some(b"Bearer w0rker")).is_ok());
         for (path, header) in [
-            (ADMIN, Some(&b"Bearer w0rker"[..])),
-            (WORKER, Some(b"Bearer adm1n")),
-            (ADMIN, Some(b"Bearer adm1n2")),
-            (ADMIN, Some(b"adm1n")),
+            (ADMIN, Some("Bearer w0rker")),
+            (WORKER, Some("Bearer adm1n")),
+            (ADMIN, Some("Bearer adm1n2")),
+            (ADMIN, Some("adm1n")),
             (ADMIN, None),
-            ("/accrue.v1.Rollouts/Push", Some(b"Bearer w0rker")),
+            ("/accrue.v1.Rollouts/Push", Some("Bearer w0rker")),
         ] {
+            let header = header.map(str::as_bytes);
             let e = authorize(&t, path, header).unwrap_err();
             assert_eq!(e.code(), Code::Unauthenticated, "{path} {header:?}");
             assert!(e.message().starts_with(path), "{}", e.message());

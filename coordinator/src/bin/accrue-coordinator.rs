@@ -57,7 +57,7 @@ struct SecurityArgs {
     tls_client_ca: Option<PathBuf>,
     /// Largest gRPC message accepted or sent, in MiB.
     #[arg(long, value_name = "MB", default_value_t = auth::DEFAULT_MAX_MESSAGE_MB,
-          value_parser = clap::value_parser!(u64).range(1..=4096).map(|v| v as usize))]
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=4096))]
     max_message_mb: usize,
 }
 

@@ -87,7 +87,13 @@ pub struct Conn {
     #[arg(long, global = true, value_name = "FILE", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
     /// Largest gRPC message accepted or sent, in MiB.
-    #[arg(long, global = true, value_name = "MB", default_value_t = crate::auth::DEFAULT_MAX_MESSAGE_MB)]
+    #[arg(
+        long,
+        global = true,
+        value_name = "MB",
+        default_value_t = crate::auth::DEFAULT_MAX_MESSAGE_MB,
+        value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=4096)
+    )]
     pub max_message_mb: usize,
 }
 

@@ -14,7 +14,6 @@ use std::time::{Duration, Instant};
 use accrue_proto::v1 as wire;
 use accrue_proto::v1::coordinator_message::Msg as In;
 use accrue_proto::v1::worker_message::Msg as Out;
-use accrue_proto::v1::worker_service_client::WorkerServiceClient;
 use anyhow::Context as _;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
