@@ -239,11 +239,7 @@ pub fn check_policy(
     for role in [Role::Admin, Role::Worker] {
         if tokens.for_role(role).is_none() {
             missing.push(format!("{} token", role.name()));
-            hint.push(format!(
-                "{} or --{}-token-file",
-                role.env(),
-                role.name()
-            ));
+            hint.push(format!("{} or --{}-token-file", role.env(), role.name()));
         }
     }
     if missing.is_empty() {
@@ -429,7 +425,10 @@ mod tests {
         };
         let msg = check_policy(&half, public, false).unwrap_err().to_string();
         assert!(msg.starts_with("no worker token configured"), "{msg}");
-        assert!(msg.contains("ACCRUE_WORKER_TOKEN or --worker-token-file"), "{msg}");
+        assert!(
+            msg.contains("ACCRUE_WORKER_TOKEN or --worker-token-file"),
+            "{msg}"
+        );
         let same = Tokens {
             admin: Some(Token::new("x", "t").unwrap()),
             worker: Some(Token::new("x", "t").unwrap()),
@@ -453,7 +452,10 @@ mod tests {
         let e = read_token_file(&missing).unwrap_err().to_string();
         assert!(e.starts_with(&format!("cannot read token file {}", missing.display())));
         std::fs::write(&f, "two words\n").unwrap();
-        assert!(matches!(read_token_file(&f), Err(AuthError::NotAscii { .. })));
+        assert!(matches!(
+            read_token_file(&f),
+            Err(AuthError::NotAscii { .. })
+        ));
         // The file wins over the environment; empty env is unset.
         std::fs::write(&f, "fromfile").unwrap();
         let t = resolve_token("X", Some("fromenv"), Some(&f)).unwrap();

@@ -66,7 +66,11 @@ impl Server {
     pub async fn bind(config: ServerConfig) -> anyhow::Result<Server> {
         let sec = &config.security;
         crate::auth::check_policy(&sec.tokens, config.listen, sec.insecure_no_auth)?;
-        let tls = sec.tls.as_ref().map(crate::tls::server_config).transpose()?;
+        let tls = sec
+            .tls
+            .as_ref()
+            .map(crate::tls::server_config)
+            .transpose()?;
         std::fs::create_dir_all(&config.state_dir)
             .with_context(|| format!("creating state dir {}", config.state_dir.display()))?;
         let store = Store::open(&config.state_dir)?;

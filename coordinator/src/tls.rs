@@ -163,7 +163,10 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(
-            e.starts_with(&format!("cannot read tls certificate {}", missing.display())),
+            e.starts_with(&format!(
+                "cannot read tls certificate {}",
+                missing.display()
+            )),
             "{e}"
         );
         let e = client_config(&ClientTls {
@@ -174,7 +177,10 @@ mod tests {
         .to_string();
         assert_eq!(
             e,
-            format!("tls CA {}: no PEM `CERTIFICATE` block found", junk.display())
+            format!(
+                "tls CA {}: no PEM `CERTIFICATE` block found",
+                junk.display()
+            )
         );
         let e = client_config(&ClientTls {
             domain: Some("x".into()),

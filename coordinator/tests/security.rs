@@ -113,7 +113,11 @@ async fn each_service_takes_only_its_own_token() {
             .await
             .unwrap_err();
         assert_eq!(e.code(), Code::Unauthenticated, "{token:?}");
-        assert!(e.message().contains("admin token (ACCRUE_ADMIN_TOKEN)"), "{}", e.message());
+        assert!(
+            e.message().contains("admin token (ACCRUE_ADMIN_TOKEN)"),
+            "{}",
+            e.message()
+        );
         assert!(e.message().contains(needle), "{}", e.message());
         let e = worker(&s.addr, token)
             .await
@@ -121,7 +125,11 @@ async fn each_service_takes_only_its_own_token() {
             .await
             .unwrap_err();
         assert_eq!(e.code(), Code::Unauthenticated, "{token:?}");
-        assert!(e.message().contains("worker token (ACCRUE_WORKER_TOKEN)"), "{}", e.message());
+        assert!(
+            e.message().contains("worker token (ACCRUE_WORKER_TOKEN)"),
+            "{}",
+            e.message()
+        );
     }
 
     // Crossed tokens are refused, and the message never echoes a token.
@@ -331,7 +339,10 @@ async fn tls_handshakes_with_the_right_ca_only() {
     };
     let err = match connect(&wrong).await {
         Err(e) => format!("{e:#}"),
-        Ok(mut c) => format!("{:?}", c.list_jobs(wire::ListJobsRequest {}).await.unwrap_err()),
+        Ok(mut c) => format!(
+            "{:?}",
+            c.list_jobs(wire::ListJobsRequest {}).await.unwrap_err()
+        ),
     };
     assert!(
         err.to_lowercase().contains("certificate") || err.contains("UnknownIssuer"),

@@ -56,7 +56,11 @@ fn cli_needs_the_admin_token_of_a_protected_coordinator() {
     BufReader::new(child.stdout.take().unwrap())
         .read_line(&mut line)
         .unwrap();
-    let addr = line.trim().strip_prefix("listening on ").unwrap().to_string();
+    let addr = line
+        .trim()
+        .strip_prefix("listening on ")
+        .unwrap()
+        .to_string();
     let url = format!("http://{addr}");
 
     let out = cli(&url, &["jobs"], &[]);
@@ -67,7 +71,11 @@ fn cli_needs_the_admin_token_of_a_protected_coordinator() {
     assert!(err.contains("--token"), "{err}");
 
     let out = cli(&url, &["jobs", "--token", WORKER], &[]);
-    assert_eq!(out.status.code(), Some(1), "the worker token is not an admin token");
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "the worker token is not an admin token"
+    );
     assert!(!stderr(&out).contains(WORKER), "{}", stderr(&out));
 
     let out = cli(&url, &["jobs", "--token", ADMIN], &[]);

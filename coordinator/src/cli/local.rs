@@ -98,7 +98,10 @@ pub async fn run(spec_path: &Path, workers: u32) -> anyhow::Result<ExitCode> {
             .arg(&url)
             .arg("--threads")
             .arg(threads_per_worker(workers).to_string())
-            .env(WORKER_TOKEN_ENV, tokens.worker.as_ref().map_or("", |t| t.expose()))
+            .env(
+                WORKER_TOKEN_ENV,
+                tokens.worker.as_ref().map_or("", |t| t.expose()),
+            )
             .env_remove("ACCRUE_WORKER_TOKEN_FILE")
             .env_remove("ACCRUE_TLS_CA")
             .stdin(Stdio::null())

@@ -803,7 +803,11 @@ fn a_result_from_an_older_generation_changes_nothing() {
     s.dead.push("b".into());
     s.handle(Event::SessionClosed { worker: "b".into() })
         .unwrap();
-    let before = (s.inbox.len(), s.persisted.len(), s.c.job("job").unwrap().rec.clone());
+    let before = (
+        s.inbox.len(),
+        s.persisted.len(),
+        s.c.job("job").unwrap().rec.clone(),
+    );
     assert_eq!(before.2.generation, 2);
     // a's answer to generation 1's plan arrives late: it is ignored.
     s.handle(Event::StepResult {
@@ -822,7 +826,10 @@ fn a_result_from_an_older_generation_changes_nothing() {
     assert!(s.committed.is_empty());
     assert_eq!((s.inbox.len(), s.persisted.len()), (before.0, before.1));
     let after = &s.c.job("job").unwrap().rec;
-    assert_eq!((after.step, after.generation), (before.2.step, before.2.generation));
+    assert_eq!(
+        (after.step, after.generation),
+        (before.2.step, before.2.generation)
+    );
     assert_eq!(after.cursor, before.2.cursor);
     s.run();
     assert_eq!(s.state(), JobState::Completed);

@@ -92,7 +92,11 @@ mod tests {
             r.collective_addr = bad.into();
             let e = register(&r).unwrap_err();
             assert_eq!(e.code(), Code::InvalidArgument);
-            assert!(e.message().starts_with("collective_addr:"), "{}", e.message());
+            assert!(
+                e.message().starts_with("collective_addr:"),
+                "{}",
+                e.message()
+            );
         }
         let e = hello(&wire::Hello::default()).unwrap_err();
         assert_eq!(e.message(), "hello.worker_id must not be empty");
@@ -109,7 +113,11 @@ mod tests {
             ..Default::default()
         }))
         .unwrap_err();
-        assert!(e.message().starts_with("step_result.sums.compute_s"), "{}", e.message());
+        assert!(
+            e.message().starts_with("step_result.sums.compute_s"),
+            "{}",
+            e.message()
+        );
         let e = session_message(&Msg::Ready(wire::Ready::default())).unwrap_err();
         assert_eq!(e.message(), "ready.job_id must not be empty");
     }

@@ -108,7 +108,10 @@ pub async fn run(cfg: SessionConfig, runner: RunnerConfig) -> anyhow::Result<()>
             }
             Err(e) if refused(&e) => {
                 // A wrong token or certificate does not fix itself.
-                break Err(e.context(format!("coordinator {} refused this worker", cfg.coordinator)));
+                break Err(e.context(format!(
+                    "coordinator {} refused this worker",
+                    cfg.coordinator
+                )));
             }
             Err(e) => {
                 let since = *unreachable_since.get_or_insert_with(Instant::now);

@@ -60,7 +60,10 @@ impl std::fmt::Debug for Security {
 
 /// The token from `file` (trailing whitespace trimmed; unreadable or empty
 /// is an error naming it), else from `env_value`.
-pub fn resolve_token(env_value: Option<&str>, file: Option<&Path>) -> anyhow::Result<Option<String>> {
+pub fn resolve_token(
+    env_value: Option<&str>,
+    file: Option<&Path>,
+) -> anyhow::Result<Option<String>> {
     let (value, what) = match file {
         Some(f) => {
             let text = std::fs::read_to_string(f)
@@ -98,7 +101,8 @@ impl tonic::service::Interceptor for Bearer {
 pub type Client = WorkerServiceClient<InterceptedService<Channel, Bearer>>;
 
 fn read_pem(what: &str, path: &Path) -> anyhow::Result<Vec<u8>> {
-    let bytes = std::fs::read(path).with_context(|| format!("cannot read {what} {}", path.display()))?;
+    let bytes =
+        std::fs::read(path).with_context(|| format!("cannot read {what} {}", path.display()))?;
     anyhow::ensure!(
         String::from_utf8_lossy(&bytes).contains("-----BEGIN "),
         "{what} {}: no PEM block found",
@@ -109,8 +113,8 @@ fn read_pem(what: &str, path: &Path) -> anyhow::Result<Vec<u8>> {
 
 /// The tonic TLS config of `files`.
 pub fn tls_config(files: &TlsFiles) -> anyhow::Result<ClientTlsConfig> {
-    let mut cfg =
-        ClientTlsConfig::new().ca_certificate(Certificate::from_pem(read_pem("tls CA", &files.ca)?));
+    let mut cfg = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(read_pem("tls CA", &files.ca)?));
     if let Some(d) = &files.domain {
         cfg = cfg.domain_name(d.clone());
     }
@@ -160,9 +164,11 @@ pub async fn connect(url: &str, sec: &Security) -> anyhow::Result<Client> {
                 .map_err(|_| anyhow::anyhow!("the worker token must be visible ASCII"))?,
         ),
     };
-    Ok(WorkerServiceClient::with_interceptor(channel, Bearer(header))
-        .max_decoding_message_size(sec.max_message_bytes)
-        .max_encoding_message_size(sec.max_message_bytes))
+    Ok(
+        WorkerServiceClient::with_interceptor(channel, Bearer(header))
+            .max_decoding_message_size(sec.max_message_bytes)
+            .max_encoding_message_size(sec.max_message_bytes),
+    )
 }
 
 #[cfg(test)]
@@ -174,14 +180,26 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let f = dir.path().join("t");
         std::fs::write(&f, "abc\n").unwrap();
-        assert_eq!(resolve_token(Some("env"), Some(&f)).unwrap().as_deref(), Some("abc"));
-        assert_eq!(resolve_token(Some("env"), None).unwrap().as_deref(), Some("env"));
+        assert_eq!(
+            resolve_token(Some("env"), Some(&f)).unwrap().as_deref(),
+            Some("abc")
+        );
+        assert_eq!(
+            resolve_token(Some("env"), None).unwrap().as_deref(),
+            Some("env")
+        );
         assert_eq!(resolve_token(None, None).unwrap(), None);
         std::fs::write(&f, "").unwrap();
         let e = resolve_token(None, Some(&f)).unwrap_err().to_string();
         assert_eq!(e, format!("token file {} is empty", f.display()));
-        assert!(format!("{:?}", Security { token: Some("s3cret".into()), ..Default::default() })
-            .contains("redacted"));
+        assert!(format!(
+            "{:?}",
+            Security {
+                token: Some("s3cret".into()),
+                ..Default::default()
+            }
+        )
+        .contains("redacted"));
     }
 
     #[test]
