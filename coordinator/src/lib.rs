@@ -4,6 +4,7 @@
 //! Pure domain modules (`doc`, `cursor`, `spec`, `data`, `plan`, `core`) do
 //! no network I/O; `service` and `server` adapt them to tonic.
 
+pub mod auth;
 pub mod bench;
 pub mod cli;
 pub mod core;
@@ -19,6 +20,7 @@ pub mod server;
 pub mod service;
 pub mod spec;
 pub mod store;
+pub mod tls;
 
 pub use accrue_proto::v1 as wire;
 

@@ -35,6 +35,8 @@ pub struct ServerConfig {
     /// A metrics address that cannot be bound only warns (the default port
     /// may be taken by another coordinator on the machine).
     pub metrics_optional: bool,
+    /// Tokens, TLS and message size limits (see [`crate::auth`]).
+    pub security: crate::auth::Security,
 }
 
 impl ServerConfig {
@@ -47,12 +49,14 @@ impl ServerConfig {
             tick_ms: 200,
             metrics_listen: None,
             metrics_optional: false,
+            security: crate::auth::Security::default(),
         }
     }
 }
 
 pub struct Server {
     listener: TcpListener,
+    tls: Option<tonic::transport::ServerTlsConfig>,
     metrics: Option<TcpListener>,
     shared: Arc<Shared>,
     config: ServerConfig,
@@ -61,6 +65,13 @@ pub struct Server {
 impl Server {
     /// Opens the state dir, restores its jobs and binds the listener.
     pub async fn bind(config: ServerConfig) -> anyhow::Result<Server> {
+        let sec = &config.security;
+        crate::auth::check_policy(&sec.tokens, config.listen, sec.insecure_no_auth)?;
+        let tls = sec
+            .tls
+            .as_ref()
+            .map(crate::tls::server_config)
+            .transpose()?;
         std::fs::create_dir_all(&config.state_dir)
             .with_context(|| format!("creating state dir {}", config.state_dir.display()))?;
         let store = Store::open(&config.state_dir)?;
@@ -83,7 +94,8 @@ impl Server {
         let listener = TcpListener::bind(config.listen)
             .await
             .with_context(|| format!("binding {}", config.listen))?;
-        info!(addr = %listener.local_addr()?, restored, state_dir = %config.state_dir.display(), "coordinator listening");
+        config.security.warn_if_open(config.listen);
+        info!(addr = %listener.local_addr()?, tls = tls.is_some(), restored, state_dir = %config.state_dir.display(), "coordinator listening");
         let metrics = match config.metrics_listen {
             None => None,
             Some(addr) => match TcpListener::bind(addr).await {
@@ -97,6 +109,7 @@ impl Server {
         };
         Ok(Server {
             listener,
+            tls,
             metrics,
             shared: Shared::new(core, store),
             config,
@@ -143,14 +156,28 @@ impl Server {
                 shutdown.clone(),
             ));
         }
-        let admin = AdminServer::new(AdminService::new(self.shared.clone()));
+        let max = self.config.security.max_message_bytes;
+        let admin = AdminServer::new(AdminService::new(self.shared.clone()))
+            .max_decoding_message_size(max)
+            .max_encoding_message_size(max);
         let worker = WorkerServiceServer::new(WorkerServiceImpl::new(
             self.shared.clone(),
             self.config.heartbeat_interval_ms,
-        ));
-        let rollouts = RolloutsServer::new(RolloutsService::new(self.shared.clone()));
-        tonic::transport::Server::builder()
+        ))
+        .max_decoding_message_size(max)
+        .max_encoding_message_size(max);
+        let rollouts = RolloutsServer::new(RolloutsService::new(self.shared.clone()))
+            .max_decoding_message_size(max)
+            .max_encoding_message_size(max);
+        let mut builder = tonic::transport::Server::builder();
+        if let Some(tls) = self.tls {
+            builder = builder.tls_config(tls).context("configuring tls")?;
+        }
+        builder
             .http2_keepalive_interval(Some(Duration::from_secs(10)))
+            .layer(crate::auth::AuthLayer::new(
+                self.config.security.tokens.clone(),
+            ))
             .add_service(admin)
             .add_service(worker)
             .add_service(rollouts)

@@ -3,7 +3,9 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
+use accrue_coordinator::auth;
 use accrue_coordinator::server::{Server, ServerConfig};
+use accrue_coordinator::tls::ServerTls;
 use anyhow::Context as _;
 use clap::Parser;
 
@@ -28,6 +30,67 @@ struct Args {
     /// Log as JSON lines instead of text.
     #[arg(long)]
     log_json: bool,
+    #[command(flatten)]
+    security: SecurityArgs,
+}
+
+/// Tokens, TLS and limits (README "Security").
+#[derive(clap::Args)]
+struct SecurityArgs {
+    /// File holding the admin token (wins over $ACCRUE_ADMIN_TOKEN).
+    #[arg(long, value_name = "FILE")]
+    admin_token_file: Option<PathBuf>,
+    /// File holding the worker token (wins over $ACCRUE_WORKER_TOKEN).
+    #[arg(long, value_name = "FILE")]
+    worker_token_file: Option<PathBuf>,
+    /// Serve without tokens on a non-loopback --listen address.
+    #[arg(long)]
+    insecure_no_auth: bool,
+    /// PEM certificate chain: serve TLS (with --tls-key).
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// PEM CA bundle: require client certificates it signed (mutual TLS).
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    tls_client_ca: Option<PathBuf>,
+    /// Largest gRPC message accepted or sent, in MiB.
+    #[arg(long, value_name = "MB", default_value_t = auth::DEFAULT_MAX_MESSAGE_MB,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=4096))]
+    max_message_mb: usize,
+}
+
+impl SecurityArgs {
+    fn into_security(self) -> anyhow::Result<auth::Security> {
+        let env = |k: &str| std::env::var(k).ok();
+        let tokens = auth::Tokens {
+            admin: auth::resolve_token(
+                auth::ADMIN_TOKEN_ENV,
+                env(auth::ADMIN_TOKEN_ENV).as_deref(),
+                self.admin_token_file.as_deref(),
+            )?,
+            worker: auth::resolve_token(
+                auth::WORKER_TOKEN_ENV,
+                env(auth::WORKER_TOKEN_ENV).as_deref(),
+                self.worker_token_file.as_deref(),
+            )?,
+        };
+        let tls = match (self.tls_cert, self.tls_key) {
+            (Some(cert), Some(key)) => Some(ServerTls {
+                cert,
+                key,
+                client_ca: self.tls_client_ca,
+            }),
+            _ => None,
+        };
+        Ok(auth::Security {
+            tokens,
+            insecure_no_auth: self.insecure_no_auth,
+            tls,
+            max_message_bytes: self.max_message_mb << 20,
+        })
+    }
 }
 
 #[tokio::main]
@@ -36,6 +99,7 @@ async fn main() -> anyhow::Result<()> {
     accrue_coordinator::init_tracing(args.log_json);
     let mut config = ServerConfig::new(args.listen, args.state_dir);
     config.heartbeat_timeout_ms = args.heartbeat_timeout_ms;
+    config.security = args.security.into_security()?;
     match args.metrics_listen.as_deref() {
         Some("off") => {}
         Some(a) => config.metrics_listen = Some(a.parse().context("--metrics-listen")?),

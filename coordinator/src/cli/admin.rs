@@ -18,7 +18,7 @@ use crate::wire::{
 };
 
 async fn client(conn: &Conn) -> anyhow::Result<AdminConn> {
-    connect(&conn.coordinator, conn.token.as_deref()).await
+    connect(conn).await
 }
 
 fn print_json(v: &serde_json::Value) -> anyhow::Result<ExitCode> {

@@ -10,6 +10,8 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Request, Status};
 
+use super::Conn;
+use crate::auth::Token;
 use crate::wire::admin_client::AdminClient;
 
 /// Where the CLI looks for a coordinator when neither `--coordinator` nor
@@ -62,22 +64,40 @@ pub fn normalize_url(url: &str) -> String {
     }
 }
 
-/// Connects to the coordinator at `url` (eagerly, so an unreachable
-/// coordinator is reported before anything else happens).
-pub async fn connect(url: &str, token: Option<&str>) -> anyhow::Result<AdminConn> {
-    let auth = BearerAuth::new(token)?;
-    let url = normalize_url(url);
-    let endpoint = Endpoint::from_shared(url.clone())
+/// Connects to the coordinator `conn` names (eagerly, so an unreachable
+/// coordinator is reported before anything else happens), with its token,
+/// TLS settings and message size limit.
+pub async fn connect(conn: &Conn) -> anyhow::Result<AdminConn> {
+    let (channel, auth) = channel(conn).await?;
+    let max = conn.max_message_mb << 20;
+    Ok(AdminClient::with_interceptor(channel, auth)
+        .max_decoding_message_size(max)
+        .max_encoding_message_size(max))
+}
+
+/// The channel and bearer-token interceptor for any of the coordinator's
+/// admin-token services (Admin, Rollouts).
+pub async fn channel(conn: &Conn) -> anyhow::Result<(Channel, BearerAuth)> {
+    let token = conn.resolved_token()?;
+    let auth = BearerAuth::new(token.as_ref().map(Token::expose))?;
+    let tls = crate::tls::client_config(&conn.tls())?;
+    let url = crate::tls::url_for(&conn.coordinator, tls.is_some());
+    let mut endpoint = Endpoint::from_shared(url.clone())
         .with_context(|| format!("invalid coordinator address {url:?}"))?
         .connect_timeout(CONNECT_TIMEOUT)
         .tcp_nodelay(true);
+    if let Some(tls) = tls {
+        endpoint = endpoint
+            .tls_config(tls)
+            .with_context(|| format!("tls settings for {url}"))?;
+    }
     let channel = endpoint.connect().await.map_err(|e| {
         anyhow::anyhow!(
             "cannot reach coordinator at {url}: {} — is accrue-coordinator running?",
             error_chain(&e)
         )
     })?;
-    Ok(AdminClient::with_interceptor(channel, auth))
+    Ok((channel, auth))
 }
 
 /// `e: cause: cause`, skipping links that repeat their predecessor.
@@ -104,7 +124,7 @@ pub fn rpc_error(status: &Status, coordinator: &str) -> anyhow::Error {
             format!("cannot reach coordinator at {url}: {msg} — is accrue-coordinator running?")
         }
         Code::Unauthenticated | Code::PermissionDenied => format!(
-            "the coordinator at {url} refused the request: {msg} (pass --token or set ACCRUE_ADMIN_TOKEN)"
+            "the coordinator at {url} refused the request: {msg} (pass --token or --token-file, or set ACCRUE_ADMIN_TOKEN)"
         ),
         Code::Unimplemented => format!(
             "the coordinator at {url} does not implement this call: {msg} (is it an older version?)"
@@ -190,7 +210,7 @@ mod tests {
             .unwrap()
             .port();
         let url = format!("http://127.0.0.1:{port}");
-        let err = connect(&url, None).await.unwrap_err();
+        let err = connect(&Conn::new(&url)).await.unwrap_err();
         let msg = format!("{err:#}");
         assert!(
             msg.starts_with(&format!("cannot reach coordinator at {url}: ")),

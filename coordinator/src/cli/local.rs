@@ -16,6 +16,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::client::{connect, rpc_error};
 use super::{watch, Conn};
+use crate::auth::{Token, Tokens, WORKER_TOKEN_ENV};
 use crate::core::Event;
 use crate::server::{Server, ServerConfig};
 use crate::spec::JobSpec;
@@ -66,7 +67,15 @@ pub async fn run(spec_path: &Path, workers: u32) -> anyhow::Result<ExitCode> {
     let logs = out.join("logs");
     std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
 
-    let config = ServerConfig::new(SocketAddr::from(([127, 0, 0, 1], 0)), out.join("state"));
+    let mut config = ServerConfig::new(SocketAddr::from(([127, 0, 0, 1], 0)), out.join("state"));
+    // Local runs are authenticated too: fresh tokens for this run only,
+    // handed to the workers through their environment (not argv, which
+    // other users can read).
+    let tokens = Tokens {
+        admin: Some(Token::generate()),
+        worker: Some(Token::generate()),
+    };
+    config.security.tokens = tokens.clone();
     let server = Server::bind(config).await?;
     cancel_leftover_jobs(&server);
     let addr = server.local_addr();
@@ -89,6 +98,12 @@ pub async fn run(spec_path: &Path, workers: u32) -> anyhow::Result<ExitCode> {
             .arg(&url)
             .arg("--threads")
             .arg(threads_per_worker(workers).to_string())
+            .env(
+                WORKER_TOKEN_ENV,
+                tokens.worker.as_ref().map_or("", |t| t.expose()),
+            )
+            .env_remove("ACCRUE_WORKER_TOKEN_FILE")
+            .env_remove("ACCRUE_TLS_CA")
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)
@@ -102,7 +117,13 @@ pub async fn run(spec_path: &Path, workers: u32) -> anyhow::Result<ExitCode> {
     // All N workers join before the job starts, so it runs at world N from
     // step 1 rather than growing mid-run.
     let result = match wait_for_workers(&shared, workers, &mut children).await {
-        Ok(()) => follow(&url, &spec_toml, &base, &mut children).await,
+        Ok(()) => {
+            let conn = Conn {
+                token: tokens.admin.as_ref().map(|t| t.expose().to_string()),
+                ..Conn::new(&url)
+            };
+            follow(&conn, &spec_toml, &base, &mut children).await
+        }
         Err(e) => Err(e),
     };
     // Released workers finish their final checkpoint and exit by themselves.
@@ -174,16 +195,13 @@ fn cancel_leftover_jobs(server: &Server) {
 
 /// Submits the job and watches it, racing Ctrl-C and the workers' deaths.
 async fn follow(
-    url: &str,
+    conn: &Conn,
     spec_toml: &str,
     base: &Path,
     children: &mut [(Child, PathBuf)],
 ) -> anyhow::Result<ExitCode> {
-    let conn = Conn {
-        coordinator: url.to_string(),
-        token: None,
-    };
-    let mut client = connect(url, None).await?;
+    let url = conn.coordinator.as_str();
+    let mut client = connect(conn).await?;
     let job = client
         .submit_job(SubmitJobRequest {
             spec_toml: spec_toml.to_string(),
@@ -198,7 +216,7 @@ async fn follow(
     let interrupted = crate::shutdown_on_signal();
     let code = tokio::select! {
         biased;
-        r = watch::run(&conn, &job, 0, false) => r?,
+        r = watch::run(conn, &job, 0, false) => r?,
         _ = interrupted.cancelled() => {
             eprintln!("interrupted: stopping the workers and the coordinator");
             return Ok(ExitCode::from(130));

@@ -218,8 +218,8 @@ async fn serve(mock: Arc<Mock>, token: Option<&str>) -> Conn {
             .serve_with_incoming(incoming),
     );
     Conn {
-        coordinator: format!("http://{addr}"),
         token: token.map(str::to_string),
+        ..Conn::new(&format!("http://{addr}"))
     }
 }
 

@@ -62,6 +62,78 @@ pub struct Conn {
         hide_env_values = true
     )]
     pub token: Option<String>,
+    /// File holding the admin token (wins over --token).
+    #[arg(
+        long,
+        global = true,
+        value_name = "FILE",
+        env = "ACCRUE_ADMIN_TOKEN_FILE"
+    )]
+    pub token_file: Option<PathBuf>,
+    /// PEM CA bundle that signed the coordinator's certificate: connect
+    /// with TLS (https).
+    #[arg(long, global = true, value_name = "FILE", env = "ACCRUE_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
+    /// Name to check the coordinator's certificate against (default: the
+    /// host of --coordinator).
+    #[arg(long, global = true, value_name = "NAME", requires = "tls_ca")]
+    pub tls_domain: Option<String>,
+    /// Client certificate (PEM) for a coordinator that requires mutual TLS.
+    #[arg(
+        long,
+        global = true,
+        value_name = "FILE",
+        requires = "tls_key",
+        requires = "tls_ca"
+    )]
+    pub tls_cert: Option<PathBuf>,
+    /// Private key of --tls-cert.
+    #[arg(long, global = true, value_name = "FILE", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Largest gRPC message accepted or sent, in MiB.
+    #[arg(
+        long,
+        global = true,
+        value_name = "MB",
+        default_value_t = crate::auth::DEFAULT_MAX_MESSAGE_MB,
+        value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=4096)
+    )]
+    pub max_message_mb: usize,
+}
+
+impl Conn {
+    /// Plain settings for `coordinator`: no token, no TLS, default limits.
+    pub fn new(coordinator: &str) -> Conn {
+        Conn {
+            coordinator: coordinator.to_string(),
+            token: None,
+            token_file: None,
+            tls_ca: None,
+            tls_domain: None,
+            tls_cert: None,
+            tls_key: None,
+            max_message_mb: crate::auth::DEFAULT_MAX_MESSAGE_MB,
+        }
+    }
+
+    /// The admin token: `--token-file` wins over `--token`/`$ACCRUE_ADMIN_TOKEN`.
+    pub fn resolved_token(&self) -> anyhow::Result<Option<crate::auth::Token>> {
+        Ok(crate::auth::resolve_token(
+            "--token",
+            self.token.as_deref(),
+            self.token_file.as_deref(),
+        )?)
+    }
+
+    /// The TLS settings (all `None`: plain HTTP/2).
+    pub fn tls(&self) -> crate::tls::ClientTls {
+        crate::tls::ClientTls {
+            ca: self.tls_ca.clone(),
+            domain: self.tls_domain.clone(),
+            cert: self.tls_cert.clone(),
+            key: self.tls_key.clone(),
+        }
+    }
 }
 
 #[derive(Debug, Subcommand)]

@@ -163,7 +163,7 @@ async fn measure(sharding: &str, workers: u32, fault: &str) -> anyhow::Result<Re
     }
     let result = async {
         wait_for_workers(&shared, workers, &mut children).await?;
-        let mut client = connect(&url, None).await?;
+        let mut client = connect(&super::Conn::new(&url)).await?;
         let job = client
             .submit_job(SubmitJobRequest {
                 spec_toml: spec,

@@ -11,9 +11,8 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Context};
 use serde_json::{Map, Value as Json};
-use tonic::transport::Endpoint;
 
-use super::client::{normalize_url, rpc_error, BearerAuth, CONNECT_TIMEOUT};
+use super::client::rpc_error;
 use super::Conn;
 use crate::data::read;
 use crate::wire;
@@ -141,19 +140,11 @@ pub async fn push(conn: &Conn, job: &str, file: &Path, batch: usize) -> anyhow::
         bail!("--batch must be at least 1");
     }
     let rows = read_file(file)?;
-    let url = normalize_url(&conn.coordinator);
-    let channel = Endpoint::from_shared(url.clone())
-        .with_context(|| format!("invalid coordinator address {url:?}"))?
-        .connect_timeout(CONNECT_TIMEOUT)
-        .connect()
-        .await
-        .map_err(|e| {
-            anyhow::anyhow!(
-                "cannot reach coordinator at {url}: {e} — is accrue-coordinator running?"
-            )
-        })?;
-    let auth = BearerAuth::new(conn.token.as_deref())?;
-    let mut client = RolloutsClient::with_interceptor(channel, auth);
+    let (channel, auth) = super::client::channel(conn).await?;
+    let max = conn.max_message_mb << 20;
+    let mut client = RolloutsClient::with_interceptor(channel, auth)
+        .max_decoding_message_size(max)
+        .max_encoding_message_size(max);
     let reply = client
         .push_rollouts(tokio_stream::iter(messages(job, &rows, batch)))
         .await

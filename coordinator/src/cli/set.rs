@@ -34,7 +34,7 @@ pub fn request(args: &SetArgs) -> UpdateJobRequest {
 
 /// `accrue set`: prints `<job>: from step <n>`.
 pub async fn run(conn: &Conn, args: &SetArgs) -> anyhow::Result<ExitCode> {
-    let r = connect(&conn.coordinator, conn.token.as_deref())
+    let r = connect(conn)
         .await?
         .update_job(request(args))
         .await

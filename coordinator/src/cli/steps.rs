@@ -28,7 +28,7 @@ pub struct StepsArgs {
 
 /// `accrue steps JOB [--from N] [--to M] [--detail] [--json]`.
 pub async fn run(conn: &Conn, args: &StepsArgs) -> anyhow::Result<ExitCode> {
-    let steps = connect(&conn.coordinator, conn.token.as_deref())
+    let steps = connect(conn)
         .await?
         .list_steps(ListStepsRequest {
             job_id: args.job.clone(),

@@ -92,7 +92,7 @@ pub async fn run(
     from_step: u64,
     json: bool,
 ) -> anyhow::Result<ExitCode> {
-    let mut c = connect(&conn.coordinator, conn.token.as_deref()).await?;
+    let mut c = connect(conn).await?;
     let get = GetJobRequest {
         job_id: job_id.into(),
     };

@@ -1927,3 +1927,50 @@ fn a_paused_job_dispatches_nothing_until_resumed() {
     let sizes: Vec<u64> = s.committed.iter().map(|(m, _)| m.docs).collect();
     assert_eq!(sizes, vec![4, 2, 2]);
 }
+
+#[test]
+fn a_result_from_an_older_generation_changes_nothing() {
+    let mut s = Sim::new();
+    s.worker("a");
+    s.worker("b");
+    s.submit(spec("steps = 2", "docs_per_step = 6", 1, 4), docs(30));
+    while let Some((_, ToWorker::Configure { .. })) = s.inbox.front() {
+        s.step_once();
+    }
+    s.inbox.clear();
+    // b dies with step 1 of generation 1 in flight: generation 2 forms.
+    s.dead.push("b".into());
+    s.handle(Event::SessionClosed { worker: "b".into() })
+        .unwrap();
+    let before = (
+        s.inbox.len(),
+        s.persisted.len(),
+        s.c.job("job").unwrap().rec.clone(),
+    );
+    assert_eq!(before.2.generation, 2);
+    // a's answer to generation 1's plan arrives late: it is ignored.
+    s.handle(Event::StepResult {
+        worker: "a".into(),
+        job: "job".into(),
+        generation: 1,
+        step: 1,
+        sums: MetricSums {
+            loss_sum: 1.0,
+            loss_tokens: 1,
+            ..Default::default()
+        },
+        logps: Vec::new(),
+    })
+    .unwrap();
+    assert!(s.committed.is_empty());
+    assert_eq!((s.inbox.len(), s.persisted.len()), (before.0, before.1));
+    let after = &s.c.job("job").unwrap().rec;
+    assert_eq!(
+        (after.step, after.generation),
+        (before.2.step, before.2.generation)
+    );
+    assert_eq!(after.cursor, before.2.cursor);
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    assert_eq!(s.committed[0].0.world_size, 1, "step 1 ran in generation 2");
+}

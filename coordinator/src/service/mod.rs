@@ -6,6 +6,7 @@
 mod admin;
 pub mod convert;
 mod rollouts;
+mod validate;
 mod worker;
 
 use std::collections::HashMap;

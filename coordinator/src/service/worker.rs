@@ -32,6 +32,7 @@ type SessionStream = Pin<Box<dyn Stream<Item = Result<wire::CoordinatorMessage, 
 
 /// A worker message as a state-machine event (None: nothing to do).
 fn event_of(worker: &str, msg: Msg) -> Result<Option<Event>, Status> {
+    super::validate::session_message(&msg)?;
     let worker = worker.to_string();
     Ok(Some(match msg {
         Msg::Hello(_) => return Err(Status::invalid_argument("hello: sent twice on one session")),
@@ -89,7 +90,8 @@ impl WorkerService for WorkerServiceImpl {
         if r.hostname.is_empty() {
             return Err(Status::invalid_argument("hostname must not be empty"));
         }
-        let held = r.held.map(convert::held_from_wire).transpose()?;
+        super::validate::register(&r)?;
+        let held = r.held.clone().map(convert::held_from_wire).transpose()?;
         let id = {
             let inner = self.shared.lock();
             let reuse = !r.previous_worker_id.is_empty()
@@ -134,7 +136,7 @@ impl WorkerService for WorkerServiceImpl {
         let worker = match incoming.next().await {
             Some(Ok(wire::WorkerMessage {
                 msg: Some(Msg::Hello(h)),
-            })) => h.worker_id,
+            })) => super::validate::hello(&h).map(|()| h.worker_id)?,
             Some(Ok(_)) => {
                 return Err(Status::invalid_argument(
                     "the first session message must be hello",

@@ -3,6 +3,8 @@
 
 use accrue_worker::runner::{self, RunnerConfig};
 use accrue_worker::session::{self, SessionConfig};
+use std::path::PathBuf;
+
 use clap::Parser;
 
 /// Accrue worker: trains on the step plans an accrue-coordinator sends.
@@ -30,6 +32,27 @@ struct Args {
     /// Exit when the coordinator releases this worker (job done, cancelled, drained).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     exit_on_release: bool,
+    /// The worker token (sent as a bearer token on every call).
+    #[arg(long, env = "ACCRUE_WORKER_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// File holding the worker token (wins over --token).
+    #[arg(long, value_name = "FILE", env = "ACCRUE_WORKER_TOKEN_FILE")]
+    token_file: Option<PathBuf>,
+    /// PEM CA bundle that signed the coordinator's certificate: connect with TLS.
+    #[arg(long, value_name = "FILE", env = "ACCRUE_TLS_CA")]
+    tls_ca: Option<PathBuf>,
+    /// Name to check the coordinator's certificate against (default: URL host).
+    #[arg(long, value_name = "NAME", requires = "tls_ca")]
+    tls_domain: Option<String>,
+    /// Client certificate (PEM) for a coordinator requiring mutual TLS.
+    #[arg(long, value_name = "FILE", requires_all = ["tls_key", "tls_ca"])]
+    tls_cert: Option<PathBuf>,
+    /// Private key of --tls-cert.
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Largest gRPC message accepted or sent, in MiB.
+    #[arg(long, value_name = "MB", default_value_t = session::secure::DEFAULT_MAX_MESSAGE_MB)]
+    max_message_mb: usize,
 }
 
 #[tokio::main]
@@ -44,6 +67,15 @@ async fn main() -> anyhow::Result<()> {
     cfg.collective_addr = advertised;
     cfg.exit_on_release = args.exit_on_release;
     cfg.peak_flops = session::peak_flops(args.peak_tflops);
+    cfg.security = session::secure::Security {
+        token: session::secure::resolve_token(args.token.as_deref(), args.token_file.as_deref())?,
+        tls: args.tls_ca.map(|ca| session::secure::TlsFiles {
+            ca,
+            domain: args.tls_domain,
+            identity: args.tls_cert.zip(args.tls_key),
+        }),
+        max_message_bytes: args.max_message_mb.max(1) << 20,
+    };
     let mut parts = RunnerConfig::new(runner::default_factory());
     parts.listener = Some(listener);
     session::run(cfg, parts).await

@@ -7,17 +7,16 @@
 
 mod host;
 mod peak;
+pub mod secure;
 
 use std::time::{Duration, Instant};
 
 use accrue_proto::v1 as wire;
 use accrue_proto::v1::coordinator_message::Msg as In;
 use accrue_proto::v1::worker_message::Msg as Out;
-use accrue_proto::v1::worker_service_client::WorkerServiceClient;
 use anyhow::Context as _;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::{Channel, Endpoint};
 use tracing::{info, warn};
 
 pub use host::{device, hostname, memory_bytes};
@@ -43,6 +42,8 @@ pub struct SessionConfig {
     pub memory_bytes: u64,
     /// Peak FLOP/s reported at registration (MFU denominator; 0 = unknown).
     pub peak_flops: f64,
+    /// Worker token, TLS and message size limit.
+    pub security: secure::Security,
 }
 
 impl SessionConfig {
@@ -57,6 +58,7 @@ impl SessionConfig {
             device: device(),
             memory_bytes: memory_bytes(),
             peak_flops: 0.0,
+            security: secure::Security::default(),
         }
     }
 }
@@ -104,6 +106,13 @@ pub async fn run(cfg: SessionConfig, runner: RunnerConfig) -> anyhow::Result<()>
                 unreachable_since = None;
                 backoff = Duration::from_millis(100);
             }
+            Err(e) if refused(&e) => {
+                // A wrong token or certificate does not fix itself.
+                break Err(e.context(format!(
+                    "coordinator {} refused this worker",
+                    cfg.coordinator
+                )));
+            }
             Err(e) => {
                 let since = *unreachable_since.get_or_insert_with(Instant::now);
                 if since.elapsed() > cfg.reconnect_timeout {
@@ -123,21 +132,16 @@ pub async fn run(cfg: SessionConfig, runner: RunnerConfig) -> anyhow::Result<()>
     result
 }
 
-async fn connect(url: &str) -> anyhow::Result<WorkerServiceClient<Channel>> {
-    let url = if url.contains("://") {
-        url.to_string()
-    } else {
-        format!("http://{url}")
-    };
-    let channel = Endpoint::from_shared(url.clone())
-        .with_context(|| format!("bad coordinator url {url}"))?
-        .connect_timeout(Duration::from_secs(5))
-        .http2_keep_alive_interval(Duration::from_secs(10))
-        .keep_alive_while_idle(true)
-        .connect()
-        .await
-        .with_context(|| format!("connecting to {url}"))?;
-    Ok(WorkerServiceClient::new(channel))
+/// Whether `e` is the coordinator refusing our credentials.
+fn refused(e: &anyhow::Error) -> bool {
+    e.chain()
+        .filter_map(|c| c.downcast_ref::<tonic::Status>())
+        .any(|s| {
+            matches!(
+                s.code(),
+                tonic::Code::Unauthenticated | tonic::Code::PermissionDenied
+            )
+        })
 }
 
 /// One registration + session stream. `Err` means the coordinator could
@@ -148,7 +152,7 @@ async fn session(
     runner: &Runner,
     results: &mut mpsc::UnboundedReceiver<wire::WorkerMessage>,
 ) -> anyhow::Result<Ended> {
-    let mut client = connect(&cfg.coordinator).await?;
+    let mut client = secure::connect(&cfg.coordinator, &cfg.security).await?;
     let reg = client
         .register(wire::RegisterRequest {
             hostname: cfg.hostname.clone(),

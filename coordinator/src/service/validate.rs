@@ -1,0 +1,124 @@
+//! Checks of worker messages that the state machine cannot make itself
+//! (the wire shape: empty ids, impossible numbers, malformed addresses).
+//! A refused message is `InvalidArgument` naming the field, and is refused
+//! before it reaches the core, so it changes nothing.
+
+use accrue_proto::v1 as wire;
+use accrue_proto::v1::worker_message::Msg;
+use tonic::Status;
+
+fn non_empty(field: &str, value: &str) -> Result<(), Status> {
+    if value.is_empty() {
+        return Err(Status::invalid_argument(format!(
+            "{field} must not be empty"
+        )));
+    }
+    Ok(())
+}
+
+/// A duration or count that must be a finite number ≥ 0.
+fn non_negative(field: &str, value: f64) -> Result<(), Status> {
+    if !(value.is_finite() && value >= 0.0) {
+        return Err(Status::invalid_argument(format!(
+            "{field}: expected a finite number >= 0, got {value}"
+        )));
+    }
+    Ok(())
+}
+
+/// `RegisterRequest`: a hostname, and a collective address that is empty
+/// (single-rank workers) or `host:port`.
+pub fn register(r: &wire::RegisterRequest) -> Result<(), Status> {
+    non_empty("hostname", &r.hostname)?;
+    if !r.collective_addr.is_empty() {
+        let ok = r
+            .collective_addr
+            .rsplit_once(':')
+            .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+        if !ok {
+            return Err(Status::invalid_argument(format!(
+                "collective_addr: expected host:port, got {:?}",
+                r.collective_addr
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The first session message's worker id.
+pub fn hello(h: &wire::Hello) -> Result<(), Status> {
+    non_empty("hello.worker_id", &h.worker_id)
+}
+
+/// One session message after hello.
+pub fn session_message(msg: &Msg) -> Result<(), Status> {
+    match msg {
+        Msg::Ready(r) => non_empty("ready.job_id", &r.job_id),
+        Msg::StepResult(r) => {
+            non_empty("step_result.job_id", &r.job_id)?;
+            if let Some(s) = &r.sums {
+                for (field, v) in [
+                    ("compute_s", s.compute_s),
+                    ("collective_s", s.collective_s),
+                    ("optimizer_s", s.optimizer_s),
+                    ("idle_s", s.idle_s),
+                    ("model_flops", s.model_flops),
+                ] {
+                    non_negative(&format!("step_result.sums.{field}"), v)?;
+                }
+            }
+            Ok(())
+        }
+        Msg::Error(e) => non_empty("error.job_id", &e.job_id),
+        Msg::CheckpointDone(c) => non_empty("checkpoint_done.job_id", &c.job_id),
+        Msg::Hello(_) | Msg::Heartbeat(_) | Msg::PolicyPublished(_) => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tonic::Code;
+
+    #[test]
+    fn bad_fields_are_named() {
+        let mut r = wire::RegisterRequest {
+            hostname: "h".into(),
+            collective_addr: "127.0.0.1:9".into(),
+            ..Default::default()
+        };
+        assert!(register(&r).is_ok());
+        for bad in ["nohost", ":9", "h:99999", "h:"] {
+            r.collective_addr = bad.into();
+            let e = register(&r).unwrap_err();
+            assert_eq!(e.code(), Code::InvalidArgument);
+            assert!(
+                e.message().starts_with("collective_addr:"),
+                "{}",
+                e.message()
+            );
+        }
+        let e = hello(&wire::Hello::default()).unwrap_err();
+        assert_eq!(e.message(), "hello.worker_id must not be empty");
+        let result = |sums| {
+            Msg::StepResult(wire::StepResult {
+                job_id: "j".into(),
+                sums: Some(sums),
+                ..Default::default()
+            })
+        };
+        assert!(session_message(&result(wire::MetricSums::default())).is_ok());
+        let e = session_message(&result(wire::MetricSums {
+            compute_s: -1.0,
+            ..Default::default()
+        }))
+        .unwrap_err();
+        assert!(
+            e.message().starts_with("step_result.sums.compute_s"),
+            "{}",
+            e.message()
+        );
+        let e = session_message(&Msg::Ready(wire::Ready::default())).unwrap_err();
+        assert_eq!(e.message(), "ready.job_id must not be empty");
+    }
+}
