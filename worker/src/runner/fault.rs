@@ -3,7 +3,7 @@
 //! first check, makes the worker log `fault point <point> reached at step
 //! N` and stop itself with SIGSTOP at that point of step N (on every rank,
 //! or only on `<rank>`), so the test can `kill -9` it there or resume it
-//! with SIGCONT. Points:
+//! with SIGCONT. It fires once per process. Points:
 //! - `before_step`: a plan received, nothing of the step run yet;
 //! - `mid_microbatch`: the step's first microbatch done, its gradients
 //!   accumulated, the rest of the step not run;
@@ -105,8 +105,11 @@ fn configured() -> Option<Fault> {
 
 /// Stops the process (SIGSTOP) if `ACCRUE_FAULT` names this point.
 pub fn point(point: Point, step: u64, rank: u32) {
+    // Fires once per process: a replay of the same step after recovery
+    // must not stop the worker again.
+    static FIRED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
     let Some(f) = configured() else { return };
-    if f.matches(point, step, rank) {
+    if f.matches(point, step, rank) && !FIRED.swap(true, std::sync::atomic::Ordering::SeqCst) {
         error!(
             point = point.name(),
             step,
