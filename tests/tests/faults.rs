@@ -682,3 +682,44 @@ fn coordinator_killed_mid_step_and_restarted() {
     let got = final_params(&c.d().join("out/job"));
     assert_same_params(&got, want, "ddp, coordinator kill -9 and restart");
 }
+
+/// The newest checkpoint is corrupted on disk, then a worker is lost under
+/// fsdp: the restore of step 6 fails verification, the coordinator says so
+/// and falls back to the checkpoint of step 3, replaying steps 4–7.
+#[test]
+fn a_corrupted_newest_checkpoint_falls_back_to_the_previous_one() {
+    let _g = lock();
+    let want = reference("fsdp");
+    let mut c = Cluster::new();
+    let spec = write_job(c.d(), "job", "fsdp", 2);
+    c.start_worker(None);
+    let victim = c.start_worker(Some("stop:before_step:8"));
+    let id = c.submit(&spec);
+    c.wait_log(victim, "fault point", Duration::from_secs(240));
+    let ck = c.d().join("out/job/checkpoints/step-6");
+    for f in ["manifest.json", "rank-0.json", "rank-1.json"] {
+        assert!(ck.join(f).is_file(), "checkpoint 6 incomplete: no {f}");
+    }
+    // One flipped byte in the middle of a shard: same size, wrong checksum.
+    let shard = std::fs::read_dir(&ck)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .expect("a shard");
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0xff;
+    std::fs::write(&shard, bytes).unwrap();
+    c.kill_worker(victim);
+    c.wait_completed(&id, Duration::from_secs(240));
+    let log = std::fs::read_to_string(c.d().join("logs/coordinator-0.log")).unwrap();
+    assert!(
+        log.contains("checkpoint step-6 failed to restore")
+            && log.contains("falling back to step-3"),
+        "no fallback logged:\n{}",
+        c.logs()
+    );
+    c.assert_exactly_once(&id, 96);
+    let got = final_params(&c.d().join("out/job"));
+    assert_same_params(&got, want, "fsdp, corrupted newest checkpoint");
+}
