@@ -112,6 +112,8 @@ pub struct FakeReport {
     pub released: bool,
     /// doc ids of every sequence in every plan, with the step.
     pub docs: Vec<(u64, String)>,
+    /// Steps whose plan was a replay of an already committed step.
+    pub replayed: Vec<u64>,
 }
 
 /// A worker speaking the real protocol: answers Configure with Ready and a
@@ -195,6 +197,9 @@ pub async fn fake_worker(url: String, max_steps: Option<usize>) -> anyhow::Resul
                 }
                 sums.loss_sum = 1.5 * sums.loss_tokens as f64;
                 report.steps.push(p.step);
+                if p.replay {
+                    report.replayed.push(p.step);
+                }
                 tx.send(send(Out::StepResult(wire::StepResult {
                     job_id: p.job_id,
                     generation: p.generation,
