@@ -19,38 +19,17 @@ use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::{Mutex, Once, OnceLock};
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use accrue_coordinator::manifest::{check_exactly_once, Expectation, StepManifest};
 
-static BUILD: Once = Once::new();
+mod real;
+
+use real::{bin_dir, write_tiny_config};
+
 /// One case at a time: each runs 3–4 processes on a 2-core machine.
 static SERIAL: Mutex<()> = Mutex::new(());
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
-
-/// target/<profile>, after building the coordinator, CLI and worker binaries.
-fn bin_dir() -> PathBuf {
-    BUILD.call_once(|| {
-        let status = Command::new(env!("CARGO"))
-            .args(["build", "-q", "-p", "accrue-coordinator", "-p", "accrue-worker", "--bins"])
-            .current_dir(root())
-            .status()
-            .expect("running cargo build");
-        assert!(
-            status.success(),
-            "building the binaries failed (run through scripts/test.sh, which sources scripts/env.sh)"
-        );
-    });
-    let exe = std::env::current_exe().unwrap();
-    exe.parent().unwrap().parent().unwrap().to_path_buf()
-}
 
 fn signal(pid: u32, sig: &str) {
     let ok = Command::new("kill")
@@ -94,18 +73,6 @@ every_steps = 3
     let path = d.join(format!("{name}.toml"));
     std::fs::write(&path, spec).unwrap();
     path
-}
-
-/// A tiny Llama (hidden 64, 2 layers, GQA) for the byte tokenizer.
-fn write_tiny_config(d: &Path) {
-    std::fs::write(
-        d.join("tiny.json"),
-        r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":64,
-"intermediate_size":128,"num_attention_heads":4,"num_key_value_heads":2,"num_hidden_layers":2,
-"vocab_size":320,"max_position_embeddings":512,"rms_norm_eps":1e-5,"rope_theta":10000.0,
-"initializer_range":0.02,"tie_word_embeddings":false,"bos_token_id":256,"eos_token_id":257}"#,
-    )
-    .unwrap();
 }
 
 /// A coordinator, its workers and a working directory holding the data, the

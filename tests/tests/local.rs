@@ -11,33 +11,10 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::Once;
 
-static BUILD: Once = Once::new();
+mod real;
 
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
-
-/// target/<profile>, after building the coordinator, CLI and worker binaries.
-fn bin_dir() -> PathBuf {
-    BUILD.call_once(|| {
-        let status = Command::new(env!("CARGO"))
-            .args(["build", "-q", "-p", "accrue-coordinator", "-p", "accrue-worker", "--bins"])
-            .current_dir(root())
-            .status()
-            .expect("running cargo build");
-        assert!(
-            status.success(),
-            "building the binaries failed (run through scripts/test.sh, which sources scripts/env.sh)"
-        );
-    });
-    let exe = std::env::current_exe().unwrap();
-    exe.parent().unwrap().parent().unwrap().to_path_buf()
-}
+use real::{bin_dir, root, write_tiny_config};
 
 fn accrue(dir: &Path, args: &[&str]) -> std::process::Output {
     let out = Command::new(bin_dir().join("accrue"))
@@ -85,18 +62,6 @@ every_steps = 10
     let path = dir.join(format!("{name}.toml"));
     std::fs::write(&path, spec).unwrap();
     path
-}
-
-/// A tiny Llama (hidden 64, 2 layers, GQA) for the byte tokenizer.
-fn write_tiny_config(d: &Path) {
-    std::fs::write(
-        d.join("tiny.json"),
-        r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":64,
-"intermediate_size":128,"num_attention_heads":4,"num_key_value_heads":2,"num_hidden_layers":2,
-"vocab_size":320,"max_position_embeddings":512,"rms_norm_eps":1e-5,"rope_theta":10000.0,
-"initializer_range":0.02,"tie_word_embeddings":false,"bos_token_id":256,"eos_token_id":257}"#,
-    )
-    .unwrap();
 }
 
 fn metrics(path: &Path) -> Vec<serde_json::Value> {

@@ -1,0 +1,45 @@
+//! Shared by the real-process tests that run the worker (local.rs,
+//! faults.rs): the built binaries and the tiny model's config.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Once;
+
+static BUILD: Once = Once::new();
+
+pub fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+/// target/<profile>, after building the coordinator, CLI and worker binaries.
+pub fn bin_dir() -> PathBuf {
+    BUILD.call_once(|| {
+        let status = Command::new(env!("CARGO"))
+            .args(["build", "-q", "-p", "accrue-coordinator", "-p", "accrue-worker", "--bins"])
+            .current_dir(root())
+            .status()
+            .expect("running cargo build");
+        assert!(
+            status.success(),
+            "building the binaries failed (run through scripts/test.sh, which sources scripts/env.sh)"
+        );
+    });
+    let exe = std::env::current_exe().unwrap();
+    exe.parent().unwrap().parent().unwrap().to_path_buf()
+}
+
+/// A tiny Llama (hidden 64, 2 layers, GQA) for the byte tokenizer.
+pub fn write_tiny_config(d: &Path) {
+    std::fs::write(
+        d.join("tiny.json"),
+        r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":64,
+"intermediate_size":128,"num_attention_heads":4,"num_key_value_heads":2,"num_hidden_layers":2,
+"vocab_size":320,"max_position_embeddings":512,"rms_norm_eps":1e-5,"rope_theta":10000.0,
+"initializer_range":0.02,"tie_word_embeddings":false,"bos_token_id":256,"eos_token_id":257}"#,
+    )
+    .unwrap();
+}
