@@ -17,24 +17,7 @@ pub fn repo_root() -> PathBuf {
 
 /// Runs `scripts/reference/<script>` with the repo venv's python.
 pub fn python(script: &str, args: &[&str]) {
-    let root = repo_root();
-    let py = root.join(".venv/bin/python");
-    assert!(
-        py.exists(),
-        "python venv not found at {} (run scripts/setup.sh)",
-        py.display()
-    );
-    let out = Command::new(&py)
-        .arg(root.join("scripts/reference").join(script))
-        .args(args)
-        .output()
-        .expect("running python reference");
-    assert!(
-        out.status.success(),
-        "{script} failed:\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    python_output(script, args);
 }
 
 /// Runs `scripts/reference/<script>` like [`python`] and returns its stdout.
