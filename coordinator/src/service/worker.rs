@@ -77,6 +77,8 @@ fn event_of(worker: &str, msg: Msg) -> Result<Option<Event>, Status> {
             job: p.job_id,
             step: p.step,
         },
+        // A worker that got SIGTERM leaves like an admin drain.
+        Msg::Leave(_) => Event::DrainWorker { worker },
     }))
 }
 
