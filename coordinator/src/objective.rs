@@ -210,11 +210,6 @@ impl ObjectiveSection {
                     "objective.kl_coef",
                     format!("must be ≥ 0, got {}", p.kl_coef),
                 );
-            } else if p.kl_coef > 0.0 && p.reference != Reference::Live {
-                bad(
-                    "objective.kl_coef",
-                    "a KL penalty needs reference = \"live\" (per-token cached reference log-probs are not built)".into(),
-                );
             }
             match (p.loss_normalization, p.normalization_constant) {
                 (LossNormalization::Constant, None) => bad(
@@ -313,6 +308,18 @@ pub fn validate_source(spec: &crate::spec::JobSpec, bad: &mut impl FnMut(&str, S
         bad(
             "data.source",
             "\"stream\" takes pushed rollouts: it needs objective.kind = \"pg\"".into(),
+        );
+    }
+    // The cached pass runs before step 1 over the job's documents; pushed
+    // rollouts arrive later, so they need the live reference.
+    if spec
+        .objective
+        .pg()
+        .is_some_and(|p| p.kl_coef > 0.0 && p.reference == Reference::Cached)
+    {
+        bad(
+            "objective.reference",
+            "a streamed job's KL penalty needs reference = \"live\" (the cached pass runs before step 1, over file rollouts only)".into(),
         );
     }
     if !spec.data.train.is_empty() {
@@ -468,6 +475,16 @@ mod tests {
             .replace("source = \"stream\"", "train = [\"c.json\"]")
             .replace("[job]", "[job]\nsteps = 1");
         assert_eq!(fields(files), ["rl.group_size"], "only for streams");
+        // A KL penalty: cached needs file rollouts, live works everywhere.
+        let kl = ok.replace("kind = \"pg\"", "kind = \"pg\"\nkl_coef = 0.1");
+        assert_eq!(fields(kl.clone()), ["objective.reference"]);
+        let live = kl.replace("kl_coef = 0.1", "kl_coef = 0.1\nreference = \"live\"");
+        crate::spec::JobSpec::parse(&live, dir.path()).unwrap();
+        let from_files = kl
+            .replace("source = \"stream\"", "train = [\"c.json\"]")
+            .replace("[job]", "[job]\nsteps = 1")
+            .replace("group_size = 2", "");
+        crate::spec::JobSpec::parse(&from_files, dir.path()).unwrap();
     }
 
     #[test]

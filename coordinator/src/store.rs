@@ -8,7 +8,7 @@ use std::path::Path;
 use redb::{Database, ReadableTable, TableDefinition};
 use serde::{Deserialize, Serialize};
 
-use crate::core::{CommittedStep, JobRecord, StepMetrics};
+use crate::core::{CommittedStep, JobRecord, RefEntry, ReferenceLogps, StepMetrics};
 use crate::doc::DocId;
 
 const JOBS: TableDefinition<&str, &[u8]> = TableDefinition::new("jobs");
@@ -16,6 +16,10 @@ const JOBS: TableDefinition<&str, &[u8]> = TableDefinition::new("jobs");
 const STEPS: TableDefinition<(&str, u64), &[u8]> = TableDefinition::new("steps");
 /// Key: (job id, file, line) → DPO reference log-probs `[chosen, rejected]`.
 const REFERENCE: TableDefinition<(&str, u32, u64), (f64, f64)> = TableDefinition::new("reference");
+/// Key: (job id, file, line) → a rollout's per-token reference log-probs
+/// (little-endian f32, one per token).
+const REFERENCE_TOKENS: TableDefinition<(&str, u32, u64), &[u8]> =
+    TableDefinition::new("reference_tokens");
 /// Key: (job id, admission line) → a streamed job's queued rollout (JSON).
 const ROLLOUTS: TableDefinition<(&str, u64), &[u8]> = TableDefinition::new("rollouts");
 /// Key: job id → its stream's `StreamMeta` (JSON).
@@ -35,6 +39,8 @@ pub enum StoreError {
         key: String,
         source: serde_json::Error,
     },
+    #[error("state store record {what}: {message}")]
+    Corrupt { what: String, message: String },
 }
 
 macro_rules! db_err {
@@ -83,6 +89,7 @@ impl Store {
         tx.open_table(JOBS)?;
         tx.open_table(STEPS)?;
         tx.open_table(REFERENCE)?;
+        tx.open_table(REFERENCE_TOKENS)?;
         tx.open_table(ROLLOUTS)?;
         tx.open_table(STREAMS)?;
         tx.commit()?;
@@ -113,12 +120,21 @@ impl Store {
     }
 
     /// Adds reference log-probs of `job`, in one transaction.
-    pub fn put_reference(&self, job: &str, entries: &[(DocId, [f64; 2])]) -> Result<()> {
+    pub fn put_reference(&self, job: &str, entries: &[(DocId, RefEntry)]) -> Result<()> {
         let tx = self.db.begin_write()?;
         {
-            let mut t = tx.open_table(REFERENCE)?;
-            for (d, [c, r]) in entries {
-                t.insert((job, d.file, d.line), (*c, *r))?;
+            let mut pairs = tx.open_table(REFERENCE)?;
+            let mut tokens = tx.open_table(REFERENCE_TOKENS)?;
+            for (d, e) in entries {
+                let key = (job, d.file, d.line);
+                match e {
+                    RefEntry::Pair([c, r]) => {
+                        pairs.insert(key, (*c, *r))?;
+                    }
+                    RefEntry::Tokens(t) => {
+                        tokens.insert(key, accrue_proto::pack_f32(t).as_slice())?;
+                    }
+                }
             }
         }
         tx.commit()?;
@@ -126,15 +142,25 @@ impl Store {
     }
 
     /// The reference log-probs stored for `job`.
-    pub fn reference(&self, job: &str) -> Result<crate::core::ReferenceLogps> {
+    pub fn reference(&self, job: &str) -> Result<ReferenceLogps> {
         let tx = self.db.begin_read()?;
-        let table = tx.open_table(REFERENCE)?;
-        let mut out = crate::core::ReferenceLogps::new();
-        for row in table.range((job, 0u32, 0u64)..=(job, u32::MAX, u64::MAX))? {
+        let range = (job, 0u32, 0u64)..=(job, u32::MAX, u64::MAX);
+        let mut out = ReferenceLogps::new();
+        for row in tx.open_table(REFERENCE)?.range(range.clone())? {
             let (k, v) = row?;
             let (_, file, line) = k.value();
             let (c, r) = v.value();
-            out.insert(DocId { file, line }, [c, r]);
+            out.insert(DocId { file, line }, RefEntry::Pair([c, r]));
+        }
+        for row in tx.open_table(REFERENCE_TOKENS)?.range(range)? {
+            let (k, v) = row?;
+            let (_, file, line) = k.value();
+            let id = DocId { file, line };
+            let t = accrue_proto::unpack_f32(v.value()).map_err(|e| StoreError::Corrupt {
+                what: format!("reference_tokens of {job} {id}"),
+                message: e.to_string(),
+            })?;
+            out.insert(id, RefEntry::Tokens(t));
         }
         Ok(out)
     }
@@ -367,19 +393,25 @@ mod tests {
     fn reference_logps_are_kept_per_job() {
         let dir = tempfile::tempdir().unwrap();
         let id = |line| DocId { file: 1, line };
+        let pair = |c, r| RefEntry::Pair([c, r]);
         {
             let s = Store::open(dir.path()).unwrap();
-            s.put_reference("a", &[(id(1), [-1.0, -2.0]), (id(7), [-3.5, -4.0])])
+            s.put_reference("a", &[(id(1), pair(-1.0, -2.0)), (id(7), pair(-3.5, -4.0))])
                 .unwrap();
-            s.put_reference("b", &[(id(1), [-9.0, -9.0])]).unwrap();
-            s.put_reference("a", &[(id(2), [-5.0, -6.0])]).unwrap();
+            s.put_reference("b", &[(id(1), pair(-9.0, -9.0))]).unwrap();
+            s.put_reference("a", &[(id(2), pair(-5.0, -6.0))]).unwrap();
+            s.put_reference("r", &[(id(3), RefEntry::Tokens(vec![0.0, -0.25, -1.5]))])
+                .unwrap();
         }
         let s = Store::open(dir.path()).unwrap();
         let a = s.reference("a").unwrap();
         assert_eq!(a.len(), 3);
-        assert_eq!(a[&id(7)], [-3.5, -4.0]);
-        assert_eq!(s.reference("b").unwrap()[&id(1)], [-9.0, -9.0]);
+        assert_eq!(a[&id(7)], pair(-3.5, -4.0));
+        assert_eq!(s.reference("b").unwrap()[&id(1)], pair(-9.0, -9.0));
         assert!(s.reference("c").unwrap().is_empty());
+        let r = s.reference("r").unwrap();
+        assert_eq!(r.len(), 1);
+        assert_eq!(r[&id(3)], RefEntry::Tokens(vec![0.0, -0.25, -1.5]));
     }
 
     #[test]

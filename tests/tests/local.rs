@@ -368,6 +368,14 @@ fn pg_demo_trains_every_kept_rollout_once_and_reports_its_counters() {
         for k in ["advantage", "clip_fraction"] {
             assert!(e[k].as_f64().unwrap().is_finite(), "{k}: {s}");
         }
+        // The KL penalty against the cached reference pass: zero while
+        // the policy is the initial one, positive once it has moved.
+        let kl = e["kl"].as_f64().unwrap();
+        if i == 0 {
+            assert!(kl.abs() < 1e-9, "step 1: {s}");
+        } else {
+            assert!(kl > 0.0, "step {}: {s}", i + 1);
+        }
     }
     // Weights out (rl.publish_every = 5): a transformers-loadable policy
     // after every 5th step, two shards (two workers) with their index, no

@@ -58,11 +58,15 @@ pub struct MicrobatchOutcome {
     pub extra: BTreeMap<String, f64>,
 }
 
-/// One sequence's summed log-prob from a reference plan.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// One sequence's log-probs from a reference plan.
+#[derive(Debug, Clone, PartialEq)]
 pub struct SequenceLogp {
+    /// Summed over the loss tokens.
     pub logp: f64,
     pub loss_tokens: u64,
+    /// Per token (see `objective::head::token_aligned`), for
+    /// policy-gradient jobs; empty otherwise.
+    pub tokens: Vec<f32>,
 }
 
 /// The training engine a [`Runner`] drives: one model replica with its

@@ -47,10 +47,7 @@ impl StepExecutor for Trainer {
         mb: &wire::Microbatch,
     ) -> anyhow::Result<Vec<SequenceLogp>> {
         let batch = PackedBatch::from_wire(mb)?;
-        Ok(Trainer::sequence_logps(self, index, &batch)?
-            .into_iter()
-            .map(|(logp, loss_tokens)| SequenceLogp { logp, loss_tokens })
-            .collect())
+        Trainer::reference_logps(self, index, &batch)
     }
 
     fn optimizer_step(&mut self, lr: f64) -> anyhow::Result<f64> {

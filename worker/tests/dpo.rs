@@ -124,7 +124,7 @@ fn pack(pairs: &[Pair], order: &[(usize, u32)]) -> (PackedBatch, MicrobatchMeta)
         common::batch(&docs),
         MicrobatchMeta {
             seqs,
-            old_logprobs: Vec::new(),
+            ..Default::default()
         },
     )
 }

@@ -69,6 +69,10 @@ struct Case {
     constant: f64,
     old: Old,
     kl_coef: f64,
+    /// The KL term's reference: per-token log-probs from a reference pass
+    /// carried in the plan (`reference = "cached"`) rather than a frozen
+    /// model on the worker.
+    cached_ref: bool,
 }
 
 fn tokens(n: usize, seed: u64) -> Vec<i64> {
@@ -155,7 +159,11 @@ fn completion_tokens(r: &Rollout) -> u64 {
 }
 
 fn job(dir: &std::path::Path, case: &Case) -> accrue_worker::config::JobConfig {
-    let reference = if case.kl_coef > 0.0 { "live" } else { "cached" };
+    let reference = if case.kl_coef > 0.0 && !case.cached_ref {
+        "live"
+    } else {
+        "cached"
+    };
     common::random_job(
         dir,
         &format!(
@@ -172,7 +180,12 @@ fn job(dir: &std::path::Path, case: &Case) -> accrue_worker::config::JobConfig {
 /// Packs rollouts `idx` of `step` (with their advantages) into one
 /// microbatch; a rollout without old log-probs next to ones with them is
 /// NaN in the row (what the coordinator sends).
-fn pack(step: &[Rollout], adv: &[f64], idx: &[usize]) -> (PackedBatch, MicrobatchMeta) {
+fn pack(
+    step: &[Rollout],
+    adv: &[f64],
+    idx: &[usize],
+    refs: Option<&Refs>,
+) -> (PackedBatch, MicrobatchMeta) {
     if idx.is_empty() {
         return (PackedBatch::default(), MicrobatchMeta::default());
     }
@@ -199,7 +212,47 @@ fn pack(step: &[Rollout], adv: &[f64], idx: &[usize]) -> (PackedBatch, Microbatc
             scalars: BTreeMap::from([("advantage".to_string(), adv[i])]),
         })
         .collect();
-    (common::batch(&docs), MicrobatchMeta { seqs, old_logprobs })
+    let ref_logprobs = refs.map_or_else(Vec::new, |r| {
+        idx.iter()
+            .flat_map(|&i| r[&step[i].id].iter().copied())
+            .collect()
+    });
+    (
+        common::batch(&docs),
+        MicrobatchMeta {
+            seqs,
+            old_logprobs,
+            ref_logprobs,
+        },
+    )
+}
+
+/// Per-token reference log-probs by rollout id, as the coordinator caches
+/// them from a reference pass.
+type Refs = BTreeMap<String, Vec<f32>>;
+
+/// The reference pass: every rollout packed into one forward-only
+/// microbatch under the initial weights, split back per rollout.
+fn reference_pass(case: &Case, all: &[Rollout]) -> Refs {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = job(dir.path(), case);
+    let coll = LocalGroup::new(1).pop().unwrap();
+    let mut t = Trainer::new(&cfg, None, Box::new(coll)).unwrap();
+    let docs: Vec<(Vec<i64>, Vec<i64>)> = all
+        .iter()
+        .map(|r| (r.ids.clone(), r.labels.clone()))
+        .collect();
+    let got = t.reference_logps(0, &common::batch(&docs)).unwrap();
+    assert_eq!(got.len(), all.len());
+    all.iter()
+        .zip(got)
+        .map(|(r, s)| {
+            assert_eq!(s.tokens.len(), r.ids.len(), "{}: one per token", r.id);
+            let sum: f64 = s.tokens.iter().map(|&x| f64::from(x)).sum();
+            assert!((sum - s.logp).abs() <= 1e-4 * s.logp.abs(), "{}", r.id);
+            (r.id.clone(), s.tokens)
+        })
+        .collect()
 }
 
 /// `layout[step][rank][microbatch]` = rollout indices within the step.
@@ -235,6 +288,7 @@ fn train(case: &Case, all: &[Rollout], layout: &Layout, norm: Norm) -> Outcome {
         assert_eq!(seen, (0..steps[s].len()).collect::<Vec<_>>(), "step {s}");
         assert!(ranks.iter().all(|r| r.len() == ranks[0].len()), "step {s}");
     }
+    let refs = (case.cached_ref && case.kl_coef > 0.0).then(|| reference_pass(case, all));
     type RankStep = (StepNorms, Vec<(PackedBatch, MicrobatchMeta)>);
     let handles: Vec<_> = LocalGroup::new(world)
         .into_iter()
@@ -253,7 +307,7 @@ fn train(case: &Case, all: &[Rollout], layout: &Layout, norm: Norm) -> Outcome {
                     };
                     let mbs = ranks[rank]
                         .iter()
-                        .map(|idx| pack(&steps[s], &adv, idx))
+                        .map(|idx| pack(&steps[s], &adv, idx, refs.as_ref()))
                         .collect();
                     (norms, mbs)
                 })
@@ -588,6 +642,7 @@ fn pg_token_norm_on_policy_matches_reference_and_any_split() {
         constant: 0.0,
         old: Old::None,
         kl_coef: 0.0,
+        cached_ref: false,
     });
 }
 
@@ -598,6 +653,7 @@ fn pg_token_norm_with_old_logprobs_matches_reference_and_any_split() {
         constant: 0.0,
         old: Old::All,
         kl_coef: 0.0,
+        cached_ref: false,
     });
 }
 
@@ -608,6 +664,7 @@ fn pg_sequence_norm_mixed_old_logprobs_and_live_kl_match_reference_and_any_split
         constant: 0.0,
         old: Old::Mixed,
         kl_coef: 0.5,
+        cached_ref: false,
     });
 }
 
@@ -618,6 +675,7 @@ fn pg_constant_norm_with_live_kl_matches_reference_and_any_split() {
         constant: 64.0,
         old: Old::None,
         kl_coef: 0.5,
+        cached_ref: false,
     });
 }
 
@@ -628,7 +686,39 @@ fn pg_token_norm_old_logprobs_and_live_kl_match_reference_and_any_split() {
         constant: 0.0,
         old: Old::All,
         kl_coef: 0.5,
+        cached_ref: false,
     });
+}
+
+/// The KL penalty against cached per-token reference log-probs (a
+/// reference pass, then plans carrying them) is the live-reference update:
+/// it matches the Python reference and any split, and the live run.
+#[test]
+fn pg_cached_kl_matches_reference_any_split_and_the_live_reference() {
+    let case = Case {
+        norm: "token",
+        constant: 0.0,
+        old: Old::All,
+        kl_coef: 0.5,
+        cached_ref: true,
+    };
+    check(case);
+    let all = rollouts(case.old);
+    let layout = &layouts()[1].1;
+    let cached = train(&case, &all, layout, Norm::Global);
+    let live = train(
+        &Case {
+            cached_ref: false,
+            ..case
+        },
+        &all,
+        layout,
+        Norm::Global,
+    );
+    let (w, what) = compare(&cached, &live);
+    println!("cached vs live reference: worst relative difference {w:e} ({what})");
+    assert!(w <= 1e-6, "cached vs live: {what} differs by {w:e}");
+    assert!(cached.metrics[1]["kl"] > 1e-3, "the KL term is active");
 }
 
 /// Dividing by each microbatch's own loss tokens instead of the step's T
@@ -641,6 +731,7 @@ fn pg_microbatch_token_normaliser_is_caught() {
         constant: 0.0,
         old: Old::All,
         kl_coef: 0.0,
+        cached_ref: false,
     };
     let all = rollouts(case.old);
     let layouts = layouts();

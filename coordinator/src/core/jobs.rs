@@ -157,7 +157,7 @@ pub struct Job {
     pub pending_checkpoints: BTreeMap<u64, BTreeMap<WorkerId, bool>>,
     /// Published policies (`rl.publish_every`) by step: members yet to answer.
     pub publish_acks: BTreeMap<u64, std::collections::BTreeSet<WorkerId>>,
-    /// DPO with a cached reference: the log-probs computed so far.
+    /// A cached reference (DPO, or PG with a KL penalty): the log-probs so far.
     pub reference: Option<ReferenceCache>,
     /// Policy gradient: groups and advantages.
     pub rollouts: Option<RolloutPlan>,

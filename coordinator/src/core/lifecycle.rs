@@ -84,7 +84,21 @@ impl Coordinator {
     pub(super) fn commit_reference(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
         let job = self.jobs.get_mut(job_id).expect("committing a known job");
         let flight = job.inflight.take().expect("committing an in-flight chunk");
-        let entries = match reference::collect_chunk(&flight.planned.docs, &flight.logps) {
+        let kind = reference::pass_kind(&job.spec).unwrap_or(reference::PassKind::Pairs);
+        let planned: std::collections::BTreeSet<_> = flight.planned.docs.iter().collect();
+        let lens: std::collections::BTreeMap<_, _> = job
+            .docs
+            .iter()
+            .filter(|d| planned.contains(&d.id))
+            .map(|d| (d.id, d.tokens() as usize))
+            .collect();
+        let token_count = |d: &crate::doc::DocId| lens.get(d).copied().unwrap_or(0);
+        let entries = match reference::collect_chunk(
+            &flight.planned.docs,
+            &flight.logps,
+            kind,
+            token_count,
+        ) {
             Ok(e) => e,
             Err(e) => {
                 let reason = format!("chunk {}: {e}", flight.planned.step);
@@ -94,7 +108,7 @@ impl Coordinator {
         };
         let cache = job.reference.get_or_insert_with(Default::default);
         cache.chunks += 1;
-        cache.logps.extend(entries.iter().copied());
+        cache.logps.extend(entries.iter().cloned());
         let (done, total) = (cache.logps.len(), job.docs.len());
         info!(job = job_id, done, total, "reference chunk committed");
         fx.push(Effect::StoreReference {
@@ -105,7 +119,13 @@ impl Coordinator {
             fx,
             job,
             "reference",
-            format!("reference log-probs of {done}/{total} pairs cached"),
+            format!(
+                "reference log-probs of {done}/{total} {} cached",
+                match kind {
+                    reference::PassKind::Pairs => "pairs",
+                    reference::PassKind::Tokens => "rollouts",
+                }
+            ),
             now_ms,
         );
         self.at_boundary(job_id, now_ms, fx);

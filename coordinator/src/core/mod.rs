@@ -30,7 +30,7 @@ pub use jobs::{Generation, Job, JobId, JobRecord, JobState};
 pub use machine::{Coordinator, CoordinatorOptions};
 pub use metrics::{MetricSums, StepMetrics};
 pub use recovery::{CheckpointEntry, CommittedStep, HeldState};
-pub use reference::{ReferenceLogps, SeqLogp};
+pub use reference::{RefEntry, ReferenceLogps, SeqLogp};
 pub use step::{PlanKind, PlannedStep};
 pub use stream::{AdmitCounts, RolloutStream, RolloutWrite, StoredStream, StreamMeta};
 pub use workers::{Registration, Worker, WorkerId, WorkerState};
@@ -243,7 +243,7 @@ pub enum Effect {
     /// plans that carry them are sent).
     StoreReference {
         job: JobId,
-        entries: Vec<(DocId, [f64; 2])>,
+        entries: Vec<(DocId, RefEntry)>,
     },
     AppendMetrics {
         path: PathBuf,

@@ -40,6 +40,10 @@ pub struct MicrobatchPayload {
     pub seqs: Vec<SeqRef>,
     /// Per-token old log-probs (rollouts that carry them), else empty.
     pub old_logprobs: Vec<f32>,
+    /// Per-token cached reference log-probs (PG with a KL penalty and
+    /// `reference = "cached"`), aligned like `old_logprobs`; NaN on a
+    /// sequence with none, which the worker refuses for a KL term.
+    pub ref_logprobs: Vec<f32>,
 }
 
 /// A fully planned step: identical normalisers for every rank.
@@ -64,7 +68,8 @@ pub struct PlannedStep {
 /// Per-job data the plans carry besides the documents themselves.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Annotations<'a> {
-    /// DPO: cached reference log-probs (`ref_logp` scalar).
+    /// Cached reference log-probs: DPO's `ref_logp` scalar per sequence,
+    /// PG's per-token `ref_logprobs`.
     pub reference: Option<&'a ReferenceCache>,
     /// PG: groups (the stream's unit) and advantages (`advantage` scalar).
     pub rollouts: Option<&'a RolloutPlan>,
@@ -242,9 +247,11 @@ fn payload<'a>(
         cu_seq_lens: vec![0],
         ..Default::default()
     };
-    // Rollouts' old log-probs, aligned with the row: NaN on a sequence
-    // without them (the worker treats its tokens as on-policy).
+    // Rollouts' old and reference log-probs, aligned with the row: NaN on
+    // a sequence without them (old: the worker treats its tokens as
+    // on-policy; reference: the worker refuses a KL term there).
     let mut old: Vec<(usize, Option<&[f32]>)> = Vec::new();
+    let mut refs: Vec<(usize, Option<&[f32]>)> = Vec::new();
     for d in docs {
         for (role, seq) in d.sequences().into_iter().enumerate() {
             p.token_ids.extend_from_slice(&seq.input_ids);
@@ -268,6 +275,10 @@ fn payload<'a>(
             if let Some(logps) = notes.reference.and_then(|c| c.get(&d.id)) {
                 scalars.push(("ref_logp".to_string(), logps[role.min(1)]));
             }
+            refs.push((
+                seq.input_ids.len(),
+                notes.reference.and_then(|c| c.tokens(&d.id)),
+            ));
             p.seqs.push(SeqRef {
                 doc: d.id,
                 role: role as u32,
@@ -275,13 +286,22 @@ fn payload<'a>(
             });
         }
     }
-    if old.iter().any(|(_, o)| o.is_some()) {
-        for (len, o) in old {
-            match o {
-                Some(lp) => p.old_logprobs.extend_from_slice(lp),
-                None => p.old_logprobs.extend(std::iter::repeat_n(f32::NAN, len)),
+    p.old_logprobs = aligned(&old);
+    p.ref_logprobs = aligned(&refs);
+    p
+}
+
+/// Per-sequence per-token values as one row (NaN for a sequence without
+/// them), or empty when no sequence has any.
+fn aligned(seqs: &[(usize, Option<&[f32]>)]) -> Vec<f32> {
+    let mut row = Vec::new();
+    if seqs.iter().any(|(_, v)| v.is_some()) {
+        for &(len, v) in seqs {
+            match v {
+                Some(v) => row.extend_from_slice(v),
+                None => row.extend(std::iter::repeat_n(f32::NAN, len)),
             }
         }
     }
-    p
+    row
 }

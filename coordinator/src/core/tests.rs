@@ -69,7 +69,7 @@ struct Sim {
     /// Workers that have died: they answer nothing.
     dead: Vec<WorkerId>,
     /// Reference log-probs the shell would have stored.
-    stored_ref: BTreeMap<DocId, [f64; 2]>,
+    stored_ref: BTreeMap<DocId, RefEntry>,
     /// Every plan sent (rank 0's copy).
     plans: Vec<Arc<PlannedStep>>,
     /// Every Configure sent.
@@ -91,6 +91,16 @@ struct Sim {
 /// The log-prob a simulated worker reports in a reference pass.
 fn fake_logp(doc: DocId, role: u32) -> f64 {
     -(doc.line as f64) - 0.5 * role as f64
+}
+
+/// A reference pass's per-token log-prob of token `j` of `doc` (0 at the
+/// first token, which nothing predicts).
+fn fake_token_logp(doc: DocId, j: usize) -> f32 {
+    if j == 0 {
+        0.0
+    } else {
+        -(doc.line as f32) * 0.01 - j as f32 * 0.001
+    }
 }
 
 impl Sim {
@@ -235,13 +245,17 @@ impl Sim {
                     })
                     .sum();
                 let documents = mbs.iter().flat_map(|m| &m.seqs).count() as u64;
+                // Per-token log-probs too: a DPO pass ignores them.
                 let logps = if planned.kind == PlanKind::Reference {
                     mbs.iter()
-                        .flat_map(|m| &m.seqs)
-                        .map(|q| SeqLogp {
+                        .flat_map(|m| m.seqs.iter().zip(m.cu_seq_lens.windows(2)))
+                        .map(|(q, w)| SeqLogp {
                             doc: q.doc,
                             role: q.role,
                             logp: fake_logp(q.doc, q.role),
+                            tokens: (0..(w[1] - w[0]) as usize)
+                                .map(|j| fake_token_logp(q.doc, j))
+                                .collect(),
                         })
                         .collect()
                 } else {
@@ -694,7 +708,7 @@ fn dpo_reference_pass_runs_first_and_training_plans_carry_its_logps() {
     for doc in d.iter() {
         assert_eq!(
             s.stored_ref[&doc.id],
-            [fake_logp(doc.id, 0), fake_logp(doc.id, 1)]
+            RefEntry::Pair([fake_logp(doc.id, 0), fake_logp(doc.id, 1)])
         );
     }
     let kinds: Vec<PlanKind> = s.plans.iter().map(|p| p.kind).collect();
@@ -850,6 +864,73 @@ fn pg_steps_take_whole_groups_and_train_every_kept_rollout_once() {
         for q in p.ranks.iter().flatten().flat_map(|m| &m.seqs) {
             assert!(q.scalars.iter().any(|(k, _)| k == "advantage"));
         }
+    }
+}
+
+#[test]
+fn pg_kl_with_a_cached_reference_runs_a_per_token_pass_first_and_plans_carry_it() {
+    let mut s = Sim::new();
+    let d = rollouts(9, 4);
+    let mut sp = spec("epochs = 1", "docs_per_step = 8", 1, 4);
+    sp.data.format = crate::spec::DataFormat::Rollouts;
+    sp.objective.kind = crate::objective::ObjectiveKind::Pg;
+    sp.objective.kl_coef = Some(0.05);
+    s.submit(sp, d.clone());
+    s.worker("a");
+    s.worker("b");
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    // Every rollout (flat groups too: the pass runs before grouping
+    // matters) cached with one log-prob per token, as reported.
+    assert_eq!(s.stored_ref.len(), d.len());
+    for doc in d.iter() {
+        let want: Vec<f32> = (0..doc.tokens() as usize)
+            .map(|j| fake_token_logp(doc.id, j))
+            .collect();
+        assert_eq!(s.stored_ref[&doc.id], RefEntry::Tokens(want));
+    }
+    let first_train = s
+        .plans
+        .iter()
+        .position(|p| p.kind == PlanKind::Train)
+        .unwrap();
+    assert!(first_train >= 1, "the reference pass comes first");
+    // Training rows carry each sequence's reference log-probs, aligned
+    // with the tokens, and no DPO scalar.
+    let mut rows = 0;
+    for p in &s.plans[first_train..] {
+        assert_eq!(p.kind, PlanKind::Train);
+        for m in p.ranks.iter().flatten().filter(|m| !m.seqs.is_empty()) {
+            assert_eq!(m.ref_logprobs.len(), m.token_ids.len());
+            for (q, w) in m.seqs.iter().zip(m.cu_seq_lens.windows(2)) {
+                let got = &m.ref_logprobs[w[0] as usize..w[1] as usize];
+                let want: Vec<f32> = (0..got.len()).map(|j| fake_token_logp(q.doc, j)).collect();
+                assert_eq!(got, want.as_slice(), "{}", q.doc);
+                assert!(q.scalars.iter().all(|(k, _)| k != "ref_logp"));
+            }
+            rows += 1;
+        }
+    }
+    assert!(rows > 0);
+}
+
+#[test]
+fn pg_without_kl_or_with_a_live_reference_needs_no_pass() {
+    for (kl, reference) in [(0.0, None), (0.05, Some(crate::objective::Reference::Live))] {
+        let mut s = Sim::new();
+        let mut sp = spec("epochs = 1", "docs_per_step = 8", 1, 4);
+        sp.data.format = crate::spec::DataFormat::Rollouts;
+        sp.objective.kind = crate::objective::ObjectiveKind::Pg;
+        sp.objective.kl_coef = Some(kl);
+        sp.objective.reference = reference;
+        s.submit(sp, rollouts(3, 4));
+        s.worker("a");
+        s.run();
+        assert_eq!(s.state(), JobState::Completed);
+        assert!(s.plans.iter().all(|p| p.kind == PlanKind::Train));
+        assert!(s.stored_ref.is_empty());
+        let mbs = s.plans.iter().flat_map(|p| p.ranks.iter().flatten());
+        assert!(mbs.into_iter().all(|m| m.ref_logprobs.is_empty()));
     }
 }
 

@@ -140,10 +140,14 @@ pub fn seq_logp(i: usize, l: wire::SequenceLogp) -> Result<SeqLogp, tonic::Statu
             l.role
         )));
     }
+    let tokens = accrue_proto::unpack_f32(&l.token_logps).map_err(|e| {
+        tonic::Status::invalid_argument(format!("step_result.logps[{i}].token_logps: {e}"))
+    })?;
     Ok(SeqLogp {
         doc,
         role: l.role,
         logp: l.logp,
+        tokens,
     })
 }
 
@@ -265,12 +269,9 @@ pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
                             scalars: s.scalars.iter().cloned().collect(),
                         })
                         .collect(),
-                    old_logprobs: if mb.old_logprobs.is_empty() {
-                        Vec::new()
-                    } else {
-                        pack_f32(&mb.old_logprobs)
-                    },
-                    ref_logprobs: Vec::new(),
+                    // pack_f32 of an empty slice is empty.
+                    old_logprobs: pack_f32(&mb.old_logprobs),
+                    ref_logprobs: pack_f32(&mb.ref_logprobs),
                 })
                 .collect(),
             cursor_after: Some(cursor(&planned.cursor_after)),

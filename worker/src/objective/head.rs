@@ -34,15 +34,19 @@ pub struct MicrobatchMeta {
     /// under the generating policy); empty when the rollouts carry none,
     /// NaN on the tokens of a rollout without them.
     pub old_logprobs: Vec<f32>,
+    /// Cached reference log-probs, aligned like `old_logprobs` (policy
+    /// gradient with a KL penalty and `reference = "cached"`); NaN on a
+    /// sequence the reference pass did not cover.
+    pub ref_logprobs: Vec<f32>,
 }
 
 impl MicrobatchMeta {
     pub fn from_wire(mb: &accrue_proto::v1::Microbatch) -> anyhow::Result<MicrobatchMeta> {
-        let old_logprobs = if mb.old_logprobs.is_empty() {
-            Vec::new()
-        } else {
-            accrue_proto::unpack_f32(&mb.old_logprobs).context("microbatch old_logprobs")?
-        };
+        // unpack_f32 of empty bytes is empty.
+        let old_logprobs =
+            accrue_proto::unpack_f32(&mb.old_logprobs).context("microbatch old_logprobs")?;
+        let ref_logprobs =
+            accrue_proto::unpack_f32(&mb.ref_logprobs).context("microbatch ref_logprobs")?;
         Ok(MicrobatchMeta {
             seqs: mb
                 .sequences
@@ -54,6 +58,7 @@ impl MicrobatchMeta {
                 })
                 .collect(),
             old_logprobs,
+            ref_logprobs,
         })
     }
 }
@@ -94,6 +99,29 @@ pub fn token_logps(
         Ok(())
     })?;
     Ok(out)
+}
+
+/// Per document of `cu_seq_lens`: the row log-probs moved onto the tokens
+/// they predict — entry `j` of a sequence is the log-prob of its token `j`
+/// given the tokens before it, 0 for token 0 and for unlabelled tokens —
+/// the alignment of the wire's `old_logprobs`/`ref_logprobs`.
+pub fn token_aligned(token_logps: &[f64], targets: &[i64], cu_seq_lens: &[i64]) -> Vec<Vec<f32>> {
+    cu_seq_lens
+        .windows(2)
+        .map(|w| {
+            let (s, e) = (w[0] as usize, w[1] as usize);
+            std::iter::once(0.0)
+                .chain((s..e.saturating_sub(1)).map(|t| {
+                    if targets[t] == -100 {
+                        0.0
+                    } else {
+                        token_logps[t] as f32
+                    }
+                }))
+                .take(e - s)
+                .collect()
+        })
+        .collect()
 }
 
 /// Per document of `cu_seq_lens`: (Σ target log-probs, target count).
@@ -161,6 +189,27 @@ mod tests {
     use super::*;
     use crate::model::loss;
     use tch::Device;
+
+    #[test]
+    fn token_aligned_puts_each_rows_log_prob_on_the_token_it_predicts() {
+        // Two documents [0,4) and [4,9); label -100 at token 3 (no target
+        // for row 2) and no row predicts across the boundary.
+        let (_, _, targets) = setup();
+        let rows: Vec<f64> = (0..9).map(|t| -(t as f64) - 1.0).collect();
+        let got = token_aligned(&rows, &targets, &[0, 4, 9]);
+        assert_eq!(
+            got,
+            vec![
+                vec![0.0, -1.0, -2.0, 0.0],
+                vec![0.0, -5.0, -6.0, -7.0, -8.0]
+            ]
+        );
+        // Summing the aligned values gives the sequence sums.
+        let sums = sequence_sums(&rows, &targets, &[0, 4, 9]);
+        for (seq, (sum, _)) in got.iter().zip(sums) {
+            assert_eq!(seq.iter().map(|&x| f64::from(x)).sum::<f64>(), sum);
+        }
+    }
 
     fn setup() -> (Tensor, Tensor, Vec<i64>) {
         tch::manual_seed(7);

@@ -150,7 +150,9 @@ pub fn dpo(
 
 /// Policy gradient over the rollouts of one microbatch: each sequence
 /// carries its `advantage` scalar (group-relative, from the coordinator);
-/// `old_logprobs` (if any) give the PPO ratio; `live_ref` the KL term.
+/// `old_logprobs` (if any) give the PPO ratio; the KL term's reference is
+/// `live_ref` (a frozen model's row log-probs) or else the plan's cached
+/// `ref_logprobs`.
 #[allow(clippy::too_many_arguments)]
 pub fn policy_gradient(
     hidden: &Tensor,
@@ -168,12 +170,17 @@ pub fn policy_gradient(
     if meta.seqs.len() != docs {
         bail!("{} sequence entries for {docs} sequences", meta.seqs.len());
     }
-    if !meta.old_logprobs.is_empty() && meta.old_logprobs.len() != targets.len() {
-        bail!(
-            "{} old log-probs for {} tokens",
-            meta.old_logprobs.len(),
-            targets.len()
-        );
+    for (what, v) in [
+        ("old", &meta.old_logprobs),
+        ("reference", &meta.ref_logprobs),
+    ] {
+        if !v.is_empty() && v.len() != targets.len() {
+            bail!("{} {what} log-probs for {} tokens", v.len(), targets.len());
+        }
+    }
+    let cached_ref = live_ref.is_none() && k.kl_coef != 0.0;
+    if cached_ref && meta.ref_logprobs.is_empty() {
+        bail!("kl_coef > 0 with a cached reference, but the plan carries no ref_logprobs");
     }
     let lp = head::token_logps(hidden, weight, &targets, chunk_tokens)?;
     let mut weights = vec![0.0; targets.len()];
@@ -210,11 +217,26 @@ pub fn policy_gradient(
                 .get(t + 1)
                 .map(|&x| f64::from(x))
                 .filter(|x| x.is_finite());
+            let ref_logp = match live_ref {
+                Some(r) => Some(r[t]),
+                None if cached_ref => {
+                    let r = f64::from(meta.ref_logprobs[t + 1]);
+                    if !r.is_finite() {
+                        bail!(
+                            "document {}: no cached reference log-prob for token {} (the reference pass did not cover it)",
+                            s.doc_id,
+                            t + 1 - b
+                        );
+                    }
+                    Some(r)
+                }
+                None => None,
+            };
             let out = pg::token(
                 &TokenIn {
                     logp: lp[t],
                     old_logp,
-                    ref_logp: live_ref.map(|r| r[t]),
+                    ref_logp,
                     advantage: a,
                 },
                 k,
@@ -228,7 +250,7 @@ pub fn policy_gradient(
         *extra.entry("advantage".to_string()).or_insert(0.0) += a * n_seq;
     }
     extra.insert("clip_fraction".into(), clipped);
-    if live_ref.is_some() {
+    if live_ref.is_some() || cached_ref {
         extra.insert("kl".into(), kl_sum);
     }
     let grads = head::weighted_nll(hidden, weight, &targets, &weights, chunk_tokens)?;

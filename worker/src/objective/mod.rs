@@ -95,12 +95,6 @@ impl Objective {
                     other => bail!("objective.loss_normalization: unknown {other:?}"),
                 };
                 let kl_coef = c.kl_coef.unwrap_or(0.0);
-                if kl_coef > 0.0 && !live {
-                    bail!(
-                        "objective.kl_coef > 0 needs objective.reference = \"live\" \
-                         (per-token cached reference log-probs are not built)"
-                    );
-                }
                 Objective::Pg {
                     params: pg::PgParams {
                         clip_ratio: c.clip_ratio.unwrap_or(0.2),

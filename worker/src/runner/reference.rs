@@ -1,6 +1,6 @@
-//! Reference plans (DPO `reference = "cached"`): forward only, every
-//! sequence's log-prob under the job's initial weights, reported with the
-//! sequence's document id and role. No gradient, no optimizer step, and the
+//! Reference plans (`reference = "cached"`): forward only, every
+//! sequence's log-prob under the job's initial weights (per token too for
+//! policy-gradient jobs), reported with the sequence's document id and role. No gradient, no optimizer step, and the
 //! replica's step does not move.
 
 use std::time::Instant;
@@ -55,7 +55,7 @@ pub fn run_reference(
                 role: s.role,
                 logp: l.logp,
                 loss_tokens: l.loss_tokens,
-                token_logps: Vec::new(),
+                token_logps: accrue_proto::pack_f32(&l.tokens),
             });
         }
     }

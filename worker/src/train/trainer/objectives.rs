@@ -13,6 +13,7 @@ use crate::model::{loss, Llama};
 use crate::objective::head::{self, MicrobatchMeta};
 use crate::objective::microbatch::{self, StepNorms};
 use crate::objective::Objective;
+use crate::runner::SequenceLogp;
 use crate::train::PackedBatch;
 
 /// Freezes a model used only for reference log-probs.
@@ -114,6 +115,20 @@ impl Trainer {
         index: usize,
         mb: &PackedBatch,
     ) -> anyhow::Result<Vec<(f64, u64)>> {
+        Ok(self
+            .reference_logps(index, mb)?
+            .into_iter()
+            .map(|s| (s.logp, s.loss_tokens))
+            .collect())
+    }
+
+    /// [`Self::sequence_logps`] with, for a policy-gradient job, every
+    /// token's log-prob too (the cached reference of its KL penalty).
+    pub fn reference_logps(
+        &mut self,
+        index: usize,
+        mb: &PackedBatch,
+    ) -> anyhow::Result<Vec<SequenceLogp>> {
         if mb.is_empty() {
             return Ok(Vec::new());
         }
@@ -133,6 +148,18 @@ impl Trainer {
         if let Some((i, _)) = sums.iter().enumerate().find(|(_, s)| !s.0.is_finite()) {
             anyhow::bail!("microbatch {index}: non-finite reference log-prob of sequence {i}");
         }
-        Ok(sums)
+        let mut tokens = match self.objective {
+            Objective::Pg { .. } => head::token_aligned(&lp, &targets, &mb.cu_seq_lens),
+            _ => Vec::new(),
+        }
+        .into_iter();
+        Ok(sums
+            .into_iter()
+            .map(|(logp, loss_tokens)| SequenceLogp {
+                logp,
+                loss_tokens,
+                tokens: tokens.next().unwrap_or_default(),
+            })
+            .collect())
     }
 }
