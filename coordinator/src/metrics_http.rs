@@ -1,32 +1,110 @@
 //! Prometheus metrics of the coordinator, served as text on `GET /metrics`.
 //!
-//! Step gauges are updated when a step commits (the `CommitStep` effect);
-//! worker counts and job generations are read from the state machine at
-//! scrape time, so they are never stale. The HTTP side is a few lines over a
-//! tokio `TcpListener`: one request per connection, no keep-alive — a
-//! Prometheus scraper needs nothing more.
+//! Names follow the Prometheus conventions
+//! (<https://prometheus.io/docs/practices/naming/>): base units
+//! (`_seconds`), `_total` on counters and only there, `_ratio` for
+//! fractions, low-cardinality labels (`job`, `state`, `reason`, `phase`;
+//! never a document or worker id, since lost workers stay in the registry
+//! forever). Things that accumulate are counters so `rate()` works; the
+//! last-step gauges sit beside them for dashboards.
+//!
+//! Who feeds what: the service layer (`service/mod.rs`) observes the
+//! effects of every state-machine call — committed steps, dispatched plans
+//! with their wall latency, aborts, checkpoints, admitted rollouts — and
+//! the gauges of current state (workers, jobs, queues, checkpoint age) are
+//! read from the state machine at scrape time, so they are never stale.
+//! The core stays pure: wall latency is measured around it, not inside.
+//! See the metrics reference in the README for every family.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
-use prometheus::{Encoder, GaugeVec, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder};
+use prometheus::core::Collector;
+use prometheus::{
+    Encoder, Gauge, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts,
+    Registry, TextEncoder,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
-use crate::core::{Coordinator, StepMetrics, WorkerState};
+use crate::core::{AdmitCounts, Coordinator, JobState, StepMetrics, WorkerState};
 use crate::service::Shared;
+
+#[cfg(test)]
+#[path = "metrics_http_tests.rs"]
+mod tests;
+
+/// Buckets of whole steps (seconds): 50 ms to ~17 min.
+const STEP_BUCKETS: &[f64] = &[
+    0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0,
+];
+/// Buckets of coordinator-side latencies (seconds): 100 µs to 10 s.
+const LATENCY_BUCKETS: &[f64] = &[
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0,
+];
+
+/// Low-cardinality classes of an aborted step's reason (the `reason` label
+/// of `accrue_step_aborts_total`).
+pub const ABORT_REASONS: [&str; 8] = [
+    "worker_lost",
+    "collective_timeout",
+    "restore_failed",
+    "state_sync_failed",
+    "worker_error",
+    "cancelled",
+    "membership_change",
+    "other",
+];
 
 /// The coordinator's Prometheus registry and its metrics.
 pub struct Exporter {
     registry: Registry,
+    /// Families registered (the conventions test checks it saw them all).
+    #[cfg_attr(not(test), allow(dead_code))]
+    families: usize,
+    // Committed steps.
     steps: IntCounterVec,
+    tokens: IntCounterVec,
+    documents: IntCounterVec,
+    rank_seconds: prometheus::CounterVec,
+    step_duration: HistogramVec,
     step_time: GaugeVec,
     tokens_per_s: GaugeVec,
     mfu: GaugeVec,
+    padding: GaugeVec,
     loss: GaugeVec,
+    grad_norm: GaugeVec,
+    lr: GaugeVec,
+    job_step: IntGaugeVec,
+    world_size: IntGaugeVec,
+    // Dispatch and aborts.
+    plans: IntCounterVec,
+    plan_duration: HistogramVec,
+    dispatch_duration: HistogramVec,
+    aborts: IntCounterVec,
+    // Checkpoints.
+    checkpoints: IntCounterVec,
+    checkpoint_step: IntGaugeVec,
+    checkpoint_age: GaugeVec,
+    checkpoints_pending: IntGaugeVec,
+    // Streamed rollouts.
+    rollouts_admitted: IntCounterVec,
+    rollouts_rejected: IntCounterVec,
+    rollouts_queued: IntGaugeVec,
+    rollouts_capacity: IntGaugeVec,
+    push_waiters: Gauge,
+    // Membership and jobs (scrape time).
     workers: IntGaugeVec,
+    heartbeat_age: Gauge,
+    jobs: IntGaugeVec,
     generation: IntGaugeVec,
+    /// Per job: (checkpoint step, unix ms it became complete), as seen by
+    /// this process or, after a restart, the checkpoint directory's mtime.
+    checkpoint_times: Mutex<HashMap<String, (u64, Option<i64>)>>,
 }
 
 impl Default for Exporter {
@@ -35,95 +113,388 @@ impl Default for Exporter {
     }
 }
 
+/// Registers metrics into one registry, counting them.
+struct Builder {
+    registry: Registry,
+    families: usize,
+}
+
+impl Builder {
+    fn add<C: Collector + Clone + 'static>(&mut self, m: C) -> C {
+        self.registry
+            .register(Box::new(m.clone()))
+            .expect("unique metric");
+        self.families += 1;
+        m
+    }
+
+    fn counter(&mut self, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+        self.add(IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric"))
+    }
+
+    fn gauge(&mut self, name: &str, help: &str, labels: &[&str]) -> GaugeVec {
+        self.add(GaugeVec::new(Opts::new(name, help), labels).expect("valid metric"))
+    }
+
+    fn int_gauge(&mut self, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+        self.add(IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric"))
+    }
+
+    fn histogram(&mut self, name: &str, help: &str, buckets: &[f64]) -> HistogramVec {
+        let opts = HistogramOpts::new(name, help).buckets(buckets.to_vec());
+        self.add(HistogramVec::new(opts, &["job"]).expect("valid metric"))
+    }
+}
+
 impl Exporter {
     pub fn new() -> Exporter {
-        let registry = Registry::new();
-        let counter = |name: &str, help: &str, labels: &[&str]| {
-            let m = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
-            registry
-                .register(Box::new(m.clone()))
-                .expect("unique metric");
-            m
+        let mut b = Builder {
+            registry: Registry::new(),
+            families: 0,
         };
-        let steps = counter(
+        let job = &["job"];
+        let steps = b.counter(
             "accrue_steps_committed_total",
             "Steps committed (cursor moved, metrics written)",
-            &["job"],
+            job,
         );
-        let gauge = |name: &str, help: &str| {
-            let m = GaugeVec::new(Opts::new(name, help), &["job"]).expect("valid metric");
-            registry
-                .register(Box::new(m.clone()))
-                .expect("unique metric");
-            m
-        };
-        let step_time = gauge(
+        let tokens = b.counter(
+            "accrue_tokens_total",
+            "Real (non-padding) tokens trained in committed steps; rate() gives tokens/s",
+            job,
+        );
+        let documents = b.counter(
+            "accrue_documents_total",
+            "Documents (examples, pairs or rollouts) trained in committed steps",
+            job,
+        );
+        let rank_seconds = b.add(
+            prometheus::CounterVec::new(
+                Opts::new(
+                    "accrue_rank_seconds_total",
+                    "Rank time of committed steps by phase (compute, collective, optimizer, idle), summed over ranks",
+                ),
+                &["job", "phase"],
+            )
+            .expect("valid metric"),
+        );
+        let step_duration = b.histogram(
+            "accrue_step_duration_seconds",
+            "Wall time of committed steps, plan dispatched to step committed",
+            STEP_BUCKETS,
+        );
+        let step_time = b.gauge(
             "accrue_step_time_seconds",
             "Wall time of the last committed step, dispatch to commit",
+            job,
         );
-        let tokens_per_s = gauge(
+        let tokens_per_s = b.gauge(
             "accrue_tokens_per_second",
             "Real (non-padding) tokens per second in the last committed step",
+            job,
         );
-        let mfu = gauge(
-            "accrue_mfu",
-            "Model FLOPs utilisation of the last committed step (0 when a worker's peak is unknown)",
+        let mfu = b.gauge(
+            "accrue_mfu_ratio",
+            "Model FLOPs utilisation of the last committed step, 0 to 1 (0 when a worker's peak is unknown)",
+            job,
         );
-        let loss = gauge(
+        let padding = b.gauge(
+            "accrue_padding_ratio",
+            "Fraction of microbatch token budget left as padding in the last committed step",
+            job,
+        );
+        let loss = b.gauge(
             "accrue_loss",
             "Token-weighted loss of the last committed step",
+            job,
         );
-        let int_gauge = |name: &str, help: &str, label: &str| {
-            let m = IntGaugeVec::new(Opts::new(name, help), &[label]).expect("valid metric");
-            registry
-                .register(Box::new(m.clone()))
-                .expect("unique metric");
-            m
-        };
-        let workers = int_gauge("accrue_workers", "Registered workers by state", "state");
-        let generation = int_gauge(
+        let grad_norm = b.gauge(
+            "accrue_grad_norm",
+            "Global gradient norm (before clipping) of the last committed step",
+            job,
+        );
+        let lr = b.gauge(
+            "accrue_learning_rate",
+            "Learning rate of the last committed step",
+            job,
+        );
+        let job_step = b.int_gauge("accrue_job_step", "Last committed step of the job", job);
+        let world_size = b.int_gauge(
+            "accrue_job_world_size",
+            "Ranks of the generation that committed the job's last step",
+            job,
+        );
+        let plans = b.counter(
+            "accrue_plans_dispatched_total",
+            "Step plans dispatched to a generation (training, replay and reference chunks; a re-planned step counts again)",
+            job,
+        );
+        let plan_duration = b.histogram(
+            "accrue_plan_duration_seconds",
+            "Wall time of the state-machine call that produced a step plan (planning and packing; \
+             after a commit it includes committing the previous step)",
+            LATENCY_BUCKETS,
+        );
+        let dispatch_duration = b.histogram(
+            "accrue_dispatch_duration_seconds",
+            "Wall time from a step plan existing to the last rank's plan queued on its session stream \
+             (persisting the previous step, encoding, queueing)",
+            LATENCY_BUCKETS,
+        );
+        let aborts = b.counter(
+            "accrue_step_aborts_total",
+            "In-flight steps aborted (re-planned with the same documents, or ended with the job), by reason",
+            &["job", "reason"],
+        );
+        let checkpoints = b.counter(
+            "accrue_checkpoints_total",
+            "Checkpoints completed (every rank reported its part durable) by this coordinator process",
+            job,
+        );
+        let checkpoint_step = b.int_gauge(
+            "accrue_checkpoint_step",
+            "Step of the job's newest complete checkpoint (absent when it has none)",
+            job,
+        );
+        let checkpoint_age = b.gauge(
+            "accrue_checkpoint_age_seconds",
+            "Seconds since the newest complete checkpoint of a job that is not finished was \
+             completed (absent when it has none)",
+            job,
+        );
+        let checkpoints_pending = b.int_gauge(
+            "accrue_checkpoints_pending",
+            "Checkpoints requested and still being written by the ranks",
+            job,
+        );
+        let rollouts_admitted = b.counter(
+            "accrue_rollouts_admitted_total",
+            "Rollouts admitted into a streamed job's queue",
+            job,
+        );
+        let rollouts_rejected = b.counter(
+            "accrue_rollouts_dropped_total",
+            "Pushed rollouts not trained on, by reason (stale policy, zero reward variance group)",
+            &["job", "reason"],
+        );
+        let rollouts_queued = b.int_gauge(
+            "accrue_rollout_queue_rollouts",
+            "Rollouts buffered in a streamed job's queue (complete and filling groups)",
+            job,
+        );
+        let rollouts_capacity = b.int_gauge(
+            "accrue_rollout_queue_capacity_rollouts",
+            "Rollouts a streamed job buffers before pushes wait",
+            job,
+        );
+        let push_waiters = b.add(
+            Gauge::new(
+                "accrue_rollout_pushes_waiting",
+                "Rollout pushes blocked waiting for room in a full queue (all jobs)",
+            )
+            .expect("valid metric"),
+        );
+        let workers = b.int_gauge("accrue_workers", "Registered workers by state", &["state"]);
+        let heartbeat_age = b.add(
+            Gauge::new(
+                "accrue_worker_heartbeat_age_max_seconds",
+                "Seconds since the least recently heard-from connected worker was heard from (0 when none is connected)",
+            )
+            .expect("valid metric"),
+        );
+        let jobs = b.int_gauge("accrue_jobs", "Jobs by state", &["state"]);
+        let generation = b.int_gauge(
             "accrue_job_generation",
             "Last generation (membership) formed for the job",
-            "job",
+            job,
         );
         Exporter {
-            registry,
+            registry: b.registry,
+            families: b.families,
             steps,
+            tokens,
+            documents,
+            rank_seconds,
+            step_duration,
             step_time,
             tokens_per_s,
             mfu,
+            padding,
             loss,
+            grad_norm,
+            lr,
+            job_step,
+            world_size,
+            plans,
+            plan_duration,
+            dispatch_duration,
+            aborts,
+            checkpoints,
+            checkpoint_step,
+            checkpoint_age,
+            checkpoints_pending,
+            rollouts_admitted,
+            rollouts_rejected,
+            rollouts_queued,
+            rollouts_capacity,
+            push_waiters,
             workers,
+            heartbeat_age,
+            jobs,
             generation,
+            checkpoint_times: Mutex::new(HashMap::new()),
         }
     }
 
     /// Records a committed step of `job`.
     pub fn observe_step(&self, job: &str, m: &StepMetrics) {
-        self.steps.with_label_values(&[job]).inc();
-        self.step_time.with_label_values(&[job]).set(m.step_time_s);
-        self.tokens_per_s
-            .with_label_values(&[job])
-            .set(m.tokens_per_s);
-        self.mfu.with_label_values(&[job]).set(m.mfu);
-        self.loss.with_label_values(&[job]).set(m.loss);
+        let l = &[job];
+        self.steps.with_label_values(l).inc();
+        self.tokens.with_label_values(l).inc_by(m.tokens);
+        self.documents.with_label_values(l).inc_by(m.docs);
+        for (phase, s) in [
+            ("compute", m.compute_s),
+            ("collective", m.collective_s),
+            ("optimizer", m.optimizer_s),
+            ("idle", m.idle_s),
+        ] {
+            // Counters only go up: a clock step back on a worker is not a
+            // reason to poison the series.
+            if s.is_finite() && s > 0.0 {
+                self.rank_seconds.with_label_values(&[job, phase]).inc_by(s);
+            }
+        }
+        self.step_duration
+            .with_label_values(l)
+            .observe(m.step_time_s);
+        self.step_time.with_label_values(l).set(m.step_time_s);
+        self.tokens_per_s.with_label_values(l).set(m.tokens_per_s);
+        self.mfu.with_label_values(l).set(m.mfu);
+        self.padding.with_label_values(l).set(m.padding_fraction);
+        self.loss.with_label_values(l).set(m.loss);
+        self.grad_norm.with_label_values(l).set(m.grad_norm);
+        self.lr.with_label_values(l).set(m.lr);
+        self.job_step.with_label_values(l).set(m.step as i64);
+        self.world_size
+            .with_label_values(l)
+            .set(i64::from(m.world_size));
         self.generation
-            .with_label_values(&[job])
+            .with_label_values(l)
             .set(m.generation as i64);
     }
 
-    /// Refreshes the gauges read from the state machine.
-    pub fn observe_core(&self, core: &Coordinator) {
+    /// Records a step plan of `job` dispatched: `plan` is the wall time of
+    /// the state-machine call that made it, `dispatch` the time from then
+    /// until the last rank's plan was queued.
+    pub fn observe_plan(&self, job: &str, plan: Duration, dispatch: Duration) {
+        self.plans.with_label_values(&[job]).inc();
+        self.plan_duration
+            .with_label_values(&[job])
+            .observe(plan.as_secs_f64());
+        self.dispatch_duration
+            .with_label_values(&[job])
+            .observe(dispatch.as_secs_f64());
+    }
+
+    /// Records an aborted in-flight step of `job`; `reason` is the state
+    /// machine's text, reduced to one of [`ABORT_REASONS`].
+    pub fn observe_abort(&self, job: &str, reason: &str) {
+        self.aborts
+            .with_label_values(&[job, abort_reason(reason)])
+            .inc();
+    }
+
+    /// Records a complete checkpoint of `job` (its newest is `step`) at
+    /// `unix_ms`.
+    pub fn observe_checkpoint(&self, job: &str, step: Option<u64>, unix_ms: i64) {
+        self.checkpoints.with_label_values(&[job]).inc();
+        if let Some(step) = step {
+            lock(&self.checkpoint_times).insert(job.to_string(), (step, Some(unix_ms)));
+        }
+    }
+
+    /// Records what one rollout push to `job` did.
+    pub fn observe_rollouts(&self, job: &str, c: &AdmitCounts) {
+        self.rollouts_admitted
+            .with_label_values(&[job])
+            .inc_by(c.accepted);
+        self.rollouts_rejected
+            .with_label_values(&[job, "stale"])
+            .inc_by(c.rejected_stale);
+        self.rollouts_rejected
+            .with_label_values(&[job, "zero_variance"])
+            .inc_by(c.zero_variance_dropped);
+    }
+
+    /// Sets how many rollout pushes wait for queue room right now.
+    pub fn observe_push_waiters(&self, n: usize) {
+        self.push_waiters.set(n as f64);
+    }
+
+    /// Refreshes the gauges read from the state machine at `now_ms`.
+    pub fn observe_core(&self, core: &Coordinator, now_ms: i64) {
+        let mut oldest_heartbeat = 0i64;
         for state in WORKER_STATES {
             let n = core.workers().filter(|w| w.state == state).count();
             self.workers
                 .with_label_values(&[worker_state_name(state)])
                 .set(n as i64);
         }
+        for w in core.workers().filter(|w| w.connected()) {
+            oldest_heartbeat = oldest_heartbeat.max(now_ms - w.last_seen_ms);
+        }
+        self.heartbeat_age
+            .set(oldest_heartbeat.max(0) as f64 / 1000.0);
+        for state in JOB_STATES {
+            let n = core.jobs().filter(|j| j.rec.state == state).count();
+            self.jobs
+                .with_label_values(&[job_state_name(state)])
+                .set(n as i64);
+        }
+        let mut times = lock(&self.checkpoint_times);
         for j in core.jobs() {
+            let id = j.rec.id.as_str();
             self.generation
-                .with_label_values(&[j.rec.id.as_str()])
+                .with_label_values(&[id])
                 .set(j.rec.generation as i64);
+            self.job_step
+                .with_label_values(&[id])
+                .set(j.rec.step as i64);
+            self.checkpoints_pending
+                .with_label_values(&[id])
+                .set(j.pending_checkpoints.len() as i64);
+            if let Some(s) = &j.stream {
+                self.rollouts_queued
+                    .with_label_values(&[id])
+                    .set(s.buffered() as i64);
+                self.rollouts_capacity
+                    .with_label_values(&[id])
+                    .set(s.capacity as i64);
+            }
+            let newest = j.rec.checkpoints.last();
+            match newest {
+                Some(c) => self
+                    .checkpoint_step
+                    .with_label_values(&[id])
+                    .set(c.step as i64),
+                None => drop(self.checkpoint_step.remove_label_values(&[id])),
+            }
+            // Completed when this process saw it, else (after a restart)
+            // when its directory was last written; looked up once.
+            let completed = newest.and_then(|c| {
+                let seen = times.entry(id.to_string()).or_insert((c.step, None));
+                if seen.0 != c.step || seen.1.is_none() {
+                    *seen = (c.step, dir_mtime_ms(&c.dir));
+                }
+                seen.1
+            });
+            match completed {
+                Some(ms) if !j.rec.state.is_terminal() => self
+                    .checkpoint_age
+                    .with_label_values(&[id])
+                    .set((now_ms - ms).max(0) as f64 / 1000.0),
+                _ => drop(self.checkpoint_age.remove_label_values(&[id])),
+            }
         }
     }
 
@@ -134,6 +505,39 @@ impl Exporter {
             .encode(&self.registry.gather(), &mut buf)
             .expect("text encoding into a Vec cannot fail");
         String::from_utf8(buf).expect("the text format is UTF-8")
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn dir_mtime_ms(dir: &std::path::Path) -> Option<i64> {
+    let t = std::fs::metadata(dir).ok()?.modified().ok()?;
+    let d = t.duration_since(std::time::UNIX_EPOCH).ok()?;
+    Some(d.as_millis() as i64)
+}
+
+/// Reduces the state machine's abort reason text to one of
+/// [`ABORT_REASONS`] (the text names workers and steps: unbounded).
+pub fn abort_reason(reason: &str) -> &'static str {
+    let r = reason.to_ascii_lowercase();
+    if r.starts_with("worker ") && r.contains(" lost") {
+        "worker_lost"
+    } else if r.starts_with("collective timeout") {
+        "collective_timeout"
+    } else if r.contains("failed to restore") || r.starts_with("restore failed") {
+        "restore_failed"
+    } else if r.starts_with("state sync failed") {
+        "state_sync_failed"
+    } else if r.starts_with("step ") && r.contains(" failed on worker ") {
+        "worker_error"
+    } else if r.starts_with("cancelled") {
+        "cancelled"
+    } else if r.starts_with("membership change") {
+        "membership_change"
+    } else {
+        "other"
     }
 }
 
@@ -154,6 +558,26 @@ fn worker_state_name(s: WorkerState) -> &'static str {
         WorkerState::Active => "active",
         WorkerState::Draining => "draining",
         WorkerState::Lost => "lost",
+    }
+}
+
+const JOB_STATES: [JobState; 6] = [
+    JobState::Pending,
+    JobState::Running,
+    JobState::Paused,
+    JobState::Completed,
+    JobState::Failed,
+    JobState::Cancelled,
+];
+
+fn job_state_name(s: JobState) -> &'static str {
+    match s {
+        JobState::Pending => "pending",
+        JobState::Running => "running",
+        JobState::Paused => "paused",
+        JobState::Completed => "completed",
+        JobState::Failed => "failed",
+        JobState::Cancelled => "cancelled",
     }
 }
 

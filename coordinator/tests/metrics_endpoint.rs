@@ -1,6 +1,8 @@
 //! The Prometheus endpoint, in process: a real server with metrics on
-//! 127.0.0.1:0, a job trained two steps by a fake worker over the real
-//! session protocol, then `GET /metrics` must show the committed steps.
+//! 127.0.0.1:0, jobs trained by fake workers over the real session
+//! protocol, then `GET /metrics` must show what happened: committed steps,
+//! tokens, latency histograms, a checkpoint and its age while the job
+//! runs, an aborted step when a worker is lost.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -10,11 +12,12 @@ use accrue_coordinator::wire;
 use accrue_coordinator::wire::coordinator_message::Msg as In;
 use accrue_coordinator::wire::worker_message::Msg as Out;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
 async fn get(addr: SocketAddr, path: &str) -> String {
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(format!("GET {path} HTTP/1.1\r\nhost: x\r\n\r\n").as_bytes())
+    s.write_all(format!("GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").as_bytes())
         .await
         .unwrap();
     let mut out = String::new();
@@ -22,8 +25,25 @@ async fn get(addr: SocketAddr, path: &str) -> String {
     out
 }
 
-/// Registers, answers Configure with Ready and each plan with 2.0 loss per token.
-async fn fake_worker(url: String) {
+/// The value of the sample line `series` (name and labels, exactly).
+fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+}
+
+/// What a fake worker does besides answering.
+#[derive(Default)]
+struct Behaviour {
+    /// Close the session on the plan of this step (the worker is lost).
+    die_at: Option<u64>,
+    /// Hold the result of this step until the gate opens (other messages,
+    /// checkpoint requests, are still answered meanwhile).
+    hold: Option<(u64, oneshot::Receiver<()>)>,
+}
+
+/// Registers, answers Configure with Ready and each plan with 2.0 loss per
+/// token, acknowledges checkpoints; returns when released (or lost).
+async fn fake_worker(url: String, mut behaviour: Behaviour) {
     let mut c = wire::worker_service_client::WorkerServiceClient::connect(url)
         .await
         .unwrap();
@@ -55,20 +75,37 @@ async fn fake_worker(url: String) {
                 generation: c.generation,
                 step: c.step,
             }),
-            Some(In::StepPlan(p)) => Out::StepResult(wire::StepResult {
-                job_id: p.job_id,
-                generation: p.generation,
-                step: p.step,
-                rank: p.rank,
-                logps: Vec::new(),
-                sums: Some(wire::MetricSums {
-                    loss_sum: 20.0,
-                    loss_tokens: 10,
-                    tokens: 12,
-                    microbatches: 1,
-                    ..Default::default()
-                }),
-            }),
+            Some(In::StepPlan(p)) if behaviour.die_at == Some(p.step) => return,
+            Some(In::StepPlan(p)) => {
+                let result = Out::StepResult(wire::StepResult {
+                    job_id: p.job_id,
+                    generation: p.generation,
+                    step: p.step,
+                    rank: p.rank,
+                    logps: Vec::new(),
+                    sums: Some(wire::MetricSums {
+                        loss_sum: 20.0,
+                        loss_tokens: 10,
+                        tokens: 12,
+                        documents: 4,
+                        microbatches: 1,
+                        compute_s: 0.5,
+                        ..Default::default()
+                    }),
+                });
+                match behaviour.hold.take() {
+                    Some((step, gate)) if step == p.step => {
+                        let tx = tx.clone();
+                        tokio::spawn(async move {
+                            let _ = gate.await;
+                            let _ = tx.send(msg(result)).await;
+                        });
+                        continue;
+                    }
+                    other => behaviour.hold = other,
+                }
+                result
+            }
             Some(In::CheckpointRequest(c)) => Out::CheckpointDone(wire::CheckpointDone {
                 job_id: c.job_id,
                 step: c.step,
@@ -82,8 +119,8 @@ async fn fake_worker(url: String) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn metrics_endpoint_shows_committed_steps_and_workers() {
+/// A server with metrics, and a directory holding 8 SFT rows.
+async fn start() -> Running {
     let dir = tempfile::tempdir().unwrap();
     let mut rows = String::new();
     for i in 0..8 {
@@ -93,10 +130,6 @@ async fn metrics_endpoint_shows_committed_steps_and_workers() {
     }
     std::fs::write(dir.path().join("train.jsonl"), rows).unwrap();
     std::fs::write(dir.path().join("tiny.json"), "{}").unwrap();
-    let spec = "[job]\nname = \"m\"\nsteps = 2\noutput_dir = \"out\"\n[model]\ninit = \"random\"\n\
-                config = \"tiny.json\"\n[data]\ntrain = [\"train.jsonl\"]\nformat = \"sft\"\n\
-                [batch]\ndocs_per_step = 4\n";
-
     let mut cfg = ServerConfig::new("127.0.0.1:0".parse().unwrap(), dir.path().join("state"));
     cfg.metrics_listen = Some("127.0.0.1:0".parse().unwrap());
     let server = Server::bind(cfg).await.unwrap();
@@ -104,36 +137,143 @@ async fn metrics_endpoint_shows_committed_steps_and_workers() {
     let url = format!("http://{}", server.local_addr());
     let stop = CancellationToken::new();
     let task = tokio::spawn(server.run(stop.clone()));
+    (dir, url, metrics, stop, task)
+}
 
-    let mut admin = wire::admin_client::AdminClient::connect(url.clone())
+async fn submit(url: &str, dir: &std::path::Path, spec: &str) -> String {
+    let mut admin = wire::admin_client::AdminClient::connect(url.to_string())
         .await
         .unwrap();
-    let job = admin
+    admin
         .submit_job(wire::SubmitJobRequest {
             spec_toml: spec.into(),
-            base_dir: dir.path().display().to_string(),
+            base_dir: dir.display().to_string(),
         })
         .await
         .unwrap()
         .into_inner()
-        .job_id;
-    tokio::time::timeout(Duration::from_secs(20), fake_worker(url))
-        .await
-        .expect("the fake worker is released when the job completes");
+        .job_id
+}
 
+const SPEC: &str =
+    "[job]\nname = \"m\"\nsteps = 2\noutput_dir = \"out\"\n[model]\ninit = \"random\"\n\
+                    config = \"tiny.json\"\n[data]\ntrain = [\"train.jsonl\"]\nformat = \"sft\"\n\
+                    [batch]\ndocs_per_step = 4\n[checkpoint]\nevery_steps = 1\n";
+
+type Running = (
+    tempfile::TempDir,
+    String,
+    SocketAddr,
+    CancellationToken,
+    tokio::task::JoinHandle<anyhow::Result<()>>,
+);
+
+/// Scrapes until `series` has a sample (the job got there), or panics.
+async fn scrape_until(metrics: SocketAddr, series: &str) -> String {
+    for _ in 0..200 {
+        let text = get(metrics, "/metrics").await;
+        if sample(&text, series).is_some() {
+            return text;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!(
+        "{series} never appeared:\n{}",
+        get(metrics, "/metrics").await
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_endpoint_shows_committed_steps_and_workers() {
+    let (dir, url, metrics, stop, task): Running = start().await;
+    let job = submit(&url, dir.path(), SPEC).await;
+    let (open, gate) = oneshot::channel();
+    let worker = tokio::spawn(fake_worker(
+        url,
+        Behaviour {
+            hold: Some((2, gate)),
+            ..Default::default()
+        },
+    ));
+
+    // Step 1 committed and checkpointed, step 2 dispatched and held.
+    let age = format!("accrue_checkpoint_age_seconds{{job=\"{job}\"}}");
+    let text = scrape_until(metrics, &age).await;
+    let of = |name: &str| sample(&text, &format!("{name}{{job=\"{job}\"}}"));
+    let seconds = of("accrue_checkpoint_age_seconds").unwrap();
+    assert!((0.0..60.0).contains(&seconds), "checkpoint age {seconds}");
+    assert_eq!(of("accrue_checkpoint_step"), Some(1.0), "{text}");
+    assert_eq!(of("accrue_checkpoints_total"), Some(1.0), "{text}");
+    assert_eq!(of("accrue_tokens_total"), Some(12.0), "{text}");
+    assert_eq!(of("accrue_documents_total"), Some(4.0), "{text}");
+    assert_eq!(of("accrue_job_step"), Some(1.0), "{text}");
+    assert_eq!(
+        of("accrue_step_duration_seconds_count"),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(of("accrue_plans_dispatched_total"), Some(2.0), "{text}");
+    assert_eq!(
+        of("accrue_plan_duration_seconds_count"),
+        Some(2.0),
+        "{text}"
+    );
+    assert_eq!(
+        of("accrue_dispatch_duration_seconds_count"),
+        Some(2.0),
+        "{text}"
+    );
+    assert_eq!(sample(&text, "accrue_jobs{state=\"running\"}"), Some(1.0));
+    assert_eq!(sample(&text, "accrue_workers{state=\"active\"}"), Some(1.0));
+    let compute = format!("accrue_rank_seconds_total{{job=\"{job}\",phase=\"compute\"}}");
+    assert_eq!(sample(&text, &compute), Some(0.5), "{text}");
+    for (family, kind) in [
+        ("accrue_steps_committed_total", "counter"),
+        ("accrue_tokens_total", "counter"),
+        ("accrue_rank_seconds_total", "counter"),
+        ("accrue_checkpoints_total", "counter"),
+        ("accrue_plans_dispatched_total", "counter"),
+        ("accrue_step_duration_seconds", "histogram"),
+        ("accrue_plan_duration_seconds", "histogram"),
+        ("accrue_dispatch_duration_seconds", "histogram"),
+        ("accrue_checkpoint_age_seconds", "gauge"),
+        ("accrue_checkpoints_pending", "gauge"),
+        ("accrue_mfu_ratio", "gauge"),
+        ("accrue_worker_heartbeat_age_max_seconds", "gauge"),
+        ("accrue_jobs", "gauge"),
+    ] {
+        let line = format!("# TYPE {family} {kind}");
+        assert!(text.lines().any(|l| l == line), "{line} missing:\n{text}");
+    }
+
+    open.send(()).unwrap();
+    tokio::time::timeout(Duration::from_secs(20), worker)
+        .await
+        .expect("the fake worker is released when the job completes")
+        .unwrap();
     let text = get(metrics, "/metrics").await;
     assert!(text.starts_with("HTTP/1.1 200 OK"), "{text}");
     for line in [
         format!("accrue_steps_committed_total{{job=\"{job}\"}} 2"),
+        format!("accrue_tokens_total{{job=\"{job}\"}} 24"),
+        format!("accrue_step_duration_seconds_count{{job=\"{job}\"}} 2"),
         format!("accrue_loss{{job=\"{job}\"}} 2"),
         format!("accrue_job_generation{{job=\"{job}\"}} 1"),
         "accrue_workers{state=\"active\"} 0".to_string(),
+        "accrue_jobs{state=\"completed\"} 1".to_string(),
     ] {
         assert!(
             text.lines().any(|l| l == line),
             "{line} missing from:\n{text}"
         );
     }
+    // A finished job has no checkpoint age (nothing to alert on).
+    assert!(sample(&text, &age).is_none(), "{text}");
+    // (The final checkpoint may still be pending: the worker was released.)
+    assert!(
+        sample(&text, &format!("accrue_checkpoints_total{{job=\"{job}\"}}")).unwrap() >= 1.0,
+        "{text}"
+    );
     // The released worker is idle or, once its session closed, lost: one in all.
     let workers: i64 = text
         .lines()
@@ -149,6 +289,46 @@ async fn metrics_endpoint_shows_committed_steps_and_workers() {
         );
     }
     assert!(get(metrics, "/nope").await.starts_with("HTTP/1.1 404"));
+    stop.cancel();
+    task.await.unwrap().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_worker_counts_one_aborted_step_by_reason() {
+    let (dir, url, metrics, stop, task): Running = start().await;
+    let spec = SPEC.replace("steps = 2", "steps = 1");
+    let job = submit(&url, dir.path(), &spec).await;
+    // Lost with step 1 in flight; a second worker then trains it.
+    let dying = Behaviour {
+        die_at: Some(1),
+        ..Default::default()
+    };
+    tokio::time::timeout(Duration::from_secs(20), fake_worker(url.clone(), dying))
+        .await
+        .expect("the first worker gets step 1");
+    tokio::time::timeout(
+        Duration::from_secs(20),
+        fake_worker(url, Behaviour::default()),
+    )
+    .await
+    .expect("the second worker is released when the job completes");
+
+    let text = get(metrics, "/metrics").await;
+    let lost = format!("accrue_step_aborts_total{{job=\"{job}\",reason=\"worker_lost\"}}");
+    assert_eq!(sample(&text, &lost), Some(1.0), "{text}");
+    assert_eq!(
+        text.lines()
+            .filter(|l| l.starts_with("accrue_step_aborts_total{"))
+            .count(),
+        1,
+        "one abort, one reason:\n{text}"
+    );
+    assert!(text.contains("# TYPE accrue_step_aborts_total counter"));
+    let of = |name: &str| sample(&text, &format!("{name}{{job=\"{job}\"}}"));
+    assert_eq!(of("accrue_job_generation"), Some(2.0), "{text}");
+    assert_eq!(of("accrue_plans_dispatched_total"), Some(2.0), "{text}");
+    assert_eq!(of("accrue_steps_committed_total"), Some(1.0), "{text}");
+    assert_eq!(of("accrue_tokens_total"), Some(12.0), "{text}");
     stop.cancel();
     task.await.unwrap().unwrap();
 }

@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::io::Write;
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use accrue_proto::v1 as wire;
 use tokio::sync::{broadcast, mpsc};
@@ -24,7 +24,7 @@ pub use admin::AdminService;
 pub use rollouts::RolloutsService;
 pub use worker::WorkerServiceImpl;
 
-use crate::core::{Coordinator, CoreError, Effect, Event, JobId, WatchItem, WorkerId};
+use crate::core::{Coordinator, CoreError, Effect, Event, JobId, ToWorker, WatchItem, WorkerId};
 use crate::store::{StepRecord, Store};
 
 /// Messages queued for one worker's session stream.
@@ -73,8 +73,9 @@ impl Shared {
     pub fn render_metrics(&self) -> String {
         {
             let inner = self.lock();
-            self.metrics.observe_core(&inner.core);
+            self.metrics.observe_core(&inner.core, now_ms());
         }
+        self.metrics.observe_push_waiters(self.rollout_waiters());
         self.metrics.render()
     }
 
@@ -89,12 +90,58 @@ impl Shared {
     }
 
     pub(crate) fn apply_locked(&self, inner: &mut Inner, event: Event) -> Result<(), Status> {
-        let effects = inner.core.handle(event, now_ms()).map_err(core_status)?;
-        self.run_effects(inner, effects)
+        let (effects, timing) = handle_timed(inner, event).map_err(core_status)?;
+        self.run_effects(inner, effects, timing)
     }
 
-    fn run_effects(&self, inner: &mut Inner, effects: Vec<Effect>) -> Result<(), Status> {
+    /// Feeds the exporter what one state-machine call did: aborted steps
+    /// and completed checkpoints (committed steps and dispatched plans are
+    /// observed while their effects are carried out).
+    fn observe_effects(&self, inner: &Inner, effects: &[Effect]) {
+        let mut aborted: Vec<&str> = Vec::new();
+        for e in effects {
+            let (job, reason) = match e {
+                Effect::Send {
+                    msg: ToWorker::Abort { job, reason, .. },
+                    ..
+                } => (job, reason.as_str()),
+                // A generation whose members were all lost sends no Abort.
+                Effect::Publish {
+                    job,
+                    item: WatchItem::Event { kind, message, .. },
+                } if kind == "generation" && message.contains(" aborted: ") => {
+                    let reason = message.split_once(" aborted: ").map_or("", |(_, r)| r);
+                    (job, reason)
+                }
+                Effect::Publish {
+                    job,
+                    item: WatchItem::Event { kind, unix_ms, .. },
+                } if kind == "checkpoint" => {
+                    let step = inner.core.job(job).ok().and_then(|j| j.rec.last_checkpoint);
+                    self.metrics.observe_checkpoint(job, step, *unix_ms);
+                    continue;
+                }
+                _ => continue,
+            };
+            // One abort per job and call, however many members were told.
+            if !aborted.contains(&job.as_str()) {
+                aborted.push(job);
+                self.metrics.observe_abort(job, reason);
+            }
+        }
+    }
+
+    /// Carries out `effects` of the state-machine call `timing` measured.
+    fn run_effects(
+        &self,
+        inner: &mut Inner,
+        effects: Vec<Effect>,
+        timing: Timing,
+    ) -> Result<(), Status> {
+        self.observe_effects(inner, &effects);
         let mut failure = None;
+        // Per job with a plan among the effects: when its last plan was queued.
+        let mut dispatched: Vec<(JobId, Instant)> = Vec::new();
         for e in effects {
             match e {
                 Effect::PersistJob(rec) => {
@@ -149,11 +196,21 @@ impl Shared {
                         // its close event will follow.
                         let _ = tx.send(Ok(convert::to_worker(&msg)));
                     }
+                    if let ToWorker::Plan { job, .. } = msg {
+                        let now = Instant::now();
+                        match dispatched.iter_mut().find(|(j, _)| *j == job) {
+                            Some((_, t)) => *t = now,
+                            None => dispatched.push((job, now)),
+                        }
+                    }
                 }
                 Effect::Publish { job, item } => {
                     let _ = self.watch.send((job, item));
                 }
                 Effect::PersistRollouts(w) => {
+                    if let Some(c) = &w.counts {
+                        self.metrics.observe_rollouts(&w.job, c);
+                    }
                     if let Err(err) = inner.store.put_rollouts(&w) {
                         error!(job = %w.job, %err, "persisting rollouts failed");
                         failure = Some(Status::internal(format!(
@@ -166,6 +223,11 @@ impl Shared {
                     }
                 }
             }
+        }
+        for (job, queued) in dispatched {
+            let plan = timing.returned - timing.started;
+            self.metrics
+                .observe_plan(&job, plan, queued - timing.returned);
         }
         failure.map_or(Ok(()), Err)
     }
@@ -213,6 +275,25 @@ impl Shared {
             );
         }
     }
+}
+
+/// When a state-machine call started and returned, for the latency
+/// metrics (measured here: the core has no clock).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Timing {
+    started: Instant,
+    returned: Instant,
+}
+
+/// Feeds one event to the state machine, timing the call.
+pub(crate) fn handle_timed(
+    inner: &mut Inner,
+    event: Event,
+) -> Result<(Vec<Effect>, Timing), CoreError> {
+    let started = Instant::now();
+    let effects = inner.core.handle(event, now_ms())?;
+    let returned = Instant::now();
+    Ok((effects, Timing { started, returned }))
 }
 
 fn append_jsonl(path: &Path, metrics: &crate::core::StepMetrics) -> std::io::Result<()> {

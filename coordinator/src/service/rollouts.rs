@@ -18,7 +18,7 @@ use tokio::sync::watch;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{debug, instrument};
 
-use super::{core_status, now_ms, Shared};
+use super::{core_status, Shared};
 use crate::core::{AdmitCounts, CoreError, Effect, Event};
 use crate::data::Encoder;
 use crate::doc::Rollout;
@@ -79,13 +79,13 @@ impl Shared {
                     job: job.to_string(),
                     rollouts: batch.clone(),
                 };
-                match inner.core.handle(event, now_ms()) {
-                    Ok(effects) => {
+                match super::handle_timed(&mut inner, event) {
+                    Ok((effects, timing)) => {
                         let counts = effects.iter().find_map(|e| match e {
                             Effect::PersistRollouts(w) if w.job == job => w.counts,
                             _ => None,
                         });
-                        self.run_effects(&mut inner, effects)?;
+                        self.run_effects(&mut inner, effects, timing)?;
                         return Ok(counts.unwrap_or_default());
                     }
                     // Subscribed under the lock: no wake-up is missed.

@@ -50,6 +50,10 @@ struct Args {
     /// Private key of --tls-cert.
     #[arg(long, value_name = "FILE", requires = "tls_cert")]
     tls_key: Option<PathBuf>,
+    /// Serve Prometheus metrics on HTTP `GET /metrics` at this address
+    /// (off by default; port 0: any free port, printed as "metrics on ADDR").
+    #[arg(long, value_name = "ADDR", env = "ACCRUE_WORKER_METRICS_LISTEN")]
+    metrics_listen: Option<String>,
     /// Largest gRPC message accepted or sent, in MiB.
     #[arg(long, value_name = "MB", default_value_t = session::secure::DEFAULT_MAX_MESSAGE_MB)]
     max_message_mb: usize,
@@ -61,6 +65,16 @@ async fn main() -> anyhow::Result<()> {
     accrue_worker::init_tracing();
     if let Some(n) = args.threads {
         tch::set_num_threads(n.max(1));
+    }
+    if let Some(addr) = &args.metrics_listen {
+        let bound = accrue_worker::metrics::spawn(addr)
+            .await
+            .map_err(|e| anyhow::anyhow!("--metrics-listen {addr}: {e}"))?;
+        // Not println!: a reader that took only the first line may be gone.
+        let _ = std::io::Write::write_all(
+            &mut std::io::stdout(),
+            format!("metrics on {bound}\n").as_bytes(),
+        );
     }
     let (listener, advertised) = session::bind_collective(&args.collective_listen)?;
     let mut cfg = SessionConfig::new(&args.coordinator);

@@ -137,8 +137,11 @@ impl Writer {
             .name("accrue-checkpoint".into())
             .spawn(move || {
                 let step = manifest.step;
+                let started = std::time::Instant::now();
                 let msg = match write_part(write, &dir, rank, &manifest) {
                     Ok(()) => {
+                        crate::metrics::global()
+                            .observe_checkpoint_write(started.elapsed().as_secs_f64());
                         info!(step, rank, dir = %dir.display(), "checkpoint part durable");
                         Msg::CheckpointDone(wire::CheckpointDone {
                             job_id: answer.job,

@@ -112,6 +112,7 @@ pub fn run_step(
         }
     }
     sums.optimizer_s = opt.elapsed().as_secs_f64();
+    crate::metrics::global().observe_step(plan, &sums);
     StepOutcome::Done(sums)
 }
 

@@ -1,0 +1,180 @@
+//! Unit tests of the exporter: naming conventions over every family it
+//! registers, counters moving with the observations, abort reasons.
+
+use std::time::Duration;
+
+use prometheus::proto::MetricType;
+
+use super::*;
+
+/// Touches every family so the registry gathers it (a vec without a label
+/// set is not exposed): the observe functions where they need no state
+/// machine, the fields for the per-job scrape-time gauges.
+fn populated() -> Exporter {
+    let e = Exporter::new();
+    let m = StepMetrics {
+        step: 3,
+        tokens: 100,
+        docs: 4,
+        step_time_s: 2.0,
+        compute_s: 1.5,
+        collective_s: 0.25,
+        optimizer_s: 0.125,
+        idle_s: 0.5,
+        world_size: 2,
+        generation: 1,
+        ..Default::default()
+    };
+    e.observe_step("j", &m);
+    e.observe_plan("j", Duration::from_millis(3), Duration::from_micros(200));
+    e.observe_abort("j", "worker w-1 lost: session closed");
+    e.observe_checkpoint("j", Some(3), 1_000);
+    e.observe_rollouts(
+        "j",
+        &AdmitCounts {
+            accepted: 8,
+            rejected_stale: 2,
+            zero_variance_dropped: 4,
+            ..Default::default()
+        },
+    );
+    e.observe_push_waiters(1);
+    e.observe_core(&Coordinator::default(), 5_000);
+    for g in [
+        &e.checkpoints_pending,
+        &e.rollouts_queued,
+        &e.rollouts_capacity,
+        &e.checkpoint_step,
+    ] {
+        g.with_label_values(&["j"]).set(1);
+    }
+    e.checkpoint_age.with_label_values(&["j"]).set(4.0);
+    e
+}
+
+#[test]
+fn every_family_follows_the_prometheus_naming_conventions() {
+    let e = populated();
+    let families = e.registry.gather();
+    assert_eq!(
+        families.len(),
+        e.families,
+        "a registered family is not exposed by this test: touch it in populated()"
+    );
+    let name_ok = |n: &str| {
+        n.strip_prefix("accrue_").is_some_and(|rest| {
+            !rest.is_empty()
+                && rest
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+        })
+    };
+    for f in &families {
+        let name = f.name();
+        assert!(name_ok(name), "{name}: not ^accrue_[a-z0-9_]+$");
+        assert!(!f.help().trim().is_empty(), "{name}: empty help");
+        let counter = f.get_field_type() == MetricType::COUNTER;
+        assert_eq!(
+            counter,
+            name.ends_with("_total"),
+            "{name}: counters and only counters end in _total"
+        );
+        if name.contains("duration") || name.contains("time") || name.contains("age") {
+            assert!(
+                name.ends_with("_seconds") || name.ends_with("_seconds_total"),
+                "{name}: a duration must be in seconds"
+            );
+        }
+        if f.get_field_type() == MetricType::HISTOGRAM {
+            assert!(
+                name.ends_with("_seconds"),
+                "{name}: histograms here are durations"
+            );
+        }
+        for m in f.get_metric() {
+            for l in m.get_label() {
+                assert!(
+                    ["job", "state", "reason", "phase"].contains(&l.name()),
+                    "{name}: label {} is not one of the low-cardinality ones",
+                    l.name()
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_committed_step_moves_the_counters_and_the_histogram() {
+    let e = populated();
+    e.observe_step(
+        "j",
+        &StepMetrics {
+            tokens: 50,
+            docs: 2,
+            step_time_s: 0.2,
+            compute_s: 0.5,
+            ..Default::default()
+        },
+    );
+    let text = e.render();
+    for line in [
+        "accrue_tokens_total{job=\"j\"} 150",
+        "accrue_documents_total{job=\"j\"} 6",
+        "accrue_steps_committed_total{job=\"j\"} 2",
+        "accrue_step_duration_seconds_count{job=\"j\"} 2",
+        "accrue_step_duration_seconds_sum{job=\"j\"} 2.2",
+        "accrue_rank_seconds_total{job=\"j\",phase=\"compute\"} 2",
+        "accrue_rank_seconds_total{job=\"j\",phase=\"idle\"} 0.5",
+        "accrue_step_aborts_total{job=\"j\",reason=\"worker_lost\"} 1",
+        "accrue_rollouts_admitted_total{job=\"j\"} 8",
+        "accrue_rollouts_dropped_total{job=\"j\",reason=\"stale\"} 2",
+        "accrue_rollouts_dropped_total{job=\"j\",reason=\"zero_variance\"} 4",
+        "accrue_plan_duration_seconds_count{job=\"j\"} 1",
+        "accrue_checkpoints_total{job=\"j\"} 1",
+        "accrue_rollout_pushes_waiting 1",
+        "accrue_worker_heartbeat_age_max_seconds 0",
+        "accrue_jobs{state=\"running\"} 0",
+    ] {
+        assert!(text.lines().any(|l| l == line), "{line} missing:\n{text}");
+    }
+}
+
+#[test]
+fn abort_reasons_of_the_state_machine_map_to_bounded_classes() {
+    // The texts the core writes (core/machine.rs, lifecycle.rs,
+    // generations.rs, control.rs).
+    for (text, class) in [
+        ("worker 7f3a lost: session closed", "worker_lost"),
+        ("worker 7f3a lost: no heartbeat for 2000 ms", "worker_lost"),
+        (
+            "collective timeout at step 4 on 7f3a: peer 1 silent",
+            "collective_timeout",
+        ),
+        (
+            "checkpoint step-3 failed to restore on 7f3a: missing; falling back to step-1",
+            "restore_failed",
+        ),
+        (
+            "restore failed on 7f3a without a checkpoint: x",
+            "restore_failed",
+        ),
+        (
+            "state sync failed on 7f3a: x; restoring from a checkpoint",
+            "state_sync_failed",
+        ),
+        ("step 5 failed on worker 7f3a: loss is nan", "worker_error"),
+        ("cancelled by operator", "cancelled"),
+        ("membership change at step boundary", "membership_change"),
+        ("chunk 2: reference log-probs missing", "other"),
+    ] {
+        assert_eq!(abort_reason(text), class, "{text}");
+        assert!(ABORT_REASONS.contains(&class));
+    }
+}
+
+#[test]
+fn checkpoint_age_is_absent_without_a_checkpoint() {
+    let e = Exporter::new();
+    e.observe_core(&Coordinator::default(), 1_000);
+    assert!(!e.render().contains("accrue_checkpoint_age_seconds"));
+}
