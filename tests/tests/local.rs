@@ -234,6 +234,10 @@ fn two_workers_train_the_same_curve_at_every_sharding_level() {
         assert_eq!(two.len(), 6);
         for (a, b) in one.iter().zip(&two) {
             assert_eq!(b["world_size"], 2, "{sharding}: {b}");
+            // Two ranks spend measurable time inside collectives; one
+            // rank has none to wait in.
+            assert!(b["collective_s"].as_f64().unwrap() > 0.0, "{sharding}: {b}");
+            assert_eq!(a["collective_s"].as_f64(), Some(0.0), "{a}");
             assert_eq!(a["docs"], b["docs"]);
             assert_eq!(a["loss_tokens"], b["loss_tokens"]);
             for field in ["loss", "grad_norm"] {

@@ -15,6 +15,7 @@ pub mod local;
 pub mod nccl;
 pub mod reshard;
 pub mod tcp;
+pub mod timed;
 
 use std::sync::Arc;
 

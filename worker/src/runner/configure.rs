@@ -317,7 +317,7 @@ impl Thread {
         if let Some(abort) = coll.abort_handle() {
             lock(&self.in_flight).collective = Some((c.generation, abort));
         }
-        Ok(coll)
+        Ok(Box::new(crate::collective::timed::Timed(coll)))
     }
 
     /// A fresh replica for `c`: the model built from its init or restored.

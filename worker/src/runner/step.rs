@@ -45,6 +45,9 @@ pub fn run_step(
         ..Default::default()
     };
     let mut docs = BTreeSet::new();
+    // Collective time is measured apart and taken out of compute and
+    // optimizer time, so the four phases add up to the step's wall time.
+    let coll_start = crate::collective::timed::spent_s();
     let compute = Instant::now();
     for (i, mb) in plan.microbatches.iter().enumerate() {
         if aborted() {
@@ -92,7 +95,8 @@ pub fn run_step(
         }
     }
     sums.documents = docs.len() as u64;
-    sums.compute_s = compute.elapsed().as_secs_f64();
+    let coll_compute = crate::collective::timed::spent_s() - coll_start;
+    sums.compute_s = (compute.elapsed().as_secs_f64() - coll_compute).max(0.0);
     if aborted() {
         exec.zero_grad();
         return StepOutcome::Aborted;
@@ -111,7 +115,9 @@ pub fn run_step(
             return fail(&e, format!("step {}, optimizer step: {e:#}", plan.step));
         }
     }
-    sums.optimizer_s = opt.elapsed().as_secs_f64();
+    let coll_total = crate::collective::timed::spent_s() - coll_start;
+    sums.collective_s = coll_total;
+    sums.optimizer_s = (opt.elapsed().as_secs_f64() - (coll_total - coll_compute)).max(0.0);
     crate::metrics::global().observe_step(plan, &sums);
     StepOutcome::Done(sums)
 }
