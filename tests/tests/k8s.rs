@@ -61,9 +61,12 @@ fn render(dir: &Path) -> Vec<Value> {
         .unwrap_or_else(|e| panic!("rendering of {}: {e}", dir.display()))
 }
 
+/// A binary and its subcommand path.
+type Invocation = (String, Vec<String>);
+
 /// `--help` of the built binaries, cached.
 #[derive(Default)]
-struct RealHelp(RefCell<BTreeMap<(String, Vec<String>), Result<String, String>>>);
+struct RealHelp(RefCell<BTreeMap<Invocation, Result<String, String>>>);
 
 impl Help for RealHelp {
     fn help(&self, binary: &str, sub: &[String]) -> Result<String, String> {

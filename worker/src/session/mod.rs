@@ -108,58 +108,6 @@ fn advertised_with_port(advertise: &str, port: u16) -> anyhow::Result<String> {
     }
 }
 
-#[cfg(test)]
-mod advertise_tests {
-    use super::*;
-
-    #[test]
-    fn advertise_overrides_the_bound_address() {
-        let (l, a) = bind_collective("127.0.0.1:0", Some("10.1.2.3:7071")).unwrap();
-        assert_ne!(l.local_addr().unwrap().port(), 0);
-        assert_eq!(a, "10.1.2.3:7071");
-    }
-
-    #[test]
-    fn advertise_without_port_takes_the_bound_port() {
-        let (l, a) = bind_collective("127.0.0.1:0", Some("10.1.2.3")).unwrap();
-        let port = l.local_addr().unwrap().port();
-        assert_eq!(a, format!("10.1.2.3:{port}"));
-        let (l, a) = bind_collective("127.0.0.1:0", Some("pod-a.workers:0")).unwrap();
-        assert_eq!(
-            a,
-            format!("pod-a.workers:{}", l.local_addr().unwrap().port())
-        );
-        let (l, a) = bind_collective("127.0.0.1:0", Some("fd00::7")).unwrap();
-        assert_eq!(a, format!("[fd00::7]:{}", l.local_addr().unwrap().port()));
-        assert_eq!(
-            advertised_with_port("[fd00::7]:9", 1).unwrap(),
-            "[fd00::7]:9"
-        );
-    }
-
-    #[test]
-    fn without_advertise_the_bound_address_is_advertised() {
-        let (l, a) = bind_collective("127.0.0.1:0", None).unwrap();
-        assert_eq!(a, l.local_addr().unwrap().to_string());
-        let (l, a) = bind_collective("0.0.0.0:0", None).unwrap();
-        assert_eq!(
-            a,
-            format!("{}:{}", hostname(), l.local_addr().unwrap().port())
-        );
-    }
-
-    #[test]
-    fn a_bad_advertise_address_is_an_error_naming_the_flag() {
-        for bad in ["", "host:port", "a:b:c"] {
-            let e = bind_collective("127.0.0.1:0", Some(bad)).unwrap_err();
-            assert!(
-                format!("{e:#}").contains("--collective-advertise"),
-                "{bad:?}: {e:#}"
-            );
-        }
-    }
-}
-
 /// How a session ended.
 enum Ended {
     /// Released with `exit_on_release`: the process is done.
@@ -332,4 +280,56 @@ async fn session(
         .await;
     }
     Ok(ended)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn advertise_overrides_the_bound_address() {
+        let (l, a) = bind_collective("127.0.0.1:0", Some("10.1.2.3:7071")).unwrap();
+        assert_ne!(l.local_addr().unwrap().port(), 0);
+        assert_eq!(a, "10.1.2.3:7071");
+    }
+
+    #[test]
+    fn advertise_without_port_takes_the_bound_port() {
+        let (l, a) = bind_collective("127.0.0.1:0", Some("10.1.2.3")).unwrap();
+        let port = l.local_addr().unwrap().port();
+        assert_eq!(a, format!("10.1.2.3:{port}"));
+        let (l, a) = bind_collective("127.0.0.1:0", Some("pod-a.workers:0")).unwrap();
+        assert_eq!(
+            a,
+            format!("pod-a.workers:{}", l.local_addr().unwrap().port())
+        );
+        let (l, a) = bind_collective("127.0.0.1:0", Some("fd00::7")).unwrap();
+        assert_eq!(a, format!("[fd00::7]:{}", l.local_addr().unwrap().port()));
+        assert_eq!(
+            advertised_with_port("[fd00::7]:9", 1).unwrap(),
+            "[fd00::7]:9"
+        );
+    }
+
+    #[test]
+    fn without_advertise_the_bound_address_is_advertised() {
+        let (l, a) = bind_collective("127.0.0.1:0", None).unwrap();
+        assert_eq!(a, l.local_addr().unwrap().to_string());
+        let (l, a) = bind_collective("0.0.0.0:0", None).unwrap();
+        assert_eq!(
+            a,
+            format!("{}:{}", hostname(), l.local_addr().unwrap().port())
+        );
+    }
+
+    #[test]
+    fn a_bad_advertise_address_is_an_error_naming_the_flag() {
+        for bad in ["", "host:port", "a:b:c"] {
+            let e = bind_collective("127.0.0.1:0", Some(bad)).unwrap_err();
+            assert!(
+                format!("{e:#}").contains("--collective-advertise"),
+                "{bad:?}: {e:#}"
+            );
+        }
+    }
 }
