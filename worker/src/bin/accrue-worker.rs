@@ -22,6 +22,11 @@ struct Args {
     /// (port 0: any free port; the bound address is advertised).
     #[arg(long, default_value = "127.0.0.1:0")]
     collective_listen: String,
+    /// Address peers dial for this worker's collective endpoint, instead of
+    /// the bound one: `host:port`, or a bare host that takes the bound port
+    /// (in Kubernetes: `$(POD_IP):7071`, as pod hostnames do not resolve).
+    #[arg(long, value_name = "ADDR", env = "ACCRUE_COLLECTIVE_ADVERTISE")]
+    collective_advertise: Option<String>,
     /// libtorch intra-op threads (default: libtorch's choice).
     #[arg(long)]
     threads: Option<i32>,
@@ -76,7 +81,10 @@ async fn main() -> anyhow::Result<()> {
             format!("metrics on {bound}\n").as_bytes(),
         );
     }
-    let (listener, advertised) = session::bind_collective(&args.collective_listen)?;
+    let (listener, advertised) = session::bind_collective(
+        &args.collective_listen,
+        args.collective_advertise.as_deref(),
+    )?;
     let mut cfg = SessionConfig::new(&args.coordinator);
     cfg.collective_addr = advertised;
     cfg.exit_on_release = args.exit_on_release;

@@ -64,19 +64,48 @@ impl SessionConfig {
 }
 
 /// Binds this worker's collective listener on `addr` (`host:port`, port 0
-/// for any free one) and returns it with the address to advertise: the
-/// bound one, with this host's name in place of an unspecified IP
-/// (`0.0.0.0`), so peers on other machines can reach it.
-pub fn bind_collective(addr: &str) -> anyhow::Result<(std::net::TcpListener, String)> {
+/// for any free one) and returns it with the address to advertise to peers.
+///
+/// `advertise` (`--collective-advertise`) wins when given: `host:port`, or a
+/// bare host (or `host:0`) that takes the bound port. It is needed where the
+/// bound address is not what peers dial, e.g. a Kubernetes pod listening on
+/// `0.0.0.0` whose hostname does not resolve (advertise `$(POD_IP):7071`).
+/// Without it: the bound address, with this host's name in place of an
+/// unspecified IP (`0.0.0.0`).
+pub fn bind_collective(
+    addr: &str,
+    advertise: Option<&str>,
+) -> anyhow::Result<(std::net::TcpListener, String)> {
     let listener = std::net::TcpListener::bind(addr)
         .with_context(|| format!("--collective-listen: binding {addr}"))?;
     let local = listener.local_addr()?;
-    let advertised = if local.ip().is_unspecified() {
-        format!("{}:{}", hostname(), local.port())
-    } else {
-        local.to_string()
+    let advertised = match advertise.map(str::trim) {
+        Some(a) => advertised_with_port(a, local.port())?,
+        None if local.ip().is_unspecified() => format!("{}:{}", hostname(), local.port()),
+        None => local.to_string(),
     };
     Ok((listener, advertised))
+}
+
+/// `advertise` with `port` filled in where it names none (or port 0).
+fn advertised_with_port(advertise: &str, port: u16) -> anyhow::Result<String> {
+    if advertise.is_empty() {
+        anyhow::bail!("--collective-advertise: empty address");
+    }
+    if let Ok(ip) = advertise.parse::<std::net::IpAddr>() {
+        // A bare IP (an IPv6 one holds colons but no port).
+        return Ok(std::net::SocketAddr::new(ip, port).to_string());
+    }
+    match advertise.rsplit_once(':') {
+        Some((host, p)) if (!host.is_empty() && !host.contains(':')) || host.starts_with('[') => {
+            let p: u16 = p.parse().with_context(|| {
+                format!("--collective-advertise: {advertise:?}: port {p:?} is not a number")
+            })?;
+            Ok(format!("{host}:{}", if p == 0 { port } else { p }))
+        }
+        Some(_) => anyhow::bail!("--collective-advertise: {advertise:?} is not host:port"),
+        None => Ok(format!("{advertise}:{port}")),
+    }
 }
 
 /// How a session ended.
@@ -251,4 +280,56 @@ async fn session(
         .await;
     }
     Ok(ended)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn advertise_overrides_the_bound_address() {
+        let (l, a) = bind_collective("127.0.0.1:0", Some("10.1.2.3:7071")).unwrap();
+        assert_ne!(l.local_addr().unwrap().port(), 0);
+        assert_eq!(a, "10.1.2.3:7071");
+    }
+
+    #[test]
+    fn advertise_without_port_takes_the_bound_port() {
+        let (l, a) = bind_collective("127.0.0.1:0", Some("10.1.2.3")).unwrap();
+        let port = l.local_addr().unwrap().port();
+        assert_eq!(a, format!("10.1.2.3:{port}"));
+        let (l, a) = bind_collective("127.0.0.1:0", Some("pod-a.workers:0")).unwrap();
+        assert_eq!(
+            a,
+            format!("pod-a.workers:{}", l.local_addr().unwrap().port())
+        );
+        let (l, a) = bind_collective("127.0.0.1:0", Some("fd00::7")).unwrap();
+        assert_eq!(a, format!("[fd00::7]:{}", l.local_addr().unwrap().port()));
+        assert_eq!(
+            advertised_with_port("[fd00::7]:9", 1).unwrap(),
+            "[fd00::7]:9"
+        );
+    }
+
+    #[test]
+    fn without_advertise_the_bound_address_is_advertised() {
+        let (l, a) = bind_collective("127.0.0.1:0", None).unwrap();
+        assert_eq!(a, l.local_addr().unwrap().to_string());
+        let (l, a) = bind_collective("0.0.0.0:0", None).unwrap();
+        assert_eq!(
+            a,
+            format!("{}:{}", hostname(), l.local_addr().unwrap().port())
+        );
+    }
+
+    #[test]
+    fn a_bad_advertise_address_is_an_error_naming_the_flag() {
+        for bad in ["", "host:port", "a:b:c"] {
+            let e = bind_collective("127.0.0.1:0", Some(bad)).unwrap_err();
+            assert!(
+                format!("{e:#}").contains("--collective-advertise"),
+                "{bad:?}: {e:#}"
+            );
+        }
+    }
 }
