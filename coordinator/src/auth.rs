@@ -5,7 +5,9 @@
 //! every other service (`Admin`, and any admin-facing service added later,
 //! such as `Rollouts`: an unknown service is admin-only by default, so a new
 //! service is never left open by accident). A worker token never works on an
-//! admin RPC and vice versa; the two must differ.
+//! admin RPC and vice versa; the two must differ. The one exemption is
+//! `grpc.health.v1.Health` (Check/Watch), which answers without a token:
+//! Kubernetes gRPC probes send none, and it reveals only serving status.
 //!
 //! The check is a tower layer over the whole router ([`AuthLayer`]) because
 //! it needs the RPC path (which audience) and the peer address (the log
@@ -38,6 +40,8 @@ pub const ADMIN_TOKEN_ENV: &str = "ACCRUE_ADMIN_TOKEN";
 pub const WORKER_TOKEN_ENV: &str = "ACCRUE_WORKER_TOKEN";
 /// The RPC path prefix of the worker-facing service.
 const WORKER_SERVICE_PREFIX: &str = "/accrue.v1.WorkerService/";
+/// The RPC path prefix of the standard gRPC health service, open to all.
+const HEALTH_SERVICE_PREFIX: &str = "/grpc.health.v1.Health/";
 
 /// Problems with the token configuration (startup errors).
 #[derive(Debug, thiserror::Error)]
@@ -253,8 +257,12 @@ pub fn check_policy(
 }
 
 /// Checks one request's `authorization` header against the token its path
-/// needs. `Err` is the status to answer with.
+/// needs. `Err` is the status to answer with. The health service needs
+/// none (probes carry no credentials).
 pub fn authorize(tokens: &Tokens, path: &str, header: Option<&[u8]>) -> Result<(), Status> {
+    if path.starts_with(HEALTH_SERVICE_PREFIX) {
+        return Ok(());
+    }
     let role = Role::of_path(path);
     let Some(expected) = tokens.for_role(role) else {
         return Ok(());
@@ -396,6 +404,24 @@ mod tests {
         let e = authorize(&t, ADMIN, Some(b"Bearer nope")).unwrap_err();
         assert!(e.message().contains("admin token (ACCRUE_ADMIN_TOKEN)"));
         assert!(e.message().contains("is not it"));
+    }
+
+    #[test]
+    fn the_health_service_needs_no_token_and_opens_nothing_else() {
+        let t = tokens();
+        for path in ["/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"] {
+            assert!(authorize(&t, path, None).is_ok(), "{path}");
+            assert!(authorize(&t, path, Some(b"Bearer wrong")).is_ok(), "{path}");
+        }
+        // Only that exact service: look-alikes stay admin-only.
+        for path in [
+            "/grpc.health.v1.HealthX/Check",
+            "/grpc.health.v2.Health/Check",
+            "/accrue.v1.Admin/grpc.health.v1.Health/",
+        ] {
+            assert!(authorize(&t, path, None).is_err(), "{path}");
+        }
+        assert!(authorize(&t, ADMIN, None).is_err());
     }
 
     #[test]

@@ -1,6 +1,16 @@
 //! The coordinator server: binds in `bind()` (so tests use 127.0.0.1:0),
 //! restores jobs from the state dir, and serves the admin and worker
-//! services plus a tick loop until the shutdown token fires.
+//! services, the standard gRPC health service and a tick loop until the
+//! shutdown token fires.
+//!
+//! Shutdown (SIGTERM): health turns NOT_SERVING, the listener stops
+//! accepting, the tick loop stops, and open connections get
+//! [`ServerConfig::shutdown_grace`] to finish before they are dropped (a
+//! worker's session stream never ends on its own; the worker reconnects to
+//! the restarted coordinator). Nothing needs flushing: every state change
+//! was written in its own redb transaction when it happened (a committed
+//! step with its job record, atomically), and metrics.jsonl lines are
+//! written unbuffered.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -14,6 +24,8 @@ use anyhow::Context;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
+use tonic::server::NamedService;
+use tonic_health::ServingStatus;
 use tracing::{error, info};
 
 use crate::core::{Coordinator, CoordinatorOptions, Event, JobRecord, JobState};
@@ -37,6 +49,8 @@ pub struct ServerConfig {
     pub metrics_optional: bool,
     /// Tokens, TLS and message size limits (see [`crate::auth`]).
     pub security: crate::auth::Security,
+    /// How long open connections may run on after shutdown starts.
+    pub shutdown_grace: Duration,
 }
 
 impl ServerConfig {
@@ -50,6 +64,7 @@ impl ServerConfig {
             metrics_listen: None,
             metrics_optional: false,
             security: crate::auth::Security::default(),
+            shutdown_grace: Duration::from_secs(3),
         }
     }
 }
@@ -131,7 +146,8 @@ impl Server {
         self.shared.clone()
     }
 
-    /// Serves until `shutdown` is cancelled.
+    /// Serves until `shutdown` is cancelled, then stops within
+    /// `shutdown_grace` (see the module docs).
     pub async fn run(self, shutdown: CancellationToken) -> anyhow::Result<()> {
         let shared = self.shared.clone();
         let tick = Duration::from_millis(self.config.tick_ms);
@@ -169,27 +185,52 @@ impl Server {
         let rollouts = RolloutsServer::new(RolloutsService::new(self.shared.clone()))
             .max_decoding_message_size(max)
             .max_encoding_message_size(max);
+        let (health, health_service) = tonic_health::server::health_reporter();
+        set_health(&health, ServingStatus::Serving).await;
         let mut builder = tonic::transport::Server::builder();
         if let Some(tls) = self.tls {
             builder = builder.tls_config(tls).context("configuring tls")?;
         }
-        builder
+        let stop = shutdown.clone();
+        let stopping = async move {
+            stop.cancelled().await;
+            set_health(&health, ServingStatus::NotServing).await;
+            info!("shutting down: health NOT_SERVING, accepting no new connections");
+        };
+        let serve = builder
             .http2_keepalive_interval(Some(Duration::from_secs(10)))
             .layer(crate::auth::AuthLayer::new(
                 self.config.security.tokens.clone(),
             ))
+            .add_service(health_service)
             .add_service(admin)
             .add_service(worker)
             .add_service(rollouts)
-            .serve_with_incoming_shutdown(
-                TcpListenerStream::new(self.listener),
-                shutdown.cancelled_owned(),
-            )
-            .await
-            .context("serving gRPC")?;
+            .serve_with_incoming_shutdown(TcpListenerStream::new(self.listener), stopping);
+        let grace = self.config.shutdown_grace;
+        tokio::select! {
+            r = serve => r.context("serving gRPC")?,
+            _ = async { shutdown.cancelled().await; tokio::time::sleep(grace).await } => {
+                info!(grace = ?grace, "connections still open after the grace period (worker sessions); closing them");
+            }
+        }
         ticker.abort();
-        info!("coordinator stopped");
+        let jobs = self.shared.lock().core.jobs().count();
+        info!(jobs, state_dir = %self.config.state_dir.display(), "coordinator stopped; state is on disk");
         Ok(())
+    }
+}
+
+/// Sets the serving status of every service this server offers, and of
+/// the server as a whole (service "").
+async fn set_health(health: &tonic_health::server::HealthReporter, status: ServingStatus) {
+    for name in [
+        "",
+        <AdminServer<AdminService> as NamedService>::NAME,
+        <WorkerServiceServer<WorkerServiceImpl> as NamedService>::NAME,
+        <RolloutsServer<RolloutsService> as NamedService>::NAME,
+    ] {
+        health.set_service_status(name, status).await;
     }
 }
 
