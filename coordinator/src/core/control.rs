@@ -75,14 +75,25 @@ impl Coordinator {
         Ok(())
     }
 
+    /// Drains a worker (an operator's DrainWorker, or the worker's own
+    /// Leave on SIGTERM): an idle one is released now; one in a job (being
+    /// configured, training, or in a paused job) leaves at the job's next
+    /// step boundary, which is now when no step is in flight. Asking again
+    /// is harmless: nothing is sent twice, except a Release to a drained
+    /// worker that has since reconnected (its first one may be lost).
     pub(super) fn drain(&mut self, worker: &str, now_ms: i64, fx: &mut Vec<Effect>) -> Result<()> {
         let w = self
             .workers
             .get_mut(worker)
             .ok_or_else(|| CoreError::WorkerNotFound(worker.into()))?;
+        let released = w.draining && w.state == WorkerState::Draining;
         w.draining = true;
         if w.job.is_none() && w.connected() {
+            if released {
+                return Ok(());
+            }
             // Nothing to finish: it can go now.
+            tracing::info!(worker, "draining an idle worker: released");
             w.state = WorkerState::Draining;
             fx.push(Effect::Send {
                 worker: worker.to_string(),
@@ -93,8 +104,14 @@ impl Coordinator {
             });
         } else if let Some(job) = w.job.clone() {
             w.state = WorkerState::Draining;
-            // With no step in flight the boundary is now.
-            if self.jobs.get(&job).is_some_and(|j| j.inflight.is_none()) {
+            tracing::info!(worker, job = %job, "draining: the worker leaves at the step boundary");
+            // With no step in flight the boundary is now (unless the
+            // drain's checkpoint is already being written).
+            if self
+                .jobs
+                .get(&job)
+                .is_some_and(|j| j.inflight.is_none() && !j.regroup_after_checkpoint)
+            {
                 self.regroup(&job, now_ms, fx);
             }
         }

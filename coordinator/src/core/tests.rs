@@ -86,6 +86,10 @@ struct Sim {
     manifests: Vec<crate::manifest::StepManifest>,
     /// Every Abort sent: (worker, step).
     aborts: Vec<(WorkerId, u64)>,
+    /// Every Release sent: the worker.
+    releases: Vec<WorkerId>,
+    /// Every Checkpoint message sent (all ranks, duplicates counted).
+    checkpoint_msgs: usize,
 }
 
 /// The log-prob a simulated worker reports in a reference pass.
@@ -121,6 +125,8 @@ impl Sim {
             rollout_writes: Vec::new(),
             manifests: Vec::new(),
             aborts: Vec::new(),
+            releases: Vec::new(),
+            checkpoint_msgs: 0,
         }
     }
 
@@ -139,7 +145,11 @@ impl Sim {
                     if let ToWorker::Configure { .. } = &msg {
                         self.configures.push((worker.clone(), msg.clone()));
                     }
+                    if let ToWorker::Release { .. } = &msg {
+                        self.releases.push(worker.clone());
+                    }
                     if let ToWorker::Checkpoint { step, .. } = &msg {
+                        self.checkpoint_msgs += 1;
                         if self.checkpoints.last() != Some(step) {
                             self.checkpoints.push(*step);
                         }
@@ -2054,4 +2064,115 @@ fn a_result_from_an_older_generation_changes_nothing() {
     s.run();
     assert_eq!(s.state(), JobState::Completed);
     assert_eq!(s.committed[0].0.world_size, 1, "step 1 ran in generation 2");
+}
+
+// ---- drains (a worker's SIGTERM sends Leave = DrainWorker) ----------------
+
+#[test]
+fn draining_an_idle_worker_releases_it_once() {
+    let mut s = Sim::new();
+    s.worker("a");
+    s.handle(Event::DrainWorker { worker: "a".into() }).unwrap();
+    s.handle(Event::DrainWorker { worker: "a".into() }).unwrap();
+    assert_eq!(s.releases, vec!["a".to_string()], "a second drain sends nothing");
+    assert_eq!(s.c.worker("a").unwrap().state, WorkerState::Draining);
+    // A drained worker joins no job.
+    s.submit(spec("steps = 1", "docs_per_step = 4", 1, 1), docs(8));
+    s.run();
+    assert_eq!(s.state(), JobState::Pending);
+    assert!(s.configures.is_empty());
+}
+
+#[test]
+fn a_drained_worker_that_reconnected_is_released_again_on_a_new_drain() {
+    let mut s = Sim::new();
+    s.worker("a");
+    s.handle(Event::DrainWorker { worker: "a".into() }).unwrap();
+    // The session broke before the Release arrived; the worker is back.
+    s.handle(Event::SessionClosed { worker: "a".into() })
+        .unwrap();
+    s.handle(Event::SessionOpened { worker: "a".into() })
+        .unwrap();
+    s.handle(Event::DrainWorker { worker: "a".into() }).unwrap();
+    assert_eq!(s.releases, vec!["a".to_string(), "a".to_string()]);
+}
+
+#[test]
+fn draining_a_configuring_worker_aborts_nothing_and_the_rest_train() {
+    let mut s = Sim::new();
+    let d = docs(16);
+    for w in ["a", "b"] {
+        s.worker(w);
+    }
+    s.submit(spec("epochs = 1", "docs_per_step = 4", 1, 2), d.clone());
+    assert_eq!(s.c.worker("b").unwrap().state, WorkerState::Configuring);
+    s.handle(Event::DrainWorker { worker: "b".into() }).unwrap();
+    s.handle(Event::DrainWorker { worker: "b".into() }).unwrap();
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    assert_eq!(s.releases.iter().filter(|w| *w == "b").count(), 1);
+    assert_eq!(s.aborts, vec![]);
+    assert!(s.manifests.iter().all(|m| m.world_size == 1 && m.attempts == 1));
+    assert_eq!(check_exactly_once(&s.manifests, 1, &universe(&d)), vec![]);
+}
+
+#[test]
+fn draining_a_worker_of_a_paused_job_releases_it_and_resume_goes_on_without_it() {
+    let mut s = Sim::new();
+    let d = docs(24);
+    for w in ["a", "b", "c"] {
+        s.worker(w);
+    }
+    s.submit(
+        with(spec("epochs = 1", "docs_per_step = 6", 1, 3), Sharding::Ddp, 0),
+        d.clone(),
+    );
+    for _ in 0..3 {
+        s.step_once(); // all ready → step 1 in flight
+    }
+    s.handle(Event::PauseJob { job: "job".into() }).unwrap();
+    s.run();
+    assert_eq!(s.state(), JobState::Paused);
+    s.handle(Event::DrainWorker { worker: "c".into() }).unwrap();
+    s.run();
+    assert_eq!(s.releases, vec!["c".to_string()], "released while paused");
+    assert_eq!(s.state(), JobState::Paused, "a drain does not resume");
+    s.handle(Event::ResumeJob { job: "job".into() }).unwrap();
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    assert_eq!(s.aborts, vec![]);
+    let worlds: Vec<u32> = s.manifests.iter().map(|m| m.world_size).collect();
+    assert_eq!(worlds, vec![3, 2, 2, 2]);
+    assert_eq!(check_exactly_once(&s.manifests, 1, &universe(&d)), vec![]);
+}
+
+#[test]
+fn a_drain_requested_twice_mid_step_writes_one_checkpoint_and_releases_once() {
+    let mut s = Sim::new();
+    let d = docs(24);
+    for w in ["a", "b", "c"] {
+        s.worker(w);
+    }
+    s.submit(
+        with(spec("epochs = 1", "docs_per_step = 6", 1, 3), Sharding::Fsdp, 0),
+        d.clone(),
+    );
+    for _ in 0..3 {
+        s.step_once(); // all ready → step 1 in flight
+    }
+    s.handle(Event::DrainWorker { worker: "c".into() }).unwrap();
+    // Answer the three step results: the boundary asks for a checkpoint.
+    for _ in 0..3 {
+        s.step_once();
+    }
+    assert_eq!(s.checkpoint_msgs, 3, "the drain's checkpoint, one per rank");
+    s.handle(Event::DrainWorker { worker: "c".into() }).unwrap();
+    assert_eq!(s.checkpoint_msgs, 3, "a second drain asks for nothing more");
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    assert_eq!(s.releases.iter().filter(|w| *w == "c").count(), 1);
+    assert_eq!(s.aborts, vec![]);
+    let shape: Vec<(u32, u32)> = s.manifests.iter().map(|m| (m.world_size, m.attempts)).collect();
+    assert_eq!(shape, vec![(3, 1), (2, 1), (2, 1), (2, 1)]);
+    assert_eq!(check_exactly_once(&s.manifests, 1, &universe(&d)), vec![]);
 }
