@@ -59,6 +59,13 @@ struct Args {
     /// (off by default; port 0: any free port, printed as "metrics on ADDR").
     #[arg(long, value_name = "ADDR", env = "ACCRUE_WORKER_METRICS_LISTEN")]
     metrics_listen: Option<String>,
+    /// Serve gRPC health here (e.g. 0.0.0.0:7072): service "" is liveness,
+    /// "accrue.v1.Worker" readiness (registered, not draining). Default: off.
+    #[arg(long, value_name = "ADDR", env = "ACCRUE_HEALTH_LISTEN")]
+    health_listen: Option<String>,
+    /// After SIGTERM (drain), exit non-zero if not released within this long.
+    #[arg(long, value_name = "SECONDS", default_value_t = 600)]
+    drain_timeout_s: u64,
     /// Largest gRPC message accepted or sent, in MiB.
     #[arg(long, value_name = "MB", default_value_t = session::secure::DEFAULT_MAX_MESSAGE_MB)]
     max_message_mb: usize,
@@ -98,6 +105,11 @@ async fn main() -> anyhow::Result<()> {
         }),
         max_message_bytes: args.max_message_mb.max(1) << 20,
     };
+    if let Some(addr) = &args.health_listen {
+        cfg.health = session::lifecycle::Health::serve(addr).await?.0;
+    }
+    let drain_timeout = std::time::Duration::from_secs(args.drain_timeout_s);
+    cfg.drain = session::lifecycle::drain_on_sigterm(drain_timeout)?;
     let mut parts = RunnerConfig::new(runner::default_factory());
     parts.listener = Some(listener);
     session::run(cfg, parts).await

@@ -3,9 +3,11 @@
 //! and its answers back, and send heartbeats on the runtime while the
 //! thread computes. If the coordinator goes away the worker re-registers
 //! with its previous id (backoff, bounded by `reconnect_timeout`) and keeps
-//! its model replica.
+//! its model replica. A drain (SIGTERM, see [`lifecycle`]) sends `Leave`
+//! and ends the process once the coordinator releases the worker.
 
 mod host;
+pub mod lifecycle;
 mod peak;
 pub mod secure;
 
@@ -44,6 +46,10 @@ pub struct SessionConfig {
     pub peak_flops: f64,
     /// Worker token, TLS and message size limit.
     pub security: secure::Security,
+    /// The health endpoint whose readiness the session sets (default: none).
+    pub health: lifecycle::Health,
+    /// Requests a drain (default: never).
+    pub drain: lifecycle::Drain,
 }
 
 impl SessionConfig {
@@ -59,6 +65,8 @@ impl SessionConfig {
             memory_bytes: memory_bytes(),
             peak_flops: 0.0,
             security: secure::Security::default(),
+            health: lifecycle::Health::default(),
+            drain: lifecycle::Drain::default(),
         }
     }
 }
@@ -114,6 +122,8 @@ enum Ended {
     Released(String),
     /// The stream broke: reconnect.
     Lost(String),
+    /// A drain was requested while not connected: nothing to finish.
+    Drained,
 }
 
 /// Runs the worker until it is released (with `exit_on_release`) or the
@@ -124,10 +134,21 @@ pub async fn run(cfg: SessionConfig, runner: RunnerConfig) -> anyhow::Result<()>
     let mut worker_id = String::new();
     let mut unreachable_since: Option<Instant> = None;
     let mut backoff = Duration::from_millis(100);
+    let mut drain = cfg.drain.clone();
     let result = loop {
-        match session(&cfg, &mut worker_id, &runner, &mut out_rx).await {
+        let ended = session(&cfg, &mut worker_id, &runner, &mut out_rx).await;
+        cfg.health.set_ready(false).await;
+        match ended {
             Ok(Ended::Released(reason)) => {
                 info!(%reason, "released by the coordinator; finishing queued work");
+                break Ok(());
+            }
+            Ok(Ended::Drained) => {
+                info!("drain requested while not connected to a coordinator: exiting");
+                break Ok(());
+            }
+            Ok(Ended::Lost(why)) if drain.requested() => {
+                info!(%why, "session lost while draining: exiting");
                 break Ok(());
             }
             Ok(Ended::Lost(why)) => {
@@ -153,7 +174,13 @@ pub async fn run(cfg: SessionConfig, runner: RunnerConfig) -> anyhow::Result<()>
                 warn!(error = %format!("{e:#}"), retry_in = ?backoff, "cannot reach the coordinator");
             }
         }
-        tokio::time::sleep(backoff).await;
+        tokio::select! {
+            _ = tokio::time::sleep(backoff) => {}
+            _ = drain.wait() => {
+                info!("drain requested while not connected to a coordinator: exiting");
+                break Ok(());
+            }
+        }
         backoff = (backoff * 2).min(Duration::from_secs(5));
     };
     // Finish what is queued (a final checkpoint) before the process exits.
@@ -181,8 +208,15 @@ async fn session(
     runner: &Runner,
     results: &mut mpsc::UnboundedReceiver<wire::WorkerMessage>,
 ) -> anyhow::Result<Ended> {
-    let mut client = secure::connect(&cfg.coordinator, &cfg.security).await?;
-    let reg = client
+    let mut drain = cfg.drain.clone();
+    if drain.requested() {
+        return Ok(Ended::Drained);
+    }
+    let mut client = tokio::select! {
+        c = secure::connect(&cfg.coordinator, &cfg.security) => c?,
+        _ = drain.wait() => return Ok(Ended::Drained),
+    };
+    let registering = client
         .register(wire::RegisterRequest {
             hostname: cfg.hostname.clone(),
             device: cfg.device.clone(),
@@ -194,10 +228,11 @@ async fn session(
             // The replica this process still holds (a coordinator restart):
             // the coordinator keeps it when it is at the committed step.
             held: runner.progress().held(),
-        })
-        .await
-        .context("register")?
-        .into_inner();
+        });
+    let reg = tokio::select! {
+        r = registering => r.context("register")?.into_inner(),
+        _ = drain.wait() => return Ok(Ended::Drained),
+    };
     *worker_id = reg.worker_id.clone();
     info!(worker = %reg.worker_id, device = %cfg.device, "registered");
 
@@ -216,6 +251,8 @@ async fn session(
         u64::from(reg.heartbeat_interval_ms).max(50),
     ));
     let progress = runner.progress();
+    cfg.health.set_ready(true).await;
+    let mut leaving = false;
     let ended = loop {
         tokio::select! {
             msg = inbound.message() => {
@@ -233,7 +270,7 @@ async fn session(
                     In::PublishPolicy(p) => runner.submit(Work::Publish(p)),
                     In::Release(r) => {
                         info!(job = %r.job_id, reason = %r.reason, "released");
-                        if cfg.exit_on_release {
+                        if cfg.exit_on_release || leaving {
                             break Ended::Released(r.reason);
                         }
                     }
@@ -250,6 +287,15 @@ async fn session(
                     step: progress.step.load(std::sync::atomic::Ordering::Relaxed),
                 };
                 if tx.send(send(Out::Heartbeat(hb))).await.is_err() {
+                    break Ended::Lost("the outbound stream closed".into());
+                }
+            }
+            _ = drain.wait(), if !leaving => {
+                leaving = true;
+                cfg.health.set_ready(false).await;
+                info!(worker = %reg.worker_id, "drain: asking the coordinator to let this worker leave at the step boundary");
+                let leave = Out::Leave(wire::Leave { reason: "SIGTERM".into() });
+                if tx.send(send(leave)).await.is_err() {
                     break Ended::Lost("the outbound stream closed".into());
                 }
             }
