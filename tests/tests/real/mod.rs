@@ -2,6 +2,8 @@
 //! faults.rs): the built binaries and the tiny model's config.
 #![allow(dead_code)]
 
+pub mod cluster;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Once;

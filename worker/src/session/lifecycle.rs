@@ -151,9 +151,12 @@ mod tests {
     #[tokio::test]
     async fn liveness_serves_at_once_and_readiness_follows_set_ready() {
         let (health, addr) = Health::serve("127.0.0.1:0").await.unwrap();
-        let mut client = HealthClient::connect(format!("http://{addr}"))
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect()
             .await
             .unwrap();
+        let mut client = HealthClient::new(channel);
         let mut check = async |service: &str| {
             let req = HealthCheckRequest {
                 service: service.into(),
