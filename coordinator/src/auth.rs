@@ -409,7 +409,10 @@ mod tests {
     #[test]
     fn the_health_service_needs_no_token_and_opens_nothing_else() {
         let t = tokens();
-        for path in ["/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"] {
+        for path in [
+            "/grpc.health.v1.Health/Check",
+            "/grpc.health.v1.Health/Watch",
+        ] {
             assert!(authorize(&t, path, None).is_ok(), "{path}");
             assert!(authorize(&t, path, Some(b"Bearer wrong")).is_ok(), "{path}");
         }

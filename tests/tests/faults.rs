@@ -23,7 +23,6 @@ use real::cluster::{
     assert_same_params, final_params, lock, reference, signal, write_job, Cluster,
 };
 
-
 /// Kills worker 1 with `kill -9` when it reaches `point` at step 5 (after
 /// the checkpoint of step 3; the checkpoint of step 6 for a checkpoint
 /// write); the job must finish on the survivor with the same parameters as

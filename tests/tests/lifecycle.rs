@@ -24,7 +24,11 @@ use real::cluster::{
 
 /// One `grpc.health.v1.Health/Check` without credentials.
 async fn check(url: &str, service: &str) -> Result<ServingStatus, tonic::Status> {
-    let mut client = HealthClient::new(channel(url).await.map_err(|e| tonic::Status::unavailable(e.to_string()))?);
+    let mut client = HealthClient::new(
+        channel(url)
+            .await
+            .map_err(|e| tonic::Status::unavailable(e.to_string()))?,
+    );
     let req = HealthCheckRequest {
         service: service.into(),
     };
@@ -154,16 +158,32 @@ fn sigterm_drains_a_worker(sharding: &str) {
     );
     c.wait_log(0, "fault point", Duration::from_secs(240));
     signal(c.pid(victim), "TERM");
-    c.wait_log(victim, "drain: asking the coordinator", Duration::from_secs(30));
+    c.wait_log(
+        victim,
+        "drain: asking the coordinator",
+        Duration::from_secs(30),
+    );
     signal(c.pid(0), "CONT");
     let (status, _) = wait_exit(&mut c.workers[victim], Duration::from_secs(120));
-    assert!(status.success(), "{sharding}: drained worker exited {status}\n{}", c.logs());
+    assert!(
+        status.success(),
+        "{sharding}: drained worker exited {status}\n{}",
+        c.logs()
+    );
     c.wait_completed(&id, Duration::from_secs(240));
     let m = c.manifests(&id);
     let worlds: Vec<u32> = m.iter().map(|m| m.world_size).collect();
-    assert_eq!(worlds, [3, 3, 3, 2, 2, 2, 2, 2], "{sharding}: left after step 3");
+    assert_eq!(
+        worlds,
+        [3, 3, 3, 2, 2, 2, 2, 2],
+        "{sharding}: left after step 3"
+    );
     for s in &m {
-        assert_eq!(s.attempts, 1, "{sharding}: the drain aborted step {}", s.step);
+        assert_eq!(
+            s.attempts, 1,
+            "{sharding}: the drain aborted step {}",
+            s.step
+        );
     }
     c.assert_exactly_once(&id, 96);
     let got = final_params(&c.d().join("out/job"));
@@ -209,7 +229,11 @@ fn coordinator_sigterm_exits_promptly_and_a_restart_completes_the_job() {
     let mut coord = c.coord.take().unwrap();
     signal(coord.id(), "TERM");
     let (status, took) = wait_exit(&mut coord, Duration::from_secs(10));
-    assert!(status.success(), "coordinator exited {status}\n{}", c.logs());
+    assert!(
+        status.success(),
+        "coordinator exited {status}\n{}",
+        c.logs()
+    );
     let log = std::fs::read_to_string(c.d().join("logs/coordinator-0.log")).unwrap();
     assert!(log.contains("shutting down"), "{log}");
     assert!(log.contains("coordinator stopped"), "{log}");

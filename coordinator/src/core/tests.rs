@@ -2074,7 +2074,11 @@ fn draining_an_idle_worker_releases_it_once() {
     s.worker("a");
     s.handle(Event::DrainWorker { worker: "a".into() }).unwrap();
     s.handle(Event::DrainWorker { worker: "a".into() }).unwrap();
-    assert_eq!(s.releases, vec!["a".to_string()], "a second drain sends nothing");
+    assert_eq!(
+        s.releases,
+        vec!["a".to_string()],
+        "a second drain sends nothing"
+    );
     assert_eq!(s.c.worker("a").unwrap().state, WorkerState::Draining);
     // A drained worker joins no job.
     s.submit(spec("steps = 1", "docs_per_step = 4", 1, 1), docs(8));
@@ -2112,7 +2116,10 @@ fn draining_a_configuring_worker_aborts_nothing_and_the_rest_train() {
     assert_eq!(s.state(), JobState::Completed);
     assert_eq!(s.releases.iter().filter(|w| *w == "b").count(), 1);
     assert_eq!(s.aborts, vec![]);
-    assert!(s.manifests.iter().all(|m| m.world_size == 1 && m.attempts == 1));
+    assert!(s
+        .manifests
+        .iter()
+        .all(|m| m.world_size == 1 && m.attempts == 1));
     assert_eq!(check_exactly_once(&s.manifests, 1, &universe(&d)), vec![]);
 }
 
@@ -2124,7 +2131,11 @@ fn draining_a_worker_of_a_paused_job_releases_it_and_resume_goes_on_without_it()
         s.worker(w);
     }
     s.submit(
-        with(spec("epochs = 1", "docs_per_step = 6", 1, 3), Sharding::Ddp, 0),
+        with(
+            spec("epochs = 1", "docs_per_step = 6", 1, 3),
+            Sharding::Ddp,
+            0,
+        ),
         d.clone(),
     );
     for _ in 0..3 {
@@ -2154,7 +2165,11 @@ fn a_drain_requested_twice_mid_step_writes_one_checkpoint_and_releases_once() {
         s.worker(w);
     }
     s.submit(
-        with(spec("epochs = 1", "docs_per_step = 6", 1, 3), Sharding::Fsdp, 0),
+        with(
+            spec("epochs = 1", "docs_per_step = 6", 1, 3),
+            Sharding::Fsdp,
+            0,
+        ),
         d.clone(),
     );
     for _ in 0..3 {
@@ -2172,7 +2187,11 @@ fn a_drain_requested_twice_mid_step_writes_one_checkpoint_and_releases_once() {
     assert_eq!(s.state(), JobState::Completed);
     assert_eq!(s.releases.iter().filter(|w| *w == "c").count(), 1);
     assert_eq!(s.aborts, vec![]);
-    let shape: Vec<(u32, u32)> = s.manifests.iter().map(|m| (m.world_size, m.attempts)).collect();
+    let shape: Vec<(u32, u32)> = s
+        .manifests
+        .iter()
+        .map(|m| (m.world_size, m.attempts))
+        .collect();
     assert_eq!(shape, vec![(3, 1), (2, 1), (2, 1), (2, 1)]);
     assert_eq!(check_exactly_once(&s.manifests, 1, &universe(&d)), vec![]);
 }

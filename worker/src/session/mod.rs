@@ -216,19 +216,18 @@ async fn session(
         c = secure::connect(&cfg.coordinator, &cfg.security) => c?,
         _ = drain.wait() => return Ok(Ended::Drained),
     };
-    let registering = client
-        .register(wire::RegisterRequest {
-            hostname: cfg.hostname.clone(),
-            device: cfg.device.clone(),
-            memory_bytes: cfg.memory_bytes,
-            collective_addr: cfg.collective_addr.clone(),
-            version: env!("CARGO_PKG_VERSION").into(),
-            previous_worker_id: worker_id.clone(),
-            peak_flops: cfg.peak_flops,
-            // The replica this process still holds (a coordinator restart):
-            // the coordinator keeps it when it is at the committed step.
-            held: runner.progress().held(),
-        });
+    let registering = client.register(wire::RegisterRequest {
+        hostname: cfg.hostname.clone(),
+        device: cfg.device.clone(),
+        memory_bytes: cfg.memory_bytes,
+        collective_addr: cfg.collective_addr.clone(),
+        version: env!("CARGO_PKG_VERSION").into(),
+        previous_worker_id: worker_id.clone(),
+        peak_flops: cfg.peak_flops,
+        // The replica this process still holds (a coordinator restart):
+        // the coordinator keeps it when it is at the committed step.
+        held: runner.progress().held(),
+    });
     let reg = tokio::select! {
         r = registering => r.context("register")?.into_inner(),
         _ = drain.wait() => return Ok(Ended::Drained),
