@@ -150,7 +150,7 @@ impl Server {
             }
         });
         if let Some(l) = self.metrics {
-            tokio::spawn(crate::metrics_http::serve(
+            tokio::spawn(crate::http::serve(
                 l,
                 self.shared.clone(),
                 shutdown.clone(),
