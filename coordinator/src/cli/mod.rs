@@ -651,7 +651,15 @@ mod tests {
             &["local", "job.toml", "--workers", "4"],
             &["rollouts", "push", "j1", "r.jsonl", "--batch", "8"],
             &["plot", "j1", "--out", "p.png"],
-            &["plot", "--metrics", "m.jsonl", "--out", "p.png", "--width", "800"],
+            &[
+                "plot",
+                "--metrics",
+                "m.jsonl",
+                "--out",
+                "p.png",
+                "--width",
+                "800",
+            ],
         ];
         for args in cases {
             parse(args).unwrap_or_else(|e| panic!("{args:?}: {e}"));

@@ -155,12 +155,17 @@ pub fn render_png(
 }
 
 type Area<'a> = DrawingArea<BitMapBackend<'a>, plotters::coord::Shift>;
-type DrawResult = Result<(), DrawingAreaErrorKind<<BitMapBackend<'static> as DrawingBackend>::ErrorType>>;
+type DrawResult =
+    Result<(), DrawingAreaErrorKind<<BitMapBackend<'static> as DrawingBackend>::ErrorType>>;
 
 fn draw_panel(area: &Area<'_>, panel: &Panel, points: &[Point]) -> DrawResult {
     let series: Vec<(u64, f64)> = points
         .iter()
-        .filter_map(|p| (panel.value)(p).filter(|v| v.is_finite()).map(|v| (p.step, v)))
+        .filter_map(|p| {
+            (panel.value)(p)
+                .filter(|v| v.is_finite())
+                .map(|v| (p.step, v))
+        })
         .collect();
     let (x0, x1) = padded(
         points.first().map_or(0.0, |p| p.step as f64),
@@ -205,7 +210,11 @@ fn draw_panel(area: &Area<'_>, panel: &Panel, points: &[Point]) -> DrawResult {
     // A lone step has no line: mark it.
     if series.len() == 1 {
         let (s, v) = series[0];
-        chart.draw_series(std::iter::once(Circle::new((s as f64, v), 4, style.filled())))?;
+        chart.draw_series(std::iter::once(Circle::new(
+            (s as f64, v),
+            4,
+            style.filled(),
+        )))?;
     }
     Ok(())
 }
@@ -418,9 +427,6 @@ mod tests {
         assert_eq!(label(1200.0), "1200");
         assert_eq!(padded(2.0, 2.0, 0.05), (1.8, 2.2));
         let spec = "[job]\nname = \"a\"\noutput_dir = \"/r/a\"\n";
-        assert_eq!(
-            metrics_path(spec).unwrap(),
-            Path::new("/r/a/metrics.jsonl")
-        );
+        assert_eq!(metrics_path(spec).unwrap(), Path::new("/r/a/metrics.jsonl"));
     }
 }
