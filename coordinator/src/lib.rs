@@ -11,6 +11,7 @@ pub mod core;
 pub mod cursor;
 pub mod data;
 pub mod doc;
+pub mod http;
 pub mod manifest;
 pub mod metrics_http;
 pub mod objective;

@@ -14,10 +14,11 @@
 //! the gauges of current state (workers, jobs, queues, checkpoint age) are
 //! read from the state machine at scrape time, so they are never stale.
 //! The core stays pure: wall latency is measured around it, not inside.
-//! See the metrics reference in the README for every family.
+//! [`crate::http`] serves them. See the metrics reference in the README
+//! for every family.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use prometheus::core::Collector;
@@ -25,13 +26,8 @@ use prometheus::{
     Encoder, Gauge, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts,
     Registry, TextEncoder,
 };
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-use tokio_util::sync::CancellationToken;
-use tracing::debug;
 
 use crate::core::{AdmitCounts, Coordinator, JobState, StepMetrics, WorkerState};
-use crate::service::Shared;
 
 #[cfg(test)]
 #[path = "metrics_http_tests.rs"]
@@ -579,47 +575,4 @@ fn job_state_name(s: JobState) -> &'static str {
         JobState::Failed => "failed",
         JobState::Cancelled => "cancelled",
     }
-}
-
-/// Serves `GET /metrics` on `listener` until `shutdown` fires.
-pub async fn serve(listener: TcpListener, shared: Arc<Shared>, shutdown: CancellationToken) {
-    loop {
-        let conn = tokio::select! {
-            _ = shutdown.cancelled() => return,
-            c = listener.accept() => c,
-        };
-        let Ok((stream, _)) = conn else { continue };
-        let shared = shared.clone();
-        tokio::spawn(async move {
-            if let Err(e) = answer(stream, &shared).await {
-                debug!(%e, "metrics request failed");
-            }
-        });
-    }
-}
-
-async fn answer(mut stream: TcpStream, shared: &Shared) -> std::io::Result<()> {
-    let mut buf = Vec::with_capacity(1024);
-    let mut chunk = [0u8; 1024];
-    while !buf.windows(4).any(|w| w == b"\r\n\r\n") && buf.len() < 16 * 1024 {
-        let n = stream.read(&mut chunk).await?;
-        if n == 0 {
-            break;
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    }
-    let request = String::from_utf8_lossy(&buf);
-    let mut parts = request.split_whitespace();
-    let (status, body) = match (parts.next(), parts.next()) {
-        (Some("GET"), Some("/metrics")) => ("200 OK", shared.render_metrics()),
-        (Some("GET"), _) => ("404 Not Found", "try /metrics\n".to_string()),
-        _ => ("405 Method Not Allowed", "GET /metrics only\n".to_string()),
-    };
-    let head = format!(
-        "HTTP/1.1 {status}\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
-        body.len()
-    );
-    stream.write_all(head.as_bytes()).await?;
-    stream.write_all(body.as_bytes()).await?;
-    stream.shutdown().await
 }

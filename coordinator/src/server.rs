@@ -166,11 +166,7 @@ impl Server {
             }
         });
         if let Some(l) = self.metrics {
-            tokio::spawn(crate::metrics_http::serve(
-                l,
-                self.shared.clone(),
-                shutdown.clone(),
-            ));
+            tokio::spawn(crate::http::serve(l, self.shared.clone(), shutdown.clone()));
         }
         let max = self.config.security.max_message_bytes;
         let admin = AdminServer::new(AdminService::new(self.shared.clone()))

@@ -18,6 +18,7 @@ mod data;
 pub mod local;
 #[cfg(test)]
 mod mock_tests;
+pub mod plot;
 mod recovery;
 pub mod render;
 pub mod rollouts;
@@ -259,6 +260,32 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Draw a job's training curves (loss, tokens/s, grad norm, learning
+    /// rate against step) from its metrics.jsonl into a PNG.
+    ///
+    /// JOB is looked up on the coordinator and its metrics.jsonl read from
+    /// the job's output_dir (which must be visible here); --metrics reads a
+    /// metrics.jsonl directly, offline.
+    #[command(group = clap::ArgGroup::new("source").required(true))]
+    Plot {
+        /// Job id.
+        #[arg(value_name = "JOB", group = "source")]
+        job: Option<String>,
+        /// Read this metrics.jsonl instead of asking the coordinator.
+        #[arg(long, value_name = "PATH", group = "source")]
+        metrics: Option<PathBuf>,
+        /// The PNG to write.
+        #[arg(long, value_name = "FILE.png")]
+        out: PathBuf,
+        /// Image width in pixels.
+        #[arg(long, value_name = "PX", default_value_t = plot::DEFAULT_SIZE.0,
+              value_parser = clap::value_parser!(u32).range(200..=8000))]
+        width: u32,
+        /// Image height in pixels.
+        #[arg(long, value_name = "PX", default_value_t = plot::DEFAULT_SIZE.1,
+              value_parser = clap::value_parser!(u32).range(200..=8000))]
+        height: u32,
+    },
     /// Run a benchmark in-process.
     Bench {
         #[command(subcommand)]
@@ -491,6 +518,21 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             };
             set::run(conn, &args).await
         }
+        Command::Plot {
+            job,
+            metrics,
+            out,
+            width,
+            height,
+        } => {
+            let args = plot::PlotArgs {
+                job,
+                metrics,
+                out,
+                size: (width, height),
+            };
+            plot::run(conn, &args).await
+        }
         Command::Bench {
             bench: BenchCommand::Packing(args),
         } => bench::packing(&args),
@@ -608,6 +650,16 @@ mod tests {
             ],
             &["local", "job.toml", "--workers", "4"],
             &["rollouts", "push", "j1", "r.jsonl", "--batch", "8"],
+            &["plot", "j1", "--out", "p.png"],
+            &[
+                "plot",
+                "--metrics",
+                "m.jsonl",
+                "--out",
+                "p.png",
+                "--width",
+                "800",
+            ],
         ];
         for args in cases {
             parse(args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
@@ -654,6 +706,9 @@ mod tests {
             &["set", "j1"],
             &["set", "j1", "--docs-per-step", "-1"],
             &["steps"],
+            &["plot", "--out", "p.png"],
+            &["plot", "j1", "--metrics", "m.jsonl", "--out", "p.png"],
+            &["plot", "j1"],
         ] {
             let e = parse(args).unwrap_err();
             assert_eq!(e.exit_code(), 2, "{args:?}");

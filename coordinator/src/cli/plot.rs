@@ -1,0 +1,432 @@
+//! `accrue plot`: a job's training curves as a PNG, four panels against the
+//! step (loss, tokens/s, gradient norm, learning rate), read from its
+//! metrics.jsonl. Drawn with `plotters` on its bitmap backend; text uses a
+//! font embedded in the binary (a DejaVu Sans subset, coordinator/assets), so
+//! it renders on a machine without fontconfig or system fonts.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Once;
+
+use anyhow::Context as _;
+use plotters::prelude::*;
+use serde::Deserialize;
+
+use super::Conn;
+
+/// The embedded font (see coordinator/assets/LICENSE-DejaVu.txt).
+const FONT: &[u8] = include_bytes!("../../assets/DejaVuSans-ascii.ttf");
+
+/// Default image size in pixels.
+pub const DEFAULT_SIZE: (u32, u32) = (1280, 960);
+
+/// Why a plot could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum PlotError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path}:{line}: not a step metrics line: {source}")]
+    BadLine {
+        path: String,
+        line: usize,
+        source: serde_json::Error,
+    },
+    #[error("{path} holds no committed steps: nothing to plot")]
+    NoSteps { path: String },
+    #[error("drawing {path}: {message}")]
+    Draw { path: String, message: String },
+}
+
+/// The fields of a metrics.jsonl line that are plotted. `null` (how JSON
+/// writes a non-finite number) is a gap in that curve; a missing field is an
+/// error (`deserialize_with` keeps serde from defaulting it to `None`).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct Point {
+    pub step: u64,
+    #[serde(deserialize_with = "Option::deserialize")]
+    pub loss: Option<f64>,
+    #[serde(deserialize_with = "Option::deserialize")]
+    pub tokens_per_s: Option<f64>,
+    #[serde(deserialize_with = "Option::deserialize")]
+    pub grad_norm: Option<f64>,
+    #[serde(deserialize_with = "Option::deserialize")]
+    pub lr: Option<f64>,
+}
+
+/// One panel: its title, its colour and the value it plots.
+pub struct Panel {
+    pub title: &'static str,
+    pub color: RGBColor,
+    pub value: fn(&Point) -> Option<f64>,
+}
+
+/// The four panels, left to right, top to bottom.
+pub const PANELS: [Panel; 4] = [
+    Panel {
+        title: "loss",
+        color: RGBColor(31, 119, 180),
+        value: |p| p.loss,
+    },
+    Panel {
+        title: "tokens/s",
+        color: RGBColor(214, 39, 40),
+        value: |p| p.tokens_per_s,
+    },
+    Panel {
+        title: "grad norm",
+        color: RGBColor(44, 160, 44),
+        value: |p| p.grad_norm,
+    },
+    Panel {
+        title: "learning rate",
+        color: RGBColor(148, 103, 189),
+        value: |p| p.lr,
+    },
+];
+
+/// Parses metrics.jsonl `text` (read from `path`, named in errors). Blank
+/// lines are skipped; a step written twice (re-committed after a recovery)
+/// keeps its last line. Returns the points by step.
+pub fn parse_metrics(text: &str, path: &Path) -> Result<Vec<Point>, PlotError> {
+    let mut by_step = BTreeMap::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let p: Point = serde_json::from_str(line).map_err(|source| PlotError::BadLine {
+            path: path.display().to_string(),
+            line: i + 1,
+            source,
+        })?;
+        by_step.insert(p.step, p);
+    }
+    if by_step.is_empty() {
+        return Err(PlotError::NoSteps {
+            path: path.display().to_string(),
+        });
+    }
+    Ok(by_step.into_values().collect())
+}
+
+/// Reads and parses the metrics.jsonl at `path`.
+pub fn read_metrics(path: &Path) -> Result<Vec<Point>, PlotError> {
+    let text = std::fs::read_to_string(path).map_err(|source| PlotError::Read {
+        path: path.display().to_string(),
+        source,
+    })?;
+    parse_metrics(&text, path)
+}
+
+fn register_font() {
+    static FONT_ONCE: Once = Once::new();
+    FONT_ONCE.call_once(|| {
+        // The bytes are a valid font, checked by the tests that draw.
+        if plotters::style::register_font("sans-serif", FontStyle::Normal, FONT).is_err() {
+            tracing::error!("the embedded font does not parse");
+        }
+    });
+}
+
+/// Draws `points` as a `size` PNG at `out`, titled `title`.
+pub fn render_png(
+    points: &[Point],
+    title: &str,
+    out: &Path,
+    size: (u32, u32),
+) -> Result<(), PlotError> {
+    register_font();
+    let draw_err = |e: &dyn std::fmt::Display| PlotError::Draw {
+        path: out.display().to_string(),
+        message: e.to_string(),
+    };
+    let root = BitMapBackend::new(out, size).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| draw_err(&e))?;
+    let root = root
+        .titled(title, ("sans-serif", 22))
+        .map_err(|e| draw_err(&e))?;
+    for (area, panel) in root.split_evenly((2, 2)).iter().zip(&PANELS) {
+        draw_panel(area, panel, points).map_err(|e| draw_err(&e))?;
+    }
+    root.present().map_err(|e| draw_err(&e))
+}
+
+type Area<'a> = DrawingArea<BitMapBackend<'a>, plotters::coord::Shift>;
+type DrawResult =
+    Result<(), DrawingAreaErrorKind<<BitMapBackend<'static> as DrawingBackend>::ErrorType>>;
+
+fn draw_panel(area: &Area<'_>, panel: &Panel, points: &[Point]) -> DrawResult {
+    let series: Vec<(u64, f64)> = points
+        .iter()
+        .filter_map(|p| {
+            (panel.value)(p)
+                .filter(|v| v.is_finite())
+                .map(|v| (p.step, v))
+        })
+        .collect();
+    let (x0, x1) = padded(
+        points.first().map_or(0.0, |p| p.step as f64),
+        points.last().map_or(1.0, |p| p.step as f64),
+        0.0,
+    );
+    let lo = series.iter().map(|s| s.1).fold(f64::INFINITY, f64::min);
+    let hi = series.iter().map(|s| s.1).fold(f64::NEG_INFINITY, f64::max);
+    let (y0, y1) = if series.is_empty() {
+        (0.0, 1.0)
+    } else {
+        padded(lo, hi, 0.05)
+    };
+    let mut chart = ChartBuilder::on(area)
+        .caption(panel.title, ("sans-serif", 18))
+        .margin(12)
+        .x_label_area_size(32)
+        .y_label_area_size(72)
+        .build_cartesian_2d(x0..x1, y0..y1)?;
+    chart
+        .configure_mesh()
+        .light_line_style(TRANSPARENT)
+        .x_desc("step")
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .y_label_formatter(&|y| label(*y))
+        .label_style(("sans-serif", 13))
+        .draw()?;
+    if series.is_empty() {
+        let mid = ((x0 + x1) / 2.0, 0.5);
+        chart.draw_series(std::iter::once(Text::new(
+            "no values",
+            mid,
+            ("sans-serif", 14),
+        )))?;
+        return Ok(());
+    }
+    let style = ShapeStyle::from(panel.color).stroke_width(2);
+    chart.draw_series(LineSeries::new(
+        series.iter().map(|&(s, v)| (s as f64, v)),
+        style,
+    ))?;
+    // A lone step has no line: mark it.
+    if series.len() == 1 {
+        let (s, v) = series[0];
+        chart.draw_series(std::iter::once(Circle::new(
+            (s as f64, v),
+            4,
+            style.filled(),
+        )))?;
+    }
+    Ok(())
+}
+
+/// `lo..hi` widened by `frac` of its span (a flat range by 10% of its value,
+/// or 1, so it is never empty).
+fn padded(lo: f64, hi: f64, frac: f64) -> (f64, f64) {
+    if hi > lo {
+        let d = (hi - lo) * frac;
+        (lo - d, hi + d)
+    } else {
+        let d = if lo != 0.0 { lo.abs() * 0.1 } else { 1.0 };
+        (lo - d, hi + d)
+    }
+}
+
+/// An axis label: scientific for small magnitudes (learning rates), else
+/// at most 3 decimals.
+fn label(y: f64) -> String {
+    let a = y.abs();
+    if a != 0.0 && !(1e-2..1e6).contains(&a) {
+        format!("{y:.1e}")
+    } else {
+        let s = format!("{y:.3}");
+        s.trim_end_matches('0').trim_end_matches('.').to_string()
+    }
+}
+
+/// Where a job's metrics.jsonl is: under `job.output_dir` of its stored
+/// spec (paths there are already absolute).
+fn metrics_path(spec_toml: &str) -> anyhow::Result<PathBuf> {
+    let spec: toml::Value = toml::from_str(spec_toml).context("the job's stored spec")?;
+    let dir = spec
+        .get("job")
+        .and_then(|j| j.get("output_dir"))
+        .and_then(|d| d.as_str())
+        .context("the job's stored spec has no job.output_dir")?;
+    Ok(Path::new(dir).join("metrics.jsonl"))
+}
+
+/// Arguments of `accrue plot`.
+#[derive(Debug, Clone)]
+pub struct PlotArgs {
+    /// Job id, resolved through the coordinator (None: `metrics` is given).
+    pub job: Option<String>,
+    /// A metrics.jsonl to read directly.
+    pub metrics: Option<PathBuf>,
+    pub out: PathBuf,
+    pub size: (u32, u32),
+}
+
+/// Runs `accrue plot`: prints the PNG's path and the steps plotted.
+pub async fn run(conn: &Conn, args: &PlotArgs) -> anyhow::Result<ExitCode> {
+    let (path, title) = match (&args.metrics, &args.job) {
+        (Some(p), _) => (p.clone(), p.display().to_string()),
+        (None, Some(job)) => {
+            let mut client = super::client::connect(conn).await?;
+            let reply = client
+                .get_job(accrue_proto::v1::GetJobRequest {
+                    job_id: job.clone(),
+                })
+                .await
+                .map_err(|s| anyhow::anyhow!("{}", s.message()))?
+                .into_inner();
+            let name = reply.job.map(|j| j.name).unwrap_or_default();
+            (metrics_path(&reply.spec_toml)?, format!("{name} ({job})"))
+        }
+        (None, None) => anyhow::bail!("give a job id or --metrics PATH"),
+    };
+    let points = read_metrics(&path).map_err(|e| match (e, &args.job) {
+        (PlotError::Read { path, source }, Some(_)) => anyhow::anyhow!(
+            "cannot read {path}: {source} (it is on the coordinator's filesystem; \
+             copy it here and pass --metrics PATH)"
+        ),
+        (e, _) => e.into(),
+    })?;
+    render_png(&points, &title, &args.out, args.size)?;
+    println!(
+        "wrote {} ({} steps, {}..{})",
+        args.out.display(),
+        points.len(),
+        points[0].step,
+        points[points.len() - 1].step
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A metrics.jsonl of `n` steps shaped like the coordinator's lines.
+    fn fixture(n: u64) -> String {
+        let mut s = String::new();
+        for step in 1..=n {
+            let m = crate::core::StepMetrics {
+                step,
+                loss: 3.0 / (1.0 + step as f64 * 0.2),
+                tokens_per_s: 1000.0 + 50.0 * (step % 7) as f64,
+                grad_norm: 2.0 / (step as f64).sqrt(),
+                lr: 1e-4 * (step as f64 / n as f64).min(1.0),
+                ..Default::default()
+            };
+            s.push_str(&serde_json::to_string(&m).unwrap());
+            s.push('\n');
+        }
+        s
+    }
+
+    /// Pixels of exactly `c` in the rectangle `[x0, x1) × [y0, y1)`.
+    fn count(img: &[u8], width: u32, rect: (u32, u32, u32, u32), c: RGBColor) -> usize {
+        let (x0, y0, x1, y1) = rect;
+        let mut n = 0;
+        for y in y0..y1 {
+            for x in x0..x1 {
+                let i = ((y * width + x) * 3) as usize;
+                if img[i..i + 3] == [c.0, c.1, c.2] {
+                    n += 1;
+                }
+            }
+        }
+        n
+    }
+
+    #[test]
+    fn plot_has_four_panels_with_their_curves() {
+        let dir = tempfile::tempdir().unwrap();
+        let metrics = dir.path().join("metrics.jsonl");
+        std::fs::write(&metrics, fixture(40)).unwrap();
+        let out = dir.path().join("plot.png");
+        let points = read_metrics(&metrics).unwrap();
+        assert_eq!(points.len(), 40);
+        render_png(&points, "fixture", &out, DEFAULT_SIZE).unwrap();
+
+        let decoder = png::Decoder::new(std::fs::File::open(&out).unwrap());
+        let mut reader = decoder.read_info().unwrap();
+        let mut img = vec![0; reader.output_buffer_size()];
+        let info = reader.next_frame(&mut img).unwrap();
+        assert_eq!((info.width, info.height), DEFAULT_SIZE);
+        assert_eq!(info.color_type, png::ColorType::Rgb);
+        let (w, h) = (info.width, info.height);
+        let quads = [
+            (0, 0, w / 2, h / 2),
+            (w / 2, 0, w, h / 2),
+            (0, h / 2, w / 2, h),
+            (w / 2, h / 2, w, h),
+        ];
+        for (i, panel) in PANELS.iter().enumerate() {
+            for (j, &q) in quads.iter().enumerate() {
+                let n = count(&img, w, q, panel.color);
+                if i == j {
+                    // A 2 px line across most of a ~600 px panel.
+                    assert!(n > 300, "{}: {n} pixels of its colour", panel.title);
+                } else {
+                    assert_eq!(n, 0, "{} colour in panel {j}", panel.title);
+                }
+            }
+        }
+        // The font rendered text: dark pixels in the title band.
+        let dark = (0..30 * w as usize)
+            .filter(|&p| img[p * 3] < 100 && img[p * 3 + 1] < 100)
+            .count();
+        assert!(dark > 50, "title text missing ({dark} dark pixels)");
+    }
+
+    #[test]
+    fn a_malformed_line_is_named_by_file_and_line() {
+        let mut text = fixture(3);
+        text.push_str("{\"step\": 4, \"loss\": \n");
+        let e = parse_metrics(&text, Path::new("runs/x/metrics.jsonl")).unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("runs/x/metrics.jsonl:4: not a step metrics line"),
+            "{e}"
+        );
+        let e = parse_metrics("{\"step\": 1}\n", Path::new("m.jsonl")).unwrap_err();
+        assert!(e.to_string().contains("missing field `loss`"), "{e}");
+    }
+
+    #[test]
+    fn no_steps_is_a_clear_error_and_replays_keep_the_last_line() {
+        let e = parse_metrics("\n\n", Path::new("m.jsonl")).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "m.jsonl holds no committed steps: nothing to plot"
+        );
+        let text = "{\"step\":2,\"loss\":1,\"tokens_per_s\":5,\"grad_norm\":1,\"lr\":0.1}\n\
+                    {\"step\":1,\"loss\":null,\"tokens_per_s\":5,\"grad_norm\":1,\"lr\":0.1}\n\
+                    {\"step\":2,\"loss\":0.5,\"tokens_per_s\":5,\"grad_norm\":1,\"lr\":0.1}\n";
+        let p = parse_metrics(text, Path::new("m.jsonl")).unwrap();
+        assert_eq!(p.iter().map(|p| p.step).collect::<Vec<_>>(), [1, 2]);
+        assert_eq!((p[0].loss, p[1].loss), (None, Some(0.5)));
+    }
+
+    #[test]
+    fn a_single_step_and_a_missing_file_plot_or_fail_cleanly() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("one.png");
+        let p = parse_metrics(&fixture(1), Path::new("m")).unwrap();
+        render_png(&p, "one", &out, (640, 480)).unwrap();
+        assert!(std::fs::metadata(&out).unwrap().len() > 1000);
+        let e = read_metrics(&dir.path().join("nope.jsonl")).unwrap_err();
+        assert!(e.to_string().starts_with("cannot read "), "{e}");
+    }
+
+    #[test]
+    fn labels_and_paths() {
+        assert_eq!(label(0.0001), "1.0e-4");
+        assert_eq!(label(2.5), "2.5");
+        assert_eq!(label(1200.0), "1200");
+        assert_eq!(padded(2.0, 2.0, 0.05), (1.8, 2.2));
+        let spec = "[job]\nname = \"a\"\noutput_dir = \"/r/a\"\n";
+        assert_eq!(metrics_path(spec).unwrap(), Path::new("/r/a/metrics.jsonl"));
+    }
+}
