@@ -4,37 +4,15 @@
 //! bad input is refused naming the field, and the manifests survive a
 //! restart.
 
-use std::path::Path;
+mod common;
+
 use std::sync::Arc;
 
 use accrue_coordinator::manifest::{check_exactly_once, Expectation, StepManifest};
-use accrue_coordinator::server::{Server, ServerConfig};
 use accrue_coordinator::wire;
-use tokio::sync::{mpsc, Notify};
-use tokio_stream::wrappers::ReceiverStream;
-use tokio_util::sync::CancellationToken;
+use common::{fake_worker, start, FakeWorker, PlanHook};
+use tokio::sync::Notify;
 use tonic::Code;
-use wire::coordinator_message::Msg as In;
-use wire::worker_message::Msg as Out;
-
-struct Running {
-    url: String,
-    stop: CancellationToken,
-    task: tokio::task::JoinHandle<anyhow::Result<()>>,
-}
-
-async fn start(state: &Path) -> Running {
-    let server = Server::bind(ServerConfig::new(
-        "127.0.0.1:0".parse().unwrap(),
-        state.to_path_buf(),
-    ))
-    .await
-    .unwrap();
-    let url = format!("http://{}", server.local_addr());
-    let stop = CancellationToken::new();
-    let task = tokio::spawn(server.run(stop.clone()));
-    Running { url, stop, task }
-}
 
 const SPEC: &str = r#"
 [job]
@@ -54,100 +32,49 @@ docs_per_step = 4
 lr = 0.001
 "#;
 
-fn write_fixture(dir: &Path) {
-    let rows: String = (0..10)
-        .map(|i| {
-            format!(
-                "{{\"prompt\": \"{i}+1=\", \"completion\": \"{}\"}}\n",
-                i + 1
-            )
-        })
-        .collect();
-    std::fs::write(dir.join("train.jsonl"), rows).unwrap();
-    std::fs::write(dir.join("tiny.json"), "{}").unwrap();
+/// Plausible sums for a plan: one token in four of each microbatch, loss
+/// 1.0 per token, and the plan's documents and microbatches.
+fn sums(p: &wire::StepPlan) -> wire::MetricSums {
+    let tokens: u64 = p
+        .microbatches
+        .iter()
+        .map(|mb| mb.token_ids.len() as u64 / 4)
+        .sum();
+    let documents = p
+        .microbatches
+        .iter()
+        .map(|mb| mb.sequences.len())
+        .sum::<usize>();
+    wire::MetricSums {
+        loss_sum: tokens as f64,
+        loss_tokens: tokens,
+        tokens,
+        documents: documents as u64,
+        microbatches: p.microbatches.len() as u32,
+        ..Default::default()
+    }
 }
 
 /// A worker that answers Configure with Ready, plans with plausible sums
-/// and checkpoint requests with done, and leaves when released. It holds step 1's result until
-/// `release` is notified, telling `step1` when that plan has arrived.
-async fn fake_worker(url: String, step1: Arc<Notify>, release: Arc<Notify>) {
-    let mut client = wire::worker_service_client::WorkerServiceClient::connect(url)
-        .await
-        .unwrap();
-    let id = client
-        .register(wire::RegisterRequest {
-            hostname: "test".into(),
-            device: "cpu".into(),
-            collective_addr: "127.0.0.1:1".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .worker_id;
-    let (tx, rx) = mpsc::channel(64);
-    let send = |m: Out| wire::WorkerMessage { msg: Some(m) };
-    tx.send(send(Out::Hello(wire::Hello {
-        worker_id: id.clone(),
-    })))
-    .await
-    .unwrap();
-    let mut inbox = client
-        .session(ReceiverStream::new(rx))
-        .await
-        .unwrap()
-        .into_inner();
-    while let Ok(Some(m)) = inbox.message().await {
-        let reply = match m.msg {
-            Some(In::Configure(c)) => Out::Ready(wire::Ready {
-                job_id: c.job_id,
-                generation: c.generation,
-                step: c.step,
-            }),
-            Some(In::StepPlan(p)) => {
-                if p.step == 1 {
-                    step1.notify_one();
-                    release.notified().await;
-                }
-                let tokens: u64 = p
-                    .microbatches
-                    .iter()
-                    .map(|mb| mb.token_ids.len() as u64 / 4)
-                    .sum();
-                let documents = p
-                    .microbatches
-                    .iter()
-                    .map(|mb| mb.sequences.len())
-                    .sum::<usize>();
-                Out::StepResult(wire::StepResult {
-                    job_id: p.job_id,
-                    generation: p.generation,
-                    step: p.step,
-                    rank: p.rank,
-                    sums: Some(wire::MetricSums {
-                        loss_sum: tokens as f64,
-                        loss_tokens: tokens,
-                        tokens,
-                        documents: documents as u64,
-                        microbatches: p.microbatches.len() as u32,
-                        ..Default::default()
-                    }),
-                    logps: vec![],
-                })
+/// and checkpoint requests with done, and leaves when released. It holds
+/// step 1's result (answering nothing meanwhile) until `release` is
+/// notified, telling `step1` when that plan has arrived.
+fn worker(step1: Arc<Notify>, release: Arc<Notify>) -> FakeWorker {
+    let hook: PlanHook = Box::new(move |p| {
+        let (step1, release) = (step1.clone(), release.clone());
+        let first = p.step == 1;
+        Box::pin(async move {
+            if first {
+                step1.notify_one();
+                release.notified().await;
             }
-            Some(In::CheckpointRequest(c)) => Out::CheckpointDone(wire::CheckpointDone {
-                job_id: c.job_id,
-                step: c.step,
-                rank: 0,
-                path: c.dir,
-            }),
-            // Released: end the session so the server can shut down.
-            Some(In::Release(_)) => return,
-            _ => continue,
-        };
-        if tx.send(send(reply)).await.is_err() {
-            return;
-        }
+        })
+    });
+    FakeWorker {
+        hostname: "test",
+        collective_addr: "127.0.0.1:1",
+        before_plan: Some(hook),
+        ..FakeWorker::new(sums)
     }
 }
 
@@ -184,21 +111,16 @@ async fn list(admin: &mut Admin, req: wire::ListStepsRequest) -> Vec<wire::StepM
 #[tokio::test]
 async fn a_change_during_step_1_applies_from_step_2_and_every_manifest_records_it() {
     let dir = tempfile::tempdir().unwrap();
-    write_fixture(dir.path());
+    common::write_sft_fixture(dir.path(), 10, |i| (i + 1).to_string());
     let state = dir.path().join("state");
     let s = start(&state).await;
     let mut admin = Admin::connect(s.url.clone()).await.unwrap();
-    let job = admin
-        .submit_job(wire::SubmitJobRequest {
-            spec_toml: SPEC.into(),
-            base_dir: dir.path().display().to_string(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .job_id;
+    let job = common::submit(&s.url, dir.path(), SPEC).await;
     let (step1, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
-    tokio::spawn(fake_worker(s.url.clone(), step1.clone(), release.clone()));
+    tokio::spawn(fake_worker(
+        s.url.clone(),
+        worker(step1.clone(), release.clone()),
+    ));
     tokio::time::timeout(std::time::Duration::from_secs(10), step1.notified())
         .await
         .expect("step 1 dispatched");

@@ -1,42 +1,16 @@
 //! In-process server tests: the real tonic server on 127.0.0.1:0 with real
 //! clients; bad requests get clear errors and change nothing.
 
+mod common;
+
 use std::path::Path;
 
-use accrue_coordinator::server::{Server, ServerConfig};
 use accrue_coordinator::wire;
-use tokio_util::sync::CancellationToken;
+use common::start;
 use tonic::Code;
 
-struct Running {
-    url: String,
-    stop: CancellationToken,
-    task: tokio::task::JoinHandle<anyhow::Result<()>>,
-}
-
-async fn start(state: &Path) -> Running {
-    let server = Server::bind(ServerConfig::new(
-        "127.0.0.1:0".parse().unwrap(),
-        state.to_path_buf(),
-    ))
-    .await
-    .unwrap();
-    let url = format!("http://{}", server.local_addr());
-    let stop = CancellationToken::new();
-    let task = tokio::spawn(server.run(stop.clone()));
-    Running { url, stop, task }
-}
-
 fn write_fixture(dir: &Path) -> String {
-    let mut rows = String::new();
-    for i in 0..10 {
-        rows.push_str(&format!(
-            "{{\"prompt\": \"{i}+1=\", \"completion\": \"{}\"}}\n",
-            i + 1
-        ));
-    }
-    std::fs::write(dir.join("train.jsonl"), rows).unwrap();
-    std::fs::write(dir.join("tiny.json"), "{}").unwrap();
+    common::write_sft_fixture(dir, 10, |i| (i + 1).to_string());
     r#"
 [job]
 name = "inproc"

@@ -4,26 +4,14 @@
 //! tokens, latency histograms, a checkpoint and its age while the job
 //! runs, an aborted step when a worker is lost.
 
+mod common;
+
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use accrue_coordinator::server::{Server, ServerConfig};
 use accrue_coordinator::wire;
-use accrue_coordinator::wire::coordinator_message::Msg as In;
-use accrue_coordinator::wire::worker_message::Msg as Out;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use common::{fake_worker, get, submit, FakeWorker};
 use tokio::sync::oneshot;
-use tokio_util::sync::CancellationToken;
-
-async fn get(addr: SocketAddr, path: &str) -> String {
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(format!("GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").as_bytes())
-        .await
-        .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).await.unwrap();
-    out
-}
 
 /// The value of the sample line `series` (name and labels, exactly).
 fn sample(text: &str, series: &str) -> Option<f64> {
@@ -31,142 +19,19 @@ fn sample(text: &str, series: &str) -> Option<f64> {
         .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
 }
 
-/// What a fake worker does besides answering.
-#[derive(Default)]
-struct Behaviour {
-    /// Close the session on the plan of this step (the worker is lost).
-    die_at: Option<u64>,
-    /// Hold the result of this step until the gate opens (other messages,
-    /// checkpoint requests, are still answered meanwhile).
-    hold: Option<(u64, oneshot::Receiver<()>)>,
-}
-
-/// Registers, answers Configure with Ready and each plan with 2.0 loss per
-/// token, acknowledges checkpoints; returns when released (or lost).
-async fn fake_worker(url: String, mut behaviour: Behaviour) {
-    let mut c = wire::worker_service_client::WorkerServiceClient::connect(url)
-        .await
-        .unwrap();
-    let reg = c
-        .register(wire::RegisterRequest {
-            hostname: "fake".into(),
-            device: "cpu".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let (tx, rx) = tokio::sync::mpsc::channel(16);
-    let msg = |m| wire::WorkerMessage { msg: Some(m) };
-    tx.send(msg(Out::Hello(wire::Hello {
-        worker_id: reg.worker_id,
-    })))
-    .await
-    .unwrap();
-    let mut inbound = c
-        .session(tokio_stream::wrappers::ReceiverStream::new(rx))
-        .await
-        .unwrap()
-        .into_inner();
-    while let Ok(Some(m)) = inbound.message().await {
-        let reply = match m.msg {
-            Some(In::Configure(c)) => Out::Ready(wire::Ready {
-                job_id: c.job_id,
-                generation: c.generation,
-                step: c.step,
-            }),
-            Some(In::StepPlan(p)) if behaviour.die_at == Some(p.step) => return,
-            Some(In::StepPlan(p)) => {
-                let result = Out::StepResult(wire::StepResult {
-                    job_id: p.job_id,
-                    generation: p.generation,
-                    step: p.step,
-                    rank: p.rank,
-                    logps: Vec::new(),
-                    sums: Some(wire::MetricSums {
-                        loss_sum: 20.0,
-                        loss_tokens: 10,
-                        tokens: 12,
-                        documents: 4,
-                        microbatches: 1,
-                        compute_s: 0.5,
-                        ..Default::default()
-                    }),
-                });
-                match behaviour.hold.take() {
-                    Some((step, gate)) if step == p.step => {
-                        let tx = tx.clone();
-                        tokio::spawn(async move {
-                            let _ = gate.await;
-                            let _ = tx.send(msg(result)).await;
-                        });
-                        continue;
-                    }
-                    other => behaviour.hold = other,
-                }
-                result
-            }
-            Some(In::CheckpointRequest(c)) => Out::CheckpointDone(wire::CheckpointDone {
-                job_id: c.job_id,
-                step: c.step,
-                rank: 0,
-                path: c.dir,
-            }),
-            Some(In::Release(_)) => return,
-            _ => continue,
-        };
-        tx.send(msg(reply)).await.unwrap();
+/// 2.0 loss per token over 12 tokens, 4 documents and 0.5 s of compute.
+fn sums(_: &wire::StepPlan) -> wire::MetricSums {
+    wire::MetricSums {
+        documents: 4,
+        compute_s: 0.5,
+        ..common::loss_2(&wire::StepPlan::default())
     }
-}
-
-/// A server with metrics, and a directory holding 8 SFT rows.
-async fn start() -> Running {
-    let dir = tempfile::tempdir().unwrap();
-    let mut rows = String::new();
-    for i in 0..8 {
-        rows.push_str(&format!(
-            "{{\"prompt\": \"{i}+1=\", \"completion\": \"x\"}}\n"
-        ));
-    }
-    std::fs::write(dir.path().join("train.jsonl"), rows).unwrap();
-    std::fs::write(dir.path().join("tiny.json"), "{}").unwrap();
-    let mut cfg = ServerConfig::new("127.0.0.1:0".parse().unwrap(), dir.path().join("state"));
-    cfg.metrics_listen = Some("127.0.0.1:0".parse().unwrap());
-    let server = Server::bind(cfg).await.unwrap();
-    let metrics = server.metrics_addr().expect("metrics are served");
-    let url = format!("http://{}", server.local_addr());
-    let stop = CancellationToken::new();
-    let task = tokio::spawn(server.run(stop.clone()));
-    (dir, url, metrics, stop, task)
-}
-
-async fn submit(url: &str, dir: &std::path::Path, spec: &str) -> String {
-    let mut admin = wire::admin_client::AdminClient::connect(url.to_string())
-        .await
-        .unwrap();
-    admin
-        .submit_job(wire::SubmitJobRequest {
-            spec_toml: spec.into(),
-            base_dir: dir.display().to_string(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .job_id
 }
 
 const SPEC: &str =
     "[job]\nname = \"m\"\nsteps = 2\noutput_dir = \"out\"\n[model]\ninit = \"random\"\n\
                     config = \"tiny.json\"\n[data]\ntrain = [\"train.jsonl\"]\nformat = \"sft\"\n\
                     [batch]\ndocs_per_step = 4\n[checkpoint]\nevery_steps = 1\n";
-
-type Running = (
-    tempfile::TempDir,
-    String,
-    SocketAddr,
-    CancellationToken,
-    tokio::task::JoinHandle<anyhow::Result<()>>,
-);
 
 /// Scrapes until `series` has a sample (the job got there), or panics.
 async fn scrape_until(metrics: SocketAddr, series: &str) -> String {
@@ -185,14 +50,15 @@ async fn scrape_until(metrics: SocketAddr, series: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_endpoint_shows_committed_steps_and_workers() {
-    let (dir, url, metrics, stop, task): Running = start().await;
+    let (dir, s, metrics) = common::start_with_http().await;
+    let url = s.url.clone();
     let job = submit(&url, dir.path(), SPEC).await;
     let (open, gate) = oneshot::channel();
     let worker = tokio::spawn(fake_worker(
         url,
-        Behaviour {
+        FakeWorker {
             hold: Some((2, gate)),
-            ..Default::default()
+            ..FakeWorker::new(sums)
         },
     ));
 
@@ -289,26 +155,27 @@ async fn metrics_endpoint_shows_committed_steps_and_workers() {
         );
     }
     assert!(get(metrics, "/nope").await.starts_with("HTTP/1.1 404"));
-    stop.cancel();
-    task.await.unwrap().unwrap();
+    s.stop.cancel();
+    s.task.await.unwrap().unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_worker_counts_one_aborted_step_by_reason() {
-    let (dir, url, metrics, stop, task): Running = start().await;
+    let (dir, s, metrics) = common::start_with_http().await;
+    let url = s.url.clone();
     let spec = SPEC.replace("steps = 2", "steps = 1");
     let job = submit(&url, dir.path(), &spec).await;
     // Lost with step 1 in flight; a second worker then trains it.
-    let dying = Behaviour {
+    let dying = FakeWorker {
         die_at: Some(1),
-        ..Default::default()
+        ..FakeWorker::new(sums)
     };
     tokio::time::timeout(Duration::from_secs(20), fake_worker(url.clone(), dying))
         .await
         .expect("the first worker gets step 1");
     tokio::time::timeout(
         Duration::from_secs(20),
-        fake_worker(url, Behaviour::default()),
+        fake_worker(url, FakeWorker::new(sums)),
     )
     .await
     .expect("the second worker is released when the job completes");
@@ -329,6 +196,6 @@ async fn a_lost_worker_counts_one_aborted_step_by_reason() {
     assert_eq!(of("accrue_plans_dispatched_total"), Some(2.0), "{text}");
     assert_eq!(of("accrue_steps_committed_total"), Some(1.0), "{text}");
     assert_eq!(of("accrue_tokens_total"), Some(12.0), "{text}");
-    stop.cancel();
-    task.await.unwrap().unwrap();
+    s.stop.cancel();
+    s.task.await.unwrap().unwrap();
 }

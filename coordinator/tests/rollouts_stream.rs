@@ -5,38 +5,16 @@
 //! is an InvalidArgument naming the message, rollout and field; cancelling
 //! the job ends a waiting push.
 
+mod common;
+
 use std::collections::BTreeSet;
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Duration;
 
-use accrue_coordinator::server::{Server, ServerConfig};
 use accrue_coordinator::service::Shared;
 use accrue_coordinator::wire;
-use accrue_coordinator::wire::coordinator_message::Msg as In;
-use accrue_coordinator::wire::worker_message::Msg as Out;
-use tokio_util::sync::CancellationToken;
+use common::{fake_worker, start, FakeWorker};
 use tonic::Code;
-
-struct Running {
-    url: String,
-    shared: Arc<Shared>,
-    stop: CancellationToken,
-}
-
-async fn start(state: &Path) -> Running {
-    let server = Server::bind(ServerConfig::new(
-        "127.0.0.1:0".parse().unwrap(),
-        state.to_path_buf(),
-    ))
-    .await
-    .unwrap();
-    let url = format!("http://{}", server.local_addr());
-    let shared = server.shared();
-    let stop = CancellationToken::new();
-    tokio::spawn(server.run(stop.clone()));
-    Running { url, shared, stop }
-}
 
 async fn submit(url: &str, dir: &Path, steps: u64) -> String {
     std::fs::write(dir.join("tiny.json"), "{}").unwrap();
@@ -47,18 +25,7 @@ async fn submit(url: &str, dir: &Path, steps: u64) -> String {
          [batch]\ndocs_per_step = 2\n[objective]\nkind = \"pg\"\n\
          [rl]\ngroup_size = 2\nqueue_capacity = 4\n"
     );
-    let mut admin = wire::admin_client::AdminClient::connect(url.to_string())
-        .await
-        .unwrap();
-    admin
-        .submit_job(wire::SubmitJobRequest {
-            spec_toml: spec,
-            base_dir: dir.display().to_string(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .job_id
+    common::submit(url, dir, &spec).await
 }
 
 /// A message holding one complete group `g{i}` (rewards 0 and 1).
@@ -99,71 +66,15 @@ async fn until_waiting(shared: &Shared) {
     .expect("the pusher waits for room");
 }
 
-/// Answers Configure with Ready and each plan with a result; returns the
-/// doc ids of every sequence it trained, once released.
-async fn fake_worker(url: String) -> Vec<String> {
-    let mut c = wire::worker_service_client::WorkerServiceClient::connect(url)
-        .await
-        .unwrap();
-    let reg = c
-        .register(wire::RegisterRequest {
-            hostname: "fake".into(),
-            device: "cpu".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let (tx, rx) = tokio::sync::mpsc::channel(16);
-    let msg = |m| wire::WorkerMessage { msg: Some(m) };
-    tx.send(msg(Out::Hello(wire::Hello {
-        worker_id: reg.worker_id,
-    })))
-    .await
-    .unwrap();
-    let mut inbound = c
-        .session(tokio_stream::wrappers::ReceiverStream::new(rx))
-        .await
-        .unwrap()
-        .into_inner();
-    let mut docs = Vec::new();
-    while let Ok(Some(m)) = inbound.message().await {
-        let reply = match m.msg {
-            Some(In::Configure(c)) => Out::Ready(wire::Ready {
-                job_id: c.job_id,
-                generation: c.generation,
-                step: c.step,
-            }),
-            Some(In::StepPlan(p)) => {
-                let seqs = p.microbatches.iter().flat_map(|m| &m.sequences);
-                docs.extend(seqs.map(|s| s.doc_id.clone()));
-                Out::StepResult(wire::StepResult {
-                    job_id: p.job_id,
-                    generation: p.generation,
-                    step: p.step,
-                    rank: p.rank,
-                    logps: Vec::new(),
-                    sums: Some(wire::MetricSums {
-                        loss_sum: 2.0,
-                        loss_tokens: 2,
-                        tokens: 8,
-                        microbatches: 1,
-                        ..Default::default()
-                    }),
-                })
-            }
-            Some(In::CheckpointRequest(c)) => Out::CheckpointDone(wire::CheckpointDone {
-                job_id: c.job_id,
-                step: c.step,
-                rank: 0,
-                path: c.dir,
-            }),
-            Some(In::Release(_)) => return docs,
-            _ => continue,
-        };
-        tx.send(msg(reply)).await.unwrap();
+/// 1.0 loss per token over 8 tokens, one microbatch.
+fn sums(_: &wire::StepPlan) -> wire::MetricSums {
+    wire::MetricSums {
+        loss_sum: 2.0,
+        loss_tokens: 2,
+        tokens: 8,
+        microbatches: 1,
+        ..Default::default()
     }
-    docs
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -177,13 +88,13 @@ async fn a_pusher_waits_on_a_full_queue_until_steps_commit() {
         .map(|i| group(if i == 0 { &job } else { "" }, i))
         .collect();
     let pusher = tokio::spawn(push(s.url.clone(), msgs));
-    until_waiting(&s.shared).await;
+    until_waiting(&s.shared.upgrade().unwrap()).await;
     assert!(
         !pusher.is_finished(),
         "no worker, no commit: the push waits"
     );
 
-    let worker = tokio::spawn(fake_worker(s.url.clone()));
+    let worker = tokio::spawn(fake_worker(s.url.clone(), FakeWorker::new(sums)));
     let reply = tokio::time::timeout(Duration::from_secs(30), pusher)
         .await
         .expect("commits free room and the push completes")
@@ -252,7 +163,7 @@ async fn bad_pushes_are_refused_with_the_field_and_cancel_ends_a_waiting_push() 
     // The queue holds groups 0 and 1 (full): the next push waits, and
     // cancelling the job ends it with the job's state.
     let pusher = tokio::spawn(push(s.url.clone(), vec![group(&job, 5)]));
-    until_waiting(&s.shared).await;
+    until_waiting(&s.shared.upgrade().unwrap()).await;
     let mut admin = wire::admin_client::AdminClient::connect(s.url.clone())
         .await
         .unwrap();

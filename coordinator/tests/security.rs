@@ -2,6 +2,8 @@
 //! audience, TLS (certificates made here with rcgen, all on 127.0.0.1),
 //! message size limits, and the startup policy for unprotected services.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use accrue_coordinator::auth::{Security, Token, Tokens};
@@ -10,7 +12,7 @@ use accrue_coordinator::cli::Conn;
 use accrue_coordinator::server::{Server, ServerConfig};
 use accrue_coordinator::tls::ServerTls;
 use accrue_coordinator::wire;
-use tokio_util::sync::CancellationToken;
+use tokio_util::sync::DropGuard;
 use tonic::metadata::MetadataValue;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
@@ -19,15 +21,10 @@ use tonic::{Code, Request, Status};
 const ADMIN: &str = "admin-secret-1";
 const WORKER: &str = "worker-secret-2";
 
+/// A server stopped when this is dropped.
 struct Running {
     addr: String,
-    stop: CancellationToken,
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        self.stop.cancel();
-    }
+    _stop: DropGuard,
 }
 
 fn tokens() -> Tokens {
@@ -38,13 +35,13 @@ fn tokens() -> Tokens {
 }
 
 async fn start(state: &Path, security: Security) -> Running {
-    let mut cfg = ServerConfig::new("127.0.0.1:0".parse().unwrap(), state.to_path_buf());
+    let mut cfg = common::config(state);
     cfg.security = security;
-    let server = Server::bind(cfg).await.unwrap();
-    let addr = server.local_addr().to_string();
-    let stop = CancellationToken::new();
-    tokio::spawn(server.run(stop.clone()));
-    Running { addr, stop }
+    let s = common::start_with(cfg).await;
+    Running {
+        addr: s.addr.to_string(),
+        _stop: s.stop.drop_guard(),
+    }
 }
 
 type Auth = Box<dyn FnMut(Request<()>) -> Result<Request<()>, Status> + Send>;
