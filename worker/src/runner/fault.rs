@@ -123,14 +123,9 @@ pub fn point(point: Point, step: u64, rank: u32) {
 
 #[cfg(unix)]
 fn stop_self() {
-    extern "C" {
-        fn raise(sig: i32) -> i32;
-    }
-    /// SIGSTOP on Linux (x86_64, aarch64).
-    const SIGSTOP: i32 = 19;
-    // SAFETY: raise(3) is async-signal-safe and takes a signal number.
+    // SAFETY: raise(3) takes a signal number and has no other preconditions.
     unsafe {
-        raise(SIGSTOP);
+        libc::raise(libc::SIGSTOP);
     }
 }
 

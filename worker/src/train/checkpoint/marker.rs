@@ -62,7 +62,7 @@ impl VerifyError {
 /// Size and CRC-32 of a file (streamed), and fsyncs it.
 pub fn measure(path: &Path) -> std::io::Result<(u64, u32)> {
     let mut f = std::fs::File::open(path)?;
-    let mut crc = Crc32::new();
+    let mut crc = crc32fast::Hasher::new();
     let mut buf = vec![0u8; 1 << 20];
     let mut bytes = 0u64;
     loop {
@@ -74,7 +74,7 @@ pub fn measure(path: &Path) -> std::io::Result<(u64, u32)> {
         bytes += n as u64;
     }
     f.sync_all()?;
-    Ok((bytes, crc.finish()))
+    Ok((bytes, crc.finalize()))
 }
 
 /// Writes `bytes` to `path` durably: a temporary file, fsync, rename,
@@ -205,68 +205,9 @@ pub fn verify(dir: &Path) -> Result<u32, VerifyError> {
     Ok(world)
 }
 
-/// CRC-32 (IEEE 802.3, reflected, as zlib's `crc32`), table-driven.
-pub struct Crc32 {
-    state: u32,
-}
-
-const fn crc_table() -> [u32; 256] {
-    let mut t = [0u32; 256];
-    let mut i = 0;
-    while i < 256 {
-        let mut c = i as u32;
-        let mut k = 0;
-        while k < 8 {
-            c = if c & 1 != 0 {
-                0xedb8_8320 ^ (c >> 1)
-            } else {
-                c >> 1
-            };
-            k += 1;
-        }
-        t[i] = c;
-        i += 1;
-    }
-    t
-}
-
-static CRC_TABLE: [u32; 256] = crc_table();
-
-impl Crc32 {
-    pub fn new() -> Crc32 {
-        Crc32 { state: !0 }
-    }
-
-    pub fn update(&mut self, bytes: &[u8]) {
-        let mut c = self.state;
-        for &b in bytes {
-            c = CRC_TABLE[((c ^ u32::from(b)) & 0xff) as usize] ^ (c >> 8);
-        }
-        self.state = c;
-    }
-
-    pub fn finish(&self) -> u32 {
-        !self.state
-    }
-}
-
-impl Default for Crc32 {
-    fn default() -> Self {
-        Crc32::new()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn crc32_matches_zlib() {
-        let mut c = Crc32::new();
-        c.update(b"123456789");
-        assert_eq!(c.finish(), 0xcbf4_3926);
-        assert_eq!(Crc32::new().finish(), 0);
-    }
 
     #[test]
     fn markers_make_a_directory_complete_and_catch_corruption() {
