@@ -13,7 +13,7 @@ pub mod data;
 pub mod doc;
 pub mod http;
 pub mod manifest;
-pub mod metrics_http;
+pub mod metrics;
 pub mod objective;
 pub mod plan;
 pub mod rl;

@@ -34,7 +34,7 @@ pub type SessionTx = mpsc::UnboundedSender<Result<wire::CoordinatorMessage, Stat
 pub struct Shared {
     inner: Mutex<Inner>,
     watch: broadcast::Sender<(JobId, WatchItem)>,
-    metrics: crate::metrics_http::Exporter,
+    metrics: crate::metrics::Exporter,
     /// Wakes rollout pushers waiting for queue room.
     rollouts: rollouts::Signals,
 }
@@ -64,7 +64,7 @@ impl Shared {
                 next_session: 0,
             }),
             watch,
-            metrics: crate::metrics_http::Exporter::new(),
+            metrics: crate::metrics::Exporter::new(),
             rollouts: rollouts::Signals::default(),
         })
     }

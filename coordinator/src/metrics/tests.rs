@@ -5,7 +5,9 @@ use std::time::Duration;
 
 use prometheus::proto::MetricType;
 
+use super::observe::abort_reason;
 use super::*;
+use crate::core::{AdmitCounts, Coordinator, StepMetrics};
 
 /// Touches every family so the registry gathers it (a vec without a label
 /// set is not exposed): the observe functions where they need no state
