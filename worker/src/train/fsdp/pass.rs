@@ -155,12 +155,7 @@ impl FsdpTrainer {
             bail!("microbatch {index}: abandoned, another rank's loss was not finite");
         }
         let (grad_x, head_grad, tied_grad, loss) = match outcome {
-            Some(o) => (
-                Some(o.grad_x),
-                o.head_grad,
-                o.tied_grad,
-                Some(o.sums),
-            ),
+            Some(o) => (Some(o.grad_x), o.head_grad, o.tied_grad, Some(o.sums)),
             None => (
                 None,
                 self.layouts[hu].zeros(self.device),
