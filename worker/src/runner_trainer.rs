@@ -9,7 +9,6 @@ use crate::collective::Collective;
 use crate::config::JobConfig;
 use crate::objective::head::MicrobatchMeta;
 use crate::objective::microbatch::StepNorms;
-use crate::objective::Objective;
 use crate::runner::{CheckpointWrite, Factory, MicrobatchOutcome, SequenceLogp, StepExecutor};
 use crate::train::fsdp::FsdpTrainer;
 use crate::train::{PackedBatch, Trainer};
@@ -101,13 +100,26 @@ impl StepExecutor for FsdpTrainer {
         norms: &wire::Normalizers,
     ) -> anyhow::Result<MicrobatchOutcome> {
         let batch = PackedBatch::from_wire(mb)?;
-        let s = FsdpTrainer::microbatch(self, index, &batch, norms.loss_tokens)?;
+        let meta = MicrobatchMeta::from_wire(mb)?;
+        let (s, extra) =
+            FsdpTrainer::microbatch_with(self, index, &batch, &meta, &step_norms(norms))?;
         Ok(MicrobatchOutcome {
             loss_sum: s.loss_sum,
             loss_tokens: s.loss_tokens,
             tokens: s.tokens,
-            ..Default::default()
+            extra,
         })
+    }
+
+    /// A collective: the runner calls it for every microbatch index of a
+    /// reference plan (see [`StepExecutor::collective_per_microbatch`]).
+    fn sequence_logps(
+        &mut self,
+        index: usize,
+        mb: &wire::Microbatch,
+    ) -> anyhow::Result<Vec<SequenceLogp>> {
+        let batch = PackedBatch::from_wire(mb)?;
+        FsdpTrainer::reference_logps(self, index, &batch)
     }
 
     fn optimizer_step(&mut self, lr: f64) -> anyhow::Result<f64> {
@@ -165,15 +177,8 @@ pub fn build(
     coll: Box<dyn Collective>,
 ) -> anyhow::Result<Box<dyn StepExecutor>> {
     match cfg.parallel.sharding.to_ascii_lowercase().as_str() {
-        "fsdp" => {
-            if Objective::from_config(&cfg.objective)? != Objective::Sft {
-                anyhow::bail!(
-                    "parallel.sharding = \"fsdp\" trains the sft objective only so far; \
-                     use ddp or zero2 for dpo and pg"
-                );
-            }
-            Ok(Box::new(FsdpTrainer::new(cfg, restore, coll)?))
-        }
+        // FsdpTrainer::new refuses a live reference.
+        "fsdp" => Ok(Box::new(FsdpTrainer::new(cfg, restore, coll)?)),
         _ => Ok(Box::new(Trainer::new(cfg, restore, coll)?)),
     }
 }

@@ -20,7 +20,9 @@ pub fn run_reference(
     };
     let mut logps = Vec::new();
     for (i, mb) in plan.microbatches.iter().enumerate() {
-        if mb.token_ids.is_empty() {
+        // An engine with collectives per microbatch (fsdp) runs empty
+        // ones too, so every rank issues the same collectives.
+        if mb.token_ids.is_empty() && !exec.collective_per_microbatch() {
             continue;
         }
         let got = exec.sequence_logps(i, mb).map_err(|e| wire::WorkerError {

@@ -494,3 +494,69 @@ fn each_rank_gets_its_collective_and_a_failed_collective_blames_the_peer() {
         r.shutdown();
     }
 }
+
+/// An engine with collectives per microbatch (fsdp) runs a reference
+/// plan's empty microbatches too (its ranks stay in lockstep); another
+/// engine skips them. Both report the same sums.
+#[test]
+fn reference_plans_run_empty_microbatches_for_lockstep_engines() {
+    struct Ref {
+        lockstep: bool,
+        seen: Vec<usize>,
+    }
+    impl StepExecutor for Ref {
+        fn microbatch(
+            &mut self,
+            _: usize,
+            _: &wire::Microbatch,
+            _: &wire::Normalizers,
+        ) -> anyhow::Result<MicrobatchOutcome> {
+            anyhow::bail!("a reference plan trains nothing")
+        }
+        fn sequence_logps(
+            &mut self,
+            index: usize,
+            mb: &wire::Microbatch,
+        ) -> anyhow::Result<Vec<SequenceLogp>> {
+            self.seen.push(index);
+            let one = SequenceLogp {
+                logp: -1.5,
+                loss_tokens: 2,
+                tokens: Vec::new(),
+            };
+            Ok(vec![one; mb.sequences.len()])
+        }
+        fn optimizer_step(&mut self, _: f64) -> anyhow::Result<f64> {
+            anyhow::bail!("a reference plan steps nothing")
+        }
+        fn zero_grad(&mut self) {}
+        fn set_collective(&mut self, _: Box<dyn Collective>) -> anyhow::Result<()> {
+            Ok(())
+        }
+        fn checkpoint_snapshot(&mut self) -> anyhow::Result<CheckpointWrite> {
+            anyhow::bail!("no checkpoint")
+        }
+        fn collective_per_microbatch(&self) -> bool {
+            self.lockstep
+        }
+    }
+    let p = plan(
+        0,
+        vec![
+            mb(&[("a", 3)]),
+            wire::Microbatch::default(),
+            mb(&[("b", 4), ("c", 2)]),
+        ],
+    );
+    for (lockstep, want) in [(false, vec![0, 2]), (true, vec![0, 1, 2])] {
+        let mut e = Ref {
+            lockstep,
+            seen: Vec::new(),
+        };
+        let (sums, logps) = reference::run_reference(&mut e, &p).unwrap();
+        assert_eq!(e.seen, want, "lockstep {lockstep}");
+        assert_eq!(logps.len(), 3);
+        assert_eq!((sums.microbatches, sums.documents), (3, 3));
+        assert_eq!((sums.tokens, sums.loss_tokens), (9, 6));
+    }
+}

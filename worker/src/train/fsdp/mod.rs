@@ -29,9 +29,15 @@
 //! all-reduce after the loss makes every rank stop, before any gradient is
 //! applied, when one rank's loss is not finite.
 //!
+//! DPO and policy gradient (see [`objective`]) replace step 2's
+//! cross-entropy with the objective's per-token weights on the gathered
+//! head; reference plans run steps 1 and 2 forward only on the initial
+//! weights. A live reference (a frozen full copy per rank) is refused.
+//!
 //! Follows PyTorch FSDP (`FlatParameter` per wrapped module, reshard after
 //! forward, pre-backward all-gather) — Zhao et al., "PyTorch FSDP", 2023.
 
+mod objective;
 mod pass;
 mod shell;
 mod sync;
@@ -48,6 +54,7 @@ use crate::config::JobConfig;
 use crate::model::norm::RmsNorm;
 use crate::model::rope::Rope;
 use crate::model::{weights, LlamaConfig, PackedAttention};
+use crate::objective::Objective;
 
 use super::batch::PackedBatch;
 use super::checkpoint::{self, ShardEntry};
@@ -78,6 +85,11 @@ pub struct FsdpTrainer {
     rope: Rope,
     grad_clip: f64,
     loss_chunk_tokens: usize,
+    /// The job's objective (a live reference is refused in [`Self::new`]).
+    objective: Objective,
+    /// Built from a checkpoint (`restore`): its weights are not the job's
+    /// initial ones, so it cannot run reference plans.
+    restored: bool,
     /// Packed-attention implementation (as `Llama::attention`).
     pub attention: PackedAttention,
 }
@@ -102,6 +114,14 @@ impl FsdpTrainer {
         restore: Option<&Path>,
         coll: Box<dyn Collective>,
     ) -> anyhow::Result<FsdpTrainer> {
+        let objective = Objective::from_config(&cfg.objective)?;
+        if objective.live_reference() {
+            bail!(
+                "objective.reference = \"live\" with parallel.sharding = \"fsdp\": \
+                 fsdp supports reference = \"cached\" only (a live reference keeps a \
+                 frozen full copy of the model on every rank, which fsdp exists to avoid)"
+            );
+        }
         let kind = parse_kind(&cfg.model.dtype)?;
         let device = Device::cuda_if_available();
         let (mcfg, raw, tensors, source) = match restore {
@@ -177,6 +197,8 @@ impl FsdpTrainer {
             rope,
             grad_clip: cfg.optimizer.grad_clip,
             loss_chunk_tokens: cfg.runtime.loss_chunk_tokens,
+            objective,
+            restored: restore.is_some(),
             attention: PackedAttention::default(),
         })
     }
@@ -226,33 +248,7 @@ impl FsdpTrainer {
         mb: &PackedBatch,
         global_loss_tokens: u64,
     ) -> anyhow::Result<MicrobatchSums> {
-        let mut sums = MicrobatchSums {
-            tokens: mb.tokens() as u64,
-            documents: mb.documents() as u64,
-            ..Default::default()
-        };
-        let local = self.prepare(index, mb, global_loss_tokens);
-        let flags = match &local {
-            Ok(Some(_)) => [1.0, 0.0],
-            Ok(None) => [0.0, 0.0],
-            Err(_) => [0.0, 1.0],
-        };
-        let [working, failed] = self.agree(index, "work", flags)?;
-        let prep = local?;
-        if failed > 0.0 {
-            bail!("microbatch {index}: abandoned, another rank failed to prepare it");
-        }
-        if working == 0.0 {
-            return Ok(sums);
-        }
-        let saved = self.forward(prep.as_ref())?;
-        let (grad_x, loss) = self.head(index, prep.as_ref(), saved.last())?;
-        if let Some((loss_sum, loss_tokens)) = loss {
-            sums.loss_sum = loss_sum;
-            sums.loss_tokens = loss_tokens;
-        }
-        self.backward(prep.as_ref(), &saved, grad_x)?;
-        Ok(sums)
+        Ok(self.run_microbatch(index, mb, None, global_loss_tokens)?.0)
     }
 
     /// Global-norm clip (the norm over every rank's shards), AdamW on this

@@ -3,23 +3,37 @@
 //! loss and gradient, then the layers' recomputation and backward in
 //! reverse and the embedding's gradient.
 
+use std::collections::BTreeMap;
+
 use anyhow::{anyhow, bail, Context};
 use tch::{Kind, Tensor};
 
 use crate::model::{llama, loss};
 use crate::train::batch::PackedBatch;
 
+use super::objective::ObjectiveIn;
 use super::units::{self, head_unit, layer_unit, EMBED, NORM_NAME};
 use super::FsdpTrainer;
 
 /// The per-microbatch inputs a rank with loss tokens computes on.
 pub(super) struct Prepared {
-    ids: Tensor,
-    cu_seq_lens: Vec<i64>,
-    cos: Tensor,
-    sin: Tensor,
-    targets: Vec<i64>,
+    pub(super) ids: Tensor,
+    pub(super) cu_seq_lens: Vec<i64>,
+    pub(super) cos: Tensor,
+    pub(super) sin: Tensor,
+    pub(super) targets: Vec<i64>,
+    /// `1/T` of the SFT loss (0 for the other objectives, which take
+    /// their normalisers from [`ObjectiveIn`]).
     scale: f64,
+}
+
+/// A rank's loss sums of one microbatch.
+#[derive(Debug, Default)]
+pub(super) struct HeadSums {
+    pub(super) loss_sum: f64,
+    pub(super) loss_tokens: u64,
+    /// The objective's extra metric sums (empty for SFT).
+    pub(super) extra: BTreeMap<String, f64>,
 }
 
 /// What the head computes on a rank with work.
@@ -27,20 +41,21 @@ struct HeadOutcome {
     grad_x: Tensor,
     head_grad: Tensor,
     tied_grad: Option<Tensor>,
-    loss_sum: f64,
-    loss_tokens: u64,
+    sums: HeadSums,
 }
 
 impl FsdpTrainer {
     // ---- one microbatch -------------------------------------------------
 
     /// Checks a microbatch and builds its inputs; `None`: nothing to
-    /// compute (padding, or no loss token). No collective here.
+    /// compute (padding, or no loss token). `sft_loss_tokens`: the step's
+    /// global loss-token count of the SFT loss (`None` for the other
+    /// objectives and reference plans). No collective here.
     pub(super) fn prepare(
         &self,
         index: usize,
         mb: &PackedBatch,
-        global_loss_tokens: u64,
+        sft_loss_tokens: Option<u64>,
     ) -> anyhow::Result<Option<Prepared>> {
         if mb.is_empty() {
             return Ok(None);
@@ -61,7 +76,7 @@ impl FsdpTrainer {
         if targets.iter().all(|&t| t == -100) {
             return Ok(None);
         }
-        if global_loss_tokens == 0 {
+        if sft_loss_tokens == Some(0) {
             bail!(
                 "microbatch {index}: has loss tokens but the step's global loss-token count is 0"
             );
@@ -74,7 +89,7 @@ impl FsdpTrainer {
             cos,
             sin,
             targets,
-            scale: 1.0 / global_loss_tokens as f64,
+            scale: sft_loss_tokens.map_or(0.0, |t| 1.0 / t as f64),
         }))
     }
 
@@ -107,16 +122,17 @@ impl FsdpTrainer {
         Ok(saved)
     }
 
-    /// Final norm, chunked LM head + loss, and the head's gradient
-    /// (reduce-scattered). Returns the gradient of the final hidden state
-    /// and `(Σ NLL, loss tokens)` on a rank with work.
-    #[allow(clippy::type_complexity)]
+    /// Final norm, chunked LM head + loss (the SFT cross-entropy, or the
+    /// objective's weighted NLL when `obj` is given), and the head's
+    /// gradient (reduce-scattered). Returns the gradient of the final
+    /// hidden state and the loss sums on a rank with work.
     pub(super) fn head(
         &mut self,
         index: usize,
         p: Option<&Prepared>,
         last: Option<&Tensor>,
-    ) -> anyhow::Result<(Option<Tensor>, Option<(f64, u64)>)> {
+        obj: Option<&ObjectiveIn<'_>>,
+    ) -> anyhow::Result<(Option<Tensor>, Option<HeadSums>)> {
         let hu = head_unit(self.shells.len());
         let tied = self.cfg.tie_word_embeddings;
         let head_flat = self.gather(hu)?;
@@ -127,7 +143,7 @@ impl FsdpTrainer {
         };
         let outcome = match (p, last) {
             (Some(p), Some(x)) => {
-                Some(self.head_loss(index, p, x, &head_flat, embed_flat.as_ref()))
+                Some(self.head_loss(index, p, x, &head_flat, embed_flat.as_ref(), obj))
             }
             _ => None,
         };
@@ -139,12 +155,7 @@ impl FsdpTrainer {
             bail!("microbatch {index}: abandoned, another rank's loss was not finite");
         }
         let (grad_x, head_grad, tied_grad, loss) = match outcome {
-            Some(o) => (
-                Some(o.grad_x),
-                o.head_grad,
-                o.tied_grad,
-                Some((o.loss_sum, o.loss_tokens)),
-            ),
+            Some(o) => (Some(o.grad_x), o.head_grad, o.tied_grad, Some(o.sums)),
             None => (
                 None,
                 self.layouts[hu].zeros(self.device),
@@ -167,6 +178,7 @@ impl FsdpTrainer {
         x: &Tensor,
         head_flat: &Tensor,
         embed_flat: Option<&Tensor>,
+        obj: Option<&ObjectiveIn<'_>>,
     ) -> anyhow::Result<HeadOutcome> {
         let hu = head_unit(self.shells.len());
         let w = self.compute(head_flat);
@@ -187,14 +199,26 @@ impl FsdpTrainer {
         self.norm.weight = norm_w.shallow_clone();
         let hidden = self.norm.forward(&x);
         self.norm.weight = Tensor::empty([0], (self.kind, self.device));
-        let chunked = loss::chunked_nll(
-            &hidden,
-            &head_w,
-            &p.targets,
-            self.loss_chunk_tokens,
-            p.scale,
-        )
+        let (chunked, extra) = match obj {
+            None => loss::chunked_nll(
+                &hidden,
+                &head_w,
+                &p.targets,
+                self.loss_chunk_tokens,
+                p.scale,
+            )
+            .map(|c| (c, BTreeMap::new())),
+            Some(o) => o.run(&hidden, &head_w, self.loss_chunk_tokens).map(|out| {
+                let mut c = out.grads;
+                // The objective's own sums, not Σ w·nll.
+                (c.loss_sum, c.loss_tokens) = (out.loss_sum, out.loss_tokens);
+                (c, out.extra)
+            }),
+        }
         .map_err(|e| anyhow!("microbatch {index}: {e:#}"))?;
+        if !chunked.grad_hidden.defined() {
+            bail!("microbatch {index}: the loss has no gradient (no loss token)");
+        }
         let surrogate = (&hidden * &chunked.grad_hidden).sum(Kind::Float);
         let g = Tensor::run_backward(&[surrogate], &[&x, &norm_w], false, false);
         let layout = &self.layouts[hu];
@@ -215,8 +239,11 @@ impl FsdpTrainer {
             grad_x: g[0].shallow_clone(),
             head_grad,
             tied_grad,
-            loss_sum: chunked.loss_sum,
-            loss_tokens: chunked.loss_tokens,
+            sums: HeadSums {
+                loss_sum: chunked.loss_sum,
+                loss_tokens: chunked.loss_tokens,
+                extra,
+            },
         })
     }
 

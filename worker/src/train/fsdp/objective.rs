@@ -1,0 +1,258 @@
+//! The FSDP engine under the job's objective: one microbatch of any
+//! objective (SFT's cross-entropy, or DPO / policy gradient through the
+//! log-prob head of `crate::objective`, with cached reference log-probs
+//! from the plan), and the forward-only reference plans.
+//!
+//! Reference plans need the job's INITIAL weights. FSDP keeps no frozen
+//! copy (that would be a full model per rank), so they run on the sharded
+//! parameters themselves, which are the initial ones until the first
+//! optimizer step: the coordinator runs the cached reference pass before
+//! step 1. A reference plan after training started (only a coordinator
+//! restart with an incomplete cache leads there) is refused on every rank.
+
+use std::collections::BTreeMap;
+
+use anyhow::{anyhow, bail};
+use tch::Tensor;
+
+use super::pass::{HeadSums, Prepared};
+use super::units::{self, head_unit, EMBED, NORM_NAME};
+use super::FsdpTrainer;
+use crate::model::loss;
+use crate::objective::head::{self, MicrobatchMeta};
+use crate::objective::microbatch::{self, ObjectiveOut, StepNorms};
+use crate::objective::Objective;
+use crate::runner::SequenceLogp;
+use crate::train::trainer::MicrobatchSums;
+use crate::train::PackedBatch;
+
+/// A DPO or policy-gradient microbatch's inputs to the head.
+pub(super) struct ObjectiveIn<'a> {
+    objective: Objective,
+    mb: &'a PackedBatch,
+    meta: &'a MicrobatchMeta,
+    norms: &'a StepNorms,
+}
+
+impl ObjectiveIn<'_> {
+    /// The objective's gradients of the final hidden state and the head
+    /// weight, and its sums (no collective).
+    pub(super) fn run(
+        &self,
+        hidden: &Tensor,
+        head_w: &Tensor,
+        chunk: usize,
+    ) -> anyhow::Result<ObjectiveOut> {
+        let (mb, meta, norms) = (self.mb, self.meta, self.norms);
+        match self.objective {
+            Objective::Dpo { params, .. } => {
+                microbatch::dpo(hidden, head_w, mb, meta, &params, norms.pairs, chunk, None)
+            }
+            Objective::Pg { params, norm, .. } => microbatch::policy_gradient(
+                hidden, head_w, mb, meta, &params, norm, norms, chunk, None,
+            ),
+            Objective::Sft => bail!("the sft objective has no log-prob head"),
+        }
+    }
+}
+
+impl FsdpTrainer {
+    /// Forward + backward of one microbatch under the job's objective with
+    /// the step's global normalisers (as `Trainer::microbatch_with`; a
+    /// collective: every rank calls it for every microbatch index, padding
+    /// ones included). Gradient shards accumulate. Returns this rank's
+    /// metric sums and the objective's extra sums.
+    pub fn microbatch_with(
+        &mut self,
+        index: usize,
+        mb: &PackedBatch,
+        meta: &MicrobatchMeta,
+        norms: &StepNorms,
+    ) -> anyhow::Result<(MicrobatchSums, BTreeMap<String, f64>)> {
+        let objective = self.objective;
+        if objective == Objective::Sft {
+            return self.run_microbatch(index, mb, None, norms.loss_tokens);
+        }
+        let obj = ObjectiveIn {
+            objective,
+            mb,
+            meta,
+            norms,
+        };
+        self.run_microbatch(index, mb, Some(&obj), norms.loss_tokens)
+    }
+
+    /// One microbatch: SFT when `obj` is `None` (scaled by
+    /// `1/global_loss_tokens`), else the objective's weighted head.
+    pub(super) fn run_microbatch(
+        &mut self,
+        index: usize,
+        mb: &PackedBatch,
+        obj: Option<&ObjectiveIn<'_>>,
+        global_loss_tokens: u64,
+    ) -> anyhow::Result<(MicrobatchSums, BTreeMap<String, f64>)> {
+        let mut sums = MicrobatchSums {
+            tokens: mb.tokens() as u64,
+            documents: mb.documents() as u64,
+            ..Default::default()
+        };
+        let sft_tokens = obj.is_none().then_some(global_loss_tokens);
+        let prep = self.prepare_agreed(index, mb, sft_tokens)?;
+        let Some(prep) = prep else {
+            return Ok((sums, BTreeMap::new()));
+        };
+        let saved = self.forward(prep.as_ref())?;
+        let (grad_x, loss) = self.head(index, prep.as_ref(), saved.last(), obj)?;
+        let HeadSums {
+            loss_sum,
+            loss_tokens,
+            extra,
+        } = loss.unwrap_or_default();
+        sums.loss_sum = loss_sum;
+        sums.loss_tokens = loss_tokens;
+        self.backward(prep.as_ref(), &saved, grad_x)?;
+        Ok((sums, extra))
+    }
+
+    /// [`prepare`](Self::prepare) and the opening all-reduce: `None` when
+    /// no rank has work (every rank skips the microbatch), else this
+    /// rank's inputs (`Some(None)`: it joins with zeros). A rank that
+    /// failed to prepare fails every rank.
+    fn prepare_agreed(
+        &mut self,
+        index: usize,
+        mb: &PackedBatch,
+        sft_loss_tokens: Option<u64>,
+    ) -> anyhow::Result<Option<Option<Prepared>>> {
+        self.prepare_checked(index, mb, sft_loss_tokens, Ok(()))
+    }
+
+    fn prepare_checked(
+        &mut self,
+        index: usize,
+        mb: &PackedBatch,
+        sft_loss_tokens: Option<u64>,
+        allowed: anyhow::Result<()>,
+    ) -> anyhow::Result<Option<Option<Prepared>>> {
+        let local = allowed.and_then(|()| self.prepare(index, mb, sft_loss_tokens));
+        let flags = match &local {
+            Ok(Some(_)) => [1.0, 0.0],
+            Ok(None) => [0.0, 0.0],
+            Err(_) => [0.0, 1.0],
+        };
+        let [working, failed] = self.agree(index, "work", flags)?;
+        let prep = local?;
+        if failed > 0.0 {
+            bail!("microbatch {index}: abandoned, another rank failed to prepare it");
+        }
+        Ok((working > 0.0).then_some(prep))
+    }
+
+    /// Each sequence's log-prob (Σ over its loss tokens), loss-token count
+    /// and, for a policy-gradient job, per-token log-probs
+    /// (`head::token_aligned`) under the job's initial weights, forward
+    /// only (a collective: every rank calls it for every microbatch index
+    /// of the reference plan, empty ones included). Refused on every rank
+    /// once any rank has trained or was restored from a checkpoint.
+    pub fn reference_logps(
+        &mut self,
+        index: usize,
+        mb: &PackedBatch,
+    ) -> anyhow::Result<Vec<SequenceLogp>> {
+        let allowed = if self.restored || self.opt.step > 0 {
+            Err(anyhow!(
+                "fsdp reference plan after training started (optimizer step {}{}): fsdp keeps no \
+                 copy of the initial weights, so the cached reference pass must complete before \
+                 step 1 (a coordinator restart with an incomplete reference cache leads here)",
+                self.opt.step,
+                if self.restored {
+                    ", restored from a checkpoint"
+                } else {
+                    ""
+                }
+            ))
+        } else {
+            Ok(())
+        };
+        let prep = self.prepare_checked(index, mb, None, allowed)?;
+        let targets = if mb.is_empty() {
+            Vec::new()
+        } else {
+            loss::shifted_targets(&mb.labels, &mb.cu_seq_lens)
+        };
+        // Rows without a target have log-prob 0 (as `head::token_logps`).
+        let mut lp = vec![0.0; targets.len()];
+        if let Some(prep) = prep {
+            let saved = self.forward(prep.as_ref())?;
+            let got = self.head_logps(prep.as_ref(), saved.last());
+            let bad = match &got {
+                Ok(Some(l)) => !l.iter().all(|x| x.is_finite()),
+                Ok(None) => false,
+                Err(_) => true,
+            };
+            let [bad_ranks] = self.agree(index, "reference log-probs", [bad as u8 as f32])?;
+            if let Some(l) = got.map_err(|e| anyhow!("microbatch {index}: {e:#}"))? {
+                lp = l;
+            }
+            if bad_ranks > 0.0 && !bad {
+                bail!("microbatch {index}: abandoned, another rank's reference log-probs failed");
+            }
+        }
+        if mb.is_empty() {
+            return Ok(Vec::new());
+        }
+        let sums = head::sequence_sums(&lp, &targets, &mb.cu_seq_lens);
+        if let Some((i, _)) = sums.iter().enumerate().find(|(_, s)| !s.0.is_finite()) {
+            bail!("microbatch {index}: non-finite reference log-prob of sequence {i}");
+        }
+        let mut tokens = match self.objective {
+            Objective::Pg { .. } => head::token_aligned(&lp, &targets, &mb.cu_seq_lens),
+            _ => Vec::new(),
+        }
+        .into_iter();
+        Ok(sums
+            .into_iter()
+            .map(|(logp, loss_tokens)| SequenceLogp {
+                logp,
+                loss_tokens,
+                tokens: tokens.next().unwrap_or_default(),
+            })
+            .collect())
+    }
+
+    /// Gathers the head (and the tied embedding) and, on a rank with work,
+    /// every row's target log-prob without autograd.
+    fn head_logps(
+        &mut self,
+        p: Option<&Prepared>,
+        last: Option<&Tensor>,
+    ) -> anyhow::Result<Option<Vec<f64>>> {
+        let hu = head_unit(self.shells.len());
+        let head_flat = self.gather(hu)?;
+        let embed_flat = if self.cfg.tie_word_embeddings {
+            Some(self.gather(EMBED)?)
+        } else {
+            None
+        };
+        let (Some(p), Some(x)) = (p, last) else {
+            return Ok(None);
+        };
+        let w = self.compute(&head_flat);
+        let layout = &self.layouts[hu];
+        let slot = |name: &str| layout.slots.iter().find(|s| s.name == name);
+        let norm_w = slot(NORM_NAME)
+            .ok_or_else(|| anyhow!("head unit has no final norm"))?
+            .view(&w);
+        let head_w = match &embed_flat {
+            Some(e) => self.layouts[EMBED].slots[0].view(&self.compute(e)),
+            None => slot(units::LM_HEAD_NAME)
+                .ok_or_else(|| anyhow!("head unit has no lm_head"))?
+                .view(&w),
+        };
+        self.norm.weight = norm_w;
+        let hidden = tch::no_grad(|| self.norm.forward(x));
+        self.norm.weight = Tensor::empty([0], (self.kind, self.device));
+        let lp = head::token_logps(&hidden, &head_w, &p.targets, self.loss_chunk_tokens)?;
+        Ok(Some(lp))
+    }
+}
