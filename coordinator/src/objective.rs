@@ -283,6 +283,26 @@ impl RlSection {
     }
 }
 
+/// fsdp shards the model so that no rank holds it whole: a live reference
+/// (a frozen full copy on every rank) would undo that, so fsdp jobs take
+/// the cached reference pass.
+pub fn validate_sharding(spec: &crate::spec::JobSpec, bad: &mut impl FnMut(&str, String)) {
+    if spec.parallel.sharding != crate::spec::Sharding::Fsdp {
+        return;
+    }
+    let live = spec.objective.dpo().map(|d| d.reference) == Some(Reference::Live)
+        || spec
+            .objective
+            .pg()
+            .is_some_and(|p| p.kl_coef > 0.0 && p.reference == Reference::Live);
+    if live {
+        bad(
+            "objective.reference",
+            "parallel.sharding = \"fsdp\" needs reference = \"cached\" (a live reference keeps a full frozen copy of the model on every rank)".into(),
+        );
+    }
+}
+
 /// Checks tying `data.source` to the rest of the spec. A streamed job
 /// (`data.source = "stream"`) trains policy gradient on pushed rollouts: no
 /// files, no epochs (`job.steps` or until cancelled), steps counted by
@@ -399,6 +419,37 @@ mod tests {
         assert!(p.scale_by_std);
         assert_eq!(p.loss_normalization, LossNormalization::Token);
         assert!(problems(&pg).is_empty());
+    }
+
+    #[test]
+    fn fsdp_takes_only_the_cached_reference() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("c.json"), "{}").unwrap();
+        let spec = |format: &str, objective: &str| {
+            format!(
+                "[job]\nname = \"f\"\noutput_dir = \"o\"\nsteps = 1\n[model]\ninit = \"random\"\n\
+                 config = \"c.json\"\n[data]\nformat = \"{format}\"\ntrain = [\"c.json\"]\n\
+                 [batch]\ndocs_per_step = 4\n[objective]\n{objective}\n\
+                 [parallel]\nsharding = \"fsdp\"\n"
+            )
+        };
+        let fields = |text: String| -> Vec<String> {
+            match crate::spec::JobSpec::parse(&text, dir.path()) {
+                Ok(_) => Vec::new(),
+                Err(problems) => problems.into_iter().map(|p| p.field).collect(),
+            }
+        };
+        let refused = ["objective.reference"];
+        assert_eq!(
+            fields(spec("dpo", "kind = \"dpo\"\nreference = \"live\"")),
+            refused
+        );
+        assert!(fields(spec("dpo", "kind = \"dpo\"")).is_empty());
+        let pg_live = "kind = \"pg\"\nkl_coef = 0.1\nreference = \"live\"";
+        assert_eq!(fields(spec("rollouts", pg_live)), refused);
+        assert!(fields(spec("rollouts", "kind = \"pg\"\nkl_coef = 0.1")).is_empty());
+        // No KL: the reference setting is moot.
+        assert!(fields(spec("rollouts", "kind = \"pg\"\nreference = \"live\"")).is_empty());
     }
 
     #[test]

@@ -612,6 +612,7 @@ impl JobSpec {
         self.objective.validate(&mut bad);
         self.rl.validate(self.objective.kind, &mut bad);
         crate::objective::validate_source(self, &mut bad);
+        crate::objective::validate_sharding(self, &mut bad);
 
         let o = &self.optimizer;
         if !(o.lr.is_finite() && o.lr > 0.0) {
