@@ -293,6 +293,39 @@ fn dpo_runs_its_reference_pass_then_reward_accuracy_rises_above_0_9() {
     assert!(loss(&m[59]) < 0.5 * loss(&m[0]), "{} → {}", m[0], m[59]);
 }
 
+/// DPO under fsdp (its cached reference pass included) trains the ddp
+/// curve: same loss, grad norm and rewards at every step.
+#[test]
+fn dpo_under_fsdp_trains_the_ddp_curve() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let rows = ["--task", "arithmetic", "--out", "data", "--rows", "32"];
+    accrue(d, &[&["data", "synth"][..], &rows[..]].concat());
+    write_tiny_config(d);
+    let body = "steps = 5\n[data]\ntrain = [\"data/arith-dpo.jsonl\"]\nformat = \"dpo\"\nmax_tokens = 256\n[batch]\ndocs_per_step = 12\n[objective]\nkind = \"dpo\"\nbeta = 0.1";
+    let run = |sharding: &str| {
+        let spec = small_job(d, sharding, sharding, body);
+        accrue(d, &["local", spec.to_str().unwrap(), "--workers", "2"]);
+        metrics(&d.join(format!("out/{sharding}/metrics.jsonl")))
+    };
+    let (ddp, fsdp) = (run("ddp"), run("fsdp"));
+    assert_eq!(fsdp.len(), 5);
+    for (a, b) in ddp.iter().zip(&fsdp) {
+        let close = |x: f64, y: f64| (x - y).abs() <= 1e-5 * x.abs().max(1e-3);
+        for field in ["loss", "grad_norm"] {
+            let (x, y) = (a[field].as_f64().unwrap(), b[field].as_f64().unwrap());
+            assert!(close(x, y), "step {}: {field} ddp {x} fsdp {y}", a["step"]);
+        }
+        for k in ["rewards/margin", "rewards/accuracy", "logps/chosen"] {
+            let (x, y) = (
+                a["extra"][k].as_f64().unwrap(),
+                b["extra"][k].as_f64().unwrap(),
+            );
+            assert!(close(x, y), "step {}: {k} ddp {x} fsdp {y}", a["step"]);
+        }
+    }
+}
+
 /// The PG demo as shipped (deploy/examples/pg-demo.toml, run from a copy of
 /// its directory layout) on two workers: every kept rollout trained exactly
 /// once in its one epoch, flat groups dropped and refused groups counted,

@@ -419,6 +419,55 @@ fn dpo_packed_sequence_logps_equal_unpacked() {
     );
 }
 
+/// A pair can sit in one step twice (a step spanning an epoch boundary),
+/// even in one microbatch: each copy counts as a pair, with the same loss
+/// and gradient as two separate microbatches of it (the two sequences of a
+/// copy need not be adjacent); an unmatched copy is an error.
+#[test]
+fn a_pair_twice_in_one_microbatch_counts_twice() {
+    tch::set_num_threads(2);
+    let dir = tempfile::tempdir().unwrap();
+    let pairs = pairs_with_reference(dir.path());
+    let grads = |mbs: &[(PackedBatch, MicrobatchMeta)]| {
+        let mut t = trainer(dir.path(), "sigmoid", 0.1);
+        let (loss, extra) = run_microbatches(&mut t, mbs, &vec![2; mbs.len()]);
+        (loss, extra, common::snapshot(&t.named_grads()))
+    };
+    let twice = grads(&[pack(
+        &pairs,
+        &[(2, 0), (5, 0), (2, 0), (5, 1), (2, 1), (2, 1)],
+    )]);
+    let apart = grads(&[pack(&pairs, &adjacent(&[2])), pack(&pairs, &adjacent(&[2]))]);
+    assert_eq!(twice.1["pairs"], 3.0);
+    assert_eq!(apart.1["pairs"], 2.0);
+    let once = grads(&[pack(&pairs, &adjacent(&[5]))]);
+    assert!((twice.0 - apart.0 - once.0).abs() <= 1e-9 * twice.0.abs());
+    let alone = grads(&[
+        pack(&pairs, &adjacent(&[2])),
+        pack(&pairs, &adjacent(&[5])),
+        pack(&pairs, &adjacent(&[2])),
+    ]);
+    let (w, what) = common::worst_rel(&twice.2, &alone.2);
+    assert!(w <= 1e-6, "gradients of {what} differ by {w:e}");
+    let mut t = trainer(dir.path(), "sigmoid", 0.1);
+    let (mb, meta) = pack(&pairs, &[(2, 0), (2, 1), (2, 0)]);
+    let err = t
+        .microbatch_with(
+            0,
+            &mb,
+            &meta,
+            &StepNorms {
+                pairs: 2,
+                ..Default::default()
+            },
+        )
+        .unwrap_err();
+    assert!(
+        format!("{err:#}").contains("2 chosen and 1 rejected"),
+        "{err:#}"
+    );
+}
+
 /// How a step's microbatches are normalised.
 #[derive(Clone, Copy, PartialEq, Debug)]
 enum Norm {

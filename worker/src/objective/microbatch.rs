@@ -87,14 +87,30 @@ pub fn dpo(
                 }),
         }
     };
-    // Pair the sequences by document id.
-    let mut by_doc: BTreeMap<&str, [Option<usize>; 2]> = BTreeMap::new();
+    // Pair the sequences by document id. A pair can sit in a step twice
+    // (a step that spans an epoch boundary): its k-th chosen goes with its
+    // k-th rejected — the copies are identical, so any matching is right.
+    let mut roles: BTreeMap<&str, [Vec<usize>; 2]> = BTreeMap::new();
     for (i, s) in meta.seqs.iter().enumerate() {
-        let slot = by_doc.entry(s.doc_id.as_str()).or_default();
-        match slot.get_mut(s.role as usize) {
-            Some(x @ None) => *x = Some(i),
-            _ => bail!("document {}: role {} twice or unknown", s.doc_id, s.role),
+        match roles
+            .entry(s.doc_id.as_str())
+            .or_default()
+            .get_mut(s.role as usize)
+        {
+            Some(v) => v.push(i),
+            None => bail!("document {}: unknown role {}", s.doc_id, s.role),
         }
+    }
+    let mut pairs: Vec<(usize, usize)> = Vec::new();
+    for (doc, [chosen, rejected]) in &roles {
+        if chosen.len() != rejected.len() {
+            bail!(
+                "document {doc}: {} chosen and {} rejected sequences in this microbatch (a pair's two sequences must sit together)",
+                chosen.len(),
+                rejected.len()
+            );
+        }
+        pairs.extend(chosen.iter().copied().zip(rejected.iter().copied()));
     }
     let mut weights = vec![0.0; targets.len()];
     let mut extra = BTreeMap::new();
@@ -102,10 +118,7 @@ pub fn dpo(
     let mut loss_sum = 0.0;
     let mut loss_tokens = 0;
     let scale = 1.0 / pairs_total as f64;
-    for (doc, [c, r]) in &by_doc {
-        let (Some(c), Some(r)) = (*c, *r) else {
-            bail!("document {doc}: chosen and rejected are not both in this microbatch");
-        };
+    for (c, r) in pairs {
         let out = dpo::pair(
             &PairLogps {
                 policy_chosen: sums[c].0,
