@@ -124,6 +124,36 @@ pub fn token_aligned(token_logps: &[f64], targets: &[i64], cu_seq_lens: &[i64]) 
         .collect()
 }
 
+/// A reference plan's answer for each sequence of a microbatch: its summed
+/// log-prob and loss tokens, and with `per_token` its [`token_aligned`]
+/// log-probs (policy gradient). A non-finite sum is an error naming the
+/// sequence.
+pub fn reference_sequences(
+    token_logps: &[f64],
+    targets: &[i64],
+    cu_seq_lens: &[i64],
+    per_token: bool,
+) -> anyhow::Result<Vec<crate::runner::SequenceLogp>> {
+    let sums = sequence_sums(token_logps, targets, cu_seq_lens);
+    if let Some((i, _)) = sums.iter().enumerate().find(|(_, s)| !s.0.is_finite()) {
+        bail!("non-finite reference log-prob of sequence {i}");
+    }
+    let mut tokens = if per_token {
+        token_aligned(token_logps, targets, cu_seq_lens)
+    } else {
+        Vec::new()
+    }
+    .into_iter();
+    Ok(sums
+        .into_iter()
+        .map(|(logp, loss_tokens)| crate::runner::SequenceLogp {
+            logp,
+            loss_tokens,
+            tokens: tokens.next().unwrap_or_default(),
+        })
+        .collect())
+}
+
 /// Per document of `cu_seq_lens`: (Σ target log-probs, target count).
 pub fn sequence_sums(token_logps: &[f64], targets: &[i64], cu_seq_lens: &[i64]) -> Vec<(f64, u64)> {
     cu_seq_lens

@@ -144,22 +144,8 @@ impl Trainer {
         let targets = loss::shifted_targets(&mb.labels, &mb.cu_seq_lens);
         let lp = reference_token_logps(model, mb, &targets, self.loss_chunk_tokens)
             .map_err(|e| anyhow!("microbatch {index}: {e:#}"))?;
-        let sums = head::sequence_sums(&lp, &targets, &mb.cu_seq_lens);
-        if let Some((i, _)) = sums.iter().enumerate().find(|(_, s)| !s.0.is_finite()) {
-            anyhow::bail!("microbatch {index}: non-finite reference log-prob of sequence {i}");
-        }
-        let mut tokens = match self.objective {
-            Objective::Pg { .. } => head::token_aligned(&lp, &targets, &mb.cu_seq_lens),
-            _ => Vec::new(),
-        }
-        .into_iter();
-        Ok(sums
-            .into_iter()
-            .map(|(logp, loss_tokens)| SequenceLogp {
-                logp,
-                loss_tokens,
-                tokens: tokens.next().unwrap_or_default(),
-            })
-            .collect())
+        let per_token = matches!(self.objective, Objective::Pg { .. });
+        head::reference_sequences(&lp, &targets, &mb.cu_seq_lens, per_token)
+            .map_err(|e| anyhow!("microbatch {index}: {e}"))
     }
 }
