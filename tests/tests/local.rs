@@ -14,22 +14,10 @@ use std::process::Command;
 
 mod real;
 
-use real::{bin_dir, root, write_tiny_config};
+use real::{root, write_tiny_config};
 
 fn accrue(dir: &Path, args: &[&str]) -> std::process::Output {
-    let out = Command::new(bin_dir().join("accrue"))
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .expect("running accrue");
-    assert!(
-        out.status.success(),
-        "accrue {args:?} failed ({:?}):\n{}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
+    real::accrue_in(dir, args, String::new)
 }
 
 fn job(dir: &Path, name: &str, init: &str) -> PathBuf {

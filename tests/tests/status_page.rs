@@ -57,19 +57,7 @@ impl Drop for Procs {
 }
 
 fn accrue(dir: &Path, url: &str, args: &[&str]) -> String {
-    let out = Command::new(bin_dir().join("accrue"))
-        .args(["--coordinator", url])
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .expect("running accrue");
-    assert!(
-        out.status.success(),
-        "accrue {args:?}: {}\n{}",
-        String::from_utf8_lossy(&out.stderr),
-        logs(dir)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    real::accrue_at(url, dir, args, || logs(dir))
 }
 
 fn logs(dir: &Path) -> String {

@@ -50,18 +50,7 @@ fn start(bin: &str, args: &[&str], dir: &Path, prefix: &str) -> (Killed, String)
 }
 
 fn accrue(url: &str, dir: &Path, args: &[&str]) -> String {
-    let out = Command::new(bin_dir().join("accrue"))
-        .args(["--coordinator", url])
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .expect("running accrue");
-    assert!(
-        out.status.success(),
-        "accrue {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    real::accrue_at(url, dir, args, String::new)
 }
 
 fn scrape(addr: &str) -> String {

@@ -45,3 +45,33 @@ pub fn write_tiny_config(d: &Path) {
     )
     .unwrap();
 }
+
+/// Runs `accrue ARGS` in `dir` and returns its output; a failure panics
+/// with the command, its status, stdout, stderr and `context()` (e.g. the
+/// workers' logs).
+pub fn accrue_in(
+    dir: &Path,
+    args: &[&str],
+    context: impl FnOnce() -> String,
+) -> std::process::Output {
+    let out = Command::new(bin_dir().join("accrue"))
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("running accrue");
+    assert!(
+        out.status.success(),
+        "accrue {args:?} failed ({:?}):\n{}\n{}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+        context()
+    );
+    out
+}
+
+/// `accrue --coordinator URL ARGS` in `dir`: its stdout.
+pub fn accrue_at(url: &str, dir: &Path, args: &[&str], context: impl FnOnce() -> String) -> String {
+    let args = [&["--coordinator", url][..], args].concat();
+    String::from_utf8_lossy(&accrue_in(dir, &args, context).stdout).into_owned()
+}
