@@ -362,6 +362,29 @@ impl Cluster {
         assert_eq!(docs.len(), rows, "documents trained over the epoch");
     }
 
+    /// A worker of 3 left after step 3 of the 8-step, 96-document job:
+    /// world sizes 3,3,3,2,2,2,2,2, no step aborted (attempts 1), every
+    /// document exactly once, and the final parameters of `want`.
+    pub fn assert_left_after_step_3(&self, id: &str, want: &Params, case: &str) {
+        let m = self.manifests(id);
+        let worlds: Vec<u32> = m.iter().map(|m| m.world_size).collect();
+        assert_eq!(
+            worlds,
+            [3, 3, 3, 2, 2, 2, 2, 2],
+            "{case}: left after step 3"
+        );
+        for s in &m {
+            assert_eq!(
+                s.attempts, 1,
+                "{case}: the departure aborted step {}",
+                s.step
+            );
+        }
+        self.assert_exactly_once(id, 96);
+        let got = final_params(&self.d().join("out/job"));
+        assert_same_params(&got, want, case);
+    }
+
     pub fn stop_all(&mut self) {
         for w in &mut self.workers {
             let _ = w.kill();
