@@ -2123,24 +2123,26 @@ fn draining_a_configuring_worker_aborts_nothing_and_the_rest_train() {
     assert_eq!(check_exactly_once(&s.manifests, 1, &universe(&d)), vec![]);
 }
 
-#[test]
-fn draining_a_worker_of_a_paused_job_releases_it_and_resume_goes_on_without_it() {
+/// Workers a, b, c on a 24-document job of 6 per step, step 1 in flight.
+fn three_workers_step_1_in_flight(sharding: Sharding) -> (Sim, Arc<[Document]>) {
     let mut s = Sim::new();
     let d = docs(24);
     for w in ["a", "b", "c"] {
         s.worker(w);
     }
     s.submit(
-        with(
-            spec("epochs = 1", "docs_per_step = 6", 1, 3),
-            Sharding::Ddp,
-            0,
-        ),
+        with(spec("epochs = 1", "docs_per_step = 6", 1, 3), sharding, 0),
         d.clone(),
     );
     for _ in 0..3 {
         s.step_once(); // all ready → step 1 in flight
     }
+    (s, d)
+}
+
+#[test]
+fn draining_a_worker_of_a_paused_job_releases_it_and_resume_goes_on_without_it() {
+    let (mut s, d) = three_workers_step_1_in_flight(Sharding::Ddp);
     s.handle(Event::PauseJob { job: "job".into() }).unwrap();
     s.run();
     assert_eq!(s.state(), JobState::Paused);
@@ -2159,22 +2161,7 @@ fn draining_a_worker_of_a_paused_job_releases_it_and_resume_goes_on_without_it()
 
 #[test]
 fn a_drain_requested_twice_mid_step_writes_one_checkpoint_and_releases_once() {
-    let mut s = Sim::new();
-    let d = docs(24);
-    for w in ["a", "b", "c"] {
-        s.worker(w);
-    }
-    s.submit(
-        with(
-            spec("epochs = 1", "docs_per_step = 6", 1, 3),
-            Sharding::Fsdp,
-            0,
-        ),
-        d.clone(),
-    );
-    for _ in 0..3 {
-        s.step_once(); // all ready → step 1 in flight
-    }
+    let (mut s, d) = three_workers_step_1_in_flight(Sharding::Fsdp);
     s.handle(Event::DrainWorker { worker: "c".into() }).unwrap();
     // Answer the three step results: the boundary asks for a checkpoint.
     for _ in 0..3 {
