@@ -380,6 +380,12 @@ impl Cluster {
                 s.step
             );
         }
+        self.assert_trained_like(id, want, case);
+    }
+
+    /// The 96-document job trained every document exactly once and ended
+    /// with the parameters of `want` (an uninterrupted run).
+    pub fn assert_trained_like(&self, id: &str, want: &Params, case: &str) {
         self.assert_exactly_once(id, 96);
         let got = final_params(&self.d().join("out/job"));
         assert_same_params(&got, want, case);
