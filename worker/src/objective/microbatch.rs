@@ -274,3 +274,44 @@ pub fn policy_gradient(
         extra,
     })
 }
+
+/// The job's log-prob objective on one microbatch: [`dpo`] or
+/// [`policy_gradient`] with the step's normalisers (both trainers call
+/// this; SFT goes through the plain chunked loss instead).
+#[allow(clippy::too_many_arguments)]
+pub fn objective(
+    objective: &crate::objective::Objective,
+    hidden: &Tensor,
+    weight: &Tensor,
+    batch: &PackedBatch,
+    meta: &MicrobatchMeta,
+    norms: &StepNorms,
+    chunk_tokens: usize,
+    live_ref: Option<&[f64]>,
+) -> anyhow::Result<ObjectiveOut> {
+    use crate::objective::Objective;
+    match objective {
+        Objective::Dpo { params, .. } => dpo(
+            hidden,
+            weight,
+            batch,
+            meta,
+            params,
+            norms.pairs,
+            chunk_tokens,
+            live_ref,
+        ),
+        Objective::Pg { params, norm, .. } => policy_gradient(
+            hidden,
+            weight,
+            batch,
+            meta,
+            params,
+            *norm,
+            norms,
+            chunk_tokens,
+            live_ref,
+        ),
+        Objective::Sft => bail!("the sft objective has no log-prob head"),
+    }
+}

@@ -43,16 +43,16 @@ impl ObjectiveIn<'_> {
         head_w: &Tensor,
         chunk: usize,
     ) -> anyhow::Result<ObjectiveOut> {
-        let (mb, meta, norms) = (self.mb, self.meta, self.norms);
-        match self.objective {
-            Objective::Dpo { params, .. } => {
-                microbatch::dpo(hidden, head_w, mb, meta, &params, norms.pairs, chunk, None)
-            }
-            Objective::Pg { params, norm, .. } => microbatch::policy_gradient(
-                hidden, head_w, mb, meta, &params, norm, norms, chunk, None,
-            ),
-            Objective::Sft => bail!("the sft objective has no log-prob head"),
-        }
+        microbatch::objective(
+            &self.objective,
+            hidden,
+            head_w,
+            self.mb,
+            self.meta,
+            self.norms,
+            chunk,
+            None,
+        )
     }
 }
 

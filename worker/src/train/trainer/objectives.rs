@@ -49,14 +49,10 @@ impl Trainer {
         norms: &StepNorms,
     ) -> anyhow::Result<(MicrobatchSums, BTreeMap<String, f64>)> {
         let objective = self.objective;
-        let (params_dpo, params_pg) = match objective {
-            Objective::Sft => {
-                let s = self.microbatch(index, mb, norms.loss_tokens)?;
-                return Ok((s, BTreeMap::new()));
-            }
-            Objective::Dpo { params, .. } => (Some(params), None),
-            Objective::Pg { params, norm, .. } => (None, Some((params, norm))),
-        };
+        if objective == Objective::Sft {
+            let s = self.microbatch(index, mb, norms.loss_tokens)?;
+            return Ok((s, BTreeMap::new()));
+        }
         let mut sums = MicrobatchSums {
             tokens: mb.tokens() as u64,
             documents: mb.documents() as u64,
@@ -75,30 +71,16 @@ impl Trainer {
         };
         let hidden = self.model.hidden(&mb.input_ids, &mb.cu_seq_lens);
         let head_w = self.model.lm_head_weight();
-        let out = match (params_dpo, params_pg) {
-            (Some(k), _) => microbatch::dpo(
-                &hidden,
-                head_w,
-                mb,
-                meta,
-                &k,
-                norms.pairs,
-                chunk,
-                live.as_deref(),
-            ),
-            (_, Some((k, norm))) => microbatch::policy_gradient(
-                &hidden,
-                head_w,
-                mb,
-                meta,
-                &k,
-                norm,
-                norms,
-                chunk,
-                live.as_deref(),
-            ),
-            _ => unreachable!("sft returned above"),
-        }
+        let out = microbatch::objective(
+            &objective,
+            &hidden,
+            head_w,
+            mb,
+            meta,
+            norms,
+            chunk,
+            live.as_deref(),
+        )
         .map_err(|e| anyhow!("microbatch {index}: {e:#}"))?;
         loss::backward_into_model(&hidden, head_w, &out.grads);
         sums.loss_sum = out.loss_sum;
