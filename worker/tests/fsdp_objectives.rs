@@ -353,7 +353,14 @@ fn assert_equivalent(label: &str, got: &Outcome, want: &Outcome) {
         );
         let keys: Vec<_> = g.1.keys().collect();
         assert_eq!(keys, w.1.keys().collect::<Vec<_>>(), "{label} step {s}");
+        // While the policy equals its reference (step 0 of DPO) every
+        // margin is zero up to rounding, and whether a pair counts as
+        // correct is a coin toss of the last bit: nothing to compare.
+        let tied = w.1.get("rewards/margin").is_some_and(|m| m.abs() < 1e-5);
         for (k, v) in &w.1 {
+            if tied && k == "rewards/accuracy" {
+                continue;
+            }
             let d = (g.1[k] - v).abs();
             assert!(
                 d <= TOL * v.abs().max(1.0),

@@ -573,8 +573,13 @@ fn check(case: Case) {
         "{label}: parameters after 2 AdamW steps ‖a−b‖/‖b‖ worst {:e} ({}), element worst {:e} ({})",
         p_rel.0, p_rel.1, p_elt.0, p_elt.1
     );
+    // AdamW divides each gradient element by its own magnitude: where a
+    // gradient is near `eps` (1e-6 here), its f32 rounding passes almost
+    // whole into the update. Measured 1.2e-6 to 1.4e-5 over the cases
+    // (the largest: sequence norm with mixed old log-probs, where clipped
+    // tokens leave many near-zero gradients).
     assert!(
-        p_rel.0 <= 1e-5,
+        p_rel.0 <= 5e-5,
         "{label}: parameter {} off by {:e}",
         p_rel.1,
         p_rel.0
@@ -592,9 +597,20 @@ fn check(case: Case) {
         } else {
             train(&case, &all, layout, Norm::Global)
         };
-        let (w, what) = compare(&got, &base);
-        println!("{label}, {name}: worst relative difference to 1 microbatch {w:e} ({what})");
-        assert!(w <= 1e-6, "{label}, {name}: {what} differs by {w:e}");
+        let ((pw, pn), (w, what)) = compare(&got, &base);
+        println!(
+            "{label}, {name}: worst relative difference to 1 microbatch: parameters {pw:e} ({pn}), scalars {w:e} ({what})"
+        );
+        // Parameters after AdamW amplify the reassociation of the ranks'
+        // sum (see the reference check above), and step 2's scalars are
+        // computed on them. Measured: parameters up to 5.3e-6 and step 2's
+        // kl 1.2e-6 (sequence norm with mixed old log-probs), everything
+        // else ≤ 5.5e-7.
+        assert!(w <= 2e-6, "{label}, {name}: {what} differs by {w:e}");
+        assert!(
+            pw <= 1e-5,
+            "{label}, {name}: parameter {pn} differs by {pw:e}"
+        );
     }
 }
 
@@ -610,10 +626,11 @@ impl Outcome {
     }
 }
 
-/// Worst relative difference of parameters, loss sums, metric sums and
-/// grad norms (scalars relative to max(1, |b|)).
-fn compare(a: &Outcome, b: &Outcome) -> (f64, String) {
-    let (mut worst, mut what) = common::worst_rel(&a.params, &b.params);
+/// Worst relative differences: of the parameters, and of loss sums, metric
+/// sums and grad norms.
+fn compare(a: &Outcome, b: &Outcome) -> ((f64, String), (f64, String)) {
+    let params = common::worst_rel(&a.params, &b.params);
+    let (mut worst, mut what) = (0.0, String::new());
     for s in 0..b.losses.len() {
         let mut scalars = vec![
             ("loss sum".to_string(), a.losses[s], b.losses[s]),
@@ -632,7 +649,7 @@ fn compare(a: &Outcome, b: &Outcome) -> (f64, String) {
             }
         }
     }
-    (worst, what)
+    (params, (worst, what))
 }
 
 #[test]
@@ -715,8 +732,9 @@ fn pg_cached_kl_matches_reference_any_split_and_the_live_reference() {
         layout,
         Norm::Global,
     );
-    let (w, what) = compare(&cached, &live);
-    println!("cached vs live reference: worst relative difference {w:e} ({what})");
+    let ((pw, pn), (w, what)) = compare(&cached, &live);
+    println!("cached vs live reference: worst relative difference {pw:e} ({pn}), {w:e} ({what})");
+    assert!(pw <= 1e-6, "cached vs live: {pn} differs by {pw:e}");
     assert!(w <= 1e-6, "cached vs live: {what} differs by {w:e}");
     assert!(cached.metrics[1]["kl"] > 1e-3, "the KL term is active");
 }

@@ -89,19 +89,6 @@ enum Cmd {
     Save(PathBuf),
 }
 
-/// These tests run one at a time. Run concurrently in one process, about
-/// one run in five of this binary (8 test threads; seen once in CI with 2)
-/// ended with one scenario's final parameters an independent random draw
-/// (‖a−b‖/‖b‖ ≈ √2) — a cross-test interaction inside the process whose
-/// cause is not found yet (the seeded init is already a critical section).
-/// Serially the binary passed 12 runs of 12. A worker process holds one
-/// trainer, so production does not run models side by side like this.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 /// One worker: a thread holding its executor across generations.
 struct Worker {
     tx: mpsc::Sender<Cmd>,
@@ -296,13 +283,11 @@ fn permute() -> Vec<Generation> {
 
 #[test]
 fn ddp_joiner_gets_the_replica_by_broadcast() {
-    let _serial = serial();
     scenario("ddp", "2 → 3", &grow());
 }
 
 #[test]
 fn ddp_survivors_continue_without_reloading() {
-    let _serial = serial();
     // 3 → 2: whole replicas at any rank, nothing moves.
     let gens = vec![
         Generation {
@@ -321,31 +306,26 @@ fn ddp_survivors_continue_without_reloading() {
 
 #[test]
 fn zero2_reshards_the_moments_for_a_joiner() {
-    let _serial = serial();
     scenario("zero2", "2 → 3", &grow());
 }
 
 #[test]
 fn zero2_reshards_when_ranks_are_permuted() {
-    let _serial = serial();
     scenario("zero2", "3 → 3 permuted", &permute());
 }
 
 #[test]
 fn fsdp_reshards_parameters_and_moments_for_a_joiner() {
-    let _serial = serial();
     scenario("fsdp", "2 → 3", &grow());
 }
 
 #[test]
 fn fsdp_reshards_when_ranks_are_permuted() {
-    let _serial = serial();
     scenario("fsdp", "3 → 3 permuted", &permute());
 }
 
 #[test]
 fn fsdp_3_to_2_is_a_state_sync_error_naming_the_missing_shard() {
-    let _serial = serial();
     // Only shards 0 and 2 of 3 survive: nothing in memory can rebuild
     // shard 1 (the coordinator restores from a checkpoint instead).
     let dir = tempfile::tempdir().unwrap();
@@ -372,7 +352,6 @@ fn fsdp_3_to_2_is_a_state_sync_error_naming_the_missing_shard() {
 
 #[test]
 fn a_joiner_without_state_sync_fails_the_check() {
-    let _serial = serial();
     // The control: the third rank trains from the model's init instead.
     tch::set_num_threads(1);
     let dir = tempfile::tempdir().unwrap();

@@ -52,12 +52,11 @@ impl Attention {
         let hd = cfg.head_dim();
         let (nh, nkv) = (cfg.num_attention_heads, cfg.kv_heads());
         let bias = cfg.attn_bias();
-        let std = cfg.initializer_range;
         Attention {
-            q_proj: linear(&p / "q_proj", h, nh * hd, bias.qkv, std),
-            k_proj: linear(&p / "k_proj", h, nkv * hd, bias.qkv, std),
-            v_proj: linear(&p / "v_proj", h, nkv * hd, bias.qkv, std),
-            o_proj: linear(&p / "o_proj", nh * hd, h, bias.o, std),
+            q_proj: linear(&p / "q_proj", h, nh * hd, bias.qkv),
+            k_proj: linear(&p / "k_proj", h, nkv * hd, bias.qkv),
+            v_proj: linear(&p / "v_proj", h, nkv * hd, bias.qkv),
+            o_proj: linear(&p / "o_proj", nh * hd, h, bias.o),
             heads: nh as i64,
             kv_heads: nkv as i64,
             head_dim: hd as i64,

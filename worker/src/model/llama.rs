@@ -3,28 +3,22 @@
 //! keys (`model.layers.{i}.self_attn.q_proj.weight`, …). Follows
 //! transformers' `modeling_llama.py` and tch-rs `examples/llama`.
 //!
-//! Random init matches HF `_init_weights`: normal(0, initializer_range) for
-//! linear and embedding weights, zero biases, ones for norms, seeded by
-//! `tch::manual_seed` before the variables are created.
+//! Random init matches HF `_init_weights` (see [`super::init`]): drawn from
+//! a private generator per parameter, never libtorch's global one.
 
 use tch::{nn, Device, Kind, Tensor};
 
 use super::attention::{Attention, PackedAttention};
 use super::config::LlamaConfig;
+use super::init::{fill_weights, Init};
 use super::mlp::Mlp;
 use super::norm::RmsNorm;
 use super::rope::Rope;
 
-/// A linear layer with HF's init (`weight: [out, in]`).
-pub(crate) fn linear(p: nn::Path, inp: usize, out: usize, bias: bool, std: f64) -> nn::Linear {
-    let ws = p.var(
-        "weight",
-        &[out as i64, inp as i64],
-        nn::Init::Randn {
-            mean: 0.0,
-            stdev: std,
-        },
-    );
+/// A linear layer (`weight: [out, in]`), zero until [`super::init`] or a
+/// checkpoint fills it.
+pub(crate) fn linear(p: nn::Path, inp: usize, out: usize, bias: bool) -> nn::Linear {
+    let ws = p.var("weight", &[out as i64, inp as i64], nn::Init::Const(0.0));
     let bs = bias.then(|| p.var("bias", &[out as i64], nn::Init::Const(0.0)));
     nn::Linear { ws, bs }
 }
@@ -100,36 +94,24 @@ impl std::fmt::Debug for Llama {
 }
 
 impl Llama {
-    /// Builds the model with HF's random init (call `tch::manual_seed` first
-    /// for a seeded init), in float32 then cast to `kind`.
+    /// Builds the model, its parameters set by `init` (HF's random init from
+    /// a seed, or empty for loading), in float32 then cast to `kind`.
     pub fn new(
         cfg: LlamaConfig,
         raw_config: serde_json::Value,
         kind: Kind,
         device: Device,
+        init: Init,
     ) -> anyhow::Result<Llama> {
         cfg.validate()?;
         let mut vs = nn::VarStore::new(device);
         let root = vs.root();
         let model = &root / "model";
-        let std = cfg.initializer_range;
         let embed_tokens = (&model / "embed_tokens").var(
             "weight",
             &[cfg.vocab_size as i64, cfg.hidden_size as i64],
-            nn::Init::Randn {
-                mean: 0.0,
-                stdev: std,
-            },
+            nn::Init::Const(0.0),
         );
-        if let Some(pad) = cfg
-            .pad_token_id
-            .filter(|&p| p >= 0 && (p as usize) < cfg.vocab_size)
-        {
-            // HF zeroes the padding row of the embedding at init.
-            tch::no_grad(|| {
-                let _ = embed_tokens.get(pad).zero_();
-            });
-        }
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| DecoderLayer::new(&model / "layers" / i, &cfg))
             .collect();
@@ -138,12 +120,22 @@ impl Llama {
             (&root / "lm_head").var(
                 "weight",
                 &[cfg.vocab_size as i64, cfg.hidden_size as i64],
-                nn::Init::Randn {
-                    mean: 0.0,
-                    stdev: std,
-                },
+                nn::Init::Const(0.0),
             )
         });
+        if let Init::Seeded(seed) = init {
+            let vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+            fill_weights(&vars, seed, cfg.initializer_range);
+            if let Some(pad) = cfg
+                .pad_token_id
+                .filter(|&p| p >= 0 && (p as usize) < cfg.vocab_size)
+            {
+                // HF zeroes the padding row of the embedding at init.
+                tch::no_grad(|| {
+                    let _ = embed_tokens.get(pad).zero_();
+                });
+            }
+        }
         let (theta, scaling) = cfg.rope()?;
         let rope = Rope::new(cfg.head_dim(), theta, &scaling);
         if kind != Kind::Float {

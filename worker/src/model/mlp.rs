@@ -16,11 +16,10 @@ pub struct Mlp {
 impl Mlp {
     pub fn new(p: nn::Path, cfg: &LlamaConfig) -> Mlp {
         let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
-        let std = cfg.initializer_range;
         Mlp {
-            gate_proj: linear(&p / "gate_proj", h, i, cfg.mlp_bias, std),
-            up_proj: linear(&p / "up_proj", h, i, cfg.mlp_bias, std),
-            down_proj: linear(&p / "down_proj", i, h, cfg.mlp_bias, std),
+            gate_proj: linear(&p / "gate_proj", h, i, cfg.mlp_bias),
+            up_proj: linear(&p / "up_proj", h, i, cfg.mlp_bias),
+            down_proj: linear(&p / "down_proj", i, h, cfg.mlp_bias),
         }
     }
 

@@ -5,6 +5,7 @@
 pub mod attention;
 pub mod config;
 pub mod flops;
+pub mod init;
 pub mod llama;
 pub mod loss;
 pub mod mlp;
@@ -14,4 +15,5 @@ pub mod weights;
 
 pub use attention::PackedAttention;
 pub use config::LlamaConfig;
+pub use init::Init;
 pub use llama::Llama;

@@ -26,7 +26,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::collective::{shard_range, Collective, CollectiveError, Solo};
 use crate::config::JobConfig;
-use crate::model::{loss, weights, Llama, LlamaConfig};
+use crate::model::{loss, weights, Init, Llama, LlamaConfig};
 use crate::objective::Objective;
 
 use super::batch::PackedBatch;
@@ -97,9 +97,6 @@ impl StateBytes {
 /// A parameter's HF name and its AdamW `(exp_avg, exp_avg_sq)`.
 pub type NamedMoments = (String, Tensor, Tensor);
 
-/// Serialises seeded random init (see [`Trainer::new`]).
-static SEEDED_INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
 /// Model + optimizer of one rank.
 pub struct Trainer {
     model: Llama,
@@ -137,7 +134,7 @@ pub(crate) fn parse_kind(dtype: &str) -> anyhow::Result<Kind> {
 /// Builds the model from a HF checkpoint directory (config.json + safetensors).
 pub fn load_model(dir: &Path, kind: Kind, device: Device) -> anyhow::Result<Llama> {
     let (cfg, raw) = LlamaConfig::from_file(&dir.join("config.json"))?;
-    let model = Llama::new(cfg, raw, kind, device)?;
+    let model = Llama::new(cfg, raw, kind, device, Init::Empty)?;
     let files = weights::checkpoint_files(dir)?;
     let tensors = weights::read_tensors(&files)?;
     weights::copy_into(&model.vs.variables(), &tensors, dir)?;
@@ -159,13 +156,9 @@ pub fn build_model(cfg: &JobConfig, restore_from: Option<&Path>) -> anyhow::Resu
                 .as_ref()
                 .context("model.config: required when model.init = \"random\"")?;
             let (mcfg, raw) = LlamaConfig::from_file(path)?;
-            // libtorch's generator is process-global: two trainers built at
-            // once (threads, tests) would interleave its draws and break the
-            // seed's reproducibility, so seeding + init is one critical
-            // section. Every rank draws the same init from the same seed.
-            let _init = SEEDED_INIT.lock().unwrap_or_else(|p| p.into_inner());
-            tch::manual_seed(cfg.job.seed as i64);
-            Llama::new(mcfg, raw, kind, device)
+            // Every rank draws the same init from the same seed, from its
+            // own generator (see `model::init`).
+            Llama::new(mcfg, raw, kind, device, Init::Seeded(cfg.job.seed))
         }
         None => {
             let dir = Path::new(&cfg.model.init);

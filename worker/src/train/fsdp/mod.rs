@@ -131,7 +131,6 @@ impl FsdpTrainer {
                 (c, r, t, dir.display().to_string())
             }
             None if cfg.model.init == "random" => {
-                // build_model owns the seeded-init critical section.
                 let m = build_model(cfg, None)?;
                 let named = m.vs.variables().into_iter().collect();
                 (

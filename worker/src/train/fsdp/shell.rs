@@ -3,10 +3,8 @@
 //!
 //! A shell is the model's own `DecoderLayer` / `RmsNorm` built from a copy
 //! of the config whose hidden and intermediate sizes are 0 (head counts and
-//! head_dim kept), so every variable has zero elements: building it costs
-//! nothing and draws nothing from libtorch's global generator (a zero-sized
-//! `randn` consumes no random numbers), so it cannot disturb a seeded init
-//! running on another thread. [`LayerShell::bind`] points the variables at
+//! head_dim kept), so every variable has zero elements and building it
+//! costs nothing. [`LayerShell::bind`] points the variables at
 //! views of a gathered flat buffer (`Tensor::set_data`, PyTorch's
 //! `param.data = view`, as FSDP1's flat parameters do) and the returned
 //! guard points them back at empty tensors, which frees the gathered
