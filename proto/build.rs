@@ -5,6 +5,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     unsafe { std::env::set_var("PROTOC", protoc) };
     let protos = [
         "accrue/v1/types.proto",
+        "accrue/v1/job.proto",
         "accrue/v1/worker.proto",
         "accrue/v1/admin.proto",
         "accrue/v1/rollouts.proto",

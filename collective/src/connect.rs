@@ -15,8 +15,8 @@ use std::net::{TcpListener, TcpStream, ToSocketAddrs};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use crate::config::RingConfig;
 use crate::error::{RingError, RingResult};
-use crate::ring::RingConfig;
 use crate::wire::{Hello, HELLO_LEN, HELLO_MAGIC, VERSION};
 
 /// The two connections of one rank.
@@ -131,6 +131,10 @@ fn dial_next(cfg: &RingConfig, deadline: Instant) -> RingResult<TcpStream> {
                 }
                 last = Some(mismatch);
             }
+            // A peer seen at an older generation that never caught up is the
+            // better explanation than the transport error its listener
+            // closing (as it gives up) causes at the end.
+            Err(_) if matches!(last, Some(RingError::Mismatch { .. })) => {}
             Err(e) => last = Some(lost(format!("dialing {addr}: {e}"))),
         }
         thread::sleep(Duration::from_millis(20));

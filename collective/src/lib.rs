@@ -17,6 +17,7 @@
 //! used by Horovod and NCCL's ring: reduce-scatter then all-gather, each
 //! rank sending 2·(n−1)/n of the buffer in total.
 
+mod config;
 mod connect;
 mod error;
 pub mod plan;
@@ -25,8 +26,9 @@ mod wire;
 
 use std::ops::Range;
 
+pub use config::RingConfig;
 pub use error::{RingError, RingResult};
-pub use ring::{RingAbort, RingConfig, TcpRing};
+pub use ring::{RingAbort, TcpRing};
 pub use wire::Op;
 
 /// The elements of a flat buffer of `len` elements owned by `rank` of

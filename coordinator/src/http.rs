@@ -248,7 +248,7 @@ pub fn status_view(core: &Coordinator, totals: &HashMap<JobId, Totals>, now_ms: 
                 step: j.rec.step,
                 total_steps: j.rec.total_steps,
                 generation: j.rec.generation,
-                world_size: j.gen.as_ref().map_or(0, |g| g.world_size()),
+                world_size: j.gen().map_or(0, |g| g.world_size()),
                 docs_seen: t.docs,
                 tokens_seen: t.tokens,
                 last_loss: j.rec.last_loss,

@@ -19,6 +19,7 @@ pub mod plan;
 pub mod rl;
 pub mod server;
 pub mod service;
+pub mod settings;
 pub mod spec;
 pub mod store;
 pub mod tls;

@@ -269,7 +269,7 @@ fn restore_event(mut rec: JobRecord, store: &Store) -> anyhow::Result<Event> {
     };
     Ok(Event::RestoreJob {
         rec: Box::new(rec),
-        spec: Box::new(spec),
+        spec: Arc::new(spec),
         docs,
         reference,
         history,

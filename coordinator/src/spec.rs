@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::objective::{step_rollouts, Reference};
 pub use crate::objective::{ObjectiveKind, ObjectiveSection, RlSection};
 
 /// One thing wrong with a spec, with the dotted path of the field.
@@ -268,27 +269,6 @@ impl Default for OptimizerSection {
     }
 }
 
-impl OptimizerSection {
-    /// Learning rate of 1-based `step` out of `total` (0 = unknown, which
-    /// makes decaying schedules hold at the peak): linear warmup, then the
-    /// schedule from the peak down to 0 at `total`.
-    pub fn lr_at(&self, step: u64, total: u64) -> f64 {
-        if self.warmup_steps > 0 && step <= self.warmup_steps {
-            return self.lr * step as f64 / self.warmup_steps as f64;
-        }
-        if total <= self.warmup_steps {
-            return self.lr;
-        }
-        let progress =
-            ((step - self.warmup_steps) as f64 / (total - self.warmup_steps) as f64).min(1.0);
-        match self.schedule {
-            Schedule::Constant => self.lr,
-            Schedule::Linear => self.lr * (1.0 - progress),
-            Schedule::Cosine => self.lr * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()),
-        }
-    }
-}
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum Sharding {
@@ -382,6 +362,19 @@ pub enum StepSize {
     MicrobatchesPerRank(u32),
 }
 
+impl StepSize {
+    /// The mode the `[batch]` fields select (the first one set; a
+    /// validated spec sets exactly one).
+    pub fn of(docs: Option<u64>, tokens: Option<u64>, microbatches: Option<u32>) -> StepSize {
+        match (docs, tokens, microbatches) {
+            (Some(n), _, _) => StepSize::Docs(n),
+            (_, Some(t), _) => StepSize::Tokens(t),
+            (_, _, Some(k)) => StepSize::MicrobatchesPerRank(k),
+            _ => StepSize::Docs(1),
+        }
+    }
+}
+
 const SECTIONS: &[&str] = &[
     "job",
     "model",
@@ -465,15 +458,11 @@ impl JobSpec {
         }
     }
 
-    /// The step size mode. Valid only on a validated spec.
+    /// The submitted step size mode (a running job's changes: see
+    /// `crate::settings`). Valid only on a validated spec.
     pub fn step_size(&self) -> StepSize {
         let b = &self.batch;
-        match (b.docs_per_step, b.tokens_per_step, b.microbatches_per_rank) {
-            (Some(n), _, _) => StepSize::Docs(n),
-            (_, Some(t), _) => StepSize::Tokens(t),
-            (_, _, Some(k)) => StepSize::MicrobatchesPerRank(k),
-            _ => StepSize::Docs(1),
-        }
+        StepSize::of(b.docs_per_step, b.tokens_per_step, b.microbatches_per_rank)
     }
 
     /// Serialises back to TOML (what workers receive in Configure).
@@ -611,8 +600,8 @@ impl JobSpec {
 
         self.objective.validate(&mut bad);
         self.rl.validate(self.objective.kind, &mut bad);
-        crate::objective::validate_source(self, &mut bad);
-        crate::objective::validate_sharding(self, &mut bad);
+        validate_source(self, &mut bad);
+        validate_sharding(self, &mut bad);
 
         let o = &self.optimizer;
         if !(o.lr.is_finite() && o.lr > 0.0) {
@@ -674,6 +663,110 @@ impl JobSpec {
             bad("runtime.loss_chunk_tokens", "must be at least 1".into());
         }
         p
+    }
+}
+
+/// fsdp shards the model so that no rank holds it whole: a live reference
+/// (a frozen full copy on every rank) would undo that, so fsdp jobs take
+/// the cached reference pass.
+fn validate_sharding(spec: &JobSpec, bad: &mut impl FnMut(&str, String)) {
+    if spec.parallel.sharding != Sharding::Fsdp {
+        return;
+    }
+    let live = spec.objective.dpo().map(|d| d.reference) == Some(Reference::Live)
+        || spec
+            .objective
+            .pg()
+            .is_some_and(|p| p.kl_coef > 0.0 && p.reference == Reference::Live);
+    if live {
+        bad(
+            "objective.reference",
+            "parallel.sharding = \"fsdp\" needs reference = \"cached\" (a live reference keeps a full frozen copy of the model on every rank)".into(),
+        );
+    }
+}
+
+/// Checks tying `data.source` to the rest of the spec. A streamed job
+/// (`data.source = "stream"`) trains policy gradient on pushed rollouts: no
+/// files, no epochs (`job.steps` or until cancelled), steps counted by
+/// `batch.docs_per_step` in whole groups of `rl.group_size`, and a queue
+/// that holds at least one step.
+fn validate_source(spec: &JobSpec, bad: &mut impl FnMut(&str, String)) {
+    let rl = &spec.rl;
+    if !spec.data.is_stream() {
+        for (field, given) in [
+            ("rl.group_size", rl.group_size.is_some()),
+            ("rl.queue_capacity", rl.queue_capacity.is_some()),
+        ] {
+            if given && spec.objective.kind == ObjectiveKind::Pg {
+                bad(
+                    field,
+                    "only applies to data.source = \"stream\" (file rollouts group by their \"group\" field)".into(),
+                );
+            }
+        }
+        return;
+    }
+    if spec.objective.kind != ObjectiveKind::Pg {
+        bad(
+            "data.source",
+            "\"stream\" takes pushed rollouts: it needs objective.kind = \"pg\"".into(),
+        );
+    }
+    // The cached pass runs before step 1 over the job's documents; pushed
+    // rollouts arrive later, so they need the live reference.
+    if spec
+        .objective
+        .pg()
+        .is_some_and(|p| p.kl_coef > 0.0 && p.reference == Reference::Cached)
+    {
+        bad(
+            "objective.reference",
+            "a streamed job's KL penalty needs reference = \"live\" (the cached pass runs before step 1, over file rollouts only)".into(),
+        );
+    }
+    if !spec.data.train.is_empty() {
+        bad(
+            "data.train",
+            "a streamed job reads no files: leave data.train out, or use data.source = \"files\""
+                .into(),
+        );
+    }
+    if spec.job.epochs.is_some() {
+        bad(
+            "job.epochs",
+            "a streamed job has no epochs: give job.steps, or neither to run until cancelled"
+                .into(),
+        );
+    }
+    if spec.batch.docs_per_step.is_none() {
+        bad(
+            "batch.docs_per_step",
+            "required for a streamed job (a step takes whole groups until it holds this many rollouts)".into(),
+        );
+    }
+    match rl.group_size {
+        None => bad(
+            "rl.group_size",
+            "required for a streamed job: rollouts per group (a group is trained once complete)"
+                .into(),
+        ),
+        Some(g) if g < 2 => bad(
+            "rl.group_size",
+            format!("must be at least 2 (a group of one has no reward variance), got {g}"),
+        ),
+        Some(g) => {
+            if let Some(docs) = spec.batch.docs_per_step {
+                let step = step_rollouts(docs, g);
+                let cap = rl.queue_capacity_or_default(docs);
+                if cap < step {
+                    bad(
+                        "rl.queue_capacity",
+                        format!("{cap} cannot hold one step: {step} rollouts (docs_per_step = {docs} in whole groups of {g})"),
+                    );
+                }
+            }
+        }
     }
 }
 
@@ -858,21 +951,5 @@ loss_chunk_tokens = 512
                 "{bad}: {problems:?}"
             );
         }
-    }
-
-    #[test]
-    fn lr_schedules() {
-        let mut o = OptimizerSection {
-            lr: 1.0,
-            warmup_steps: 10,
-            ..Default::default()
-        };
-        assert_eq!(o.lr_at(5, 100), 0.5);
-        assert_eq!(o.lr_at(50, 100), 1.0);
-        o.schedule = Schedule::Linear;
-        assert!((o.lr_at(55, 100) - 0.5).abs() < 1e-12);
-        o.schedule = Schedule::Cosine;
-        assert!((o.lr_at(55, 100) - 0.5).abs() < 1e-12);
-        assert!(o.lr_at(100, 100).abs() < 1e-12);
     }
 }

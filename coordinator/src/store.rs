@@ -416,9 +416,8 @@ mod tests {
 
     #[test]
     fn manifests_and_settings_changes_survive_reopen() {
-        use crate::manifest::{
-            ConfigChange, JobUpdate, MicrobatchEntry, SeqEntry, StepManifest, StepSettings,
-        };
+        use crate::manifest::{MicrobatchEntry, SeqEntry, StepManifest};
+        use crate::settings::{ConfigChange, JobUpdate, StepSettings};
         let dir = tempfile::tempdir().unwrap();
         let mut a = rec("a", 1);
         a.step = 1;

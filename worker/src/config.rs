@@ -1,129 +1,51 @@
-//! The parts of the job spec a worker needs, read from the `spec_toml` the
-//! coordinator sends in `Configure` (already validated, paths absolute).
-//! Unknown fields are ignored here on purpose: the coordinator owns the
-//! spec's schema; the worker reads only what it uses.
+//! The job this worker trains, as the coordinator resolved it
+//! (`Configure.job`, see `proto/accrue/v1/job.proto`): every value set, no
+//! default of its own here. Built from the wire by [`crate::convert`].
 
 use std::path::PathBuf;
 
-use serde::Deserialize;
+use tch::Kind;
 
-#[derive(Debug, Clone, Deserialize)]
+use crate::objective::Objective;
+use crate::train::optim::AdamWConfig;
+
+/// Where the model's initial weights come from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ModelSource {
+    /// HF's random init from the job's seed, for this `config.json`.
+    Random { config: PathBuf },
+    /// A Hugging Face model directory (config.json + safetensors).
+    Checkpoint(PathBuf),
+}
+
+/// How the replicas share state (`parallel.sharding`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sharding {
+    /// Replicated parameters and optimizer state; gradients all-reduced.
+    Ddp,
+    /// Replicated parameters; gradients reduce-scattered, optimizer state
+    /// sharded by flat element range.
+    Zero2,
+    /// Parameters, gradients and optimizer state sharded per unit
+    /// (`train::fsdp`).
+    Fsdp,
+}
+
+/// The resolved job.
+#[derive(Debug, Clone, PartialEq)]
 pub struct JobConfig {
-    pub job: Job,
-    pub model: Model,
-    #[serde(default)]
-    pub optimizer: Optimizer,
-    #[serde(default)]
-    pub parallel: Parallel,
-    #[serde(default)]
-    pub runtime: Runtime,
-    #[serde(default)]
-    pub objective: ObjectiveConfig,
-}
-
-/// `[objective]`: absent fields take the coordinator spec's defaults
-/// (`coordinator/src/objective.rs`; the coordinator validated them).
-#[derive(Debug, Clone, Deserialize, Default)]
-pub struct ObjectiveConfig {
-    /// "sft" (default), "dpo" or "pg".
-    #[serde(default)]
-    pub kind: Option<String>,
-    pub beta: Option<f64>,
-    pub loss: Option<String>,
-    pub label_smoothing: Option<f64>,
-    /// "cached" (default) or "live".
-    pub reference: Option<String>,
-    pub clip_ratio: Option<f64>,
-    pub kl_coef: Option<f64>,
-    /// "token" (default), "sequence" or "constant".
-    pub loss_normalization: Option<String>,
-    pub normalization_constant: Option<f64>,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-pub struct Job {
+    /// `job.name` (checkpoint manifests record it).
     pub name: String,
-    #[serde(default)]
+    /// Seeds a random init.
     pub seed: u64,
-    pub output_dir: PathBuf,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-pub struct Model {
-    /// "random" or a Hugging Face checkpoint directory.
-    pub init: String,
-    #[serde(default)]
-    pub config: Option<PathBuf>,
-    #[serde(default = "default_dtype")]
-    pub dtype: String,
-}
-
-fn default_dtype() -> String {
-    "float32".into()
-}
-
-#[derive(Debug, Clone, Deserialize)]
-pub struct Optimizer {
-    #[serde(default = "default_betas")]
-    pub betas: [f64; 2],
-    #[serde(default = "default_eps")]
-    pub eps: f64,
-    #[serde(default)]
-    pub weight_decay: f64,
-    /// Global L2 norm; 0 disables.
-    #[serde(default = "default_clip")]
+    pub model: ModelSource,
+    /// Parameter and compute dtype: `Float` or `BFloat16`.
+    pub dtype: Kind,
+    pub objective: Objective,
+    pub optimizer: AdamWConfig,
+    /// Global L2 norm of the gradient clip; 0 disables.
     pub grad_clip: f64,
-}
-
-fn default_betas() -> [f64; 2] {
-    [0.9, 0.999]
-}
-fn default_eps() -> f64 {
-    1e-8
-}
-fn default_clip() -> f64 {
-    1.0
-}
-
-impl Default for Optimizer {
-    fn default() -> Self {
-        Self {
-            betas: default_betas(),
-            eps: default_eps(),
-            weight_decay: 0.0,
-            grad_clip: default_clip(),
-        }
-    }
-}
-
-#[derive(Debug, Clone, Deserialize, Default)]
-pub struct Parallel {
-    #[serde(default)]
-    pub sharding: String,
-}
-
-/// Worker-side knobs (not part of the coordinator's spec yet; defaults).
-#[derive(Debug, Clone, Deserialize)]
-pub struct Runtime {
+    pub sharding: Sharding,
     /// Tokens per chunk of the LM head + cross-entropy.
-    #[serde(default = "default_loss_chunk")]
     pub loss_chunk_tokens: usize,
-}
-
-fn default_loss_chunk() -> usize {
-    1024
-}
-
-impl Default for Runtime {
-    fn default() -> Self {
-        Self {
-            loss_chunk_tokens: default_loss_chunk(),
-        }
-    }
-}
-
-impl JobConfig {
-    pub fn from_toml(text: &str) -> Result<JobConfig, toml::de::Error> {
-        toml::from_str(text)
-    }
 }

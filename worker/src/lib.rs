@@ -4,6 +4,7 @@
 
 pub mod collective;
 pub mod config;
+pub mod convert;
 pub mod metrics;
 pub mod model;
 pub mod objective;

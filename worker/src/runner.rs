@@ -397,7 +397,6 @@ struct Held {
     world_size: u32,
     /// Last step whose update the executor holds.
     step: u64,
-    max_tokens: u64,
     name: String,
     exec: Box<dyn StepExecutor>,
 }
@@ -468,7 +467,7 @@ impl Thread {
                 if let Some(h) = &mut self.job {
                     h.exec.zero_grad();
                 }
-                info!(job = %a.job_id, step = a.step, reason = %a.reason, "step aborted");
+                info!(job = %a.job_id, step = a.step, reason = ?a.reason(), detail = %a.detail, "step aborted");
             }
         }
     }
@@ -528,7 +527,7 @@ impl Thread {
         let aborted = self.aborted.clone();
         let is_aborted = move || *lock(&aborted) == Some(key);
         let idle_s = self.last_done.elapsed().as_secs_f64();
-        let outcome = run_step(h.exec.as_mut(), p, h.max_tokens, idle_s, &is_aborted);
+        let outcome = run_step(h.exec.as_mut(), p, idle_s, &is_aborted);
         lock(&self.in_flight).running = None;
         self.last_done = Instant::now();
         match outcome {
@@ -573,7 +572,7 @@ mod publish;
 mod reference;
 mod step;
 
-pub use step::{blamed_peer, error_kind, run_step, spec_max_tokens, StepOutcome};
+pub use step::{blamed_peer, error_kind, run_step, StepOutcome};
 
 #[cfg(test)]
 mod recovery_tests;

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use crate::collective::reshard::SyncPlan;
 use crate::collective::Collective;
-use crate::config::JobConfig;
+use crate::config::{JobConfig, Sharding};
 use crate::objective::head::MicrobatchMeta;
 use crate::objective::microbatch::StepNorms;
 use crate::runner::{CheckpointWrite, Factory, MicrobatchOutcome, SequenceLogp, StepExecutor};
@@ -176,10 +176,10 @@ pub fn build(
     restore: Option<&Path>,
     coll: Box<dyn Collective>,
 ) -> anyhow::Result<Box<dyn StepExecutor>> {
-    match cfg.parallel.sharding.to_ascii_lowercase().as_str() {
+    match cfg.sharding {
         // FsdpTrainer::new refuses a live reference.
-        "fsdp" => Ok(Box::new(FsdpTrainer::new(cfg, restore, coll)?)),
-        _ => Ok(Box::new(Trainer::new(cfg, restore, coll)?)),
+        Sharding::Fsdp => Ok(Box::new(FsdpTrainer::new(cfg, restore, coll)?)),
+        Sharding::Ddp | Sharding::Zero2 => Ok(Box::new(Trainer::new(cfg, restore, coll)?)),
     }
 }
 

@@ -110,14 +110,12 @@ fn pack(pairs: &[Pair], order: &[(usize, u32)]) -> (PackedBatch, MicrobatchMeta)
         .map(|&(i, role)| SeqMeta {
             doc_id: pairs[i].id.clone(),
             role,
-            scalars: BTreeMap::from([(
-                "ref_logp".to_string(),
-                if role == 0 {
-                    pairs[i].ref_chosen
-                } else {
-                    pairs[i].ref_rejected
-                },
-            )]),
+            advantage: None,
+            ref_logp: Some(if role == 0 {
+                pairs[i].ref_chosen
+            } else {
+                pairs[i].ref_rejected
+            }),
         })
         .collect();
     (

@@ -26,14 +26,14 @@ use tch::Tensor;
 const TOL: f64 = 1e-5;
 const LR: f64 = 5e-3;
 
-/// One sequence of a step: document id, role, ids, labels, scalars.
+/// One sequence of a step: document id, role, ids, labels, advantage.
 #[derive(Clone)]
 struct Seq {
     doc: String,
     role: u32,
     ids: Vec<i64>,
     labels: Vec<i64>,
-    scalars: BTreeMap<String, f64>,
+    advantage: Option<f64>,
 }
 
 /// Per step: its sequences and, per rank, the microbatches (sequence
@@ -64,7 +64,7 @@ fn seq(doc: String, role: u32, (ids, labels): (Vec<i64>, Vec<i64>)) -> Seq {
         role,
         ids,
         labels,
-        scalars: BTreeMap::new(),
+        advantage: None,
     }
 }
 
@@ -108,7 +108,7 @@ fn pg_steps() -> Vec<Step> {
             .map(|(i, d)| {
                 let mut s = seq(format!("s{step}-r{i}"), 0, d);
                 let adv = [1.2, -0.7, 0.3, -1.1, 0.5][i] * if step == 1 { 1.0 } else { -0.8 };
-                s.scalars.insert("advantage".into(), adv);
+                s.advantage = Some(adv);
                 s
             })
             .collect()
@@ -131,7 +131,7 @@ fn docs(seqs: &[&Seq]) -> Vec<(Vec<i64>, Vec<i64>)> {
         .collect()
 }
 
-/// Packs sequences `idx` with their scalars and per-token reference
+/// Packs sequences `idx` with their advantages and reference
 /// log-probs (PG).
 fn pack(step: &Step, idx: &[usize], refs: &BTreeMap<String, SequenceLogp>, pg: bool) -> Mb {
     if idx.is_empty() {
@@ -142,16 +142,11 @@ fn pack(step: &Step, idx: &[usize], refs: &BTreeMap<String, SequenceLogp>, pg: b
     let meta = MicrobatchMeta {
         seqs: seqs
             .iter()
-            .map(|s| {
-                let mut scalars = s.scalars.clone();
-                if !pg {
-                    scalars.insert("ref_logp".into(), refs[&key(s)].logp);
-                }
-                SeqMeta {
-                    doc_id: s.doc.clone(),
-                    role: s.role,
-                    scalars,
-                }
+            .map(|s| SeqMeta {
+                doc_id: s.doc.clone(),
+                role: s.role,
+                advantage: s.advantage,
+                ref_logp: (!pg).then(|| refs[&key(s)].logp),
             })
             .collect(),
         old_logprobs: Vec::new(),
@@ -267,7 +262,10 @@ fn add_extra(into: &mut BTreeMap<String, f64>, e: BTreeMap<String, f64>) {
 
 /// The 1-rank `Trainer` over every microbatch of both ranks, in order.
 fn run_ddp(cfg: &JobConfig, steps: &[Step], refs: &BTreeMap<String, SequenceLogp>) -> Outcome {
-    let pg = cfg.objective.kind.as_deref() == Some("pg");
+    let pg = matches!(
+        cfg.objective,
+        accrue_worker::objective::Objective::Pg { .. }
+    );
     let coll = LocalGroup::new(1).pop().unwrap();
     let mut t = Trainer::new(cfg, None, Box::new(coll)).unwrap();
     let mut stats = Vec::new();
@@ -289,7 +287,10 @@ fn run_ddp(cfg: &JobConfig, steps: &[Step], refs: &BTreeMap<String, SequenceLogp
 
 /// 2 FSDP ranks; after the steps, a reference plan must be refused.
 fn run_fsdp(cfg: &JobConfig, steps: Vec<Step>, refs: BTreeMap<String, SequenceLogp>) -> Outcome {
-    let pg = cfg.objective.kind.as_deref() == Some("pg");
+    let pg = matches!(
+        cfg.objective,
+        accrue_worker::objective::Objective::Pg { .. }
+    );
     let cfg = cfg.clone();
     let steps = std::sync::Arc::new(steps);
     let results = on_2_ranks(move |rank, coll| {

@@ -23,7 +23,7 @@ fn a_seeded_init_does_not_depend_on_what_other_threads_draw() {
     let want = common::snapshot(&Trainer::single(&cfg, None).unwrap().named_parameters());
     // A checkpoint for the loader thread (a different seed: other weights).
     let mut other_cfg = cfg.clone();
-    other_cfg.job.seed = 99;
+    other_cfg.seed = 99;
     let ckpt = dir.path().join("other");
     Trainer::single(&other_cfg, None)
         .unwrap()

@@ -164,15 +164,20 @@ fn job(dir: &std::path::Path, case: &Case) -> accrue_worker::config::JobConfig {
     } else {
         "cached"
     };
+    // The spec refuses a constant with another normalisation.
+    let constant = if case.norm == "constant" {
+        format!("normalization_constant = {}\n", case.constant)
+    } else {
+        String::new()
+    };
     common::random_job(
         dir,
         &format!(
             "[optimizer]\nweight_decay = 0.1\ngrad_clip = 1.0\neps = 1e-6\n\
              [runtime]\nloss_chunk_tokens = 16\n\
              [objective]\nkind = \"pg\"\nclip_ratio = 0.2\nkl_coef = {}\n\
-             reference = \"{reference}\"\nloss_normalization = \"{}\"\n\
-             normalization_constant = {}\n",
-            case.kl_coef, case.norm, case.constant
+             reference = \"{reference}\"\nloss_normalization = \"{}\"\n{constant}",
+            case.kl_coef, case.norm
         ),
     )
 }
@@ -209,7 +214,8 @@ fn pack(
         .map(|&i| SeqMeta {
             doc_id: step[i].id.clone(),
             role: 0,
-            scalars: BTreeMap::from([("advantage".to_string(), adv[i])]),
+            advantage: Some(adv[i]),
+            ref_logp: None,
         })
         .collect();
     let ref_logprobs = refs.map_or_else(Vec::new, |r| {

@@ -75,11 +75,12 @@ fn two_runners_train_checkpoint_and_rejoin_a_new_generation() {
     let dir = tempfile::tempdir().unwrap();
     let cfg_path = dir.path().join("config.json");
     std::fs::write(&cfg_path, common::TINY_CONFIG).unwrap();
-    let spec = format!(
-        "[job]\nname = \"t\"\nseed = 7\noutput_dir = \"{}\"\n[model]\ninit = \"random\"\n\
-         config = \"{}\"\n[parallel]\nsharding = \"zero2\"\n[data]\nmax_tokens = 256\n",
-        dir.path().display(),
-        cfg_path.display()
+    let job = common::job_definition(
+        "random",
+        &format!(
+            "config = \"{}\"\n[parallel]\nsharding = \"zero2\"\n[data]\nmax_tokens = 256\n",
+            cfg_path.display()
+        ),
     );
     let builds = Arc::new(Mutex::new(Vec::new()));
     let conn = connector(builds.clone());
@@ -110,7 +111,7 @@ fn two_runners_train_checkpoint_and_rejoin_a_new_generation() {
                 generation,
                 rank: rank as u32,
                 world_size: 2,
-                spec_toml: spec.clone(),
+                job: Some(job.clone()),
                 step,
                 ..Default::default()
             })));
@@ -143,6 +144,7 @@ fn two_runners_train_checkpoint_and_rejoin_a_new_generation() {
             },
             cursor_after: None,
             kind: wire::PlanKind::Train as i32,
+            max_tokens: 256,
         })));
     }
     let mut sums = Vec::new();
@@ -157,7 +159,7 @@ fn two_runners_train_checkpoint_and_rejoin_a_new_generation() {
     assert_eq!(sums.iter().map(|s| s.loss_tokens).sum::<u64>(), total);
 
     // One rank, all documents in one microbatch: the same loss and norm.
-    let cfg = accrue_worker::config::JobConfig::from_toml(&spec).unwrap();
+    let cfg = accrue_worker::convert::job_config(&job).unwrap();
     let mut single = Trainer::single(&cfg, None).unwrap();
     let s = single
         .microbatch(0, &PackedBatch::from_documents(&docs), total)
@@ -253,7 +255,7 @@ fn two_runners_train_checkpoint_and_rejoin_a_new_generation() {
             rank: rank as u32,
             world_size: 3,
             peers: peers.clone(),
-            spec_toml: spec.clone(),
+            job: Some(job.clone()),
             step: 1,
             ..Default::default()
         })));

@@ -122,7 +122,7 @@ impl Worker {
                         }
                         Cmd::Step(p) => {
                             let e = exec.as_mut().expect("joined");
-                            match run_step(e.as_mut(), &p, 4096, 0.0, &|| false) {
+                            match run_step(e.as_mut(), &p, 0.0, &|| false) {
                                 StepOutcome::Done(_) => {}
                                 other => anyhow::bail!("step {}: {other:?}", p.step),
                             }
@@ -157,7 +157,7 @@ fn run(cfg: &JobConfig, gens: &[Generation], dir: &Path, sync: bool) -> PathBuf 
     let docs = steps();
     let n = gens.iter().flat_map(|g| g.members.iter()).max().unwrap() + 1;
     let workers: Vec<Worker> = (0..n).map(|_| Worker::spawn(cfg.clone())).collect();
-    let sharded = cfg.parallel.sharding != "ddp";
+    let sharded = cfg.sharding != accrue_worker::config::Sharding::Ddp;
     let mut first = true;
     for g in gens {
         let world = g.members.len();

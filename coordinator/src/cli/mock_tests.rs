@@ -236,7 +236,7 @@ fn step(n: u64) -> WatchJobResponse {
 fn event(state: JobState) -> WatchJobResponse {
     WatchJobResponse {
         item: Some(Item::Event(JobEvent {
-            kind: "state".into(),
+            kind: EventKind::State as i32,
             state: state as i32,
             ..Default::default()
         })),

@@ -24,7 +24,10 @@ use super::client::{connect, rpc_error};
 use super::local::{wait_for_workers, worker_binary};
 use super::RecoveryArgs;
 use crate::server::{Server, ServerConfig};
-use crate::wire::{watch_job_response::Item, CancelJobRequest, SubmitJobRequest, WatchJobRequest};
+use crate::wire::{
+    watch_job_response::Item, AbortReason, CancelJobRequest, EventKind, JobState, SubmitJobRequest,
+    WatchJobRequest,
+};
 
 /// Detection target for a dead worker (issue 6).
 const DETECT_TARGET_S: f64 = 2.0;
@@ -185,7 +188,7 @@ async fn measure(sharding: &str, workers: u32, fault: &str) -> anyhow::Result<Re
         while (step_times.len() as u64) < WARM_STEPS {
             match next(&mut watch).await? {
                 Item::Step(s) => step_times.push(s.step_time_s),
-                Item::Event(e) if e.kind == "state" => {
+                Item::Event(e) if e.kind() == EventKind::State => {
                     anyhow::bail!("job ended before the fault: {}", e.message)
                 }
                 Item::Event(_) => {}
@@ -208,10 +211,14 @@ async fn measure(sharding: &str, workers: u32, fault: &str) -> anyhow::Result<Re
         let mut detect_s = None;
         let next_step_s = loop {
             match next(&mut watch).await? {
-                Item::Event(e) if e.kind == "generation" && e.message.contains("ended") => {
+                // A generation that ends says why.
+                Item::Event(e)
+                    if e.kind() == EventKind::Generation
+                        && e.abort_reason() != AbortReason::Unspecified =>
+                {
                     detect_s.get_or_insert(t0.elapsed().as_secs_f64());
                 }
-                Item::Event(e) if e.kind == "state" && e.message.contains("failed") => {
+                Item::Event(e) if e.kind() == EventKind::State && e.state() == JobState::Failed => {
                     anyhow::bail!("the job failed after the fault: {}", e.message)
                 }
                 Item::Step(_) if detect_s.is_some() => break t0.elapsed().as_secs_f64(),

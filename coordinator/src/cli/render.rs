@@ -12,8 +12,8 @@ use std::fmt::Write as _;
 use serde_json::{json, Value};
 
 use crate::wire::{
-    watch_job_response::Item, DataCursor, GetJobResponse, JobEvent, JobState, JobSummary,
-    StepMetrics, WatchJobResponse, WorkerInfo, WorkerState,
+    watch_job_response::Item, AbortReason, DataCursor, EventKind, GetJobResponse, JobEvent,
+    JobState, JobSummary, StepMetrics, WatchJobResponse, WorkerInfo, WorkerState,
 };
 
 /// Lowercase name of a wire job state, e.g. `"running"`; `"unknown(9)"` for
@@ -22,6 +22,22 @@ pub fn job_state_name(state: i32) -> String {
     match JobState::try_from(state) {
         Ok(s) => enum_word(s.as_str_name(), "JOB_STATE_"),
         Err(_) => format!("unknown({state})"),
+    }
+}
+
+/// Lowercase name of a wire event kind, e.g. `"generation"`.
+pub fn event_kind_name(kind: i32) -> String {
+    match EventKind::try_from(kind) {
+        Ok(k) => enum_word(k.as_str_name(), "EVENT_KIND_"),
+        Err(_) => format!("unknown({kind})"),
+    }
+}
+
+/// Lowercase name of a wire abort reason, e.g. `"worker_lost"`.
+pub fn abort_reason_name(reason: i32) -> String {
+    match AbortReason::try_from(reason) {
+        Ok(r) => enum_word(r.as_str_name(), "ABORT_REASON_"),
+        Err(_) => format!("unknown({reason})"),
     }
 }
 
@@ -228,12 +244,19 @@ pub fn step_json(s: &StepMetrics) -> Value {
 
 /// One job event as JSON.
 pub fn event_json(e: &JobEvent) -> Value {
-    json!({
+    let mut v = json!({
         "unix_ms": e.unix_ms,
-        "kind": e.kind,
+        "kind": event_kind_name(e.kind),
         "message": e.message,
         "state": job_state_name(e.state),
-    })
+    });
+    if e.abort_reason != AbortReason::Unspecified as i32 {
+        v["reason"] = json!(abort_reason_name(e.abort_reason));
+    }
+    if let Some(step) = e.aborted_step {
+        v["aborted_step"] = json!(step);
+    }
+    v
 }
 
 /// One `watch` stream item as a JSON object, `{"step": …}` or
@@ -290,10 +313,11 @@ pub fn event_line(e: &JobEvent) -> String {
     } else {
         format!(" {}", job_state_name(e.state))
     };
+    let kind = event_kind_name(e.kind);
     if e.message.is_empty() {
-        format!("[{}]{state}", e.kind)
+        format!("[{kind}]{state}")
     } else {
-        format!("[{}]{state}: {}", e.kind, e.message)
+        format!("[{kind}]{state}: {}", e.message)
     }
 }
 
@@ -618,9 +642,10 @@ mod tests {
         let e = WatchJobResponse {
             item: Some(Item::Event(JobEvent {
                 unix_ms: 5,
-                kind: "state".into(),
+                kind: EventKind::State as i32,
                 message: "all steps done".into(),
                 state: JobState::Completed as i32,
+                ..Default::default()
             })),
         };
         let v = watch_item_json(&e).unwrap();
@@ -633,16 +658,17 @@ mod tests {
     fn event_and_step_lines() {
         let e = JobEvent {
             unix_ms: 0,
-            kind: "generation".into(),
+            kind: EventKind::Generation as i32,
             message: "generation 3 formed with 2 workers".into(),
             state: JobState::Unspecified as i32,
+            ..Default::default()
         };
         assert_eq!(
             event_line(&e),
             "[generation]: generation 3 formed with 2 workers"
         );
         let e = JobEvent {
-            kind: "state".into(),
+            kind: EventKind::State as i32,
             message: String::new(),
             state: JobState::Failed as i32,
             ..e

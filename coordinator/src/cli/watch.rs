@@ -177,14 +177,13 @@ pub async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::wire::{JobEvent, StepMetrics};
+    use crate::wire::{EventKind, JobEvent, StepMetrics};
 
     fn event(state: JobState) -> Item {
         Item::Event(JobEvent {
-            unix_ms: 0,
-            kind: "state".into(),
-            message: String::new(),
+            kind: EventKind::State as i32,
             state: state as i32,
+            ..Default::default()
         })
     }
 
@@ -217,7 +216,7 @@ mod tests {
             Item::Step(StepMetrics::default()),
             event(JobState::Paused),
             Item::Event(JobEvent {
-                kind: "checkpoint".into(),
+                kind: EventKind::Checkpoint as i32,
                 ..Default::default()
             }),
             event(JobState::Running),

@@ -31,4 +31,15 @@ pub enum CoreError {
     },
 }
 
+impl CoreError {
+    /// Refusal of `action` on a job in `state`.
+    pub fn bad_state(job: &str, state: super::types::JobState, action: &'static str) -> Self {
+        CoreError::BadJobState {
+            job: job.to_string(),
+            state: state.name().to_string(),
+            action,
+        }
+    }
+}
+
 pub type Result<T> = std::result::Result<T, CoreError>;

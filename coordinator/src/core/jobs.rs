@@ -1,100 +1,25 @@
-//! Jobs as the coordinator tracks them: the persisted record and the live
-//! state (generation, in-flight step) that is rebuilt after a restart.
+//! A job as the coordinator tracks it: its persisted record, its data, and
+//! where it is in its life ([`Phase`]: waiting for a generation, running
+//! one, or ended), rebuilt after a restart.
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::Arc;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
 
-use serde::{Deserialize, Serialize};
+use tracing::info;
 
+use super::effects::{Effect, ToWorker, WatchItem};
 use super::metrics::MetricSums;
-use super::recovery::{CheckpointEntry, CommittedStep, Decision};
-use super::reference::{ReferenceCache, SeqLogp};
-use super::rollouts::RolloutPlan;
-use super::step::Annotations;
-use super::step::{PlanKind, PlannedStep};
-use super::WorkerId;
-use crate::cursor::Cursor;
+use super::record::JobRecord;
+use super::recovery::Decision;
+use super::reference::{self, ReferenceCache, ReferenceLogps, SeqLogp};
+use super::rollouts::{self, RolloutPlan};
+use super::step::{order_of, Annotations, PlannedStep};
+use super::stream::RolloutStream;
+use super::types::{AbortReason, CommittedStep, EventKind, JobState, PlanKind, WorkerId};
 use crate::doc::{DocId, Document};
+use crate::settings::Settings;
 use crate::spec::JobSpec;
-
-pub type JobId = String;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum JobState {
-    Pending,
-    Running,
-    Paused,
-    Completed,
-    Failed,
-    Cancelled,
-}
-
-impl JobState {
-    pub fn is_terminal(self) -> bool {
-        matches!(
-            self,
-            JobState::Completed | JobState::Failed | JobState::Cancelled
-        )
-    }
-}
-
-/// Everything about a job that survives a coordinator restart. Persisted
-/// before any reply or worker message that depends on it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct JobRecord {
-    pub id: JobId,
-    pub name: String,
-    /// The validated spec with paths resolved.
-    pub spec_toml: String,
-    pub state: JobState,
-    /// Why the job is pending, paused or failed.
-    pub reason: String,
-    /// Last committed step (0 before the first).
-    pub step: u64,
-    pub cursor: Cursor,
-    /// Last generation formed (monotonic per job).
-    pub generation: u64,
-    pub submitted_unix_ms: i64,
-    pub last_loss: Option<f64>,
-    /// Documents in the dataset.
-    pub documents: u64,
-    /// Total steps when known, else 0.
-    pub total_steps: u64,
-    /// Last step whose checkpoint every rank reported written.
-    pub last_checkpoint: Option<u64>,
-    /// The checkpoint directory the job resumed from (restored until the
-    /// job writes a checkpoint of its own).
-    #[serde(default)]
-    pub resumed_from: Option<std::path::PathBuf>,
-    /// Operator changes of the step settings (`accrue set`), in order.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub changes: Vec<crate::manifest::ConfigChange>,
-    /// Good checkpoints, ascending by step (the newest `checkpoint.keep`;
-    /// a resumed job's starting checkpoint is the first). Recovery restores
-    /// from these.
-    #[serde(default)]
-    pub checkpoints: Vec<CheckpointEntry>,
-    /// Checkpoints that failed to restore, never used again.
-    #[serde(default)]
-    pub bad_checkpoints: Vec<u64>,
-    /// Committed steps after this one are kept for replay (their manifests
-    /// are in the store): the job's start, or its oldest retained
-    /// checkpoint once older ones were dropped.
-    #[serde(default)]
-    pub history_from: u64,
-    /// Members of the last generation formed (after a restart they are
-    /// waited for briefly: they may hold the state in memory).
-    #[serde(default)]
-    pub members: Vec<WorkerId>,
-}
-
-impl JobRecord {
-    /// Whether recovery may fall back to the model's own init: the job
-    /// started at step 0 and every step since can be replayed.
-    pub fn init_allowed(&self) -> bool {
-        self.history_from == 0 && self.resumed_from.is_none()
-    }
-}
 
 /// A fixed membership of a job: ranks 0..W-1.
 #[derive(Debug, Clone, PartialEq)]
@@ -109,6 +34,9 @@ pub struct Generation {
     pub step: u64,
     /// Where its state came from, and the steps it replays.
     pub decision: Decision,
+    /// Formed under "restore from disk" (a state sync had failed): until it
+    /// is ready, the next generation must restore from disk too.
+    pub disk_only: bool,
 }
 
 impl Generation {
@@ -138,93 +66,99 @@ pub struct InFlight {
     pub logps: Vec<SeqLogp>,
 }
 
-/// A job with its live state.
+/// What a formed generation is doing.
 #[derive(Debug, Clone)]
-pub struct Job {
-    pub rec: JobRecord,
-    pub spec: JobSpec,
+pub enum Work {
+    /// Configuring, or between steps: the next plan goes out once every
+    /// member is ready (and the job is running).
+    Idle,
+    InFlight(InFlight),
+    /// A zero2/fsdp drain at a step boundary: the current step's
+    /// checkpoint is being written (the leaver's shards must reach disk)
+    /// before the generation re-forms; nothing is dispatched meanwhile.
+    AwaitingCheckpoint,
+}
+
+/// A generation and its work.
+#[derive(Debug, Clone)]
+pub struct Active {
+    pub gen: Generation,
+    pub work: Work,
+}
+
+/// Where a job is in its life.
+#[derive(Debug, Clone)]
+pub enum Phase {
+    /// No generation: waiting for workers.
+    Waiting {
+        /// After a coordinator restart, form no generation before this time
+        /// unless every member of the last one is back.
+        rejoin_until_ms: Option<i64>,
+        /// The next generation must restore from disk (a state sync or a
+        /// memory-only restore failed).
+        disk_only: bool,
+    },
+    Active(Active),
+    /// Completed, failed or cancelled.
+    Ended,
+}
+
+/// Operator requests that take effect at the next step boundary. They
+/// outlive a generation that ends before the boundary.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BoundaryRequests {
+    pub pause: bool,
+    pub checkpoint: bool,
+}
+
+/// A job's documents and everything derived from them.
+#[derive(Debug, Clone)]
+pub struct JobData {
     /// The tokenized dataset (shared, read-only).
     pub docs: Arc<[Document]>,
-    pub gen: Option<Generation>,
-    pub inflight: Option<InFlight>,
-    /// Pause at the next step boundary.
-    pub pause_requested: bool,
-    /// Checkpoint at the next step boundary.
-    pub checkpoint_requested: bool,
-    /// Checkpoints being written (asynchronously; training goes on): per
-    /// step, the workers asked to write it and whether each reported it
-    /// durable. It counts once all have.
-    pub pending_checkpoints: BTreeMap<u64, BTreeMap<WorkerId, bool>>,
-    /// Published policies (`rl.publish_every`) by step: members yet to answer.
-    pub publish_acks: BTreeMap<u64, std::collections::BTreeSet<WorkerId>>,
     /// A cached reference (DPO, or PG with a KL penalty): the log-probs so far.
     pub reference: Option<ReferenceCache>,
     /// Policy gradient: groups and advantages.
     pub rollouts: Option<RolloutPlan>,
-    /// A membership change waits for the checkpoint of the current step
-    /// (zero2/fsdp drains only: the leaver's shards must reach disk).
-    pub regroup_after_checkpoint: bool,
+    /// Streamed PG jobs (`data.source = "stream"`): the queue of groups.
+    pub stream: Option<RolloutStream>,
     /// Committed steps after `rec.history_from`, for replay.
     pub history: BTreeMap<u64, CommittedStep>,
-    /// The next generation must restore from disk (a state sync failed).
-    pub force_restore: bool,
-    /// The last plan dispatched: (generation, step, kind), so that a result
-    /// arriving after its generation ended still tells what the worker holds.
-    pub last_plan: Option<(u64, u64, PlanKind)>,
     /// Documents by id (built on the first replay).
-    pub doc_index: Option<Arc<HashMap<DocId, usize>>>,
-    /// After a restart: form no generation before this time unless every
-    /// member of the last one is back.
-    pub rejoin_deadline_ms: Option<i64>,
-    /// Streamed PG jobs (`data.source = "stream"`): the queue of groups.
-    pub stream: Option<super::stream::RolloutStream>,
-    /// The last training step dispatched and how many times it was
-    /// (1 + aborts before commit); live only.
-    pub attempts: (u64, u32),
+    doc_index: OnceLock<HashMap<DocId, usize>>,
 }
 
-impl Job {
-    pub fn new(rec: JobRecord, spec: JobSpec, docs: Arc<[Document]>) -> Self {
-        Self {
-            rec,
-            spec,
-            docs,
-            gen: None,
-            inflight: None,
-            pause_requested: false,
-            checkpoint_requested: false,
-            pending_checkpoints: BTreeMap::new(),
-            reference: None,
-            rollouts: None,
-            regroup_after_checkpoint: false,
+impl JobData {
+    /// A job's data at submit or restore: the cached reference so far,
+    /// its rollout groups (admitted against committed step `step`) and its
+    /// stream queue, as its spec asks.
+    pub fn new(
+        job: &str,
+        spec: &JobSpec,
+        docs: Arc<[Document]>,
+        reference: Option<ReferenceLogps>,
+        step: u64,
+    ) -> JobData {
+        let rollouts = spec.objective.pg().map(|pg| {
+            let plan = rollouts::prepare(&docs, &pg, spec.rl.max_staleness, step);
+            info!(
+                job,
+                groups = plan.units.len(),
+                zero_variance_groups = plan.zero_variance_groups,
+                rejected_stale = plan.rejected_stale,
+                "rollouts grouped"
+            );
+            plan
+        });
+        JobData {
+            reference: reference::needs_cache(spec)
+                .then(|| ReferenceCache::new(reference.unwrap_or_default())),
+            rollouts,
+            stream: RolloutStream::for_spec(spec),
             history: BTreeMap::new(),
-            force_restore: false,
-            last_plan: None,
-            doc_index: None,
-            rejoin_deadline_ms: None,
-            publish_acks: BTreeMap::new(),
-            stream: None,
-            attempts: (0, 0),
+            doc_index: OnceLock::new(),
+            docs,
         }
-    }
-
-    /// True while the generation re-runs committed steps after a restore.
-    pub fn replaying(&self) -> bool {
-        self.gen.as_ref().is_some_and(|g| g.step < self.rec.step)
-    }
-
-    /// Where the checkpoint of `step` is written.
-    pub fn checkpoint_dir(&self, step: u64) -> std::path::PathBuf {
-        self.spec
-            .job
-            .output_dir
-            .join("checkpoints")
-            .join(format!("step-{step}"))
-    }
-
-    /// Drops replay history at or below `rec.history_from`.
-    pub fn prune_history(&mut self) {
-        self.history = self.history.split_off(&(self.rec.history_from + 1));
     }
 
     /// What this job's plans carry besides the documents.
@@ -235,11 +169,131 @@ impl Job {
         }
     }
 
-    /// Units of the job's stream: documents, or groups for PG.
+    /// Units of the job's file stream: documents, or groups for PG.
     pub fn stream_len(&self) -> usize {
         self.rollouts
             .as_ref()
             .map_or(self.docs.len(), |r| r.units.len())
+    }
+
+    /// Documents by id.
+    pub fn doc_index(&self) -> &HashMap<DocId, usize> {
+        self.doc_index.get_or_init(|| {
+            self.docs
+                .iter()
+                .enumerate()
+                .map(|(i, d)| (d.id, i))
+                .collect()
+        })
+    }
+}
+
+/// A job with its live state.
+#[derive(Debug, Clone)]
+pub struct Job {
+    pub rec: JobRecord,
+    pub spec: Arc<JobSpec>,
+    pub data: JobData,
+    pub phase: Phase,
+    pub requests: BoundaryRequests,
+    /// Checkpoints being written (asynchronously; training goes on): per
+    /// step, the workers asked to write it and whether each reported it
+    /// durable. It counts once all have.
+    pub pending_checkpoints: BTreeMap<u64, BTreeMap<WorkerId, bool>>,
+    /// Published policies (`rl.publish_every`) by step: members yet to answer.
+    pub publish_acks: BTreeMap<u64, BTreeSet<WorkerId>>,
+    /// The last plan dispatched: (generation, step, kind), so that a result
+    /// arriving after its generation ended still tells what the worker holds.
+    pub last_plan: Option<(u64, u64, PlanKind)>,
+    /// The last training step dispatched and how many times it was
+    /// (1 + aborts before commit); live only.
+    pub attempts: (u64, u32),
+}
+
+impl Job {
+    pub fn new(rec: JobRecord, spec: Arc<JobSpec>, data: JobData) -> Self {
+        let phase = if rec.state.is_terminal() {
+            Phase::Ended
+        } else {
+            Phase::Waiting {
+                rejoin_until_ms: None,
+                disk_only: false,
+            }
+        };
+        Self {
+            rec,
+            spec,
+            data,
+            phase,
+            requests: BoundaryRequests::default(),
+            pending_checkpoints: BTreeMap::new(),
+            publish_acks: BTreeMap::new(),
+            last_plan: None,
+            attempts: (0, 0),
+        }
+    }
+
+    /// The settings of the job's steps (spec plus live changes).
+    pub fn settings(&self) -> Settings<'_> {
+        Settings::new(&self.spec, &self.rec.changes)
+    }
+
+    /// The current generation and its work, if one is formed.
+    pub fn active(&self) -> Option<&Active> {
+        match &self.phase {
+            Phase::Active(a) => Some(a),
+            _ => None,
+        }
+    }
+
+    pub fn active_mut(&mut self) -> Option<&mut Active> {
+        match &mut self.phase {
+            Phase::Active(a) => Some(a),
+            _ => None,
+        }
+    }
+
+    /// The current generation, if one is formed.
+    pub fn gen(&self) -> Option<&Generation> {
+        self.active().map(|a| &a.gen)
+    }
+
+    /// The step in flight, if any.
+    pub fn inflight(&self) -> Option<&InFlight> {
+        match self.active().map(|a| &a.work) {
+            Some(Work::InFlight(f)) => Some(f),
+            _ => None,
+        }
+    }
+
+    /// Whether the next generation must restore from disk (a state sync
+    /// failed, and no generation has become ready since).
+    pub fn restore_required(&self) -> bool {
+        match &self.phase {
+            Phase::Waiting { disk_only, .. } => *disk_only,
+            Phase::Active(a) => a.gen.disk_only && !a.gen.all_ready(),
+            Phase::Ended => false,
+        }
+    }
+
+    /// True while the generation re-runs committed steps after a restore.
+    pub fn replaying(&self) -> bool {
+        self.gen().is_some_and(|g| g.step < self.rec.step)
+    }
+
+    /// Where the checkpoint of `step` is written.
+    pub fn checkpoint_dir(&self, step: u64) -> PathBuf {
+        self.spec
+            .job
+            .output_dir
+            .join("checkpoints")
+            .join(format!("step-{step}"))
+    }
+
+    /// Drops replay history at or below `rec.history_from`.
+    pub fn prune_history(&mut self) {
+        let h = &mut self.data.history;
+        *h = h.split_off(&(self.rec.history_from + 1));
     }
 
     /// True when the job has trained all it was asked to.
@@ -247,10 +301,102 @@ impl Job {
         match self.spec.job.steps {
             Some(steps) => self.rec.step >= steps,
             // A stream without job.steps runs until cancelled.
-            None if self.stream.is_some() => false,
-            None => {
-                super::step::order_of(&self.spec, self.stream_len()).exhausted(&self.rec.cursor)
-            }
+            None if self.data.stream.is_some() => false,
+            None => order_of(&self.spec, self.data.stream_len()).exhausted(&self.rec.cursor),
         }
+    }
+
+    /// The first step a change made now applies to.
+    pub fn next_new_step(&self) -> u64 {
+        self.rec.step.max(self.attempts.0) + 1
+    }
+
+    /// Counts a dispatch of a training step (a re-dispatch after an abort
+    /// is another attempt of the same step).
+    pub fn note_dispatch(&mut self, p: &PlannedStep) {
+        if p.kind != PlanKind::Train {
+            return;
+        }
+        self.attempts = match self.attempts {
+            (s, n) if s == p.step => (s, n + 1),
+            _ => (p.step, 1),
+        };
+    }
+
+    /// Times step `step` was dispatched so far (at least 1).
+    pub fn attempts_of(&self, step: u64) -> u32 {
+        if self.attempts.0 == step {
+            self.attempts.1
+        } else {
+            1
+        }
+    }
+
+    /// Pauses the job at its current step boundary.
+    pub fn pause_now(&mut self, now_ms: i64, fx: &mut Vec<Effect>) {
+        self.rec.state = JobState::Paused;
+        self.rec.reason = "paused by operator".into();
+        fx.push(Effect::PersistJob(self.rec.clone()));
+        let msg = format!("paused at step {}", self.rec.step);
+        fx.push(self.event(EventKind::State, msg, now_ms));
+    }
+
+    /// A watch event about this job, in its current state.
+    pub fn event(&self, kind: EventKind, message: String, now_ms: i64) -> Effect {
+        self.event_ending(kind, message, None, None, now_ms)
+    }
+
+    /// A watch event that ends something (a generation, the job): why, and
+    /// which step in flight it abandoned.
+    pub fn event_ending(
+        &self,
+        kind: EventKind,
+        message: String,
+        reason: Option<AbortReason>,
+        aborted_step: Option<u64>,
+        now_ms: i64,
+    ) -> Effect {
+        Effect::Publish {
+            job: self.rec.id.clone(),
+            item: WatchItem::Event {
+                kind,
+                message,
+                state: self.rec.state,
+                unix_ms: now_ms,
+                reason,
+                aborted_step,
+            },
+        }
+    }
+
+    /// Asks every member to write the committed step's checkpoint (once
+    /// per step). Mid-replay the members do not hold the committed step
+    /// yet: the checkpoint is taken at the next commit instead.
+    pub fn request_checkpoint(&mut self, fx: &mut Vec<Effect>) {
+        let Some(gen) = self.gen() else { return };
+        if gen.step < self.rec.step {
+            self.requests.checkpoint = true;
+            return;
+        }
+        let step = self.rec.step;
+        if self.pending_checkpoints.contains_key(&step)
+            || self.rec.checkpoints.iter().any(|c| c.step == step)
+        {
+            return;
+        }
+        let dir = self.checkpoint_dir(step);
+        for m in &gen.members {
+            fx.push(Effect::Send {
+                worker: m.clone(),
+                msg: ToWorker::Checkpoint {
+                    job: self.rec.id.clone(),
+                    step,
+                    dir: dir.clone(),
+                    cursor: self.rec.cursor.clone(),
+                },
+            });
+        }
+        let acks = gen.members.iter().map(|m| (m.clone(), false)).collect();
+        self.pending_checkpoints.insert(step, acks);
     }
 }

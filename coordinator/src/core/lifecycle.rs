@@ -1,27 +1,33 @@
-//! The life of a job's steps: forming generations, dispatching planned
-//! steps, collecting results, committing (cursor moves only here), and
-//! finishing. See DESIGN.md "The life of a step".
+//! The life of a job's steps: dispatching planned steps, collecting
+//! results, committing (the cursor moves only here), and finishing. See
+//! DESIGN.md "The life of a step".
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use tracing::{info, warn};
 
-use super::generations::replay_next;
-use super::jobs::{Generation, InFlight, JobState};
-use super::machine::{enter_paused, publish_event, request_checkpoint, Coordinator};
-use super::metrics::{self, StepFacts};
-use super::recovery::CommittedStep;
+use super::effects::{Effect, ToWorker, WatchItem};
+use super::error::{CoreError, Result};
+use super::jobs::{InFlight, Phase, Work};
+use super::machine::Coordinator;
+use super::metrics::{self, MetricSums, StepFacts};
+use super::planner::{self, Source};
 use super::reference::{self, SeqLogp};
-use super::step::{self, PlanKind, PlannedStep};
+use super::step::PlannedStep;
+use super::stream::Admission;
+use super::types::{
+    AbortReason, CommittedStep, End, EventKind, JobState, PlanKind, Why, WorkerErrorKind,
+};
 use super::workers::{Worker, WorkerState};
-use super::{Effect, ToWorker, WatchItem, WorkerErrorKind};
+use crate::doc::Rollout;
+use crate::manifest::{MicrobatchEntry, SeqEntry, StepManifest};
 
 impl Coordinator {
     /// Σ peak FLOP/s of the job's current generation; 0 when any member's
     /// peak is unknown (a partial sum would overstate MFU).
     fn generation_peak_flops(&self, job_id: &str) -> f64 {
-        let Some(gen) = self.jobs.get(job_id).and_then(|j| j.gen.as_ref()) else {
+        let Some(gen) = self.jobs.get(job_id).and_then(|j| j.gen()) else {
             return 0.0;
         };
         let peaks: Vec<u64> = gen
@@ -42,15 +48,16 @@ impl Coordinator {
         job_id: &str,
         generation: u64,
         step: u64,
-        sums: super::MetricSums,
+        sums: MetricSums,
         logps: Vec<SeqLogp>,
         now_ms: i64,
         fx: &mut Vec<Effect>,
     ) {
-        let Some(job) = self.jobs.get_mut(job_id) else {
+        let Some(active) = self.jobs.get_mut(job_id).and_then(|j| j.active_mut()) else {
             return;
         };
-        let (Some(gen), Some(flight)) = (job.gen.as_ref(), job.inflight.as_mut()) else {
+        let gen = &active.gen;
+        let Work::InFlight(flight) = &mut active.work else {
             return;
         };
         if gen.id != generation || flight.planned.step != step {
@@ -68,25 +75,33 @@ impl Coordinator {
         };
         flight.results.insert(rank, sums);
         flight.logps.extend(logps);
-        if flight.results.len() == gen.members.len() {
-            if flight.planned.kind == PlanKind::Reference {
-                self.commit_reference(job_id, now_ms, fx);
-            } else if flight.planned.replay {
-                self.replayed(job_id, now_ms, fx);
-            } else {
-                self.commit(job_id, now_ms, fx);
-            }
+        if flight.results.len() < gen.members.len() {
+            return;
+        }
+        let Work::InFlight(flight) = std::mem::replace(&mut active.work, Work::Idle) else {
+            unreachable!("matched above")
+        };
+        match (flight.planned.kind, flight.planned.replay) {
+            (PlanKind::Reference, _) => self.commit_reference(job_id, flight, now_ms, fx),
+            (PlanKind::Train, true) => self.replayed(job_id, step, now_ms, fx),
+            (PlanKind::Train, false) => self.commit(job_id, flight, now_ms, fx),
         }
     }
 
     /// Every rank reported its part of a reference chunk: the log-probs are
     /// stored (the store write precedes any plan that carries them).
-    pub(super) fn commit_reference(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
+    fn commit_reference(
+        &mut self,
+        job_id: &str,
+        flight: InFlight,
+        now_ms: i64,
+        fx: &mut Vec<Effect>,
+    ) {
         let job = self.jobs.get_mut(job_id).expect("committing a known job");
-        let flight = job.inflight.take().expect("committing an in-flight chunk");
         let kind = reference::pass_kind(&job.spec).unwrap_or(reference::PassKind::Pairs);
         let planned: std::collections::BTreeSet<_> = flight.planned.docs.iter().collect();
-        let lens: std::collections::BTreeMap<_, _> = job
+        let lens: BTreeMap<_, _> = job
+            .data
             .docs
             .iter()
             .filter(|d| planned.contains(&d.id))
@@ -101,56 +116,53 @@ impl Coordinator {
         ) {
             Ok(e) => e,
             Err(e) => {
-                let reason = format!("chunk {}: {e}", flight.planned.step);
-                self.finish(job_id, JobState::Failed, &reason, now_ms, fx);
+                let why = Why::new(
+                    AbortReason::JobFailed,
+                    format!("chunk {}: {e}", flight.planned.step),
+                );
+                self.finish(job_id, End::Failed(why), now_ms, fx);
                 return;
             }
         };
-        let cache = job.reference.get_or_insert_with(Default::default);
+        let cache = job.data.reference.get_or_insert_with(Default::default);
         cache.chunks += 1;
         cache.logps.extend(entries.iter().cloned());
-        let (done, total) = (cache.logps.len(), job.docs.len());
+        let (done, total) = (cache.logps.len(), job.data.docs.len());
         info!(job = job_id, done, total, "reference chunk committed");
         fx.push(Effect::StoreReference {
             job: job_id.to_string(),
             entries,
         });
-        publish_event(
-            fx,
-            job,
-            "reference",
-            format!(
-                "reference log-probs of {done}/{total} {} cached",
-                match kind {
-                    reference::PassKind::Pairs => "pairs",
-                    reference::PassKind::Tokens => "rollouts",
-                }
-            ),
-            now_ms,
-        );
+        let what = match kind {
+            reference::PassKind::Pairs => "pairs",
+            reference::PassKind::Tokens => "rollouts",
+        };
+        let msg = format!("reference log-probs of {done}/{total} {what} cached");
+        fx.push(job.event(EventKind::Reference, msg, now_ms));
         self.at_boundary(job_id, now_ms, fx);
     }
 
     /// Every rank reported: the step commits, the cursor moves.
-    pub(super) fn commit(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
+    fn commit(&mut self, job_id: &str, flight: InFlight, now_ms: i64, fx: &mut Vec<Effect>) {
         let peak_flops = self.generation_peak_flops(job_id);
         let job = self.jobs.get_mut(job_id).expect("committing a known job");
-        let flight = job.inflight.take().expect("committing an in-flight step");
-        let gen = job.gen.clone().expect("committing within a generation");
-        let planned = &flight.planned;
+        let active = job.active_mut().expect("committing within a generation");
+        let planned = flight.planned.clone();
+        active.gen.step = planned.step;
+        let (world_size, generation) = (active.gen.world_size(), active.gen.id);
         let ranks: Vec<_> = flight.results.into_values().collect();
         let facts = StepFacts {
             step: planned.step,
             lr: planned.lr,
-            world_size: gen.world_size(),
-            generation: gen.id,
+            world_size,
+            generation,
             microbatches: planned.microbatches(),
             step_time_s: (now_ms - flight.started_ms).max(0) as f64 / 1000.0,
             unix_ms: now_ms,
             peak_flops,
         };
         let mut m = metrics::aggregate(facts, planned.cursor_after.clone(), &ranks);
-        if let (Some(s), Some(r)) = (&planned.staleness, &job.rollouts) {
+        if let (Some(s), Some(r)) = (&planned.staleness, &job.data.rollouts) {
             m.extra.insert("staleness/mean".into(), s.mean());
             m.extra.insert("staleness/max".into(), s.max as f64);
             let zv = r.zero_variance_groups as f64;
@@ -161,10 +173,7 @@ impl Coordinator {
         job.rec.step = planned.step;
         job.rec.cursor = planned.cursor_after.clone();
         job.rec.last_loss = Some(m.loss);
-        if let Some(g) = job.gen.as_mut() {
-            g.step = planned.step;
-        }
-        job.history.insert(
+        job.data.history.insert(
             planned.step,
             CommittedStep {
                 step: planned.step,
@@ -180,11 +189,12 @@ impl Coordinator {
             tokens = m.tokens,
             "step committed"
         );
+        let manifest = manifest_of(&planned, generation, job.attempts_of(planned.step));
         fx.push(Effect::CommitStep {
             rec: Box::new(job.rec.clone()),
             metrics: Box::new(m.clone()),
             docs: planned.docs.clone(),
-            manifest: Box::new(job.manifest_of(planned, gen.id)),
+            manifest: Box::new(manifest),
         });
         fx.push(Effect::AppendMetrics {
             path: job.spec.job.output_dir.join("metrics.jsonl"),
@@ -194,20 +204,26 @@ impl Coordinator {
             job: job_id.to_string(),
             item: WatchItem::Step(m),
         });
-        super::stream::on_commit(job, fx);
+        let (id, to) = (job.rec.id.clone(), job.rec.cursor.position);
+        if let (Some(s), Some(plan)) = (job.data.stream.as_mut(), job.data.rollouts.as_mut()) {
+            fx.push(Effect::PersistRollouts(Box::new(
+                s.on_commit(plan, &id, to),
+            )));
+        }
 
         super::publish::request_if_due(job, fx);
         let every = job.spec.checkpoint.every_steps;
         let finished = job.finished();
         let due = (every > 0 && job.rec.step.is_multiple_of(every))
-            || job.checkpoint_requested
+            || job.requests.checkpoint
             || finished;
         if due {
-            job.checkpoint_requested = false;
-            request_checkpoint(job, fx);
+            job.requests.checkpoint = false;
+            job.request_checkpoint(fx);
         }
         if finished {
-            self.finish(job_id, JobState::Completed, "all steps trained", now_ms, fx);
+            let end = End::Completed("all steps trained".into());
+            self.finish(job_id, end, now_ms, fx);
             return;
         }
         self.at_boundary(job_id, now_ms, fx);
@@ -217,8 +233,8 @@ impl Coordinator {
     /// leave and joiners come in (both form a new generation).
     pub(super) fn at_boundary(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
         let gen = self.jobs[job_id]
-            .gen
-            .clone()
+            .gen()
+            .cloned()
             .expect("a boundary within a generation");
         let leaving = gen
             .members
@@ -228,9 +244,9 @@ impl Coordinator {
         let joining =
             self.workers.values().any(Worker::available) && gen.world_size() < max_workers;
         let job = self.jobs.get_mut(job_id).expect("known job");
-        if job.pause_requested {
-            job.pause_requested = false;
-            enter_paused(job, now_ms, fx);
+        if job.requests.pause {
+            job.requests.pause = false;
+            job.pause_now(now_ms, fx);
         }
         if leaving || joining {
             self.regroup(job_id, now_ms, fx);
@@ -252,7 +268,7 @@ impl Coordinator {
         let Some(job) = self.jobs.get(job_id) else {
             return;
         };
-        let Some(gen) = job.gen.as_ref().filter(|g| g.id == generation) else {
+        let Some(gen) = job.gen().filter(|g| g.id == generation) else {
             warn!(
                 worker,
                 job = job_id,
@@ -272,64 +288,75 @@ impl Coordinator {
                 }
             }
             WorkerErrorKind::CollectiveTimeout { peer_rank: None } => {
-                let reason = format!("collective timeout at step {step} on {worker}: {message}");
-                self.dissolve_generation(job_id, &reason, now_ms, fx);
+                let why = Why::new(
+                    AbortReason::CollectiveTimeout,
+                    format!("collective timeout at step {step} on {worker}: {message}"),
+                );
+                self.end_generation(job_id, why, false, now_ms, fx);
             }
             WorkerErrorKind::RestoreFailed => {
                 self.on_restore_failed(worker, job_id, &message, now_ms, fx)
             }
             WorkerErrorKind::StateSync => {
-                let reason = format!(
-                    "state sync failed on {worker}: {message}; restoring from a checkpoint"
+                let why = Why::new(
+                    AbortReason::StateSyncFailed,
+                    format!(
+                        "state sync failed on {worker}: {message}; restoring from a checkpoint"
+                    ),
                 );
                 warn!(worker, job = job_id, generation, %message, "state sync failed");
-                self.jobs.get_mut(job_id).expect("known job").force_restore = true;
                 if let Some(w) = self.workers.get_mut(worker) {
                     w.held = None;
                 }
-                self.dissolve_generation(job_id, &reason, now_ms, fx);
+                self.end_generation(job_id, why, true, now_ms, fx);
             }
             WorkerErrorKind::NonFinite
             | WorkerErrorKind::InvalidPlan
-            | WorkerErrorKind::Internal => {
-                let reason = format!("step {step} failed on worker {worker}: {message}");
-                self.finish(job_id, JobState::Failed, &reason, now_ms, fx);
+            | WorkerErrorKind::Internal
+            | WorkerErrorKind::OutOfMemory
+            | WorkerErrorKind::Data => {
+                let why = Why::new(
+                    AbortReason::WorkerError,
+                    format!(
+                        "step {step} failed on worker {worker} ({}): {message}",
+                        kind.name()
+                    ),
+                );
+                self.finish(job_id, End::Failed(why), now_ms, fx);
             }
         }
     }
 
-    pub(super) fn finish(
-        &mut self,
-        job_id: &str,
-        state: JobState,
-        reason: &str,
-        now_ms: i64,
-        fx: &mut Vec<Effect>,
-    ) {
+    /// Ends a job: the step in flight is aborted, the members released.
+    pub(super) fn finish(&mut self, job_id: &str, end: End, now_ms: i64, fx: &mut Vec<Effect>) {
         let Some(job) = self.jobs.get_mut(job_id) else {
             return;
         };
-        if let (Some(gen), Some(flight)) = (&job.gen, &job.inflight) {
-            for m in &gen.members {
-                fx.push(Effect::Send {
-                    worker: m.clone(),
-                    msg: ToWorker::Abort {
-                        job: job_id.to_string(),
-                        generation: gen.id,
-                        step: flight.planned.step,
-                        reason: reason.to_string(),
-                    },
-                });
+        let why = end.why();
+        let reason = why.detail.clone();
+        let mut aborted_step = None;
+        if let Phase::Active(active) = std::mem::replace(&mut job.phase, Phase::Ended) {
+            let gen = active.gen;
+            if let Work::InFlight(flight) = &active.work {
+                aborted_step = Some(flight.planned.step);
+                for m in &gen.members {
+                    fx.push(Effect::Send {
+                        worker: m.clone(),
+                        msg: ToWorker::Abort {
+                            job: job_id.to_string(),
+                            generation: gen.id,
+                            step: flight.planned.step,
+                            why: why.clone(),
+                        },
+                    });
+                }
             }
-        }
-        job.inflight = None;
-        if let Some(gen) = job.gen.take() {
             for m in gen.members {
                 fx.push(Effect::Send {
                     worker: m.clone(),
                     msg: ToWorker::Release {
                         job: job_id.to_string(),
-                        reason: reason.to_string(),
+                        reason: reason.clone(),
                     },
                 });
                 if let Some(w) = self.workers.get_mut(&m) {
@@ -345,11 +372,12 @@ impl Coordinator {
                 }
             }
         }
-        job.rec.state = state;
-        job.rec.reason = reason.to_string();
-        info!(job = job_id, state = ?state, reason, "job finished");
+        job.rec.state = end.state();
+        job.rec.reason = reason.clone();
+        info!(job = job_id, state = ?job.rec.state, reason, "job finished");
         fx.push(Effect::PersistJob(job.rec.clone()));
-        publish_event(fx, job, "state", reason.to_string(), now_ms);
+        let ended = (!matches!(end, End::Completed(_))).then_some(why.reason);
+        fx.push(job.event_ending(EventKind::State, reason, ended, aborted_step, now_ms));
     }
 
     /// Forms generations for waiting jobs (FIFO) and dispatches the next step
@@ -357,70 +385,56 @@ impl Coordinator {
     pub(super) fn schedule(&mut self, now_ms: i64, fx: &mut Vec<Effect>) {
         for id in self.job_order.clone() {
             let job = &self.jobs[&id];
-            if job.rec.state == JobState::Pending && job.gen.is_none() {
+            if job.rec.state == JobState::Pending && matches!(job.phase, Phase::Waiting { .. }) {
                 self.form_generation(&id, now_ms, fx);
             }
             let job = &self.jobs[&id];
-            let ready = job.gen.as_ref().is_some_and(Generation::all_ready);
-            if job.rec.state == JobState::Running
-                && ready
-                && job.inflight.is_none()
-                && !job.regroup_after_checkpoint
-            {
+            let idle_and_ready = job
+                .active()
+                .is_some_and(|a| a.gen.all_ready() && matches!(a.work, Work::Idle));
+            if job.rec.state == JobState::Running && idle_and_ready {
                 self.dispatch(&id, now_ms, fx);
             }
         }
     }
 
-    pub(super) fn dispatch(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
+    fn dispatch(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
         let job = self.jobs.get_mut(job_id).expect("known job");
-        if job.replaying() {
-            match replay_next(job) {
-                Ok(p) => self.send_plan(job_id, Arc::new(p), now_ms, fx),
-                Err(e) => self.finish(job_id, JobState::Failed, &e.to_string(), now_ms, fx),
-            }
+        if !job.replaying() && job.finished() {
+            let end = End::Completed("all steps trained".into());
+            self.finish(job_id, end, now_ms, fx);
             return;
         }
-        if job.finished() {
-            self.finish(job_id, JobState::Completed, "all steps trained", now_ms, fx);
-            return;
-        }
-        // A streamed job waits until its queue holds a whole step.
-        if let Some(s) = &job.stream {
-            job.rec.reason = s.waiting_reason().unwrap_or_default();
-            if !job.rec.reason.is_empty() {
-                return;
-            }
-        }
-        let gen = job.gen.as_ref().expect("dispatch within a generation");
+        let world = job
+            .gen()
+            .expect("dispatch within a generation")
+            .world_size();
         let next = job.rec.step + 1;
-        // A DPO job with a cached reference first completes its pass.
-        let pending_reference = job
-            .reference
-            .as_ref()
-            .filter(|c| !c.complete(&job.docs))
-            .map(|c| reference::plan_chunk(&job.spec, &job.docs, c, gen.world_size()));
-        let planned = match pending_reference.unwrap_or_else(|| {
-            if job.stream.is_some() {
-                return super::stream::plan_step(job, gen.world_size());
+        let planned = match planner::next_source(job) {
+            Ok(Source::Stream) => {
+                // A streamed job waits until its queue holds a whole step.
+                let s = job.data.stream.as_ref().expect("a streamed job");
+                let docs = job.settings().at(next).docs_per_step.unwrap_or(1);
+                if let Some(reason) = s.waiting_reason(s.step_rollouts(docs)) {
+                    job.rec.reason = reason;
+                    return;
+                }
+                job.rec.reason.clear();
+                planner::plan(job, Source::Stream, world)
             }
-            step::plan_step(
-                &crate::manifest::spec_at(&job.spec, &job.rec.changes, next),
-                &job.docs,
-                &job.rec.cursor,
-                next,
-                gen.world_size(),
-                job.annotations(),
-            )
-        }) {
-            Ok(Some(p)) => Arc::new(job.with_schedule_lr(p)),
+            Ok(source) => planner::plan(job, source, world),
+            Err(e) => Err(e),
+        };
+        let planned = match planned {
+            Ok(Some(p)) => Arc::new(p),
             Ok(None) => {
-                self.finish(job_id, JobState::Completed, "data exhausted", now_ms, fx);
+                let end = End::Completed("data exhausted".into());
+                self.finish(job_id, end, now_ms, fx);
                 return;
             }
             Err(e) => {
-                let reason = format!("planning step {next} failed: {e}");
-                self.finish(job_id, JobState::Failed, &reason, now_ms, fx);
+                let why = Why::new(AbortReason::JobFailed, e.to_string());
+                self.finish(job_id, End::Failed(why), now_ms, fx);
                 return;
             }
         };
@@ -435,7 +449,8 @@ impl Coordinator {
         fx: &mut Vec<Effect>,
     ) {
         let job = self.jobs.get_mut(job_id).expect("known job");
-        let gen = job.gen.as_ref().expect("dispatch within a generation");
+        let active = job.active_mut().expect("dispatch within a generation");
+        let gen = &active.gen;
         for (rank, m) in gen.members.iter().enumerate() {
             fx.push(Effect::Send {
                 worker: m.clone(),
@@ -447,13 +462,77 @@ impl Coordinator {
                 },
             });
         }
-        job.last_plan = Some((gen.id, planned.step, planned.kind));
-        job.note_dispatch(&planned);
-        job.inflight = Some(InFlight {
-            planned,
+        let last_plan = (gen.id, planned.step, planned.kind);
+        active.work = Work::InFlight(InFlight {
+            planned: planned.clone(),
             started_ms: now_ms,
             results: BTreeMap::new(),
             logps: Vec::new(),
         });
+        job.last_plan = Some(last_plan);
+        job.note_dispatch(&planned);
+    }
+
+    /// Admits rollouts pushed to a streamed job (see `super::stream`).
+    pub(super) fn push_rollouts(&mut self, job_id: &str, batch: Vec<Rollout>) -> Result<Effect> {
+        let job = self.job_mut(job_id)?;
+        if job.rec.state.is_terminal() {
+            return Err(CoreError::bad_state(
+                job_id,
+                job.rec.state,
+                "pushing rollouts",
+            ));
+        }
+        let next = job.rec.step + 1;
+        let docs = job.settings().at(next).docs_per_step.unwrap_or(1);
+        let (step, max_staleness) = (job.rec.step, job.spec.rl.max_staleness);
+        let pg = job.spec.objective.pg();
+        let (Some(s), Some(plan), Some(pg)) =
+            (job.data.stream.as_mut(), job.data.rollouts.as_mut(), pg)
+        else {
+            return Err(CoreError::NotStreamed(job_id.to_string()));
+        };
+        let at = Admission {
+            job: job_id,
+            pg: &pg,
+            step,
+            max_staleness,
+            need: s.step_rollouts(docs),
+        };
+        Ok(Effect::PersistRollouts(Box::new(s.push(plan, at, batch)?)))
+    }
+}
+
+/// The manifest of `planned`, committing in `generation` after `attempts`
+/// dispatches: the settings it ran with and its exact layout.
+fn manifest_of(planned: &PlannedStep, generation: u64, attempts: u32) -> StepManifest {
+    let ranks: Vec<Vec<MicrobatchEntry>> = planned
+        .ranks
+        .iter()
+        .map(|mbs| {
+            mbs.iter()
+                .map(|mb| MicrobatchEntry {
+                    tokens: mb.token_ids.len() as u32,
+                    seqs: mb
+                        .seqs
+                        .iter()
+                        .zip(mb.cu_seq_lens.windows(2))
+                        .map(|(s, w)| SeqEntry(s.doc, s.role, w[1] - w[0]))
+                        .collect(),
+                })
+                .collect()
+        })
+        .collect();
+    StepManifest {
+        step: planned.step,
+        generation,
+        world_size: planned.ranks.len() as u32,
+        lr: planned.lr,
+        settings: planned.settings,
+        epoch: planned.cursor_after.epoch,
+        tokens: ranks.iter().flatten().map(|m| u64::from(m.tokens)).sum(),
+        attempts,
+        replayed: false,
+        ranks,
     }
 }

@@ -1,19 +1,21 @@
 //! The coordinator state machine. Each handler mutates state and returns the
 //! effects to carry out; `schedule` then forms generations for waiting jobs
-//! and dispatches steps to ready generations.
+//! and dispatches steps to ready generations. The handlers live beside this
+//! file by concern (`lifecycle`, `generations`, `control`, `publish`).
 
 use std::collections::BTreeMap;
 
 use tracing::{info, warn};
 
-use super::generations::migrate_checkpoint_index;
-pub(super) use super::generations::request_checkpoint;
-use super::jobs::{Job, JobId, JobRecord, JobState};
-use super::recovery::CheckpointEntry;
-use super::reference::{self, ReferenceCache};
-use super::step;
-use super::workers::{Registration, Worker, WorkerId, WorkerState};
-use super::{CoreError, Effect, Event, Result, ToWorker, WatchItem};
+use super::effects::{Effect, Event, JobStart, ToWorker};
+use super::error::{CoreError, Result};
+use super::jobs::{Job, JobData, Phase, Work};
+use super::planner;
+use super::record::JobRecord;
+use super::types::{CheckpointEntry, EventKind, JobId, JobState, PlanKind, Why, WorkerId};
+use super::workers::{Registration, Worker, WorkerState};
+use crate::doc::Document;
+use crate::spec::JobSpec;
 
 /// Tunables of the state machine.
 #[derive(Debug, Clone)]
@@ -61,6 +63,12 @@ impl Coordinator {
     pub fn job(&self, id: &str) -> Result<&Job> {
         self.jobs
             .get(id)
+            .ok_or_else(|| CoreError::JobNotFound(id.to_string()))
+    }
+
+    pub(super) fn job_mut(&mut self, id: &str) -> Result<&mut Job> {
+        self.jobs
+            .get_mut(id)
             .ok_or_else(|| CoreError::JobNotFound(id.to_string()))
     }
 
@@ -145,50 +153,21 @@ impl Coordinator {
                 if self.jobs.contains_key(&id) {
                     return Err(CoreError::DuplicateJob(id));
                 }
-                let rec = JobRecord {
-                    id: id.clone(),
-                    name: spec.job.name.clone(),
-                    spec_toml,
-                    state: JobState::Pending,
-                    reason: "waiting for workers".into(),
-                    step: start.as_ref().map_or(0, |s| s.step),
-                    cursor: start.as_ref().map(|s| s.cursor.clone()).unwrap_or_default(),
-                    generation: 0,
-                    submitted_unix_ms: now_ms,
-                    last_loss: None,
-                    documents: docs.len() as u64,
-                    total_steps: 0,
-                    last_checkpoint: None,
-                    history_from: start.as_ref().map_or(0, |s| s.step),
-                    checkpoints: start
-                        .as_ref()
-                        .map(|s| CheckpointEntry {
-                            step: s.step,
-                            dir: s.dir.clone(),
-                        })
-                        .into_iter()
-                        .collect(),
-                    bad_checkpoints: Vec::new(),
-                    members: Vec::new(),
-                    resumed_from: start.map(|s| s.dir),
-                    changes: Vec::new(),
-                };
+                let rec = new_record(&id, &spec, spec_toml, &docs, start, now_ms);
                 info!(job = %id, name = %rec.name, docs = docs.len(), "job submitted");
-                self.job_order.push(id.clone());
-                let mut job = Job::new(rec, *spec, docs);
-                job.reference = reference::needs_cache(&job.spec).then(ReferenceCache::default);
-                job.rollouts = prepare_rollouts(&job);
-                job.stream = super::stream::RolloutStream::for_spec(&job.spec);
+                let data = JobData::new(&id, &spec, docs, None, rec.step);
+                let mut job = Job::new(rec, spec, data);
                 job.rec.total_steps =
-                    step::total_steps(&job.spec, &job.docs, job.rollouts.as_ref());
+                    planner::total_steps(&job.spec, &job.data.docs, job.data.rollouts.as_ref());
                 fx.push(Effect::PersistJob(job.rec.clone()));
+                self.job_order.push(id.clone());
                 self.jobs.insert(id, job);
             }
             Event::RestoreJob {
                 rec,
                 spec,
                 docs,
-                reference: logps,
+                reference,
                 history,
             } => {
                 let mut rec = *rec;
@@ -197,19 +176,21 @@ impl Coordinator {
                     rec.state = JobState::Pending;
                     rec.reason = "coordinator restarted; waiting for workers".into();
                 }
+                migrate_checkpoint_index(&mut rec, &spec);
                 let id = rec.id.clone();
-                self.job_order.push(id.clone());
-                let mut job = Job::new(rec, *spec, docs);
-                migrate_checkpoint_index(&mut job);
-                if !job.rec.members.is_empty() && !job.rec.state.is_terminal() {
-                    job.rejoin_deadline_ms = Some(now_ms + self.opts.rejoin_grace_ms);
+                let data = JobData::new(&id, &spec, docs, Some(reference), rec.step);
+                let mut job = Job::new(rec, spec, data);
+                if let Phase::Waiting {
+                    rejoin_until_ms, ..
+                } = &mut job.phase
+                {
+                    if !job.rec.members.is_empty() {
+                        *rejoin_until_ms = Some(now_ms + self.opts.rejoin_grace_ms);
+                    }
                 }
-                job.history = history.into_iter().map(|h| (h.step, h)).collect();
+                job.data.history = history.into_iter().map(|h| (h.step, h)).collect();
                 job.prune_history();
-                job.reference =
-                    reference::needs_cache(&job.spec).then(|| ReferenceCache::new(logps));
-                job.rollouts = prepare_rollouts(&job);
-                job.stream = super::stream::RolloutStream::for_spec(&job.spec);
+                self.job_order.push(id.clone());
                 self.jobs.insert(id, job);
             }
             Event::CancelJob { job } => self.cancel(&job, now_ms, &mut fx)?,
@@ -220,15 +201,18 @@ impl Coordinator {
             Event::UpdateJob { job, update } => self.update_job(&job, update, now_ms, &mut fx)?,
             Event::Tick => self.tick(now_ms, &mut fx),
             Event::PushRollouts { job, rollouts } => {
-                let j = self
-                    .jobs
-                    .get_mut(&job)
-                    .ok_or_else(|| CoreError::JobNotFound(job.clone()))?;
-                fx.push(super::stream::push(j, rollouts)?);
+                fx.push(self.push_rollouts(&job, rollouts)?);
             }
             Event::RestoreRollouts { job, stored } => {
                 if let Some(j) = self.jobs.get_mut(&job) {
-                    super::stream::restore(j, stored);
+                    let id = j.rec.id.clone();
+                    let cursor = j.rec.cursor.position;
+                    let pg = j.spec.objective.pg();
+                    if let (Some(s), Some(plan), Some(pg)) =
+                        (j.data.stream.as_mut(), j.data.rollouts.as_mut(), pg)
+                    {
+                        s.restore(plan, &pg, &id, cursor, stored);
+                    }
                 }
             }
         }
@@ -239,9 +223,8 @@ impl Coordinator {
     /// The step at whose boundary a triggered checkpoint lands.
     pub fn checkpoint_step(&self, job: &str) -> Result<u64> {
         let j = self.job(job)?;
-        Ok(j.inflight
-            .as_ref()
-            .filter(|f| f.planned.kind == step::PlanKind::Train)
+        Ok(j.inflight()
+            .filter(|f| f.planned.kind == PlanKind::Train)
             .map_or(j.rec.step, |f| f.planned.step))
     }
 
@@ -319,27 +302,52 @@ impl Coordinator {
                 .retain(|_, acks| acks.get(worker).is_none_or(|&done| done));
         }
         if let Some(job) = job {
-            self.dissolve_generation(&job, &format!("worker {worker} lost: {why}"), now_ms, fx);
+            let why = Why::new(
+                super::types::AbortReason::WorkerLost,
+                format!("worker {worker} lost: {why}"),
+            );
+            self.end_generation(&job, why, false, now_ms, fx);
         }
     }
 
-    /// Ends a job's generation: aborts its in-flight step (the cursor has not
-    /// moved, so the same documents are re-planned) and frees its members.
-    pub(super) fn dissolve_generation(
+    /// Ends a job's generation: aborts its in-flight step (the cursor has
+    /// not moved, so the same documents are re-planned) and frees its
+    /// members. With `disk_only` the next generation must restore from disk.
+    pub(super) fn end_generation(
         &mut self,
         job_id: &str,
-        reason: &str,
+        why: Why,
+        disk_only: bool,
         now_ms: i64,
         fx: &mut Vec<Effect>,
     ) {
         let Some(job) = self.jobs.get_mut(job_id) else {
             return;
         };
-        let Some(gen) = job.gen.take() else { return };
-        let aborted = job.inflight.take().map(|f| f.planned.step);
+        let Phase::Active(active) = std::mem::replace(
+            &mut job.phase,
+            Phase::Waiting {
+                rejoin_until_ms: None,
+                disk_only,
+            },
+        ) else {
+            return;
+        };
+        let gen = active.gen;
+        // A disk-only generation that never became ready passes the
+        // restriction on.
+        if gen.disk_only && !gen.all_ready() {
+            job.phase = Phase::Waiting {
+                rejoin_until_ms: None,
+                disk_only: true,
+            };
+        }
+        let aborted = match active.work {
+            Work::InFlight(f) => Some(f.planned.step),
+            Work::Idle | Work::AwaitingCheckpoint => None,
+        };
         // Checkpoints its members are still writing go on (they count once
         // every writer reports); one missing a lost writer was dropped.
-        job.regroup_after_checkpoint = false;
         for m in &gen.members {
             if let Some(w) = self.workers.get_mut(m) {
                 if w.state == WorkerState::Lost {
@@ -352,7 +360,7 @@ impl Coordinator {
                             job: job_id.to_string(),
                             generation: gen.id,
                             step,
-                            reason: reason.to_string(),
+                            why: why.clone(),
                         },
                     });
                 }
@@ -367,63 +375,76 @@ impl Coordinator {
         }
         if !job.rec.state.is_terminal() && job.rec.state != JobState::Paused {
             job.rec.state = JobState::Pending;
-            job.rec.reason = reason.to_string();
+            job.rec.reason = why.detail.clone();
         }
         fx.push(Effect::PersistJob(job.rec.clone()));
         let message = match aborted {
-            Some(step) => format!("generation {} ended, step {step} aborted: {reason}", gen.id),
-            None => format!("generation {} ended: {reason}", gen.id),
+            Some(step) => format!("generation {} ended, step {step} aborted: {why}", gen.id),
+            None => format!("generation {} ended: {why}", gen.id),
         };
-        publish_event(fx, job, "generation", message, now_ms);
-    }
-}
-
-/// Pauses a job at its current step boundary.
-pub(super) fn enter_paused(job: &mut Job, now_ms: i64, fx: &mut Vec<Effect>) {
-    job.rec.state = JobState::Paused;
-    job.rec.reason = "paused by operator".into();
-    fx.push(Effect::PersistJob(job.rec.clone()));
-    let msg = format!("paused at step {}", job.rec.step);
-    publish_event(fx, job, "state", msg, now_ms);
-}
-
-pub(super) fn publish_event(
-    fx: &mut Vec<Effect>,
-    job: &Job,
-    kind: &str,
-    message: String,
-    now_ms: i64,
-) {
-    fx.push(Effect::Publish {
-        job: job.rec.id.clone(),
-        item: WatchItem::Event {
-            kind: kind.to_string(),
+        let event = job.event_ending(
+            EventKind::Generation,
             message,
-            state: job.rec.state,
-            unix_ms: now_ms,
-        },
-    });
-}
-
-pub(super) fn bad_state(job: &str, state: JobState, action: &'static str) -> CoreError {
-    CoreError::BadJobState {
-        job: job.to_string(),
-        state: format!("{state:?}").to_lowercase(),
-        action,
+            Some(why.reason),
+            aborted,
+            now_ms,
+        );
+        fx.push(event);
     }
 }
 
-/// A PG job's groups and advantages. Rollouts from files are admitted
-/// against the step the job starts from.
-fn prepare_rollouts(job: &Job) -> Option<super::rollouts::RolloutPlan> {
-    let pg = job.spec.objective.pg()?;
-    let plan = super::rollouts::prepare(&job.docs, &pg, job.spec.rl.max_staleness, job.rec.step);
-    info!(
-        job = %job.rec.id,
-        groups = plan.units.len(),
-        zero_variance_groups = plan.zero_variance_groups,
-        rejected_stale = plan.rejected_stale,
-        "rollouts grouped"
-    );
-    Some(plan)
+/// The record of a job submitted now (from `start` when it resumes a
+/// checkpoint of ours).
+fn new_record(
+    id: &str,
+    spec: &JobSpec,
+    spec_toml: String,
+    docs: &[Document],
+    start: Option<JobStart>,
+    now_ms: i64,
+) -> JobRecord {
+    JobRecord {
+        id: id.to_string(),
+        name: spec.job.name.clone(),
+        spec_toml,
+        state: JobState::Pending,
+        reason: "waiting for workers".into(),
+        step: start.as_ref().map_or(0, |s| s.step),
+        cursor: start.as_ref().map(|s| s.cursor.clone()).unwrap_or_default(),
+        generation: 0,
+        submitted_unix_ms: now_ms,
+        last_loss: None,
+        documents: docs.len() as u64,
+        total_steps: 0,
+        last_checkpoint: None,
+        history_from: start.as_ref().map_or(0, |s| s.step),
+        checkpoints: start
+            .as_ref()
+            .map(|s| CheckpointEntry {
+                step: s.step,
+                dir: s.dir.clone(),
+            })
+            .into_iter()
+            .collect(),
+        bad_checkpoints: Vec::new(),
+        members: Vec::new(),
+        resumed_from: start.map(|s| s.dir),
+        changes: Vec::new(),
+    }
+}
+
+/// Records written before the checkpoint index existed: their last
+/// checkpoint becomes the index.
+fn migrate_checkpoint_index(rec: &mut JobRecord, spec: &JobSpec) {
+    if !rec.checkpoints.is_empty() {
+        return;
+    }
+    if let Some(step) = rec.last_checkpoint {
+        let dir = spec
+            .job
+            .output_dir
+            .join("checkpoints")
+            .join(format!("step-{step}"));
+        rec.checkpoints.push(CheckpointEntry { step, dir });
+    }
 }

@@ -3,262 +3,53 @@
 //! feeds events in and carries the effects out, persisting before it sends
 //! (raft-rs `ready()/advance()` is the model). Multi-worker scenarios are
 //! tested as loops over `handle`.
+//!
+//! Layers point down; no file imports one above it:
+//! - `types` (ids, states, reasons), `error`, `metrics`, `record` (the
+//!   persisted job), `workers`, `recovery` (where state comes from),
+//!   `reference`, `rollouts`, `stream`, `step` (a planned step);
+//! - `effects` (what goes in and comes out), `jobs` (a job and its
+//!   [`Phase`]), `planner` (the one planner), `membership` (who forms a
+//!   generation);
+//! - `machine` (the [`Coordinator`] and `handle`), then its handlers by
+//!   concern: `lifecycle`, `generations`, `control`, `publish`.
+//!
+//! This file only declares and re-exports.
 
 mod control;
+mod effects;
 mod error;
 mod generations;
 mod jobs;
 mod lifecycle;
 mod machine;
+pub mod membership;
 pub mod metrics;
+pub mod planner;
 mod publish;
+mod record;
 pub mod recovery;
 pub mod reference;
 pub mod rollouts;
 pub mod step;
 pub mod stream;
+mod types;
 mod workers;
 
 #[cfg(test)]
 mod tests;
 
-use std::path::PathBuf;
-use std::sync::Arc;
-
+pub use effects::{Effect, Event, JobStart, ToWorker, WatchItem};
 pub use error::{CoreError, Result};
-pub use jobs::{Generation, Job, JobId, JobRecord, JobState};
+pub use jobs::{Active, BoundaryRequests, Generation, InFlight, Job, JobData, Phase, Work};
 pub use machine::{Coordinator, CoordinatorOptions};
 pub use metrics::{MetricSums, StepMetrics};
-pub use recovery::{CheckpointEntry, CommittedStep, HeldState};
+pub use record::JobRecord;
 pub use reference::{RefEntry, ReferenceLogps, SeqLogp};
-pub use step::{PlanKind, PlannedStep};
+pub use step::PlannedStep;
 pub use stream::{AdmitCounts, RolloutStream, RolloutWrite, StoredStream, StreamMeta};
-pub use workers::{Registration, Worker, WorkerId, WorkerState};
-
-use crate::cursor::Cursor;
-use crate::doc::{DocId, Document, Rollout};
-use crate::spec::JobSpec;
-
-/// Kinds of worker-reported failure (mirror of `accrue.v1.ErrorKind`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum WorkerErrorKind {
-    NonFinite,
-    CollectiveTimeout {
-        peer_rank: Option<u32>,
-    },
-    InvalidPlan,
-    Internal,
-    /// The configured checkpoint could not be restored (missing or corrupt).
-    RestoreFailed,
-    /// State sync from live peers failed.
-    StateSync,
-}
-
-/// Everything that can happen to the coordinator.
-#[derive(Debug, Clone)]
-pub enum Event {
-    RegisterWorker {
-        id: WorkerId,
-        reg: Registration,
-    },
-    SessionOpened {
-        worker: WorkerId,
-    },
-    SessionClosed {
-        worker: WorkerId,
-    },
-    Heartbeat {
-        worker: WorkerId,
-    },
-    Ready {
-        worker: WorkerId,
-        job: JobId,
-        generation: u64,
-        step: u64,
-    },
-    StepResult {
-        worker: WorkerId,
-        job: JobId,
-        generation: u64,
-        step: u64,
-        sums: MetricSums,
-        /// Reference plans: per-sequence log-probs (empty otherwise).
-        logps: Vec<SeqLogp>,
-    },
-    WorkerError {
-        worker: WorkerId,
-        job: JobId,
-        generation: u64,
-        step: u64,
-        kind: WorkerErrorKind,
-        message: String,
-    },
-    CheckpointDone {
-        worker: WorkerId,
-        job: JobId,
-        step: u64,
-    },
-    /// A worker wrote its part of a published policy (`rl.publish_every`).
-    PolicyPublished {
-        worker: WorkerId,
-        job: JobId,
-        step: u64,
-    },
-    SubmitJob {
-        id: JobId,
-        spec: Box<JobSpec>,
-        spec_toml: String,
-        docs: Arc<[Document]>,
-        /// Resume from a checkpoint of ours instead of step 0.
-        start: Option<JobStart>,
-    },
-    /// A job read back from the store after a restart.
-    RestoreJob {
-        rec: Box<JobRecord>,
-        spec: Box<JobSpec>,
-        docs: Arc<[Document]>,
-        /// The job's cached reference log-probs from the store.
-        reference: ReferenceLogps,
-        /// Its committed steps after `rec.history_from`, from the store
-        /// (replayed after a restore).
-        history: Vec<CommittedStep>,
-    },
-    CancelJob {
-        job: JobId,
-    },
-    PauseJob {
-        job: JobId,
-    },
-    ResumeJob {
-        job: JobId,
-    },
-    DrainWorker {
-        worker: WorkerId,
-    },
-    TriggerCheckpoint {
-        job: JobId,
-    },
-    /// Change step settings of a live job from its next new step on.
-    UpdateJob {
-        job: JobId,
-        update: crate::manifest::JobUpdate,
-    },
-    /// Periodic: detects missed heartbeats.
-    Tick,
-    /// Rollouts pushed to a streamed job (one RPC message, admitted whole).
-    /// Answered by an `Effect::PersistRollouts` carrying the counts, or
-    /// refused unchanged (`QueueFull`: wait for a commit and retry).
-    PushRollouts {
-        job: JobId,
-        rollouts: Vec<Rollout>,
-    },
-    /// A streamed job's stored queue, after its `RestoreJob`.
-    RestoreRollouts {
-        job: JobId,
-        stored: StoredStream,
-    },
-}
-
-/// Where a job resumed from a checkpoint starts: its manifest's step and
-/// data cursor, and the directory workers restore from (model and
-/// optimizer state).
-#[derive(Debug, Clone, PartialEq)]
-pub struct JobStart {
-    pub step: u64,
-    pub cursor: Cursor,
-    pub dir: PathBuf,
-}
-
-/// A message for one worker (the adapter turns it into `CoordinatorMessage`).
-#[derive(Debug, Clone)]
-pub enum ToWorker {
-    Configure {
-        job: JobId,
-        generation: u64,
-        rank: u32,
-        /// (worker id, collective address) per rank.
-        peers: Vec<(WorkerId, String)>,
-        /// Per rank: the state that peer holds in memory when it holds the
-        /// configured step (no restore; the others sync from it).
-        priors: Vec<Option<HeldState>>,
-        spec_toml: String,
-        step: u64,
-        restore_from: Option<PathBuf>,
-    },
-    Plan {
-        job: JobId,
-        generation: u64,
-        rank: u32,
-        planned: Arc<PlannedStep>,
-    },
-    Abort {
-        job: JobId,
-        generation: u64,
-        step: u64,
-        reason: String,
-    },
-    Checkpoint {
-        job: JobId,
-        step: u64,
-        dir: PathBuf,
-        cursor: Cursor,
-    },
-    Release {
-        job: JobId,
-        reason: String,
-    },
-    /// Write the current policy as HF safetensors into `dir`.
-    PublishPolicy {
-        job: JobId,
-        step: u64,
-        dir: PathBuf,
-    },
-}
-
-/// One item of a job's watch stream.
-#[derive(Debug, Clone, PartialEq)]
-pub enum WatchItem {
-    Step(StepMetrics),
-    Event {
-        kind: String,
-        message: String,
-        state: JobState,
-        unix_ms: i64,
-    },
-}
-
-/// What the shell must do, in order. Persist effects come before the sends
-/// and publications that depend on them.
-#[derive(Debug, Clone)]
-pub enum Effect {
-    PersistJob(JobRecord),
-    /// The step's record, its metrics and its manifest, in one transaction.
-    CommitStep {
-        rec: Box<JobRecord>,
-        metrics: Box<StepMetrics>,
-        docs: Vec<DocId>,
-        manifest: Box<crate::manifest::StepManifest>,
-    },
-    /// Reference log-probs of a committed chunk (persisted before the
-    /// plans that carry them are sent).
-    StoreReference {
-        job: JobId,
-        entries: Vec<(DocId, RefEntry)>,
-    },
-    AppendMetrics {
-        path: PathBuf,
-        metrics: Box<StepMetrics>,
-    },
-    Send {
-        worker: WorkerId,
-        msg: ToWorker,
-    },
-    Publish {
-        job: JobId,
-        item: WatchItem,
-    },
-    /// A streamed job's rollouts: admitted, and deleted once trained (one
-    /// transaction). A push is acknowledged only after this ran; a write
-    /// that frees room wakes waiting pushers.
-    PersistRollouts(Box<RolloutWrite>),
-}
+pub use types::{
+    AbortReason, CheckpointEntry, CommittedStep, End, EventKind, HeldState, JobId, JobState,
+    PlanKind, Why, WorkerErrorKind, WorkerId,
+};
+pub use workers::{Registration, Worker, WorkerState};

@@ -6,14 +6,14 @@
 //! training: the next step is planned at once, and the workers write the
 //! policy before they take it (their work queue is ordered).
 
-use std::collections::BTreeSet;
 use std::path::PathBuf;
 
 use tracing::info;
 
+use super::effects::{Effect, ToWorker};
 use super::jobs::Job;
-use super::machine::{publish_event, Coordinator};
-use super::{Effect, ToWorker};
+use super::machine::Coordinator;
+use super::types::EventKind;
 
 /// `OUTPUT_DIR/policy/step-N`.
 pub fn policy_dir(job: &Job, step: u64) -> PathBuf {
@@ -30,11 +30,15 @@ pub(super) fn request_if_due(job: &mut Job, fx: &mut Vec<Effect>) {
         return;
     };
     let step = job.rec.step;
-    let Some(gen) = job.gen.as_ref().filter(|_| step.is_multiple_of(every)) else {
+    let Some(members) = job
+        .gen()
+        .filter(|_| step.is_multiple_of(every))
+        .map(|g| g.members.clone())
+    else {
         return;
     };
     let dir = policy_dir(job, step);
-    for m in &gen.members {
+    for m in &members {
         fx.push(Effect::Send {
             worker: m.clone(),
             msg: ToWorker::PublishPolicy {
@@ -44,8 +48,7 @@ pub(super) fn request_if_due(job: &mut Job, fx: &mut Vec<Effect>) {
             },
         });
     }
-    job.publish_acks
-        .insert(step, gen.members.iter().cloned().collect::<BTreeSet<_>>());
+    job.publish_acks.insert(step, members.into_iter().collect());
 }
 
 impl Coordinator {
@@ -72,12 +75,7 @@ impl Coordinator {
         job.publish_acks.remove(&step);
         let dir = policy_dir(job, step);
         info!(job = job_id, step, dir = %dir.display(), "policy published");
-        publish_event(
-            fx,
-            job,
-            "policy",
-            format!("policy of step {step} published to {}", dir.display()),
-            now_ms,
-        );
+        let msg = format!("policy of step {step} published to {}", dir.display());
+        fx.push(job.event(EventKind::Policy, msg, now_ms));
     }
 }

@@ -15,55 +15,21 @@
 //!   the job's replay history reaches back to its first step.
 //!
 //! Whatever the source's step `k`, the committed steps `k+1..=s` are then
-//! replayed ([`replay_plan`]): the same documents (from the step's stored
-//! manifest), the same learning rate, re-packed for the current world size.
+//! replayed (`super::planner`'s replay source): the same documents (from
+//! the step's stored manifest), the same learning rate, re-packed for the
+//! current world size.
 //! The normalisers come from the documents, so the update is the same
 //! whatever the world size; replayed steps never commit again.
 //!
 //! The higher of the memory step and the checkpoint step wins (less replay);
 //! on a tie memory wins (no disk).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::ops::RangeInclusive;
 use std::path::PathBuf;
 
-use serde::{Deserialize, Serialize};
-
-use super::jobs::JobId;
-use super::step::{pack_documents, Annotations, PlanKind, PlannedStep};
-use crate::cursor::Cursor;
-use crate::doc::{DocId, Document};
-use crate::plan::{PlanError, StepTarget};
-use crate::spec::{JobSpec, Sharding};
-
-/// Training state a worker holds in memory (mirror of `accrue.v1.HeldState`):
-/// the job, the step whose update it holds, and its shard layout.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct HeldState {
-    pub job: JobId,
-    pub step: u64,
-    pub world_size: u32,
-    pub rank: u32,
-    /// The generation whose layout this is.
-    pub generation: u64,
-}
-
-/// A checkpoint every rank of its generation reported written.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct CheckpointEntry {
-    pub step: u64,
-    pub dir: PathBuf,
-}
-
-/// What replaying a committed step needs: its manifest and learning rate.
-#[derive(Debug, Clone, PartialEq)]
-pub struct CommittedStep {
-    pub step: u64,
-    pub lr: f64,
-    /// The step's documents in selection order (its manifest).
-    pub docs: Vec<DocId>,
-    pub cursor_after: Cursor,
-}
+use super::types::{CheckpointEntry, HeldState};
+use crate::spec::Sharding;
 
 /// Where a generation's state comes from.
 #[derive(Debug, Clone, PartialEq)]
@@ -281,67 +247,6 @@ pub fn add_checkpoint(
     }
     index.drain(..index.len() - keep);
     index.first().map(|c| c.step)
-}
-
-/// A replayed step could not be planned.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum ReplayError {
-    #[error("replaying step {step}: its manifest names document {doc}, which the dataset no longer holds")]
-    UnknownDoc { step: u64, doc: DocId },
-    #[error("replaying step {step}: no manifest kept for it")]
-    NoHistory { step: u64 },
-    #[error("replaying step {step}: {source}")]
-    Plan { step: u64, source: PlanError },
-}
-
-/// Index of a job's documents by id, for replays.
-pub fn doc_index(docs: &[Document]) -> HashMap<DocId, usize> {
-    docs.iter().enumerate().map(|(i, d)| (d.id, i)).collect()
-}
-
-/// Re-plans committed step `entry.step` for `world_size` ranks with the
-/// same documents (in manifest order) and learning rate; the annotations
-/// (DPO `ref_logp`, PG `advantage`) come from the same per-document data.
-pub fn replay_plan(
-    spec: &JobSpec,
-    docs: &[Document],
-    index: &HashMap<DocId, usize>,
-    entry: &CommittedStep,
-    world_size: u32,
-    notes: Annotations<'_>,
-) -> Result<PlannedStep, ReplayError> {
-    let step = entry.step;
-    let chosen = entry
-        .docs
-        .iter()
-        .map(|id| {
-            index
-                .get(id)
-                .map(|&i| &docs[i])
-                .ok_or(ReplayError::UnknownDoc { step, doc: *id })
-        })
-        .collect::<Result<Vec<&Document>, _>>()?;
-    let max_tokens = spec.data.max_tokens;
-    let target = StepTarget::new(spec.step_size(), world_size, max_tokens);
-    let (ranks, normalizers) = pack_documents(
-        &chosen,
-        max_tokens,
-        world_size,
-        target.min_microbatches_per_rank(),
-        notes,
-    )
-    .map_err(|source| ReplayError::Plan { step, source })?;
-    Ok(PlannedStep {
-        kind: PlanKind::Train,
-        step,
-        lr: entry.lr,
-        cursor_after: entry.cursor_after.clone(),
-        normalizers,
-        ranks,
-        docs: entry.docs.clone(),
-        staleness: None,
-        replay: true,
-    })
 }
 
 #[cfg(test)]

@@ -18,10 +18,7 @@ use std::collections::BTreeMap;
 
 use crate::doc::{DocId, Document};
 use crate::objective::Reference;
-use crate::plan::PlanError;
-use crate::spec::{JobSpec, StepSize};
-
-use super::step::{pack_documents, Annotations, PlanKind, PlannedStep};
+use crate::spec::JobSpec;
 
 /// One sequence's reference log-prob as a rank reported it.
 #[derive(Debug, Clone, PartialEq)]
@@ -112,50 +109,6 @@ impl ReferenceCache {
             RefEntry::Pair(_) => None,
         }
     }
-}
-
-/// Documents per reference chunk: a training step's worth (at least 64).
-fn chunk_docs(spec: &JobSpec) -> usize {
-    match spec.step_size() {
-        StepSize::Docs(n) => n.max(64) as usize,
-        _ => 64,
-    }
-}
-
-/// Plans the next forward-only chunk over pairs missing from `cache`, in
-/// dataset order, or `None` when the cache is complete.
-pub fn plan_chunk(
-    spec: &JobSpec,
-    docs: &[Document],
-    cache: &ReferenceCache,
-    world_size: u32,
-) -> Result<Option<PlannedStep>, PlanError> {
-    let chosen: Vec<&Document> = docs
-        .iter()
-        .filter(|d| !cache.logps.contains_key(&d.id))
-        .take(chunk_docs(spec))
-        .collect();
-    if chosen.is_empty() {
-        return Ok(None);
-    }
-    let (ranks, normalizers) = pack_documents(
-        &chosen,
-        spec.data.max_tokens,
-        world_size,
-        1,
-        Annotations::default(),
-    )?;
-    Ok(Some(PlannedStep {
-        kind: PlanKind::Reference,
-        step: cache.chunks + 1,
-        lr: 0.0,
-        cursor_after: Default::default(),
-        normalizers,
-        ranks,
-        docs: chosen.iter().map(|d| d.id).collect(),
-        staleness: None,
-        replay: false,
-    }))
 }
 
 /// Why a chunk's reports cannot be committed.

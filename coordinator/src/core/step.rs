@@ -1,26 +1,18 @@
-//! Turns a job's documents and cursor into a planned step: which documents
-//! (via `plan::select`), how they are packed and spread over ranks (via
-//! `plan::solve`), and the per-rank payloads with inline tokens.
+//! A planned step: its documents packed into per-rank microbatch payloads
+//! with inline tokens (via `plan::solve`), its normalisers and the settings
+//! it was planned with. Which documents a step takes is the planner's
+//! business (`super::planner`).
 
 use crate::cursor::{Cursor, Order};
 use crate::doc::{DocBody, DocId, Document};
-use crate::plan::{self, Normalizers, PackItem, PackProblem, PlanError, StepTarget};
-use crate::spec::{JobSpec, StepSize};
+use crate::plan::{self, Normalizers, PackItem, PackProblem, PlanError};
+use crate::rl::StalenessStats;
+use crate::settings::StepSettings;
+use crate::spec::JobSpec;
 
 use super::reference::ReferenceCache;
-use super::rollouts::{self, RolloutPlan};
-use crate::rl::StalenessStats;
-
-/// What workers do with a plan (mirror of `accrue.v1.PlanKind`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum PlanKind {
-    /// Forward, backward, optimizer step; commits a training step.
-    #[default]
-    Train,
-    /// Forward only, per-sequence log-probs back (DPO reference pass);
-    /// `step` numbers the chunk and the cursor does not move.
-    Reference,
-}
+use super::rollouts::RolloutPlan;
+use super::types::PlanKind;
 
 /// One sequence inside a microbatch payload.
 #[derive(Debug, Clone, PartialEq)]
@@ -28,7 +20,10 @@ pub struct SeqRef {
     pub doc: DocId,
     /// 0 for SFT/rollouts and DPO chosen, 1 for DPO rejected.
     pub role: u32,
-    pub scalars: Vec<(String, f64)>,
+    /// Policy gradient: the rollout's group-relative advantage.
+    pub advantage: Option<f64>,
+    /// DPO with a cached reference: the sequence's reference log-prob.
+    pub ref_logp: Option<f64>,
 }
 
 /// A microbatch ready for the wire: one flat token row.
@@ -52,6 +47,9 @@ pub struct PlannedStep {
     pub kind: PlanKind,
     pub step: u64,
     pub lr: f64,
+    /// The settings it was planned with (`max_tokens` goes to the workers,
+    /// all of them to the step's manifest).
+    pub settings: StepSettings,
     pub cursor_after: Cursor,
     pub normalizers: Normalizers,
     /// `ranks[r]` = rank r's microbatches; every rank has the same count.
@@ -68,10 +66,10 @@ pub struct PlannedStep {
 /// Per-job data the plans carry besides the documents themselves.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Annotations<'a> {
-    /// Cached reference log-probs: DPO's `ref_logp` scalar per sequence,
-    /// PG's per-token `ref_logprobs`.
+    /// Cached reference log-probs: DPO's `ref_logp` per sequence, PG's
+    /// per-token `ref_logprobs`.
     pub reference: Option<&'a ReferenceCache>,
-    /// PG: groups (the stream's unit) and advantages (`advantage` scalar).
+    /// PG: groups (the stream's unit) and advantages.
     pub rollouts: Option<&'a RolloutPlan>,
 }
 
@@ -89,112 +87,6 @@ pub fn order_of(spec: &JobSpec, len: usize) -> Order {
         len: len as u64,
         epochs: spec.job.epochs,
     }
-}
-
-/// Total steps of the job when it can be known up front (for LR schedules
-/// and progress), else 0. PG steps take whole groups, so for them this is
-/// an upper bound.
-pub fn total_steps(spec: &JobSpec, docs: &[Document], rollouts: Option<&RolloutPlan>) -> u64 {
-    if let Some(steps) = spec.job.steps {
-        return steps;
-    }
-    let epochs = spec.job.epochs.unwrap_or(1);
-    let count = rollouts.map_or(docs.len(), RolloutPlan::rollouts) as u64;
-    match spec.step_size() {
-        StepSize::Docs(n) => (epochs * count).div_ceil(n),
-        StepSize::Tokens(t) => {
-            let tokens: u64 = docs.iter().map(Document::tokens).sum();
-            (epochs * tokens).div_ceil(t).max(1)
-        }
-        // Depends on how documents pack; not known before planning.
-        StepSize::MicrobatchesPerRank(_) => 0,
-    }
-}
-
-/// Plans step `step` (1-based) from `cursor` for `world_size` ranks, or
-/// returns `None` when the stream has no documents left. `notes` adds the
-/// per-sequence scalars of DPO (`ref_logp`) and PG (`advantage`) jobs; a PG
-/// job's stream unit is a group of rollouts.
-pub fn plan_step(
-    spec: &JobSpec,
-    docs: &[Document],
-    cursor: &Cursor,
-    step: u64,
-    world_size: u32,
-    notes: Annotations<'_>,
-) -> Result<Option<PlannedStep>, PlanError> {
-    let stream_len = notes.rollouts.map_or(docs.len(), |r| r.units.len());
-    let order = order_of(spec, stream_len);
-    let max_tokens = spec.data.max_tokens;
-    // Phase 1: choose the step's documents (PG: groups) from the stream.
-    let target = StepTarget::new(spec.step_size(), world_size, max_tokens);
-    let selection = match notes.rollouts {
-        None => plan::select(
-            target,
-            order
-                .candidates(cursor)
-                .map(|c| docs[c.index as usize].tokens()),
-        ),
-        Some(r) => rollouts::select_groups(
-            target,
-            order.candidates(cursor).map(|c| {
-                let members = &r.units[c.index as usize];
-                let tokens = members.iter().map(|&i| docs[i as usize].tokens()).sum();
-                (tokens, members.len() as u64)
-            }),
-        ),
-    };
-    if selection.taken.is_empty() {
-        return Ok(None);
-    }
-    let offered: Vec<u64> = order
-        .candidates(cursor)
-        .take(selection.consumed)
-        .map(|c| c.index)
-        .collect();
-    let chosen: Vec<&Document> = match notes.rollouts {
-        None => selection
-            .taken
-            .iter()
-            .map(|&i| &docs[offered[i] as usize])
-            .collect(),
-        Some(r) => selection
-            .taken
-            .iter()
-            .flat_map(|&i| r.units[offered[i] as usize].iter())
-            .map(|&d| &docs[d as usize])
-            .collect(),
-    };
-    let staleness = notes.rollouts.map(|_| {
-        let mut s = StalenessStats::default();
-        for d in &chosen {
-            if let DocBody::Rollout(r) = &d.body {
-                s.add(crate::rl::staleness(r.policy_version, step - 1));
-            }
-        }
-        s
-    });
-
-    // Phase 2: pack and assign to ranks; phase 3: payloads.
-    let (ranks, normalizers) = pack_documents(
-        &chosen,
-        max_tokens,
-        world_size,
-        target.min_microbatches_per_rank(),
-        notes,
-    )?;
-    let total = total_steps(spec, docs, notes.rollouts);
-    Ok(Some(PlannedStep {
-        kind: PlanKind::Train,
-        step,
-        lr: spec.optimizer.lr_at(step, total),
-        cursor_after: cursor.advance(&order, &selection),
-        normalizers,
-        ranks,
-        docs: chosen.iter().map(|d| d.id).collect(),
-        staleness,
-        replay: false,
-    }))
 }
 
 /// Packs `chosen` into microbatches of at most `max_tokens`, spreads them
@@ -257,7 +149,6 @@ fn payload<'a>(
             p.token_ids.extend_from_slice(&seq.input_ids);
             p.labels.extend_from_slice(&seq.labels);
             p.cu_seq_lens.push(p.token_ids.len() as u32);
-            let mut scalars = Vec::new();
             old.push((
                 seq.input_ids.len(),
                 match &d.body {
@@ -265,16 +156,6 @@ fn payload<'a>(
                     _ => None,
                 },
             ));
-            if let DocBody::Rollout(r) = &d.body {
-                scalars.push(("reward".to_string(), r.reward));
-                scalars.push(("policy_version".to_string(), r.policy_version as f64));
-            }
-            if let Some(a) = notes.rollouts.and_then(|r| r.advantage.get(&d.id)) {
-                scalars.push(("advantage".to_string(), *a));
-            }
-            if let Some(logps) = notes.reference.and_then(|c| c.get(&d.id)) {
-                scalars.push(("ref_logp".to_string(), logps[role.min(1)]));
-            }
             refs.push((
                 seq.input_ids.len(),
                 notes.reference.and_then(|c| c.tokens(&d.id)),
@@ -282,7 +163,11 @@ fn payload<'a>(
             p.seqs.push(SeqRef {
                 doc: d.id,
                 role: role as u32,
-                scalars,
+                advantage: notes.rollouts.and_then(|r| r.advantage.get(&d.id).copied()),
+                ref_logp: notes
+                    .reference
+                    .and_then(|c| c.get(&d.id))
+                    .map(|logps| logps[role.min(1)]),
             });
         }
     }

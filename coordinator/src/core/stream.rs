@@ -4,8 +4,9 @@
 //! that reaches `rl.group_size` rollouts is complete: it gets its
 //! group-relative advantages and joins the FIFO queue, or, when its rewards
 //! are all equal, is dropped and counted. A step takes whole groups from the
-//! queue head until it holds `docs_per_step` rollouts; it is dispatched only
-//! when that many are queued.
+//! queue head until it holds its `docs_per_step` rollouts (the step's
+//! settings: an operator may change it); it is dispatched only when that
+//! many are queued. The planner (`super::planner`) reads the queue head.
 //!
 //! Exactly once: the job's cursor position counts the groups ever committed
 //! and `head` is the position of the queue's first group. Groups leave the
@@ -30,15 +31,11 @@ use std::collections::{HashMap, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
-use super::jobs::Job;
-use super::rollouts::{self, RolloutPlan};
-use super::step::{self, PlanKind, PlannedStep};
-use super::{CoreError, Effect, Result};
-use crate::cursor::{Cursor, Selection};
+use super::error::{CoreError, Result};
+use super::rollouts::RolloutPlan;
 use crate::doc::{DocBody, DocId, Document, Rollout};
-use crate::objective::{step_rollouts, PgParams};
-use crate::plan::{PlanError, StepTarget};
-use crate::rl::{self, StalenessStats};
+use crate::objective::PgParams;
+use crate::rl;
 use crate::spec::JobSpec;
 
 /// `DocId::file` of streamed rollouts; `line` is the admission number
@@ -104,8 +101,6 @@ pub struct RolloutStream {
     pub group_size: u32,
     /// Rollouts buffered (complete and filling) before pushes wait.
     pub capacity: u64,
-    /// Rollouts a step takes (whole groups).
-    pub step_rollouts: u64,
     /// Queue position of `queue[0]`.
     head: u64,
     queue: VecDeque<Vec<Document>>,
@@ -130,7 +125,6 @@ impl RolloutStream {
         Some(RolloutStream {
             group_size,
             capacity: spec.rl.queue_capacity_or_default(docs),
-            step_rollouts: step_rollouts(docs, group_size),
             head: 0,
             queue: VecDeque::new(),
             queued_rollouts: 0,
@@ -160,22 +154,34 @@ impl RolloutStream {
         self.head
     }
 
-    /// True when the queue holds a whole step.
-    pub fn step_ready(&self) -> bool {
-        self.queued_rollouts >= self.step_rollouts
+    /// The complete groups, head first.
+    pub fn groups(&self) -> impl Iterator<Item = &Vec<Document>> {
+        self.queue.iter()
     }
 
-    /// Whether `n` more rollouts may be admitted now (see the module doc).
-    pub fn has_room(&self, n: u64) -> bool {
-        self.buffered() + n <= self.capacity || !self.step_ready()
+    /// Rollouts a step of `docs_per_step` takes (whole groups).
+    pub fn step_rollouts(&self, docs_per_step: u64) -> u64 {
+        crate::objective::step_rollouts(docs_per_step, self.group_size)
     }
 
-    /// The job's status reason while it waits for rollouts, if it does.
-    pub fn waiting_reason(&self) -> Option<String> {
-        (!self.step_ready()).then(|| {
+    /// True when the queue holds a whole step of `need` rollouts.
+    pub fn step_ready(&self, need: u64) -> bool {
+        self.queued_rollouts >= need
+    }
+
+    /// Whether `n` more rollouts may be admitted now, when a step takes
+    /// `need` (see the module doc).
+    pub fn has_room(&self, n: u64, need: u64) -> bool {
+        self.buffered() + n <= self.capacity || !self.step_ready(need)
+    }
+
+    /// The job's status reason while it waits for a step of `need`
+    /// rollouts, if it does.
+    pub fn waiting_reason(&self, need: u64) -> Option<String> {
+        (!self.step_ready(need)).then(|| {
             format!(
-                "waiting for rollouts: have {} of {}",
-                self.queued_rollouts, self.step_rollouts
+                "waiting for rollouts: have {} of {need}",
+                self.queued_rollouts
             )
         })
     }
@@ -249,174 +255,122 @@ fn reward(d: &Document) -> f64 {
     }
 }
 
-fn parts(job: &mut Job) -> Result<(&mut RolloutStream, &mut RolloutPlan, PgParams)> {
-    let id = job.rec.id.clone();
-    let pg = job.spec.objective.pg();
-    match (job.stream.as_mut(), job.rollouts.as_mut(), pg) {
-        (Some(s), Some(p), Some(pg)) => Ok((s, p, pg)),
-        _ => Err(CoreError::NotStreamed(id)),
-    }
+/// What a push is admitted against.
+#[derive(Debug, Clone, Copy)]
+pub struct Admission<'a> {
+    pub job: &'a str,
+    pub pg: &'a PgParams,
+    /// The job's committed step (staleness is measured from it).
+    pub step: u64,
+    pub max_staleness: Option<u64>,
+    /// Rollouts the next step takes.
+    pub need: u64,
 }
 
-/// Admits a batch of rollouts into `job`'s queue, all or nothing: the
-/// effect persists them (the shell acknowledges only after it ran).
-/// Refused, with nothing changed, for a job that does not stream, has
-/// ended, or has no room (`QueueFull`: the shell waits and retries).
-pub(super) fn push(job: &mut Job, batch: Vec<Rollout>) -> Result<Effect> {
-    if job.rec.state.is_terminal() {
-        return Err(super::machine::bad_state(
-            &job.rec.id,
-            job.rec.state,
-            "pushing rollouts",
-        ));
-    }
-    let id = job.rec.id.clone();
-    let (step, max_staleness) = (job.rec.step, job.spec.rl.max_staleness);
-    let (s, plan, pg) = parts(job)?;
-    let (fresh, stale): (Vec<Rollout>, Vec<Rollout>) = batch
-        .into_iter()
-        .partition(|r| rl::admit(r.policy_version, step, max_staleness).is_ok());
-    if !s.has_room(fresh.len() as u64) {
-        return Err(CoreError::QueueFull {
-            job: id,
-            buffered: s.buffered(),
-            capacity: s.capacity,
-        });
-    }
-    plan.rejected_stale += stale.len() as u64;
-    let mut counts = AdmitCounts {
-        accepted: fresh.len() as u64,
-        rejected_stale: stale.len() as u64,
-        ..Default::default()
-    };
-    let mut admit = Vec::with_capacity(fresh.len());
-    let mut remove = std::mem::take(&mut s.owed_removal);
-    for r in fresh {
-        let doc = Document {
-            id: DocId {
-                file: STREAM_FILE,
-                line: s.next_line,
-            },
-            body: DocBody::Rollout(r),
+impl RolloutStream {
+    /// Admits a batch of rollouts, all or nothing: the returned write
+    /// persists them (the shell acknowledges only after it ran). Refused,
+    /// with nothing changed, when there is no room (`QueueFull`: the shell
+    /// waits and retries).
+    pub fn push(
+        &mut self,
+        plan: &mut RolloutPlan,
+        at: Admission<'_>,
+        batch: Vec<Rollout>,
+    ) -> Result<RolloutWrite> {
+        let (fresh, stale): (Vec<Rollout>, Vec<Rollout>) = batch
+            .into_iter()
+            .partition(|r| rl::admit(r.policy_version, at.step, at.max_staleness).is_ok());
+        if !self.has_room(fresh.len() as u64, at.need) {
+            return Err(CoreError::QueueFull {
+                job: at.job.to_string(),
+                buffered: self.buffered(),
+                capacity: self.capacity,
+            });
+        }
+        plan.rejected_stale += stale.len() as u64;
+        let mut counts = AdmitCounts {
+            accepted: fresh.len() as u64,
+            rejected_stale: stale.len() as u64,
+            ..Default::default()
         };
-        s.next_line += 1;
-        admit.push(doc.clone());
-        if let Some(dropped) = s.add(plan, &pg, doc) {
-            counts.zero_variance_groups += 1;
-            counts.zero_variance_dropped += dropped.len() as u64;
-            remove.extend(dropped);
+        let mut admit = Vec::with_capacity(fresh.len());
+        let mut remove = std::mem::take(&mut self.owed_removal);
+        for r in fresh {
+            let doc = Document {
+                id: DocId {
+                    file: STREAM_FILE,
+                    line: self.next_line,
+                },
+                body: DocBody::Rollout(r),
+            };
+            self.next_line += 1;
+            admit.push(doc.clone());
+            if let Some(dropped) = self.add(plan, at.pg, doc) {
+                counts.zero_variance_groups += 1;
+                counts.zero_variance_dropped += dropped.len() as u64;
+                remove.extend(dropped);
+            }
+        }
+        counts.queued = self.buffered();
+        Ok(RolloutWrite {
+            job: at.job.to_string(),
+            admit,
+            remove,
+            meta: self.meta(plan),
+            counts: Some(counts),
+        })
+    }
+
+    /// After a commit moved the job's cursor to queue position `to`: the
+    /// trained groups leave the queue and the store (the write follows the
+    /// step's commit record, so a crash in between leaves them to be popped
+    /// again on restore).
+    pub fn on_commit(&mut self, plan: &mut RolloutPlan, job: &str, to: u64) -> RolloutWrite {
+        let mut remove = std::mem::take(&mut self.owed_removal);
+        remove.extend(self.pop_to(plan, to));
+        RolloutWrite {
+            job: job.to_string(),
+            admit: Vec::new(),
+            remove,
+            meta: self.meta(plan),
+            counts: None,
         }
     }
-    counts.queued = s.buffered();
-    Ok(Effect::PersistRollouts(Box::new(RolloutWrite {
-        job: id,
-        admit,
-        remove,
-        meta: s.meta(plan),
-        counts: Some(counts),
-    })))
-}
 
-/// Plans `job`'s next step from the queue head, or `None` when fewer than
-/// a step's rollouts are queued (the job waits).
-pub fn plan_step(
-    job: &Job,
-    world_size: u32,
-) -> std::result::Result<Option<PlannedStep>, PlanError> {
-    let Some(s) = job.stream.as_ref() else {
-        return Ok(None);
-    };
-    if !s.step_ready() {
-        return Ok(None);
-    }
-    let spec = &job.spec;
-    let step = job.rec.step + 1;
-    let target = StepTarget::new(spec.step_size(), world_size, spec.data.max_tokens);
-    let selection: Selection = rollouts::select_groups(
-        target,
-        s.queue
-            .iter()
-            .map(|g| (g.iter().map(Document::tokens).sum(), g.len() as u64)),
-    );
-    let chosen: Vec<&Document> = s.queue.iter().take(selection.consumed).flatten().collect();
-    let mut staleness = StalenessStats::default();
-    for d in &chosen {
-        if let DocBody::Rollout(r) = &d.body {
-            staleness.add(rl::staleness(r.policy_version, step - 1));
+    /// Rebuilds a restored job's queue from the store (see the module doc);
+    /// `cursor` is the job's committed queue position.
+    pub fn restore(
+        &mut self,
+        plan: &mut RolloutPlan,
+        pg: &PgParams,
+        job: &str,
+        cursor: u64,
+        stored: StoredStream,
+    ) {
+        let m = stored.meta;
+        self.head = m.head;
+        self.next_line = m.next_line.max(1);
+        for doc in stored.rollouts {
+            self.next_line = self.next_line.max(doc.id.line + 1);
+            // Zero-variance groups were deleted when they completed; one
+            // found here is dropped again (its deletion owed).
+            if let Some(dropped) = self.add(plan, pg, doc) {
+                self.owed_removal.extend(dropped);
+            }
         }
-    }
-    let (ranks, normalizers) = step::pack_documents(
-        &chosen,
-        spec.data.max_tokens,
-        world_size,
-        target.min_microbatches_per_rank(),
-        job.annotations(),
-    )?;
-    Ok(Some(PlannedStep {
-        kind: PlanKind::Train,
-        step,
-        lr: spec.optimizer.lr_at(step, spec.job.steps.unwrap_or(0)),
-        cursor_after: Cursor {
-            position: s.head + selection.consumed as u64,
-            ..Cursor::default()
-        },
-        normalizers,
-        ranks,
-        docs: chosen.iter().map(|d| d.id).collect(),
-        staleness: Some(staleness),
-        replay: false,
-    }))
-}
-
-/// After a commit moved the cursor: the trained groups leave the queue and
-/// the store (the write follows the step's commit record, so a crash in
-/// between leaves them to be popped again on restore).
-pub(super) fn on_commit(job: &mut Job, fx: &mut Vec<Effect>) {
-    let to = job.rec.cursor.position;
-    let id = job.rec.id.clone();
-    let Ok((s, plan, _)) = parts(job) else {
-        return;
-    };
-    let mut remove = std::mem::take(&mut s.owed_removal);
-    remove.extend(s.pop_to(plan, to));
-    fx.push(Effect::PersistRollouts(Box::new(RolloutWrite {
-        job: id,
-        admit: Vec::new(),
-        remove,
-        meta: s.meta(plan),
-        counts: None,
-    })));
-}
-
-/// Rebuilds a restored job's queue from the store (see the module doc).
-pub(super) fn restore(job: &mut Job, stored: StoredStream) {
-    let cursor = job.rec.cursor.position;
-    let id = job.rec.id.clone();
-    let Ok((s, plan, pg)) = parts(job) else {
-        return;
-    };
-    let m = stored.meta;
-    s.head = m.head;
-    s.next_line = m.next_line.max(1);
-    for doc in stored.rollouts {
-        s.next_line = s.next_line.max(doc.id.line + 1);
-        // Zero-variance groups were deleted when they completed; one found
-        // here is dropped again (its deletion owed).
-        if let Some(dropped) = s.add(plan, &pg, doc) {
-            s.owed_removal.extend(dropped);
+        plan.rejected_stale = m.rejected_stale;
+        plan.zero_variance_groups = m.zero_variance_groups;
+        plan.zero_variance_rollouts = m.zero_variance_rollouts;
+        let popped = self.pop_to(plan, cursor);
+        self.owed_removal.extend(popped);
+        if self.head != cursor {
+            tracing::warn!(
+                job,
+                head = self.head,
+                cursor,
+                "restored rollout queue does not start at the job's cursor"
+            );
         }
-    }
-    plan.rejected_stale = m.rejected_stale;
-    plan.zero_variance_groups = m.zero_variance_groups;
-    plan.zero_variance_rollouts = m.zero_variance_rollouts;
-    let popped = s.pop_to(plan, cursor);
-    s.owed_removal.extend(popped);
-    if s.head != cursor {
-        tracing::warn!(
-            job = %id,
-            head = s.head,
-            cursor,
-            "restored rollout queue does not start at the job's cursor"
-        );
     }
 }

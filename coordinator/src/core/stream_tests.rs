@@ -56,7 +56,14 @@ impl Sim {
     }
 
     fn stream(&self) -> &RolloutStream {
-        self.c.job("job").unwrap().stream.as_ref().unwrap()
+        self.c.job("job").unwrap().data.stream.as_ref().unwrap()
+    }
+
+    /// Rollouts the job's next step takes.
+    fn need(&self) -> u64 {
+        let j = self.c.job("job").unwrap();
+        let docs = j.settings().at(j.rec.step + 1).docs_per_step.unwrap();
+        self.stream().step_rollouts(docs)
     }
 
     fn submit_stream(&mut self, spec: JobSpec) {
@@ -192,7 +199,7 @@ fn streamed_groups_are_trained_exactly_once_and_incomplete_groups_wait() {
     assert!(stored.rollouts.is_empty(), "{:?}", stored.rollouts);
     for p in &s.plans {
         for q in p.ranks.iter().flatten().flat_map(|m| &m.seqs) {
-            assert!(q.scalars.iter().any(|(k, _)| k == "advantage"));
+            assert!(q.advantage.is_some());
         }
     }
 }
@@ -217,14 +224,14 @@ fn a_full_queue_refuses_pushes_until_a_commit_frees_room() {
     );
     assert_eq!(s.stream().buffered(), 4, "a refused push changes nothing");
     assert_eq!(s.rollout_writes.len(), writes);
-    assert!(!s.stream().has_room(1));
+    assert!(!s.stream().has_room(1, s.need()));
 
     // A worker comes; the first commit frees a group's room.
     s.worker("w");
     while s.committed.is_empty() {
         assert!(s.step_once(), "the job trains a step");
     }
-    assert!(s.stream().has_room(2));
+    assert!(s.stream().has_room(2, s.need()));
     let c = s.push(groups("b", 1, 0)).unwrap();
     assert_eq!(c.accepted, 2);
 
@@ -246,7 +253,7 @@ fn filling_groups_never_deadlock_a_full_queue() {
         .push(vec![rollout("c", 0.0, 0), rollout("a", 1.0, 0)])
         .unwrap();
     assert_eq!((c.accepted, c.queued), (2, 4));
-    assert!(s.stream().step_ready());
+    assert!(s.stream().step_ready(s.need()));
     assert!(matches!(
         s.push(vec![rollout("b", 1.0, 0)]),
         Err(CoreError::QueueFull { .. })
@@ -320,7 +327,7 @@ fn a_restart_keeps_every_acknowledged_rollout_and_trains_none_twice() {
         let mut r = Sim::new();
         r.handle(Event::RestoreJob {
             rec: Box::new(rec),
-            spec: Box::new(stream_spec("steps = 4", 2, 2, 100)),
+            spec: Arc::new(stream_spec("steps = 4", 2, 2, 100)),
             docs: Vec::new().into(),
             reference: Default::default(),
             history: Vec::new(),
@@ -374,4 +381,62 @@ fn a_restart_keeps_every_acknowledged_rollout_and_trains_none_twice() {
             );
         }
     }
+}
+
+/// Regression (issue 13): a streamed job accepted `accrue set
+/// --docs-per-step`, kept planning the submitted size, and its manifests
+/// recorded the new one. The change is honoured from the next step, and
+/// each manifest records the size its step ran with.
+#[test]
+fn a_streamed_job_honours_a_docs_per_step_change_and_its_manifest_says_so() {
+    let mut s = Sim::new();
+    s.submit_stream(stream_spec("steps = 3", 2, 2, 100));
+    s.worker("w");
+    s.push(groups("a", 1, 0)).unwrap();
+    s.run_until(|s| s.committed.len() == 1);
+    s.handle(Event::UpdateJob {
+        job: "job".into(),
+        update: crate::settings::JobUpdate {
+            docs_per_step: Some(4),
+            ..Default::default()
+        },
+    })
+    .unwrap();
+    // One group is not a step of 4 any more: the job waits for a second.
+    s.push(groups("b", 1, 0)).unwrap();
+    s.run();
+    assert_eq!(s.committed.len(), 1, "2 of 4 rollouts queued: no step yet");
+    assert!(s.c.job("job").unwrap().rec.reason.contains("have 2 of 4"));
+    s.push(groups("c", 3, 0)).unwrap();
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    let docs: Vec<u64> = s.committed.iter().map(|(m, _)| m.docs).collect();
+    assert_eq!(docs, vec![2, 4, 4]);
+    let recorded: Vec<Option<u64>> = s
+        .manifests
+        .iter()
+        .map(|m| m.settings.docs_per_step)
+        .collect();
+    assert_eq!(recorded, vec![Some(2), Some(4), Some(4)]);
+    for (m, (metrics, _)) in s.manifests.iter().zip(&s.committed) {
+        assert_eq!(m.docs().len() as u64, metrics.docs, "step {}", m.step);
+    }
+}
+
+/// A step size the queue can never hold is refused, naming the field.
+#[test]
+fn a_streamed_job_refuses_a_step_larger_than_its_queue() {
+    let mut s = Sim::new();
+    s.submit_stream(stream_spec("steps = 3", 2, 2, 8));
+    let err = s
+        .handle(Event::UpdateJob {
+            job: "job".into(),
+            update: crate::settings::JobUpdate {
+                docs_per_step: Some(9),
+                ..Default::default()
+            },
+        })
+        .unwrap_err();
+    assert!(err.to_string().contains("rl.queue_capacity = 8"), "{err}");
+    assert!(s.c.job("job").unwrap().rec.changes.is_empty());
 }

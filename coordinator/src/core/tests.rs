@@ -3,6 +3,7 @@
 //! results computed from the plan itself.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use super::*;
@@ -166,7 +167,7 @@ impl Sim {
                 Effect::Publish {
                     item: WatchItem::Event { kind, message, .. },
                     ..
-                } => self.events.push((kind, message)),
+                } => self.events.push((kind.name().to_string(), message)),
                 Effect::StoreReference { entries, .. } => self.stored_ref.extend(entries),
                 Effect::CommitStep {
                     rec,
@@ -203,7 +204,7 @@ impl Sim {
     fn submit(&mut self, spec: JobSpec, docs: Arc<[Document]>) {
         self.handle(Event::SubmitJob {
             id: "job".into(),
-            spec: Box::new(spec),
+            spec: Arc::new(spec),
             spec_toml: String::new(),
             docs,
             start: None,
@@ -560,7 +561,7 @@ fn restored_running_job_waits_for_workers_at_its_cursor() {
     let mut r = Sim::new();
     r.handle(Event::RestoreJob {
         rec: Box::new(rec.clone()),
-        spec: Box::new(spec("steps = 4", "docs_per_step = 4", 1, 1)),
+        spec: Arc::new(spec("steps = 4", "docs_per_step = 4", 1, 1)),
         docs: docs(20),
         reference: Default::default(),
         history: Vec::new(),
@@ -643,7 +644,7 @@ fn a_job_resumed_from_a_checkpoint_continues_at_its_step_and_cursor() {
     let mut s = Sim::new();
     s.handle(Event::SubmitJob {
         id: "job".into(),
-        spec: Box::new(spec("steps = 6", "docs_per_step = 4", 1, 1)),
+        spec: Arc::new(spec("steps = 6", "docs_per_step = 4", 1, 1)),
         spec_toml: String::new(),
         docs: docs(30),
         start: Some(JobStart {
@@ -730,7 +731,7 @@ fn dpo_reference_pass_runs_first_and_training_plans_carry_its_logps() {
     assert_eq!(s.committed[0].0.step, 1);
     for p in &s.plans[first_train..] {
         for q in p.ranks.iter().flatten().flat_map(|m| &m.seqs) {
-            let got = q.scalars.iter().find(|(k, _)| k == "ref_logp").unwrap().1;
+            let got = q.ref_logp.unwrap();
             assert_eq!(got, fake_logp(q.doc, q.role));
         }
     }
@@ -765,7 +766,7 @@ fn dpo_reference_pass_resumes_from_the_store_and_survives_a_lost_worker() {
     rec0.cursor = Default::default();
     r.handle(Event::RestoreJob {
         rec: Box::new(rec0),
-        spec: Box::new(dpo_spec("steps = 2")),
+        spec: Arc::new(dpo_spec("steps = 2")),
         docs: d.clone(),
         reference: cached.clone(),
         history: Vec::new(),
@@ -792,7 +793,7 @@ fn dpo_reference_pass_resumes_from_the_store_and_survives_a_lost_worker() {
     rec1.cursor = Default::default();
     q.handle(Event::RestoreJob {
         rec: Box::new(rec1),
-        spec: Box::new(dpo_spec("steps = 2")),
+        spec: Arc::new(dpo_spec("steps = 2")),
         docs: d,
         reference: s.stored_ref.clone(),
         history: Vec::new(),
@@ -872,7 +873,7 @@ fn pg_steps_take_whole_groups_and_train_every_kept_rollout_once() {
     );
     for p in &s.plans {
         for q in p.ranks.iter().flatten().flat_map(|m| &m.seqs) {
-            assert!(q.scalars.iter().any(|(k, _)| k == "advantage"));
+            assert!(q.advantage.is_some());
         }
     }
 }
@@ -916,7 +917,7 @@ fn pg_kl_with_a_cached_reference_runs_a_per_token_pass_first_and_plans_carry_it(
                 let got = &m.ref_logprobs[w[0] as usize..w[1] as usize];
                 let want: Vec<f32> = (0..got.len()).map(|j| fake_token_logp(q.doc, j)).collect();
                 assert_eq!(got, want.as_slice(), "{}", q.doc);
-                assert!(q.scalars.iter().all(|(k, _)| k != "ref_logp"));
+                assert!(q.ref_logp.is_none());
             }
             rows += 1;
         }
@@ -987,7 +988,7 @@ impl Sim {
                     rank: *rank,
                     step: *step,
                     restore_from: restore_from.clone(),
-                    priors: priors.clone(),
+                    priors: priors.to_vec(),
                 }),
                 _ => None,
             })
@@ -1327,7 +1328,7 @@ fn with_no_good_checkpoint_left_the_job_replays_from_init_or_fails() {
     let mut r = Sim::new();
     r.handle(Event::SubmitJob {
         id: "job".into(),
-        spec: Box::new(with(
+        spec: Arc::new(with(
             spec("steps = 6", "docs_per_step = 4", 1, 1),
             Sharding::Fsdp,
             0,
@@ -1390,7 +1391,7 @@ fn a_failed_state_sync_reforms_with_a_restore() {
     s.run();
     assert_eq!(s.state(), JobState::Completed);
     // Once restored, later generations may use memory again.
-    assert!(!s.c.job("job").unwrap().force_restore);
+    assert!(!s.c.job("job").unwrap().restore_required());
 }
 
 #[test]
@@ -1461,7 +1462,7 @@ fn restarted(rec: &JobRecord, history: Vec<CommittedStep>, sharding: Sharding) -
     let mut r = Sim::new();
     r.handle(Event::RestoreJob {
         rec: Box::new(rec.clone()),
-        spec: Box::new(with(
+        spec: Arc::new(with(
             spec("steps = 6", "docs_per_step = 4", 2, 2),
             sharding,
             2,
@@ -1594,14 +1595,16 @@ fn exactly_once_over_a_run_with_losses_joins_and_replays() {
     }
 }
 
-/// Per document: the scalars (`ref_logp`, `advantage`, ...) its sequences
-/// carry in a plan, by role.
-fn scalars_of(p: &PlannedStep) -> BTreeMap<(DocId, u32), Vec<(String, f64)>> {
+/// Per document: the (advantage, ref_logp) its sequences carry in a plan,
+/// by role.
+type Scalars = (Option<f64>, Option<f64>);
+
+fn scalars_of(p: &PlannedStep) -> BTreeMap<(DocId, u32), Scalars> {
     p.ranks
         .iter()
         .flatten()
         .flat_map(|m| &m.seqs)
-        .map(|q| ((q.doc, q.role), q.scalars.clone()))
+        .map(|q| ((q.doc, q.role), (q.advantage, q.ref_logp)))
         .collect()
 }
 
@@ -1645,7 +1648,11 @@ fn replayed_dpo_and_pg_steps_carry_the_same_annotations() {
         assert_eq!(replayed.len(), 1, "{key}");
         let r = &replayed[0];
         let original = scalars_of(&committed_plan(&s, r.step));
-        assert!(original.values().flatten().any(|(k, _)| k == key));
+        let carried = |&(advantage, ref_logp): &Scalars| match key {
+            "advantage" => advantage.is_some(),
+            _ => ref_logp.is_some(),
+        };
+        assert!(original.values().any(carried), "{key}");
         assert_eq!(scalars_of(r), original, "{key}: step {}", r.step);
         assert_eq!(r.normalizers, committed_plan(&s, r.step).normalizers);
     }
@@ -1718,7 +1725,8 @@ fn pg_publishes_the_policy_every_n_steps_once_all_ranks_wrote_it() {
 // Operator controls: live step settings, and the manifests that record
 // what each step ran with.
 
-use crate::manifest::{check_exactly_once, Expectation, JobUpdate};
+use crate::manifest::{check_exactly_once, Expectation};
+use crate::settings::JobUpdate;
 
 fn set(s: &mut Sim, update: JobUpdate) -> Result<()> {
     s.handle(Event::UpdateJob {
@@ -1907,7 +1915,7 @@ fn settings_changes_survive_a_coordinator_restart() {
     let history = s
         .committed
         .iter()
-        .map(|(m, d)| super::recovery::CommittedStep {
+        .map(|(m, d)| super::CommittedStep {
             step: m.step,
             lr: m.lr,
             docs: d.clone(),
@@ -1917,7 +1925,7 @@ fn settings_changes_survive_a_coordinator_restart() {
     let mut r = Sim::new();
     r.handle(Event::RestoreJob {
         rec: Box::new(rec),
-        spec: Box::new(spec("steps = 4", "docs_per_step = 4", 1, 1)),
+        spec: Arc::new(spec("steps = 4", "docs_per_step = 4", 1, 1)),
         docs: docs(30),
         reference: Default::default(),
         history,
@@ -2181,4 +2189,103 @@ fn a_drain_requested_twice_mid_step_writes_one_checkpoint_and_releases_once() {
         .collect();
     assert_eq!(shape, vec![(3, 1), (2, 1), (2, 1), (2, 1)]);
     assert_eq!(check_exactly_once(&s.manifests, 1, &universe(&d)), vec![]);
+}
+
+/// Regression (issue 13): after `accrue set --max-tokens` the workers
+/// still computed padding against the submitted value, because a plan did
+/// not carry its budget. Every plan sent carries the budget it was packed
+/// with.
+#[test]
+fn max_tokens_set_at_run_time_reaches_the_plans_sent_to_workers() {
+    let mut s = Sim::new();
+    s.submit(spec("epochs = 1", "docs_per_step = 4", 1, 1), docs(20));
+    s.worker("a");
+    s.step_once(); // step 1 in flight with the submitted 128
+    set(
+        &mut s,
+        JobUpdate {
+            max_tokens: Some(70),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    let sent: Vec<u32> = s
+        .plans
+        .iter()
+        .map(|p| {
+            let msg = crate::service::convert::to_worker(&ToWorker::Plan {
+                job: "job".into(),
+                generation: 1,
+                rank: 0,
+                planned: p.clone(),
+            });
+            match msg.msg {
+                Some(accrue_proto::v1::coordinator_message::Msg::StepPlan(w)) => w.max_tokens,
+                other => panic!("expected a plan, got {other:?}"),
+            }
+        })
+        .collect();
+    assert_eq!(sent, vec![128, 70, 70, 70, 70]);
+    for p in &s.plans[1..] {
+        assert!(p.ranks.iter().flatten().all(|mb| mb.token_ids.len() <= 70));
+    }
+}
+
+/// Regression (issue 13): a replay packed with the submitted `max_tokens`,
+/// undoing a lowered value (a memory limit the operator set). A replayed
+/// step keeps its documents and learning rate and packs within the lowered
+/// budget.
+#[test]
+fn a_replay_after_a_lowered_max_tokens_packs_with_the_lowered_value() {
+    let mut s = Sim::new();
+    for w in ["a", "b", "c"] {
+        s.worker(w);
+    }
+    let d = docs(48);
+    s.submit(
+        with(
+            spec("steps = 8", "docs_per_step = 6", 1, 3),
+            Sharding::Fsdp,
+            2,
+        ),
+        d.clone(),
+    );
+    // Step 2 is checkpointed, step 3 committed (packed within 128).
+    s.run_until(|s| s.committed.len() == 3);
+    let original = committed_plan(&s, 3);
+    let widest = |p: &PlannedStep| {
+        p.ranks
+            .iter()
+            .flatten()
+            .map(|mb| mb.token_ids.len())
+            .max()
+            .unwrap()
+    };
+    assert!(
+        widest(&original) > 64,
+        "the original packing used > 64 tokens"
+    );
+    set(
+        &mut s,
+        JobUpdate {
+            max_tokens: Some(64),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    s.inbox.clear();
+    s.kill("c");
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    let replayed = s.replayed();
+    assert_eq!(replayed.len(), 1);
+    let r = &replayed[0];
+    assert_eq!(r.step, 3);
+    assert_eq!(r.settings.max_tokens, 64);
+    assert!(widest(r) <= 64, "replayed within the lowered budget");
+    assert_eq!((r.docs.clone(), r.lr), (original.docs.clone(), original.lr));
+    assert_eq!(r.normalizers, original.normalizers);
+    assert_exactly_once(&s, &d, 1);
 }

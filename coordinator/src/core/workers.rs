@@ -3,10 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::jobs::JobId;
-use super::recovery::HeldState;
-
-pub type WorkerId = String;
+use super::types::{HeldState, JobId, WorkerId};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum WorkerState {

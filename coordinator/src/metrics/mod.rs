@@ -41,19 +41,6 @@ const LATENCY_BUCKETS: &[f64] = &[
     5.0, 10.0,
 ];
 
-/// Low-cardinality classes of an aborted step's reason (the `reason` label
-/// of `accrue_step_aborts_total`).
-pub const ABORT_REASONS: [&str; 8] = [
-    "worker_lost",
-    "collective_timeout",
-    "restore_failed",
-    "state_sync_failed",
-    "worker_error",
-    "cancelled",
-    "membership_change",
-    "other",
-];
-
 /// The coordinator's Prometheus registry and its metrics.
 pub struct Exporter {
     registry: Registry,

@@ -7,7 +7,7 @@ use std::time::Duration;
 use prometheus::{Encoder, TextEncoder};
 
 use super::Exporter;
-use crate::core::{AdmitCounts, Coordinator, JobState, StepMetrics, WorkerState};
+use crate::core::{AbortReason, AdmitCounts, Coordinator, JobState, StepMetrics, WorkerState};
 
 impl Exporter {
     /// Records a committed step of `job`.
@@ -60,12 +60,10 @@ impl Exporter {
             .observe(dispatch.as_secs_f64());
     }
 
-    /// Records an aborted in-flight step of `job`; `reason` is the state
-    /// machine's text, reduced to one of [`ABORT_REASONS`].
-    pub fn observe_abort(&self, job: &str, reason: &str) {
-        self.aborts
-            .with_label_values(&[job, abort_reason(reason)])
-            .inc();
+    /// Records an aborted in-flight step of `job` (the `reason` label is
+    /// the typed reason's name: a bounded set).
+    pub fn observe_abort(&self, job: &str, reason: AbortReason) {
+        self.aborts.with_label_values(&[job, reason.name()]).inc();
     }
 
     /// Records a complete checkpoint of `job` (its newest is `step`) at
@@ -111,9 +109,7 @@ impl Exporter {
             .set(oldest_heartbeat.max(0) as f64 / 1000.0);
         for state in JOB_STATES {
             let n = core.jobs().filter(|j| j.rec.state == state).count();
-            self.jobs
-                .with_label_values(&[job_state_name(state)])
-                .set(n as i64);
+            self.jobs.with_label_values(&[state.name()]).set(n as i64);
         }
         let mut times = lock(&self.checkpoint_times);
         for j in core.jobs() {
@@ -127,7 +123,7 @@ impl Exporter {
             self.checkpoints_pending
                 .with_label_values(&[id])
                 .set(j.pending_checkpoints.len() as i64);
-            if let Some(s) = &j.stream {
+            if let Some(s) = &j.data.stream {
                 self.rollouts_queued
                     .with_label_values(&[id])
                     .set(s.buffered() as i64);
@@ -182,29 +178,6 @@ fn dir_mtime_ms(dir: &std::path::Path) -> Option<i64> {
     Some(d.as_millis() as i64)
 }
 
-/// Reduces the state machine's abort reason text to one of
-/// [`ABORT_REASONS`] (the text names workers and steps: unbounded).
-pub fn abort_reason(reason: &str) -> &'static str {
-    let r = reason.to_ascii_lowercase();
-    if r.starts_with("worker ") && r.contains(" lost") {
-        "worker_lost"
-    } else if r.starts_with("collective timeout") {
-        "collective_timeout"
-    } else if r.contains("failed to restore") || r.starts_with("restore failed") {
-        "restore_failed"
-    } else if r.starts_with("state sync failed") {
-        "state_sync_failed"
-    } else if r.starts_with("step ") && r.contains(" failed on worker ") {
-        "worker_error"
-    } else if r.starts_with("cancelled") {
-        "cancelled"
-    } else if r.starts_with("membership change") {
-        "membership_change"
-    } else {
-        "other"
-    }
-}
-
 const WORKER_STATES: [WorkerState; 6] = [
     WorkerState::Registered,
     WorkerState::Idle,
@@ -233,14 +206,3 @@ const JOB_STATES: [JobState; 6] = [
     JobState::Failed,
     JobState::Cancelled,
 ];
-
-fn job_state_name(s: JobState) -> &'static str {
-    match s {
-        JobState::Pending => "pending",
-        JobState::Running => "running",
-        JobState::Paused => "paused",
-        JobState::Completed => "completed",
-        JobState::Failed => "failed",
-        JobState::Cancelled => "cancelled",
-    }
-}

@@ -13,8 +13,9 @@ use tonic::{Request, Response, Status};
 use tracing::instrument;
 
 use super::{convert, now_ms, Shared};
-use crate::core::{Event, JobStart, WatchItem};
-use crate::manifest::{JobUpdate, StepManifest};
+use crate::core::{Event, EventKind, JobStart, WatchItem};
+use crate::manifest::StepManifest;
+use crate::settings::JobUpdate;
 use crate::spec::{JobSpec, SpecProblem};
 use crate::store::StepRecord;
 
@@ -186,7 +187,7 @@ impl Admin for AdminService {
         let spec_toml = spec.to_toml();
         self.shared.apply(Event::SubmitJob {
             id: id.clone(),
-            spec: Box::new(spec),
+            spec: Arc::new(spec),
             spec_toml,
             docs: dataset.docs.into(),
             start,
@@ -420,10 +421,12 @@ impl Admin for AdminService {
             }
             if state.is_terminal() {
                 let end = WatchItem::Event {
-                    kind: "state".into(),
-                    message: format!("job is {state:?} at step {last_step}").to_lowercase(),
+                    kind: EventKind::State,
+                    message: format!("job is {} at step {last_step}", state.name()),
                     state,
                     unix_ms: now_ms(),
+                    reason: None,
+                    aborted_step: None,
                 };
                 let _ = tx.send(Ok(convert::watch_item(&end))).await;
                 return;

@@ -4,12 +4,88 @@
 use accrue_proto::{pack_f32, pack_i32, pack_u32, v1 as wire};
 
 use crate::core::{
-    HeldState, Job, JobState, MetricSums, PlanKind, SeqLogp, StepMetrics, ToWorker, WatchItem,
-    Worker, WorkerErrorKind, WorkerState,
+    AbortReason, EventKind, HeldState, Job, JobState, MetricSums, PlanKind, SeqLogp, StepMetrics,
+    ToWorker, WatchItem, Worker, WorkerErrorKind, WorkerState,
 };
 use crate::cursor::Cursor;
 use crate::doc::DocId;
+use crate::objective::{DpoLoss, LossNormalization, Reference};
 use crate::plan::Normalizers;
+use crate::spec::{Dtype, JobSpec, Sharding};
+
+/// The resolved job workers train (`Configure.job`), from a validated spec:
+/// every default is the spec's own (serde defaults and
+/// [`crate::objective::ObjectiveSection::dpo`]/`pg`), so the worker has
+/// none of its own.
+pub fn job_definition(spec: &JobSpec) -> wire::JobDefinition {
+    use wire::model_definition::Init;
+    use wire::objective_definition::Kind;
+    let model = &spec.model;
+    let init = if model.is_random() {
+        let config = model.config.as_ref().map(|p| p.display().to_string());
+        Init::RandomConfig(config.unwrap_or_default())
+    } else {
+        Init::CheckpointDir(model.init.clone())
+    };
+    let reference = |r: Reference| match r {
+        Reference::Cached => wire::Reference::Cached,
+        Reference::Live => wire::Reference::Live,
+    } as i32;
+    let kind = if let Some(d) = spec.objective.dpo() {
+        Kind::Dpo(wire::DpoObjective {
+            beta: d.beta,
+            loss: match d.loss {
+                DpoLoss::Sigmoid => wire::DpoLoss::Sigmoid,
+                DpoLoss::Ipo => wire::DpoLoss::Ipo,
+                DpoLoss::DpoNorm => wire::DpoLoss::DpoNorm,
+            } as i32,
+            label_smoothing: d.label_smoothing,
+            reference: reference(d.reference),
+        })
+    } else if let Some(p) = spec.objective.pg() {
+        Kind::Pg(wire::PgObjective {
+            clip_ratio: p.clip_ratio,
+            kl_coef: p.kl_coef,
+            reference: reference(p.reference),
+            loss_normalization: match p.loss_normalization {
+                LossNormalization::Token => wire::LossNormalization::Token,
+                LossNormalization::Sequence => wire::LossNormalization::Sequence,
+                LossNormalization::Constant => wire::LossNormalization::Constant,
+            } as i32,
+            normalization_constant: p.normalization_constant,
+        })
+    } else {
+        Kind::Sft(wire::SftObjective {})
+    };
+    let o = &spec.optimizer;
+    wire::JobDefinition {
+        name: spec.job.name.clone(),
+        seed: spec.job.seed,
+        model: Some(wire::ModelDefinition {
+            init: Some(init),
+            dtype: match model.dtype {
+                Dtype::Float32 => wire::Dtype::Float32,
+                Dtype::Bfloat16 => wire::Dtype::Bfloat16,
+            } as i32,
+        }),
+        objective: Some(wire::ObjectiveDefinition { kind: Some(kind) }),
+        optimizer: Some(wire::OptimizerDefinition {
+            beta1: o.betas[0],
+            beta2: o.betas[1],
+            eps: o.eps,
+            weight_decay: o.weight_decay,
+            grad_clip: o.grad_clip,
+        }),
+        sharding: match spec.parallel.sharding {
+            Sharding::Ddp => wire::Sharding::Ddp,
+            Sharding::Zero2 => wire::Sharding::Zero2,
+            Sharding::Fsdp => wire::Sharding::Fsdp,
+        } as i32,
+        runtime: Some(wire::RuntimeDefinition {
+            loss_chunk_tokens: spec.runtime.loss_chunk_tokens,
+        }),
+    }
+}
 
 pub fn job_state(s: JobState) -> wire::JobState {
     match s {
@@ -40,7 +116,7 @@ pub fn job_summary(job: &Job) -> wire::JobSummary {
         total_steps: r.total_steps,
         cursor: Some(cursor(&r.cursor)),
         generation: r.generation,
-        world_size: job.gen.as_ref().map_or(0, |g| g.world_size()),
+        world_size: job.gen().map_or(0, |g| g.world_size()),
         reason: r.reason.clone(),
         last_loss: r.last_loss.unwrap_or(f64::NAN),
         submitted_unix_ms: r.submitted_unix_ms,
@@ -101,14 +177,43 @@ pub fn watch_item(item: &WatchItem) -> wire::WatchJobResponse {
             message,
             state,
             unix_ms,
+            reason,
+            aborted_step,
         } => Item::Event(wire::JobEvent {
             unix_ms: *unix_ms,
-            kind: kind.clone(),
+            kind: event_kind(*kind) as i32,
             message: message.clone(),
             state: job_state(*state) as i32,
+            aborted_step: *aborted_step,
+            abort_reason: reason.map_or(wire::AbortReason::Unspecified, abort_reason) as i32,
         }),
     };
     wire::WatchJobResponse { item: Some(item) }
+}
+
+pub fn event_kind(k: EventKind) -> wire::EventKind {
+    match k {
+        EventKind::State => wire::EventKind::State,
+        EventKind::Generation => wire::EventKind::Generation,
+        EventKind::Checkpoint => wire::EventKind::Checkpoint,
+        EventKind::Config => wire::EventKind::Config,
+        EventKind::Replay => wire::EventKind::Replay,
+        EventKind::Reference => wire::EventKind::Reference,
+        EventKind::Policy => wire::EventKind::Policy,
+    }
+}
+
+pub fn abort_reason(r: AbortReason) -> wire::AbortReason {
+    match r {
+        AbortReason::WorkerLost => wire::AbortReason::WorkerLost,
+        AbortReason::CollectiveTimeout => wire::AbortReason::CollectiveTimeout,
+        AbortReason::RestoreFailed => wire::AbortReason::RestoreFailed,
+        AbortReason::StateSyncFailed => wire::AbortReason::StateSyncFailed,
+        AbortReason::WorkerError => wire::AbortReason::WorkerError,
+        AbortReason::Cancelled => wire::AbortReason::Cancelled,
+        AbortReason::MembershipChange => wire::AbortReason::MembershipChange,
+        AbortReason::JobFailed => wire::AbortReason::JobFailed,
+    }
 }
 
 pub fn metric_sums(s: wire::MetricSums) -> MetricSums {
@@ -158,6 +263,8 @@ pub fn error_kind(kind: i32, peer_rank: Option<u32>) -> WorkerErrorKind {
         wire::ErrorKind::InvalidPlan => WorkerErrorKind::InvalidPlan,
         wire::ErrorKind::RestoreFailed => WorkerErrorKind::RestoreFailed,
         wire::ErrorKind::StateSync => WorkerErrorKind::StateSync,
+        wire::ErrorKind::OutOfMemory => WorkerErrorKind::OutOfMemory,
+        wire::ErrorKind::Data => WorkerErrorKind::Data,
         wire::ErrorKind::Internal | wire::ErrorKind::Unspecified => WorkerErrorKind::Internal,
     }
 }
@@ -216,7 +323,7 @@ pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
             rank,
             peers,
             priors,
-            spec_toml,
+            spec,
             step,
             restore_from,
         } => Msg::Configure(wire::Configure {
@@ -234,7 +341,7 @@ pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
                     prior: priors.get(r).and_then(Option::as_ref).map(held_state),
                 })
                 .collect(),
-            spec_toml: spec_toml.clone(),
+            job: Some(job_definition(spec)),
             step: *step,
             restore_from: restore_from
                 .as_ref()
@@ -266,7 +373,8 @@ pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
                         .map(|s| wire::PackedSequence {
                             doc_id: s.doc.to_string(),
                             role: s.role,
-                            scalars: s.scalars.iter().cloned().collect(),
+                            advantage: s.advantage,
+                            ref_logp: s.ref_logp,
                         })
                         .collect(),
                     // pack_f32 of an empty slice is empty.
@@ -280,17 +388,19 @@ pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
                 PlanKind::Reference => wire::PlanKind::Reference,
             } as i32,
             replay: planned.replay,
+            max_tokens: planned.settings.max_tokens,
         }),
         ToWorker::Abort {
             job,
             generation,
             step,
-            reason,
+            why,
         } => Msg::Abort(wire::Abort {
             job_id: job.clone(),
             generation: *generation,
             step: *step,
-            reason: reason.clone(),
+            detail: why.detail.clone(),
+            reason: abort_reason(why.reason) as i32,
         }),
         ToWorker::Checkpoint {
             job,
@@ -348,13 +458,18 @@ mod tests {
     #[test]
     fn configure_carries_each_peers_prior() {
         let h = held_from_wire(wire_held(0, 1)).unwrap();
+        let spec: JobSpec = toml::from_str(
+            "[job]\nname = \"t\"\noutput_dir = \"/o\"\n[model]\ninit = \"random\"\n\
+             config = \"/c.json\"\n[data]\nformat = \"sft\"\n[batch]\ndocs_per_step = 2\n",
+        )
+        .unwrap();
         let msg = to_worker(&ToWorker::Configure {
             job: "j".into(),
             generation: 4,
             rank: 1,
-            peers: vec![("a".into(), "x:1".into()), ("b".into(), "x:2".into())],
-            priors: vec![Some(h), None],
-            spec_toml: String::new(),
+            peers: vec![("a".into(), "x:1".into()), ("b".into(), "x:2".into())].into(),
+            priors: vec![Some(h), None].into(),
+            spec: std::sync::Arc::new(spec),
             step: 7,
             restore_from: None,
         });
@@ -364,5 +479,8 @@ mod tests {
         assert_eq!(c.peers[0].prior, Some(wire_held(0, 1)));
         assert_eq!(c.peers[1].prior, None);
         assert!(c.restore_from.is_empty());
+        let job = c.job.expect("the resolved job travels with it");
+        assert_eq!(job.sharding, wire::Sharding::Ddp as i32);
+        assert_eq!(job.runtime.unwrap().loss_chunk_tokens, 1024);
     }
 }

@@ -24,7 +24,9 @@ pub use admin::AdminService;
 pub use rollouts::RolloutsService;
 pub use worker::WorkerServiceImpl;
 
-use crate::core::{Coordinator, CoreError, Effect, Event, JobId, ToWorker, WatchItem, WorkerId};
+use crate::core::{
+    Coordinator, CoreError, Effect, Event, EventKind, JobId, ToWorker, WatchItem, WorkerId,
+};
 use crate::store::{StepRecord, Store};
 
 /// Messages queued for one worker's session stream.
@@ -102,21 +104,28 @@ impl Shared {
         for e in effects {
             let (job, reason) = match e {
                 Effect::Send {
-                    msg: ToWorker::Abort { job, reason, .. },
+                    msg: ToWorker::Abort { job, why, .. },
                     ..
-                } => (job, reason.as_str()),
+                } => (job, why.reason),
                 // A generation whose members were all lost sends no Abort.
                 Effect::Publish {
                     job,
-                    item: WatchItem::Event { kind, message, .. },
-                } if kind == "generation" && message.contains(" aborted: ") => {
-                    let reason = message.split_once(" aborted: ").map_or("", |(_, r)| r);
-                    (job, reason)
-                }
+                    item:
+                        WatchItem::Event {
+                            reason: Some(reason),
+                            aborted_step: Some(_),
+                            ..
+                        },
+                } => (job, *reason),
                 Effect::Publish {
                     job,
-                    item: WatchItem::Event { kind, unix_ms, .. },
-                } if kind == "checkpoint" => {
+                    item:
+                        WatchItem::Event {
+                            kind: EventKind::Checkpoint,
+                            unix_ms,
+                            ..
+                        },
+                } => {
                     let step = inner.core.job(job).ok().and_then(|j| j.rec.last_checkpoint);
                     self.metrics.observe_checkpoint(job, step, *unix_ms);
                     continue;

@@ -115,7 +115,7 @@ impl RolloutsService {
     fn data_section(&self, job: &str) -> Result<DataSection, Status> {
         let inner = self.shared.lock();
         let j = inner.core.job(job).map_err(core_status)?;
-        if j.stream.is_none() {
+        if j.data.stream.is_none() {
             return Err(core_status(CoreError::NotStreamed(job.to_string())));
         }
         Ok(j.spec.data.clone())

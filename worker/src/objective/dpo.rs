@@ -18,24 +18,14 @@
 use super::{log_sigmoid, sigmoid};
 
 /// Which loss (mirror of the spec's `objective.loss`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DpoLoss {
-    #[default]
     Sigmoid,
     Ipo,
     DpoNorm,
 }
 
 impl DpoLoss {
-    pub fn parse(s: &str) -> Option<DpoLoss> {
-        match s {
-            "sigmoid" => Some(DpoLoss::Sigmoid),
-            "ipo" => Some(DpoLoss::Ipo),
-            "dpo_norm" => Some(DpoLoss::DpoNorm),
-            _ => None,
-        }
-    }
-
     /// Whether log-probs are averaged over the sequence's loss tokens.
     pub fn averages(self) -> bool {
         matches!(self, DpoLoss::Ipo | DpoLoss::DpoNorm)

@@ -10,8 +10,6 @@
 //! The second pass recomputes each chunk's logits; that costs one extra
 //! head forward per microbatch and keeps memory at one chunk.
 
-use std::collections::BTreeMap;
-
 use anyhow::{bail, Context};
 use tch::{Kind, Reduction, Tensor};
 
@@ -23,7 +21,10 @@ pub struct SeqMeta {
     pub doc_id: String,
     /// 0 = SFT / rollout / DPO chosen, 1 = DPO rejected.
     pub role: u32,
-    pub scalars: BTreeMap<String, f64>,
+    /// Policy gradient: the rollout's advantage.
+    pub advantage: Option<f64>,
+    /// DPO with a cached reference: the sequence's reference log-prob.
+    pub ref_logp: Option<f64>,
 }
 
 /// Per-sequence metadata and per-token old log-probs of a microbatch.
@@ -54,7 +55,8 @@ impl MicrobatchMeta {
                 .map(|s| SeqMeta {
                     doc_id: s.doc_id.clone(),
                     role: s.role,
-                    scalars: s.scalars.iter().map(|(k, v)| (k.clone(), *v)).collect(),
+                    advantage: s.advantage,
+                    ref_logp: s.ref_logp,
                 })
                 .collect(),
             old_logprobs,

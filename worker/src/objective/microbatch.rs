@@ -74,17 +74,13 @@ pub fn dpo(
     let ref_of = |i: usize| -> anyhow::Result<f64> {
         match &ref_sums {
             Some(r) => Ok(r[i].0),
-            None => meta.seqs[i]
-                .scalars
-                .get("ref_logp")
-                .copied()
-                .ok_or_else(|| {
-                    anyhow!(
+            None => meta.seqs[i].ref_logp.ok_or_else(|| {
+                anyhow!(
                     "document {} role {}: no ref_logp in the plan (cached reference pass missing)",
                     meta.seqs[i].doc_id,
                     meta.seqs[i].role
                 )
-                }),
+            }),
         }
     };
     // Pair the sequences by document id. A pair can sit in a step twice
@@ -201,7 +197,7 @@ pub fn policy_gradient(
     let (mut loss_sum, mut loss_tokens) = (0.0, 0u64);
     let (mut clipped, mut kl_sum) = (0.0, 0.0);
     for (i, s) in meta.seqs.iter().enumerate() {
-        let a = *s.scalars.get("advantage").ok_or_else(|| {
+        let a = s.advantage.ok_or_else(|| {
             anyhow!(
                 "document {}: no advantage in the plan (rollouts need one)",
                 s.doc_id

@@ -61,53 +61,6 @@ pub enum Objective {
 }
 
 impl Objective {
-    pub fn from_config(c: &crate::config::ObjectiveConfig) -> anyhow::Result<Objective> {
-        use anyhow::bail;
-        let live = match c.reference.as_deref().unwrap_or("cached") {
-            "cached" => false,
-            "live" => true,
-            other => bail!("objective.reference: expected cached or live, got {other:?}"),
-        };
-        Ok(match c.kind.as_deref().unwrap_or("sft") {
-            "sft" => Objective::Sft,
-            "dpo" => {
-                let loss = c.loss.as_deref().unwrap_or("sigmoid");
-                Objective::Dpo {
-                    params: dpo::DpoParams {
-                        beta: c.beta.unwrap_or(0.1),
-                        loss: dpo::DpoLoss::parse(loss).ok_or_else(|| {
-                            anyhow::anyhow!("objective.loss: unknown DPO loss {loss:?}")
-                        })?,
-                        label_smoothing: c.label_smoothing.unwrap_or(0.0),
-                    },
-                    live,
-                }
-            }
-            "pg" => {
-                let norm = match c.loss_normalization.as_deref().unwrap_or("token") {
-                    "token" => microbatch::Normalization::Token,
-                    "sequence" => microbatch::Normalization::Sequence,
-                    "constant" => {
-                        microbatch::Normalization::Constant(c.normalization_constant.ok_or_else(
-                            || anyhow::anyhow!("objective.normalization_constant: required"),
-                        )?)
-                    }
-                    other => bail!("objective.loss_normalization: unknown {other:?}"),
-                };
-                let kl_coef = c.kl_coef.unwrap_or(0.0);
-                Objective::Pg {
-                    params: pg::PgParams {
-                        clip_ratio: c.clip_ratio.unwrap_or(0.2),
-                        kl_coef,
-                    },
-                    norm,
-                    live: live && kl_coef > 0.0,
-                }
-            }
-            other => bail!("objective.kind: expected sft, dpo or pg, got {other:?}"),
-        })
-    }
-
     /// Whether the worker keeps a frozen copy of the initial model.
     pub fn live_reference(&self) -> bool {
         matches!(

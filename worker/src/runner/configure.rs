@@ -19,10 +19,10 @@ use std::sync::atomic::Ordering;
 use tch::Tensor;
 use tracing::info;
 
-use super::{blamed_peer, lock, spec_max_tokens, wire, ConfigureError, Held, Msg, Thread};
+use super::{blamed_peer, lock, wire, ConfigureError, Held, Msg, Thread};
 use crate::collective::reshard::{SyncPlan, DEFAULT_CHUNK};
 use crate::collective::{Collective, CollectiveError, Solo};
-use crate::config::JobConfig;
+use crate::config::{JobConfig, Sharding};
 use crate::train::checkpoint::marker;
 
 /// How the replica is obtained.
@@ -72,18 +72,20 @@ impl Thread {
     pub(super) fn configure(&mut self, c: wire::Configure) {
         // A checkpoint still being written may be the one to restore from.
         self.writer.wait();
-        let cfg = match JobConfig::from_toml(&c.spec_toml) {
-            Ok(cfg) => cfg,
-            Err(e) => {
-                let msg = format!("configure: the job spec does not parse: {e}");
+        let cfg = match c.job.as_ref().map(crate::convert::job_config) {
+            Some(Ok(cfg)) => cfg,
+            Some(Err(e)) => {
+                let msg = format!("configure: {e}");
+                let kind = wire::ErrorKind::InvalidPlan;
+                return self.error(&c.job_id, c.generation, c.step, kind, msg);
+            }
+            None => {
+                let msg = "configure: job: missing (the coordinator sets every field)".to_string();
                 let kind = wire::ErrorKind::InvalidPlan;
                 return self.error(&c.job_id, c.generation, c.step, kind, msg);
             }
         };
-        let sharded = !matches!(
-            cfg.parallel.sharding.to_ascii_lowercase().as_str(),
-            "" | "ddp"
-        );
+        let sharded = cfg.sharding != Sharding::Ddp;
         let result = match source(&c, sharded) {
             Source::Restore(dir) => {
                 self.drop_replica();
@@ -339,8 +341,7 @@ impl Thread {
             rank: c.rank,
             world_size: c.world_size,
             step: c.step,
-            max_tokens: spec_max_tokens(&c.spec_toml),
-            name: cfg.job.name.clone(),
+            name: cfg.name.clone(),
             exec,
         })
     }

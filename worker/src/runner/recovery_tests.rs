@@ -13,8 +13,6 @@ use super::*;
 use crate::collective::tcp::connect_cpu;
 use crate::train::checkpoint::marker;
 
-const SPEC: &str = "[job]\nname = \"t\"\noutput_dir = \"/tmp/x\"\n[model]\ninit = \"random\"\n";
-
 /// A complete one-rank checkpoint of `step` (fake model file, marker,
 /// manifest) in `dir`.
 pub(super) fn complete_checkpoint(dir: &Path, step: u64) {
@@ -148,7 +146,7 @@ fn configure(step: u64, restore_from: &str) -> Work {
         job_id: "j".into(),
         generation: 1,
         world_size: 1,
-        spec_toml: SPEC.into(),
+        job: Some(crate::convert::testing::definition()),
         step,
         restore_from: restore_from.into(),
         ..Default::default()
@@ -287,7 +285,7 @@ fn an_abort_interrupts_a_collective_blocked_on_a_frozen_peer() {
                 ..Default::default()
             })
             .collect(),
-        spec_toml: SPEC.into(),
+        job: Some(crate::convert::testing::definition()),
         ..Default::default()
     })));
     assert!(matches!(next(&mut rx), Msg::Ready(r) if r.generation == 7));
@@ -299,7 +297,8 @@ fn an_abort_interrupts_a_collective_blocked_on_a_frozen_peer() {
         job_id: "j".into(),
         generation: 7,
         step: 1,
-        reason: "peer lost".into(),
+        detail: "peer lost".into(),
+        reason: wire::AbortReason::WorkerLost as i32,
     }));
     while runner.pending() > 0 {
         assert!(
@@ -339,7 +338,7 @@ fn a_holder_whose_state_does_not_match_its_prior_is_a_state_sync_error() {
         job_id: "j".into(),
         generation: 2,
         world_size: 1,
-        spec_toml: SPEC.into(),
+        job: Some(crate::convert::testing::definition()),
         step: 2,
         peers: vec![wire::Peer {
             rank: 0,

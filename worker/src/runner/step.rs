@@ -18,13 +18,12 @@ pub enum StepOutcome {
 
 /// Runs one plan: every non-empty microbatch (empty padding ones are
 /// counted, not run), then the optimizer step. `aborted` is polled between
-/// microbatches. `max_tokens` is the spec's budget per microbatch, for the
-/// padding a padded layout would have wasted; `idle_s` is the time since
-/// the previous plan finished.
+/// microbatches. The plan's `max_tokens` (its step's budget per microbatch)
+/// gives the padding a padded layout would have wasted; `idle_s` is the
+/// time since the previous plan finished.
 pub fn run_step(
     exec: &mut dyn StepExecutor,
     plan: &wire::StepPlan,
-    max_tokens: u64,
     idle_s: f64,
     aborted: &dyn Fn() -> bool,
 ) -> StepOutcome {
@@ -38,7 +37,17 @@ pub fn run_step(
             peer_rank: blamed_peer(e),
         })
     };
-    let norms = plan.normalizers.unwrap_or_default();
+    let Some(norms) = plan.normalizers else {
+        return StepOutcome::Failed(wire::WorkerError {
+            job_id: plan.job_id.clone(),
+            generation: plan.generation,
+            step: plan.step,
+            kind: wire::ErrorKind::InvalidPlan as i32,
+            message: format!("step {}: the plan carries no normalizers", plan.step),
+            peer_rank: None,
+        });
+    };
+    let max_tokens = u64::from(plan.max_tokens);
     let mut sums = wire::MetricSums {
         idle_s,
         microbatches: plan.microbatches.len() as u32,
@@ -144,12 +153,4 @@ fn collective_error(e: &anyhow::Error) -> Option<&CollectiveError> {
 /// The peer a failed collective blames (the WorkerError's `peer_rank`).
 pub fn blamed_peer(e: &anyhow::Error) -> Option<u32> {
     collective_error(e)?.peer().map(|p| p as u32)
-}
-
-/// `data.max_tokens` of the spec (the coordinator's default when absent).
-pub fn spec_max_tokens(spec_toml: &str) -> u64 {
-    toml::from_str::<toml::Value>(spec_toml)
-        .ok()
-        .and_then(|v| v.get("data")?.get("max_tokens")?.as_integer())
-        .map_or(4096, |n| n.max(0) as u64)
 }

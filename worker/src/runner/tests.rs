@@ -130,6 +130,7 @@ fn plan(step: u64, mbs: Vec<wire::Microbatch>) -> wire::StepPlan {
         microbatches: mbs,
         cursor_after: None,
         kind: wire::PlanKind::Train as i32,
+        max_tokens: 16,
     }
 }
 
@@ -145,7 +146,7 @@ fn a_plan_reports_sums_and_counts_padding_microbatches() {
             mb(&[("c:3", 4), ("c:3", 2)]),
         ],
     );
-    let StepOutcome::Done(s) = run_step(&mut fake, &p, 16, 0.5, &|| false) else {
+    let StepOutcome::Done(s) = run_step(&mut fake, &p, 0.5, &|| false) else {
         panic!("step failed");
     };
     assert_eq!(s.tokens, 14);
@@ -171,7 +172,7 @@ fn a_non_finite_loss_fails_the_step_naming_step_and_microbatch() {
     let (mut fake, calls) = Fake::new();
     fake.fail_at = Some((1, "loss is non-finite"));
     let p = plan(7, vec![mb(&[("a:1", 3)]), mb(&[("b:1", 3)])]);
-    let StepOutcome::Failed(e) = run_step(&mut fake, &p, 16, 0.0, &|| false) else {
+    let StepOutcome::Failed(e) = run_step(&mut fake, &p, 0.0, &|| false) else {
         panic!("expected a failure");
     };
     assert_eq!(e.kind, wire::ErrorKind::NonFinite as i32);
@@ -187,14 +188,14 @@ fn other_failures_are_internal_and_optimizer_failures_name_the_step() {
     let (mut fake, _) = Fake::new();
     fake.fail_at = Some((0, "out of memory"));
     let p = plan(2, vec![mb(&[("a:1", 3)])]);
-    let StepOutcome::Failed(e) = run_step(&mut fake, &p, 16, 0.0, &|| false) else {
+    let StepOutcome::Failed(e) = run_step(&mut fake, &p, 0.0, &|| false) else {
         panic!("expected a failure");
     };
     assert_eq!(e.kind, wire::ErrorKind::Internal as i32);
 
     let (mut fake, _) = Fake::new();
     fake.fail_optimizer = true;
-    let StepOutcome::Failed(e) = run_step(&mut fake, &p, 16, 0.0, &|| false) else {
+    let StepOutcome::Failed(e) = run_step(&mut fake, &p, 0.0, &|| false) else {
         panic!("expected a failure");
     };
     assert_eq!(e.kind, wire::ErrorKind::NonFinite as i32);
@@ -212,31 +213,42 @@ fn an_abort_between_microbatches_drops_the_gradients() {
     // Aborted once the first microbatch has run.
     let aborted = || seen.swap(true, Ordering::SeqCst);
     let p = plan(4, vec![mb(&[("a:1", 3)]), mb(&[("b:1", 3)])]);
-    assert_eq!(
-        run_step(&mut fake, &p, 16, 0.0, &aborted),
-        StepOutcome::Aborted
-    );
+    assert_eq!(run_step(&mut fake, &p, 0.0, &aborted), StepOutcome::Aborted);
     let c = calls.lock().unwrap();
     assert_eq!(c.microbatches.len(), 1);
     assert!(c.steps.is_empty());
     assert_eq!(c.zero_grads, 1);
 }
 
+/// Regression (issue 13): after `accrue set --max-tokens` the worker
+/// counted padding against the submitted value; the plan's budget is the
+/// one its step was packed with.
 #[test]
-fn max_tokens_comes_from_the_spec() {
-    assert_eq!(spec_max_tokens("[data]\nmax_tokens = 64\n"), 64);
-    assert_eq!(spec_max_tokens("[job]\nname = \"x\"\n"), 4096);
+fn padding_is_counted_against_the_plans_max_tokens() {
+    let (mut fake, _) = Fake::new();
+    let mut p = plan(3, vec![mb(&[("a:1", 5), ("b:2", 3)])]);
+    let padding = |fake: &mut Fake, p: &wire::StepPlan| match run_step(fake, p, 0.0, &|| false) {
+        StepOutcome::Done(s) => s.padding_tokens,
+        other => panic!("step failed: {other:?}"),
+    };
+    assert_eq!(padding(&mut fake, &p), 16 - 8);
+    p.max_tokens = 64;
+    assert_eq!(padding(&mut fake, &p), 64 - 8);
 }
 
-const SPEC: &str = r#"
-[job]
-name = "t"
-output_dir = "/tmp/x"
-[model]
-init = "random"
-[data]
-max_tokens = 32
-"#;
+/// A plan without normalisers is refused, not run with zeros.
+#[test]
+fn a_plan_without_normalizers_is_an_invalid_plan() {
+    let (mut fake, calls) = Fake::new();
+    let mut p = plan(3, vec![mb(&[("a:1", 5)])]);
+    p.normalizers = None;
+    let StepOutcome::Failed(e) = run_step(&mut fake, &p, 0.0, &|| false) else {
+        panic!("expected a failure");
+    };
+    assert_eq!(e.kind, wire::ErrorKind::InvalidPlan as i32);
+    assert!(e.message.contains("normalizers"), "{}", e.message);
+    assert!(calls.lock().unwrap().microbatches.is_empty(), "nothing ran");
+}
 
 fn msg(rx: &mut tokio::sync::mpsc::UnboundedReceiver<wire::WorkerMessage>) -> Msg {
     for _ in 0..500 {
@@ -256,7 +268,7 @@ fn the_thread_configures_runs_checkpoints_and_drains_on_shutdown() {
     let restores = Arc::new(Mutex::new(Vec::new()));
     let r2 = restores.clone();
     let factory: Factory = Arc::new(move |cfg, restore, _| {
-        assert_eq!(cfg.job.name, "t");
+        assert_eq!(cfg.name, "t");
         r2.lock().unwrap().push(restore.map(Path::to_path_buf));
         Ok(Box::new(Fake {
             calls: c2.clone(),
@@ -273,7 +285,7 @@ fn the_thread_configures_runs_checkpoints_and_drains_on_shutdown() {
         job_id: "j".into(),
         generation: 1,
         world_size: 1,
-        spec_toml: SPEC.into(),
+        job: Some(crate::convert::testing::definition()),
         step: 5,
         restore_from: ckpt5.display().to_string(),
         ..Default::default()
@@ -281,7 +293,9 @@ fn the_thread_configures_runs_checkpoints_and_drains_on_shutdown() {
     assert!(matches!(msg(&mut rx), Msg::Ready(r) if r.step == 5 && r.generation == 1));
     assert_eq!(*restores.lock().unwrap(), vec![Some(ckpt5)]);
 
-    runner.submit(Work::Plan(Box::new(plan(6, vec![mb(&[("a:1", 4)])]))));
+    let mut p6 = plan(6, vec![mb(&[("a:1", 4)])]);
+    p6.max_tokens = 32;
+    runner.submit(Work::Plan(Box::new(p6)));
     let ckpt = dir.path().join("step-6");
     runner.submit(Work::Checkpoint(wire::CheckpointRequest {
         job_id: "j".into(),
@@ -337,7 +351,7 @@ fn reconfiguring_at_the_held_step_keeps_the_replica() {
             job_id: "j".into(),
             generation,
             world_size: 1,
-            spec_toml: SPEC.into(),
+            job: Some(crate::convert::testing::definition()),
             step,
             ..Default::default()
         }))
@@ -361,19 +375,30 @@ fn reconfiguring_at_the_held_step_keeps_the_replica() {
 }
 
 #[test]
-fn a_bad_spec_is_an_invalid_plan_error() {
+fn a_missing_or_incomplete_job_is_an_invalid_plan_error() {
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let runner = Runner::spawn(default_factory(), tx);
     runner.submit(Work::Configure(Box::new(wire::Configure {
         job_id: "j".into(),
-        spec_toml: "not toml [".into(),
         ..Default::default()
     })));
     let Msg::Error(e) = msg(&mut rx) else {
         panic!("expected an error");
     };
     assert_eq!(e.kind, wire::ErrorKind::InvalidPlan as i32);
-    assert!(e.message.contains("does not parse"), "{}", e.message);
+    assert!(e.message.contains("job: missing"), "{}", e.message);
+    let mut job = crate::convert::testing::definition();
+    job.sharding = wire::Sharding::Unspecified as i32;
+    runner.submit(Work::Configure(Box::new(wire::Configure {
+        job_id: "j".into(),
+        job: Some(job),
+        ..Default::default()
+    })));
+    let Msg::Error(e) = msg(&mut rx) else {
+        panic!("expected an error");
+    };
+    assert_eq!(e.kind, wire::ErrorKind::InvalidPlan as i32);
+    assert!(e.message.contains("job.sharding"), "{}", e.message);
     runner.shutdown();
 }
 
@@ -388,7 +413,7 @@ fn more_than_one_rank_with_bad_peers_fails_configure_naming_the_collective() {
         generation: 4,
         world_size: 2,
         rank: 1,
-        spec_toml: SPEC.into(),
+        job: Some(crate::convert::testing::definition()),
         ..Default::default()
     })));
     let Msg::Error(e) = msg(&mut rx) else {
@@ -473,7 +498,7 @@ fn each_rank_gets_its_collective_and_a_failed_collective_blames_the_peer() {
             generation: 1,
             world_size: 2,
             rank: rank as u32,
-            spec_toml: SPEC.into(),
+            job: Some(crate::convert::testing::definition()),
             ..Default::default()
         })));
     }

@@ -17,19 +17,6 @@ pub struct AdamWConfig {
     pub weight_decay: f64,
 }
 
-impl AdamWConfig {
-    /// The job's `[optimizer]` settings (the lr comes per step).
-    pub fn from_spec(o: &crate::config::Optimizer) -> AdamWConfig {
-        let [beta1, beta2] = o.betas;
-        AdamWConfig {
-            beta1,
-            beta2,
-            eps: o.eps,
-            weight_decay: o.weight_decay,
-        }
-    }
-}
-
 /// AdamW state: first and second moments per parameter, in the order of
 /// the parameter list it was created with.
 #[derive(Debug)]

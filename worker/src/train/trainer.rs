@@ -25,14 +25,14 @@ use anyhow::{anyhow, bail, Context};
 use tch::{Device, Kind, Tensor};
 
 use crate::collective::{shard_range, Collective, CollectiveError, Solo};
-use crate::config::JobConfig;
+use crate::config::{self, JobConfig, ModelSource};
 use crate::model::{loss, weights, Init, Llama, LlamaConfig};
 use crate::objective::Objective;
 
 use super::batch::PackedBatch;
 use super::checkpoint::{self, ShardEntry};
 use super::flat::FlatLayout;
-use super::optim::{self, AdamW, AdamWConfig};
+use super::optim::{self, AdamW};
 
 /// Metric sums of one microbatch (turned into means by the coordinator).
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -51,7 +51,8 @@ pub struct StepStats {
     pub grad_norm: f64,
 }
 
-/// How the replicas share state (`parallel.sharding`).
+/// This trainer's two sharding levels (fsdp is another engine,
+/// `train::fsdp`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Sharding {
     /// Replicated parameters and optimizer state; gradients all-reduced.
@@ -62,13 +63,13 @@ pub enum Sharding {
 }
 
 impl Sharding {
-    /// `"ddp"` (also the default, `""`) or `"zero2"`. `"fsdp"` is a
-    /// different engine (`train::fsdp`), not a mode of this trainer.
-    pub fn parse(s: &str) -> anyhow::Result<Sharding> {
-        match s.to_ascii_lowercase().as_str() {
-            "" | "ddp" => Ok(Sharding::Ddp),
-            "zero2" => Ok(Sharding::Zero2),
-            other => bail!("parallel.sharding: this trainer does ddp or zero2, got {other:?}"),
+    fn of(s: config::Sharding) -> anyhow::Result<Sharding> {
+        match s {
+            config::Sharding::Ddp => Ok(Sharding::Ddp),
+            config::Sharding::Zero2 => Ok(Sharding::Zero2),
+            config::Sharding::Fsdp => {
+                bail!("parallel.sharding = \"fsdp\" runs on the fsdp engine, not this trainer")
+            }
         }
     }
 }
@@ -123,14 +124,6 @@ pub struct Trainer {
 mod objectives;
 mod sync;
 
-pub(crate) fn parse_kind(dtype: &str) -> anyhow::Result<Kind> {
-    match dtype {
-        "float32" | "fp32" | "f32" => Ok(Kind::Float),
-        "bfloat16" | "bf16" => Ok(Kind::BFloat16),
-        other => bail!("model.dtype: expected float32 or bfloat16, got {other}"),
-    }
-}
-
 /// Builds the model from a HF checkpoint directory (config.json + safetensors).
 pub fn load_model(dir: &Path, kind: Kind, device: Device) -> anyhow::Result<Llama> {
     let (cfg, raw) = LlamaConfig::from_file(&dir.join("config.json"))?;
@@ -144,27 +137,19 @@ pub fn load_model(dir: &Path, kind: Kind, device: Device) -> anyhow::Result<Llam
 /// The model of `cfg.model` (seeded random init or a HF directory), or the
 /// one saved in `restore_from`.
 pub fn build_model(cfg: &JobConfig, restore_from: Option<&Path>) -> anyhow::Result<Llama> {
-    let kind = parse_kind(&cfg.model.dtype)?;
+    let kind = cfg.dtype;
     let device = Device::cuda_if_available();
-    match restore_from {
-        Some(dir) => load_model(dir, kind, device)
+    match (restore_from, &cfg.model) {
+        (Some(dir), _) => load_model(dir, kind, device)
             .with_context(|| format!("restoring model from {}", dir.display())),
-        None if cfg.model.init == "random" => {
-            let path = cfg
-                .model
-                .config
-                .as_ref()
-                .context("model.config: required when model.init = \"random\"")?;
-            let (mcfg, raw) = LlamaConfig::from_file(path)?;
+        (None, ModelSource::Random { config }) => {
+            let (mcfg, raw) = LlamaConfig::from_file(config)?;
             // Every rank draws the same init from the same seed, from its
             // own generator (see `model::init`).
-            Llama::new(mcfg, raw, kind, device, Init::Seeded(cfg.job.seed))
+            Llama::new(mcfg, raw, kind, device, Init::Seeded(cfg.seed))
         }
-        None => {
-            let dir = Path::new(&cfg.model.init);
-            load_model(dir, kind, device)
-                .with_context(|| format!("model.init: loading {}", dir.display()))
-        }
+        (None, ModelSource::Checkpoint(dir)) => load_model(dir, kind, device)
+            .with_context(|| format!("model.init: loading {}", dir.display())),
     }
 }
 
@@ -187,9 +172,9 @@ impl Trainer {
         restore_from: Option<&Path>,
         coll: Box<dyn Collective>,
     ) -> anyhow::Result<Trainer> {
-        let sharding = Sharding::parse(&cfg.parallel.sharding)?;
+        let sharding = Sharding::of(cfg.sharding)?;
         let model = build_model(cfg, restore_from)?;
-        let adam = AdamWConfig::from_spec(&cfg.optimizer);
+        let adam = cfg.optimizer;
         let mut vars: Vec<(String, Tensor)> = model.vs.variables().into_iter().collect();
         vars.sort_by(|a, b| a.0.cmp(&b.0));
         let (names, params): (Vec<String>, Vec<Tensor>) = vars.into_iter().unzip();
@@ -221,7 +206,7 @@ impl Trainer {
             });
             opt.step = step;
         }
-        let objective = Objective::from_config(&cfg.objective)?;
+        let objective = cfg.objective;
         let reference = if objective.live_reference() {
             Some(objectives::frozen(build_model(cfg, None)?))
         } else {
@@ -235,8 +220,8 @@ impl Trainer {
             sharding,
             coll,
             opt,
-            grad_clip: cfg.optimizer.grad_clip,
-            loss_chunk_tokens: cfg.runtime.loss_chunk_tokens,
+            grad_clip: cfg.grad_clip,
+            loss_chunk_tokens: cfg.loss_chunk_tokens,
             objective,
             reference,
             pristine: restore_from.is_none(),

@@ -73,11 +73,51 @@ pub fn documents(reference: &HashMap<String, Tensor>) -> Vec<(Vec<i64>, Vec<i64>
         .collect()
 }
 
+/// A job config as the coordinator resolves it and the worker receives it:
+/// `extra` (lines continuing `[model]`, then any sections) completed into a
+/// valid spec, parsed and validated by the coordinator, sent through the
+/// typed job message (`Configure.job`) and converted by the worker.
 pub fn job_config(init: &str, extra: &str) -> JobConfig {
+    accrue_worker::convert::job_config(&job_definition(init, extra)).unwrap()
+}
+
+/// The typed job message of [`job_config`].
+pub fn job_definition(init: &str, extra: &str) -> accrue_worker::wire::JobDefinition {
     let text = format!(
         "[job]\nname = \"t\"\nseed = 7\noutput_dir = \"/tmp/unused\"\n[model]\ninit = \"{init}\"\n{extra}"
     );
-    JobConfig::from_toml(&text).unwrap()
+    let mut spec: toml::Table = text.parse().unwrap();
+    let job = spec["job"].as_table_mut().unwrap();
+    if !job.contains_key("steps") && !job.contains_key("epochs") {
+        job.insert("steps".into(), 1.into());
+    }
+    let kind = spec
+        .get("objective")
+        .and_then(|o| o.get("kind"))
+        .and_then(|k| k.as_str())
+        .unwrap_or("sft");
+    let format = match kind {
+        "dpo" => "dpo",
+        "pg" => "rollouts",
+        _ => "sft",
+    };
+    // The coordinator checks that data files exist; none is read here.
+    let data_file = std::env::temp_dir().join("accrue-worker-tests-unread.jsonl");
+    std::fs::write(&data_file, "").unwrap();
+    let data = spec
+        .entry("data")
+        .or_insert_with(|| toml::Table::new().into())
+        .as_table_mut()
+        .unwrap();
+    data.entry("train")
+        .or_insert_with(|| vec![data_file.display().to_string()].into());
+    data.entry("format").or_insert_with(|| format.into());
+    spec.entry("batch")
+        .or_insert_with(|| toml::toml! { docs_per_step = 1 }.into());
+    let text = toml::to_string(&spec).unwrap();
+    let spec = accrue_coordinator::spec::JobSpec::parse(&text, Path::new("/"))
+        .unwrap_or_else(|p| panic!("test spec is invalid: {p:?}\n{text}"));
+    accrue_coordinator::service::convert::job_definition(&spec)
 }
 
 /// `(‖a − b‖, ‖b‖)` in f64.

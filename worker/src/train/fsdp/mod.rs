@@ -50,7 +50,7 @@ use anyhow::{anyhow, bail, Context};
 use tch::{nn, Device, Kind, Tensor};
 
 use crate::collective::{shard_range, Collective};
-use crate::config::JobConfig;
+use crate::config::{JobConfig, ModelSource};
 use crate::model::norm::RmsNorm;
 use crate::model::rope::Rope;
 use crate::model::{weights, LlamaConfig, PackedAttention};
@@ -58,8 +58,8 @@ use crate::objective::Objective;
 
 use super::batch::PackedBatch;
 use super::checkpoint::{self, ShardEntry};
-use super::optim::{self, AdamW, AdamWConfig};
-use super::trainer::{build_model, parse_kind, MicrobatchSums, StateBytes, StepStats};
+use super::optim::{self, AdamW};
+use super::trainer::{build_model, MicrobatchSums, StateBytes, StepStats};
 use shell::LayerShell;
 use units::UnitLayout;
 
@@ -114,7 +114,7 @@ impl FsdpTrainer {
         restore: Option<&Path>,
         coll: Box<dyn Collective>,
     ) -> anyhow::Result<FsdpTrainer> {
-        let objective = Objective::from_config(&cfg.objective)?;
+        let objective = cfg.objective;
         if objective.live_reference() {
             bail!(
                 "objective.reference = \"live\" with parallel.sharding = \"fsdp\": \
@@ -122,15 +122,15 @@ impl FsdpTrainer {
                  frozen full copy of the model on every rank, which fsdp exists to avoid)"
             );
         }
-        let kind = parse_kind(&cfg.model.dtype)?;
+        let kind = cfg.dtype;
         let device = Device::cuda_if_available();
-        let (mcfg, raw, tensors, source) = match restore {
-            Some(dir) => {
+        let (mcfg, raw, tensors, source) = match (restore, &cfg.model) {
+            (Some(dir), _) => {
                 let (c, r, t) = read_hf_dir(dir)
                     .with_context(|| format!("restoring model from {}", dir.display()))?;
                 (c, r, t, dir.display().to_string())
             }
-            None if cfg.model.init == "random" => {
+            (None, ModelSource::Random { .. }) => {
                 let m = build_model(cfg, None)?;
                 let named = m.vs.variables().into_iter().collect();
                 (
@@ -140,8 +140,7 @@ impl FsdpTrainer {
                     "random init".into(),
                 )
             }
-            None => {
-                let dir = Path::new(&cfg.model.init);
+            (None, ModelSource::Checkpoint(dir)) => {
                 let (c, r, t) = read_hf_dir(dir)
                     .with_context(|| format!("model.init: loading {}", dir.display()))?;
                 (c, r, t, dir.display().to_string())
@@ -160,7 +159,7 @@ impl FsdpTrainer {
         }
         drop(tensors);
         let grads = params.iter().map(Tensor::zeros_like).collect();
-        let adam = AdamWConfig::from_spec(&cfg.optimizer);
+        let adam = cfg.optimizer;
         let mut opt = AdamW::new(adam, &params);
         if let Some(dir) = restore {
             let (step, moments) = checkpoint::load_optimizer_tensors(dir)
@@ -194,8 +193,8 @@ impl FsdpTrainer {
             _norm_vs: norm_vs,
             norm,
             rope,
-            grad_clip: cfg.optimizer.grad_clip,
-            loss_chunk_tokens: cfg.runtime.loss_chunk_tokens,
+            grad_clip: cfg.grad_clip,
+            loss_chunk_tokens: cfg.loss_chunk_tokens,
             objective,
             restored: restore.is_some(),
             attention: PackedAttention::default(),

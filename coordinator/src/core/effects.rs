@@ -1,0 +1,236 @@
+//! What goes into the state machine ([`Event`]) and what comes out
+//! ([`Effect`]): the whole interface between the core and the server shell,
+//! which turns events from the wire and effects into messages, store
+//! writes and watch items.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use super::metrics::{MetricSums, StepMetrics};
+use super::reference::{RefEntry, ReferenceLogps, SeqLogp};
+use super::step::PlannedStep;
+use super::stream::{RolloutWrite, StoredStream};
+use super::types::{
+    AbortReason, CommittedStep, EventKind, HeldState, JobId, JobState, Why, WorkerErrorKind,
+    WorkerId,
+};
+use super::workers::Registration;
+use crate::cursor::Cursor;
+use crate::doc::{DocId, Document, Rollout};
+use crate::manifest::StepManifest;
+use crate::settings::JobUpdate;
+use crate::spec::JobSpec;
+
+/// Everything that can happen to the coordinator.
+#[derive(Debug, Clone)]
+pub enum Event {
+    RegisterWorker {
+        id: WorkerId,
+        reg: Registration,
+    },
+    SessionOpened {
+        worker: WorkerId,
+    },
+    SessionClosed {
+        worker: WorkerId,
+    },
+    Heartbeat {
+        worker: WorkerId,
+    },
+    Ready {
+        worker: WorkerId,
+        job: JobId,
+        generation: u64,
+        step: u64,
+    },
+    StepResult {
+        worker: WorkerId,
+        job: JobId,
+        generation: u64,
+        step: u64,
+        sums: MetricSums,
+        /// Reference plans: per-sequence log-probs (empty otherwise).
+        logps: Vec<SeqLogp>,
+    },
+    WorkerError {
+        worker: WorkerId,
+        job: JobId,
+        generation: u64,
+        step: u64,
+        kind: WorkerErrorKind,
+        message: String,
+    },
+    CheckpointDone {
+        worker: WorkerId,
+        job: JobId,
+        step: u64,
+    },
+    /// A worker wrote its part of a published policy (`rl.publish_every`).
+    PolicyPublished {
+        worker: WorkerId,
+        job: JobId,
+        step: u64,
+    },
+    SubmitJob {
+        id: JobId,
+        spec: Arc<JobSpec>,
+        spec_toml: String,
+        docs: Arc<[Document]>,
+        /// Resume from a checkpoint of ours instead of step 0.
+        start: Option<JobStart>,
+    },
+    /// A job read back from the store after a restart.
+    RestoreJob {
+        rec: Box<super::record::JobRecord>,
+        spec: Arc<JobSpec>,
+        docs: Arc<[Document]>,
+        /// The job's cached reference log-probs from the store.
+        reference: ReferenceLogps,
+        /// Its committed steps after `rec.history_from`, from the store
+        /// (replayed after a restore).
+        history: Vec<CommittedStep>,
+    },
+    CancelJob {
+        job: JobId,
+    },
+    PauseJob {
+        job: JobId,
+    },
+    ResumeJob {
+        job: JobId,
+    },
+    DrainWorker {
+        worker: WorkerId,
+    },
+    TriggerCheckpoint {
+        job: JobId,
+    },
+    /// Change step settings of a live job from its next new step on.
+    UpdateJob {
+        job: JobId,
+        update: JobUpdate,
+    },
+    /// Periodic: detects missed heartbeats.
+    Tick,
+    /// Rollouts pushed to a streamed job (one RPC message, admitted whole).
+    /// Answered by an `Effect::PersistRollouts` carrying the counts, or
+    /// refused unchanged (`QueueFull`: wait for a commit and retry).
+    PushRollouts {
+        job: JobId,
+        rollouts: Vec<Rollout>,
+    },
+    /// A streamed job's stored queue, after its `RestoreJob`.
+    RestoreRollouts {
+        job: JobId,
+        stored: StoredStream,
+    },
+}
+
+/// Where a job resumed from a checkpoint starts: its manifest's step and
+/// data cursor, and the directory workers restore from (model and
+/// optimizer state).
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobStart {
+    pub step: u64,
+    pub cursor: Cursor,
+    pub dir: PathBuf,
+}
+
+/// A message for one worker (the adapter turns it into `CoordinatorMessage`).
+#[derive(Debug, Clone)]
+pub enum ToWorker {
+    Configure {
+        job: JobId,
+        generation: u64,
+        rank: u32,
+        /// (worker id, collective address) per rank.
+        peers: Arc<[(WorkerId, String)]>,
+        /// Per rank: the state that peer holds in memory when it holds the
+        /// configured step (no restore; the others sync from it).
+        priors: Arc<[Option<HeldState>]>,
+        /// The validated spec; the adapter sends its resolved form.
+        spec: Arc<JobSpec>,
+        step: u64,
+        restore_from: Option<PathBuf>,
+    },
+    Plan {
+        job: JobId,
+        generation: u64,
+        rank: u32,
+        planned: Arc<PlannedStep>,
+    },
+    Abort {
+        job: JobId,
+        generation: u64,
+        step: u64,
+        why: Why,
+    },
+    Checkpoint {
+        job: JobId,
+        step: u64,
+        dir: PathBuf,
+        cursor: Cursor,
+    },
+    Release {
+        job: JobId,
+        reason: String,
+    },
+    /// Write the current policy as HF safetensors into `dir`.
+    PublishPolicy {
+        job: JobId,
+        step: u64,
+        dir: PathBuf,
+    },
+}
+
+/// One item of a job's watch stream.
+#[derive(Debug, Clone, PartialEq)]
+pub enum WatchItem {
+    Step(StepMetrics),
+    Event {
+        kind: EventKind,
+        message: String,
+        state: JobState,
+        unix_ms: i64,
+        /// Why a generation ended or the job stopped.
+        reason: Option<AbortReason>,
+        /// The step in flight it abandoned, if any.
+        aborted_step: Option<u64>,
+    },
+}
+
+/// What the shell must do, in order. Persist effects come before the sends
+/// and publications that depend on them.
+#[derive(Debug, Clone)]
+pub enum Effect {
+    PersistJob(super::record::JobRecord),
+    /// The step's record, its metrics and its manifest, in one transaction.
+    CommitStep {
+        rec: Box<super::record::JobRecord>,
+        metrics: Box<StepMetrics>,
+        docs: Vec<DocId>,
+        manifest: Box<StepManifest>,
+    },
+    /// Reference log-probs of a committed chunk (persisted before the
+    /// plans that carry them are sent).
+    StoreReference {
+        job: JobId,
+        entries: Vec<(DocId, RefEntry)>,
+    },
+    AppendMetrics {
+        path: PathBuf,
+        metrics: Box<StepMetrics>,
+    },
+    Send {
+        worker: WorkerId,
+        msg: ToWorker,
+    },
+    Publish {
+        job: JobId,
+        item: WatchItem,
+    },
+    /// A streamed job's rollouts: admitted, and deleted once trained (one
+    /// transaction). A push is acknowledged only after this ran; a write
+    /// that frees room wakes waiting pushers.
+    PersistRollouts(Box<RolloutWrite>),
+}

@@ -1,0 +1,351 @@
+//! The one planner (issue 13): every plan a job runs comes from a
+//! [`Source`] and the step's settings (`crate::settings`), and is packed
+//! and built in one place ([`plan`]):
+//! - **files**: the next documents (PG: whole groups) of the job's seeded
+//!   stream from its cursor, sized by the step's settings;
+//! - **stream**: whole groups from the head of a streamed job's queue;
+//! - **replay**: a committed step's documents and learning rate again,
+//!   after a restore from an older state;
+//! - **reference**: a forward-only chunk of the cached reference pass.
+//!
+//! Phase 1 chooses the documents (`plan::select` for files, whole groups
+//! for rollouts), phase 2 packs them and spreads them over ranks
+//! (`plan::solve`, through [`pack_documents`]), phase 3 builds the
+//! per-rank payloads. See `coordinator/src/plan/README.md`.
+
+use crate::cursor::Cursor;
+use crate::doc::{DocBody, Document};
+use crate::plan::{self, PlanError, StepTarget};
+use crate::rl::{self, StalenessStats};
+use crate::settings::StepSettings;
+use crate::spec::{JobSpec, StepSize};
+
+use super::jobs::Job;
+use super::rollouts::{self, RolloutPlan};
+use super::step::{order_of, pack_documents, PlannedStep};
+use super::types::{CommittedStep, PlanKind};
+
+/// Where a plan's documents come from.
+#[derive(Debug, Clone, Copy)]
+pub enum Source<'a> {
+    Files,
+    Stream,
+    Replay(&'a CommittedStep),
+    Reference,
+}
+
+/// Why a step could not be planned.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum PlanFailure {
+    #[error("planning step {step}: {source}")]
+    Pack { step: u64, source: PlanError },
+    #[error("replaying step {step}: its manifest names document {doc}, which the dataset no longer holds")]
+    UnknownDoc { step: u64, doc: crate::doc::DocId },
+    #[error("replaying step {step}: no manifest kept for it")]
+    NoHistory { step: u64 },
+}
+
+/// The source of `job`'s next plan: a replay while its generation is
+/// behind the committed step, the reference pass while its cache is
+/// incomplete, else its stream or files.
+pub fn next_source(job: &Job) -> Result<Source<'_>, PlanFailure> {
+    if let Some(gen) = job.gen().filter(|_| job.replaying()) {
+        let step = gen.step + 1;
+        return job
+            .data
+            .history
+            .get(&step)
+            .map(Source::Replay)
+            .ok_or(PlanFailure::NoHistory { step });
+    }
+    if job
+        .data
+        .reference
+        .as_ref()
+        .is_some_and(|c| !c.complete(&job.data.docs))
+    {
+        return Ok(Source::Reference);
+    }
+    Ok(if job.data.stream.is_some() {
+        Source::Stream
+    } else {
+        Source::Files
+    })
+}
+
+/// A plan's documents before packing.
+struct Chosen<'a> {
+    kind: PlanKind,
+    step: u64,
+    settings: StepSettings,
+    lr: f64,
+    docs: Vec<&'a Document>,
+    cursor_after: Cursor,
+    staleness: Option<StalenessStats>,
+    replay: bool,
+}
+
+/// Plans `job`'s next work from `source` for `world_size` ranks, or `None`
+/// when the source has nothing to give (the file stream is exhausted, the
+/// queue does not hold a step, the reference cache is complete).
+pub fn plan(
+    job: &Job,
+    source: Source<'_>,
+    world_size: u32,
+) -> Result<Option<PlannedStep>, PlanFailure> {
+    let chosen = match source {
+        Source::Files => files(job, world_size),
+        Source::Stream => stream(job, world_size),
+        Source::Replay(entry) => replay(job, entry).map(Some)?,
+        Source::Reference => reference(job),
+    };
+    let Some(c) = chosen else {
+        return Ok(None);
+    };
+    let target = StepTarget::new(c.settings.step_size(), world_size, c.settings.max_tokens);
+    let min_microbatches = match c.kind {
+        PlanKind::Train => target.min_microbatches_per_rank(),
+        PlanKind::Reference => 1,
+    };
+    let (ranks, normalizers) = pack_documents(
+        &c.docs,
+        c.settings.max_tokens,
+        world_size,
+        min_microbatches,
+        job.data.annotations(),
+    )
+    .map_err(|source| PlanFailure::Pack {
+        step: c.step,
+        source,
+    })?;
+    Ok(Some(PlannedStep {
+        kind: c.kind,
+        step: c.step,
+        lr: c.lr,
+        settings: c.settings,
+        cursor_after: c.cursor_after,
+        normalizers,
+        ranks,
+        docs: c.docs.iter().map(|d| d.id).collect(),
+        staleness: c.staleness,
+        replay: c.replay,
+    }))
+}
+
+/// The next training step from the job's files (PG: its groups).
+fn files(job: &Job, world_size: u32) -> Option<Chosen<'_>> {
+    let step = job.rec.step + 1;
+    let settings = job.settings().at(step);
+    let docs = &job.data.docs;
+    let rollouts = job.data.rollouts.as_ref();
+    let order = order_of(&job.spec, job.data.stream_len());
+    let cursor = &job.rec.cursor;
+    let target = StepTarget::new(settings.step_size(), world_size, settings.max_tokens);
+    // One pass over the candidates: the selector pulls lazily, and the
+    // indices it consumed are kept for phase 2.
+    let mut offered = Vec::new();
+    let candidates = order.candidates(cursor).map(|c| {
+        offered.push(c.index);
+        c.index as usize
+    });
+    let selection = match rollouts {
+        None => plan::select(target, candidates.map(|i| docs[i].tokens())),
+        Some(r) => rollouts::select_groups(target, candidates.map(|i| group_size(r, docs, i))),
+    };
+    if selection.taken.is_empty() {
+        return None;
+    }
+    let chosen: Vec<&Document> = match rollouts {
+        None => selection
+            .taken
+            .iter()
+            .map(|&i| &docs[offered[i] as usize])
+            .collect(),
+        Some(r) => selection
+            .taken
+            .iter()
+            .flat_map(|&i| r.units[offered[i] as usize].iter())
+            .map(|&d| &docs[d as usize])
+            .collect(),
+    };
+    Some(Chosen {
+        kind: PlanKind::Train,
+        step,
+        settings,
+        lr: job.settings().lr(step, job.rec.total_steps),
+        staleness: rollouts.map(|_| staleness(&chosen, step)),
+        cursor_after: cursor.advance(&order, &selection),
+        docs: chosen,
+        replay: false,
+    })
+}
+
+/// (tokens, rollouts) of group `i`.
+fn group_size(r: &RolloutPlan, docs: &[Document], i: usize) -> (u64, u64) {
+    let members = &r.units[i];
+    let tokens = members.iter().map(|&d| docs[d as usize].tokens()).sum();
+    (tokens, members.len() as u64)
+}
+
+/// How old the chosen rollouts' policies are at `step`.
+fn staleness(chosen: &[&Document], step: u64) -> StalenessStats {
+    let mut s = StalenessStats::default();
+    for d in chosen {
+        if let DocBody::Rollout(r) = &d.body {
+            s.add(rl::staleness(r.policy_version, step - 1));
+        }
+    }
+    s
+}
+
+/// The next training step from the head of a streamed job's queue, once
+/// it holds the step's rollouts.
+fn stream(job: &Job, world_size: u32) -> Option<Chosen<'_>> {
+    let s = job.data.stream.as_ref()?;
+    let step = job.rec.step + 1;
+    let settings = job.settings().at(step);
+    if !s.step_ready(s.step_rollouts(settings.docs_per_step.unwrap_or(1))) {
+        return None;
+    }
+    let target = StepTarget::new(settings.step_size(), world_size, settings.max_tokens);
+    let selection = rollouts::select_groups(
+        target,
+        s.groups()
+            .map(|g| (g.iter().map(Document::tokens).sum(), g.len() as u64)),
+    );
+    let chosen: Vec<&Document> = s.groups().take(selection.consumed).flatten().collect();
+    Some(Chosen {
+        kind: PlanKind::Train,
+        step,
+        settings,
+        lr: job.settings().lr(step, job.rec.total_steps),
+        staleness: Some(staleness(&chosen, step)),
+        cursor_after: Cursor {
+            position: s.head() + selection.consumed as u64,
+            ..Cursor::default()
+        },
+        docs: chosen,
+        replay: false,
+    })
+}
+
+/// Committed step `entry.step` again: its documents in manifest order, its
+/// learning rate and cursor; the annotations (DPO `ref_logp`, PG
+/// `advantage`) come from the same per-document data.
+fn replay<'a>(job: &'a Job, entry: &CommittedStep) -> Result<Chosen<'a>, PlanFailure> {
+    let step = entry.step;
+    let index = job.data.doc_index();
+    let docs = entry
+        .docs
+        .iter()
+        .map(|id| {
+            index
+                .get(id)
+                .map(|&i| &job.data.docs[i])
+                .ok_or(PlanFailure::UnknownDoc { step, doc: *id })
+        })
+        .collect::<Result<Vec<&Document>, _>>()?;
+    Ok(Chosen {
+        kind: PlanKind::Train,
+        step,
+        settings: job.settings().for_replay(step),
+        lr: entry.lr,
+        docs,
+        cursor_after: entry.cursor_after.clone(),
+        staleness: None,
+        replay: true,
+    })
+}
+
+/// The next forward-only chunk of the reference pass: documents missing
+/// from the cache, in dataset order, a training step's worth (at least
+/// 64) at a time.
+fn reference(job: &Job) -> Option<Chosen<'_>> {
+    let cache = job.data.reference.as_ref()?;
+    let settings = job.settings().latest();
+    let chunk = match settings.step_size() {
+        StepSize::Docs(n) => n.max(64) as usize,
+        _ => 64,
+    };
+    let docs: Vec<&Document> = job
+        .data
+        .docs
+        .iter()
+        .filter(|d| !cache.logps.contains_key(&d.id))
+        .take(chunk)
+        .collect();
+    if docs.is_empty() {
+        return None;
+    }
+    Some(Chosen {
+        kind: PlanKind::Reference,
+        step: cache.chunks + 1,
+        settings,
+        lr: 0.0,
+        docs,
+        cursor_after: Cursor::default(),
+        staleness: None,
+        replay: false,
+    })
+}
+
+/// Total steps of a job when they can be known up front (for the learning
+/// rate schedule and progress), else 0. PG steps take whole groups, so for
+/// them this is an upper bound.
+pub fn total_steps(spec: &JobSpec, docs: &[Document], rollouts: Option<&RolloutPlan>) -> u64 {
+    if let Some(steps) = spec.job.steps {
+        return steps;
+    }
+    let epochs = spec.job.epochs.unwrap_or(1);
+    let count = rollouts.map_or(docs.len(), RolloutPlan::rollouts) as u64;
+    match spec.step_size() {
+        StepSize::Docs(n) => (epochs * count).div_ceil(n),
+        StepSize::Tokens(t) => {
+            let tokens: u64 = docs.iter().map(Document::tokens).sum();
+            (epochs * tokens).div_ceil(t).max(1)
+        }
+        // Depends on how documents pack; not known before planning.
+        StepSize::MicrobatchesPerRank(_) => 0,
+    }
+}
+
+/// Total steps when the settings change from step `from` on: the steps
+/// before it plus what the rest of the stream needs at the new size.
+/// Unchanged for `job.steps` jobs and when unknown (0).
+pub fn estimated_total_steps(job: &Job, from: u64) -> u64 {
+    if job.spec.job.steps.is_some() || job.rec.total_steps == 0 {
+        return job.rec.total_steps;
+    }
+    let cursor = match job.inflight() {
+        Some(f) if f.planned.kind == PlanKind::Train && f.planned.step + 1 == from => {
+            &f.planned.cursor_after
+        }
+        _ => &job.rec.cursor,
+    };
+    let settings = job.settings().at(from);
+    let order = order_of(&job.spec, job.data.stream_len());
+    let units = order.candidates(cursor).map(|c| c.index as usize);
+    let docs = &job.data.docs;
+    let (remaining, per_step) = match settings.step_size() {
+        StepSize::Docs(n) => {
+            let rem: u64 = match &job.data.rollouts {
+                Some(r) => units.map(|u| r.units[u].len() as u64).sum(),
+                None => units.count() as u64,
+            };
+            (rem, n)
+        }
+        StepSize::Tokens(t) => {
+            let tokens = |i: usize| docs[i].tokens();
+            let rem: u64 = match &job.data.rollouts {
+                Some(r) => units
+                    .flat_map(|u| r.units[u].iter())
+                    .map(|&d| tokens(d as usize))
+                    .sum(),
+                None => units.map(tokens).sum(),
+            };
+            (rem, t)
+        }
+        StepSize::MicrobatchesPerRank(_) => return job.rec.total_steps,
+    };
+    (from - 1) + remaining.div_ceil(per_step.max(1))
+}

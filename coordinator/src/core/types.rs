@@ -1,0 +1,249 @@
+//! The core's shared vocabulary: ids, states, reasons and the records
+//! several parts of the state machine pass around. The bottom of the core:
+//! it imports nothing else of it.
+
+use std::fmt;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::cursor::Cursor;
+use crate::doc::DocId;
+
+pub type JobId = String;
+pub type WorkerId = String;
+
+/// Lifecycle of a job as operators see it (persisted in its record).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum JobState {
+    Pending,
+    Running,
+    Paused,
+    Completed,
+    Failed,
+    Cancelled,
+}
+
+impl JobState {
+    pub fn is_terminal(self) -> bool {
+        matches!(
+            self,
+            JobState::Completed | JobState::Failed | JobState::Cancelled
+        )
+    }
+
+    /// Lower-case name, as the CLI and metrics show it.
+    pub fn name(self) -> &'static str {
+        match self {
+            JobState::Pending => "pending",
+            JobState::Running => "running",
+            JobState::Paused => "paused",
+            JobState::Completed => "completed",
+            JobState::Failed => "failed",
+            JobState::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// Training state a worker holds in memory (mirror of `accrue.v1.HeldState`):
+/// the job, the step whose update it holds, and its shard layout.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeldState {
+    pub job: JobId,
+    pub step: u64,
+    pub world_size: u32,
+    pub rank: u32,
+    /// The generation whose layout this is.
+    pub generation: u64,
+}
+
+/// A checkpoint every rank of its generation reported written.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointEntry {
+    pub step: u64,
+    pub dir: PathBuf,
+}
+
+/// What replaying a committed step needs: its documents and learning rate.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CommittedStep {
+    pub step: u64,
+    pub lr: f64,
+    /// The step's documents in selection order (its manifest).
+    pub docs: Vec<DocId>,
+    pub cursor_after: Cursor,
+}
+
+/// What workers do with a plan (mirror of `accrue.v1.PlanKind`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PlanKind {
+    /// Forward, backward, optimizer step; commits a training step.
+    #[default]
+    Train,
+    /// Forward only, per-sequence log-probs back (the cached reference
+    /// pass); `step` numbers the chunk and the cursor does not move.
+    Reference,
+}
+
+/// Kinds of worker-reported failure (mirror of `accrue.v1.ErrorKind`): the
+/// coordinator decides on the kind, never on the message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorkerErrorKind {
+    NonFinite,
+    CollectiveTimeout {
+        peer_rank: Option<u32>,
+    },
+    InvalidPlan,
+    Internal,
+    /// The configured checkpoint could not be restored (missing or corrupt).
+    RestoreFailed,
+    /// State sync from live peers failed.
+    StateSync,
+    OutOfMemory,
+    /// A document of the plan cannot be trained as sent.
+    Data,
+}
+
+impl WorkerErrorKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            WorkerErrorKind::NonFinite => "non-finite",
+            WorkerErrorKind::CollectiveTimeout { .. } => "collective timeout",
+            WorkerErrorKind::InvalidPlan => "invalid plan",
+            WorkerErrorKind::Internal => "internal",
+            WorkerErrorKind::RestoreFailed => "restore failed",
+            WorkerErrorKind::StateSync => "state sync",
+            WorkerErrorKind::OutOfMemory => "out of memory",
+            WorkerErrorKind::Data => "data",
+        }
+    }
+}
+
+/// What a job event is about (mirror of `accrue.v1.EventKind`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum EventKind {
+    /// The job's state changed.
+    State,
+    /// A generation formed or ended.
+    Generation,
+    Checkpoint,
+    /// The operator changed step settings.
+    Config,
+    /// A generation replays committed steps.
+    Replay,
+    /// Progress of the cached reference pass.
+    Reference,
+    /// A policy was published.
+    Policy,
+}
+
+impl EventKind {
+    /// Lower-case name, as the CLI shows it.
+    pub fn name(self) -> &'static str {
+        match self {
+            EventKind::State => "state",
+            EventKind::Generation => "generation",
+            EventKind::Checkpoint => "checkpoint",
+            EventKind::Config => "config",
+            EventKind::Replay => "replay",
+            EventKind::Reference => "reference",
+            EventKind::Policy => "policy",
+        }
+    }
+}
+
+/// Why a generation ended or a job stopped, and so why a step in flight
+/// was abandoned (mirror of `accrue.v1.AbortReason`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum AbortReason {
+    WorkerLost,
+    CollectiveTimeout,
+    RestoreFailed,
+    StateSyncFailed,
+    /// A worker's error failed the job.
+    WorkerError,
+    Cancelled,
+    /// The generation re-formed at a step boundary (drain, join).
+    MembershipChange,
+    /// The job failed for a reason of its own (planning, a reference pass).
+    JobFailed,
+}
+
+impl AbortReason {
+    /// Every reason, for metrics labels.
+    pub const ALL: [AbortReason; 8] = [
+        AbortReason::WorkerLost,
+        AbortReason::CollectiveTimeout,
+        AbortReason::RestoreFailed,
+        AbortReason::StateSyncFailed,
+        AbortReason::WorkerError,
+        AbortReason::Cancelled,
+        AbortReason::MembershipChange,
+        AbortReason::JobFailed,
+    ];
+
+    /// snake_case name (a bounded Prometheus label value).
+    pub fn name(self) -> &'static str {
+        match self {
+            AbortReason::WorkerLost => "worker_lost",
+            AbortReason::CollectiveTimeout => "collective_timeout",
+            AbortReason::RestoreFailed => "restore_failed",
+            AbortReason::StateSyncFailed => "state_sync_failed",
+            AbortReason::WorkerError => "worker_error",
+            AbortReason::Cancelled => "cancelled",
+            AbortReason::MembershipChange => "membership_change",
+            AbortReason::JobFailed => "job_failed",
+        }
+    }
+}
+
+/// A reason with its detail for people (the worker, step or error behind
+/// it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Why {
+    pub reason: AbortReason,
+    pub detail: String,
+}
+
+impl Why {
+    pub fn new(reason: AbortReason, detail: impl Into<String>) -> Why {
+        Why {
+            reason,
+            detail: detail.into(),
+        }
+    }
+}
+
+impl fmt::Display for Why {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.detail)
+    }
+}
+
+/// How a job ends.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum End {
+    /// All steps trained, or the data exhausted (the detail says which).
+    Completed(String),
+    Failed(Why),
+    Cancelled,
+}
+
+impl End {
+    pub fn state(&self) -> JobState {
+        match self {
+            End::Completed(_) => JobState::Completed,
+            End::Failed(_) => JobState::Failed,
+            End::Cancelled => JobState::Cancelled,
+        }
+    }
+
+    /// Why a step in flight is abandoned when the job ends this way.
+    pub fn why(&self) -> Why {
+        match self {
+            End::Completed(detail) => Why::new(AbortReason::JobFailed, detail.clone()),
+            End::Failed(why) => why.clone(),
+            End::Cancelled => Why::new(AbortReason::Cancelled, "cancelled by operator"),
+        }
+    }
+}

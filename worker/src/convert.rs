@@ -1,0 +1,242 @@
+//! The worker's adapter between `accrue.v1` messages and its domain types.
+//! A missing message or an UNSPECIFIED enum is the sender's bug: it is
+//! refused here, naming the field, rather than given a default (the
+//! coordinator owns every default).
+
+use std::path::PathBuf;
+
+use tch::Kind;
+
+use crate::config::{JobConfig, ModelSource, Sharding};
+use crate::objective::dpo::{DpoLoss, DpoParams};
+use crate::objective::microbatch::Normalization;
+use crate::objective::pg::PgParams;
+use crate::objective::Objective;
+use crate::train::optim::AdamWConfig;
+use crate::wire;
+
+/// A field of a coordinator message the worker cannot use.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {problem}")]
+pub struct FieldError {
+    /// Dotted path in the message, e.g. `job.objective.dpo.loss`.
+    pub field: String,
+    pub problem: String,
+}
+
+fn missing(field: &str) -> FieldError {
+    FieldError {
+        field: field.into(),
+        problem: "missing (the coordinator sets every field)".into(),
+    }
+}
+
+fn invalid(field: &str, problem: impl Into<String>) -> FieldError {
+    FieldError {
+        field: field.into(),
+        problem: problem.into(),
+    }
+}
+
+/// A proto3 enum value the worker knows, `UNSPECIFIED` refused.
+fn known<E: TryFrom<i32>>(value: i32, field: &str) -> Result<E, FieldError> {
+    match E::try_from(value) {
+        Ok(e) if value != 0 => Ok(e),
+        _ => Err(invalid(
+            field,
+            format!("unspecified or unknown value {value}"),
+        )),
+    }
+}
+
+fn reference_is_live(value: i32, field: &str) -> Result<bool, FieldError> {
+    Ok(match known::<wire::Reference>(value, field)? {
+        wire::Reference::Live => true,
+        wire::Reference::Cached | wire::Reference::Unspecified => false,
+    })
+}
+
+/// The job of a `Configure`.
+pub fn job_config(job: &wire::JobDefinition) -> Result<JobConfig, FieldError> {
+    use wire::model_definition::Init;
+    use wire::objective_definition::Kind as ObjKind;
+    let model = job.model.as_ref().ok_or_else(|| missing("job.model"))?;
+    let source = match model
+        .init
+        .as_ref()
+        .ok_or_else(|| missing("job.model.init"))?
+    {
+        Init::RandomConfig(path) if path.is_empty() => {
+            return Err(invalid("job.model.random_config", "empty path"))
+        }
+        Init::RandomConfig(path) => ModelSource::Random {
+            config: PathBuf::from(path),
+        },
+        Init::CheckpointDir(dir) if dir.is_empty() => {
+            return Err(invalid("job.model.checkpoint_dir", "empty path"))
+        }
+        Init::CheckpointDir(dir) => ModelSource::Checkpoint(PathBuf::from(dir)),
+    };
+    let dtype = match known::<wire::Dtype>(model.dtype, "job.model.dtype")? {
+        wire::Dtype::Bfloat16 => Kind::BFloat16,
+        wire::Dtype::Float32 | wire::Dtype::Unspecified => Kind::Float,
+    };
+    let objective = job
+        .objective
+        .as_ref()
+        .and_then(|o| o.kind.as_ref())
+        .ok_or_else(|| missing("job.objective"))?;
+    let objective = match objective {
+        ObjKind::Sft(_) => Objective::Sft,
+        ObjKind::Dpo(d) => Objective::Dpo {
+            params: DpoParams {
+                beta: d.beta,
+                loss: match known::<wire::DpoLoss>(d.loss, "job.objective.dpo.loss")? {
+                    wire::DpoLoss::Ipo => DpoLoss::Ipo,
+                    wire::DpoLoss::DpoNorm => DpoLoss::DpoNorm,
+                    wire::DpoLoss::Sigmoid | wire::DpoLoss::Unspecified => DpoLoss::Sigmoid,
+                },
+                label_smoothing: d.label_smoothing,
+            },
+            live: reference_is_live(d.reference, "job.objective.dpo.reference")?,
+        },
+        ObjKind::Pg(p) => {
+            let field = "job.objective.pg.loss_normalization";
+            let norm = match known::<wire::LossNormalization>(p.loss_normalization, field)? {
+                wire::LossNormalization::Sequence => Normalization::Sequence,
+                wire::LossNormalization::Constant => {
+                    let c = p
+                        .normalization_constant
+                        .ok_or_else(|| missing("job.objective.pg.normalization_constant"))?;
+                    Normalization::Constant(c)
+                }
+                wire::LossNormalization::Token | wire::LossNormalization::Unspecified => {
+                    Normalization::Token
+                }
+            };
+            let live = reference_is_live(p.reference, "job.objective.pg.reference")?;
+            Objective::Pg {
+                params: PgParams {
+                    clip_ratio: p.clip_ratio,
+                    kl_coef: p.kl_coef,
+                },
+                norm,
+                live: live && p.kl_coef > 0.0,
+            }
+        }
+    };
+    let o = job
+        .optimizer
+        .as_ref()
+        .ok_or_else(|| missing("job.optimizer"))?;
+    let sharding = match known::<wire::Sharding>(job.sharding, "job.sharding")? {
+        wire::Sharding::Zero2 => Sharding::Zero2,
+        wire::Sharding::Fsdp => Sharding::Fsdp,
+        wire::Sharding::Ddp | wire::Sharding::Unspecified => Sharding::Ddp,
+    };
+    let runtime = job.runtime.as_ref().ok_or_else(|| missing("job.runtime"))?;
+    if runtime.loss_chunk_tokens == 0 {
+        return Err(invalid(
+            "job.runtime.loss_chunk_tokens",
+            "must be at least 1",
+        ));
+    }
+    Ok(JobConfig {
+        name: job.name.clone(),
+        seed: job.seed,
+        model: source,
+        dtype,
+        objective,
+        optimizer: AdamWConfig {
+            beta1: o.beta1,
+            beta2: o.beta2,
+            eps: o.eps,
+            weight_decay: o.weight_decay,
+        },
+        grad_clip: o.grad_clip,
+        sharding,
+        loss_chunk_tokens: runtime.loss_chunk_tokens as usize,
+    })
+}
+
+/// A complete definition for tests with fake executors.
+#[cfg(test)]
+pub(crate) mod testing {
+    use crate::wire;
+
+    /// An SFT job of a random model, zero2.
+    pub fn definition() -> wire::JobDefinition {
+        wire::JobDefinition {
+            name: "t".into(),
+            seed: 3,
+            model: Some(wire::ModelDefinition {
+                init: Some(wire::model_definition::Init::RandomConfig("/c.json".into())),
+                dtype: wire::Dtype::Float32 as i32,
+            }),
+            objective: Some(wire::ObjectiveDefinition {
+                kind: Some(wire::objective_definition::Kind::Sft(wire::SftObjective {})),
+            }),
+            optimizer: Some(wire::OptimizerDefinition {
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                weight_decay: 0.1,
+                grad_clip: 1.0,
+            }),
+            sharding: wire::Sharding::Zero2 as i32,
+            runtime: Some(wire::RuntimeDefinition {
+                loss_chunk_tokens: 512,
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testing::definition as sft;
+    use super::*;
+
+    #[test]
+    fn a_complete_definition_converts_field_for_field() {
+        let c = job_config(&sft()).unwrap();
+        assert_eq!(
+            c.model,
+            ModelSource::Random {
+                config: "/c.json".into()
+            }
+        );
+        assert_eq!((c.dtype, c.sharding), (Kind::Float, Sharding::Zero2));
+        assert_eq!((c.optimizer.beta2, c.grad_clip), (0.95, 1.0));
+        assert_eq!(c.loss_chunk_tokens, 512);
+        assert_eq!(c.objective, Objective::Sft);
+    }
+
+    #[test]
+    fn missing_or_unspecified_fields_are_refused_by_name() {
+        let field = |d: wire::JobDefinition| job_config(&d).unwrap_err().field;
+        let mut d = sft();
+        d.sharding = 0;
+        assert_eq!(field(d), "job.sharding");
+        let mut d = sft();
+        d.model.as_mut().unwrap().dtype = 7;
+        assert_eq!(field(d), "job.model.dtype");
+        let mut d = sft();
+        d.optimizer = None;
+        assert_eq!(field(d), "job.optimizer");
+        let mut d = sft();
+        d.objective = Some(wire::ObjectiveDefinition {
+            kind: Some(wire::objective_definition::Kind::Dpo(wire::DpoObjective {
+                beta: 0.1,
+                loss: 0,
+                label_smoothing: 0.0,
+                reference: wire::Reference::Cached as i32,
+            })),
+        });
+        assert_eq!(field(d), "job.objective.dpo.loss");
+        let mut d = sft();
+        d.runtime = Some(wire::RuntimeDefinition {
+            loss_chunk_tokens: 0,
+        });
+        assert_eq!(field(d), "job.runtime.loss_chunk_tokens");
+    }
+}
