@@ -7,7 +7,9 @@ use std::path::PathBuf;
 
 use tch::Kind;
 
+use crate::batch::{MicrobatchMeta, PackedBatch, SeqMeta, StepNorms};
 use crate::config::{JobConfig, ModelSource, Sharding};
+use crate::error::StepError;
 use crate::objective::dpo::{DpoLoss, DpoParams};
 use crate::objective::microbatch::Normalization;
 use crate::objective::pg::PgParams;
@@ -53,6 +55,51 @@ fn reference_is_live(value: i32, field: &str) -> Result<bool, FieldError> {
     Ok(match known::<wire::Reference>(value, field)? {
         wire::Reference::Live => true,
         wire::Reference::Cached | wire::Reference::Unspecified => false,
+    })
+}
+
+/// A plan's microbatch: the packed row (checked) and what the plan says
+/// about its sequences.
+pub fn microbatch(mb: &wire::Microbatch) -> Result<(PackedBatch, MicrobatchMeta), StepError> {
+    let bad = |field: &str, e: accrue_proto::PackedLenError| {
+        StepError::InvalidPlan(format!("microbatch {field}: {e}"))
+    };
+    let ids = accrue_proto::unpack_u32(&mb.token_ids).map_err(|e| bad("token_ids", e))?;
+    let labels = accrue_proto::unpack_i32(&mb.labels).map_err(|e| bad("labels", e))?;
+    let batch = PackedBatch {
+        input_ids: ids.into_iter().map(i64::from).collect(),
+        labels: labels.into_iter().map(i64::from).collect(),
+        cu_seq_lens: mb.cu_seq_lens.iter().map(|&c| i64::from(c)).collect(),
+    };
+    batch.validate()?;
+    let meta = MicrobatchMeta {
+        seqs: mb
+            .sequences
+            .iter()
+            .map(|s| SeqMeta {
+                doc_id: s.doc_id.clone(),
+                role: s.role,
+                advantage: s.advantage,
+                ref_logp: s.ref_logp,
+            })
+            .collect(),
+        // unpack_f32 of empty bytes is empty.
+        old_logprobs: accrue_proto::unpack_f32(&mb.old_logprobs)
+            .map_err(|e| bad("old_logprobs", e))?,
+        ref_logprobs: accrue_proto::unpack_f32(&mb.ref_logprobs)
+            .map_err(|e| bad("ref_logprobs", e))?,
+    };
+    Ok((batch, meta))
+}
+
+/// A plan's step normalisers; a plan without them is refused (zeros would
+/// train with a wrong scale, or not at all).
+pub fn norms(n: Option<&wire::Normalizers>) -> Result<StepNorms, StepError> {
+    let n = n.ok_or_else(|| StepError::InvalidPlan("the plan carries no normalizers".into()))?;
+    Ok(StepNorms {
+        loss_tokens: n.loss_tokens,
+        pairs: n.pairs,
+        sequences: n.sequences,
     })
 }
 

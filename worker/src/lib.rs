@@ -2,14 +2,15 @@
 //! padding-free packed microbatches, exact accumulation, optimizer step) with
 //! libtorch through `tch`. The only crate that links libtorch.
 
+pub mod batch;
 pub mod collective;
 pub mod config;
 pub mod convert;
+pub mod error;
 pub mod metrics;
 pub mod model;
 pub mod objective;
 pub mod runner;
-mod runner_trainer;
 pub mod session;
 pub mod train;
 

@@ -1,17 +1,17 @@
 //! Runs the coordinator's work on a dedicated thread: step plans, aborts and
-//! checkpoints, against a [`StepExecutor`] (the libtorch `Trainer` in the
-//! real worker, a fake in tests).
+//! checkpoints, against an [`Engine`] (the libtorch trainers in the real
+//! worker, a fake in tests).
 //!
 //! Why a std thread: a step is seconds to minutes of CPU/GPU work, and the
 //! session's heartbeats must keep flowing on the tokio runtime meanwhile. The
-//! thread owns the executor (libtorch state is not shared), takes [`Work`]
+//! thread owns the engine (libtorch state is not shared), takes [`Work`]
 //! from a queue in order, and sends its answers as ready-made
 //! `WorkerMessage`s on an unbounded channel the session forwards.
 //!
 //! On `Configure` the thread joins the generation's collective (world 1:
 //! [`Solo`]; more ranks: through the injected [`Connector`], the CPU TCP
 //! ring in the real worker, in-process ranks in tests) and hands it to the
-//! executor; a re-configure rebuilds the collective and keeps the replica
+//! engine; a re-configure rebuilds the collective and keeps the replica
 //! when it is at the configured step (and its shards still fit).
 //!
 //! A step's metrics are *sums* (DESIGN.md "The math"): Σ loss over loss
@@ -26,7 +26,6 @@
 //! on; [`fault`] stops the process at named points for fault-injection
 //! tests.
 
-use std::collections::BTreeMap;
 use std::net::TcpListener;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -39,116 +38,16 @@ use accrue_proto::v1::worker_message::Msg;
 use tokio::sync::mpsc::UnboundedSender;
 use tracing::{info, warn};
 
-use crate::collective::reshard::SyncPlan;
 use crate::collective::{AbortHandle, Collective, CollectiveError};
 use crate::config::JobConfig;
+use crate::train::Engine;
 
-pub use checkpoint::{write_checkpoint, CheckpointWrite, Manifest, ManifestCursor};
+pub use checkpoint::{write_checkpoint, CheckpointManifest, ManifestCursor};
 
-/// What one microbatch's forward/backward reports (sums, not means).
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct MicrobatchOutcome {
-    /// Σ per-token loss over the microbatch's loss tokens (SFT, PG), or Σ
-    /// per-pair loss (DPO), unscaled.
-    pub loss_sum: f64,
-    pub loss_tokens: u64,
-    /// Real tokens in the row.
-    pub tokens: u64,
-    /// Objective-specific sums (`pairs`, `rewards/chosen`, …).
-    pub extra: BTreeMap<String, f64>,
-}
-
-/// One sequence's log-probs from a reference plan.
-#[derive(Debug, Clone, PartialEq)]
-pub struct SequenceLogp {
-    /// Summed over the loss tokens.
-    pub logp: f64,
-    pub loss_tokens: u64,
-    /// Per token (see `objective::head::token_aligned`), for
-    /// policy-gradient jobs; empty otherwise.
-    pub tokens: Vec<f32>,
-}
-
-/// The training engine a [`Runner`] drives: one model replica with its
-/// optimizer. Gradients accumulate across `microbatch` calls and are
-/// consumed once by `optimizer_step`.
-pub trait StepExecutor {
-    /// Forward/backward of one non-empty microbatch under the job's
-    /// objective, normalised by the step's global `norms` from the plan
-    /// (SFT: each loss token scaled by `1 / norms.loss_tokens`); gradients
-    /// accumulate.
-    fn microbatch(
-        &mut self,
-        index: usize,
-        mb: &wire::Microbatch,
-        norms: &wire::Normalizers,
-    ) -> anyhow::Result<MicrobatchOutcome>;
-    /// Reference plans: each sequence's log-prob summed over its loss
-    /// tokens under the job's initial weights, forward only.
-    fn sequence_logps(
-        &mut self,
-        _index: usize,
-        _mb: &wire::Microbatch,
-    ) -> anyhow::Result<Vec<SequenceLogp>> {
-        anyhow::bail!("this engine cannot run reference plans")
-    }
-    /// Clip, step the optimizer at `lr`, zero the gradients; returns the
-    /// global gradient norm before clipping. On a non-finite norm it fails
-    /// and leaves the parameters untouched.
-    fn optimizer_step(&mut self, lr: f64) -> anyhow::Result<f64>;
-    /// Drops the accumulated gradients (abort, failed step).
-    fn zero_grad(&mut self);
-    /// Copies this rank's part of a checkpoint into memory (may run
-    /// collectives: every rank calls it at the same point) and returns the
-    /// writer that puts it into a directory later, on a background thread
-    /// and without collectives; the writer returns the names of the files
-    /// it wrote.
-    fn checkpoint_snapshot(&mut self) -> anyhow::Result<CheckpointWrite>;
-    /// The shard layout `(rank, world)` of the state this replica holds;
-    /// `None` when it is whole (ddp: a replica serves any rank).
-    fn state_layout(&self) -> Option<(usize, usize)> {
-        None
-    }
-    /// Joins a new generation taking the training state from the members
-    /// that hold it (see `collective::reshard`): `coll` is the new
-    /// collective, or `None` when the executor was just built with it (a
-    /// member without state). Every rank calls it with the same `plan`.
-    fn sync_state(
-        &mut self,
-        _coll: Option<Box<dyn Collective>>,
-        _plan: &SyncPlan,
-    ) -> anyhow::Result<()> {
-        anyhow::bail!("this engine cannot take its state from peers")
-    }
-    /// Whether the replica's state stays valid as `rank` of `world` (a new
-    /// generation at the same step); false makes the runner rebuild it.
-    fn fits(&self, _rank: usize, _world: usize) -> bool {
-        true
-    }
-    /// Joins a new generation's collective, keeping the replica.
-    fn set_collective(&mut self, coll: Box<dyn Collective>) -> anyhow::Result<()>;
-    /// Waits until every rank reached this point (publishing a policy:
-    /// rank 0 marks it complete only after every rank wrote its part).
-    fn barrier(&mut self) -> anyhow::Result<()> {
-        Ok(())
-    }
-    /// True when every microbatch, padding included, runs collectives
-    /// (FSDP gathers per unit): empty microbatches must then be run too,
-    /// or ranks would diverge.
-    fn collective_per_microbatch(&self) -> bool {
-        false
-    }
-    /// Training FLOPs of a microbatch run with `loss_tokens` targets (for
-    /// MFU; `model::flops`). 0 when the executor cannot tell.
-    fn model_flops(&self, _mb: &wire::Microbatch, _loss_tokens: u64) -> f64 {
-        0.0
-    }
-}
-
-/// Builds an executor for a job and this rank's collective, restoring from
+/// Builds an engine for a job and this rank's collective, restoring from
 /// a checkpoint directory if given.
 pub type Factory = Arc<
-    dyn Fn(&JobConfig, Option<&Path>, Box<dyn Collective>) -> anyhow::Result<Box<dyn StepExecutor>>
+    dyn Fn(&JobConfig, Option<&Path>, Box<dyn Collective>) -> anyhow::Result<Box<dyn Engine>>
         + Send
         + Sync,
 >;
@@ -162,9 +61,9 @@ pub type Connector = Arc<
         + Sync,
 >;
 
-/// The libtorch trainer.
+/// The libtorch engines, by the job's sharding (`train::build`).
 pub fn default_factory() -> Factory {
-    crate::runner_trainer::factory()
+    Arc::new(crate::train::build)
 }
 
 /// How long one collective may wait for a peer before it is an error. A
@@ -303,7 +202,7 @@ impl Runner {
         let left = pending.clone();
         let (a, p, f) = (aborted.clone(), progress.clone(), in_flight.clone());
         let writes = pending.clone();
-        // The executor is built and lives on the thread: libtorch state
+        // The engine is built and lives on the thread: libtorch state
         // need not be Send.
         let thread = std::thread::Builder::new()
             .name("accrue-runner".into())
@@ -395,10 +294,10 @@ struct Held {
     generation: u64,
     rank: u32,
     world_size: u32,
-    /// Last step whose update the executor holds.
+    /// Last step whose update the engine holds.
     step: u64,
     name: String,
-    exec: Box<dyn StepExecutor>,
+    exec: Box<dyn Engine>,
 }
 
 impl Held {
@@ -487,7 +386,7 @@ impl Thread {
             );
         };
         if p.kind == wire::PlanKind::Reference as i32 {
-            let result = reference::run_reference(h.exec.as_mut(), p);
+            let result = guarded(p, || reference::run_reference(h.exec.as_mut(), p));
             self.last_done = Instant::now();
             match result {
                 Ok((sums, logps)) => {
@@ -527,7 +426,8 @@ impl Thread {
         let aborted = self.aborted.clone();
         let is_aborted = move || *lock(&aborted) == Some(key);
         let idle_s = self.last_done.elapsed().as_secs_f64();
-        let outcome = run_step(h.exec.as_mut(), p, idle_s, &is_aborted);
+        let outcome = guarded(p, || Ok(run_step(h.exec.as_mut(), p, idle_s, &is_aborted)))
+            .unwrap_or_else(StepOutcome::Failed);
         lock(&self.in_flight).running = None;
         self.last_done = Instant::now();
         match outcome {
@@ -562,6 +462,28 @@ impl Thread {
     }
 }
 
+/// Runs `f` for plan `p`, turning a panic (libtorch panics on a C++
+/// exception, out-of-memory among them) into the step's error, typed by
+/// `error::from_panic`: the step fails loudly instead of the thread dying
+/// while the process keeps heartbeating.
+fn guarded<T>(
+    p: &wire::StepPlan,
+    f: impl FnOnce() -> Result<T, wire::WorkerError>,
+) -> Result<T, wire::WorkerError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|payload| {
+        let e = crate::error::from_panic(payload.as_ref());
+        let (kind, peer_rank) = crate::error::classify(&e);
+        Err(wire::WorkerError {
+            job_id: p.job_id.clone(),
+            generation: p.generation,
+            step: p.step,
+            kind: kind as i32,
+            message: format!("step {}: {e:#}", p.step),
+            peer_rank,
+        })
+    })
+}
+
 /// A configure failure: kind, message, blamed peer.
 type ConfigureError = (wire::ErrorKind, String, Option<u32>);
 
@@ -572,7 +494,7 @@ mod publish;
 mod reference;
 mod step;
 
-pub use step::{blamed_peer, error_kind, run_step, StepOutcome};
+pub use step::{run_step, StepOutcome};
 
 #[cfg(test)]
 mod recovery_tests;

@@ -8,7 +8,8 @@
 
 mod common;
 
-use accrue_worker::train::{PackedBatch, Trainer};
+use accrue_worker::batch::PackedBatch;
+use accrue_worker::train::{Engine, Trainer};
 use tch::Tensor;
 
 const TOL: f64 = 1e-5;

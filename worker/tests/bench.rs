@@ -14,8 +14,9 @@ mod common;
 use std::path::PathBuf;
 use std::time::Instant;
 
+use accrue_worker::batch::PackedBatch;
 use accrue_worker::model::{loss, PackedAttention};
-use accrue_worker::train::{PackedBatch, Trainer};
+use accrue_worker::train::{Engine, Trainer};
 use tch::{Kind, Tensor};
 
 fn bench_dir() -> PathBuf {

@@ -4,7 +4,8 @@
 
 mod common;
 
-use accrue_worker::train::{PackedBatch, Trainer};
+use accrue_worker::batch::PackedBatch;
+use accrue_worker::train::{Engine, Trainer};
 
 fn batch() -> PackedBatch {
     let docs: Vec<(Vec<i64>, Vec<i64>)> = [(19usize, 3usize), (7, 0), (30, 8)]

@@ -3,7 +3,7 @@
 
 mod common;
 
-use accrue_worker::train::Trainer;
+use accrue_worker::train::{Engine, Trainer};
 use tch::Tensor;
 
 fn job(dir: &std::path::Path) -> accrue_worker::config::JobConfig {
@@ -96,7 +96,7 @@ fn nan_parameter_fails_the_microbatch_and_leaves_gradients_alone() {
     tch::no_grad(|| {
         let _ = norm_w.get(0).fill_(f64::NAN);
     });
-    let err = t.microbatch(3, &batch, total).unwrap_err().to_string();
+    let err = format!("{:#}", t.microbatch(3, &batch, total).unwrap_err());
     assert!(
         err.contains("microbatch 3") && err.contains("non-finite loss"),
         "{err}"

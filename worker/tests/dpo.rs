@@ -1,4 +1,4 @@
-//! DPO (issue 5 "Done means"): packed pairs through `Trainer::microbatch_with`
+//! DPO (issue 5 "Done means"): packed pairs through `Engine::train_microbatch`
 //! against TRL 1.16's own `DPOTrainer._compute_loss`
 //! (`scripts/reference/dpo_trl.py`), per-sequence log-probs of packed pairs
 //! against each sequence alone (the packing offset regression), and the same
@@ -13,10 +13,10 @@ mod common;
 
 use std::collections::BTreeMap;
 
+use accrue_worker::batch::PackedBatch;
+use accrue_worker::batch::{MicrobatchMeta, SeqMeta, StepNorms};
 use accrue_worker::collective::local::LocalGroup;
-use accrue_worker::objective::head::{MicrobatchMeta, SeqMeta};
-use accrue_worker::objective::microbatch::StepNorms;
-use accrue_worker::train::{PackedBatch, Trainer};
+use accrue_worker::train::{Engine, Trainer};
 use tch::Tensor;
 
 type Doc = (Vec<i64>, Vec<i64>);
@@ -180,7 +180,8 @@ fn run_microbatches(
             pairs: p_norm[i],
             ..Default::default()
         };
-        let (s, e) = t.microbatch_with(i, mb, meta, &norms).unwrap();
+        let o = t.train_microbatch(i, mb, meta, &norms).unwrap();
+        let (e, s) = (o.extra.clone(), o);
         loss += s.loss_sum;
         for (k, v) in e {
             *extra.entry(k).or_insert(0.0) += v;
@@ -450,7 +451,7 @@ fn a_pair_twice_in_one_microbatch_counts_twice() {
     let mut t = trainer(dir.path(), "sigmoid", 0.1);
     let (mb, meta) = pack(&pairs, &[(2, 0), (2, 1), (2, 0)]);
     let err = t
-        .microbatch_with(
+        .train_microbatch(
             0,
             &mb,
             &meta,

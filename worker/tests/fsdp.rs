@@ -11,11 +11,12 @@ mod common;
 
 use std::path::Path;
 
+use accrue_worker::batch::PackedBatch;
 use accrue_worker::collective::local::LocalGroup;
 use accrue_worker::collective::Collective;
 use accrue_worker::config::JobConfig;
 use accrue_worker::train::fsdp::FsdpTrainer;
-use accrue_worker::train::{PackedBatch, Trainer};
+use accrue_worker::train::{Engine, Trainer};
 use tch::Tensor;
 
 const TOL: f64 = 1e-5;

@@ -13,14 +13,13 @@ mod common;
 
 use std::collections::BTreeMap;
 
+use accrue_worker::batch::PackedBatch;
+use accrue_worker::batch::{MicrobatchMeta, SeqMeta, SequenceLogp, StepNorms};
 use accrue_worker::collective::local::LocalGroup;
 use accrue_worker::collective::Collective;
 use accrue_worker::config::JobConfig;
-use accrue_worker::objective::head::{MicrobatchMeta, SeqMeta};
-use accrue_worker::objective::microbatch::StepNorms;
-use accrue_worker::runner::SequenceLogp;
 use accrue_worker::train::fsdp::FsdpTrainer;
-use accrue_worker::train::{PackedBatch, Trainer};
+use accrue_worker::train::{Engine, Trainer};
 use tch::Tensor;
 
 const TOL: f64 = 1e-5;
@@ -275,7 +274,8 @@ fn run_ddp(cfg: &JobConfig, steps: &[Step], refs: &BTreeMap<String, SequenceLogp
         let idxs = step.ranks.iter().flatten().filter(|m| !m.is_empty());
         for (i, idx) in idxs.enumerate() {
             let (mb, meta) = pack(step, idx, refs, pg);
-            let (s, e) = t.microbatch_with(i, &mb, &meta, &n).unwrap();
+            let o = t.train_microbatch(i, &mb, &meta, &n).unwrap();
+            let (e, s) = (o.extra.clone(), o);
             loss += s.loss_sum;
             add_extra(&mut extra, e);
         }
@@ -301,7 +301,8 @@ fn run_fsdp(cfg: &JobConfig, steps: Vec<Step>, refs: BTreeMap<String, SequenceLo
             let (mut loss, mut extra) = (0.0, BTreeMap::new());
             for (i, idx) in step.ranks[rank].iter().enumerate() {
                 let (mb, meta) = pack(step, idx, &refs, pg);
-                let (s, e) = t.microbatch_with(i, &mb, &meta, &n).unwrap();
+                let o = t.train_microbatch(i, &mb, &meta, &n).unwrap();
+                let (e, s) = (o.extra.clone(), o);
                 loss += s.loss_sum;
                 add_extra(&mut extra, e);
             }

@@ -12,7 +12,7 @@ mod common;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use accrue_worker::train::Trainer;
+use accrue_worker::train::{Engine, Trainer};
 use tch::{Device, Kind, Tensor};
 
 #[test]

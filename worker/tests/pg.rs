@@ -1,5 +1,5 @@
 //! Policy gradient (issue 5 "Done means"): packed rollouts through
-//! `Trainer::microbatch_with` for two optimizer steps against an
+//! `Engine::train_microbatch` for two optimizer steps against an
 //! independent PyTorch reference (`scripts/reference/pg_reference.py`:
 //! transformers, each rollout unpacked, GRPO group advantages, clipped
 //! ratio, k3 KL against a frozen copy of the initial weights, AdamW), and
@@ -16,10 +16,10 @@ mod common;
 
 use std::collections::BTreeMap;
 
+use accrue_worker::batch::PackedBatch;
+use accrue_worker::batch::{MicrobatchMeta, SeqMeta, StepNorms};
 use accrue_worker::collective::local::LocalGroup;
-use accrue_worker::objective::head::{MicrobatchMeta, SeqMeta};
-use accrue_worker::objective::microbatch::StepNorms;
-use accrue_worker::train::{PackedBatch, Trainer};
+use accrue_worker::train::{Engine, Trainer};
 use tch::Tensor;
 
 const LR: f64 = 5e-3;
@@ -332,7 +332,8 @@ fn train(case: &Case, all: &[Rollout], layout: &Layout, norm: Norm) -> Outcome {
                                 ..*global
                             },
                         };
-                        let (s, e) = t.microbatch_with(i, mb, meta, &norms).unwrap();
+                        let o = t.train_microbatch(i, mb, meta, &norms).unwrap();
+                        let (e, s) = (o.extra.clone(), o);
                         loss += s.loss_sum;
                         for (k, v) in e {
                             *extra.entry(k).or_insert(0.0) += v;

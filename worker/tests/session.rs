@@ -10,49 +10,54 @@ use std::time::Duration;
 
 use accrue_coordinator::server::{Server, ServerConfig};
 use accrue_coordinator::wire as cwire;
-use accrue_worker::collective::Collective;
-use accrue_worker::runner::{
-    CheckpointWrite, Factory, MicrobatchOutcome, RunnerConfig, StepExecutor,
-};
+use accrue_worker::batch::{MicrobatchMeta, MicrobatchOutcome, PackedBatch, StepNorms};
+use accrue_worker::collective::{Collective, Solo};
+use accrue_worker::runner::{Factory, RunnerConfig};
 use accrue_worker::session::{self, SessionConfig};
-use accrue_worker::wire;
+use accrue_worker::train::{CheckpointWrite, Engine, StepStats};
+
 use tokio_util::sync::CancellationToken;
 
 /// Loss falls with every optimizer step; the first microbatch can be slow.
 struct Fake {
     steps: u32,
     slow_first: Option<Duration>,
+    solo: Solo,
 }
 
-impl StepExecutor for Fake {
-    fn microbatch(
+impl Engine for Fake {
+    fn train_microbatch(
         &mut self,
         _index: usize,
-        mb: &wire::Microbatch,
-        _norms: &wire::Normalizers,
+        mb: &PackedBatch,
+        _meta: &MicrobatchMeta,
+        _norms: &StepNorms,
     ) -> anyhow::Result<MicrobatchOutcome> {
         if let Some(d) = self.slow_first.take() {
             std::thread::sleep(d);
         }
-        let labels = accrue_proto::unpack_i32(&mb.labels)?;
-        let loss_tokens = labels.iter().filter(|&&l| l != -100).count() as u64;
+        let loss_tokens = mb.labels.iter().filter(|&&l| l != -100).count() as u64;
         Ok(MicrobatchOutcome {
             loss_sum: loss_tokens as f64 * 4.0 / f64::from(self.steps + 1),
             loss_tokens,
-            tokens: labels.len() as u64,
+            tokens: mb.labels.len() as u64,
             ..Default::default()
         })
     }
 
-    fn optimizer_step(&mut self, _lr: f64) -> anyhow::Result<f64> {
+    fn optimizer_step(&mut self, _lr: f64) -> anyhow::Result<StepStats> {
         self.steps += 1;
-        Ok(1.0)
+        Ok(StepStats { grad_norm: 1.0 })
     }
 
     fn zero_grad(&mut self) {}
 
     fn set_collective(&mut self, _: Box<dyn Collective>) -> anyhow::Result<()> {
         Ok(())
+    }
+
+    fn group(&mut self) -> &mut dyn Collective {
+        &mut self.solo
     }
 
     fn checkpoint_snapshot(&mut self) -> anyhow::Result<CheckpointWrite> {
@@ -77,7 +82,11 @@ fn factory(restores: Arc<Mutex<Vec<Option<PathBuf>>>>, slow_first: Option<Durati
             Some(d) => std::fs::read_to_string(d.join("model.safetensors"))?.parse()?,
             None => 0,
         };
-        Ok(Box::new(Fake { steps, slow_first }) as Box<dyn StepExecutor>)
+        Ok(Box::new(Fake {
+            steps,
+            slow_first,
+            solo: Solo,
+        }) as Box<dyn Engine>)
     })
 }
 

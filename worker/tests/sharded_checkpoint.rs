@@ -10,7 +10,7 @@ use std::path::Path;
 
 use accrue_worker::collective::local::LocalGroup;
 use accrue_worker::config::JobConfig;
-use accrue_worker::train::Trainer;
+use accrue_worker::train::{Engine, Trainer};
 use tch::Tensor;
 
 type Named = Vec<(String, Tensor)>;

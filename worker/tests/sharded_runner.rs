@@ -14,10 +14,11 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use accrue_worker::batch::PackedBatch;
 use accrue_worker::collective::local::{LocalGroup, LocalRank};
 use accrue_worker::collective::{Collective, CollectiveError};
 use accrue_worker::runner::{default_factory, Connector, Runner, RunnerConfig, Work};
-use accrue_worker::train::{PackedBatch, Trainer};
+use accrue_worker::train::{Engine, Trainer};
 use accrue_worker::wire;
 use accrue_worker::wire::worker_message::Msg;
 

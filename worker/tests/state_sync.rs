@@ -13,12 +13,13 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 
+use accrue_worker::batch::PackedBatch;
 use accrue_worker::collective::local::LocalGroup;
 use accrue_worker::collective::reshard::SyncPlan;
 use accrue_worker::collective::Collective;
 use accrue_worker::config::JobConfig;
-use accrue_worker::runner::{default_factory, run_step, StepExecutor, StepOutcome};
-use accrue_worker::train::{PackedBatch, Trainer};
+use accrue_worker::runner::{default_factory, run_step, StepOutcome};
+use accrue_worker::train::{Engine, Trainer};
 use accrue_worker::wire;
 
 /// Relative per-tensor tolerance: parameters (measured ≤ 2e-7).
@@ -102,7 +103,7 @@ impl Worker {
         std::thread::spawn(move || {
             tch::set_num_threads(1);
             let factory = default_factory();
-            let mut exec: Option<Box<dyn StepExecutor>> = None;
+            let mut exec: Option<Box<dyn Engine>> = None;
             for cmd in rx {
                 let r: anyhow::Result<()> = (|| {
                     match cmd {

@@ -59,9 +59,10 @@ fn base_dir(s: &str) -> Result<PathBuf, Status> {
     Ok(p)
 }
 
-/// The `manifest.json` fields a resumed job starts from.
+/// The `manifest.json` fields a resumed job starts from (a checkpoint's
+/// manifest, not a step's).
 #[derive(serde::Deserialize)]
-struct Manifest {
+struct CheckpointManifest {
     step: u64,
     cursor: crate::cursor::Cursor,
 }
@@ -78,7 +79,7 @@ pub(super) fn resume_point(spec: &JobSpec) -> Result<Option<JobStart>, String> {
     if !path.is_file() {
         return Ok(None);
     }
-    let m: Manifest = std::fs::read(&path)
+    let m: CheckpointManifest = std::fs::read(&path)
         .map_err(|e| e.to_string())
         .and_then(|b| serde_json::from_slice(&b).map_err(|e| e.to_string()))
         .map_err(|e| format!("model.init: {}: {e}", path.display()))?;

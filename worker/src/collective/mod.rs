@@ -136,6 +136,16 @@ impl Collective for Solo {
     }
 }
 
+/// Every rank's `ok`, agreed through an all-reduce (also a barrier): how
+/// many ranks were not ok. Checkpoints use it so that a write that failed
+/// on one rank fails on all.
+pub fn count_failures(coll: &mut dyn Collective, ok: bool) -> Result<usize, CollectiveError> {
+    let mut t = Tensor::from_slice(&[if ok { 0f32 } else { 1f32 }]).to_device(coll.device());
+    coll.all_reduce_sum(&mut t)?;
+    let failed = f32::try_from(&t.to_device(tch::Device::Cpu)).unwrap_or(1.0);
+    Ok(failed.round() as usize)
+}
+
 /// Checks that `t` is a flat contiguous float32 CPU tensor (what the CPU
 /// backends read and write through raw slices).
 pub fn check_flat_f32_cpu(op: &'static str, t: &Tensor) -> Result<usize, CollectiveError> {

@@ -10,60 +10,10 @@
 //! The second pass recomputes each chunk's logits; that costs one extra
 //! head forward per microbatch and keeps memory at one chunk.
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use tch::{Kind, Reduction, Tensor};
 
 use crate::model::loss::{target_rows, ChunkedLoss, NonFiniteLoss};
-
-/// What the plan says about one sequence of a microbatch.
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct SeqMeta {
-    pub doc_id: String,
-    /// 0 = SFT / rollout / DPO chosen, 1 = DPO rejected.
-    pub role: u32,
-    /// Policy gradient: the rollout's advantage.
-    pub advantage: Option<f64>,
-    /// DPO with a cached reference: the sequence's reference log-prob.
-    pub ref_logp: Option<f64>,
-}
-
-/// Per-sequence metadata and per-token old log-probs of a microbatch.
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct MicrobatchMeta {
-    pub seqs: Vec<SeqMeta>,
-    /// Aligned with the token row (log-prob of token i given its prefix,
-    /// under the generating policy); empty when the rollouts carry none,
-    /// NaN on the tokens of a rollout without them.
-    pub old_logprobs: Vec<f32>,
-    /// Cached reference log-probs, aligned like `old_logprobs` (policy
-    /// gradient with a KL penalty and `reference = "cached"`); NaN on a
-    /// sequence the reference pass did not cover.
-    pub ref_logprobs: Vec<f32>,
-}
-
-impl MicrobatchMeta {
-    pub fn from_wire(mb: &accrue_proto::v1::Microbatch) -> anyhow::Result<MicrobatchMeta> {
-        // unpack_f32 of empty bytes is empty.
-        let old_logprobs =
-            accrue_proto::unpack_f32(&mb.old_logprobs).context("microbatch old_logprobs")?;
-        let ref_logprobs =
-            accrue_proto::unpack_f32(&mb.ref_logprobs).context("microbatch ref_logprobs")?;
-        Ok(MicrobatchMeta {
-            seqs: mb
-                .sequences
-                .iter()
-                .map(|s| SeqMeta {
-                    doc_id: s.doc_id.clone(),
-                    role: s.role,
-                    advantage: s.advantage,
-                    ref_logp: s.ref_logp,
-                })
-                .collect(),
-            old_logprobs,
-            ref_logprobs,
-        })
-    }
-}
 
 /// The log-prob of every row's target (`0.0` where the row has none), in
 /// chunks of `chunk_tokens` target rows, without autograd.
@@ -135,10 +85,12 @@ pub fn reference_sequences(
     targets: &[i64],
     cu_seq_lens: &[i64],
     per_token: bool,
-) -> anyhow::Result<Vec<crate::runner::SequenceLogp>> {
+) -> anyhow::Result<Vec<crate::batch::SequenceLogp>> {
     let sums = sequence_sums(token_logps, targets, cu_seq_lens);
     if let Some((i, _)) = sums.iter().enumerate().find(|(_, s)| !s.0.is_finite()) {
-        bail!("non-finite reference log-prob of sequence {i}");
+        return Err(crate::error::StepError::non_finite(format!(
+            "reference log-prob of sequence {i}"
+        )));
     }
     let mut tokens = if per_token {
         token_aligned(token_logps, targets, cu_seq_lens)
@@ -148,7 +100,7 @@ pub fn reference_sequences(
     .into_iter();
     Ok(sums
         .into_iter()
-        .map(|(logp, loss_tokens)| crate::runner::SequenceLogp {
+        .map(|(logp, loss_tokens)| crate::batch::SequenceLogp {
             logp,
             loss_tokens,
             tokens: tokens.next().unwrap_or_default(),

@@ -6,14 +6,15 @@
 
 use std::collections::BTreeMap;
 
-use anyhow::{anyhow, bail};
+use anyhow::bail;
 use tch::Tensor;
 
 use super::dpo::{self, DpoParams, PairLogps};
-use super::head::{self, MicrobatchMeta};
+use super::head;
 use super::pg::{self, PgParams, TokenIn};
+use crate::batch::{MicrobatchMeta, PackedBatch, StepNorms};
+use crate::error::StepError;
 use crate::model::loss::{self, ChunkedLoss};
-use crate::train::PackedBatch;
 
 /// What the step's policy-gradient loss is divided by.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -24,14 +25,6 @@ pub enum Normalization {
     Sequence,
     /// A constant (Dr. GRPO).
     Constant(f64),
-}
-
-/// The step's global normalisers from the plan, identical on every rank.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct StepNorms {
-    pub loss_tokens: u64,
-    pub pairs: u64,
-    pub sequences: u64,
 }
 
 /// A microbatch's gradients (to apply with `loss::backward_into_model`) and
@@ -63,10 +56,15 @@ pub fn dpo(
     let targets = loss::shifted_targets(&batch.labels, &batch.cu_seq_lens);
     let docs = batch.documents();
     if meta.seqs.len() != docs {
-        bail!("{} sequence entries for {docs} sequences", meta.seqs.len());
+        return Err(StepError::invalid(format!(
+            "{} sequence entries for {docs} sequences",
+            meta.seqs.len()
+        )));
     }
     if pairs_total == 0 {
-        bail!("the step's pair count is 0 but this microbatch holds pairs");
+        return Err(StepError::invalid(format!(
+            "the step's pair count is 0 but this microbatch holds pairs"
+        )));
     }
     let lp = head::token_logps(hidden, weight, &targets, chunk_tokens)?;
     let sums = head::sequence_sums(&lp, &targets, &batch.cu_seq_lens);
@@ -75,11 +73,10 @@ pub fn dpo(
         match &ref_sums {
             Some(r) => Ok(r[i].0),
             None => meta.seqs[i].ref_logp.ok_or_else(|| {
-                anyhow!(
+                StepError::data(format!(
                     "document {} role {}: no ref_logp in the plan (cached reference pass missing)",
-                    meta.seqs[i].doc_id,
-                    meta.seqs[i].role
-                )
+                    meta.seqs[i].doc_id, meta.seqs[i].role
+                ))
             }),
         }
     };
@@ -94,17 +91,22 @@ pub fn dpo(
             .get_mut(s.role as usize)
         {
             Some(v) => v.push(i),
-            None => bail!("document {}: unknown role {}", s.doc_id, s.role),
+            None => {
+                return Err(StepError::invalid(format!(
+                    "document {}: unknown role {}",
+                    s.doc_id, s.role
+                )))
+            }
         }
     }
     let mut pairs: Vec<(usize, usize)> = Vec::new();
     for (doc, [chosen, rejected]) in &roles {
         if chosen.len() != rejected.len() {
-            bail!(
+            return Err(StepError::invalid(format!(
                 "document {doc}: {} chosen and {} rejected sequences in this microbatch (a pair's two sequences must sit together)",
                 chosen.len(),
                 rejected.len()
-            );
+            )));
         }
         pairs.extend(chosen.iter().copied().zip(rejected.iter().copied()));
     }
@@ -177,19 +179,28 @@ pub fn policy_gradient(
     let targets = loss::shifted_targets(&batch.labels, &batch.cu_seq_lens);
     let docs = batch.documents();
     if meta.seqs.len() != docs {
-        bail!("{} sequence entries for {docs} sequences", meta.seqs.len());
+        return Err(StepError::invalid(format!(
+            "{} sequence entries for {docs} sequences",
+            meta.seqs.len()
+        )));
     }
     for (what, v) in [
         ("old", &meta.old_logprobs),
         ("reference", &meta.ref_logprobs),
     ] {
         if !v.is_empty() && v.len() != targets.len() {
-            bail!("{} {what} log-probs for {} tokens", v.len(), targets.len());
+            return Err(StepError::invalid(format!(
+                "{} {what} log-probs for {} tokens",
+                v.len(),
+                targets.len()
+            )));
         }
     }
     let cached_ref = live_ref.is_none() && k.kl_coef != 0.0;
     if cached_ref && meta.ref_logprobs.is_empty() {
-        bail!("kl_coef > 0 with a cached reference, but the plan carries no ref_logprobs");
+        return Err(StepError::data(format!(
+            "kl_coef > 0 with a cached reference, but the plan carries no ref_logprobs"
+        )));
     }
     let lp = head::token_logps(hidden, weight, &targets, chunk_tokens)?;
     let mut weights = vec![0.0; targets.len()];
@@ -198,10 +209,10 @@ pub fn policy_gradient(
     let (mut clipped, mut kl_sum) = (0.0, 0.0);
     for (i, s) in meta.seqs.iter().enumerate() {
         let a = s.advantage.ok_or_else(|| {
-            anyhow!(
+            StepError::data(format!(
                 "document {}: no advantage in the plan (rollouts need one)",
                 s.doc_id
-            )
+            ))
         })?;
         let (b, e) = (
             batch.cu_seq_lens[i] as usize,
@@ -214,7 +225,10 @@ pub fn policy_gradient(
             Normalization::Constant(c) => c,
         };
         if n_seq > 0.0 && denom <= 0.0 {
-            bail!("document {}: the step's loss normaliser is 0", s.doc_id);
+            return Err(StepError::invalid(format!(
+                "document {}: the step's loss normaliser is 0",
+                s.doc_id
+            )));
         }
         for t in (b..e).filter(|&t| targets[t] != -100) {
             // Row t predicts token t+1 (same document): its old log-prob.
@@ -231,11 +245,11 @@ pub fn policy_gradient(
                 None if cached_ref => {
                     let r = f64::from(meta.ref_logprobs[t + 1]);
                     if !r.is_finite() {
-                        bail!(
+                        return Err(StepError::data(format!(
                             "document {}: no cached reference log-prob for token {} (the reference pass did not cover it)",
                             s.doc_id,
                             t + 1 - b
-                        );
+                        )));
                     }
                     Some(r)
                 }

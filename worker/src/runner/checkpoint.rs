@@ -1,6 +1,6 @@
 //! Asynchronous, atomic checkpoints (issue 6). A `CheckpointRequest` is
 //! split in two:
-//! 1. on the runner thread, [`StepExecutor::checkpoint_snapshot`] copies
+//! 1. on the runner thread, [`Engine::checkpoint_snapshot`] copies
 //!    what this rank writes into CPU memory (it may run collectives: FSDP
 //!    gathers whole tensors, zero2 its moments), in step order with the
 //!    plans around it;
@@ -26,19 +26,16 @@ use serde::Serialize;
 use tokio::sync::mpsc::UnboundedSender;
 use tracing::{info, warn};
 
-use super::{error_kind, fault, wire, Msg, StepExecutor, Thread};
+use super::{fault, wire, Msg, Thread};
+use crate::error::classify;
 use crate::train::checkpoint::marker;
-
-/// Writes a rank's snapshotted part of a checkpoint into a directory (on a
-/// background thread, no collectives); returns the names of the files
-/// written.
-pub type CheckpointWrite = Box<dyn FnOnce(&Path) -> anyhow::Result<Vec<String>> + Send>;
+use crate::train::{CheckpointWrite, Engine};
 
 /// The data of `manifest.json` beside a checkpoint (rank 0 writes it after
 /// its own marker; with every rank's marker it makes the checkpoint
 /// complete).
 #[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
-pub struct Manifest {
+pub struct CheckpointManifest {
     pub job: String,
     /// The job's name (`job.name`): a job of the same name whose
     /// `model.init` is this directory resumes from it; any other job only
@@ -65,7 +62,7 @@ fn write_part(
     write: CheckpointWrite,
     dir: &Path,
     rank: u32,
-    manifest: &Manifest,
+    manifest: &CheckpointManifest,
 ) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir)?;
     let files = write(dir)?;
@@ -83,10 +80,10 @@ fn write_part(
 /// Snapshots and writes a checkpoint part at once, on this thread (every
 /// rank calls it; see the module docs for the files).
 pub fn write_checkpoint(
-    exec: &mut dyn StepExecutor,
+    exec: &mut dyn Engine,
     rank: u32,
     dir: &Path,
-    manifest: &Manifest,
+    manifest: &CheckpointManifest,
 ) -> anyhow::Result<()> {
     let write = exec.checkpoint_snapshot()?;
     write_part(write, dir, rank, manifest)
@@ -127,7 +124,7 @@ impl Writer {
         write: CheckpointWrite,
         dir: PathBuf,
         rank: u32,
-        manifest: Manifest,
+        manifest: CheckpointManifest,
         answer: Answer,
     ) {
         self.wait();
@@ -158,7 +155,7 @@ impl Writer {
                             job_id: answer.job,
                             generation: answer.generation,
                             step,
-                            kind: error_kind(&e) as i32,
+                            kind: classify(&e).0 as i32,
                             message,
                             peer_rank: None,
                         })
@@ -186,7 +183,7 @@ impl Thread {
             );
             return self.error(&c.job_id, 0, c.step, wire::ErrorKind::InvalidPlan, msg);
         };
-        let manifest = Manifest {
+        let manifest = CheckpointManifest {
             job: c.job_id.clone(),
             name: h.name.clone(),
             step: c.step,
@@ -206,7 +203,7 @@ impl Thread {
             Ok(w) => w,
             Err(e) => {
                 let msg = format!("checkpoint of step {} (snapshot): {e:#}", c.step);
-                let (kind, peer) = (error_kind(&e), super::blamed_peer(&e));
+                let (kind, peer) = classify(&e);
                 let job = c.job_id.clone();
                 return self.error_blaming(&job, generation, c.step, kind, msg, peer);
             }

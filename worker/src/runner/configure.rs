@@ -19,10 +19,11 @@ use std::sync::atomic::Ordering;
 use tch::Tensor;
 use tracing::info;
 
-use super::{blamed_peer, lock, wire, ConfigureError, Held, Msg, Thread};
+use super::{lock, wire, ConfigureError, Held, Msg, Thread};
 use crate::collective::reshard::{SyncPlan, DEFAULT_CHUNK};
 use crate::collective::{Collective, CollectiveError, Solo};
 use crate::config::{JobConfig, Sharding};
+use crate::error::classify;
 use crate::train::checkpoint::marker;
 
 /// How the replica is obtained.
@@ -215,7 +216,7 @@ impl Thread {
                 "configure: state sync of step {} into generation {}: {what}: {e:#}",
                 c.step, c.generation
             );
-            (wire::ErrorKind::StateSync, msg, blamed_peer(e))
+            (wire::ErrorKind::StateSync, msg, classify(e).1)
         };
         // Every member says whether it can take part.
         let mut flag = Tensor::from_slice(&[if check.is_ok() { 0f32 } else { 1f32 }]);
@@ -353,7 +354,7 @@ impl Thread {
 fn check_restore_step(dir: &Path, step: u64) -> Result<(), String> {
     let path = dir.join("manifest.json");
     let bytes = std::fs::read(&path).map_err(|e| format!("configure: {}: {e}", path.display()))?;
-    let m: super::Manifest = serde_json::from_slice(&bytes)
+    let m: super::CheckpointManifest = serde_json::from_slice(&bytes)
         .map_err(|e| format!("configure: {}: {e}", path.display()))?;
     if m.step != step {
         return Err(format!(

@@ -14,8 +14,10 @@ use std::path::Path;
 use serde::Serialize;
 use tracing::info;
 
-use super::{blamed_peer, error_kind, Msg, StepExecutor, Thread};
+use super::{Msg, Thread};
+use crate::error::classify;
 use crate::train::checkpoint::{marker, optimizer_file};
+use crate::train::Engine;
 use crate::wire;
 
 /// `policy.json`: which step of which job the directory holds.
@@ -31,7 +33,7 @@ pub struct PolicyMarker {
 /// Writes this rank's part of the policy in `dir`; rank 0 adds the
 /// markers once every rank's files are written.
 pub fn write_policy(
-    exec: &mut dyn StepExecutor,
+    exec: &mut dyn Engine,
     rank: u32,
     world: u32,
     dir: &Path,
@@ -109,7 +111,7 @@ impl Thread {
         if let Err(e) = write_policy(h.exec.as_mut(), h.rank, h.world_size, dir, &marker) {
             let msg = format!("policy of step {} to {}: {e:#}", p.step, dir.display());
             let (job, generation) = (h.job.clone(), h.generation);
-            let (kind, peer) = (error_kind(&e), blamed_peer(&e));
+            let (kind, peer) = classify(&e);
             return self.error_blaming(&job, generation, p.step, kind, msg, peer);
         }
         info!(step = p.step, rank, dir = %dir.display(), "policy published");

@@ -1,4 +1,4 @@
-//! Runner tests of recovery (issue 6) with fake executors: restore
+//! Runner tests of recovery (issue 6) with fake engines: restore
 //! verification (RESTORE_FAILED naming the file), checkpoints written in
 //! the background while training goes on, an abort interrupting a step
 //! blocked in a ring collective on a frozen peer, held-state mismatch.
@@ -10,8 +10,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::*;
+use crate::batch::{MicrobatchMeta, MicrobatchOutcome, PackedBatch, StepNorms};
 use crate::collective::tcp::connect_cpu;
 use crate::train::checkpoint::marker;
+use crate::train::{CheckpointWrite, StepStats};
 
 /// A complete one-rank checkpoint of `step` (fake model file, marker,
 /// manifest) in `dir`.
@@ -19,7 +21,7 @@ pub(super) fn complete_checkpoint(dir: &Path, step: u64) {
     std::fs::create_dir_all(dir).unwrap();
     std::fs::write(dir.join("model.safetensors"), b"weights").unwrap();
     marker::write_marker(dir, 0, 1, &["model.safetensors".into()]).unwrap();
-    let m = Manifest {
+    let m = CheckpointManifest {
         job: "j".into(),
         name: "t".into(),
         step,
@@ -40,12 +42,13 @@ struct Slow {
     steps: Arc<AtomicUsize>,
 }
 
-impl StepExecutor for Slow {
-    fn microbatch(
+impl Engine for Slow {
+    fn train_microbatch(
         &mut self,
         _: usize,
-        _: &wire::Microbatch,
-        _: &wire::Normalizers,
+        _: &PackedBatch,
+        _: &MicrobatchMeta,
+        _: &StepNorms,
     ) -> anyhow::Result<MicrobatchOutcome> {
         if self.reduce {
             let mut t = tch::Tensor::zeros([1000], (tch::Kind::Float, tch::Device::Cpu));
@@ -60,9 +63,9 @@ impl StepExecutor for Slow {
             ..Default::default()
         })
     }
-    fn optimizer_step(&mut self, _: f64) -> anyhow::Result<f64> {
+    fn optimizer_step(&mut self, _: f64) -> anyhow::Result<StepStats> {
         self.steps.fetch_add(1, Ordering::SeqCst);
-        Ok(1.0)
+        Ok(StepStats { grad_norm: 1.0 })
     }
     fn zero_grad(&mut self) {
         self.zero_grads.fetch_add(1, Ordering::SeqCst);
@@ -78,6 +81,9 @@ impl StepExecutor for Slow {
     fn set_collective(&mut self, coll: Box<dyn Collective>) -> anyhow::Result<()> {
         self.coll = Some(coll);
         Ok(())
+    }
+    fn group(&mut self) -> &mut dyn Collective {
+        self.coll.as_deref_mut().expect("a collective")
     }
 }
 
@@ -99,7 +105,7 @@ fn slow_factory(reduce: bool, write_delay: Duration) -> (Factory, Counters) {
             write_delay,
             zero_grads: z.clone(),
             steps: s.clone(),
-        }) as Box<dyn StepExecutor>)
+        }) as Box<dyn Engine>)
     });
     (f, c)
 }

@@ -1,16 +1,19 @@
 //! Reference plans (`reference = "cached"`): forward only, every
 //! sequence's log-prob under the job's initial weights (per token too for
-//! policy-gradient jobs), reported with the sequence's document id and role. No gradient, no optimizer step, and the
-//! replica's step does not move.
+//! policy-gradient jobs), reported with the sequence's document id and
+//! role. No gradient, no optimizer step, and the replica's step does not
+//! move.
 
 use std::time::Instant;
 
-use super::{blamed_peer, error_kind, StepExecutor};
+use super::Engine;
+use crate::convert;
+use crate::error::classify;
 use crate::wire;
 
 /// Runs a reference plan's microbatches; an error names the microbatch.
 pub fn run_reference(
-    exec: &mut dyn StepExecutor,
+    exec: &mut dyn Engine,
     plan: &wire::StepPlan,
 ) -> Result<(wire::MetricSums, Vec<wire::SequenceLogp>), wire::WorkerError> {
     let start = Instant::now();
@@ -25,14 +28,20 @@ pub fn run_reference(
         if mb.token_ids.is_empty() && !exec.collective_per_microbatch() {
             continue;
         }
-        let got = exec.sequence_logps(i, mb).map_err(|e| wire::WorkerError {
-            job_id: plan.job_id.clone(),
-            generation: plan.generation,
-            step: plan.step,
-            kind: error_kind(&e) as i32,
-            message: format!("reference chunk {}, microbatch {i}: {e:#}", plan.step),
-            peer_rank: blamed_peer(&e),
-        })?;
+        let got = convert::microbatch(mb)
+            .map_err(anyhow::Error::from)
+            .and_then(|(batch, _)| exec.reference_logps(i, &batch))
+            .map_err(|e| {
+                let (kind, peer_rank) = classify(&e);
+                wire::WorkerError {
+                    job_id: plan.job_id.clone(),
+                    generation: plan.generation,
+                    step: plan.step,
+                    kind: kind as i32,
+                    message: format!("reference chunk {}, microbatch {i}: {e:#}", plan.step),
+                    peer_rank,
+                }
+            })?;
         if got.len() != mb.sequences.len() {
             return Err(wire::WorkerError {
                 job_id: plan.job_id.clone(),

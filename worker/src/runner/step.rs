@@ -1,11 +1,13 @@
-//! Running one step plan ([`run_step`]) and classifying its failures
-//! ([`error_kind`], [`blamed_peer`]): the part of the runner that is a
-//! plain function of an executor and a plan, tested with fakes.
+//! Running one step plan ([`run_step`]): the part of the runner that is a
+//! plain function of an engine and a plan, tested with fakes. Failures
+//! carry their kind (`crate::error::classify`).
 
 use std::collections::BTreeSet;
 use std::time::Instant;
 
-use super::{fault, wire, CollectiveError, StepExecutor};
+use super::{fault, wire, Engine};
+use crate::convert;
+use crate::error::classify;
 
 /// How a step ended.
 #[derive(Debug, Clone, PartialEq)]
@@ -22,30 +24,28 @@ pub enum StepOutcome {
 /// gives the padding a padded layout would have wasted; `idle_s` is the
 /// time since the previous plan finished.
 pub fn run_step(
-    exec: &mut dyn StepExecutor,
+    exec: &mut dyn Engine,
     plan: &wire::StepPlan,
     idle_s: f64,
     aborted: &dyn Fn() -> bool,
 ) -> StepOutcome {
     let fail = |e: &anyhow::Error, message: String| {
+        let (kind, peer_rank) = classify(e);
         StepOutcome::Failed(wire::WorkerError {
             job_id: plan.job_id.clone(),
             generation: plan.generation,
             step: plan.step,
-            kind: error_kind(e) as i32,
+            kind: kind as i32,
             message,
-            peer_rank: blamed_peer(e),
+            peer_rank,
         })
     };
-    let Some(norms) = plan.normalizers else {
-        return StepOutcome::Failed(wire::WorkerError {
-            job_id: plan.job_id.clone(),
-            generation: plan.generation,
-            step: plan.step,
-            kind: wire::ErrorKind::InvalidPlan as i32,
-            message: format!("step {}: the plan carries no normalizers", plan.step),
-            peer_rank: None,
-        });
+    let norms = match convert::norms(plan.normalizers.as_ref()) {
+        Ok(n) => n,
+        Err(e) => {
+            let e = anyhow::Error::from(e);
+            return fail(&e, format!("step {}: {e}", plan.step));
+        }
     };
     let max_tokens = u64::from(plan.max_tokens);
     let mut sums = wire::MetricSums {
@@ -66,20 +66,27 @@ pub fn run_step(
         if mb.token_ids.is_empty() && !exec.collective_per_microbatch() {
             continue;
         }
-        let result = exec.microbatch(i, mb, &norms);
+        // A row the plan got wrong is refused before anything runs on it;
+        // the error names the microbatch and keeps its kind.
+        let result = convert::microbatch(mb)
+            .map_err(anyhow::Error::from)
+            .and_then(|(batch, meta)| {
+                let o = exec.train_microbatch(i, &batch, &meta, &norms)?;
+                Ok((o, batch.cu_seq_lens))
+            });
         if i == 0 {
             // Gradients of the first microbatch accumulated, step half done.
             fault::point(fault::Point::MidMicrobatch, plan.step, plan.rank);
         }
         match result {
-            Ok(o) => {
+            Ok((o, cu_seq_lens)) => {
                 for (k, v) in &o.extra {
                     *sums.extra.entry(k.clone()).or_insert(0.0) += v;
                 }
                 sums.loss_sum += o.loss_sum;
                 sums.loss_tokens += o.loss_tokens;
                 sums.tokens += o.tokens;
-                sums.model_flops += exec.model_flops(mb, o.loss_tokens);
+                sums.model_flops += exec.model_flops(&cu_seq_lens, o.loss_tokens);
                 if o.tokens > 0 {
                     sums.padding_tokens += max_tokens.saturating_sub(o.tokens);
                 }
@@ -114,7 +121,7 @@ pub fn run_step(
     fault::point(fault::Point::InCollective, plan.step, plan.rank);
     let opt = Instant::now();
     match exec.optimizer_step(plan.lr) {
-        Ok(norm) => sums.grad_norm = norm,
+        Ok(stats) => sums.grad_norm = stats.grad_norm,
         Err(_) if aborted() => {
             exec.zero_grad();
             return StepOutcome::Aborted;
@@ -129,28 +136,4 @@ pub fn run_step(
     sums.optimizer_s = (opt.elapsed().as_secs_f64() - (coll_total - coll_compute)).max(0.0);
     crate::metrics::global().observe_step(plan, &sums);
     StepOutcome::Done(sums)
-}
-
-/// COLLECTIVE_TIMEOUT for a failed collective, NON_FINITE when the error
-/// says a value was not finite (the trainer's guards say "non-finite"),
-/// else INTERNAL.
-pub fn error_kind(e: &anyhow::Error) -> wire::ErrorKind {
-    if collective_error(e).is_some() {
-        return wire::ErrorKind::CollectiveTimeout;
-    }
-    let text = format!("{e:#}").to_lowercase();
-    if text.contains("non-finite") || text.contains("not finite") {
-        wire::ErrorKind::NonFinite
-    } else {
-        wire::ErrorKind::Internal
-    }
-}
-
-fn collective_error(e: &anyhow::Error) -> Option<&CollectiveError> {
-    e.chain().find_map(|c| c.downcast_ref::<CollectiveError>())
-}
-
-/// The peer a failed collective blames (the WorkerError's `peer_rank`).
-pub fn blamed_peer(e: &anyhow::Error) -> Option<u32> {
-    collective_error(e)?.peer().map(|p| p as u32)
 }

@@ -1,10 +1,14 @@
-//! Runner tests with a fake executor: sums, padding, error kinds, aborts,
+//! Runner tests with a fake engine: sums, padding, error kinds, aborts,
 //! and the thread protocol (configure → ready, plan → result, checkpoint).
 
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use super::*;
+use crate::batch::{MicrobatchMeta, MicrobatchOutcome, PackedBatch, SequenceLogp, StepNorms};
+use crate::collective::Solo;
+use crate::error::StepError;
+use crate::train::{CheckpointWrite, StepStats};
 
 #[derive(Debug, Default, Clone)]
 struct Calls {
@@ -16,9 +20,11 @@ struct Calls {
 /// Loss 2.0 per loss token (tokens after the first of each sequence).
 struct Fake {
     calls: Arc<Mutex<Calls>>,
-    fail_at: Option<(usize, &'static str)>,
+    /// Microbatch `i` fails with the error `f` makes.
+    fail_at: Option<(usize, fn() -> anyhow::Error)>,
     fail_optimizer: bool,
     delay: Duration,
+    solo: Solo,
 }
 
 impl Fake {
@@ -30,24 +36,26 @@ impl Fake {
                 fail_at: None,
                 fail_optimizer: false,
                 delay: Duration::ZERO,
+                solo: Solo,
             },
             calls,
         )
     }
 }
 
-impl StepExecutor for Fake {
-    fn microbatch(
+impl Engine for Fake {
+    fn train_microbatch(
         &mut self,
         index: usize,
-        mb: &wire::Microbatch,
-        norms: &wire::Normalizers,
+        mb: &PackedBatch,
+        _: &MicrobatchMeta,
+        norms: &StepNorms,
     ) -> anyhow::Result<MicrobatchOutcome> {
         let global = norms.loss_tokens;
         std::thread::sleep(self.delay);
-        if let Some((i, msg)) = self.fail_at {
+        if let Some((i, error)) = self.fail_at {
             if i == index {
-                anyhow::bail!("{msg}");
+                return Err(error());
             }
         }
         self.calls
@@ -55,22 +63,21 @@ impl StepExecutor for Fake {
             .unwrap()
             .microbatches
             .push((index, global));
-        let labels = accrue_proto::unpack_i32(&mb.labels)?;
-        let loss_tokens = labels.iter().filter(|&&l| l != -100).count() as u64;
+        let loss_tokens = mb.labels.iter().filter(|&&l| l != -100).count() as u64;
         Ok(MicrobatchOutcome {
             loss_sum: 2.0 * loss_tokens as f64,
             loss_tokens,
-            tokens: labels.len() as u64,
+            tokens: mb.labels.len() as u64,
             ..Default::default()
         })
     }
 
-    fn optimizer_step(&mut self, lr: f64) -> anyhow::Result<f64> {
+    fn optimizer_step(&mut self, lr: f64) -> anyhow::Result<StepStats> {
         if self.fail_optimizer {
-            anyhow::bail!("gradient norm is non-finite (NaN)");
+            return Err(StepError::non_finite("gradient norm NaN"));
         }
         self.calls.lock().unwrap().steps.push(lr);
-        Ok(0.75)
+        Ok(StepStats { grad_norm: 0.75 })
     }
 
     fn zero_grad(&mut self) {
@@ -79,6 +86,10 @@ impl StepExecutor for Fake {
 
     fn set_collective(&mut self, _: Box<dyn Collective>) -> anyhow::Result<()> {
         Ok(())
+    }
+
+    fn group(&mut self) -> &mut dyn Collective {
+        &mut self.solo
     }
 
     fn checkpoint_snapshot(&mut self) -> anyhow::Result<CheckpointWrite> {
@@ -170,7 +181,7 @@ fn a_plan_reports_sums_and_counts_padding_microbatches() {
 #[test]
 fn a_non_finite_loss_fails_the_step_naming_step_and_microbatch() {
     let (mut fake, calls) = Fake::new();
-    fake.fail_at = Some((1, "loss is non-finite"));
+    fake.fail_at = Some((1, || StepError::non_finite("loss NaN in loss chunk 0")));
     let p = plan(7, vec![mb(&[("a:1", 3)]), mb(&[("b:1", 3)])]);
     let StepOutcome::Failed(e) = run_step(&mut fake, &p, 0.0, &|| false) else {
         panic!("expected a failure");
@@ -183,15 +194,41 @@ fn a_non_finite_loss_fails_the_step_naming_step_and_microbatch() {
     assert_eq!(c.zero_grads, 1, "the partial gradients are dropped");
 }
 
+/// The kind comes from the error's type, never its words.
 #[test]
-fn other_failures_are_internal_and_optimizer_failures_name_the_step() {
-    let (mut fake, _) = Fake::new();
-    fake.fail_at = Some((0, "out of memory"));
+fn failures_carry_their_typed_kind_and_optimizer_failures_name_the_step() {
     let p = plan(2, vec![mb(&[("a:1", 3)])]);
-    let StepOutcome::Failed(e) = run_step(&mut fake, &p, 0.0, &|| false) else {
+    let kind_of = |error: fn() -> anyhow::Error| {
+        let (mut fake, _) = Fake::new();
+        fake.fail_at = Some((0, error));
+        match run_step(&mut fake, &p, 0.0, &|| false) {
+            StepOutcome::Failed(e) => wire::ErrorKind::try_from(e.kind).unwrap(),
+            other => panic!("expected a failure, got {other:?}"),
+        }
+    };
+    assert_eq!(
+        kind_of(|| anyhow::anyhow!("a non-finite out of memory in the data")),
+        wire::ErrorKind::Internal,
+        "words alone classify nothing"
+    );
+    assert_eq!(
+        kind_of(|| StepError::OutOfMemory("2 GiB".into()).into()),
+        wire::ErrorKind::OutOfMemory
+    );
+    assert_eq!(
+        kind_of(|| StepError::data("token 900 outside the vocabulary")),
+        wire::ErrorKind::Data
+    );
+    // A microbatch the plan got wrong is refused before the engine runs.
+    let (mut fake, calls) = Fake::new();
+    let mut bad = plan(2, vec![mb(&[("a:1", 3)])]);
+    bad.microbatches[0].cu_seq_lens = vec![0, 2];
+    let StepOutcome::Failed(e) = run_step(&mut fake, &bad, 0.0, &|| false) else {
         panic!("expected a failure");
     };
-    assert_eq!(e.kind, wire::ErrorKind::Internal as i32);
+    assert_eq!(e.kind, wire::ErrorKind::InvalidPlan as i32);
+    assert!(e.message.contains("cu_seq_lens"), "{}", e.message);
+    assert!(calls.lock().unwrap().microbatches.is_empty());
 
     let (mut fake, _) = Fake::new();
     fake.fail_optimizer = true;
@@ -275,7 +312,8 @@ fn the_thread_configures_runs_checkpoints_and_drains_on_shutdown() {
             fail_at: None,
             fail_optimizer: false,
             delay: Duration::from_millis(50),
-        }) as Box<dyn StepExecutor>)
+            solo: Solo,
+        }) as Box<dyn Engine>)
     });
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let runner = Runner::spawn(factory, tx);
@@ -315,11 +353,11 @@ fn the_thread_configures_runs_checkpoints_and_drains_on_shutdown() {
     let s = r.sums.unwrap();
     assert_eq!((r.step, s.padding_tokens), (6, 28));
     assert!(matches!(msg(&mut rx), Msg::CheckpointDone(c) if c.step == 6));
-    let m: Manifest =
+    let m: CheckpointManifest =
         serde_json::from_slice(&std::fs::read(ckpt.join("manifest.json")).unwrap()).unwrap();
     assert_eq!(
         m,
-        Manifest {
+        CheckpointManifest {
             job: "j".into(),
             name: "t".into(),
             step: 6,
@@ -342,7 +380,7 @@ fn reconfiguring_at_the_held_step_keeps_the_replica() {
     let b2 = builds.clone();
     let factory: Factory = Arc::new(move |_, _, _| {
         b2.fetch_add(1, Ordering::SeqCst);
-        Ok(Box::new(Fake::new().0) as Box<dyn StepExecutor>)
+        Ok(Box::new(Fake::new().0) as Box<dyn Engine>)
     });
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let runner = Runner::spawn(factory, tx);
@@ -448,17 +486,18 @@ fn local_connector(world: usize) -> Connector {
 fn each_rank_gets_its_collective_and_a_failed_collective_blames_the_peer() {
     let seen = Arc::new(Mutex::new(Vec::new()));
     let s2 = seen.clone();
-    struct Failing;
-    impl StepExecutor for Failing {
-        fn microbatch(
+    struct Failing(Solo);
+    impl Engine for Failing {
+        fn train_microbatch(
             &mut self,
             _: usize,
-            _: &wire::Microbatch,
-            _: &wire::Normalizers,
+            _: &PackedBatch,
+            _: &MicrobatchMeta,
+            _: &StepNorms,
         ) -> anyhow::Result<MicrobatchOutcome> {
             Ok(MicrobatchOutcome::default())
         }
-        fn optimizer_step(&mut self, _: f64) -> anyhow::Result<f64> {
+        fn optimizer_step(&mut self, _: f64) -> anyhow::Result<StepStats> {
             Err(anyhow::Error::new(CollectiveError::Timeout {
                 op: "all_reduce",
                 seq: 3,
@@ -474,10 +513,13 @@ fn each_rank_gets_its_collective_and_a_failed_collective_blames_the_peer() {
         fn set_collective(&mut self, _: Box<dyn Collective>) -> anyhow::Result<()> {
             Ok(())
         }
+        fn group(&mut self) -> &mut dyn Collective {
+            &mut self.0
+        }
     }
     let factory: Factory = Arc::new(move |_, _, coll| {
         s2.lock().unwrap().push((coll.rank(), coll.world_size()));
-        Ok(Box::new(Failing) as Box<dyn StepExecutor>)
+        Ok(Box::new(Failing(Solo)) as Box<dyn Engine>)
     });
     let connector = local_connector(2);
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
@@ -528,20 +570,22 @@ fn reference_plans_run_empty_microbatches_for_lockstep_engines() {
     struct Ref {
         lockstep: bool,
         seen: Vec<usize>,
+        solo: Solo,
     }
-    impl StepExecutor for Ref {
-        fn microbatch(
+    impl Engine for Ref {
+        fn train_microbatch(
             &mut self,
             _: usize,
-            _: &wire::Microbatch,
-            _: &wire::Normalizers,
+            _: &PackedBatch,
+            _: &MicrobatchMeta,
+            _: &StepNorms,
         ) -> anyhow::Result<MicrobatchOutcome> {
             anyhow::bail!("a reference plan trains nothing")
         }
-        fn sequence_logps(
+        fn reference_logps(
             &mut self,
             index: usize,
-            mb: &wire::Microbatch,
+            mb: &PackedBatch,
         ) -> anyhow::Result<Vec<SequenceLogp>> {
             self.seen.push(index);
             let one = SequenceLogp {
@@ -549,14 +593,17 @@ fn reference_plans_run_empty_microbatches_for_lockstep_engines() {
                 loss_tokens: 2,
                 tokens: Vec::new(),
             };
-            Ok(vec![one; mb.sequences.len()])
+            Ok(vec![one; mb.documents()])
         }
-        fn optimizer_step(&mut self, _: f64) -> anyhow::Result<f64> {
+        fn optimizer_step(&mut self, _: f64) -> anyhow::Result<StepStats> {
             anyhow::bail!("a reference plan steps nothing")
         }
         fn zero_grad(&mut self) {}
         fn set_collective(&mut self, _: Box<dyn Collective>) -> anyhow::Result<()> {
             Ok(())
+        }
+        fn group(&mut self) -> &mut dyn Collective {
+            &mut self.solo
         }
         fn checkpoint_snapshot(&mut self) -> anyhow::Result<CheckpointWrite> {
             anyhow::bail!("no checkpoint")
@@ -577,6 +624,7 @@ fn reference_plans_run_empty_microbatches_for_lockstep_engines() {
         let mut e = Ref {
             lockstep,
             seen: Vec::new(),
+            solo: Solo,
         };
         let (sums, logps) = reference::run_reference(&mut e, &p).unwrap();
         assert_eq!(e.seen, want, "lockstep {lockstep}");

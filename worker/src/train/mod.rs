@@ -1,12 +1,14 @@
-//! Training on packed microbatches: the wire batch, the trainer (SFT
-//! objective, exact accumulation), AdamW and checkpoints.
+//! Training on packed microbatches: the [`Engine`] interface and its two
+//! implementations (the replicated [`Trainer`] for ddp and zero2, the
+//! sharded [`FsdpTrainer`]), AdamW, and checkpoints.
 
-pub mod batch;
 pub mod checkpoint;
+pub mod engine;
 pub mod flat;
 pub mod fsdp;
 pub mod optim;
 pub mod trainer;
 
-pub use batch::PackedBatch;
-pub use trainer::{MicrobatchSums, Sharding, StateBytes, StepStats, Trainer};
+pub use engine::{build, CheckpointWrite, Engine};
+pub use fsdp::FsdpTrainer;
+pub use trainer::{Sharding, StateBytes, StepStats, Trainer};

@@ -86,21 +86,6 @@ impl AdamW {
     }
 }
 
-/// The global L2 norm of all defined gradients (f64), like
-/// `clip_grad_norm_`'s `total_norm`.
-pub fn grad_norm(params: &[Tensor]) -> f64 {
-    let norms: Vec<Tensor> = params
-        .iter()
-        .map(|p| p.grad())
-        .filter(|g| g.defined())
-        .map(|g| g.to_kind(Kind::Float).norm())
-        .collect();
-    if norms.is_empty() {
-        return 0.0;
-    }
-    f64::try_from(Tensor::stack(&norms, 0).norm()).unwrap_or(f64::NAN)
-}
-
 /// Σ g² over the given gradients (f64): a rank's share of the squared
 /// global norm, summed across ranks before the square root.
 pub fn sum_of_squares(grads: &[Tensor]) -> f64 {
@@ -115,16 +100,9 @@ pub fn sum_of_squares(grads: &[Tensor]) -> f64 {
     f64::try_from(Tensor::stack(&parts, 0).sum(Kind::Double)).unwrap_or(f64::NAN)
 }
 
-/// Scales all gradients by `min(1, max_norm / (norm + 1e-6))`, as
-/// `clip_grad_norm_` does (it multiplies even when the factor is 1).
-pub fn clip_grads(params: &[Tensor], norm: f64, max_norm: f64) {
-    let coef = (max_norm / (norm + 1e-6)).min(1.0);
-    tch::no_grad(|| {
-        for p in params {
-            let mut g = p.grad();
-            if g.defined() {
-                let _ = g.g_mul_scalar_(coef);
-            }
-        }
-    });
+/// The factor `clip_grad_norm_` scales the gradients by for a global
+/// `norm` (it multiplies even when the factor is 1), or `None` when
+/// clipping is off (`max_norm` 0). Both engines clip with it.
+pub fn clip_coefficient(norm: f64, max_norm: f64) -> Option<f64> {
+    (max_norm > 0.0).then(|| (max_norm / (norm + 1e-6)).min(1.0))
 }

@@ -21,28 +21,19 @@
 
 use std::path::Path;
 
-use anyhow::{anyhow, bail, Context};
+use anyhow::{bail, Context};
 use tch::{Device, Kind, Tensor};
 
+use crate::batch::{MicrobatchOutcome, PackedBatch};
 use crate::collective::{shard_range, Collective, CollectiveError, Solo};
 use crate::config::{self, JobConfig, ModelSource};
+use crate::error::StepError;
 use crate::model::{loss, weights, Init, Llama, LlamaConfig};
 use crate::objective::Objective;
 
-use super::batch::PackedBatch;
 use super::checkpoint::{self, ShardEntry};
 use super::flat::FlatLayout;
 use super::optim::{self, AdamW};
-
-/// Metric sums of one microbatch (turned into means by the coordinator).
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct MicrobatchSums {
-    /// Σ per-token NLL (unscaled).
-    pub loss_sum: f64,
-    pub loss_tokens: u64,
-    pub tokens: u64,
-    pub documents: u64,
-}
 
 /// What an optimizer step reports.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -121,6 +112,7 @@ pub struct Trainer {
     init: JobConfig,
 }
 
+mod engine;
 mod objectives;
 mod sync;
 
@@ -244,10 +236,9 @@ impl Trainer {
         index: usize,
         mb: &PackedBatch,
         global_loss_tokens: u64,
-    ) -> anyhow::Result<MicrobatchSums> {
-        let mut sums = MicrobatchSums {
+    ) -> anyhow::Result<MicrobatchOutcome> {
+        let mut sums = MicrobatchOutcome {
             tokens: mb.tokens() as u64,
-            documents: mb.documents() as u64,
             ..Default::default()
         };
         if mb.is_empty() {
@@ -255,15 +246,16 @@ impl Trainer {
         }
         mb.validate()
             .with_context(|| format!("microbatch {index}"))?;
+        self.check_vocabulary(index, mb)?;
         let targets = loss::shifted_targets(&mb.labels, &mb.cu_seq_lens);
         if targets.iter().all(|&t| t == -100) {
             // No loss token: zero gradient, skip the forward.
             return Ok(sums);
         }
         if global_loss_tokens == 0 {
-            bail!(
+            return Err(StepError::invalid(format!(
                 "microbatch {index}: has loss tokens but the step's global loss-token count is 0"
-            );
+            )));
         }
         let hidden = self.model.hidden(&mb.input_ids, &mb.cu_seq_lens);
         let head = self.model.lm_head_weight();
@@ -274,36 +266,18 @@ impl Trainer {
             self.loss_chunk_tokens,
             1.0 / global_loss_tokens as f64,
         )
-        .map_err(|e| anyhow!("microbatch {index}: {e:#}"))?;
+        .with_context(|| format!("microbatch {index}"))?;
         loss::backward_into_model(&hidden, head, &chunked);
         sums.loss_sum = chunked.loss_sum;
         sums.loss_tokens = chunked.loss_tokens;
         Ok(sums)
     }
 
-    /// Clip with the global norm, AdamW step at `lr`, then zero the
-    /// gradients. This is the accumulation boundary: the cross-rank
-    /// reduction runs here, once per step, and every rank must call it
-    /// (ranks with only padding microbatches contribute zeros). A
-    /// non-finite gradient norm is an error; every rank sees the same
-    /// global norm, so all of them refuse together and leave their
-    /// parameters untouched.
-    pub fn optimizer_step(&mut self, lr: f64) -> anyhow::Result<StepStats> {
-        let result = if lr.is_finite() {
-            let r = self.boundary(lr);
-            if r.is_ok() {
-                self.pristine = false;
-            }
-            r
-        } else {
-            Err(anyhow!(
-                "non-finite learning rate {lr}; parameters left unchanged"
-            ))
-        };
-        self.zero_grad();
-        result
-    }
-
+    /// The accumulation boundary (see [`Engine::optimizer_step`]): reduce
+    /// the flat gradient (all-reduce at ddp, reduce-scatter at zero2), clip
+    /// with the global norm, AdamW at `lr`. A non-finite norm is an error;
+    /// every rank sees the same global norm, so all of them refuse together
+    /// and leave their parameters untouched.
     fn boundary(&mut self, lr: f64) -> anyhow::Result<StepStats> {
         let device = self.model.vs.device();
         let grads: Vec<Tensor> = self.params.iter().map(Tensor::grad).collect();
@@ -326,12 +300,12 @@ impl Trainer {
             }
         };
         if !norm.is_finite() {
-            bail!("non-finite gradient norm {norm}; parameters left unchanged");
+            return Err(StepError::non_finite(format!(
+                "gradient norm {norm}; parameters left unchanged"
+            )));
         }
         tch::no_grad(|| -> anyhow::Result<()> {
-            if self.grad_clip > 0.0 {
-                // As clip_grad_norm_: multiplies even when the factor is 1.
-                let coef = (self.grad_clip / (norm + 1e-6)).min(1.0);
+            if let Some(coef) = optim::clip_coefficient(norm, self.grad_clip) {
                 let _ = flat.g_mul_scalar_(coef);
             }
             match self.sharding {
@@ -392,27 +366,13 @@ impl Trainer {
         }
     }
 
-    /// Every rank's `ok`, agreed through an all-reduce: the number of ranks
-    /// that were not ok (also a barrier).
-    fn count_failures(&mut self, ok: bool) -> Result<usize, CollectiveError> {
-        let mut t = Tensor::from_slice(&[if ok { 0f32 } else { 1f32 }]);
-        self.collective(Op::AllReduce, &mut t)?;
-        Ok(f32::try_from(&t).map_or(1.0, |v| v) as usize)
-    }
-
-    /// Discards accumulated gradients (aborted step).
-    pub fn zero_grad(&mut self) {
-        for p in &self.params {
-            p.shallow_clone().zero_grad();
-        }
-    }
-
     /// Copies what this rank writes of a checkpoint to CPU memory (see
-    /// [`Trainer::save_checkpoint`] for the layout): the whole parameters
-    /// [`checkpoint::assign_tensors`] gives it and their AdamW moments. At
-    /// zero2 the moment shards are all-gathered first (a collective every
-    /// rank joins); nothing is written here.
-    pub fn checkpoint_snapshot(&mut self) -> anyhow::Result<checkpoint::Snapshot> {
+    /// `checkpoint::save_shard` for the layout): the whole parameters
+    /// [`checkpoint::assign_tensors`] gives it and their AdamW moments, per
+    /// whole parameter so that they restore at any world size. At zero2
+    /// the moment shards are all-gathered first (a collective every rank
+    /// joins); nothing is written here.
+    fn snapshot(&mut self) -> anyhow::Result<checkpoint::Snapshot> {
         let (rank, world) = (self.coll.rank(), self.coll.world_size());
         let elt = self.model.kind().elt_size_in_bytes();
         let sizes: Vec<(String, usize)> = self
@@ -444,25 +404,6 @@ impl Trainer {
             sizes,
             mine,
         ))
-    }
-
-    /// Writes this rank's part of a sharded HF checkpoint in `dir` (every
-    /// rank calls it, in parallel; see [`checkpoint::save_shard`]): the
-    /// whole parameters assigned to it by size and their AdamW moments
-    /// (zero2 gathers its flat moment shards first, so moments are stored
-    /// per whole parameter and restore at any world size). Returns once
-    /// every rank has written; fails on every rank if any rank failed.
-    pub fn save_checkpoint(&mut self, dir: &Path) -> anyhow::Result<()> {
-        let written = self.checkpoint_snapshot()?.write(dir);
-        let failed = self.count_failures(written.is_ok())?;
-        written?;
-        if failed > 0 {
-            bail!(
-                "{failed} other rank(s) failed to write their shard of {}",
-                dir.display()
-            );
-        }
-        Ok(())
     }
 
     /// AdamW moments per whole parameter (zero2: all-gathered from the
@@ -560,41 +501,24 @@ impl Trainer {
         (self.coll.rank(), self.coll.world_size())
     }
 
-    /// Whether this replica's state stays valid as `rank` of `world` (a new
-    /// generation): always at ddp; at zero2 only for the same shard.
-    pub fn fits(&self, rank: usize, world: usize) -> bool {
-        match self.sharding {
-            Sharding::Ddp => true,
-            Sharding::Zero2 => (rank, world) == self.rank_world(),
-        }
-    }
-
-    /// Joins a new generation (see [`Trainer::fits`]).
-    /// This replica's collective (for a barrier between ranks).
-    pub fn group(&mut self) -> &mut dyn Collective {
-        self.coll.as_mut()
-    }
-
-    pub fn set_collective(&mut self, coll: Box<dyn Collective>) -> anyhow::Result<()> {
-        if !self.fits(coll.rank(), coll.world_size()) {
-            let (r, w) = self.rank_world();
-            bail!(
-                "zero2: the optimizer shard of rank {r} of {w} cannot serve rank {} of {}; \
-                 restore from a checkpoint",
-                coll.rank(),
-                coll.world_size()
-            );
-        }
-        self.coll = coll;
-        Ok(())
-    }
-
     pub fn model(&self) -> &Llama {
         &self.model
     }
 
     pub fn model_mut(&mut self) -> &mut Llama {
         &mut self.model
+    }
+
+    /// A token id outside the model's vocabulary is the plan's document's
+    /// fault, refused before the embedding would panic on it.
+    fn check_vocabulary(&self, index: usize, mb: &PackedBatch) -> anyhow::Result<()> {
+        let vocab = self.model.cfg.vocab_size;
+        match mb.input_ids.iter().find(|&&t| t as usize >= vocab) {
+            Some(bad) => Err(StepError::data(format!(
+                "microbatch {index}: token {bad} outside the vocabulary ({vocab} tokens)"
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// Overrides `runtime.loss_chunk_tokens`.

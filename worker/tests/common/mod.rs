@@ -7,8 +7,8 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use accrue_worker::batch::PackedBatch;
 use accrue_worker::config::JobConfig;
-use accrue_worker::train::PackedBatch;
 use tch::{Kind, Tensor};
 
 pub fn repo_root() -> PathBuf {

@@ -37,6 +37,7 @@
 //! Follows PyTorch FSDP (`FlatParameter` per wrapped module, reshard after
 //! forward, pre-backward all-gather) — Zhao et al., "PyTorch FSDP", 2023.
 
+mod engine;
 mod objective;
 mod pass;
 mod shell;
@@ -49,17 +50,18 @@ use std::path::Path;
 use anyhow::{anyhow, bail, Context};
 use tch::{nn, Device, Kind, Tensor};
 
+use crate::batch::{MicrobatchOutcome, PackedBatch};
 use crate::collective::{shard_range, Collective};
 use crate::config::{JobConfig, ModelSource};
+use crate::error::StepError;
 use crate::model::norm::RmsNorm;
 use crate::model::rope::Rope;
 use crate::model::{weights, LlamaConfig, PackedAttention};
 use crate::objective::Objective;
 
-use super::batch::PackedBatch;
 use super::checkpoint::{self, ShardEntry};
 use super::optim::{self, AdamW};
-use super::trainer::{build_model, MicrobatchSums, StateBytes, StepStats};
+use super::trainer::{build_model, StateBytes, StepStats};
 use shell::LayerShell;
 use units::UnitLayout;
 
@@ -210,28 +212,6 @@ impl FsdpTrainer {
         &self.cfg
     }
 
-    /// Swaps in the collective of a new generation. The shards belong to a
-    /// (rank, world) pair, so only the same pair is accepted; any other
-    /// needs a rebuild from a checkpoint.
-    /// This replica's collective (for a barrier between ranks).
-    pub fn group(&mut self) -> &mut dyn Collective {
-        self.coll.as_mut()
-    }
-
-    pub fn set_collective(&mut self, coll: Box<dyn Collective>) -> anyhow::Result<()> {
-        if (coll.rank(), coll.world_size()) != (self.rank(), self.world_size()) {
-            bail!(
-                "fsdp shards of rank {} of {} cannot serve rank {} of {}",
-                self.rank(),
-                self.world_size(),
-                coll.rank(),
-                coll.world_size()
-            );
-        }
-        self.coll = coll;
-        Ok(())
-    }
-
     pub fn world_size(&self) -> usize {
         self.coll.world_size()
     }
@@ -245,29 +225,30 @@ impl FsdpTrainer {
         index: usize,
         mb: &PackedBatch,
         global_loss_tokens: u64,
-    ) -> anyhow::Result<MicrobatchSums> {
-        Ok(self.run_microbatch(index, mb, None, global_loss_tokens)?.0)
+    ) -> anyhow::Result<MicrobatchOutcome> {
+        self.run_microbatch(index, mb, None, global_loss_tokens)
     }
 
-    /// Global-norm clip (the norm over every rank's shards), AdamW on this
-    /// rank's shards, then zero the gradient shards (a collective). A
-    /// non-finite norm or learning rate is an error on every rank; nothing
-    /// is applied and the gradients are discarded.
-    pub fn optimizer_step(&mut self, lr: f64) -> anyhow::Result<StepStats> {
+    /// The accumulation boundary (see `Engine::optimizer_step`): the
+    /// global norm over every rank's shards, clip, AdamW on this rank's
+    /// shards (a collective). A non-finite norm or learning rate is an
+    /// error on every rank; nothing is applied. The caller zeroes the
+    /// gradient shards.
+    fn boundary(&mut self, lr: f64) -> anyhow::Result<StepStats> {
         let local = optim::sum_of_squares(&self.grads);
         let [total] = self.agree_f32("gradient norm", [local as f32])?;
         let norm = (total as f64).sqrt();
         if !norm.is_finite() {
-            self.zero_grad();
-            bail!("non-finite gradient norm {norm}; parameters left unchanged");
+            return Err(StepError::non_finite(format!(
+                "gradient norm {norm}; parameters left unchanged"
+            )));
         }
         if !lr.is_finite() {
-            self.zero_grad();
-            bail!("non-finite learning rate {lr}; parameters left unchanged");
+            return Err(StepError::invalid(format!(
+                "non-finite learning rate {lr}; parameters left unchanged"
+            )));
         }
-        if self.grad_clip > 0.0 {
-            // As `optim::clip_grads` (torch's clip_grad_norm_).
-            let coef = (self.grad_clip / (norm + 1e-6)).min(1.0);
+        if let Some(coef) = optim::clip_coefficient(norm, self.grad_clip) {
             for g in &mut self.grads {
                 let _ = g.g_mul_scalar_(coef);
             }
@@ -283,22 +264,14 @@ impl FsdpTrainer {
                 }
             });
         }
-        self.zero_grad();
         Ok(StepStats { grad_norm: norm })
-    }
-
-    /// Discards this rank's accumulated gradient shards (aborted step).
-    pub fn zero_grad(&mut self) {
-        for g in &mut self.grads {
-            let _ = g.zero_();
-        }
     }
 
     /// Copies what this rank writes of a checkpoint to CPU memory (a
     /// collective): every unit and its moments are gathered, unit by unit,
     /// and the whole tensors [`checkpoint::assign_tensors`] gives this rank
     /// are kept. Nothing is written here.
-    pub fn checkpoint_snapshot(&mut self) -> anyhow::Result<checkpoint::Snapshot> {
+    fn snapshot(&mut self) -> anyhow::Result<checkpoint::Snapshot> {
         let elt = self.kind.elt_size_in_bytes();
         let sizes: Vec<(String, usize)> = self
             .layouts
@@ -332,23 +305,6 @@ impl FsdpTrainer {
             sizes,
             mine,
         ))
-    }
-
-    /// Writes a sharded HF checkpoint to `dir` (a collective): the
-    /// [`checkpoint_snapshot`](Self::checkpoint_snapshot), written at once.
-    /// Returns once every rank has written.
-    pub fn save_checkpoint(&mut self, dir: &Path) -> anyhow::Result<()> {
-        let rank = self.rank();
-        let written = self.checkpoint_snapshot()?.write(dir).map(|_| ());
-        let [failed] = self.agree_f32("checkpoint written", [written.is_err() as u8 as f32])?;
-        written.with_context(|| format!("rank {rank} writing its checkpoint shard"))?;
-        if failed > 0.0 {
-            bail!(
-                "checkpoint {}: another rank failed to write its shard",
-                dir.display()
-            );
-        }
-        Ok(())
     }
 
     /// The full parameters, gathered, in the compute dtype, with HF names

@@ -10,75 +10,35 @@
 //! step 1. A reference plan after training started (only a coordinator
 //! restart with an incomplete cache leads there) is refused on every rank.
 
-use std::collections::BTreeMap;
-
-use anyhow::{anyhow, bail};
+use anyhow::{anyhow, Context};
 use tch::Tensor;
 
-use super::pass::{HeadSums, Prepared};
+use super::pass::{HeadSums, ObjectiveIn, Prepared};
 use super::units::{self, head_unit, EMBED, NORM_NAME};
 use super::FsdpTrainer;
+use crate::batch::{MicrobatchMeta, MicrobatchOutcome, PackedBatch, SequenceLogp, StepNorms};
+use crate::error::StepError;
 use crate::model::loss;
-use crate::objective::head::{self, MicrobatchMeta};
-use crate::objective::microbatch::{self, ObjectiveOut, StepNorms};
+use crate::objective::head;
 use crate::objective::Objective;
-use crate::runner::SequenceLogp;
-use crate::train::trainer::MicrobatchSums;
-use crate::train::PackedBatch;
-
-/// A DPO or policy-gradient microbatch's inputs to the head.
-pub(super) struct ObjectiveIn<'a> {
-    objective: Objective,
-    mb: &'a PackedBatch,
-    meta: &'a MicrobatchMeta,
-    norms: &'a StepNorms,
-}
-
-impl ObjectiveIn<'_> {
-    /// The objective's gradients of the final hidden state and the head
-    /// weight, and its sums (no collective).
-    pub(super) fn run(
-        &self,
-        hidden: &Tensor,
-        head_w: &Tensor,
-        chunk: usize,
-    ) -> anyhow::Result<ObjectiveOut> {
-        microbatch::objective(
-            &self.objective,
-            hidden,
-            head_w,
-            self.mb,
-            self.meta,
-            self.norms,
-            chunk,
-            None,
-        )
-    }
-}
 
 impl FsdpTrainer {
     /// Forward + backward of one microbatch under the job's objective with
-    /// the step's global normalisers (as `Trainer::microbatch_with`; a
+    /// the step's global normalisers (see `Engine::train_microbatch`; a
     /// collective: every rank calls it for every microbatch index, padding
-    /// ones included). Gradient shards accumulate. Returns this rank's
-    /// metric sums and the objective's extra sums.
-    pub fn microbatch_with(
+    /// ones included). Gradient shards accumulate.
+    pub(super) fn objective_microbatch(
         &mut self,
         index: usize,
         mb: &PackedBatch,
         meta: &MicrobatchMeta,
         norms: &StepNorms,
-    ) -> anyhow::Result<(MicrobatchSums, BTreeMap<String, f64>)> {
+    ) -> anyhow::Result<MicrobatchOutcome> {
         let objective = self.objective;
         if objective == Objective::Sft {
             return self.run_microbatch(index, mb, None, norms.loss_tokens);
         }
-        let obj = ObjectiveIn {
-            objective,
-            mb,
-            meta,
-            norms,
-        };
+        let obj = ObjectiveIn::new(objective, mb, meta, norms);
         self.run_microbatch(index, mb, Some(&obj), norms.loss_tokens)
     }
 
@@ -90,16 +50,15 @@ impl FsdpTrainer {
         mb: &PackedBatch,
         obj: Option<&ObjectiveIn<'_>>,
         global_loss_tokens: u64,
-    ) -> anyhow::Result<(MicrobatchSums, BTreeMap<String, f64>)> {
-        let mut sums = MicrobatchSums {
+    ) -> anyhow::Result<MicrobatchOutcome> {
+        let mut sums = MicrobatchOutcome {
             tokens: mb.tokens() as u64,
-            documents: mb.documents() as u64,
             ..Default::default()
         };
         let sft_tokens = obj.is_none().then_some(global_loss_tokens);
         let prep = self.prepare_agreed(index, mb, sft_tokens)?;
         let Some(prep) = prep else {
-            return Ok((sums, BTreeMap::new()));
+            return Ok(sums);
         };
         let saved = self.forward(prep.as_ref())?;
         let (grad_x, loss) = self.head(index, prep.as_ref(), saved.last(), obj)?;
@@ -110,8 +69,9 @@ impl FsdpTrainer {
         } = loss.unwrap_or_default();
         sums.loss_sum = loss_sum;
         sums.loss_tokens = loss_tokens;
+        sums.extra = extra;
         self.backward(prep.as_ref(), &saved, grad_x)?;
-        Ok((sums, extra))
+        Ok(sums)
     }
 
     /// [`prepare`](Self::prepare) and the opening all-reduce: `None` when
@@ -143,7 +103,9 @@ impl FsdpTrainer {
         let [working, failed] = self.agree(index, "work", flags)?;
         let prep = local?;
         if failed > 0.0 {
-            bail!("microbatch {index}: abandoned, another rank failed to prepare it");
+            return Err(StepError::invalid(format!(
+                "microbatch {index}: abandoned, another rank failed to prepare it"
+            )));
         }
         Ok((working > 0.0).then_some(prep))
     }
@@ -154,7 +116,7 @@ impl FsdpTrainer {
     /// only (a collective: every rank calls it for every microbatch index
     /// of the reference plan, empty ones included). Refused on every rank
     /// once any rank has trained or was restored from a checkpoint.
-    pub fn reference_logps(
+    pub(super) fn initial_logps(
         &mut self,
         index: usize,
         mb: &PackedBatch,
@@ -191,11 +153,13 @@ impl FsdpTrainer {
                 Err(_) => true,
             };
             let [bad_ranks] = self.agree(index, "reference log-probs", [bad as u8 as f32])?;
-            if let Some(l) = got.map_err(|e| anyhow!("microbatch {index}: {e:#}"))? {
+            if let Some(l) = got.with_context(|| format!("microbatch {index}"))? {
                 lp = l;
             }
             if bad_ranks > 0.0 && !bad {
-                bail!("microbatch {index}: abandoned, another rank's reference log-probs failed");
+                return Err(StepError::non_finite(format!(
+                    "microbatch {index}: abandoned, another rank's reference log-probs failed"
+                )));
             }
         }
         if mb.is_empty() {
@@ -203,7 +167,7 @@ impl FsdpTrainer {
         }
         let per_token = matches!(self.objective, Objective::Pg { .. });
         head::reference_sequences(&lp, &targets, &mb.cu_seq_lens, per_token)
-            .map_err(|e| anyhow::anyhow!("microbatch {index}: {e}"))
+            .with_context(|| format!("microbatch {index}"))
     }
 
     /// Gathers the head (and the tied embedding) and, on a rank with work,

@@ -5,15 +5,61 @@
 
 use std::collections::BTreeMap;
 
-use anyhow::{anyhow, bail, Context};
+use anyhow::{bail, Context};
 use tch::{Kind, Tensor};
 
+use crate::batch::{MicrobatchMeta, PackedBatch, StepNorms};
+use crate::error::StepError;
 use crate::model::{llama, loss};
-use crate::train::batch::PackedBatch;
+use crate::objective::microbatch::{self, ObjectiveOut};
+use crate::objective::Objective;
 
-use super::objective::ObjectiveIn;
 use super::units::{self, head_unit, layer_unit, EMBED, NORM_NAME};
 use super::FsdpTrainer;
+
+/// A DPO or policy-gradient microbatch's inputs to the head.
+pub(super) struct ObjectiveIn<'a> {
+    objective: Objective,
+    mb: &'a PackedBatch,
+    meta: &'a MicrobatchMeta,
+    norms: &'a StepNorms,
+}
+
+impl<'a> ObjectiveIn<'a> {
+    pub(super) fn new(
+        objective: Objective,
+        mb: &'a PackedBatch,
+        meta: &'a MicrobatchMeta,
+        norms: &'a StepNorms,
+    ) -> Self {
+        ObjectiveIn {
+            objective,
+            mb,
+            meta,
+            norms,
+        }
+    }
+
+    /// The objective's gradients of the final hidden state and the head
+    /// weight, and its sums (no collective).
+    pub(super) fn run(
+        &self,
+        hidden: &Tensor,
+        head_w: &Tensor,
+        chunk: usize,
+    ) -> anyhow::Result<ObjectiveOut> {
+        microbatch::objective(
+            &self.objective,
+            hidden,
+            head_w,
+            self.mb,
+            self.meta,
+            self.norms,
+            chunk,
+            None,
+        )
+    }
+}
 
 /// The per-microbatch inputs a rank with loss tokens computes on.
 pub(super) struct Prepared {
@@ -67,19 +113,19 @@ impl FsdpTrainer {
             .iter()
             .find(|&&t| t as usize >= self.cfg.vocab_size)
         {
-            bail!(
+            return Err(StepError::data(format!(
                 "microbatch {index}: token {bad} outside the vocabulary ({} tokens)",
                 self.cfg.vocab_size
-            );
+            )));
         }
         let targets = loss::shifted_targets(&mb.labels, &mb.cu_seq_lens);
         if targets.iter().all(|&t| t == -100) {
             return Ok(None);
         }
         if sft_loss_tokens == Some(0) {
-            bail!(
+            return Err(StepError::invalid(format!(
                 "microbatch {index}: has loss tokens but the step's global loss-token count is 0"
-            );
+            )));
         }
         let positions = llama::positions(&mb.cu_seq_lens);
         let (cos, sin) = self.rope.cos_sin(&positions, self.kind, self.device);
@@ -152,7 +198,9 @@ impl FsdpTrainer {
         let [bad_ranks] = self.agree(index, "loss", [bad as u8 as f32])?;
         let outcome = outcome.transpose()?;
         if bad_ranks > 0.0 {
-            bail!("microbatch {index}: abandoned, another rank's loss was not finite");
+            return Err(StepError::non_finite(format!(
+                "microbatch {index}: abandoned, another rank's loss was not finite"
+            )));
         }
         let (grad_x, head_grad, tied_grad, loss) = match outcome {
             Some(o) => (Some(o.grad_x), o.head_grad, o.tied_grad, Some(o.sums)),
@@ -215,7 +263,7 @@ impl FsdpTrainer {
                 (c, out.extra)
             }),
         }
-        .map_err(|e| anyhow!("microbatch {index}: {e:#}"))?;
+        .with_context(|| format!("microbatch {index}"))?;
         if !chunked.grad_hidden.defined() {
             bail!("microbatch {index}: the loss has no gradient (no loss token)");
         }

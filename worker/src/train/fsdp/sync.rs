@@ -41,7 +41,7 @@ impl FsdpTrainer {
     /// generation's collective, or `None` when this engine was just built
     /// with it (a member without state). Every rank of the new collective
     /// calls it with the same `plan`; gradients are zeroed.
-    pub fn sync_state(
+    pub(super) fn sync_with(
         &mut self,
         coll: Option<Box<dyn Collective>>,
         plan: &SyncPlan,

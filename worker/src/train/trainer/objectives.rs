@@ -4,17 +4,14 @@
 //! plan (cached pass) or a frozen copy of the initial model (live). Also
 //! the forward-only reference plans.
 
-use std::collections::BTreeMap;
+use anyhow::Context;
 
-use anyhow::{anyhow, Context};
-
-use super::{build_model, MicrobatchSums, Trainer};
+use super::{build_model, Trainer};
+use crate::batch::{MicrobatchMeta, MicrobatchOutcome, PackedBatch, SequenceLogp, StepNorms};
 use crate::model::{loss, Llama};
-use crate::objective::head::{self, MicrobatchMeta};
-use crate::objective::microbatch::{self, StepNorms};
+use crate::objective::head;
+use crate::objective::microbatch;
 use crate::objective::Objective;
-use crate::runner::SequenceLogp;
-use crate::train::PackedBatch;
 
 /// Freezes a model used only for reference log-probs.
 pub(super) fn frozen(model: Llama) -> Llama {
@@ -39,30 +36,29 @@ fn reference_token_logps(
 
 impl Trainer {
     /// Forward/backward of one microbatch under the job's objective, with
-    /// the step's global normalisers; returns the metric sums and the
-    /// objective's extra sums. Gradients accumulate.
-    pub fn microbatch_with(
+    /// the step's global normalisers (see `Engine::train_microbatch`).
+    /// Gradients accumulate.
+    pub(super) fn objective_microbatch(
         &mut self,
         index: usize,
         mb: &PackedBatch,
         meta: &MicrobatchMeta,
         norms: &StepNorms,
-    ) -> anyhow::Result<(MicrobatchSums, BTreeMap<String, f64>)> {
+    ) -> anyhow::Result<MicrobatchOutcome> {
         let objective = self.objective;
         if objective == Objective::Sft {
-            let s = self.microbatch(index, mb, norms.loss_tokens)?;
-            return Ok((s, BTreeMap::new()));
+            return self.microbatch(index, mb, norms.loss_tokens);
         }
-        let mut sums = MicrobatchSums {
+        let mut sums = MicrobatchOutcome {
             tokens: mb.tokens() as u64,
-            documents: mb.documents() as u64,
             ..Default::default()
         };
         if mb.is_empty() {
-            return Ok((sums, BTreeMap::new()));
+            return Ok(sums);
         }
         mb.validate()
             .with_context(|| format!("microbatch {index}"))?;
+        self.check_vocabulary(index, mb)?;
         let targets = loss::shifted_targets(&mb.labels, &mb.cu_seq_lens);
         let chunk = self.loss_chunk_tokens;
         let live = match &self.reference {
@@ -81,11 +77,12 @@ impl Trainer {
             chunk,
             live.as_deref(),
         )
-        .map_err(|e| anyhow!("microbatch {index}: {e:#}"))?;
+        .with_context(|| format!("microbatch {index}"))?;
         loss::backward_into_model(&hidden, head_w, &out.grads);
         sums.loss_sum = out.loss_sum;
         sums.loss_tokens = out.loss_tokens;
-        Ok((sums, out.extra))
+        sums.extra = out.extra;
+        Ok(sums)
     }
 
     /// Each sequence's log-prob (Σ over its loss tokens) and loss-token
@@ -98,7 +95,7 @@ impl Trainer {
         mb: &PackedBatch,
     ) -> anyhow::Result<Vec<(f64, u64)>> {
         Ok(self
-            .reference_logps(index, mb)?
+            .initial_logps(index, mb)?
             .into_iter()
             .map(|s| (s.logp, s.loss_tokens))
             .collect())
@@ -106,7 +103,7 @@ impl Trainer {
 
     /// [`Self::sequence_logps`] with, for a policy-gradient job, every
     /// token's log-prob too (the cached reference of its KL penalty).
-    pub fn reference_logps(
+    pub(super) fn initial_logps(
         &mut self,
         index: usize,
         mb: &PackedBatch,
@@ -116,6 +113,7 @@ impl Trainer {
         }
         mb.validate()
             .with_context(|| format!("microbatch {index}"))?;
+        self.check_vocabulary(index, mb)?;
         if !self.pristine && self.reference.is_none() {
             self.reference = Some(frozen(build_model(&self.init, None)?));
         }
@@ -125,9 +123,9 @@ impl Trainer {
         };
         let targets = loss::shifted_targets(&mb.labels, &mb.cu_seq_lens);
         let lp = reference_token_logps(model, mb, &targets, self.loss_chunk_tokens)
-            .map_err(|e| anyhow!("microbatch {index}: {e:#}"))?;
+            .with_context(|| format!("microbatch {index}"))?;
         let per_token = matches!(self.objective, Objective::Pg { .. });
         head::reference_sequences(&lp, &targets, &mb.cu_seq_lens, per_token)
-            .map_err(|e| anyhow!("microbatch {index}: {e}"))
+            .with_context(|| format!("microbatch {index}"))
     }
 }

@@ -17,6 +17,7 @@ use super::{Sharding, Trainer};
 use crate::collective::reshard::{self, FlatBuffer, StateAccess, SyncPlan};
 use crate::collective::{shard_range, Collective, Solo};
 use crate::train::flat::FlatLayout;
+use crate::train::Engine;
 
 struct Access<'a> {
     layout: &'a FlatLayout,
@@ -86,7 +87,7 @@ impl Trainer {
     /// out as its current collective says (the runner checks that against
     /// the coordinator's `prior`). Every rank of `coll` must call it with
     /// the same `plan`. Gradients are zeroed.
-    pub fn sync_state(
+    pub(super) fn sync_with(
         &mut self,
         coll: Option<Box<dyn Collective>>,
         plan: &SyncPlan,
@@ -137,14 +138,5 @@ impl Trainer {
         self.pristine = scalars[1] != 0;
         self.zero_grad();
         Ok(())
-    }
-
-    /// The shard layout `(rank, world)` of the state this replica holds:
-    /// `None` at ddp (a replica serves any rank).
-    pub fn state_layout(&self) -> Option<(usize, usize)> {
-        match self.sharding {
-            Sharding::Ddp => None,
-            Sharding::Zero2 => Some(self.rank_world()),
-        }
     }
 }

@@ -1,0 +1,166 @@
+//! The engine interface (issue 13): what the runner needs from one rank's
+//! model replica and optimizer, whatever the sharding level. Two engines
+//! implement it — the replicated trainer ([`Trainer`]: ddp, zero2) and the
+//! sharded one ([`FsdpTrainer`]: fsdp) — and [`build`] picks one by the
+//! job's sharding. What they share is written once: the global-norm clip
+//! (`optim::clip_coefficient`), agreement between ranks
+//! (`collective::count_failures`, and [`Engine::save_checkpoint`]), the
+//! collective swap ([`swap_collective`]) and the objective dispatch
+//! (`objective::microbatch::objective`).
+
+use std::path::Path;
+
+use anyhow::bail;
+
+use super::fsdp::FsdpTrainer;
+use super::trainer::{StepStats, Trainer};
+use crate::batch::{MicrobatchMeta, MicrobatchOutcome, PackedBatch, SequenceLogp, StepNorms};
+use crate::collective::reshard::SyncPlan;
+use crate::collective::{count_failures, Collective};
+use crate::config::{JobConfig, Sharding};
+
+/// Writes a rank's snapshotted part of a checkpoint into a directory (on a
+/// background thread, no collectives); returns the names of the files
+/// written.
+pub type CheckpointWrite = Box<dyn FnOnce(&Path) -> anyhow::Result<Vec<String>> + Send>;
+
+/// One rank's model replica with its optimizer. Gradients accumulate across
+/// `train_microbatch` calls and are consumed once by `optimizer_step`.
+pub trait Engine {
+    /// Forward/backward of one microbatch under the job's objective,
+    /// normalised by the step's global `norms` from the plan (SFT: each
+    /// loss token scaled by `1 / norms.loss_tokens`); gradients accumulate.
+    fn train_microbatch(
+        &mut self,
+        index: usize,
+        batch: &PackedBatch,
+        meta: &MicrobatchMeta,
+        norms: &StepNorms,
+    ) -> anyhow::Result<MicrobatchOutcome>;
+
+    /// Reference plans: each sequence's log-prob summed over its loss
+    /// tokens (and, for policy gradient, per token) under the job's
+    /// initial weights, forward only.
+    fn reference_logps(
+        &mut self,
+        _index: usize,
+        _batch: &PackedBatch,
+    ) -> anyhow::Result<Vec<SequenceLogp>> {
+        bail!("this engine cannot run reference plans")
+    }
+
+    /// The accumulation boundary: reduce gradients across ranks, clip with
+    /// the global norm, step the optimizer at `lr`, zero the gradients. On
+    /// a non-finite norm it fails on every rank and leaves the parameters
+    /// untouched.
+    fn optimizer_step(&mut self, lr: f64) -> anyhow::Result<StepStats>;
+
+    /// Drops the accumulated gradients (abort, failed step).
+    fn zero_grad(&mut self);
+
+    /// Copies this rank's part of a checkpoint into memory (may run
+    /// collectives: every rank calls it at the same point) and returns the
+    /// writer that puts it into a directory later, without collectives.
+    fn checkpoint_snapshot(&mut self) -> anyhow::Result<CheckpointWrite>;
+
+    /// The shard layout `(rank, world)` of the state this replica holds;
+    /// `None` when it is whole (ddp: a replica serves any rank).
+    fn state_layout(&self) -> Option<(usize, usize)> {
+        None
+    }
+
+    /// Joins a new generation taking the training state from the members
+    /// that hold it (see `collective::reshard`): `coll` is the new
+    /// collective, or `None` when the engine was just built with it (a
+    /// member without state). Every rank calls it with the same `plan`.
+    fn sync_state(
+        &mut self,
+        _coll: Option<Box<dyn Collective>>,
+        _plan: &SyncPlan,
+    ) -> anyhow::Result<()> {
+        bail!("this engine cannot take its state from peers")
+    }
+
+    /// Whether the replica's state stays valid as `rank` of `world` (a new
+    /// generation at the same step); false makes the runner rebuild it.
+    fn fits(&self, _rank: usize, _world: usize) -> bool {
+        true
+    }
+
+    /// Joins a new generation's collective, keeping the replica (see
+    /// [`swap_collective`]).
+    fn set_collective(&mut self, coll: Box<dyn Collective>) -> anyhow::Result<()>;
+
+    /// This replica's collective.
+    fn group(&mut self) -> &mut dyn Collective;
+
+    /// True when every microbatch, padding included, runs collectives
+    /// (FSDP gathers per unit): empty microbatches must then be run too,
+    /// or ranks would diverge.
+    fn collective_per_microbatch(&self) -> bool {
+        false
+    }
+
+    /// Training FLOPs of a microbatch with these sequence boundaries run
+    /// with `loss_tokens` targets (for MFU; `model::flops`).
+    /// 0 when the engine cannot tell.
+    fn model_flops(&self, _cu_seq_lens: &[i64], _loss_tokens: u64) -> f64 {
+        0.0
+    }
+
+    /// Waits until every rank reached this point.
+    fn barrier(&mut self) -> anyhow::Result<()> {
+        Ok(self.group().barrier()?)
+    }
+
+    /// Snapshots and writes this rank's part of a checkpoint in `dir` at
+    /// once (every rank calls it); returns once every rank has written and
+    /// fails on every rank if any rank failed.
+    fn save_checkpoint(&mut self, dir: &Path) -> anyhow::Result<()> {
+        let written = self.checkpoint_snapshot().and_then(|w| w(dir));
+        let failed = count_failures(self.group(), written.is_ok())?;
+        written?;
+        if failed > 0 {
+            bail!(
+                "{failed} other rank(s) failed to write their part of {}",
+                dir.display()
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Replaces `current` with a new generation's collective when the state
+/// fits the new rank and world; the error names both layouts.
+pub fn swap_collective(
+    current: &mut Box<dyn Collective>,
+    new: Box<dyn Collective>,
+    fits: bool,
+    what: &str,
+) -> anyhow::Result<()> {
+    if !fits {
+        bail!(
+            "{what} of rank {} of {} cannot serve rank {} of {}; restore from a checkpoint",
+            current.rank(),
+            current.world_size(),
+            new.rank(),
+            new.world_size()
+        );
+    }
+    *current = new;
+    Ok(())
+}
+
+/// The engine `cfg.sharding` asks for, built for this rank (restoring from
+/// a checkpoint directory when given).
+pub fn build(
+    cfg: &JobConfig,
+    restore: Option<&Path>,
+    coll: Box<dyn Collective>,
+) -> anyhow::Result<Box<dyn Engine>> {
+    Ok(match cfg.sharding {
+        // FsdpTrainer::new refuses a live reference.
+        Sharding::Fsdp => Box::new(FsdpTrainer::new(cfg, restore, coll)?),
+        Sharding::Ddp | Sharding::Zero2 => Box::new(Trainer::new(cfg, restore, coll)?),
+    })
+}
