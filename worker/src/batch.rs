@@ -37,9 +37,9 @@ impl PackedBatch {
         }
         if n == 0 && self.cu_seq_lens.len() <= 1 {
             if self.cu_seq_lens.first().is_some_and(|&c| c != 0) {
-                return Err(invalid(format!(
-                    "microbatch cu_seq_lens: empty row must have cu_seq_lens [0] or []"
-                )));
+                return Err(invalid(
+                    "microbatch cu_seq_lens: empty row must have cu_seq_lens [0] or []".into(),
+                ));
             }
             return Ok(());
         }

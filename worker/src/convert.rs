@@ -11,9 +11,8 @@ use crate::batch::{MicrobatchMeta, PackedBatch, SeqMeta, StepNorms};
 use crate::config::{JobConfig, ModelSource, Sharding};
 use crate::error::StepError;
 use crate::objective::dpo::{DpoLoss, DpoParams};
-use crate::objective::microbatch::Normalization;
 use crate::objective::pg::PgParams;
-use crate::objective::Objective;
+use crate::objective::{Normalization, Objective};
 use crate::train::optim::AdamWConfig;
 use crate::wire;
 

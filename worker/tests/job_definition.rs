@@ -12,8 +12,7 @@ use accrue_coordinator::spec::{Dtype, JobSpec, Sharding as SpecSharding};
 use accrue_worker::config::{ModelSource, Sharding};
 use accrue_worker::convert::job_config;
 use accrue_worker::objective::dpo::DpoLoss;
-use accrue_worker::objective::microbatch::Normalization;
-use accrue_worker::objective::Objective;
+use accrue_worker::objective::{Normalization, Objective};
 use accrue_worker::wire;
 use prost::Message;
 

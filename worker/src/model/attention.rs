@@ -24,7 +24,7 @@
 use tch::{nn, Kind, Tensor};
 
 use super::config::LlamaConfig;
-use super::llama::linear;
+use super::linear::{fused_linear, linear};
 use super::rope;
 
 /// How the packed row's block-diagonal causal attention is computed.
@@ -147,38 +147,6 @@ impl Attention {
         };
         let out = out.transpose(0, 1).reshape([t, self.heads * self.head_dim]);
         self.o_proj.forward(&out)
-    }
-}
-
-/// `x Wᵀ (+ b)` for several linears sharing the input `x`, as one matmul
-/// over their concatenated weights: outputs side by side, `[T, Σ out]`.
-pub(crate) fn fused_linear(x: &Tensor, layers: &[&nn::Linear]) -> Tensor {
-    let w = Tensor::cat(&layers.iter().map(|l| &l.ws).collect::<Vec<_>>(), 0);
-    let y = x.matmul(&w.tr());
-    if layers.iter().all(|l| l.bs.is_some()) {
-        let b = Tensor::cat(
-            &layers
-                .iter()
-                .filter_map(|l| l.bs.as_ref())
-                .collect::<Vec<_>>(),
-            0,
-        );
-        y + b
-    } else if layers.iter().any(|l| l.bs.is_some()) {
-        // Mixed biases (not a Llama/Qwen2 layout): add each where it is.
-        let sizes: Vec<i64> = layers.iter().map(|l| l.ws.size()[0]).collect();
-        let parts: Vec<Tensor> = y
-            .split_with_sizes(&sizes, 1)
-            .into_iter()
-            .zip(layers)
-            .map(|(p, l)| match &l.bs {
-                Some(b) => p + b,
-                None => p,
-            })
-            .collect();
-        Tensor::cat(&parts, 1)
-    } else {
-        y
     }
 }
 

@@ -15,14 +15,6 @@ use super::mlp::Mlp;
 use super::norm::RmsNorm;
 use super::rope::Rope;
 
-/// A linear layer (`weight: [out, in]`), zero until [`super::init`] or a
-/// checkpoint fills it.
-pub(crate) fn linear(p: nn::Path, inp: usize, out: usize, bias: bool) -> nn::Linear {
-    let ws = p.var("weight", &[out as i64, inp as i64], nn::Init::Const(0.0));
-    let bs = bias.then(|| p.var("bias", &[out as i64], nn::Init::Const(0.0)));
-    nn::Linear { ws, bs }
-}
-
 /// One transformer block: pre-norm attention and pre-norm MLP, residuals.
 #[derive(Debug)]
 pub struct DecoderLayer {

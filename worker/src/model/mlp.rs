@@ -2,9 +2,8 @@
 
 use tch::{nn, Tensor};
 
-use super::attention::fused_linear;
 use super::config::LlamaConfig;
-use super::llama::linear;
+use super::linear::{fused_linear, linear};
 
 #[derive(Debug)]
 pub struct Mlp {

@@ -6,6 +6,7 @@ pub mod attention;
 pub mod config;
 pub mod flops;
 pub mod init;
+pub mod linear;
 pub mod llama;
 pub mod loss;
 pub mod mlp;

@@ -15,7 +15,7 @@
 //! `sigmoid`; we keep the conservative-DPO smoothing open-instruct and
 //! earlier TRL apply (ε = 0 is plain DPO).
 
-use super::{log_sigmoid, sigmoid};
+use super::math::{log_sigmoid, sigmoid};
 
 /// Which loss (mirror of the spec's `objective.loss`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

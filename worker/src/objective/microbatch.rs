@@ -11,21 +11,11 @@ use tch::Tensor;
 
 use super::dpo::{self, DpoParams, PairLogps};
 use super::head;
+use super::kind::{Normalization, Objective};
 use super::pg::{self, PgParams, TokenIn};
 use crate::batch::{MicrobatchMeta, PackedBatch, StepNorms};
 use crate::error::StepError;
 use crate::model::loss::{self, ChunkedLoss};
-
-/// What the step's policy-gradient loss is divided by.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Normalization {
-    /// The step's loss tokens T (from the plan).
-    Token,
-    /// Each sequence's mean over its tokens, divided by the step's sequences.
-    Sequence,
-    /// A constant (Dr. GRPO).
-    Constant(f64),
-}
 
 /// A microbatch's gradients (to apply with `loss::backward_into_model`) and
 /// metric sums.
@@ -62,9 +52,9 @@ pub fn dpo(
         )));
     }
     if pairs_total == 0 {
-        return Err(StepError::invalid(format!(
-            "the step's pair count is 0 but this microbatch holds pairs"
-        )));
+        return Err(StepError::invalid(
+            "the step's pair count is 0 but this microbatch holds pairs",
+        ));
     }
     let lp = head::token_logps(hidden, weight, &targets, chunk_tokens)?;
     let sums = head::sequence_sums(&lp, &targets, &batch.cu_seq_lens);
@@ -198,9 +188,9 @@ pub fn policy_gradient(
     }
     let cached_ref = live_ref.is_none() && k.kl_coef != 0.0;
     if cached_ref && meta.ref_logprobs.is_empty() {
-        return Err(StepError::data(format!(
-            "kl_coef > 0 with a cached reference, but the plan carries no ref_logprobs"
-        )));
+        return Err(StepError::data(
+            "kl_coef > 0 with a cached reference, but the plan carries no ref_logprobs",
+        ));
     }
     let lp = head::token_logps(hidden, weight, &targets, chunk_tokens)?;
     let mut weights = vec![0.0; targets.len()];
@@ -290,7 +280,7 @@ pub fn policy_gradient(
 /// this; SFT goes through the plain chunked loss instead).
 #[allow(clippy::too_many_arguments)]
 pub fn objective(
-    objective: &crate::objective::Objective,
+    objective: &Objective,
     hidden: &Tensor,
     weight: &Tensor,
     batch: &PackedBatch,
@@ -299,7 +289,6 @@ pub fn objective(
     chunk_tokens: usize,
     live_ref: Option<&[f64]>,
 ) -> anyhow::Result<ObjectiveOut> {
-    use crate::objective::Objective;
     match objective {
         Objective::Dpo { params, .. } => dpo(
             hidden,

@@ -19,12 +19,14 @@ use std::sync::atomic::Ordering;
 use tch::Tensor;
 use tracing::info;
 
-use super::{lock, wire, ConfigureError, Held, Msg, Thread};
+use super::thread::{lock, ConfigureError, Held, Thread};
 use crate::collective::reshard::{SyncPlan, DEFAULT_CHUNK};
 use crate::collective::{Collective, CollectiveError, Solo};
 use crate::config::{JobConfig, Sharding};
 use crate::error::classify;
 use crate::train::checkpoint::marker;
+use crate::wire;
+use crate::wire::worker_message::Msg;
 
 /// How the replica is obtained.
 enum Source {
@@ -287,7 +289,7 @@ impl Thread {
     }
 
     /// This rank's collective for the generation `c` describes; its abort
-    /// handle is kept for [`super::Runner::submit`].
+    /// handle is kept for [`super::handle::Runner::submit`].
     fn connect(&self, c: &wire::Configure) -> Result<Box<dyn Collective>, ConfigureError> {
         lock(&self.in_flight).collective = None;
         if c.world_size <= 1 {
@@ -354,7 +356,7 @@ impl Thread {
 fn check_restore_step(dir: &Path, step: u64) -> Result<(), String> {
     let path = dir.join("manifest.json");
     let bytes = std::fs::read(&path).map_err(|e| format!("configure: {}: {e}", path.display()))?;
-    let m: super::CheckpointManifest = serde_json::from_slice(&bytes)
+    let m: super::writer::CheckpointManifest = serde_json::from_slice(&bytes)
         .map_err(|e| format!("configure: {}: {e}", path.display()))?;
     if m.step != step {
         return Err(format!(

@@ -14,11 +14,12 @@ use std::path::Path;
 use serde::Serialize;
 use tracing::info;
 
-use super::{Msg, Thread};
+use super::thread::Thread;
 use crate::error::classify;
 use crate::train::checkpoint::{marker, optimizer_file};
 use crate::train::Engine;
 use crate::wire;
+use crate::wire::worker_message::Msg;
 
 /// `policy.json`: which step of which job the directory holds.
 #[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]

@@ -12,8 +12,12 @@ use std::time::{Duration, Instant};
 use super::*;
 use crate::batch::{MicrobatchMeta, MicrobatchOutcome, PackedBatch, StepNorms};
 use crate::collective::tcp::connect_cpu;
+use crate::collective::Collective;
 use crate::train::checkpoint::marker;
+use crate::train::Engine;
 use crate::train::{CheckpointWrite, StepStats};
+use crate::wire;
+use crate::wire::worker_message::Msg;
 
 /// A complete one-rank checkpoint of `step` (fake model file, marker,
 /// manifest) in `dir`.

@@ -6,9 +6,9 @@
 
 use std::time::Instant;
 
-use super::Engine;
 use crate::convert;
 use crate::error::classify;
+use crate::train::Engine;
 use crate::wire;
 
 /// Runs a reference plan's microbatches; an error names the microbatch.

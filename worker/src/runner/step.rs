@@ -5,9 +5,11 @@
 use std::collections::BTreeSet;
 use std::time::Instant;
 
-use super::{fault, wire, Engine};
+use super::fault;
 use crate::convert;
 use crate::error::classify;
+use crate::train::Engine;
+use crate::wire;
 
 /// How a step ended.
 #[derive(Debug, Clone, PartialEq)]

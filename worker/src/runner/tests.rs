@@ -4,11 +4,21 @@
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
+use std::net::TcpListener;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use super::step::{run_step, StepOutcome};
 use super::*;
 use crate::batch::{MicrobatchMeta, MicrobatchOutcome, PackedBatch, SequenceLogp, StepNorms};
 use crate::collective::Solo;
+use crate::collective::{Collective, CollectiveError};
 use crate::error::StepError;
+use crate::train::Engine;
 use crate::train::{CheckpointWrite, StepStats};
+use crate::wire;
+use crate::wire::worker_message::Msg;
 
 #[derive(Debug, Default, Clone)]
 struct Calls {

@@ -7,6 +7,7 @@ pub mod engine;
 pub mod flat;
 pub mod fsdp;
 pub mod optim;
+pub mod source;
 pub mod trainer;
 
 pub use engine::{build, CheckpointWrite, Engine};

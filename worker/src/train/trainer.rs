@@ -26,14 +26,15 @@ use tch::{Device, Kind, Tensor};
 
 use crate::batch::{MicrobatchOutcome, PackedBatch};
 use crate::collective::{shard_range, Collective, CollectiveError, Solo};
-use crate::config::{self, JobConfig, ModelSource};
+use crate::config::{self, JobConfig};
 use crate::error::StepError;
-use crate::model::{loss, weights, Init, Llama, LlamaConfig};
+use crate::model::{loss, Llama};
 use crate::objective::Objective;
 
 use super::checkpoint::{self, ShardEntry};
 use super::flat::FlatLayout;
 use super::optim::{self, AdamW};
+use super::source::{build_model, frozen};
 
 /// What an optimizer step reports.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -116,35 +117,6 @@ mod engine;
 mod objectives;
 mod sync;
 
-/// Builds the model from a HF checkpoint directory (config.json + safetensors).
-pub fn load_model(dir: &Path, kind: Kind, device: Device) -> anyhow::Result<Llama> {
-    let (cfg, raw) = LlamaConfig::from_file(&dir.join("config.json"))?;
-    let model = Llama::new(cfg, raw, kind, device, Init::Empty)?;
-    let files = weights::checkpoint_files(dir)?;
-    let tensors = weights::read_tensors(&files)?;
-    weights::copy_into(&model.vs.variables(), &tensors, dir)?;
-    Ok(model)
-}
-
-/// The model of `cfg.model` (seeded random init or a HF directory), or the
-/// one saved in `restore_from`.
-pub fn build_model(cfg: &JobConfig, restore_from: Option<&Path>) -> anyhow::Result<Llama> {
-    let kind = cfg.dtype;
-    let device = Device::cuda_if_available();
-    match (restore_from, &cfg.model) {
-        (Some(dir), _) => load_model(dir, kind, device)
-            .with_context(|| format!("restoring model from {}", dir.display())),
-        (None, ModelSource::Random { config }) => {
-            let (mcfg, raw) = LlamaConfig::from_file(config)?;
-            // Every rank draws the same init from the same seed, from its
-            // own generator (see `model::init`).
-            Llama::new(mcfg, raw, kind, device, Init::Seeded(cfg.seed))
-        }
-        (None, ModelSource::Checkpoint(dir)) => load_model(dir, kind, device)
-            .with_context(|| format!("model.init: loading {}", dir.display())),
-    }
-}
-
 /// The collective operations the trainer runs on flat buffers.
 #[derive(Clone, Copy)]
 enum Op {
@@ -200,7 +172,7 @@ impl Trainer {
         }
         let objective = cfg.objective;
         let reference = if objective.live_reference() {
-            Some(objectives::frozen(build_model(cfg, None)?))
+            Some(frozen(build_model(cfg, None)?))
         } else {
             None
         };

@@ -61,7 +61,8 @@ use crate::objective::Objective;
 
 use super::checkpoint::{self, ShardEntry};
 use super::optim::{self, AdamW};
-use super::trainer::{build_model, StateBytes, StepStats};
+use super::source::build_model;
+use super::trainer::{StateBytes, StepStats};
 use shell::LayerShell;
 use units::UnitLayout;
 

@@ -6,20 +6,13 @@
 
 use anyhow::Context;
 
-use super::{build_model, Trainer};
+use super::Trainer;
 use crate::batch::{MicrobatchMeta, MicrobatchOutcome, PackedBatch, SequenceLogp, StepNorms};
 use crate::model::{loss, Llama};
 use crate::objective::head;
 use crate::objective::microbatch;
 use crate::objective::Objective;
-
-/// Freezes a model used only for reference log-probs.
-pub(super) fn frozen(model: Llama) -> Llama {
-    for (_, t) in model.vs.variables() {
-        let _ = t.set_requires_grad(false);
-    }
-    model
-}
+use crate::train::source::{build_model, frozen};
 
 /// Per-token reference log-probs of `mb` under `model`, without autograd.
 fn reference_token_logps(

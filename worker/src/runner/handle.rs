@@ -1,0 +1,129 @@
+//! The runner thread's handle: queue work, flag aborts (interrupting the
+//! in-flight collective), join on shutdown.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use tokio::sync::mpsc::UnboundedSender;
+use tracing::info;
+
+use super::thread::{lock, InFlight, Thread};
+use super::work::{Factory, Progress, RunnerConfig, Work};
+use super::writer::Writer;
+use crate::wire;
+
+/// The runner thread's handle: queue work, flag aborts, join on shutdown.
+pub struct Runner {
+    queue: Option<mpsc::Sender<Work>>,
+    /// (generation, step) of the last aborted step.
+    aborted: Arc<Mutex<Option<(u64, u64)>>>,
+    in_flight: Arc<Mutex<InFlight>>,
+    progress: Arc<Progress>,
+    /// Work queued or running, and checkpoint writes in flight.
+    pending: Arc<AtomicUsize>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Runner {
+    /// Starts the thread for world size 1 ([`RunnerConfig::new`]).
+    pub fn spawn(factory: Factory, out: UnboundedSender<wire::WorkerMessage>) -> Runner {
+        Runner::start(RunnerConfig::new(factory), out)
+    }
+
+    /// Starts the thread; its answers go to `out`.
+    pub fn start(cfg: RunnerConfig, out: UnboundedSender<wire::WorkerMessage>) -> Runner {
+        let (queue, rx) = mpsc::channel();
+        let aborted = Arc::new(Mutex::new(None));
+        let in_flight = Arc::new(Mutex::new(InFlight::default()));
+        let progress = Arc::new(Progress::default());
+        let pending = Arc::new(AtomicUsize::new(0));
+        let left = pending.clone();
+        let (a, p, f) = (aborted.clone(), progress.clone(), in_flight.clone());
+        let writes = pending.clone();
+        // The engine is built and lives on the thread: libtorch state
+        // need not be Send.
+        let thread = std::thread::Builder::new()
+            .name("accrue-runner".into())
+            .spawn(move || {
+                let mut state = Thread {
+                    factory: cfg.factory,
+                    connector: cfg.connector,
+                    listener: cfg.listener,
+                    out,
+                    aborted: a,
+                    in_flight: f,
+                    progress: p,
+                    job: None,
+                    last_done: Instant::now(),
+                    writer: Writer::new(writes),
+                };
+                while let Ok(w) = rx.recv() {
+                    state.handle(w);
+                    // After the answer is sent: zero means all answers are out.
+                    left.fetch_sub(1, Ordering::SeqCst);
+                }
+                // Pending checkpoint writes finish before the thread ends.
+                state.writer.wait();
+            })
+            .expect("spawning the runner thread");
+        Runner {
+            queue: Some(queue),
+            aborted,
+            in_flight,
+            progress,
+            pending,
+            thread: Some(thread),
+        }
+    }
+
+    /// Queues work. An abort also takes effect at once: between the current
+    /// step's microbatches, and, when that step is the one running, by
+    /// interrupting its collective (a peer may be frozen). A configure of a
+    /// newer generation aborts a step of an older one still running.
+    pub fn submit(&self, work: Work) {
+        let target = match &work {
+            Work::Abort(a) => Some((a.generation, a.step)),
+            // A newer generation ends the running step of an older one.
+            Work::Configure(c) => lock(&self.in_flight)
+                .running
+                .filter(|(g, _)| *g < c.generation),
+            _ => None,
+        };
+        if let Some((generation, step)) = target {
+            *lock(&self.aborted) = Some((generation, step));
+            let f = lock(&self.in_flight);
+            if f.running == Some((generation, step)) {
+                if let Some((g, abort)) = &f.collective {
+                    if *g == generation {
+                        info!(generation, step, "aborting the in-flight collective");
+                        abort();
+                    }
+                }
+            }
+        }
+        if let Some(q) = &self.queue {
+            self.pending.fetch_add(1, Ordering::SeqCst);
+            // The thread only ends on shutdown; a send error cannot happen before.
+            let _ = q.send(work);
+        }
+    }
+
+    /// Work items queued or running.
+    pub fn pending(&self) -> usize {
+        self.pending.load(Ordering::SeqCst)
+    }
+
+    pub fn progress(&self) -> Arc<Progress> {
+        self.progress.clone()
+    }
+
+    /// Finishes the queued work (a final checkpoint included) and joins.
+    pub fn shutdown(mut self) {
+        self.queue.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}

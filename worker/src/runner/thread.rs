@@ -1,0 +1,240 @@
+//! The runner thread's state and its work loop: it owns the engine,
+//! takes [`Work`] in order and answers with ready-made `WorkerMessage`s.
+//! Configure, checkpoint and publish are implemented beside this file.
+
+use std::net::TcpListener;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use tokio::sync::mpsc::UnboundedSender;
+use tracing::{info, warn};
+
+use super::fault;
+use super::reference;
+use super::step::{run_step, StepOutcome};
+use super::work::{Connector, Factory, Progress, Work};
+use super::writer::Writer;
+use crate::collective::AbortHandle;
+use crate::train::Engine;
+use crate::wire;
+use crate::wire::worker_message::Msg;
+
+/// The in-flight step's abort target: (generation, step) being run and the
+/// handle of its generation's collective.
+#[derive(Default)]
+pub(super) struct InFlight {
+    pub(super) running: Option<(u64, u64)>,
+    /// (generation, handle) of the current collective.
+    pub(super) collective: Option<(u64, AbortHandle)>,
+}
+
+pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The job the thread holds a replica of.
+pub(super) struct Held {
+    pub(super) job: String,
+    pub(super) generation: u64,
+    pub(super) rank: u32,
+    pub(super) world_size: u32,
+    /// Last step whose update the engine holds.
+    pub(super) step: u64,
+    pub(super) name: String,
+    pub(super) exec: Box<dyn Engine>,
+}
+
+impl Held {
+    /// This replica as `RegisterRequest.held` reports it.
+    pub(super) fn held_state(&self) -> wire::HeldState {
+        wire::HeldState {
+            job_id: self.job.clone(),
+            step: self.step,
+            world_size: self.world_size,
+            rank: self.rank,
+            generation: self.generation,
+        }
+    }
+}
+
+pub(super) struct Thread {
+    pub(super) factory: Factory,
+    pub(super) connector: Connector,
+    pub(super) listener: Option<TcpListener>,
+    pub(super) out: UnboundedSender<wire::WorkerMessage>,
+    pub(super) aborted: Arc<Mutex<Option<(u64, u64)>>>,
+    pub(super) in_flight: Arc<Mutex<InFlight>>,
+    pub(super) progress: Arc<Progress>,
+    pub(super) job: Option<Held>,
+    pub(super) last_done: Instant,
+    /// The background checkpoint writer (one write at a time).
+    pub(super) writer: Writer,
+}
+
+impl Thread {
+    pub(super) fn send(&self, msg: Msg) {
+        let _ = self.out.send(wire::WorkerMessage { msg: Some(msg) });
+    }
+
+    pub(super) fn error(
+        &self,
+        job: &str,
+        generation: u64,
+        step: u64,
+        kind: wire::ErrorKind,
+        message: String,
+    ) {
+        self.error_blaming(job, generation, step, kind, message, None);
+    }
+
+    pub(super) fn error_blaming(
+        &self,
+        job: &str,
+        generation: u64,
+        step: u64,
+        kind: wire::ErrorKind,
+        message: String,
+        peer_rank: Option<u32>,
+    ) {
+        warn!(job, step, %message, ?peer_rank, "worker error");
+        self.send(Msg::Error(wire::WorkerError {
+            job_id: job.into(),
+            generation,
+            step,
+            kind: kind as i32,
+            message,
+            peer_rank,
+        }));
+    }
+
+    pub(super) fn handle(&mut self, work: Work) {
+        match work {
+            Work::Configure(c) => self.configure(*c),
+            Work::Plan(p) => self.plan(&p),
+            Work::Checkpoint(c) => self.checkpoint(&c),
+            Work::Publish(p) => self.publish(&p),
+            Work::Abort(a) => {
+                if let Some(h) = &mut self.job {
+                    h.exec.zero_grad();
+                }
+                info!(job = %a.job_id, step = a.step, reason = ?a.reason(), detail = %a.detail, "step aborted");
+            }
+        }
+    }
+
+    fn plan(&mut self, p: &wire::StepPlan) {
+        let Some(h) = self.job.as_mut().filter(|h| h.job == p.job_id) else {
+            let msg = format!(
+                "step {}: a plan for job {} before its configuration",
+                p.step, p.job_id
+            );
+            return self.error(
+                &p.job_id,
+                p.generation,
+                p.step,
+                wire::ErrorKind::InvalidPlan,
+                msg,
+            );
+        };
+        if p.kind == wire::PlanKind::Reference as i32 {
+            let result = guarded(p, || reference::run_reference(h.exec.as_mut(), p));
+            self.last_done = Instant::now();
+            match result {
+                Ok((sums, logps)) => {
+                    info!(
+                        chunk = p.step,
+                        sequences = logps.len(),
+                        "reference chunk done"
+                    );
+                    self.send(Msg::StepResult(wire::StepResult {
+                        job_id: p.job_id.clone(),
+                        generation: p.generation,
+                        step: p.step,
+                        rank: p.rank,
+                        sums: Some(sums),
+                        logps,
+                    }));
+                }
+                Err(e) => {
+                    warn!(chunk = p.step, message = %e.message, "reference chunk failed");
+                    self.send(Msg::Error(e));
+                }
+            }
+            return;
+        }
+        let key = (p.generation, p.step);
+        if p.replay {
+            info!(
+                step = p.step,
+                generation = p.generation,
+                "replaying a committed step"
+            );
+        }
+        fault::point(fault::Point::BeforeStep, p.step, p.rank);
+        // Set before the abort flag is polled: an abort arriving from now
+        // on also interrupts the step's collective.
+        lock(&self.in_flight).running = Some(key);
+        let aborted = self.aborted.clone();
+        let is_aborted = move || *lock(&aborted) == Some(key);
+        let idle_s = self.last_done.elapsed().as_secs_f64();
+        let outcome = guarded(p, || Ok(run_step(h.exec.as_mut(), p, idle_s, &is_aborted)))
+            .unwrap_or_else(StepOutcome::Failed);
+        lock(&self.in_flight).running = None;
+        self.last_done = Instant::now();
+        match outcome {
+            StepOutcome::Done(sums) => {
+                h.step = p.step;
+                self.progress.step.store(p.step, Ordering::Relaxed);
+                self.progress.set_held(Some(h.held_state()));
+                info!(
+                    step = p.step,
+                    loss = sums.loss_sum / sums.loss_tokens.max(1) as f64,
+                    "step done"
+                );
+                self.send(Msg::StepResult(wire::StepResult {
+                    job_id: p.job_id.clone(),
+                    generation: p.generation,
+                    step: p.step,
+                    rank: p.rank,
+                    sums: Some(sums),
+                    logps: Vec::new(),
+                }));
+            }
+            StepOutcome::Failed(e) => {
+                warn!(step = p.step, message = %e.message, "step failed");
+                self.send(Msg::Error(e));
+            }
+            StepOutcome::Aborted => info!(
+                step = p.step,
+                replay = p.replay,
+                "step aborted mid-way: gradients dropped, parameters untouched"
+            ),
+        }
+    }
+}
+
+/// Runs `f` for plan `p`, turning a panic (libtorch panics on a C++
+/// exception, out-of-memory among them) into the step's error, typed by
+/// `error::from_panic`: the step fails loudly instead of the thread dying
+/// while the process keeps heartbeating.
+fn guarded<T>(
+    p: &wire::StepPlan,
+    f: impl FnOnce() -> Result<T, wire::WorkerError>,
+) -> Result<T, wire::WorkerError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|payload| {
+        let e = crate::error::from_panic(payload.as_ref());
+        let (kind, peer_rank) = crate::error::classify(&e);
+        Err(wire::WorkerError {
+            job_id: p.job_id.clone(),
+            generation: p.generation,
+            step: p.step,
+            kind: kind as i32,
+            message: format!("step {}: {e:#}", p.step),
+            peer_rank,
+        })
+    })
+}
+
+/// A configure failure: kind, message, blamed peer.
+pub(super) type ConfigureError = (wire::ErrorKind, String, Option<u32>);

@@ -1,0 +1,130 @@
+//! What the runner is given and what it shares with the session: the
+//! engine factory and collective connector, the work it takes, and the
+//! progress the heartbeat reads.
+
+use std::net::TcpListener;
+use std::path::Path;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+
+use crate::collective::{Collective, CollectiveError};
+use crate::config::JobConfig;
+use crate::train::Engine;
+use crate::wire;
+
+/// Builds an engine for a job and this rank's collective, restoring from
+/// a checkpoint directory if given.
+pub type Factory = Arc<
+    dyn Fn(&JobConfig, Option<&Path>, Box<dyn Collective>) -> anyhow::Result<Box<dyn Engine>>
+        + Send
+        + Sync,
+>;
+
+/// Joins the collective of a generation of more than one rank, from this
+/// worker's listener and the configure message (rank, world, peers,
+/// generation).
+pub type Connector = Arc<
+    dyn Fn(&TcpListener, &wire::Configure) -> Result<Box<dyn Collective>, CollectiveError>
+        + Send
+        + Sync,
+>;
+
+/// The libtorch engines, by the job's sharding (`train::build`).
+pub fn default_factory() -> Factory {
+    Arc::new(crate::train::build)
+}
+
+/// How long one collective may wait for a peer before it is an error. A
+/// killed peer is noticed at once (its sockets close); this bounds a
+/// stalled one, and must exceed the longest compute imbalance between
+/// ranks in a step. `ACCRUE_COLLECTIVE_TIMEOUT_S` overrides it.
+pub fn collective_timeout() -> std::time::Duration {
+    let secs = std::env::var("ACCRUE_COLLECTIVE_TIMEOUT_S")
+        .ok()
+        .and_then(|s| s.parse::<f64>().ok())
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .unwrap_or(60.0);
+    std::time::Duration::from_secs_f64(secs)
+}
+
+/// The collective between worker processes: the CPU TCP ring, with the
+/// peers' addresses in rank order from the configure message.
+pub fn default_connector() -> Connector {
+    Arc::new(|listener, c| {
+        let mut peers: Vec<&wire::Peer> = c.peers.iter().collect();
+        peers.sort_by_key(|p| p.rank);
+        if peers.len() != c.world_size as usize
+            || peers.iter().enumerate().any(|(i, p)| p.rank as usize != i)
+        {
+            return Err(CollectiveError::Setup(format!(
+                "configure: {} peers for world size {}, ranks must be 0..{}",
+                peers.len(),
+                c.world_size,
+                c.world_size
+            )));
+        }
+        let addrs: Vec<String> = peers.iter().map(|p| p.collective_addr.clone()).collect();
+        let ring = crate::collective::tcp::connect_cpu(
+            listener,
+            c.rank as usize,
+            c.world_size as usize,
+            &addrs,
+            c.generation,
+            collective_timeout(),
+        )?;
+        Ok(Box::new(ring) as Box<dyn Collective>)
+    })
+}
+
+/// What a [`Runner`] is built from.
+pub struct RunnerConfig {
+    pub factory: Factory,
+    pub connector: Connector,
+    /// This worker's collective endpoint (peers connect to it); needed for
+    /// world sizes above 1.
+    pub listener: Option<TcpListener>,
+}
+
+impl RunnerConfig {
+    /// `factory` with the default connector and no listener (world 1 only).
+    pub fn new(factory: Factory) -> RunnerConfig {
+        RunnerConfig {
+            factory,
+            connector: default_connector(),
+            listener: None,
+        }
+    }
+}
+
+/// Work for the runner thread, in arrival order.
+#[derive(Debug)]
+pub enum Work {
+    Configure(Box<wire::Configure>),
+    Plan(Box<wire::StepPlan>),
+    Checkpoint(wire::CheckpointRequest),
+    Abort(wire::Abort),
+    /// Write the policy for an external generator (`rl.publish_every`).
+    Publish(wire::PublishPolicy),
+}
+
+/// Where the worker stands, read by the heartbeat without touching the thread.
+#[derive(Debug, Default)]
+pub struct Progress {
+    pub generation: AtomicU64,
+    /// Last step whose update this worker holds.
+    pub step: AtomicU64,
+    /// The replica held, reported when re-registering after a coordinator
+    /// restart (`RegisterRequest.held`).
+    pub held: Mutex<Option<wire::HeldState>>,
+}
+
+impl Progress {
+    /// The replica this process holds, if any.
+    pub fn held(&self) -> Option<wire::HeldState> {
+        self.held.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    pub(super) fn set_held(&self, held: Option<wire::HeldState>) {
+        *self.held.lock().unwrap_or_else(|p| p.into_inner()) = held;
+    }
+}

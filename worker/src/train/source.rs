@@ -1,0 +1,49 @@
+//! Where a replica's model comes from: the job's init (a seeded random
+//! init, or a Hugging Face directory) or a checkpoint of ours; and the
+//! frozen copy of the initial model that reference log-probs are taken on.
+//! Both engines build from here.
+
+use std::path::Path;
+
+use anyhow::Context;
+use tch::{Device, Kind};
+
+use crate::config::{JobConfig, ModelSource};
+use crate::model::{weights, Init, Llama, LlamaConfig};
+
+/// Builds the model from a HF checkpoint directory (config.json + safetensors).
+pub fn load_model(dir: &Path, kind: Kind, device: Device) -> anyhow::Result<Llama> {
+    let (cfg, raw) = LlamaConfig::from_file(&dir.join("config.json"))?;
+    let model = Llama::new(cfg, raw, kind, device, Init::Empty)?;
+    let files = weights::checkpoint_files(dir)?;
+    let tensors = weights::read_tensors(&files)?;
+    weights::copy_into(&model.vs.variables(), &tensors, dir)?;
+    Ok(model)
+}
+
+/// The model of `cfg.model` (seeded random init or a HF directory), or the
+/// one saved in `restore_from`.
+pub fn build_model(cfg: &JobConfig, restore_from: Option<&Path>) -> anyhow::Result<Llama> {
+    let kind = cfg.dtype;
+    let device = Device::cuda_if_available();
+    match (restore_from, &cfg.model) {
+        (Some(dir), _) => load_model(dir, kind, device)
+            .with_context(|| format!("restoring model from {}", dir.display())),
+        (None, ModelSource::Random { config }) => {
+            let (mcfg, raw) = LlamaConfig::from_file(config)?;
+            // Every rank draws the same init from the same seed, from its
+            // own generator (see `model::init`).
+            Llama::new(mcfg, raw, kind, device, Init::Seeded(cfg.seed))
+        }
+        (None, ModelSource::Checkpoint(dir)) => load_model(dir, kind, device)
+            .with_context(|| format!("model.init: loading {}", dir.display())),
+    }
+}
+
+/// Freezes a model used only for reference log-probs.
+pub(super) fn frozen(model: Llama) -> Llama {
+    for (_, t) in model.vs.variables() {
+        let _ = t.set_requires_grad(false);
+    }
+    model
+}
