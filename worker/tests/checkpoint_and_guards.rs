@@ -4,7 +4,6 @@
 mod common;
 
 use accrue_worker::train::{Engine, Trainer};
-use tch::Tensor;
 
 fn job(dir: &std::path::Path) -> accrue_worker::config::JobConfig {
     common::random_job(dir, "[optimizer]\nweight_decay = 0.01\n")
@@ -26,31 +25,7 @@ fn checkpoint_round_trip_transformers_and_resume() {
     a.save_checkpoint(&ckpt).unwrap();
 
     // transformers loads it and gives our logits.
-    let inputs: Vec<(String, Tensor)> = docs
-        .iter()
-        .enumerate()
-        .map(|(i, (ids, _))| (format!("doc{i}.input_ids"), Tensor::from_slice(ids)))
-        .collect();
-    let inputs_path = dir.path().join("inputs.safetensors");
-    Tensor::write_safetensors(&inputs, &inputs_path).unwrap();
-    let out = dir.path().join("hf.safetensors");
-    common::python(
-        "hf_logits.py",
-        &[
-            ckpt.to_str().unwrap(),
-            inputs_path.to_str().unwrap(),
-            out.to_str().unwrap(),
-        ],
-    );
-    let theirs = common::read(&out);
-    let ours = tch::no_grad(|| a.model().logits(&batch.input_ids, &batch.cu_seq_lens));
-    for (i, w) in batch.cu_seq_lens.windows(2).enumerate() {
-        let d = common::max_abs_diff(
-            &ours.narrow(0, w[0], w[1] - w[0]),
-            &theirs[&format!("doc{i}.logits")],
-        );
-        assert!(d <= 1e-4, "doc {i}: transformers logits differ by {d}");
-    }
+    common::assert_transformers_logits(dir.path(), &ckpt, a.model(), &docs);
 
     // Restored trainer: same parameters and optimizer state, same next step.
     let mut b = Trainer::single(&cfg, Some(&ckpt)).unwrap();

@@ -311,31 +311,7 @@ fn fsdp_checkpoint_loads_in_transformers_and_restores_at_another_world_size() {
         pw <= TOL,
         "parameter {pn} differs from the trainer's by {pw}"
     );
-    let inputs: Vec<(String, Tensor)> = docs
-        .iter()
-        .enumerate()
-        .map(|(i, (ids, _))| (format!("doc{i}.input_ids"), Tensor::from_slice(ids)))
-        .collect();
-    let inputs_path = dir.path().join("inputs.safetensors");
-    Tensor::write_safetensors(&inputs, &inputs_path).unwrap();
-    let out = dir.path().join("hf.safetensors");
-    common::python(
-        "hf_logits.py",
-        &[
-            ckpt.to_str().unwrap(),
-            inputs_path.to_str().unwrap(),
-            out.to_str().unwrap(),
-        ],
-    );
-    let theirs = common::read(&out);
-    let ours = tch::no_grad(|| reference.model().logits(&b.input_ids, &b.cu_seq_lens));
-    for (i, w) in b.cu_seq_lens.windows(2).enumerate() {
-        let d = common::max_abs_diff(
-            &ours.narrow(0, w[0], w[1] - w[0]),
-            &theirs[&format!("doc{i}.logits")],
-        );
-        assert!(d <= 1e-4, "doc {i}: transformers logits differ by {d}");
-    }
+    common::assert_transformers_logits(dir.path(), &ckpt, reference.model(), &docs);
 
     // Restored on 3 ranks: the saved parameters exactly, and the same next
     // step (moments and step count restored too).

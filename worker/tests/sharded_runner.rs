@@ -41,25 +41,6 @@ fn connector(builds: Arc<Mutex<Vec<(u64, u32)>>>) -> Connector {
     })
 }
 
-fn to_wire(docs: &[(Vec<i64>, Vec<i64>)]) -> wire::Microbatch {
-    let b = PackedBatch::from_documents(docs);
-    let ids: Vec<u32> = b.input_ids.iter().map(|&t| t as u32).collect();
-    let labels: Vec<i32> = b.labels.iter().map(|&t| t as i32).collect();
-    wire::Microbatch {
-        ref_logprobs: Vec::new(),
-        token_ids: accrue_proto::pack_u32(&ids),
-        labels: accrue_proto::pack_i32(&labels),
-        cu_seq_lens: b.cu_seq_lens.iter().map(|&c| c as u32).collect(),
-        sequences: (0..docs.len())
-            .map(|i| wire::PackedSequence {
-                doc_id: format!("d:{i}"),
-                ..Default::default()
-            })
-            .collect(),
-        old_logprobs: Vec::new(),
-    }
-}
-
 fn recv(rx: &mut tokio::sync::mpsc::UnboundedReceiver<wire::WorkerMessage>) -> Msg {
     for _ in 0..3000 {
         if let Ok(m) = rx.try_recv() {
@@ -139,9 +120,9 @@ fn two_runners_train_checkpoint_and_rejoin_a_new_generation() {
             }),
             // Rank 1 also runs a padding microbatch; rank 0 one more real.
             microbatches: if rank == 0 {
-                vec![to_wire(&docs[..1]), to_wire(&docs[1..2])]
+                vec![common::to_wire(&docs[..1]), common::to_wire(&docs[1..2])]
             } else {
-                vec![to_wire(&docs[2..]), wire::Microbatch::default()]
+                vec![common::to_wire(&docs[2..]), wire::Microbatch::default()]
             },
             cursor_after: None,
             kind: wire::PlanKind::Train as i32,
@@ -286,7 +267,7 @@ fn two_runners_train_checkpoint_and_rejoin_a_new_generation() {
                 loss_tokens: total2,
                 ..Default::default()
             }),
-            microbatches: vec![to_wire(&mine)],
+            microbatches: vec![common::to_wire(&mine)],
             kind: wire::PlanKind::Train as i32,
             ..Default::default()
         })));

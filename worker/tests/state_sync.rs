@@ -42,27 +42,6 @@ fn steps() -> Vec<Docs> {
     .collect()
 }
 
-fn to_wire(docs: &[(Vec<i64>, Vec<i64>)]) -> wire::Microbatch {
-    if docs.is_empty() {
-        return wire::Microbatch::default();
-    }
-    let b = PackedBatch::from_documents(docs);
-    let ids: Vec<u32> = b.input_ids.iter().map(|&t| t as u32).collect();
-    let labels: Vec<i32> = b.labels.iter().map(|&t| t as i32).collect();
-    wire::Microbatch {
-        token_ids: accrue_proto::pack_u32(&ids),
-        labels: accrue_proto::pack_i32(&labels),
-        cu_seq_lens: b.cu_seq_lens.iter().map(|&c| c as u32).collect(),
-        sequences: (0..docs.len())
-            .map(|i| wire::PackedSequence {
-                doc_id: format!("d:{i}"),
-                ..Default::default()
-            })
-            .collect(),
-        ..Default::default()
-    }
-}
-
 /// Rank `rank` of `world`'s plan for a step: every `world`-th document,
 /// split over two microbatches (one may be padding).
 fn plan(docs: &Docs, step: u64, rank: usize, world: usize) -> wire::StepPlan {
@@ -77,7 +56,10 @@ fn plan(docs: &Docs, step: u64, rank: usize, world: usize) -> wire::StepPlan {
             loss_tokens: PackedBatch::from_documents(docs).loss_tokens(),
             ..Default::default()
         }),
-        microbatches: vec![to_wire(&mine[..half]), to_wire(&mine[half..])],
+        microbatches: vec![
+            common::to_wire(&mine[..half]),
+            common::to_wire(&mine[half..]),
+        ],
         kind: wire::PlanKind::Train as i32,
         ..Default::default()
     }

@@ -13,12 +13,8 @@ use crate::wire;
 
 impl Thread {
     pub(super) fn checkpoint(&mut self, c: &wire::CheckpointRequest) {
-        let Some(h) = self.job.as_mut().filter(|h| h.job == c.job_id) else {
-            let msg = format!(
-                "checkpoint of step {}: job {} is not configured here",
-                c.step, c.job_id
-            );
-            return self.error(&c.job_id, 0, c.step, wire::ErrorKind::InvalidPlan, msg);
+        let Some(h) = self.replica(&c.job_id, c.step, "checkpoint") else {
+            return;
         };
         let manifest = CheckpointManifest {
             job: c.job_id.clone(),
@@ -42,7 +38,7 @@ impl Thread {
                 let msg = format!("checkpoint of step {} (snapshot): {e:#}", c.step);
                 let (kind, peer) = classify(&e);
                 let job = c.job_id.clone();
-                return self.error_blaming(&job, generation, c.step, kind, msg, peer);
+                return self.error(&job, generation, c.step, kind, msg, peer);
             }
         };
         info!(step = c.step, rank, dir = %c.dir, "checkpoint snapshot taken; writing in the background");

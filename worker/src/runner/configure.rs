@@ -80,12 +80,12 @@ impl Thread {
             Some(Err(e)) => {
                 let msg = format!("configure: {e}");
                 let kind = wire::ErrorKind::InvalidPlan;
-                return self.error(&c.job_id, c.generation, c.step, kind, msg);
+                return self.error(&c.job_id, c.generation, c.step, kind, msg, None);
             }
             None => {
                 let msg = "configure: job: missing (the coordinator sets every field)".to_string();
                 let kind = wire::ErrorKind::InvalidPlan;
-                return self.error(&c.job_id, c.generation, c.step, kind, msg);
+                return self.error(&c.job_id, c.generation, c.step, kind, msg, None);
             }
         };
         let sharded = cfg.sharding != Sharding::Ddp;
@@ -106,7 +106,7 @@ impl Thread {
                 ) {
                     self.drop_replica();
                 }
-                return self.error_blaming(&c.job_id, c.generation, c.step, kind, msg, peer);
+                return self.error(&c.job_id, c.generation, c.step, kind, msg, peer);
             }
         };
         let h = self.job.as_mut().expect("configured above");

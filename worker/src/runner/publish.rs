@@ -95,12 +95,8 @@ impl Thread {
     /// `PublishPolicy`: write, then `PolicyPublished` (or an error naming
     /// the directory).
     pub(super) fn publish(&mut self, p: &wire::PublishPolicy) {
-        let Some(h) = self.job.as_mut().filter(|h| h.job == p.job_id) else {
-            let msg = format!(
-                "policy of step {}: job {} is not configured here",
-                p.step, p.job_id
-            );
-            return self.error(&p.job_id, 0, p.step, wire::ErrorKind::InvalidPlan, msg);
+        let Some(h) = self.replica(&p.job_id, p.step, "policy") else {
+            return;
         };
         let dir = Path::new(&p.dir);
         let marker = PolicyMarker {
@@ -113,7 +109,7 @@ impl Thread {
             let msg = format!("policy of step {} to {}: {e:#}", p.step, dir.display());
             let (job, generation) = (h.job.clone(), h.generation);
             let (kind, peer) = classify(&e);
-            return self.error_blaming(&job, generation, p.step, kind, msg, peer);
+            return self.error(&job, generation, p.step, kind, msg, peer);
         }
         info!(step = p.step, rank, dir = %dir.display(), "policy published");
         self.send(Msg::PolicyPublished(wire::PolicyPublished {

@@ -84,17 +84,6 @@ impl Thread {
         step: u64,
         kind: wire::ErrorKind,
         message: String,
-    ) {
-        self.error_blaming(job, generation, step, kind, message, None);
-    }
-
-    pub(super) fn error_blaming(
-        &self,
-        job: &str,
-        generation: u64,
-        step: u64,
-        kind: wire::ErrorKind,
-        message: String,
         peer_rank: Option<u32>,
     ) {
         warn!(job, step, %message, ?peer_rank, "worker error");
@@ -123,6 +112,29 @@ impl Thread {
         }
     }
 
+    /// The replica of `job`, or `None` after reporting that `what` (of
+    /// `step`) came for a job not configured here.
+    pub(super) fn replica(&mut self, job: &str, step: u64, what: &str) -> Option<&mut Held> {
+        if self.job.as_ref().is_none_or(|h| h.job != job) {
+            let msg = format!("{what} of step {step}: job {job} is not configured here");
+            self.error(job, 0, step, wire::ErrorKind::InvalidPlan, msg, None);
+            return None;
+        }
+        self.job.as_mut()
+    }
+
+    /// Sends plan `p`'s result.
+    fn result(&self, p: &wire::StepPlan, sums: wire::MetricSums, logps: Vec<wire::SequenceLogp>) {
+        self.send(Msg::StepResult(wire::StepResult {
+            job_id: p.job_id.clone(),
+            generation: p.generation,
+            step: p.step,
+            rank: p.rank,
+            sums: Some(sums),
+            logps,
+        }));
+    }
+
     fn plan(&mut self, p: &wire::StepPlan) {
         let Some(h) = self.job.as_mut().filter(|h| h.job == p.job_id) else {
             let msg = format!(
@@ -135,6 +147,7 @@ impl Thread {
                 p.step,
                 wire::ErrorKind::InvalidPlan,
                 msg,
+                None,
             );
         };
         if p.kind == wire::PlanKind::Reference as i32 {
@@ -147,14 +160,7 @@ impl Thread {
                         sequences = logps.len(),
                         "reference chunk done"
                     );
-                    self.send(Msg::StepResult(wire::StepResult {
-                        job_id: p.job_id.clone(),
-                        generation: p.generation,
-                        step: p.step,
-                        rank: p.rank,
-                        sums: Some(sums),
-                        logps,
-                    }));
+                    self.result(p, sums, logps);
                 }
                 Err(e) => {
                     warn!(chunk = p.step, message = %e.message, "reference chunk failed");
@@ -192,14 +198,7 @@ impl Thread {
                     loss = sums.loss_sum / sums.loss_tokens.max(1) as f64,
                     "step done"
                 );
-                self.send(Msg::StepResult(wire::StepResult {
-                    job_id: p.job_id.clone(),
-                    generation: p.generation,
-                    step: p.step,
-                    rank: p.rank,
-                    sums: Some(sums),
-                    logps: Vec::new(),
-                }));
+                self.result(p, sums, Vec::new());
             }
             StepOutcome::Failed(e) => {
                 warn!(step = p.step, message = %e.message, "step failed");

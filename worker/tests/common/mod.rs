@@ -211,3 +211,63 @@ pub fn synthetic_documents(lengths: &[usize], seed: u64) -> Vec<(Vec<i64>, Vec<i
         })
         .collect()
 }
+
+/// `docs` as one wire microbatch (document ids `d:0`, `d:1`, …); empty
+/// for no document (a padding microbatch).
+pub fn to_wire(docs: &[(Vec<i64>, Vec<i64>)]) -> accrue_worker::wire::Microbatch {
+    use accrue_worker::wire;
+    if docs.is_empty() {
+        return wire::Microbatch::default();
+    }
+    let b = PackedBatch::from_documents(docs);
+    let ids: Vec<u32> = b.input_ids.iter().map(|&t| t as u32).collect();
+    let labels: Vec<i32> = b.labels.iter().map(|&t| t as i32).collect();
+    wire::Microbatch {
+        token_ids: accrue_proto::pack_u32(&ids),
+        labels: accrue_proto::pack_i32(&labels),
+        cu_seq_lens: b.cu_seq_lens.iter().map(|&c| c as u32).collect(),
+        sequences: (0..docs.len())
+            .map(|i| wire::PackedSequence {
+                doc_id: format!("d:{i}"),
+                ..Default::default()
+            })
+            .collect(),
+        ..Default::default()
+    }
+}
+
+/// Checks that transformers, loading the checkpoint `ckpt`, gives
+/// `model`'s logits for each of `docs` (packed as one row).
+pub fn assert_transformers_logits(
+    dir: &Path,
+    ckpt: &Path,
+    model: &accrue_worker::model::Llama,
+    docs: &[(Vec<i64>, Vec<i64>)],
+) {
+    let batch = PackedBatch::from_documents(docs);
+    let inputs: Vec<(String, Tensor)> = docs
+        .iter()
+        .enumerate()
+        .map(|(i, (ids, _))| (format!("doc{i}.input_ids"), Tensor::from_slice(ids)))
+        .collect();
+    let inputs_path = dir.join("inputs.safetensors");
+    Tensor::write_safetensors(&inputs, &inputs_path).unwrap();
+    let out = dir.join("hf.safetensors");
+    python(
+        "hf_logits.py",
+        &[
+            ckpt.to_str().unwrap(),
+            inputs_path.to_str().unwrap(),
+            out.to_str().unwrap(),
+        ],
+    );
+    let theirs = read(&out);
+    let ours = tch::no_grad(|| model.logits(&batch.input_ids, &batch.cu_seq_lens));
+    for (i, w) in batch.cu_seq_lens.windows(2).enumerate() {
+        let d = max_abs_diff(
+            &ours.narrow(0, w[0], w[1] - w[0]),
+            &theirs[&format!("doc{i}.logits")],
+        );
+        assert!(d <= 1e-4, "doc {i}: transformers logits differ by {d}");
+    }
+}
