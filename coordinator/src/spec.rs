@@ -50,6 +50,8 @@ pub struct JobSpec {
     #[serde(default)]
     pub runtime: RuntimeSection,
     #[serde(default, skip_serializing_if = "is_default")]
+    pub faults: FaultsSection,
+    #[serde(default, skip_serializing_if = "is_default")]
     pub rl: RlSection,
 }
 
@@ -354,6 +356,57 @@ impl Default for RuntimeSection {
     }
 }
 
+/// What a non-finite step does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum OnNonFinite {
+    /// The job fails, naming the step.
+    #[default]
+    Fail,
+    /// The step's documents are bisected with forward/backward probes to
+    /// find the ones that make it non-finite; those are quarantined and the
+    /// step re-planned without them.
+    Bisect,
+}
+
+/// `[faults]`: how the job reacts to failures.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FaultsSection {
+    #[serde(default)]
+    pub on_nonfinite: OnNonFinite,
+    /// Probe rounds a bisection may take before the job fails instead.
+    #[serde(default = "default_max_bisect_rounds")]
+    pub max_bisect_rounds: u32,
+    /// Seconds a dispatched step may take before its silent members are
+    /// treated as lost. Unset: derived from the job's observed step times
+    /// (see `core`'s step deadline), never below 10 minutes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step_timeout_s: Option<f64>,
+    /// Dispatches of one step (1 + aborts) before the job fails as unable
+    /// to make progress.
+    #[serde(default = "default_max_step_attempts")]
+    pub max_step_attempts: u32,
+}
+
+fn default_max_bisect_rounds() -> u32 {
+    24
+}
+fn default_max_step_attempts() -> u32 {
+    10
+}
+
+impl Default for FaultsSection {
+    fn default() -> Self {
+        Self {
+            on_nonfinite: OnNonFinite::Fail,
+            max_bisect_rounds: default_max_bisect_rounds(),
+            step_timeout_s: None,
+            max_step_attempts: default_max_step_attempts(),
+        }
+    }
+}
+
 /// How a step's size is defined (exactly one per job).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StepSize {
@@ -386,6 +439,7 @@ const SECTIONS: &[&str] = &[
     "checkpoint",
     "rl",
     "runtime",
+    "faults",
 ];
 
 impl JobSpec {
@@ -662,6 +716,21 @@ impl JobSpec {
         if self.runtime.loss_chunk_tokens == 0 {
             bad("runtime.loss_chunk_tokens", "must be at least 1".into());
         }
+        let f = &self.faults;
+        if f.max_bisect_rounds == 0 {
+            bad("faults.max_bisect_rounds", "must be at least 1".into());
+        }
+        if f.max_step_attempts == 0 {
+            bad("faults.max_step_attempts", "must be at least 1".into());
+        }
+        if let Some(t) = f.step_timeout_s {
+            if !(t.is_finite() && t >= 1.0) {
+                bad(
+                    "faults.step_timeout_s",
+                    format!("must be at least 1 second, got {t}"),
+                );
+            }
+        }
         p
     }
 }
@@ -790,6 +859,7 @@ fn check_section(section: &str, value: toml::Value) -> Result<(), SpecProblem> {
         "checkpoint" => value.try_into::<CheckpointSection>().map(drop),
         "rl" => value.try_into::<RlSection>().map(drop),
         "runtime" => value.try_into::<RuntimeSection>().map(drop),
+        "faults" => value.try_into::<FaultsSection>().map(drop),
         _ => Ok(()),
     };
     result.map_err(|e| {

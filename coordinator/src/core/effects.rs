@@ -124,6 +124,13 @@ pub enum Event {
         job: JobId,
         stored: StoredStream,
     },
+    /// The shell could not write one of the job's outputs (`metrics.jsonl`,
+    /// a checkpoint's removal, …): the job fails, naming it, rather than
+    /// go on with a record that silently lacks it.
+    OutputFailed {
+        job: JobId,
+        what: String,
+    },
 }
 
 /// Where a job resumed from a checkpoint starts: its manifest's step and
@@ -218,6 +225,7 @@ pub enum Effect {
         entries: Vec<(DocId, RefEntry)>,
     },
     AppendMetrics {
+        job: JobId,
         path: PathBuf,
         metrics: Box<StepMetrics>,
     },
@@ -233,4 +241,11 @@ pub enum Effect {
     /// transaction). A push is acknowledged only after this ran; a write
     /// that frees room wakes waiting pushers.
     PersistRollouts(Box<RolloutWrite>),
+    /// A checkpoint left the job's index (`checkpoint.keep`): delete its
+    /// directory (after the record persisted before it).
+    RemoveCheckpoint {
+        job: JobId,
+        step: u64,
+        dir: PathBuf,
+    },
 }

@@ -121,12 +121,26 @@ impl Coordinator {
             dir: job.checkpoint_dir(step),
         };
         let keep = job.spec.checkpoint.keep as usize;
-        if let Some(oldest) = recovery::add_checkpoint(&mut job.rec.checkpoints, entry, keep) {
-            job.rec.history_from = job.rec.history_from.max(oldest);
+        let dropped = recovery::add_checkpoint(&mut job.rec.checkpoints, entry, keep);
+        if let Some(oldest) = job.rec.checkpoints.first().filter(|_| !dropped.is_empty()) {
+            job.rec.history_from = job.rec.history_from.max(oldest.step);
             job.prune_history();
         }
         job.rec.last_checkpoint = job.rec.checkpoints.last().map(|c| c.step);
         fx.push(Effect::PersistJob(job.rec.clone()));
+        // Out of the index, a checkpoint is no recovery source any more:
+        // its directory goes once the record saying so is durable. Only
+        // the job's own (never the checkpoint it resumed from).
+        for c in dropped
+            .iter()
+            .filter(|c| c.dir == job.checkpoint_dir(c.step))
+        {
+            fx.push(Effect::RemoveCheckpoint {
+                job: job_id.to_string(),
+                step: c.step,
+                dir: c.dir.clone(),
+            });
+        }
         let msg = format!("checkpoint of step {step} written");
         fx.push(job.event(EventKind::Checkpoint, msg, now_ms));
         if matches!(

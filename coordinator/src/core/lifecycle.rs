@@ -197,6 +197,7 @@ impl Coordinator {
             manifest: Box::new(manifest),
         });
         fx.push(Effect::AppendMetrics {
+            job: job_id.to_string(),
             path: job.spec.job.output_dir.join("metrics.jsonl"),
             metrics: Box::new(m.clone()),
         });

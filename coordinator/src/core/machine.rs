@@ -203,6 +203,16 @@ impl Coordinator {
             Event::PushRollouts { job, rollouts } => {
                 fx.push(self.push_rollouts(&job, rollouts)?);
             }
+            Event::OutputFailed { job, what } => {
+                let state = self.job(&job)?.rec.state;
+                if !state.is_terminal() {
+                    let why = Why::new(
+                        super::types::AbortReason::JobFailed,
+                        format!("writing the job's output failed: {what}"),
+                    );
+                    self.finish(&job, super::types::End::Failed(why), now_ms, &mut fx);
+                }
+            }
             Event::RestoreRollouts { job, stored } => {
                 if let Some(j) = self.jobs.get_mut(&job) {
                     let id = j.rec.id.clone();

@@ -232,21 +232,20 @@ pub fn member_order(job: &str, candidates: &mut [(String, u64, Option<HeldState>
 }
 
 /// Adds a complete checkpoint to `index` (ascending, no duplicates) and
-/// keeps the newest `keep` (0 keeps all). Returns the oldest retained step
-/// when older ones were dropped: history below it is no longer needed.
+/// keeps the newest `keep` (0 keeps all). Returns the entries dropped,
+/// oldest first: history up to the oldest retained one is no longer needed.
 pub fn add_checkpoint(
     index: &mut Vec<CheckpointEntry>,
     entry: CheckpointEntry,
     keep: usize,
-) -> Option<u64> {
+) -> Vec<CheckpointEntry> {
     index.retain(|c| c.step != entry.step);
     let at = index.partition_point(|c| c.step < entry.step);
     index.insert(at, entry);
     if keep == 0 || index.len() <= keep {
-        return None;
+        return Vec::new();
     }
-    index.drain(..index.len() - keep);
-    index.first().map(|c| c.step)
+    index.drain(..index.len() - keep).collect()
 }
 
 #[cfg(test)]
@@ -455,14 +454,14 @@ mod tests {
     #[test]
     fn the_index_keeps_the_newest_checkpoints() {
         let mut index = vec![];
-        assert_eq!(add_checkpoint(&mut index, ck(2), 2), None);
-        assert_eq!(add_checkpoint(&mut index, ck(6), 2), None);
-        assert_eq!(add_checkpoint(&mut index, ck(4), 2), Some(4));
+        assert_eq!(add_checkpoint(&mut index, ck(2), 2), vec![]);
+        assert_eq!(add_checkpoint(&mut index, ck(6), 2), vec![]);
+        assert_eq!(add_checkpoint(&mut index, ck(4), 2), vec![ck(2)]);
         assert_eq!(index, vec![ck(4), ck(6)]);
-        assert_eq!(add_checkpoint(&mut index, ck(6), 2), None, "no duplicate");
+        assert_eq!(add_checkpoint(&mut index, ck(6), 2), vec![], "no duplicate");
         let mut all = vec![];
         for s in 1..=5 {
-            assert_eq!(add_checkpoint(&mut all, ck(s), 0), None);
+            assert_eq!(add_checkpoint(&mut all, ck(s), 0), vec![]);
         }
         assert_eq!(all.len(), 5);
     }

@@ -91,6 +91,8 @@ struct Sim {
     releases: Vec<WorkerId>,
     /// Every Checkpoint message sent (all ranks, duplicates counted).
     checkpoint_msgs: usize,
+    /// Checkpoint directories the shell was asked to delete, by step.
+    removed_checkpoints: Vec<u64>,
 }
 
 /// The log-prob a simulated worker reports in a reference pass.
@@ -128,6 +130,7 @@ impl Sim {
             aborts: Vec::new(),
             releases: Vec::new(),
             checkpoint_msgs: 0,
+            removed_checkpoints: Vec::new(),
         }
     }
 
@@ -181,6 +184,7 @@ impl Sim {
                 }
                 Effect::PersistJob(rec) => self.persisted.push(rec),
                 Effect::PersistRollouts(w) => self.rollout_writes.push(*w),
+                Effect::RemoveCheckpoint { step, .. } => self.removed_checkpoints.push(step),
                 Effect::AppendMetrics { .. } | Effect::Publish { .. } => {}
             }
         }
@@ -2288,4 +2292,44 @@ fn a_replay_after_a_lowered_max_tokens_packs_with_the_lowered_value() {
     assert_eq!((r.docs.clone(), r.lr), (original.docs.clone(), original.lr));
     assert_eq!(r.normalizers, original.normalizers);
     assert_exactly_once(&s, &d, 1);
+}
+
+/// `checkpoint.keep` bounds the disk: a checkpoint that leaves the index
+/// is deleted (after the record persisted), the job's own only — never the
+/// checkpoint it resumed from — and never one still in the index.
+#[test]
+fn checkpoints_beyond_keep_are_deleted_but_never_the_resume_point() {
+    let mut s = Sim::new();
+    let mut sp = with(
+        spec("steps = 6", "docs_per_step = 4", 1, 1),
+        Sharding::Ddp,
+        1,
+    );
+    sp.checkpoint.keep = 2;
+    s.handle(Event::SubmitJob {
+        id: "job".into(),
+        spec: Arc::new(sp),
+        spec_toml: String::new(),
+        docs: docs(24),
+        start: Some(JobStart {
+            step: 0,
+            cursor: Default::default(),
+            dir: PathBuf::from("/elsewhere/imported"),
+        }),
+    })
+    .unwrap();
+    s.worker("a");
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    let kept: Vec<u64> =
+        s.c.job("job")
+            .unwrap()
+            .rec
+            .checkpoints
+            .iter()
+            .map(|c| c.step)
+            .collect();
+    assert_eq!(kept, vec![5, 6]);
+    // Step 0 (the imported checkpoint) left the index but is not ours.
+    assert_eq!(s.removed_checkpoints, vec![1, 2, 3, 4]);
 }

@@ -149,6 +149,9 @@ impl Shared {
     ) -> Result<(), Status> {
         self.observe_effects(inner, &effects);
         let mut failure = None;
+        // Outputs that could not be written fail their job, after this
+        // call's effects (the core hears of it as an event).
+        let mut failed_outputs: Vec<Event> = Vec::new();
         // Per job with a plan among the effects: when its last plan was queued.
         let mut dispatched: Vec<(JobId, Instant)> = Vec::new();
         for e in effects {
@@ -194,9 +197,24 @@ impl Shared {
                         )));
                     }
                 }
-                Effect::AppendMetrics { path, metrics } => {
+                Effect::AppendMetrics { job, path, metrics } => {
                     if let Err(err) = append_jsonl(&path, &metrics) {
                         error!(path = %path.display(), %err, "writing metrics.jsonl failed");
+                        let what = format!("{}: {err}", path.display());
+                        failed_outputs.push(Event::OutputFailed { job, what });
+                    }
+                }
+                Effect::RemoveCheckpoint { job, step, dir } => {
+                    match std::fs::remove_dir_all(&dir) {
+                        Ok(()) => {
+                            tracing::info!(%job, step, dir = %dir.display(), "old checkpoint removed")
+                        }
+                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                        Err(err) => {
+                            error!(%job, dir = %dir.display(), %err, "removing an old checkpoint failed");
+                            let what = format!("removing {}: {err}", dir.display());
+                            failed_outputs.push(Event::OutputFailed { job, what });
+                        }
                     }
                 }
                 Effect::Send { worker, msg } => {
@@ -237,6 +255,11 @@ impl Shared {
             let plan = timing.returned - timing.started;
             self.metrics
                 .observe_plan(&job, plan, queued - timing.returned);
+        }
+        for event in failed_outputs {
+            if let Err(status) = self.apply_locked(inner, event) {
+                failure = Some(status);
+            }
         }
         failure.map_or(Ok(()), Err)
     }

@@ -30,7 +30,6 @@ use tch::{Kind, Tensor};
 
 use crate::model::weights;
 
-
 /// `trainer.json`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct TrainerState {
