@@ -9,7 +9,7 @@ use std::sync::Arc;
 use tracing::{info, warn};
 
 use super::effects::{Effect, ToWorker};
-use super::jobs::{Active, Generation, Phase, Work};
+use super::jobs::{Active, AfterCheckpoint, Generation, Phase, Work};
 use super::machine::Coordinator;
 use super::membership::{compose, Composition};
 use super::recovery::{self, Source};
@@ -55,7 +55,7 @@ impl Coordinator {
         if sharded && leaving && !on_disk {
             job.request_checkpoint(fx);
             if let Some(a) = job.active_mut() {
-                a.work = Work::AwaitingCheckpoint;
+                a.work = Work::AwaitingCheckpoint(AfterCheckpoint::Regroup);
             }
             return;
         }
@@ -143,14 +143,23 @@ impl Coordinator {
         }
         let msg = format!("checkpoint of step {step} written");
         fx.push(job.event(EventKind::Checkpoint, msg, now_ms));
-        if matches!(
-            job.active().map(|a| &a.work),
-            Some(Work::AwaitingCheckpoint)
-        ) {
-            if let Some(a) = job.active_mut() {
-                a.work = Work::Idle;
+        let current = step == job.rec.step;
+        let then = match job.active_mut() {
+            Some(a) if current => match std::mem::replace(&mut a.work, Work::Idle) {
+                Work::AwaitingCheckpoint(then) => Some(then),
+                other => {
+                    a.work = other;
+                    None
+                }
+            },
+            _ => None,
+        };
+        match then {
+            Some(AfterCheckpoint::Regroup) => self.regroup(job_id, now_ms, fx),
+            Some(AfterCheckpoint::Complete(detail)) => {
+                self.finish(job_id, End::Completed(detail), now_ms, fx)
             }
-            self.regroup(job_id, now_ms, fx);
+            None => {}
         }
     }
 

@@ -8,6 +8,7 @@ use std::sync::{Arc, OnceLock};
 
 use tracing::info;
 
+use super::deadline::Pace;
 use super::effects::{Effect, ToWorker, WatchItem};
 use super::metrics::MetricSums;
 use super::record::JobRecord;
@@ -73,10 +74,20 @@ pub enum Work {
     /// member is ready (and the job is running).
     Idle,
     InFlight(InFlight),
-    /// A zero2/fsdp drain at a step boundary: the current step's
-    /// checkpoint is being written (the leaver's shards must reach disk)
-    /// before the generation re-forms; nothing is dispatched meanwhile.
-    AwaitingCheckpoint,
+    /// The current step's checkpoint is being written and nothing is
+    /// dispatched meanwhile; then the generation goes on as `then` says.
+    AwaitingCheckpoint(AfterCheckpoint),
+}
+
+/// What a generation waiting for its checkpoint does once it is durable.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AfterCheckpoint {
+    /// A zero2/fsdp drain: the leaver's shards had to reach disk before the
+    /// generation re-forms.
+    Regroup,
+    /// The job trained all it was asked to: it completes (with this
+    /// detail) only once its final checkpoint is durable.
+    Complete(String),
 }
 
 /// A generation and its work.
@@ -208,6 +219,10 @@ pub struct Job {
     /// The last training step dispatched and how many times it was
     /// (1 + aborts before commit); live only.
     pub attempts: (u64, u32),
+    /// Why the last aborted attempt ended (live only).
+    pub last_abort: String,
+    /// How fast its plans ran: the step deadline's basis (live only).
+    pub pace: Pace,
 }
 
 impl Job {
@@ -230,6 +245,8 @@ impl Job {
             publish_acks: BTreeMap::new(),
             last_plan: None,
             attempts: (0, 0),
+            last_abort: String::new(),
+            pace: Pace::default(),
         }
     }
 
@@ -290,6 +307,12 @@ impl Job {
             .join(format!("step-{step}"))
     }
 
+    /// Whether the committed step's state is on disk (a checkpoint of it,
+    /// or nothing trained yet).
+    pub fn step_durable(&self) -> bool {
+        self.rec.step == 0 || self.rec.checkpoints.iter().any(|c| c.step == self.rec.step)
+    }
+
     /// Drops replay history at or below `rec.history_from`.
     pub fn prune_history(&mut self) {
         let h = &mut self.data.history;
@@ -321,6 +344,16 @@ impl Job {
             (s, n) if s == p.step => (s, n + 1),
             _ => (p.step, 1),
         };
+    }
+
+    /// The time by which the step in flight must have every result.
+    pub fn step_deadline_ms(&self) -> Option<i64> {
+        let f = self.inflight()?;
+        let tokens = f.planned.busiest_rank_tokens();
+        let timeout = self
+            .pace
+            .deadline_ms(self.spec.faults.step_timeout_s, tokens);
+        Some(f.started_ms.saturating_add(timeout))
     }
 
     /// Times step `step` was dispatched so far (at least 1).

@@ -9,7 +9,7 @@ use tracing::{info, warn};
 
 use super::effects::{Effect, ToWorker, WatchItem};
 use super::error::{CoreError, Result};
-use super::jobs::{InFlight, Phase, Work};
+use super::jobs::{AfterCheckpoint, InFlight, Phase, Work};
 use super::machine::Coordinator;
 use super::metrics::{self, MetricSums, StepFacts};
 use super::planner::{self, Source};
@@ -81,6 +81,11 @@ impl Coordinator {
         let Work::InFlight(flight) = std::mem::replace(&mut active.work, Work::Idle) else {
             unreachable!("matched above")
         };
+        let job = self.jobs.get_mut(job_id).expect("a job with a generation");
+        job.pace.observe(
+            now_ms - flight.started_ms,
+            flight.planned.busiest_rank_tokens(),
+        );
         match (flight.planned.kind, flight.planned.replay) {
             (PlanKind::Reference, _) => self.commit_reference(job_id, flight, now_ms, fx),
             (PlanKind::Train, true) => self.replayed(job_id, step, now_ms, fx),
@@ -223,11 +228,37 @@ impl Coordinator {
             job.request_checkpoint(fx);
         }
         if finished {
-            let end = End::Completed("all steps trained".into());
-            self.finish(job_id, end, now_ms, fx);
+            self.complete(job_id, "all steps trained", now_ms, fx);
             return;
         }
         self.at_boundary(job_id, now_ms, fx);
+    }
+
+    /// The job trained all it will: it completes once the committed
+    /// step's checkpoint is durable, so that "completed" always means the
+    /// trained model is on disk. Until then the generation waits (a lost
+    /// writer re-forms it, and the next generation asks again).
+    pub(super) fn complete(
+        &mut self,
+        job_id: &str,
+        detail: &str,
+        now_ms: i64,
+        fx: &mut Vec<Effect>,
+    ) {
+        let job = self.jobs.get_mut(job_id).expect("completing a known job");
+        if job.step_durable() {
+            self.finish(job_id, End::Completed(detail.into()), now_ms, fx);
+            return;
+        }
+        job.request_checkpoint(fx);
+        if let Some(a) = job.active_mut() {
+            a.work = Work::AwaitingCheckpoint(AfterCheckpoint::Complete(detail.into()));
+        }
+        let msg = format!(
+            "step {} trained ({detail}); completing once its checkpoint is durable",
+            job.rec.step
+        );
+        fx.push(job.event(EventKind::Checkpoint, msg, now_ms));
     }
 
     /// A step boundary: a requested pause takes effect, drained workers
@@ -269,6 +300,19 @@ impl Coordinator {
         let Some(job) = self.jobs.get(job_id) else {
             return;
         };
+        if kind == WorkerErrorKind::CheckpointWrite {
+            // Whatever generation asked for it, a checkpoint that cannot be
+            // written means the job's output is not durable: never dropped
+            // as stale, never a "completed" without its model.
+            if !job.rec.state.is_terminal() {
+                let why = Why::new(
+                    AbortReason::OutputFailed,
+                    format!("checkpoint of step {step} not written on worker {worker}: {message}"),
+                );
+                self.finish(job_id, End::Failed(why), now_ms, fx);
+            }
+            return;
+        }
         let Some(gen) = job.gen().filter(|g| g.id == generation) else {
             warn!(
                 worker,
@@ -315,7 +359,8 @@ impl Coordinator {
             | WorkerErrorKind::InvalidPlan
             | WorkerErrorKind::Internal
             | WorkerErrorKind::OutOfMemory
-            | WorkerErrorKind::Data => {
+            | WorkerErrorKind::Data
+            | WorkerErrorKind::CheckpointWrite => {
                 let why = Why::new(
                     AbortReason::WorkerError,
                     format!(
@@ -402,8 +447,7 @@ impl Coordinator {
     fn dispatch(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
         let job = self.jobs.get_mut(job_id).expect("known job");
         if !job.replaying() && job.finished() {
-            let end = End::Completed("all steps trained".into());
-            self.finish(job_id, end, now_ms, fx);
+            self.complete(job_id, "all steps trained", now_ms, fx);
             return;
         }
         let world = job
@@ -427,10 +471,25 @@ impl Coordinator {
             Err(e) => Err(e),
         };
         let planned = match planned {
+            Ok(Some(p)) if p.kind == PlanKind::Train && !p.replay => {
+                let job = &self.jobs[job_id];
+                let max = job.spec.faults.max_step_attempts;
+                if job.attempts.0 == p.step && job.attempts.1 >= max {
+                    let why = Why::new(
+                        AbortReason::TooManyAttempts,
+                        format!(
+                            "step {} was dispatched {max} times without committing (faults.max_step_attempts); the last attempt ended: {}",
+                            p.step, job.last_abort
+                        ),
+                    );
+                    self.finish(job_id, End::Failed(why), now_ms, fx);
+                    return;
+                }
+                Arc::new(p)
+            }
             Ok(Some(p)) => Arc::new(p),
             Ok(None) => {
-                let end = End::Completed("data exhausted".into());
-                self.finish(job_id, end, now_ms, fx);
+                self.complete(job_id, "data exhausted", now_ms, fx);
                 return;
             }
             Err(e) => {

@@ -12,7 +12,9 @@ use super::error::{CoreError, Result};
 use super::jobs::{Job, JobData, Phase, Work};
 use super::planner;
 use super::record::JobRecord;
-use super::types::{CheckpointEntry, EventKind, JobId, JobState, PlanKind, Why, WorkerId};
+use super::types::{
+    AbortReason, CheckpointEntry, EventKind, JobId, JobState, PlanKind, Why, WorkerId,
+};
 use super::workers::{Registration, Worker, WorkerState};
 use crate::doc::Document;
 use crate::spec::JobSpec;
@@ -207,7 +209,7 @@ impl Coordinator {
                 let state = self.job(&job)?.rec.state;
                 if !state.is_terminal() {
                     let why = Why::new(
-                        super::types::AbortReason::JobFailed,
+                        AbortReason::OutputFailed,
                         format!("writing the job's output failed: {what}"),
                     );
                     self.finish(&job, super::types::End::Failed(why), now_ms, &mut fx);
@@ -277,6 +279,33 @@ impl Coordinator {
         for w in silent {
             self.lose_worker(&w, "missed heartbeats", now_ms, fx);
         }
+        // Members alive but silent on a plan past its deadline (a hung
+        // trainer thread still heartbeats) are lost as well.
+        let mut overdue = Vec::new();
+        for job in self.jobs.values() {
+            let (Some(deadline), Some(a), Some(f)) =
+                (job.step_deadline_ms(), job.active(), job.inflight())
+            else {
+                continue;
+            };
+            if now_ms <= deadline {
+                continue;
+            }
+            let waited_s = (now_ms - f.started_ms) as f64 / 1000.0;
+            for (rank, m) in a.gen.members.iter().enumerate() {
+                if !f.results.contains_key(&(rank as u32)) {
+                    let detail = format!(
+                        "worker {m} (rank {rank}) gave no result for step {} in {waited_s:.0} s (the step deadline)",
+                        f.planned.step
+                    );
+                    overdue.push((m.clone(), detail));
+                }
+            }
+        }
+        for (w, detail) in overdue {
+            let why = Why::new(AbortReason::StepDeadline, detail);
+            self.lose_worker_because(&w, why, now_ms, fx);
+        }
     }
 
     /// A worker is gone: its generation's in-flight step is aborted and the
@@ -285,6 +314,21 @@ impl Coordinator {
         &mut self,
         worker: &str,
         why: &str,
+        now_ms: i64,
+        fx: &mut Vec<Effect>,
+    ) {
+        let why = Why::new(
+            AbortReason::WorkerLost,
+            format!("worker {worker} lost: {why}"),
+        );
+        self.lose_worker_because(worker, why, now_ms, fx);
+    }
+
+    /// [`Self::lose_worker`] with the reason its generation ends for.
+    pub(super) fn lose_worker_because(
+        &mut self,
+        worker: &str,
+        why: Why,
         now_ms: i64,
         fx: &mut Vec<Effect>,
     ) {
@@ -297,9 +341,9 @@ impl Coordinator {
         // Losing a worker mid-job costs a step; one that was released or
         // idle leaving is routine.
         if w.job.is_some() {
-            warn!(worker, reason = why, "worker lost");
+            warn!(worker, reason = %why, "worker lost");
         } else {
-            info!(worker, reason = why, "worker left");
+            info!(worker, reason = %why, "worker left");
         }
         w.state = WorkerState::Lost;
         // Whatever it held is gone with it (a re-registration reports anew).
@@ -312,10 +356,6 @@ impl Coordinator {
                 .retain(|_, acks| acks.get(worker).is_none_or(|&done| done));
         }
         if let Some(job) = job {
-            let why = Why::new(
-                super::types::AbortReason::WorkerLost,
-                format!("worker {worker} lost: {why}"),
-            );
             self.end_generation(&job, why, false, now_ms, fx);
         }
     }
@@ -354,7 +394,7 @@ impl Coordinator {
         }
         let aborted = match active.work {
             Work::InFlight(f) => Some(f.planned.step),
-            Work::Idle | Work::AwaitingCheckpoint => None,
+            Work::Idle | Work::AwaitingCheckpoint(_) => None,
         };
         // Checkpoints its members are still writing go on (they count once
         // every writer reports); one missing a lost writer was dropped.
@@ -382,6 +422,9 @@ impl Coordinator {
                     WorkerState::Idle
                 };
             }
+        }
+        if aborted.is_some() {
+            job.last_abort = why.detail.clone();
         }
         if !job.rec.state.is_terminal() && job.rec.state != JobState::Paused {
             job.rec.state = JobState::Pending;

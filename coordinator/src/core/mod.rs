@@ -5,7 +5,7 @@
 //! tested as loops over `handle`.
 //!
 //! Layers point down; no file imports one above it:
-//! - `types` (ids, states, reasons), `error`, `metrics`, `record` (the
+//! - `types` (ids, states, reasons), `error`, `metrics`, `deadline`, `record` (the
 //!   persisted job), `workers`, `recovery` (where state comes from),
 //!   `reference`, `rollouts`, `stream`, `step` (a planned step);
 //! - `effects` (what goes in and comes out), `jobs` (a job and its
@@ -17,6 +17,7 @@
 //! This file only declares and re-exports.
 
 mod control;
+pub mod deadline;
 mod effects;
 mod error;
 mod generations;
@@ -41,7 +42,9 @@ mod tests;
 
 pub use effects::{Effect, Event, JobStart, ToWorker, WatchItem};
 pub use error::{CoreError, Result};
-pub use jobs::{Active, BoundaryRequests, Generation, InFlight, Job, JobData, Phase, Work};
+pub use jobs::{
+    Active, AfterCheckpoint, BoundaryRequests, Generation, InFlight, Job, JobData, Phase, Work,
+};
 pub use machine::{Coordinator, CoordinatorOptions};
 pub use metrics::{MetricSums, StepMetrics};
 pub use record::JobRecord;

@@ -77,6 +77,15 @@ impl PlannedStep {
     pub fn microbatches(&self) -> u32 {
         self.ranks.iter().map(|r| r.len() as u32).sum()
     }
+
+    /// Tokens of the rank with the most: what the step's time follows.
+    pub fn busiest_rank_tokens(&self) -> u64 {
+        self.ranks
+            .iter()
+            .map(|mbs| mbs.iter().map(|m| m.token_ids.len() as u64).sum())
+            .max()
+            .unwrap_or(0)
+    }
 }
 
 /// The stream order of a job over `len` documents.

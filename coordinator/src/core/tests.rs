@@ -13,6 +13,9 @@ use crate::spec::JobSpec;
 #[path = "stream_tests.rs"]
 mod stream_tests;
 
+#[path = "fault_tests.rs"]
+mod fault_tests;
+
 fn docs(n: usize) -> Arc<[Document]> {
     (0..n)
         .map(|i| {
@@ -93,6 +96,8 @@ struct Sim {
     checkpoint_msgs: usize,
     /// Checkpoint directories the shell was asked to delete, by step.
     removed_checkpoints: Vec<u64>,
+    /// When set, Checkpoint messages wait here instead of being answered.
+    held_checkpoints: Option<Vec<(WorkerId, ToWorker)>>,
 }
 
 /// The log-prob a simulated worker reports in a reference pass.
@@ -131,6 +136,7 @@ impl Sim {
             releases: Vec::new(),
             checkpoint_msgs: 0,
             removed_checkpoints: Vec::new(),
+            held_checkpoints: None,
         }
     }
 
@@ -222,6 +228,10 @@ impl Sim {
             return false;
         };
         if self.dead.contains(&w) {
+            return true;
+        }
+        if let (Some(held), ToWorker::Checkpoint { .. }) = (&mut self.held_checkpoints, &msg) {
+            held.push((w, msg));
             return true;
         }
         let ev = match msg {

@@ -102,6 +102,8 @@ pub enum WorkerErrorKind {
     OutOfMemory,
     /// A document of the plan cannot be trained as sent.
     Data,
+    /// A checkpoint part could not be written.
+    CheckpointWrite,
 }
 
 impl WorkerErrorKind {
@@ -115,6 +117,7 @@ impl WorkerErrorKind {
             WorkerErrorKind::StateSync => "state sync",
             WorkerErrorKind::OutOfMemory => "out of memory",
             WorkerErrorKind::Data => "data",
+            WorkerErrorKind::CheckpointWrite => "checkpoint write",
         }
     }
 }
@@ -167,11 +170,17 @@ pub enum AbortReason {
     MembershipChange,
     /// The job failed for a reason of its own (planning, a reference pass).
     JobFailed,
+    /// The job's output (metrics, a checkpoint) could not be written.
+    OutputFailed,
+    /// A member did not answer within the step deadline.
+    StepDeadline,
+    /// A step was dispatched `faults.max_step_attempts` times.
+    TooManyAttempts,
 }
 
 impl AbortReason {
     /// Every reason, for metrics labels.
-    pub const ALL: [AbortReason; 8] = [
+    pub const ALL: [AbortReason; 11] = [
         AbortReason::WorkerLost,
         AbortReason::CollectiveTimeout,
         AbortReason::RestoreFailed,
@@ -180,6 +189,9 @@ impl AbortReason {
         AbortReason::Cancelled,
         AbortReason::MembershipChange,
         AbortReason::JobFailed,
+        AbortReason::OutputFailed,
+        AbortReason::StepDeadline,
+        AbortReason::TooManyAttempts,
     ];
 
     /// snake_case name (a bounded Prometheus label value).
@@ -193,6 +205,9 @@ impl AbortReason {
             AbortReason::Cancelled => "cancelled",
             AbortReason::MembershipChange => "membership_change",
             AbortReason::JobFailed => "job_failed",
+            AbortReason::OutputFailed => "output_failed",
+            AbortReason::StepDeadline => "step_deadline",
+            AbortReason::TooManyAttempts => "too_many_attempts",
         }
     }
 }

@@ -213,6 +213,9 @@ pub fn abort_reason(r: AbortReason) -> wire::AbortReason {
         AbortReason::Cancelled => wire::AbortReason::Cancelled,
         AbortReason::MembershipChange => wire::AbortReason::MembershipChange,
         AbortReason::JobFailed => wire::AbortReason::JobFailed,
+        AbortReason::OutputFailed => wire::AbortReason::OutputFailed,
+        AbortReason::StepDeadline => wire::AbortReason::StepDeadline,
+        AbortReason::TooManyAttempts => wire::AbortReason::TooManyAttempts,
     }
 }
 
@@ -265,6 +268,7 @@ pub fn error_kind(kind: i32, peer_rank: Option<u32>) -> WorkerErrorKind {
         wire::ErrorKind::StateSync => WorkerErrorKind::StateSync,
         wire::ErrorKind::OutOfMemory => WorkerErrorKind::OutOfMemory,
         wire::ErrorKind::Data => WorkerErrorKind::Data,
+        wire::ErrorKind::CheckpointWrite => WorkerErrorKind::CheckpointWrite,
         wire::ErrorKind::Internal | wire::ErrorKind::Unspecified => WorkerErrorKind::Internal,
     }
 }

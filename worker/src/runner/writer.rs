@@ -27,7 +27,6 @@ use tokio::sync::mpsc::UnboundedSender;
 use tracing::{info, warn};
 
 use super::fault;
-use crate::error::classify;
 use crate::train::checkpoint::marker;
 use crate::train::{CheckpointWrite, Engine};
 use crate::wire;
@@ -132,10 +131,13 @@ impl Writer {
         self.wait();
         self.pending.fetch_add(1, Ordering::SeqCst);
         let pending = self.pending.clone();
+        // Kept to answer even when the writer thread cannot start: a
+        // checkpoint request is never left without a reply.
+        let fallback = (answer.out.clone(), answer.job.clone(), answer.generation);
+        let step = manifest.step;
         let spawned = std::thread::Builder::new()
             .name("accrue-checkpoint".into())
             .spawn(move || {
-                let step = manifest.step;
                 let started = std::time::Instant::now();
                 let msg = match write_part(write, &dir, rank, &manifest) {
                     Ok(()) => {
@@ -157,7 +159,7 @@ impl Writer {
                             job_id: answer.job,
                             generation: answer.generation,
                             step,
-                            kind: classify(&e).0 as i32,
+                            kind: wire::ErrorKind::CheckpointWrite as i32,
                             message,
                             peer_rank: None,
                         })
@@ -171,6 +173,18 @@ impl Writer {
             Err(e) => {
                 self.pending.fetch_sub(1, Ordering::SeqCst);
                 warn!(error = %e, "cannot start the checkpoint writer thread");
+                let (out, job_id, generation) = fallback;
+                let msg = Msg::Error(wire::WorkerError {
+                    job_id,
+                    generation,
+                    step,
+                    kind: wire::ErrorKind::CheckpointWrite as i32,
+                    message: format!(
+                        "checkpoint of step {step}: cannot start the writer thread: {e}"
+                    ),
+                    peer_rank: None,
+                });
+                let _ = out.send(wire::WorkerMessage { msg: Some(msg) });
             }
         }
     }

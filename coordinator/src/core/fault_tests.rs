@@ -1,0 +1,198 @@
+//! Scenario tests of failures that must never hang a job or end it as a
+//! false success (issue 14): the final checkpoint before "completed",
+//! checkpoint write failures, the step deadline and the attempt cap.
+
+use super::*;
+
+fn checkpoints_of(s: &Sim) -> Vec<u64> {
+    s.c.job("job")
+        .unwrap()
+        .rec
+        .checkpoints
+        .iter()
+        .map(|c| c.step)
+        .collect()
+}
+
+/// Answers the held checkpoint messages (every rank durable).
+fn release_checkpoints(s: &mut Sim) {
+    let held = s.held_checkpoints.replace(Vec::new()).unwrap_or_default();
+    for (worker, msg) in held {
+        if let ToWorker::Checkpoint { job, step, .. } = msg {
+            s.handle(Event::CheckpointDone { worker, job, step })
+                .unwrap();
+        }
+    }
+}
+
+#[test]
+fn a_job_completes_only_once_its_final_checkpoint_is_durable() {
+    let mut s = Sim::new();
+    s.held_checkpoints = Some(Vec::new());
+    s.worker("a");
+    s.worker("b");
+    s.submit(spec("steps = 3", "docs_per_step = 4", 1, 2), docs(20));
+    s.run();
+    // Every step trained; the final checkpoint is still being written.
+    assert_eq!(s.committed.len(), 3);
+    assert_eq!(s.state(), JobState::Running);
+    assert!(s.persisted.iter().all(|r| r.state != JobState::Completed));
+    assert!(s.inbox.is_empty(), "nothing is dispatched meanwhile");
+    release_checkpoints(&mut s);
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    assert_eq!(checkpoints_of(&s).last(), Some(&3));
+    let completed = s
+        .persisted
+        .iter()
+        .find(|r| r.state == JobState::Completed)
+        .expect("a completed record");
+    assert!(completed.checkpoints.iter().any(|c| c.step == 3));
+}
+
+#[test]
+fn a_checkpoint_that_cannot_be_written_fails_the_job_even_from_an_ended_generation() {
+    let mut s = Sim::new();
+    s.held_checkpoints = Some(Vec::new());
+    s.worker("a");
+    s.submit(spec("steps = 2", "docs_per_step = 4", 1, 1), docs(20));
+    s.run();
+    assert_eq!(s.state(), JobState::Running);
+    // The write fails after its generation was replaced: a stale
+    // generation id must not make the failure disappear.
+    s.handle(Event::WorkerError {
+        worker: "a".into(),
+        job: "job".into(),
+        generation: 0,
+        step: 2,
+        kind: WorkerErrorKind::CheckpointWrite,
+        message: "checkpoint of step 2 to /out/checkpoints/step-2: Not a directory".into(),
+    })
+    .unwrap();
+    assert_eq!(s.state(), JobState::Failed);
+    let rec = &s.c.job("job").unwrap().rec;
+    assert!(
+        rec.reason.contains("checkpoint of step 2"),
+        "{}",
+        rec.reason
+    );
+    assert!(rec.reason.contains("Not a directory"), "{}", rec.reason);
+}
+
+#[test]
+fn a_writer_lost_during_the_final_checkpoint_is_replaced_before_the_job_completes() {
+    let mut s = Sim::new();
+    s.held_checkpoints = Some(Vec::new());
+    s.worker("a");
+    s.worker("b");
+    s.submit(spec("steps = 3", "docs_per_step = 4", 1, 2), docs(20));
+    s.run();
+    assert_eq!(s.committed.len(), 3);
+    // b dies with its part unwritten; a's part arrives but is not enough.
+    s.held_checkpoints = None;
+    s.kill("b");
+    s.handle(Event::CheckpointDone {
+        worker: "a".into(),
+        job: "job".into(),
+        step: 3,
+    })
+    .unwrap();
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    assert_eq!(checkpoints_of(&s).last(), Some(&3));
+    assert_eq!(s.committed.len(), 3, "no step trained twice");
+}
+
+#[test]
+fn a_member_silent_past_the_step_deadline_is_lost_and_its_step_replanned() {
+    let mut s = Sim::new();
+    let mut sp = spec("steps = 2", "docs_per_step = 4", 1, 2);
+    sp.faults.step_timeout_s = Some(30.0);
+    s.worker("a");
+    s.worker("b");
+    s.submit(sp, docs(20));
+    // Configure both, then b's trainer hangs: its process still heartbeats.
+    while let Some((_, ToWorker::Configure { .. })) = s.inbox.front() {
+        s.step_once();
+    }
+    s.dead.push("b".into());
+    s.run();
+    assert_eq!(s.committed.len(), 0);
+    for _ in 0..2 {
+        s.now += 14_000;
+        for w in ["a", "b"] {
+            s.handle(Event::Heartbeat { worker: w.into() }).unwrap();
+        }
+        s.handle(Event::Tick).unwrap();
+    }
+    assert_eq!(s.state(), JobState::Running, "28 s: within the deadline");
+    s.now += 3_000;
+    for w in ["a", "b"] {
+        s.handle(Event::Heartbeat { worker: w.into() }).unwrap();
+    }
+    s.handle(Event::Tick).unwrap();
+    let b = s.c.worker("b").unwrap();
+    assert_eq!(b.state, WorkerState::Lost);
+    assert!(s
+        .events
+        .iter()
+        .any(|(k, m)| k == "generation" && m.contains("step deadline") && m.contains("worker b")));
+    // The survivor trains the same documents and finishes the job.
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    assert_eq!(s.committed.len(), 2);
+}
+
+#[test]
+fn without_a_configured_timeout_the_deadline_follows_observed_steps_with_a_floor() {
+    let mut s = Sim::new();
+    s.worker("a");
+    s.worker("b");
+    s.submit(spec("steps = 4", "docs_per_step = 4", 1, 2), docs(20));
+    s.run_until(|s| s.committed.len() == 1);
+    s.dead.push("b".into());
+    s.run();
+    // Steps here take milliseconds; the deadline is still the floor.
+    s.now += deadline::FLOOR_MS as i64 - 1_000;
+    for w in ["a", "b"] {
+        s.handle(Event::Heartbeat { worker: w.into() }).unwrap();
+    }
+    s.handle(Event::Tick).unwrap();
+    assert_ne!(s.c.worker("b").unwrap().state, WorkerState::Lost);
+    s.now += 2_000;
+    for w in ["a", "b"] {
+        s.handle(Event::Heartbeat { worker: w.into() }).unwrap();
+    }
+    s.handle(Event::Tick).unwrap();
+    assert_eq!(s.c.worker("b").unwrap().state, WorkerState::Lost);
+}
+
+#[test]
+fn a_step_that_never_commits_fails_the_job_after_max_step_attempts() {
+    let mut s = Sim::new();
+    let mut sp = spec("steps = 2", "docs_per_step = 4", 1, 1);
+    sp.faults.max_step_attempts = 3;
+    s.submit(sp, docs(20));
+    // Each attempt's worker dies mid-step (an OOM kill, say) and a fresh
+    // one takes its place.
+    for i in 0..4 {
+        let w = format!("w{i}");
+        s.worker(&w);
+        s.run_until(|s| {
+            s.inbox
+                .iter()
+                .any(|(_, m)| matches!(m, ToWorker::Plan { .. }))
+                || s.state() == JobState::Failed
+        });
+        if s.state() == JobState::Failed {
+            break;
+        }
+        s.inbox.clear();
+        s.kill(&w);
+    }
+    assert_eq!(s.state(), JobState::Failed);
+    assert_eq!(s.plans.len(), 3, "three attempts, no fourth");
+    let rec = &s.c.job("job").unwrap().rec;
+    assert!(rec.reason.contains("dispatched 3 times"), "{}", rec.reason);
+    assert!(rec.reason.contains("lost"), "{}", rec.reason);
+}
