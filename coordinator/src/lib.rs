@@ -14,6 +14,7 @@ pub mod doc;
 pub mod http;
 pub mod manifest;
 pub mod metrics;
+pub mod nonfinite;
 pub mod objective;
 pub mod plan;
 pub mod rl;

@@ -19,6 +19,7 @@ pub mod local;
 #[cfg(test)]
 mod mock_tests;
 pub mod plot;
+mod quarantine;
 mod recovery;
 pub mod render;
 pub mod rollouts;
@@ -224,6 +225,23 @@ pub enum Command {
         #[arg(long)]
         detail: bool,
         /// Print one JSON object per step (a line each) instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List the documents a job quarantined (non-finite steps bisected
+    /// down to them; see `[faults] on_nonfinite`), or release them back to
+    /// its stream (each is trained when the stream next reaches it).
+    Quarantine {
+        /// Job id.
+        #[arg(value_name = "JOB")]
+        job: String,
+        /// Release these documents (ids as listed, `file:line`).
+        #[arg(long, value_name = "DOC", num_args = 1.., conflicts_with = "release_all")]
+        release: Vec<String>,
+        /// Release every quarantined document.
+        #[arg(long)]
+        release_all: bool,
+        /// Print a JSON array instead of a table.
         #[arg(long)]
         json: bool,
     },
@@ -481,6 +499,19 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Workers { json } => admin::workers(conn, json).await,
         Command::Drain { worker } => admin::drain(conn, &worker).await,
         Command::Checkpoint { job } => admin::checkpoint(conn, &job).await,
+        Command::Quarantine {
+            job,
+            release,
+            release_all,
+            json,
+        } => {
+            let action = match (release_all, release.is_empty()) {
+                (true, _) => quarantine::Action::ReleaseAll,
+                (false, false) => quarantine::Action::Release(release),
+                (false, true) => quarantine::Action::List,
+            };
+            quarantine::run(conn, &job, action, json).await
+        }
         Command::Watch {
             job,
             from_step,

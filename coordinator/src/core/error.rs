@@ -24,6 +24,8 @@ pub enum CoreError {
         buffered: u64,
         capacity: u64,
     },
+    #[error("document {doc} is not quarantined in job {job}")]
+    NotQuarantined { job: String, doc: crate::doc::DocId },
     #[error("invalid update of job {job}: {}", .problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
     InvalidUpdate {
         job: String,

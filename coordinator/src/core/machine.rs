@@ -9,7 +9,7 @@ use tracing::{info, warn};
 
 use super::effects::{Effect, Event, JobStart, ToWorker};
 use super::error::{CoreError, Result};
-use super::jobs::{Job, JobData, Phase, Work};
+use super::jobs::{Job, JobData, Phase, RankResult, Work};
 use super::planner;
 use super::record::JobRecord;
 use super::types::{
@@ -117,12 +117,16 @@ impl Coordinator {
                 step,
                 sums,
                 logps,
+                nonfinite,
             } => {
                 self.seen(&worker, now_ms);
                 self.note_result(&worker, &job, generation, step);
-                self.on_result(
-                    &worker, &job, generation, step, sums, logps, now_ms, &mut fx,
-                );
+                let result = RankResult {
+                    sums,
+                    logps,
+                    nonfinite,
+                };
+                self.on_result(&worker, &job, generation, step, result, now_ms, &mut fx);
             }
             Event::WorkerError {
                 worker,
@@ -201,6 +205,9 @@ impl Coordinator {
             Event::DrainWorker { worker } => self.drain(&worker, now_ms, &mut fx)?,
             Event::TriggerCheckpoint { job } => self.trigger_checkpoint(&job, &mut fx)?,
             Event::UpdateJob { job, update } => self.update_job(&job, update, now_ms, &mut fx)?,
+            Event::ReleaseQuarantine { job, docs } => {
+                self.release_quarantine(&job, docs.as_deref(), now_ms, &mut fx)?;
+            }
             Event::Tick => self.tick(now_ms, &mut fx),
             Event::PushRollouts { job, rollouts } => {
                 fx.push(self.push_rollouts(&job, rollouts)?);
@@ -481,6 +488,7 @@ fn new_record(
             .collect(),
         bad_checkpoints: Vec::new(),
         members: Vec::new(),
+        quarantine: Vec::new(),
         resumed_from: start.map(|s| s.dir),
         changes: Vec::new(),
     }

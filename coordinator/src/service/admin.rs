@@ -14,6 +14,7 @@ use tracing::instrument;
 
 use super::{convert, now_ms, Shared};
 use crate::core::{Event, EventKind, JobStart, WatchItem};
+use crate::doc::DocId;
 use crate::manifest::StepManifest;
 use crate::settings::JobUpdate;
 use crate::spec::{JobSpec, SpecProblem};
@@ -381,6 +382,67 @@ impl Admin for AdminService {
             job: Some(convert::job_summary(job)),
             from_step: job.rec.changes.last().map_or(0, |c| c.from_step),
         }))
+    }
+
+    async fn list_quarantine(
+        &self,
+        req: Request<wire::ListQuarantineRequest>,
+    ) -> Result<Response<wire::ListQuarantineResponse>, Status> {
+        let id = req.into_inner().job_id;
+        required("job_id", &id)?;
+        let inner = self.shared.lock();
+        let job = inner.core.job(&id).map_err(super::core_status)?;
+        let documents = job
+            .rec
+            .quarantine
+            .iter()
+            .map(|q| convert::quarantined(job, q))
+            .collect();
+        Ok(Response::new(wire::ListQuarantineResponse { documents }))
+    }
+
+    async fn release_quarantine(
+        &self,
+        req: Request<wire::ReleaseQuarantineRequest>,
+    ) -> Result<Response<wire::ReleaseQuarantineResponse>, Status> {
+        let req = req.into_inner();
+        required("job_id", &req.job_id)?;
+        let docs = match (req.all, req.doc_ids.is_empty()) {
+            (true, true) => None,
+            (false, false) => Some(
+                req.doc_ids
+                    .iter()
+                    .enumerate()
+                    .map(|(i, d)| {
+                        d.parse::<DocId>()
+                            .map_err(|e| Status::invalid_argument(format!("doc_ids[{i}]: {e}")))
+                    })
+                    .collect::<Result<Vec<_>, _>>()?,
+            ),
+            (true, false) => return Err(Status::invalid_argument("give doc_ids or all, not both")),
+            (false, true) => {
+                return Err(Status::invalid_argument(
+                    "doc_ids: name the documents to release (or set all)",
+                ))
+            }
+        };
+        let mut inner = self.shared.lock();
+        let job = inner.core.job(&req.job_id).map_err(super::core_status)?;
+        let released = job
+            .rec
+            .quarantine
+            .iter()
+            .filter(|q| docs.as_ref().is_none_or(|d| d.contains(&q.doc)))
+            .map(|q| convert::quarantined(job, q))
+            .collect();
+        self.shared.apply_locked(
+            &mut inner,
+            Event::ReleaseQuarantine {
+                job: req.job_id.clone(),
+                docs,
+            },
+        )?;
+        Ok(Response::new(wire::ReleaseQuarantineResponse { released }))
     }
 
     type WatchJobStream = WatchStream;

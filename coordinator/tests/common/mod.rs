@@ -227,6 +227,7 @@ pub async fn fake_worker(url: String, mut w: FakeWorker) -> Vec<String> {
                     step: p.step,
                     rank: p.rank,
                     logps: Vec::new(),
+                    nonfinite_microbatches: Vec::new(),
                 });
                 match w.hold.take() {
                     Some((step, gate)) if step == p.step => {

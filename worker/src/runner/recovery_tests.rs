@@ -74,6 +74,9 @@ impl Engine for Slow {
     fn zero_grad(&mut self) {
         self.zero_grads.fetch_add(1, Ordering::SeqCst);
     }
+    fn grads_finite(&self) -> bool {
+        true
+    }
     fn checkpoint_snapshot(&mut self) -> anyhow::Result<CheckpointWrite> {
         let delay = self.write_delay;
         Ok(Box::new(move |dir: &Path| {

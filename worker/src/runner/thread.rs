@@ -11,6 +11,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use tracing::{info, warn};
 
 use super::fault;
+use super::probe;
 use super::reference;
 use super::step::{run_step, StepOutcome};
 use super::work::{Connector, Factory, Progress, Work};
@@ -132,7 +133,47 @@ impl Thread {
             rank: p.rank,
             sums: Some(sums),
             logps,
+            nonfinite_microbatches: Vec::new(),
         }));
+    }
+
+    /// Runs probe plan `p` (the coordinator bisecting a non-finite step)
+    /// and answers with the microbatches that were non-finite.
+    fn probe(&mut self, p: &wire::StepPlan) {
+        let Some(h) = self.job.as_mut().filter(|h| h.job == p.job_id) else {
+            return;
+        };
+        let key = (p.generation, p.step);
+        lock(&self.in_flight).running = Some(key);
+        let aborted = self.aborted.clone();
+        let is_aborted = move || *lock(&aborted) == Some(key);
+        let result = guarded(p, || probe::run_probe(h.exec.as_mut(), p, &is_aborted));
+        lock(&self.in_flight).running = None;
+        self.last_done = Instant::now();
+        match result {
+            Ok(Some((sums, nonfinite))) => {
+                info!(
+                    step = p.step,
+                    microbatches = p.microbatches.len(),
+                    ?nonfinite,
+                    "probe done"
+                );
+                self.send(Msg::StepResult(wire::StepResult {
+                    job_id: p.job_id.clone(),
+                    generation: p.generation,
+                    step: p.step,
+                    rank: p.rank,
+                    sums: Some(sums),
+                    logps: Vec::new(),
+                    nonfinite_microbatches: nonfinite,
+                }));
+            }
+            Ok(None) => info!(step = p.step, "probe aborted"),
+            Err(e) => {
+                warn!(step = p.step, message = %e.message, "probe failed");
+                self.send(Msg::Error(e));
+            }
+        }
     }
 
     fn plan(&mut self, p: &wire::StepPlan) {
@@ -150,6 +191,9 @@ impl Thread {
                 None,
             );
         };
+        if p.kind == wire::PlanKind::Probe as i32 {
+            return self.probe(p);
+        }
         if p.kind == wire::PlanKind::Reference as i32 {
             let result = guarded(p, || reference::run_reference(h.exec.as_mut(), p));
             self.last_done = Instant::now();
