@@ -16,6 +16,7 @@ pub mod manifest;
 pub mod metrics;
 pub mod nonfinite;
 pub mod objective;
+pub mod output;
 pub mod plan;
 pub mod rl;
 pub mod server;

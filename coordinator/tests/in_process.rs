@@ -218,3 +218,79 @@ async fn worker_session_rejects_bad_openings() {
     assert_eq!(err.code(), Code::NotFound);
     s.stop.cancel();
 }
+
+/// Issue 14: a live job owns its output_dir (a marker names it); a second
+/// job asking for it is refused naming both, an output_dir that cannot be
+/// a directory is refused at submit, and an ended job's directory can be
+/// taken over.
+#[tokio::test]
+async fn a_live_jobs_output_dir_is_refused_to_another_and_an_unusable_one_at_submit() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = write_fixture(dir.path());
+    let s = start(&dir.path().join("state")).await;
+    let mut admin = wire::admin_client::AdminClient::connect(s.url.clone())
+        .await
+        .unwrap();
+    let base = dir.path().display().to_string();
+    let submit = |spec_toml: String| wire::SubmitJobRequest {
+        spec_toml,
+        base_dir: base.clone(),
+    };
+    let first = admin
+        .submit_job(submit(spec.clone()))
+        .await
+        .unwrap()
+        .into_inner()
+        .job_id;
+    let marker = std::fs::read_to_string(dir.path().join("out/.accrue-job.json")).unwrap();
+    assert!(marker.contains(&first), "{marker}");
+    let err = admin
+        .submit_job(submit(
+            spec.replace("name = \"inproc\"", "name = \"second\""),
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    assert!(
+        err.message().contains(&first) && err.message().contains("inproc"),
+        "{}",
+        err.message()
+    );
+    assert!(err.message().contains("output_dir"), "{}", err.message());
+    // An output_dir that is an existing file: refused before any job exists.
+    std::fs::write(dir.path().join("afile"), "x").unwrap();
+    let err = admin
+        .submit_job(submit(
+            spec.replace("output_dir = \"out\"", "output_dir = \"afile\""),
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    assert!(
+        err.message().contains("not a directory"),
+        "{}",
+        err.message()
+    );
+    let jobs = admin
+        .list_jobs(wire::ListJobsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .jobs;
+    assert_eq!(jobs.len(), 1, "nothing created by the refusals");
+    // Once the first job ended, its directory can be used again.
+    admin
+        .cancel_job(wire::CancelJobRequest {
+            job_id: first.clone(),
+        })
+        .await
+        .unwrap();
+    let second = admin
+        .submit_job(submit(spec))
+        .await
+        .unwrap()
+        .into_inner()
+        .job_id;
+    let marker = std::fs::read_to_string(dir.path().join("out/.accrue-job.json")).unwrap();
+    assert!(marker.contains(&second), "{marker}");
+}

@@ -271,7 +271,7 @@ impl Coordinator {
             "step {} trained ({detail}); completing once its checkpoint is durable",
             job.rec.step
         );
-        fx.push(job.event(EventKind::Checkpoint, msg, now_ms));
+        fx.push(job.event(EventKind::State, msg, now_ms));
     }
 
     /// A step boundary: a requested pause takes effect, drained workers

@@ -159,6 +159,7 @@ impl Coordinator {
                 if self.jobs.contains_key(&id) {
                     return Err(CoreError::DuplicateJob(id));
                 }
+                self.check_output_free(&spec.job.output_dir)?;
                 let rec = new_record(&id, &spec, spec_toml, &docs, start, now_ms);
                 info!(job = %id, name = %rec.name, docs = docs.len(), "job submitted");
                 let data = JobData::new(&id, &spec, docs, None, rec.step);
@@ -237,6 +238,23 @@ impl Coordinator {
         }
         self.schedule(now_ms, &mut fx);
         Ok(fx)
+    }
+
+    /// Refuses an output directory a live job writes to.
+    pub fn check_output_free(&self, dir: &std::path::Path) -> Result<()> {
+        let owner = self
+            .jobs
+            .values()
+            .find(|j| !j.rec.state.is_terminal() && j.spec.job.output_dir == dir);
+        match owner {
+            Some(j) => Err(CoreError::OutputInUse {
+                dir: dir.to_path_buf(),
+                owner: j.rec.id.clone(),
+                name: j.rec.name.clone(),
+                state: j.rec.state.name().to_string(),
+            }),
+            None => Ok(()),
+        }
     }
 
     /// The step at whose boundary a triggered checkpoint lands.

@@ -187,13 +187,34 @@ impl Admin for AdminService {
         let start = resume_point(&spec).map_err(Status::invalid_argument)?;
         let id = uuid::Uuid::new_v4().to_string();
         let spec_toml = spec.to_toml();
-        self.shared.apply(Event::SubmitJob {
-            id: id.clone(),
-            spec: Arc::new(spec),
-            spec_toml,
-            docs: dataset.docs.into(),
-            start,
-        })?;
+        let mut inner = self.shared.lock();
+        // The output directory is claimed (and proven writable) before the
+        // job exists; a live job already writing there is refused.
+        let dir = spec.job.output_dir.clone();
+        inner
+            .core
+            .check_output_free(&dir)
+            .map_err(super::core_status)?;
+        let owner = crate::output::Owner {
+            job: id.clone(),
+            name: spec.job.name.clone(),
+            submitted_unix_ms: now_ms(),
+        };
+        if let Some(previous) = crate::output::owner(&dir) {
+            tracing::info!(job = %id, previous = %previous.job, dir = %dir.display(), "output_dir taken over from an ended or unknown job");
+        }
+        crate::output::claim(&dir, &owner)
+            .map_err(|e| Status::failed_precondition(e.to_string()))?;
+        self.shared.apply_locked(
+            &mut inner,
+            Event::SubmitJob {
+                id: id.clone(),
+                spec: Arc::new(spec),
+                spec_toml,
+                docs: dataset.docs.into(),
+                start,
+            },
+        )?;
         Ok(Response::new(wire::SubmitJobResponse { job_id: id }))
     }
 

@@ -9,7 +9,7 @@ use std::time::Instant;
 use tokio::sync::mpsc::UnboundedSender;
 use tracing::info;
 
-use super::thread::{lock, InFlight, Thread};
+use super::thread::{lock, InFlight, PlanKey, Thread};
 use super::work::{Factory, Progress, RunnerConfig, Work};
 use super::writer::Writer;
 use crate::wire;
@@ -17,8 +17,8 @@ use crate::wire;
 /// The runner thread's handle: queue work, flag aborts, join on shutdown.
 pub struct Runner {
     queue: Option<mpsc::Sender<Work>>,
-    /// (generation, step) of the last aborted step.
-    aborted: Arc<Mutex<Option<(u64, u64)>>>,
+    /// The last aborted plan.
+    aborted: Arc<Mutex<Option<PlanKey>>>,
     in_flight: Arc<Mutex<InFlight>>,
     progress: Arc<Progress>,
     /// Work queued or running, and checkpoint writes in flight.
@@ -84,19 +84,26 @@ impl Runner {
     /// newer generation aborts a step of an older one still running.
     pub fn submit(&self, work: Work) {
         let target = match &work {
-            Work::Abort(a) => Some((a.generation, a.step)),
-            // A newer generation ends the running step of an older one.
+            Work::Abort(a) => Some(PlanKey {
+                job: a.job_id.clone(),
+                generation: a.generation,
+                step: a.step,
+            }),
+            // A newer generation (or another job) ends the running step of
+            // an older one.
             Work::Configure(c) => lock(&self.in_flight)
                 .running
-                .filter(|(g, _)| *g < c.generation),
+                .clone()
+                .filter(|k| k.job != c.job_id || k.generation < c.generation),
             _ => None,
         };
-        if let Some((generation, step)) = target {
-            *lock(&self.aborted) = Some((generation, step));
+        if let Some(key) = target {
+            *lock(&self.aborted) = Some(key.clone());
             let f = lock(&self.in_flight);
-            if f.running == Some((generation, step)) {
+            if f.running.as_ref() == Some(&key) {
                 if let Some((g, abort)) = &f.collective {
-                    if *g == generation {
+                    if *g == key.generation {
+                        let (generation, step) = (key.generation, key.step);
                         info!(generation, step, "aborting the in-flight collective");
                         abort();
                     }

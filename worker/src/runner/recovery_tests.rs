@@ -377,3 +377,43 @@ fn a_holder_whose_state_does_not_match_its_prior_is_a_state_sync_error() {
     );
     runner.shutdown();
 }
+
+/// Steps and generations restart at 1 for every job: a worker kept across
+/// jobs (`--exit-on-release false`) must not take the previous job's
+/// abort of (generation 1, step 1) for the next job's step 1, or that step
+/// would be silently dropped and the job would wait for it forever.
+#[test]
+fn an_abort_of_one_jobs_step_does_not_abort_the_same_step_of_the_next_job() {
+    let (f, counters) = slow_factory(false, Duration::ZERO);
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let runner = Runner::spawn(f, tx);
+    let configure_job = |job: &str| {
+        Work::Configure(Box::new(wire::Configure {
+            job_id: job.into(),
+            generation: 1,
+            world_size: 1,
+            job: Some(crate::convert::testing::definition()),
+            ..Default::default()
+        }))
+    };
+    runner.submit(configure_job("first"));
+    assert!(matches!(next(&mut rx), Msg::Ready(_)));
+    runner.submit(Work::Abort(wire::Abort {
+        job_id: "first".into(),
+        generation: 1,
+        step: 1,
+        detail: "job failed".into(),
+        reason: wire::AbortReason::JobFailed as i32,
+    }));
+    runner.submit(configure_job("second"));
+    assert!(matches!(next(&mut rx), Msg::Ready(r) if r.job_id == "second"));
+    let mut plan = one_mb_plan(1, 1);
+    plan.job_id = "second".into();
+    runner.submit(Work::Plan(Box::new(plan)));
+    let Msg::StepResult(r) = next(&mut rx) else {
+        panic!("the second job's step 1 must run and report");
+    };
+    assert_eq!((r.job_id.as_str(), r.step), ("second", 1));
+    assert_eq!(counters.steps.load(Ordering::SeqCst), 1);
+    runner.shutdown();
+}

@@ -25,9 +25,29 @@ use crate::wire::worker_message::Msg;
 /// handle of its generation's collective.
 #[derive(Default)]
 pub(super) struct InFlight {
-    pub(super) running: Option<(u64, u64)>,
+    pub(super) running: Option<PlanKey>,
     /// (generation, handle) of the current collective.
     pub(super) collective: Option<(u64, AbortHandle)>,
+}
+
+/// Which plan: steps and generations restart at 1 for every job, so a
+/// plan is only named by all three (a worker kept across jobs must not
+/// take an old job's abort for a new job's step).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct PlanKey {
+    pub(super) job: String,
+    pub(super) generation: u64,
+    pub(super) step: u64,
+}
+
+impl PlanKey {
+    pub(super) fn of(p: &wire::StepPlan) -> PlanKey {
+        PlanKey {
+            job: p.job_id.clone(),
+            generation: p.generation,
+            step: p.step,
+        }
+    }
 }
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -64,7 +84,7 @@ pub(super) struct Thread {
     pub(super) connector: Connector,
     pub(super) listener: Option<TcpListener>,
     pub(super) out: UnboundedSender<wire::WorkerMessage>,
-    pub(super) aborted: Arc<Mutex<Option<(u64, u64)>>>,
+    pub(super) aborted: Arc<Mutex<Option<PlanKey>>>,
     pub(super) in_flight: Arc<Mutex<InFlight>>,
     pub(super) progress: Arc<Progress>,
     pub(super) job: Option<Held>,
@@ -143,10 +163,10 @@ impl Thread {
         let Some(h) = self.job.as_mut().filter(|h| h.job == p.job_id) else {
             return;
         };
-        let key = (p.generation, p.step);
-        lock(&self.in_flight).running = Some(key);
+        let key = PlanKey::of(p);
+        lock(&self.in_flight).running = Some(key.clone());
         let aborted = self.aborted.clone();
-        let is_aborted = move || *lock(&aborted) == Some(key);
+        let is_aborted = move || lock(&aborted).as_ref() == Some(&key);
         let result = guarded(p, || probe::run_probe(h.exec.as_mut(), p, &is_aborted));
         lock(&self.in_flight).running = None;
         self.last_done = Instant::now();
@@ -213,7 +233,7 @@ impl Thread {
             }
             return;
         }
-        let key = (p.generation, p.step);
+        let key = PlanKey::of(p);
         if p.replay {
             info!(
                 step = p.step,
@@ -224,9 +244,9 @@ impl Thread {
         fault::point(fault::Point::BeforeStep, p.step, p.rank);
         // Set before the abort flag is polled: an abort arriving from now
         // on also interrupts the step's collective.
-        lock(&self.in_flight).running = Some(key);
+        lock(&self.in_flight).running = Some(key.clone());
         let aborted = self.aborted.clone();
-        let is_aborted = move || *lock(&aborted) == Some(key);
+        let is_aborted = move || lock(&aborted).as_ref() == Some(&key);
         let idle_s = self.last_done.elapsed().as_secs_f64();
         let outcome = guarded(p, || Ok(run_step(h.exec.as_mut(), p, idle_s, &is_aborted)))
             .unwrap_or_else(StepOutcome::Failed);
