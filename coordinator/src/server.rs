@@ -239,7 +239,13 @@ fn restore_event(mut rec: JobRecord, store: &Store) -> anyhow::Result<Event> {
     let docs: Arc<[crate::doc::Document]> = if rec.state.is_terminal() {
         Arc::from(Vec::new())
     } else {
-        match crate::data::load(&spec.data, spec.objective.kind) {
+        let loaded = crate::model::read_config(&spec.model)
+            .map_err(|e| format!("the model config could not be read: {e}"))
+            .and_then(|m| {
+                crate::data::load(&spec.data, spec.objective.kind, m.vocab_size)
+                    .map_err(|e| format!("the dataset could not be loaded: {e}"))
+            });
+        match loaded {
             Ok(d) if d.docs.len() as u64 == rec.documents => d.docs.into(),
             Ok(d) => {
                 rec.state = JobState::Failed;
@@ -250,9 +256,9 @@ fn restore_event(mut rec: JobRecord, store: &Store) -> anyhow::Result<Event> {
                 );
                 Arc::from(Vec::new())
             }
-            Err(e) => {
+            Err(why) => {
                 rec.state = JobState::Failed;
-                rec.reason = format!("after restart the dataset could not be loaded: {e}");
+                rec.reason = format!("after restart {why}");
                 Arc::from(Vec::new())
             }
         }

@@ -13,6 +13,7 @@ use anyhow::{bail, Context};
 use serde_json::{Map, Value as Json};
 
 use super::client::rpc_error;
+use super::output::out;
 use super::Conn;
 use crate::data::read;
 use crate::wire;
@@ -153,7 +154,7 @@ pub async fn push(conn: &Conn, job: &str, file: &Path, batch: usize) -> anyhow::
             rpc_error(&s, &conn.coordinator)
         })?
         .into_inner();
-    print!("{}", render(&reply));
+    out!("{}", render(&reply))?;
     Ok(ExitCode::SUCCESS)
 }
 
