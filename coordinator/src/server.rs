@@ -122,6 +122,10 @@ impl Server {
                 Err(e) => return Err(e).with_context(|| format!("binding metrics on {addr}")),
             },
         };
+        let exposed = metrics.as_ref().and_then(|l| l.local_addr().ok());
+        if let Some(warning) = exposed.and_then(crate::http::exposure_warning) {
+            tracing::warn!("{warning}");
+        }
         Ok(Server {
             listener,
             tls,

@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use anyhow::Context as _;
 use tonic::Code;
 
-use super::client::{connect, rpc_error, AdminConn};
+use super::client::{check_request_size, connect, rpc_error, AdminConn};
 use super::output::{errln, out, outln};
 use super::render;
 use super::Conn;
@@ -33,11 +33,13 @@ pub async fn submit(conn: &Conn, path: &Path) -> anyhow::Result<ExitCode> {
     let spec_toml = crate::input::read_to_string(path, crate::input::MAX_CONFIG_BYTES, "job spec")?;
     let base_dir = std::env::current_dir().context("cannot determine the current directory")?;
     let base_dir = std::path::absolute(&base_dir).unwrap_or(base_dir);
-    let mut c = client(conn).await?;
     let req = SubmitJobRequest {
         spec_toml,
         base_dir: base_dir.display().to_string(),
     };
+    let what = format!("the submit request of {}", path.display());
+    check_request_size(conn, &what, prost::Message::encoded_len(&req))?;
+    let mut c = client(conn).await?;
     match c.submit_job(req).await {
         Ok(r) => {
             outln!("{}", r.into_inner().job_id)?;

@@ -141,13 +141,23 @@ pub async fn push(conn: &Conn, job: &str, file: &Path, batch: usize) -> anyhow::
         bail!("--batch must be at least 1");
     }
     let rows = read_file(file)?;
+    let messages = messages(job, &rows, batch);
+    for (i, m) in messages.iter().enumerate() {
+        let first = rows.get(i * batch).map_or(0, |r| r.0);
+        let what = format!(
+            "message {i} ({} rollouts from {}:{first}; --batch {batch})",
+            m.rollouts.len(),
+            file.display()
+        );
+        super::client::check_request_size(conn, &what, prost::Message::encoded_len(m))?;
+    }
     let (channel, auth) = super::client::channel(conn).await?;
     let max = conn.max_message_mb << 20;
     let mut client = RolloutsClient::with_interceptor(channel, auth)
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);
     let reply = client
-        .push_rollouts(tokio_stream::iter(messages(job, &rows, batch)))
+        .push_rollouts(tokio_stream::iter(messages))
         .await
         .map_err(|s| {
             let s = tonic::Status::new(s.code(), locate(s.message(), file, &rows, batch));
