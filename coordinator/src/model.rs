@@ -197,7 +197,7 @@ fn check_safetensors(path: &Path) -> Result<(), ModelError> {
     let header_len = u64::from_le_bytes(len);
     if header_len > MAX_SAFETENSORS_HEADER || 8 + header_len > size {
         return Err(bad(format!(
-            "its header length is {header_len} bytes, the file has {size}"
+            "its first 8 bytes give a header of {header_len} bytes, the file has {size}"
         )));
     }
     let mut header = vec![0u8; header_len as usize];

@@ -234,6 +234,35 @@ async fn set_health(health: &tonic_health::server::HealthReporter, status: Servi
     }
 }
 
+/// A job admitted before the bounds of [`crate::limits`] (or changed by an
+/// older `accrue set`) may break them; planning its next step could take
+/// all the coordinator's memory, so it fails with the reason instead.
+fn within_limits(
+    spec: &JobSpec,
+    changes: &[crate::settings::ConfigChange],
+    data: &crate::data::Dataset,
+) -> Result<(), String> {
+    let shape = crate::settings::Settings::new(spec, changes).latest_shape();
+    let mut problems = Vec::new();
+    let mut bad = |field: &str, message: String| problems.push(format!("{field}: {message}"));
+    crate::limits::check_step(&shape, &mut bad);
+    if !spec.data.is_stream() {
+        let size = crate::limits::DatasetSize {
+            docs: data.docs.len() as u64,
+            tokens: data.report.tokens,
+        };
+        crate::limits::check_against_dataset(&shape, size, &mut bad);
+    }
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "its step settings break the admission limits: {}",
+            problems.join("; ")
+        ))
+    }
+}
+
 /// Rebuilds a stored job. Its dataset is re-read and re-tokenized (the same
 /// files give the same documents and ids); a job whose data can no longer be
 /// read fails with the reason rather than silently training on less.
@@ -248,7 +277,8 @@ fn restore_event(mut rec: JobRecord, store: &Store) -> anyhow::Result<Event> {
             .and_then(|m| {
                 crate::data::load(&spec.data, spec.objective.kind, m.vocab_size)
                     .map_err(|e| format!("the dataset could not be loaded: {e}"))
-            });
+            })
+            .and_then(|d| within_limits(&spec, &rec.changes, &d).map(|()| d));
         match loaded {
             Ok(d) if d.docs.len() as u64 == rec.documents => d.docs.into(),
             Ok(d) => {

@@ -172,6 +172,18 @@ impl<'a> Settings<'a> {
         self.at(u64::MAX)
     }
 
+    /// The step shape of the next new step, for [`crate::limits`].
+    pub fn latest_shape(&self) -> StepShape {
+        let s = self.latest();
+        StepShape {
+            docs_per_step: s.docs_per_step,
+            tokens_per_step: s.tokens_per_step,
+            microbatches_per_rank: s.microbatches_per_rank,
+            max_tokens: s.max_tokens,
+            max_workers: self.spec.parallel.max_workers,
+        }
+    }
+
     /// The settings a replay of committed `step` packs with: the step's own
     /// (its documents and learning rate come from its record), but never a
     /// larger `max_tokens` than the latest. Packing does not change the

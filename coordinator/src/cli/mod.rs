@@ -4,7 +4,8 @@
 //! rendering is pure and lives in [`render`], connecting in [`client`].
 //!
 //! Exit codes: 0 ok, 1 a failure the user caused (bad spec, failed or
-//! cancelled job, unreachable coordinator, RPC error), 2 usage (clap).
+//! cancelled job, unreachable coordinator, RPC error), 2 usage (clap), 141
+//! the reader of our output went away ([`output`]).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
