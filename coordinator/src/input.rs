@@ -3,6 +3,13 @@
 //! with `stat` before anything opens it, so a directory, a named pipe or a
 //! device is called what it is instead of "file not found", opening a FIFO
 //! never blocks, and `/dev/zero` is never read until memory runs out.
+//!
+//! Files a spec names must be regular files ([`check`], [`read`]): the
+//! coordinator reads them again after a restart and workers read some of
+//! them. The job spec given on the command line may also be a pipe
+//! (`accrue validate <(sed ... job.toml)`): [`read_spec`] reads it as a
+//! stream, up to its size limit, and refuses a FIFO that no process writes
+//! to instead of waiting for one.
 
 use std::fmt;
 use std::io::Read;
@@ -45,6 +52,14 @@ pub enum InputError {
     NotFound { path: PathBuf },
     #[error("not a file: {} is {kind}", path.display())]
     NotRegular { path: PathBuf, kind: NotRegular },
+    #[error("nothing to read: {} is a named pipe (FIFO) that no process is writing to", path.display())]
+    NoWriter { path: PathBuf },
+    #[error("too large: {} gives more than the {limit} bytes a {what} may have", path.display())]
+    StreamTooLarge {
+        path: PathBuf,
+        limit: u64,
+        what: &'static str,
+    },
     #[error("file too large: {} has {bytes} bytes, more than the {limit} a {what} may have", path.display())]
     TooLarge {
         path: PathBuf,
@@ -65,6 +80,8 @@ impl InputError {
         match self {
             InputError::NotFound { path }
             | InputError::NotRegular { path, .. }
+            | InputError::NoWriter { path }
+            | InputError::StreamTooLarge { path, .. }
             | InputError::TooLarge { path, .. }
             | InputError::Io { path, .. } => path,
         }
@@ -148,13 +165,68 @@ pub fn read(path: &Path, limit: u64, what: &'static str) -> Result<Vec<u8>, Inpu
 
 /// [`read`] as UTF-8 text.
 pub fn read_to_string(path: &Path, limit: u64, what: &'static str) -> Result<String, InputError> {
-    String::from_utf8(read(path, limit, what)?).map_err(|e| InputError::Io {
+    utf8(path, read(path, limit, what)?)
+}
+
+fn utf8(path: &Path, bytes: Vec<u8>) -> Result<String, InputError> {
+    String::from_utf8(bytes).map_err(|e| InputError::Io {
         path: path.to_path_buf(),
         source: std::io::Error::new(
             std::io::ErrorKind::InvalidData,
             format!("not utf-8 text: {e}"),
         ),
     })
+}
+
+/// Reads the job spec given on the command line: a regular file as
+/// [`read_to_string`] does; a pipe, FIFO or device as a stream of at most
+/// `limit` bytes (a FIFO no process writes to is an error at once).
+pub fn read_spec(path: &Path, limit: u64) -> Result<String, InputError> {
+    const WHAT: &str = "job spec";
+    match check(path) {
+        Ok(_) => read_to_string(path, limit, WHAT),
+        Err(InputError::NotRegular { kind, .. }) if kind != NotRegular::Directory => {
+            let file = open_without_blocking(path).map_err(|e| InputError::io(path, e))?;
+            let mut out = Vec::new();
+            file.take(limit + 1)
+                .read_to_end(&mut out)
+                .map_err(|e| InputError::io(path, e))?;
+            if out.len() as u64 > limit {
+                return Err(InputError::StreamTooLarge {
+                    path: path.to_path_buf(),
+                    limit,
+                    what: WHAT,
+                });
+            }
+            if out.is_empty() && kind == NotRegular::Fifo {
+                return Err(InputError::NoWriter {
+                    path: path.to_path_buf(),
+                });
+            }
+            utf8(path, out)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Opens `path` for reading without waiting for a FIFO's writer, then makes
+/// reads blocking again: a pipe with a writer is read to its end, one
+/// without reads as empty.
+#[cfg(unix)]
+fn open_without_blocking(path: &Path) -> std::io::Result<std::fs::File> {
+    use rustix::fs::{fcntl_getfl, fcntl_setfl, OFlags};
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(OFlags::NONBLOCK.bits() as i32)
+        .open(path)?;
+    fcntl_setfl(&file, fcntl_getfl(&file)? - OFlags::NONBLOCK)?;
+    Ok(file)
+}
+
+#[cfg(not(unix))]
+fn open_without_blocking(path: &Path) -> std::io::Result<std::fs::File> {
+    std::fs::File::open(path)
 }
 
 #[cfg(test)]
@@ -207,10 +279,52 @@ mod tests {
         assert!(status.success());
         // Opening a FIFO for reading blocks until a writer comes; the
         // check must not open it.
-        let e = read_to_string(&fifo, MAX_CONFIG_BYTES, "job spec").unwrap_err();
+        let e = read_to_string(&fifo, MAX_CONFIG_BYTES, "model config").unwrap_err();
         assert_eq!(
             e.to_string(),
             format!("not a file: {} is a named pipe (FIFO)", fifo.display())
         );
+        // A spec on the command line may be a pipe, but one nobody writes
+        // to is refused at once rather than waited on.
+        let e = read_spec(&fifo, MAX_CONFIG_BYTES).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "nothing to read: {} is a named pipe (FIFO) that no process is writing to",
+                fifo.display()
+            )
+        );
+        // With a writer, it is read to its end.
+        let writer = {
+            let fifo = fifo.clone();
+            std::thread::spawn(move || std::fs::write(fifo, "[job]\n").unwrap())
+        };
+        // Wait until the writer has opened its end (the read below must not
+        // race ahead of it).
+        let mut text = String::new();
+        for _ in 0..200 {
+            text = read_spec(&fifo, MAX_CONFIG_BYTES).unwrap_or_default();
+            if !text.is_empty() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        writer.join().unwrap();
+        assert_eq!(text, "[job]\n");
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn a_device_as_the_spec_is_read_up_to_its_limit() {
+        let zero = Path::new("/dev/zero");
+        if !zero.exists() {
+            return;
+        }
+        let e = read_spec(zero, 1000).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "too large: /dev/zero gives more than the 1000 bytes a job spec may have"
+        );
+        assert_eq!(read_spec(Path::new("/dev/null"), 1000).unwrap(), "");
     }
 }

@@ -50,8 +50,7 @@ fn threads_per_worker(workers: u32) -> usize {
 /// Runs `accrue local`.
 pub async fn run(spec_path: &Path, workers: u32) -> anyhow::Result<ExitCode> {
     anyhow::ensure!(workers >= 1, "--workers must be at least 1");
-    let spec_toml =
-        crate::input::read_to_string(spec_path, crate::input::MAX_CONFIG_BYTES, "job spec")?;
+    let spec_toml = crate::input::read_spec(spec_path, crate::input::MAX_CONFIG_BYTES)?;
     let base = std::path::absolute(std::env::current_dir()?)?;
     let spec = match JobSpec::parse(&spec_toml, &base) {
         Ok(s) => s,
