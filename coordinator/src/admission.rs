@@ -173,6 +173,35 @@ mod tests {
         assert_eq!(ok.dataset.unwrap().docs.len(), 2);
     }
 
+    /// A real HF tokenizer (phi-3-mini: 32011 ids, added tokens included)
+    /// against the model: its own config's 32064 holds them, 32000 (the
+    /// base vocabulary without the chat tokens) does not.
+    #[test]
+    fn a_hf_tokenizers_added_tokens_count() {
+        let Some(shared) = crate::data::tests::shared_data() else {
+            return;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let tok = shared.join("tokenizers/phi-3-mini/tokenizer.json");
+        let with_tok = |vocab| {
+            let mut s = spec(dir.path(), vocab, "docs_per_step = 1", ROWS);
+            s.data.tokenizer = tok.display().to_string();
+            s
+        };
+        let ok = admit(&with_tok(32064), true).unwrap();
+        assert_eq!(ok.dataset.unwrap().tokenizer_vocab, 32011);
+        let p = admit(&with_tok(32000), false).unwrap_err();
+        assert_eq!(p[0].field, "model.config");
+        assert!(
+            p[0].message.contains(&format!(
+                "cannot hold the tokenizer {}'s 32011 token ids",
+                tok.display()
+            )),
+            "{}",
+            p[0].message
+        );
+    }
+
     #[test]
     fn a_scan_names_the_bad_line_and_checks_the_step_against_the_dataset() {
         let dir = tempfile::tempdir().unwrap();

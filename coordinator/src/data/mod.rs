@@ -270,4 +270,4 @@ fn build_all(
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -10,7 +10,9 @@ use super::*;
 use crate::doc::{Sequence, IGNORE_INDEX};
 use crate::spec::{DataFormat, DataSection, ObjectiveKind, OnBad};
 
-fn shared_data() -> Option<PathBuf> {
+/// `../shared/data` (or `$ACCRUE_SHARED_DATA`), or `None` (the test
+/// skips) unless `ACCRUE_REQUIRE_SHARED_DATA=1`.
+pub(crate) fn shared_data() -> Option<PathBuf> {
     let dir = std::env::var("ACCRUE_SHARED_DATA").map_or_else(
         |_| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/data")),
         PathBuf::from,
