@@ -111,8 +111,8 @@ impl RolloutsService {
         Self { shared }
     }
 
-    /// The job's data section, if it takes streamed rollouts.
-    /// The data and model sections of a streamed job.
+    /// The data and model sections of a job that takes streamed rollouts
+    /// (pushed ids are bounded by the model's vocabulary, as file rows are).
     fn sections(&self, job: &str) -> Result<(DataSection, ModelSection), Status> {
         let inner = self.shared.lock();
         let j = inner.core.job(job).map_err(core_status)?;
