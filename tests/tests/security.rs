@@ -122,6 +122,16 @@ fn coordinator_refuses_to_start_unprotected_off_loopback_or_with_a_bad_token_fil
     );
 }
 
+/// A child process killed when dropped (also when a test panics).
+struct Killed(std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// A coordinator without tokens on 127.0.0.1, its HTTP side on `metrics`
 /// (or "off"), `extra` flags added, its log in `log`: the process, its
 /// gRPC URL and its HTTP address.
@@ -130,7 +140,7 @@ fn coordinator_with_http(
     metrics: &str,
     log: &Path,
     extra: &[&str],
-) -> (std::process::Child, String, Option<String>) {
+) -> (Killed, String, Option<String>) {
     let mut child = Command::new(bin_dir().join("accrue-coordinator"))
         .args(["--listen", "127.0.0.1:0", "--metrics-listen", metrics])
         .args(extra)
@@ -151,7 +161,7 @@ fn coordinator_with_http(
     };
     let url = format!("http://{}", next("listening on "));
     let http = (metrics != "off").then(|| next("metrics on "));
-    (child, url, http)
+    (Killed(child), url, http)
 }
 
 /// `GET path` on `addr` (HTTP/1.0, the server closes the connection).
@@ -171,10 +181,8 @@ fn serving_metrics_off_loopback_warns_at_startup() {
     let dir = tempfile::tempdir().unwrap();
     for (metrics, warns) in [("0.0.0.0:0", true), ("127.0.0.1:0", false)] {
         let log = dir.path().join("coordinator.log");
-        let (mut child, _, http) =
-            coordinator_with_http(&dir.path().join("state"), metrics, &log, &[]);
-        let _ = child.kill();
-        let _ = child.wait();
+        let (child, _, http) = coordinator_with_http(&dir.path().join("state"), metrics, &log, &[]);
+        drop(child);
         let text = std::fs::read_to_string(&log).unwrap();
         let warning = format!(
             "the status page and /metrics on {} take no token and are not on loopback",
@@ -194,17 +202,16 @@ fn the_status_json_shows_job_reasons_without_paths() {
     let spec = write_job(d, "gone", "steps = 100");
     let state = d.join("state");
     let log = d.join("coordinator.log");
-    let (mut child, url, _) = coordinator_with_http(&state, "127.0.0.1:0", &log, &[]);
+    let (child, url, _) = coordinator_with_http(&state, "127.0.0.1:0", &log, &[]);
     let out = accrue(&url, &["submit", spec.to_str().unwrap()], d);
     assert!(out.status.success(), "{}", stderr(&out));
     let job = String::from_utf8_lossy(&out.stdout).trim().to_string();
-    let _ = child.kill();
-    let _ = child.wait();
+    drop(child);
     // The dataset is gone after a restart: the job fails, its reason
     // naming the missing file.
     let train = d.join("train.jsonl");
     std::fs::remove_file(&train).unwrap();
-    let (mut child, url, http) = coordinator_with_http(&state, "127.0.0.1:0", &log, &[]);
+    let (child, url, http) = coordinator_with_http(&state, "127.0.0.1:0", &log, &[]);
     let reply = http_get(&http.unwrap(), "/api/status");
     let body = &reply[reply.find("\r\n\r\n").unwrap() + 4..];
     let status: serde_json::Value = serde_json::from_str(body).unwrap();
@@ -221,8 +228,7 @@ fn the_status_json_shows_job_reasons_without_paths() {
         "{}",
         String::from_utf8_lossy(&out.stdout)
     );
-    let _ = child.kill();
-    let _ = child.wait();
+    drop(child);
 }
 
 /// Issue 14 item 10: a request over the CLI's gRPC message limit failed
@@ -237,7 +243,7 @@ fn a_request_over_the_message_limit_names_the_limit_and_the_request() {
     text.push_str(&format!("# {}\n", "x".repeat(2 << 20)));
     std::fs::write(&spec, text).unwrap();
     let log = d.join("coordinator.log");
-    let (mut child, url, _) = coordinator_with_http(&d.join("state"), "off", &log, &[]);
+    let (child, url, _) = coordinator_with_http(&d.join("state"), "off", &log, &[]);
     let out = Command::new(bin_dir().join("accrue"))
         .args(["--coordinator", &url, "--max-message-mb", "1", "submit"])
         .arg(&spec)
@@ -251,9 +257,8 @@ fn a_request_over_the_message_limit_names_the_limit_and_the_request() {
             && err.contains("bytes, more than the gRPC message limit of 1 MiB"),
         "{err}"
     );
-    let _ = child.kill();
-    let _ = child.wait();
-    let (mut child, url, _) =
+    drop(child);
+    let (child, url, _) =
         coordinator_with_http(&d.join("state2"), "off", &log, &["--max-message-mb", "1"]);
     let out = accrue(&url, &["submit", spec.to_str().unwrap()], d);
     assert_eq!(out.status.code(), Some(1));
@@ -264,6 +269,5 @@ fn a_request_over_the_message_limit_names_the_limit_and_the_request() {
             && err.contains("--max-message-mb"),
         "{err}"
     );
-    let _ = child.kill();
-    let _ = child.wait();
+    drop(child);
 }
