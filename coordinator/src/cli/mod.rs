@@ -4,7 +4,8 @@
 //! rendering is pure and lives in [`render`], connecting in [`client`].
 //!
 //! Exit codes: 0 ok, 1 a failure the user caused (bad spec, failed or
-//! cancelled job, unreachable coordinator, RPC error), 2 usage (clap).
+//! cancelled job, unreachable coordinator, RPC error), 2 usage (clap), 141
+//! the reader of our output went away ([`output`]).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -18,6 +19,7 @@ mod data;
 pub mod local;
 #[cfg(test)]
 mod mock_tests;
+pub mod output;
 pub mod plot;
 mod quarantine;
 mod recovery;
@@ -142,12 +144,21 @@ impl Conn {
 pub enum Command {
     /// Check a job spec offline and print every problem (no coordinator needed).
     ///
-    /// Relative paths in the spec resolve against the current directory, as
-    /// they do on submit.
+    /// Runs the checks of submit: the spec, the model's config against the
+    /// tokenizer, a model.init checkpoint, and the data (read with the
+    /// job's own readers when its files hold at most 16 MiB, or with
+    /// --data). Relative paths in the spec resolve against the current
+    /// directory, as they do on submit.
     Validate {
         /// The job spec.
         #[arg(value_name = "JOB.toml")]
         spec: PathBuf,
+        /// Read and tokenize the data whatever its size.
+        #[arg(long, conflicts_with = "no_data")]
+        data: bool,
+        /// Do not read the data.
+        #[arg(long)]
+        no_data: bool,
     },
     /// Submit a job; prints its id.
     ///
@@ -486,9 +497,24 @@ pub enum SynthTask {
 pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     let conn = &cli.conn;
     match cli.command {
-        Command::Validate { spec } => {
+        Command::Validate {
+            spec,
+            data,
+            no_data,
+        } => {
             let base = std::env::current_dir()?;
-            validate::run(&spec, &base, &mut std::io::stdout(), &mut std::io::stderr())
+            let scan = match (data, no_data) {
+                (true, _) => validate::DataScan::Always,
+                (_, true) => validate::DataScan::Never,
+                _ => validate::DataScan::Auto,
+            };
+            validate::run(
+                &spec,
+                &base,
+                scan,
+                &mut std::io::stdout(),
+                &mut std::io::stderr(),
+            )
         }
         Command::Submit { spec } => admin::submit(conn, &spec).await,
         Command::Jobs { json } => admin::jobs(conn, json).await,
@@ -624,6 +650,8 @@ mod tests {
     fn every_subcommand_parses() {
         let cases: &[&[&str]] = &[
             &["validate", "job.toml"],
+            &["validate", "job.toml", "--data"],
+            &["validate", "job.toml", "--no-data"],
             &["submit", "job.toml"],
             &["jobs"],
             &["status", "j1", "--json"],
@@ -751,6 +779,6 @@ mod tests {
         let e = run(parse(&["local", "/nonexistent/job.toml", "--workers", "2"]).unwrap())
             .await
             .unwrap_err();
-        assert_eq!(e.to_string(), "cannot read /nonexistent/job.toml");
+        assert_eq!(e.to_string(), "file not found: /nonexistent/job.toml");
     }
 }

@@ -7,6 +7,7 @@ use anyhow::Context as _;
 use serde_json::json;
 
 use super::client::{connect, rpc_error};
+use super::output::{out, outln};
 use super::Conn;
 use crate::wire::{ListQuarantineRequest, QuarantinedDocument, ReleaseQuarantineRequest};
 
@@ -48,15 +49,15 @@ pub async fn run(
     };
     if json {
         let rows: Vec<_> = docs.iter().map(doc_json).collect();
-        println!("{}", serde_json::to_string_pretty(&rows)?);
+        outln!("{}", serde_json::to_string_pretty(&rows)?)?;
         return Ok(ExitCode::SUCCESS);
     }
     match verb {
-        Some(v) => println!("{v} {} document(s)", docs.len()),
-        None if docs.is_empty() => println!("job {job_id}: no quarantined documents"),
+        Some(v) => outln!("{v} {} document(s)", docs.len())?,
+        None if docs.is_empty() => outln!("job {job_id}: no quarantined documents")?,
         None => {}
     }
-    print!("{}", table(&docs));
+    out!("{}", table(&docs))?;
     Ok(ExitCode::SUCCESS)
 }
 

@@ -13,6 +13,7 @@ use tonic::{Request, Response, Status};
 use tracing::instrument;
 
 use super::{convert, now_ms, Shared};
+use crate::admission;
 use crate::core::{Event, EventKind, JobStart, WatchItem};
 use crate::doc::DocId;
 use crate::manifest::StepManifest;
@@ -171,15 +172,15 @@ impl Admin for AdminService {
         let req = req.into_inner();
         let base = base_dir(&req.base_dir)?;
         let spec = JobSpec::parse(&req.spec_toml, &base).map_err(|p| problems_status(&p))?;
-        // Tokenizing the dataset is CPU work: keep it off the async runtime.
-        let data_spec = spec.clone();
-        let dataset = tokio::task::spawn_blocking(move || {
-            crate::data::load(&data_spec.data, data_spec.objective.kind)
-        })
-        .await
-        .map_err(|e| Status::internal(format!("data loading task: {e}")))?
-        .map_err(|e| Status::invalid_argument(format!("data: {e}")))?;
-        if dataset.docs.is_empty() && !spec.data.is_stream() {
+        // Reading the model and tokenizing the dataset is blocking work:
+        // keep it off the async runtime.
+        let checked = spec.clone();
+        let admitted = tokio::task::spawn_blocking(move || admission::admit(&checked, true))
+            .await
+            .map_err(|e| Status::internal(format!("admission task: {e}")))?
+            .map_err(|p| problems_status(&p))?;
+        let docs = admitted.dataset.map(|d| d.docs).unwrap_or_default();
+        if docs.is_empty() && !spec.data.is_stream() {
             return Err(Status::invalid_argument(
                 "data.train: the dataset holds no documents",
             ));
@@ -211,7 +212,7 @@ impl Admin for AdminService {
                 id: id.clone(),
                 spec: Arc::new(spec),
                 spec_toml,
-                docs: dataset.docs.into(),
+                docs: docs.into(),
                 start,
             },
         )?;
@@ -224,9 +225,16 @@ impl Admin for AdminService {
     ) -> Result<Response<wire::ValidateJobResponse>, Status> {
         let req = req.into_inner();
         let base = base_dir(&req.base_dir)?;
-        let problems = JobSpec::parse(&req.spec_toml, &base)
-            .err()
-            .unwrap_or_default();
+        // The spec and its model; the data is read at submit (or by
+        // `accrue validate --data`).
+        let problems = match JobSpec::parse(&req.spec_toml, &base) {
+            Err(p) => p,
+            Ok(spec) => tokio::task::spawn_blocking(move || admission::admit(&spec, false))
+                .await
+                .map_err(|e| Status::internal(format!("admission task: {e}")))?
+                .err()
+                .unwrap_or_default(),
+        };
         Ok(Response::new(wire::ValidateJobResponse {
             problems: problems
                 .into_iter()
