@@ -23,6 +23,8 @@ pub struct Runner {
     progress: Arc<Progress>,
     /// Work queued or running, and checkpoint writes in flight.
     pending: Arc<AtomicUsize>,
+    /// Why the thread died (a panic outside a plan), if it did.
+    died: Arc<Mutex<Option<String>>>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -34,13 +36,15 @@ impl Runner {
 
     /// Starts the thread; its answers go to `out`.
     pub fn start(cfg: RunnerConfig, out: UnboundedSender<wire::WorkerMessage>) -> Runner {
-        let (queue, rx) = mpsc::channel();
+        let (queue, rx) = mpsc::channel::<Work>();
         let aborted = Arc::new(Mutex::new(None));
         let in_flight = Arc::new(Mutex::new(InFlight::default()));
         let progress = Arc::new(Progress::default());
         let pending = Arc::new(AtomicUsize::new(0));
         let left = pending.clone();
         let (a, p, f) = (aborted.clone(), progress.clone(), in_flight.clone());
+        let died = Arc::new(Mutex::new(None));
+        let dead = died.clone();
         let writes = pending.clone();
         // The engine is built and lives on the thread: libtorch state
         // need not be Send.
@@ -60,7 +64,22 @@ impl Runner {
                     writer: Writer::new(writes),
                 };
                 while let Ok(w) = rx.recv() {
-                    state.handle(w);
+                    let what = w.name();
+                    let handled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        state.handle(w);
+                    }));
+                    if let Err(payload) = handled {
+                        // Plans catch their own panics; one here (configure,
+                        // checkpoint, publish) leaves the replica in an
+                        // unknown state: report it, then stop, and the
+                        // session ends the process with an error.
+                        let e = crate::error::from_panic(payload.as_ref());
+                        let why = format!("the training thread panicked handling {what}: {e:#}");
+                        *lock(&dead) = Some(why.clone());
+                        state.fatal(&why);
+                        left.fetch_sub(1, Ordering::SeqCst);
+                        break;
+                    }
                     // After the answer is sent: zero means all answers are out.
                     left.fetch_sub(1, Ordering::SeqCst);
                 }
@@ -74,6 +93,7 @@ impl Runner {
             in_flight,
             progress,
             pending,
+            died,
             thread: Some(thread),
         }
     }
@@ -120,6 +140,11 @@ impl Runner {
     /// Work items queued or running.
     pub fn pending(&self) -> usize {
         self.pending.load(Ordering::SeqCst)
+    }
+
+    /// Why the runner thread died, if it did: the worker cannot go on.
+    pub fn died(&self) -> Option<String> {
+        lock(&self.died).clone()
     }
 
     pub fn progress(&self) -> Arc<Progress> {

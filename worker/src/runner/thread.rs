@@ -118,6 +118,26 @@ impl Thread {
         }));
     }
 
+    /// The thread is about to die: the job it holds fails with `why`
+    /// (the coordinator prints it) rather than waiting on a silent worker.
+    pub(super) fn fatal(&mut self, why: &str) {
+        let held = self
+            .job
+            .take()
+            .map(|h| (h.job.clone(), h.generation, h.step));
+        self.progress.set_held(None);
+        if let Some((job, generation, step)) = held {
+            self.error(
+                &job,
+                generation,
+                step,
+                wire::ErrorKind::Internal,
+                why.to_string(),
+                None,
+            );
+        }
+    }
+
     pub(super) fn handle(&mut self, work: Work) {
         match work {
             Work::Configure(c) => self.configure(*c),
