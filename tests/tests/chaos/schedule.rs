@@ -59,10 +59,11 @@ pub enum GateEnd {
     /// SIGCONT once it has been stopped `ms` (under the heartbeat timeout:
     /// a stall, nothing is lost).
     Cont { ms: u64 },
-    /// Stopped `ms`, past the heartbeat timeout, so the coordinator declares
-    /// it lost; then SIGCONT (its old generation is fenced off and it
-    /// registers again) or `kill -9`.
-    Lost { ms: u64, then_kill: bool },
+    /// Stopped until the coordinator declares it lost (missed heartbeats),
+    /// then at once SIGCONT (its old generation is fenced off) or `kill -9`.
+    /// (At once: the job goes on without it, and the next gate may stop
+    /// soon after.)
+    Lost { then_kill: bool },
 }
 
 /// One hold: the gate stops, the faults are injected, the gate ends.
@@ -130,8 +131,8 @@ impl Hold {
         out.push(match self.end {
             GateEnd::Kill => format!("w{g} kill -9"),
             GateEnd::Cont { ms } => format!("w{g} SIGCONT after {ms} ms"),
-            GateEnd::Lost { ms, then_kill } => format!(
-                "w{g} lost (stopped {ms} ms), then {}",
+            GateEnd::Lost { then_kill } => format!(
+                "w{g} lost by heartbeat, then {}",
                 if then_kill { "kill -9" } else { "SIGCONT" }
             ),
         });
@@ -242,10 +243,7 @@ fn draft(rng: &mut ChaCha8Rng, seed: u64, shape: Shape) -> Schedule {
             1 => GateEnd::Cont {
                 ms: rng.random_range(100..=hb / 2),
             },
-            r => GateEnd::Lost {
-                ms: hb + rng.random_range(1_000..=2_500),
-                then_kill: r == 3,
-            },
+            r => GateEnd::Lost { then_kill: r == 3 },
         };
         if coordinator_down_ms.is_some() && matches!(end, GateEnd::Lost { .. }) {
             // A restarted coordinator has no heartbeat history to lose it by.
