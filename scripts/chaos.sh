@@ -12,7 +12,8 @@
 # Prints each seed's schedule first (a failure reproduces with
 # ACCRUE_CHAOS_SEEDS=<seed>), then a summary: per seed and sharding, pass or
 # fail, the time taken and the faults injected. A failure keeps every
-# process's log under ${TMPDIR:-/tmp}/accrue-chaos-seed-<seed>-<sharding>/.
+# process's log under ${TMPDIR:-/tmp}/accrue-chaos-seed-<seed>-<sharding>/
+# (a pass too with ACCRUE_CHAOS_KEEP_LOGS=1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh

@@ -356,10 +356,12 @@ impl Run {
 }
 
 impl Drop for Run {
-    /// On a failure, keeps every process's log (the cluster's directory is
-    /// deleted with it) and says where.
+    /// On a failure (or always, with `ACCRUE_CHAOS_KEEP_LOGS=1`), keeps
+    /// every process's log (the cluster's directory is deleted with it) and
+    /// says where.
     fn drop(&mut self) {
-        if !std::thread::panicking() {
+        let keep_always = std::env::var("ACCRUE_CHAOS_KEEP_LOGS").is_ok_and(|v| v == "1");
+        if !std::thread::panicking() && !keep_always {
             return;
         }
         let keep = std::env::temp_dir().join(format!("accrue-chaos-{}", self.label));
