@@ -139,6 +139,18 @@ impl Cursor {
     /// The cursor after a step that made `selection` from the candidates
     /// `order.candidates(self)` offered.
     pub fn advance(&self, order: &Order, selection: &Selection) -> Cursor {
+        self.advance_skipping(order, selection, |_| false)
+    }
+
+    /// [`Self::advance`] when the selector was offered the candidates
+    /// without those `skip` names (quarantined documents): a skipped
+    /// candidate the step passed over is dropped, never carried over.
+    pub fn advance_skipping(
+        &self,
+        order: &Order,
+        selection: &Selection,
+        skip: impl Fn(u64) -> bool,
+    ) -> Cursor {
         let mut taken = selection.taken.clone();
         taken.sort_unstable();
         let mut next = Cursor {
@@ -149,7 +161,21 @@ impl Cursor {
         let mut last_from_stream = None;
         let mut overflow_consumed = 0;
         let mut untaken_from_stream = Vec::new();
-        for (i, c) in order.candidates(self).take(selection.consumed).enumerate() {
+        let mut offered = 0;
+        for c in order.candidates(self) {
+            if offered == selection.consumed {
+                break;
+            }
+            if skip(c.index) {
+                if c.from_overflow {
+                    overflow_consumed += 1;
+                } else {
+                    last_from_stream = Some(c);
+                }
+                continue;
+            }
+            let i = offered;
+            offered += 1;
             let untaken = taken.binary_search(&i).is_err();
             if c.from_overflow {
                 overflow_consumed += 1;

@@ -4,9 +4,12 @@
 //!
 //! Everything here is read-only and carries no token, as Prometheus scrapes
 //! expect: bind it to a private address (the default is 127.0.0.1:9090) or a
-//! cluster-internal Service, never to the public internet. Views are built
-//! by pure functions from the state machine; the lock is held only to copy
-//! what a reply needs, never across an `.await`.
+//! cluster-internal Service, never to the public internet (the server warns
+//! at startup when it is bound elsewhere, [`exposure_warning`]). It shows no
+//! specs or data: job reasons are shown with their file paths redacted
+//! ([`redact_paths`]). Views are built by pure functions from the state
+//! machine; the lock is held only to copy what a reply needs, never across
+//! an `.await`.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -42,7 +45,8 @@ pub struct JobView {
     pub kind: String,
     /// `pending`, `running`, `paused`, `completed`, `failed` or `cancelled`.
     pub state: String,
-    /// Why the job is pending, paused or failed (empty otherwise).
+    /// Why the job is pending, paused or failed (empty otherwise), file
+    /// paths shown as `<path>`.
     pub reason: String,
     /// Last committed step.
     pub step: u64,
@@ -244,7 +248,7 @@ pub fn status_view(core: &Coordinator, totals: &HashMap<JobId, Totals>, now_ms: 
                 name: j.rec.name.clone(),
                 kind: lower(j.spec.objective.kind),
                 state: lower(j.rec.state),
-                reason: j.rec.reason.clone(),
+                reason: redact_paths(&j.rec.reason),
                 step: j.rec.step,
                 total_steps: j.rec.total_steps,
                 generation: j.rec.generation,
@@ -272,6 +276,53 @@ pub fn status_view(core: &Coordinator, totals: &HashMap<JobId, Totals>, now_ms: 
         jobs,
         workers,
     }
+}
+
+/// What stands for a redacted path.
+pub const REDACTED_PATH: &str = "<path>";
+
+/// `text` with every absolute (or `~/`) file path replaced by `<path>`:
+/// reasons name the files at fault (`/data/x.jsonl:3: invalid json`), and
+/// an unauthenticated page must not show where a job's data and outputs
+/// live. A path starts at `/` or `~/` at the start of a word and runs to
+/// whitespace, a quote, a bracket, `,`, `;` or `:` (so `:LINE` stays).
+pub fn redact_paths(text: &str) -> String {
+    let stops = |c: char| c.is_whitespace() || "\"'`()[]{}<>,;:".contains(c);
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.char_indices().peekable();
+    let mut prev: Option<char> = None;
+    while let Some((i, c)) = chars.next() {
+        let at_word = prev.is_none_or(|p| stops(p) || p == '=');
+        let starts = c == '/' || (c == '~' && text[i + 1..].starts_with('/'));
+        if at_word && starts {
+            out.push_str(REDACTED_PATH);
+            let mut last = c;
+            while let Some(&(_, n)) = chars.peek() {
+                if stops(n) {
+                    break;
+                }
+                last = n;
+                chars.next();
+            }
+            prev = Some(last);
+            continue;
+        }
+        out.push(c);
+        prev = Some(c);
+    }
+    out
+}
+
+/// The warning to log when the unauthenticated HTTP side is bound to
+/// `addr` off loopback, where others may reach it.
+pub fn exposure_warning(addr: std::net::SocketAddr) -> Option<String> {
+    (!addr.ip().is_loopback()).then(|| {
+        format!(
+            "the status page and /metrics on {addr} take no token and are not on loopback: \
+             whoever can reach {addr} sees job names, states, hosts and losses; keep \
+             --metrics-listen on 127.0.0.1 or a cluster-internal address"
+        )
+    })
 }
 
 fn lower(v: impl std::fmt::Debug) -> String {
@@ -346,6 +397,39 @@ mod tests {
                 tokens: 97
             }
         );
+    }
+
+    /// Issue 14 item 9: the unauthenticated status JSON showed absolute
+    /// file paths in job reasons.
+    #[test]
+    fn reasons_are_shown_without_their_paths() {
+        for (reason, shown) in [
+            (
+                "data: /srv/data/train.jsonl:3: invalid json: expected value",
+                "data: <path>:3: invalid json: expected value",
+            ),
+            (
+                "after restart the dataset could not be loaded: file not found: /home/me/x.jsonl",
+                "after restart the dataset could not be loaded: file not found: <path>",
+            ),
+            (
+                "checkpoint step-4 failed to restore on w1: \"/runs/a b/ckpt\" (model.safetensors); falling back",
+                "checkpoint step-4 failed to restore on w1: \"<path> b/ckpt\" (model.safetensors); falling back",
+            ),
+            ("model.init=~/ckpt/step-2 is bad", "model.init=<path> is bad"),
+            ("waiting for 2 workers (have 1/2)", "waiting for 2 workers (have 1/2)"),
+            ("", ""),
+        ] {
+            assert_eq!(redact_paths(reason), shown, "{reason}");
+        }
+    }
+
+    #[test]
+    fn binding_off_loopback_warns() {
+        assert_eq!(exposure_warning("127.0.0.1:9090".parse().unwrap()), None);
+        assert_eq!(exposure_warning("[::1]:9090".parse().unwrap()), None);
+        let w = exposure_warning("0.0.0.0:9090".parse().unwrap()).unwrap();
+        assert!(w.contains("0.0.0.0:9090") && w.contains("no token"), "{w}");
     }
 
     #[test]

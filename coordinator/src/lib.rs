@@ -4,6 +4,7 @@
 //! Pure domain modules (`doc`, `cursor`, `spec`, `data`, `plan`, `core`) do
 //! no network I/O; `service` and `server` adapt them to tonic.
 
+pub mod admission;
 pub mod auth;
 pub mod bench;
 pub mod cli;
@@ -12,9 +13,14 @@ pub mod cursor;
 pub mod data;
 pub mod doc;
 pub mod http;
+pub mod input;
+pub mod limits;
 pub mod manifest;
 pub mod metrics;
+pub mod model;
+pub mod nonfinite;
 pub mod objective;
+pub mod output;
 pub mod plan;
 pub mod rl;
 pub mod server;

@@ -122,6 +122,10 @@ impl Server {
                 Err(e) => return Err(e).with_context(|| format!("binding metrics on {addr}")),
             },
         };
+        let exposed = metrics.as_ref().and_then(|l| l.local_addr().ok());
+        if let Some(warning) = exposed.and_then(crate::http::exposure_warning) {
+            tracing::warn!("{warning}");
+        }
         Ok(Server {
             listener,
             tls,
@@ -230,6 +234,35 @@ async fn set_health(health: &tonic_health::server::HealthReporter, status: Servi
     }
 }
 
+/// A job admitted before the bounds of [`crate::limits`] (or changed by an
+/// older `accrue set`) may break them; planning its next step could take
+/// all the coordinator's memory, so it fails with the reason instead.
+fn within_limits(
+    spec: &JobSpec,
+    changes: &[crate::settings::ConfigChange],
+    data: &crate::data::Dataset,
+) -> Result<(), String> {
+    let shape = crate::settings::Settings::new(spec, changes).latest_shape();
+    let mut problems = Vec::new();
+    let mut bad = |field: &str, message: String| problems.push(format!("{field}: {message}"));
+    crate::limits::check_step(&shape, &mut bad);
+    if !spec.data.is_stream() {
+        let size = crate::limits::DatasetSize {
+            docs: data.docs.len() as u64,
+            tokens: data.report.tokens,
+        };
+        crate::limits::check_against_dataset(&shape, size, &mut bad);
+    }
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "its step settings break the admission limits: {}",
+            problems.join("; ")
+        ))
+    }
+}
+
 /// Rebuilds a stored job. Its dataset is re-read and re-tokenized (the same
 /// files give the same documents and ids); a job whose data can no longer be
 /// read fails with the reason rather than silently training on less.
@@ -239,7 +272,14 @@ fn restore_event(mut rec: JobRecord, store: &Store) -> anyhow::Result<Event> {
     let docs: Arc<[crate::doc::Document]> = if rec.state.is_terminal() {
         Arc::from(Vec::new())
     } else {
-        match crate::data::load(&spec.data, spec.objective.kind) {
+        let loaded = crate::model::read_config(&spec.model)
+            .map_err(|e| format!("the model config could not be read: {e}"))
+            .and_then(|m| {
+                crate::data::load(&spec.data, spec.objective.kind, m.vocab_size)
+                    .map_err(|e| format!("the dataset could not be loaded: {e}"))
+            })
+            .and_then(|d| within_limits(&spec, &rec.changes, &d).map(|()| d));
+        match loaded {
             Ok(d) if d.docs.len() as u64 == rec.documents => d.docs.into(),
             Ok(d) => {
                 rec.state = JobState::Failed;
@@ -250,9 +290,9 @@ fn restore_event(mut rec: JobRecord, store: &Store) -> anyhow::Result<Event> {
                 );
                 Arc::from(Vec::new())
             }
-            Err(e) => {
+            Err(why) => {
                 rec.state = JobState::Failed;
-                rec.reason = format!("after restart the dataset could not be loaded: {e}");
+                rec.reason = format!("after restart {why}");
                 Arc::from(Vec::new())
             }
         }

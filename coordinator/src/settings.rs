@@ -12,6 +12,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::doc::DocId;
+use crate::limits::{self, DatasetSize, StepShape};
 use crate::spec::{JobSpec, OptimizerSection, Schedule, SpecProblem, StepSize};
 
 /// The step settings an operator may change on a running job. `None`
@@ -126,6 +127,9 @@ pub struct UpdateContext {
     /// A streamed job: (queue capacity, group size). A step must fit the
     /// queue, in whole groups.
     pub stream: Option<(u64, u32)>,
+    /// A job reading files: what its dataset holds. A step may not hold
+    /// more (see [`crate::limits`]).
+    pub dataset: Option<DatasetSize>,
 }
 
 /// A job's settings: the spec and its live changes.
@@ -166,6 +170,18 @@ impl<'a> Settings<'a> {
     /// reference pass).
     pub fn latest(&self) -> StepSettings {
         self.at(u64::MAX)
+    }
+
+    /// The step shape of the next new step, for [`crate::limits`].
+    pub fn latest_shape(&self) -> StepShape {
+        let s = self.latest();
+        StepShape {
+            docs_per_step: s.docs_per_step,
+            tokens_per_step: s.tokens_per_step,
+            microbatches_per_rank: s.microbatches_per_rank,
+            max_tokens: s.max_tokens,
+            max_workers: self.spec.parallel.max_workers,
+        }
     }
 
     /// The settings a replay of committed `step` packs with: the step's own
@@ -268,6 +284,25 @@ impl<'a> Settings<'a> {
                 );
             }
         }
+        // The bounds of submit (one owner, `crate::limits`) on what the
+        // update changes; a static step's size changes with max_tokens.
+        let next = self.latest();
+        let shape = StepShape {
+            docs_per_step: update.docs_per_step,
+            tokens_per_step: update.tokens_per_step,
+            microbatches_per_rank: next
+                .microbatches_per_rank
+                .filter(|_| update.max_tokens.is_some()),
+            max_tokens: update.max_tokens.unwrap_or(next.max_tokens),
+            max_workers: spec.parallel.max_workers,
+        };
+        let mut over = Vec::new();
+        let mut limit = |field: &str, message: String| over.push(SpecProblem::new(field, message));
+        limits::check_step(&shape, &mut limit);
+        if let Some(data) = ctx.dataset {
+            limits::check_against_dataset(&shape, data, &mut limit);
+        }
+        p.extend(over);
         p
     }
 }
@@ -357,6 +392,7 @@ mod tests {
         let ctx = UpdateContext {
             longest: Some((id(2), 40)),
             stream: None,
+            dataset: None,
         };
         let check = |spec: &JobSpec, u: JobUpdate, ctx: &UpdateContext| {
             Settings::new(spec, &[]).check(&u, ctx)
@@ -429,6 +465,7 @@ mod tests {
         let streamed = UpdateContext {
             longest: None,
             stream: Some((16, 4)),
+            dataset: None,
         };
         let docs = |n| JobUpdate {
             docs_per_step: Some(n),
@@ -438,6 +475,69 @@ mod tests {
         let p = check(&s, docs(17), &streamed);
         assert_eq!(p[0].field, "batch.docs_per_step");
         assert!(p[0].message.contains("rl.queue_capacity = 16"), "{}", p[0]);
+    }
+
+    /// Issue 14 item 2: `accrue set --docs-per-step 1000000000` was accepted,
+    /// and the next plan grew the coordinator until it was killed.
+    #[test]
+    fn set_applies_the_bounds_of_submit() {
+        let s = spec("docs_per_step = 4");
+        let ctx = UpdateContext {
+            longest: None,
+            stream: None,
+            dataset: Some(DatasetSize {
+                docs: 40,
+                tokens: 1000,
+            }),
+        };
+        let check = |u: JobUpdate| Settings::new(&s, &[]).check(&u, &ctx);
+        let p = check(JobUpdate {
+            docs_per_step: Some(1_000_000_000),
+            ..Default::default()
+        });
+        assert_eq!(
+            p.iter().map(ToString::to_string).collect::<Vec<_>>(),
+            vec![
+                "batch.docs_per_step: 1000000000 is more than the limit of 1048576 documents per step",
+                "batch.docs_per_step: 1000000000 is more than the 40 documents in data.train (a step would hold a document twice)",
+            ]
+        );
+        let p = check(JobUpdate {
+            docs_per_step: Some(41),
+            ..Default::default()
+        });
+        assert_eq!(p.len(), 1, "{p:?}");
+        assert!(
+            p[0].message.starts_with("41 is more than the 40 documents"),
+            "{}",
+            p[0]
+        );
+        assert!(check(JobUpdate {
+            docs_per_step: Some(40),
+            ..Default::default()
+        })
+        .is_empty());
+        let p = check(JobUpdate {
+            max_tokens: Some(u32::MAX),
+            ..Default::default()
+        });
+        assert_eq!(p[0].field, "data.max_tokens");
+        // A static job: a larger microbatch grows every step.
+        let stat = spec("microbatches_per_rank = 4096");
+        let p = Settings::new(&stat, &[]).check(
+            &JobUpdate {
+                max_tokens: Some(1 << 20),
+                ..Default::default()
+            },
+            &ctx,
+        );
+        assert_eq!(p[0].field, "batch.microbatches_per_rank", "{p:?}");
+        // The lr alone checks nothing else.
+        assert!(check(JobUpdate {
+            lr: Some(1e-3),
+            ..Default::default()
+        })
+        .is_empty());
     }
 
     #[test]

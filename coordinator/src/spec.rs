@@ -7,6 +7,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::input;
+use crate::limits::{self, StepShape};
 use crate::objective::{step_rollouts, Reference};
 pub use crate::objective::{ObjectiveKind, ObjectiveSection, RlSection};
 
@@ -18,7 +20,7 @@ pub struct SpecProblem {
 }
 
 impl SpecProblem {
-    fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
+    pub fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
         Self {
             field: field.into(),
             message: message.into(),
@@ -487,10 +489,12 @@ impl JobSpec {
         }
     }
 
-    /// Makes every relative path absolute against `base`.
+    /// Makes every relative path absolute against `base`. An empty path
+    /// stays empty, so that [`Self::validate`] refuses it rather than the
+    /// job writing into (or reading) `base` itself.
     pub fn resolve_paths(&mut self, base: &Path) {
         let abs = |p: &mut PathBuf| {
-            if p.is_relative() {
+            if p.is_relative() && !p.as_os_str().is_empty() {
                 *p = base.join(&*p);
             }
         };
@@ -498,13 +502,19 @@ impl JobSpec {
         if let Some(c) = self.model.config.as_mut() {
             abs(c);
         }
-        if !self.model.is_random() && Path::new(&self.model.init).is_relative() {
+        if !self.model.is_random()
+            && !self.model.init.is_empty()
+            && Path::new(&self.model.init).is_relative()
+        {
             self.model.init = base.join(&self.model.init).display().to_string();
         }
         for f in &mut self.data.train {
             abs(f);
         }
-        if !self.data.is_byte_tokenizer() && Path::new(&self.data.tokenizer).is_relative() {
+        if !self.data.is_byte_tokenizer()
+            && !self.data.tokenizer.is_empty()
+            && Path::new(&self.data.tokenizer).is_relative()
+        {
             self.data.tokenizer = base.join(&self.data.tokenizer).display().to_string();
         }
         if let Some(t) = self.data.chat_template.as_mut() {
@@ -517,6 +527,18 @@ impl JobSpec {
     pub fn step_size(&self) -> StepSize {
         let b = &self.batch;
         StepSize::of(b.docs_per_step, b.tokens_per_step, b.microbatches_per_rank)
+    }
+
+    /// The step-size settings as submitted, for [`crate::limits`].
+    pub fn step_shape(&self) -> StepShape {
+        let b = &self.batch;
+        StepShape {
+            docs_per_step: b.docs_per_step,
+            tokens_per_step: b.tokens_per_step,
+            microbatches_per_rank: b.microbatches_per_rank,
+            max_tokens: self.data.max_tokens,
+            max_workers: self.parallel.max_workers,
+        }
     }
 
     /// Serialises back to TOML (what workers receive in Configure).
@@ -554,6 +576,8 @@ impl JobSpec {
             ),
             (Some(0), _) => bad("job.steps", "must be at least 1".into()),
             (_, Some(0)) => bad("job.epochs", "must be at least 1".into()),
+            (Some(s), _) => bound(&mut bad, "job.steps", s, limits::MAX_STEPS, "steps"),
+            (_, Some(e)) => bound(&mut bad, "job.epochs", e, limits::MAX_EPOCHS, "epochs"),
             _ => {}
         }
         if self.job.output_dir.as_os_str().is_empty() {
@@ -568,6 +592,11 @@ impl JobSpec {
                 ),
                 Some(c) => check_file(&mut bad, "model.config", c),
             }
+        } else if self.model.init.is_empty() {
+            bad(
+                "model.init",
+                "must not be empty: \"random\" or a checkpoint directory".into(),
+            );
         } else {
             let dir = Path::new(&self.model.init);
             if !dir.is_dir() {
@@ -578,11 +607,8 @@ impl JobSpec {
                         dir.display()
                     ),
                 );
-            } else if !dir.join("config.json").is_file() {
-                bad(
-                    "model.init",
-                    format!("{} has no config.json", dir.display()),
-                );
+            } else if let Err(e) = input::check(&dir.join("config.json")) {
+                bad("model.init", format!("no config.json: {e}"));
             }
             if let Some(c) = &self.model.config {
                 check_file(&mut bad, "model.config", c);
@@ -604,6 +630,7 @@ impl JobSpec {
         if self.data.max_tokens == 0 {
             bad("data.max_tokens", "must be at least 1".into());
         }
+        limits::check_step(&self.step_shape(), &mut bad);
 
         let b = &self.batch;
         let set = [
@@ -690,6 +717,13 @@ impl JobSpec {
                 format!("must be ≥ 0 (0 disables), got {}", o.grad_clip),
             );
         }
+        bound(
+            &mut bad,
+            "optimizer.warmup_steps",
+            o.warmup_steps,
+            limits::MAX_STEPS,
+            "steps",
+        );
         if let Some(steps) = self.job.steps {
             if o.warmup_steps > steps {
                 bad(
@@ -703,6 +737,13 @@ impl JobSpec {
         if par.min_workers == 0 {
             bad("parallel.min_workers", "must be at least 1".into());
         }
+        bound(
+            &mut bad,
+            "parallel.max_workers",
+            u64::from(par.max_workers),
+            u64::from(limits::MAX_WORKERS),
+            "workers",
+        );
         if par.max_workers < par.min_workers {
             bad(
                 "parallel.max_workers",
@@ -716,6 +757,13 @@ impl JobSpec {
         if self.runtime.loss_chunk_tokens == 0 {
             bad("runtime.loss_chunk_tokens", "must be at least 1".into());
         }
+        bound(
+            &mut bad,
+            "runtime.loss_chunk_tokens",
+            self.runtime.loss_chunk_tokens,
+            u64::from(limits::MAX_MICROBATCH_TOKENS),
+            "tokens per chunk",
+        );
         let f = &self.faults;
         if f.max_bisect_rounds == 0 {
             bad("faults.max_bisect_rounds", "must be at least 1".into());
@@ -824,10 +872,26 @@ fn validate_source(spec: &JobSpec, bad: &mut impl FnMut(&str, String)) {
             "rl.group_size",
             format!("must be at least 2 (a group of one has no reward variance), got {g}"),
         ),
+        Some(g) if g > limits::MAX_GROUP_SIZE => bound(
+            bad,
+            "rl.group_size",
+            u64::from(g),
+            u64::from(limits::MAX_GROUP_SIZE),
+            "rollouts per group",
+        ),
         Some(g) => {
             if let Some(docs) = spec.batch.docs_per_step {
                 let step = step_rollouts(docs, g);
                 let cap = rl.queue_capacity_or_default(docs);
+                if let Some(q) = rl.queue_capacity {
+                    bound(
+                        bad,
+                        "rl.queue_capacity",
+                        q,
+                        limits::MAX_QUEUE_ROLLOUTS,
+                        "rollouts",
+                    );
+                }
                 if cap < step {
                     bad(
                         "rl.queue_capacity",
@@ -839,9 +903,20 @@ fn validate_source(spec: &JobSpec, bad: &mut impl FnMut(&str, String)) {
     }
 }
 
+/// A named input file: not empty, and a regular file (not a directory, a
+/// FIFO or a device; see [`crate::input`]).
 fn check_file(bad: &mut impl FnMut(&str, String), field: &str, path: &Path) {
-    if !path.is_file() {
-        bad(field, format!("file not found: {}", path.display()));
+    if path.as_os_str().is_empty() {
+        bad(field, "must not be empty".into());
+    } else if let Err(e) = input::check(path) {
+        bad(field, e.to_string());
+    }
+}
+
+/// `value` must not exceed `max` (see [`crate::limits`]).
+fn bound(bad: &mut impl FnMut(&str, String), field: &str, value: u64, max: u64, what: &str) {
+    if let Some(message) = limits::over(value, max, what) {
+        bad(field, message);
     }
 }
 
@@ -994,6 +1069,115 @@ loss_chunk_tokens = 512
             "{problems:?}"
         );
         assert!(fields.contains(&"extra"), "{problems:?}");
+    }
+
+    /// Issue 14 item 6: `output_dir = ""` was made absolute before the
+    /// emptiness check and became the submit directory.
+    #[test]
+    fn an_empty_output_dir_is_refused_not_made_the_submit_directory() {
+        let (_d, base) = fixture();
+        let text = GOOD.replace("output_dir = \"runs/sft-demo\"", "output_dir = \"\"");
+        let problems = JobSpec::parse(&text, &base).unwrap_err();
+        assert_eq!(
+            problems,
+            vec![SpecProblem::new("job.output_dir", "must not be empty")]
+        );
+        for (from, to, field) in [
+            ("config = \"tiny.json\"", "config = \"\"", "model.config"),
+            (
+                "train = [\"train.jsonl\"]",
+                "train = [\"\"]",
+                "data.train[0]",
+            ),
+            ("init = \"random\"", "init = \"\"", "model.init"),
+        ] {
+            let problems = JobSpec::parse(&GOOD.replace(from, to), &base).unwrap_err();
+            assert!(
+                problems
+                    .iter()
+                    .any(|p| p.field == field && p.message.starts_with("must not be empty")),
+                "{to}: {problems:?}"
+            );
+        }
+    }
+
+    /// Issue 14 item 2: size-like fields have upper bounds (a billion
+    /// documents per step was admitted and the coordinator ran out of
+    /// memory).
+    #[test]
+    fn size_like_fields_have_upper_bounds() {
+        let (_d, base) = fixture();
+        for (from, to, field) in [
+            (
+                "docs_per_step = 64",
+                "docs_per_step = 1000000000",
+                "batch.docs_per_step",
+            ),
+            (
+                "docs_per_step = 64",
+                "tokens_per_step = 1000000000000",
+                "batch.tokens_per_step",
+            ),
+            (
+                "docs_per_step = 64",
+                "microbatches_per_rank = 100000",
+                "batch.microbatches_per_rank",
+            ),
+            (
+                "max_tokens = 4096",
+                "max_tokens = 4000000000",
+                "data.max_tokens",
+            ),
+            ("steps = 100", "steps = 1000000000000", "job.steps"),
+            ("steps = 100", "epochs = 1000000000", "job.epochs"),
+            (
+                "warmup_steps = 0",
+                "warmup_steps = 1000000000000",
+                "optimizer.warmup_steps",
+            ),
+            (
+                "loss_chunk_tokens = 512",
+                "loss_chunk_tokens = 1000000000000",
+                "runtime.loss_chunk_tokens",
+            ),
+            (
+                "max_workers = 8",
+                "max_workers = 4000000000",
+                "parallel.max_workers",
+            ),
+        ] {
+            let problems = JobSpec::parse(&GOOD.replace(from, to), &base).unwrap_err();
+            let p = problems
+                .iter()
+                .find(|p| p.field == field)
+                .unwrap_or_else(|| panic!("{to}: {problems:?}"));
+            assert!(p.message.contains("is more than the limit of"), "{p}");
+        }
+        let problems = JobSpec::parse(
+            &GOOD.replace("docs_per_step = 64", "docs_per_step = 1000000000"),
+            &base,
+        )
+        .unwrap_err();
+        assert_eq!(
+            problems[0].to_string(),
+            "batch.docs_per_step: 1000000000 is more than the limit of 1048576 documents per step"
+        );
+    }
+
+    /// Issue 14 item 10: a directory as a named file was "file not found".
+    #[test]
+    fn a_directory_as_a_file_says_what_it_is() {
+        let (d, base) = fixture();
+        std::fs::create_dir(d.path().join("dir.jsonl")).unwrap();
+        let problems =
+            JobSpec::parse(&GOOD.replace("train.jsonl", "dir.jsonl"), &base).unwrap_err();
+        assert_eq!(
+            problems[0].to_string(),
+            format!(
+                "data.train[0]: not a file: {} is a directory",
+                base.join("dir.jsonl").display()
+            )
+        );
     }
 
     #[test]

@@ -294,6 +294,7 @@ mod tests {
             bad_checkpoints: Vec::new(),
             history_from: 0,
             members: Vec::new(),
+            quarantine: Vec::new(),
         }
     }
 
@@ -346,6 +347,39 @@ mod tests {
         );
         assert_eq!(steps[1].docs, vec![DocId { file: 0, line: 3 }]);
         assert!(s.steps("b", 0).unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_step_with_non_finite_metrics_keeps_the_job_readable() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let s = Store::open(dir.path()).unwrap();
+            let mut a = rec("a", 1);
+            a.step = 1;
+            a.last_loss = Some(f64::NAN);
+            let mut m = StepMetrics {
+                step: 1,
+                loss: f64::NAN,
+                grad_norm: f64::INFINITY,
+                ..Default::default()
+            };
+            m.extra.insert("rewards/margin".into(), f64::NEG_INFINITY);
+            let r = StepRecord {
+                metrics: m,
+                docs: vec![],
+                manifest: None,
+            };
+            s.commit_step(&a, &r).unwrap();
+        }
+        let s = Store::open(dir.path()).unwrap();
+        let jobs = s.jobs().unwrap();
+        assert_eq!(jobs[0].step, 1);
+        let steps = s.steps("a", 0).unwrap();
+        let m = &steps[0].metrics;
+        // JSON has no NaN or inf: they are stored as null and read as NaN.
+        assert!(m.loss.is_nan());
+        assert!(m.grad_norm.is_nan());
+        assert!(m.extra["rewards/margin"].is_nan());
     }
 
     #[test]

@@ -218,3 +218,127 @@ async fn worker_session_rejects_bad_openings() {
     assert_eq!(err.code(), Code::NotFound);
     s.stop.cancel();
 }
+
+/// Issue 14: a live job owns its output_dir (a marker names it); a second
+/// job asking for it is refused naming both, an output_dir that cannot be
+/// a directory is refused at submit, and an ended job's directory can be
+/// taken over.
+#[tokio::test]
+async fn a_live_jobs_output_dir_is_refused_to_another_and_an_unusable_one_at_submit() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = write_fixture(dir.path());
+    let s = start(&dir.path().join("state")).await;
+    let mut admin = wire::admin_client::AdminClient::connect(s.url.clone())
+        .await
+        .unwrap();
+    let base = dir.path().display().to_string();
+    let submit = |spec_toml: String| wire::SubmitJobRequest {
+        spec_toml,
+        base_dir: base.clone(),
+    };
+    let first = admin
+        .submit_job(submit(spec.clone()))
+        .await
+        .unwrap()
+        .into_inner()
+        .job_id;
+    let marker = std::fs::read_to_string(dir.path().join("out/.accrue-job.json")).unwrap();
+    assert!(marker.contains(&first), "{marker}");
+    let err = admin
+        .submit_job(submit(
+            spec.replace("name = \"inproc\"", "name = \"second\""),
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    assert!(
+        err.message().contains(&first) && err.message().contains("inproc"),
+        "{}",
+        err.message()
+    );
+    assert!(err.message().contains("output_dir"), "{}", err.message());
+    // An output_dir that is an existing file: refused before any job exists.
+    std::fs::write(dir.path().join("afile"), "x").unwrap();
+    let err = admin
+        .submit_job(submit(
+            spec.replace("output_dir = \"out\"", "output_dir = \"afile\""),
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    assert!(
+        err.message().contains("not a directory"),
+        "{}",
+        err.message()
+    );
+    let jobs = admin
+        .list_jobs(wire::ListJobsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .jobs;
+    assert_eq!(jobs.len(), 1, "nothing created by the refusals");
+    // Once the first job ended, its directory can be used again.
+    admin
+        .cancel_job(wire::CancelJobRequest {
+            job_id: first.clone(),
+        })
+        .await
+        .unwrap();
+    let second = admin
+        .submit_job(submit(spec))
+        .await
+        .unwrap()
+        .into_inner()
+        .job_id;
+    let marker = std::fs::read_to_string(dir.path().join("out/.accrue-job.json")).unwrap();
+    assert!(marker.contains(&second), "{marker}");
+}
+
+/// Issue 14 item 2: a job admitted with a billion documents per step (before
+/// the limits) took down the coordinator, and, persisted, the next one too.
+/// Restored now, it fails with the reason instead of being planned.
+#[tokio::test]
+async fn a_persisted_job_over_the_limits_fails_at_restore_instead_of_planning() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = write_fixture(dir.path());
+    let state = dir.path().join("state");
+    let s = start(&state).await;
+    let job = common::submit(&s.url, dir.path(), &spec).await;
+    s.stop.cancel();
+    s.task.await.unwrap().unwrap();
+
+    // What an older coordinator admitted: the stored spec over the limit.
+    {
+        let store = accrue_coordinator::store::Store::open(&state).unwrap();
+        let mut rec = store.jobs().unwrap().pop().unwrap();
+        rec.spec_toml = rec
+            .spec_toml
+            .replace("docs_per_step = 4", "docs_per_step = 1000000000");
+        assert!(rec.spec_toml.contains("1000000000"), "{}", rec.spec_toml);
+        store.put_job(&rec).unwrap();
+    }
+    let s = start(&state).await;
+    let mut admin = wire::admin_client::AdminClient::connect(s.url.clone())
+        .await
+        .unwrap();
+    let got = admin
+        .get_job(wire::GetJobRequest {
+            job_id: job.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .job
+        .unwrap();
+    assert_eq!(got.state, wire::JobState::Failed as i32, "{got:?}");
+    assert!(
+        got.reason.contains(
+            "batch.docs_per_step: 1000000000 is more than the limit of 1048576 documents per step"
+        ),
+        "{}",
+        got.reason
+    );
+    s.stop.cancel();
+    s.task.await.unwrap().unwrap();
+}

@@ -17,7 +17,7 @@ use common::{fake_worker, start, FakeWorker};
 use tonic::Code;
 
 async fn submit(url: &str, dir: &Path, steps: u64) -> String {
-    std::fs::write(dir.join("tiny.json"), "{}").unwrap();
+    std::fs::write(dir.join("tiny.json"), r#"{"vocab_size": 320}"#).unwrap();
     let spec = format!(
         "[job]\nname = \"stream\"\nsteps = {steps}\noutput_dir = \"out\"\n\
          [model]\ninit = \"random\"\nconfig = \"tiny.json\"\n\

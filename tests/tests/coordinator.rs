@@ -218,3 +218,213 @@ async fn bad_requests_get_clear_errors_and_change_nothing() {
         serde_json::json!([])
     );
 }
+
+fn stderr(o: &std::process::Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// `accrue validate` (offline) and `accrue submit` (to `url`) of `spec`:
+/// both must exit 1 with `want` in their error output.
+fn refused_by_validate_and_submit(url: &str, dir: &std::path::Path, spec: &str, want: &str) {
+    let out = accrue("http://127.0.0.1:1", &["validate", spec], dir);
+    assert_eq!(out.status.code(), Some(1), "validate: {}", stdout(&out));
+    assert!(stderr(&out).contains(want), "validate: {}", stderr(&out));
+    let out = accrue(url, &["submit", spec], dir);
+    assert_eq!(out.status.code(), Some(1), "submit: {}", stdout(&out));
+    assert!(stderr(&out).contains(want), "submit: {}", stderr(&out));
+}
+
+/// Issue 14 item 1: a model whose vocab_size (100) cannot hold the byte
+/// tokenizer's 259 ids passed validate and submit; the worker's trainer
+/// then panicked in the embedding and the job hung at step 0.
+#[test]
+fn a_model_vocab_below_the_tokenizers_ids_is_refused_by_validate_and_submit() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let spec = write_job(d, "small-vocab", "epochs = 1");
+    let config = std::fs::read_to_string(d.join("tiny.json")).unwrap();
+    std::fs::write(
+        d.join("tiny.json"),
+        config.replace("\"vocab_size\":320", "\"vocab_size\":100"),
+    )
+    .unwrap();
+    let coord = Coordinator::start(&d.join("state"));
+    let want = format!(
+        "model.config: vocab_size = 100 in {} cannot hold the byte tokenizer's 259 token ids",
+        d.join("tiny.json").display()
+    );
+    refused_by_validate_and_submit(&coord.url, d, spec.to_str().unwrap(), &want);
+}
+
+/// Issue 14 item 8: pre-tokenized ids were bounded by the tokenizer's
+/// vocabulary (259 under the byte tokenizer), not the model's (320 here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pretokenized_ids_up_to_the_models_vocab_train() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let spec = write_job(d, "ids", "epochs = 1");
+    let rows: String = (0..8)
+        .map(|i| format!("{{\"input_ids\": [1, {}, 319, 5]}}\n", 260 + i))
+        .collect();
+    std::fs::write(d.join("train.jsonl"), rows).unwrap();
+    let coord = Coordinator::start(&d.join("state"));
+    let out = accrue(&coord.url, &["submit", spec.to_str().unwrap()], d);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let report = fake_worker(coord.url.clone(), None).await.unwrap();
+    assert_eq!(report.steps, vec![1], "8 documents at 8 per step");
+    assert!(report.released);
+
+    // An id at the model's vocab_size is refused, naming the row.
+    std::fs::write(d.join("train.jsonl"), "{\"input_ids\": [1, 320]}\n").unwrap();
+    let out = accrue(&coord.url, &["submit", spec.to_str().unwrap()], d);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        stderr(&out).contains(
+            "train.jsonl:1: \"input_ids\"[1] = 320 is not below the model's vocab_size 320"
+        ),
+        "{}",
+        stderr(&out)
+    );
+}
+
+/// Issue 14 item 2: `batch.docs_per_step = 1000000000` was accepted by
+/// validate, submit and `accrue set`; the coordinator then grew until the
+/// kernel killed it.
+#[test]
+fn a_billion_docs_per_step_is_refused_by_validate_submit_and_set() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let coord = Coordinator::start(&d.join("state"));
+    let spec = write_job(d, "huge", "steps = 100");
+    let text = std::fs::read_to_string(&spec).unwrap();
+    std::fs::write(
+        &spec,
+        text.replace("docs_per_step = 8", "docs_per_step = 1000000000"),
+    )
+    .unwrap();
+    let want =
+        "batch.docs_per_step: 1000000000 is more than the limit of 1048576 documents per step";
+    refused_by_validate_and_submit(&coord.url, d, spec.to_str().unwrap(), want);
+    // More documents than the dataset holds (40) would train one twice.
+    std::fs::write(
+        &spec,
+        text.replace("docs_per_step = 8", "docs_per_step = 41"),
+    )
+    .unwrap();
+    refused_by_validate_and_submit(
+        &coord.url,
+        d,
+        spec.to_str().unwrap(),
+        "batch.docs_per_step: 41 is more than the 40 documents in data.train",
+    );
+
+    std::fs::write(&spec, &text).unwrap();
+    let out = accrue(&coord.url, &["submit", spec.to_str().unwrap()], d);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let job = stdout(&out).trim().to_string();
+    for (n, want) in [
+        ("1000000000", want),
+        (
+            "41",
+            "batch.docs_per_step: 41 is more than the 40 documents",
+        ),
+    ] {
+        let out = accrue(&coord.url, &["set", &job, "--docs-per-step", n], d);
+        assert_eq!(out.status.code(), Some(1), "set {n}: {}", stdout(&out));
+        assert!(stderr(&out).contains(want), "set {n}: {}", stderr(&out));
+    }
+    let out = accrue(&coord.url, &["set", &job, "--docs-per-step", "40"], d);
+    assert!(out.status.success(), "{}", stderr(&out));
+}
+
+/// Issue 14 item 6: `job.output_dir = ""` became the submit directory.
+#[test]
+fn an_empty_output_dir_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let coord = Coordinator::start(&d.join("state"));
+    let spec = write_job(d, "nowhere", "epochs = 1");
+    let text = std::fs::read_to_string(&spec).unwrap();
+    std::fs::write(
+        &spec,
+        text.replace("output_dir = \"out/nowhere\"", "output_dir = \"\""),
+    )
+    .unwrap();
+    refused_by_validate_and_submit(
+        &coord.url,
+        d,
+        spec.to_str().unwrap(),
+        "job.output_dir: must not be empty",
+    );
+}
+
+/// Issue 14 item 7: `accrue steps JOB --detail --json | head -1` panicked
+/// ("failed printing to stdout: Broken pipe"). Now every command whose
+/// reader has gone exits quietly with 141 (128 + SIGPIPE, what a shell
+/// reports for `yes | head -1`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn output_to_a_closed_pipe_exits_quietly() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let spec = write_job(d, "pipe", "epochs = 1");
+    let coord = Coordinator::start(&d.join("state"));
+    let out = accrue(&coord.url, &["submit", spec.to_str().unwrap()], d);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let job = stdout(&out).trim().to_string();
+    fake_worker(coord.url.clone(), None).await.unwrap();
+    let spec_path = spec.to_str().unwrap();
+    for args in [
+        &["steps", &job, "--detail", "--json"][..],
+        &["steps", &job],
+        &["jobs", "--json"],
+        &["status", &job],
+        &["watch", &job, "--from-step", "1", "--json"],
+        &["validate", spec_path],
+    ] {
+        // A pipe whose reader is closed before the command starts: its
+        // first write fails with EPIPE, whatever the timing.
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let out = std::process::Command::new(bin_dir().join("accrue"))
+            .args(["--coordinator", &coord.url])
+            .args(args)
+            .current_dir(d)
+            .stdout(writer)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(141), "{args:?}: {}", stderr(&out));
+        assert_eq!(stderr(&out), "", "{args:?}");
+    }
+}
+
+/// Issue 14 item 10: a corrupt `model.init` checkpoint was named only in
+/// the worker's log; the job said "no state to recover". Submit now
+/// refuses it naming the file and what is wrong.
+#[test]
+fn a_corrupt_model_init_checkpoint_is_refused_naming_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let coord = Coordinator::start(&d.join("state"));
+    write_job(d, "unused", "epochs = 1");
+    let ckpt = d.join("ckpt");
+    std::fs::create_dir(&ckpt).unwrap();
+    std::fs::copy(d.join("tiny.json"), ckpt.join("config.json")).unwrap();
+    std::fs::write(
+        ckpt.join("manifest.json"),
+        r#"{"job":"j","step":2,"cursor":{"epoch":0,"position":16,"overflow":[]},"world_size":1,"generation":1}"#,
+    )
+    .unwrap();
+    let weights = ckpt.join("model.safetensors");
+    std::fs::write(&weights, b"this is not a model").unwrap();
+    let spec = d.join("resume.toml");
+    let text = std::fs::read_to_string(d.join("unused.toml"))
+        .unwrap()
+        .replace(
+            "init = \"random\"\nconfig = \"tiny.json\"",
+            "init = \"ckpt\"",
+        )
+        .replace("name = \"unused\"", "name = \"resume\"");
+    std::fs::write(&spec, text).unwrap();
+    let want = format!("model.init: {}: not a safetensors file", weights.display());
+    refused_by_validate_and_submit(&coord.url, d, spec.to_str().unwrap(), &want);
+}

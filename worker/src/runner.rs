@@ -30,6 +30,7 @@ mod checkpoint;
 mod configure;
 pub mod fault;
 mod handle;
+mod probe;
 mod publish;
 mod reference;
 mod step;

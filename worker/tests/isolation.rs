@@ -85,3 +85,51 @@ fn a_seeded_init_does_not_depend_on_what_other_threads_draw() {
         }
     }
 }
+
+/// What a probe plan relies on (issue 14): with one embedding row NaN, a
+/// microbatch using that token fails as non-finite and one without it
+/// trains with finite gradients (the row is never read).
+#[test]
+fn a_nan_embedding_row_poisons_only_the_documents_that_use_it() {
+    use accrue_worker::batch::{MicrobatchMeta, PackedBatch, StepNorms};
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = common::random_job(dir.path(), "");
+    let mut t = Trainer::single(&cfg, None).unwrap();
+    for (name, p) in t.named_parameters() {
+        if name.ends_with("embed_tokens.weight") {
+            tch::no_grad(|| {
+                let _ = p.get(7).fill_(f64::NAN);
+            });
+        }
+    }
+    let batch = |ids: Vec<i64>| PackedBatch {
+        cu_seq_lens: vec![0, ids.len() as i64],
+        labels: ids.clone(),
+        input_ids: ids,
+    };
+    let norms = StepNorms {
+        loss_tokens: 8,
+        ..Default::default()
+    };
+    let meta = MicrobatchMeta {
+        seqs: vec![accrue_worker::batch::SeqMeta {
+            doc_id: "0:1".into(),
+            role: 0,
+            advantage: None,
+            ref_logp: None,
+        }],
+        ..Default::default()
+    };
+    t.zero_grad();
+    let clean = t.train_microbatch(0, &batch(vec![1, 2, 3, 4, 5, 6, 8, 9]), &meta, &norms);
+    assert!(clean.unwrap().loss_sum.is_finite());
+    assert!(t.grads_finite(), "the NaN row is never read");
+    t.zero_grad();
+    let poisoned = t.train_microbatch(1, &batch(vec![1, 2, 7, 4]), &meta, &norms);
+    let e = poisoned.expect_err("a NaN embedding makes the loss NaN");
+    assert_eq!(
+        accrue_worker::error::classify(&e).0,
+        accrue_worker::wire::ErrorKind::NonFinite,
+        "{e:#}"
+    );
+}

@@ -52,6 +52,10 @@ impl Engine for Fake {
 
     fn zero_grad(&mut self) {}
 
+    fn grads_finite(&self) -> bool {
+        true
+    }
+
     fn set_collective(&mut self, _: Box<dyn Collective>) -> anyhow::Result<()> {
         Ok(())
     }

@@ -18,8 +18,12 @@ async fn main() -> ExitCode {
         .init();
     match cli::run(cli).await {
         Ok(code) => code,
+        // The reader of our output has gone (`accrue ... | head`): nothing
+        // to report, and no one to report it to.
+        Err(e) if cli::output::is_broken_pipe(&e) => ExitCode::from(cli::output::BROKEN_PIPE_EXIT),
         Err(e) => {
-            eprintln!("error: {e:#}");
+            use std::io::Write as _;
+            let _ = writeln!(std::io::stderr(), "error: {e:#}");
             ExitCode::FAILURE
         }
     }

@@ -8,7 +8,8 @@ use std::process::ExitCode;
 use anyhow::Context as _;
 use tonic::Code;
 
-use super::client::{connect, rpc_error, AdminConn};
+use super::client::{check_request_size, connect, rpc_error, AdminConn};
+use super::output::{errln, out, outln};
 use super::render;
 use super::Conn;
 use crate::wire::{
@@ -22,31 +23,32 @@ async fn client(conn: &Conn) -> anyhow::Result<AdminConn> {
 }
 
 fn print_json(v: &serde_json::Value) -> anyhow::Result<ExitCode> {
-    println!("{}", serde_json::to_string_pretty(v)?);
+    outln!("{}", serde_json::to_string_pretty(v)?)?;
     Ok(ExitCode::SUCCESS)
 }
 
 /// `accrue submit`: prints the new job's id alone on stdout. A spec the
 /// coordinator rejects (InvalidArgument) prints its problems and exits 1.
 pub async fn submit(conn: &Conn, path: &Path) -> anyhow::Result<ExitCode> {
-    let spec_toml =
-        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let spec_toml = crate::input::read_spec(path, crate::input::MAX_CONFIG_BYTES)?;
     let base_dir = std::env::current_dir().context("cannot determine the current directory")?;
     let base_dir = std::path::absolute(&base_dir).unwrap_or(base_dir);
-    let mut c = client(conn).await?;
     let req = SubmitJobRequest {
         spec_toml,
         base_dir: base_dir.display().to_string(),
     };
+    let what = format!("the submit request of {}", path.display());
+    check_request_size(conn, &what, prost::Message::encoded_len(&req))?;
+    let mut c = client(conn).await?;
     match c.submit_job(req).await {
         Ok(r) => {
-            println!("{}", r.into_inner().job_id);
+            outln!("{}", r.into_inner().job_id)?;
             Ok(ExitCode::SUCCESS)
         }
         Err(s) if s.code() == Code::InvalidArgument => {
-            eprintln!("error: the coordinator rejected {}:", path.display());
+            errln!("error: the coordinator rejected {}:", path.display());
             for line in s.message().lines() {
-                eprintln!("{line}");
+                errln!("{line}");
             }
             Ok(ExitCode::FAILURE)
         }
@@ -67,7 +69,7 @@ pub async fn jobs(conn: &Conn, json: bool) -> anyhow::Result<ExitCode> {
     if json {
         return print_json(&render::jobs_json(&r.jobs));
     }
-    print!("{}", render::jobs_table(&r.jobs));
+    out!("{}", render::jobs_table(&r.jobs))?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -85,7 +87,7 @@ pub async fn status(conn: &Conn, job_id: &str, json: bool) -> anyhow::Result<Exi
     if json {
         return print_json(&render::job_detail_json(&r));
     }
-    print!("{}", render::job_detail(&r, now_unix_ms()));
+    out!("{}", render::job_detail(&r, now_unix_ms()))?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -131,7 +133,7 @@ pub async fn transition(conn: &Conn, job_id: &str, t: Transition) -> anyhow::Res
         .map_err(|s| rpc_error(&s, &conn.coordinator))
         .with_context(|| format!("{verb} job {job_id}"))?;
     let job = job.with_context(|| format!("{verb} job {job_id}: the reply has no job summary"))?;
-    println!("{}: {}", job.job_id, render::job_state_name(job.state));
+    outln!("{}: {}", job.job_id, render::job_state_name(job.state))?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -147,7 +149,7 @@ pub async fn workers(conn: &Conn, json: bool) -> anyhow::Result<ExitCode> {
     if json {
         return print_json(&render::workers_json(&r.workers));
     }
-    print!("{}", render::workers_table(&r.workers));
+    out!("{}", render::workers_table(&r.workers))?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -164,7 +166,7 @@ pub async fn drain(conn: &Conn, worker_id: &str) -> anyhow::Result<ExitCode> {
         .into_inner()
         .worker
         .with_context(|| format!("drain worker {worker_id}: the reply has no worker"))?;
-    println!("{}: {}", w.worker_id, render::worker_state_name(w.state));
+    outln!("{}: {}", w.worker_id, render::worker_state_name(w.state))?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -180,7 +182,7 @@ pub async fn checkpoint(conn: &Conn, job_id: &str) -> anyhow::Result<ExitCode> {
         .map_err(|s| rpc_error(&s, &conn.coordinator))
         .with_context(|| format!("checkpoint job {job_id}"))?
         .into_inner();
-    println!("{}", r.step);
+    outln!("{}", r.step)?;
     Ok(ExitCode::SUCCESS)
 }
 

@@ -5,6 +5,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 
+use super::output::{errln, outln};
 use super::{CollectiveArgs, CollectiveRankArgs, PackingArgs};
 use crate::bench::{CollectiveBenchOpts, CollectiveRow, PackingBenchOpts, PackingRow};
 use crate::spec::{DataFormat, DataSection, ObjectiveKind, OnBad};
@@ -19,7 +20,7 @@ pub fn packing(args: &PackingArgs) -> anyhow::Result<ExitCode> {
     let datasets = match data_dir(args.data.as_deref()) {
         Some(dir) => real_datasets(&dir)?,
         None => {
-            eprintln!("note: no shared data directory found; packing the synthetic dataset only");
+            errln!("note: no shared data directory found; packing the synthetic dataset only");
             Vec::new()
         }
     };
@@ -36,17 +37,17 @@ pub fn packing(args: &PackingArgs) -> anyhow::Result<ExitCode> {
         .collect::<Result<_, _>>()?;
     if args.json {
         for r in &rows {
-            println!("{}", serde_json::to_string(r)?);
+            outln!("{}", serde_json::to_string(r)?)?;
         }
     } else {
-        println!("{}", table(&rows));
+        outln!("{}", table(&rows))?;
     }
     let (hard, soft) = check(&rows);
     for f in &soft {
-        eprintln!("target missed (reported, not enforced): {f}");
+        errln!("target missed (reported, not enforced): {f}");
     }
     for f in &hard {
-        eprintln!("target missed: {f}");
+        errln!("target missed: {f}");
     }
     if args.check && !hard.is_empty() {
         return Ok(ExitCode::from(1));
@@ -105,7 +106,8 @@ fn real_datasets(dir: &Path) -> anyhow::Result<Vec<(String, Vec<Vec<u32>>)>> {
                 source: Default::default(),
                 shuffle: false,
             };
-            let ds = crate::data::load(&section, objective)
+            // No model here: token ids are bounded by nothing but the tokenizer.
+            let ds = crate::data::load(&section, objective, u32::MAX)
                 .with_context(|| format!("loading {}", file.display()))?;
             let name = file
                 .file_name()
@@ -209,7 +211,7 @@ pub fn collective(args: &CollectiveArgs) -> anyhow::Result<ExitCode> {
     } else if args.python.exists() {
         Some(args.python.clone())
     } else {
-        eprintln!(
+        errln!(
             "note: {} not found; measuring the ring only (use --python)",
             args.python.display()
         );
@@ -225,13 +227,13 @@ pub fn collective(args: &CollectiveArgs) -> anyhow::Result<ExitCode> {
     let rows = crate::bench::collective(&opts)?;
     if args.json {
         for r in &rows {
-            println!("{}", serde_json::to_string(r)?);
+            outln!("{}", serde_json::to_string(r)?)?;
         }
     } else {
-        println!("{}", collective_table(&rows));
+        outln!("{}", collective_table(&rows))?;
     }
     for r in rows.iter().filter(|r| r.ratio.is_some_and(|x| x < 1.0)) {
-        eprintln!(
+        errln!(
             "target missed (reported, not enforced): {} world {} {} MiB at {:.2}x gloo",
             r.op,
             r.world,

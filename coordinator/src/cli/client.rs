@@ -100,6 +100,21 @@ pub async fn channel(conn: &Conn) -> anyhow::Result<(Channel, BearerAuth)> {
     Ok((channel, auth))
 }
 
+/// Refuses a request over this client's message limit before it is sent:
+/// tonic fails such a request with an h2 "internal" protocol error that
+/// names neither the limit nor the request. `what` names the request.
+pub fn check_request_size(conn: &Conn, what: &str, bytes: usize) -> anyhow::Result<()> {
+    let limit = conn.max_message_mb << 20;
+    if bytes > limit {
+        anyhow::bail!(
+            "{what} is {bytes} bytes, more than the gRPC message limit of {} MiB ({limit} bytes; \
+             --max-message-mb, which the coordinator has too)",
+            conn.max_message_mb
+        );
+    }
+    Ok(())
+}
+
 /// `e: cause: cause`, skipping links that repeat their predecessor.
 fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
     let mut parts: Vec<String> = Vec::new();
@@ -130,6 +145,13 @@ pub fn rpc_error(status: &Status, coordinator: &str) -> anyhow::Error {
             "the coordinator at {url} does not implement this call: {msg} (is it an older version?)"
         ),
         Code::DeadlineExceeded => format!("the coordinator at {url} did not answer in time: {msg}"),
+        // tonic's length checks (the coordinator's on a request, ours on a
+        // reply): say which limit and how to raise it.
+        Code::OutOfRange => format!(
+            "a gRPC message over the size limit: {msg} (--max-message-mb, on the coordinator \
+             and on accrue: {} MiB by default)",
+            crate::auth::DEFAULT_MAX_MESSAGE_MB
+        ),
         code => format!("{msg} ({})", code_name(code)),
     };
     anyhow::anyhow!(text)
@@ -199,6 +221,18 @@ mod tests {
             DEFAULT_COORDINATOR,
         );
         assert_eq!(e.to_string(), "job is done (failed precondition)");
+        let e = rpc_error(
+            &Status::out_of_range(
+                "Error, decoded message length too large: found 9 bytes, the limit is: 4 bytes",
+            ),
+            DEFAULT_COORDINATOR,
+        );
+        assert!(
+            e.to_string()
+                .starts_with("a gRPC message over the size limit: Error, decoded")
+                && e.to_string().contains("--max-message-mb"),
+            "{e}"
+        );
     }
 
     #[tokio::test]

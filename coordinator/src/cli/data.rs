@@ -4,6 +4,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 
+use super::output::outln;
 use super::{SynthArgs, SynthTask};
 
 /// `accrue data synth`.
@@ -13,7 +14,7 @@ pub fn synth(args: &SynthArgs) -> anyhow::Result<ExitCode> {
             let files = crate::data::synth_arithmetic(&args.out, args.seed, args.rows as usize)
                 .with_context(|| format!("writing synthetic data to {}", args.out.display()))?;
             for f in [&files.sft, &files.dpo, &files.rollouts] {
-                println!("wrote {}", f.display());
+                outln!("wrote {}", f.display())?;
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -21,7 +22,7 @@ pub fn synth(args: &SynthArgs) -> anyhow::Result<ExitCode> {
             let groups = (args.rows as usize).div_ceil(crate::data::synth::GROUP_SIZE);
             let file = crate::data::synth::synth_arithmetic_rollouts(&args.out, args.seed, groups)
                 .with_context(|| format!("writing synthetic rollouts to {}", args.out.display()))?;
-            println!("wrote {} ({groups} groups)", file.display());
+            outln!("wrote {} ({groups} groups)", file.display())?;
             Ok(ExitCode::SUCCESS)
         }
     }

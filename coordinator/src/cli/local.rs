@@ -15,6 +15,7 @@ use tokio::process::{Child, Command};
 use tokio_util::sync::CancellationToken;
 
 use super::client::{connect, rpc_error};
+use super::output::errln;
 use super::{watch, Conn};
 use crate::auth::{Token, Tokens, WORKER_TOKEN_ENV};
 use crate::core::Event;
@@ -49,15 +50,14 @@ fn threads_per_worker(workers: u32) -> usize {
 /// Runs `accrue local`.
 pub async fn run(spec_path: &Path, workers: u32) -> anyhow::Result<ExitCode> {
     anyhow::ensure!(workers >= 1, "--workers must be at least 1");
-    let spec_toml = std::fs::read_to_string(spec_path)
-        .with_context(|| format!("cannot read {}", spec_path.display()))?;
+    let spec_toml = crate::input::read_spec(spec_path, crate::input::MAX_CONFIG_BYTES)?;
     let base = std::path::absolute(std::env::current_dir()?)?;
     let spec = match JobSpec::parse(&spec_toml, &base) {
         Ok(s) => s,
         Err(problems) => {
-            eprintln!("error: {} is not a valid job spec:", spec_path.display());
+            errln!("error: {} is not a valid job spec:", spec_path.display());
             for p in problems {
-                eprintln!("  {p}");
+                errln!("  {p}");
             }
             return Ok(ExitCode::FAILURE);
         }
@@ -83,7 +83,7 @@ pub async fn run(spec_path: &Path, workers: u32) -> anyhow::Result<ExitCode> {
     let url = format!("http://{addr}");
     let stop = CancellationToken::new();
     let serving = tokio::spawn(server.run(stop.clone()));
-    eprintln!(
+    errln!(
         "coordinator on {url} (state in {})",
         out.join("state").display()
     );
@@ -112,7 +112,7 @@ pub async fn run(spec_path: &Path, workers: u32) -> anyhow::Result<ExitCode> {
             .with_context(|| format!("starting {}", worker_bin.display()))?;
         children.push((child, log_path));
     }
-    eprintln!("{workers} worker(s) started; logs in {}", logs.display());
+    errln!("{workers} worker(s) started; logs in {}", logs.display());
 
     // All N workers join before the job starts, so it runs at world N from
     // step 1 rather than growing mid-run.
@@ -188,7 +188,7 @@ fn cancel_leftover_jobs(server: &Server) {
             .collect()
     };
     for job in open {
-        eprintln!("cancelling job {job} left unfinished by an earlier run");
+        errln!("cancelling job {job} left unfinished by an earlier run");
         let _ = shared.apply(Event::CancelJob { job });
     }
 }
@@ -212,13 +212,13 @@ async fn follow(
         .context("submit")?
         .into_inner()
         .job_id;
-    eprintln!("submitted job {job}");
+    errln!("submitted job {job}");
     let interrupted = crate::shutdown_on_signal();
     let code = tokio::select! {
         biased;
         r = watch::run(conn, &job, 0, false) => r?,
         _ = interrupted.cancelled() => {
-            eprintln!("interrupted: stopping the workers and the coordinator");
+            errln!("interrupted: stopping the workers and the coordinator");
             return Ok(ExitCode::from(130));
         }
         dead = all_exited(children) => {
@@ -240,7 +240,7 @@ async fn follow(
             .and_then(|r| r.into_inner().job)
             .map(|j| j.reason)
             .unwrap_or_default();
-        eprintln!("error: job {job} did not complete: {reason}");
+        errln!("error: job {job} did not complete: {reason}");
     }
     Ok(code)
 }

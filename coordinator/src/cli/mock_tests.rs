@@ -59,6 +59,16 @@ impl Mock {
     }
 }
 
+fn quarantined_doc() -> QuarantinedDocument {
+    QuarantinedDocument {
+        doc_id: "0:13".into(),
+        source: "data/train.jsonl:13".into(),
+        step: 2,
+        detail: "worker w1: non-finite loss NaN in loss chunk 0".into(),
+        unix_ms: 1_000,
+    }
+}
+
 fn known(job_id: &str) -> Result<(), Status> {
     if job_id == "missing" {
         Err(Status::not_found(format!("no job {job_id}")))
@@ -91,6 +101,34 @@ impl Admin for Mock {
         _: Request<ValidateJobRequest>,
     ) -> Result<Response<ValidateJobResponse>, Status> {
         Err(Status::unimplemented("mock"))
+    }
+    async fn list_quarantine(
+        &self,
+        r: Request<ListQuarantineRequest>,
+    ) -> Result<Response<ListQuarantineResponse>, Status> {
+        self.seen(&r);
+        known(&r.get_ref().job_id)?;
+        Ok(Response::new(ListQuarantineResponse {
+            documents: vec![quarantined_doc()],
+        }))
+    }
+    async fn release_quarantine(
+        &self,
+        r: Request<ReleaseQuarantineRequest>,
+    ) -> Result<Response<ReleaseQuarantineResponse>, Status> {
+        self.seen(&r);
+        let r = r.into_inner();
+        known(&r.job_id)?;
+        if !r.all && r.doc_ids != ["0:13"] {
+            return Err(Status::not_found(format!(
+                "document {} is not quarantined in job {}",
+                r.doc_ids.join(","),
+                r.job_id
+            )));
+        }
+        Ok(Response::new(ReleaseQuarantineResponse {
+            released: vec![quarantined_doc()],
+        }))
     }
     async fn list_jobs(
         &self,
@@ -476,4 +514,32 @@ async fn set_sends_only_the_given_settings_and_reports_a_refusal() {
         }
     );
     assert_eq!(sent[1].docs_per_step, Some(0));
+}
+
+#[tokio::test]
+async fn quarantine_lists_releases_and_names_what_is_unknown() {
+    use super::quarantine::{run, Action};
+    let conn = serve(Arc::new(Mock::default()), None).await;
+    assert_eq!(
+        run(&conn, "job-1", Action::List, false).await.unwrap(),
+        ExitCode::SUCCESS
+    );
+    assert_eq!(
+        run(&conn, "job-1", Action::Release(vec!["0:13".into()]), true)
+            .await
+            .unwrap(),
+        ExitCode::SUCCESS
+    );
+    let e = run(&conn, "job-1", Action::Release(vec!["0:9".into()]), false)
+        .await
+        .unwrap_err();
+    let msg = format!("{e:#}");
+    assert!(
+        msg.contains("0:9") && msg.contains("not quarantined"),
+        "{msg}"
+    );
+    let e = run(&conn, "missing", Action::List, false)
+        .await
+        .unwrap_err();
+    assert!(format!("{e:#}").contains("missing"), "{e:#}");
 }

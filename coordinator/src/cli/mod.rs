@@ -4,7 +4,8 @@
 //! rendering is pure and lives in [`render`], connecting in [`client`].
 //!
 //! Exit codes: 0 ok, 1 a failure the user caused (bad spec, failed or
-//! cancelled job, unreachable coordinator, RPC error), 2 usage (clap).
+//! cancelled job, unreachable coordinator, RPC error), 2 usage (clap), 141
+//! the reader of our output went away ([`output`]).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -18,7 +19,9 @@ mod data;
 pub mod local;
 #[cfg(test)]
 mod mock_tests;
+pub mod output;
 pub mod plot;
+mod quarantine;
 mod recovery;
 pub mod render;
 pub mod rollouts;
@@ -141,12 +144,21 @@ impl Conn {
 pub enum Command {
     /// Check a job spec offline and print every problem (no coordinator needed).
     ///
-    /// Relative paths in the spec resolve against the current directory, as
-    /// they do on submit.
+    /// Runs the checks of submit: the spec, the model's config against the
+    /// tokenizer, a model.init checkpoint, and the data (read with the
+    /// job's own readers when its files hold at most 16 MiB, or with
+    /// --data). Relative paths in the spec resolve against the current
+    /// directory, as they do on submit.
     Validate {
         /// The job spec.
         #[arg(value_name = "JOB.toml")]
         spec: PathBuf,
+        /// Read and tokenize the data whatever its size.
+        #[arg(long, conflicts_with = "no_data")]
+        data: bool,
+        /// Do not read the data.
+        #[arg(long)]
+        no_data: bool,
     },
     /// Submit a job; prints its id.
     ///
@@ -224,6 +236,23 @@ pub enum Command {
         #[arg(long)]
         detail: bool,
         /// Print one JSON object per step (a line each) instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List the documents a job quarantined (non-finite steps bisected
+    /// down to them; see `[faults] on_nonfinite`), or release them back to
+    /// its stream (each is trained when the stream next reaches it).
+    Quarantine {
+        /// Job id.
+        #[arg(value_name = "JOB")]
+        job: String,
+        /// Release these documents (ids as listed, `file:line`).
+        #[arg(long, value_name = "DOC", num_args = 1.., conflicts_with = "release_all")]
+        release: Vec<String>,
+        /// Release every quarantined document.
+        #[arg(long)]
+        release_all: bool,
+        /// Print a JSON array instead of a table.
         #[arg(long)]
         json: bool,
     },
@@ -468,9 +497,24 @@ pub enum SynthTask {
 pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     let conn = &cli.conn;
     match cli.command {
-        Command::Validate { spec } => {
+        Command::Validate {
+            spec,
+            data,
+            no_data,
+        } => {
             let base = std::env::current_dir()?;
-            validate::run(&spec, &base, &mut std::io::stdout(), &mut std::io::stderr())
+            let scan = match (data, no_data) {
+                (true, _) => validate::DataScan::Always,
+                (_, true) => validate::DataScan::Never,
+                _ => validate::DataScan::Auto,
+            };
+            validate::run(
+                &spec,
+                &base,
+                scan,
+                &mut std::io::stdout(),
+                &mut std::io::stderr(),
+            )
         }
         Command::Submit { spec } => admin::submit(conn, &spec).await,
         Command::Jobs { json } => admin::jobs(conn, json).await,
@@ -481,6 +525,19 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Workers { json } => admin::workers(conn, json).await,
         Command::Drain { worker } => admin::drain(conn, &worker).await,
         Command::Checkpoint { job } => admin::checkpoint(conn, &job).await,
+        Command::Quarantine {
+            job,
+            release,
+            release_all,
+            json,
+        } => {
+            let action = match (release_all, release.is_empty()) {
+                (true, _) => quarantine::Action::ReleaseAll,
+                (false, false) => quarantine::Action::Release(release),
+                (false, true) => quarantine::Action::List,
+            };
+            quarantine::run(conn, &job, action, json).await
+        }
         Command::Watch {
             job,
             from_step,
@@ -593,6 +650,8 @@ mod tests {
     fn every_subcommand_parses() {
         let cases: &[&[&str]] = &[
             &["validate", "job.toml"],
+            &["validate", "job.toml", "--data"],
+            &["validate", "job.toml", "--no-data"],
             &["submit", "job.toml"],
             &["jobs"],
             &["status", "j1", "--json"],
@@ -720,6 +779,6 @@ mod tests {
         let e = run(parse(&["local", "/nonexistent/job.toml", "--workers", "2"]).unwrap())
             .await
             .unwrap_err();
-        assert_eq!(e.to_string(), "cannot read /nonexistent/job.toml");
+        assert_eq!(e.to_string(), "file not found: /nonexistent/job.toml");
     }
 }

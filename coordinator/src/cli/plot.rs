@@ -13,6 +13,7 @@ use anyhow::Context as _;
 use plotters::prelude::*;
 use serde::Deserialize;
 
+use super::output::outln;
 use super::Conn;
 
 /// The embedded font (see coordinator/assets/LICENSE-DejaVu.txt).
@@ -292,13 +293,13 @@ pub async fn run(conn: &Conn, args: &PlotArgs) -> anyhow::Result<ExitCode> {
         (e, _) => e.into(),
     })?;
     render_png(&points, &title, &args.out, args.size)?;
-    println!(
+    outln!(
         "wrote {} ({} steps, {}..{})",
         args.out.display(),
         points.len(),
         points[0].step,
         points[points.len() - 1].step
-    );
+    )?;
     Ok(ExitCode::SUCCESS)
 }
 

@@ -22,6 +22,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::client::{connect, rpc_error};
 use super::local::{wait_for_workers, worker_binary};
+use super::output::{errln, outln};
 use super::RecoveryArgs;
 use crate::server::{Server, ServerConfig};
 use crate::wire::{
@@ -65,9 +66,9 @@ pub async fn run(args: &RecoveryArgs) -> anyhow::Result<ExitCode> {
                     .await
                     .with_context(|| format!("{sharding}, {workers} workers, {fault}"))?;
                 if args.json {
-                    println!("{}", serde_json::to_string(&row)?);
+                    outln!("{}", serde_json::to_string(&row)?)?;
                 } else {
-                    println!(
+                    outln!(
                         "{:<6} W={} {:<5} step {:>6.3}s  detect {:>6.3}s  next step {:>6.3}s",
                         row.sharding,
                         row.workers,
@@ -75,7 +76,7 @@ pub async fn run(args: &RecoveryArgs) -> anyhow::Result<ExitCode> {
                         row.step_time_s,
                         row.detect_s,
                         row.next_step_s
-                    );
+                    )?;
                 }
                 rows.push(row);
             }
@@ -83,7 +84,7 @@ pub async fn run(args: &RecoveryArgs) -> anyhow::Result<ExitCode> {
     }
     for r in rows.iter().filter(|r| r.fault == "kill") {
         if r.detect_s > DETECT_TARGET_S || r.next_step_s > NEXT_STEP_TARGET_S {
-            eprintln!(
+            errln!(
                 "target missed: {} W={} kill: detect {:.3}s (≤ {DETECT_TARGET_S}), next step {:.3}s (≤ {NEXT_STEP_TARGET_S})",
                 r.sharding, r.workers, r.detect_s, r.next_step_s
             );

@@ -483,6 +483,7 @@ mod tests {
             last_loss: 2.345_678,
             submitted_unix_ms: 1_000,
             documents: 768,
+            quarantined: 0,
         }
     }
 

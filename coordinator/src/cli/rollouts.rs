@@ -13,6 +13,7 @@ use anyhow::{bail, Context};
 use serde_json::{Map, Value as Json};
 
 use super::client::rpc_error;
+use super::output::out;
 use super::Conn;
 use crate::data::read;
 use crate::wire;
@@ -140,20 +141,30 @@ pub async fn push(conn: &Conn, job: &str, file: &Path, batch: usize) -> anyhow::
         bail!("--batch must be at least 1");
     }
     let rows = read_file(file)?;
+    let messages = messages(job, &rows, batch);
+    for (i, m) in messages.iter().enumerate() {
+        let first = rows.get(i * batch).map_or(0, |r| r.0);
+        let what = format!(
+            "message {i} ({} rollouts from {}:{first}; --batch {batch})",
+            m.rollouts.len(),
+            file.display()
+        );
+        super::client::check_request_size(conn, &what, prost::Message::encoded_len(m))?;
+    }
     let (channel, auth) = super::client::channel(conn).await?;
     let max = conn.max_message_mb << 20;
     let mut client = RolloutsClient::with_interceptor(channel, auth)
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);
     let reply = client
-        .push_rollouts(tokio_stream::iter(messages(job, &rows, batch)))
+        .push_rollouts(tokio_stream::iter(messages))
         .await
         .map_err(|s| {
             let s = tonic::Status::new(s.code(), locate(s.message(), file, &rows, batch));
             rpc_error(&s, &conn.coordinator)
         })?
         .into_inner();
-    print!("{}", render(&reply));
+    out!("{}", render(&reply))?;
     Ok(ExitCode::SUCCESS)
 }
 

@@ -8,6 +8,7 @@ use std::process::ExitCode;
 use anyhow::Context as _;
 
 use super::client::{connect, rpc_error};
+use super::output::outln;
 use super::Conn;
 use crate::wire::UpdateJobRequest;
 
@@ -41,6 +42,6 @@ pub async fn run(conn: &Conn, args: &SetArgs) -> anyhow::Result<ExitCode> {
         .map_err(|s| rpc_error(&s, &conn.coordinator))
         .with_context(|| format!("update job {}", args.job))?
         .into_inner();
-    println!("{}: from step {}", args.job, r.from_step);
+    outln!("{}: from step {}", args.job, r.from_step)?;
     Ok(ExitCode::SUCCESS)
 }

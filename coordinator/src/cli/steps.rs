@@ -12,6 +12,7 @@ use anyhow::Context as _;
 use serde_json::{json, Value};
 
 use super::client::{connect, rpc_error};
+use super::output::{out, outln};
 use super::render::table;
 use super::Conn;
 use crate::wire::{ListStepsRequest, StepManifest, StepRankLayout};
@@ -43,10 +44,10 @@ pub async fn run(conn: &Conn, args: &StepsArgs) -> anyhow::Result<ExitCode> {
         .steps;
     if args.json {
         for s in &steps {
-            println!("{}", step_json(s));
+            outln!("{}", step_json(s))?;
         }
     } else {
-        print!("{}", steps_table(&steps, args.detail));
+        out!("{}", steps_table(&steps, args.detail))?;
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -1,29 +1,102 @@
-//! `accrue validate JOB.toml`: checks a job spec offline, with the same
-//! [`JobSpec::parse`] the coordinator runs on submit, and prints every problem
-//! as `JOB.toml: <field>: <message>`, like a compiler.
+//! `accrue validate JOB.toml`: checks a job spec offline with what the
+//! coordinator runs on submit — [`JobSpec::parse`], then
+//! [`crate::admission::admit`] (the model's config against the tokenizer,
+//! a `model.init` checkpoint whole, and the data read by the job's own
+//! readers) — and prints every problem as `JOB.toml: <field>: <message>`,
+//! like a compiler.
+//!
+//! The data is read when it is small ([`AUTO_SCAN_BYTES`] on disk in all:
+//! a few seconds of tokenizing), always with `--data`, never with
+//! `--no-data`.
 
 use std::io::Write;
 use std::path::Path;
 use std::process::ExitCode;
 
-use anyhow::Context as _;
+use crate::admission::{self, Admitted};
+use crate::input::{self, MAX_CONFIG_BYTES};
+use crate::spec::{JobSpec, SpecProblem, StepSize};
 
-use crate::spec::{JobSpec, StepSize};
+/// `data.train` files up to this many bytes in all are read by default.
+pub const AUTO_SCAN_BYTES: u64 = 16 << 20;
+
+/// Whether `validate` reads the dataset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DataScan {
+    /// When its files hold at most [`AUTO_SCAN_BYTES`].
+    #[default]
+    Auto,
+    Always,
+    Never,
+}
+
+impl DataScan {
+    /// Whether to read `spec`'s data; `Err` names the size when `Auto`
+    /// decides against it.
+    fn decide(self, spec: &JobSpec) -> Result<bool, u64> {
+        match self {
+            DataScan::Always => Ok(true),
+            DataScan::Never => Ok(false),
+            DataScan::Auto => {
+                // Files that cannot be stat'ed were reported by parse.
+                let bytes: u64 = spec
+                    .data
+                    .train
+                    .iter()
+                    .filter_map(|f| input::check(f).ok())
+                    .sum();
+                if bytes <= AUTO_SCAN_BYTES {
+                    Ok(true)
+                } else {
+                    Err(bytes)
+                }
+            }
+        }
+    }
+}
 
 /// Validates the spec text; `label` prefixes every problem line (usually the
-/// path the user typed). Ok: the `ok: <name>` line and a one-line summary.
-/// Err: one line per problem.
-pub fn check(label: &str, text: &str, base_dir: &Path) -> Result<Vec<String>, Vec<String>> {
-    match JobSpec::parse(text, base_dir) {
-        Ok(spec) => Ok(vec![
-            format!("ok: {}", spec.job.name),
-            format!("  {}", summary(&spec, base_dir)),
-        ]),
-        Err(problems) => Err(problems
+/// path the user typed). Ok: the `ok: <name>` line and a summary. Err: one
+/// line per problem.
+pub fn check(
+    label: &str,
+    text: &str,
+    base_dir: &Path,
+    scan: DataScan,
+) -> Result<Vec<String>, Vec<String>> {
+    let lines = |problems: Vec<SpecProblem>| {
+        problems
             .iter()
             .map(|p| format!("{label}: {}: {}", p.field, p.message))
-            .collect()),
-    }
+            .collect::<Vec<_>>()
+    };
+    let spec = JobSpec::parse(text, base_dir).map_err(lines)?;
+    let scanned = scan.decide(&spec);
+    let admitted = admission::admit(&spec, scanned.is_ok_and(|s| s)).map_err(lines)?;
+    Ok(vec![
+        format!("ok: {}", spec.job.name),
+        format!("  {}", summary(&spec, base_dir)),
+        format!("  {}", checked(&spec, &admitted, scanned)),
+    ])
+}
+
+/// `model vocab 320 · data: 40 documents, 1234 tokens read`
+fn checked(spec: &JobSpec, a: &Admitted, scanned: Result<bool, u64>) -> String {
+    let data = match (&a.dataset, scanned) {
+        (Some(d), _) => format!(
+            "{} documents, {} tokens read",
+            d.docs.len(),
+            d.report.tokens
+        ),
+        _ if spec.data.is_stream() => "streamed".into(),
+        (None, Err(bytes)) => format!(
+            "not read ({} MiB, more than {} MiB: pass --data to read it)",
+            bytes >> 20,
+            AUTO_SCAN_BYTES >> 20
+        ),
+        (None, _) => "not read (--no-data)".into(),
+    };
+    format!("model vocab {} · data: {data}", a.model.vocab_size)
 }
 
 /// `sft · 64 docs per step · 100 steps · ddp, 1-8 workers · data: train.jsonl`
@@ -60,12 +133,12 @@ pub fn summary(spec: &JobSpec, base_dir: &Path) -> String {
 pub fn run(
     path: &Path,
     base_dir: &Path,
+    scan: DataScan,
     out: &mut dyn Write,
     err: &mut dyn Write,
 ) -> anyhow::Result<ExitCode> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-    match check(&path.display().to_string(), &text, base_dir) {
+    let text = input::read_spec(path, MAX_CONFIG_BYTES)?;
+    match check(&path.display().to_string(), &text, base_dir, scan) {
         Ok(lines) => {
             for l in lines {
                 writeln!(out, "{l}")?;
@@ -112,18 +185,34 @@ min_workers = 1
 max_workers = 8
 "#;
 
+    /// 64 rows of one document each (GOOD takes 64 per step).
+    fn rows() -> String {
+        (0..64)
+            .map(|i| {
+                format!(
+                    "{{\"prompt\": \"{i}+1=\", \"completion\": \"{}\"}}\n",
+                    i + 1
+                )
+            })
+            .collect()
+    }
+
     fn fixture(spec: &str) -> (tempfile::TempDir, std::path::PathBuf) {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("tiny.json"), "{}").unwrap();
-        std::fs::write(dir.path().join("train.jsonl"), "").unwrap();
+        std::fs::write(dir.path().join("tiny.json"), r#"{"vocab_size": 320}"#).unwrap();
+        std::fs::write(dir.path().join("train.jsonl"), rows()).unwrap();
         let path = dir.path().join("job.toml");
         std::fs::write(&path, spec).unwrap();
         (dir, path)
     }
 
     fn run_to_strings(path: &Path, base: &Path) -> (ExitCode, String, String) {
+        run_scan(path, base, DataScan::Auto)
+    }
+
+    fn run_scan(path: &Path, base: &Path, scan: DataScan) -> (ExitCode, String, String) {
         let (mut out, mut err) = (Vec::new(), Vec::new());
-        let code = run(path, base, &mut out, &mut err).unwrap();
+        let code = run(path, base, scan, &mut out, &mut err).unwrap();
         (
             code,
             String::from_utf8(out).unwrap(),
@@ -143,6 +232,141 @@ max_workers = 8
             lines[1],
             "  sft · 64 docs per step · 100 steps · ddp, 1-8 workers · data: train.jsonl"
         );
+        assert!(
+            lines[2].starts_with("  model vocab 320 · data: 64 documents, "),
+            "{out}"
+        );
+        let (code, out, _) = run_scan(&path, dir.path(), DataScan::Never);
+        assert_eq!(code, ExitCode::SUCCESS);
+        assert!(out.ends_with("data: not read (--no-data)\n"), "{out}");
+    }
+
+    /// Issue 14 item 1: a model whose vocab_size cannot hold the
+    /// tokenizer's ids passed validate; the worker then crashed.
+    #[test]
+    fn a_model_vocab_below_the_tokenizer_fails_validate_naming_field_and_numbers() {
+        let (dir, path) = fixture(GOOD);
+        std::fs::write(dir.path().join("tiny.json"), r#"{"vocab_size": 100}"#).unwrap();
+        let (code, out, err) = run_scan(&path, dir.path(), DataScan::Never);
+        assert_eq!(code, ExitCode::FAILURE, "{out}");
+        let want = format!(
+            "{}: model.config: vocab_size = 100 in {} cannot hold the byte tokenizer's 259 token ids",
+            path.display(),
+            dir.path().join("tiny.json").display()
+        );
+        assert!(err.starts_with(&want), "{err}");
+    }
+
+    /// Issue 14 items 1 and 2: the data is read by the job's own readers
+    /// (bad rows by file:line), and a step larger than the dataset, or over
+    /// the limits, is refused.
+    #[test]
+    fn validate_reads_the_data_and_checks_the_step_against_it() {
+        let (dir, path) = fixture(GOOD);
+        let train = dir.path().join("train.jsonl");
+        std::fs::write(&train, format!("{}{{\"prompt\": 3}}\n", rows())).unwrap();
+        let (code, _, err) = run_to_strings(&path, dir.path());
+        assert_eq!(code, ExitCode::FAILURE);
+        assert!(
+            err.contains(&format!("data.train[0]: {}:65: ", train.display())),
+            "{err}"
+        );
+        let (code, _, err) = run_scan(&path, dir.path(), DataScan::Never);
+        assert_eq!(code, ExitCode::SUCCESS, "{err}");
+
+        std::fs::write(&train, rows()).unwrap();
+        let big = GOOD.replace("docs_per_step = 64", "docs_per_step = 1000000000");
+        std::fs::write(&path, big).unwrap();
+        let (code, _, err) = run_scan(&path, dir.path(), DataScan::Never);
+        assert_eq!(code, ExitCode::FAILURE);
+        assert!(
+            err.contains("batch.docs_per_step: 1000000000 is more than the limit of 1048576 documents per step"),
+            "{err}"
+        );
+        std::fs::write(
+            &path,
+            GOOD.replace("docs_per_step = 64", "docs_per_step = 65"),
+        )
+        .unwrap();
+        let (code, _, err) = run_to_strings(&path, dir.path());
+        assert_eq!(code, ExitCode::FAILURE);
+        assert!(
+            err.contains("batch.docs_per_step: 65 is more than the 64 documents in data.train"),
+            "{err}"
+        );
+    }
+
+    /// Issue 14 item 10: a directory, a FIFO or /dev/zero as the spec or a
+    /// file it names says what it is (it was "file not found"; a FIFO spec
+    /// blocked and a /dev/zero spec was read until memory ran out). The
+    /// spec itself may be a pipe (`<(...)`), so a device there is read up
+    /// to the spec's size limit.
+    #[test]
+    fn files_that_are_not_regular_files_are_named_without_blocking() {
+        let (dir, path) = fixture(GOOD);
+        let e = run(
+            dir.path(),
+            dir.path(),
+            DataScan::Auto,
+            &mut Vec::new(),
+            &mut Vec::new(),
+        )
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            format!("not a file: {} is a directory", dir.path().display())
+        );
+        let mut cases = vec![(dir.path().to_path_buf(), "is a directory")];
+        let zero = Path::new("/dev/zero");
+        if zero.exists() {
+            let e = run(
+                zero,
+                dir.path(),
+                DataScan::Auto,
+                &mut Vec::new(),
+                &mut Vec::new(),
+            )
+            .unwrap_err();
+            assert_eq!(
+                e.to_string(),
+                "too large: /dev/zero gives more than the 16777216 bytes a job spec may have"
+            );
+            cases.push((zero.to_path_buf(), "is a character device"));
+        }
+        let fifo = dir.path().join("pipe");
+        if std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .is_ok_and(|s| s.success())
+        {
+            let e = run(
+                &fifo,
+                dir.path(),
+                DataScan::Auto,
+                &mut Vec::new(),
+                &mut Vec::new(),
+            )
+            .unwrap_err();
+            assert!(
+                e.to_string()
+                    .ends_with("is a named pipe (FIFO) that no process is writing to"),
+                "{e}"
+            );
+            cases.push((fifo.clone(), "is a named pipe (FIFO)"));
+        }
+        for (bad, what) in cases {
+            for (from, field) in [
+                ("\"train.jsonl\"", "data.train[0]"),
+                ("\"tiny.json\"", "model.config"),
+            ] {
+                let text = GOOD.replace(from, &format!("{:?}", bad.display().to_string()));
+                std::fs::write(&path, text).unwrap();
+                let (code, _, err) = run_to_strings(&path, dir.path());
+                assert_eq!(code, ExitCode::FAILURE);
+                let want = format!("{field}: not a file: {} {what}", bad.display());
+                assert!(err.contains(&want), "{want}\n{err}");
+            }
+        }
     }
 
     #[test]
@@ -209,10 +433,17 @@ max_workers = 8
     fn missing_file_is_an_error_naming_it() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("nope.toml");
-        let e = run(&path, dir.path(), &mut Vec::new(), &mut Vec::new()).unwrap_err();
-        assert!(
-            format!("{e:#}").starts_with(&format!("cannot read {}", path.display())),
-            "{e:#}"
+        let e = run(
+            &path,
+            dir.path(),
+            DataScan::Auto,
+            &mut Vec::new(),
+            &mut Vec::new(),
+        )
+        .unwrap_err();
+        assert_eq!(
+            format!("{e:#}"),
+            format!("file not found: {}", path.display())
         );
     }
 

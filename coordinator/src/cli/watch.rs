@@ -11,6 +11,7 @@ use anyhow::Context as _;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use super::client::{connect, rpc_error};
+use super::output::outln;
 use super::render;
 use super::Conn;
 use crate::wire::{watch_job_response::Item, GetJobRequest, JobState, WatchJobRequest};
@@ -63,22 +64,24 @@ impl Progress {
         Self { bar }
     }
 
-    fn line(&self, s: &str) {
+    fn line(&self, s: &str) -> std::io::Result<()> {
         if self.bar.is_hidden() {
-            println!("{s}");
+            outln!("{s}")?;
         } else {
             self.bar.println(s);
         }
+        Ok(())
     }
 
-    fn show(&self, item: &Item) {
+    fn show(&self, item: &Item) -> std::io::Result<()> {
         match item {
             Item::Step(s) => {
                 self.bar.set_position(s.step);
                 self.bar.set_message(render::bar_message(s));
                 if self.bar.is_hidden() {
-                    println!("{}", render::step_line(s));
+                    outln!("{}", render::step_line(s))?;
                 }
+                Ok(())
             }
             Item::Event(e) => self.line(&render::event_line(e)),
         }
@@ -138,12 +141,12 @@ pub async fn run(
         };
         if json {
             if let Some(v) = render::watch_item_json(&item) {
-                println!("{v}");
+                outln!("{v}")?;
             }
         }
         if let Some(item) = &item.item {
             if let Some(p) = &progress {
-                p.show(item);
+                p.show(item)?;
             }
             state = next_state(state, item);
         }
@@ -164,7 +167,7 @@ pub async fn run(
     match exit_for(state) {
         Some(code) => {
             if !json {
-                println!("job {job_id} {name}");
+                outln!("job {job_id} {name}")?;
             }
             Ok(code)
         }

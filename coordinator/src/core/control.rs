@@ -166,8 +166,13 @@ fn update_context(job: &Job) -> UpdateContext {
         .chain(queued)
         .max_by_key(|d| d.tokens())
         .map(|d| (d.id, d.tokens()));
+    let files = job.data.stream.is_none();
     UpdateContext {
         longest,
         stream: job.data.stream.as_ref().map(|s| (s.capacity, s.group_size)),
+        dataset: files.then(|| crate::limits::DatasetSize {
+            docs: job.data.docs.len() as u64,
+            tokens: job.data.docs.iter().map(|d| d.tokens()).sum(),
+        }),
     }
 }

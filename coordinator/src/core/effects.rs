@@ -51,6 +51,8 @@ pub enum Event {
         sums: MetricSums,
         /// Reference plans: per-sequence log-probs (empty otherwise).
         logps: Vec<SeqLogp>,
+        /// Probe plans: this rank's non-finite microbatches.
+        nonfinite: Vec<u32>,
     },
     WorkerError {
         worker: WorkerId,
@@ -110,7 +112,12 @@ pub enum Event {
         job: JobId,
         update: JobUpdate,
     },
-    /// Periodic: detects missed heartbeats.
+    /// Returns quarantined documents to the job (`None`: every one).
+    ReleaseQuarantine {
+        job: JobId,
+        docs: Option<Vec<DocId>>,
+    },
+    /// Periodic: detects missed heartbeats and overdue steps.
     Tick,
     /// Rollouts pushed to a streamed job (one RPC message, admitted whole).
     /// Answered by an `Effect::PersistRollouts` carrying the counts, or

@@ -24,6 +24,16 @@ pub enum CoreError {
         buffered: u64,
         capacity: u64,
     },
+    /// Two live jobs would write the same checkpoints and metrics.
+    #[error("job.output_dir {dir} belongs to job {owner} ({name}), which is {state}: give this job another output_dir, or cancel {owner} first")]
+    OutputInUse {
+        dir: std::path::PathBuf,
+        owner: String,
+        name: String,
+        state: String,
+    },
+    #[error("document {doc} is not quarantined in job {job}")]
+    NotQuarantined { job: String, doc: crate::doc::DocId },
     #[error("invalid update of job {job}: {}", .problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
     InvalidUpdate {
         job: String,

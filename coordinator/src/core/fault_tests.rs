@@ -2,7 +2,10 @@
 //! false success (issue 14): the final checkpoint before "completed",
 //! checkpoint write failures, the step deadline and the attempt cap.
 
+use std::collections::BTreeMap;
+
 use super::*;
+use crate::spec::Sharding;
 
 fn checkpoints_of(s: &Sim) -> Vec<u64> {
     s.c.job("job")
@@ -195,4 +198,180 @@ fn a_step_that_never_commits_fails_the_job_after_max_step_attempts() {
     let rec = &s.c.job("job").unwrap().rec;
     assert!(rec.reason.contains("dispatched 3 times"), "{}", rec.reason);
     assert!(rec.reason.contains("lost"), "{}", rec.reason);
+}
+
+fn bisecting(sp: JobSpec) -> JobSpec {
+    let mut sp = sp;
+    sp.faults.on_nonfinite = crate::spec::OnNonFinite::Bisect;
+    sp
+}
+
+fn id(line: u64) -> DocId {
+    DocId { file: 0, line }
+}
+
+/// Quarantined ids of the job, in the order found.
+fn quarantine(s: &Sim) -> Vec<DocId> {
+    s.c.job("job")
+        .unwrap()
+        .rec
+        .quarantine
+        .iter()
+        .map(|q| q.doc)
+        .collect()
+}
+
+#[test]
+fn a_poison_document_is_bisected_out_quarantined_and_every_other_trained_once() {
+    for sharding in [Sharding::Ddp, Sharding::Fsdp] {
+        let mut s = Sim::new();
+        let mut sp = bisecting(spec("epochs = 2", "docs_per_step = 8", 1, 2));
+        sp.parallel.sharding = sharding;
+        let d = docs(40);
+        s.poison = vec![id(13)];
+        s.worker("a");
+        s.worker("b");
+        s.submit(sp, d.clone());
+        s.run();
+        assert_eq!(s.state(), JobState::Completed, "{sharding:?}");
+        assert_eq!(quarantine(&s), vec![id(13)], "{sharding:?}");
+        // Found once, in the first epoch; the second epoch passes it over.
+        let q = &s.c.job("job").unwrap().rec.quarantine[0];
+        assert!(q.detail.contains("non-finite loss"), "{}", q.detail);
+        let mut counts: BTreeMap<DocId, u32> = BTreeMap::new();
+        for (_, docs) in &s.committed {
+            for doc in docs {
+                *counts.entry(*doc).or_default() += 1;
+            }
+        }
+        for doc in d.iter() {
+            let want = if doc.id == id(13) { 0 } else { 2 };
+            assert_eq!(
+                counts.get(&doc.id).copied().unwrap_or(0),
+                want,
+                "{sharding:?} {}",
+                doc.id
+            );
+        }
+        // Steps stay full: the quarantined document's slot is taken by the next.
+        assert!(s.committed.iter().take(9).all(|(m, _)| m.docs == 8));
+        let probes = s.plans.iter().filter(|p| p.kind == PlanKind::Probe).count();
+        assert!(
+            (2..=6).contains(&probes),
+            "{sharding:?}: {probes} probe rounds"
+        );
+        if sharding == Sharding::Fsdp {
+            for p in s.plans.iter().filter(|p| p.kind == PlanKind::Probe) {
+                assert!(
+                    p.ranks[1].iter().all(|m| m.token_ids.is_empty()),
+                    "fsdp probes run on rank 0"
+                );
+            }
+        }
+        assert!(s
+            .events
+            .iter()
+            .any(|(k, m)| k == "quarantine" && m.contains("document 0:13 quarantined")));
+        let rec = s.persisted.last().unwrap();
+        assert_eq!(rec.quarantine.len(), 1, "the quarantine is persisted");
+    }
+}
+
+#[test]
+fn without_bisect_a_non_finite_step_fails_the_job_naming_it() {
+    let mut s = Sim::new();
+    s.poison = vec![id(3)];
+    s.worker("a");
+    s.submit(spec("epochs = 1", "docs_per_step = 8", 1, 1), docs(40));
+    s.run();
+    assert_eq!(s.state(), JobState::Failed);
+    assert!(quarantine(&s).is_empty());
+    let rec = &s.c.job("job").unwrap().rec;
+    assert!(rec.reason.contains("non-finite"), "{}", rec.reason);
+}
+
+#[test]
+fn a_non_finite_step_no_probe_reproduces_fails_the_job() {
+    let mut s = Sim::new();
+    s.worker("a");
+    s.submit(
+        bisecting(spec("steps = 4", "docs_per_step = 8", 1, 1)),
+        docs(40),
+    );
+    while let Some((_, ToWorker::Configure { .. })) = s.inbox.front() {
+        s.step_once();
+    }
+    // A transient NaN: the step fails once; its documents are all fine.
+    s.inbox.clear();
+    s.handle(Event::WorkerError {
+        worker: "a".into(),
+        job: "job".into(),
+        generation: 1,
+        step: 1,
+        kind: WorkerErrorKind::NonFinite,
+        message: "gradient norm NaN".into(),
+    })
+    .unwrap();
+    s.run();
+    assert_eq!(s.state(), JobState::Failed);
+    let rec = &s.c.job("job").unwrap().rec;
+    assert!(
+        rec.reason.contains("none of its microbatches or documents"),
+        "{}",
+        rec.reason
+    );
+}
+
+#[test]
+fn a_bisection_out_of_rounds_fails_the_job_listing_the_suspects() {
+    let mut s = Sim::new();
+    let mut sp = bisecting(spec("steps = 4", "docs_per_step = 16", 1, 1));
+    sp.faults.max_bisect_rounds = 2;
+    s.poison = vec![id(5)];
+    s.worker("a");
+    s.submit(sp, docs(40));
+    s.run();
+    assert_eq!(s.state(), JobState::Failed);
+    let rec = &s.c.job("job").unwrap().rec;
+    assert!(rec.reason.contains("max_bisect_rounds"), "{}", rec.reason);
+    assert!(rec.reason.contains("0:5"), "{}", rec.reason);
+}
+
+#[test]
+fn released_documents_return_to_the_stream_and_unknown_ones_are_refused() {
+    let mut s = Sim::new();
+    s.poison = vec![id(2), id(7)];
+    s.worker("a");
+    s.submit(
+        bisecting(spec("steps = 3", "docs_per_step = 4", 1, 1)),
+        docs(12),
+    );
+    s.run();
+    let mut q = quarantine(&s);
+    q.sort();
+    assert_eq!(q, vec![id(2), id(7)]);
+    let e = s
+        .handle(Event::ReleaseQuarantine {
+            job: "job".into(),
+            docs: Some(vec![id(2), id(3)]),
+        })
+        .unwrap_err();
+    assert!(e.to_string().contains("0:3"), "{e}");
+    assert_eq!(quarantine(&s).len(), 2, "nothing released on error");
+    s.handle(Event::ReleaseQuarantine {
+        job: "job".into(),
+        docs: Some(vec![id(7)]),
+    })
+    .unwrap();
+    assert_eq!(quarantine(&s), vec![id(2)]);
+    s.handle(Event::ReleaseQuarantine {
+        job: "job".into(),
+        docs: None,
+    })
+    .unwrap();
+    assert!(quarantine(&s).is_empty());
+    assert!(s
+        .events
+        .iter()
+        .any(|(k, m)| k == "quarantine" && m.contains("released")));
 }

@@ -8,6 +8,7 @@ use std::sync::{Arc, OnceLock};
 
 use tracing::info;
 
+use super::bisect::Bisection;
 use super::deadline::Pace;
 use super::effects::{Effect, ToWorker, WatchItem};
 use super::metrics::MetricSums;
@@ -65,6 +66,18 @@ pub struct InFlight {
     pub results: BTreeMap<u32, MetricSums>,
     /// Reference plans: the sequences' log-probs reported so far.
     pub logps: Vec<SeqLogp>,
+    /// Probe plans: each rank's non-finite microbatches.
+    pub nonfinite: BTreeMap<u32, Vec<u32>>,
+}
+
+/// One rank's answer to a plan.
+#[derive(Debug, Clone, Default)]
+pub struct RankResult {
+    pub sums: MetricSums,
+    /// Reference plans: per-sequence log-probs.
+    pub logps: Vec<SeqLogp>,
+    /// Probe plans: the rank's non-finite microbatches.
+    pub nonfinite: Vec<u32>,
 }
 
 /// What a formed generation is doing.
@@ -223,6 +236,8 @@ pub struct Job {
     pub last_abort: String,
     /// How fast its plans ran: the step deadline's basis (live only).
     pub pace: Pace,
+    /// A non-finite step's documents being bisected (live only).
+    pub bisection: Option<Bisection>,
 }
 
 impl Job {
@@ -247,6 +262,7 @@ impl Job {
             attempts: (0, 0),
             last_abort: String::new(),
             pace: Pace::default(),
+            bisection: None,
         }
     }
 

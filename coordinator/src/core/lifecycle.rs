@@ -9,11 +9,11 @@ use tracing::{info, warn};
 
 use super::effects::{Effect, ToWorker, WatchItem};
 use super::error::{CoreError, Result};
-use super::jobs::{AfterCheckpoint, InFlight, Phase, Work};
+use super::jobs::{AfterCheckpoint, InFlight, Phase, RankResult, Work};
 use super::machine::Coordinator;
-use super::metrics::{self, MetricSums, StepFacts};
+use super::metrics::{self, StepFacts};
 use super::planner::{self, Source};
-use super::reference::{self, SeqLogp};
+use super::reference;
 use super::step::PlannedStep;
 use super::stream::Admission;
 use super::types::{
@@ -48,8 +48,7 @@ impl Coordinator {
         job_id: &str,
         generation: u64,
         step: u64,
-        sums: MetricSums,
-        logps: Vec<SeqLogp>,
+        result: RankResult,
         now_ms: i64,
         fx: &mut Vec<Effect>,
     ) {
@@ -73,8 +72,21 @@ impl Coordinator {
         let Some(rank) = gen.rank_of(worker) else {
             return;
         };
-        flight.results.insert(rank, sums);
-        flight.logps.extend(logps);
+        let train = flight.planned.kind == PlanKind::Train && !flight.planned.replay;
+        if train && !result.sums.is_finite() {
+            // Workers refuse a non-finite loss or norm themselves; a result
+            // that carries one anyway fails the step the same way.
+            let message = format!(
+                "rank {rank} reported a non-finite result (loss sum {}, gradient norm {})",
+                result.sums.loss_sum, result.sums.grad_norm
+            );
+            let kind = WorkerErrorKind::NonFinite;
+            return self
+                .on_worker_error(worker, job_id, generation, step, kind, message, now_ms, fx);
+        }
+        flight.results.insert(rank, result.sums);
+        flight.logps.extend(result.logps);
+        flight.nonfinite.insert(rank, result.nonfinite);
         if flight.results.len() < gen.members.len() {
             return;
         }
@@ -87,6 +99,7 @@ impl Coordinator {
             flight.planned.busiest_rank_tokens(),
         );
         match (flight.planned.kind, flight.planned.replay) {
+            (PlanKind::Probe, _) => self.probed(job_id, flight, now_ms, fx),
             (PlanKind::Reference, _) => self.commit_reference(job_id, flight, now_ms, fx),
             (PlanKind::Train, true) => self.replayed(job_id, step, now_ms, fx),
             (PlanKind::Train, false) => self.commit(job_id, flight, now_ms, fx),
@@ -258,7 +271,7 @@ impl Coordinator {
             "step {} trained ({detail}); completing once its checkpoint is durable",
             job.rec.step
         );
-        fx.push(job.event(EventKind::Checkpoint, msg, now_ms));
+        fx.push(job.event(EventKind::State, msg, now_ms));
     }
 
     /// A step boundary: a requested pause takes effect, drained workers
@@ -354,6 +367,9 @@ impl Coordinator {
                     w.held = None;
                 }
                 self.end_generation(job_id, why, true, now_ms, fx);
+            }
+            WorkerErrorKind::NonFinite if self.bisects(job_id, step) => {
+                self.start_bisection(job_id, worker, &message, now_ms, fx)
             }
             WorkerErrorKind::NonFinite
             | WorkerErrorKind::InvalidPlan
@@ -528,6 +544,7 @@ impl Coordinator {
             started_ms: now_ms,
             results: BTreeMap::new(),
             logps: Vec::new(),
+            nonfinite: BTreeMap::new(),
         });
         job.last_plan = Some(last_plan);
         job.note_dispatch(&planned);

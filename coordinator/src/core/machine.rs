@@ -9,7 +9,7 @@ use tracing::{info, warn};
 
 use super::effects::{Effect, Event, JobStart, ToWorker};
 use super::error::{CoreError, Result};
-use super::jobs::{Job, JobData, Phase, Work};
+use super::jobs::{Job, JobData, Phase, RankResult, Work};
 use super::planner;
 use super::record::JobRecord;
 use super::types::{
@@ -117,12 +117,16 @@ impl Coordinator {
                 step,
                 sums,
                 logps,
+                nonfinite,
             } => {
                 self.seen(&worker, now_ms);
                 self.note_result(&worker, &job, generation, step);
-                self.on_result(
-                    &worker, &job, generation, step, sums, logps, now_ms, &mut fx,
-                );
+                let result = RankResult {
+                    sums,
+                    logps,
+                    nonfinite,
+                };
+                self.on_result(&worker, &job, generation, step, result, now_ms, &mut fx);
             }
             Event::WorkerError {
                 worker,
@@ -155,6 +159,7 @@ impl Coordinator {
                 if self.jobs.contains_key(&id) {
                     return Err(CoreError::DuplicateJob(id));
                 }
+                self.check_output_free(&spec.job.output_dir)?;
                 let rec = new_record(&id, &spec, spec_toml, &docs, start, now_ms);
                 info!(job = %id, name = %rec.name, docs = docs.len(), "job submitted");
                 let data = JobData::new(&id, &spec, docs, None, rec.step);
@@ -201,6 +206,9 @@ impl Coordinator {
             Event::DrainWorker { worker } => self.drain(&worker, now_ms, &mut fx)?,
             Event::TriggerCheckpoint { job } => self.trigger_checkpoint(&job, &mut fx)?,
             Event::UpdateJob { job, update } => self.update_job(&job, update, now_ms, &mut fx)?,
+            Event::ReleaseQuarantine { job, docs } => {
+                self.release_quarantine(&job, docs.as_deref(), now_ms, &mut fx)?;
+            }
             Event::Tick => self.tick(now_ms, &mut fx),
             Event::PushRollouts { job, rollouts } => {
                 fx.push(self.push_rollouts(&job, rollouts)?);
@@ -230,6 +238,23 @@ impl Coordinator {
         }
         self.schedule(now_ms, &mut fx);
         Ok(fx)
+    }
+
+    /// Refuses an output directory a live job writes to.
+    pub fn check_output_free(&self, dir: &std::path::Path) -> Result<()> {
+        let owner = self
+            .jobs
+            .values()
+            .find(|j| !j.rec.state.is_terminal() && j.spec.job.output_dir == dir);
+        match owner {
+            Some(j) => Err(CoreError::OutputInUse {
+                dir: dir.to_path_buf(),
+                owner: j.rec.id.clone(),
+                name: j.rec.name.clone(),
+                state: j.rec.state.name().to_string(),
+            }),
+            None => Ok(()),
+        }
     }
 
     /// The step at whose boundary a triggered checkpoint lands.
@@ -481,6 +506,7 @@ fn new_record(
             .collect(),
         bad_checkpoints: Vec::new(),
         members: Vec::new(),
+        quarantine: Vec::new(),
         resumed_from: start.map(|s| s.dir),
         changes: Vec::new(),
     }

@@ -28,39 +28,61 @@ pub struct MetricSums {
     pub model_flops: f64,
 }
 
+impl MetricSums {
+    /// Whether the loss and gradient norm are finite (what a step needs to
+    /// commit; objective extras may legitimately be undefined).
+    pub fn is_finite(&self) -> bool {
+        self.loss_sum.is_finite() && self.grad_norm.is_finite()
+    }
+}
+
 /// A committed step as written to metrics.jsonl and sent to watchers.
+/// Non-finite values are written as JSON `null` and read back as NaN
+/// (`crate::nonfinite`), so the record always stays readable.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct StepMetrics {
     pub step: u64,
+    #[serde(deserialize_with = "crate::nonfinite::f64")]
     pub loss: f64,
     pub tokens: u64,
     pub loss_tokens: u64,
     pub docs: u64,
     pub microbatches: u32,
+    #[serde(deserialize_with = "crate::nonfinite::f64")]
     pub lr: f64,
+    #[serde(deserialize_with = "crate::nonfinite::f64")]
     pub grad_norm: f64,
+    #[serde(deserialize_with = "crate::nonfinite::f64")]
     pub tokens_per_s: f64,
+    #[serde(deserialize_with = "crate::nonfinite::f64")]
     pub tokens_per_s_per_worker: f64,
+    #[serde(deserialize_with = "crate::nonfinite::f64")]
     pub padding_fraction: f64,
+    #[serde(deserialize_with = "crate::nonfinite::f64")]
     pub step_time_s: f64,
     pub world_size: u32,
     pub generation: u64,
     /// Per-rank time split, summed over ranks.
+    #[serde(deserialize_with = "crate::nonfinite::f64")]
     pub compute_s: f64,
+    #[serde(deserialize_with = "crate::nonfinite::f64")]
     pub collective_s: f64,
+    #[serde(deserialize_with = "crate::nonfinite::f64")]
     pub optimizer_s: f64,
+    #[serde(deserialize_with = "crate::nonfinite::f64")]
     pub idle_s: f64,
     pub cursor: Cursor,
     /// Objective-specific metrics: means over pairs (DPO) or loss tokens
     /// (PG), except `pairs` and `count/*`, which are sums.
+    #[serde(deserialize_with = "crate::nonfinite::map")]
     pub extra: BTreeMap<String, f64>,
     pub unix_ms: i64,
     /// Σ training FLOPs of the ranks.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::nonfinite::f64")]
     pub model_flops: f64,
     /// Model FLOPs utilisation, `model_flops / (step_time_s · peak_flops)`
     /// (0 when the peak is unknown).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::nonfinite::f64")]
     pub mfu: f64,
 }
 
@@ -101,7 +123,13 @@ pub fn aggregate(facts: StepFacts, cursor: Cursor, ranks: &[MetricSums]) -> Step
     }
     // Every rank computes the same global norm; take the largest so a
     // disagreeing rank cannot hide a spike.
-    let grad_norm = ranks.iter().map(|r| r.grad_norm).fold(0.0, f64::max);
+    let grad_norm = ranks.iter().map(|r| r.grad_norm).fold(0.0, |a: f64, b| {
+        if a.is_nan() || b.is_nan() {
+            f64::NAN
+        } else {
+            a.max(b)
+        }
+    });
     let denom = match total.extra.get("pairs") {
         Some(&p) if p > 0.0 => p,
         _ => total.loss_tokens as f64,

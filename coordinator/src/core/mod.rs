@@ -7,15 +7,18 @@
 //! Layers point down; no file imports one above it:
 //! - `types` (ids, states, reasons), `error`, `metrics`, `deadline`, `record` (the
 //!   persisted job), `workers`, `recovery` (where state comes from),
-//!   `reference`, `rollouts`, `stream`, `step` (a planned step);
+//!   `reference`, `rollouts`, `stream`, `step` (a planned step), `bisect`
+//!   (finding poison documents);
 //! - `effects` (what goes in and comes out), `jobs` (a job and its
 //!   [`Phase`]), `planner` (the one planner), `membership` (who forms a
 //!   generation);
 //! - `machine` (the [`Coordinator`] and `handle`), then its handlers by
-//!   concern: `lifecycle`, `generations`, `control`, `publish`.
+//!   concern: `lifecycle`, `generations`, `control`, `publish`,
+//!   `quarantine`.
 //!
 //! This file only declares and re-exports.
 
+pub mod bisect;
 mod control;
 pub mod deadline;
 mod effects;
@@ -28,6 +31,7 @@ pub mod membership;
 pub mod metrics;
 pub mod planner;
 mod publish;
+mod quarantine;
 mod record;
 pub mod recovery;
 pub mod reference;
@@ -53,6 +57,6 @@ pub use step::PlannedStep;
 pub use stream::{AdmitCounts, RolloutStream, RolloutWrite, StoredStream, StreamMeta};
 pub use types::{
     AbortReason, CheckpointEntry, CommittedStep, End, EventKind, HeldState, JobId, JobState,
-    PlanKind, Why, WorkerErrorKind, WorkerId,
+    PlanKind, Quarantined, Why, WorkerErrorKind, WorkerId,
 };
 pub use workers::{Registration, Worker, WorkerState};

@@ -13,16 +13,19 @@
 //! (`plan::solve`, through [`pack_documents`]), phase 3 builds the
 //! per-rank payloads. See `coordinator/src/plan/README.md`.
 
+use std::collections::HashSet;
+
 use crate::cursor::Cursor;
-use crate::doc::{DocBody, Document};
+use crate::doc::{DocBody, DocId, Document};
 use crate::plan::{self, PlanError, StepTarget};
 use crate::rl::{self, StalenessStats};
 use crate::settings::StepSettings;
-use crate::spec::{JobSpec, StepSize};
+use crate::spec::{JobSpec, Sharding, StepSize};
 
+use super::bisect::{self, Bisection};
 use super::jobs::Job;
 use super::rollouts::{self, RolloutPlan};
-use super::step::{order_of, pack_documents, PlannedStep};
+use super::step::{order_of, pack_documents, payload, PlannedStep};
 use super::types::{CommittedStep, PlanKind};
 
 /// Where a plan's documents come from.
@@ -32,6 +35,8 @@ pub enum Source<'a> {
     Stream,
     Replay(&'a CommittedStep),
     Reference,
+    /// The next round of a bisection of a non-finite step.
+    Probe(&'a Bisection),
 }
 
 /// Why a step could not be planned.
@@ -43,6 +48,8 @@ pub enum PlanFailure {
     UnknownDoc { step: u64, doc: crate::doc::DocId },
     #[error("replaying step {step}: no manifest kept for it")]
     NoHistory { step: u64 },
+    #[error("probing step {step}: document {doc} is no longer held")]
+    ProbeDoc { step: u64, doc: crate::doc::DocId },
 }
 
 /// The source of `job`'s next plan: a replay while its generation is
@@ -57,6 +64,9 @@ pub fn next_source(job: &Job) -> Result<Source<'_>, PlanFailure> {
             .get(&step)
             .map(Source::Replay)
             .ok_or(PlanFailure::NoHistory { step });
+    }
+    if let Some(b) = &job.bisection {
+        return Ok(Source::Probe(b));
     }
     if job
         .data
@@ -98,6 +108,7 @@ pub fn plan(
         Source::Stream => stream(job, world_size),
         Source::Replay(entry) => replay(job, entry).map(Some)?,
         Source::Reference => reference(job),
+        Source::Probe(b) => return probe(job, b, world_size).map(Some),
     };
     let Some(c) = chosen else {
         return Ok(None);
@@ -105,7 +116,7 @@ pub fn plan(
     let target = StepTarget::new(c.settings.step_size(), world_size, c.settings.max_tokens);
     let min_microbatches = match c.kind {
         PlanKind::Train => target.min_microbatches_per_rank(),
-        PlanKind::Reference => 1,
+        PlanKind::Reference | PlanKind::Probe => 1,
     };
     let (ranks, normalizers) = pack_documents(
         &c.docs,
@@ -141,16 +152,34 @@ fn files(job: &Job, world_size: u32) -> Option<Chosen<'_>> {
     let order = order_of(&job.spec, job.data.stream_len());
     let cursor = &job.rec.cursor;
     let target = StepTarget::new(settings.step_size(), world_size, settings.max_tokens);
+    // Quarantined documents are passed over as if not in the dataset (a
+    // PG group is passed over once all its rollouts are).
+    let quarantined: HashSet<DocId> = job.rec.quarantine.iter().map(|q| q.doc).collect();
+    let kept = |d: &u32| !quarantined.contains(&docs[*d as usize].id);
+    let skip = |unit: u64| match rollouts {
+        _ if quarantined.is_empty() => false,
+        None => quarantined.contains(&docs[unit as usize].id),
+        Some(r) => !r.units[unit as usize].iter().any(kept),
+    };
+    if !quarantined.is_empty() && (0..job.data.stream_len() as u64).all(skip) {
+        return None;
+    }
     // One pass over the candidates: the selector pulls lazily, and the
     // indices it consumed are kept for phase 2.
     let mut offered = Vec::new();
-    let candidates = order.candidates(cursor).map(|c| {
-        offered.push(c.index);
-        c.index as usize
-    });
+    let candidates = order
+        .candidates(cursor)
+        .filter(|c| !skip(c.index))
+        .map(|c| {
+            offered.push(c.index);
+            c.index as usize
+        });
     let selection = match rollouts {
         None => plan::select(target, candidates.map(|i| docs[i].tokens())),
-        Some(r) => rollouts::select_groups(target, candidates.map(|i| group_size(r, docs, i))),
+        Some(r) => rollouts::select_groups(
+            target,
+            candidates.map(|i| group_size(r, docs, i, &quarantined)),
+        ),
     };
     if selection.taken.is_empty() {
         return None;
@@ -164,7 +193,7 @@ fn files(job: &Job, world_size: u32) -> Option<Chosen<'_>> {
         Some(r) => selection
             .taken
             .iter()
-            .flat_map(|&i| r.units[offered[i] as usize].iter())
+            .flat_map(|&i| r.units[offered[i] as usize].iter().filter(|d| kept(d)))
             .map(|&d| &docs[d as usize])
             .collect(),
     };
@@ -174,17 +203,71 @@ fn files(job: &Job, world_size: u32) -> Option<Chosen<'_>> {
         settings,
         lr: job.settings().lr(step, job.rec.total_steps),
         staleness: rollouts.map(|_| staleness(&chosen, step)),
-        cursor_after: cursor.advance(&order, &selection),
+        cursor_after: cursor.advance_skipping(&order, &selection, skip),
         docs: chosen,
         replay: false,
     })
 }
 
-/// (tokens, rollouts) of group `i`.
-fn group_size(r: &RolloutPlan, docs: &[Document], i: usize) -> (u64, u64) {
-    let members = &r.units[i];
-    let tokens = members.iter().map(|&d| docs[d as usize].tokens()).sum();
-    (tokens, members.len() as u64)
+/// A probe round of bisection `b`: each group one microbatch, laid out
+/// by `bisect::slots`, every rank with the same count (padding), the
+/// failed step's normalisers; the cursor does not move.
+fn probe(job: &Job, b: &Bisection, world_size: u32) -> Result<PlannedStep, PlanFailure> {
+    let coupled = job.spec.parallel.sharding == Sharding::Fsdp;
+    let slots = bisect::slots(b.groups().len(), world_size, coupled);
+    let per_rank = slots.iter().map(|&(_, i)| i + 1).max().unwrap_or(1);
+    let notes = job.data.annotations();
+    let empty = || payload(std::iter::empty(), notes);
+    let mut ranks = vec![vec![empty(); per_rank as usize]; world_size.max(1) as usize];
+    let mut docs = Vec::new();
+    for (group, &(r, i)) in b.groups().iter().zip(&slots) {
+        let members = group
+            .iter()
+            .map(|id| {
+                find_doc(job, id).ok_or(PlanFailure::ProbeDoc {
+                    step: b.step,
+                    doc: *id,
+                })
+            })
+            .collect::<Result<Vec<&Document>, _>>()?;
+        docs.extend(group.iter().copied());
+        ranks[r as usize][i as usize] = payload(members.into_iter(), notes);
+    }
+    Ok(PlannedStep {
+        kind: PlanKind::Probe,
+        step: b.step,
+        lr: 0.0,
+        settings: job.settings().at(b.step),
+        cursor_after: job.rec.cursor.clone(),
+        normalizers: b.normalizers,
+        ranks,
+        docs,
+        staleness: None,
+        replay: false,
+    })
+}
+
+/// A document of the job by id: its files, else its stream's queue.
+fn find_doc<'a>(job: &'a Job, id: &DocId) -> Option<&'a Document> {
+    if let Some(&i) = job.data.doc_index().get(id) {
+        return Some(&job.data.docs[i]);
+    }
+    let s = job.data.stream.as_ref()?;
+    s.groups().flatten().find(|d| d.id == *id)
+}
+
+/// (tokens, rollouts) of group `i`, without its quarantined rollouts.
+fn group_size(
+    r: &RolloutPlan,
+    docs: &[Document],
+    i: usize,
+    quarantined: &HashSet<DocId>,
+) -> (u64, u64) {
+    let members = r.units[i]
+        .iter()
+        .map(|&d| &docs[d as usize])
+        .filter(|d| !quarantined.contains(&d.id));
+    members.fold((0, 0), |(t, n), d| (t + d.tokens(), n + 1))
 }
 
 /// How old the chosen rollouts' policies are at `step`.
@@ -213,7 +296,13 @@ fn stream(job: &Job, world_size: u32) -> Option<Chosen<'_>> {
         s.groups()
             .map(|g| (g.iter().map(Document::tokens).sum(), g.len() as u64)),
     );
-    let chosen: Vec<&Document> = s.groups().take(selection.consumed).flatten().collect();
+    // A quarantined rollout leaves the queue with its group, untrained.
+    let chosen: Vec<&Document> = s
+        .groups()
+        .take(selection.consumed)
+        .flatten()
+        .filter(|d| !job.rec.quarantined(&d.id))
+        .collect();
     Some(Chosen {
         kind: PlanKind::Train,
         step,

@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::types::{CheckpointEntry, JobId, JobState, WorkerId};
+use super::types::{CheckpointEntry, JobId, JobState, Quarantined, WorkerId};
 use crate::cursor::Cursor;
 use crate::settings::ConfigChange;
 
@@ -55,6 +55,10 @@ pub struct JobRecord {
     /// waited for briefly: they may hold the state in memory).
     #[serde(default)]
     pub members: Vec<WorkerId>,
+    /// Documents the job trains without (poison documents found by
+    /// bisecting non-finite steps), in the order found.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub quarantine: Vec<Quarantined>,
 }
 
 impl JobRecord {
@@ -62,5 +66,10 @@ impl JobRecord {
     /// started at step 0 and every step since can be replayed.
     pub fn init_allowed(&self) -> bool {
         self.history_from == 0 && self.resumed_from.is_none()
+    }
+
+    /// Whether the job trains without `doc`.
+    pub fn quarantined(&self, doc: &crate::doc::DocId) -> bool {
+        self.quarantine.iter().any(|q| &q.doc == doc)
     }
 }

@@ -140,7 +140,8 @@ pub fn pack_documents(
     Ok((ranks, solution.normalizers))
 }
 
-fn payload<'a>(
+/// One microbatch's payload: `docs` in order, one flat row.
+pub fn payload<'a>(
     docs: impl Iterator<Item = &'a Document>,
     notes: Annotations<'_>,
 ) -> MicrobatchPayload {

@@ -98,6 +98,9 @@ struct Sim {
     removed_checkpoints: Vec<u64>,
     /// When set, Checkpoint messages wait here instead of being answered.
     held_checkpoints: Option<Vec<(WorkerId, ToWorker)>>,
+    /// Documents whose loss is NaN: a training plan holding one fails as
+    /// non-finite on the rank that has it; a probe flags its microbatch.
+    poison: Vec<DocId>,
 }
 
 /// The log-prob a simulated worker reports in a reference pass.
@@ -137,6 +140,7 @@ impl Sim {
             checkpoint_msgs: 0,
             removed_checkpoints: Vec::new(),
             held_checkpoints: None,
+            poison: Vec::new(),
         }
     }
 
@@ -253,6 +257,30 @@ impl Sim {
                 planned,
             } => {
                 let mbs = &planned.ranks[rank as usize];
+                let poison = self.poison.clone();
+                let poisoned =
+                    |m: &step::MicrobatchPayload| m.seqs.iter().any(|q| poison.contains(&q.doc));
+                if planned.kind == PlanKind::Train && mbs.iter().any(poisoned) {
+                    let ev = Event::WorkerError {
+                        worker: w,
+                        job,
+                        generation,
+                        step: planned.step,
+                        kind: WorkerErrorKind::NonFinite,
+                        message: "non-finite loss NaN in loss chunk 0".into(),
+                    };
+                    self.handle(ev).unwrap();
+                    return true;
+                }
+                let nonfinite: Vec<u32> = if planned.kind == PlanKind::Probe {
+                    mbs.iter()
+                        .enumerate()
+                        .filter(|(_, m)| poisoned(m))
+                        .map(|(i, _)| i as u32)
+                        .collect()
+                } else {
+                    Vec::new()
+                };
                 let tokens: u64 = mbs.iter().map(|m| m.token_ids.len() as u64).sum();
                 let loss_tokens: u64 = mbs
                     .iter()
@@ -288,6 +316,7 @@ impl Sim {
                 };
                 Event::StepResult {
                     logps,
+                    nonfinite,
                     worker: w,
                     job,
                     generation,
@@ -451,6 +480,7 @@ fn results_from_a_stale_generation_are_ignored() {
         step: 1,
         sums: MetricSums::default(),
         logps: Vec::new(),
+        nonfinite: Vec::new(),
     })
     .unwrap();
     assert!(s.committed.is_empty());
@@ -2073,6 +2103,7 @@ fn a_result_from_an_older_generation_changes_nothing() {
             ..Default::default()
         },
         logps: Vec::new(),
+        nonfinite: Vec::new(),
     })
     .unwrap();
     assert!(s.committed.is_empty());

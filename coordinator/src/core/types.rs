@@ -57,6 +57,18 @@ pub struct HeldState {
     pub generation: u64,
 }
 
+/// A document a non-finite step was bisected down to: the job trains on
+/// without it until an operator releases it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Quarantined {
+    pub doc: DocId,
+    /// The step that was non-finite with it.
+    pub step: u64,
+    /// The step's failure, as the worker reported it.
+    pub detail: String,
+    pub unix_ms: i64,
+}
+
 /// A checkpoint every rank of its generation reported written.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CheckpointEntry {
@@ -83,6 +95,9 @@ pub enum PlanKind {
     /// Forward only, per-sequence log-probs back (the cached reference
     /// pass); `step` numbers the chunk and the cursor does not move.
     Reference,
+    /// Forward and backward of each microbatch alone, no update: which are
+    /// non-finite (a bisection of failed step `step`; see `bisect`).
+    Probe,
 }
 
 /// Kinds of worker-reported failure (mirror of `accrue.v1.ErrorKind`): the
@@ -138,6 +153,8 @@ pub enum EventKind {
     Reference,
     /// A policy was published.
     Policy,
+    /// Documents were quarantined or released.
+    Quarantine,
 }
 
 impl EventKind {
@@ -151,6 +168,7 @@ impl EventKind {
             EventKind::Replay => "replay",
             EventKind::Reference => "reference",
             EventKind::Policy => "policy",
+            EventKind::Quarantine => "quarantine",
         }
     }
 }
@@ -176,11 +194,13 @@ pub enum AbortReason {
     StepDeadline,
     /// A step was dispatched `faults.max_step_attempts` times.
     TooManyAttempts,
+    /// The step was non-finite; its documents are bisected first.
+    NonFinite,
 }
 
 impl AbortReason {
     /// Every reason, for metrics labels.
-    pub const ALL: [AbortReason; 11] = [
+    pub const ALL: [AbortReason; 12] = [
         AbortReason::WorkerLost,
         AbortReason::CollectiveTimeout,
         AbortReason::RestoreFailed,
@@ -192,6 +212,7 @@ impl AbortReason {
         AbortReason::OutputFailed,
         AbortReason::StepDeadline,
         AbortReason::TooManyAttempts,
+        AbortReason::NonFinite,
     ];
 
     /// snake_case name (a bounded Prometheus label value).
@@ -208,6 +229,7 @@ impl AbortReason {
             AbortReason::OutputFailed => "output_failed",
             AbortReason::StepDeadline => "step_deadline",
             AbortReason::TooManyAttempts => "too_many_attempts",
+            AbortReason::NonFinite => "non_finite",
         }
     }
 }

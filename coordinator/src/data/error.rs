@@ -28,7 +28,10 @@ impl fmt::Display for Location {
 /// Everything that can go wrong while loading a dataset.
 #[derive(Debug, thiserror::Error)]
 pub enum DataError {
-    /// A file could not be opened, read or decompressed.
+    /// A named file is missing, not a regular file or too large.
+    #[error(transparent)]
+    Input(#[from] crate::input::InputError),
+    /// A file could not be read or decompressed.
     #[error("cannot read {}: {source}", path.display())]
     Io {
         path: PathBuf,

@@ -32,7 +32,10 @@ pub struct Encoder {
     pub tok: Tokenizer,
     pub template: ChatTemplate,
     pub eos_id: u32,
-    pub vocab_size: u32,
+    /// The model's vocabulary size (its embedding rows): pre-tokenized ids
+    /// must be below it. Not the tokenizer's: a model may hold more ids
+    /// than its tokenizer makes (admission checks it holds at least those).
+    pub model_vocab: u32,
 }
 
 /// Prompt ids (no loss) followed by answer ids (loss).
@@ -169,12 +172,12 @@ impl Encoder {
         self.chat_prompt_answer(&p, &a, tools)
     }
 
-    /// Checks pre-tokenized ids against the vocabulary.
+    /// Checks pre-tokenized ids against the model's vocabulary.
     pub fn check_ids(&self, ids: &[u32], field: &str) -> RowResult<()> {
-        match ids.iter().position(|&t| t >= self.vocab_size) {
+        match ids.iter().position(|&t| t >= self.model_vocab) {
             Some(i) => Err(format!(
-                "\"{field}\"[{i}] = {} is not below the vocab size {}",
-                ids[i], self.vocab_size
+                "\"{field}\"[{i}] = {} is not below the model's vocab_size {}",
+                ids[i], self.model_vocab
             )),
             None => Ok(()),
         }
@@ -249,7 +252,7 @@ pub fn label_list(obj: &Map<String, Json>, field: &str, vocab: u32) -> RowResult
             Some(-100) => Ok(IGNORE_INDEX),
             Some(n) if n >= 0 && n < i64::from(vocab) => Ok(n as i32),
             _ => Err(format!(
-                "\"{field}\"[{i}] = {x} is neither -100 nor a token id below {vocab}"
+                "\"{field}\"[{i}] = {x} is neither -100 nor a token id below the model's vocab_size {vocab}"
             )),
         })
         .collect()
@@ -266,7 +269,7 @@ pub fn pretokenized(
     let input_ids = id_list(obj, ids_field)?;
     enc.check_ids(&input_ids, ids_field)?;
     let labels = if obj.contains_key(labels_field) {
-        let l = label_list(obj, labels_field, enc.vocab_size)?;
+        let l = label_list(obj, labels_field, enc.model_vocab)?;
         if l.len() != input_ids.len() {
             return Err(format!(
                 "\"{labels_field}\" has {} entries but \"{ids_field}\" has {}; they must be aligned",

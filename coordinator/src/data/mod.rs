@@ -53,7 +53,7 @@ pub struct Dataset {
     pub files: Vec<PathBuf>,
     pub report: LoadReport,
     /// The tokenizer's vocabulary size, special and added tokens included.
-    pub vocab_size: u32,
+    pub tokenizer_vocab: u32,
 }
 
 /// What loading saw, in total and per file.
@@ -91,8 +91,11 @@ pub fn format_for(objective: ObjectiveKind) -> DataFormat {
     }
 }
 
-/// Loads the tokenizer and chat template a data section names.
-pub fn encoder(data: &DataSection) -> Result<Encoder> {
+/// Loads the tokenizer and chat template a data section names, for a
+/// model of `model_vocab` ids (the bound of pre-tokenized ids; that the
+/// model holds the tokenizer's ids is admission's check,
+/// [`crate::admission`]).
+pub fn encoder(data: &DataSection, model_vocab: u32) -> Result<Encoder> {
     let (tok, tok_path) = if data.is_byte_tokenizer() {
         (Tokenizer::Bytes, None)
     } else {
@@ -100,12 +103,11 @@ pub fn encoder(data: &DataSection) -> Result<Encoder> {
         (Tokenizer::from_file(p)?, Some(p))
     };
     let (template, specials) = template::resolve(&tok, tok_path, data.chat_template.as_deref())?;
-    let vocab_size = tok.vocab_size();
     Ok(Encoder {
         tok,
         template,
         eos_id: specials.eos_id,
-        vocab_size,
+        model_vocab,
     })
 }
 
@@ -123,28 +125,33 @@ pub fn build_doc(enc: &Encoder, format: DataFormat, row: &Json) -> Result<DocBod
 
 /// Reads and tokenizes every file of `data.train` (paths already absolute)
 /// into documents of the kind `data.format` names, which must be the one
-/// `objective` trains on.
-pub fn load(data: &DataSection, objective: ObjectiveKind) -> Result<Dataset> {
+/// `objective` trains on, for a model of `model_vocab` ids.
+pub fn load(data: &DataSection, objective: ObjectiveKind, model_vocab: u32) -> Result<Dataset> {
+    let enc = encoder(data, model_vocab)?;
+    load_with(&enc, data, objective)
+}
+
+/// [`load`] with an encoder already built.
+pub fn load_with(enc: &Encoder, data: &DataSection, objective: ObjectiveKind) -> Result<Dataset> {
     if format_for(objective) != data.format {
         return Err(DataError::FormatMismatch {
             objective,
             format: data.format,
         });
     }
-    let enc = encoder(data)?;
     if data.is_stream() {
         // Rollouts are pushed while the job runs (`core::stream`).
         return Ok(Dataset {
             docs: Vec::new(),
             files: Vec::new(),
             report: LoadReport::default(),
-            vocab_size: enc.vocab_size,
+            tokenizer_vocab: enc.tok.vocab_size(),
         });
     }
     let mut report = LoadReport::default();
     let mut docs = Vec::new();
     for (file, path) in data.train.iter().enumerate() {
-        let fr = load_file(&enc, data, file as u32, path, &mut docs)?;
+        let fr = load_file(enc, data, file as u32, path, &mut docs)?;
         info!(path = %path.display(), rows = fr.rows, docs = fr.docs, bad = fr.bad_lines_skipped, overlong = fr.overlong_skipped, "dataset file loaded");
         report.rows += fr.rows;
         report.docs += fr.docs;
@@ -165,7 +172,7 @@ pub fn load(data: &DataSection, objective: ObjectiveKind) -> Result<Dataset> {
         docs,
         files: data.train.clone(),
         report,
-        vocab_size: enc.vocab_size,
+        tokenizer_vocab: enc.tok.vocab_size(),
     })
 }
 
@@ -263,4 +270,4 @@ fn build_all(
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -50,6 +50,8 @@ pub fn read_text(path: &Path) -> Result<String> {
         path: path.to_path_buf(),
         source,
     };
+    // Not a bare `fs::read`: a FIFO would block it and /dev/zero never end.
+    crate::input::check(path)?;
     let bytes = std::fs::read(path).map_err(io)?;
     let gz = path.extension().is_some_and(|e| e == "gz") || bytes.starts_with(&GZIP_MAGIC);
     let bytes = if gz {

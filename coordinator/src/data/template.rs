@@ -32,6 +32,7 @@ use serde_json::Value as Json;
 
 use super::error::{DataError, Result};
 use super::tokenize::{Tokenizer, BYTE_EOS};
+use crate::input::{self, MAX_CONFIG_BYTES};
 
 /// The built-in chat template (see the module docs).
 pub const BUILTIN_TEMPLATE: &str = r#"{{ bos_token }}{% for message in messages %}{{ '<|' + message.role + '|>\n' + message.content }}{% if message.role == 'assistant' %}{{ eos_token }}{% else %}{{ '\n' }}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"#;
@@ -145,7 +146,7 @@ fn read_config(path: &Path) -> Result<TokenizerConfig> {
         path: path.to_path_buf(),
         message,
     };
-    let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
+    let text = input::read_to_string(path, MAX_CONFIG_BYTES, "tokenizer config")?;
     let v: Json = serde_json::from_str(&text).map_err(|e| err(format!("invalid json: {e}")))?;
     let field = |k: &str| v.get(k).and_then(token_field);
     Ok(TokenizerConfig {
@@ -165,7 +166,7 @@ fn read_template_file(path: &Path) -> Result<String> {
         path: path.to_path_buf(),
         message,
     };
-    let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
+    let text = input::read_to_string(path, MAX_CONFIG_BYTES, "chat template")?;
     if path.extension().is_some_and(|e| e == "json") {
         let v: Json = serde_json::from_str(&text).map_err(|e| err(format!("invalid json: {e}")))?;
         return v

@@ -10,7 +10,9 @@ use super::*;
 use crate::doc::{Sequence, IGNORE_INDEX};
 use crate::spec::{DataFormat, DataSection, ObjectiveKind, OnBad};
 
-fn shared_data() -> Option<PathBuf> {
+/// `../shared/data` (or `$ACCRUE_SHARED_DATA`), or `None` (the test
+/// skips) unless `ACCRUE_REQUIRE_SHARED_DATA=1`.
+pub(crate) fn shared_data() -> Option<PathBuf> {
     let dir = std::env::var("ACCRUE_SHARED_DATA").map_or_else(
         |_| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/data")),
         PathBuf::from,
@@ -47,8 +49,15 @@ fn objective(f: DataFormat) -> ObjectiveKind {
     }
 }
 
+/// Loads for a model whose vocabulary is exactly the tokenizer's.
 fn load_as(data: &DataSection) -> Result<Dataset> {
-    load(data, objective(data.format))
+    load_with(&matched_encoder(data)?, data, objective(data.format))
+}
+
+fn matched_encoder(data: &DataSection) -> Result<Encoder> {
+    let mut enc = encoder(data, 0)?;
+    enc.model_vocab = enc.tok.vocab_size();
+    Ok(enc)
 }
 
 /// Writes `text` to a file in `dir` and returns its path.
@@ -374,7 +383,7 @@ fn phi3_template_masks_exactly_the_assistant_answer() {
         [32007, 32000],
         "answer ends <|end|> <|endoftext|>"
     );
-    assert_eq!(ds.vocab_size, 32011);
+    assert_eq!(ds.tokenizer_vocab, 32011);
 }
 
 #[test]
@@ -383,7 +392,7 @@ fn synth_files_load_in_each_format() {
     let f = synth_arithmetic(dir.path(), 3, 40).unwrap();
     let ds = load_as(&section(vec![f.sft.clone()], DataFormat::Sft, "bytes")).unwrap();
     assert_eq!(ds.docs.len(), 40);
-    assert_eq!(ds.vocab_size, 259);
+    assert_eq!(ds.tokenizer_vocab, 259);
     let row: serde_json::Value = serde_json::from_str(
         std::fs::read_to_string(&f.sft)
             .unwrap()
@@ -475,7 +484,7 @@ fn rows_of_unknown_shape_or_wrong_types_name_line_and_reason() {
         (
             DataFormat::Sft,
             json!({"input_ids": [1, 999]}),
-            "\"input_ids\"[1] = 999 is not below the vocab size 259",
+            "\"input_ids\"[1] = 999 is not below the model's vocab_size 259",
         ),
         (
             DataFormat::Sft,
@@ -561,6 +570,64 @@ fn overlong_documents_are_errors_or_skipped_never_truncated() {
         ),
         "{e}"
     );
+}
+
+/// Issue 14 item 8: pre-tokenized ids are bounded by the model's
+/// vocabulary, not the tokenizer's (ids ≥ 259 were refused under the byte
+/// tokenizer even when the model held them).
+#[test]
+fn pretokenized_ids_are_bounded_by_the_models_vocab_not_the_tokenizers() {
+    let dir = tempfile::tempdir().unwrap();
+    let rows = "{\"input_ids\": [1, 300, 319], \"labels\": [-100, 300, 319]}\n\
+                {\"chosen_input_ids\": [1, 310], \"rejected_input_ids\": [1, 311]}\n";
+    let p = file(dir.path(), "d.jsonl", rows);
+    let sft = section(vec![p.clone()], DataFormat::Sft, "bytes");
+    let enc = encoder(&sft, 320).unwrap();
+    let mut one = sft.clone();
+    std::fs::write(&p, rows.lines().next().unwrap()).unwrap();
+    one.train = vec![p.clone()];
+    let ds = load_with(&enc, &one, ObjectiveKind::Sft).unwrap();
+    assert_eq!(ds.docs.len(), 1);
+    assert_eq!(ds.tokenizer_vocab, 259);
+    let small = encoder(&sft, 300).unwrap();
+    let e = load_with(&small, &one, ObjectiveKind::Sft)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.ends_with("\"input_ids\"[1] = 300 is not below the model's vocab_size 300"),
+        "{e}"
+    );
+    let dpo = section(vec![p.clone()], DataFormat::Dpo, "bytes");
+    std::fs::write(&p, rows.lines().nth(1).unwrap()).unwrap();
+    let ds = load_with(&encoder(&dpo, 320).unwrap(), &dpo, ObjectiveKind::Dpo).unwrap();
+    assert_eq!(ds.docs.len(), 1);
+}
+
+/// Issue 14 item 10: a directory, a FIFO or a device in `data.train` says
+/// what it is (it was "file not found", and a FIFO blocked the reader).
+#[test]
+fn a_data_file_that_is_not_a_regular_file_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_path_buf();
+    let e = load_as(&section(vec![d.clone()], DataFormat::Sft, "bytes")).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        format!("not a file: {} is a directory", d.display())
+    );
+    let zero = PathBuf::from("/dev/zero");
+    if zero.exists() {
+        let e = load_as(&section(vec![zero], DataFormat::Sft, "bytes")).unwrap_err();
+        assert_eq!(e.to_string(), "not a file: /dev/zero is a character device");
+    }
+    let fifo = d.join("pipe.jsonl");
+    if std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .is_ok_and(|s| s.success())
+    {
+        let e = load_as(&section(vec![fifo.clone()], DataFormat::Sft, "bytes")).unwrap_err();
+        assert!(e.to_string().ends_with("is a named pipe (FIFO)"), "{e}");
+    }
 }
 
 #[test]
@@ -704,7 +771,9 @@ fn objective_and_format_must_agree() {
         DataFormat::Sft,
         "bytes",
     );
-    let e = load(&data, ObjectiveKind::Dpo).unwrap_err().to_string();
+    let e = load(&data, ObjectiveKind::Dpo, 259)
+        .unwrap_err()
+        .to_string();
     assert_eq!(
         e,
         "objective.kind = dpo trains on data.format = dpo, but data.format is sft"
@@ -719,7 +788,7 @@ fn missing_file_and_bad_tokenizer_are_named() {
         "bytes",
     );
     let e = load_as(&data).unwrap_err().to_string();
-    assert!(e.starts_with("cannot read /nonexistent/x.jsonl"), "{e}");
+    assert_eq!(e, "file not found: /nonexistent/x.jsonl");
     let dir = tempfile::tempdir().unwrap();
     let t = file(dir.path(), "tokenizer.json", "{}");
     let data = section(vec![t.clone()], DataFormat::Sft, &t.display().to_string());
@@ -757,7 +826,7 @@ fn load_throughput() {
             &tok,
         );
         let t0 = Instant::now();
-        let enc = encoder(&data).unwrap();
+        let enc = matched_encoder(&data).unwrap();
         let setup = t0.elapsed();
         let rows = read::read_rows(&data.train[0]).unwrap();
         let t1 = Instant::now();
@@ -801,7 +870,7 @@ mod props {
             last in "[a-z]{1,5}",
         ) {
             msgs.push(("assistant".into(), last));
-            let enc = encoder(&section(vec![], DataFormat::Sft, "bytes")).unwrap();
+            let enc = matched_encoder(&section(vec![], DataFormat::Sft, "bytes")).unwrap();
             let json_msgs: Vec<serde_json::Value> =
                 msgs.iter().map(|(r, c)| json!({"role": r, "content": c})).collect();
             let seq = enc.chat(&json_msgs, None).unwrap();
@@ -822,7 +891,7 @@ mod props {
         /// the whole row round-trips through the byte tokenizer.
         #[test]
         fn prompt_completion_masks_only_the_completion(p in "\\PC{0,20}", c in "\\PC{0,20}") {
-            let enc = encoder(&section(vec![], DataFormat::Sft, "bytes")).unwrap();
+            let enc = matched_encoder(&section(vec![], DataFormat::Sft, "bytes")).unwrap();
             let row = json!({"prompt": p, "completion": c});
             let seq = sft::sft_row(&enc, &row).unwrap();
             let start = seq.len() - c.len() - 1;

@@ -48,7 +48,8 @@ impl Tokenizer {
             path: path.to_path_buf(),
             message,
         };
-        let mut tok = tokenizers::Tokenizer::from_file(path).map_err(|e| err(e.to_string()))?;
+        let bytes = crate::input::read(path, crate::input::MAX_TOKENIZER_BYTES, "tokenizer")?;
+        let mut tok = tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| err(e.to_string()))?;
         tok.with_truncation(None)
             .map_err(|e| err(format!("cannot disable truncation: {e}")))?;
         tok.with_padding(None);

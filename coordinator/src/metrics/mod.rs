@@ -83,6 +83,7 @@ pub struct Exporter {
     heartbeat_age: Gauge,
     jobs: IntGaugeVec,
     generation: IntGaugeVec,
+    quarantined: IntGaugeVec,
     /// Per job: (checkpoint step, unix ms it became complete), as seen by
     /// this process or, after a restart, the checkpoint directory's mtime.
     checkpoint_times: Mutex<HashMap<String, (u64, Option<i64>)>>,
@@ -289,6 +290,11 @@ impl Exporter {
             "Last generation (membership) formed for the job",
             job,
         );
+        let quarantined = b.int_gauge(
+            "accrue_quarantined_documents",
+            "Documents the job trains without: non-finite steps bisected down to them (accrue quarantine JOB)",
+            job,
+        );
         Exporter {
             registry: b.registry,
             families: b.families,
@@ -323,6 +329,7 @@ impl Exporter {
             heartbeat_age,
             jobs,
             generation,
+            quarantined,
             checkpoint_times: Mutex::new(HashMap::new()),
         }
     }

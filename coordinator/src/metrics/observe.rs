@@ -123,6 +123,9 @@ impl Exporter {
             self.checkpoints_pending
                 .with_label_values(&[id])
                 .set(j.pending_checkpoints.len() as i64);
+            self.quarantined
+                .with_label_values(&[id])
+                .set(j.rec.quarantine.len() as i64);
             if let Some(s) = &j.data.stream {
                 self.rollouts_queued
                     .with_label_values(&[id])

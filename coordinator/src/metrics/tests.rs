@@ -46,6 +46,7 @@ fn populated() -> Exporter {
         &e.rollouts_queued,
         &e.rollouts_capacity,
         &e.checkpoint_step,
+        &e.quarantined,
     ] {
         g.with_label_values(&["j"]).set(1);
     }

@@ -13,7 +13,9 @@ use tonic::{Request, Response, Status};
 use tracing::instrument;
 
 use super::{convert, now_ms, Shared};
+use crate::admission;
 use crate::core::{Event, EventKind, JobStart, WatchItem};
+use crate::doc::DocId;
 use crate::manifest::StepManifest;
 use crate::settings::JobUpdate;
 use crate::spec::{JobSpec, SpecProblem};
@@ -170,15 +172,15 @@ impl Admin for AdminService {
         let req = req.into_inner();
         let base = base_dir(&req.base_dir)?;
         let spec = JobSpec::parse(&req.spec_toml, &base).map_err(|p| problems_status(&p))?;
-        // Tokenizing the dataset is CPU work: keep it off the async runtime.
-        let data_spec = spec.clone();
-        let dataset = tokio::task::spawn_blocking(move || {
-            crate::data::load(&data_spec.data, data_spec.objective.kind)
-        })
-        .await
-        .map_err(|e| Status::internal(format!("data loading task: {e}")))?
-        .map_err(|e| Status::invalid_argument(format!("data: {e}")))?;
-        if dataset.docs.is_empty() && !spec.data.is_stream() {
+        // Reading the model and tokenizing the dataset is blocking work:
+        // keep it off the async runtime.
+        let checked = spec.clone();
+        let admitted = tokio::task::spawn_blocking(move || admission::admit(&checked, true))
+            .await
+            .map_err(|e| Status::internal(format!("admission task: {e}")))?
+            .map_err(|p| problems_status(&p))?;
+        let docs = admitted.dataset.map(|d| d.docs).unwrap_or_default();
+        if docs.is_empty() && !spec.data.is_stream() {
             return Err(Status::invalid_argument(
                 "data.train: the dataset holds no documents",
             ));
@@ -186,13 +188,34 @@ impl Admin for AdminService {
         let start = resume_point(&spec).map_err(Status::invalid_argument)?;
         let id = uuid::Uuid::new_v4().to_string();
         let spec_toml = spec.to_toml();
-        self.shared.apply(Event::SubmitJob {
-            id: id.clone(),
-            spec: Arc::new(spec),
-            spec_toml,
-            docs: dataset.docs.into(),
-            start,
-        })?;
+        let mut inner = self.shared.lock();
+        // The output directory is claimed (and proven writable) before the
+        // job exists; a live job already writing there is refused.
+        let dir = spec.job.output_dir.clone();
+        inner
+            .core
+            .check_output_free(&dir)
+            .map_err(super::core_status)?;
+        let owner = crate::output::Owner {
+            job: id.clone(),
+            name: spec.job.name.clone(),
+            submitted_unix_ms: now_ms(),
+        };
+        if let Some(previous) = crate::output::owner(&dir) {
+            tracing::info!(job = %id, previous = %previous.job, dir = %dir.display(), "output_dir taken over from an ended or unknown job");
+        }
+        crate::output::claim(&dir, &owner)
+            .map_err(|e| Status::failed_precondition(e.to_string()))?;
+        self.shared.apply_locked(
+            &mut inner,
+            Event::SubmitJob {
+                id: id.clone(),
+                spec: Arc::new(spec),
+                spec_toml,
+                docs: docs.into(),
+                start,
+            },
+        )?;
         Ok(Response::new(wire::SubmitJobResponse { job_id: id }))
     }
 
@@ -202,9 +225,16 @@ impl Admin for AdminService {
     ) -> Result<Response<wire::ValidateJobResponse>, Status> {
         let req = req.into_inner();
         let base = base_dir(&req.base_dir)?;
-        let problems = JobSpec::parse(&req.spec_toml, &base)
-            .err()
-            .unwrap_or_default();
+        // The spec and its model; the data is read at submit (or by
+        // `accrue validate --data`).
+        let problems = match JobSpec::parse(&req.spec_toml, &base) {
+            Err(p) => p,
+            Ok(spec) => tokio::task::spawn_blocking(move || admission::admit(&spec, false))
+                .await
+                .map_err(|e| Status::internal(format!("admission task: {e}")))?
+                .err()
+                .unwrap_or_default(),
+        };
         Ok(Response::new(wire::ValidateJobResponse {
             problems: problems
                 .into_iter()
@@ -381,6 +411,67 @@ impl Admin for AdminService {
             job: Some(convert::job_summary(job)),
             from_step: job.rec.changes.last().map_or(0, |c| c.from_step),
         }))
+    }
+
+    async fn list_quarantine(
+        &self,
+        req: Request<wire::ListQuarantineRequest>,
+    ) -> Result<Response<wire::ListQuarantineResponse>, Status> {
+        let id = req.into_inner().job_id;
+        required("job_id", &id)?;
+        let inner = self.shared.lock();
+        let job = inner.core.job(&id).map_err(super::core_status)?;
+        let documents = job
+            .rec
+            .quarantine
+            .iter()
+            .map(|q| convert::quarantined(job, q))
+            .collect();
+        Ok(Response::new(wire::ListQuarantineResponse { documents }))
+    }
+
+    async fn release_quarantine(
+        &self,
+        req: Request<wire::ReleaseQuarantineRequest>,
+    ) -> Result<Response<wire::ReleaseQuarantineResponse>, Status> {
+        let req = req.into_inner();
+        required("job_id", &req.job_id)?;
+        let docs = match (req.all, req.doc_ids.is_empty()) {
+            (true, true) => None,
+            (false, false) => Some(
+                req.doc_ids
+                    .iter()
+                    .enumerate()
+                    .map(|(i, d)| {
+                        d.parse::<DocId>()
+                            .map_err(|e| Status::invalid_argument(format!("doc_ids[{i}]: {e}")))
+                    })
+                    .collect::<Result<Vec<_>, _>>()?,
+            ),
+            (true, false) => return Err(Status::invalid_argument("give doc_ids or all, not both")),
+            (false, true) => {
+                return Err(Status::invalid_argument(
+                    "doc_ids: name the documents to release (or set all)",
+                ))
+            }
+        };
+        let mut inner = self.shared.lock();
+        let job = inner.core.job(&req.job_id).map_err(super::core_status)?;
+        let released = job
+            .rec
+            .quarantine
+            .iter()
+            .filter(|q| docs.as_ref().is_none_or(|d| d.contains(&q.doc)))
+            .map(|q| convert::quarantined(job, q))
+            .collect();
+        self.shared.apply_locked(
+            &mut inner,
+            Event::ReleaseQuarantine {
+                job: req.job_id.clone(),
+                docs,
+            },
+        )?;
+        Ok(Response::new(wire::ReleaseQuarantineResponse { released }))
     }
 
     type WatchJobStream = WatchStream;

@@ -4,8 +4,8 @@
 use accrue_proto::{pack_f32, pack_i32, pack_u32, v1 as wire};
 
 use crate::core::{
-    AbortReason, EventKind, HeldState, Job, JobState, MetricSums, PlanKind, SeqLogp, StepMetrics,
-    ToWorker, WatchItem, Worker, WorkerErrorKind, WorkerState,
+    AbortReason, EventKind, HeldState, Job, JobState, MetricSums, PlanKind, Quarantined, SeqLogp,
+    StepMetrics, ToWorker, WatchItem, Worker, WorkerErrorKind, WorkerState,
 };
 use crate::cursor::Cursor;
 use crate::doc::DocId;
@@ -121,6 +121,22 @@ pub fn job_summary(job: &Job) -> wire::JobSummary {
         last_loss: r.last_loss.unwrap_or(f64::NAN),
         submitted_unix_ms: r.submitted_unix_ms,
         documents: r.documents,
+        quarantined: r.quarantine.len() as u64,
+    }
+}
+
+/// A quarantined document on the wire, with the data file it came from.
+pub fn quarantined(job: &Job, q: &Quarantined) -> wire::QuarantinedDocument {
+    let source = match job.spec.data.train.get(q.doc.file as usize) {
+        Some(path) => format!("{}:{}", path.display(), q.doc.line),
+        None => format!("rollout {}", q.doc),
+    };
+    wire::QuarantinedDocument {
+        doc_id: q.doc.to_string(),
+        source,
+        step: q.step,
+        detail: q.detail.clone(),
+        unix_ms: q.unix_ms,
     }
 }
 
@@ -200,6 +216,7 @@ pub fn event_kind(k: EventKind) -> wire::EventKind {
         EventKind::Replay => wire::EventKind::Replay,
         EventKind::Reference => wire::EventKind::Reference,
         EventKind::Policy => wire::EventKind::Policy,
+        EventKind::Quarantine => wire::EventKind::Quarantine,
     }
 }
 
@@ -216,6 +233,7 @@ pub fn abort_reason(r: AbortReason) -> wire::AbortReason {
         AbortReason::OutputFailed => wire::AbortReason::OutputFailed,
         AbortReason::StepDeadline => wire::AbortReason::StepDeadline,
         AbortReason::TooManyAttempts => wire::AbortReason::TooManyAttempts,
+        AbortReason::NonFinite => wire::AbortReason::NonFinite,
     }
 }
 
@@ -390,6 +408,7 @@ pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
             kind: match planned.kind {
                 PlanKind::Train => wire::PlanKind::Train,
                 PlanKind::Reference => wire::PlanKind::Reference,
+                PlanKind::Probe => wire::PlanKind::Probe,
             } as i32,
             replay: planned.replay,
             max_tokens: planned.settings.max_tokens,

@@ -10,8 +10,6 @@ mod validate;
 mod worker;
 
 use std::collections::HashMap;
-use std::io::Write;
-use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -198,7 +196,7 @@ impl Shared {
                     }
                 }
                 Effect::AppendMetrics { job, path, metrics } => {
-                    if let Err(err) = append_jsonl(&path, &metrics) {
+                    if let Err(err) = crate::output::append_metrics(&path, &job, &metrics) {
                         error!(path = %path.display(), %err, "writing metrics.jsonl failed");
                         let what = format!("{}: {err}", path.display());
                         failed_outputs.push(Event::OutputFailed { job, what });
@@ -328,19 +326,6 @@ pub(crate) fn handle_timed(
     Ok((effects, Timing { started, returned }))
 }
 
-fn append_jsonl(path: &Path, metrics: &crate::core::StepMetrics) -> std::io::Result<()> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    let mut f = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)?;
-    let mut line = serde_json::to_vec(metrics).map_err(std::io::Error::other)?;
-    line.push(b'\n');
-    f.write_all(&line)
-}
-
 /// The one mapping from domain errors to gRPC status codes.
 pub fn core_status(e: CoreError) -> Status {
     match e {
@@ -353,5 +338,7 @@ pub fn core_status(e: CoreError) -> Status {
         CoreError::QueueFull { .. } => Status::resource_exhausted(e.to_string()),
         CoreError::DuplicateJob(_) => Status::already_exists(e.to_string()),
         CoreError::InvalidUpdate { .. } => Status::invalid_argument(e.to_string()),
+        CoreError::NotQuarantined { .. } => Status::not_found(e.to_string()),
+        CoreError::OutputInUse { .. } => Status::failed_precondition(e.to_string()),
     }
 }

@@ -22,7 +22,7 @@ use super::{core_status, Shared};
 use crate::core::{AdmitCounts, CoreError, Effect, Event};
 use crate::data::Encoder;
 use crate::doc::Rollout;
-use crate::spec::{DataSection, OnBad};
+use crate::spec::{DataSection, ModelSection, OnBad};
 
 /// Wakes pushers waiting for room in a rollout queue.
 pub(crate) struct Signals {
@@ -111,14 +111,15 @@ impl RolloutsService {
         Self { shared }
     }
 
-    /// The job's data section, if it takes streamed rollouts.
-    fn data_section(&self, job: &str) -> Result<DataSection, Status> {
+    /// The data and model sections of a job that takes streamed rollouts
+    /// (pushed ids are bounded by the model's vocabulary, as file rows are).
+    fn sections(&self, job: &str) -> Result<(DataSection, ModelSection), Status> {
         let inner = self.shared.lock();
         let j = inner.core.job(job).map_err(core_status)?;
         if j.data.stream.is_none() {
             return Err(core_status(CoreError::NotStreamed(job.to_string())));
         }
-        Ok(j.spec.data.clone())
+        Ok((j.spec.data.clone(), j.spec.model.clone()))
     }
 }
 
@@ -196,13 +197,19 @@ impl Rollouts for RolloutsService {
         }
         let job = first.job_id.clone();
         tracing::Span::current().record("job", job.as_str());
-        let data = self.data_section(&job)?;
+        let (data, model) = self.sections(&job)?;
         let skip_bad = data.on_bad_line == OnBad::Skip || data.on_overlong == OnBad::Skip;
         let max_tokens = data.max_tokens;
-        let enc = tokio::task::spawn_blocking(move || crate::data::encoder(&data))
-            .await
-            .map_err(|e| Status::internal(format!("tokenizer task: {e}")))?
-            .map_err(|e| Status::failed_precondition(format!("job {job}: tokenizer: {e}")))?;
+        // Pushed ids are bounded by the model's vocabulary, as file rows are.
+        let enc = tokio::task::spawn_blocking(move || {
+            let vocab = crate::model::read_config(&model)
+                .map_err(|e| format!("model: {e}"))?
+                .vocab_size;
+            crate::data::encoder(&data, vocab).map_err(|e| format!("tokenizer: {e}"))
+        })
+        .await
+        .map_err(|e| Status::internal(format!("tokenizer task: {e}")))?
+        .map_err(|e| Status::failed_precondition(format!("job {job}: {e}")))?;
         let enc = Arc::new(enc);
         let (mut total, mut messages, mut invalid) = (AdmitCounts::default(), 0u64, 0u64);
         let mut next = Some(first);
@@ -274,7 +281,8 @@ mod tests {
 
     #[test]
     fn a_bad_rollout_is_named_by_message_index_and_field() {
-        let enc = crate::data::encoder(&toml::from_str("format = \"rollouts\"").unwrap()).unwrap();
+        let enc =
+            crate::data::encoder(&toml::from_str("format = \"rollouts\"").unwrap(), 259).unwrap();
         let good = wire::StreamedRollout {
             prompt: "2+2=".into(),
             completion: "4".into(),

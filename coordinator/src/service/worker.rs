@@ -58,6 +58,7 @@ fn event_of(worker: &str, msg: Msg) -> Result<Option<Event>, Status> {
                 .enumerate()
                 .map(|(i, l)| convert::seq_logp(i, l))
                 .collect::<Result<_, _>>()?,
+            nonfinite: r.nonfinite_microbatches,
         },
         Msg::Error(e) => Event::WorkerError {
             worker,

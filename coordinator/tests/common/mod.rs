@@ -77,8 +77,8 @@ pub async fn start_with_http() -> (tempfile::TempDir, Running, SocketAddr) {
     (dir, s, http)
 }
 
-/// Writes `train.jsonl` with `rows` rows `{i}+1=` → `completion(i)`, and an
-/// empty model config `tiny.json`.
+/// Writes `train.jsonl` with `rows` rows `{i}+1=` → `completion(i)`, and a
+/// model config `tiny.json` (only its vocab_size is read here).
 pub fn write_sft_fixture(dir: &Path, rows: usize, completion: impl Fn(usize) -> String) {
     let rows: String = (0..rows)
         .map(|i| {
@@ -89,7 +89,7 @@ pub fn write_sft_fixture(dir: &Path, rows: usize, completion: impl Fn(usize) -> 
         })
         .collect();
     std::fs::write(dir.join("train.jsonl"), rows).unwrap();
-    std::fs::write(dir.join("tiny.json"), "{}").unwrap();
+    std::fs::write(dir.join("tiny.json"), r#"{"vocab_size": 320}"#).unwrap();
 }
 
 /// Submits `spec` with `dir` as its base; returns the job id.
@@ -227,6 +227,7 @@ pub async fn fake_worker(url: String, mut w: FakeWorker) -> Vec<String> {
                     step: p.step,
                     rank: p.rank,
                     logps: Vec::new(),
+                    nonfinite_microbatches: Vec::new(),
                 });
                 match w.hold.take() {
                     Some((step, gate)) if step == p.step => {

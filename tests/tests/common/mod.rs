@@ -207,6 +207,7 @@ pub async fn fake_worker(url: String, max_steps: Option<usize>) -> anyhow::Resul
                     rank: p.rank,
                     sums: Some(sums),
                     logps: Vec::new(),
+                    nonfinite_microbatches: Vec::new(),
                 })))
                 .await?;
             }

@@ -9,7 +9,7 @@ use std::time::Instant;
 use tokio::sync::mpsc::UnboundedSender;
 use tracing::info;
 
-use super::thread::{lock, InFlight, Thread};
+use super::thread::{lock, InFlight, PlanKey, Thread};
 use super::work::{Factory, Progress, RunnerConfig, Work};
 use super::writer::Writer;
 use crate::wire;
@@ -17,12 +17,14 @@ use crate::wire;
 /// The runner thread's handle: queue work, flag aborts, join on shutdown.
 pub struct Runner {
     queue: Option<mpsc::Sender<Work>>,
-    /// (generation, step) of the last aborted step.
-    aborted: Arc<Mutex<Option<(u64, u64)>>>,
+    /// The last aborted plan.
+    aborted: Arc<Mutex<Option<PlanKey>>>,
     in_flight: Arc<Mutex<InFlight>>,
     progress: Arc<Progress>,
     /// Work queued or running, and checkpoint writes in flight.
     pending: Arc<AtomicUsize>,
+    /// Why the thread died (a panic outside a plan), if it did.
+    died: Arc<Mutex<Option<String>>>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -34,13 +36,15 @@ impl Runner {
 
     /// Starts the thread; its answers go to `out`.
     pub fn start(cfg: RunnerConfig, out: UnboundedSender<wire::WorkerMessage>) -> Runner {
-        let (queue, rx) = mpsc::channel();
+        let (queue, rx) = mpsc::channel::<Work>();
         let aborted = Arc::new(Mutex::new(None));
         let in_flight = Arc::new(Mutex::new(InFlight::default()));
         let progress = Arc::new(Progress::default());
         let pending = Arc::new(AtomicUsize::new(0));
         let left = pending.clone();
         let (a, p, f) = (aborted.clone(), progress.clone(), in_flight.clone());
+        let died = Arc::new(Mutex::new(None));
+        let dead = died.clone();
         let writes = pending.clone();
         // The engine is built and lives on the thread: libtorch state
         // need not be Send.
@@ -60,7 +64,22 @@ impl Runner {
                     writer: Writer::new(writes),
                 };
                 while let Ok(w) = rx.recv() {
-                    state.handle(w);
+                    let what = w.name();
+                    let handled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        state.handle(w);
+                    }));
+                    if let Err(payload) = handled {
+                        // Plans catch their own panics; one here (configure,
+                        // checkpoint, publish) leaves the replica in an
+                        // unknown state: report it, then stop, and the
+                        // session ends the process with an error.
+                        let e = crate::error::from_panic(payload.as_ref());
+                        let why = format!("the training thread panicked handling {what}: {e:#}");
+                        *lock(&dead) = Some(why.clone());
+                        state.fatal(&why);
+                        left.fetch_sub(1, Ordering::SeqCst);
+                        break;
+                    }
                     // After the answer is sent: zero means all answers are out.
                     left.fetch_sub(1, Ordering::SeqCst);
                 }
@@ -74,6 +93,7 @@ impl Runner {
             in_flight,
             progress,
             pending,
+            died,
             thread: Some(thread),
         }
     }
@@ -84,19 +104,26 @@ impl Runner {
     /// newer generation aborts a step of an older one still running.
     pub fn submit(&self, work: Work) {
         let target = match &work {
-            Work::Abort(a) => Some((a.generation, a.step)),
-            // A newer generation ends the running step of an older one.
+            Work::Abort(a) => Some(PlanKey {
+                job: a.job_id.clone(),
+                generation: a.generation,
+                step: a.step,
+            }),
+            // A newer generation (or another job) ends the running step of
+            // an older one.
             Work::Configure(c) => lock(&self.in_flight)
                 .running
-                .filter(|(g, _)| *g < c.generation),
+                .clone()
+                .filter(|k| k.job != c.job_id || k.generation < c.generation),
             _ => None,
         };
-        if let Some((generation, step)) = target {
-            *lock(&self.aborted) = Some((generation, step));
+        if let Some(key) = target {
+            *lock(&self.aborted) = Some(key.clone());
             let f = lock(&self.in_flight);
-            if f.running == Some((generation, step)) {
+            if f.running.as_ref() == Some(&key) {
                 if let Some((g, abort)) = &f.collective {
-                    if *g == generation {
+                    if *g == key.generation {
+                        let (generation, step) = (key.generation, key.step);
                         info!(generation, step, "aborting the in-flight collective");
                         abort();
                     }
@@ -113,6 +140,11 @@ impl Runner {
     /// Work items queued or running.
     pub fn pending(&self) -> usize {
         self.pending.load(Ordering::SeqCst)
+    }
+
+    /// Why the runner thread died, if it did: the worker cannot go on.
+    pub fn died(&self) -> Option<String> {
+        lock(&self.died).clone()
     }
 
     pub fn progress(&self) -> Arc<Progress> {

@@ -44,6 +44,8 @@ struct Slow {
     write_delay: Duration,
     zero_grads: Arc<AtomicUsize>,
     steps: Arc<AtomicUsize>,
+    /// A bug outside any plan: the snapshot panics.
+    panic_on_checkpoint: bool,
 }
 
 impl Engine for Slow {
@@ -74,7 +76,14 @@ impl Engine for Slow {
     fn zero_grad(&mut self) {
         self.zero_grads.fetch_add(1, Ordering::SeqCst);
     }
+    fn grads_finite(&self) -> bool {
+        true
+    }
     fn checkpoint_snapshot(&mut self) -> anyhow::Result<CheckpointWrite> {
+        assert!(
+            !self.panic_on_checkpoint,
+            "index out of range in the snapshot"
+        );
         let delay = self.write_delay;
         Ok(Box::new(move |dir: &Path| {
             std::thread::sleep(delay);
@@ -97,6 +106,14 @@ struct Counters {
 }
 
 fn slow_factory(reduce: bool, write_delay: Duration) -> (Factory, Counters) {
+    factory_of(reduce, write_delay, false)
+}
+
+fn factory_of(
+    reduce: bool,
+    write_delay: Duration,
+    panic_on_checkpoint: bool,
+) -> (Factory, Counters) {
     let c = Counters {
         zero_grads: Arc::default(),
         steps: Arc::default(),
@@ -109,6 +126,7 @@ fn slow_factory(reduce: bool, write_delay: Duration) -> (Factory, Counters) {
             write_delay,
             zero_grads: z.clone(),
             steps: s.clone(),
+            panic_on_checkpoint,
         }) as Box<dyn Engine>)
     });
     (f, c)
@@ -371,6 +389,91 @@ fn a_holder_whose_state_does_not_match_its_prior_is_a_state_sync_error() {
         e.message.contains("holds job j step 2") && e.message.contains("but it holds job j step 1"),
         "{}",
         e.message
+    );
+    runner.shutdown();
+}
+
+/// Steps and generations restart at 1 for every job: a worker kept across
+/// jobs (`--exit-on-release false`) must not take the previous job's
+/// abort of (generation 1, step 1) for the next job's step 1, or that step
+/// would be silently dropped and the job would wait for it forever.
+#[test]
+fn an_abort_of_one_jobs_step_does_not_abort_the_same_step_of_the_next_job() {
+    let (f, counters) = slow_factory(false, Duration::ZERO);
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let runner = Runner::spawn(f, tx);
+    let configure_job = |job: &str| {
+        Work::Configure(Box::new(wire::Configure {
+            job_id: job.into(),
+            generation: 1,
+            world_size: 1,
+            job: Some(crate::convert::testing::definition()),
+            ..Default::default()
+        }))
+    };
+    runner.submit(configure_job("first"));
+    assert!(matches!(next(&mut rx), Msg::Ready(_)));
+    runner.submit(Work::Abort(wire::Abort {
+        job_id: "first".into(),
+        generation: 1,
+        step: 1,
+        detail: "job failed".into(),
+        reason: wire::AbortReason::JobFailed as i32,
+    }));
+    runner.submit(configure_job("second"));
+    assert!(matches!(next(&mut rx), Msg::Ready(r) if r.job_id == "second"));
+    let mut plan = one_mb_plan(1, 1);
+    plan.job_id = "second".into();
+    runner.submit(Work::Plan(Box::new(plan)));
+    let Msg::StepResult(r) = next(&mut rx) else {
+        panic!("the second job's step 1 must run and report");
+    };
+    assert_eq!((r.job_id.as_str(), r.step), ("second", 1));
+    assert_eq!(counters.steps.load(Ordering::SeqCst), 1);
+    runner.shutdown();
+}
+
+/// A panic outside a plan (here in a checkpoint snapshot) is reported as
+/// the job's error naming what was being done, and the runner says it died
+/// (the session then exits the process non-zero): never a worker that
+/// heartbeats with a dead training thread.
+#[test]
+fn a_panic_outside_a_plan_is_reported_and_the_runner_says_it_died() {
+    let (f, _) = factory_of(false, Duration::ZERO, true);
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let runner = Runner::spawn(f, tx);
+    runner.submit(configure(0, ""));
+    assert!(matches!(next(&mut rx), Msg::Ready(_)));
+    assert_eq!(runner.died(), None);
+    runner.submit(Work::Checkpoint(wire::CheckpointRequest {
+        job_id: "j".into(),
+        step: 0,
+        dir: "/nonexistent/step-0".into(),
+        cursor: None,
+    }));
+    let Msg::Error(e) = next(&mut rx) else {
+        panic!("expected the job's error");
+    };
+    assert_eq!(e.kind, wire::ErrorKind::Internal as i32);
+    assert!(
+        e.message
+            .contains("panicked handling the checkpoint of step 0"),
+        "{}",
+        e.message
+    );
+    assert!(
+        e.message.contains("index out of range in the snapshot"),
+        "{}",
+        e.message
+    );
+    let until = Instant::now() + Duration::from_secs(5);
+    while runner.died().is_none() && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(runner.died().unwrap().contains("checkpoint of step 0"));
+    assert!(
+        runner.progress().held().is_none(),
+        "no replica is reported held"
     );
     runner.shutdown();
 }

@@ -94,6 +94,10 @@ impl Engine for Fake {
         self.calls.lock().unwrap().zero_grads += 1;
     }
 
+    fn grads_finite(&self) -> bool {
+        true
+    }
+
     fn set_collective(&mut self, _: Box<dyn Collective>) -> anyhow::Result<()> {
         Ok(())
     }
@@ -517,6 +521,9 @@ fn each_rank_gets_its_collective_and_a_failed_collective_blames_the_peer() {
             .context("reducing gradients"))
         }
         fn zero_grad(&mut self) {}
+        fn grads_finite(&self) -> bool {
+            true
+        }
         fn checkpoint_snapshot(&mut self) -> anyhow::Result<CheckpointWrite> {
             Ok(Box::new(|_: &Path| Ok(Vec::new())))
         }
@@ -609,6 +616,9 @@ fn reference_plans_run_empty_microbatches_for_lockstep_engines() {
             anyhow::bail!("a reference plan steps nothing")
         }
         fn zero_grad(&mut self) {}
+        fn grads_finite(&self) -> bool {
+            true
+        }
         fn set_collective(&mut self, _: Box<dyn Collective>) -> anyhow::Result<()> {
             Ok(())
         }
@@ -642,4 +652,55 @@ fn reference_plans_run_empty_microbatches_for_lockstep_engines() {
         assert_eq!((sums.microbatches, sums.documents), (3, 3));
         assert_eq!((sums.tokens, sums.loss_tokens), (9, 6));
     }
+}
+
+#[test]
+fn a_probe_flags_its_non_finite_microbatches_and_never_steps() {
+    let (mut fake, calls) = Fake::new();
+    fake.fail_at = Some((1, || StepError::non_finite("loss NaN in loss chunk 0")));
+    let mut p = plan(
+        4,
+        vec![
+            mb(&[("a:1", 3)]),
+            mb(&[("b:1", 3)]),
+            wire::Microbatch::default(),
+            mb(&[("c:1", 3), ("d:1", 2)]),
+        ],
+    );
+    p.kind = wire::PlanKind::Probe as i32;
+    let (sums, flagged) = super::probe::run_probe(&mut fake, &p, &|| false)
+        .unwrap()
+        .expect("not aborted");
+    assert_eq!(flagged, vec![1]);
+    assert_eq!(sums.tokens, 8, "the finite microbatches' tokens");
+    let c = calls.lock().unwrap();
+    assert!(c.steps.is_empty(), "a probe never steps the optimizer");
+    assert_eq!(
+        c.microbatches,
+        vec![(0, 99), (3, 99)],
+        "each microbatch alone, with the failed step's normalisers"
+    );
+    assert_eq!(c.zero_grads, 4, "zeroed before each microbatch and after");
+}
+
+#[test]
+fn a_probe_fails_on_anything_but_a_non_finite_value() {
+    let (mut fake, calls) = Fake::new();
+    fake.fail_at = Some((0, || StepError::data("token 900 outside the vocabulary")));
+    let mut p = plan(4, vec![mb(&[("a:1", 3)]), mb(&[("b:1", 3)])]);
+    p.kind = wire::PlanKind::Probe as i32;
+    let e = super::probe::run_probe(&mut fake, &p, &|| false).unwrap_err();
+    assert_eq!(e.kind, wire::ErrorKind::Data as i32);
+    assert!(
+        e.message.contains("probe of step 4, microbatch 0"),
+        "{}",
+        e.message
+    );
+    assert!(calls.lock().unwrap().steps.is_empty());
+    // Aborted between microbatches: no answer at all.
+    let (mut fake, _) = Fake::new();
+    assert_eq!(
+        super::probe::run_probe(&mut fake, &p, &|| true).unwrap(),
+        None
+    );
 }

@@ -11,6 +11,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use tracing::{info, warn};
 
 use super::fault;
+use super::probe;
 use super::reference;
 use super::step::{run_step, StepOutcome};
 use super::work::{Connector, Factory, Progress, Work};
@@ -24,9 +25,29 @@ use crate::wire::worker_message::Msg;
 /// handle of its generation's collective.
 #[derive(Default)]
 pub(super) struct InFlight {
-    pub(super) running: Option<(u64, u64)>,
+    pub(super) running: Option<PlanKey>,
     /// (generation, handle) of the current collective.
     pub(super) collective: Option<(u64, AbortHandle)>,
+}
+
+/// Which plan: steps and generations restart at 1 for every job, so a
+/// plan is only named by all three (a worker kept across jobs must not
+/// take an old job's abort for a new job's step).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct PlanKey {
+    pub(super) job: String,
+    pub(super) generation: u64,
+    pub(super) step: u64,
+}
+
+impl PlanKey {
+    pub(super) fn of(p: &wire::StepPlan) -> PlanKey {
+        PlanKey {
+            job: p.job_id.clone(),
+            generation: p.generation,
+            step: p.step,
+        }
+    }
 }
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -63,7 +84,7 @@ pub(super) struct Thread {
     pub(super) connector: Connector,
     pub(super) listener: Option<TcpListener>,
     pub(super) out: UnboundedSender<wire::WorkerMessage>,
-    pub(super) aborted: Arc<Mutex<Option<(u64, u64)>>>,
+    pub(super) aborted: Arc<Mutex<Option<PlanKey>>>,
     pub(super) in_flight: Arc<Mutex<InFlight>>,
     pub(super) progress: Arc<Progress>,
     pub(super) job: Option<Held>,
@@ -95,6 +116,26 @@ impl Thread {
             message,
             peer_rank,
         }));
+    }
+
+    /// The thread is about to die: the job it holds fails with `why`
+    /// (the coordinator prints it) rather than waiting on a silent worker.
+    pub(super) fn fatal(&mut self, why: &str) {
+        let held = self
+            .job
+            .take()
+            .map(|h| (h.job.clone(), h.generation, h.step));
+        self.progress.set_held(None);
+        if let Some((job, generation, step)) = held {
+            self.error(
+                &job,
+                generation,
+                step,
+                wire::ErrorKind::Internal,
+                why.to_string(),
+                None,
+            );
+        }
     }
 
     pub(super) fn handle(&mut self, work: Work) {
@@ -132,7 +173,47 @@ impl Thread {
             rank: p.rank,
             sums: Some(sums),
             logps,
+            nonfinite_microbatches: Vec::new(),
         }));
+    }
+
+    /// Runs probe plan `p` (the coordinator bisecting a non-finite step)
+    /// and answers with the microbatches that were non-finite.
+    fn probe(&mut self, p: &wire::StepPlan) {
+        let Some(h) = self.job.as_mut().filter(|h| h.job == p.job_id) else {
+            return;
+        };
+        let key = PlanKey::of(p);
+        lock(&self.in_flight).running = Some(key.clone());
+        let aborted = self.aborted.clone();
+        let is_aborted = move || lock(&aborted).as_ref() == Some(&key);
+        let result = guarded(p, || probe::run_probe(h.exec.as_mut(), p, &is_aborted));
+        lock(&self.in_flight).running = None;
+        self.last_done = Instant::now();
+        match result {
+            Ok(Some((sums, nonfinite))) => {
+                info!(
+                    step = p.step,
+                    microbatches = p.microbatches.len(),
+                    ?nonfinite,
+                    "probe done"
+                );
+                self.send(Msg::StepResult(wire::StepResult {
+                    job_id: p.job_id.clone(),
+                    generation: p.generation,
+                    step: p.step,
+                    rank: p.rank,
+                    sums: Some(sums),
+                    logps: Vec::new(),
+                    nonfinite_microbatches: nonfinite,
+                }));
+            }
+            Ok(None) => info!(step = p.step, "probe aborted"),
+            Err(e) => {
+                warn!(step = p.step, message = %e.message, "probe failed");
+                self.send(Msg::Error(e));
+            }
+        }
     }
 
     fn plan(&mut self, p: &wire::StepPlan) {
@@ -150,6 +231,9 @@ impl Thread {
                 None,
             );
         };
+        if p.kind == wire::PlanKind::Probe as i32 {
+            return self.probe(p);
+        }
         if p.kind == wire::PlanKind::Reference as i32 {
             let result = guarded(p, || reference::run_reference(h.exec.as_mut(), p));
             self.last_done = Instant::now();
@@ -169,7 +253,7 @@ impl Thread {
             }
             return;
         }
-        let key = (p.generation, p.step);
+        let key = PlanKey::of(p);
         if p.replay {
             info!(
                 step = p.step,
@@ -180,9 +264,9 @@ impl Thread {
         fault::point(fault::Point::BeforeStep, p.step, p.rank);
         // Set before the abort flag is polled: an abort arriving from now
         // on also interrupts the step's collective.
-        lock(&self.in_flight).running = Some(key);
+        lock(&self.in_flight).running = Some(key.clone());
         let aborted = self.aborted.clone();
-        let is_aborted = move || *lock(&aborted) == Some(key);
+        let is_aborted = move || lock(&aborted).as_ref() == Some(&key);
         let idle_s = self.last_done.elapsed().as_secs_f64();
         let outcome = guarded(p, || Ok(run_step(h.exec.as_mut(), p, idle_s, &is_aborted)))
             .unwrap_or_else(StepOutcome::Failed);

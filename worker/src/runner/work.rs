@@ -107,6 +107,21 @@ pub enum Work {
     Publish(wire::PublishPolicy),
 }
 
+impl Work {
+    /// What it is, for messages.
+    pub fn name(&self) -> String {
+        match self {
+            Work::Configure(c) => {
+                format!("configure of job {} generation {}", c.job_id, c.generation)
+            }
+            Work::Plan(p) => format!("the plan of step {}", p.step),
+            Work::Checkpoint(c) => format!("the checkpoint of step {}", c.step),
+            Work::Abort(a) => format!("the abort of step {}", a.step),
+            Work::Publish(p) => format!("publishing the policy of step {}", p.step),
+        }
+    }
+}
+
 /// Where the worker stands, read by the heartbeat without touching the thread.
 #[derive(Debug, Default)]
 pub struct Progress {

@@ -124,6 +124,8 @@ enum Ended {
     Lost(String),
     /// A drain was requested while not connected: nothing to finish.
     Drained,
+    /// The training thread died: the worker cannot go on.
+    Died(String),
 }
 
 /// Runs the worker until it is released (with `exit_on_release`) or the
@@ -147,6 +149,7 @@ pub async fn run(cfg: SessionConfig, runner: RunnerConfig) -> anyhow::Result<()>
                 info!("drain requested while not connected to a coordinator: exiting");
                 break Ok(());
             }
+            Ok(Ended::Died(why)) => break Err(anyhow::anyhow!(why)),
             Ok(Ended::Lost(why)) if drain.requested() => {
                 info!(%why, "session lost while draining: exiting");
                 break Ok(());
@@ -281,6 +284,14 @@ async fn session(
                 }
             }
             _ = beat.tick() => {
+                if let Some(why) = runner.died() {
+                    // Its last answer (the error) goes out before the
+                    // process stops heartbeating and exits non-zero.
+                    while let Ok(m) = results.try_recv() {
+                        let _ = tx.send(m).await;
+                    }
+                    break Ended::Died(why);
+                }
                 let hb = wire::Heartbeat {
                     generation: progress.generation.load(std::sync::atomic::Ordering::Relaxed),
                     step: progress.step.load(std::sync::atomic::Ordering::Relaxed),

@@ -58,6 +58,11 @@ pub trait Engine {
     /// Drops the accumulated gradients (abort, failed step).
     fn zero_grad(&mut self);
 
+    /// Whether the gradients this rank accumulated (its shards, under
+    /// fsdp) are all finite; no collective. Probe plans ask it after each
+    /// microbatch.
+    fn grads_finite(&self) -> bool;
+
     /// Copies this rank's part of a checkpoint into memory (may run
     /// collectives: every rank calls it at the same point) and returns the
     /// writer that puts it into a directory later, without collectives.
@@ -132,6 +137,13 @@ pub trait Engine {
 
 /// Replaces `current` with a new generation's collective when the state
 /// fits the new rank and world; the error names both layouts.
+/// Whether every defined tensor of `ts` is finite.
+pub fn all_finite<'a>(ts: impl IntoIterator<Item = &'a tch::Tensor>) -> bool {
+    ts.into_iter()
+        .filter(|t| t.defined())
+        .all(|t| t.isfinite().all().int64_value(&[]) != 0)
+}
+
 pub fn swap_collective(
     current: &mut Box<dyn Collective>,
     new: Box<dyn Collective>,

@@ -41,6 +41,10 @@ impl Engine for FsdpTrainer {
         }
     }
 
+    fn grads_finite(&self) -> bool {
+        crate::train::engine::all_finite(&self.grads)
+    }
+
     fn checkpoint_snapshot(&mut self) -> anyhow::Result<CheckpointWrite> {
         let snap = self.snapshot()?;
         Ok(Box::new(move |dir| snap.write(dir)))

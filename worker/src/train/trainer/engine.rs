@@ -50,6 +50,11 @@ impl Engine for Trainer {
         }
     }
 
+    fn grads_finite(&self) -> bool {
+        let grads: Vec<tch::Tensor> = self.params.iter().map(tch::Tensor::grad).collect();
+        crate::train::engine::all_finite(&grads)
+    }
+
     fn checkpoint_snapshot(&mut self) -> anyhow::Result<CheckpointWrite> {
         let snap = self.snapshot()?;
         Ok(Box::new(move |dir| snap.write(dir)))

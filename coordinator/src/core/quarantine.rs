@@ -1,0 +1,204 @@
+//! Poison documents (issue 14): a non-finite step under
+//! `faults.on_nonfinite = "bisect"` ends its generation, probe plans
+//! narrow its documents down (`super::bisect`), the culprits are
+//! quarantined in the job's record and the step is planned again without
+//! them. Operators list and release quarantined documents.
+
+use std::collections::BTreeSet;
+
+use tracing::{info, warn};
+
+use super::bisect::{self, Bisection, Next};
+use super::effects::Effect;
+use super::error::{CoreError, Result};
+use super::jobs::InFlight;
+use super::machine::Coordinator;
+use super::types::{AbortReason, End, EventKind, PlanKind, Quarantined, Why};
+use crate::doc::DocId;
+use crate::spec::{OnNonFinite, Sharding};
+
+impl Coordinator {
+    /// Whether a non-finite `step` of the job is bisected rather than
+    /// failing it: the spec asks for it and `step` is the training step
+    /// in flight (not a replay, not a probe or reference plan).
+    pub(super) fn bisects(&self, job_id: &str, step: u64) -> bool {
+        let Some(job) = self.jobs.get(job_id) else {
+            return false;
+        };
+        job.spec.faults.on_nonfinite == OnNonFinite::Bisect
+            && job.inflight().is_some_and(|f| {
+                f.planned.kind == PlanKind::Train && !f.planned.replay && f.planned.step == step
+            })
+    }
+
+    /// The training step in flight was non-finite: its documents, as its
+    /// microbatches grouped them, become the first probe round, and the
+    /// generation ends (its members' collectives may be mid-way).
+    pub(super) fn start_bisection(
+        &mut self,
+        job_id: &str,
+        worker: &str,
+        message: &str,
+        now_ms: i64,
+        fx: &mut Vec<Effect>,
+    ) {
+        let job = self.jobs.get_mut(job_id).expect("bisecting a known job");
+        let planned = job
+            .inflight()
+            .expect("bisecting the step in flight")
+            .planned
+            .clone();
+        let groups: Vec<Vec<DocId>> = planned
+            .ranks
+            .iter()
+            .flatten()
+            .map(|mb| {
+                let mut seen = BTreeSet::new();
+                // A DPO pair is two sequences of one document.
+                mb.seqs
+                    .iter()
+                    .map(|s| s.doc)
+                    .filter(|d| seen.insert(*d))
+                    .collect()
+            })
+            .collect();
+        let detail = format!("worker {worker}: {message}");
+        let b = Bisection::new(planned.step, groups, planned.normalizers, detail.clone());
+        let (docs, groups) = (planned.docs.len(), b.groups().len());
+        warn!(
+            job = job_id,
+            step = planned.step,
+            docs,
+            "non-finite step: bisecting its documents"
+        );
+        job.bisection = Some(b);
+        let msg = format!(
+            "step {} was non-finite ({detail}); bisecting its {docs} documents, starting from its {groups} microbatches",
+            planned.step
+        );
+        fx.push(job.event(EventKind::Quarantine, msg, now_ms));
+        let why = Why::new(
+            AbortReason::NonFinite,
+            format!("step {} non-finite; bisecting its documents", planned.step),
+        );
+        self.end_generation(job_id, why, false, now_ms, fx);
+    }
+
+    /// Every rank answered a probe: its verdict narrows the bisection,
+    /// which probes again, quarantines what it found, or fails the job.
+    pub(super) fn probed(
+        &mut self,
+        job_id: &str,
+        flight: InFlight,
+        now_ms: i64,
+        fx: &mut Vec<Effect>,
+    ) {
+        let job = self.jobs.get_mut(job_id).expect("probing a known job");
+        let world = flight.planned.ranks.len() as u32;
+        let coupled = job.spec.parallel.sharding == Sharding::Fsdp;
+        let max_rounds = job.spec.faults.max_bisect_rounds;
+        let Some(b) = job.bisection.as_mut() else {
+            return;
+        };
+        let slots = bisect::slots(b.groups().len(), world, coupled);
+        let bad = bisect::verdict(&slots, &flight.nonfinite);
+        let suspects: usize = b
+            .groups()
+            .iter()
+            .zip(&bad)
+            .filter(|(_, &bad)| bad)
+            .map(|(g, _)| g.len())
+            .sum();
+        let (step, round) = (b.step, b.rounds + 1);
+        let detail = b.detail.clone();
+        match b.observe(&bad, max_rounds) {
+            Next::Probe => {
+                let msg = format!(
+                    "bisecting step {step}: probe round {round} left {suspects} suspect documents"
+                );
+                fx.push(job.event(EventKind::Quarantine, msg, now_ms));
+            }
+            Next::Found(docs) => {
+                job.bisection = None;
+                for doc in &docs {
+                    warn!(job = job_id, step, %doc, "document quarantined");
+                    job.rec.quarantine.push(Quarantined {
+                        doc: *doc,
+                        step,
+                        detail: detail.clone(),
+                        unix_ms: now_ms,
+                    });
+                }
+                fx.push(Effect::PersistJob(job.rec.clone()));
+                for doc in &docs {
+                    let msg = format!(
+                        "document {doc} quarantined: step {step} is non-finite with it alone (found in {round} probe rounds)"
+                    );
+                    fx.push(job.event(EventKind::Quarantine, msg, now_ms));
+                }
+                info!(
+                    job = job_id,
+                    step, "step re-planned without its quarantined documents"
+                );
+                self.at_boundary(job_id, now_ms, fx);
+            }
+            Next::NotReproduced => {
+                job.bisection = None;
+                let why = Why::new(
+                    AbortReason::NonFinite,
+                    format!(
+                        "step {step} was non-finite ({detail}), but none of its microbatches or documents is on its own; no document to quarantine"
+                    ),
+                );
+                self.finish(job_id, End::Failed(why), now_ms, fx);
+            }
+            Next::OutOfRounds(suspects) => {
+                job.bisection = None;
+                let list: Vec<String> = suspects.iter().take(10).map(ToString::to_string).collect();
+                let why = Why::new(
+                    AbortReason::NonFinite,
+                    format!(
+                        "step {step} was non-finite ({detail}); bisection stopped after {round} rounds (faults.max_bisect_rounds) with {} suspect documents: {}{}",
+                        suspects.len(),
+                        list.join(", "),
+                        if suspects.len() > 10 { ", ..." } else { "" }
+                    ),
+                );
+                self.finish(job_id, End::Failed(why), now_ms, fx);
+            }
+        }
+    }
+
+    /// Returns quarantined documents to the job (`None`: all of them). The
+    /// stream trains each when it next reaches it. Unknown ids are an
+    /// error and release nothing.
+    pub(super) fn release_quarantine(
+        &mut self,
+        job_id: &str,
+        docs: Option<&[DocId]>,
+        now_ms: i64,
+        fx: &mut Vec<Effect>,
+    ) -> Result<Vec<Quarantined>> {
+        let job = self.job_mut(job_id)?;
+        if let Some(docs) = docs {
+            if let Some(d) = docs.iter().find(|d| !job.rec.quarantined(d)) {
+                return Err(CoreError::NotQuarantined {
+                    job: job_id.to_string(),
+                    doc: *d,
+                });
+            }
+        }
+        let (released, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut job.rec.quarantine)
+            .into_iter()
+            .partition(|q| docs.is_none_or(|d| d.contains(&q.doc)));
+        job.rec.quarantine = kept;
+        if released.is_empty() {
+            return Ok(released);
+        }
+        fx.push(Effect::PersistJob(job.rec.clone()));
+        let names: Vec<String> = released.iter().map(|q| q.doc.to_string()).collect();
+        let msg = format!("released from quarantine: {}", names.join(", "));
+        fx.push(job.event(EventKind::Quarantine, msg, now_ms));
+        Ok(released)
+    }
+}
