@@ -240,6 +240,13 @@ pub enum Effect {
         worker: WorkerId,
         msg: ToWorker,
     },
+    /// The worker was declared lost: end its session if one is still
+    /// open, so a worker that is in fact alive reconnects and registers
+    /// again (reporting what it holds) rather than being ignored.
+    EndSession {
+        worker: WorkerId,
+        why: String,
+    },
     Publish {
         job: JobId,
         item: WatchItem,

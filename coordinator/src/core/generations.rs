@@ -59,36 +59,12 @@ impl Coordinator {
             }
             return;
         }
-        self.release_drained(job_id, fx);
+        // Ending the generation releases its draining members.
         let why = Why::new(
             AbortReason::MembershipChange,
             "membership change at step boundary",
         );
         self.end_generation(job_id, why, false, now_ms, fx);
-    }
-
-    /// Sends Release to the draining members of a job's generation.
-    pub(super) fn release_drained(&mut self, job_id: &str, fx: &mut Vec<Effect>) {
-        let Some(members) = self
-            .jobs
-            .get(job_id)
-            .and_then(|j| j.gen())
-            .map(|g| g.members.clone())
-        else {
-            return;
-        };
-        for m in members {
-            if let Some(w) = self.workers.get_mut(&m).filter(|w| w.draining) {
-                fx.push(Effect::Send {
-                    worker: m.clone(),
-                    msg: ToWorker::Release {
-                        job: job_id.to_string(),
-                        reason: "drained".into(),
-                    },
-                });
-                w.state = WorkerState::Draining;
-            }
-        }
     }
 
     /// A rank's part of a checkpoint is durable; once every writer of its

@@ -373,6 +373,14 @@ impl Coordinator {
         w.state = WorkerState::Lost;
         // Whatever it held is gone with it (a re-registration reports anew).
         w.held = None;
+        // A worker lost while its session is open (stopped, partitioned, or
+        // hung past a deadline) may still be running: ending the session
+        // makes it reconnect and register again instead of heartbeating
+        // into a state that ignores it.
+        fx.push(Effect::EndSession {
+            worker: worker.to_string(),
+            why: why.detail.clone(),
+        });
         let job = w.job.take();
         w.rank = None;
         // Checkpoints it had not yet written will never be whole.
@@ -442,6 +450,15 @@ impl Coordinator {
                 w.job = None;
                 w.rank = None;
                 w.state = if w.draining {
+                    // Its boundary will not come in this generation and a
+                    // drained worker joins no other: it leaves now.
+                    fx.push(Effect::Send {
+                        worker: m.clone(),
+                        msg: ToWorker::Release {
+                            job: job_id.to_string(),
+                            reason: "drained".into(),
+                        },
+                    });
                     WorkerState::Draining
                 } else {
                     WorkerState::Idle

@@ -92,6 +92,8 @@ struct Sim {
     aborts: Vec<(WorkerId, u64)>,
     /// Every Release sent: the worker.
     releases: Vec<WorkerId>,
+    /// Workers whose session the coordinator ended (declared lost).
+    ended_sessions: Vec<WorkerId>,
     /// Every Checkpoint message sent (all ranks, duplicates counted).
     checkpoint_msgs: usize,
     /// Checkpoint directories the shell was asked to delete, by step.
@@ -137,6 +139,7 @@ impl Sim {
             manifests: Vec::new(),
             aborts: Vec::new(),
             releases: Vec::new(),
+            ended_sessions: Vec::new(),
             checkpoint_msgs: 0,
             removed_checkpoints: Vec::new(),
             held_checkpoints: None,
@@ -195,6 +198,7 @@ impl Sim {
                 Effect::PersistJob(rec) => self.persisted.push(rec),
                 Effect::PersistRollouts(w) => self.rollout_writes.push(*w),
                 Effect::RemoveCheckpoint { step, .. } => self.removed_checkpoints.push(step),
+                Effect::EndSession { worker, .. } => self.ended_sessions.push(worker),
                 Effect::AppendMetrics { .. } | Effect::Publish { .. } => {}
             }
         }
@@ -2191,6 +2195,68 @@ fn three_workers_step_1_in_flight(sharding: Sharding) -> (Sim, Arc<[Document]>) 
         s.step_once(); // all ready → step 1 in flight
     }
     (s, d)
+}
+
+/// Regression (chaos soak): a worker draining at the step boundary whose
+/// generation ended without one (another member lost mid-step) was left
+/// Draining with no job and never released: the process hung on forever.
+#[test]
+fn a_draining_member_of_a_generation_ended_by_a_loss_is_released() {
+    for sharding in [Sharding::Ddp, Sharding::Fsdp] {
+        let (mut s, d) = three_workers_step_1_in_flight(sharding);
+        s.handle(Event::DrainWorker { worker: "c".into() }).unwrap();
+        assert_eq!(
+            s.releases,
+            Vec::<String>::new(),
+            "{sharding:?}: not before its boundary"
+        );
+        s.dead.push("b".into());
+        s.handle(Event::SessionClosed { worker: "b".into() })
+            .unwrap();
+        assert_eq!(s.releases, vec!["c".to_string()], "{sharding:?}");
+        s.run();
+        assert_eq!(s.state(), JobState::Completed, "{sharding:?}");
+        let c = s.releases.iter().filter(|w| *w == "c").count();
+        assert_eq!(c, 1, "{sharding:?}: c released once");
+        assert!(
+            s.manifests.iter().all(|m| m.world_size == 1),
+            "{sharding:?}: only a trains after the loss"
+        );
+        assert_eq!(check_exactly_once(&s.manifests, 1, &universe(&d)), vec![]);
+    }
+}
+
+/// Regression (chaos soak): a worker lost by heartbeat (SIGSTOP, then
+/// SIGCONT) kept heartbeating on its open session into a core that ignores
+/// Lost workers, and was never used or told again. Its session is now
+/// ended, and the worker registering again is used like any joiner.
+#[test]
+fn a_worker_lost_with_its_session_open_is_told_and_rejoins_by_registering() {
+    let (mut s, d) = three_workers_step_1_in_flight(Sharding::Ddp);
+    s.dead.push("c".into());
+    s.now += 10_000;
+    for w in ["a", "b"] {
+        s.handle(Event::Heartbeat { worker: w.into() }).unwrap();
+    }
+    s.handle(Event::Tick).unwrap();
+    assert_eq!(s.c.worker("c").unwrap().state, WorkerState::Lost);
+    assert_eq!(s.ended_sessions, vec!["c".to_string()]);
+    // Its late heartbeat changes nothing; its session is over.
+    s.handle(Event::Heartbeat { worker: "c".into() }).unwrap();
+    assert_eq!(s.c.worker("c").unwrap().state, WorkerState::Lost);
+    // It registers again (same id, as the worker does) and rejoins.
+    s.dead.clear();
+    s.worker("c");
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    let worlds: Vec<u32> = s.manifests.iter().map(|m| m.world_size).collect();
+    assert_eq!(
+        worlds.first(),
+        Some(&2),
+        "the first committed step ran without c"
+    );
+    assert_eq!(worlds.last(), Some(&3), "c rejoined: {worlds:?}");
+    assert_eq!(check_exactly_once(&s.manifests, 1, &universe(&d)), vec![]);
 }
 
 #[test]

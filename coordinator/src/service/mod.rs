@@ -229,6 +229,16 @@ impl Shared {
                         }
                     }
                 }
+                Effect::EndSession { worker, why } => {
+                    // The session's reader task keeps its own sender, so
+                    // the stream is ended with a status, not by a drop.
+                    if let Some((_, tx)) = inner.sessions.remove(&worker) {
+                        let status = Status::aborted(format!(
+                            "this worker was declared lost ({why}); register again"
+                        ));
+                        let _ = tx.send(Err(status));
+                    }
+                }
                 Effect::Publish { job, item } => {
                     let _ = self.watch.send((job, item));
                 }
