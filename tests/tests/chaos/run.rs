@@ -130,7 +130,11 @@ impl Run {
                 if then_kill {
                     self.kill(h.gate);
                 } else {
+                    // Resumed, it finds its session ended and registers
+                    // again, to be used like any joiner.
+                    let n = self.registrations(h.gate).len();
                     signal(self.c.pid(h.gate), "CONT");
+                    self.wait_registered(h.gate, n + 1);
                 }
             }
         }
