@@ -375,3 +375,30 @@ fn released_documents_return_to_the_stream_and_unknown_ones_are_refused() {
         .iter()
         .any(|(k, m)| k == "quarantine" && m.contains("released")));
 }
+
+/// A model init that cannot be loaded (corrupted after submit) fails the
+/// job naming the worker's cause, instead of re-forming generations that
+/// load it again forever.
+#[test]
+fn an_init_that_fails_to_load_fails_the_job_naming_the_cause() {
+    let mut s = Sim::new();
+    s.worker("a");
+    s.submit(spec("steps = 2", "docs_per_step = 4", 1, 1), docs(10));
+    for _ in 0..20 {
+        let Some((w, ToWorker::Configure { generation, .. })) = s.inbox.pop_front() else {
+            break;
+        };
+        s.handle(Event::WorkerError {
+            worker: w,
+            job: "job".into(),
+            generation,
+            step: 0,
+            kind: WorkerErrorKind::RestoreFailed,
+            message: "/models/init/model.safetensors: header is not valid JSON".into(),
+        })
+        .unwrap();
+    }
+    assert_eq!(s.state(), JobState::Failed, "{:?}\n{:?}", s.events, s.inbox);
+    let reason = &s.c.job("job").unwrap().rec.reason;
+    assert!(reason.contains("header is not valid JSON"), "{reason}");
+}

@@ -153,7 +153,23 @@ impl Coordinator {
     ) {
         let job = self.jobs.get_mut(job_id).expect("known job");
         let gen = job.gen().cloned().expect("an error within a generation");
+        job.last_restore_failure = Some(format!("{worker}: {message}"));
+        job.restore_failures += 1;
         let Source::Checkpoint(bad) = &gen.decision.source else {
+            let max = job.spec.faults.max_step_attempts;
+            if job.restore_failures >= max {
+                // The same source (the model init, a peer's memory) failed
+                // every time: another try would load it again.
+                let why = Why::new(
+                    AbortReason::RestoreFailed,
+                    format!(
+                        "{} generations in a row failed to restore their state (faults.max_step_attempts); the last on {worker}: {message}",
+                        job.restore_failures
+                    ),
+                );
+                self.finish(job_id, End::Failed(why), now_ms, fx);
+                return;
+            }
             // Nothing was to be read from disk: treat it as a failed sync.
             let why = Why::new(
                 AbortReason::RestoreFailed,
@@ -208,7 +224,11 @@ impl Coordinator {
                     return;
                 }
                 Composition::Fail(e) => {
-                    let why = Why::new(AbortReason::JobFailed, e.to_string());
+                    let detail = match &self.jobs[job_id].last_restore_failure {
+                        Some(cause) => format!("{e}; the last restore failed on {cause}"),
+                        None => e.to_string(),
+                    };
+                    let why = Why::new(AbortReason::JobFailed, detail);
                     self.finish(job_id, End::Failed(why), now_ms, fx);
                     return;
                 }
@@ -330,6 +350,7 @@ impl Coordinator {
         let all_ready = gen.all_ready() && !was_ready;
         let decision = gen.decision.clone();
         if all_ready {
+            job.restore_failures = 0;
             if let Some(r) = decision.replay() {
                 let msg = format!(
                     "generation {generation}: {}; replayed steps do not commit again",

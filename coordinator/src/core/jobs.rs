@@ -234,6 +234,14 @@ pub struct Job {
     pub attempts: (u64, u32),
     /// Why the last aborted attempt ended (live only).
     pub last_abort: String,
+    /// The last failed restore, as its worker told it (live only): when no
+    /// source of state is left, the job's failure names this cause.
+    pub last_restore_failure: Option<String>,
+    /// Generations in a row that failed to restore their state (live
+    /// only; reset when one is ready): a source that keeps failing ends
+    /// the job at `faults.max_step_attempts` instead of being retried
+    /// forever.
+    pub restore_failures: u32,
     /// How fast its plans ran: the step deadline's basis (live only).
     pub pace: Pace,
     /// A non-finite step's documents being bisected (live only).
@@ -261,6 +269,8 @@ impl Job {
             last_plan: None,
             attempts: (0, 0),
             last_abort: String::new(),
+            last_restore_failure: None,
+            restore_failures: 0,
             pace: Pace::default(),
             bisection: None,
         }

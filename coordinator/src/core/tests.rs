@@ -1404,6 +1404,12 @@ fn with_no_good_checkpoint_left_the_job_replays_from_init_or_fails() {
     assert_eq!(r.state(), JobState::Failed);
     let reason = &r.c.job("job").unwrap().rec.reason;
     assert!(reason.contains("no state to recover step 3"), "{reason}");
+    // The cause the worker named reaches the job's reason (issue 14 item
+    // 10: it said only "no state to recover").
+    assert!(
+        reason.contains("the last restore failed on a: /ckpt/step-3/model.safetensors: truncated"),
+        "{reason}"
+    );
 }
 
 #[test]
