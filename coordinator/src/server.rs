@@ -22,9 +22,9 @@ use accrue_proto::v1::rollouts_server::RolloutsServer;
 use accrue_proto::v1::worker_service_server::WorkerServiceServer;
 use anyhow::Context;
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
 use tonic::server::NamedService;
+use tonic::transport::server::TcpIncoming;
 use tonic_health::ServingStatus;
 use tracing::{error, info};
 
@@ -206,7 +206,7 @@ impl Server {
             .add_service(admin)
             .add_service(worker)
             .add_service(rollouts)
-            .serve_with_incoming_shutdown(TcpListenerStream::new(self.listener), stopping);
+            .serve_with_incoming_shutdown(accepting(self.listener), stopping);
         let grace = self.config.shutdown_grace;
         tokio::select! {
             r = serve => r.context("serving gRPC")?,
@@ -314,4 +314,27 @@ fn restore_event(mut rec: JobRecord, store: &Store) -> anyhow::Result<Event> {
         reference,
         history,
     })
+}
+
+/// The gRPC listener's connections, with Nagle's algorithm off: a worker's
+/// small messages (a plan, a result, a heartbeat) otherwise wait up to
+/// ~40 ms for the peer's delayed ACK. (`Server::tcp_nodelay` does not reach
+/// connections served from our own listener.)
+fn accepting(listener: TcpListener) -> TcpIncoming {
+    TcpIncoming::from(listener).with_nodelay(Some(true))
+}
+
+#[cfg(test)]
+mod nodelay_tests {
+    use tokio_stream::StreamExt;
+
+    #[tokio::test]
+    async fn accepted_connections_have_nagle_off() {
+        let listener = super::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut incoming = super::accepting(listener);
+        let _client = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let accepted = incoming.next().await.unwrap().unwrap();
+        assert!(accepted.nodelay().unwrap());
+    }
 }

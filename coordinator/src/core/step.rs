@@ -10,6 +10,7 @@ use crate::rl::StalenessStats;
 use crate::settings::StepSettings;
 use crate::spec::JobSpec;
 
+use super::metrics::MetricSums;
 use super::reference::ReferenceCache;
 use super::rollouts::RolloutPlan;
 use super::types::PlanKind;
@@ -76,6 +77,29 @@ pub struct Annotations<'a> {
 impl PlannedStep {
     pub fn microbatches(&self) -> u32 {
         self.ranks.iter().map(|r| r.len() as u32).sum()
+    }
+
+    /// Where rank `rank`'s training result disagrees with what this plan
+    /// gave it (microbatches, tokens, documents), the first such
+    /// field with both values: such a result was not computed on this plan.
+    pub fn disagreement(&self, rank: u32, sums: &MetricSums) -> Option<String> {
+        let mbs = self.ranks.get(rank as usize)?;
+        let tokens: u64 = mbs.iter().map(|m| m.token_ids.len() as u64).sum();
+        // A document counts at its first sequence (role 0), as workers count.
+        let docs = mbs.iter().flat_map(|m| &m.seqs).filter(|q| q.role == 0);
+        let checks = [
+            (
+                "microbatches",
+                u64::from(sums.microbatches),
+                mbs.len() as u64,
+            ),
+            ("tokens", sums.tokens, tokens),
+            ("documents", sums.documents, docs.count() as u64),
+        ];
+        checks
+            .into_iter()
+            .find(|(_, got, planned)| got != planned)
+            .map(|(field, got, planned)| format!("{field} {got}, planned {planned}"))
     }
 
     /// Tokens of the rank with the most: what the step's time follows.

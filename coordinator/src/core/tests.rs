@@ -301,7 +301,12 @@ impl Sim {
                         .loss_tokens()
                     })
                     .sum();
-                let documents = mbs.iter().flat_map(|m| &m.seqs).count() as u64;
+                // As workers count: a DPO pair is one document.
+                let documents = mbs
+                    .iter()
+                    .flat_map(|m| &m.seqs)
+                    .filter(|q| q.role == 0)
+                    .count() as u64;
                 // Per-token log-probs too: a DPO pass ignores them.
                 let logps = if planned.kind == PlanKind::Reference {
                     mbs.iter()
@@ -2262,6 +2267,62 @@ fn a_worker_lost_with_its_session_open_is_told_and_rejoins_by_registering() {
         "the first committed step ran without c"
     );
     assert_eq!(worlds.last(), Some(&3), "c rejoined: {worlds:?}");
+    assert_eq!(check_exactly_once(&s.manifests, 1, &universe(&d)), vec![]);
+}
+
+/// Issue 19: a result whose counts disagree with its rank's plan would skew
+/// every metric; its worker is dropped and the step re-planned.
+#[test]
+fn a_result_that_disagrees_with_its_plan_drops_the_worker_and_replans() {
+    let (mut s, d) = three_workers_step_1_in_flight(Sharding::Ddp);
+    let (w, generation, planned) = s
+        .inbox
+        .iter()
+        .find_map(|(w, m)| match m {
+            ToWorker::Plan {
+                rank: 2,
+                generation,
+                planned,
+                ..
+            } => Some((w.clone(), *generation, planned.clone())),
+            _ => None,
+        })
+        .unwrap();
+    let mbs = &planned.ranks[2];
+    let tokens: u64 = mbs.iter().map(|m| m.token_ids.len() as u64).sum();
+    s.inbox.retain(|(x, _)| *x != w);
+    s.dead.push(w.clone());
+    s.handle(Event::StepResult {
+        worker: w.clone(),
+        job: "job".into(),
+        generation,
+        step: 1,
+        sums: MetricSums {
+            tokens: tokens * 2,
+            microbatches: mbs.len() as u32,
+            documents: 2,
+            loss_tokens: 1,
+            loss_sum: 1.0,
+            ..Default::default()
+        },
+        logps: Vec::new(),
+        nonfinite: Vec::new(),
+    })
+    .unwrap();
+    assert_eq!(s.c.worker(&w).unwrap().state, WorkerState::Lost);
+    let (_, _, detail) = s
+        .events
+        .iter()
+        .map(|(k, m)| (k, m, m.as_str()))
+        .find(|(_, m, _)| m.contains("disagrees with its plan"))
+        .expect("a generation event naming the disagreement");
+    assert!(
+        detail.contains(&format!("tokens {}, planned {tokens}", tokens * 2)),
+        "{detail}"
+    );
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    assert_eq!(s.manifests[0].world_size, 2, "step 1 re-planned without it");
     assert_eq!(check_exactly_once(&s.manifests, 1, &universe(&d)), vec![]);
 }
 

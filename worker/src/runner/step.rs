@@ -2,7 +2,6 @@
 //! plain function of an engine and a plan, tested with fakes. Failures
 //! carry their kind (`crate::error::classify`).
 
-use std::collections::BTreeSet;
 use std::time::Instant;
 
 use super::fault;
@@ -55,7 +54,10 @@ pub fn run_step(
         microbatches: plan.microbatches.len() as u32,
         ..Default::default()
     };
-    let mut docs = BTreeSet::new();
+    // A document is counted at its first sequence (role 0; a DPO pair's
+    // rejected side is role 1): the same document twice in one step (an
+    // epoch boundary inside it) counts twice, as it is trained twice.
+    let mut documents = 0u64;
     // Collective time is measured apart and taken out of compute and
     // optimizer time, so the four phases add up to the step's wall time.
     let coll_start = crate::collective::timed::spent_s();
@@ -92,7 +94,7 @@ pub fn run_step(
                 if o.tokens > 0 {
                     sums.padding_tokens += max_tokens.saturating_sub(o.tokens);
                 }
-                docs.extend(mb.sequences.iter().map(|s| s.doc_id.as_str()));
+                documents += mb.sequences.iter().filter(|s| s.role == 0).count() as u64;
             }
             Err(_) if aborted() => {
                 // The abort interrupted a collective: not a failure.
@@ -112,7 +114,7 @@ pub fn run_step(
             }
         }
     }
-    sums.documents = docs.len() as u64;
+    sums.documents = documents;
     let coll_compute = crate::collective::timed::spent_s() - coll_start;
     sums.compute_s = (compute.elapsed().as_secs_f64() - coll_compute).max(0.0);
     if aborted() {

@@ -125,8 +125,14 @@ fn mb(docs: &[(&str, usize)]) -> wire::Microbatch {
             labels.push(if t == 0 { -100 } else { t as i32 });
         }
         cu.push(ids.len() as u32);
+        // A doc id's second sequence is its pair's rejected side (role 1).
+        let role = seqs
+            .iter()
+            .filter(|s: &&wire::PackedSequence| s.doc_id == *doc)
+            .count() as u32;
         seqs.push(wire::PackedSequence {
             doc_id: (*doc).into(),
+            role,
             ..Default::default()
         });
     }
@@ -162,7 +168,8 @@ fn plan(step: u64, mbs: Vec<wire::Microbatch>) -> wire::StepPlan {
 #[test]
 fn a_plan_reports_sums_and_counts_padding_microbatches() {
     let (mut fake, calls) = Fake::new();
-    // A DPO-like pair puts one doc id in two sequences: counted once.
+    // A DPO-like pair puts one doc id in two sequences (roles 0 and 1):
+    // counted once.
     let p = plan(
         3,
         vec![

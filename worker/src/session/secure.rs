@@ -140,14 +140,22 @@ pub fn url_for(url: &str, tls: bool) -> String {
     }
 }
 
+/// The coordinator's address with the session's transport settings. Nagle
+/// stays off (tonic's default, set here so it cannot drift): a plan or
+/// result would otherwise wait for the peer's delayed ACK.
+fn endpoint(url: &str) -> anyhow::Result<Endpoint> {
+    Ok(Endpoint::from_shared(url.to_string())
+        .with_context(|| format!("bad coordinator url {url}"))?
+        .connect_timeout(Duration::from_secs(5))
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(10))
+        .keep_alive_while_idle(true))
+}
+
 /// Connects to the coordinator at `url` with `sec`.
 pub async fn connect(url: &str, sec: &Security) -> anyhow::Result<Client> {
     let url = url_for(url.trim(), sec.tls.is_some());
-    let mut endpoint = Endpoint::from_shared(url.clone())
-        .with_context(|| format!("bad coordinator url {url}"))?
-        .connect_timeout(Duration::from_secs(5))
-        .http2_keep_alive_interval(Duration::from_secs(10))
-        .keep_alive_while_idle(true);
+    let mut endpoint = endpoint(&url)?;
     if let Some(files) = &sec.tls {
         endpoint = endpoint
             .tls_config(tls_config(files)?)
@@ -174,6 +182,11 @@ pub async fn connect(url: &str, sec: &Security) -> anyhow::Result<Client> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_session_connection_has_nagle_off() {
+        assert!(endpoint("http://127.0.0.1:1").unwrap().get_tcp_nodelay());
+    }
 
     #[test]
     fn token_file_wins_and_is_trimmed() {
