@@ -46,6 +46,7 @@ async fn admin_rpcs_validate_input_and_persist_jobs() {
         .submit_job(wire::SubmitJobRequest {
             spec_toml: bad.clone(),
             base_dir: base.clone(),
+            new_job: false,
         })
         .await
         .unwrap_err();
@@ -69,6 +70,7 @@ async fn admin_rpcs_validate_input_and_persist_jobs() {
         .submit_job(wire::SubmitJobRequest {
             spec_toml: spec.clone(),
             base_dir: "relative".into(),
+            new_job: false,
         })
         .await
         .unwrap_err();
@@ -87,6 +89,7 @@ async fn admin_rpcs_validate_input_and_persist_jobs() {
         .submit_job(wire::SubmitJobRequest {
             spec_toml: spec,
             base_dir: base,
+            new_job: false,
         })
         .await
         .unwrap()
@@ -235,6 +238,7 @@ async fn a_live_jobs_output_dir_is_refused_to_another_and_an_unusable_one_at_sub
     let submit = |spec_toml: String| wire::SubmitJobRequest {
         spec_toml,
         base_dir: base.clone(),
+        new_job: false,
     };
     let first = admin
         .submit_job(submit(spec.clone()))
@@ -261,7 +265,8 @@ async fn a_live_jobs_output_dir_is_refused_to_another_and_an_unusable_one_at_sub
     std::fs::write(dir.path().join("afile"), "x").unwrap();
     let err = admin
         .submit_job(submit(
-            spec.replace("output_dir = \"out\"", "output_dir = \"afile\""),
+            spec.replace("output_dir = \"out\"", "output_dir = \"afile\"")
+                .replace("name = \"inproc\"", "name = \"third\""),
         ))
         .await
         .unwrap_err();
@@ -341,4 +346,64 @@ async fn a_persisted_job_over_the_limits_fails_at_restore_instead_of_planning() 
     );
     s.stop.cancel();
     s.task.await.unwrap().unwrap();
+}
+
+/// Issue 18: a retried submit (same name and spec, job still live) returns
+/// the live job instead of starting a second; the same name with another
+/// spec is refused naming the live job; `new_job` starts another anyway.
+#[tokio::test]
+async fn submitting_twice_returns_the_live_job_and_another_spec_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = write_fixture(dir.path());
+    let s = start(&dir.path().join("state")).await;
+    let mut admin = wire::admin_client::AdminClient::connect(s.url.clone())
+        .await
+        .unwrap();
+    let base = dir.path().display().to_string();
+    let submit = |spec_toml: String, new_job: bool| wire::SubmitJobRequest {
+        spec_toml,
+        base_dir: base.clone(),
+        new_job,
+    };
+    let first = admin
+        .submit_job(submit(spec.clone(), false))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!first.existing);
+    let again = admin
+        .submit_job(submit(spec.clone(), false))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(again.job_id, first.job_id);
+    assert!(again.existing);
+    let other = spec.replace("steps = 2", "steps = 3");
+    let err = admin
+        .submit_job(submit(other.clone(), false))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::AlreadyExists);
+    assert!(
+        err.message().contains(&first.job_id) && err.message().contains("job.name"),
+        "{}",
+        err.message()
+    );
+    let forced = admin
+        .submit_job(submit(
+            other.replace("output_dir = \"out\"", "output_dir = \"out2\""),
+            true,
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_ne!(forced.job_id, first.job_id);
+    assert!(!forced.existing);
+    let jobs = admin
+        .list_jobs(wire::ListJobsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .jobs;
+    assert_eq!(jobs.len(), 2, "one job per distinct submit");
 }

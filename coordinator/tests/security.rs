@@ -227,6 +227,7 @@ async fn oversized_messages_are_refused_and_change_nothing() {
         .submit_job(wire::SubmitJobRequest {
             spec_toml: "#".repeat(2 << 20),
             base_dir: "/".into(),
+            new_job: false,
         })
         .await
         .unwrap_err();

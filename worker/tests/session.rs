@@ -139,6 +139,7 @@ async fn train(url: &str, dir: &Path, spec: String, f: Factory) -> String {
         .submit_job(cwire::SubmitJobRequest {
             spec_toml: spec,
             base_dir: dir.display().to_string(),
+            new_job: false,
         })
         .await
         .unwrap()

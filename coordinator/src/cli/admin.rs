@@ -29,21 +29,33 @@ fn print_json(v: &serde_json::Value) -> anyhow::Result<ExitCode> {
 
 /// `accrue submit`: prints the new job's id alone on stdout. A spec the
 /// coordinator rejects (InvalidArgument) prints its problems and exits 1.
-pub async fn submit(conn: &Conn, path: &Path) -> anyhow::Result<ExitCode> {
+pub async fn submit(conn: &Conn, path: &Path, new_job: bool) -> anyhow::Result<ExitCode> {
     let spec_toml = crate::input::read_spec(path, crate::input::MAX_CONFIG_BYTES)?;
     let base_dir = std::env::current_dir().context("cannot determine the current directory")?;
     let base_dir = std::path::absolute(&base_dir).unwrap_or(base_dir);
     let req = SubmitJobRequest {
         spec_toml,
         base_dir: base_dir.display().to_string(),
+        new_job,
     };
     let what = format!("the submit request of {}", path.display());
     check_request_size(conn, &what, prost::Message::encoded_len(&req))?;
     let mut c = client(conn).await?;
     match c.submit_job(req).await {
         Ok(r) => {
-            outln!("{}", r.into_inner().job_id)?;
+            let r = r.into_inner();
+            if r.existing {
+                errln!(
+                    "a job of this name and spec is already live: {} (nothing new started; --new starts another)",
+                    r.job_id
+                );
+            }
+            outln!("{}", r.job_id)?;
             Ok(ExitCode::SUCCESS)
+        }
+        Err(s) if s.code() == Code::AlreadyExists => {
+            errln!("error: {}", s.message());
+            Ok(ExitCode::FAILURE)
         }
         Err(s) if s.code() == Code::InvalidArgument => {
             errln!("error: the coordinator rejected {}:", path.display());

@@ -206,6 +206,7 @@ async fn follow(
         .submit_job(SubmitJobRequest {
             spec_toml: spec_toml.to_string(),
             base_dir: base.display().to_string(),
+            new_job: false,
         })
         .await
         .map_err(|s| rpc_error(&s, url))

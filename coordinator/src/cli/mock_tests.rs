@@ -94,6 +94,7 @@ impl Admin for Mock {
         }
         Ok(Response::new(SubmitJobResponse {
             job_id: "job-1".into(),
+            existing: false,
         }))
     }
     async fn validate_job(
@@ -312,7 +313,7 @@ async fn submit_sends_the_spec_and_an_absolute_base_dir() {
     let path = dir.path().join("job.toml");
     std::fs::write(&path, "[job]\nname = \"x\"\n").unwrap();
     assert_eq!(
-        admin::submit(&conn, &path).await.unwrap(),
+        admin::submit(&conn, &path, false).await.unwrap(),
         ExitCode::SUCCESS
     );
     let sent = mock.submitted.lock().unwrap()[0].clone();
@@ -334,7 +335,7 @@ async fn submit_of_a_rejected_spec_exits_1() {
     let path = dir.path().join("job.toml");
     std::fs::write(&path, "[optimizer]\nlr = -1\n").unwrap();
     assert_eq!(
-        admin::submit(&conn, &path).await.unwrap(),
+        admin::submit(&conn, &path, false).await.unwrap(),
         ExitCode::FAILURE
     );
 }

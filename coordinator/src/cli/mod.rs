@@ -163,10 +163,16 @@ pub enum Command {
     /// Submit a job; prints its id.
     ///
     /// Relative paths in the spec resolve against the current directory.
+    /// Submitting is safe to retry: while a job of the same name and spec
+    /// is live, its id is printed and nothing new starts; a live job of the
+    /// same name with another spec is refused.
     Submit {
         /// The job spec.
         #[arg(value_name = "JOB.toml")]
         spec: PathBuf,
+        /// Start a new job even if a live one has this name.
+        #[arg(long = "new")]
+        new_job: bool,
     },
     /// List jobs.
     Jobs {
@@ -516,7 +522,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 &mut std::io::stderr(),
             )
         }
-        Command::Submit { spec } => admin::submit(conn, &spec).await,
+        Command::Submit { spec, new_job } => admin::submit(conn, &spec, new_job).await,
         Command::Jobs { json } => admin::jobs(conn, json).await,
         Command::Status { job, json } => admin::status(conn, &job, json).await,
         Command::Cancel { job } => admin::transition(conn, &job, admin::Transition::Cancel).await,

@@ -172,6 +172,7 @@ async fn measure(sharding: &str, workers: u32, fault: &str) -> anyhow::Result<Re
             .submit_job(SubmitJobRequest {
                 spec_toml: spec,
                 base_dir: dir.display().to_string(),
+                new_job: false,
             })
             .await
             .map_err(|s| rpc_error(&s, &url))?

@@ -240,6 +240,13 @@ impl Coordinator {
         Ok(fx)
     }
 
+    /// The live (not ended) job named `name`, if any: a submit of the same
+    /// name and spec returns it instead of starting a second one.
+    pub fn live_job_named(&self, name: &str) -> Option<&Job> {
+        self.jobs()
+            .find(|j| !j.rec.state.is_terminal() && j.rec.name == name)
+    }
+
     /// Refuses an output directory a live job writes to.
     pub fn check_output_free(&self, dir: &std::path::Path) -> Result<()> {
         let owner = self

@@ -172,6 +172,11 @@ impl Admin for AdminService {
         let req = req.into_inner();
         let base = base_dir(&req.base_dir)?;
         let spec = JobSpec::parse(&req.spec_toml, &base).map_err(|p| problems_status(&p))?;
+        let spec_toml = spec.to_toml();
+        // A retried submit finds its job before any data is read.
+        if let Some(existing) = same_live_job(&self.shared.lock().core, &spec, &spec_toml, &req)? {
+            return Ok(Response::new(existing));
+        }
         // Reading the model and tokenizing the dataset is blocking work:
         // keep it off the async runtime.
         let checked = spec.clone();
@@ -187,8 +192,11 @@ impl Admin for AdminService {
         }
         let start = resume_point(&spec).map_err(Status::invalid_argument)?;
         let id = uuid::Uuid::new_v4().to_string();
-        let spec_toml = spec.to_toml();
         let mut inner = self.shared.lock();
+        // Two identical submits racing through admission start one job.
+        if let Some(existing) = same_live_job(&inner.core, &spec, &spec_toml, &req)? {
+            return Ok(Response::new(existing));
+        }
         // The output directory is claimed (and proven writable) before the
         // job exists; a live job already writing there is refused.
         let dir = spec.job.output_dir.clone();
@@ -216,7 +224,10 @@ impl Admin for AdminService {
                 start,
             },
         )?;
-        Ok(Response::new(wire::SubmitJobResponse { job_id: id }))
+        Ok(Response::new(wire::SubmitJobResponse {
+            job_id: id,
+            existing: false,
+        }))
     }
 
     async fn validate_job(
@@ -596,4 +607,34 @@ mod tests {
             "{e}"
         );
     }
+}
+
+/// Submit is idempotent by job name: a live job of the same name and
+/// (resolved) spec is the answer; one with another spec is refused unless
+/// the request asks for a new job.
+fn same_live_job(
+    core: &crate::core::Coordinator,
+    spec: &JobSpec,
+    spec_toml: &str,
+    req: &wire::SubmitJobRequest,
+) -> Result<Option<wire::SubmitJobResponse>, Status> {
+    if req.new_job {
+        return Ok(None);
+    }
+    let Some(job) = core.live_job_named(&spec.job.name) else {
+        return Ok(None);
+    };
+    if job.rec.spec_toml == spec_toml {
+        tracing::info!(job = %job.rec.id, name = %job.rec.name, "submit of a live job's name and spec: returning it");
+        return Ok(Some(wire::SubmitJobResponse {
+            job_id: job.rec.id.clone(),
+            existing: true,
+        }));
+    }
+    Err(Status::already_exists(format!(
+        "job.name {:?}: a live job of that name ({}, {}) has another spec; cancel it, rename this one, or submit with --new to start a second",
+        spec.job.name,
+        job.rec.id,
+        job.rec.state.name()
+    )))
 }

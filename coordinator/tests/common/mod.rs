@@ -101,6 +101,7 @@ pub async fn submit(url: &str, dir: &Path, spec: &str) -> String {
         .submit_job(wire::SubmitJobRequest {
             spec_toml: spec.into(),
             base_dir: dir.display().to_string(),
+            new_job: false,
         })
         .await
         .unwrap()
