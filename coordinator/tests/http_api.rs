@@ -49,8 +49,9 @@ async fn status_api_shows_jobs_workers_and_step_metrics() {
     assert_eq!(j["state"], "completed");
     assert_eq!(j["step"], 2);
     assert_eq!(j["generation"], 1);
-    // The fake worker reports 12 tokens a step and no document count.
-    assert_eq!(j["tokens_seen"], 24);
+    // The fake worker reports its plans' tokens (56 over both steps of
+    // this fixture), as a worker does: the coordinator checks them.
+    assert_eq!(j["tokens_seen"], 56);
     assert_eq!(j["last_loss"], 2.0);
     let w = &v["workers"][0];
     assert_eq!(w["hostname"], "fake", "{v}");

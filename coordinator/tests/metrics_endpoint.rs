@@ -19,7 +19,8 @@ fn sample(text: &str, series: &str) -> Option<f64> {
         .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
 }
 
-/// 2.0 loss per token over 12 tokens, 4 documents and 0.5 s of compute.
+/// 2.0 loss per token and 0.5 s of compute; the counts are the plan's
+/// (`common::counted`): 28 tokens and 4 documents a step on this fixture.
 fn sums(_: &wire::StepPlan) -> wire::MetricSums {
     wire::MetricSums {
         documents: 4,
@@ -70,7 +71,7 @@ async fn metrics_endpoint_shows_committed_steps_and_workers() {
     assert!((0.0..60.0).contains(&seconds), "checkpoint age {seconds}");
     assert_eq!(of("accrue_checkpoint_step"), Some(1.0), "{text}");
     assert_eq!(of("accrue_checkpoints_total"), Some(1.0), "{text}");
-    assert_eq!(of("accrue_tokens_total"), Some(12.0), "{text}");
+    assert_eq!(of("accrue_tokens_total"), Some(28.0), "{text}");
     assert_eq!(of("accrue_documents_total"), Some(4.0), "{text}");
     assert_eq!(of("accrue_job_step"), Some(1.0), "{text}");
     assert_eq!(
@@ -121,7 +122,7 @@ async fn metrics_endpoint_shows_committed_steps_and_workers() {
     assert!(text.starts_with("HTTP/1.1 200 OK"), "{text}");
     for line in [
         format!("accrue_steps_committed_total{{job=\"{job}\"}} 2"),
-        format!("accrue_tokens_total{{job=\"{job}\"}} 24"),
+        format!("accrue_tokens_total{{job=\"{job}\"}} 56"),
         format!("accrue_step_duration_seconds_count{{job=\"{job}\"}} 2"),
         format!("accrue_loss{{job=\"{job}\"}} 2"),
         format!("accrue_job_generation{{job=\"{job}\"}} 1"),
@@ -195,7 +196,7 @@ async fn a_lost_worker_counts_one_aborted_step_by_reason() {
     assert_eq!(of("accrue_job_generation"), Some(2.0), "{text}");
     assert_eq!(of("accrue_plans_dispatched_total"), Some(2.0), "{text}");
     assert_eq!(of("accrue_steps_committed_total"), Some(1.0), "{text}");
-    assert_eq!(of("accrue_tokens_total"), Some(12.0), "{text}");
+    assert_eq!(of("accrue_tokens_total"), Some(28.0), "{text}");
     s.stop.cancel();
     s.task.await.unwrap().unwrap();
 }

@@ -182,7 +182,7 @@ pub enum Command {
     },
     /// Show one job: summary, data cursor and recent steps.
     Status {
-        /// Job id.
+        /// The job: its id, its job.name (the live one), or a unique id prefix.
         #[arg(value_name = "JOB")]
         job: String,
         /// Print JSON instead of text.
@@ -191,19 +191,19 @@ pub enum Command {
     },
     /// Cancel a job; prints its new state.
     Cancel {
-        /// Job id.
+        /// The job: its id, its job.name (the live one), or a unique id prefix.
         #[arg(value_name = "JOB")]
         job: String,
     },
     /// Pause a job at the next step boundary; prints its new state.
     Pause {
-        /// Job id.
+        /// The job: its id, its job.name (the live one), or a unique id prefix.
         #[arg(value_name = "JOB")]
         job: String,
     },
     /// Resume a paused job; prints its new state.
     Resume {
-        /// Job id.
+        /// The job: its id, its job.name (the live one), or a unique id prefix.
         #[arg(value_name = "JOB")]
         job: String,
     },
@@ -221,7 +221,7 @@ pub enum Command {
     },
     /// Ask for a checkpoint; prints the step at whose boundary it is written.
     Checkpoint {
-        /// Job id.
+        /// The job: its id, its job.name (the live one), or a unique id prefix.
         #[arg(value_name = "JOB")]
         job: String,
     },
@@ -229,7 +229,7 @@ pub enum Command {
     /// size, learning rate, documents, tokens, microbatches per rank and
     /// how often each step was attempted.
     Steps {
-        /// Job id.
+        /// The job: its id, its job.name (the live one), or a unique id prefix.
         #[arg(value_name = "JOB")]
         job: String,
         /// First step to show.
@@ -249,7 +249,7 @@ pub enum Command {
     /// down to them; see `[faults] on_nonfinite`), or release them back to
     /// its stream (each is trained when the stream next reaches it).
     Quarantine {
-        /// Job id.
+        /// The job: its id, its job.name (the live one), or a unique id prefix.
         #[arg(value_name = "JOB")]
         job: String,
         /// Release these documents (ids as listed, `file:line`).
@@ -266,7 +266,7 @@ pub enum Command {
     /// (the step in flight keeps its settings); prints that step.
     #[command(group = clap::ArgGroup::new("setting").required(true).multiple(true))]
     Set {
-        /// Job id.
+        /// The job: its id, its job.name (the live one), or a unique id prefix.
         #[arg(value_name = "JOB")]
         job: String,
         /// Documents per step (jobs sized by docs_per_step).
@@ -285,7 +285,7 @@ pub enum Command {
     /// Follow a job until it ends: exit 0 if it completed, 1 if it failed or
     /// was cancelled.
     Watch {
-        /// Job id.
+        /// The job: its id, its job.name (the live one), or a unique id prefix.
         #[arg(value_name = "JOB")]
         job: String,
         /// Replay committed steps from this step on (0: only new ones).
@@ -303,7 +303,7 @@ pub enum Command {
     /// metrics.jsonl directly, offline.
     #[command(group = clap::ArgGroup::new("source").required(true))]
     Plot {
-        /// Job id.
+        /// The job: its id, its job.name (the live one), or a unique id prefix.
         #[arg(value_name = "JOB", group = "source")]
         job: Option<String>,
         /// Read this metrics.jsonl instead of asking the coordinator.
@@ -452,7 +452,7 @@ pub enum RolloutsCommand {
     /// `data.source = "stream"`; waits while the job's queue is full and
     /// prints the counts (accepted, rejected as stale, zero-variance, ...).
     Push {
-        /// Job id.
+        /// The job: its id, its job.name (the live one), or a unique id prefix.
         #[arg(value_name = "JOB")]
         job: String,
         /// Rollout rows: prompt or prompt_ids, completion or completion_ids,

@@ -32,6 +32,12 @@ pub enum CoreError {
         name: String,
         state: String,
     },
+    /// A job named by a name or id prefix that fits several.
+    #[error("{arg:?} names {} jobs ({}): give the id or a longer prefix", .candidates.len(), .candidates.join(", "))]
+    AmbiguousJob {
+        arg: String,
+        candidates: Vec<String>,
+    },
     #[error("document {doc} is not quarantined in job {job}")]
     NotQuarantined { job: String, doc: crate::doc::DocId },
     #[error("invalid update of job {job}: {}", .problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]

@@ -240,6 +240,38 @@ impl Coordinator {
         Ok(fx)
     }
 
+    /// The job an operator means by `arg`: its id; else its `job.name`
+    /// (the live job of that name, or the latest submitted when none is
+    /// live); else a unique id prefix. Several live jobs of one name, or a
+    /// prefix of several ids, are refused listing them.
+    pub fn resolve_job(&self, arg: &str) -> Result<JobId> {
+        if self.jobs.contains_key(arg) {
+            return Ok(arg.to_string());
+        }
+        let ambiguous = |ids: Vec<&Job>| CoreError::AmbiguousJob {
+            arg: arg.to_string(),
+            candidates: ids.iter().map(|j| j.rec.id.clone()).collect(),
+        };
+        let named: Vec<&Job> = self.jobs().filter(|j| j.rec.name == arg).collect();
+        let live: Vec<&Job> = named
+            .iter()
+            .copied()
+            .filter(|j| !j.rec.state.is_terminal())
+            .collect();
+        match (live.len(), named.last()) {
+            (1, _) => return Ok(live[0].rec.id.clone()),
+            (0, Some(latest)) => return Ok(latest.rec.id.clone()),
+            (0, None) => {}
+            _ => return Err(ambiguous(live)),
+        }
+        let prefixed: Vec<&Job> = self.jobs().filter(|j| j.rec.id.starts_with(arg)).collect();
+        match prefixed.len() {
+            0 => Err(CoreError::JobNotFound(arg.to_string())),
+            1 => Ok(prefixed[0].rec.id.clone()),
+            _ => Err(ambiguous(prefixed)),
+        }
+    }
+
     /// The live (not ended) job named `name`, if any: a submit of the same
     /// name and spec returns it instead of starting a second one.
     pub fn live_job_named(&self, name: &str) -> Option<&Job> {

@@ -2507,3 +2507,58 @@ fn checkpoints_beyond_keep_are_deleted_but_never_the_resume_point() {
     // Step 0 (the imported checkpoint) left the index but is not ours.
     assert_eq!(s.removed_checkpoints, vec![1, 2, 3, 4]);
 }
+
+/// Issue 18: operators name jobs by id, name or a unique id prefix.
+#[test]
+fn jobs_resolve_by_id_name_or_unique_prefix() {
+    let mut s = Sim::new();
+    let mut submit = |id: &str, name: &str, out: &str| {
+        let mut sp = spec("steps = 2", "docs_per_step = 4", 1, 1);
+        sp.job.name = name.into();
+        sp.job.output_dir = out.into();
+        s.handle(Event::SubmitJob {
+            id: id.into(),
+            spec: Arc::new(sp),
+            spec_toml: String::new(),
+            docs: docs(10),
+            start: None,
+        })
+        .unwrap();
+    };
+    submit("ab12-x", "sft", "/o1");
+    submit("ab34-y", "dpo", "/o2");
+    let c = &s.c;
+    assert_eq!(c.resolve_job("ab12-x").unwrap(), "ab12-x");
+    assert_eq!(c.resolve_job("dpo").unwrap(), "ab34-y");
+    assert_eq!(c.resolve_job("ab3").unwrap(), "ab34-y");
+    assert_eq!(
+        c.resolve_job("nope"),
+        Err(CoreError::JobNotFound("nope".into()))
+    );
+    let Err(CoreError::AmbiguousJob { candidates, .. }) = c.resolve_job("ab") else {
+        panic!("a prefix of two ids is ambiguous");
+    };
+    assert_eq!(candidates, vec!["ab12-x", "ab34-y"]);
+    // A name wins over a prefix; an ended job of that name still answers
+    // while no live one has it; two live ones are ambiguous.
+    s.handle(Event::CancelJob {
+        job: "ab12-x".into(),
+    })
+    .unwrap();
+    assert_eq!(s.c.resolve_job("sft").unwrap(), "ab12-x");
+    let mut sp = spec("steps = 2", "docs_per_step = 4", 1, 1);
+    sp.job.name = "dpo".into();
+    sp.job.output_dir = "/o3".into();
+    s.handle(Event::SubmitJob {
+        id: "cd56-z".into(),
+        spec: Arc::new(sp),
+        spec_toml: String::new(),
+        docs: docs(10),
+        start: None,
+    })
+    .unwrap();
+    assert!(matches!(
+        s.c.resolve_job("dpo"),
+        Err(CoreError::AmbiguousJob { .. })
+    ));
+}

@@ -30,6 +30,14 @@ impl AdminService {
         Self { shared }
     }
 
+    /// The id of the job an operator named by id, name or id prefix
+    /// (see [`crate::core::Coordinator::resolve_job`]).
+    fn job_id(&self, arg: &str) -> Result<String, Status> {
+        required("job_id", arg)?;
+        let inner = self.shared.lock();
+        inner.core.resolve_job(arg).map_err(super::core_status)
+    }
+
     fn summary(&self, job: &str) -> Result<wire::JobSummary, Status> {
         let inner = self.shared.lock();
         let j = inner.core.job(job).map_err(super::core_status)?;
@@ -270,8 +278,7 @@ impl Admin for AdminService {
         &self,
         req: Request<wire::GetJobRequest>,
     ) -> Result<Response<wire::GetJobResponse>, Status> {
-        let id = req.into_inner().job_id;
-        required("job_id", &id)?;
+        let id = self.job_id(&req.into_inner().job_id)?;
         let inner = self.shared.lock();
         let job = inner.core.job(&id).map_err(super::core_status)?;
         let from = job.rec.step.saturating_sub(9).max(1);
@@ -293,8 +300,7 @@ impl Admin for AdminService {
         &self,
         req: Request<wire::CancelJobRequest>,
     ) -> Result<Response<wire::CancelJobResponse>, Status> {
-        let id = req.into_inner().job_id;
-        required("job_id", &id)?;
+        let id = self.job_id(&req.into_inner().job_id)?;
         self.shared.apply(Event::CancelJob { job: id.clone() })?;
         Ok(Response::new(wire::CancelJobResponse {
             job: Some(self.summary(&id)?),
@@ -305,8 +311,7 @@ impl Admin for AdminService {
         &self,
         req: Request<wire::PauseJobRequest>,
     ) -> Result<Response<wire::PauseJobResponse>, Status> {
-        let id = req.into_inner().job_id;
-        required("job_id", &id)?;
+        let id = self.job_id(&req.into_inner().job_id)?;
         self.shared.apply(Event::PauseJob { job: id.clone() })?;
         Ok(Response::new(wire::PauseJobResponse {
             job: Some(self.summary(&id)?),
@@ -317,8 +322,7 @@ impl Admin for AdminService {
         &self,
         req: Request<wire::ResumeJobRequest>,
     ) -> Result<Response<wire::ResumeJobResponse>, Status> {
-        let id = req.into_inner().job_id;
-        required("job_id", &id)?;
+        let id = self.job_id(&req.into_inner().job_id)?;
         self.shared.apply(Event::ResumeJob { job: id.clone() })?;
         Ok(Response::new(wire::ResumeJobResponse {
             job: Some(self.summary(&id)?),
@@ -359,8 +363,7 @@ impl Admin for AdminService {
         &self,
         req: Request<wire::TriggerCheckpointRequest>,
     ) -> Result<Response<wire::TriggerCheckpointResponse>, Status> {
-        let id = req.into_inner().job_id;
-        required("job_id", &id)?;
+        let id = self.job_id(&req.into_inner().job_id)?;
         let mut inner = self.shared.lock();
         let step = inner
             .core
@@ -375,8 +378,8 @@ impl Admin for AdminService {
         &self,
         req: Request<wire::ListStepsRequest>,
     ) -> Result<Response<wire::ListStepsResponse>, Status> {
-        let req = req.into_inner();
-        required("job_id", &req.job_id)?;
+        let mut req = req.into_inner();
+        req.job_id = self.job_id(&req.job_id)?;
         let from = req.from_step.unwrap_or(0);
         let to = req.to_step.unwrap_or(u64::MAX);
         if to < from {
@@ -401,8 +404,8 @@ impl Admin for AdminService {
         &self,
         req: Request<wire::UpdateJobRequest>,
     ) -> Result<Response<wire::UpdateJobResponse>, Status> {
-        let req = req.into_inner();
-        required("job_id", &req.job_id)?;
+        let mut req = req.into_inner();
+        req.job_id = self.job_id(&req.job_id)?;
         let update = JobUpdate {
             docs_per_step: req.docs_per_step,
             tokens_per_step: req.tokens_per_step,
@@ -428,8 +431,7 @@ impl Admin for AdminService {
         &self,
         req: Request<wire::ListQuarantineRequest>,
     ) -> Result<Response<wire::ListQuarantineResponse>, Status> {
-        let id = req.into_inner().job_id;
-        required("job_id", &id)?;
+        let id = self.job_id(&req.into_inner().job_id)?;
         let inner = self.shared.lock();
         let job = inner.core.job(&id).map_err(super::core_status)?;
         let documents = job
@@ -445,8 +447,8 @@ impl Admin for AdminService {
         &self,
         req: Request<wire::ReleaseQuarantineRequest>,
     ) -> Result<Response<wire::ReleaseQuarantineResponse>, Status> {
-        let req = req.into_inner();
-        required("job_id", &req.job_id)?;
+        let mut req = req.into_inner();
+        req.job_id = self.job_id(&req.job_id)?;
         let docs = match (req.all, req.doc_ids.is_empty()) {
             (true, true) => None,
             (false, false) => Some(
@@ -491,8 +493,8 @@ impl Admin for AdminService {
         &self,
         req: Request<wire::WatchJobRequest>,
     ) -> Result<Response<WatchStream>, Status> {
-        let req = req.into_inner();
-        required("job_id", &req.job_id)?;
+        let mut req = req.into_inner();
+        req.job_id = self.job_id(&req.job_id)?;
         let job = req.job_id.clone();
         // Subscribe before reading history so nothing falls in between.
         let mut live = self.shared.subscribe();

@@ -177,6 +177,23 @@ pub fn loss_2(_: &wire::StepPlan) -> wire::MetricSums {
     }
 }
 
+/// `sums` with the counts a real worker reports for plan `p` (its
+/// microbatches, tokens and documents): the coordinator refuses a result
+/// that disagrees with its plan.
+pub fn counted(sums: wire::MetricSums, p: &wire::StepPlan) -> wire::MetricSums {
+    let mbs = &p.microbatches;
+    wire::MetricSums {
+        microbatches: mbs.len() as u32,
+        tokens: mbs.iter().map(|m| m.token_ids.len() as u64 / 4).sum(),
+        documents: mbs
+            .iter()
+            .flat_map(|m| &m.sequences)
+            .filter(|q| q.role == 0)
+            .count() as u64,
+        ..sums
+    }
+}
+
 /// Registers, answers Configure with Ready, each plan with a result of
 /// `w.sums`, acknowledges checkpoints; returns the doc ids of every sequence
 /// it was planned when released (or lost).
@@ -222,7 +239,7 @@ pub async fn fake_worker(url: String, mut w: FakeWorker) -> Vec<String> {
                 let seqs = p.microbatches.iter().flat_map(|m| &m.sequences);
                 docs.extend(seqs.map(|s| s.doc_id.clone()));
                 let result = Out::StepResult(wire::StepResult {
-                    sums: Some((w.sums)(&p)),
+                    sums: Some(counted((w.sums)(&p), &p)),
                     job_id: p.job_id,
                     generation: p.generation,
                     step: p.step,
