@@ -275,7 +275,8 @@ fn restore_event(mut rec: JobRecord, store: &Store) -> anyhow::Result<Event> {
         let loaded = crate::model::read_config(&spec.model)
             .map_err(|e| format!("the model config could not be read: {e}"))
             .and_then(|m| {
-                crate::data::load(&spec.data, spec.objective.kind, m.vocab_size)
+                crate::data::encoder(&spec.data, m.vocab_size)
+                    .and_then(|enc| crate::data::load_job(&enc, &spec, &|_, _| {}))
                     .map_err(|e| format!("the dataset could not be loaded: {e}"))
             })
             .and_then(|d| within_limits(&spec, &rec.changes, &d).map(|()| d));

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 mod real;
 
-use real::cluster::{lock, reference, signal, write_job, Cluster};
+use real::cluster::{lock, reference, signal, write_job, write_mixture_job, Cluster};
 
 /// Kills worker 1 with `kill -9` when it reaches `point` at step 5 (after
 /// the checkpoint of step 3; the checkpoint of step 6 for a checkpoint
@@ -226,4 +226,31 @@ fn a_corrupted_newest_checkpoint_falls_back_to_the_previous_one() {
         c.logs()
     );
     c.assert_trained_like(&id, want, "fsdp, corrupted newest checkpoint");
+}
+
+/// Issue 16: a three-source mixture (48, 32 and 16 documents at 6, 4 and 2
+/// per step, one epoch each) stays exactly-once per source epoch through a
+/// worker killed mid-microbatch: every document once, and every committed
+/// step holds exactly 6, 4 and 2 documents of the three sources.
+#[test]
+fn a_three_source_mixture_stays_exactly_once_when_a_worker_dies() {
+    let _g = lock();
+    let mut c = Cluster::new();
+    let spec = write_mixture_job(c.d(), "job", "ddp", 2);
+    c.start_worker(None);
+    let victim = c.start_worker(Some("stop:mid_microbatch:5"));
+    let id = c.submit(&spec);
+    c.wait_log(victim, "fault point", Duration::from_secs(240));
+    c.kill_worker(victim);
+    c.wait_completed(&id, Duration::from_secs(240));
+    c.assert_exactly_once(&id, 96);
+    for m in c.manifests(&id) {
+        let per_file = |f: u32| m.docs().iter().filter(|d| d.file == f).count();
+        assert_eq!(
+            (per_file(0), per_file(1), per_file(2)),
+            (6, 4, 2),
+            "step {} per source",
+            m.step
+        );
+    }
 }

@@ -105,6 +105,8 @@ fn real_datasets(dir: &Path) -> anyhow::Result<Vec<(String, Vec<Vec<u32>>)>> {
                 on_bad_line: OnBad::Error,
                 source: Default::default(),
                 shuffle: false,
+                sources: Vec::new(),
+                cache_dir: None,
             };
             // No model here: token ids are bounded by nothing but the tokenizer.
             let ds = crate::data::load(&section, objective, u32::MAX)

@@ -275,6 +275,10 @@ pub enum Command {
         /// The schedule's base (peak) learning rate; warmup and decay go on.
         #[arg(long, value_name = "X", group = "setting")]
         lr: Option<f64>,
+        /// A mixture source's new weight, as NAME=W (repeatable; sources not
+        /// named keep theirs).
+        #[arg(long = "weight", value_name = "NAME=W", group = "setting", value_parser = set::parse_weight)]
+        weights: Vec<(String, f64)>,
     },
     /// Follow a job until it ends: exit 0 if it completed, 1 if it failed or
     /// was cancelled.
@@ -463,6 +467,20 @@ pub enum RolloutsCommand {
 pub enum DataCommand {
     /// Write a synthetic dataset.
     Synth(SynthArgs),
+    /// Tokenize a job's sources into the token cache ahead of submit
+    /// (progress, rows/s, skipped rows with file:line).
+    Prepare(PrepareArgs),
+}
+
+/// Arguments of `accrue data prepare`.
+#[derive(Debug, Clone, Args)]
+pub struct PrepareArgs {
+    /// The job spec whose sources (and eval sources) to prepare.
+    #[arg(value_name = "SPEC.toml")]
+    pub spec: PathBuf,
+    /// Print one JSON line per file instead of progress bars.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Arguments of `accrue data synth`.
@@ -565,6 +583,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             tokens_per_step,
             max_tokens,
             lr,
+            weights,
         } => {
             let args = set::SetArgs {
                 job,
@@ -572,6 +591,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 tokens_per_step,
                 max_tokens,
                 lr,
+                weights,
             };
             set::run(conn, &args).await
         }
@@ -605,6 +625,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Data {
             data: DataCommand::Synth(args),
         } => data::synth(&args),
+        Command::Data {
+            data: DataCommand::Prepare(args),
+        } => data::prepare(&args),
         Command::Rollouts {
             rollouts: RolloutsCommand::Push { job, file, batch },
         } => rollouts::push(conn, &job, &file, batch).await,
@@ -739,7 +762,7 @@ mod tests {
         let cli = parse(&["set", "j1", "--lr", "3e-4", "--max-tokens", "256"]).unwrap();
         assert!(matches!(
             cli.command,
-            Command::Set { ref job, docs_per_step: None, tokens_per_step: None, max_tokens: Some(256), lr: Some(lr) }
+            Command::Set { ref job, docs_per_step: None, tokens_per_step: None, max_tokens: Some(256), lr: Some(lr), .. }
                 if job == "j1" && lr == 3e-4
         ));
         let cli = parse(&["steps", "j1", "--to", "4"]).unwrap();

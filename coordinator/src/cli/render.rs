@@ -476,6 +476,7 @@ mod tests {
                 epoch: 1,
                 position: 768,
                 overflow: vec![4, 9],
+                ..Default::default()
             }),
             generation: 2,
             world_size: 4,
@@ -507,6 +508,7 @@ mod tests {
             extra: [("rewards/chosen".to_string(), 0.25)].into(),
             model_flops: 1.0e12,
             mfu: 0.125,
+            ..Default::default()
         }
     }
 

@@ -143,7 +143,7 @@ impl Coordinator {
             });
         }
         let from = job.next_new_step();
-        record_change(&mut job.rec.changes, from, update, now_ms);
+        record_change(&mut job.rec.changes, from, update.clone(), now_ms);
         if update.docs_per_step.is_some() || update.tokens_per_step.is_some() {
             job.rec.total_steps = planner::estimated_total_steps(job, from);
         }

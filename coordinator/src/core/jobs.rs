@@ -16,11 +16,13 @@ use super::record::JobRecord;
 use super::recovery::Decision;
 use super::reference::{self, ReferenceCache, ReferenceLogps, SeqLogp};
 use super::rollouts::{self, RolloutPlan};
-use super::step::{order_of, Annotations, PlannedStep};
+use super::step::{Annotations, PlannedStep};
 use super::stream::RolloutStream;
 use super::types::{AbortReason, CommittedStep, EventKind, JobState, PlanKind, WorkerId};
+use crate::cursor::{Order, SourceOrder};
 use crate::doc::{DocId, Document};
 use crate::settings::Settings;
+use crate::sources::Source;
 use crate::spec::JobSpec;
 
 /// A fixed membership of a job: ranks 0..W-1.
@@ -150,6 +152,13 @@ pub struct JobData {
     pub history: BTreeMap<u64, CommittedStep>,
     /// Documents by id (built on the first replay).
     doc_index: OnceLock<HashMap<DocId, usize>>,
+    /// The training sources (one for a plain `data.train`).
+    pub sources: Vec<Source>,
+    /// The source of each file of the job (`DocId::file` indexes it).
+    pub file_source: Vec<u32>,
+    /// How the file stream is served (the spec's weights; see
+    /// [`Self::order_at`] for a step's).
+    pub order: Order,
 }
 
 impl JobData {
@@ -174,6 +183,33 @@ impl JobData {
             );
             plan
         });
+        let sources = spec.data.train_sources(spec.job.epochs);
+        let file_source = crate::sources::file_sources(&sources);
+        let len = rollouts.as_ref().map_or(docs.len(), |r| r.units.len()) as u64;
+        let order = if rollouts.is_some() || sources.len() < 2 {
+            Order::single(spec.job.seed, spec.data.shuffle, len, spec.job.epochs)
+        } else {
+            // Documents come in source order: each source is one range.
+            let mut parts: Vec<SourceOrder> = sources
+                .iter()
+                .map(|s| SourceOrder {
+                    start: 0,
+                    len: 0,
+                    epochs: s.epochs,
+                })
+                .collect();
+            for d in docs.iter() {
+                let src = file_source.get(d.id.file as usize).copied().unwrap_or(0);
+                parts[src as usize].len += 1;
+            }
+            let mut start = 0;
+            for p in &mut parts {
+                p.start = start;
+                start += p.len;
+            }
+            let weights = sources.iter().map(|s| s.weight).collect();
+            Order::mixture(spec.job.seed, spec.data.shuffle, parts, weights)
+        };
         JobData {
             reference: reference::needs_cache(spec)
                 .then(|| ReferenceCache::new(reference.unwrap_or_default())),
@@ -182,7 +218,25 @@ impl JobData {
             history: BTreeMap::new(),
             doc_index: OnceLock::new(),
             docs,
+            sources,
+            file_source,
+            order,
         }
+    }
+
+    /// The source index of a document of the job.
+    pub fn source_of(&self, doc: &DocId) -> u32 {
+        self.file_source
+            .get(doc.file as usize)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// The name of source `s`.
+    pub fn source_name(&self, s: u32) -> &str {
+        self.sources
+            .get(s as usize)
+            .map_or("train", |s| s.name.as_str())
     }
 
     /// What this job's plans carry besides the documents.
@@ -190,6 +244,7 @@ impl JobData {
         Annotations {
             reference: self.reference.as_ref(),
             rollouts: self.rollouts.as_ref(),
+            file_source: Some(&self.file_source),
         }
     }
 
@@ -271,6 +326,20 @@ impl Job {
         Settings::new(&self.spec, &self.rec.changes)
     }
 
+    /// How step `step` is served: the job's order with the mixture's
+    /// weights in force at that step.
+    pub fn order_at(&self, step: u64) -> Order {
+        let base = &self.data.order;
+        if base.mix.is_empty() {
+            return base.clone();
+        }
+        let (weights, rev) = self.settings().weights_at(step, &self.data.sources);
+        if rev == 0 {
+            return base.clone();
+        }
+        base.with_weights(weights, rev)
+    }
+
     /// The current generation and its work, if one is formed.
     pub fn active(&self) -> Option<&Active> {
         match &self.phase {
@@ -341,7 +410,7 @@ impl Job {
             Some(steps) => self.rec.step >= steps,
             // A stream without job.steps runs until cancelled.
             None if self.data.stream.is_some() => false,
-            None => order_of(&self.spec, self.data.stream_len()).exhausted(&self.rec.cursor),
+            None => self.data.order.exhausted(&self.rec.cursor),
         }
     }
 

@@ -164,6 +164,11 @@ impl Coordinator {
     fn commit(&mut self, job_id: &str, flight: InFlight, now_ms: i64, fx: &mut Vec<Effect>) {
         let peak_flops = self.generation_peak_flops(job_id);
         let job = self.jobs.get_mut(job_id).expect("committing a known job");
+        // Per-source metrics for a mixture (one source: the step's own).
+        let source_names: Vec<String> = match job.data.sources.len() {
+            0 | 1 => Vec::new(),
+            _ => job.data.sources.iter().map(|s| s.name.clone()).collect(),
+        };
         let active = job.active_mut().expect("committing within a generation");
         let planned = flight.planned.clone();
         active.gen.step = planned.step;
@@ -178,8 +183,12 @@ impl Coordinator {
             step_time_s: (now_ms - flight.started_ms).max(0) as f64 / 1000.0,
             unix_ms: now_ms,
             peak_flops,
+            source_names: &source_names,
         };
         let mut m = metrics::aggregate(facts, planned.cursor_after.clone(), &ranks);
+        if source_names.is_empty() {
+            m.sources.clear();
+        }
         if let (Some(s), Some(r)) = (&planned.staleness, &job.data.rollouts) {
             m.extra.insert("staleness/mean".into(), s.mean());
             m.extra.insert("staleness/max".into(), s.max as f64);
@@ -207,7 +216,10 @@ impl Coordinator {
             tokens = m.tokens,
             "step committed"
         );
-        let manifest = manifest_of(&planned, generation, job.attempts_of(planned.step));
+        let mut manifest = manifest_of(&planned, generation, job.attempts_of(planned.step));
+        if !source_names.is_empty() {
+            manifest.record_sources(&job.data.file_source, &source_names);
+        }
         fx.push(Effect::CommitStep {
             rec: Box::new(job.rec.clone()),
             metrics: Box::new(m.clone()),
@@ -611,5 +623,7 @@ fn manifest_of(planned: &PlannedStep, generation: u64, attempts: u32) -> StepMan
         attempts,
         replayed: false,
         ranks,
+        files: Default::default(),
+        sources: Default::default(),
     }
 }

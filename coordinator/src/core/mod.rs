@@ -50,7 +50,7 @@ pub use jobs::{
     Active, AfterCheckpoint, BoundaryRequests, Generation, InFlight, Job, JobData, Phase, Work,
 };
 pub use machine::{Coordinator, CoordinatorOptions};
-pub use metrics::{MetricSums, StepMetrics};
+pub use metrics::{MetricSums, SourceMetrics, SourceSums, StepMetrics};
 pub use record::JobRecord;
 pub use reference::{RefEntry, ReferenceLogps, SeqLogp};
 pub use step::PlannedStep;

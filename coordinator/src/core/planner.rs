@@ -25,7 +25,7 @@ use crate::spec::{JobSpec, Sharding, StepSize};
 use super::bisect::{self, Bisection};
 use super::jobs::Job;
 use super::rollouts::{self, RolloutPlan};
-use super::step::{order_of, pack_documents, payload, PlannedStep};
+use super::step::{pack_documents, payload, PlannedStep};
 use super::types::{CommittedStep, PlanKind};
 
 /// Where a plan's documents come from.
@@ -149,7 +149,7 @@ fn files(job: &Job, world_size: u32) -> Option<Chosen<'_>> {
     let settings = job.settings().at(step);
     let docs = &job.data.docs;
     let rollouts = job.data.rollouts.as_ref();
-    let order = order_of(&job.spec, job.data.stream_len());
+    let order = job.order_at(step);
     let cursor = &job.rec.cursor;
     let target = StepTarget::new(settings.step_size(), world_size, settings.max_tokens);
     // Quarantined documents are passed over as if not in the dataset (a
@@ -412,7 +412,7 @@ pub fn estimated_total_steps(job: &Job, from: u64) -> u64 {
         _ => &job.rec.cursor,
     };
     let settings = job.settings().at(from);
-    let order = order_of(&job.spec, job.data.stream_len());
+    let order = job.order_at(from);
     let units = order.candidates(cursor).map(|c| c.index as usize);
     let docs = &job.data.docs;
     let (remaining, per_step) = match settings.step_size() {

@@ -25,10 +25,7 @@ fn docs(n: usize) -> Arc<[Document]> {
                     file: 0,
                     line: i as u64 + 1,
                 },
-                body: DocBody::Sft(Sequence {
-                    input_ids: vec![7; len],
-                    labels: vec![7; len],
-                }),
+                body: DocBody::Sft(Sequence::new(vec![7; len], vec![7; len])),
             }
         })
         .collect::<Vec<_>>()
@@ -289,13 +286,7 @@ impl Sim {
                             .windows(2)
                             .map(move |w| (m, w[0] as usize, w[1] as usize))
                     })
-                    .map(|(m, a, b)| {
-                        Sequence {
-                            input_ids: vec![],
-                            labels: m.labels[a..b].to_vec(),
-                        }
-                        .loss_tokens()
-                    })
+                    .map(|(m, a, b)| crate::doc::count_loss_tokens(&m.labels[a..b]))
                     .sum();
                 let documents = mbs.iter().flat_map(|m| &m.seqs).count() as u64;
                 // Per-token log-probs too: a DPO pass ignores them.
@@ -723,10 +714,7 @@ fn a_job_resumed_from_a_checkpoint_continues_at_its_step_and_cursor() {
 }
 
 fn pairs(n: usize) -> Arc<[Document]> {
-    let seq = |len: usize| Sequence {
-        input_ids: vec![7; len],
-        labels: vec![7; len],
-    };
+    let seq = |len: usize| Sequence::new(vec![7; len], vec![7; len]);
     (0..n)
         .map(|i| Document {
             id: DocId {
@@ -860,10 +848,10 @@ fn rollouts(groups: usize, size: usize) -> Arc<[Document]> {
             out.push(Document {
                 id: DocId { file: 0, line },
                 body: DocBody::Rollout(crate::doc::Rollout {
-                    seq: Sequence {
-                        input_ids: vec![7; 6 + (line as usize * 7) % 30],
-                        labels: vec![7; 6 + (line as usize * 7) % 30],
-                    },
+                    seq: Sequence::new(
+                        vec![7; 6 + (line as usize * 7) % 30],
+                        vec![7; 6 + (line as usize * 7) % 30],
+                    ),
                     reward,
                     group: format!("g{g}"),
                     policy_version: 0,

@@ -397,6 +397,7 @@ impl Admin for AdminService {
             tokens_per_step: req.tokens_per_step,
             max_tokens: req.max_tokens,
             lr: req.lr,
+            weights: (!req.weights.is_empty()).then(|| req.weights.into_iter().collect()),
         };
         let mut inner = self.shared.lock();
         self.shared.apply_locked(

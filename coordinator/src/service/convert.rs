@@ -103,6 +103,27 @@ pub fn cursor(c: &Cursor) -> wire::DataCursor {
         epoch: c.epoch,
         position: c.position,
         overflow: c.overflow.clone(),
+        sources: c
+            .sources
+            .iter()
+            .map(|p| wire::SourcePosition {
+                epoch: p.epoch,
+                position: p.position,
+            })
+            .collect(),
+        mixed: c.mixed.clone(),
+        mix_rev: c.mix_rev,
+    }
+}
+
+/// One source's part of a step, on the wire.
+pub fn source_metrics(m: &crate::core::SourceMetrics) -> wire::SourceMetrics {
+    wire::SourceMetrics {
+        loss: m.loss,
+        loss_tokens: m.loss_tokens,
+        tokens: m.tokens,
+        documents: m.docs,
+        extra: m.extra.clone().into_iter().collect(),
     }
 }
 
@@ -160,6 +181,11 @@ pub fn step_metrics(m: &StepMetrics) -> wire::StepMetrics {
         extra: m.extra.clone().into_iter().collect(),
         model_flops: m.model_flops,
         mfu: m.mfu,
+        sources: m
+            .sources
+            .iter()
+            .map(|(k, v)| (k.clone(), source_metrics(v)))
+            .collect(),
     }
 }
 
@@ -252,6 +278,20 @@ pub fn metric_sums(s: wire::MetricSums) -> MetricSums {
         grad_norm: s.grad_norm,
         extra: s.extra.into_iter().collect(),
         model_flops: s.model_flops,
+        sources: s
+            .sources
+            .into_iter()
+            .map(|(k, v)| {
+                let sums = crate::core::SourceSums {
+                    loss_sum: v.loss_sum,
+                    loss_tokens: v.loss_tokens,
+                    tokens: v.tokens,
+                    documents: v.documents,
+                    extra: v.extra.into_iter().collect(),
+                };
+                (k, sums)
+            })
+            .collect(),
     }
 }
 
@@ -402,6 +442,7 @@ pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
                     // pack_f32 of an empty slice is empty.
                     old_logprobs: pack_f32(&mb.old_logprobs),
                     ref_logprobs: pack_f32(&mb.ref_logprobs),
+                    source: mb.source,
                 })
                 .collect(),
             cursor_after: Some(cursor(&planned.cursor_after)),

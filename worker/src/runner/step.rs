@@ -2,7 +2,7 @@
 //! plain function of an engine and a plan, tested with fakes. Failures
 //! carry their kind (`crate::error::classify`).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
 use super::fault;
@@ -56,6 +56,9 @@ pub fn run_step(
         ..Default::default()
     };
     let mut docs = BTreeSet::new();
+    // Each microbatch holds one source's documents: its sums are that
+    // source's (the coordinator names the sources).
+    let mut source_docs: BTreeMap<u32, BTreeSet<&str>> = BTreeMap::new();
     // Collective time is measured apart and taken out of compute and
     // optimizer time, so the four phases add up to the step's wall time.
     let coll_start = crate::collective::timed::spent_s();
@@ -93,6 +96,19 @@ pub fn run_step(
                     sums.padding_tokens += max_tokens.saturating_sub(o.tokens);
                 }
                 docs.extend(mb.sequences.iter().map(|s| s.doc_id.as_str()));
+                if !mb.sequences.is_empty() {
+                    let src = sums.sources.entry(mb.source).or_default();
+                    src.loss_sum += o.loss_sum;
+                    src.loss_tokens += o.loss_tokens;
+                    src.tokens += o.tokens;
+                    for (k, v) in &o.extra {
+                        *src.extra.entry(k.clone()).or_insert(0.0) += v;
+                    }
+                    source_docs
+                        .entry(mb.source)
+                        .or_default()
+                        .extend(mb.sequences.iter().map(|s| s.doc_id.as_str()));
+                }
             }
             Err(_) if aborted() => {
                 // The abort interrupted a collective: not a failure.
@@ -113,6 +129,9 @@ pub fn run_step(
         }
     }
     sums.documents = docs.len() as u64;
+    for (source, d) in source_docs {
+        sums.sources.entry(source).or_default().documents = d.len() as u64;
+    }
     let coll_compute = crate::collective::timed::spent_s() - coll_start;
     sums.compute_s = (compute.elapsed().as_secs_f64() - coll_compute).max(0.0);
     if aborted() {

@@ -378,7 +378,8 @@ fn the_thread_configures_runs_checkpoints_and_drains_on_shutdown() {
             cursor: ManifestCursor {
                 epoch: 1,
                 position: 8,
-                overflow: vec![3]
+                overflow: vec![3],
+                ..Default::default()
             },
             world_size: 1,
             generation: 1,
