@@ -281,7 +281,12 @@ fn restore_event(mut rec: JobRecord, store: &Store) -> anyhow::Result<Event> {
             })
             .and_then(|d| within_limits(&spec, &rec.changes, &d).map(|()| d));
         match loaded {
-            Ok(d) if d.docs.len() as u64 == rec.documents => d.docs.into(),
+            Ok(d)
+                if d.docs.len() as u64 + d.eval.as_ref().map_or(0, |e| e.docs.len() as u64)
+                    == rec.documents =>
+            {
+                d.into_job_docs().into()
+            }
             Ok(d) => {
                 rec.state = JobState::Failed;
                 rec.reason = format!(

@@ -254,7 +254,8 @@ impl<'a> Settings<'a> {
         if update.is_empty() {
             bad(
                 "update",
-                "set at least one of docs_per_step, tokens_per_step, max_tokens, lr".into(),
+                "set at least one of docs_per_step, tokens_per_step, max_tokens, lr, weights"
+                    .into(),
             );
         }
         let mode = if spec.batch.docs_per_step.is_some() {
@@ -312,6 +313,36 @@ impl<'a> Settings<'a> {
                 }
             }
             None => {}
+        }
+        if let Some(named) = &update.weights {
+            let sources = spec.data.train_sources(spec.job.epochs);
+            if sources.len() < 2 {
+                bad(
+                    "data.sources",
+                    "the job reads one source: there are no mixture weights to change".into(),
+                );
+            } else {
+                for (name, &w) in named {
+                    match sources.iter().position(|s| &s.name == name) {
+                        None => bad(
+                            "data.sources",
+                            format!(
+                                "no source named {name:?} (the job's sources: {})",
+                                sources
+                                    .iter()
+                                    .map(|s| s.name.as_str())
+                                    .collect::<Vec<_>>()
+                                    .join(", ")
+                            ),
+                        ),
+                        Some(i) if !(w.is_finite() && w > 0.0) => bad(
+                            &format!("data.sources[{i}].weight"),
+                            format!("must be a positive number, got {w}"),
+                        ),
+                        Some(_) => {}
+                    }
+                }
+            }
         }
         if let Some(lr) = update.lr {
             if !(lr.is_finite() && lr > 0.0) {

@@ -767,6 +767,12 @@ impl JobSpec {
         if self.data.is_stream() && !self.data.sources.is_empty() {
             bad("data.sources", "a streamed job reads no files".into());
         }
+        if self.data.sources.len() > 1 && self.objective.kind == ObjectiveKind::Pg {
+            bad(
+                "data.sources",
+                "a policy-gradient job reads one source (its stream's unit is a group of rollouts); mix prompts upstream".into(),
+            );
+        }
         for (i, f) in self.data.train.iter().enumerate() {
             check_file(&mut bad, &format!("data.train[{i}]"), f);
         }

@@ -201,6 +201,8 @@ pub enum ToWorker {
 #[derive(Debug, Clone, PartialEq)]
 pub enum WatchItem {
     Step(StepMetrics),
+    /// An evaluation finished.
+    Eval(super::eval::EvalMetrics),
     Event {
         kind: EventKind,
         message: String,
@@ -235,6 +237,12 @@ pub enum Effect {
         job: JobId,
         path: PathBuf,
         metrics: Box<StepMetrics>,
+    },
+    /// An evaluation's metrics, appended to `metrics.jsonl` as an eval line.
+    AppendEval {
+        job: JobId,
+        path: PathBuf,
+        eval: Box<super::eval::EvalMetrics>,
     },
     Send {
         worker: WorkerId,

@@ -11,6 +11,7 @@ use tracing::info;
 use super::bisect::Bisection;
 use super::deadline::Pace;
 use super::effects::{Effect, ToWorker, WatchItem};
+use super::eval::{EvalRun, EvalSet};
 use super::metrics::MetricSums;
 use super::record::JobRecord;
 use super::recovery::Decision;
@@ -159,6 +160,8 @@ pub struct JobData {
     /// How the file stream is served (the spec's weights; see
     /// [`Self::order_at`] for a step's).
     pub order: Order,
+    /// `[eval]`: the eval documents (never in the training stream).
+    pub eval: Option<EvalSet>,
 }
 
 impl JobData {
@@ -172,6 +175,27 @@ impl JobData {
         reference: Option<ReferenceLogps>,
         step: u64,
     ) -> JobData {
+        // Eval documents come after the training ones (their files follow
+        // the training files): split them off.
+        let train_files = spec.data.files().len() as u32;
+        let (docs, eval) = match &spec.eval {
+            Some(e) if docs.iter().any(|d| d.id.file >= train_files) => {
+                let (t, ev): (Vec<Document>, Vec<Document>) =
+                    docs.iter().cloned().partition(|d| d.id.file < train_files);
+                let sources = crate::sources::resolve(&e.sources, train_files, None);
+                let mut file_source = vec![0; train_files as usize];
+                file_source.extend(crate::sources::file_sources(&sources));
+                let set = EvalSet {
+                    docs: ev.into(),
+                    file_source: file_source.clone(),
+                    sources,
+                    every_steps: e.every_steps,
+                    dpo_beta: spec.objective.dpo().map(|d| d.beta),
+                };
+                (Arc::from(t), Some(set))
+            }
+            _ => (docs, None),
+        };
         let rollouts = spec.objective.pg().map(|pg| {
             let plan = rollouts::prepare(&docs, &pg, spec.rl.max_staleness, step);
             info!(
@@ -221,7 +245,23 @@ impl JobData {
             sources,
             file_source,
             order,
+            eval,
         }
+    }
+
+    /// Whether the cached reference holds every document that needs one
+    /// (the eval pairs too).
+    pub fn reference_complete(&self) -> bool {
+        self.reference.as_ref().is_none_or(|c| {
+            c.complete(&self.docs) && self.eval.as_ref().is_none_or(|e| c.complete(&e.docs))
+        })
+    }
+
+    /// Every document of the job: training, then eval.
+    pub fn all_docs(&self) -> impl Iterator<Item = &Document> {
+        self.docs
+            .iter()
+            .chain(self.eval.iter().flat_map(|e| e.docs.iter()))
     }
 
     /// The source index of a document of the job.
@@ -293,6 +333,9 @@ pub struct Job {
     pub pace: Pace,
     /// A non-finite step's documents being bisected (live only).
     pub bisection: Option<Bisection>,
+    /// An evaluation owed or under way (live only: lost with the
+    /// coordinator, never needed for correctness).
+    pub eval_run: Option<EvalRun>,
 }
 
 impl Job {
@@ -318,6 +361,7 @@ impl Job {
             last_abort: String::new(),
             pace: Pace::default(),
             bisection: None,
+            eval_run: None,
         }
     }
 

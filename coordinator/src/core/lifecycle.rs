@@ -101,9 +101,48 @@ impl Coordinator {
         match (flight.planned.kind, flight.planned.replay) {
             (PlanKind::Probe, _) => self.probed(job_id, flight, now_ms, fx),
             (PlanKind::Reference, _) => self.commit_reference(job_id, flight, now_ms, fx),
+            (PlanKind::Eval, _) => self.commit_eval(job_id, flight, now_ms, fx),
             (PlanKind::Train, true) => self.replayed(job_id, step, now_ms, fx),
             (PlanKind::Train, false) => self.commit(job_id, flight, now_ms, fx),
         }
+    }
+
+    /// Every rank reported its part of an eval chunk: its sums join the
+    /// evaluation's; after the last chunk the metrics are written and sent.
+    /// Nothing else moves (no cursor, no step).
+    fn commit_eval(&mut self, job_id: &str, flight: InFlight, now_ms: i64, fx: &mut Vec<Effect>) {
+        let job = self.jobs.get_mut(job_id).expect("an eval of a known job");
+        let (Some(set), Some(run)) = (job.data.eval.as_ref(), job.eval_run.as_mut()) else {
+            return;
+        };
+        let wanted: std::collections::BTreeSet<_> = flight.planned.docs.iter().collect();
+        let docs: Vec<&crate::doc::Document> =
+            set.docs.iter().filter(|d| wanted.contains(&d.id)).collect();
+        if let Err(e) = run.add_chunk(set, &docs, &flight.logps, job.data.reference.as_ref()) {
+            let why = Why::new(AbortReason::JobFailed, e.to_string());
+            self.finish(job_id, End::Failed(why), now_ms, fx);
+            return;
+        }
+        if run.next >= set.docs.len() {
+            let m = run.finish(set, now_ms);
+            job.eval_run = None;
+            info!(
+                job = job_id,
+                step = m.step,
+                loss = m.loss,
+                "evaluation done"
+            );
+            fx.push(Effect::AppendEval {
+                job: job_id.to_string(),
+                path: job.spec.job.output_dir.join("metrics.jsonl"),
+                eval: Box::new(m.clone()),
+            });
+            fx.push(Effect::Publish {
+                job: job_id.to_string(),
+                item: WatchItem::Eval(m),
+            });
+        }
+        self.at_boundary(job_id, now_ms, fx);
     }
 
     /// Every rank reported its part of a reference chunk: the log-probs are
@@ -245,6 +284,13 @@ impl Coordinator {
         super::publish::request_if_due(job, fx);
         let every = job.spec.checkpoint.every_steps;
         let finished = job.finished();
+        // An evaluation after every `eval.every_steps`-th step and the last
+        // (it runs before the next step is planned).
+        if let Some(e) = &job.data.eval {
+            if job.rec.step.is_multiple_of(e.every_steps.max(1)) || finished {
+                job.eval_run = Some(super::eval::EvalRun::new(job.rec.step));
+            }
+        }
         let due = (every > 0 && job.rec.step.is_multiple_of(every))
             || job.requests.checkpoint
             || finished;
@@ -252,7 +298,8 @@ impl Coordinator {
             job.requests.checkpoint = false;
             job.request_checkpoint(fx);
         }
-        if finished {
+        // A final evaluation runs first; the job completes after it.
+        if finished && job.eval_run.is_none() {
             self.complete(job_id, "all steps trained", now_ms, fx);
             return;
         }
@@ -474,7 +521,7 @@ impl Coordinator {
 
     fn dispatch(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
         let job = self.jobs.get_mut(job_id).expect("known job");
-        if !job.replaying() && job.finished() {
+        if !job.replaying() && job.finished() && job.eval_run.is_none() {
             self.complete(job_id, "all steps trained", now_ms, fx);
             return;
         }

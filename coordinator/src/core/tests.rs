@@ -16,6 +16,9 @@ mod stream_tests;
 #[path = "fault_tests.rs"]
 mod fault_tests;
 
+#[path = "mixture_tests.rs"]
+mod mixture_tests;
+
 fn docs(n: usize) -> Arc<[Document]> {
     (0..n)
         .map(|i| {
@@ -98,6 +101,8 @@ struct Sim {
     /// Documents whose loss is NaN: a training plan holding one fails as
     /// non-finite on the rank that has it; a probe flags its microbatch.
     poison: Vec<DocId>,
+    /// Evaluations written, in order.
+    evals: Vec<EvalMetrics>,
 }
 
 /// The log-prob a simulated worker reports in a reference pass.
@@ -138,6 +143,7 @@ impl Sim {
             removed_checkpoints: Vec::new(),
             held_checkpoints: None,
             poison: Vec::new(),
+            evals: Vec::new(),
         }
     }
 
@@ -192,6 +198,7 @@ impl Sim {
                 Effect::PersistJob(rec) => self.persisted.push(rec),
                 Effect::PersistRollouts(w) => self.rollout_writes.push(*w),
                 Effect::RemoveCheckpoint { step, .. } => self.removed_checkpoints.push(step),
+                Effect::AppendEval { eval, .. } => self.evals.push(*eval),
                 Effect::AppendMetrics { .. } | Effect::Publish { .. } => {}
             }
         }
@@ -290,7 +297,7 @@ impl Sim {
                     .sum();
                 let documents = mbs.iter().flat_map(|m| &m.seqs).count() as u64;
                 // Per-token log-probs too: a DPO pass ignores them.
-                let logps = if planned.kind == PlanKind::Reference {
+                let logps = if matches!(planned.kind, PlanKind::Reference | PlanKind::Eval) {
                     mbs.iter()
                         .flat_map(|m| m.seqs.iter().zip(m.cu_seq_lens.windows(2)))
                         .map(|(q, w)| SeqLogp {
@@ -305,6 +312,22 @@ impl Sim {
                 } else {
                     Vec::new()
                 };
+                // As a worker does: each microbatch's sums go to its source.
+                let mut sources: BTreeMap<u32, SourceSums> = BTreeMap::new();
+                for m in mbs.iter().filter(|m| !m.seqs.is_empty()) {
+                    let lt: u64 = m
+                        .cu_seq_lens
+                        .windows(2)
+                        .map(|w| {
+                            crate::doc::count_loss_tokens(&m.labels[w[0] as usize..w[1] as usize])
+                        })
+                        .sum();
+                    let e = sources.entry(m.source).or_default();
+                    e.loss_sum += lt as f64 * 2.0;
+                    e.loss_tokens += lt;
+                    e.tokens += m.token_ids.len() as u64;
+                    e.documents += m.seqs.len() as u64;
+                }
                 Event::StepResult {
                     logps,
                     nonfinite,
@@ -319,6 +342,7 @@ impl Sim {
                         documents,
                         microbatches: mbs.len() as u32,
                         grad_norm: 1.0,
+                        sources,
                         ..Default::default()
                     },
                 }

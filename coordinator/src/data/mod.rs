@@ -67,6 +67,19 @@ pub struct Dataset {
     pub tokenizer_vocab: u32,
     /// Each source's documents (a range of `docs`) and counts.
     pub sources: Vec<(std::ops::Range<usize>, SourceReport)>,
+    /// `[eval]`: the eval sources' documents (ids after the training files).
+    pub eval: Option<Box<Dataset>>,
+}
+
+impl Dataset {
+    /// The documents a job holds: training, then eval.
+    pub fn into_job_docs(self) -> Vec<Document> {
+        let mut docs = self.docs;
+        if let Some(e) = self.eval {
+            docs.extend(e.docs);
+        }
+        docs
+    }
 }
 
 /// What loading saw of one source.
@@ -197,14 +210,23 @@ pub fn load_job(
         root: &root,
         progress,
     };
-    load_sources(
-        enc,
-        &spec.data,
-        spec.objective.kind,
-        &sources,
-        &spec.data.files(),
-        via,
-    )
+    let files = spec.data.files();
+    let mut ds = load_sources(enc, &spec.data, spec.objective.kind, &sources, &files, via)?;
+    if let Some(e) = &spec.eval {
+        let eval_sources = crate::sources::resolve(&e.sources, files.len() as u32, None);
+        let mut all = files.clone();
+        all.extend(e.sources.iter().flat_map(|s| s.entries().cloned()));
+        let ev = load_sources(
+            enc,
+            &spec.data,
+            spec.objective.kind,
+            &eval_sources,
+            &all,
+            via,
+        )?;
+        ds.eval = Some(Box::new(ev));
+    }
+    Ok(ds)
 }
 
 /// Loads the given sources (their files indexed in `files`) through `via`.
@@ -230,6 +252,7 @@ pub fn load_sources(
             report: LoadReport::default(),
             tokenizer_vocab: enc.tok.vocab_size(),
             sources: Vec::new(),
+            eval: None,
         });
     }
     let mut report = LoadReport::default();
@@ -296,6 +319,7 @@ pub fn load_sources(
         report,
         tokenizer_vocab: enc.tok.vocab_size(),
         sources: loaded,
+        eval: None,
     })
 }
 

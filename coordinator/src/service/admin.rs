@@ -179,7 +179,10 @@ impl Admin for AdminService {
             .await
             .map_err(|e| Status::internal(format!("admission task: {e}")))?
             .map_err(|p| problems_status(&p))?;
-        let docs = admitted.dataset.map(|d| d.docs).unwrap_or_default();
+        let docs = admitted
+            .dataset
+            .map(crate::data::Dataset::into_job_docs)
+            .unwrap_or_default();
         if docs.is_empty() && !spec.data.is_stream() {
             return Err(Status::invalid_argument(
                 "data.train: the dataset holds no documents",

@@ -116,6 +116,24 @@ pub fn cursor(c: &Cursor) -> wire::DataCursor {
     }
 }
 
+/// An evaluation's metrics, on the wire.
+pub fn eval_metrics(m: &crate::core::EvalMetrics) -> wire::EvalMetrics {
+    wire::EvalMetrics {
+        step: m.step,
+        loss: m.loss,
+        loss_tokens: m.loss_tokens,
+        tokens: m.tokens,
+        documents: m.docs,
+        extra: m.extra.clone().into_iter().collect(),
+        sources: m
+            .sources
+            .iter()
+            .map(|(k, v)| (k.clone(), source_metrics(v)))
+            .collect(),
+        unix_ms: m.unix_ms,
+    }
+}
+
 /// One source's part of a step, on the wire.
 pub fn source_metrics(m: &crate::core::SourceMetrics) -> wire::SourceMetrics {
     wire::SourceMetrics {
@@ -214,6 +232,7 @@ pub fn watch_item(item: &WatchItem) -> wire::WatchJobResponse {
     use wire::watch_job_response::Item;
     let item = match item {
         WatchItem::Step(m) => Item::Step(step_metrics(m)),
+        WatchItem::Eval(m) => Item::Eval(eval_metrics(m)),
         WatchItem::Event {
             kind,
             message,
@@ -450,6 +469,7 @@ pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
                 PlanKind::Train => wire::PlanKind::Train,
                 PlanKind::Reference => wire::PlanKind::Reference,
                 PlanKind::Probe => wire::PlanKind::Probe,
+                PlanKind::Eval => wire::PlanKind::Eval,
             } as i32,
             replay: planned.replay,
             max_tokens: planned.settings.max_tokens,
