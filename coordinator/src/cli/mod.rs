@@ -358,6 +358,38 @@ pub enum BenchCommand {
     /// One rank of `bench collective` (internal: started by it).
     #[command(hide = true)]
     CollectiveRank(CollectiveRankArgs),
+    /// The data layer: tokenization rows/s beside Hugging Face
+    /// datasets.map, submit-to-first-step with a cold and a warm token
+    /// cache, memory per document, mixture planner documents/s.
+    Data(DataArgs),
+    /// One submit measurement of `bench data` (internal: started by it).
+    #[command(hide = true)]
+    DataSubmitChild {
+        spec: PathBuf,
+    },
+}
+
+/// Arguments of `accrue bench data`.
+#[derive(Debug, Clone, Args)]
+pub struct DataArgs {
+    /// Print one JSON object per row instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Rows of the synthetic chat dataset.
+    #[arg(long, value_name = "N", default_value_t = 1_000_000)]
+    pub synthetic_rows: u64,
+    /// Python with `datasets` for the reference (installed on first use).
+    #[arg(long, value_name = "PATH", default_value = ".venv/bin/python")]
+    pub python: PathBuf,
+    /// Skip the datasets.map reference.
+    #[arg(long)]
+    pub no_reference: bool,
+    /// The shared data directory (default: $ACCRUE_SHARED_DATA or ../shared/data).
+    #[arg(long, value_name = "DIR")]
+    pub data: Option<PathBuf>,
+    /// Scratch directory (default: a temporary one).
+    #[arg(long, value_name = "DIR")]
+    pub work: Option<PathBuf>,
 }
 
 /// Arguments of `accrue bench collective`.
@@ -619,6 +651,12 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Bench {
             bench: BenchCommand::Recovery(args),
         } => recovery::run(&args).await,
+        Command::Bench {
+            bench: BenchCommand::Data(args),
+        } => bench::data(&args),
+        Command::Bench {
+            bench: BenchCommand::DataSubmitChild { spec },
+        } => bench::data_submit_child(&spec),
         Command::Bench {
             bench: BenchCommand::CollectiveRank(args),
         } => bench::collective_rank(&args),

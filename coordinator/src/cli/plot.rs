@@ -1,6 +1,8 @@
 //! `accrue plot`: a job's training curves as a PNG, four panels against the
 //! step (loss, tokens/s, gradient norm, learning rate), read from its
-//! metrics.jsonl. Drawn with `plotters` on its bitmap backend; text uses a
+//! metrics.jsonl. The loss panel also draws a mixture's per-source losses
+//! (one curve per source) and the evaluations (`eval` lines: the overall
+//! eval loss as dots, each eval source's as smaller ones). Drawn with `plotters` on its bitmap backend; text uses a
 //! font embedded in the binary (a DejaVu Sans subset, coordinator/assets), so
 //! it renders on a machine without fontconfig or system fonts.
 
@@ -56,7 +58,53 @@ pub struct Point {
     pub grad_norm: Option<f64>,
     #[serde(deserialize_with = "Option::deserialize")]
     pub lr: Option<f64>,
+    /// A mixture: each source's loss at this step.
+    #[serde(default)]
+    pub sources: BTreeMap<String, SourcePoint>,
 }
+
+/// One source's loss at a step (or in an evaluation).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct SourcePoint {
+    #[serde(deserialize_with = "Option::deserialize")]
+    pub loss: Option<f64>,
+}
+
+/// An evaluation line of metrics.jsonl.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct EvalPoint {
+    pub step: u64,
+    #[serde(deserialize_with = "Option::deserialize")]
+    pub loss: Option<f64>,
+    #[serde(default)]
+    pub sources: BTreeMap<String, SourcePoint>,
+}
+
+#[derive(Deserialize)]
+struct EvalLine {
+    eval: EvalPoint,
+}
+
+/// The evaluations in metrics.jsonl `text`, in order (other lines skipped).
+pub fn parse_evals(text: &str) -> Vec<EvalPoint> {
+    text.lines()
+        .filter(|l| l.contains("\"eval\""))
+        .filter_map(|l| serde_json::from_str::<EvalLine>(l).ok())
+        .map(|l| l.eval)
+        .collect()
+}
+
+/// Colours of per-source curves, in source-name order.
+const SOURCE_COLORS: [RGBColor; 8] = [
+    RGBColor(255, 127, 14),
+    RGBColor(23, 190, 207),
+    RGBColor(188, 189, 34),
+    RGBColor(227, 119, 194),
+    RGBColor(140, 86, 75),
+    RGBColor(127, 127, 127),
+    RGBColor(44, 160, 44),
+    RGBColor(148, 103, 189),
+];
 
 /// One panel: its title, its colour and the value it plots.
 pub struct Panel {
@@ -95,7 +143,7 @@ pub const PANELS: [Panel; 4] = [
 pub fn parse_metrics(text: &str, path: &Path) -> Result<Vec<Point>, PlotError> {
     let mut by_step = BTreeMap::new();
     for (i, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
+        if line.trim().is_empty() || is_eval_line(line) {
             continue;
         }
         let p: Point = serde_json::from_str(line).map_err(|source| PlotError::BadLine {
@@ -111,6 +159,11 @@ pub fn parse_metrics(text: &str, path: &Path) -> Result<Vec<Point>, PlotError> {
         });
     }
     Ok(by_step.into_values().collect())
+}
+
+/// An evaluation line (`{"job": …, "eval": {…}}`), not a step.
+fn is_eval_line(line: &str) -> bool {
+    serde_json::from_str::<serde_json::Value>(line).is_ok_and(|v| v.get("eval").is_some())
 }
 
 /// Reads and parses the metrics.jsonl at `path`.
@@ -139,6 +192,17 @@ pub fn render_png(
     out: &Path,
     size: (u32, u32),
 ) -> Result<(), PlotError> {
+    render_png_with(points, &[], title, out, size)
+}
+
+/// [`render_png`] with evaluations drawn on the loss panel.
+pub fn render_png_with(
+    points: &[Point],
+    evals: &[EvalPoint],
+    title: &str,
+    out: &Path,
+    size: (u32, u32),
+) -> Result<(), PlotError> {
     register_font();
     let draw_err = |e: &dyn std::fmt::Display| PlotError::Draw {
         path: out.display().to_string(),
@@ -150,7 +214,7 @@ pub fn render_png(
         .titled(title, ("sans-serif", 22))
         .map_err(|e| draw_err(&e))?;
     for (area, panel) in root.split_evenly((2, 2)).iter().zip(&PANELS) {
-        draw_panel(area, panel, points).map_err(|e| draw_err(&e))?;
+        draw_panel(area, panel, points, evals).map_err(|e| draw_err(&e))?;
     }
     root.present().map_err(|e| draw_err(&e))
 }
@@ -159,7 +223,7 @@ type Area<'a> = DrawingArea<BitMapBackend<'a>, plotters::coord::Shift>;
 type DrawResult =
     Result<(), DrawingAreaErrorKind<<BitMapBackend<'static> as DrawingBackend>::ErrorType>>;
 
-fn draw_panel(area: &Area<'_>, panel: &Panel, points: &[Point]) -> DrawResult {
+fn draw_panel(area: &Area<'_>, panel: &Panel, points: &[Point], evals: &[EvalPoint]) -> DrawResult {
     let series: Vec<(u64, f64)> = points
         .iter()
         .filter_map(|p| {
@@ -168,13 +232,52 @@ fn draw_panel(area: &Area<'_>, panel: &Panel, points: &[Point]) -> DrawResult {
                 .map(|v| (p.step, v))
         })
         .collect();
+    // The loss panel: each source's curve and the evaluations too.
+    let is_loss = panel.title == "loss";
+    let names: std::collections::BTreeSet<&String> = if is_loss {
+        points.iter().flat_map(|p| p.sources.keys()).collect()
+    } else {
+        Default::default()
+    };
+    let source_series = |name: &String| -> Vec<(f64, f64)> {
+        points
+            .iter()
+            .filter_map(|p| {
+                let v = p.sources.get(name)?.loss.filter(|v| v.is_finite())?;
+                Some((p.step as f64, v))
+            })
+            .collect()
+    };
+    let eval_points: Vec<(f64, f64, Option<&String>)> = if is_loss {
+        evals
+            .iter()
+            .flat_map(|e| {
+                let all = e.loss.map(|v| (e.step as f64, v, None));
+                let each = e
+                    .sources
+                    .iter()
+                    .filter_map(move |(n, s)| s.loss.map(|v| (e.step as f64, v, Some(n))));
+                all.into_iter().chain(each)
+            })
+            .filter(|p| p.1.is_finite())
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let extra: Vec<f64> = names
+        .iter()
+        .flat_map(|n| source_series(n).into_iter().map(|p| p.1))
+        .chain(eval_points.iter().map(|p| p.1))
+        .collect();
+    let series_values = series.iter().map(|s| s.1).chain(extra.iter().copied());
     let (x0, x1) = padded(
         points.first().map_or(0.0, |p| p.step as f64),
         points.last().map_or(1.0, |p| p.step as f64),
         0.0,
     );
-    let lo = series.iter().map(|s| s.1).fold(f64::INFINITY, f64::min);
-    let hi = series.iter().map(|s| s.1).fold(f64::NEG_INFINITY, f64::max);
+    let (lo, hi) = series_values.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
+        (lo.min(v), hi.max(v))
+    });
     let (y0, y1) = if series.is_empty() {
         (0.0, 1.0)
     } else {
@@ -204,10 +307,42 @@ fn draw_panel(area: &Area<'_>, panel: &Panel, points: &[Point]) -> DrawResult {
         return Ok(());
     }
     let style = ShapeStyle::from(panel.color).stroke_width(2);
-    chart.draw_series(LineSeries::new(
+    let drawn = chart.draw_series(LineSeries::new(
         series.iter().map(|&(s, v)| (s as f64, v)),
         style,
     ))?;
+    if !names.is_empty() || !eval_points.is_empty() {
+        drawn.label("all").legend(move |(x, y)| {
+            PathElement::new(vec![(x, y), (x + 16, y)], style)
+        });
+    }
+    for (i, name) in names.iter().enumerate() {
+        let c = SOURCE_COLORS[i % SOURCE_COLORS.len()];
+        let s = ShapeStyle::from(c).stroke_width(1);
+        chart
+            .draw_series(LineSeries::new(source_series(name), s))?
+            .label(name.as_str())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], s));
+    }
+    if !eval_points.is_empty() {
+        let dot = ShapeStyle::from(BLACK).filled();
+        chart
+            .draw_series(
+                eval_points
+                    .iter()
+                    .map(|&(x, y, who)| Circle::new((x, y), if who.is_none() { 5 } else { 3 }, dot)),
+            )?
+            .label("eval")
+            .legend(move |(x, y)| Circle::new((x + 8, y), 4, dot));
+    }
+    if !names.is_empty() || !eval_points.is_empty() {
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .label_font(("sans-serif", 12))
+            .draw()?;
+    }
     // A lone step has no line: mark it.
     if series.len() == 1 {
         let (s, v) = series[0];
@@ -292,7 +427,10 @@ pub async fn run(conn: &Conn, args: &PlotArgs) -> anyhow::Result<ExitCode> {
         ),
         (e, _) => e.into(),
     })?;
-    render_png(&points, &title, &args.out, args.size)?;
+    let evals = std::fs::read_to_string(&path)
+        .map(|t| parse_evals(&t))
+        .unwrap_or_default();
+    render_png_with(&points, &evals, &title, &args.out, args.size)?;
     outln!(
         "wrote {} ({} steps, {}..{})",
         args.out.display(),

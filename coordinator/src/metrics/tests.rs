@@ -24,9 +24,11 @@ fn populated() -> Exporter {
         idle_s: 0.5,
         world_size: 2,
         generation: 1,
+        sources: [("chat".to_string(), crate::core::SourceMetrics::default())].into(),
         ..Default::default()
     };
     e.observe_step("j", &m);
+    e.observe_eval("j", &crate::core::EvalMetrics::default());
     e.observe_plan("j", Duration::from_millis(3), Duration::from_micros(200));
     e.observe_abort("j", AbortReason::WorkerLost);
     e.observe_checkpoint("j", Some(3), 1_000);

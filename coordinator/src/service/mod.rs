@@ -203,6 +203,7 @@ impl Shared {
                     }
                 }
                 Effect::AppendEval { job, path, eval } => {
+                    self.metrics.observe_eval(&job, &eval);
                     if let Err(err) = crate::output::append_eval(&path, &job, &eval) {
                         error!(path = %path.display(), %err, "writing metrics.jsonl failed");
                         let what = format!("{}: {err}", path.display());
