@@ -82,20 +82,48 @@ pub struct DataRow {
 /// assistant turn of a few dozen words) to `path`.
 pub fn synthetic_chat(path: &Path, n: u64, seed: u64) -> std::io::Result<()> {
     const WORDS: &[&str] = &[
-        "the", "model", "learns", "a", "mixture", "of", "sources", "token", "cache", "step",
-        "document", "exactly", "once", "per", "epoch", "rust", "python", "loss", "weight",
-        "coordinator", "worker", "plan", "memory", "mapped", "stream", "data", "eval", "source",
+        "the",
+        "model",
+        "learns",
+        "a",
+        "mixture",
+        "of",
+        "sources",
+        "token",
+        "cache",
+        "step",
+        "document",
+        "exactly",
+        "once",
+        "per",
+        "epoch",
+        "rust",
+        "python",
+        "loss",
+        "weight",
+        "coordinator",
+        "worker",
+        "plan",
+        "memory",
+        "mapped",
+        "stream",
+        "data",
+        "eval",
+        "source",
     ];
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut w = std::io::BufWriter::with_capacity(1 << 20, std::fs::File::create(path)?);
-    let mut sentence = |rng: &mut ChaCha8Rng, n: usize| -> String {
+    let sentence = |rng: &mut ChaCha8Rng, n: usize| -> String {
         (0..n)
             .map(|_| WORDS[rng.random_range(0..WORDS.len())])
             .collect::<Vec<_>>()
             .join(" ")
     };
     for i in 0..n {
-        let q = format!("question {i}: {}?", sentence(&mut rng, 8 + (i % 17) as usize));
+        let q = format!(
+            "question {i}: {}?",
+            sentence(&mut rng, 8 + (i % 17) as usize)
+        );
         let a = sentence(&mut rng, 12 + (i % 41) as usize);
         let row = serde_json::json!({"messages": [
             {"role": "user", "content": q},
@@ -176,7 +204,10 @@ pub fn data(opts: &DataBenchOpts, out: &mut dyn Write) -> anyhow::Result<Vec<Dat
             sets.push((name.to_string(), f));
         }
     }
-    sets.push((format!("synthetic-chat-{}", opts.synthetic_rows), synth.clone()));
+    sets.push((
+        format!("synthetic-chat-{}", opts.synthetic_rows),
+        synth.clone(),
+    ));
     for (name, file) in &sets {
         let (n, secs) = tokenize_ours(file, &tok_arg)?;
         let reference = match (&opts.python, &tokenizer) {
@@ -205,7 +236,10 @@ pub fn data(opts: &DataBenchOpts, out: &mut dyn Write) -> anyhow::Result<Vec<Dat
     std::fs::create_dir_all(&runs)?;
     std::fs::write(runs.join("job.config.json"), r#"{"vocab_size": 32064}"#)?;
     let spec = runs.join("job.toml");
-    std::fs::write(&spec, spec_text(&synth, &tok_arg, &cache, &runs.join("job")))?;
+    std::fs::write(
+        &spec,
+        spec_text(&synth, &tok_arg, &cache, &runs.join("job")),
+    )?;
     for state in ["cold", "warm"] {
         let child = Command::new(&opts.exe)
             .args(["bench", "data-submit-child"])
@@ -236,11 +270,22 @@ fn tokenize_ours(file: &Path, tokenizer: &str) -> anyhow::Result<(u64, f64)> {
     ))?;
     let enc = crate::data::encoder(&section, u32::MAX)?;
     let t0 = Instant::now();
-    let meta = crate::data::cache::build(&dir.path().join("store"), file, &enc, section.format, &|_| {})?;
+    let meta = crate::data::cache::build(
+        &dir.path().join("store"),
+        file,
+        &enc,
+        section.format,
+        &|_| {},
+    )?;
     Ok((meta.rows_read, t0.elapsed().as_secs_f64()))
 }
 
-fn reference_rate(py: &Path, script: &Path, tok: &Path, file: &Path) -> anyhow::Result<Option<f64>> {
+fn reference_rate(
+    py: &Path,
+    script: &Path,
+    tok: &Path,
+    file: &Path,
+) -> anyhow::Result<Option<f64>> {
     let out = Command::new(py)
         .arg(script)
         .arg(tok.parent().unwrap_or(Path::new(".")))
@@ -253,7 +298,11 @@ fn reference_rate(py: &Path, script: &Path, tok: &Path, file: &Path) -> anyhow::
         return Ok(None);
     }
     let text = String::from_utf8_lossy(&out.stdout);
-    let line = text.lines().rev().find(|l| l.starts_with('{')).unwrap_or("{}");
+    let line = text
+        .lines()
+        .rev()
+        .find(|l| l.starts_with('{'))
+        .unwrap_or("{}");
     let v: serde_json::Value = serde_json::from_str(line)?;
     Ok(v["rows_per_s"].as_f64())
 }
@@ -274,8 +323,8 @@ pub fn submit_child(spec_path: &Path) -> anyhow::Result<DataRow> {
     let base = rss_anon();
     let t0 = Instant::now();
     let text = std::fs::read_to_string(spec_path)?;
-    let spec = crate::spec::JobSpec::parse(&text, Path::new("/"))
-        .map_err(|p| anyhow::anyhow!("{p:?}"))?;
+    let spec =
+        crate::spec::JobSpec::parse(&text, Path::new("/")).map_err(|p| anyhow::anyhow!("{p:?}"))?;
     let admitted = crate::admission::admit(&spec, true).map_err(|p| anyhow::anyhow!("{p:?}"))?;
     let ds = admitted.dataset.context("no dataset")?;
     let mapped = ds.report.tokens * 5;
@@ -298,7 +347,13 @@ pub fn submit_child(spec_path: &Path) -> anyhow::Result<DataRow> {
         collective_addr: "127.0.0.1:1".into(),
         ..Default::default()
     };
-    c.handle(Event::RegisterWorker { id: "w".into(), reg }, now)?;
+    c.handle(
+        Event::RegisterWorker {
+            id: "w".into(),
+            reg,
+        },
+        now,
+    )?;
     let fx = c.handle(Event::SessionOpened { worker: "w".into() }, now)?;
     let generation = fx
         .iter()

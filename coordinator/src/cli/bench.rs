@@ -294,7 +294,10 @@ fn collective_table(rows: &[CollectiveRow]) -> String {
 /// `accrue bench data`.
 pub fn data(args: &DataArgs) -> anyhow::Result<ExitCode> {
     let tmp = tempfile::tempdir()?;
-    let work = args.work.clone().unwrap_or_else(|| tmp.path().to_path_buf());
+    let work = args
+        .work
+        .clone()
+        .unwrap_or_else(|| tmp.path().to_path_buf());
     let opts = crate::bench::data::DataBenchOpts {
         shared: data_dir(args.data.as_deref()),
         synthetic_rows: args.synthetic_rows,

@@ -364,9 +364,7 @@ pub enum BenchCommand {
     Data(DataArgs),
     /// One submit measurement of `bench data` (internal: started by it).
     #[command(hide = true)]
-    DataSubmitChild {
-        spec: PathBuf,
-    },
+    DataSubmitChild { spec: PathBuf },
 }
 
 /// Arguments of `accrue bench data`.

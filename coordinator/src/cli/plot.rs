@@ -2,9 +2,10 @@
 //! step (loss, tokens/s, gradient norm, learning rate), read from its
 //! metrics.jsonl. The loss panel also draws a mixture's per-source losses
 //! (one curve per source) and the evaluations (`eval` lines: the overall
-//! eval loss as dots, each eval source's as smaller ones). Drawn with `plotters` on its bitmap backend; text uses a
-//! font embedded in the binary (a DejaVu Sans subset, coordinator/assets), so
-//! it renders on a machine without fontconfig or system fonts.
+//! eval loss as dots, each eval source's as smaller ones). Drawn with
+//! `plotters` on its bitmap backend; text uses a font embedded in the binary
+//! (a DejaVu Sans subset, coordinator/assets), so it renders on a machine
+//! without fontconfig or system fonts.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -312,13 +313,13 @@ fn draw_panel(area: &Area<'_>, panel: &Panel, points: &[Point], evals: &[EvalPoi
         style,
     ))?;
     if !names.is_empty() || !eval_points.is_empty() {
-        drawn.label("all").legend(move |(x, y)| {
-            PathElement::new(vec![(x, y), (x + 16, y)], style)
-        });
+        drawn
+            .label("all")
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], style));
     }
     for (i, name) in names.iter().enumerate() {
         let c = SOURCE_COLORS[i % SOURCE_COLORS.len()];
-        let s = ShapeStyle::from(c).stroke_width(1);
+        let s = ShapeStyle::from(c).stroke_width(2);
         chart
             .draw_series(LineSeries::new(source_series(name), s))?
             .label(name.as_str())
@@ -328,9 +329,9 @@ fn draw_panel(area: &Area<'_>, panel: &Panel, points: &[Point], evals: &[EvalPoi
         let dot = ShapeStyle::from(BLACK).filled();
         chart
             .draw_series(
-                eval_points
-                    .iter()
-                    .map(|&(x, y, who)| Circle::new((x, y), if who.is_none() { 5 } else { 3 }, dot)),
+                eval_points.iter().map(|&(x, y, who)| {
+                    Circle::new((x, y), if who.is_none() { 5 } else { 3 }, dot)
+                }),
             )?
             .label("eval")
             .legend(move |(x, y)| Circle::new((x + 8, y), 4, dot));
@@ -517,6 +518,83 @@ mod tests {
             .filter(|&p| img[p * 3] < 100 && img[p * 3 + 1] < 100)
             .count();
         assert!(dark > 50, "title text missing ({dark} dark pixels)");
+    }
+
+    /// Issue 16: a mixture's metrics.jsonl (steps with `sources`, and
+    /// `eval` lines) plots one loss curve per source, in the loss panel only,
+    /// and the eval lines are read as evaluations, not steps.
+    #[test]
+    fn a_mixture_plots_a_loss_curve_per_source_and_the_evals() {
+        let mut text = String::new();
+        for step in 1..=30u64 {
+            let src = |loss: f64| crate::core::SourceMetrics {
+                loss,
+                loss_tokens: 10,
+                tokens: 12,
+                docs: 2,
+                ..Default::default()
+            };
+            let m = crate::core::StepMetrics {
+                step,
+                loss: 2.0 / (1.0 + step as f64 * 0.1),
+                tokens_per_s: 1000.0,
+                grad_norm: 1.0,
+                lr: 1e-4,
+                sources: [
+                    ("chat".to_string(), src(3.0 / (1.0 + step as f64 * 0.1))),
+                    ("code".to_string(), src(1.0 / (1.0 + step as f64 * 0.1))),
+                ]
+                .into(),
+                ..Default::default()
+            };
+            text.push_str(&serde_json::to_string(&m).unwrap());
+            text.push('\n');
+            if step % 10 == 0 {
+                let e = crate::core::EvalMetrics {
+                    step,
+                    loss: 2.1 / (1.0 + step as f64 * 0.1),
+                    sources: [("held".to_string(), src(2.0))].into(),
+                    ..Default::default()
+                };
+                let line = serde_json::json!({"job": "j", "eval": e});
+                text.push_str(&format!("{line}\n"));
+            }
+        }
+        let points = parse_metrics(&text, Path::new("m.jsonl")).unwrap();
+        assert_eq!(points.len(), 30);
+        assert_eq!(
+            points[4].sources.keys().collect::<Vec<_>>(),
+            ["chat", "code"]
+        );
+        let evals = parse_evals(&text);
+        assert_eq!(
+            evals.iter().map(|e| e.step).collect::<Vec<_>>(),
+            [10, 20, 30]
+        );
+        assert_eq!(evals[0].sources["held"].loss, Some(2.0));
+
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("mix.png");
+        render_png_with(&points, &evals, "mix", &out, DEFAULT_SIZE).unwrap();
+        let decoder = png::Decoder::new(std::fs::File::open(&out).unwrap());
+        let mut reader = decoder.read_info().unwrap();
+        let mut img = vec![0; reader.output_buffer_size()];
+        let info = reader.next_frame(&mut img).unwrap();
+        let (w, h) = (info.width, info.height);
+        let loss_panel = (0, 0, w / 2, h / 2);
+        let rate_panel = (w / 2, 0, w, h / 2);
+        for (name, c) in [("chat", SOURCE_COLORS[0]), ("code", SOURCE_COLORS[1])] {
+            let n = count(&img, w, loss_panel, c);
+            assert!(
+                n > 200,
+                "{name}: {n} pixels of its colour in the loss panel"
+            );
+            assert_eq!(
+                count(&img, w, rate_panel, c),
+                0,
+                "{name} outside the loss panel"
+            );
+        }
     }
 
     #[test]

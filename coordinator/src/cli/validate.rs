@@ -514,8 +514,13 @@ max_workers = 8
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
         std::fs::write(d.join("tiny.json"), r#"{"vocab_size": 320}"#).unwrap();
-        let row = |p: &str, c: &str| format!("{}\n", serde_json::json!({"prompt": p, "completion": c}));
-        std::fs::write(d.join("a.jsonl"), row("1+1=", "2") + &row("2+2=", "4") + "not json\n").unwrap();
+        let row =
+            |p: &str, c: &str| format!("{}\n", serde_json::json!({"prompt": p, "completion": c}));
+        std::fs::write(
+            d.join("a.jsonl"),
+            row("1+1=", "2") + &row("2+2=", "4") + "not json\n",
+        )
+        .unwrap();
         let long = "x".repeat(200);
         std::fs::write(d.join("b.jsonl"), row("3+3=", "6") + &row(&long, "y")).unwrap();
         std::fs::write(d.join("held.jsonl"), row("5+5=", "10")).unwrap();
@@ -534,9 +539,15 @@ max_workers = 8
         let (code, out, err) = run_to_strings(&path, d);
         assert_eq!(code, ExitCode::SUCCESS, "{err}");
         assert!(out.contains("  source a: 2 documents, "), "{out}");
-        assert!(out.contains("(3 rows; 1 bad rows and 0 over-long documents skipped)"), "{out}");
+        assert!(
+            out.contains("(3 rows; 1 bad rows and 0 over-long documents skipped)"),
+            "{out}"
+        );
         assert!(out.contains("  source b: 1 documents, "), "{out}");
-        assert!(out.contains("(2 rows; 0 bad rows and 1 over-long documents skipped)"), "{out}");
+        assert!(
+            out.contains("(2 rows; 0 bad rows and 1 over-long documents skipped)"),
+            "{out}"
+        );
         assert!(out.contains("  eval source held: 1 documents"), "{out}");
     }
 }

@@ -200,7 +200,7 @@ pub enum ToWorker {
 /// One item of a job's watch stream.
 #[derive(Debug, Clone, PartialEq)]
 pub enum WatchItem {
-    Step(StepMetrics),
+    Step(Box<StepMetrics>),
     /// An evaluation finished.
     Eval(super::eval::EvalMetrics),
     Event {
@@ -219,7 +219,7 @@ pub enum WatchItem {
 /// and publications that depend on them.
 #[derive(Debug, Clone)]
 pub enum Effect {
-    PersistJob(super::record::JobRecord),
+    PersistJob(Box<super::record::JobRecord>),
     /// The step's record, its metrics and its manifest, in one transaction.
     CommitStep {
         rec: Box<super::record::JobRecord>,

@@ -498,7 +498,7 @@ impl Job {
     pub fn pause_now(&mut self, now_ms: i64, fx: &mut Vec<Effect>) {
         self.rec.state = JobState::Paused;
         self.rec.reason = "paused by operator".into();
-        fx.push(Effect::PersistJob(self.rec.clone()));
+        fx.push(Effect::PersistJob(Box::new(self.rec.clone())));
         let msg = format!("paused at step {}", self.rec.step);
         fx.push(self.event(EventKind::State, msg, now_ms));
     }

@@ -272,7 +272,7 @@ impl Coordinator {
         });
         fx.push(Effect::Publish {
             job: job_id.to_string(),
-            item: WatchItem::Step(m),
+            item: WatchItem::Step(Box::new(m)),
         });
         let (id, to) = (job.rec.id.clone(), job.rec.cursor.position);
         if let (Some(s), Some(plan)) = (job.data.stream.as_mut(), job.data.rollouts.as_mut()) {
@@ -496,7 +496,7 @@ impl Coordinator {
         job.rec.state = end.state();
         job.rec.reason = reason.clone();
         info!(job = job_id, state = ?job.rec.state, reason, "job finished");
-        fx.push(Effect::PersistJob(job.rec.clone()));
+        fx.push(Effect::PersistJob(Box::new(job.rec.clone())));
         let ended = (!matches!(end, End::Completed(_))).then_some(why.reason);
         fx.push(job.event_ending(EventKind::State, reason, ended, aborted_step, now_ms));
     }

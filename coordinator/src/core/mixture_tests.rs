@@ -187,7 +187,7 @@ fn eval_runs_at_its_steps_and_never_moves_the_training_cursor() {
     }
     let eval =
         "[eval]\nevery_steps = 2\n[[eval.sources]]\nname = \"held\"\npaths = [\"/dev/null\"]\n";
-    let spec = mix_spec(&format!("{SOURCES}")).to_toml() + eval;
+    let spec = mix_spec(SOURCES).to_toml() + eval;
     let spec: JobSpec = toml::from_str(&spec).unwrap();
     s.submit(spec, d.into());
     // Between the plans of step 2 and step 3 come the eval's, and the
@@ -196,7 +196,7 @@ fn eval_runs_at_its_steps_and_never_moves_the_training_cursor() {
     assert_eq!(s.state(), JobState::Completed);
     let last = s.committed.len() as u64;
     let mut want: Vec<u64> = (1..=last).filter(|k| k % 2 == 0).collect();
-    if last % 2 != 0 {
+    if !last.is_multiple_of(2) {
         want.push(last);
     }
     let got: Vec<u64> = s.evals.iter().map(|e| e.step).collect();

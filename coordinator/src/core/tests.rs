@@ -195,7 +195,7 @@ impl Sim {
                     self.persisted.push(*rec);
                     self.committed.push((*metrics, docs));
                 }
-                Effect::PersistJob(rec) => self.persisted.push(rec),
+                Effect::PersistJob(rec) => self.persisted.push(*rec),
                 Effect::PersistRollouts(w) => self.rollout_writes.push(*w),
                 Effect::RemoveCheckpoint { step, .. } => self.removed_checkpoints.push(step),
                 Effect::AppendEval { eval, .. } => self.evals.push(*eval),

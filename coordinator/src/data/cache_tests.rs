@@ -209,10 +209,24 @@ fn a_crash_mid_build_leaves_nothing_usable() {
     std::fs::create_dir_all(&dest).unwrap();
     std::fs::write(dest.join("ids.bin"), [1u8, 2, 3]).unwrap();
     assert!(Store::open(&dest).is_err());
+    // A dead builder's directory (pid above Linux's pid_max) is swept by
+    // the next build of the key; this process's own is kept.
+    let dead = root.join(format!(".{key}.tmp-4194305-1"));
+    std::fs::create_dir_all(&dead).unwrap();
     let none = |_: cache::Progress| {};
     let (s, found) =
         cache::open_or_build(&root, &key, &file, &enc, DataFormat::Sft, &none).unwrap();
     assert_eq!((found, s.meta.docs), (Found::Built, 3));
+    assert!(!dead.exists(), "a dead builder's directory is swept");
+    let ours = std::fs::read_dir(&root)
+        .unwrap()
+        .flatten()
+        .filter(|e| {
+            let n = e.file_name().to_string_lossy().into_owned();
+            n.starts_with(&format!(".{key}.tmp-{}-", std::process::id()))
+        })
+        .count();
+    assert_eq!(ours, 1, "the forgotten writer of this live process is kept");
     // A store whose file was cut short after it was complete is damaged.
     let ids = dest.join("ids.bin");
     let len = std::fs::metadata(&ids).unwrap().len();

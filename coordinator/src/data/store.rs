@@ -144,6 +144,7 @@ impl Writer {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos());
         let tmp = parent.join(format!(".{name}.tmp-{}-{nonce}", std::process::id()));
+        sweep_dead_builds(parent, &name);
         let io = |what| {
             let dir = tmp.clone();
             move |source| StoreError::Io { dir, what, source }
@@ -333,6 +334,32 @@ impl Writer {
     /// Removes the unfinished directory (a failed build).
     pub fn abandon(self) {
         let _ = std::fs::remove_dir_all(&self.tmp);
+    }
+}
+
+/// Removes the unfinished directories of `name` left by builders that are
+/// gone (a prepare killed mid-build): never used, but they hold disk. A
+/// builder is gone when `/proc/PID` is; without `/proc` nothing is removed.
+fn sweep_dead_builds(parent: &Path, name: &str) {
+    let proc = Path::new("/proc/self");
+    if !proc.exists() {
+        return;
+    }
+    let prefix = format!(".{name}.tmp-");
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let file = e.file_name();
+        let Some(rest) = file.to_str().and_then(|f| f.strip_prefix(&prefix)) else {
+            continue;
+        };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
+        if !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
     }
 }
 

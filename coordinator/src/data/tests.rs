@@ -667,7 +667,7 @@ fn sft_shapes_are_all_accepted() {
     assert_eq!(ds.docs.len(), rows.len());
     // Built-in template; the loss is on "a" + EOS only.
     assert_eq!(
-        show(&sft(&ds.docs[0]).input_ids()),
+        show(sft(&ds.docs[0]).input_ids()),
         "<|bos|><|system|>\ns\n<|user|>\nu\n<|assistant|>\na<|eos|>"
     );
     for d in &ds.docs[..2] {
@@ -715,7 +715,7 @@ fn dpo_shapes_are_all_accepted_and_share_the_prompt() {
         );
     }
     assert!(
-        show(&pair(&ds.docs[5]).0.input_ids()).ends_with("\n\nHuman: q\n\nAssistant: good<|eos|>")
+        show(pair(&ds.docs[5]).0.input_ids()).ends_with("\n\nHuman: q\n\nAssistant: good<|eos|>")
     );
     assert_eq!(
         ds.docs[1].body, ds.docs[2].body,
@@ -810,7 +810,7 @@ fn rollout_prompt_may_be_messages() {
         panic!()
     };
     assert_eq!(
-        show(&r.seq.input_ids()),
+        show(r.seq.input_ids()),
         "<|bos|><|user|>\n1+1=\n<|assistant|>\n2<|eos|>"
     );
     assert_eq!(loss_runs(&r.seq), vec![(r.seq.len() - 2, r.seq.len())]);
@@ -902,7 +902,7 @@ mod props {
             let start = seq.len() - c.len() - 1;
             prop_assert!(seq.labels()[..start].iter().all(|&l| l == IGNORE_INDEX));
             prop_assert!(seq.labels()[start..].iter().all(|&l| l != IGNORE_INDEX));
-            prop_assert_eq!(show(&seq.input_ids()), format!("<|bos|>{p}{c}<|eos|>"));
+            prop_assert_eq!(show(seq.input_ids()), format!("<|bos|>{p}{c}<|eos|>"));
         }
     }
 }

@@ -508,7 +508,9 @@ impl Admin for AdminService {
             for r in &history {
                 sent_up_to = r.metrics.step;
                 if tx
-                    .send(Ok(convert::watch_item(&WatchItem::Step(r.metrics.clone()))))
+                    .send(Ok(convert::watch_item(&WatchItem::Step(Box::new(
+                        r.metrics.clone(),
+                    )))))
                     .await
                     .is_err()
                 {

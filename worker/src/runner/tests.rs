@@ -137,6 +137,7 @@ fn mb(docs: &[(&str, usize)]) -> wire::Microbatch {
         cu_seq_lens: cu,
         sequences: seqs,
         old_logprobs: Vec::new(),
+        source: 0,
     }
 }
 
@@ -357,6 +358,7 @@ fn the_thread_configures_runs_checkpoints_and_drains_on_shutdown() {
             epoch: 1,
             position: 8,
             overflow: vec![3],
+            ..Default::default()
         }),
     }));
     // Shutting down still finishes the queued plan and checkpoint.
