@@ -65,7 +65,8 @@ every_steps = 3
 
 /// Issue 16: the job of [`write_job`] over a mixture of three sources cut
 /// from its 96 rows (48, 32 and 16 documents at 6, 4 and 2 per step, one
-/// epoch each: 8 steps).
+/// epoch each: 8 steps), with an eval source (`held`, 8 of the rows) every
+/// 4 steps.
 pub fn write_mixture_job(d: &Path, name: &str, sharding: &str, max_workers: u32) -> PathBuf {
     let rows = std::fs::read_to_string(d.join("data/arith-sft.jsonl")).unwrap();
     let lines: Vec<&str> = rows.lines().filter(|l| !l.trim().is_empty()).collect();
@@ -74,6 +75,8 @@ pub fn write_mixture_job(d: &Path, name: &str, sharding: &str, max_workers: u32)
         let text: String = lines[range].iter().map(|l| format!("{l}\n")).collect();
         std::fs::write(d.join(format!("data/{file}.jsonl")), text).unwrap();
     }
+    let held: String = lines[..8].iter().map(|l| format!("{l}\n")).collect();
+    std::fs::write(d.join("data/held.jsonl"), held).unwrap();
     let spec = format!(
         r#"[job]
 name = "{name}"
@@ -98,6 +101,11 @@ docs = 4
 name = "c"
 path = "data/mix-c.jsonl"
 docs = 2
+[eval]
+every_steps = 4
+[[eval.sources]]
+name = "held"
+path = "data/held.jsonl"
 [batch]
 docs_per_step = 12
 [optimizer]
