@@ -2,8 +2,10 @@
 //! - `tokenize`: rows/s of building a token store (JSON parse, chat template,
 //!   tokenization with offsets, loss masks, write) on every core, beside
 //!   Hugging Face `datasets.map(batched=True, num_proc=2)` with the same
-//!   tokenizer and template (`scripts/reference/bench_tokenize.py`), run
-//!   interleaved in the same process tree;
+//!   tokenizer and template (`scripts/reference/bench_tokenize.py`, which
+//!   also loads the JSON into Arrow), run interleaved (ours, reference,
+//!   ours, …) so a change in machine load hits both; each side's best
+//!   round is reported (timings on a shared machine only get slower);
 //! - `submit`: for a synthetic dataset, the time from a spec to the first
 //!   step plan handed to a worker (parse, admission reading the data through
 //!   the cache, the core's submit, a worker's Ready) with a cold cache and a
@@ -76,6 +78,9 @@ pub struct DataRow {
     pub docs_per_step: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub docs_per_s: Option<f64>,
+    /// Rounds each side ran (the best is reported).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rounds: Option<u32>,
 }
 
 /// Writes `n` synthetic chat rows (`messages`: a user turn and an
@@ -209,12 +214,25 @@ pub fn data(opts: &DataBenchOpts, out: &mut dyn Write) -> anyhow::Result<Vec<Dat
         synth.clone(),
     ));
     for (name, file) in &sets {
-        let (n, secs) = tokenize_ours(file, &tok_arg)?;
-        let reference = match (&opts.python, &tokenizer) {
-            (Some(py), Some(tok)) => reference_rate(py, &opts.reference_script, tok, file)?,
-            _ => None,
+        // The large set once (minutes for the reference), the small ones
+        // three times.
+        let rounds = if std::fs::metadata(file)?.len() > 100 << 20 {
+            1
+        } else {
+            3
         };
-        let ours = n as f64 / secs;
+        let (mut n, mut best_secs) = (0, f64::INFINITY);
+        let mut reference: Option<f64> = None;
+        for _ in 0..rounds {
+            let (rows, secs) = tokenize_ours(file, &tok_arg)?;
+            (n, best_secs) = (rows, best_secs.min(secs));
+            if let (Some(py), Some(tok)) = (&opts.python, &tokenizer) {
+                if let Some(r) = reference_rate(py, &opts.reference_script, tok, file)? {
+                    reference = Some(reference.map_or(r, |b| b.max(r)));
+                }
+            }
+        }
+        let ours = n as f64 / best_secs;
         emit(
             DataRow {
                 bench: "tokenize".into(),
@@ -223,7 +241,8 @@ pub fn data(opts: &DataBenchOpts, out: &mut dyn Write) -> anyhow::Result<Vec<Dat
                 rows_per_s: Some(ours),
                 reference_rows_per_s: reference,
                 ratio: reference.map(|r| ours / r),
-                seconds: Some(secs),
+                seconds: Some(best_secs),
+                rounds: Some(rounds),
                 ..Default::default()
             },
             out,
@@ -462,4 +481,41 @@ pub fn planner(sources: u32, docs: u64, docs_per_step: u64) -> anyhow::Result<Da
         docs_per_s: Some(planned as f64 / secs),
         ..Default::default()
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The planner row plans whole steps from every source.
+    #[test]
+    fn the_planner_row_plans_whole_steps() {
+        let r = planner(3, 30_000, 32).unwrap();
+        assert_eq!(r.docs, Some(2000 * 32));
+        assert!(r.docs_per_s.unwrap() > 0.0);
+    }
+
+    /// The submit child gets from a spec over synthetic rows to a first
+    /// plan, cold then warm, and measures memory per document.
+    #[test]
+    fn the_submit_child_reaches_a_first_plan_cold_and_warm() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let synth = d.join("s.jsonl");
+        synthetic_chat(&synth, 500, 0).unwrap();
+        let text = std::fs::read_to_string(&synth).unwrap();
+        assert_eq!(text.lines().count(), 500);
+        std::fs::write(d.join("job.config.json"), r#"{"vocab_size": 320}"#).unwrap();
+        let spec = d.join("job.toml");
+        std::fs::write(
+            &spec,
+            spec_text(&synth, "bytes", &d.join("cache"), &d.join("job")),
+        )
+        .unwrap();
+        for _ in 0..2 {
+            let r = submit_child(&spec).unwrap();
+            assert_eq!((r.bench.as_str(), r.docs), ("submit", Some(500)));
+            assert!(r.seconds.unwrap() > 0.0 && r.mapped_bytes.unwrap() > 0);
+        }
+    }
 }
