@@ -44,9 +44,17 @@ pub fn prepare(args: &super::PrepareArgs) -> anyhow::Result<ExitCode> {
             lines.join("\n  ")
         )
     })?;
+    // The model's vocabulary bounds pre-tokenized ids, so it is part of a
+    // store's key: without it the stores would be built under a key submit
+    // never looks up.
     let vocab = crate::model::read_config(&spec.model)
-        .map(|m| m.vocab_size)
-        .unwrap_or(u32::MAX);
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "{}: cannot read the model's vocab_size (part of the token cache key): {e}",
+                args.spec.display()
+            )
+        })?
+        .vocab_size;
     let root = spec.data.cache_root();
     let base_enc = data::encoder(&spec.data, vocab)?;
     let train_files = spec.data.files();
