@@ -41,13 +41,16 @@ pub struct DataBenchOpts {
     pub synthetic_rows: u64,
     /// The Python with `datasets` (or `None`: no reference rows).
     pub python: Option<PathBuf>,
-    /// The reference script.
-    pub reference_script: PathBuf,
     /// Scratch directory (datasets, caches).
     pub work: PathBuf,
     /// This binary, for the child measurements.
     pub exe: PathBuf,
 }
+
+/// The reference and the helper it imports, embedded so the benchmark runs
+/// from any directory; written under the work directory.
+const REFERENCE: &str = include_str!("../../../scripts/reference/bench_tokenize.py");
+const REFERENCE_DEPS: &str = include_str!("../../../scripts/reference/_deps.py");
 
 /// One output row.
 #[derive(Debug, Clone, Serialize, Deserialize, Default, PartialEq)]
@@ -180,7 +183,10 @@ fn spec_text(file: &Path, tokenizer: &str, cache: &Path, out: &Path) -> String {
 
 /// Runs the benchmark, writing rows to `out` as they come.
 pub fn data(opts: &DataBenchOpts, out: &mut dyn Write) -> anyhow::Result<Vec<DataRow>> {
-    std::fs::create_dir_all(&opts.work)?;
+    std::fs::create_dir_all(opts.work.join("reference"))?;
+    let script = opts.work.join("reference/bench_tokenize.py");
+    std::fs::write(&script, REFERENCE)?;
+    std::fs::write(opts.work.join("reference/_deps.py"), REFERENCE_DEPS)?;
     let mut rows = Vec::new();
     let mut emit = |r: DataRow, out: &mut dyn Write| -> anyhow::Result<()> {
         writeln!(out, "{}", serde_json::to_string(&r)?)?;
@@ -227,7 +233,7 @@ pub fn data(opts: &DataBenchOpts, out: &mut dyn Write) -> anyhow::Result<Vec<Dat
             let (rows, secs) = tokenize_ours(file, &tok_arg)?;
             (n, best_secs) = (rows, best_secs.min(secs));
             if let (Some(py), Some(tok)) = (&opts.python, &tokenizer) {
-                if let Some(r) = reference_rate(py, &opts.reference_script, tok, file)? {
+                if let Some(r) = reference_rate(py, &script, tok, file)? {
                     reference = Some(reference.map_or(r, |b| b.max(r)));
                 }
             }

@@ -302,7 +302,6 @@ pub fn data(args: &DataArgs) -> anyhow::Result<ExitCode> {
         shared: data_dir(args.data.as_deref()),
         synthetic_rows: args.synthetic_rows,
         python: (!args.no_reference && args.python.is_file()).then(|| args.python.clone()),
-        reference_script: PathBuf::from("scripts/reference/bench_tokenize.py"),
         work,
         exe: std::env::current_exe()?,
     };
