@@ -52,7 +52,7 @@ pub fn admit(spec: &JobSpec, scan_data: bool) -> Result<Admitted, Vec<SpecProble
                 problems.push(vocab_problem(spec, m, tokenizer_ids));
             }
             if scan_data && !spec.data.is_stream() {
-                match data::load_with(&enc, &spec.data, spec.objective.kind) {
+                match data::load_job(&enc, spec, &|_, _| {}) {
                     Ok(ds) => Some(ds),
                     Err(e) => {
                         problems.push(data_problem(spec, &e));
@@ -118,6 +118,14 @@ fn field_of_path(spec: &JobSpec, path: &Path) -> String {
     let d = &spec.data;
     if let Some(i) = d.train.iter().position(|f| f == path) {
         return format!("data.train[{i}]");
+    }
+    for (i, src) in d.sources.iter().enumerate() {
+        if let Some(j) = src.entries().position(|f| f == path) {
+            return format!("data.sources[{i}].paths[{j}]");
+        }
+        if src.chat_template.as_deref() == Some(path) {
+            return format!("data.sources[{i}].chat_template");
+        }
     }
     if d.chat_template.as_deref() == Some(path) {
         return "data.chat_template".into();

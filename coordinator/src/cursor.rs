@@ -7,25 +7,79 @@
 //! seed and the epoch, Fisher–Yates), so it is reproducible across restarts
 //! and machines without storing the permutation.
 
+use std::sync::{Arc, Mutex};
+
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
+use crate::mix::Weights;
+
 /// Position of a job's data stream.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct Cursor {
-    /// 0-based epoch of the next document.
+    /// 0-based epoch of the next document (of the first source, in a
+    /// mixture).
     pub epoch: u64,
     /// Index into the epoch's permutation of the next document.
     pub position: u64,
     /// Dataset indices taken out of order and carried to the next step; they
     /// are served before the permutation continues.
     pub overflow: Vec<u64>,
+    /// A mixture's other sources (source `i + 1` at index `i`): each has
+    /// its own epochs and permutation.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sources: Vec<SourcePos>,
+    /// A mixture: documents each source served since its weights last
+    /// changed (the interleave's state, `crate::mix`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mixed: Vec<u64>,
+    /// Which weights `mixed` counts under: the number of weight changes
+    /// in force (a change restarts the counts).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub mix_rev: u32,
 }
 
-/// How the stream orders documents.
+fn is_zero(v: &u32) -> bool {
+    *v == 0
+}
+
+/// Where one source's permutation stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct SourcePos {
+    pub epoch: u64,
+    pub position: u64,
+}
+
+impl Cursor {
+    /// Where source `s` stands.
+    pub fn source(&self, s: usize) -> SourcePos {
+        match s {
+            0 => SourcePos {
+                epoch: self.epoch,
+                position: self.position,
+            },
+            _ => self.sources.get(s - 1).copied().unwrap_or_default(),
+        }
+    }
+}
+
+/// One source of a mixture: its units (a range of the dataset) and epochs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SourceOrder {
+    pub start: u64,
+    pub len: u64,
+    /// Last epoch (exclusive) it serves; `None` = endless.
+    pub epochs: Option<u64>,
+}
+
+/// Permutations already drawn, per source (the latest epoch each), so a
+/// job's plans do not shuffle a large source again every step.
+type PermCache = Arc<Mutex<Vec<Option<(u64, Arc<[u64]>)>>>>;
+
+/// How the stream orders documents.
+#[derive(Debug, Clone)]
 pub struct Order {
     pub seed: u64,
     pub shuffle: bool,
@@ -33,31 +87,163 @@ pub struct Order {
     pub len: u64,
     /// Last epoch (exclusive) the stream serves; `None` = endless.
     pub epochs: Option<u64>,
+    /// A mixture (two sources or more): each source's part of the dataset,
+    /// in order; empty for a single source.
+    pub mix: Vec<SourceOrder>,
+    /// The mixture's weights now, and which change of them they are.
+    pub weights: Weights,
+    pub weights_rev: u32,
+    perms: PermCache,
+}
+
+impl PartialEq for Order {
+    fn eq(&self, o: &Self) -> bool {
+        (
+            self.seed,
+            self.shuffle,
+            self.len,
+            self.epochs,
+            &self.mix,
+            &self.weights,
+            self.weights_rev,
+        ) == (
+            o.seed,
+            o.shuffle,
+            o.len,
+            o.epochs,
+            &o.mix,
+            &o.weights,
+            o.weights_rev,
+        )
+    }
 }
 
 impl Order {
-    /// The dataset indices of `epoch` in serving order.
-    pub fn permutation(&self, epoch: u64) -> Vec<u64> {
-        let mut perm: Vec<u64> = (0..self.len).collect();
+    /// One source of `len` documents.
+    pub fn single(seed: u64, shuffle: bool, len: u64, epochs: Option<u64>) -> Order {
+        Order {
+            seed,
+            shuffle,
+            len,
+            epochs,
+            mix: Vec::new(),
+            weights: Weights::new(vec![1.0], seed),
+            weights_rev: 0,
+            perms: Arc::new(Mutex::new(vec![None])),
+        }
+    }
+
+    /// A mixture of `sources` (consecutive parts of the dataset) served by
+    /// `weights`; one source is a single stream.
+    pub fn mixture(
+        seed: u64,
+        shuffle: bool,
+        sources: Vec<SourceOrder>,
+        weights: Vec<f64>,
+    ) -> Order {
+        let len = sources.iter().map(|s| s.len).sum();
+        if sources.len() == 1 {
+            return Order::single(seed, shuffle, len, sources[0].epochs);
+        }
+        let n = sources.len();
+        Order {
+            seed,
+            shuffle,
+            len,
+            epochs: None,
+            mix: sources,
+            weights: Weights::new(weights, seed),
+            weights_rev: 0,
+            perms: Arc::new(Mutex::new(vec![None; n])),
+        }
+    }
+
+    /// The same order served with other weights (change number `rev`).
+    pub fn with_weights(&self, weights: Vec<f64>, rev: u32) -> Order {
+        let mut o = self.clone();
+        o.weights = Weights::new(weights, self.seed);
+        o.weights_rev = rev;
+        o
+    }
+
+    fn sources(&self) -> usize {
+        self.mix.len().max(1)
+    }
+
+    fn part(&self, s: usize) -> SourceOrder {
+        match self.mix.get(s) {
+            Some(p) => *p,
+            None => SourceOrder {
+                start: 0,
+                len: self.len,
+                epochs: self.epochs,
+            },
+        }
+    }
+
+    /// The source of dataset index `index`.
+    pub fn source_of(&self, index: u64) -> usize {
+        self.mix
+            .iter()
+            .position(|p| index >= p.start && index < p.start + p.len)
+            .unwrap_or(0)
+    }
+
+    /// The dataset indices of source `s`'s `epoch` in serving order.
+    fn source_permutation(&self, s: usize, epoch: u64) -> Arc<[u64]> {
+        {
+            let cache = self.perms.lock().expect("permutation cache");
+            if let Some(Some((e, p))) = cache.get(s) {
+                if *e == epoch {
+                    return p.clone();
+                }
+            }
+        }
+        let part = self.part(s);
+        let mut perm: Vec<u64> = (part.start..part.start + part.len).collect();
         if self.shuffle {
-            // Distinct, reproducible stream per (seed, epoch).
+            // Distinct, reproducible stream per (seed, source, epoch); a
+            // single source keeps the stream it always had.
+            let seed = match self.mix.is_empty() {
+                true => self.seed,
+                false => self.seed ^ (s as u64 + 1).wrapping_mul(0xD1B5_4A32_D192_ED03),
+            };
             let mut rng =
-                ChaCha8Rng::seed_from_u64(self.seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+                ChaCha8Rng::seed_from_u64(seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15));
             perm.shuffle(&mut rng);
+        }
+        let perm: Arc<[u64]> = perm.into();
+        let mut cache = self.perms.lock().expect("permutation cache");
+        if let Some(slot) = cache.get_mut(s) {
+            *slot = Some((epoch, perm.clone()));
         }
         perm
     }
 
+    /// The dataset indices of `epoch` in serving order (a single source).
+    pub fn permutation(&self, epoch: u64) -> Vec<u64> {
+        self.source_permutation(0, epoch).to_vec()
+    }
+
     /// Candidates in serving order from `cursor`: the overflow queue first,
-    /// then the rest of the current epoch, then the following epochs.
+    /// then the stream (a mixture: its sources interleaved by weight).
     pub fn candidates<'a>(&'a self, cursor: &'a Cursor) -> Candidates<'a> {
+        let n = self.sources();
+        let counts = if !self.mix.is_empty()
+            && cursor.mix_rev == self.weights_rev
+            && cursor.mixed.len() == n
+        {
+            cursor.mixed.clone()
+        } else {
+            vec![0; n]
+        };
         Candidates {
             order: self,
             overflow: &cursor.overflow,
             next_overflow: 0,
-            epoch: cursor.epoch,
-            position: cursor.position,
-            perm: None,
+            pos: (0..n).map(|s| cursor.source(s)).collect(),
+            counts,
+            perms: vec![None; n],
         }
     }
 
@@ -71,10 +257,7 @@ impl Order {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Candidate {
     pub index: u64,
-    /// Where the stream stands after this candidate (for the permutation part).
     from_overflow: bool,
-    epoch: u64,
-    position: u64,
 }
 
 /// Iterator over [`Candidate`]s; see [`Order::candidates`].
@@ -82,9 +265,46 @@ pub struct Candidates<'a> {
     order: &'a Order,
     overflow: &'a [u64],
     next_overflow: usize,
-    epoch: u64,
-    position: u64,
-    perm: Option<(u64, Vec<u64>)>,
+    /// Where each source stands after the candidates given so far.
+    pos: Vec<SourcePos>,
+    counts: Vec<u64>,
+    perms: Vec<Option<(u64, Arc<[u64]>)>>,
+}
+
+impl Candidates<'_> {
+    /// Source `s`'s next (epoch, position), an ended epoch wrapped.
+    fn next_of(&self, s: usize) -> SourcePos {
+        let p = self.pos[s];
+        let len = self.order.part(s).len;
+        if len > 0 && p.position >= len {
+            SourcePos {
+                epoch: p.epoch + 1,
+                position: 0,
+            }
+        } else {
+            p
+        }
+    }
+
+    fn live(&self, s: usize) -> bool {
+        let part = self.order.part(s);
+        part.len > 0 && part.epochs.is_none_or(|e| self.next_of(s).epoch < e)
+    }
+
+    /// Writes where the stream stands after the candidates given so far
+    /// into `c` (positions and, for a mixture, the interleave's counts).
+    fn write_state(&self, c: &mut Cursor) {
+        c.epoch = self.pos[0].epoch;
+        c.position = self.pos[0].position;
+        c.sources = self.pos[1..].to_vec();
+        if self.order.mix.is_empty() {
+            c.mixed = Vec::new();
+            c.mix_rev = 0;
+        } else {
+            c.mixed = self.counts.clone();
+            c.mix_rev = self.order.weights_rev;
+        }
+    }
 }
 
 impl Iterator for Candidates<'_> {
@@ -96,31 +316,30 @@ impl Iterator for Candidates<'_> {
             return Some(Candidate {
                 index,
                 from_overflow: true,
-                epoch: self.epoch,
-                position: self.position,
             });
         }
-        if self.order.len == 0 {
-            return None;
+        let s = if self.order.mix.is_empty() {
+            Some(0).filter(|_| self.live(0))
+        } else {
+            let counts = std::mem::take(&mut self.counts);
+            let s = self.order.weights.next(&counts, |s| self.live(s));
+            self.counts = counts;
+            s
+        }?;
+        let at = self.next_of(s);
+        if self.perms[s].as_ref().is_none_or(|(e, _)| *e != at.epoch) {
+            self.perms[s] = Some((at.epoch, self.order.source_permutation(s, at.epoch)));
         }
-        if self.position >= self.order.len {
-            self.epoch += 1;
-            self.position = 0;
-        }
-        if self.order.epochs.is_some_and(|e| self.epoch >= e) {
-            return None;
-        }
-        if self.perm.as_ref().is_none_or(|(e, _)| *e != self.epoch) {
-            self.perm = Some((self.epoch, self.order.permutation(self.epoch)));
-        }
-        let (_, perm) = self.perm.as_ref().expect("permutation just built");
-        let index = perm[self.position as usize];
-        self.position += 1;
+        let (_, perm) = self.perms[s].as_ref().expect("permutation just built");
+        let index = perm[at.position as usize];
+        self.pos[s] = SourcePos {
+            epoch: at.epoch,
+            position: at.position + 1,
+        };
+        self.counts[s] += 1;
         Some(Candidate {
             index,
             from_overflow: false,
-            epoch: self.epoch,
-            position: self.position,
         })
     }
 }
@@ -153,24 +372,19 @@ impl Cursor {
     ) -> Cursor {
         let mut taken = selection.taken.clone();
         taken.sort_unstable();
-        let mut next = Cursor {
-            epoch: self.epoch,
-            position: self.position,
-            overflow: Vec::new(),
-        };
-        let mut last_from_stream = None;
+        let mut next = self.clone();
+        next.overflow = Vec::new();
         let mut overflow_consumed = 0;
         let mut untaken_from_stream = Vec::new();
         let mut offered = 0;
-        for c in order.candidates(self) {
-            if offered == selection.consumed {
-                break;
-            }
+        let mut it = order.candidates(self);
+        // Stop before pulling past the last consumed candidate: the
+        // iterator's state is then where the stream stands after the step.
+        while offered < selection.consumed {
+            let Some(c) = it.next() else { break };
             if skip(c.index) {
                 if c.from_overflow {
                     overflow_consumed += 1;
-                } else {
-                    last_from_stream = Some(c);
                 }
                 continue;
             }
@@ -182,11 +396,8 @@ impl Cursor {
                 if untaken {
                     next.overflow.push(c.index);
                 }
-            } else {
-                if untaken {
-                    untaken_from_stream.push(c.index);
-                }
-                last_from_stream = Some(c);
+            } else if untaken {
+                untaken_from_stream.push(c.index);
             }
         }
         // Overflow the selector never looked at stays queued, ahead of this
@@ -194,10 +405,7 @@ impl Cursor {
         next.overflow
             .extend_from_slice(&self.overflow[overflow_consumed..]);
         next.overflow.extend(untaken_from_stream);
-        if let Some(c) = last_from_stream {
-            next.epoch = c.epoch;
-            next.position = c.position;
-        }
+        it.write_state(&mut next);
         next
     }
 }
@@ -207,12 +415,7 @@ mod tests {
     use super::*;
 
     fn order(len: u64, shuffle: bool, epochs: Option<u64>) -> Order {
-        Order {
-            seed: 7,
-            shuffle,
-            len,
-            epochs,
-        }
+        Order::single(7, shuffle, len, epochs)
     }
 
     #[test]
@@ -249,7 +452,8 @@ mod tests {
             Cursor {
                 epoch: 0,
                 position: 4,
-                overflow: vec![1, 3]
+                overflow: vec![1, 3],
+                ..Default::default()
             }
         );
         // Overflow is served first, then the permutation resumes.
@@ -268,7 +472,8 @@ mod tests {
             Cursor {
                 epoch: 0,
                 position: 4,
-                overflow: vec![]
+                overflow: vec![],
+                ..Default::default()
             }
         );
     }
@@ -281,6 +486,7 @@ mod tests {
             epoch: 0,
             position: 5,
             overflow: vec![1, 3, 4],
+            ..Default::default()
         };
         let n = c.advance(
             &o,
@@ -294,7 +500,8 @@ mod tests {
             Cursor {
                 epoch: 0,
                 position: 5,
-                overflow: vec![3, 4]
+                overflow: vec![3, 4],
+                ..Default::default()
             }
         );
         // Consumed past the queue: old untaken first, then new misfits.
@@ -310,7 +517,8 @@ mod tests {
             Cursor {
                 epoch: 0,
                 position: 7,
-                overflow: vec![3, 4, 6]
+                overflow: vec![3, 4, 6],
+                ..Default::default()
             }
         );
     }
@@ -322,6 +530,7 @@ mod tests {
             epoch: 0,
             position: 2,
             overflow: vec![],
+            ..Default::default()
         };
         let n = c.advance(
             &o,
@@ -335,7 +544,8 @@ mod tests {
             Cursor {
                 epoch: 1,
                 position: 2,
-                overflow: vec![]
+                overflow: vec![],
+                ..Default::default()
             }
         );
     }
@@ -360,5 +570,94 @@ mod tests {
         }
         seen.sort_unstable();
         assert_eq!(seen, (0..17).collect::<Vec<_>>());
+    }
+
+    fn mixture(epochs: [Option<u64>; 3]) -> Order {
+        let parts = [(0, 10), (10, 20), (30, 5)]
+            .iter()
+            .zip(epochs)
+            .map(|(&(start, len), epochs)| SourceOrder { start, len, epochs })
+            .collect();
+        Order::mixture(11, true, parts, vec![2.0, 1.0, 1.0])
+    }
+
+    #[test]
+    fn a_mixture_serves_each_source_exactly_once_per_source_epoch() {
+        let o = mixture([Some(2), Some(1), Some(3)]);
+        let mut cursor = Cursor::default();
+        let mut seen = vec![0u64; 35];
+        let mut steps = 0;
+        while !o.exhausted(&cursor) {
+            let offered: Vec<u64> = o.candidates(&cursor).take(4).map(|c| c.index).collect();
+            let per_source = |s: usize| offered.iter().filter(|&&i| o.source_of(i) == s).count();
+            if steps < 2 {
+                // While every source is live a step of Σdocs = 4 holds
+                // exactly 2, 1 and 1 documents of the three sources.
+                assert_eq!(
+                    (per_source(0), per_source(1), per_source(2)),
+                    (2, 1, 1),
+                    "{offered:?}"
+                );
+            }
+            for &i in &offered {
+                seen[i as usize] += 1;
+            }
+            // Every other step takes half and carries the rest over.
+            let taken: Vec<usize> = if steps % 2 == 0 {
+                (0..offered.len()).collect()
+            } else {
+                (0..offered.len()).step_by(2).collect()
+            };
+            for (k, &i) in offered.iter().enumerate() {
+                if !taken.contains(&k) {
+                    seen[i as usize] -= 1;
+                }
+            }
+            let sel = Selection {
+                taken,
+                consumed: offered.len(),
+            };
+            cursor = cursor.advance(&o, &sel);
+            // The cursor survives a round trip through its stored form.
+            cursor = serde_json::from_str(&serde_json::to_string(&cursor).unwrap()).unwrap();
+            steps += 1;
+        }
+        for (i, &n) in seen.iter().enumerate() {
+            let want = match i {
+                0..10 => 2,
+                10..30 => 1,
+                _ => 3,
+            };
+            assert_eq!(n, want, "document {i}");
+        }
+    }
+
+    #[test]
+    fn new_weights_restart_the_interleave_from_their_step() {
+        let o = mixture([None, None, None]);
+        let c = Cursor::default();
+        let sel = Selection {
+            taken: (0..3).collect(),
+            consumed: 3,
+        };
+        let c = c.advance(&o, &sel);
+        assert_eq!(c.mixed.iter().sum::<u64>(), 3);
+        // Only source 2 from now on: its weight dominates every count.
+        let only = o.with_weights(vec![1e-9, 1e-9, 1.0], 1);
+        let next: Vec<usize> = only
+            .candidates(&c)
+            .take(5)
+            .map(|x| only.source_of(x.index))
+            .collect();
+        assert_eq!(next, vec![2; 5]);
+        let c2 = c.advance(
+            &only,
+            &Selection {
+                taken: (0..5).collect(),
+                consumed: 5,
+            },
+        );
+        assert_eq!(c2.mix_rev, 1);
+        assert_eq!(c2.mixed, vec![0, 0, 5]);
     }
 }

@@ -1,7 +1,9 @@
 //! Documents: the unit the data stream serves, the planner packs and a step
 //! counts. A document is one SFT example, one preference pair or one rollout.
 
+use std::borrow::Cow;
 use std::fmt;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -41,30 +43,152 @@ impl std::str::FromStr for DocId {
 }
 
 /// One token row with labels aligned to `input_ids` (the shift to next-token
-/// targets happens in the loss, as in `transformers`).
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+/// targets happens in the loss, as in `transformers`). Its tokens are owned,
+/// or a row of a mapped token store (`crate::data::store`), of which only
+/// the place and the counts the planner needs are resident.
+#[derive(Clone)]
 pub struct Sequence {
-    pub input_ids: Vec<u32>,
-    pub labels: Vec<i32>,
+    tokens: Tokens,
+}
+
+#[derive(Clone)]
+enum Tokens {
+    Owned {
+        input_ids: Vec<u32>,
+        labels: Vec<i32>,
+    },
+    Mapped {
+        rows: Arc<dyn TokenRows>,
+        row: u32,
+        len: u32,
+        loss_tokens: u32,
+    },
+}
+
+/// Rows of tokens kept outside the coordinator's heap (a memory-mapped
+/// token store): what a mapped [`Sequence`] reads when a plan is built.
+pub trait TokenRows: Send + Sync {
+    fn ids(&self, row: u32) -> &[u32];
+    fn labels(&self, row: u32) -> Cow<'_, [i32]>;
 }
 
 impl Sequence {
+    pub fn new(input_ids: Vec<u32>, labels: Vec<i32>) -> Self {
+        Self {
+            tokens: Tokens::Owned { input_ids, labels },
+        }
+    }
+
+    /// Row `row` of `rows`, whose length and loss tokens the caller knows
+    /// (from the store's row table).
+    pub fn mapped(rows: Arc<dyn TokenRows>, row: u32, len: u32, loss_tokens: u32) -> Self {
+        Self {
+            tokens: Tokens::Mapped {
+                rows,
+                row,
+                len,
+                loss_tokens,
+            },
+        }
+    }
+
+    pub fn input_ids(&self) -> &[u32] {
+        match &self.tokens {
+            Tokens::Owned { input_ids, .. } => input_ids,
+            Tokens::Mapped { rows, row, .. } => rows.ids(*row),
+        }
+    }
+
+    pub fn labels(&self) -> Cow<'_, [i32]> {
+        match &self.tokens {
+            Tokens::Owned { labels, .. } => Cow::Borrowed(labels),
+            Tokens::Mapped { rows, row, .. } => rows.labels(*row),
+        }
+    }
+
     pub fn len(&self) -> usize {
-        self.input_ids.len()
+        match &self.tokens {
+            Tokens::Owned { input_ids, .. } => input_ids.len(),
+            Tokens::Mapped { len, .. } => *len as usize,
+        }
     }
 
     pub fn is_empty(&self) -> bool {
-        self.input_ids.is_empty()
+        self.len() == 0
+    }
+
+    /// Whether the tokens live in a mapped store rather than on the heap.
+    pub fn is_mapped(&self) -> bool {
+        matches!(self.tokens, Tokens::Mapped { .. })
     }
 
     /// Tokens that contribute to the loss after the shift: position `t`
     /// predicts `labels[t + 1]`, so `labels[0]` never counts.
     pub fn loss_tokens(&self) -> u64 {
-        self.labels
-            .iter()
-            .skip(1)
-            .filter(|&&l| l != IGNORE_INDEX)
-            .count() as u64
+        match &self.tokens {
+            Tokens::Owned { labels, .. } => count_loss_tokens(labels),
+            Tokens::Mapped { loss_tokens, .. } => u64::from(*loss_tokens),
+        }
+    }
+}
+
+/// Loss tokens of a label row (see [`Sequence::loss_tokens`]).
+pub fn count_loss_tokens(labels: &[i32]) -> u64 {
+    labels
+        .iter()
+        .skip(1)
+        .filter(|&&l| l != IGNORE_INDEX)
+        .count() as u64
+}
+
+impl Default for Sequence {
+    fn default() -> Self {
+        Self::new(Vec::new(), Vec::new())
+    }
+}
+
+impl PartialEq for Sequence {
+    /// Equal tokens and labels, wherever they are kept.
+    fn eq(&self, other: &Self) -> bool {
+        self.input_ids() == other.input_ids() && self.labels() == other.labels()
+    }
+}
+
+impl Eq for Sequence {}
+
+impl fmt::Debug for Sequence {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Sequence")
+            .field("input_ids", &self.input_ids())
+            .field("labels", &self.labels())
+            .finish()
+    }
+}
+
+/// The serialised form: the tokens themselves (a mapped row is read).
+#[derive(Serialize, Deserialize)]
+struct SequenceRepr<'a> {
+    input_ids: Cow<'a, [u32]>,
+    labels: Cow<'a, [i32]>,
+}
+
+impl Serialize for Sequence {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        SequenceRepr {
+            input_ids: Cow::Borrowed(self.input_ids()),
+            labels: self.labels(),
+        }
+        .serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for Sequence {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let r = SequenceRepr::deserialize(d)?;
+        Ok(Sequence::new(
+            r.input_ids.into_owned(),
+            r.labels.into_owned(),
+        ))
     }
 }
 
@@ -137,19 +261,13 @@ mod tests {
 
     #[test]
     fn loss_tokens_skip_first_label_and_ignored() {
-        let s = Sequence {
-            input_ids: vec![1, 2, 3, 4],
-            labels: vec![1, IGNORE_INDEX, 3, 4],
-        };
+        let s = Sequence::new(vec![1, 2, 3, 4], vec![1, IGNORE_INDEX, 3, 4]);
         assert_eq!(s.loss_tokens(), 2);
     }
 
     #[test]
     fn pair_counts_both_sequences() {
-        let seq = |n: usize| Sequence {
-            input_ids: vec![5; n],
-            labels: vec![5; n],
-        };
+        let seq = |n: usize| Sequence::new(vec![5; n], vec![5; n]);
         let d = Document {
             id: DocId { file: 0, line: 3 },
             body: DocBody::Pair {

@@ -48,6 +48,13 @@ pub struct StepManifest {
     pub replayed: bool,
     /// `ranks[rank][microbatch]`; every rank has the same count.
     pub ranks: Vec<Vec<MicrobatchEntry>>,
+    /// A mixture: the source of each file the step's documents come from
+    /// (so every document's source follows from its `file:line`) ...
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub files: BTreeMap<u32, String>,
+    /// ... and the step's documents per source.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub sources: BTreeMap<String, u64>,
 }
 
 impl StepManifest {
@@ -61,6 +68,22 @@ impl StepManifest {
             .filter(|s| s.1 == 0)
             .map(|s| s.0)
             .collect()
+    }
+
+    /// Records each document's source (`file_source[file]` indexes
+    /// `names`).
+    pub fn record_sources(&mut self, file_source: &[u32], names: &[String]) {
+        for d in self.docs() {
+            let s = file_source.get(d.file as usize).copied().unwrap_or(0) as usize;
+            let name = names.get(s).cloned().unwrap_or_default();
+            *self.sources.entry(name.clone()).or_default() += 1;
+            self.files.insert(d.file, name);
+        }
+    }
+
+    /// The source a document of this step came from (mixtures).
+    pub fn source_of(&self, doc: &DocId) -> Option<&str> {
+        self.files.get(&doc.file).map(String::as_str)
     }
 
     /// Microbatches per rank.
@@ -202,6 +225,8 @@ mod tests {
                 tokens: 0,
                 seqs: docs.iter().map(|&l| SeqEntry(id(l), 0, 3)).collect(),
             }]],
+            files: Default::default(),
+            sources: Default::default(),
         }
     }
 

@@ -87,6 +87,27 @@ pub fn append_metrics(path: &Path, job: &str, metrics: &StepMetrics) -> std::io:
     f.write_all(&line)
 }
 
+/// One eval line of metrics.jsonl: `{"job": …, "eval": {…}}`.
+#[derive(Serialize)]
+struct EvalLine<'a> {
+    job: &'a str,
+    eval: &'a crate::core::EvalMetrics,
+}
+
+/// Appends an evaluation of `job` to the metrics file at `path`.
+pub fn append_eval(path: &Path, job: &str, eval: &crate::core::EvalMetrics) -> std::io::Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)?;
+    let mut line = serde_json::to_vec(&EvalLine { job, eval }).map_err(std::io::Error::other)?;
+    line.push(b'\n');
+    f.write_all(&line)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

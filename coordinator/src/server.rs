@@ -275,12 +275,18 @@ fn restore_event(mut rec: JobRecord, store: &Store) -> anyhow::Result<Event> {
         let loaded = crate::model::read_config(&spec.model)
             .map_err(|e| format!("the model config could not be read: {e}"))
             .and_then(|m| {
-                crate::data::load(&spec.data, spec.objective.kind, m.vocab_size)
+                crate::data::encoder(&spec.data, m.vocab_size)
+                    .and_then(|enc| crate::data::load_job(&enc, &spec, &|_, _| {}))
                     .map_err(|e| format!("the dataset could not be loaded: {e}"))
             })
             .and_then(|d| within_limits(&spec, &rec.changes, &d).map(|()| d));
         match loaded {
-            Ok(d) if d.docs.len() as u64 == rec.documents => d.docs.into(),
+            Ok(d)
+                if d.docs.len() as u64 + d.eval.as_ref().map_or(0, |e| e.docs.len() as u64)
+                    == rec.documents =>
+            {
+                d.into_job_docs().into()
+            }
             Ok(d) => {
                 rec.state = JobState::Failed;
                 rec.reason = format!(

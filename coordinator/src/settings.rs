@@ -9,6 +9,8 @@
 //! job record, so the settings of any step, a re-planned or replayed one
 //! included, are a pure function of the spec and the list of changes.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 use crate::doc::DocId;
@@ -17,7 +19,7 @@ use crate::spec::{JobSpec, OptimizerSection, Schedule, SpecProblem, StepSize};
 
 /// The step settings an operator may change on a running job. `None`
 /// leaves a setting as it is.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct JobUpdate {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub docs_per_step: Option<u64>,
@@ -29,6 +31,10 @@ pub struct JobUpdate {
     /// continue from the same step with the new base.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lr: Option<f64>,
+    /// A mixture's new weights by source name (sources not named keep
+    /// theirs); the interleave restarts from the step it applies to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weights: Option<BTreeMap<String, f64>>,
 }
 
 impl JobUpdate {
@@ -51,16 +57,28 @@ impl JobUpdate {
         if let Some(v) = self.lr {
             parts.push(format!("lr {v}"));
         }
+        if let Some(w) = &self.weights {
+            let each: Vec<String> = w.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            parts.push(format!("weights {}", each.join(",")));
+        }
         parts.join(", ")
     }
 
     /// `self` then `later` (later values win).
     fn merged(self, later: JobUpdate) -> JobUpdate {
+        let weights = match (self.weights, later.weights) {
+            (Some(mut a), Some(b)) => {
+                a.extend(b);
+                Some(a)
+            }
+            (a, b) => b.or(a),
+        };
         JobUpdate {
             docs_per_step: later.docs_per_step.or(self.docs_per_step),
             tokens_per_step: later.tokens_per_step.or(self.tokens_per_step),
             max_tokens: later.max_tokens.or(self.max_tokens),
             lr: later.lr.or(self.lr),
+            weights,
         }
     }
 }
@@ -81,7 +99,7 @@ pub struct ConfigChange {
 pub fn record_change(changes: &mut Vec<ConfigChange>, from_step: u64, update: JobUpdate, now: i64) {
     match changes.last_mut() {
         Some(last) if last.from_step == from_step => {
-            last.update = last.update.merged(update);
+            last.update = std::mem::take(&mut last.update).merged(update);
             last.unix_ms = now;
         }
         _ => changes.push(ConfigChange {
@@ -165,6 +183,25 @@ impl<'a> Settings<'a> {
         s
     }
 
+    /// The mixture weights of `step` (the sources' own, then every
+    /// change's named weights up to it) and how many weight changes are in
+    /// force (0: the spec's).
+    pub fn weights_at(&self, step: u64, sources: &[crate::sources::Source]) -> (Vec<f64>, u32) {
+        let mut w: Vec<f64> = sources.iter().map(|s| s.weight).collect();
+        let mut rev = 0;
+        for c in self.changes.iter().filter(|c| c.from_step <= step) {
+            if let Some(named) = &c.update.weights {
+                rev += 1;
+                for (i, s) in sources.iter().enumerate() {
+                    if let Some(&v) = named.get(&s.name) {
+                        w[i] = v;
+                    }
+                }
+            }
+        }
+        (w, rev)
+    }
+
     /// The settings every change so far applies to (the next new step's,
     /// and those of work that is not a training step, such as the
     /// reference pass).
@@ -217,7 +254,8 @@ impl<'a> Settings<'a> {
         if update.is_empty() {
             bad(
                 "update",
-                "set at least one of docs_per_step, tokens_per_step, max_tokens, lr".into(),
+                "set at least one of docs_per_step, tokens_per_step, max_tokens, lr, weights"
+                    .into(),
             );
         }
         let mode = if spec.batch.docs_per_step.is_some() {
@@ -275,6 +313,36 @@ impl<'a> Settings<'a> {
                 }
             }
             None => {}
+        }
+        if let Some(named) = &update.weights {
+            let sources = spec.data.train_sources(spec.job.epochs);
+            if sources.len() < 2 {
+                bad(
+                    "data.sources",
+                    "the job reads one source: there are no mixture weights to change".into(),
+                );
+            } else {
+                for (name, &w) in named {
+                    match sources.iter().position(|s| &s.name == name) {
+                        None => bad(
+                            "data.sources",
+                            format!(
+                                "no source named {name:?} (the job's sources: {})",
+                                sources
+                                    .iter()
+                                    .map(|s| s.name.as_str())
+                                    .collect::<Vec<_>>()
+                                    .join(", ")
+                            ),
+                        ),
+                        Some(i) if !(w.is_finite() && w > 0.0) => bad(
+                            &format!("data.sources[{i}].weight"),
+                            format!("must be a positive number, got {w}"),
+                        ),
+                        Some(_) => {}
+                    }
+                }
+            }
         }
         if let Some(lr) = update.lr {
             if !(lr.is_finite() && lr > 0.0) {
@@ -406,6 +474,7 @@ mod tests {
             tokens_per_step: Some(100),
             max_tokens: Some(0),
             lr: Some(f64::NAN),
+            weights: None,
         };
         assert_eq!(
             fields(all_bad),

@@ -7,10 +7,12 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::data::locate;
 use crate::input;
 use crate::limits::{self, StepShape};
 use crate::objective::{step_rollouts, Reference};
 pub use crate::objective::{ObjectiveKind, ObjectiveSection, RlSection};
+use crate::sources::{self, EvalSection, Source, SourceSpec};
 
 /// One thing wrong with a spec, with the dotted path of the field.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -55,6 +57,9 @@ pub struct JobSpec {
     pub faults: FaultsSection,
     #[serde(default, skip_serializing_if = "is_default")]
     pub rl: RlSection,
+    /// `[eval]`: forward-only passes over held-out sources.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval: Option<EvalSection>,
 }
 
 fn is_default<T: Default + PartialEq>(v: &T) -> bool {
@@ -170,6 +175,12 @@ pub struct DataSection {
     pub on_bad_line: OnBad,
     #[serde(default = "default_true")]
     pub shuffle: bool,
+    /// `[[data.sources]]`: a mixture, instead of `train`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sources: Vec<SourceSpec>,
+    /// Where token stores are kept (see `data::cache::default_root`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_dir: Option<PathBuf>,
 }
 
 impl DataSection {
@@ -180,6 +191,43 @@ impl DataSection {
     /// True when rollouts are pushed to the job rather than read from files.
     pub fn is_stream(&self) -> bool {
         self.source == DataSource::Stream
+    }
+
+    /// The training sources: `[[data.sources]]`, or `train` as one source
+    /// named `train`. `job_epochs` is every source's default.
+    pub fn train_sources(&self, job_epochs: Option<u64>) -> Vec<Source> {
+        if self.sources.is_empty() {
+            let one = SourceSpec {
+                name: Some("train".into()),
+                paths: self.train.clone(),
+                ..Default::default()
+            };
+            return sources::resolve(&[one], 0, job_epochs);
+        }
+        sources::resolve(&self.sources, 0, job_epochs)
+    }
+
+    /// Every training file, in source order (`DocId::file` indexes it).
+    pub fn files(&self) -> Vec<PathBuf> {
+        if self.sources.is_empty() {
+            return self.train.clone();
+        }
+        self.sources
+            .iter()
+            .flat_map(|s| s.entries().cloned())
+            .collect()
+    }
+
+    /// Whether the job mixes several sources.
+    pub fn is_mixture(&self) -> bool {
+        self.sources.len() > 1
+    }
+
+    /// Where this job's token stores are kept.
+    pub fn cache_root(&self) -> PathBuf {
+        self.cache_dir
+            .clone()
+            .unwrap_or_else(crate::data::cache::default_root)
     }
 }
 
@@ -442,6 +490,7 @@ const SECTIONS: &[&str] = &[
     "rl",
     "runtime",
     "faults",
+    "eval",
 ];
 
 impl JobSpec {
@@ -480,13 +529,84 @@ impl JobSpec {
                 .map_err(|e: toml::de::Error| {
                     vec![SpecProblem::new("<toml>", one_line(&e.to_string()))]
                 })?;
+        let mut problems = spec.locate(base_dir);
         spec.resolve_paths(base_dir);
+        problems.extend(spec.expand_entries());
+        if !problems.is_empty() {
+            return Err(problems);
+        }
         let problems = spec.validate();
         if problems.is_empty() {
             Ok(spec)
         } else {
             Err(problems)
         }
+    }
+
+    /// Resolves a `model.init` or `data.tokenizer` that is no path under
+    /// `base` but a Hugging Face model id, offline in the hub cache.
+    fn locate(&mut self, base: &Path) -> Vec<SpecProblem> {
+        let mut p = Vec::new();
+        let missing = |s: &str| !s.is_empty() && !base.join(s).exists();
+        let init = self.model.init.clone();
+        if !self.model.is_random() && missing(&init) && locate::looks_like_model_id(&init) {
+            match locate::model_snapshot(&init, "model.init") {
+                Ok(dir) => self.model.init = dir.display().to_string(),
+                Err(e) => p.push(SpecProblem::new("model.init", e.to_string())),
+            }
+        }
+        let tok = self.data.tokenizer.clone();
+        if !self.data.is_byte_tokenizer() && missing(&tok) && locate::looks_like_model_id(&tok) {
+            match locate::model_snapshot(&tok, "data.tokenizer") {
+                Ok(dir) => self.data.tokenizer = dir.join("tokenizer.json").display().to_string(),
+                Err(e) => p.push(SpecProblem::new("data.tokenizer", e.to_string())),
+            }
+        }
+        p
+    }
+
+    /// Expands directory and glob entries of `data.train`, the sources and
+    /// the eval sources into their files (sorted), so the stored spec names
+    /// files only.
+    pub fn expand_entries(&mut self) -> Vec<SpecProblem> {
+        let mut p = Vec::new();
+        // In data.train a directory is read only when written with a
+        // trailing '/' (a directory named where a file was meant is an
+        // error); a source's entries may always be directories.
+        let mut expand_list = |list: &mut Vec<PathBuf>, field: &str, split: &str, dirs: bool| {
+            let mut out = Vec::new();
+            for (i, e) in list.iter().enumerate() {
+                let text = e.to_string_lossy();
+                let wanted = dirs || text.ends_with('/') || text.contains(['*', '?', '[']);
+                if !wanted {
+                    out.push(e.clone());
+                    continue;
+                }
+                match locate::expand(e, split) {
+                    Ok(files) => out.extend(files),
+                    Err(err) => p.push(SpecProblem::new(format!("{field}[{i}]"), err.to_string())),
+                }
+            }
+            *list = out;
+        };
+        expand_list(&mut self.data.train, "data.train", "train", false);
+        let mut expand_sources = |specs: &mut Vec<SourceSpec>, field: &str, split: &str| {
+            for (i, s) in specs.iter_mut().enumerate() {
+                let split = s.split.clone().unwrap_or_else(|| split.to_string());
+                let mut list: Vec<PathBuf> = s.entries().cloned().collect();
+                expand_list(&mut list, &format!("{field}[{i}].paths"), &split, true);
+                if s.name.is_none() {
+                    s.name = Some(sources::name_of(s, i));
+                }
+                s.path = None;
+                s.paths = list;
+            }
+        };
+        expand_sources(&mut self.data.sources, "data.sources", "train");
+        if let Some(e) = self.eval.as_mut() {
+            expand_sources(&mut e.sources, "eval.sources", "test");
+        }
+        p
     }
 
     /// Makes every relative path absolute against `base`. An empty path
@@ -510,6 +630,23 @@ impl JobSpec {
         }
         for f in &mut self.data.train {
             abs(f);
+        }
+        for s in &mut self.data.sources {
+            s.entries_mut().for_each(&abs);
+            if let Some(t) = s.chat_template.as_mut() {
+                abs(t);
+            }
+        }
+        if let Some(e) = self.eval.as_mut() {
+            for s in &mut e.sources {
+                s.entries_mut().for_each(&abs);
+                if let Some(t) = s.chat_template.as_mut() {
+                    abs(t);
+                }
+            }
+        }
+        if let Some(c) = self.data.cache_dir.as_mut() {
+            abs(c);
         }
         if !self.data.is_byte_tokenizer()
             && !self.data.tokenizer.is_empty()
@@ -615,11 +752,92 @@ impl JobSpec {
             }
         }
 
-        if self.data.train.is_empty() && !self.data.is_stream() {
-            bad("data.train", "list at least one dataset file".into());
+        if self.data.train.is_empty() && self.data.sources.is_empty() && !self.data.is_stream() {
+            bad(
+                "data.train",
+                "list at least one dataset file (or give [[data.sources]])".into(),
+            );
+        }
+        if !self.data.train.is_empty() && !self.data.sources.is_empty() {
+            bad(
+                "data.sources",
+                "give data.train or [[data.sources]], not both".into(),
+            );
+        }
+        if self.data.is_stream() && !self.data.sources.is_empty() {
+            bad("data.sources", "a streamed job reads no files".into());
+        }
+        if self.data.sources.len() > 1 && self.objective.kind == ObjectiveKind::Pg {
+            bad(
+                "data.sources",
+                "a policy-gradient job reads one source (its stream's unit is a group of rollouts); mix prompts upstream".into(),
+            );
         }
         for (i, f) in self.data.train.iter().enumerate() {
             check_file(&mut bad, &format!("data.train[{i}]"), f);
+        }
+        sources::validate(
+            &self.data.sources,
+            "data.sources",
+            false,
+            self.batch.docs_per_step,
+            &mut bad,
+        );
+        for (i, s) in self.data.sources.iter().enumerate() {
+            for (j, f) in s.entries().enumerate() {
+                check_file(&mut bad, &format!("data.sources[{i}].paths[{j}]"), f);
+            }
+            if let Some(t) = &s.chat_template {
+                check_file(&mut bad, &format!("data.sources[{i}].chat_template"), t);
+            }
+        }
+        if let Some(e) = &self.eval {
+            if e.every_steps == 0 {
+                bad("eval.every_steps", "must be at least 1".into());
+            }
+            if e.sources.is_empty() {
+                bad("eval.sources", "list at least one eval source".into());
+            }
+            if self.data.is_stream() {
+                bad("eval", "a streamed job has no eval sources".into());
+            }
+            sources::validate(&e.sources, "eval.sources", true, None, &mut bad);
+            for (i, s) in e.sources.iter().enumerate() {
+                for (j, f) in s.entries().enumerate() {
+                    check_file(&mut bad, &format!("eval.sources[{i}].paths[{j}]"), f);
+                }
+                if s.epochs.is_some() {
+                    bad(
+                        &format!("eval.sources[{i}].epochs"),
+                        "an eval source is read once per evaluation".into(),
+                    );
+                }
+            }
+            if self
+                .objective
+                .dpo()
+                .is_some_and(|d| d.reference != Reference::Cached)
+            {
+                bad(
+                    "eval",
+                    "evaluating a DPO job needs objective.reference = \"cached\" (the eval pairs' reference log-probs come from the cached pass)".into(),
+                );
+            }
+            let train: std::collections::BTreeSet<String> = self
+                .data
+                .train_sources(None)
+                .into_iter()
+                .map(|s| s.name)
+                .collect();
+            for (i, s) in e.sources.iter().enumerate() {
+                let n = sources::name_of(s, i);
+                if train.contains(&n) && !self.data.sources.is_empty() {
+                    bad(
+                        &format!("eval.sources[{i}].name"),
+                        format!("{n:?} also names a training source"),
+                    );
+                }
+            }
         }
         if !self.data.is_byte_tokenizer() {
             check_file(&mut bad, "data.tokenizer", Path::new(&self.data.tokenizer));
@@ -935,6 +1153,7 @@ fn check_section(section: &str, value: toml::Value) -> Result<(), SpecProblem> {
         "rl" => value.try_into::<RlSection>().map(drop),
         "runtime" => value.try_into::<RuntimeSection>().map(drop),
         "faults" => value.try_into::<FaultsSection>().map(drop),
+        "eval" => value.try_into::<EvalSection>().map(drop),
         _ => Ok(()),
     };
     result.map_err(|e| {

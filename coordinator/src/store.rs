@@ -312,6 +312,7 @@ mod tests {
                     epoch: 0,
                     position: step * 4,
                     overflow: vec![step],
+                    ..Default::default()
                 };
                 let m = StepMetrics {
                     step,
@@ -480,6 +481,8 @@ mod tests {
             tokens: 30,
             attempts: 2,
             replayed: false,
+            files: Default::default(),
+            sources: Default::default(),
             ranks: vec![
                 vec![MicrobatchEntry {
                     tokens: 20,

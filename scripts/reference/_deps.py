@@ -11,3 +11,16 @@ def ensure_transformers():
         importlib.import_module("transformers")
     except ImportError:
         subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", TRANSFORMERS])
+
+
+DATASETS = "datasets==5.2.0"
+
+
+def ensure_datasets():
+    """Hugging Face `datasets` (and transformers' tokenizer) for the data
+    benchmark's reference."""
+    ensure_transformers()
+    try:
+        importlib.import_module("datasets")
+    except ImportError:
+        subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", DATASETS])

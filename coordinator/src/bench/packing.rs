@@ -224,6 +224,7 @@ fn steps(
     docs.chunks(dps.max(1))
         .take(max_steps)
         .map(|chunk| PackProblem {
+            groups: Vec::new(),
             items: chunk
                 .iter()
                 .enumerate()
@@ -410,6 +411,7 @@ mod tests {
             })
             .collect();
         let p = PackProblem {
+            groups: Vec::new(),
             items,
             max_tokens: 100,
             world_size: 2,

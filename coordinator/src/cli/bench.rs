@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 
 use super::output::{errln, outln};
-use super::{CollectiveArgs, CollectiveRankArgs, PackingArgs};
+use super::{CollectiveArgs, CollectiveRankArgs, DataArgs, PackingArgs};
 use crate::bench::{CollectiveBenchOpts, CollectiveRow, PackingBenchOpts, PackingRow};
 use crate::spec::{DataFormat, DataSection, ObjectiveKind, OnBad};
 
@@ -105,6 +105,8 @@ fn real_datasets(dir: &Path) -> anyhow::Result<Vec<(String, Vec<Vec<u32>>)>> {
                 on_bad_line: OnBad::Error,
                 source: Default::default(),
                 shuffle: false,
+                sources: Vec::new(),
+                cache_dir: None,
             };
             // No model here: token ids are bounded by nothing but the tokenizer.
             let ds = crate::data::load(&section, objective, u32::MAX)
@@ -287,4 +289,71 @@ fn collective_table(rows: &[CollectiveRow]) -> String {
         ],
         &body,
     )
+}
+
+/// `accrue bench data`.
+pub fn data(args: &DataArgs) -> anyhow::Result<ExitCode> {
+    let tmp = tempfile::tempdir()?;
+    let work = args
+        .work
+        .clone()
+        .unwrap_or_else(|| tmp.path().to_path_buf());
+    let opts = crate::bench::data::DataBenchOpts {
+        shared: data_dir(args.data.as_deref()),
+        synthetic_rows: args.synthetic_rows,
+        python: (!args.no_reference && args.python.is_file()).then(|| args.python.clone()),
+        work,
+        exe: std::env::current_exe()?,
+    };
+    if opts.shared.is_none() {
+        errln!("note: no shared data directory found; synthetic data and the byte tokenizer only");
+    }
+    let mut sink: Vec<u8> = Vec::new();
+    let rows = if args.json {
+        let mut out = std::io::stdout();
+        crate::bench::data::data(&opts, &mut out)?
+    } else {
+        crate::bench::data::data(&opts, &mut sink)?
+    };
+    if !args.json {
+        for r in &rows {
+            outln!("{}", data_line(r))?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn data_line(r: &crate::bench::data::DataRow) -> String {
+    let f = |v: Option<f64>| v.map_or("-".to_string(), |x| format!("{x:.0}"));
+    match r.bench.as_str() {
+        "tokenize" => format!(
+            "tokenize  {:<28} {:>9} rows  {:>9} rows/s  reference {:>9} rows/s  ratio {}",
+            r.dataset,
+            r.rows.unwrap_or(0),
+            f(r.rows_per_s),
+            f(r.reference_rows_per_s),
+            r.ratio.map_or("-".into(), |x| format!("{x:.2}"))
+        ),
+        "submit" => format!(
+            "submit    {:<28} {:>9} docs  cache {:<4}  first step after {:.2}s  {} bytes/doc resident",
+            r.dataset,
+            r.docs.unwrap_or(0),
+            r.cache.as_deref().unwrap_or("-"),
+            r.seconds.unwrap_or(0.0),
+            f(r.rss_anon_bytes_per_doc)
+        ),
+        _ => format!(
+            "planner   {} sources, {} docs/step: {} docs/s",
+            r.sources.unwrap_or(0),
+            r.docs_per_step.unwrap_or(0),
+            f(r.docs_per_s)
+        ),
+    }
+}
+
+/// The child process of one `bench data` submit measurement.
+pub fn data_submit_child(spec: &Path) -> anyhow::Result<ExitCode> {
+    let row = crate::bench::data::submit_child(spec)?;
+    outln!("{}", serde_json::to_string(&row)?)?;
+    Ok(ExitCode::SUCCESS)
 }

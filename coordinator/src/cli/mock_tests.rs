@@ -512,6 +512,7 @@ async fn set_sends_only_the_given_settings_and_reports_a_refusal() {
             tokens_per_step: None,
             max_tokens: Some(512),
             lr: Some(2e-4),
+            weights: Default::default(),
         }
     );
     assert_eq!(sent[1].docs_per_step, Some(0));

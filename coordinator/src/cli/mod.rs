@@ -281,6 +281,10 @@ pub enum Command {
         /// The schedule's base (peak) learning rate; warmup and decay go on.
         #[arg(long, value_name = "X", group = "setting")]
         lr: Option<f64>,
+        /// A mixture source's new weight, as NAME=W (repeatable; sources not
+        /// named keep theirs).
+        #[arg(long = "weight", value_name = "NAME=W", group = "setting", value_parser = set::parse_weight)]
+        weights: Vec<(String, f64)>,
     },
     /// Follow a job until it ends: exit 0 if it completed, 1 if it failed or
     /// was cancelled.
@@ -360,6 +364,36 @@ pub enum BenchCommand {
     /// One rank of `bench collective` (internal: started by it).
     #[command(hide = true)]
     CollectiveRank(CollectiveRankArgs),
+    /// The data layer: tokenization rows/s beside Hugging Face
+    /// datasets.map, submit-to-first-step with a cold and a warm token
+    /// cache, memory per document, mixture planner documents/s.
+    Data(DataArgs),
+    /// One submit measurement of `bench data` (internal: started by it).
+    #[command(hide = true)]
+    DataSubmitChild { spec: PathBuf },
+}
+
+/// Arguments of `accrue bench data`.
+#[derive(Debug, Clone, Args)]
+pub struct DataArgs {
+    /// Print one JSON object per row instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Rows of the synthetic chat dataset.
+    #[arg(long, value_name = "N", default_value_t = 1_000_000)]
+    pub synthetic_rows: u64,
+    /// Python with `datasets` for the reference (installed on first use).
+    #[arg(long, value_name = "PATH", default_value = ".venv/bin/python")]
+    pub python: PathBuf,
+    /// Skip the datasets.map reference.
+    #[arg(long)]
+    pub no_reference: bool,
+    /// The shared data directory (default: $ACCRUE_SHARED_DATA or ../shared/data).
+    #[arg(long, value_name = "DIR")]
+    pub data: Option<PathBuf>,
+    /// Scratch directory (default: a temporary one).
+    #[arg(long, value_name = "DIR")]
+    pub work: Option<PathBuf>,
 }
 
 /// Arguments of `accrue bench collective`.
@@ -469,6 +503,20 @@ pub enum RolloutsCommand {
 pub enum DataCommand {
     /// Write a synthetic dataset.
     Synth(SynthArgs),
+    /// Tokenize a job's sources into the token cache ahead of submit
+    /// (progress, rows/s, skipped rows with file:line).
+    Prepare(PrepareArgs),
+}
+
+/// Arguments of `accrue data prepare`.
+#[derive(Debug, Clone, Args)]
+pub struct PrepareArgs {
+    /// The job spec whose sources (and eval sources) to prepare.
+    #[arg(value_name = "SPEC.toml")]
+    pub spec: PathBuf,
+    /// Print one JSON line per file instead of progress bars.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Arguments of `accrue data synth`.
@@ -571,6 +619,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             tokens_per_step,
             max_tokens,
             lr,
+            weights,
         } => {
             let args = set::SetArgs {
                 job,
@@ -578,6 +627,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 tokens_per_step,
                 max_tokens,
                 lr,
+                weights,
             };
             set::run(conn, &args).await
         }
@@ -606,11 +656,20 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             bench: BenchCommand::Recovery(args),
         } => recovery::run(&args).await,
         Command::Bench {
+            bench: BenchCommand::Data(args),
+        } => bench::data(&args),
+        Command::Bench {
+            bench: BenchCommand::DataSubmitChild { spec },
+        } => bench::data_submit_child(&spec),
+        Command::Bench {
             bench: BenchCommand::CollectiveRank(args),
         } => bench::collective_rank(&args),
         Command::Data {
             data: DataCommand::Synth(args),
         } => data::synth(&args),
+        Command::Data {
+            data: DataCommand::Prepare(args),
+        } => data::prepare(&args),
         Command::Rollouts {
             rollouts: RolloutsCommand::Push { job, file, batch },
         } => rollouts::push(conn, &job, &file, batch).await,
@@ -745,7 +804,7 @@ mod tests {
         let cli = parse(&["set", "j1", "--lr", "3e-4", "--max-tokens", "256"]).unwrap();
         assert!(matches!(
             cli.command,
-            Command::Set { ref job, docs_per_step: None, tokens_per_step: None, max_tokens: Some(256), lr: Some(lr) }
+            Command::Set { ref job, docs_per_step: None, tokens_per_step: None, max_tokens: Some(256), lr: Some(lr), .. }
                 if job == "j1" && lr == 3e-4
         ));
         let cli = parse(&["steps", "j1", "--to", "4"]).unwrap();

@@ -1,8 +1,11 @@
 //! `accrue plot`: a job's training curves as a PNG, four panels against the
 //! step (loss, tokens/s, gradient norm, learning rate), read from its
-//! metrics.jsonl. Drawn with `plotters` on its bitmap backend; text uses a
-//! font embedded in the binary (a DejaVu Sans subset, coordinator/assets), so
-//! it renders on a machine without fontconfig or system fonts.
+//! metrics.jsonl. The loss panel also draws a mixture's per-source losses
+//! (one curve per source) and the evaluations (`eval` lines: the overall
+//! eval loss as dots, each eval source's as smaller ones). Drawn with
+//! `plotters` on its bitmap backend; text uses a font embedded in the binary
+//! (a DejaVu Sans subset, coordinator/assets), so it renders on a machine
+//! without fontconfig or system fonts.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -56,7 +59,53 @@ pub struct Point {
     pub grad_norm: Option<f64>,
     #[serde(deserialize_with = "Option::deserialize")]
     pub lr: Option<f64>,
+    /// A mixture: each source's loss at this step.
+    #[serde(default)]
+    pub sources: BTreeMap<String, SourcePoint>,
 }
+
+/// One source's loss at a step (or in an evaluation).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct SourcePoint {
+    #[serde(deserialize_with = "Option::deserialize")]
+    pub loss: Option<f64>,
+}
+
+/// An evaluation line of metrics.jsonl.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct EvalPoint {
+    pub step: u64,
+    #[serde(deserialize_with = "Option::deserialize")]
+    pub loss: Option<f64>,
+    #[serde(default)]
+    pub sources: BTreeMap<String, SourcePoint>,
+}
+
+#[derive(Deserialize)]
+struct EvalLine {
+    eval: EvalPoint,
+}
+
+/// The evaluations in metrics.jsonl `text`, in order (other lines skipped).
+pub fn parse_evals(text: &str) -> Vec<EvalPoint> {
+    text.lines()
+        .filter(|l| l.contains("\"eval\""))
+        .filter_map(|l| serde_json::from_str::<EvalLine>(l).ok())
+        .map(|l| l.eval)
+        .collect()
+}
+
+/// Colours of per-source curves, in source-name order.
+const SOURCE_COLORS: [RGBColor; 8] = [
+    RGBColor(255, 127, 14),
+    RGBColor(23, 190, 207),
+    RGBColor(188, 189, 34),
+    RGBColor(227, 119, 194),
+    RGBColor(140, 86, 75),
+    RGBColor(127, 127, 127),
+    RGBColor(44, 160, 44),
+    RGBColor(148, 103, 189),
+];
 
 /// One panel: its title, its colour and the value it plots.
 pub struct Panel {
@@ -95,7 +144,7 @@ pub const PANELS: [Panel; 4] = [
 pub fn parse_metrics(text: &str, path: &Path) -> Result<Vec<Point>, PlotError> {
     let mut by_step = BTreeMap::new();
     for (i, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
+        if line.trim().is_empty() || is_eval_line(line) {
             continue;
         }
         let p: Point = serde_json::from_str(line).map_err(|source| PlotError::BadLine {
@@ -111,6 +160,11 @@ pub fn parse_metrics(text: &str, path: &Path) -> Result<Vec<Point>, PlotError> {
         });
     }
     Ok(by_step.into_values().collect())
+}
+
+/// An evaluation line (`{"job": …, "eval": {…}}`), not a step.
+fn is_eval_line(line: &str) -> bool {
+    serde_json::from_str::<serde_json::Value>(line).is_ok_and(|v| v.get("eval").is_some())
 }
 
 /// Reads and parses the metrics.jsonl at `path`.
@@ -139,6 +193,17 @@ pub fn render_png(
     out: &Path,
     size: (u32, u32),
 ) -> Result<(), PlotError> {
+    render_png_with(points, &[], title, out, size)
+}
+
+/// [`render_png`] with evaluations drawn on the loss panel.
+pub fn render_png_with(
+    points: &[Point],
+    evals: &[EvalPoint],
+    title: &str,
+    out: &Path,
+    size: (u32, u32),
+) -> Result<(), PlotError> {
     register_font();
     let draw_err = |e: &dyn std::fmt::Display| PlotError::Draw {
         path: out.display().to_string(),
@@ -150,7 +215,7 @@ pub fn render_png(
         .titled(title, ("sans-serif", 22))
         .map_err(|e| draw_err(&e))?;
     for (area, panel) in root.split_evenly((2, 2)).iter().zip(&PANELS) {
-        draw_panel(area, panel, points).map_err(|e| draw_err(&e))?;
+        draw_panel(area, panel, points, evals).map_err(|e| draw_err(&e))?;
     }
     root.present().map_err(|e| draw_err(&e))
 }
@@ -159,7 +224,7 @@ type Area<'a> = DrawingArea<BitMapBackend<'a>, plotters::coord::Shift>;
 type DrawResult =
     Result<(), DrawingAreaErrorKind<<BitMapBackend<'static> as DrawingBackend>::ErrorType>>;
 
-fn draw_panel(area: &Area<'_>, panel: &Panel, points: &[Point]) -> DrawResult {
+fn draw_panel(area: &Area<'_>, panel: &Panel, points: &[Point], evals: &[EvalPoint]) -> DrawResult {
     let series: Vec<(u64, f64)> = points
         .iter()
         .filter_map(|p| {
@@ -168,13 +233,52 @@ fn draw_panel(area: &Area<'_>, panel: &Panel, points: &[Point]) -> DrawResult {
                 .map(|v| (p.step, v))
         })
         .collect();
+    // The loss panel: each source's curve and the evaluations too.
+    let is_loss = panel.title == "loss";
+    let names: std::collections::BTreeSet<&String> = if is_loss {
+        points.iter().flat_map(|p| p.sources.keys()).collect()
+    } else {
+        Default::default()
+    };
+    let source_series = |name: &String| -> Vec<(f64, f64)> {
+        points
+            .iter()
+            .filter_map(|p| {
+                let v = p.sources.get(name)?.loss.filter(|v| v.is_finite())?;
+                Some((p.step as f64, v))
+            })
+            .collect()
+    };
+    let eval_points: Vec<(f64, f64, Option<&String>)> = if is_loss {
+        evals
+            .iter()
+            .flat_map(|e| {
+                let all = e.loss.map(|v| (e.step as f64, v, None));
+                let each = e
+                    .sources
+                    .iter()
+                    .filter_map(move |(n, s)| s.loss.map(|v| (e.step as f64, v, Some(n))));
+                all.into_iter().chain(each)
+            })
+            .filter(|p| p.1.is_finite())
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let extra: Vec<f64> = names
+        .iter()
+        .flat_map(|n| source_series(n).into_iter().map(|p| p.1))
+        .chain(eval_points.iter().map(|p| p.1))
+        .collect();
+    let series_values = series.iter().map(|s| s.1).chain(extra.iter().copied());
     let (x0, x1) = padded(
         points.first().map_or(0.0, |p| p.step as f64),
         points.last().map_or(1.0, |p| p.step as f64),
         0.0,
     );
-    let lo = series.iter().map(|s| s.1).fold(f64::INFINITY, f64::min);
-    let hi = series.iter().map(|s| s.1).fold(f64::NEG_INFINITY, f64::max);
+    let (lo, hi) = series_values.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
+        (lo.min(v), hi.max(v))
+    });
     let (y0, y1) = if series.is_empty() {
         (0.0, 1.0)
     } else {
@@ -204,10 +308,42 @@ fn draw_panel(area: &Area<'_>, panel: &Panel, points: &[Point]) -> DrawResult {
         return Ok(());
     }
     let style = ShapeStyle::from(panel.color).stroke_width(2);
-    chart.draw_series(LineSeries::new(
+    let drawn = chart.draw_series(LineSeries::new(
         series.iter().map(|&(s, v)| (s as f64, v)),
         style,
     ))?;
+    if !names.is_empty() || !eval_points.is_empty() {
+        drawn
+            .label("all")
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], style));
+    }
+    for (i, name) in names.iter().enumerate() {
+        let c = SOURCE_COLORS[i % SOURCE_COLORS.len()];
+        let s = ShapeStyle::from(c).stroke_width(2);
+        chart
+            .draw_series(LineSeries::new(source_series(name), s))?
+            .label(name.as_str())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], s));
+    }
+    if !eval_points.is_empty() {
+        let dot = ShapeStyle::from(BLACK).filled();
+        chart
+            .draw_series(
+                eval_points.iter().map(|&(x, y, who)| {
+                    Circle::new((x, y), if who.is_none() { 5 } else { 3 }, dot)
+                }),
+            )?
+            .label("eval")
+            .legend(move |(x, y)| Circle::new((x + 8, y), 4, dot));
+    }
+    if !names.is_empty() || !eval_points.is_empty() {
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .label_font(("sans-serif", 12))
+            .draw()?;
+    }
     // A lone step has no line: mark it.
     if series.len() == 1 {
         let (s, v) = series[0];
@@ -292,7 +428,10 @@ pub async fn run(conn: &Conn, args: &PlotArgs) -> anyhow::Result<ExitCode> {
         ),
         (e, _) => e.into(),
     })?;
-    render_png(&points, &title, &args.out, args.size)?;
+    let evals = std::fs::read_to_string(&path)
+        .map(|t| parse_evals(&t))
+        .unwrap_or_default();
+    render_png_with(&points, &evals, &title, &args.out, args.size)?;
     outln!(
         "wrote {} ({} steps, {}..{})",
         args.out.display(),
@@ -379,6 +518,83 @@ mod tests {
             .filter(|&p| img[p * 3] < 100 && img[p * 3 + 1] < 100)
             .count();
         assert!(dark > 50, "title text missing ({dark} dark pixels)");
+    }
+
+    /// Issue 16: a mixture's metrics.jsonl (steps with `sources`, and
+    /// `eval` lines) plots one loss curve per source, in the loss panel only,
+    /// and the eval lines are read as evaluations, not steps.
+    #[test]
+    fn a_mixture_plots_a_loss_curve_per_source_and_the_evals() {
+        let mut text = String::new();
+        for step in 1..=30u64 {
+            let src = |loss: f64| crate::core::SourceMetrics {
+                loss,
+                loss_tokens: 10,
+                tokens: 12,
+                docs: 2,
+                ..Default::default()
+            };
+            let m = crate::core::StepMetrics {
+                step,
+                loss: 2.0 / (1.0 + step as f64 * 0.1),
+                tokens_per_s: 1000.0,
+                grad_norm: 1.0,
+                lr: 1e-4,
+                sources: [
+                    ("chat".to_string(), src(3.0 / (1.0 + step as f64 * 0.1))),
+                    ("code".to_string(), src(1.0 / (1.0 + step as f64 * 0.1))),
+                ]
+                .into(),
+                ..Default::default()
+            };
+            text.push_str(&serde_json::to_string(&m).unwrap());
+            text.push('\n');
+            if step % 10 == 0 {
+                let e = crate::core::EvalMetrics {
+                    step,
+                    loss: 2.1 / (1.0 + step as f64 * 0.1),
+                    sources: [("held".to_string(), src(2.0))].into(),
+                    ..Default::default()
+                };
+                let line = serde_json::json!({"job": "j", "eval": e});
+                text.push_str(&format!("{line}\n"));
+            }
+        }
+        let points = parse_metrics(&text, Path::new("m.jsonl")).unwrap();
+        assert_eq!(points.len(), 30);
+        assert_eq!(
+            points[4].sources.keys().collect::<Vec<_>>(),
+            ["chat", "code"]
+        );
+        let evals = parse_evals(&text);
+        assert_eq!(
+            evals.iter().map(|e| e.step).collect::<Vec<_>>(),
+            [10, 20, 30]
+        );
+        assert_eq!(evals[0].sources["held"].loss, Some(2.0));
+
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("mix.png");
+        render_png_with(&points, &evals, "mix", &out, DEFAULT_SIZE).unwrap();
+        let decoder = png::Decoder::new(std::fs::File::open(&out).unwrap());
+        let mut reader = decoder.read_info().unwrap();
+        let mut img = vec![0; reader.output_buffer_size()];
+        let info = reader.next_frame(&mut img).unwrap();
+        let (w, h) = (info.width, info.height);
+        let loss_panel = (0, 0, w / 2, h / 2);
+        let rate_panel = (w / 2, 0, w, h / 2);
+        for (name, c) in [("chat", SOURCE_COLORS[0]), ("code", SOURCE_COLORS[1])] {
+            let n = count(&img, w, loss_panel, c);
+            assert!(
+                n > 200,
+                "{name}: {n} pixels of its colour in the loss panel"
+            );
+            assert_eq!(
+                count(&img, w, rate_panel, c),
+                0,
+                "{name} outside the loss panel"
+            );
+        }
     }
 
     #[test]

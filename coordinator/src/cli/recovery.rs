@@ -193,7 +193,7 @@ async fn measure(sharding: &str, workers: u32, fault: &str) -> anyhow::Result<Re
                 Item::Event(e) if e.kind() == EventKind::State => {
                     anyhow::bail!("job ended before the fault: {}", e.message)
                 }
-                Item::Event(_) => {}
+                Item::Event(_) | Item::Eval(_) => {}
             }
         }
         step_times.sort_by(f64::total_cmp);

@@ -220,7 +220,7 @@ fn extra_json(extra: &std::collections::HashMap<String, f64>) -> Value {
 
 /// One step's metrics as JSON.
 pub fn step_json(s: &StepMetrics) -> Value {
-    json!({
+    let mut v = json!({
         "step": s.step,
         "loss": s.loss,
         "tokens": s.tokens,
@@ -239,7 +239,72 @@ pub fn step_json(s: &StepMetrics) -> Value {
         "generation": s.generation,
         "cursor": s.cursor.as_ref().map(cursor_json),
         "extra": extra_json(&s.extra),
+    });
+    if !s.sources.is_empty() {
+        v["sources"] = sources_json(&s.sources);
+    }
+    v
+}
+
+/// Per-source metrics as JSON, by source name.
+pub fn sources_json(
+    sources: &std::collections::HashMap<String, crate::wire::SourceMetrics>,
+) -> Value {
+    let sorted: std::collections::BTreeMap<_, _> = sources.iter().collect();
+    let each = sorted.into_iter().map(|(name, m)| {
+        let v = json!({
+            "loss": m.loss,
+            "loss_tokens": m.loss_tokens,
+            "tokens": m.tokens,
+            "documents": m.documents,
+            "extra": extra_json(&m.extra),
+        });
+        (name.clone(), v)
+    });
+    Value::Object(each.collect())
+}
+
+/// An evaluation as JSON.
+pub fn eval_json(e: &crate::wire::EvalMetrics) -> Value {
+    json!({
+        "step": e.step,
+        "loss": e.loss,
+        "loss_tokens": e.loss_tokens,
+        "tokens": e.tokens,
+        "documents": e.documents,
+        "extra": extra_json(&e.extra),
+        "sources": sources_json(&e.sources),
+        "unix_ms": e.unix_ms,
     })
+}
+
+/// An evaluation on one line: `eval @ step N  loss X  (a 1.2, b 3.4)`.
+pub fn eval_line(e: &crate::wire::EvalMetrics) -> String {
+    let mut line = format!(
+        "eval @ step {}  loss {:.4}  docs {}",
+        e.step, e.loss, e.documents
+    );
+    if let Some(acc) = e.extra.get("rewards/accuracy") {
+        line.push_str(&format!("  accuracy {acc:.3}"));
+    }
+    if let Some(r) = e.extra.get("reward") {
+        line.push_str(&format!("  reward {r:.3}"));
+    }
+    line.push_str(&per_source(&e.sources));
+    line
+}
+
+/// `  (a 1.2345, b 3.4567)`: each source's loss, by name; empty for none.
+fn per_source(sources: &std::collections::HashMap<String, crate::wire::SourceMetrics>) -> String {
+    if sources.is_empty() {
+        return String::new();
+    }
+    let sorted: std::collections::BTreeMap<_, _> = sources.iter().collect();
+    let parts: Vec<String> = sorted
+        .iter()
+        .map(|(n, m)| format!("{n} {:.4}", m.loss))
+        .collect();
+    format!("  ({})", parts.join(", "))
 }
 
 /// One job event as JSON.
@@ -265,6 +330,7 @@ pub fn watch_item_json(item: &WatchJobResponse) -> Option<Value> {
     match item.item.as_ref()? {
         Item::Step(s) => Some(json!({ "step": step_json(s) })),
         Item::Event(e) => Some(json!({ "event": event_json(e) })),
+        Item::Eval(e) => Some(json!({ "eval": eval_json(e) })),
     }
 }
 
@@ -284,7 +350,7 @@ pub fn step_line(s: &StepMetrics) -> String {
         mfu_text(s.mfu),
         s.step_time_s,
         s.world_size
-    )
+    ) + &per_source(&s.sources)
 }
 
 /// The progress bar's message for the latest step.
@@ -476,6 +542,7 @@ mod tests {
                 epoch: 1,
                 position: 768,
                 overflow: vec![4, 9],
+                ..Default::default()
             }),
             generation: 2,
             world_size: 4,
@@ -507,6 +574,7 @@ mod tests {
             extra: [("rewards/chosen".to_string(), 0.25)].into(),
             model_flops: 1.0e12,
             mfu: 0.125,
+            ..Default::default()
         }
     }
 

@@ -20,6 +20,19 @@ pub struct SetArgs {
     pub tokens_per_step: Option<u64>,
     pub max_tokens: Option<u32>,
     pub lr: Option<f64>,
+    /// Mixture weights by source name.
+    pub weights: Vec<(String, f64)>,
+}
+
+/// Parses `NAME=W`.
+pub fn parse_weight(s: &str) -> Result<(String, f64), String> {
+    let (name, w) = s
+        .split_once('=')
+        .ok_or_else(|| format!("expected NAME=WEIGHT, got {s:?}"))?;
+    let w: f64 = w
+        .parse()
+        .map_err(|_| format!("weight of {name:?} is not a number: {w:?}"))?;
+    Ok((name.to_string(), w))
 }
 
 /// The request `args` stands for.
@@ -30,6 +43,7 @@ pub fn request(args: &SetArgs) -> UpdateJobRequest {
         tokens_per_step: args.tokens_per_step,
         max_tokens: args.max_tokens,
         lr: args.lr,
+        weights: args.weights.iter().cloned().collect(),
     }
 }
 

@@ -6,8 +6,10 @@
 //! like a compiler.
 //!
 //! The data is read when it is small ([`AUTO_SCAN_BYTES`] on disk in all:
-//! a few seconds of tokenizing), always with `--data`, never with
-//! `--no-data`.
+//! a few seconds of tokenizing) or already in the token cache (then reading
+//! is opening the stores), always with `--data`, never with `--no-data`;
+//! when read, every source (and eval source) is reported: documents,
+//! tokens, rows skipped as bad and documents skipped as over-long.
 
 use std::io::Write;
 use std::path::Path;
@@ -39,13 +41,9 @@ impl DataScan {
             DataScan::Never => Ok(false),
             DataScan::Auto => {
                 // Files that cannot be stat'ed were reported by parse.
-                let bytes: u64 = spec
-                    .data
-                    .train
-                    .iter()
-                    .filter_map(|f| input::check(f).ok())
-                    .sum();
-                if bytes <= AUTO_SCAN_BYTES {
+                let files = all_files(spec);
+                let bytes: u64 = files.iter().filter_map(|f| input::check(f).ok()).sum();
+                if bytes <= AUTO_SCAN_BYTES || all_cached(spec, &files) {
                     Ok(true)
                 } else {
                     Err(bytes)
@@ -53,6 +51,33 @@ impl DataScan {
             }
         }
     }
+}
+
+/// Every data file of the job: training sources, then eval sources.
+fn all_files(spec: &JobSpec) -> Vec<std::path::PathBuf> {
+    let mut files = spec.data.files();
+    if let Some(e) = &spec.eval {
+        files.extend(e.sources.iter().flat_map(|s| s.entries().cloned()));
+    }
+    files
+}
+
+/// Whether every file already has its token store (so reading the data is
+/// opening the stores). Sources with their own template count as uncached.
+fn all_cached(spec: &JobSpec, files: &[std::path::PathBuf]) -> bool {
+    if spec.data.sources.iter().any(|s| s.chat_template.is_some()) {
+        return false;
+    }
+    let Ok(model) = crate::model::read_config(&spec.model) else {
+        return false;
+    };
+    let Ok(enc) = crate::data::encoder_key(&spec.data, model.vocab_size, None) else {
+        return false;
+    };
+    let root = spec.data.cache_root();
+    files.iter().all(|f| {
+        crate::data::cache::file_key(f, enc).is_ok_and(|k| root.join(k).join("meta.json").is_file())
+    })
 }
 
 /// Validates the spec text; `label` prefixes every problem line (usually the
@@ -73,11 +98,32 @@ pub fn check(
     let spec = JobSpec::parse(text, base_dir).map_err(lines)?;
     let scanned = scan.decide(&spec);
     let admitted = admission::admit(&spec, scanned.is_ok_and(|s| s)).map_err(lines)?;
-    Ok(vec![
+    let mut out = vec![
         format!("ok: {}", spec.job.name),
         format!("  {}", summary(&spec, base_dir)),
         format!("  {}", checked(&spec, &admitted, scanned)),
-    ])
+    ];
+    if let Some(d) = &admitted.dataset {
+        out.extend(per_source("source", d));
+        if let Some(e) = &d.eval {
+            out.extend(per_source("eval source", e));
+        }
+    }
+    Ok(out)
+}
+
+/// `  source a: 48 documents, 5120 tokens (50 rows; 2 bad rows and 0
+/// over-long documents skipped)`, one line per source.
+fn per_source(what: &str, d: &crate::data::Dataset) -> Vec<String> {
+    d.sources
+        .iter()
+        .map(|(_, s)| {
+            format!(
+                "  {what} {}: {} documents, {} tokens ({} rows; {} bad rows and {} over-long documents skipped)",
+                s.name, s.docs, s.tokens, s.rows, s.bad_lines_skipped, s.overlong_skipped
+            )
+        })
+        .collect()
 }
 
 /// `model vocab 320 · data: 40 documents, 1234 tokens read`
@@ -113,7 +159,7 @@ pub fn summary(spec: &JobSpec, base_dir: &Path) -> String {
     };
     let files: Vec<String> = spec
         .data
-        .train
+        .files()
         .iter()
         .map(|f| f.strip_prefix(base_dir).unwrap_or(f).display().to_string())
         .collect();
@@ -459,5 +505,49 @@ max_workers = 8
             out.contains("2 microbatches per rank per step · 3 epochs"),
             "{out}"
         );
+    }
+
+    /// Issue 16 item 6: a mixture is checked per source, eval sources too,
+    /// with the same readers (a bad row and an over-long document counted).
+    #[test]
+    fn a_mixture_is_reported_per_source() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        std::fs::write(d.join("tiny.json"), r#"{"vocab_size": 320}"#).unwrap();
+        let row =
+            |p: &str, c: &str| format!("{}\n", serde_json::json!({"prompt": p, "completion": c}));
+        std::fs::write(
+            d.join("a.jsonl"),
+            row("1+1=", "2") + &row("2+2=", "4") + "not json\n",
+        )
+        .unwrap();
+        let long = "x".repeat(200);
+        std::fs::write(d.join("b.jsonl"), row("3+3=", "6") + &row(&long, "y")).unwrap();
+        std::fs::write(d.join("held.jsonl"), row("5+5=", "10")).unwrap();
+        let spec = format!(
+            "[job]\nname = \"mix\"\nsteps = 3\noutput_dir = \"out\"\n\
+             [model]\ninit = \"random\"\nconfig = \"tiny.json\"\n\
+             [data]\nformat = \"sft\"\nmax_tokens = 64\non_bad_line = \"skip\"\non_overlong = \"skip\"\ncache_dir = {:?}\n\
+             [[data.sources]]\nname = \"a\"\npath = \"a.jsonl\"\nweight = 2.0\n\
+             [[data.sources]]\npath = \"b.jsonl\"\nweight = 1.0\n\
+             [batch]\ndocs_per_step = 2\n\
+             [eval]\nevery_steps = 1\n[[eval.sources]]\npath = \"held.jsonl\"\n",
+            d.join("cache").display().to_string()
+        );
+        let path = d.join("job.toml");
+        std::fs::write(&path, spec).unwrap();
+        let (code, out, err) = run_to_strings(&path, d);
+        assert_eq!(code, ExitCode::SUCCESS, "{err}");
+        assert!(out.contains("  source a: 2 documents, "), "{out}");
+        assert!(
+            out.contains("(3 rows; 1 bad rows and 0 over-long documents skipped)"),
+            "{out}"
+        );
+        assert!(out.contains("  source b: 1 documents, "), "{out}");
+        assert!(
+            out.contains("(2 rows; 0 bad rows and 1 over-long documents skipped)"),
+            "{out}"
+        );
+        assert!(out.contains("  eval source held: 1 documents"), "{out}");
     }
 }

@@ -84,6 +84,7 @@ impl Progress {
                 Ok(())
             }
             Item::Event(e) => self.line(&render::event_line(e)),
+            Item::Eval(e) => self.line(&render::eval_line(e)),
         }
     }
 }

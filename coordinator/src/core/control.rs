@@ -50,7 +50,7 @@ impl Coordinator {
                 } else {
                     "waiting for workers".into()
                 };
-                fx.push(Effect::PersistJob(job.rec.clone()));
+                fx.push(Effect::PersistJob(Box::new(job.rec.clone())));
                 let msg = format!("resumed at step {}", job.rec.step);
                 fx.push(job.event(EventKind::State, msg, now_ms));
             }
@@ -143,12 +143,12 @@ impl Coordinator {
             });
         }
         let from = job.next_new_step();
-        record_change(&mut job.rec.changes, from, update, now_ms);
+        record_change(&mut job.rec.changes, from, update.clone(), now_ms);
         if update.docs_per_step.is_some() || update.tokens_per_step.is_some() {
             job.rec.total_steps = planner::estimated_total_steps(job, from);
         }
         tracing::info!(job = job_id, from_step = from, change = %update.describe(), "step settings changed");
-        fx.push(Effect::PersistJob(job.rec.clone()));
+        fx.push(Effect::PersistJob(Box::new(job.rec.clone())));
         let msg = format!("from step {from}: {}", update.describe());
         fx.push(job.event(EventKind::Config, msg, now_ms));
         Ok(())

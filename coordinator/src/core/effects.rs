@@ -200,7 +200,9 @@ pub enum ToWorker {
 /// One item of a job's watch stream.
 #[derive(Debug, Clone, PartialEq)]
 pub enum WatchItem {
-    Step(StepMetrics),
+    Step(Box<StepMetrics>),
+    /// An evaluation finished.
+    Eval(super::eval::EvalMetrics),
     Event {
         kind: EventKind,
         message: String,
@@ -217,7 +219,7 @@ pub enum WatchItem {
 /// and publications that depend on them.
 #[derive(Debug, Clone)]
 pub enum Effect {
-    PersistJob(super::record::JobRecord),
+    PersistJob(Box<super::record::JobRecord>),
     /// The step's record, its metrics and its manifest, in one transaction.
     CommitStep {
         rec: Box<super::record::JobRecord>,
@@ -235,6 +237,12 @@ pub enum Effect {
         job: JobId,
         path: PathBuf,
         metrics: Box<StepMetrics>,
+    },
+    /// An evaluation's metrics, appended to `metrics.jsonl` as an eval line.
+    AppendEval {
+        job: JobId,
+        path: PathBuf,
+        eval: Box<super::eval::EvalMetrics>,
     },
     Send {
         worker: WorkerId,

@@ -103,7 +103,7 @@ impl Coordinator {
             job.prune_history();
         }
         job.rec.last_checkpoint = job.rec.checkpoints.last().map(|c| c.step);
-        fx.push(Effect::PersistJob(job.rec.clone()));
+        fx.push(Effect::PersistJob(Box::new(job.rec.clone())));
         // Out of the index, a checkpoint is no recovery source any more:
         // its directory goes once the record saying so is durable. Only
         // the job's own (never the checkpoint it resumed from).
@@ -291,7 +291,7 @@ impl Coordinator {
             %source,
             "generation formed"
         );
-        fx.push(Effect::PersistJob(job.rec.clone()));
+        fx.push(Effect::PersistJob(Box::new(job.rec.clone())));
         let msg = format!(
             "generation {} formed with {world} workers; {source}",
             gen.id

@@ -11,16 +11,19 @@ use tracing::info;
 use super::bisect::Bisection;
 use super::deadline::Pace;
 use super::effects::{Effect, ToWorker, WatchItem};
+use super::eval::{EvalRun, EvalSet};
 use super::metrics::MetricSums;
 use super::record::JobRecord;
 use super::recovery::Decision;
 use super::reference::{self, ReferenceCache, ReferenceLogps, SeqLogp};
 use super::rollouts::{self, RolloutPlan};
-use super::step::{order_of, Annotations, PlannedStep};
+use super::step::{Annotations, PlannedStep};
 use super::stream::RolloutStream;
 use super::types::{AbortReason, CommittedStep, EventKind, JobState, PlanKind, WorkerId};
+use crate::cursor::{Order, SourceOrder};
 use crate::doc::{DocId, Document};
 use crate::settings::Settings;
+use crate::sources::Source;
 use crate::spec::JobSpec;
 
 /// A fixed membership of a job: ranks 0..W-1.
@@ -150,6 +153,15 @@ pub struct JobData {
     pub history: BTreeMap<u64, CommittedStep>,
     /// Documents by id (built on the first replay).
     doc_index: OnceLock<HashMap<DocId, usize>>,
+    /// The training sources (one for a plain `data.train`).
+    pub sources: Vec<Source>,
+    /// The source of each file of the job (`DocId::file` indexes it).
+    pub file_source: Vec<u32>,
+    /// How the file stream is served (the spec's weights; see
+    /// [`Self::order_at`] for a step's).
+    pub order: Order,
+    /// `[eval]`: the eval documents (never in the training stream).
+    pub eval: Option<EvalSet>,
 }
 
 impl JobData {
@@ -163,6 +175,27 @@ impl JobData {
         reference: Option<ReferenceLogps>,
         step: u64,
     ) -> JobData {
+        // Eval documents come after the training ones (their files follow
+        // the training files): split them off.
+        let train_files = spec.data.files().len() as u32;
+        let (docs, eval) = match &spec.eval {
+            Some(e) if docs.iter().any(|d| d.id.file >= train_files) => {
+                let (t, ev): (Vec<Document>, Vec<Document>) =
+                    docs.iter().cloned().partition(|d| d.id.file < train_files);
+                let sources = crate::sources::resolve(&e.sources, train_files, None);
+                let mut file_source = vec![0; train_files as usize];
+                file_source.extend(crate::sources::file_sources(&sources));
+                let set = EvalSet {
+                    docs: ev.into(),
+                    file_source: file_source.clone(),
+                    sources,
+                    every_steps: e.every_steps,
+                    dpo_beta: spec.objective.dpo().map(|d| d.beta),
+                };
+                (Arc::from(t), Some(set))
+            }
+            _ => (docs, None),
+        };
         let rollouts = spec.objective.pg().map(|pg| {
             let plan = rollouts::prepare(&docs, &pg, spec.rl.max_staleness, step);
             info!(
@@ -174,6 +207,33 @@ impl JobData {
             );
             plan
         });
+        let sources = spec.data.train_sources(spec.job.epochs);
+        let file_source = crate::sources::file_sources(&sources);
+        let len = rollouts.as_ref().map_or(docs.len(), |r| r.units.len()) as u64;
+        let order = if rollouts.is_some() || sources.len() < 2 {
+            Order::single(spec.job.seed, spec.data.shuffle, len, spec.job.epochs)
+        } else {
+            // Documents come in source order: each source is one range.
+            let mut parts: Vec<SourceOrder> = sources
+                .iter()
+                .map(|s| SourceOrder {
+                    start: 0,
+                    len: 0,
+                    epochs: s.epochs,
+                })
+                .collect();
+            for d in docs.iter() {
+                let src = file_source.get(d.id.file as usize).copied().unwrap_or(0);
+                parts[src as usize].len += 1;
+            }
+            let mut start = 0;
+            for p in &mut parts {
+                p.start = start;
+                start += p.len;
+            }
+            let weights = sources.iter().map(|s| s.weight).collect();
+            Order::mixture(spec.job.seed, spec.data.shuffle, parts, weights)
+        };
         JobData {
             reference: reference::needs_cache(spec)
                 .then(|| ReferenceCache::new(reference.unwrap_or_default())),
@@ -182,7 +242,41 @@ impl JobData {
             history: BTreeMap::new(),
             doc_index: OnceLock::new(),
             docs,
+            sources,
+            file_source,
+            order,
+            eval,
         }
+    }
+
+    /// Whether the cached reference holds every document that needs one
+    /// (the eval pairs too).
+    pub fn reference_complete(&self) -> bool {
+        self.reference.as_ref().is_none_or(|c| {
+            c.complete(&self.docs) && self.eval.as_ref().is_none_or(|e| c.complete(&e.docs))
+        })
+    }
+
+    /// Every document of the job: training, then eval.
+    pub fn all_docs(&self) -> impl Iterator<Item = &Document> {
+        self.docs
+            .iter()
+            .chain(self.eval.iter().flat_map(|e| e.docs.iter()))
+    }
+
+    /// The source index of a document of the job.
+    pub fn source_of(&self, doc: &DocId) -> u32 {
+        self.file_source
+            .get(doc.file as usize)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// The name of source `s`.
+    pub fn source_name(&self, s: u32) -> &str {
+        self.sources
+            .get(s as usize)
+            .map_or("train", |s| s.name.as_str())
     }
 
     /// What this job's plans carry besides the documents.
@@ -190,6 +284,7 @@ impl JobData {
         Annotations {
             reference: self.reference.as_ref(),
             rollouts: self.rollouts.as_ref(),
+            file_source: Some(&self.file_source),
         }
     }
 
@@ -246,6 +341,9 @@ pub struct Job {
     pub pace: Pace,
     /// A non-finite step's documents being bisected (live only).
     pub bisection: Option<Bisection>,
+    /// An evaluation owed or under way (live only: lost with the
+    /// coordinator, never needed for correctness).
+    pub eval_run: Option<EvalRun>,
 }
 
 impl Job {
@@ -273,12 +371,27 @@ impl Job {
             restore_failures: 0,
             pace: Pace::default(),
             bisection: None,
+            eval_run: None,
         }
     }
 
     /// The settings of the job's steps (spec plus live changes).
     pub fn settings(&self) -> Settings<'_> {
         Settings::new(&self.spec, &self.rec.changes)
+    }
+
+    /// How step `step` is served: the job's order with the mixture's
+    /// weights in force at that step.
+    pub fn order_at(&self, step: u64) -> Order {
+        let base = &self.data.order;
+        if base.mix.is_empty() {
+            return base.clone();
+        }
+        let (weights, rev) = self.settings().weights_at(step, &self.data.sources);
+        if rev == 0 {
+            return base.clone();
+        }
+        base.with_weights(weights, rev)
     }
 
     /// The current generation and its work, if one is formed.
@@ -351,7 +464,7 @@ impl Job {
             Some(steps) => self.rec.step >= steps,
             // A stream without job.steps runs until cancelled.
             None if self.data.stream.is_some() => false,
-            None => order_of(&self.spec, self.data.stream_len()).exhausted(&self.rec.cursor),
+            None => self.data.order.exhausted(&self.rec.cursor),
         }
     }
 
@@ -395,7 +508,7 @@ impl Job {
     pub fn pause_now(&mut self, now_ms: i64, fx: &mut Vec<Effect>) {
         self.rec.state = JobState::Paused;
         self.rec.reason = "paused by operator".into();
-        fx.push(Effect::PersistJob(self.rec.clone()));
+        fx.push(Effect::PersistJob(Box::new(self.rec.clone())));
         let msg = format!("paused at step {}", self.rec.step);
         fx.push(self.event(EventKind::State, msg, now_ms));
     }

@@ -114,9 +114,48 @@ impl Coordinator {
         match (flight.planned.kind, flight.planned.replay) {
             (PlanKind::Probe, _) => self.probed(job_id, flight, now_ms, fx),
             (PlanKind::Reference, _) => self.commit_reference(job_id, flight, now_ms, fx),
+            (PlanKind::Eval, _) => self.commit_eval(job_id, flight, now_ms, fx),
             (PlanKind::Train, true) => self.replayed(job_id, step, now_ms, fx),
             (PlanKind::Train, false) => self.commit(job_id, flight, now_ms, fx),
         }
+    }
+
+    /// Every rank reported its part of an eval chunk: its sums join the
+    /// evaluation's; after the last chunk the metrics are written and sent.
+    /// Nothing else moves (no cursor, no step).
+    fn commit_eval(&mut self, job_id: &str, flight: InFlight, now_ms: i64, fx: &mut Vec<Effect>) {
+        let job = self.jobs.get_mut(job_id).expect("an eval of a known job");
+        let (Some(set), Some(run)) = (job.data.eval.as_ref(), job.eval_run.as_mut()) else {
+            return;
+        };
+        let wanted: std::collections::BTreeSet<_> = flight.planned.docs.iter().collect();
+        let docs: Vec<&crate::doc::Document> =
+            set.docs.iter().filter(|d| wanted.contains(&d.id)).collect();
+        if let Err(e) = run.add_chunk(set, &docs, &flight.logps, job.data.reference.as_ref()) {
+            let why = Why::new(AbortReason::JobFailed, e.to_string());
+            self.finish(job_id, End::Failed(why), now_ms, fx);
+            return;
+        }
+        if run.next >= set.docs.len() {
+            let m = run.finish(set, now_ms);
+            job.eval_run = None;
+            info!(
+                job = job_id,
+                step = m.step,
+                loss = m.loss,
+                "evaluation done"
+            );
+            fx.push(Effect::AppendEval {
+                job: job_id.to_string(),
+                path: job.spec.job.output_dir.join("metrics.jsonl"),
+                eval: Box::new(m.clone()),
+            });
+            fx.push(Effect::Publish {
+                job: job_id.to_string(),
+                item: WatchItem::Eval(m),
+            });
+        }
+        self.at_boundary(job_id, now_ms, fx);
     }
 
     /// Every rank reported its part of a reference chunk: the log-probs are
@@ -177,6 +216,11 @@ impl Coordinator {
     fn commit(&mut self, job_id: &str, flight: InFlight, now_ms: i64, fx: &mut Vec<Effect>) {
         let peak_flops = self.generation_peak_flops(job_id);
         let job = self.jobs.get_mut(job_id).expect("committing a known job");
+        // Per-source metrics for a mixture (one source: the step's own).
+        let source_names: Vec<String> = match job.data.sources.len() {
+            0 | 1 => Vec::new(),
+            _ => job.data.sources.iter().map(|s| s.name.clone()).collect(),
+        };
         let active = job.active_mut().expect("committing within a generation");
         let planned = flight.planned.clone();
         active.gen.step = planned.step;
@@ -191,8 +235,12 @@ impl Coordinator {
             step_time_s: (now_ms - flight.started_ms).max(0) as f64 / 1000.0,
             unix_ms: now_ms,
             peak_flops,
+            source_names: &source_names,
         };
         let mut m = metrics::aggregate(facts, planned.cursor_after.clone(), &ranks);
+        if source_names.is_empty() {
+            m.sources.clear();
+        }
         if let (Some(s), Some(r)) = (&planned.staleness, &job.data.rollouts) {
             m.extra.insert("staleness/mean".into(), s.mean());
             m.extra.insert("staleness/max".into(), s.max as f64);
@@ -220,7 +268,10 @@ impl Coordinator {
             tokens = m.tokens,
             "step committed"
         );
-        let manifest = manifest_of(&planned, generation, job.attempts_of(planned.step));
+        let mut manifest = manifest_of(&planned, generation, job.attempts_of(planned.step));
+        if !source_names.is_empty() {
+            manifest.record_sources(&job.data.file_source, &source_names);
+        }
         fx.push(Effect::CommitStep {
             rec: Box::new(job.rec.clone()),
             metrics: Box::new(m.clone()),
@@ -234,7 +285,7 @@ impl Coordinator {
         });
         fx.push(Effect::Publish {
             job: job_id.to_string(),
-            item: WatchItem::Step(m),
+            item: WatchItem::Step(Box::new(m)),
         });
         let (id, to) = (job.rec.id.clone(), job.rec.cursor.position);
         if let (Some(s), Some(plan)) = (job.data.stream.as_mut(), job.data.rollouts.as_mut()) {
@@ -246,6 +297,13 @@ impl Coordinator {
         super::publish::request_if_due(job, fx);
         let every = job.spec.checkpoint.every_steps;
         let finished = job.finished();
+        // An evaluation after every `eval.every_steps`-th step and the last
+        // (it runs before the next step is planned).
+        if let Some(e) = &job.data.eval {
+            if job.rec.step.is_multiple_of(e.every_steps.max(1)) || finished {
+                job.eval_run = Some(super::eval::EvalRun::new(job.rec.step));
+            }
+        }
         let due = (every > 0 && job.rec.step.is_multiple_of(every))
             || job.requests.checkpoint
             || finished;
@@ -253,7 +311,8 @@ impl Coordinator {
             job.requests.checkpoint = false;
             job.request_checkpoint(fx);
         }
-        if finished {
+        // A final evaluation runs first; the job completes after it.
+        if finished && job.eval_run.is_none() {
             self.complete(job_id, "all steps trained", now_ms, fx);
             return;
         }
@@ -450,7 +509,7 @@ impl Coordinator {
         job.rec.state = end.state();
         job.rec.reason = reason.clone();
         info!(job = job_id, state = ?job.rec.state, reason, "job finished");
-        fx.push(Effect::PersistJob(job.rec.clone()));
+        fx.push(Effect::PersistJob(Box::new(job.rec.clone())));
         let ended = (!matches!(end, End::Completed(_))).then_some(why.reason);
         fx.push(job.event_ending(EventKind::State, reason, ended, aborted_step, now_ms));
     }
@@ -475,7 +534,7 @@ impl Coordinator {
 
     fn dispatch(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
         let job = self.jobs.get_mut(job_id).expect("known job");
-        if !job.replaying() && job.finished() {
+        if !job.replaying() && job.finished() && job.eval_run.is_none() {
             self.complete(job_id, "all steps trained", now_ms, fx);
             return;
         }
@@ -624,5 +683,7 @@ fn manifest_of(planned: &PlannedStep, generation: u64, attempts: u32) -> StepMan
         attempts,
         replayed: false,
         ranks,
+        files: Default::default(),
+        sources: Default::default(),
     }
 }

@@ -166,7 +166,7 @@ impl Coordinator {
                 let mut job = Job::new(rec, spec, data);
                 job.rec.total_steps =
                     planner::total_steps(&job.spec, &job.data.docs, job.data.rollouts.as_ref());
-                fx.push(Effect::PersistJob(job.rec.clone()));
+                fx.push(Effect::PersistJob(Box::new(job.rec.clone())));
                 self.job_order.push(id.clone());
                 self.jobs.insert(id, job);
             }
@@ -511,7 +511,7 @@ impl Coordinator {
             job.rec.state = JobState::Pending;
             job.rec.reason = why.detail.clone();
         }
-        fx.push(Effect::PersistJob(job.rec.clone()));
+        fx.push(Effect::PersistJob(Box::new(job.rec.clone())));
         let message = match aborted {
             Some(step) => format!("generation {} ended, step {step} aborted: {why}", gen.id),
             None => format!("generation {} ended: {why}", gen.id),

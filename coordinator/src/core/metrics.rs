@@ -26,6 +26,88 @@ pub struct MetricSums {
     /// Training FLOPs of the tokens this rank processed.
     #[serde(default)]
     pub model_flops: f64,
+    /// The same sums per source (by the job's source index).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub sources: BTreeMap<u32, SourceSums>,
+}
+
+/// One source's sums on one rank.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct SourceSums {
+    pub loss_sum: f64,
+    pub loss_tokens: u64,
+    pub tokens: u64,
+    pub documents: u64,
+    #[serde(default)]
+    pub extra: BTreeMap<String, f64>,
+}
+
+impl SourceSums {
+    fn add(&mut self, o: &SourceSums) {
+        self.loss_sum += o.loss_sum;
+        self.loss_tokens += o.loss_tokens;
+        self.tokens += o.tokens;
+        self.documents += o.documents;
+        for (k, v) in &o.extra {
+            *self.extra.entry(k.clone()).or_default() += v;
+        }
+    }
+
+    /// The source's means, formed as the step's are (per loss token, or
+    /// per pair when the objective reports `pairs`).
+    pub fn means(&self) -> SourceMetrics {
+        let (loss, extra) = means(self.loss_sum, self.loss_tokens, &self.extra);
+        SourceMetrics {
+            loss,
+            loss_tokens: self.loss_tokens,
+            tokens: self.tokens,
+            docs: self.documents,
+            extra,
+        }
+    }
+}
+
+/// One source's part of a step (or of an evaluation).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct SourceMetrics {
+    #[serde(deserialize_with = "crate::nonfinite::f64")]
+    pub loss: f64,
+    pub loss_tokens: u64,
+    pub tokens: u64,
+    pub docs: u64,
+    #[serde(default, deserialize_with = "crate::nonfinite::map")]
+    pub extra: BTreeMap<String, f64>,
+}
+
+/// The weighted means of `loss_sum` and `extra` (sums over loss tokens,
+/// or over pairs when `extra["pairs"]` is there); `pairs` and `count/*`
+/// stay sums.
+pub fn means(
+    loss_sum: f64,
+    loss_tokens: u64,
+    extra: &BTreeMap<String, f64>,
+) -> (f64, BTreeMap<String, f64>) {
+    let denom = match extra.get("pairs") {
+        Some(&p) if p > 0.0 => p,
+        _ => loss_tokens as f64,
+    };
+    let loss = if denom > 0.0 { loss_sum / denom } else { 0.0 };
+    let extra = extra
+        .iter()
+        .map(|(k, &v)| {
+            let v = if k != "pairs" && !k.starts_with("count/") {
+                if denom > 0.0 {
+                    v / denom
+                } else {
+                    0.0
+                }
+            } else {
+                v
+            };
+            (k.clone(), v)
+        })
+        .collect();
+    (loss, extra)
 }
 
 impl MetricSums {
@@ -84,11 +166,16 @@ pub struct StepMetrics {
     /// (0 when the peak is unknown).
     #[serde(default, deserialize_with = "crate::nonfinite::f64")]
     pub mfu: f64,
+    /// Per source name: its documents' loss, tokens and documents. Their
+    /// sums add up to the step's (the loss: Σ loss·loss_tokens / Σ
+    /// loss_tokens is the step's loss).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub sources: BTreeMap<String, SourceMetrics>,
 }
 
 /// What the plan says about a step, independent of the workers' reports.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct StepFacts {
+pub struct StepFacts<'a> {
     pub step: u64,
     pub lr: f64,
     pub world_size: u32,
@@ -99,14 +186,19 @@ pub struct StepFacts {
     pub unix_ms: i64,
     /// Σ peak FLOP/s of the generation's workers; 0 when any is unknown.
     pub peak_flops: f64,
+    /// The job's source names by index (what `MetricSums::sources` keys).
+    pub source_names: &'a [String],
 }
 
 /// Combines the ranks' sums into the step's metrics. `loss` is Σ loss /
 /// Σ loss tokens (a token-weighted mean); objectives whose loss is per pair
 /// report `extra["pairs"]` and are normalised by that instead.
-pub fn aggregate(facts: StepFacts, cursor: Cursor, ranks: &[MetricSums]) -> StepMetrics {
+pub fn aggregate(facts: StepFacts<'_>, cursor: Cursor, ranks: &[MetricSums]) -> StepMetrics {
     let mut total = MetricSums::default();
     for r in ranks {
+        for (s, v) in &r.sources {
+            total.sources.entry(*s).or_default().add(v);
+        }
         total.loss_sum += r.loss_sum;
         total.loss_tokens += r.loss_tokens;
         total.tokens += r.tokens;
@@ -185,6 +277,20 @@ pub fn aggregate(facts: StepFacts, cursor: Cursor, ranks: &[MetricSums]) -> Step
         unix_ms: facts.unix_ms,
         model_flops: total.model_flops,
         mfu,
+        sources: total
+            .sources
+            .iter()
+            .map(|(s, v)| {
+                (
+                    facts
+                        .source_names
+                        .get(*s as usize)
+                        .cloned()
+                        .unwrap_or_else(|| format!("source-{s}")),
+                    v.means(),
+                )
+            })
+            .collect(),
     }
 }
 
@@ -192,8 +298,9 @@ pub fn aggregate(facts: StepFacts, cursor: Cursor, ranks: &[MetricSums]) -> Step
 mod tests {
     use super::*;
 
-    fn facts() -> StepFacts {
+    fn facts() -> StepFacts<'static> {
         StepFacts {
+            source_names: &[],
             step: 3,
             lr: 1e-3,
             world_size: 2,
@@ -282,5 +389,55 @@ mod tests {
         assert_eq!(m.extra["rewards/accuracy"], 0.75);
         assert_eq!(m.extra["pairs"], 4.0);
         assert_eq!(m.extra["count/zero_variance_groups"], 2.0);
+    }
+
+    /// Issue 16: the per-source sums add up to the step's, and the step's
+    /// loss is exactly the loss-token-weighted mean of the sources' losses.
+    #[test]
+    fn per_source_sums_add_up_to_the_step() {
+        let src = |loss_sum: f64, loss_tokens: u64, docs: u64| SourceSums {
+            loss_sum,
+            loss_tokens,
+            tokens: loss_tokens + 3,
+            documents: docs,
+            extra: BTreeMap::new(),
+        };
+        let rank = |parts: Vec<(u32, SourceSums)>| {
+            let mut m = MetricSums::default();
+            for (_, p) in &parts {
+                m.loss_sum += p.loss_sum;
+                m.loss_tokens += p.loss_tokens;
+                m.tokens += p.tokens;
+                m.documents += p.documents;
+            }
+            m.sources = parts.into_iter().collect();
+            m
+        };
+        let a = rank(vec![(0, src(12.0, 10, 2)), (2, src(4.5, 3, 1))]);
+        let b = rank(vec![(0, src(30.0, 20, 3)), (1, src(7.0, 7, 2))]);
+        let names = ["chat".to_string(), "code".into(), "math".into()];
+        let mut f = facts();
+        f.source_names = &names;
+        let m = aggregate(f, Cursor::default(), &[a, b]);
+        assert_eq!(
+            m.sources.keys().collect::<Vec<_>>(),
+            ["chat", "code", "math"]
+        );
+        let tokens: u64 = m.sources.values().map(|s| s.loss_tokens).sum();
+        let docs: u64 = m.sources.values().map(|s| s.docs).sum();
+        let all: u64 = m.sources.values().map(|s| s.tokens).sum();
+        assert_eq!((tokens, docs, all), (m.loss_tokens, m.docs, m.tokens));
+        let weighted: f64 = m
+            .sources
+            .values()
+            .map(|s| s.loss * s.loss_tokens as f64)
+            .sum::<f64>()
+            / tokens as f64;
+        assert!(
+            (weighted - m.loss).abs() < 1e-12,
+            "{weighted} vs {}",
+            m.loss
+        );
+        assert!((m.sources["chat"].loss - 42.0 / 30.0).abs() < 1e-12);
     }
 }

@@ -8,7 +8,8 @@
 //! - `types` (ids, states, reasons), `error`, `metrics`, `deadline`, `record` (the
 //!   persisted job), `workers`, `recovery` (where state comes from),
 //!   `reference`, `rollouts`, `stream`, `step` (a planned step), `bisect`
-//!   (finding poison documents);
+//!   (finding poison documents), `eval` (evaluation passes and their
+//!   metrics);
 //! - `effects` (what goes in and comes out), `jobs` (a job and its
 //!   [`Phase`]), `planner` (the one planner), `membership` (who forms a
 //!   generation);
@@ -23,6 +24,7 @@ mod control;
 pub mod deadline;
 mod effects;
 mod error;
+pub mod eval;
 mod generations;
 mod jobs;
 mod lifecycle;
@@ -46,11 +48,12 @@ mod tests;
 
 pub use effects::{Effect, Event, JobStart, ToWorker, WatchItem};
 pub use error::{CoreError, Result};
+pub use eval::EvalMetrics;
 pub use jobs::{
     Active, AfterCheckpoint, BoundaryRequests, Generation, InFlight, Job, JobData, Phase, Work,
 };
 pub use machine::{Coordinator, CoordinatorOptions};
-pub use metrics::{MetricSums, StepMetrics};
+pub use metrics::{MetricSums, SourceMetrics, SourceSums, StepMetrics};
 pub use record::JobRecord;
 pub use reference::{RefEntry, ReferenceLogps, SeqLogp};
 pub use step::PlannedStep;

@@ -23,9 +23,10 @@ use crate::settings::StepSettings;
 use crate::spec::{JobSpec, Sharding, StepSize};
 
 use super::bisect::{self, Bisection};
+use super::eval::EvalRun;
 use super::jobs::Job;
 use super::rollouts::{self, RolloutPlan};
-use super::step::{order_of, pack_documents, payload, PlannedStep};
+use super::step::{pack_documents, payload, PlannedStep};
 use super::types::{CommittedStep, PlanKind};
 
 /// Where a plan's documents come from.
@@ -37,6 +38,8 @@ pub enum Source<'a> {
     Reference,
     /// The next round of a bisection of a non-finite step.
     Probe(&'a Bisection),
+    /// The next chunk of an evaluation (`[eval]`).
+    Eval(&'a EvalRun),
 }
 
 /// Why a step could not be planned.
@@ -68,13 +71,11 @@ pub fn next_source(job: &Job) -> Result<Source<'_>, PlanFailure> {
     if let Some(b) = &job.bisection {
         return Ok(Source::Probe(b));
     }
-    if job
-        .data
-        .reference
-        .as_ref()
-        .is_some_and(|c| !c.complete(&job.data.docs))
-    {
+    if !job.data.reference_complete() {
         return Ok(Source::Reference);
+    }
+    if let Some(run) = job.eval_run.as_ref().filter(|_| job.data.eval.is_some()) {
+        return Ok(Source::Eval(run));
     }
     Ok(if job.data.stream.is_some() {
         Source::Stream
@@ -109,6 +110,7 @@ pub fn plan(
         Source::Replay(entry) => replay(job, entry).map(Some)?,
         Source::Reference => reference(job),
         Source::Probe(b) => return probe(job, b, world_size).map(Some),
+        Source::Eval(run) => eval(job, run),
     };
     let Some(c) = chosen else {
         return Ok(None);
@@ -116,7 +118,7 @@ pub fn plan(
     let target = StepTarget::new(c.settings.step_size(), world_size, c.settings.max_tokens);
     let min_microbatches = match c.kind {
         PlanKind::Train => target.min_microbatches_per_rank(),
-        PlanKind::Reference | PlanKind::Probe => 1,
+        PlanKind::Reference | PlanKind::Probe | PlanKind::Eval => 1,
     };
     let (ranks, normalizers) = pack_documents(
         &c.docs,
@@ -149,7 +151,7 @@ fn files(job: &Job, world_size: u32) -> Option<Chosen<'_>> {
     let settings = job.settings().at(step);
     let docs = &job.data.docs;
     let rollouts = job.data.rollouts.as_ref();
-    let order = order_of(&job.spec, job.data.stream_len());
+    let order = job.order_at(step);
     let cursor = &job.rec.cursor;
     let target = StepTarget::new(settings.step_size(), world_size, settings.max_tokens);
     // Quarantined documents are passed over as if not in the dataset (a
@@ -356,10 +358,10 @@ fn reference(job: &Job) -> Option<Chosen<'_>> {
         StepSize::Docs(n) => n.max(64) as usize,
         _ => 64,
     };
+    // The eval pairs need reference log-probs too (their rewards).
     let docs: Vec<&Document> = job
         .data
-        .docs
-        .iter()
+        .all_docs()
         .filter(|d| !cache.logps.contains_key(&d.id))
         .take(chunk)
         .collect();
@@ -378,6 +380,31 @@ fn reference(job: &Job) -> Option<Chosen<'_>> {
     })
 }
 
+/// The next chunk of evaluation `run`: eval documents in order, a training
+/// step's worth (at least 64) at a time; the cursor does not move.
+fn eval<'a>(job: &'a Job, run: &EvalRun) -> Option<Chosen<'a>> {
+    let set = job.data.eval.as_ref()?;
+    let settings = job.settings().latest();
+    let chunk = match settings.step_size() {
+        StepSize::Docs(n) => n.max(64) as usize,
+        _ => 64,
+    };
+    let docs: Vec<&Document> = set.docs.iter().skip(run.next).take(chunk).collect();
+    if docs.is_empty() {
+        return None;
+    }
+    Some(Chosen {
+        kind: PlanKind::Eval,
+        step: run.step,
+        settings,
+        lr: 0.0,
+        docs,
+        cursor_after: job.rec.cursor.clone(),
+        staleness: None,
+        replay: false,
+    })
+}
+
 /// Total steps of a job when they can be known up front (for the learning
 /// rate schedule and progress), else 0. PG steps take whole groups, so for
 /// them this is an upper bound.
@@ -387,8 +414,21 @@ pub fn total_steps(spec: &JobSpec, docs: &[Document], rollouts: Option<&RolloutP
     }
     let epochs = spec.job.epochs.unwrap_or(1);
     let count = rollouts.map_or(docs.len(), RolloutPlan::rollouts) as u64;
+    // A mixture: each source's documents times its own epochs.
+    let sources = spec.data.train_sources(spec.job.epochs);
+    let file_source = crate::sources::file_sources(&sources);
+    let epochs_of = |d: &Document| {
+        let s = file_source.get(d.id.file as usize).copied().unwrap_or(0) as usize;
+        sources.get(s).and_then(|s| s.epochs).unwrap_or(epochs)
+    };
+    let mixed = rollouts.is_none() && sources.len() > 1;
     match spec.step_size() {
+        StepSize::Docs(n) if mixed => docs.iter().map(epochs_of).sum::<u64>().div_ceil(n),
         StepSize::Docs(n) => (epochs * count).div_ceil(n),
+        StepSize::Tokens(t) if mixed => {
+            let tokens: u64 = docs.iter().map(|d| epochs_of(d) * d.tokens()).sum();
+            tokens.div_ceil(t).max(1)
+        }
         StepSize::Tokens(t) => {
             let tokens: u64 = docs.iter().map(Document::tokens).sum();
             (epochs * tokens).div_ceil(t).max(1)
@@ -412,7 +452,7 @@ pub fn estimated_total_steps(job: &Job, from: u64) -> u64 {
         _ => &job.rec.cursor,
     };
     let settings = job.settings().at(from);
-    let order = order_of(&job.spec, job.data.stream_len());
+    let order = job.order_at(from);
     let units = order.candidates(cursor).map(|c| c.index as usize);
     let docs = &job.data.docs;
     let (remaining, per_step) = match settings.step_size() {

@@ -129,7 +129,7 @@ impl Coordinator {
                         unix_ms: now_ms,
                     });
                 }
-                fx.push(Effect::PersistJob(job.rec.clone()));
+                fx.push(Effect::PersistJob(Box::new(job.rec.clone())));
                 for doc in &docs {
                     let msg = format!(
                         "document {doc} quarantined: step {step} is non-finite with it alone (found in {round} probe rounds)"
@@ -195,7 +195,7 @@ impl Coordinator {
         if released.is_empty() {
             return Ok(released);
         }
-        fx.push(Effect::PersistJob(job.rec.clone()));
+        fx.push(Effect::PersistJob(Box::new(job.rec.clone())));
         let names: Vec<String> = released.iter().map(|q| q.doc.to_string()).collect();
         let msg = format!("released from quarantine: {}", names.join(", "));
         fx.push(job.event(EventKind::Quarantine, msg, now_ms));

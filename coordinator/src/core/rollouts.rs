@@ -119,10 +119,7 @@ mod tests {
         Document {
             id: DocId { file: 0, line },
             body: DocBody::Rollout(Rollout {
-                seq: Sequence {
-                    input_ids: vec![1; 4],
-                    labels: vec![1; 4],
-                },
+                seq: Sequence::new(vec![1; 4], vec![1; 4]),
                 reward,
                 group: group.into(),
                 policy_version: version,

@@ -3,12 +3,11 @@
 //! it was planned with. Which documents a step takes is the planner's
 //! business (`super::planner`).
 
-use crate::cursor::{Cursor, Order};
+use crate::cursor::Cursor;
 use crate::doc::{DocBody, DocId, Document};
 use crate::plan::{self, Normalizers, PackItem, PackProblem, PlanError};
 use crate::rl::StalenessStats;
 use crate::settings::StepSettings;
-use crate::spec::JobSpec;
 
 use super::metrics::MetricSums;
 use super::reference::ReferenceCache;
@@ -19,6 +18,8 @@ use super::types::PlanKind;
 #[derive(Debug, Clone, PartialEq)]
 pub struct SeqRef {
     pub doc: DocId,
+    /// The job's source the document belongs to (index).
+    pub source: u32,
     /// 0 for SFT/rollouts and DPO chosen, 1 for DPO rejected.
     pub role: u32,
     /// Policy gradient: the rollout's group-relative advantage.
@@ -30,6 +31,9 @@ pub struct SeqRef {
 /// A microbatch ready for the wire: one flat token row.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct MicrobatchPayload {
+    /// The one source of its documents (every microbatch holds one
+    /// source's documents only); 0 for padding.
+    pub source: u32,
     pub token_ids: Vec<u32>,
     pub labels: Vec<i32>,
     pub cu_seq_lens: Vec<u32>,
@@ -72,6 +76,8 @@ pub struct Annotations<'a> {
     pub reference: Option<&'a ReferenceCache>,
     /// PG: groups (the stream's unit) and advantages.
     pub rollouts: Option<&'a RolloutPlan>,
+    /// The source of each file of the job (`DocId::file` indexes it).
+    pub file_source: Option<&'a [u32]>,
 }
 
 impl PlannedStep {
@@ -112,18 +118,10 @@ impl PlannedStep {
     }
 }
 
-/// The stream order of a job over `len` documents.
-pub fn order_of(spec: &JobSpec, len: usize) -> Order {
-    Order {
-        seed: spec.job.seed,
-        shuffle: spec.data.shuffle,
-        len: len as u64,
-        epochs: spec.job.epochs,
-    }
-}
-
 /// Packs `chosen` into microbatches of at most `max_tokens`, spreads them
 /// over `world_size` ranks (equal counts), and materialises the payloads.
+/// A microbatch holds documents of one source only (`notes.source_of`), so
+/// its metric sums are that source's.
 pub fn pack_documents(
     chosen: &[&Document],
     max_tokens: u32,
@@ -131,6 +129,13 @@ pub fn pack_documents(
     min_microbatches_per_rank: u32,
     notes: Annotations<'_>,
 ) -> Result<(Vec<Vec<MicrobatchPayload>>, Normalizers), PlanError> {
+    let groups = match notes.file_source {
+        Some(fs) if fs.iter().any(|&s| s != 0) => chosen
+            .iter()
+            .map(|d| fs.get(d.id.file as usize).copied().unwrap_or(0))
+            .collect(),
+        _ => Vec::new(),
+    };
     let problem = PackProblem {
         items: chosen
             .iter()
@@ -145,6 +150,7 @@ pub fn pack_documents(
         max_tokens,
         world_size,
         min_microbatches_per_rank,
+        groups,
     };
     let solution = plan::solve(&problem)?;
     let ranks = solution
@@ -180,22 +186,23 @@ pub fn payload<'a>(
     let mut refs: Vec<(usize, Option<&[f32]>)> = Vec::new();
     for d in docs {
         for (role, seq) in d.sequences().into_iter().enumerate() {
-            p.token_ids.extend_from_slice(&seq.input_ids);
-            p.labels.extend_from_slice(&seq.labels);
+            p.token_ids.extend_from_slice(seq.input_ids());
+            p.labels.extend_from_slice(&seq.labels());
             p.cu_seq_lens.push(p.token_ids.len() as u32);
             old.push((
-                seq.input_ids.len(),
+                seq.len(),
                 match &d.body {
                     DocBody::Rollout(r) => r.old_logprobs.as_deref(),
                     _ => None,
                 },
             ));
-            refs.push((
-                seq.input_ids.len(),
-                notes.reference.and_then(|c| c.tokens(&d.id)),
-            ));
+            refs.push((seq.len(), notes.reference.and_then(|c| c.tokens(&d.id))));
             p.seqs.push(SeqRef {
                 doc: d.id,
+                source: notes
+                    .file_source
+                    .and_then(|fs| fs.get(d.id.file as usize).copied())
+                    .unwrap_or(0),
                 role: role as u32,
                 advantage: notes.rollouts.and_then(|r| r.advantage.get(&d.id).copied()),
                 ref_logp: notes
@@ -205,6 +212,7 @@ pub fn payload<'a>(
             });
         }
     }
+    p.source = p.seqs.first().map_or(0, |s| s.source);
     p.old_logprobs = aligned(&old);
     p.ref_logprobs = aligned(&refs);
     p

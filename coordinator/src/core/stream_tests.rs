@@ -21,10 +21,7 @@ fn stream_spec(steps: &str, docs_per_step: u64, group: u32, capacity: u64) -> Jo
 fn rollout(group: &str, reward: f64, version: u64) -> Rollout {
     let len = 6 + group.len() * 3;
     Rollout {
-        seq: Sequence {
-            input_ids: vec![7; len],
-            labels: vec![7; len],
-        },
+        seq: Sequence::new(vec![7; len], vec![7; len]),
         reward,
         group: group.into(),
         policy_version: version,

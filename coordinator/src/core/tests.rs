@@ -16,6 +16,9 @@ mod stream_tests;
 #[path = "fault_tests.rs"]
 mod fault_tests;
 
+#[path = "mixture_tests.rs"]
+mod mixture_tests;
+
 fn docs(n: usize) -> Arc<[Document]> {
     (0..n)
         .map(|i| {
@@ -25,10 +28,7 @@ fn docs(n: usize) -> Arc<[Document]> {
                     file: 0,
                     line: i as u64 + 1,
                 },
-                body: DocBody::Sft(Sequence {
-                    input_ids: vec![7; len],
-                    labels: vec![7; len],
-                }),
+                body: DocBody::Sft(Sequence::new(vec![7; len], vec![7; len])),
             }
         })
         .collect::<Vec<_>>()
@@ -103,6 +103,8 @@ struct Sim {
     /// Documents whose loss is NaN: a training plan holding one fails as
     /// non-finite on the rank that has it; a probe flags its microbatch.
     poison: Vec<DocId>,
+    /// Evaluations written, in order.
+    evals: Vec<EvalMetrics>,
 }
 
 /// The log-prob a simulated worker reports in a reference pass.
@@ -144,6 +146,7 @@ impl Sim {
             removed_checkpoints: Vec::new(),
             held_checkpoints: None,
             poison: Vec::new(),
+            evals: Vec::new(),
         }
     }
 
@@ -195,10 +198,11 @@ impl Sim {
                     self.persisted.push(*rec);
                     self.committed.push((*metrics, docs));
                 }
-                Effect::PersistJob(rec) => self.persisted.push(rec),
+                Effect::PersistJob(rec) => self.persisted.push(*rec),
                 Effect::PersistRollouts(w) => self.rollout_writes.push(*w),
                 Effect::RemoveCheckpoint { step, .. } => self.removed_checkpoints.push(step),
                 Effect::EndSession { worker, .. } => self.ended_sessions.push(worker),
+                Effect::AppendEval { eval, .. } => self.evals.push(*eval),
                 Effect::AppendMetrics { .. } | Effect::Publish { .. } => {}
             }
         }
@@ -293,13 +297,7 @@ impl Sim {
                             .windows(2)
                             .map(move |w| (m, w[0] as usize, w[1] as usize))
                     })
-                    .map(|(m, a, b)| {
-                        Sequence {
-                            input_ids: vec![],
-                            labels: m.labels[a..b].to_vec(),
-                        }
-                        .loss_tokens()
-                    })
+                    .map(|(m, a, b)| crate::doc::count_loss_tokens(&m.labels[a..b]))
                     .sum();
                 // As workers count: a DPO pair is one document.
                 let documents = mbs
@@ -308,7 +306,7 @@ impl Sim {
                     .filter(|q| q.role == 0)
                     .count() as u64;
                 // Per-token log-probs too: a DPO pass ignores them.
-                let logps = if planned.kind == PlanKind::Reference {
+                let logps = if matches!(planned.kind, PlanKind::Reference | PlanKind::Eval) {
                     mbs.iter()
                         .flat_map(|m| m.seqs.iter().zip(m.cu_seq_lens.windows(2)))
                         .map(|(q, w)| SeqLogp {
@@ -323,6 +321,22 @@ impl Sim {
                 } else {
                     Vec::new()
                 };
+                // As a worker does: each microbatch's sums go to its source.
+                let mut sources: BTreeMap<u32, SourceSums> = BTreeMap::new();
+                for m in mbs.iter().filter(|m| !m.seqs.is_empty()) {
+                    let lt: u64 = m
+                        .cu_seq_lens
+                        .windows(2)
+                        .map(|w| {
+                            crate::doc::count_loss_tokens(&m.labels[w[0] as usize..w[1] as usize])
+                        })
+                        .sum();
+                    let e = sources.entry(m.source).or_default();
+                    e.loss_sum += lt as f64 * 2.0;
+                    e.loss_tokens += lt;
+                    e.tokens += m.token_ids.len() as u64;
+                    e.documents += m.seqs.len() as u64;
+                }
                 Event::StepResult {
                     logps,
                     nonfinite,
@@ -337,6 +351,7 @@ impl Sim {
                         documents,
                         microbatches: mbs.len() as u32,
                         grad_norm: 1.0,
+                        sources,
                         ..Default::default()
                     },
                 }
@@ -732,10 +747,7 @@ fn a_job_resumed_from_a_checkpoint_continues_at_its_step_and_cursor() {
 }
 
 fn pairs(n: usize) -> Arc<[Document]> {
-    let seq = |len: usize| Sequence {
-        input_ids: vec![7; len],
-        labels: vec![7; len],
-    };
+    let seq = |len: usize| Sequence::new(vec![7; len], vec![7; len]);
     (0..n)
         .map(|i| Document {
             id: DocId {
@@ -869,10 +881,10 @@ fn rollouts(groups: usize, size: usize) -> Arc<[Document]> {
             out.push(Document {
                 id: DocId { file: 0, line },
                 body: DocBody::Rollout(crate::doc::Rollout {
-                    seq: Sequence {
-                        input_ids: vec![7; 6 + (line as usize * 7) % 30],
-                        labels: vec![7; 6 + (line as usize * 7) % 30],
-                    },
+                    seq: Sequence::new(
+                        vec![7; 6 + (line as usize * 7) % 30],
+                        vec![7; 6 + (line as usize * 7) % 30],
+                    ),
                     reward,
                     group: format!("g{g}"),
                     policy_version: 0,

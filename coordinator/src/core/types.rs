@@ -98,6 +98,9 @@ pub enum PlanKind {
     /// Forward and backward of each microbatch alone, no update: which are
     /// non-finite (a bisection of failed step `step`; see `bisect`).
     Probe,
+    /// Forward only over eval documents with the current weights: their
+    /// log-probs back (`eval`); `step` is the committed step evaluated.
+    Eval,
 }
 
 /// Kinds of worker-reported failure (mirror of `accrue.v1.ErrorKind`): the

@@ -44,7 +44,7 @@ pub fn join(prompt: Vec<u32>, answer: Vec<u32>) -> Sequence {
     labels.extend(answer.iter().map(|&t| t as i32));
     let mut input_ids = prompt;
     input_ids.extend(answer);
-    Sequence { input_ids, labels }
+    Sequence::new(input_ids, labels)
 }
 
 /// Errors unless the sequence trains on at least one token.
@@ -109,10 +109,7 @@ impl Encoder {
                 }
             })
             .collect();
-        Ok(Sequence {
-            input_ids: enc.ids,
-            labels,
-        })
+        Ok(Sequence::new(enc.ids, labels))
     }
 
     /// Prompt ids and answer ids of a conversational prompt and answer.
@@ -281,7 +278,7 @@ pub fn pretokenized(
     } else {
         input_ids.iter().map(|&t| t as i32).collect()
     };
-    Ok(Sequence { input_ids, labels })
+    Ok(Sequence::new(input_ids, labels))
 }
 
 /// OpenAI-style messages: objects with a string `role` and a string

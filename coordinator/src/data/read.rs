@@ -1,14 +1,16 @@
 //! File readers: JSON Lines, a top-level JSON array, and gzip of either
-//! (detected by a `.gz` suffix or the gzip magic bytes). A file is read
-//! whole into memory: the datasets this coordinator serves are tokenized up
-//! front anyway, so streaming would not lower the peak.
+//! (detected by a `.gz` suffix or the gzip magic bytes). [`for_each_batch`]
+//! streams a file in batches of rows (JSON Lines, gzipped or not, and
+//! parquet never need the whole file in memory; a top-level JSON array is
+//! parsed whole), which is how the token cache reads; [`read_rows`] reads a
+//! whole file at once.
 //!
 //! Rows come back as parsed JSON values with their position; a JSONL line
 //! that is not valid JSON comes back as an `Err` row so the caller can apply
 //! `data.on_bad_line`. A JSON array that does not parse cannot be resumed
 //! past the error, so that is a file-level error.
 
-use std::io::Read;
+use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
 
 use serde_json::Value;
@@ -82,6 +84,99 @@ pub fn read_rows(path: &Path) -> Result<Vec<RawRow>> {
         json_array_rows(path, &text)
     } else {
         Ok(jsonl_rows(&text))
+    }
+}
+
+/// Streams the rows of a dataset file to `f` in batches of at most
+/// `batch`, in file order; returns the rows read. Parquet files (by
+/// suffix or magic) go through [`super::parquet`].
+pub fn for_each_batch(
+    path: &Path,
+    batch: usize,
+    mut f: impl FnMut(Vec<RawRow>) -> Result<()>,
+) -> Result<u64> {
+    let io = |source| DataError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    crate::input::check(path)?;
+    if super::parquet::is_parquet(path).map_err(io)? {
+        return super::parquet::for_each_batch(path, batch, f);
+    }
+    let file = std::fs::File::open(path).map_err(io)?;
+    let mut raw = BufReader::with_capacity(1 << 20, file);
+    let gz = path.extension().is_some_and(|e| e == "gz")
+        || raw.fill_buf().map_err(io)?.starts_with(&GZIP_MAGIC);
+    let reader: Box<dyn BufRead> = if gz {
+        Box::new(BufReader::with_capacity(
+            1 << 20,
+            flate2::read::MultiGzDecoder::new(raw),
+        ))
+    } else {
+        Box::new(raw)
+    };
+    let mut lines = LineReader { inner: reader };
+    let mut rows = Vec::with_capacity(batch);
+    let mut total = 0u64;
+    let mut line_no = 0u64;
+    let mut buf = String::new();
+    while lines.next(&mut buf).map_err(io)? {
+        line_no += 1;
+        if line_no == 1 && buf.starts_with('\u{feff}') {
+            buf.drain(..3);
+        }
+        let text = buf.trim();
+        if text.is_empty() {
+            continue;
+        }
+        if total == 0 && rows.is_empty() && text.starts_with('[') {
+            // A top-level JSON array: parsed whole, line numbers kept by
+            // putting back the blank lines before it.
+            let mut whole = "\n".repeat(line_no as usize - 1);
+            whole.push_str(&buf);
+            lines.inner.read_to_string(&mut whole).map_err(io)?;
+            let all = json_array_rows(path, &whole)?;
+            let n = all.len() as u64;
+            let mut it = all.into_iter().peekable();
+            while it.peek().is_some() {
+                f(it.by_ref().take(batch.max(1)).collect())?;
+            }
+            return Ok(n);
+        }
+        rows.push(RawRow {
+            line: line_no,
+            element: None,
+            value: serde_json::from_str(text).map_err(|e| e.to_string()),
+        });
+        total += 1;
+        if rows.len() >= batch.max(1) {
+            f(std::mem::replace(&mut rows, Vec::with_capacity(batch)))?;
+        }
+    }
+    if !rows.is_empty() {
+        f(rows)?;
+    }
+    Ok(total)
+}
+
+/// Lines of UTF-8 text, one at a time (a line that is not UTF-8 is an
+/// error naming the file, as for a whole file).
+struct LineReader {
+    inner: Box<dyn BufRead>,
+}
+
+impl LineReader {
+    fn next(&mut self, buf: &mut String) -> std::io::Result<bool> {
+        buf.clear();
+        match self.inner.read_line(buf) {
+            Ok(0) => Ok(false),
+            Ok(_) => Ok(true),
+            Err(e) if e.kind() == std::io::ErrorKind::InvalidData => Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("not utf-8 text: {e}"),
+            )),
+            Err(e) => Err(e),
+        }
     }
 }
 

@@ -38,6 +38,8 @@ fn section(train: Vec<PathBuf>, format: DataFormat, tokenizer: &str) -> DataSect
         on_bad_line: OnBad::Error,
         source: Default::default(),
         shuffle: true,
+        sources: Vec::new(),
+        cache_dir: None,
     }
 }
 
@@ -105,7 +107,7 @@ fn show(ids: &[u32]) -> String {
 fn loss_runs(s: &Sequence) -> Vec<(usize, usize)> {
     let mut runs = Vec::new();
     let mut start = None;
-    for (i, &l) in s.labels.iter().chain([IGNORE_INDEX].iter()).enumerate() {
+    for (i, &l) in s.labels().iter().chain([IGNORE_INDEX].iter()).enumerate() {
         match (l != IGNORE_INDEX, start) {
             (true, None) => start = Some(i),
             (false, Some(s0)) => {
@@ -127,12 +129,12 @@ fn assert_prompt_then_answer(s: &Sequence, eos: u32, what: &str) -> usize {
     assert_eq!(end, s.len(), "{what}: the loss run must reach the end");
     assert!(start > 0, "{what}: the prompt must carry no loss");
     assert_eq!(
-        *s.input_ids.last().unwrap(),
+        *s.input_ids().last().unwrap(),
         eos,
         "{what}: must end with eos"
     );
     for i in start..end {
-        assert_eq!(s.labels[i], s.input_ids[i] as i32, "{what}: label {i}");
+        assert_eq!(s.labels()[i], s.input_ids()[i] as i32, "{what}: label {i}");
     }
     start
 }
@@ -274,12 +276,12 @@ fn check_masks(name: &str, s: &Shared, path: &Path, ds: &Dataset, eos: u32) {
                     .unwrap();
                 let seq = sft(&ds.docs[0]);
                 let start = assert_prompt_then_answer(seq, eos, &what);
-                let bytes: Vec<u8> = seq.input_ids[start..seq.len() - 1]
+                let bytes: Vec<u8> = seq.input_ids()[start..seq.len() - 1]
                     .iter()
                     .map(|&t| t as u8)
                     .collect();
                 assert_eq!(bytes, answer.as_bytes());
-                assert_eq!(seq.input_ids[0], tokenize::BYTE_BOS);
+                assert_eq!(seq.input_ids()[0], tokenize::BYTE_BOS);
             }
         }
         (DataFormat::Sft, true) => {
@@ -291,12 +293,12 @@ fn check_masks(name: &str, s: &Shared, path: &Path, ds: &Dataset, eos: u32) {
                 assert_eq!(runs.len(), n, "{what} {}: runs {runs:?}", d.id);
                 let last = runs.last().unwrap();
                 assert_eq!(last.1, seq.len(), "{what}: the last turn ends the sequence");
-                assert_eq!(*seq.input_ids.last().unwrap(), eos);
+                assert_eq!(*seq.input_ids().last().unwrap(), eos);
                 if name == "phi-3-mini" {
                     // Each turn's loss ends with <|end|>; no role marker is trained.
                     for &(a, b) in &runs[..runs.len() - 1] {
-                        assert_eq!(seq.input_ids[b - 1], 32007, "{what} {}", d.id);
-                        assert!(!seq.labels[a..b].contains(&32001));
+                        assert_eq!(seq.input_ids()[b - 1], 32007, "{what} {}", d.id);
+                        assert!(!seq.labels()[a..b].contains(&32001));
                     }
                 }
             }
@@ -309,12 +311,12 @@ fn check_masks(name: &str, s: &Shared, path: &Path, ds: &Dataset, eos: u32) {
                 let pr = assert_prompt_then_answer(r, eos, &format!("{at} rejected"));
                 assert_eq!(pc, pr, "{at}: prompt lengths");
                 assert_eq!(
-                    c.input_ids[..pc],
-                    r.input_ids[..pr],
+                    c.input_ids()[..pc],
+                    r.input_ids()[..pr],
                     "{at}: shared prompt tokens"
                 );
                 if name == "bytes" && s.file.contains("hh_rlhf") {
-                    let prompt: Vec<u8> = c.input_ids[1..pc].iter().map(|&t| t as u8).collect();
+                    let prompt: Vec<u8> = c.input_ids()[1..pc].iter().map(|&t| t as u8).collect();
                     assert!(prompt.ends_with(b"\n\nAssistant:"), "{at}");
                 }
             }
@@ -362,17 +364,17 @@ fn phi3_template_masks_exactly_the_assistant_answer() {
     let seq = sft(&ds.docs[0]);
     // README: "<|user|>\n2+2?<|end|>\n<|assistant|>\n" → these ids.
     assert_eq!(
-        seq.input_ids[..8],
+        seq.input_ids()[..8],
         [32010, 29871, 29906, 29974, 29906, 29973, 32007, 32001]
     );
     assert!(
-        seq.labels[..8].iter().all(|&l| l == IGNORE_INDEX),
+        seq.labels()[..8].iter().all(|&l| l == IGNORE_INDEX),
         "{:?}",
-        seq.labels
+        seq.labels()
     );
-    let trained: Vec<i32> = seq.labels[8..].to_vec();
+    let trained: Vec<i32> = seq.labels()[8..].to_vec();
     assert_eq!(
-        seq.input_ids[8..]
+        seq.input_ids()[8..]
             .iter()
             .map(|&t| t as i32)
             .collect::<Vec<_>>(),
@@ -409,14 +411,14 @@ fn synth_files_load_in_each_format() {
     let mut want = vec![tokenize::BYTE_BOS];
     want.extend(p.bytes().chain(c.bytes()).map(u32::from));
     want.push(tokenize::BYTE_EOS);
-    assert_eq!(seq.input_ids, want);
+    assert_eq!(seq.input_ids(), want);
     assert_eq!(seq.loss_tokens(), c.len() as u64 + 1);
 
     let ds = load_as(&section(vec![f.dpo.clone()], DataFormat::Dpo, "bytes")).unwrap();
     assert_eq!(ds.docs.len(), 40);
     for d in &ds.docs {
         let (c, r) = pair(d);
-        assert_ne!(c.input_ids, r.input_ids);
+        assert_ne!(c.input_ids(), r.input_ids());
     }
 
     let ds = load_as(&section(
@@ -665,17 +667,17 @@ fn sft_shapes_are_all_accepted() {
     assert_eq!(ds.docs.len(), rows.len());
     // Built-in template; the loss is on "a" + EOS only.
     assert_eq!(
-        show(&sft(&ds.docs[0]).input_ids),
+        show(sft(&ds.docs[0]).input_ids()),
         "<|bos|><|system|>\ns\n<|user|>\nu\n<|assistant|>\na<|eos|>"
     );
     for d in &ds.docs[..2] {
         let s = sft(d);
-        assert_eq!(s.input_ids[0], tokenize::BYTE_BOS);
+        assert_eq!(s.input_ids()[0], tokenize::BYTE_BOS);
         assert_eq!(loss_runs(s), vec![(s.len() - 2, s.len())], "{}", d.id);
     }
     assert_eq!(sft(&ds.docs[2]), sft(&ds.docs[3]));
-    assert_eq!(sft(&ds.docs[5]).labels, vec![1, 2, 3]);
-    assert_eq!(sft(&ds.docs[6]).labels, vec![-100, 2, 3]);
+    assert_eq!(sft(&ds.docs[5]).labels(), vec![1, 2, 3]);
+    assert_eq!(sft(&ds.docs[6]).labels(), vec![-100, 2, 3]);
     assert_eq!(
         sft(&ds.docs[7]),
         sft(&ds.docs[1]),
@@ -702,18 +704,18 @@ fn dpo_shapes_are_all_accepted_and_share_the_prompt() {
         let (c, r) = pair(d);
         let pc = assert_prompt_then_answer(c, tokenize::BYTE_EOS, "chosen");
         let pr = assert_prompt_then_answer(r, tokenize::BYTE_EOS, "rejected");
-        assert_eq!(c.input_ids[..pc], r.input_ids[..pr], "{}", d.id);
+        assert_eq!(c.input_ids()[..pc], r.input_ids()[..pr], "{}", d.id);
         // hh-rlhf answers keep the space after "Assistant:".
         let answer = if d.id.line == 6 { " good" } else { "good" };
         assert_eq!(
-            show(&c.input_ids[pc..]),
+            show(&c.input_ids()[pc..]),
             format!("{answer}<|eos|>"),
             "{}",
             d.id
         );
     }
     assert!(
-        show(&pair(&ds.docs[5]).0.input_ids).ends_with("\n\nHuman: q\n\nAssistant: good<|eos|>")
+        show(pair(&ds.docs[5]).0.input_ids()).ends_with("\n\nHuman: q\n\nAssistant: good<|eos|>")
     );
     assert_eq!(
         ds.docs[1].body, ds.docs[2].body,
@@ -723,7 +725,7 @@ fn dpo_shapes_are_all_accepted_and_share_the_prompt() {
     assert_eq!(ds.docs[1].body, ds.docs[4].body, "llama-factory");
     let (c, r) = pair(&ds.docs[6]);
     assert_eq!(
-        (c.labels.clone(), r.labels.clone()),
+        (c.labels().to_vec(), r.labels().to_vec()),
         (vec![-100, 2, 3], vec![1, 4])
     );
 }
@@ -749,14 +751,17 @@ fn rollout_rows_keep_reward_group_version_and_aligned_logprobs() {
         (r[0].reward, r[0].group.as_str(), r[0].policy_version),
         (0.5, "7", 3)
     );
-    assert_eq!(r[0].seq.input_ids, vec![256, b'p' as u32, b'c' as u32, 257]);
-    assert_eq!(r[0].seq.labels, vec![-100, -100, b'c' as i32, 257]);
+    assert_eq!(
+        r[0].seq.input_ids(),
+        vec![256, b'p' as u32, b'c' as u32, 257]
+    );
+    assert_eq!(r[0].seq.labels(), vec![-100, -100, b'c' as i32, 257]);
     assert_eq!(
         r[0].old_logprobs.as_deref(),
         Some(&[0.0, 0.0, -0.1, -0.2][..])
     );
-    assert_eq!(r[1].seq.input_ids, vec![5, 6, 7, 8, 9]);
-    assert_eq!(r[1].seq.labels, vec![-100, -100, 7, 8, 9]);
+    assert_eq!(r[1].seq.input_ids(), vec![5, 6, 7, 8, 9]);
+    assert_eq!(r[1].seq.labels(), vec![-100, -100, 7, 8, 9]);
     assert_eq!(
         (r[1].policy_version, r[1].old_logprobs.is_none()),
         (0, true)
@@ -805,7 +810,7 @@ fn rollout_prompt_may_be_messages() {
         panic!()
     };
     assert_eq!(
-        show(&r.seq.input_ids),
+        show(r.seq.input_ids()),
         "<|bos|><|user|>\n1+1=\n<|assistant|>\n2<|eos|>"
     );
     assert_eq!(loss_runs(&r.seq), vec![(r.seq.len() - 2, r.seq.len())]);
@@ -875,15 +880,15 @@ mod props {
                 msgs.iter().map(|(r, c)| json!({"role": r, "content": c})).collect();
             let seq = enc.chat(&json_msgs, None).unwrap();
             let runs: Vec<String> =
-                loss_runs(&seq).iter().map(|&(a, b)| show(&seq.input_ids[a..b])).collect();
+                loss_runs(&seq).iter().map(|&(a, b)| show(&seq.input_ids()[a..b])).collect();
             let want: Vec<String> = msgs
                 .iter()
                 .filter(|(r, _)| r == "assistant")
                 .map(|(_, c)| format!("{c}<|eos|>"))
                 .collect();
             prop_assert_eq!(runs, want);
-            for (i, &l) in seq.labels.iter().enumerate() {
-                prop_assert!(l == IGNORE_INDEX || l == seq.input_ids[i] as i32);
+            for (i, &l) in seq.labels().iter().enumerate() {
+                prop_assert!(l == IGNORE_INDEX || l == seq.input_ids()[i] as i32);
             }
         }
 
@@ -895,9 +900,9 @@ mod props {
             let row = json!({"prompt": p, "completion": c});
             let seq = sft::sft_row(&enc, &row).unwrap();
             let start = seq.len() - c.len() - 1;
-            prop_assert!(seq.labels[..start].iter().all(|&l| l == IGNORE_INDEX));
-            prop_assert!(seq.labels[start..].iter().all(|&l| l != IGNORE_INDEX));
-            prop_assert_eq!(show(&seq.input_ids), format!("<|bos|>{p}{c}<|eos|>"));
+            prop_assert!(seq.labels()[..start].iter().all(|&l| l == IGNORE_INDEX));
+            prop_assert!(seq.labels()[start..].iter().all(|&l| l != IGNORE_INDEX));
+            prop_assert_eq!(show(seq.input_ids()), format!("<|bos|>{p}{c}<|eos|>"));
         }
     }
 }

@@ -58,6 +58,11 @@ pub struct Exporter {
     mfu: GaugeVec,
     padding: GaugeVec,
     loss: GaugeVec,
+    // Per source of a mixture, and evaluations.
+    source_loss: GaugeVec,
+    source_tokens: IntCounterVec,
+    source_documents: IntCounterVec,
+    eval_loss: GaugeVec,
     grad_norm: GaugeVec,
     lr: GaugeVec,
     job_step: IntGaugeVec,
@@ -190,6 +195,26 @@ impl Exporter {
             "Token-weighted loss of the last committed step",
             job,
         );
+        let source_loss = b.gauge(
+            "accrue_source_loss",
+            "Loss of each source's documents in the last committed step of a mixture",
+            &["job", "source"],
+        );
+        let source_tokens = b.counter(
+            "accrue_source_tokens_total",
+            "Tokens trained per source of a mixture",
+            &["job", "source"],
+        );
+        let source_documents = b.counter(
+            "accrue_source_documents_total",
+            "Documents trained per source of a mixture",
+            &["job", "source"],
+        );
+        let eval_loss = b.gauge(
+            "accrue_eval_loss",
+            "Loss of the last evaluation, per eval source and over all (source=\"all\")",
+            &["job", "source"],
+        );
         let grad_norm = b.gauge(
             "accrue_grad_norm",
             "Global gradient norm (before clipping) of the last committed step",
@@ -308,6 +333,10 @@ impl Exporter {
             mfu,
             padding,
             loss,
+            source_loss,
+            source_tokens,
+            source_documents,
+            eval_loss,
             grad_norm,
             lr,
             job_step,

@@ -36,6 +36,12 @@ impl Exporter {
         self.mfu.with_label_values(l).set(m.mfu);
         self.padding.with_label_values(l).set(m.padding_fraction);
         self.loss.with_label_values(l).set(m.loss);
+        for (source, s) in &m.sources {
+            let l = &[job, source.as_str()];
+            self.source_loss.with_label_values(l).set(s.loss);
+            self.source_tokens.with_label_values(l).inc_by(s.tokens);
+            self.source_documents.with_label_values(l).inc_by(s.docs);
+        }
         self.grad_norm.with_label_values(l).set(m.grad_norm);
         self.lr.with_label_values(l).set(m.lr);
         self.job_step.with_label_values(l).set(m.step as i64);
@@ -45,6 +51,14 @@ impl Exporter {
         self.generation
             .with_label_values(l)
             .set(m.generation as i64);
+    }
+
+    /// Records an evaluation of `job`: its loss over all and per source.
+    pub fn observe_eval(&self, job: &str, e: &crate::core::EvalMetrics) {
+        self.eval_loss.with_label_values(&[job, "all"]).set(e.loss);
+        for (source, s) in &e.sources {
+            self.eval_loss.with_label_values(&[job, source]).set(s.loss);
+        }
     }
 
     /// Records a step plan of `job` dispatched: `plan` is the wall time of

@@ -24,9 +24,11 @@ fn populated() -> Exporter {
         idle_s: 0.5,
         world_size: 2,
         generation: 1,
+        sources: [("chat".to_string(), crate::core::SourceMetrics::default())].into(),
         ..Default::default()
     };
     e.observe_step("j", &m);
+    e.observe_eval("j", &crate::core::EvalMetrics::default());
     e.observe_plan("j", Duration::from_millis(3), Duration::from_micros(200));
     e.observe_abort("j", AbortReason::WorkerLost);
     e.observe_checkpoint("j", Some(3), 1_000);
@@ -95,8 +97,10 @@ fn every_family_follows_the_prometheus_naming_conventions() {
         }
         for m in f.get_metric() {
             for l in m.get_label() {
+                // `source`: a mixture's sources, declared in the spec (a dozen,
+                // not one per document).
                 assert!(
-                    ["job", "state", "reason", "phase"].contains(&l.name()),
+                    ["job", "state", "reason", "phase", "source"].contains(&l.name()),
                     "{name}: label {} is not one of the low-cardinality ones",
                     l.name()
                 );

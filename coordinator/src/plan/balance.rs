@@ -63,6 +63,8 @@ const EXCHANGE_WORK_LIMIT: usize = 1 << 14;
 /// Bins, their totals, and which rank holds which bin.
 pub(super) struct Layout<'a> {
     tokens: &'a [u64],
+    /// Each item's group: items move only into bins of their own group.
+    groups: &'a [u32],
     costs: &'a [f64],
     max: u64,
     bins: Vec<Vec<usize>>,
@@ -116,6 +118,7 @@ impl<'a> Layout<'a> {
         tokens: &'a [u64],
         costs: &'a [f64],
         max: u64,
+        groups: &'a [u32],
     ) -> Self {
         let bin_tokens = bins
             .iter()
@@ -127,6 +130,7 @@ impl<'a> Layout<'a> {
             .collect();
         Layout {
             tokens,
+            groups,
             costs,
             max,
             bins,
@@ -203,7 +207,7 @@ impl<'a> Layout<'a> {
         for &a in &self.ranks[hi] {
             for (p, &x) in self.bins[a].iter().enumerate() {
                 for &b in &self.ranks[lo] {
-                    if bt[b] + t[x] <= self.max {
+                    if bt[b] + t[x] <= self.max && self.fits_group(x, b) {
                         best.offer(c[x], Change::Move { a, p, b });
                     }
                 }
@@ -215,7 +219,10 @@ impl<'a> Layout<'a> {
                 for (p, &x) in self.bins[a].iter().enumerate() {
                     for &b in &self.ranks[lo] {
                         for (q, &y) in self.bins[b].iter().enumerate() {
-                            if bt[a] - t[x] + t[y] <= self.max && bt[b] - t[y] + t[x] <= self.max {
+                            if bt[a] - t[x] + t[y] <= self.max
+                                && bt[b] - t[y] + t[x] <= self.max
+                                && self.groups[x] == self.groups[y]
+                            {
                                 best.offer(c[x] - c[y], Change::Exchange { a, p, b, q });
                             }
                         }
@@ -224,6 +231,13 @@ impl<'a> Layout<'a> {
             }
         }
         best.found.map(|(_, change)| change)
+    }
+
+    /// Whether item `x` may join bin `b` (empty, or of its group).
+    fn fits_group(&self, x: usize, b: usize) -> bool {
+        self.bins[b]
+            .first()
+            .is_none_or(|&y| self.groups[y] == self.groups[x])
     }
 
     fn apply(&mut self, hi: usize, lo: usize, change: Change) {

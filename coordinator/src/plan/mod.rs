@@ -47,6 +47,10 @@ pub struct PackProblem {
     /// At least this many microbatches per rank (static mode asks for
     /// exactly k; 0 or 1 for the dynamic modes).
     pub min_microbatches_per_rank: u32,
+    /// A group per item (a mixture's source): a microbatch holds items of
+    /// one group only, so per-microbatch metric sums are per group. Empty:
+    /// one group.
+    pub groups: Vec<u32>,
 }
 
 /// One packed microbatch: the items it holds, in row order.

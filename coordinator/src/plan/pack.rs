@@ -68,9 +68,10 @@ pub fn solve(problem: &PackProblem) -> Result<PackSolution, PlanError> {
     let min_m = problem.min_microbatches_per_rank as usize;
     let floor_m =
         min_m.max(lower_bound_per_rank(total, problem.max_tokens, problem.world_size) as usize);
-    let mut bins = best_fit_decreasing(&tokens, max);
+    let group = |i: usize| problem.groups.get(i).copied().unwrap_or(0);
+    let mut bins = per_group(&tokens, &group, |t| best_fit_decreasing(t, max));
     if bins.len().div_ceil(w) > floor_m {
-        let in_order = best_fit_in_order(&tokens, max);
+        let in_order = per_group(&tokens, &group, |t| best_fit_in_order(t, max));
         if in_order.len() < bins.len() {
             bins = in_order;
         }
@@ -87,7 +88,8 @@ pub fn solve(problem: &PackProblem) -> Result<PackSolution, PlanError> {
 
     // Phase 3: LPT with equal counts: costliest bin first, to the cheapest
     // rank that still has a free slot.
-    let mut layout = Layout::new(bins, &tokens, &costs, max);
+    let groups: Vec<u32> = (0..items.len()).map(group).collect();
+    let mut layout = Layout::new(bins, &tokens, &costs, max, &groups);
     layout.longest_processing_time(w, m);
 
     // Phase 4: local search between the costliest and the cheapest rank:
@@ -105,6 +107,35 @@ pub fn solve(problem: &PackProblem) -> Result<PackSolution, PlanError> {
     );
     debug_assert!(solution.ranks.iter().all(|r| r.len() == m));
     Ok(solution)
+}
+
+/// Packs each group's items on their own with `pack` (bins of one group
+/// only), groups in order of first appearance; one group packs as a whole.
+fn per_group(
+    tokens: &[u64],
+    group: &impl Fn(usize) -> u32,
+    pack: impl Fn(&[u64]) -> Vec<Vec<usize>>,
+) -> Vec<Vec<usize>> {
+    let mut order: Vec<u32> = Vec::new();
+    for i in 0..tokens.len() {
+        if !order.contains(&group(i)) {
+            order.push(group(i));
+        }
+    }
+    if order.len() <= 1 {
+        return pack(tokens);
+    }
+    let mut bins = Vec::new();
+    for g in order {
+        let members: Vec<usize> = (0..tokens.len()).filter(|&i| group(i) == g).collect();
+        let t: Vec<u64> = members.iter().map(|&i| tokens[i]).collect();
+        bins.extend(
+            pack(&t)
+                .into_iter()
+                .map(|b| b.into_iter().map(|j| members[j]).collect::<Vec<_>>()),
+        );
+    }
+    bins
 }
 
 fn validate(problem: &PackProblem) -> Result<(), PlanError> {

@@ -18,6 +18,7 @@ fn single(doc: usize, len: u32) -> PackItem {
 
 fn problem(items: Vec<PackItem>, max_tokens: u32, world_size: u32, min: u32) -> PackProblem {
     PackProblem {
+        groups: Vec::new(),
         items,
         max_tokens,
         world_size,

@@ -192,7 +192,10 @@ impl Admin for AdminService {
             .await
             .map_err(|e| Status::internal(format!("admission task: {e}")))?
             .map_err(|p| problems_status(&p))?;
-        let docs = admitted.dataset.map(|d| d.docs).unwrap_or_default();
+        let docs = admitted
+            .dataset
+            .map(crate::data::Dataset::into_job_docs)
+            .unwrap_or_default();
         if docs.is_empty() && !spec.data.is_stream() {
             return Err(Status::invalid_argument(
                 "data.train: the dataset holds no documents",
@@ -411,6 +414,7 @@ impl Admin for AdminService {
             tokens_per_step: req.tokens_per_step,
             max_tokens: req.max_tokens,
             lr: req.lr,
+            weights: (!req.weights.is_empty()).then(|| req.weights.into_iter().collect()),
         };
         let mut inner = self.shared.lock();
         self.shared.apply_locked(
@@ -517,7 +521,9 @@ impl Admin for AdminService {
             for r in &history {
                 sent_up_to = r.metrics.step;
                 if tx
-                    .send(Ok(convert::watch_item(&WatchItem::Step(r.metrics.clone()))))
+                    .send(Ok(convert::watch_item(&WatchItem::Step(Box::new(
+                        r.metrics.clone(),
+                    )))))
                     .await
                     .is_err()
                 {
@@ -565,6 +571,36 @@ impl Admin for AdminService {
     }
 }
 
+/// Submit is idempotent by job name: a live job of the same name and
+/// (resolved) spec is the answer; one with another spec is refused unless
+/// the request asks for a new job.
+fn same_live_job(
+    core: &crate::core::Coordinator,
+    spec: &JobSpec,
+    spec_toml: &str,
+    req: &wire::SubmitJobRequest,
+) -> Result<Option<wire::SubmitJobResponse>, Status> {
+    if req.new_job {
+        return Ok(None);
+    }
+    let Some(job) = core.live_job_named(&spec.job.name) else {
+        return Ok(None);
+    };
+    if job.rec.spec_toml == spec_toml {
+        tracing::info!(job = %job.rec.id, name = %job.rec.name, "submit of a live job's name and spec: returning it");
+        return Ok(Some(wire::SubmitJobResponse {
+            job_id: job.rec.id.clone(),
+            existing: true,
+        }));
+    }
+    Err(Status::already_exists(format!(
+        "job.name {:?}: a live job of that name ({}, {}) has another spec; cancel it, rename this one, or submit with --new to start a second",
+        spec.job.name,
+        job.rec.id,
+        job.rec.state.name()
+    )))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -609,34 +645,4 @@ mod tests {
             "{e}"
         );
     }
-}
-
-/// Submit is idempotent by job name: a live job of the same name and
-/// (resolved) spec is the answer; one with another spec is refused unless
-/// the request asks for a new job.
-fn same_live_job(
-    core: &crate::core::Coordinator,
-    spec: &JobSpec,
-    spec_toml: &str,
-    req: &wire::SubmitJobRequest,
-) -> Result<Option<wire::SubmitJobResponse>, Status> {
-    if req.new_job {
-        return Ok(None);
-    }
-    let Some(job) = core.live_job_named(&spec.job.name) else {
-        return Ok(None);
-    };
-    if job.rec.spec_toml == spec_toml {
-        tracing::info!(job = %job.rec.id, name = %job.rec.name, "submit of a live job's name and spec: returning it");
-        return Ok(Some(wire::SubmitJobResponse {
-            job_id: job.rec.id.clone(),
-            existing: true,
-        }));
-    }
-    Err(Status::already_exists(format!(
-        "job.name {:?}: a live job of that name ({}, {}) has another spec; cancel it, rename this one, or submit with --new to start a second",
-        spec.job.name,
-        job.rec.id,
-        job.rec.state.name()
-    )))
 }

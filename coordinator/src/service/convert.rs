@@ -103,6 +103,45 @@ pub fn cursor(c: &Cursor) -> wire::DataCursor {
         epoch: c.epoch,
         position: c.position,
         overflow: c.overflow.clone(),
+        sources: c
+            .sources
+            .iter()
+            .map(|p| wire::SourcePosition {
+                epoch: p.epoch,
+                position: p.position,
+            })
+            .collect(),
+        mixed: c.mixed.clone(),
+        mix_rev: c.mix_rev,
+    }
+}
+
+/// An evaluation's metrics, on the wire.
+pub fn eval_metrics(m: &crate::core::EvalMetrics) -> wire::EvalMetrics {
+    wire::EvalMetrics {
+        step: m.step,
+        loss: m.loss,
+        loss_tokens: m.loss_tokens,
+        tokens: m.tokens,
+        documents: m.docs,
+        extra: m.extra.clone().into_iter().collect(),
+        sources: m
+            .sources
+            .iter()
+            .map(|(k, v)| (k.clone(), source_metrics(v)))
+            .collect(),
+        unix_ms: m.unix_ms,
+    }
+}
+
+/// One source's part of a step, on the wire.
+pub fn source_metrics(m: &crate::core::SourceMetrics) -> wire::SourceMetrics {
+    wire::SourceMetrics {
+        loss: m.loss,
+        loss_tokens: m.loss_tokens,
+        tokens: m.tokens,
+        documents: m.docs,
+        extra: m.extra.clone().into_iter().collect(),
     }
 }
 
@@ -160,6 +199,11 @@ pub fn step_metrics(m: &StepMetrics) -> wire::StepMetrics {
         extra: m.extra.clone().into_iter().collect(),
         model_flops: m.model_flops,
         mfu: m.mfu,
+        sources: m
+            .sources
+            .iter()
+            .map(|(k, v)| (k.clone(), source_metrics(v)))
+            .collect(),
     }
 }
 
@@ -188,6 +232,7 @@ pub fn watch_item(item: &WatchItem) -> wire::WatchJobResponse {
     use wire::watch_job_response::Item;
     let item = match item {
         WatchItem::Step(m) => Item::Step(step_metrics(m)),
+        WatchItem::Eval(m) => Item::Eval(eval_metrics(m)),
         WatchItem::Event {
             kind,
             message,
@@ -252,6 +297,20 @@ pub fn metric_sums(s: wire::MetricSums) -> MetricSums {
         grad_norm: s.grad_norm,
         extra: s.extra.into_iter().collect(),
         model_flops: s.model_flops,
+        sources: s
+            .sources
+            .into_iter()
+            .map(|(k, v)| {
+                let sums = crate::core::SourceSums {
+                    loss_sum: v.loss_sum,
+                    loss_tokens: v.loss_tokens,
+                    tokens: v.tokens,
+                    documents: v.documents,
+                    extra: v.extra.into_iter().collect(),
+                };
+                (k, sums)
+            })
+            .collect(),
     }
 }
 
@@ -402,6 +461,7 @@ pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
                     // pack_f32 of an empty slice is empty.
                     old_logprobs: pack_f32(&mb.old_logprobs),
                     ref_logprobs: pack_f32(&mb.ref_logprobs),
+                    source: mb.source,
                 })
                 .collect(),
             cursor_after: Some(cursor(&planned.cursor_after)),
@@ -409,6 +469,7 @@ pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
                 PlanKind::Train => wire::PlanKind::Train,
                 PlanKind::Reference => wire::PlanKind::Reference,
                 PlanKind::Probe => wire::PlanKind::Probe,
+                PlanKind::Eval => wire::PlanKind::Eval,
             } as i32,
             replay: planned.replay,
             max_tokens: planned.settings.max_tokens,

@@ -202,6 +202,14 @@ impl Shared {
                         failed_outputs.push(Event::OutputFailed { job, what });
                     }
                 }
+                Effect::AppendEval { job, path, eval } => {
+                    self.metrics.observe_eval(&job, &eval);
+                    if let Err(err) = crate::output::append_eval(&path, &job, &eval) {
+                        error!(path = %path.display(), %err, "writing metrics.jsonl failed");
+                        let what = format!("{}: {err}", path.display());
+                        failed_outputs.push(Event::OutputFailed { job, what });
+                    }
+                }
                 Effect::RemoveCheckpoint { job, step, dir } => {
                     match std::fs::remove_dir_all(&dir) {
                         Ok(()) => {

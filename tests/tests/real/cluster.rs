@@ -63,6 +63,68 @@ every_steps = 3
     path
 }
 
+/// Issue 16: the job of [`write_job`] over a mixture of three sources cut
+/// from its 96 rows (48, 32 and 16 documents at 6, 4 and 2 per step, one
+/// epoch each: 8 steps), with an eval source (`held`, 8 of the rows) every
+/// 4 steps.
+pub fn write_mixture_job(d: &Path, name: &str, sharding: &str, max_workers: u32) -> PathBuf {
+    let rows = std::fs::read_to_string(d.join("data/arith-sft.jsonl")).unwrap();
+    let lines: Vec<&str> = rows.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 96);
+    for (file, range) in [("mix-a", 0..48), ("mix-b", 48..80), ("mix-c", 80..96)] {
+        let text: String = lines[range].iter().map(|l| format!("{l}\n")).collect();
+        std::fs::write(d.join(format!("data/{file}.jsonl")), text).unwrap();
+    }
+    let held: String = lines[..8].iter().map(|l| format!("{l}\n")).collect();
+    std::fs::write(d.join("data/held.jsonl"), held).unwrap();
+    let spec = format!(
+        r#"[job]
+name = "{name}"
+seed = 7
+epochs = 1
+output_dir = "out/{name}"
+[model]
+init = "random"
+config = "tiny.json"
+[data]
+format = "sft"
+max_tokens = 256
+[[data.sources]]
+name = "a"
+path = "data/mix-a.jsonl"
+docs = 6
+[[data.sources]]
+name = "b"
+path = "data/mix-b.jsonl"
+docs = 4
+[[data.sources]]
+name = "c"
+path = "data/mix-c.jsonl"
+docs = 2
+[eval]
+every_steps = 4
+[[eval.sources]]
+name = "held"
+path = "data/held.jsonl"
+[batch]
+docs_per_step = 12
+[optimizer]
+lr = 3e-3
+warmup_steps = 1
+eps = 1e-6
+[parallel]
+sharding = "{sharding}"
+min_workers = 1
+max_workers = {max_workers}
+[checkpoint]
+every_steps = 3
+"#
+    );
+    let path = d.join(format!("{name}.toml"));
+    std::fs::write(&path, spec).unwrap();
+    path
+}
+
 /// A coordinator, its workers and a working directory holding the data, the
 /// job specs, the outputs and every process's log.
 pub struct Cluster {

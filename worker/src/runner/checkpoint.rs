@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use tracing::info;
 
 use super::thread::Thread;
-use super::writer::{Answer, CheckpointManifest, ManifestCursor};
+use super::writer::{Answer, CheckpointManifest, ManifestCursor, ManifestSourcePos};
 use crate::error::classify;
 use crate::wire;
 
@@ -27,6 +27,16 @@ impl Thread {
                     epoch: k.epoch,
                     position: k.position,
                     overflow: k.overflow.clone(),
+                    sources: k
+                        .sources
+                        .iter()
+                        .map(|p| ManifestSourcePos {
+                            epoch: p.epoch,
+                            position: p.position,
+                        })
+                        .collect(),
+                    mixed: k.mixed.clone(),
+                    mix_rev: k.mix_rev,
                 }),
             world_size: h.world_size.max(1),
             generation: h.generation,

@@ -16,6 +16,35 @@ pub fn run_reference(
     exec: &mut dyn Engine,
     plan: &wire::StepPlan,
 ) -> Result<(wire::MetricSums, Vec<wire::SequenceLogp>), wire::WorkerError> {
+    run_logps(
+        exec,
+        plan,
+        |e, i, b| e.reference_logps(i, b),
+        "reference chunk",
+    )
+}
+
+/// Runs an eval plan's microbatches: the same report as a reference plan,
+/// under the current weights (the coordinator forms the eval metrics).
+pub fn run_eval(
+    exec: &mut dyn Engine,
+    plan: &wire::StepPlan,
+) -> Result<(wire::MetricSums, Vec<wire::SequenceLogp>), wire::WorkerError> {
+    run_logps(exec, plan, |e, i, b| e.eval_logps(i, b), "eval chunk")
+}
+
+type LogpsFn = fn(
+    &mut dyn Engine,
+    usize,
+    &crate::batch::PackedBatch,
+) -> anyhow::Result<Vec<crate::batch::SequenceLogp>>;
+
+fn run_logps(
+    exec: &mut dyn Engine,
+    plan: &wire::StepPlan,
+    logps_of: LogpsFn,
+    what: &str,
+) -> Result<(wire::MetricSums, Vec<wire::SequenceLogp>), wire::WorkerError> {
     let start = Instant::now();
     let mut sums = wire::MetricSums {
         microbatches: plan.microbatches.len() as u32,
@@ -30,7 +59,7 @@ pub fn run_reference(
         }
         let got = convert::microbatch(mb)
             .map_err(anyhow::Error::from)
-            .and_then(|(batch, _)| exec.reference_logps(i, &batch))
+            .and_then(|(batch, _)| logps_of(exec, i, &batch))
             .map_err(|e| {
                 let (kind, peer_rank) = classify(&e);
                 wire::WorkerError {
@@ -38,7 +67,7 @@ pub fn run_reference(
                     generation: plan.generation,
                     step: plan.step,
                     kind: kind as i32,
-                    message: format!("reference chunk {}, microbatch {i}: {e:#}", plan.step),
+                    message: format!("{what} {}, microbatch {i}: {e:#}", plan.step),
                     peer_rank,
                 }
             })?;
@@ -49,7 +78,7 @@ pub fn run_reference(
                 step: plan.step,
                 kind: wire::ErrorKind::InvalidPlan as i32,
                 message: format!(
-                    "reference chunk {}, microbatch {i}: {} sequences in cu_seq_lens, {} sequence entries",
+                    "{what} {}, microbatch {i}: {} sequences in cu_seq_lens, {} sequence entries",
                     plan.step,
                     got.len(),
                     mb.sequences.len()

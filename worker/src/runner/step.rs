@@ -56,7 +56,9 @@ pub fn run_step(
     };
     // A document is counted at its first sequence (role 0; a DPO pair's
     // rejected side is role 1): the same document twice in one step (an
-    // epoch boundary inside it) counts twice, as it is trained twice.
+    // epoch boundary inside it) counts twice, as it is trained twice. Each
+    // microbatch holds one source's documents: its sums are that source's
+    // (the coordinator names the sources).
     let mut documents = 0u64;
     // Collective time is measured apart and taken out of compute and
     // optimizer time, so the four phases add up to the step's wall time.
@@ -94,7 +96,18 @@ pub fn run_step(
                 if o.tokens > 0 {
                     sums.padding_tokens += max_tokens.saturating_sub(o.tokens);
                 }
-                documents += mb.sequences.iter().filter(|s| s.role == 0).count() as u64;
+                let firsts = mb.sequences.iter().filter(|s| s.role == 0).count() as u64;
+                documents += firsts;
+                if !mb.sequences.is_empty() {
+                    let src = sums.sources.entry(mb.source).or_default();
+                    src.loss_sum += o.loss_sum;
+                    src.loss_tokens += o.loss_tokens;
+                    src.tokens += o.tokens;
+                    for (k, v) in &o.extra {
+                        *src.extra.entry(k.clone()).or_insert(0.0) += v;
+                    }
+                    src.documents += firsts;
+                }
             }
             Err(_) if aborted() => {
                 // The abort interrupted a collective: not a failure.

@@ -143,6 +143,7 @@ fn mb(docs: &[(&str, usize)]) -> wire::Microbatch {
         cu_seq_lens: cu,
         sequences: seqs,
         old_logprobs: Vec::new(),
+        source: 0,
     }
 }
 
@@ -364,6 +365,7 @@ fn the_thread_configures_runs_checkpoints_and_drains_on_shutdown() {
             epoch: 1,
             position: 8,
             overflow: vec![3],
+            ..Default::default()
         }),
     }));
     // Shutting down still finishes the queued plan and checkpoint.
@@ -385,7 +387,8 @@ fn the_thread_configures_runs_checkpoints_and_drains_on_shutdown() {
             cursor: ManifestCursor {
                 epoch: 1,
                 position: 8,
-                overflow: vec![3]
+                overflow: vec![3],
+                ..Default::default()
             },
             world_size: 1,
             generation: 1,

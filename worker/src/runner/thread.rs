@@ -234,8 +234,12 @@ impl Thread {
         if p.kind == wire::PlanKind::Probe as i32 {
             return self.probe(p);
         }
-        if p.kind == wire::PlanKind::Reference as i32 {
-            let result = guarded(p, || reference::run_reference(h.exec.as_mut(), p));
+        let eval = p.kind == wire::PlanKind::Eval as i32;
+        if p.kind == wire::PlanKind::Reference as i32 || eval {
+            let result = guarded(p, || match eval {
+                true => reference::run_eval(h.exec.as_mut(), p),
+                false => reference::run_reference(h.exec.as_mut(), p),
+            });
             self.last_done = Instant::now();
             match result {
                 Ok((sums, logps)) => {

@@ -55,6 +55,24 @@ pub struct ManifestCursor {
     pub epoch: u64,
     pub position: u64,
     pub overflow: Vec<u64>,
+    /// A mixture's other sources, and its interleave state.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sources: Vec<ManifestSourcePos>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mixed: Vec<u64>,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub mix_rev: u32,
+}
+
+fn is_zero(v: &u32) -> bool {
+    *v == 0
+}
+
+/// Where one source of a mixture stands.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, serde::Deserialize)]
+pub struct ManifestSourcePos {
+    pub epoch: u64,
+    pub position: u64,
 }
 
 /// Writes a snapshotted part into `dir`: the files, then this rank's

@@ -49,6 +49,17 @@ pub trait Engine {
         bail!("this engine cannot run reference plans")
     }
 
+    /// Eval plans: each sequence's log-prob summed over its loss tokens
+    /// under the CURRENT weights, forward only (no gradient, nothing
+    /// changes); every rank calls it for every microbatch index.
+    fn eval_logps(
+        &mut self,
+        _index: usize,
+        _batch: &PackedBatch,
+    ) -> anyhow::Result<Vec<SequenceLogp>> {
+        bail!("this engine cannot run eval plans")
+    }
+
     /// The accumulation boundary: reduce gradients across ranks, clip with
     /// the global norm, step the optimizer at `lr`, zero the gradients. On
     /// a non-finite norm it fails on every rank and leaves the parameters

@@ -28,6 +28,14 @@ impl Engine for FsdpTrainer {
         self.initial_logps(index, batch)
     }
 
+    fn eval_logps(
+        &mut self,
+        index: usize,
+        batch: &PackedBatch,
+    ) -> anyhow::Result<Vec<SequenceLogp>> {
+        self.current_logps(index, batch)
+    }
+
     /// A collective; the gradient shards are zeroed whatever the outcome.
     fn optimizer_step(&mut self, lr: f64) -> anyhow::Result<StepStats> {
         let result = self.boundary(lr);

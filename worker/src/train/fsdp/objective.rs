@@ -121,6 +121,7 @@ impl FsdpTrainer {
         index: usize,
         mb: &PackedBatch,
     ) -> anyhow::Result<Vec<SequenceLogp>> {
+        let per_token = matches!(self.objective, Objective::Pg { .. });
         let allowed = if self.restored || self.opt.step > 0 {
             Err(anyhow!(
                 "fsdp reference plan after training started (optimizer step {}{}): fsdp keeps no \
@@ -136,6 +137,26 @@ impl FsdpTrainer {
         } else {
             Ok(())
         };
+        self.sharded_logps(index, mb, allowed, per_token)
+    }
+
+    /// Each sequence's log-prob under the current (sharded) weights,
+    /// forward only: eval plans (a collective, like the reference's).
+    pub(super) fn current_logps(
+        &mut self,
+        index: usize,
+        mb: &PackedBatch,
+    ) -> anyhow::Result<Vec<SequenceLogp>> {
+        self.sharded_logps(index, mb, Ok(()), false)
+    }
+
+    fn sharded_logps(
+        &mut self,
+        index: usize,
+        mb: &PackedBatch,
+        allowed: anyhow::Result<()>,
+        per_token: bool,
+    ) -> anyhow::Result<Vec<SequenceLogp>> {
         let prep = self.prepare_checked(index, mb, None, allowed)?;
         let targets = if mb.is_empty() {
             Vec::new()
@@ -165,7 +186,6 @@ impl FsdpTrainer {
         if mb.is_empty() {
             return Ok(Vec::new());
         }
-        let per_token = matches!(self.objective, Objective::Pg { .. });
         head::reference_sequences(&lp, &targets, &mb.cu_seq_lens, per_token)
             .with_context(|| format!("microbatch {index}"))
     }

@@ -26,6 +26,14 @@ impl Engine for Trainer {
         self.initial_logps(index, batch)
     }
 
+    fn eval_logps(
+        &mut self,
+        index: usize,
+        batch: &PackedBatch,
+    ) -> anyhow::Result<Vec<SequenceLogp>> {
+        self.current_logps(index, batch)
+    }
+
     /// Every rank must call it, ranks with only padding microbatches too
     /// (they contribute zeros to the reduction).
     fn optimizer_step(&mut self, lr: f64) -> anyhow::Result<StepStats> {

@@ -94,6 +94,26 @@ impl Trainer {
             .collect())
     }
 
+    /// Each sequence's log-prob and loss-token count under the model as it
+    /// is now, forward only (eval plans).
+    pub(super) fn current_logps(
+        &mut self,
+        index: usize,
+        mb: &PackedBatch,
+    ) -> anyhow::Result<Vec<SequenceLogp>> {
+        if mb.is_empty() {
+            return Ok(Vec::new());
+        }
+        mb.validate()
+            .with_context(|| format!("microbatch {index}"))?;
+        self.check_vocabulary(index, mb)?;
+        let targets = loss::shifted_targets(&mb.labels, &mb.cu_seq_lens);
+        let lp = reference_token_logps(&self.model, mb, &targets, self.loss_chunk_tokens)
+            .with_context(|| format!("microbatch {index}"))?;
+        head::reference_sequences(&lp, &targets, &mb.cu_seq_lens, false)
+            .with_context(|| format!("microbatch {index}"))
+    }
+
     /// [`Self::sequence_logps`] with, for a policy-gradient job, every
     /// token's log-prob too (the cached reference of its KL penalty).
     pub(super) fn initial_logps(

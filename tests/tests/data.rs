@@ -1,0 +1,148 @@
+//! Issue 16, with the real `accrue` binary: `accrue data prepare` killed
+//! with `kill -9` in the middle of building a token store leaves nothing a
+//! job could use, and the next prepare builds the store whole, then finds
+//! it; `accrue validate` then reads the data through the cache even though
+//! the file is above the size it scans unasked.
+//!
+//! Needs no shared data: the rows are synthetic, the tokenizer the
+//! built-in byte one.
+
+use std::io::Write;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+mod common;
+
+/// Rows of the dataset: ~20 MiB, above validate's 16 MiB automatic scan,
+/// and seconds of tokenizing in a debug build (time to kill it).
+const ROWS: u64 = 200_000;
+
+fn write_rows(path: &Path) {
+    let mut w = std::io::BufWriter::new(std::fs::File::create(path).unwrap());
+    for i in 0..ROWS {
+        let row = serde_json::json!({
+            "prompt": format!("row {i}: what is {} plus {}? ", i % 97, i % 89),
+            "completion": format!("{} and some words to make the row longer, {}", i % 97 + i % 89, "x".repeat((i % 40) as usize)),
+        });
+        writeln!(w, "{row}").unwrap();
+    }
+    w.flush().unwrap();
+}
+
+/// Entries of the cache root: (finished stores, unfinished build dirs).
+fn cache_entries(root: &Path) -> (Vec<String>, Vec<String>) {
+    let names: Vec<String> = std::fs::read_dir(root)
+        .map(|r| {
+            r.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    names.into_iter().partition(|n| !n.starts_with('.'))
+}
+
+fn prepare(d: &Path) -> serde_json::Value {
+    let out = Command::new(common::bin_dir().join("accrue"))
+        .args(["data", "prepare", "--json", "job.toml"])
+        .current_dir(d)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "prepare failed: {stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_str(stdout.lines().next().unwrap_or("")).unwrap()
+}
+
+#[test]
+fn a_prepare_killed_mid_build_leaves_no_usable_store_and_the_next_builds_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    write_rows(&d.join("rows.jsonl"));
+    std::fs::write(d.join("tiny.json"), r#"{"vocab_size": 320}"#).unwrap();
+    let cache = d.join("cache");
+    std::fs::write(
+        d.join("job.toml"),
+        format!(
+            "[job]\nname = \"prep\"\nepochs = 1\noutput_dir = \"out\"\n\
+             [model]\ninit = \"random\"\nconfig = \"tiny.json\"\n\
+             [data]\ntrain = [\"rows.jsonl\"]\nformat = \"sft\"\ncache_dir = {:?}\n\
+             [batch]\ndocs_per_step = 8\n",
+            cache.display().to_string()
+        ),
+    )
+    .unwrap();
+
+    // Start a prepare and kill it once its build directory exists.
+    let mut child = Command::new(common::bin_dir().join("accrue"))
+        .args(["data", "prepare", "--json", "job.toml"])
+        .current_dir(d)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        if !cache_entries(&cache).1.is_empty() {
+            break;
+        }
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "prepare exited before its build directory was seen"
+        );
+        assert!(Instant::now() < deadline, "no build directory appeared");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "prepare finished before it could be killed: make the file larger"
+    );
+    child.kill().unwrap(); // SIGKILL: no cleanup runs
+    child.wait().unwrap();
+    let (stores, partial) = cache_entries(&cache);
+    assert!(stores.is_empty(), "a killed build left a store: {stores:?}");
+    assert_eq!(partial.len(), 1, "{partial:?}");
+
+    // The next prepare builds the whole store (and sweeps the dead
+    // build's directory); the one after finds it.
+    let built = prepare(d);
+    assert_eq!(built["found"], "built", "{built}");
+    assert_eq!(built["docs"], ROWS, "{built}");
+    assert_eq!(built["skipped"], 0, "{built}");
+    let (stores, partial) = cache_entries(&cache);
+    assert_eq!(
+        (stores.len(), partial.len()),
+        (1, 0),
+        "{stores:?} {partial:?}"
+    );
+    let hit = prepare(d);
+    assert_eq!(hit["found"], "hit", "{hit}");
+    assert_eq!(
+        (hit["docs"].clone(), hit["tokens"].clone()),
+        (built["docs"].clone(), built["tokens"].clone())
+    );
+
+    // validate reads a cached dataset unasked, per source.
+    let out = Command::new(common::bin_dir().join("accrue"))
+        .args(["validate", "job.toml"])
+        .current_dir(d)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains(&format!(
+            "  source train: {ROWS} documents, {} tokens",
+            built["tokens"]
+        )),
+        "{stdout}"
+    );
+}
