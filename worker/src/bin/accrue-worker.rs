@@ -1,6 +1,7 @@
 //! `accrue-worker`: one training process. Registers with the coordinator,
 //! runs the step plans it is sent, and exits when released.
 
+use accrue_worker::device;
 use accrue_worker::runner::{self, RunnerConfig};
 use accrue_worker::session::{self, SessionConfig};
 use std::path::PathBuf;
@@ -27,6 +28,10 @@ struct Args {
     /// (in Kubernetes: `$(POD_IP):7071`, as pod hostnames do not resolve).
     #[arg(long, value_name = "ADDR", env = "ACCRUE_COLLECTIVE_ADVERTISE")]
     collective_advertise: Option<String>,
+    /// Device to train on: auto (LOCAL_RANK, else the first free visible
+    /// GPU, else the CPU), cpu, cuda (like auto, GPUs only) or cuda:N.
+    #[arg(long, env = "ACCRUE_DEVICE", default_value = "auto")]
+    device: accrue_worker::device::DeviceRequest,
     /// libtorch intra-op threads (default: libtorch's choice).
     #[arg(long)]
     threads: Option<i32>,
@@ -92,10 +97,15 @@ async fn main() -> anyhow::Result<()> {
         &args.collective_listen,
         args.collective_advertise.as_deref(),
     )?;
+    let local_rank = std::env::var("LOCAL_RANK").ok();
+    let choice = device::choose(args.device, local_rank.as_deref(), &device::probe())?;
+    let info = device::describe(choice.device);
+    tracing::info!(device = %info, why = choice.why, "training device");
     let mut cfg = SessionConfig::new(&args.coordinator);
     cfg.collective_addr = advertised;
     cfg.exit_on_release = args.exit_on_release;
-    cfg.peak_flops = session::peak_flops(args.peak_tflops);
+    cfg.peak_flops = session::peak_flops(args.peak_tflops, &info);
+    cfg.device = info;
     cfg.security = session::secure::Security {
         token: session::secure::resolve_token(args.token.as_deref(), args.token_file.as_deref())?,
         tls: args.tls_ca.map(|ca| session::secure::TlsFiles {
@@ -110,7 +120,7 @@ async fn main() -> anyhow::Result<()> {
     }
     let drain_timeout = std::time::Duration::from_secs(args.drain_timeout_s);
     cfg.drain = session::lifecycle::drain_on_sigterm(drain_timeout)?;
-    let mut parts = RunnerConfig::new(runner::default_factory());
+    let mut parts = RunnerConfig::on(runner::default_factory(), choice.device);
     parts.listener = Some(listener);
     session::run(cfg, parts).await
 }
