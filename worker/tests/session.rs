@@ -67,11 +67,27 @@ impl Engine for Fake {
     fn checkpoint_snapshot(&mut self) -> anyhow::Result<CheckpointWrite> {
         let steps = self.steps;
         Ok(Box::new(move |dir: &Path| {
-            std::fs::write(dir.join("config.json"), "{}")?;
-            std::fs::write(dir.join("model.safetensors"), steps.to_string())?;
+            // A real (if tiny) model folder: submit checks what a
+            // `model.init` checkpoint holds.
+            std::fs::write(dir.join("config.json"), r#"{"vocab_size": 300}"#)?;
+            std::fs::write(dir.join("model.safetensors"), fake_weights(steps))?;
             Ok(vec!["config.json".into(), "model.safetensors".into()])
         }))
     }
+}
+
+/// The fake replica's state as a safetensors file: its step count.
+fn fake_weights(steps: u32) -> Vec<u8> {
+    let bytes = steps.to_le_bytes();
+    let view =
+        safetensors::tensor::TensorView::new(safetensors::Dtype::U32, vec![1], &bytes).unwrap();
+    safetensors::serialize([("steps", view)], None).unwrap()
+}
+
+fn steps_of(file: &[u8]) -> anyhow::Result<u32> {
+    let st = safetensors::SafeTensors::deserialize(file)?;
+    let t = st.tensor("steps")?;
+    Ok(u32::from_le_bytes(t.data().try_into()?))
 }
 
 /// A factory recording what each build restored from.
@@ -83,7 +99,7 @@ fn factory(restores: Arc<Mutex<Vec<Option<PathBuf>>>>, slow_first: Option<Durati
             .push(restore.map(Path::to_path_buf));
         // A restored replica continues its step count from the checkpoint.
         let steps = match restore {
-            Some(d) => std::fs::read_to_string(d.join("model.safetensors"))?.parse()?,
+            Some(d) => steps_of(&std::fs::read(d.join("model.safetensors"))?)?,
             None => 0,
         };
         Ok(Box::new(Fake {
@@ -165,7 +181,7 @@ async fn a_worker_trains_checkpoints_and_a_resumed_job_continues_at_the_same_ste
         ));
     }
     std::fs::write(dir.path().join("train.jsonl"), rows).unwrap();
-    std::fs::write(dir.path().join("tiny.json"), "{}").unwrap();
+    std::fs::write(dir.path().join("tiny.json"), r#"{"vocab_size": 300}"#).unwrap();
 
     let mut cfg = ServerConfig::new("127.0.0.1:0".parse().unwrap(), dir.path().join("state"));
     cfg.heartbeat_interval_ms = 100;

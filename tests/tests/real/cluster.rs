@@ -349,17 +349,54 @@ impl Cluster {
     /// The exactly-once check over the manifests: steps 1..=8, every
     /// document of the epoch trained in exactly one committed step.
     pub fn assert_exactly_once(&self, id: &str, rows: usize) {
+        self.assert_exactly_once_per_epoch(id, rows, 8, 1);
+    }
+
+    /// The exactly-once check of a job of `epochs` epochs of
+    /// `steps_per_epoch` steps each (`docs_per_step` divides the `rows`, so
+    /// no step spans an epoch boundary): the committed steps are exactly
+    /// 1..=epochs·steps_per_epoch, and the steps of each epoch train every
+    /// one of the `rows` documents exactly once. Checking each epoch on its
+    /// own is stricter than counting over the run: a document trained twice
+    /// in one epoch and missing from the next is caught.
+    pub fn assert_exactly_once_per_epoch(
+        &self,
+        id: &str,
+        rows: usize,
+        steps_per_epoch: u64,
+        epochs: u64,
+    ) {
         let m = self.manifests(id);
-        assert_eq!(m.len(), 8, "committed steps in the manifests");
+        let steps: Vec<u64> = m.iter().map(|s| s.step).collect();
+        let want: Vec<u64> = (1..=steps_per_epoch * epochs).collect();
+        assert_eq!(steps, want, "committed steps in the manifests");
         let expect = Expectation {
             universe: Vec::new(),
-            complete_epochs: 1,
+            complete_epochs: epochs,
             partial: false,
         };
         let offenders = check_exactly_once(&m, 1, &expect);
         assert!(offenders.is_empty(), "not exactly once: {offenders:?}");
-        let docs: std::collections::BTreeSet<_> = m.iter().flat_map(|s| s.docs()).collect();
-        assert_eq!(docs.len(), rows, "documents trained over the epoch");
+        let mut universe = None;
+        for (e, epoch) in m.chunks(steps_per_epoch as usize).enumerate() {
+            let mut counts: BTreeMap<_, u32> = BTreeMap::new();
+            for d in epoch.iter().flat_map(|s| s.docs()) {
+                *counts.entry(d).or_default() += 1;
+            }
+            let twice: Vec<_> = counts.iter().filter(|(_, &n)| n != 1).collect();
+            assert!(
+                twice.is_empty(),
+                "epoch {e} (steps {}..={}) trained documents more than once: {twice:?}",
+                epoch[0].step,
+                epoch[epoch.len() - 1].step
+            );
+            assert_eq!(counts.len(), rows, "documents trained in epoch {e}");
+            let docs: Vec<_> = counts.into_keys().collect();
+            match &universe {
+                None => universe = Some(docs),
+                Some(u) => assert_eq!(&docs, u, "epoch {e} trained other documents than epoch 0"),
+            }
+        }
     }
 
     /// A worker of 3 left after step 3 of the 8-step, 96-document job:
@@ -411,9 +448,14 @@ impl Drop for Cluster {
 
 pub type Params = BTreeMap<String, Vec<f32>>;
 
-/// The parameters of the job's final checkpoint (all safetensors shards).
+/// The parameters of the 8-step job's final checkpoint.
 pub fn final_params(out: &Path) -> Params {
-    let ck = out.join("checkpoints").join("step-8");
+    final_params_at(out, 8)
+}
+
+/// The parameters of the checkpoint of `step` (all safetensors shards).
+pub fn final_params_at(out: &Path, step: u64) -> Params {
+    let ck = out.join("checkpoints").join(format!("step-{step}"));
     let mut params = Params::new();
     for e in std::fs::read_dir(&ck).unwrap_or_else(|e| panic!("{}: {e}", ck.display())) {
         let p = e.unwrap().path();

@@ -17,8 +17,14 @@ pub fn root() -> PathBuf {
         .to_path_buf()
 }
 
-/// target/<profile>, after building the coordinator, CLI and worker binaries.
+/// target/<profile>, after building the coordinator, CLI and worker binaries;
+/// or `$ACCRUE_TEST_BINS` when set, a directory already holding them
+/// (scripts/chaos.sh sets it to a snapshot, so a build from elsewhere into a
+/// shared target directory cannot swap the binaries under a long run).
 pub fn bin_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("ACCRUE_TEST_BINS") {
+        return PathBuf::from(dir);
+    }
     BUILD.call_once(|| {
         let status = Command::new(env!("CARGO"))
             .args(["build", "-q", "-p", "accrue-coordinator", "-p", "accrue-worker", "--bins"])
