@@ -10,7 +10,9 @@ fn main() {
     println!("cargo::rustc-check-cfg=cfg(accrue_cuda_memory)");
     println!("cargo:rerun-if-changed=csrc/cuda_memory.cpp");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
-    let lib = std::env::var("DEP_TCH_LIBTORCH_LIB").ok().map(PathBuf::from);
+    let lib = std::env::var("DEP_TCH_LIBTORCH_LIB")
+        .ok()
+        .map(PathBuf::from);
     if let Some(dir) = &lib {
         println!("cargo:rustc-link-arg=-Wl,-rpath,{}", dir.display());
     }
@@ -49,7 +51,10 @@ fn cuda_memory_shim(lib: &Path) {
         return;
     };
     if !lib.join("libc10_cuda.so").is_file() || !include.join("c10/cuda").is_dir() {
-        println!("cargo:warning=cuda memory shim skipped: libtorch at {} has no CUDA", lib.display());
+        println!(
+            "cargo:warning=cuda memory shim skipped: libtorch at {} has no CUDA",
+            lib.display()
+        );
         return;
     }
     // PyTorch's wheels are built with the C++11 ABI; the shim shares

@@ -126,7 +126,8 @@ pub fn choose(
                     return gpu(n, format!("LOCAL_RANK={n}"), "LOCAL_RANK");
                 }
             }
-            if let Some(free) = (0..gpus.visible).find(|&i| !gpus.busy.get(i).copied().unwrap_or(false))
+            if let Some(free) =
+                (0..gpus.visible).find(|&i| !gpus.busy.get(i).copied().unwrap_or(false))
             {
                 return Ok(Choice {
                     device: Device::Cuda(free),
@@ -249,12 +250,15 @@ pub fn probe() -> Gpus {
     if visible == 0 {
         return Gpus::default();
     }
-    let busy_uuids = nvidia_smi(&["--query-compute-apps=gpu_uuid", "--format=csv,noheader"])
-        .unwrap_or_default();
+    let busy_uuids =
+        nvidia_smi(&["--query-compute-apps=gpu_uuid", "--format=csv,noheader"]).unwrap_or_default();
     let busy_uuids: Vec<&str> = busy_uuids.lines().map(str::trim).collect();
     let smi = smi_visible();
     let busy = (0..visible)
-        .map(|i| smi.get(i).is_some_and(|g| busy_uuids.contains(&g.uuid.as_str())))
+        .map(|i| {
+            smi.get(i)
+                .is_some_and(|g| busy_uuids.contains(&g.uuid.as_str()))
+        })
         .collect();
     Gpus { visible, busy }
 }
@@ -341,7 +345,14 @@ mod tests {
         assert_eq!(pick("auto", Some("3"), &gpus(0, &[])), Ok(Device::Cpu));
         let e = pick("auto", Some("9"), &eight).unwrap_err();
         assert!(
-            matches!(e, DeviceError::NoSuchGpu { ordinal: 9, visible: 8, .. }),
+            matches!(
+                e,
+                DeviceError::NoSuchGpu {
+                    ordinal: 9,
+                    visible: 8,
+                    ..
+                }
+            ),
             "{e}"
         );
         assert!(matches!(

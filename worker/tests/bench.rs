@@ -59,7 +59,10 @@ fn bench_train_step() {
     };
     let mut cfg = common::job_config(
         "random",
-        &format!("config = \"{}\"\n{mixed}", dir.join("config.json").display()),
+        &format!(
+            "config = \"{}\"\n{mixed}",
+            dir.join("config.json").display()
+        ),
     );
     cfg.device = device;
     let peak = accrue_worker::session::peak_flops(None, &accrue_worker::device::describe(device));
@@ -298,11 +301,7 @@ fn bench_optimizer_phase() {
     );
     let mut t = Trainer::single(&cfg, None).unwrap();
     let total = batch.loss_tokens();
-    let params: Vec<Tensor> = t
-        .named_parameters()
-        .iter()
-        .map(|(_, p)| p.copy())
-        .collect();
+    let params: Vec<Tensor> = t.named_parameters().iter().map(|(_, p)| p.copy()).collect();
     let zeros = || -> Vec<Tensor> {
         params
             .iter()

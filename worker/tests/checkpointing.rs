@@ -70,7 +70,9 @@ fn checkpointing_gives_the_same_update_at_ddp_and_zero2() {
         let plain = train(sharding, world, false);
         let recomputed = train(sharding, world, true);
         let (w, n) = common::worst_rel(&recomputed, &plain);
-        println!("{sharding} × {world}: checkpointed vs plain worst relative difference {w:e} ({n})");
+        println!(
+            "{sharding} × {world}: checkpointed vs plain worst relative difference {w:e} ({n})"
+        );
         assert!(w <= 1e-6, "{sharding} × {world}: {n} differs by {w:e}");
     }
 }
@@ -130,12 +132,21 @@ fn checkpointing_memory_child() {
 
 fn child_peak(on: bool) -> u64 {
     let out = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "checkpointing_memory_child", "--ignored", "--nocapture"])
+        .args([
+            "--exact",
+            "checkpointing_memory_child",
+            "--ignored",
+            "--nocapture",
+        ])
         .env(CHILD_MODE, if on { "on" } else { "off" })
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "child failed:\n{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "child failed:\n{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     text.lines()
         .find_map(|l| l.strip_prefix("PEAK_EXTRA "))
         .and_then(|v| v.trim().parse().ok())

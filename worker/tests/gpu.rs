@@ -40,7 +40,10 @@ fn parity_on(device: Device, variant: &str) {
     let mut worst = 0.0f64;
     for (i, w) in batch.cu_seq_lens.windows(2).enumerate() {
         let ours = logits.narrow(0, w[0], w[1] - w[0]);
-        worst = worst.max(common::max_abs_diff(&ours, &reference[&format!("doc{i}.logits")]));
+        worst = worst.max(common::max_abs_diff(
+            &ours,
+            &reference[&format!("doc{i}.logits")],
+        ));
     }
     let sums = t.microbatch(0, &batch, total).unwrap();
     let expected: f64 = (0..docs.len())
@@ -59,7 +62,10 @@ fn parity_on(device: Device, variant: &str) {
     let (g, name) = common::worst_rel(&grads, &theirs);
     println!("{variant} on {device:?}: logits {worst:e}, loss sum rel {loss_rel:e}, gradients {g:e} ({name})");
     assert!(worst <= 2e-4, "{variant}: logits differ by {worst}");
-    assert!(loss_rel <= 1e-5, "{variant}: loss sum differs by {loss_rel}");
+    assert!(
+        loss_rel <= 1e-5,
+        "{variant}: loss sum differs by {loss_rel}"
+    );
     assert!(g <= 1e-4, "{variant}: gradient of {name} differs by {g}");
 }
 
@@ -106,7 +112,9 @@ fn gpu_bf16_mixed_tracks_fp32() {
         .zip(&mixed)
         .map(|(a, b)| (a - b).abs() / a.abs())
         .fold(0.0, f64::max);
-    println!("bf16-mixed vs fp32 on {device:?}: worst relative loss difference over 20 steps {worst:e}");
+    println!(
+        "bf16-mixed vs fp32 on {device:?}: worst relative loss difference over 20 steps {worst:e}"
+    );
     assert!(worst <= 0.01, "bf16-mixed loss is {worst} away from fp32");
 }
 
@@ -125,7 +133,10 @@ fn gpu_memory_is_reported() {
     t.microbatch(0, &b, b.loss_tokens()).unwrap();
     t.optimizer_step(1e-4).unwrap();
     let p = accrue_worker::gpu_memory::peak(device).expect("GPU memory readable");
-    println!("GPU memory of a step: peak allocated {} B, peak reserved {} B", p.allocated, p.reserved);
+    println!(
+        "GPU memory of a step: peak allocated {} B, peak reserved {} B",
+        p.allocated, p.reserved
+    );
     assert!(p.reserved > 0);
     assert!(p.allocated == 0 || p.reserved >= p.allocated, "{p:?}");
 }
@@ -181,7 +192,10 @@ fn gpu_two_ranks_on_nccl_match_one_rank() {
         let ls: Vec<TcpListener> = (0..2)
             .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
             .collect();
-        let peers: Vec<String> = ls.iter().map(|l| l.local_addr().unwrap().to_string()).collect();
+        let peers: Vec<String> = ls
+            .iter()
+            .map(|l| l.local_addr().unwrap().to_string())
+            .collect();
         let ckpt = tempfile::tempdir().unwrap();
         let handles: Vec<_> = ls
             .into_iter()
@@ -226,18 +240,33 @@ fn gpu_two_ranks_on_nccl_match_one_rank() {
             })
             .collect();
         let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
-        assert!(results.iter().all(|b| *b == backend), "{sharding}: {results:?}");
+        assert!(
+            results.iter().all(|b| *b == backend),
+            "{sharding}: {results:?}"
+        );
         let mut saved = common::read(&ckpt.path().join("model-00001-of-00002.safetensors"));
-        saved.extend(common::read(&ckpt.path().join("model-00002-of-00002.safetensors")));
+        saved.extend(common::read(
+            &ckpt.path().join("model-00002-of-00002.safetensors"),
+        ));
         let mut worst = (0.0, String::new());
         for (n, r) in &reference {
-            let t = saved.get(n).unwrap_or_else(|| panic!("{sharding}: {n} not saved"));
+            let t = saved
+                .get(n)
+                .unwrap_or_else(|| panic!("{sharding}: {n} not saved"));
             let (d, norm) = common::diff_norms(&t.to_kind(Kind::Float), r);
             if d / norm > worst.0 {
                 worst = (d / norm, n.clone());
             }
         }
-        println!("{sharding} on 2 GPUs ({backend:?}) vs 1 rank: worst relative difference {:e} ({})", worst.0, worst.1);
-        assert!(worst.0 <= 1e-5, "{sharding}: {} differs by {:e}", worst.1, worst.0);
+        println!(
+            "{sharding} on 2 GPUs ({backend:?}) vs 1 rank: worst relative difference {:e} ({})",
+            worst.0, worst.1
+        );
+        assert!(
+            worst.0 <= 1e-5,
+            "{sharding}: {} differs by {:e}",
+            worst.1,
+            worst.0
+        );
     }
 }

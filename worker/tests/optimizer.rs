@@ -60,7 +60,11 @@ fn tolerance(name: &str) -> f64 {
 
 /// Per step, the worst per-tensor difference relative to its tolerance
 /// (≤ 1 passes) and the tensor.
-fn ours_vs_torch(dir: &Path, torch: &HashMap<String, Tensor>, no_decay: &str) -> Vec<(f64, String)> {
+fn ours_vs_torch(
+    dir: &Path,
+    torch: &HashMap<String, Tensor>,
+    no_decay: &str,
+) -> Vec<(f64, String)> {
     let reference = common::read(&dir.join("reference.safetensors"));
     let docs = common::documents(&reference);
     let cfg = common::job_config(
@@ -96,13 +100,20 @@ fn check(variant: &str, foreach: bool) {
     let groups = ours_vs_torch(dir.path(), &torch, "[\"bias\", \"norm\"]");
     println!("{variant} (foreach {foreach}): worst per-step diff / tolerance {groups:?}");
     for (step, (w, n)) in groups.iter().enumerate() {
-        assert!(*w <= 1.0, "{variant} step {}: {n} differs by {w:.2} × its tolerance", step + 1);
+        assert!(
+            *w <= 1.0,
+            "{variant} step {}: {n} differs by {w:.2} × its tolerance",
+            step + 1
+        );
     }
     // Decay on every parameter is a different optimizer: the check sees it.
     let all = ours_vs_torch(dir.path(), &torch, "[]");
     let (w, n) = all.last().unwrap();
     println!("{variant}: decaying every parameter misses by {w:.1} × the tolerance ({n})");
-    assert!(*w > 20.0, "{variant}: decay groups made no difference ({w})");
+    assert!(
+        *w > 20.0,
+        "{variant}: decay groups made no difference ({w})"
+    );
 }
 
 #[test]

@@ -46,9 +46,7 @@ fn train(t: &mut dyn Engine, norms: impl Fn(u64) -> accrue_worker::batch::StepNo
         .map(|s| {
             let b = common::batch(&docs(s));
             let n = norms(b.loss_tokens());
-            let o = t
-                .train_microbatch(0, &b, &Default::default(), &n)
-                .unwrap();
+            let o = t.train_microbatch(0, &b, &Default::default(), &n).unwrap();
             t.optimizer_step(LR).unwrap();
             o.loss_sum / b.loss_tokens() as f64
         })
@@ -132,7 +130,10 @@ fn bf16_mixed_at_zero2_and_fsdp_matches_ddp() {
     let extra = "[precision]\ncompute = \"bfloat16\"\n";
     let ddp = run(dir.path(), extra);
     for sharding in ["zero2", "fsdp"] {
-        let cfg = config(dir.path(), &format!("{extra}[parallel]\nsharding = \"{sharding}\"\n"));
+        let cfg = config(
+            dir.path(),
+            &format!("{extra}[parallel]\nsharding = \"{sharding}\"\n"),
+        );
         let handles: Vec<_> = LocalGroup::new(2)
             .into_iter()
             .map(|coll| {
@@ -142,9 +143,18 @@ fn bf16_mixed_at_zero2_and_fsdp_matches_ddp() {
                     let rank = coll.rank();
                     let step = |t: &mut dyn Engine, s: usize| {
                         let all = common::batch(&docs(s));
-                        let mine = if rank == 0 { all.clone() } else { Default::default() };
-                        t.train_microbatch(0, &mine, &Default::default(), &norms(all.loss_tokens()))
-                            .unwrap();
+                        let mine = if rank == 0 {
+                            all.clone()
+                        } else {
+                            Default::default()
+                        };
+                        t.train_microbatch(
+                            0,
+                            &mine,
+                            &Default::default(),
+                            &norms(all.loss_tokens()),
+                        )
+                        .unwrap();
                         t.optimizer_step(LR).unwrap();
                     };
                     if sharding == "fsdp" {

@@ -132,7 +132,11 @@ pub async fn run(spec_path: &Path, workers: u32, devices: Devices) -> anyhow::Re
         out.join("state").display()
     );
 
-    let gpus = if devices == Devices::Gpu { probe_gpus() } else { 0 };
+    let gpus = if devices == Devices::Gpu {
+        probe_gpus()
+    } else {
+        0
+    };
     let mut children = Vec::new();
     for k in 0..workers {
         let device = worker_device(k, gpus, devices);

@@ -533,6 +533,8 @@ mod tests {
             extra: [("rewards/chosen".to_string(), 0.25)].into(),
             model_flops: 1.0e12,
             mfu: 0.125,
+            gpu_memory_peak_allocated_bytes: 0,
+            gpu_memory_peak_reserved_bytes: 0,
         }
     }
 

@@ -51,14 +51,7 @@ pub fn join(
     listener: &TcpListener,
     j: &Join<'_>,
 ) -> Result<(Box<dyn Collective>, Backend), CollectiveError> {
-    let mut ring = connect_cpu(
-        listener,
-        j.rank,
-        j.world,
-        j.peers,
-        j.generation,
-        j.timeout,
-    )?;
+    let mut ring = connect_cpu(listener, j.rank, j.world, j.peers, j.generation, j.timeout)?;
     let me = Member {
         cuda: j.device.is_cuda(),
         nccl: nccl_capable(j.device),
@@ -67,9 +60,8 @@ pub fn join(
     table[2 * j.rank..2 * j.rank + 2].copy_from_slice(&me.encode());
     let mut t = Tensor::from_slice(&table);
     ring.all_reduce_sum(&mut t)?;
-    let table = Vec::<f32>::try_from(&t.to_kind(Kind::Float)).map_err(|e| {
-        CollectiveError::Setup(format!("reading the members' devices: {e}"))
-    })?;
+    let table = Vec::<f32>::try_from(&t.to_kind(Kind::Float))
+        .map_err(|e| CollectiveError::Setup(format!("reading the members' devices: {e}")))?;
     let members = select::decode(&table);
     let backend = select::choose(&members, j.rank, j.choice);
     let coll: Box<dyn Collective> = match backend {
@@ -97,10 +89,7 @@ fn nccl(
 }
 
 #[cfg(not(feature = "cuda"))]
-fn nccl(
-    _ring: super::tcp::CpuRing,
-    _j: &Join<'_>,
-) -> Result<Box<dyn Collective>, CollectiveError> {
+fn nccl(_ring: super::tcp::CpuRing, _j: &Join<'_>) -> Result<Box<dyn Collective>, CollectiveError> {
     // `select::choose` picks NCCL only when this rank said it can.
     Err(CollectiveError::Setup(
         "nccl chosen, but this worker was built without the cuda feature".into(),

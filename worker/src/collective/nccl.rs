@@ -108,13 +108,16 @@ pub fn connect_nccl(
     let (tx, rx) = std::sync::mpsc::channel();
     let init_ctx = ctx.clone();
     std::thread::spawn(move || {
-        let result = init_ctx.bind_to_thread().map_err(|e| format!("{e:?}")).and_then(|()| {
-            let mut comm = std::ptr::null_mut();
-            // SAFETY: `comm` is an out-pointer; rank and world come from the ring.
-            unsafe { nccl::comm_init_rank(&mut comm, world as i32, unique, rank as i32) }
-                .map(|_| SendComm(comm))
-                .map_err(|e| format!("{e:?}"))
-        });
+        let result = init_ctx
+            .bind_to_thread()
+            .map_err(|e| format!("{e:?}"))
+            .and_then(|()| {
+                let mut comm = std::ptr::null_mut();
+                // SAFETY: `comm` is an out-pointer; rank and world come from the ring.
+                unsafe { nccl::comm_init_rank(&mut comm, world as i32, unique, rank as i32) }
+                    .map(|_| SendComm(comm))
+                    .map_err(|e| format!("{e:?}"))
+            });
         let _ = tx.send(result);
     });
     let comm = match rx.recv_timeout(timeout) {

@@ -42,7 +42,10 @@ pub struct Member {
 impl Member {
     /// As two floats for the exchange (see [`decode`]).
     pub fn encode(self) -> [f32; 2] {
-        [f32::from(u8::from(self.cuda)), f32::from(u8::from(self.nccl))]
+        [
+            f32::from(u8::from(self.cuda)),
+            f32::from(u8::from(self.nccl)),
+        ]
     }
 }
 
@@ -117,7 +120,10 @@ mod tests {
             choose(&partial, 0, CollectiveChoice::Auto),
             Backend::StagedRing
         );
-        assert_eq!(choose(&[CPU, CPU], 1, CollectiveChoice::Auto), Backend::Ring);
+        assert_eq!(
+            choose(&[CPU, CPU], 1, CollectiveChoice::Auto),
+            Backend::Ring
+        );
     }
 
     #[test]

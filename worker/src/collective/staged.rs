@@ -90,9 +90,8 @@ impl Staged {
             return Ok(());
         }
         let mut host = self.buffer(n);
-        let part = |x: &Tensor, r: &std::ops::Range<usize>| {
-            x.narrow(0, r.start as i64, r.len() as i64)
-        };
+        let part =
+            |x: &Tensor, r: &std::ops::Range<usize>| x.narrow(0, r.start as i64, r.len() as i64);
         tch::no_grad(|| {
             if !down.is_empty() {
                 part(&host, &down).copy_(&part(t, &down));
@@ -183,8 +182,8 @@ mod tests {
             .map(|(rank, l)| {
                 let peers = peers.clone();
                 std::thread::spawn(move || {
-                    let ring = connect_cpu(&l, rank, world, &peers, 1, Duration::from_secs(30))
-                        .unwrap();
+                    let ring =
+                        connect_cpu(&l, rank, world, &peers, 1, Duration::from_secs(30)).unwrap();
                     let mut c: Box<dyn Collective> = if staged {
                         Box::new(Staged::new(Box::new(ring), Device::Cpu))
                     } else {
@@ -226,7 +225,11 @@ mod tests {
     fn staged_ring_equals_the_plain_ring_bit_for_bit() {
         for world in [2, 3] {
             for len in [1, 7, 10_001] {
-                assert_eq!(run(world, len, false), run(world, len, true), "world {world} len {len}");
+                assert_eq!(
+                    run(world, len, false),
+                    run(world, len, true),
+                    "world {world} len {len}"
+                );
             }
         }
     }
@@ -236,6 +239,15 @@ mod tests {
         let mut s = Staged::new(Box::new(crate::collective::Solo), Device::Cuda(0));
         let mut t = Tensor::zeros([4], (Kind::Float, Device::Cpu));
         let e = s.all_reduce_sum(&mut t).unwrap_err();
-        assert!(matches!(e, CollectiveError::BadTensor { op: "all_reduce", .. }), "{e}");
+        assert!(
+            matches!(
+                e,
+                CollectiveError::BadTensor {
+                    op: "all_reduce",
+                    ..
+                }
+            ),
+            "{e}"
+        );
     }
 }

@@ -6,11 +6,11 @@
 //! implementations ([`PackedAttention::Auto`], the default, takes the
 //! first on the CPU and the second on CUDA):
 //!
-//! - [`PackedAttention::PerDocument`]: one
+//! - per document ([`PackedAttention::PerDocument`]): one
 //!   `scaled_dot_product_attention(is_causal)` call per document on a view of
 //!   q/k/v. Cost is Σ lᵢ², no mask tensor, and the causal fast path (flash
 //!   kernel on CPU) applies.
-//! - [`PackedAttention::Bucketed`]: documents of similar length padded into
+//! - bucketed ([`PackedAttention::Bucketed`]): documents of similar length padded into
 //!   a batch `[B, heads, L, d]` and one causal SDPA call per length bucket,
 //!   which on CUDA dispatches to the fused flash (bf16/fp16) or
 //!   memory-efficient (fp32) kernels with a handful of launches instead of
@@ -20,7 +20,7 @@
 //!   typical lengths). Varlen flash attention (cumulative sequence lengths,
 //!   no padding) has no autograd entry point in tch
 //!   (`_flash_attention_forward` is not bound), hence the buckets.
-//! - [`PackedAttention::BlockMask`]: one call over the whole row with a
+//! - one mask ([`PackedAttention::BlockMask`]): one call over the whole row with a
 //!   `[T, T]` block-diagonal causal boolean mask. Cost is T², plus the mask.
 //!
 //! Attention cost per layer, fwd + bwd, T = 4096 in 16 documents of
@@ -276,7 +276,9 @@ mod tests {
         let t = *cu.last().unwrap();
         let plan = buckets(&cu);
         assert_eq!(
-            plan.iter().map(|b| (b.len, b.docs.clone())).collect::<Vec<_>>(),
+            plan.iter()
+                .map(|b| (b.len, b.docs.clone()))
+                .collect::<Vec<_>>(),
             vec![(64, vec![0, 1, 3, 4]), (128, vec![2]), (256, vec![5])]
         );
         let i = Tensor::arange(4 * t * 8, (Kind::Double, Device::Cpu));
@@ -316,7 +318,12 @@ mod tests {
                     Tensor::cat(&docs, 1)
                 }
             };
-            let g = Tensor::run_backward(&[(&out * &grad_out).sum(Kind::Float)], &[&q, &k, &v], false, false);
+            let g = Tensor::run_backward(
+                &[(&out * &grad_out).sum(Kind::Float)],
+                &[&q, &k, &v],
+                false,
+                false,
+            );
             (out.detach(), g)
         };
         let (a, ga) = run(PackedAttention::Bucketed);
@@ -326,7 +333,13 @@ mod tests {
         for (x, y) in ga.iter().zip(&gb) {
             assert!(close(x, y), "gradients differ");
         }
-        assert_eq!(PackedAttention::Auto.on(Device::Cpu), PackedAttention::PerDocument);
-        assert_eq!(PackedAttention::Auto.on(Device::Cuda(0)), PackedAttention::Bucketed);
+        assert_eq!(
+            PackedAttention::Auto.on(Device::Cpu),
+            PackedAttention::PerDocument
+        );
+        assert_eq!(
+            PackedAttention::Auto.on(Device::Cuda(0)),
+            PackedAttention::Bucketed
+        );
     }
 }

@@ -84,7 +84,12 @@ enum Tape {
 
 impl Llama {
     /// The forward of a packed row for training (see the module docs).
-    pub fn forward_train(&self, input_ids: &[i64], cu_seq_lens: &[i64], checkpoint: bool) -> Forward {
+    pub fn forward_train(
+        &self,
+        input_ids: &[i64],
+        cu_seq_lens: &[i64],
+        checkpoint: bool,
+    ) -> Forward {
         if !checkpoint {
             return Forward {
                 hidden: self.hidden(input_ids, cu_seq_lens),
@@ -137,8 +142,8 @@ impl Llama {
             return out;
         }
         let head = self.lm_head_weight();
-        let surrogate = (&fwd.hidden * grad_hidden).sum(Kind::Float)
-            + (head * grad_head).sum(Kind::Float);
+        let surrogate =
+            (&fwd.hidden * grad_hidden).sum(Kind::Float) + (head * grad_head).sum(Kind::Float);
         let Tape::Layers {
             ids,
             cos,
@@ -159,7 +164,11 @@ impl Llama {
         );
         let mut add = |i: usize, g: &Tensor| {
             if g.defined() {
-                out[i] = if out[i].defined() { &out[i] + g } else { g.shallow_clone() };
+                out[i] = if out[i].defined() {
+                    &out[i] + g
+                } else {
+                    g.shallow_clone()
+                };
             }
         };
         add(groups.norm, &g[1]);

@@ -88,7 +88,12 @@ pub fn default_connector(device: Device) -> Connector {
                 choice,
             },
         )?;
-        info!(generation = c.generation, rank = c.rank, ?backend, "joined the collective");
+        info!(
+            generation = c.generation,
+            rank = c.rank,
+            ?backend,
+            "joined the collective"
+        );
         Ok(coll)
     })
 }

@@ -154,9 +154,8 @@ impl AdamW {
             for (i, (p, g)) in params.iter().zip(grads).enumerate() {
                 let (m, v) = (&self.exp_avg[i], &self.exp_avg_sq[i]);
                 for seg in &segments[i] {
-                    let part = |t: &Tensor| {
-                        t.narrow(0, seg.range.start as i64, seg.range.len() as i64)
-                    };
+                    let part =
+                        |t: &Tensor| t.narrow(0, seg.range.start as i64, seg.range.len() as i64);
                     kernel::adamw(
                         &part(p),
                         &part(g),
@@ -225,7 +224,10 @@ mod tests {
         let no = vec!["bias".to_string(), "norm".to_string()];
         assert!(decays("model.layers.0.mlp.up_proj.weight", &no));
         assert!(!decays("model.layers.0.self_attn.q_proj.bias", &no));
-        assert!(!decays("model.layers.3.post_attention_layernorm.weight", &no));
+        assert!(!decays(
+            "model.layers.3.post_attention_layernorm.weight",
+            &no
+        ));
         assert!(!decays("model.norm.weight", &no));
         assert!(decays("model.norm.weight", &[]));
     }

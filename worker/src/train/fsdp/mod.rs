@@ -327,7 +327,10 @@ impl FsdpTrainer {
         for u in 0..self.layouts.len() {
             let flat = self.gather(u)?;
             for s in &self.layouts[u].slots {
-                out.push((s.name.clone(), s.view(&flat).to_kind(self.param_kind).copy()));
+                out.push((
+                    s.name.clone(),
+                    s.view(&flat).to_kind(self.param_kind).copy(),
+                ));
             }
         }
         out.sort_by(|a, b| a.0.cmp(&b.0));

@@ -22,10 +22,14 @@ fn is_cpu_f32(t: &Tensor) -> bool {
     t.device() == Device::Cpu && t.kind() == Kind::Float && t.is_contiguous()
 }
 
+/// A mutable view of a contiguous f32 CPU tensor's storage (a raw
+/// pointer in, not `&Tensor`: the tensor handle is shared, its storage is
+/// what the caller vouches for).
+///
 /// # Safety
 /// `t` must be a contiguous f32 CPU tensor whose storage nothing else
 /// touches while the slice lives.
-unsafe fn slice_mut(t: &Tensor) -> &mut [f32] {
+unsafe fn slice_mut<'a>(t: &Tensor) -> &'a mut [f32] {
     let n = t.numel();
     if n == 0 {
         return &mut [];
@@ -47,10 +51,22 @@ pub fn adamw(p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, s: &StepScalars, de
 }
 
 /// The one-pass kernel on slices (see the module docs).
-pub fn adamw_f32(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], s: &StepScalars, decay: bool) {
+pub fn adamw_f32(
+    p: &mut [f32],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    s: &StepScalars,
+    decay: bool,
+) {
     let n = p.len();
-    assert!(g.len() == n && m.len() == n && v.len() == n, "runs differ in length");
-    let threads = (tch::get_num_threads().max(1) as usize).min(n / PARALLEL_MIN).max(1);
+    assert!(
+        g.len() == n && m.len() == n && v.len() == n,
+        "runs differ in length"
+    );
+    let threads = (tch::get_num_threads().max(1) as usize)
+        .min(n / PARALLEL_MIN)
+        .max(1);
     if threads == 1 {
         return adamw_chunk(p, g, m, v, s, decay);
     }
@@ -67,7 +83,14 @@ pub fn adamw_f32(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], s: &Ste
     });
 }
 
-fn adamw_chunk(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], s: &StepScalars, decay: bool) {
+fn adamw_chunk(
+    p: &mut [f32],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    s: &StepScalars,
+    decay: bool,
+) {
     // ATen casts every scalar to the float32 op math of float32 tensors.
     let scale = s.grad_scale as f32;
     let decay_factor = s.decay_factor as f32;
@@ -143,14 +166,22 @@ pub fn sum_sq(g: &Tensor) -> f64 {
 /// Σ x² in f64, split over libtorch's intra-op threads.
 pub fn sum_sq_f32(x: &[f32]) -> f64 {
     let part = |x: &[f32]| x.iter().map(|&a| f64::from(a) * f64::from(a)).sum::<f64>();
-    let threads = (tch::get_num_threads().max(1) as usize).min(x.len() / PARALLEL_MIN).max(1);
+    let threads = (tch::get_num_threads().max(1) as usize)
+        .min(x.len() / PARALLEL_MIN)
+        .max(1);
     if threads == 1 {
         return part(x);
     }
     let chunk = x.len().div_ceil(threads);
     std::thread::scope(|scope| {
-        let handles: Vec<_> = x.chunks(chunk).map(|c| scope.spawn(move || part(c))).collect();
-        handles.into_iter().map(|h| h.join().unwrap_or(f64::NAN)).sum()
+        let handles: Vec<_> = x
+            .chunks(chunk)
+            .map(|c| scope.spawn(move || part(c)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or(f64::NAN))
+            .sum()
     })
 }
 
@@ -184,7 +215,11 @@ mod tests {
     fn the_one_pass_kernel_matches_the_aten_sequence() {
         let n = 200_003;
         for (decay, scale) in [(true, 1.0), (false, 0.37)] {
-            let (p1, m1, v1) = (rand(n, 0.1), Tensor::zeros([n], (Kind::Float, Device::Cpu)), Tensor::zeros([n], (Kind::Float, Device::Cpu)));
+            let (p1, m1, v1) = (
+                rand(n, 0.1),
+                Tensor::zeros([n], (Kind::Float, Device::Cpu)),
+                Tensor::zeros([n], (Kind::Float, Device::Cpu)),
+            );
             let (p2, m2, v2) = (p1.copy(), m1.copy(), v1.copy());
             for step in 1..=4 {
                 let g = rand(n, 0.7 + step as f64);
@@ -205,6 +240,9 @@ mod tests {
         let g = rand(300_001, 0.3);
         let ours = sum_sq(&g);
         let theirs = f64::try_from(g.to_kind(Kind::Double).square().sum(Kind::Double)).unwrap();
-        assert!((ours - theirs).abs() <= 1e-12 * theirs, "{ours} vs {theirs}");
+        assert!(
+            (ours - theirs).abs() <= 1e-12 * theirs,
+            "{ours} vs {theirs}"
+        );
     }
 }

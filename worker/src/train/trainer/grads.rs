@@ -162,7 +162,11 @@ pub(super) fn round_to(t: &mut Tensor, reduce: Kind) {
 
 /// The rounds of one zero2 reduce-scatter (see the module docs): rank
 /// `k`'s shard `shards[k]`, `s` elements of it per round.
-fn rounds(total: usize, world: usize, bucket: usize) -> (Vec<std::ops::Range<usize>>, usize, usize) {
+fn rounds(
+    total: usize,
+    world: usize,
+    bucket: usize,
+) -> (Vec<std::ops::Range<usize>>, usize, usize) {
     let shards: Vec<_> = (0..world).map(|k| shard_range(total, world, k)).collect();
     let longest = shards.iter().map(|r| r.len()).max().unwrap_or(0);
     let per_rank = (bucket / world.max(1)).clamp(1, longest.max(1));
@@ -249,7 +253,11 @@ mod tests {
         let world = 3;
         let expected: Vec<Tensor> = {
             let sum: Vec<Tensor> = (0..3)
-                .map(|i| (0..world).map(|r| grads_of(r)[i].shallow_clone()).sum::<Tensor>())
+                .map(|i| {
+                    (0..world)
+                        .map(|r| grads_of(r)[i].shallow_clone())
+                        .sum::<Tensor>()
+                })
                 .collect();
             let flat = layout.flatten(&sum, Device::Cpu);
             (0..world)
@@ -283,6 +291,9 @@ mod tests {
             assert!(got.equal(&(&expected[r] * 2.0)), "rank {r}");
         }
         let (_, longest, s) = rounds(10 * BUCKET_ELEMENTS, 4, BUCKET_ELEMENTS);
-        assert_eq!((longest, s), (10 * BUCKET_ELEMENTS / 4, BUCKET_ELEMENTS / 4));
+        assert_eq!(
+            (longest, s),
+            (10 * BUCKET_ELEMENTS / 4, BUCKET_ELEMENTS / 4)
+        );
     }
 }
