@@ -9,6 +9,7 @@ pub mod convert;
 pub mod device;
 pub mod error;
 pub mod gpu_memory;
+pub mod launch;
 pub mod metrics;
 pub mod model;
 pub mod objective;

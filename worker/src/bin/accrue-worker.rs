@@ -32,6 +32,15 @@ struct Args {
     /// GPU, else the CPU), cpu, cuda (like auto, GPUs only) or cuda:N.
     #[arg(long, env = "ACCRUE_DEVICE", default_value = "auto")]
     device: accrue_worker::device::DeviceRequest,
+    /// Run one worker process per GPU of this machine (all, or the first
+    /// N): each with LOCAL_RANK and --device cuda:i, its ports shifted by
+    /// 100·i; signals are forwarded, the first failure's code is returned.
+    #[arg(long, value_name = "all|N")]
+    gpus: Option<accrue_worker::launch::Gpus>,
+    /// Ask the gRPC health service at ADDR whether this worker is alive
+    /// (exit 0 if SERVING, 1 otherwise) and exit: the image's HEALTHCHECK.
+    #[arg(long, value_name = "ADDR")]
+    health_check: Option<String>,
     /// libtorch intra-op threads (default: libtorch's choice).
     #[arg(long)]
     threads: Option<i32>,
@@ -80,6 +89,15 @@ struct Args {
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     accrue_worker::init_tracing();
+    if let Some(addr) = &args.health_check {
+        let serving = session::lifecycle::check_alive(addr).await;
+        std::process::exit(if serving { 0 } else { 1 });
+    }
+    if let Some(gpus) = args.gpus {
+        let n = accrue_worker::launch::count(gpus).map_err(anyhow::Error::msg)?;
+        let code = accrue_worker::launch::run(n).await?;
+        std::process::exit(i32::from(code));
+    }
     if let Some(n) = args.threads {
         tch::set_num_threads(n.max(1));
     }
