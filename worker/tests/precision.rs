@@ -37,7 +37,8 @@ struct Run {
 fn config(dir: &std::path::Path, extra: &str) -> accrue_worker::config::JobConfig {
     common::random_job(
         dir,
-        &format!("[optimizer]\neps = 1e-6\n[runtime]\nloss_chunk_tokens = 64\n{extra}"),
+        // `extra` first: a bare key in it belongs to [model].
+        &format!("{extra}[optimizer]\neps = 1e-6\n[runtime]\nloss_chunk_tokens = 64\n"),
     )
 }
 
@@ -101,7 +102,7 @@ fn bf16_mixed_tracks_fp32_and_pure_bf16_is_further_off() {
         .collect();
     let fp32 = run(dir.path(), "");
     let mixed = run(dir.path(), "[precision]\ncompute = \"bfloat16\"\n");
-    let bf16 = run(dir.path(), "[model]\ndtype = \"bfloat16\"\n");
+    let bf16 = run(dir.path(), "dtype = \"bfloat16\"\n");
     let (dm, lm) = distance(&mixed, &fp32, &init);
     let (db, lb) = distance(&bf16, &fp32, &init);
     println!("| run | update vs fp32 | worst loss vs fp32 |");
