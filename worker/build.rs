@@ -24,8 +24,9 @@ fn main() {
     }
 }
 
-/// The directory holding `cuda_runtime_api.h`: `$CUDA_HOME`, the system
-/// toolkit, or the CUDA runtime wheel installed beside PyTorch.
+/// The directory holding `cuda_runtime_api.h` and the headers it needs:
+/// `$CUDA_HOME`, the system toolkit, or the CUDA wheels installed beside
+/// PyTorch.
 fn cuda_include(torch: &Path) -> Option<PathBuf> {
     let site = torch.parent();
     let candidates = [
@@ -37,7 +38,9 @@ fn cuda_include(torch: &Path) -> Option<PathBuf> {
     candidates
         .into_iter()
         .flatten()
-        .find(|d| d.join("cuda_runtime_api.h").is_file())
+        // cuda_runtime.h includes crt/host_config.h, which the runtime
+        // wheel alone lacks (it comes with nvcc's headers).
+        .find(|d| d.join("cuda_runtime_api.h").is_file() && d.join("crt/host_config.h").is_file())
 }
 
 fn cuda_memory_shim(lib: &Path) {
@@ -45,7 +48,7 @@ fn cuda_memory_shim(lib: &Path) {
     let include = torch.join("include");
     let Some(cuda) = cuda_include(torch) else {
         println!(
-            "cargo:warning=cuda memory shim skipped: no cuda_runtime_api.h (set CUDA_HOME); \
+            "cargo:warning=cuda memory shim skipped: no CUDA headers with crt/ (set CUDA_HOME); \
              GPU memory metrics fall back to the driver's device-level figure"
         );
         return;
@@ -60,7 +63,7 @@ fn cuda_memory_shim(lib: &Path) {
     // PyTorch's wheels are built with the C++11 ABI; the shim shares
     // c10's types with them.
     let abi = std::env::var("ACCRUE_CXX11_ABI").unwrap_or_else(|_| "1".into());
-    cc::Build::new()
+    let built = cc::Build::new()
         .cpp(true)
         .std("c++17")
         .file("csrc/cuda_memory.cpp")
@@ -69,7 +72,14 @@ fn cuda_memory_shim(lib: &Path) {
         .include(&cuda)
         .define("_GLIBCXX_USE_CXX11_ABI", abi.as_str())
         .warnings(false)
-        .compile("accrue_cuda_memory");
+        .cargo_warnings(false)
+        .try_compile("accrue_cuda_memory");
+    // A shim that does not compile (headers of another CUDA, a compiler
+    // too old for c10) costs the allocator figures, never the build.
+    if let Err(e) = built {
+        println!("cargo:warning=cuda memory shim skipped: it did not compile ({e})");
+        return;
+    }
     println!("cargo:rustc-link-search=native={}", lib.display());
     println!("cargo:rustc-link-lib=dylib=c10_cuda");
     println!("cargo:rustc-link-lib=dylib=c10");
