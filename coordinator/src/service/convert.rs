@@ -386,7 +386,6 @@ pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
                 .as_ref()
                 .map(|p| p.display().to_string())
                 .unwrap_or_default(),
-            nccl_unique_id: Vec::new(),
         }),
         ToWorker::Plan {
             job,

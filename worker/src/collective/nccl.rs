@@ -9,7 +9,7 @@
 //!
 //! Bootstrap: rank 0 creates the NCCL unique id and it reaches the other
 //! ranks through [`TcpRing::broadcast_bytes`] over the generation's CPU ring
-//! (which `super::connect` forms first, for the backend choice too). The id
+//! (which [`super::join`] forms first, for the backend choice too). The id
 //! embeds rank 0's bootstrap listener, so only rank 0 can make it: the
 //! coordinator could at best relay it, which would cost a round trip
 //! through it per generation; the ring already ties it to the generation
