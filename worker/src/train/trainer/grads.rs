@@ -32,8 +32,10 @@ use crate::collective::{shard_range, Collective};
 use crate::train::flat::FlatLayout;
 
 /// Elements of the transient buffer of one zero2 reduce-scatter round
-/// (over all ranks): 64 MiB of float32.
-pub const BUCKET_ELEMENTS: usize = 16 << 20;
+/// (over all ranks): 16 MiB of float32, past which NCCL and the ring are
+/// at full bandwidth, and small beside a model's whole gradient. Which
+/// round carries an element never changes its rank's order of summation.
+pub const BUCKET_ELEMENTS: usize = 4 << 20;
 
 /// A replica's accumulated gradient.
 pub enum Grads {
