@@ -35,6 +35,16 @@ echo "gpu-check: $gpus GPU(s): $(nvidia-smi --query-gpu=name --format=csv,nohead
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 failed=()
+# cudarc dlopens NCCL as libnccl.so; PyTorch's wheel ships libnccl.so.2
+# only, off the loader's path: link it where the loader looks (the worker
+# image does the same with ldconfig).
+nccl=$(find .venv/lib/ -name 'libnccl.so.2' 2>/dev/null | head -1)
+if [ -n "$nccl" ]; then
+  mkdir -p "$work/lib" && ln -s "$(realpath "$nccl")" "$work/lib/libnccl.so"
+  export LD_LIBRARY_PATH="$work/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+else
+  echo "gpu-check: no libnccl.so.2 in .venv: NCCL checks will find the staged ring" >&2
+fi
 
 echo "== 1. parity, bf16-mixed, GPU memory, NCCL (worker/tests/gpu.rs)"
 if ! cargo test --release -p accrue-worker --features cuda --test gpu -- \

@@ -46,8 +46,10 @@ WORKDIR /src
 COPY . .
 # worker/build.rs bakes torch/lib of the venv into the binary's rpath, so
 # the runtime stage puts those libraries at the very same path; the wheels'
-# CUDA library directories (NCCL is dlopen'ed by cudarc) go to ld.so.conf,
-# found here rather than named, so no path in the image dangles.
+# CUDA library directories go to ld.so.conf, found here rather than named,
+# so no path in the image dangles. cudarc dlopens NCCL as `libnccl.so` (or
+# .so.<CUDA major>), never by its soname `libnccl.so.2`, the only name the
+# wheel ships: hence the link.
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
     read -r _ cudarc features < /opt/cuda-choice \
@@ -59,7 +61,10 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
  && cp -a --parents "$site/torch/lib" /out/ \
  && if [ -d "$site/nvidia" ]; then cp -a --parents "$site/nvidia" /out/; fi \
  && find "$site/nvidia" -name 'lib*.so*' -printf '%h\n' 2>/dev/null | sort -u \
-      > /out/etc/ld.so.conf.d/accrue-torch-cuda.conf
+      > /out/etc/ld.so.conf.d/accrue-torch-cuda.conf \
+ && for f in $(find "$site/nvidia" -name 'libnccl.so.2' 2>/dev/null); do \
+      ln -sf libnccl.so.2 "/out${f%/*}/libnccl.so"; \
+    done
 
 FROM ${RUNTIME_BASE}
 RUN (apt-get update \

@@ -56,6 +56,13 @@ pub fn join(
         cuda: j.device.is_cuda(),
         nccl: nccl_capable(j.device),
     };
+    if me.cuda && !me.nccl {
+        tracing::warn!(
+            device = ?j.device,
+            "NCCL unavailable (built without the cuda feature, or libnccl.so not on the \
+             loader path): this generation's collectives use the staged TCP ring"
+        );
+    }
     let mut table = vec![0f32; 2 * j.world];
     table[2 * j.rank..2 * j.rank + 2].copy_from_slice(&me.encode());
     let mut t = Tensor::from_slice(&table);
