@@ -139,6 +139,11 @@ fn child_peak(on: bool) -> u64 {
             "--nocapture",
         ])
         .env(CHILD_MODE, if on { "on" } else { "off" })
+        // A fixed mmap threshold: every large tensor is its own mapping,
+        // returned at free, so the high-water mark follows live tensors
+        // rather than glibc's adaptive heap (which made the peak vary by
+        // a third from run to run).
+        .env("MALLOC_MMAP_THRESHOLD_", "131072")
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
