@@ -51,6 +51,7 @@ fn populated() -> Exporter {
         g.with_label_values(&["j"]).set(1);
     }
     e.checkpoint_age.with_label_values(&["j"]).set(4.0);
+    e.gpu_memory.with_label_values(&["j", "allocated"]).set(1.0);
     e
 }
 
@@ -96,7 +97,7 @@ fn every_family_follows_the_prometheus_naming_conventions() {
         for m in f.get_metric() {
             for l in m.get_label() {
                 assert!(
-                    ["job", "state", "reason", "phase"].contains(&l.name()),
+                    ["job", "state", "reason", "phase", "kind"].contains(&l.name()),
                     "{name}: label {} is not one of the low-cardinality ones",
                     l.name()
                 );
