@@ -1,7 +1,87 @@
 //! Bakes libtorch's lib/ directory into the binaries' rpath, so
-//! `accrue-worker` runs without LD_LIBRARY_PATH.
+//! `accrue-worker` runs without LD_LIBRARY_PATH; with the `cuda` feature,
+//! also builds the CUDA memory shim (`csrc/cuda_memory.cpp`, see
+//! `src/gpu_memory.rs`) when libtorch's CUDA library and the CUDA headers
+//! are there, and says so with a warning when they are not (the worker
+//! then reports device-level memory through the CUDA driver instead).
+use std::path::{Path, PathBuf};
+
 fn main() {
-    if let Ok(dir) = std::env::var("DEP_TCH_LIBTORCH_LIB") {
-        println!("cargo:rustc-link-arg=-Wl,-rpath,{dir}");
+    println!("cargo::rustc-check-cfg=cfg(accrue_cuda_memory)");
+    println!("cargo:rerun-if-changed=csrc/cuda_memory.cpp");
+    println!("cargo:rerun-if-env-changed=CUDA_HOME");
+    let lib = std::env::var("DEP_TCH_LIBTORCH_LIB")
+        .ok()
+        .map(PathBuf::from);
+    if let Some(dir) = &lib {
+        println!("cargo:rustc-link-arg=-Wl,-rpath,{}", dir.display());
     }
+    if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
+        match &lib {
+            Some(dir) => cuda_memory_shim(dir),
+            None => println!("cargo:warning=cuda memory shim skipped: libtorch's lib/ unknown"),
+        }
+    }
+}
+
+/// The directory holding `cuda_runtime_api.h` and the headers it needs:
+/// `$CUDA_HOME`, the system toolkit, or the CUDA wheels installed beside
+/// PyTorch.
+fn cuda_include(torch: &Path) -> Option<PathBuf> {
+    let site = torch.parent();
+    let candidates = [
+        std::env::var_os("CUDA_HOME").map(|h| PathBuf::from(h).join("include")),
+        Some(PathBuf::from("/usr/local/cuda/include")),
+        site.map(|s| s.join("nvidia/cu13/include")),
+        site.map(|s| s.join("nvidia/cuda_runtime/include")),
+    ];
+    candidates
+        .into_iter()
+        .flatten()
+        // cuda_runtime.h includes crt/host_config.h, which the runtime
+        // wheel alone lacks (it comes with nvcc's headers).
+        .find(|d| d.join("cuda_runtime_api.h").is_file() && d.join("crt/host_config.h").is_file())
+}
+
+fn cuda_memory_shim(lib: &Path) {
+    let Some(torch) = lib.parent() else { return };
+    let include = torch.join("include");
+    let Some(cuda) = cuda_include(torch) else {
+        println!(
+            "cargo:warning=cuda memory shim skipped: no CUDA headers with crt/ (set CUDA_HOME); \
+             GPU memory metrics fall back to the driver's device-level figure"
+        );
+        return;
+    };
+    if !lib.join("libc10_cuda.so").is_file() || !include.join("c10/cuda").is_dir() {
+        println!(
+            "cargo:warning=cuda memory shim skipped: libtorch at {} has no CUDA",
+            lib.display()
+        );
+        return;
+    }
+    // PyTorch's wheels are built with the C++11 ABI; the shim shares
+    // c10's types with them.
+    let abi = std::env::var("ACCRUE_CXX11_ABI").unwrap_or_else(|_| "1".into());
+    let built = cc::Build::new()
+        .cpp(true)
+        .std("c++17")
+        .file("csrc/cuda_memory.cpp")
+        .include(&include)
+        .include(include.join("torch/csrc/api/include"))
+        .include(&cuda)
+        .define("_GLIBCXX_USE_CXX11_ABI", abi.as_str())
+        .warnings(false)
+        .cargo_warnings(false)
+        .try_compile("accrue_cuda_memory");
+    // A shim that does not compile (headers of another CUDA, a compiler
+    // too old for c10) costs the allocator figures, never the build.
+    if let Err(e) = built {
+        println!("cargo:warning=cuda memory shim skipped: it did not compile ({e})");
+        return;
+    }
+    println!("cargo:rustc-link-search=native={}", lib.display());
+    println!("cargo:rustc-link-lib=dylib=c10_cuda");
+    println!("cargo:rustc-link-lib=dylib=c10");
+    println!("cargo:rustc-cfg=accrue_cuda_memory");
 }

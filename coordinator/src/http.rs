@@ -264,7 +264,11 @@ pub fn status_view(core: &Coordinator, totals: &HashMap<JobId, Totals>, now_ms: 
         .map(|w| WorkerView {
             id: w.id.clone(),
             hostname: w.reg.hostname.clone(),
-            device: w.reg.device.clone(),
+            device: if w.reg.gpu_name.is_empty() {
+                w.reg.device.clone()
+            } else {
+                format!("{} ({})", w.reg.device, w.reg.gpu_name)
+            },
             state: worker_state(w.state).to_string(),
             job: w.job.clone(),
             rank: w.rank,

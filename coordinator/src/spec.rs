@@ -54,6 +54,8 @@ pub struct JobSpec {
     #[serde(default)]
     pub runtime: RuntimeSection,
     #[serde(default, skip_serializing_if = "is_default")]
+    pub precision: PrecisionSection,
+    #[serde(default, skip_serializing_if = "is_default")]
     pub faults: FaultsSection,
     #[serde(default, skip_serializing_if = "is_default")]
     pub rl: RlSection,
@@ -291,6 +293,15 @@ pub struct OptimizerSection {
     pub warmup_steps: u64,
     #[serde(default)]
     pub schedule: Schedule,
+    /// Parameters whose HF name contains one of these substrings take no
+    /// weight decay (HF Trainer and open-instruct exclude biases and norm
+    /// weights); `[]` decays every parameter.
+    #[serde(default = "default_no_decay")]
+    pub no_decay: Vec<String>,
+}
+
+fn default_no_decay() -> Vec<String> {
+    vec!["bias".into(), "norm".into()]
 }
 
 fn default_lr() -> f64 {
@@ -317,6 +328,7 @@ impl Default for OptimizerSection {
             grad_clip: default_grad_clip(),
             warmup_steps: 0,
             schedule: Schedule::Constant,
+            no_decay: default_no_decay(),
         }
     }
 }
@@ -339,6 +351,21 @@ pub struct ParallelSection {
     pub min_workers: u32,
     #[serde(default = "default_max_workers")]
     pub max_workers: u32,
+    /// Which backend carries the collectives (see [`CollectiveChoice`]).
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub collective: CollectiveChoice,
+}
+
+/// `parallel.collective`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum CollectiveChoice {
+    /// NCCL when every member of a generation is a CUDA worker that can
+    /// load it, else the TCP ring.
+    #[default]
+    Auto,
+    /// Always the TCP ring (GPU tensors staged through host memory).
+    Ring,
 }
 
 fn default_min_workers() -> u32 {
@@ -354,6 +381,7 @@ impl Default for ParallelSection {
             sharding: Sharding::Ddp,
             min_workers: default_min_workers(),
             max_workers: default_max_workers(),
+            collective: CollectiveChoice::Auto,
         }
     }
 }
@@ -392,6 +420,37 @@ pub struct RuntimeSection {
     /// `loss_chunk_tokens × vocab` logits exist at once.
     #[serde(default = "default_loss_chunk_tokens")]
     pub loss_chunk_tokens: u64,
+    /// Keep only each decoder layer's input from the forward and recompute
+    /// the layer during the backward (less activation memory, one more
+    /// forward). fsdp always does.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub activation_checkpointing: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
+/// `[precision]`: mixed precision as FSDP's `MixedPrecision` and DeepSpeed's
+/// bf16 mode define it. The parameters and AdamW state stay in
+/// `model.dtype` (float32 for mixed precision); forward and backward run in
+/// `compute`; gradients are reduced across ranks in `reduce`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct PrecisionSection {
+    /// Forward/backward dtype; unset: `model.dtype`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compute: Option<Dtype>,
+    /// Gradient reduction dtype (default float32).
+    #[serde(default)]
+    pub reduce: Dtype,
+}
+
+impl JobSpec {
+    /// The forward/backward dtype (`precision.compute`, else `model.dtype`).
+    pub fn compute_dtype(&self) -> Dtype {
+        self.precision.compute.unwrap_or(self.model.dtype)
+    }
 }
 
 fn default_loss_chunk_tokens() -> u64 {
@@ -402,6 +461,7 @@ impl Default for RuntimeSection {
     fn default() -> Self {
         Self {
             loss_chunk_tokens: default_loss_chunk_tokens(),
+            activation_checkpointing: false,
         }
     }
 }
@@ -489,6 +549,7 @@ const SECTIONS: &[&str] = &[
     "checkpoint",
     "rl",
     "runtime",
+    "precision",
     "faults",
     "eval",
 ];
@@ -982,6 +1043,20 @@ impl JobSpec {
             u64::from(limits::MAX_MICROBATCH_TOKENS),
             "tokens per chunk",
         );
+        if self.model.dtype == Dtype::Bfloat16 && self.compute_dtype() == Dtype::Float32 {
+            bad(
+                "precision.compute",
+                "float32 compute with bfloat16 parameters would only widen rounded weights; \
+                 use model.dtype = \"float32\" with precision.compute = \"bfloat16\" for mixed precision"
+                    .into(),
+            );
+        }
+        if let Some(i) = self.optimizer.no_decay.iter().position(String::is_empty) {
+            bad(
+                &format!("optimizer.no_decay[{i}]"),
+                "an empty pattern would match every parameter; use weight_decay = 0".into(),
+            );
+        }
         let f = &self.faults;
         if f.max_bisect_rounds == 0 {
             bad("faults.max_bisect_rounds", "must be at least 1".into());
@@ -1152,6 +1227,7 @@ fn check_section(section: &str, value: toml::Value) -> Result<(), SpecProblem> {
         "checkpoint" => value.try_into::<CheckpointSection>().map(drop),
         "rl" => value.try_into::<RlSection>().map(drop),
         "runtime" => value.try_into::<RuntimeSection>().map(drop),
+        "precision" => value.try_into::<PrecisionSection>().map(drop),
         "faults" => value.try_into::<FaultsSection>().map(drop),
         "eval" => value.try_into::<EvalSection>().map(drop),
         _ => Ok(()),

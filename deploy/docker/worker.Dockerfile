@@ -1,25 +1,32 @@
 # Worker image: `accrue-worker` built with the `cuda` feature (NCCL through
 # cudarc, loaded at run time) against the libtorch of PyTorch 2.13.0, the
-# version tch 0.26 binds, on an NVIDIA CUDA runtime base, as a non-root user.
+# version tch 0.26 binds, on an NVIDIA CUDA base, as a non-root user.
 #
 #   docker build -f deploy/docker/worker.Dockerfile -t accrue/worker:0.1.0-cuda .
+#
+# CUDA_VERSION is the one knob: it picks the PyTorch wheel index (13.0.1 ->
+# cu130), cudarc's bindings (CUDARC_CUDA_VERSION=13000, see
+# .cargo/config.toml) and the runtime base (nvidia/cuda:13.0.1-base-...).
+# The PyTorch wheels bring their own CUDA libraries (cuBLAS, cuDNN, NCCL,
+# ... under site-packages/nvidia), so the runtime base is NVIDIA's `base`
+# flavour (cudart and the driver's compatibility files only): `runtime`
+# would ship those libraries a second time. CUDA_IMAGE=runtime is there for
+# a libtorch that expects the system's CUDA libraries.
 #
 # A CPU-only image (for deploy/k8s/overlays/cpu-dev on a laptop cluster):
 #
 #   docker build -f deploy/docker/worker.Dockerfile -t accrue/worker:0.1.0-cpu \
-#     --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu \
-#     --build-arg FEATURES= --build-arg RUNTIME_BASE=debian:bookworm-slim .
+#     --build-arg CUDA_VERSION=cpu --build-arg RUNTIME_BASE=debian:bookworm-slim .
 #
 # Run from the repository root.
 
-# CUDA 13.0 matches cudarc's `cuda-13000` feature (worker/Cargo.toml) and
-# the torch wheel index below.
-ARG RUNTIME_BASE=nvidia/cuda:13.0.1-runtime-ubuntu24.04
+ARG CUDA_VERSION=13.0.1
+ARG CUDA_IMAGE=base
+ARG RUNTIME_BASE=nvidia/cuda:${CUDA_VERSION}-${CUDA_IMAGE}-ubuntu24.04
 
 FROM rust:1.95-bookworm AS build
+ARG CUDA_VERSION
 ARG TORCH_VERSION=2.13.0
-ARG TORCH_INDEX=https://download.pytorch.org/whl/cu130
-ARG FEATURES=cuda
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3-venv \
  && rm -rf /var/lib/apt/lists/*
@@ -27,20 +34,37 @@ RUN apt-get update \
 # libtorch tch links (LIBTORCH_USE_PYTORCH=1, as scripts/env.sh sets).
 ENV VIRTUAL_ENV=/opt/accrue/venv LIBTORCH_USE_PYTORCH=1
 ENV PATH=/opt/accrue/venv/bin:$PATH
-RUN python3 -m venv "$VIRTUAL_ENV" \
- && pip install --no-cache-dir --index-url "$TORCH_INDEX" "torch==$TORCH_VERSION"
+# 13.0.1 -> wheel index cu130, cudarc 13000, feature cuda; cpu -> neither.
+RUN case "$CUDA_VERSION" in \
+      cpu) echo "cpu  " ;; \
+      *) v=${CUDA_VERSION#*.}; echo "cu${CUDA_VERSION%%.*}${v%%.*} ${CUDA_VERSION%%.*}0${v%%.*}0 cuda" ;; \
+    esac > /opt/cuda-choice \
+ && read -r index _ _ < /opt/cuda-choice \
+ && python3 -m venv "$VIRTUAL_ENV" \
+ && pip install --no-cache-dir --index-url "https://download.pytorch.org/whl/$index" "torch==$TORCH_VERSION"
 WORKDIR /src
 COPY . .
 # worker/build.rs bakes torch/lib of the venv into the binary's rpath, so
-# the runtime stage puts those libraries at the very same path.
+# the runtime stage puts those libraries at the very same path; the wheels'
+# CUDA library directories go to ld.so.conf, found here rather than named,
+# so no path in the image dangles. cudarc dlopens NCCL as `libnccl.so` (or
+# .so.<CUDA major>), never by its soname `libnccl.so.2`, the only name the
+# wheel ships: hence the link.
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
-    cargo build --release --locked -p accrue-worker --bin accrue-worker --features "$FEATURES" \
- && mkdir -p /out/usr/local/bin \
+    read -r _ cudarc features < /opt/cuda-choice \
+ && if [ -n "$cudarc" ]; then export CUDARC_CUDA_VERSION="$cudarc"; fi \
+ && cargo build --release --locked -p accrue-worker --bin accrue-worker --features "$features" \
+ && mkdir -p /out/usr/local/bin /out/etc/ld.so.conf.d \
  && cp target/release/accrue-worker /out/usr/local/bin/ \
  && site=$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
  && cp -a --parents "$site/torch/lib" /out/ \
- && if [ -d "$site/nvidia" ]; then cp -a --parents "$site/nvidia" /out/; fi
+ && if [ -d "$site/nvidia" ]; then cp -a --parents "$site/nvidia" /out/; fi \
+ && find "$site/nvidia" -name 'lib*.so*' -printf '%h\n' 2>/dev/null | sort -u \
+      > /out/etc/ld.so.conf.d/accrue-torch-cuda.conf \
+ && for f in $(find "$site/nvidia" -name 'libnccl.so.2' 2>/dev/null); do \
+      ln -sf libnccl.so.2 "/out${f%/*}/libnccl.so"; \
+    done
 
 FROM ${RUNTIME_BASE}
 RUN (apt-get update \
@@ -54,10 +78,15 @@ RUN (apt-get update \
 # libraries torch loads) at the paths they had in the build stage.
 COPY --from=build /out/usr/local/bin/accrue-worker /usr/local/bin/accrue-worker
 COPY --from=build /out/opt/ /opt/
-# NCCL is dlopen'ed by cudarc: put the wheels' library directories on the
-# search path (libcuda itself comes from the NVIDIA container toolkit).
-ENV LD_LIBRARY_PATH=/opt/accrue/venv/lib/python3.11/site-packages/nvidia/nccl/lib:/opt/accrue/venv/lib/python3.11/site-packages/nvidia/cuda_runtime/lib:/opt/accrue/venv/lib/python3.11/site-packages/torch/lib
+# libcuda itself comes from the NVIDIA container toolkit at run time.
+COPY --from=build /out/etc/ld.so.conf.d/ /etc/ld.so.conf.d/
+RUN ldconfig
 USER 65532:65532
 # 7071: collective ring (TCP); 7072: gRPC health; 9091: HTTP metrics.
 EXPOSE 7071 7072 9091
+# Docker's own check (Kubernetes uses the manifests' gRPC probes): the
+# worker's liveness on its health port (--health-listen 0.0.0.0:7072, as the
+# manifests run it).
+HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
+  CMD ["/usr/local/bin/accrue-worker", "--health-check", "127.0.0.1:7072"]
 ENTRYPOINT ["/usr/local/bin/accrue-worker"]

@@ -3,7 +3,13 @@ HF LlamaForCausalLM (same config, same packed tokens) with AdamW, 2 threads.
 
 usage: bench_hf_step.py make-batch OUT.safetensors   (writes the shared batch)
        bench_hf_step.py run BATCH.safetensors [--mode packed|per-doc] [--steps N]
-Prints one JSON line: {"impl": ..., "tokens_per_s": ..., "step_s": ...}.
+                        [--device cpu|cuda] [--attn sdpa|eager] [--dtype fp32|bf16]
+       bench_hf_step.py optimizer BATCH.safetensors [--rounds N] [--device cpu|cuda]
+Prints one JSON line: {"impl": ..., "tokens_per_s": ..., "step_s": ...}; the
+optimizer command one line per round with the seconds of torch's optimizer
+phase (clip_grad_norm_ and AdamW, both foreach) on the same model.
+--dtype bf16 runs forward/backward under torch.autocast(bfloat16) with fp32
+weights and optimizer state (the usual HF mixed precision).
 """
 import argparse
 import json
@@ -40,50 +46,91 @@ def make_batch(out):
                    "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}}, f, indent=1)
 
 
-def run(batch, mode, steps):
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run(batch, mode, steps, device="cpu", attn="sdpa", dtype="fp32"):
     torch.set_num_threads(2)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG, attn_implementation="sdpa")).float()
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG, attn_implementation=attn)).float()
+    model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
-    b = load_file(batch)
+    b = {k: v.to(device) for k, v in load_file(batch).items()}
     ids, labels, cu = b["input_ids"], b["labels"], b["cu_seq_lens"].tolist()
+    autocast = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=dtype == "bf16")
     total = sum(int((labels[s + 1:e] != -100).sum()) for s, e in zip(cu, cu[1:]))
 
     def step():
         if mode == "packed":
-            pos = torch.cat([torch.arange(e - s) for s, e in zip(cu, cu[1:])])
+            pos = torch.cat([torch.arange(e - s) for s, e in zip(cu, cu[1:])]).to(device)
             lab = labels.clone()
             lab[torch.tensor(cu[1:-1])] = -100  # no prediction across documents
-            out = model(input_ids=ids[None], position_ids=pos[None], labels=lab[None])
+            with autocast:
+                out = model(input_ids=ids[None], position_ids=pos[None], labels=lab[None])
             out.loss.backward()
         else:
             for s, e in zip(cu, cu[1:]):
-                out = model(input_ids=ids[None, s:e], labels=labels[None, s:e])
+                with autocast:
+                    out = model(input_ids=ids[None, s:e], labels=labels[None, s:e])
                 (out.loss * (e - s - 1) / total).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=False)
 
     step()  # warm-up
+    sync(device)
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
+    sync(device)
     dt = (time.perf_counter() - t0) / steps
-    print(json.dumps({"impl": f"pytorch-hf-{mode}", "tokens": len(ids), "step_s": dt,
+    name = f"pytorch-hf-{mode}" if device == "cpu" else f"pytorch-hf-{mode}-{attn}-{dtype}-{device}"
+    print(json.dumps({"impl": name, "tokens": len(ids), "step_s": dt,
                       "tokens_per_s": len(ids) / dt}))
+
+
+def optimizer(rounds, device="cpu"):
+    """torch's optimizer phase on the bench model: clip_grad_norm_ and
+    AdamW, both foreach, on gradients of the model's shapes."""
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).float().to(device)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, foreach=True)
+    numel = sum(p.numel() for p in params)
+    for r in range(rounds + 1):
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e-3
+        sync(device)
+        t0 = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        opt.step()
+        sync(device)
+        dt = time.perf_counter() - t0
+        if r > 0:  # round 0 warms up
+            print(json.dumps({"phase": "optimizer", "impl": "torch-adamw-foreach", "params": numel,
+                              "round": r, "s": dt}))
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("cmd", choices=["make-batch", "run"])
+    ap.add_argument("cmd", choices=["make-batch", "run", "optimizer"])
     ap.add_argument("path")
     ap.add_argument("--mode", default="packed", choices=["packed", "per-doc"])
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     a = ap.parse_args()
     if a.cmd == "make-batch":
         make_batch(a.path)
+    elif a.cmd == "optimizer":
+        optimizer(a.rounds, a.device)
     else:
-        run(a.path, a.mode, a.steps)
+        run(a.path, a.mode, a.steps, a.device, a.attn, a.dtype)
 
 
 if __name__ == "__main__":

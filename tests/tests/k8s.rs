@@ -323,7 +323,7 @@ fn the_job_spec_in_the_config_map_passes_accrue_validate() {
 }
 
 #[test]
-fn workers_scale_as_a_deployment_and_the_gpu_overlay_asks_for_gpus() {
+fn workers_scale_as_a_deployment_and_the_gpu_overlay_runs_8_gpu_pods() {
     for (name, dir) in overlays() {
         let docs = render(&dir);
         let w = find(&docs, "Deployment/accrue-worker");
@@ -342,7 +342,15 @@ fn workers_scale_as_a_deployment_and_the_gpu_overlay_asks_for_gpus() {
             &array(&pod["containers"]).next().unwrap()["resources"]["limits"]["nvidia.com/gpu"];
         match name.as_str() {
             "gpu" => {
-                assert_eq!(gpu, "1", "{name}: one GPU per worker");
+                // An 8-GPU pod running one worker process per GPU.
+                assert_eq!(gpu, "8", "{name}: 8-GPU pods");
+                let args: Vec<&str> = array(&array(&pod["containers"]).next().unwrap()["args"])
+                    .filter_map(|a| a.as_str())
+                    .collect();
+                assert!(
+                    args.windows(2).any(|w| w == ["--gpus", "all"]),
+                    "{name}: one process per GPU needs --gpus all: {args:?}"
+                );
                 assert!(array(&pod["tolerations"]).any(|t| t["key"] == "nvidia.com/gpu"));
             }
             "cpu-dev" => {

@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use tch::Kind;
+use tch::{Device, Kind};
 
 use crate::objective::Objective;
 use crate::train::optim::AdamWConfig;
@@ -31,6 +31,36 @@ pub enum Sharding {
     Fsdp,
 }
 
+/// Which backend carries a generation's collectives (`parallel.collective`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CollectiveChoice {
+    /// NCCL when every member is a CUDA worker that can load it, else the
+    /// TCP ring.
+    Auto,
+    /// Always the TCP ring.
+    Ring,
+}
+
+/// `[precision]` (see `proto/accrue/v1/job.proto`): parameters and AdamW
+/// state in `JobConfig::dtype`, forward/backward in `compute`, gradient
+/// reduction in `reduce`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Precision {
+    pub compute: Kind,
+    pub reduce: Kind,
+}
+
+impl Precision {
+    /// Everything in `kind` (fp32 end to end, or pure bf16 computing in
+    /// its parameters' dtype), reducing in float32.
+    pub fn uniform(kind: Kind) -> Precision {
+        Precision {
+            compute: kind,
+            reduce: Kind::Float,
+        }
+    }
+}
+
 /// The resolved job.
 #[derive(Debug, Clone, PartialEq)]
 pub struct JobConfig {
@@ -39,13 +69,32 @@ pub struct JobConfig {
     /// Seeds a random init.
     pub seed: u64,
     pub model: ModelSource,
-    /// Parameter and compute dtype: `Float` or `BFloat16`.
+    /// Parameter (master) dtype, also the checkpoints' and the optimizer
+    /// update's: `Float` or `BFloat16`.
     pub dtype: Kind,
+    /// Forward/backward and reduction dtypes.
+    pub precision: Precision,
     pub objective: Objective,
     pub optimizer: AdamWConfig,
+    /// Substrings of HF parameter names that take no weight decay.
+    pub no_decay: Vec<String>,
     /// Global L2 norm of the gradient clip; 0 disables.
     pub grad_clip: f64,
     pub sharding: Sharding,
+    pub collective: CollectiveChoice,
     /// Tokens per chunk of the LM head + cross-entropy.
     pub loss_chunk_tokens: usize,
+    /// Recompute each decoder layer in the backward from its saved input.
+    pub activation_checkpointing: bool,
+    /// Where this worker runs the job. Not the coordinator's: the runner
+    /// sets it from `--device` (see `crate::device`); the wire gives CPU.
+    pub device: Device,
+}
+
+impl JobConfig {
+    /// Whether forward/backward run in a dtype other than the parameters'
+    /// (mixed precision: a compute copy beside float32 masters).
+    pub fn mixed(&self) -> bool {
+        self.precision.compute != self.dtype
+    }
 }

@@ -5,10 +5,10 @@
 
 use std::path::PathBuf;
 
-use tch::Kind;
+use tch::{Device, Kind};
 
 use crate::batch::{MicrobatchMeta, PackedBatch, SeqMeta, StepNorms};
-use crate::config::{JobConfig, ModelSource, Sharding};
+use crate::config::{CollectiveChoice, JobConfig, ModelSource, Precision, Sharding};
 use crate::error::StepError;
 use crate::objective::dpo::{DpoLoss, DpoParams};
 use crate::objective::pg::PgParams;
@@ -102,6 +102,18 @@ pub fn norms(n: Option<&wire::Normalizers>) -> Result<StepNorms, StepError> {
     })
 }
 
+/// The job's `parallel.collective`.
+pub fn collective_choice(job: &wire::JobDefinition) -> Result<CollectiveChoice, FieldError> {
+    Ok(
+        match known::<wire::CollectiveChoice>(job.collective, "job.collective")? {
+            wire::CollectiveChoice::Ring => CollectiveChoice::Ring,
+            wire::CollectiveChoice::Auto | wire::CollectiveChoice::Unspecified => {
+                CollectiveChoice::Auto
+            }
+        },
+    )
+}
+
 /// The job of a `Configure`.
 pub fn job_config(job: &wire::JobDefinition) -> Result<JobConfig, FieldError> {
     use wire::model_definition::Init;
@@ -123,9 +135,20 @@ pub fn job_config(job: &wire::JobDefinition) -> Result<JobConfig, FieldError> {
         }
         Init::CheckpointDir(dir) => ModelSource::Checkpoint(PathBuf::from(dir)),
     };
-    let dtype = match known::<wire::Dtype>(model.dtype, "job.model.dtype")? {
-        wire::Dtype::Bfloat16 => Kind::BFloat16,
-        wire::Dtype::Float32 | wire::Dtype::Unspecified => Kind::Float,
+    let kind = |value: i32, field: &str| -> Result<Kind, FieldError> {
+        Ok(match known::<wire::Dtype>(value, field)? {
+            wire::Dtype::Bfloat16 => Kind::BFloat16,
+            wire::Dtype::Float32 | wire::Dtype::Unspecified => Kind::Float,
+        })
+    };
+    let dtype = kind(model.dtype, "job.model.dtype")?;
+    let p = job
+        .precision
+        .as_ref()
+        .ok_or_else(|| missing("job.precision"))?;
+    let precision = Precision {
+        compute: kind(p.compute, "job.precision.compute")?,
+        reduce: kind(p.reduce, "job.precision.reduce")?,
     };
     let objective = job
         .objective
@@ -187,11 +210,13 @@ pub fn job_config(job: &wire::JobDefinition) -> Result<JobConfig, FieldError> {
             "must be at least 1",
         ));
     }
+    let collective = collective_choice(job)?;
     Ok(JobConfig {
         name: job.name.clone(),
         seed: job.seed,
         model: source,
         dtype,
+        precision,
         objective,
         optimizer: AdamWConfig {
             beta1: o.beta1,
@@ -199,9 +224,13 @@ pub fn job_config(job: &wire::JobDefinition) -> Result<JobConfig, FieldError> {
             eps: o.eps,
             weight_decay: o.weight_decay,
         },
+        no_decay: o.no_decay.clone(),
         grad_clip: o.grad_clip,
         sharding,
+        collective,
         loss_chunk_tokens: runtime.loss_chunk_tokens as usize,
+        activation_checkpointing: runtime.activation_checkpointing,
+        device: Device::Cpu,
     })
 }
 
@@ -228,11 +257,18 @@ pub(crate) mod testing {
                 eps: 1e-8,
                 weight_decay: 0.1,
                 grad_clip: 1.0,
+                no_decay: vec!["bias".into(), "norm".into()],
             }),
             sharding: wire::Sharding::Zero2 as i32,
             runtime: Some(wire::RuntimeDefinition {
                 loss_chunk_tokens: 512,
+                activation_checkpointing: false,
             }),
+            precision: Some(wire::PrecisionDefinition {
+                compute: wire::Dtype::Float32 as i32,
+                reduce: wire::Dtype::Float32 as i32,
+            }),
+            collective: wire::CollectiveChoice::Auto as i32,
         }
     }
 }
@@ -282,7 +318,14 @@ mod tests {
         let mut d = sft();
         d.runtime = Some(wire::RuntimeDefinition {
             loss_chunk_tokens: 0,
+            activation_checkpointing: false,
         });
         assert_eq!(field(d), "job.runtime.loss_chunk_tokens");
+        let mut d = sft();
+        d.precision = None;
+        assert_eq!(field(d), "job.precision");
+        let mut d = sft();
+        d.collective = 0;
+        assert_eq!(field(d), "job.collective");
     }
 }

@@ -92,7 +92,7 @@ impl WorkerMetrics {
         let memory = GaugeVec::new(
             Opts::new(
                 "accrue_worker_memory_bytes",
-                "Memory of this process: kind=\"rss\" resident set (VmRSS of /proc/self/status)",
+                "Memory of this process: kind=\"rss\" resident set (VmRSS of /proc/self/status); GPU workers: kind=\"cuda_peak_allocated\" / \"cuda_peak_reserved\", the last step's peak on the GPU",
             ),
             &["kind"],
         )
@@ -142,6 +142,14 @@ impl WorkerMetrics {
             // A counter never goes down (inc_by panics on a negative).
             if s.is_finite() && s > 0.0 {
                 c.inc_by(s);
+            }
+        }
+        for (kind, bytes) in [
+            ("cuda_peak_allocated", sums.gpu_memory_peak_allocated_bytes),
+            ("cuda_peak_reserved", sums.gpu_memory_peak_reserved_bytes),
+        ] {
+            if bytes > 0 {
+                self.memory.with_label_values(&[kind]).set(bytes as f64);
             }
         }
         self.steps.inc();

@@ -8,6 +8,10 @@
 //!   cross-entropy forward/backward for T = `$ACCRUE_BENCH_LOSS_T` (8192),
 //!   H = 256, V = 152064. Run each in its own process (the high-water mark
 //!   is per process).
+//! - `bench_optimizer_phase`: the optimizer phase of a step (global norm,
+//!   clip, AdamW) on the bench model, today's one pass over flat buffers
+//!   beside the per-parameter path it replaced, interleaved in one process
+//!   (`scripts/bench_optimizer.sh` runs it beside torch's foreach AdamW).
 
 mod common;
 
@@ -17,7 +21,7 @@ use std::time::Instant;
 use accrue_worker::batch::PackedBatch;
 use accrue_worker::model::{loss, PackedAttention};
 use accrue_worker::train::{Engine, Trainer};
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 fn bench_dir() -> PathBuf {
     PathBuf::from(
@@ -41,26 +45,61 @@ fn bench_train_step() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(3);
-    let cfg = common::job_config(
+    // `ACCRUE_BENCH_DEVICE=cuda` and `ACCRUE_BENCH_PRECISION=bf16-mixed`
+    // (scripts/gpu-check.sh): the same step on the GPU, with MFU.
+    let device = match std::env::var("ACCRUE_BENCH_DEVICE").as_deref() {
+        Ok("cuda") => Device::Cuda(0),
+        _ => Device::Cpu,
+    };
+    let precision = std::env::var("ACCRUE_BENCH_PRECISION").unwrap_or_else(|_| "fp32".into());
+    let mixed = if precision == "bf16-mixed" {
+        "[precision]\ncompute = \"bfloat16\"\n"
+    } else {
+        ""
+    };
+    let mut cfg = common::job_config(
         "random",
-        &format!("config = \"{}\"\n", dir.join("config.json").display()),
+        &format!(
+            "config = \"{}\"\n{mixed}",
+            dir.join("config.json").display()
+        ),
     );
-    for mode in [PackedAttention::PerDocument, PackedAttention::BlockMask] {
+    cfg.device = device;
+    let peak = accrue_worker::session::peak_flops(None, &accrue_worker::device::describe(device));
+    let modes = if device.is_cuda() {
+        [PackedAttention::Bucketed, PackedAttention::PerDocument]
+    } else {
+        [PackedAttention::PerDocument, PackedAttention::BlockMask]
+    };
+    for mode in modes {
         let mut t = Trainer::single(&cfg, None).unwrap();
-        t.model_mut().attention = mode;
+        t.set_attention(mode);
         let total = batch.loss_tokens();
         let step = |t: &mut Trainer| {
             t.microbatch(0, &batch, total).unwrap();
             t.optimizer_step(1e-4).unwrap();
         };
         step(&mut t); // warm-up
+        if let Device::Cuda(n) = device {
+            tch::Cuda::synchronize(n as i64);
+        }
         let start = Instant::now();
         for _ in 0..steps {
             step(&mut t);
         }
+        if let Device::Cuda(n) = device {
+            tch::Cuda::synchronize(n as i64);
+        }
         let dt = start.elapsed().as_secs_f64() / steps as f64;
+        let flops = t.model_flops(&batch.cu_seq_lens, total);
+        let mfu = if peak > 0.0 { flops / dt / peak } else { 0.0 };
+        let name = if device.is_cuda() {
+            format!("accrue-{mode:?}-{precision}-cuda")
+        } else {
+            format!("accrue-{mode:?}")
+        };
         println!(
-            "{{\"impl\": \"accrue-{mode:?}\", \"tokens\": {}, \"step_s\": {dt:.4}, \"tokens_per_s\": {:.1}}}",
+            "{{\"impl\": \"{name}\", \"tokens\": {}, \"step_s\": {dt:.4}, \"tokens_per_s\": {:.1}, \"model_flops\": {flops:.4e}, \"peak_flops\": {peak:.4e}, \"mfu\": {mfu:.4}}}",
             batch.tokens(),
             batch.tokens() as f64 / dt
         );
@@ -105,13 +144,14 @@ fn bench_profile_step() {
             }
             *lap = Instant::now();
         };
-        let model = t.model();
-        let hidden = model.hidden(&batch.input_ids, &batch.cu_seq_lens);
+        let model = t.compute_model();
+        let fwd = model.forward_train(&batch.input_ids, &batch.cu_seq_lens, false);
         mark(0, &mut lap);
         let head = model.lm_head_weight();
-        let out = loss::chunked_nll(&hidden, head, &targets, chunk, 1.0 / total as f64).unwrap();
+        let out =
+            loss::chunked_nll(&fwd.hidden, head, &targets, chunk, 1.0 / total as f64).unwrap();
         mark(1, &mut lap);
-        loss::backward_into_model(&hidden, head, &out);
+        t.backward(fwd, &out.grad_hidden, &out.grad_weight).unwrap();
         mark(2, &mut lap);
         t.optimizer_step(1e-4).unwrap();
         mark(3, &mut lap);
@@ -191,4 +231,110 @@ fn bench_loss_memory_chunked() {
 #[ignore]
 fn bench_loss_memory_naive() {
     loss_memory(false);
+}
+
+/// The optimizer phase before issue 15, kept here to measure against: the
+/// gradients flattened into a new buffer, the norm from an f64 copy, the
+/// clip as its own pass, then per parameter the single-tensor AdamW as
+/// ATen operations with their temporaries.
+fn legacy_optimizer_phase(
+    params: &[Tensor],
+    grads: &[Tensor],
+    m: &mut [Tensor],
+    v: &mut [Tensor],
+    step: i32,
+    lr: f64,
+) {
+    let (beta1, beta2, eps) = (0.9f64, 0.999f64, 1e-8);
+    tch::no_grad(|| {
+        let parts: Vec<Tensor> = grads
+            .iter()
+            .map(|g| g.reshape([-1]).to_kind(Kind::Float))
+            .collect();
+        let mut flat = Tensor::cat(&parts, 0);
+        let sq = f64::try_from(flat.to_kind(Kind::Double).square().sum(Kind::Double)).unwrap();
+        let coef = (1.0 / (sq.sqrt() + 1e-6)).min(1.0);
+        let _ = flat.g_mul_scalar_(coef);
+        let mut offset = 0;
+        let bias1 = 1.0 - beta1.powi(step);
+        let bias2_sqrt = (1.0 - beta2.powi(step)).sqrt();
+        let step_size = lr / bias1;
+        for (i, p) in params.iter().enumerate() {
+            let n = p.numel() as i64;
+            let g = flat.narrow(0, offset, n).view(p.size().as_slice());
+            offset += n;
+            let mut p32 = p.to_kind(Kind::Float);
+            let _ = m[i].lerp_(&g, 1.0 - beta1);
+            let _ = v[i].g_mul_scalar_(beta2);
+            let _ = v[i].addcmul_(&(&g * (1.0 - beta2)), &g);
+            let denom = v[i].sqrt() / bias2_sqrt + eps;
+            let _ = p32.addcdiv_(&(&m[i] * -step_size), &denom);
+        }
+    });
+}
+
+/// Seconds of the optimizer phase (norm, clip, AdamW) of the bench model
+/// at world 1, per round: each round trains one microbatch (not timed),
+/// then times the per-parameter path on copies of the state and the
+/// trainer's own step, in alternating order.
+#[test]
+#[ignore]
+fn bench_optimizer_phase() {
+    tch::set_num_threads(2);
+    let dir = bench_dir();
+    let b = common::read(&dir.join("batch.safetensors"));
+    let batch = PackedBatch {
+        input_ids: Vec::<i64>::try_from(&b["input_ids"]).unwrap(),
+        labels: Vec::<i64>::try_from(&b["labels"]).unwrap(),
+        cu_seq_lens: Vec::<i64>::try_from(&b["cu_seq_lens"]).unwrap(),
+    };
+    let rounds: usize = std::env::var("ACCRUE_BENCH_ROUNDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(5);
+    let cfg = common::job_config(
+        "random",
+        &format!(
+            "config = \"{}\"\n[optimizer]\nweight_decay = 0.0\n",
+            dir.join("config.json").display()
+        ),
+    );
+    let mut t = Trainer::single(&cfg, None).unwrap();
+    let total = batch.loss_tokens();
+    let params: Vec<Tensor> = t.named_parameters().iter().map(|(_, p)| p.copy()).collect();
+    let zeros = || -> Vec<Tensor> {
+        params
+            .iter()
+            .map(|p| Tensor::zeros(p.size(), (Kind::Float, Device::Cpu)))
+            .collect()
+    };
+    let (mut m, mut v) = (zeros(), zeros());
+    let numel: usize = params.iter().map(Tensor::numel).sum();
+    for round in 0..=rounds {
+        t.microbatch(0, &batch, total).unwrap();
+        let grads: Vec<Tensor> = t.named_grads().iter().map(|(_, g)| g.copy()).collect();
+        let mut time_new = || {
+            let start = Instant::now();
+            t.optimizer_step(1e-4).unwrap();
+            start.elapsed().as_secs_f64()
+        };
+        let mut time_old = || {
+            let start = Instant::now();
+            legacy_optimizer_phase(&params, &grads, &mut m, &mut v, round as i32 + 1, 1e-4);
+            start.elapsed().as_secs_f64()
+        };
+        let (new, old) = if round % 2 == 0 {
+            let n = time_new();
+            (n, time_old())
+        } else {
+            let o = time_old();
+            (time_new(), o)
+        };
+        if round > 0 {
+            // Round 0 warms up allocators and caches.
+            println!(
+                "{{\"phase\": \"optimizer\", \"params\": {numel}, \"round\": {round}, \"flat_s\": {new:.4}, \"per_parameter_s\": {old:.4}}}"
+            );
+        }
+    }
 }

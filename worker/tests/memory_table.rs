@@ -49,32 +49,53 @@ fn measure(sharding: &str, world: usize) -> Vec<StateBytes> {
     handles.into_iter().map(|h| h.join().unwrap()).collect()
 }
 
+/// What the trainer before issue 15 held (its `state_bytes()`, the same
+/// layout): whole `.grad` tensors through the step at ddp and zero2, and a
+/// flat float32 copy of the whole gradient at the boundary.
+fn before(sharding: &str, world: u64, params: u64) -> (u64, u64, u64) {
+    let optimizer = if sharding == "ddp" {
+        2 * params
+    } else {
+        2 * params.div_ceil(world * 4) * 4
+    };
+    (params, optimizer, params)
+}
+
 #[test]
 #[ignore = "builds 7 models of 24M parameters; run with --ignored --nocapture"]
 fn memory_per_rank_ddp_and_zero2() {
-    println!("| sharding | world | params MiB | grads MiB | optimizer MiB | total MiB/rank | boundary buffer MiB |");
-    println!("|---|---|---|---|---|---|---|");
+    println!("| sharding | world | params MiB | grads MiB before → after | optimizer MiB | boundary buffer MiB before → after | backward transient MiB | total MiB/rank before → after |");
+    println!("|---|---|---|---|---|---|---|---|");
     let mut ddp_total = 0;
     for sharding in ["ddp", "zero2"] {
         for world in [1, 2, 4] {
             let ranks = measure(sharding, world);
             // The largest rank (zero2 shards differ by at most one element).
             let b = *ranks.iter().max_by_key(|b| b.total()).unwrap();
+            let (grads0, opt0, boundary0) = before(sharding, world as u64, b.params);
             println!(
-                "| {sharding} | {world} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} |",
+                "| {sharding} | {world} | {:.1} | {:.1} → {:.1} | {:.1} | {:.1} → {:.1} | {:.1} | {:.1} → {:.1} |",
                 mib(b.params),
+                mib(grads0),
                 mib(b.grads),
                 mib(b.optimizer),
-                mib(b.total()),
-                mib(b.boundary)
+                mib(boundary0),
+                mib(b.boundary),
+                mib(b.backward),
+                mib(b.params + grads0 + opt0),
+                mib(b.total())
             );
+            assert_eq!(b.optimizer, opt0, "the moments are as before");
             if sharding == "ddp" {
                 ddp_total = b.total();
                 assert_eq!(b.optimizer, 2 * b.params, "fp32: two moments per parameter");
+                assert_eq!(b.grads, b.params, "ddp keeps the whole fp32 gradient");
             } else {
-                // The moments shrink with the world size; the rest does not.
+                // Gradients and moments shrink with the world size; the
+                // parameters (replicated at ZeRO-2) do not.
                 let full = 2 * b.params;
                 assert!(b.optimizer <= full / world as u64 + 8, "{world}: {b:?}");
+                assert!(b.grads <= b.params / world as u64 + 4, "{world}: {b:?}");
                 assert!(b.total() <= ddp_total);
             }
         }

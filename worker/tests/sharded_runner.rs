@@ -81,6 +81,7 @@ fn two_runners_train_checkpoint_and_rejoin_a_new_generation() {
                     factory: factory.clone(),
                     connector: conn.clone(),
                     listener: Some(std::net::TcpListener::bind("127.0.0.1:0").unwrap()),
+                    device: tch::Device::Cpu,
                 },
                 tx.clone(),
             )
@@ -213,6 +214,7 @@ fn two_runners_train_checkpoint_and_rejoin_a_new_generation() {
             factory: factory.clone(),
             connector: conn.clone(),
             listener: Some(std::net::TcpListener::bind("127.0.0.1:0").unwrap()),
+            device: tch::Device::Cpu,
         },
         tx.clone(),
     );

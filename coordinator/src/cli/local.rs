@@ -47,8 +47,52 @@ fn threads_per_worker(workers: u32) -> usize {
     (cores / workers.max(1) as usize).max(1)
 }
 
+/// `accrue local --devices`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Devices {
+    /// Worker i on visible GPU i mod the GPU count (CPU without GPUs).
+    Gpu,
+    Cpu,
+}
+
+/// The `--device` of worker `k` of a local run on a machine with
+/// `visible` GPUs: GPU k mod visible, as one process per GPU wants.
+pub fn worker_device(k: u32, visible: usize, devices: Devices) -> String {
+    match (devices, visible) {
+        (Devices::Gpu, n) if n > 0 => format!("cuda:{}", k as usize % n),
+        _ => "cpu".into(),
+    }
+}
+
+/// GPUs visible to the workers: `CUDA_VISIBLE_DEVICES` when set (its
+/// entries up to the first invalid one, as CUDA reads it), else the
+/// `GPU n: …` lines of `nvidia-smi -L` (0 without it).
+pub fn visible_gpus(cuda_visible_devices: Option<&str>, smi_list: Option<&str>) -> usize {
+    if let Some(list) = cuda_visible_devices {
+        return list
+            .split(',')
+            .map(str::trim)
+            .take_while(|e| !e.is_empty() && !e.starts_with('-'))
+            .count();
+    }
+    smi_list.map_or(0, |l| {
+        l.lines().filter(|line| line.starts_with("GPU ")).count()
+    })
+}
+
+fn probe_gpus() -> usize {
+    let env = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+    let smi = std::process::Command::new("nvidia-smi")
+        .arg("-L")
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned());
+    visible_gpus(env.as_deref(), smi.as_deref())
+}
+
 /// Runs `accrue local`.
-pub async fn run(spec_path: &Path, workers: u32) -> anyhow::Result<ExitCode> {
+pub async fn run(spec_path: &Path, workers: u32, devices: Devices) -> anyhow::Result<ExitCode> {
     anyhow::ensure!(workers >= 1, "--workers must be at least 1");
     let spec_toml = crate::input::read_spec(spec_path, crate::input::MAX_CONFIG_BYTES)?;
     let base = std::path::absolute(std::env::current_dir()?)?;
@@ -88,8 +132,14 @@ pub async fn run(spec_path: &Path, workers: u32) -> anyhow::Result<ExitCode> {
         out.join("state").display()
     );
 
+    let gpus = if devices == Devices::Gpu {
+        probe_gpus()
+    } else {
+        0
+    };
     let mut children = Vec::new();
     for k in 0..workers {
+        let device = worker_device(k, gpus, devices);
         let log_path = logs.join(format!("worker-{k}.log"));
         let log = std::fs::File::create(&log_path)
             .with_context(|| format!("creating {}", log_path.display()))?;
@@ -98,6 +148,10 @@ pub async fn run(spec_path: &Path, workers: u32) -> anyhow::Result<ExitCode> {
             .arg(&url)
             .arg("--threads")
             .arg(threads_per_worker(workers).to_string())
+            .arg("--device")
+            .arg(&device)
+            // The worker's own choice would look at LOCAL_RANK first.
+            .env_remove("LOCAL_RANK")
             .env(
                 WORKER_TOKEN_ENV,
                 tokens.worker.as_ref().map_or("", |t| t.expose()),
@@ -112,7 +166,15 @@ pub async fn run(spec_path: &Path, workers: u32) -> anyhow::Result<ExitCode> {
             .with_context(|| format!("starting {}", worker_bin.display()))?;
         children.push((child, log_path));
     }
-    errln!("{workers} worker(s) started; logs in {}", logs.display());
+    let placed = if gpus > 0 {
+        format!("on {} GPU(s)", gpus.min(workers as usize))
+    } else {
+        "on the CPU".to_string()
+    };
+    errln!(
+        "{workers} worker(s) started {placed}; logs in {}",
+        logs.display()
+    );
 
     // All N workers join before the job starts, so it runs at world N from
     // step 1 rather than growing mid-run.
@@ -267,6 +329,28 @@ mod tests {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         assert_eq!(threads_per_worker(1), cores);
         assert_eq!(threads_per_worker(10_000), 1);
+    }
+
+    #[test]
+    fn workers_take_gpus_round_robin_or_the_cpu() {
+        let devs: Vec<String> = (0..5).map(|k| worker_device(k, 2, Devices::Gpu)).collect();
+        assert_eq!(devs, ["cuda:0", "cuda:1", "cuda:0", "cuda:1", "cuda:0"]);
+        assert_eq!(worker_device(3, 8, Devices::Gpu), "cuda:3");
+        assert_eq!(worker_device(0, 0, Devices::Gpu), "cpu");
+        assert_eq!(worker_device(1, 8, Devices::Cpu), "cpu");
+    }
+
+    #[test]
+    fn visible_gpus_follow_cuda_visible_devices_then_nvidia_smi() {
+        let smi = "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-a)\n\
+                   GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-b)\n  MIG 1g.10gb Device 0: (UUID: MIG-x)\n";
+        assert_eq!(visible_gpus(None, Some(smi)), 2);
+        assert_eq!(visible_gpus(Some("3,5,7"), Some(smi)), 3);
+        assert_eq!(visible_gpus(Some("GPU-b"), Some(smi)), 1);
+        assert_eq!(visible_gpus(Some(""), Some(smi)), 0);
+        assert_eq!(visible_gpus(Some("-1"), Some(smi)), 0);
+        assert_eq!(visible_gpus(Some("0,-1,1"), Some(smi)), 1);
+        assert_eq!(visible_gpus(None, None), 0);
     }
 
     #[test]

@@ -348,6 +348,10 @@ pub enum Command {
         /// Number of worker processes.
         #[arg(long, value_name = "N", default_value_t = 1)]
         workers: u32,
+        /// Where the workers train: gpu (worker i on visible GPU i mod the
+        /// GPU count; the CPU when none is visible) or cpu.
+        #[arg(long, value_name = "gpu|cpu", default_value = "gpu")]
+        devices: local::Devices,
     },
 }
 
@@ -673,7 +677,11 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Rollouts {
             rollouts: RolloutsCommand::Push { job, file, batch },
         } => rollouts::push(conn, &job, &file, batch).await,
-        Command::Local { spec, workers } => local::run(&spec, workers).await,
+        Command::Local {
+            spec,
+            workers,
+            devices,
+        } => local::run(&spec, workers, devices).await,
     }
 }
 

@@ -235,6 +235,8 @@ pub fn step_json(s: &StepMetrics) -> Value {
         "step_time_s": s.step_time_s,
         "model_flops": s.model_flops,
         "mfu": s.mfu,
+        "gpu_memory_peak_allocated_bytes": s.gpu_memory_peak_allocated_bytes,
+        "gpu_memory_peak_reserved_bytes": s.gpu_memory_peak_reserved_bytes,
         "world_size": s.world_size,
         "generation": s.generation,
         "cursor": s.cursor.as_ref().map(cursor_json),
@@ -338,7 +340,7 @@ pub fn watch_item_json(item: &WatchJobResponse) -> Option<Value> {
 /// stderr is not a terminal.
 pub fn step_line(s: &StepMetrics) -> String {
     format!(
-        "step {}  loss {:.4}  lr {:.3e}  grad_norm {:.3}  tokens {}  docs {}  mbs {}  {} tok/s  mfu {}  {:.2}s  world {}",
+        "step {}  loss {:.4}  lr {:.3e}  grad_norm {:.3}  tokens {}  docs {}  mbs {}  {} tok/s  mfu {}  {:.2}s  world {}{}",
         s.step,
         s.loss,
         s.lr,
@@ -349,17 +351,35 @@ pub fn step_line(s: &StepMetrics) -> String {
         human_rate(s.tokens_per_s),
         mfu_text(s.mfu),
         s.step_time_s,
-        s.world_size
+        s.world_size,
+        gpu_memory_text(s)
     ) + &per_source(&s.sources)
+}
+
+/// `  gpu 12.3 GiB (reserved 14.0 GiB)` on GPU workers, empty on CPU.
+fn gpu_memory_text(s: &StepMetrics) -> String {
+    if s.gpu_memory_peak_reserved_bytes == 0 && s.gpu_memory_peak_allocated_bytes == 0 {
+        return String::new();
+    }
+    format!(
+        "  gpu {} (reserved {})",
+        human_bytes(s.gpu_memory_peak_allocated_bytes),
+        human_bytes(s.gpu_memory_peak_reserved_bytes)
+    )
 }
 
 /// The progress bar's message for the latest step.
 pub fn bar_message(s: &StepMetrics) -> String {
     format!(
-        "loss {:.4} · {} tok/s · mfu {}",
+        "loss {:.4} · {} tok/s · mfu {}{}",
         s.loss,
         human_rate(s.tokens_per_s),
-        mfu_text(s.mfu)
+        mfu_text(s.mfu),
+        if s.gpu_memory_peak_allocated_bytes > 0 {
+            format!(" · gpu {}", human_bytes(s.gpu_memory_peak_allocated_bytes))
+        } else {
+            String::new()
+        }
     )
 }
 
@@ -480,15 +500,19 @@ pub fn workers_table(workers: &[WorkerInfo]) -> String {
             vec![
                 w.worker_id.clone(),
                 or_dash(&w.hostname),
-                or_dash(&w.device),
+                if w.gpu_name.is_empty() {
+                    or_dash(&w.device)
+                } else {
+                    format!("{} ({})", w.device, w.gpu_name)
+                },
                 worker_state_name(w.state),
                 or_dash(&w.job_id),
                 w.rank.map_or_else(|| "-".into(), |r| r.to_string()),
                 format!("{} ago", human_ms(w.last_seen_ms_ago)),
-                if w.memory_bytes == 0 {
-                    "-".into()
-                } else {
-                    human_bytes(w.memory_bytes)
+                match (w.gpu_memory_bytes, w.memory_bytes) {
+                    (0, 0) => "-".into(),
+                    (0, host) => human_bytes(host),
+                    (gpu, _) => human_bytes(gpu),
                 },
             ]
         })
@@ -519,6 +543,8 @@ pub fn worker_json(w: &WorkerInfo) -> Value {
         "rank": w.rank,
         "last_seen_ms_ago": w.last_seen_ms_ago,
         "memory_bytes": w.memory_bytes,
+        "gpu_name": w.gpu_name,
+        "gpu_memory_bytes": w.gpu_memory_bytes,
     })
 }
 
@@ -679,6 +705,7 @@ mod tests {
             rank: Some(3),
             last_seen_ms_ago: 1_500,
             memory_bytes: 80 * 1024 * 1024 * 1024,
+            ..Default::default()
         };
         let idle = WorkerInfo {
             worker_id: "w-2".into(),

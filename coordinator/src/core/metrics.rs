@@ -26,6 +26,12 @@ pub struct MetricSums {
     /// Training FLOPs of the tokens this rank processed.
     #[serde(default)]
     pub model_flops: f64,
+    /// GPU workers: the rank's peak GPU memory during the step (bytes its
+    /// tensors held, and bytes the device had in use for it); 0 on CPU.
+    #[serde(default)]
+    pub gpu_memory_peak_allocated_bytes: u64,
+    #[serde(default)]
+    pub gpu_memory_peak_reserved_bytes: u64,
     /// The same sums per source (by the job's source index).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub sources: BTreeMap<u32, SourceSums>,
@@ -171,6 +177,16 @@ pub struct StepMetrics {
     /// loss_tokens is the step's loss).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub sources: BTreeMap<String, SourceMetrics>,
+    /// The largest rank's peak GPU memory in the step (0 on CPU: not
+    /// written then).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub gpu_memory_peak_allocated_bytes: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub gpu_memory_peak_reserved_bytes: u64,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }
 
 /// What the plan says about a step, independent of the workers' reports.
@@ -209,6 +225,13 @@ pub fn aggregate(facts: StepFacts<'_>, cursor: Cursor, ranks: &[MetricSums]) -> 
         total.optimizer_s += r.optimizer_s;
         total.idle_s += r.idle_s;
         total.model_flops += r.model_flops;
+        // Memory is per device: the largest rank is the one that runs out.
+        total.gpu_memory_peak_allocated_bytes = total
+            .gpu_memory_peak_allocated_bytes
+            .max(r.gpu_memory_peak_allocated_bytes);
+        total.gpu_memory_peak_reserved_bytes = total
+            .gpu_memory_peak_reserved_bytes
+            .max(r.gpu_memory_peak_reserved_bytes);
         for (k, v) in &r.extra {
             *total.extra.entry(k.clone()).or_default() += v;
         }
@@ -291,6 +314,8 @@ pub fn aggregate(facts: StepFacts<'_>, cursor: Cursor, ranks: &[MetricSums]) -> 
                 )
             })
             .collect(),
+        gpu_memory_peak_allocated_bytes: total.gpu_memory_peak_allocated_bytes,
+        gpu_memory_peak_reserved_bytes: total.gpu_memory_peak_reserved_bytes,
     }
 }
 

@@ -27,6 +27,9 @@ pub struct Registration {
     pub hostname: String,
     pub device: String,
     pub memory_bytes: u64,
+    /// A GPU worker's GPU name and memory (empty / 0 on CPU).
+    pub gpu_name: String,
+    pub gpu_memory_bytes: u64,
     pub collective_addr: String,
     /// Peak FLOP/s of the device, rounded (0 = unknown): the MFU denominator.
     pub peak_flops: u64,

@@ -56,6 +56,7 @@ pub struct Exporter {
     step_time: GaugeVec,
     tokens_per_s: GaugeVec,
     mfu: GaugeVec,
+    gpu_memory: GaugeVec,
     padding: GaugeVec,
     loss: GaugeVec,
     // Per source of a mixture, and evaluations.
@@ -184,6 +185,11 @@ impl Exporter {
             "accrue_mfu_ratio",
             "Model FLOPs utilisation of the last committed step, 0 to 1 (0 when a worker's peak is unknown)",
             job,
+        );
+        let gpu_memory = b.gauge(
+            "accrue_gpu_memory_peak_bytes",
+            "Largest per-rank peak GPU memory of the last committed step, by kind = allocated (tensors) or reserved (device memory in use); absent on CPU",
+            &["job", "kind"],
         );
         let padding = b.gauge(
             "accrue_padding_ratio",
@@ -331,6 +337,7 @@ impl Exporter {
             step_time,
             tokens_per_s,
             mfu,
+            gpu_memory,
             padding,
             loss,
             source_loss,

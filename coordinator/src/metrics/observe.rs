@@ -34,6 +34,16 @@ impl Exporter {
         self.step_time.with_label_values(l).set(m.step_time_s);
         self.tokens_per_s.with_label_values(l).set(m.tokens_per_s);
         self.mfu.with_label_values(l).set(m.mfu);
+        for (kind, bytes) in [
+            ("allocated", m.gpu_memory_peak_allocated_bytes),
+            ("reserved", m.gpu_memory_peak_reserved_bytes),
+        ] {
+            if bytes > 0 {
+                self.gpu_memory
+                    .with_label_values(&[job, kind])
+                    .set(bytes as f64);
+            }
+        }
         self.padding.with_label_values(l).set(m.padding_fraction);
         self.loss.with_label_values(l).set(m.loss);
         for (source, s) in &m.sources {

@@ -53,6 +53,7 @@ fn populated() -> Exporter {
         g.with_label_values(&["j"]).set(1);
     }
     e.checkpoint_age.with_label_values(&["j"]).set(4.0);
+    e.gpu_memory.with_label_values(&["j", "allocated"]).set(1.0);
     e
 }
 
@@ -100,7 +101,7 @@ fn every_family_follows_the_prometheus_naming_conventions() {
                 // `source`: a mixture's sources, declared in the spec (a dozen,
                 // not one per document).
                 assert!(
-                    ["job", "state", "reason", "phase", "source"].contains(&l.name()),
+                    ["job", "state", "reason", "phase", "source", "kind"].contains(&l.name()),
                     "{name}: label {} is not one of the low-cardinality ones",
                     l.name()
                 );

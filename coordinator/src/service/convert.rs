@@ -11,7 +11,7 @@ use crate::cursor::Cursor;
 use crate::doc::DocId;
 use crate::objective::{DpoLoss, LossNormalization, Reference};
 use crate::plan::Normalizers;
-use crate::spec::{Dtype, JobSpec, Sharding};
+use crate::spec::{CollectiveChoice, Dtype, JobSpec, Sharding};
 
 /// The resolved job workers train (`Configure.job`), from a validated spec:
 /// every default is the spec's own (serde defaults and
@@ -58,15 +58,16 @@ pub fn job_definition(spec: &JobSpec) -> wire::JobDefinition {
         Kind::Sft(wire::SftObjective {})
     };
     let o = &spec.optimizer;
+    let dtype = |d: Dtype| match d {
+        Dtype::Float32 => wire::Dtype::Float32,
+        Dtype::Bfloat16 => wire::Dtype::Bfloat16,
+    } as i32;
     wire::JobDefinition {
         name: spec.job.name.clone(),
         seed: spec.job.seed,
         model: Some(wire::ModelDefinition {
             init: Some(init),
-            dtype: match model.dtype {
-                Dtype::Float32 => wire::Dtype::Float32,
-                Dtype::Bfloat16 => wire::Dtype::Bfloat16,
-            } as i32,
+            dtype: dtype(model.dtype),
         }),
         objective: Some(wire::ObjectiveDefinition { kind: Some(kind) }),
         optimizer: Some(wire::OptimizerDefinition {
@@ -75,6 +76,7 @@ pub fn job_definition(spec: &JobSpec) -> wire::JobDefinition {
             eps: o.eps,
             weight_decay: o.weight_decay,
             grad_clip: o.grad_clip,
+            no_decay: o.no_decay.clone(),
         }),
         sharding: match spec.parallel.sharding {
             Sharding::Ddp => wire::Sharding::Ddp,
@@ -83,7 +85,16 @@ pub fn job_definition(spec: &JobSpec) -> wire::JobDefinition {
         } as i32,
         runtime: Some(wire::RuntimeDefinition {
             loss_chunk_tokens: spec.runtime.loss_chunk_tokens,
+            activation_checkpointing: spec.runtime.activation_checkpointing,
         }),
+        precision: Some(wire::PrecisionDefinition {
+            compute: dtype(spec.compute_dtype()),
+            reduce: dtype(spec.precision.reduce),
+        }),
+        collective: match spec.parallel.collective {
+            CollectiveChoice::Auto => wire::CollectiveChoice::Auto,
+            CollectiveChoice::Ring => wire::CollectiveChoice::Ring,
+        } as i32,
     }
 }
 
@@ -204,6 +215,8 @@ pub fn step_metrics(m: &StepMetrics) -> wire::StepMetrics {
             .iter()
             .map(|(k, v)| (k.clone(), source_metrics(v)))
             .collect(),
+        gpu_memory_peak_allocated_bytes: m.gpu_memory_peak_allocated_bytes,
+        gpu_memory_peak_reserved_bytes: m.gpu_memory_peak_reserved_bytes,
     }
 }
 
@@ -225,6 +238,8 @@ pub fn worker_info(w: &Worker, now_ms: i64) -> wire::WorkerInfo {
         rank: w.rank,
         last_seen_ms_ago: (now_ms - w.last_seen_ms).max(0) as u64,
         memory_bytes: w.reg.memory_bytes,
+        gpu_name: w.reg.gpu_name.clone(),
+        gpu_memory_bytes: w.reg.gpu_memory_bytes,
     }
 }
 
@@ -311,6 +326,8 @@ pub fn metric_sums(s: wire::MetricSums) -> MetricSums {
                 (k, sums)
             })
             .collect(),
+        gpu_memory_peak_allocated_bytes: s.gpu_memory_peak_allocated_bytes,
+        gpu_memory_peak_reserved_bytes: s.gpu_memory_peak_reserved_bytes,
     }
 }
 
@@ -428,7 +445,6 @@ pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
                 .as_ref()
                 .map(|p| p.display().to_string())
                 .unwrap_or_default(),
-            nccl_unique_id: Vec::new(),
         }),
         ToWorker::Plan {
             job,

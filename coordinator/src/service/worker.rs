@@ -114,6 +114,8 @@ impl WorkerService for WorkerServiceImpl {
                 hostname: r.hostname,
                 device: r.device,
                 memory_bytes: r.memory_bytes,
+                gpu_name: r.gpu_name,
+                gpu_memory_bytes: r.gpu_memory_bytes,
                 collective_addr: r.collective_addr,
                 peak_flops: if r.peak_flops.is_finite() && r.peak_flops > 0.0 {
                     r.peak_flops.round() as u64

@@ -131,6 +131,8 @@ pub async fn fake_worker(url: String, max_steps: Option<usize>) -> anyhow::Resul
             version: "test".into(),
             previous_worker_id: String::new(),
             peak_flops: 1e12,
+            gpu_name: String::new(),
+            gpu_memory_bytes: 0,
         })
         .await?
         .into_inner();

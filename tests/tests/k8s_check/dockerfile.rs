@@ -53,10 +53,13 @@ pub fn parse(text: &str) -> Dockerfile {
                     .filter(|w| !w.starts_with("--"))
                     .collect();
                 let mut base = words.first().copied().unwrap_or("").to_string();
-                for (k, v) in &args {
-                    base = base
-                        .replace(&format!("${{{k}}}"), v)
-                        .replace(&format!("${k}"), v);
+                // A default may name another ARG (`nvidia/cuda:${CUDA_VERSION}-...`).
+                for _ in 0..4 {
+                    for (k, v) in &args {
+                        base = base
+                            .replace(&format!("${{{k}}}"), v)
+                            .replace(&format!("${k}"), v);
+                    }
                 }
                 let alias = match words.as_slice() {
                     [_, as_, a] if as_.eq_ignore_ascii_case("as") => Some(a.to_string()),

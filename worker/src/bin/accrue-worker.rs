@@ -1,6 +1,7 @@
 //! `accrue-worker`: one training process. Registers with the coordinator,
 //! runs the step plans it is sent, and exits when released.
 
+use accrue_worker::device;
 use accrue_worker::runner::{self, RunnerConfig};
 use accrue_worker::session::{self, SessionConfig};
 use std::path::PathBuf;
@@ -27,6 +28,19 @@ struct Args {
     /// (in Kubernetes: `$(POD_IP):7071`, as pod hostnames do not resolve).
     #[arg(long, value_name = "ADDR", env = "ACCRUE_COLLECTIVE_ADVERTISE")]
     collective_advertise: Option<String>,
+    /// Device to train on: auto (LOCAL_RANK, else the first free visible
+    /// GPU, else the CPU), cpu, cuda (like auto, GPUs only) or cuda:N.
+    #[arg(long, env = "ACCRUE_DEVICE", default_value = "auto")]
+    device: accrue_worker::device::DeviceRequest,
+    /// Run one worker process per GPU of this machine (all, or the first
+    /// N): each with LOCAL_RANK and --device cuda:i, its ports shifted by
+    /// 100·i; signals are forwarded, the first failure's code is returned.
+    #[arg(long, value_name = "all|N")]
+    gpus: Option<accrue_worker::launch::Gpus>,
+    /// Ask the gRPC health service at ADDR whether this worker is alive
+    /// (exit 0 if SERVING, 1 otherwise) and exit: the image's HEALTHCHECK.
+    #[arg(long, value_name = "ADDR")]
+    health_check: Option<String>,
     /// libtorch intra-op threads (default: libtorch's choice).
     #[arg(long)]
     threads: Option<i32>,
@@ -75,6 +89,15 @@ struct Args {
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     accrue_worker::init_tracing();
+    if let Some(addr) = &args.health_check {
+        let serving = session::lifecycle::check_alive(addr).await;
+        std::process::exit(if serving { 0 } else { 1 });
+    }
+    if let Some(gpus) = args.gpus {
+        let n = accrue_worker::launch::count(gpus).map_err(anyhow::Error::msg)?;
+        let code = accrue_worker::launch::run(n).await?;
+        std::process::exit(i32::from(code));
+    }
     if let Some(n) = args.threads {
         tch::set_num_threads(n.max(1));
     }
@@ -92,10 +115,15 @@ async fn main() -> anyhow::Result<()> {
         &args.collective_listen,
         args.collective_advertise.as_deref(),
     )?;
+    let local_rank = std::env::var("LOCAL_RANK").ok();
+    let choice = device::choose(args.device, local_rank.as_deref(), &device::probe())?;
+    let info = device::describe(choice.device);
+    tracing::info!(device = %info, why = choice.why, "training device");
     let mut cfg = SessionConfig::new(&args.coordinator);
     cfg.collective_addr = advertised;
     cfg.exit_on_release = args.exit_on_release;
-    cfg.peak_flops = session::peak_flops(args.peak_tflops);
+    cfg.peak_flops = session::peak_flops(args.peak_tflops, &info);
+    cfg.device = info;
     cfg.security = session::secure::Security {
         token: session::secure::resolve_token(args.token.as_deref(), args.token_file.as_deref())?,
         tls: args.tls_ca.map(|ca| session::secure::TlsFiles {
@@ -110,7 +138,7 @@ async fn main() -> anyhow::Result<()> {
     }
     let drain_timeout = std::time::Duration::from_secs(args.drain_timeout_s);
     cfg.drain = session::lifecycle::drain_on_sigterm(drain_timeout)?;
-    let mut parts = RunnerConfig::new(runner::default_factory());
+    let mut parts = RunnerConfig::on(runner::default_factory(), choice.device);
     parts.listener = Some(listener);
     session::run(cfg, parts).await
 }

@@ -5,15 +5,23 @@
 //!   reference the other backends are checked against);
 //! - [`tcp::CpuRing`]: the CPU TCP ring (`accrue-collective` crate) between
 //!   worker processes;
+//! - [`staged::Staged`]: a GPU rank's tensors over the ring, through pinned
+//!   host memory;
 //! - `nccl::NcclComm`: NCCL through cudarc (feature `cuda`).
+//!
+//! [`join`] forms a generation's collective and [`select`] decides which
+//! backend it uses (NCCL when every member can, else the ring).
 //!
 //! Shard layout for reduce-scatter / all-gather is [`shard_range`]: the
 //! first `len % world` ranks hold one element more, so any length works.
 
+pub mod join;
 pub mod local;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 pub mod reshard;
+pub mod select;
+pub mod staged;
 pub mod tcp;
 pub mod timed;
 

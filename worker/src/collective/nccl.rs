@@ -8,11 +8,20 @@
 //! deadline per operation.
 //!
 //! Bootstrap: rank 0 creates the NCCL unique id and it reaches the other
-//! ranks through [`TcpRing::broadcast_bytes`] over the generation's CPU ring.
-//! DESIGN.md has the coordinator hand out the id; going through the ring
-//! instead keeps CUDA out of the coordinator (it never links cudarc), needs
-//! no new RPC field, and ties the id to the generation the ring already
-//! checks.
+//! ranks through [`TcpRing::broadcast_bytes`] over the generation's CPU ring
+//! (which [`super::join`] forms first, for the backend choice too). The id
+//! embeds rank 0's bootstrap listener, so only rank 0 can make it: the
+//! coordinator could at best relay it, which would cost a round trip
+//! through it per generation; the ring already ties it to the generation
+//! and keeps CUDA out of the coordinator (it never links cudarc).
+//! `ncclCommInitRank` blocks until every rank joins, so it runs on a helper
+//! thread bounded by the collective timeout: a rank that died between the
+//! ring and the communicator is an error, not a hang.
+//!
+//! Aborts: [`Collective::abort_handle`] sets a flag the polling loop reads
+//! every 50 µs; the loop then aborts the communicator (`ncclCommAbort`) on
+//! the thread that owns it, so a step blocked on a frozen peer ends at
+//! once when the coordinator moves to a newer generation.
 //!
 //! Streams: tch does not expose PyTorch's current stream; the worker never
 //! sets one, so the current stream is the legacy default stream, and NCCL is
@@ -23,6 +32,7 @@
 //! which peer failed, so those errors name none.
 
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -32,7 +42,15 @@ use cudarc::nccl::{result as nccl, sys};
 use tch::{Device, Kind, Tensor};
 
 use super::tcp::from_ring;
-use super::{shard_range, Collective, CollectiveError};
+use super::{shard_range, AbortHandle, Collective, CollectiveError};
+
+/// Whether this process can build an NCCL communicator: libcuda and
+/// libnccl load (cudarc loads them at run time; calling into a missing one
+/// panics, so this is asked first).
+pub fn nccl_available() -> bool {
+    // SAFETY: only tries to dlopen the libraries.
+    unsafe { cudarc::driver::sys::is_culib_present() && sys::is_culib_present() }
+}
 
 /// One rank of an NCCL communicator.
 pub struct NcclComm {
@@ -44,7 +62,14 @@ pub struct NcclComm {
     seq: u64,
     timeout: Duration,
     aborted: bool,
+    /// Set from another thread ([`Collective::abort_handle`]).
+    abort: Arc<AtomicBool>,
 }
+
+/// The communicator handle crossing from the init thread.
+struct SendComm(sys::ncclComm_t);
+// SAFETY: a raw handle, used by one thread at a time.
+unsafe impl Send for SendComm {}
 
 // SAFETY: an NCCL communicator may be used from any thread, one at a time
 // (`&mut self` on every operation guarantees that).
@@ -80,10 +105,34 @@ pub fn connect_nccl(
     for (d, s) in unique.internal.iter_mut().zip(&id) {
         *d = *s as std::ffi::c_char;
     }
-    let mut comm = std::ptr::null_mut();
-    // SAFETY: `comm` is an out-pointer; rank and world come from the ring.
-    unsafe { nccl::comm_init_rank(&mut comm, world as i32, unique, rank as i32) }
-        .map_err(|e| setup("init", &e))?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    let init_ctx = ctx.clone();
+    std::thread::spawn(move || {
+        let result = init_ctx
+            .bind_to_thread()
+            .map_err(|e| format!("{e:?}"))
+            .and_then(|()| {
+                let mut comm = std::ptr::null_mut();
+                // SAFETY: `comm` is an out-pointer; rank and world come from the ring.
+                unsafe { nccl::comm_init_rank(&mut comm, world as i32, unique, rank as i32) }
+                    .map(|_| SendComm(comm))
+                    .map_err(|e| format!("{e:?}"))
+            });
+        let _ = tx.send(result);
+    });
+    let comm = match rx.recv_timeout(timeout) {
+        Ok(Ok(c)) => c.0,
+        Ok(Err(e)) => return Err(setup("init", &e)),
+        // The init thread stays blocked in NCCL's bootstrap until it gives
+        // up; the generation is over either way.
+        Err(_) => {
+            let secs = timeout.as_secs_f64();
+            return Err(setup(
+                "init",
+                &format!("ranks did not all join within {secs:.1}s"),
+            ));
+        }
+    };
     Ok(NcclComm {
         comm,
         ctx,
@@ -93,6 +142,7 @@ pub fn connect_nccl(
         seq: 0,
         timeout,
         aborted: false,
+        abort: Arc::new(AtomicBool::new(false)),
     })
 }
 
@@ -113,6 +163,9 @@ fn ptr(t: &Tensor, elems: usize) -> *mut c_void {
 impl NcclComm {
     fn check(&mut self, op: &'static str, t: &Tensor) -> Result<usize, CollectiveError> {
         let bad = |detail: String| CollectiveError::BadTensor { op, detail };
+        if self.abort.load(Ordering::Relaxed) {
+            return Err(CollectiveError::Aborted { op, seq: self.seq });
+        }
         if self.aborted {
             return Err(CollectiveError::Setup(format!(
                 "{op}: nccl communicator aborted by an earlier error"
@@ -170,6 +223,12 @@ impl NcclComm {
                 sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress
             ) {
                 return Err(fail(self, format!("nccl async error {async_err:?}")));
+            }
+            if self.abort.load(Ordering::Relaxed) {
+                // SAFETY: valid communicator; aborting unblocks its kernels.
+                let _ = unsafe { nccl::comm_abort(self.comm) };
+                self.aborted = true;
+                return Err(CollectiveError::Aborted { op, seq: self.seq });
             }
             if Instant::now() >= deadline {
                 let secs = self.timeout.as_secs_f64();
@@ -297,6 +356,11 @@ impl Collective for NcclComm {
     fn barrier(&mut self) -> Result<(), CollectiveError> {
         let mut one = Tensor::zeros([1], (Kind::Float, self.device));
         self.all_reduce_sum(&mut one)
+    }
+
+    fn abort_handle(&self) -> Option<AbortHandle> {
+        let flag = self.abort.clone();
+        Some(Arc::new(move || flag.store(true, Ordering::Relaxed)))
     }
 
     fn device(&self) -> Device {

@@ -68,12 +68,12 @@ pub struct Llama {
     pub cfg: LlamaConfig,
     /// The `config.json` as read, written back on save.
     pub raw_config: serde_json::Value,
-    embed_tokens: Tensor,
-    layers: Vec<DecoderLayer>,
-    norm: RmsNorm,
+    pub(super) embed_tokens: Tensor,
+    pub(super) layers: Vec<DecoderLayer>,
+    pub(super) norm: RmsNorm,
     /// `None` when tied to `embed_tokens`.
-    lm_head: Option<Tensor>,
-    rope: Rope,
+    pub(super) lm_head: Option<Tensor>,
+    pub(super) rope: Rope,
     pub attention: PackedAttention,
 }
 

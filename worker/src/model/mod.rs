@@ -11,6 +11,7 @@ pub mod llama;
 pub mod loss;
 pub mod mlp;
 pub mod norm;
+pub mod recompute;
 pub mod rope;
 pub mod weights;
 

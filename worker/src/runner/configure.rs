@@ -76,7 +76,10 @@ impl Thread {
         // A checkpoint still being written may be the one to restore from.
         self.writer.wait();
         let cfg = match c.job.as_ref().map(crate::convert::job_config) {
-            Some(Ok(cfg)) => cfg,
+            Some(Ok(cfg)) => JobConfig {
+                device: self.device,
+                ..cfg
+            },
             Some(Err(e)) => {
                 let msg = format!("configure: {e}");
                 let kind = wire::ErrorKind::InvalidPlan;

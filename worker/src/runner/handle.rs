@@ -55,6 +55,7 @@ impl Runner {
                     factory: cfg.factory,
                     connector: cfg.connector,
                     listener: cfg.listener,
+                    device: cfg.device,
                     out,
                     aborted: a,
                     in_flight: f,

@@ -50,13 +50,12 @@ pub fn run_probe(
         if mb.token_ids.is_empty() && !exec.collective_per_microbatch() {
             continue;
         }
-        exec.zero_grad();
         let (batch, meta) = convert::microbatch(mb).map_err(|e| fail(&e.into(), i))?;
-        let finite = match exec.train_microbatch(i, &batch, &meta, &norms) {
-            Ok(o) => {
+        let finite = match exec.probe_microbatch(i, &batch, &meta, &norms) {
+            Ok((o, finite)) => {
                 sums.tokens += o.tokens;
                 sums.loss_tokens += o.loss_tokens;
-                o.loss_sum.is_finite() && exec.grads_finite()
+                finite
             }
             Err(e) if classify(&e).0 == wire::ErrorKind::NonFinite => false,
             Err(_) if aborted() => {

@@ -11,7 +11,6 @@ use std::time::{Duration, Instant};
 
 use super::*;
 use crate::batch::{MicrobatchMeta, MicrobatchOutcome, PackedBatch, StepNorms};
-use crate::collective::tcp::connect_cpu;
 use crate::collective::Collective;
 use crate::train::checkpoint::marker;
 use crate::train::Engine;
@@ -280,7 +279,8 @@ fn training_goes_on_while_a_checkpoint_is_written_and_shutdown_waits_for_it() {
 
 #[test]
 fn an_abort_interrupts_a_collective_blocked_on_a_frozen_peer() {
-    // Rank 1 joins the ring and then freezes, as a SIGSTOPped worker would.
+    // Rank 1 joins the generation (the ring and the members' exchange)
+    // and then freezes, as a SIGSTOPped worker would.
     let l0 = TcpListener::bind("127.0.0.1:0").unwrap();
     let l1 = TcpListener::bind("127.0.0.1:0").unwrap();
     let peers = vec![
@@ -290,7 +290,16 @@ fn an_abort_interrupts_a_collective_blocked_on_a_frozen_peer() {
     let p1 = peers.clone();
     let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
     let frozen = std::thread::spawn(move || {
-        let ring = connect_cpu(&l1, 1, 2, &p1, 7, Duration::from_secs(60)).unwrap();
+        let join = crate::collective::join::Join {
+            rank: 1,
+            world: 2,
+            peers: &p1,
+            generation: 7,
+            timeout: Duration::from_secs(60),
+            device: tch::Device::Cpu,
+            choice: crate::config::CollectiveChoice::Auto,
+        };
+        let ring = crate::collective::join::join(&l1, &join).unwrap();
         let _ = release_rx.recv();
         drop(ring);
     });

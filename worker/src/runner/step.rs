@@ -63,6 +63,8 @@ pub fn run_step(
     // Collective time is measured apart and taken out of compute and
     // optimizer time, so the four phases add up to the step's wall time.
     let coll_start = crate::collective::timed::spent_s();
+    let device = exec.device();
+    crate::gpu_memory::reset_peak(device);
     let compute = Instant::now();
     for (i, mb) in plan.microbatches.iter().enumerate() {
         if aborted() {
@@ -151,6 +153,10 @@ pub fn run_step(
     let coll_total = crate::collective::timed::spent_s() - coll_start;
     sums.collective_s = coll_total;
     sums.optimizer_s = (opt.elapsed().as_secs_f64() - (coll_total - coll_compute)).max(0.0);
+    if let Some(p) = crate::gpu_memory::peak(device) {
+        sums.gpu_memory_peak_allocated_bytes = p.allocated;
+        sums.gpu_memory_peak_reserved_bytes = p.reserved;
+    }
     crate::metrics::global().observe_step(plan, &sums);
     StepOutcome::Done(sums)
 }

@@ -556,6 +556,7 @@ fn each_rank_gets_its_collective_and_a_failed_collective_blames_the_peer() {
                 factory: factory.clone(),
                 connector: connector.clone(),
                 listener: Some(TcpListener::bind("127.0.0.1:0").unwrap()),
+                device: tch::Device::Cpu,
             },
             tx,
         )

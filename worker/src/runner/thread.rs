@@ -83,6 +83,8 @@ pub(super) struct Thread {
     pub(super) factory: Factory,
     pub(super) connector: Connector,
     pub(super) listener: Option<TcpListener>,
+    /// Where engines are built (`--device`).
+    pub(super) device: tch::Device,
     pub(super) out: UnboundedSender<wire::WorkerMessage>,
     pub(super) aborted: Arc<Mutex<Option<PlanKey>>>,
     pub(super) in_flight: Arc<Mutex<InFlight>>,

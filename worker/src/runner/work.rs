@@ -7,6 +7,10 @@ use std::path::Path;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 
+use tch::Device;
+use tracing::info;
+
+use crate::collective::join::{join, Join};
 use crate::collective::{Collective, CollectiveError};
 use crate::config::JobConfig;
 use crate::train::Engine;
@@ -47,10 +51,11 @@ pub fn collective_timeout() -> std::time::Duration {
     std::time::Duration::from_secs_f64(secs)
 }
 
-/// The collective between worker processes: the CPU TCP ring, with the
-/// peers' addresses in rank order from the configure message.
-pub fn default_connector() -> Connector {
-    Arc::new(|listener, c| {
+/// The collective between worker processes on `device`: the generation's
+/// TCP ring (peers' addresses in rank order from the configure message),
+/// and over it NCCL or host staging as `collective::select` decides.
+pub fn default_connector(device: Device) -> Connector {
+    Arc::new(move |listener, c| {
         let mut peers: Vec<&wire::Peer> = c.peers.iter().collect();
         peers.sort_by_key(|p| p.rank);
         if peers.len() != c.world_size as usize
@@ -64,15 +69,32 @@ pub fn default_connector() -> Connector {
             )));
         }
         let addrs: Vec<String> = peers.iter().map(|p| p.collective_addr.clone()).collect();
-        let ring = crate::collective::tcp::connect_cpu(
+        let choice = c
+            .job
+            .as_ref()
+            .map(crate::convert::collective_choice)
+            .transpose()
+            .map_err(|e| CollectiveError::Setup(format!("configure: {e}")))?
+            .unwrap_or(crate::config::CollectiveChoice::Auto);
+        let (coll, backend) = join(
             listener,
-            c.rank as usize,
-            c.world_size as usize,
-            &addrs,
-            c.generation,
-            collective_timeout(),
+            &Join {
+                rank: c.rank as usize,
+                world: c.world_size as usize,
+                peers: &addrs,
+                generation: c.generation,
+                timeout: collective_timeout(),
+                device,
+                choice,
+            },
         )?;
-        Ok(Box::new(ring) as Box<dyn Collective>)
+        info!(
+            generation = c.generation,
+            rank = c.rank,
+            ?backend,
+            "joined the collective"
+        );
+        Ok(coll)
     })
 }
 
@@ -83,15 +105,24 @@ pub struct RunnerConfig {
     /// This worker's collective endpoint (peers connect to it); needed for
     /// world sizes above 1.
     pub listener: Option<TcpListener>,
+    /// Where the engines are built (`--device`).
+    pub device: Device,
 }
 
 impl RunnerConfig {
-    /// `factory` with the default connector and no listener (world 1 only).
+    /// `factory` on the CPU with the default connector and no listener
+    /// (world 1 only).
     pub fn new(factory: Factory) -> RunnerConfig {
+        RunnerConfig::on(factory, Device::Cpu)
+    }
+
+    /// `factory` on `device` with the default connector for it.
+    pub fn on(factory: Factory, device: Device) -> RunnerConfig {
         RunnerConfig {
             factory,
-            connector: default_connector(),
+            connector: default_connector(device),
             listener: None,
+            device,
         }
     }
 }

@@ -10,15 +10,6 @@ pub fn hostname() -> String {
         .unwrap_or_else(|| "localhost".into())
 }
 
-/// "cuda:0" when libtorch sees a GPU, else "cpu".
-pub fn device() -> String {
-    if tch::Cuda::is_available() {
-        "cuda:0".into()
-    } else {
-        "cpu".into()
-    }
-}
-
 /// Total memory from `/proc/meminfo` (0 when unknown).
 pub fn memory_bytes() -> u64 {
     std::fs::read_to_string("/proc/meminfo")

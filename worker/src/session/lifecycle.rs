@@ -141,6 +141,31 @@ pub fn drain_on_sigterm(timeout: Duration) -> anyhow::Result<Drain> {
     Ok(drain)
 }
 
+/// Whether the health service at `addr` (`host:port`) answers SERVING for
+/// liveness (service `""`) within 5 s: `accrue-worker --health-check`.
+pub async fn check_alive(addr: &str) -> bool {
+    use tonic_health::pb::health_check_response::ServingStatus as Wire;
+    use tonic_health::pb::{health_client::HealthClient, HealthCheckRequest};
+    let ask = async {
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
+            .connect()
+            .await?;
+        let req = HealthCheckRequest {
+            service: String::new(),
+        };
+        let status = HealthClient::new(channel)
+            .check(req)
+            .await?
+            .into_inner()
+            .status;
+        anyhow::Ok(status == Wire::Serving as i32)
+    };
+    matches!(
+        tokio::time::timeout(Duration::from_secs(5), ask).await,
+        Ok(Ok(true))
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -169,6 +194,12 @@ mod tests {
         assert_eq!(check(READINESS_SERVICE).await, Wire::Serving as i32);
         health.set_ready(false).await;
         assert_eq!(check(READINESS_SERVICE).await, Wire::NotServing as i32);
+        // The image's HEALTHCHECK: alive here, not where nothing listens.
+        assert!(check_alive(&addr.to_string()).await);
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let gone = closed.local_addr().unwrap().to_string();
+        drop(closed);
+        assert!(!check_alive(&gone).await);
     }
 
     #[tokio::test]

@@ -21,7 +21,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tracing::{info, warn};
 
-pub use host::{device, hostname, memory_bytes};
+pub use host::{hostname, memory_bytes};
 pub use peak::peak_flops;
 
 use crate::runner::{Runner, RunnerConfig, Work};
@@ -40,7 +40,8 @@ pub struct SessionConfig {
     /// Give up after this long without reaching the coordinator.
     pub reconnect_timeout: Duration,
     pub hostname: String,
-    pub device: String,
+    /// The device this worker trains on, as registration reports it.
+    pub device: crate::device::DeviceInfo,
     pub memory_bytes: u64,
     /// Peak FLOP/s reported at registration (MFU denominator; 0 = unknown).
     pub peak_flops: f64,
@@ -61,7 +62,7 @@ impl SessionConfig {
             exit_on_release: true,
             reconnect_timeout: Duration::from_secs(60),
             hostname: hostname(),
-            device: device(),
+            device: crate::device::describe(tch::Device::Cpu),
             memory_bytes: memory_bytes(),
             peak_flops: 0.0,
             security: secure::Security::default(),
@@ -221,8 +222,10 @@ async fn session(
     };
     let registering = client.register(wire::RegisterRequest {
         hostname: cfg.hostname.clone(),
-        device: cfg.device.clone(),
+        device: cfg.device.label.clone(),
         memory_bytes: cfg.memory_bytes,
+        gpu_name: cfg.device.gpu_name.clone(),
+        gpu_memory_bytes: cfg.device.gpu_memory_bytes,
         collective_addr: cfg.collective_addr.clone(),
         version: env!("CARGO_PKG_VERSION").into(),
         previous_worker_id: worker_id.clone(),

@@ -2,9 +2,9 @@
 //! coordinator's MFU.
 //!
 //! - `--peak-tflops` wins when given.
-//! - CUDA: the dense bf16 tensor-core peak of the GPU, looked up by the name
-//!   `nvidia-smi` gives (vendor data sheets); 0 (unknown, no MFU) for a GPU
-//!   not in the table.
+//! - CUDA: the dense bf16 tensor-core peak of the worker's GPU, looked up
+//!   by its name (`crate::device::describe`; vendor data sheets); 0
+//!   (unknown, no MFU) for a GPU not in the table.
 //! - CPU: measured, the best of a few fp32 `1024³` matmuls with libtorch's
 //!   current thread count (about 0.1–0.5 s at startup). This is the peak the
 //!   worker's own kernels reach, not the vendor's theoretical one, so CPU MFU
@@ -13,6 +13,8 @@
 use std::time::Instant;
 
 use tch::{Device, Kind, Tensor};
+
+use crate::device::DeviceInfo;
 
 /// Dense bf16 peaks (FLOP/s) by a substring of the `nvidia-smi` name;
 /// more specific names first.
@@ -34,31 +36,21 @@ pub fn gpu_peak_flops(name: &str) -> Option<f64> {
         .map(|&(_, peak)| peak)
 }
 
-/// The peak FLOP/s to report: `override_tflops` when given, else the GPU
-/// table or the CPU probe (see the module docs). 0 = unknown.
-pub fn peak_flops(override_tflops: Option<f64>) -> f64 {
+/// The peak FLOP/s to report for a worker on `device`: `override_tflops`
+/// when given, else the GPU table or the CPU probe (see the module docs).
+/// 0 = unknown.
+pub fn peak_flops(override_tflops: Option<f64>, device: &DeviceInfo) -> f64 {
     if let Some(t) = override_tflops {
         return (t * 1e12).max(0.0);
     }
-    if tch::Cuda::is_available() {
-        let name = gpu_name().unwrap_or_default();
-        let peak = gpu_peak_flops(&name);
+    if device.label != "cpu" {
+        let peak = gpu_peak_flops(&device.gpu_name);
         if peak.is_none() {
-            tracing::warn!(gpu = %name, "unknown GPU peak FLOP/s: pass --peak-tflops for MFU");
+            tracing::warn!(gpu = %device, "unknown GPU peak FLOP/s: pass --peak-tflops for MFU");
         }
         return peak.unwrap_or(0.0);
     }
     cpu_matmul_flops()
-}
-
-fn gpu_name() -> Option<String> {
-    let out = std::process::Command::new("nvidia-smi")
-        .args(["--query-gpu=name", "--format=csv,noheader", "-i", "0"])
-        .output()
-        .ok()?;
-    out.status
-        .success()
-        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
 /// Best fp32 matmul FLOP/s of a few `1024³` products on the CPU.
@@ -93,7 +85,17 @@ mod tests {
 
     #[test]
     fn override_wins_and_cpu_probe_is_positive() {
-        assert_eq!(peak_flops(Some(2.5)), 2.5e12);
+        let cpu = DeviceInfo {
+            label: "cpu".into(),
+            ..Default::default()
+        };
+        assert_eq!(peak_flops(Some(2.5), &cpu), 2.5e12);
+        let h100 = DeviceInfo {
+            label: "cuda:3".into(),
+            gpu_name: "NVIDIA H100 80GB HBM3".into(),
+            gpu_memory_bytes: 80 << 30,
+        };
+        assert_eq!(peak_flops(None, &h100), 989e12);
         let cpu = cpu_matmul_flops();
         assert!(cpu.is_finite() && cpu > 1e8, "{cpu}");
     }

@@ -74,6 +74,23 @@ pub trait Engine {
     /// microbatch.
     fn grads_finite(&self) -> bool;
 
+    /// Probe plans: forward and backward of one microbatch on its own,
+    /// from zero gradients; its sums and whether its loss and this rank's
+    /// gradients are finite. Nothing is reduced across ranks where the
+    /// engine can avoid it (fsdp cannot: its units are gathered).
+    fn probe_microbatch(
+        &mut self,
+        index: usize,
+        batch: &PackedBatch,
+        meta: &MicrobatchMeta,
+        norms: &StepNorms,
+    ) -> anyhow::Result<(MicrobatchOutcome, bool)> {
+        self.zero_grad();
+        let o = self.train_microbatch(index, batch, meta, norms)?;
+        let finite = o.loss_sum.is_finite() && self.grads_finite();
+        Ok((o, finite))
+    }
+
     /// Copies this rank's part of a checkpoint into memory (may run
     /// collectives: every rank calls it at the same point) and returns the
     /// writer that puts it into a directory later, without collectives.
@@ -122,6 +139,11 @@ pub trait Engine {
     /// 0 when the engine cannot tell.
     fn model_flops(&self, _cu_seq_lens: &[i64], _loss_tokens: u64) -> f64 {
         0.0
+    }
+
+    /// The device the replica lives on.
+    fn device(&self) -> tch::Device {
+        tch::Device::Cpu
     }
 
     /// Waits until every rank reached this point.

@@ -1,13 +1,18 @@
-//! The flat float32 layout of all parameters (in name order) that the
-//! data-parallel trainers reduce, shard and gather through a
-//! [`Collective`](crate::collective::Collective): parameter `i` occupies
-//! `offsets[i] .. offsets[i] + numels[i]`, and a rank's shard is
-//! [`shard_range`](crate::collective::shard_range) of the total, which may
-//! cut through parameters (ZeRO-2 shards are element ranges, not tensors).
+//! The flat layout of all parameters that the data-parallel trainers keep
+//! their master weights, gradients and AdamW moments in, and reduce, shard
+//! and gather through a [`Collective`](crate::collective::Collective):
+//! parameter `i` occupies `offsets[i] .. offsets[i] + numels[i]`, and a
+//! rank's shard is [`shard_range`](crate::collective::shard_range) of the
+//! total, which may cut through parameters (ZeRO-2 shards are element
+//! ranges, not tensors). Parameters that decay come first, then those
+//! that do not (each group in name order), so the optimizer updates each
+//! weight-decay group as one contiguous run.
 
 use std::ops::Range;
 
 use tch::{Device, Kind, Tensor};
+
+use super::optim::Segment;
 
 /// Where each parameter lives in the flat buffer.
 #[derive(Debug, Clone, PartialEq)]
@@ -16,36 +21,67 @@ pub struct FlatLayout {
     pub numels: Vec<usize>,
     pub shapes: Vec<Vec<i64>>,
     pub total: usize,
+    /// Parameter indices in flat order.
+    order: Vec<usize>,
+    /// Whether each parameter takes weight decay.
+    decay: Vec<bool>,
 }
 
 impl FlatLayout {
+    /// Every parameter in index order, all decaying.
     pub fn new(params: &[Tensor]) -> FlatLayout {
-        let mut offsets = Vec::with_capacity(params.len());
+        FlatLayout::grouped(params, &vec![true; params.len()])
+    }
+
+    /// Decaying parameters first, then the others, each in index order.
+    pub fn grouped(params: &[Tensor], decay: &[bool]) -> FlatLayout {
+        assert_eq!(params.len(), decay.len(), "one decay flag per parameter");
+        let order: Vec<usize> = (0..params.len())
+            .filter(|&i| decay[i])
+            .chain((0..params.len()).filter(|&i| !decay[i]))
+            .collect();
+        let mut offsets = vec![0; params.len()];
         let mut total = 0;
-        for p in params {
-            offsets.push(total);
-            total += p.numel();
+        for &i in &order {
+            offsets[i] = total;
+            total += params[i].numel();
         }
         FlatLayout {
             offsets,
             numels: params.iter().map(Tensor::numel).collect(),
             shapes: params.iter().map(Tensor::size).collect(),
             total,
+            order,
+            decay: decay.to_vec(),
         }
+    }
+
+    /// The weight-decay runs of the elements `range`, relative to its start.
+    pub fn segments(&self, range: Range<usize>) -> Vec<Segment> {
+        let runs: Vec<Segment> = self
+            .order
+            .iter()
+            .map(|&i| Segment {
+                range: self.offsets[i]..self.offsets[i] + self.numels[i],
+                decay: self.decay[i],
+            })
+            .collect();
+        super::optim::segments_within(&runs, range)
     }
 
     /// One f32 buffer holding `tensors[i]` at parameter `i`'s place;
     /// undefined tensors (a parameter without a gradient on this rank)
     /// contribute zeros.
     pub fn flatten(&self, tensors: &[Tensor], device: Device) -> Tensor {
-        let parts: Vec<Tensor> = tensors
+        let parts: Vec<Tensor> = self
+            .order
             .iter()
-            .zip(&self.numels)
-            .map(|(t, &n)| {
+            .map(|&i| {
+                let t = &tensors[i];
                 if t.defined() {
                     t.detach().reshape([-1]).to_kind(Kind::Float)
                 } else {
-                    Tensor::zeros([n as i64], (Kind::Float, device))
+                    Tensor::zeros([self.numels[i] as i64], (Kind::Float, device))
                 }
             })
             .collect();
@@ -86,17 +122,33 @@ impl FlatLayout {
     }
 
     /// `(parameter, element range within it)` for every parameter that
-    /// `range` of the flat layout overlaps, in order.
+    /// `range` of the flat layout overlaps, in flat order.
     pub fn pieces(&self, range: Range<usize>) -> impl Iterator<Item = (usize, Range<usize>)> + '_ {
-        self.offsets
-            .iter()
-            .zip(&self.numels)
-            .enumerate()
-            .filter_map(move |(i, (&o, &n))| {
-                let lo = range.start.max(o);
-                let hi = range.end.min(o + n);
-                (lo < hi).then(|| (i, lo - o..hi - o))
-            })
+        self.order.iter().filter_map(move |&i| {
+            let (o, n) = (self.offsets[i], self.numels[i]);
+            let lo = range.start.max(o);
+            let hi = range.end.min(o + n);
+            (lo < hi).then(|| (i, lo - o..hi - o))
+        })
+    }
+
+    /// Writes the elements `range` of the flat layout of `tensors` into
+    /// `dst[0 .. range.len()]` (cast to its dtype); pieces of undefined or
+    /// missing tensors are left as they are.
+    pub fn copy_range_into(&self, dst: &Tensor, tensors: &[Tensor], range: Range<usize>) {
+        tch::no_grad(|| {
+            for (i, within) in self.pieces(range.clone()) {
+                let Some(t) = tensors.get(i).filter(|t| t.defined()) else {
+                    continue;
+                };
+                let at = self.offsets[i] + within.start - range.start;
+                dst.narrow(0, at as i64, within.len() as i64).copy_(
+                    &t.detach()
+                        .reshape([-1])
+                        .narrow(0, within.start as i64, within.len() as i64),
+                );
+            }
+        });
     }
 }
 

@@ -25,7 +25,7 @@ pub fn load_model(dir: &Path, kind: Kind, device: Device) -> anyhow::Result<Llam
 /// one saved in `restore_from`.
 pub fn build_model(cfg: &JobConfig, restore_from: Option<&Path>) -> anyhow::Result<Llama> {
     let kind = cfg.dtype;
-    let device = Device::cuda_if_available();
+    let device = cfg.device;
     match (restore_from, &cfg.model) {
         (Some(dir), _) => load_model(dir, kind, device)
             .with_context(|| format!("restoring model from {}", dir.display())),

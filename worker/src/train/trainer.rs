@@ -1,23 +1,33 @@
-//! The data-parallel SFT trainer: forward + backward of packed microbatches
+//! The data-parallel trainer: forward + backward of packed microbatches
 //! with exact accumulation, then one AdamW step, replicated (`ddp`) or with
-//! the optimizer state sharded over ranks (`zero2`).
+//! gradients and optimizer state sharded over ranks (`zero2`).
 //!
 //! The math (DESIGN.md, "The math"): each microbatch backpropagates
 //! `(1/T) Σ_{t∈mb} ℓ_t` with T the step's global loss-token count from the
-//! plan, identical on every rank; gradients are summed in place across
-//! microbatches, and across ranks once, at the accumulation boundary
-//! (`optimizer_step`). Never divide by the number of microbatches or ranks:
+//! plan, identical on every rank; gradients are summed across microbatches
+//! and across ranks. Never divide by the number of microbatches or ranks:
 //! a short microbatch must weigh less than a long one.
 //!
-//! At the boundary the gradients are flattened into one f32 buffer
-//! ([`FlatLayout`], parameters in name order):
-//! - `ddp`: all-reduce (sum) the buffer; every rank clips with the global
-//!   norm and applies the same AdamW update to its full replica.
-//! - `zero2` (ZeRO stage 2, Rajbhandari et al. 2020): reduce-scatter the
-//!   buffer; each rank holds AdamW moments only for its
-//!   [`shard_range`] of the flat layout, takes the global norm as
-//!   `sqrt(Σ_ranks Σ_shard g²)`, updates its shard of the parameters, and
-//!   all-gathers the parameters.
+//! State, all in one flat layout ([`FlatLayout`], the weight-decay group
+//! first): the master weights (`model.dtype`; the model's variables are
+//! views of one flat buffer), the float32 gradient accumulator (see
+//! [`grads`]) and the AdamW moments. With mixed precision
+//! (`precision.compute` ≠ `model.dtype`) forward and backward run on a
+//! compute-dtype copy of the model, refreshed from the masters after every
+//! update; its gradients are summed in float32.
+//! - `ddp`: gradients accumulate whole and are all-reduced at the
+//!   boundary; every rank clips with the global norm and updates its full
+//!   replica.
+//! - `zero2`: gradients are reduce-scattered into each rank's float32
+//!   shard after every microbatch; at the boundary each rank takes the
+//!   global norm as `sqrt(Σ_ranks Σ_shard g²)`, updates its shard of the
+//!   master weights with its shard of the moments, and all-gathers them.
+
+mod engine;
+mod grads;
+mod objectives;
+mod state;
+mod sync;
 
 use std::path::Path;
 
@@ -28,13 +38,18 @@ use crate::batch::{MicrobatchOutcome, PackedBatch};
 use crate::collective::{shard_range, Collective, CollectiveError, Solo};
 use crate::config::{self, JobConfig};
 use crate::error::StepError;
-use crate::model::{loss, Llama};
+use crate::model::recompute::VarGroups;
+use crate::model::{loss, Init, Llama, PackedAttention};
 use crate::objective::Objective;
 
-use super::checkpoint::{self, ShardEntry};
+use super::checkpoint;
 use super::flat::FlatLayout;
 use super::optim::{self, AdamW};
 use super::source::{build_model, frozen};
+use grads::Grads;
+
+pub use grads::BUCKET_ELEMENTS;
+pub use state::{NamedMoments, StateBytes};
 
 /// What an optimizer step reports.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -49,8 +64,8 @@ pub struct StepStats {
 pub enum Sharding {
     /// Replicated parameters and optimizer state; gradients all-reduced.
     Ddp,
-    /// Replicated parameters; gradients reduce-scattered, optimizer state
-    /// sharded by flat element range.
+    /// Replicated parameters; gradients reduce-scattered during the step,
+    /// optimizer state sharded by flat element range.
     Zero2,
 }
 
@@ -66,43 +81,34 @@ impl Sharding {
     }
 }
 
-/// Bytes of training state one rank holds (the memory table of issue 4).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct StateBytes {
-    /// Parameters (model dtype).
-    pub params: u64,
-    /// Gradient accumulation buffers held through the step (model dtype).
-    pub grads: u64,
-    /// AdamW moments (f32).
-    pub optimizer: u64,
-    /// The flat f32 buffer that lives only at the accumulation boundary
-    /// (reduction, then the parameter gather), freed after the step.
-    pub boundary: u64,
-}
-
-impl StateBytes {
-    /// Parameters + gradients + optimizer state.
-    pub fn total(&self) -> u64 {
-        self.params + self.grads + self.optimizer
-    }
-}
-
-/// A parameter's HF name and its AdamW `(exp_avg, exp_avg_sq)`.
-pub type NamedMoments = (String, Tensor, Tensor);
-
 /// Model + optimizer of one rank.
 pub struct Trainer {
+    /// The master weights (`model.dtype`); its variables are views of
+    /// `flat_params`.
     model: Llama,
+    /// Mixed precision: the compute-dtype copy forward/backward run on.
+    compute: Option<Llama>,
+    /// HF names, sorted.
     names: Vec<String>,
+    /// The master variables, in `names` order.
     params: Vec<Tensor>,
+    /// The variables the backward differentiates (the compute copy's, or
+    /// `params`), in `names` order.
+    compute_params: Vec<Tensor>,
+    groups: VarGroups,
     layout: FlatLayout,
+    flat_params: Tensor,
     sharding: Sharding,
     coll: Box<dyn Collective>,
-    /// ddp: one moment pair per parameter; zero2: one flat pair for this
-    /// rank's shard of the layout.
+    grads: Grads,
+    /// One flat moment pair: the whole layout at ddp, this rank's shard at
+    /// zero2.
     opt: AdamW,
     grad_clip: f64,
     loss_chunk_tokens: usize,
+    checkpointing: bool,
+    /// Gradient reduction dtype.
+    reduce: Kind,
     objective: Objective,
     /// A frozen copy of the initial model: `reference = "live"`, or built
     /// on demand for a reference plan once this replica has trained.
@@ -113,24 +119,28 @@ pub struct Trainer {
     init: JobConfig,
 }
 
-mod engine;
-mod objectives;
-mod sync;
-
 /// The collective operations the trainer runs on flat buffers.
 #[derive(Clone, Copy)]
 enum Op {
     AllReduce,
-    ReduceScatter,
     AllGather,
+}
+
+/// Points each variable at its place in `flat` (PyTorch's
+/// `param.data = view`): the optimizer then updates the model in place.
+fn bind(params: &[Tensor], layout: &FlatLayout, flat: &Tensor) {
+    for (p, v) in params.iter().zip(layout.views(flat)) {
+        p.shallow_clone().set_data(&v);
+    }
 }
 
 impl Trainer {
     /// Builds the model from `cfg.model` (`init = "random"` with the HF
     /// config.json at `cfg.model.config`, seeded by `cfg.job.seed`; or a HF
     /// checkpoint dir), or restores model + optimizer from a checkpoint dir
-    /// written by [`Trainer::save_checkpoint`] at any world size. `coll` is
-    /// this rank's membership in the generation (`Solo` for one rank).
+    /// written by [`Trainer::save_checkpoint`] at any world size, on
+    /// `cfg.device`. `coll` is this rank's membership in the generation
+    /// (`Solo` for one rank).
     pub fn new(
         cfg: &JobConfig,
         restore_from: Option<&Path>,
@@ -138,59 +148,83 @@ impl Trainer {
     ) -> anyhow::Result<Trainer> {
         let sharding = Sharding::of(cfg.sharding)?;
         let model = build_model(cfg, restore_from)?;
-        let adam = cfg.optimizer;
         let mut vars: Vec<(String, Tensor)> = model.vs.variables().into_iter().collect();
         vars.sort_by(|a, b| a.0.cmp(&b.0));
         let (names, params): (Vec<String>, Vec<Tensor>) = vars.into_iter().unzip();
-        let layout = FlatLayout::new(&params);
+        let decay: Vec<bool> = names
+            .iter()
+            .map(|n| optim::decays(n, &cfg.no_decay))
+            .collect();
+        let layout = FlatLayout::grouped(&params, &decay);
         let device = model.vs.device();
-        let shard = shard_range(layout.total, coll.world_size(), coll.rank());
-        let mut opt = match sharding {
-            Sharding::Ddp => AdamW::new(adam, &params),
-            Sharding::Zero2 => AdamW::new(
-                adam,
-                &[Tensor::zeros([shard.len() as i64], (Kind::Float, device))],
-            ),
+        let flat_params = tch::no_grad(|| layout.flatten(&params, device).to_kind(cfg.dtype));
+        bind(&params, &layout, &flat_params);
+        let groups = VarGroups::new(&names, model.cfg.num_hidden_layers)?;
+        let compute = if cfg.mixed() {
+            let m = Llama::new(
+                model.cfg.clone(),
+                model.raw_config.clone(),
+                cfg.precision.compute,
+                device,
+                Init::Empty,
+            )?;
+            Some(m)
+        } else {
+            None
         };
+        let compute_params = match &compute {
+            Some(m) => {
+                let mut v: Vec<(String, Tensor)> = m.vs.variables().into_iter().collect();
+                v.sort_by(|a, b| a.0.cmp(&b.0));
+                v.into_iter().map(|(_, t)| t).collect()
+            }
+            None => params.iter().map(Tensor::shallow_clone).collect(),
+        };
+        let shard = shard_range(layout.total, coll.world_size(), coll.rank());
+        let opt_range = match sharding {
+            Sharding::Ddp => 0..layout.total,
+            Sharding::Zero2 => shard,
+        };
+        let mut opt = AdamW::new(cfg.optimizer, &[opt_range.len()], device);
         if let Some(dir) = restore_from {
             let (step, mut saved) = checkpoint::load_optimizer_tensors(dir)
                 .with_context(|| format!("restoring optimizer from {}", dir.display()))?;
             let (avg, avg_sq) = checkpoint::take_moments(&mut saved, &names, &params, dir)?;
-            tch::no_grad(|| match sharding {
-                Sharding::Ddp => {
-                    for (i, (a, s)) in avg.iter().zip(&avg_sq).enumerate() {
-                        opt.exp_avg[i].copy_(a);
-                        opt.exp_avg_sq[i].copy_(s);
-                    }
-                }
-                Sharding::Zero2 => {
-                    opt.exp_avg[0].copy_(&layout.slice(&avg, shard.clone(), device));
-                    opt.exp_avg_sq[0].copy_(&layout.slice(&avg_sq, shard.clone(), device));
-                }
-            });
+            layout.copy_range_into(&opt.exp_avg[0], &avg, opt_range.clone());
+            layout.copy_range_into(&opt.exp_avg_sq[0], &avg_sq, opt_range);
             opt.step = step;
         }
+        let grads = Grads::new(&layout, sharding == Sharding::Zero2, coll.as_ref(), device);
         let objective = cfg.objective;
         let reference = if objective.live_reference() {
-            Some(frozen(build_model(cfg, None)?))
+            Some(reference_model(cfg)?)
         } else {
             None
         };
-        Ok(Trainer {
+        let mut t = Trainer {
             model,
+            compute,
             names,
             params,
+            compute_params,
+            groups,
             layout,
+            flat_params,
             sharding,
             coll,
+            grads,
             opt,
             grad_clip: cfg.grad_clip,
             loss_chunk_tokens: cfg.loss_chunk_tokens,
+            checkpointing: cfg.activation_checkpointing,
+            reduce: cfg.precision.reduce,
             objective,
             reference,
             pristine: restore_from.is_none(),
             init: cfg.clone(),
-        })
+        };
+        t.refresh_compute();
+        Ok(t)
     }
 
     /// A single-rank trainer ([`Solo`] collective).
@@ -198,23 +232,53 @@ impl Trainer {
         Trainer::new(cfg, restore_from, Box::new(Solo))
     }
 
+    /// The model forward/backward run on (the compute copy, or the masters).
+    fn net(&self) -> &Llama {
+        self.compute.as_ref().unwrap_or(&self.model)
+    }
+
+    /// Copies the master weights into the compute copy (mixed precision).
+    fn refresh_compute(&mut self) {
+        if self.compute.is_none() {
+            return;
+        }
+        tch::no_grad(|| {
+            for (c, p) in self.compute_params.iter().zip(&self.params) {
+                c.shallow_clone().copy_(p);
+            }
+        });
+    }
+
     /// Forward + backward of one microbatch; the loss is scaled by
     /// `1/global_loss_tokens` and gradients ACCUMULATE (never zeroed here).
     /// A non-finite loss is an error naming the microbatch; nothing is
-    /// applied to the gradients then. An empty (padding) microbatch does
-    /// nothing: no collective runs per microbatch.
+    /// applied to the gradients then. An empty (padding) microbatch adds
+    /// nothing; at zero2 every rank calls this for every microbatch index
+    /// (the gradient reduce-scatter is a collective).
     pub fn microbatch(
         &mut self,
         index: usize,
         mb: &PackedBatch,
         global_loss_tokens: u64,
     ) -> anyhow::Result<MicrobatchOutcome> {
+        let (sums, grads) = self.sft_grads(index, mb, global_loss_tokens)?;
+        self.absorb(&grads)?;
+        Ok(sums)
+    }
+
+    /// The SFT loss sums and gradients of one microbatch (nothing applied).
+    fn sft_grads(
+        &self,
+        index: usize,
+        mb: &PackedBatch,
+        global_loss_tokens: u64,
+    ) -> anyhow::Result<(MicrobatchOutcome, Vec<Tensor>)> {
         let mut sums = MicrobatchOutcome {
             tokens: mb.tokens() as u64,
             ..Default::default()
         };
         if mb.is_empty() {
-            return Ok(sums);
+            return Ok((sums, Vec::new()));
         }
         mb.validate()
             .with_context(|| format!("microbatch {index}"))?;
@@ -222,53 +286,70 @@ impl Trainer {
         let targets = loss::shifted_targets(&mb.labels, &mb.cu_seq_lens);
         if targets.iter().all(|&t| t == -100) {
             // No loss token: zero gradient, skip the forward.
-            return Ok(sums);
+            return Ok((sums, Vec::new()));
         }
         if global_loss_tokens == 0 {
             return Err(StepError::invalid(format!(
                 "microbatch {index}: has loss tokens but the step's global loss-token count is 0"
             )));
         }
-        let hidden = self.model.hidden(&mb.input_ids, &mb.cu_seq_lens);
-        let head = self.model.lm_head_weight();
+        let net = self.net();
+        let fwd = net.forward_train(&mb.input_ids, &mb.cu_seq_lens, self.checkpointing);
+        let head = net.lm_head_weight();
         let chunked = loss::chunked_nll(
-            &hidden,
+            &fwd.hidden,
             head,
             &targets,
             self.loss_chunk_tokens,
             1.0 / global_loss_tokens as f64,
         )
         .with_context(|| format!("microbatch {index}"))?;
-        loss::backward_into_model(&hidden, head, &chunked);
+        let grads = net.backward_train(
+            fwd,
+            &chunked.grad_hidden,
+            &chunked.grad_weight,
+            &self.compute_params,
+            &self.groups,
+        );
         sums.loss_sum = chunked.loss_sum;
         sums.loss_tokens = chunked.loss_tokens;
-        Ok(sums)
+        Ok((sums, grads))
+    }
+
+    /// Adds one microbatch's gradients to the accumulator (zero2: a
+    /// reduce-scatter into this rank's shard, every rank joins).
+    fn absorb(&mut self, grads: &[Tensor]) -> anyhow::Result<()> {
+        self.grads
+            .absorb(&self.layout, grads, self.coll.as_mut(), self.reduce)
     }
 
     /// The accumulation boundary (see [`Engine::optimizer_step`]): reduce
-    /// the flat gradient (all-reduce at ddp, reduce-scatter at zero2), clip
-    /// with the global norm, AdamW at `lr`. A non-finite norm is an error;
-    /// every rank sees the same global norm, so all of them refuse together
-    /// and leave their parameters untouched.
+    /// the gradient (all-reduce at ddp; zero2 reduced it per microbatch),
+    /// clip with the global norm, AdamW at `lr` (one pass over the flat
+    /// buffers, the clip factor applied inside), all-gather the master
+    /// shards at zero2. A non-finite norm is an error; every rank sees the
+    /// same global norm, so all of them refuse together and leave their
+    /// parameters untouched.
+    ///
+    /// [`Engine::optimizer_step`]: crate::train::Engine::optimizer_step
     fn boundary(&mut self, lr: f64) -> anyhow::Result<StepStats> {
-        let device = self.model.vs.device();
-        let grads: Vec<Tensor> = self.params.iter().map(Tensor::grad).collect();
-        let mut flat = self.layout.flatten(&grads, device);
-        drop(grads);
+        let mut flat = self.grads.take_flat(&self.layout);
         let norm = match self.sharding {
             Sharding::Ddp => {
-                self.collective(Op::AllReduce, &mut flat)?;
+                if self.coll.world_size() > 1 {
+                    grads::round_to(&mut flat, self.reduce);
+                    self.collective(Op::AllReduce, &mut flat)?;
+                    grads::round_to(&mut flat, self.reduce);
+                }
                 optim::sum_of_squares(std::slice::from_ref(&flat)).sqrt()
             }
             Sharding::Zero2 => {
-                self.collective(Op::ReduceScatter, &mut flat)?;
-                let shard = self.narrow_shard(&flat);
                 // Σg² over this rank's shard, summed over ranks: the norm of
                 // the whole gradient, not of the shard.
-                let mine = optim::sum_of_squares(&[shard]) as f32;
-                let mut sq = Tensor::from_slice(&[mine]);
+                let mine = optim::sum_of_squares(std::slice::from_ref(&flat)) as f32;
+                let mut sq = Tensor::from_slice(&[mine]).to_device(self.coll.device());
                 self.collective(Op::AllReduce, &mut sq)?;
-                (f32::try_from(&sq)? as f64).sqrt()
+                (f32::try_from(&sq.to_device(Device::Cpu))? as f64).sqrt()
             }
         };
         if !norm.is_finite() {
@@ -276,34 +357,34 @@ impl Trainer {
                 "gradient norm {norm}; parameters left unchanged"
             )));
         }
-        tch::no_grad(|| -> anyhow::Result<()> {
-            if let Some(coef) = optim::clip_coefficient(norm, self.grad_clip) {
-                let _ = flat.g_mul_scalar_(coef);
-            }
-            match self.sharding {
-                Sharding::Ddp => {
-                    let views = self.layout.views(&flat);
-                    self.opt.step_with_grads(&self.params, &views, lr);
-                }
-                Sharding::Zero2 => {
-                    let grad = self.narrow_shard(&flat);
-                    drop(flat);
-                    let range = self.shard();
-                    let mine = self.layout.slice(&self.params, range.clone(), device);
-                    self.opt
-                        .step_with_grads(std::slice::from_ref(&mine), &[grad], lr);
-                    let mut full = Tensor::zeros([self.layout.total as i64], (Kind::Float, device));
-                    full.narrow(0, range.start as i64, range.len() as i64)
-                        .copy_(&mine);
-                    self.collective(Op::AllGather, &mut full)?;
-                    for (p, v) in self.params.iter().zip(self.layout.views(&full)) {
-                        p.shallow_clone().copy_(&v);
-                    }
-                }
-            }
-            Ok(())
-        })?;
+        let scale = optim::clip_coefficient(norm, self.grad_clip).unwrap_or(1.0);
+        let range = match self.sharding {
+            Sharding::Ddp => 0..self.layout.total,
+            Sharding::Zero2 => self.shard(),
+        };
+        let mine = self
+            .flat_params
+            .narrow(0, range.start as i64, range.len() as i64);
+        let segments = self.layout.segments(range);
+        self.opt.update(&[mine], &[flat], &[segments], lr, scale);
+        if self.sharding == Sharding::Zero2 {
+            self.gather_params()?;
+        }
+        self.refresh_compute();
         Ok(StepStats { grad_norm: norm })
+    }
+
+    /// All-gathers the master weights' shards (zero2).
+    fn gather_params(&mut self) -> anyhow::Result<()> {
+        if self.flat_params.kind() == Kind::Float {
+            let mut flat = self.flat_params.shallow_clone();
+            return Ok(self.collective(Op::AllGather, &mut flat)?);
+        }
+        // The collectives move float32.
+        let mut full = self.flat_params.to_kind(Kind::Float);
+        self.collective(Op::AllGather, &mut full)?;
+        tch::no_grad(|| self.flat_params.copy_(&full));
+        Ok(())
     }
 
     /// This rank's element range of the flat layout.
@@ -311,157 +392,25 @@ impl Trainer {
         shard_range(self.layout.total, self.coll.world_size(), self.coll.rank())
     }
 
-    fn narrow_shard(&self, flat: &Tensor) -> Tensor {
-        let r = self.shard();
-        flat.narrow(0, r.start as i64, r.len() as i64)
-    }
-
-    /// Runs `op` on a flat f32 buffer (staged through host memory when it
-    /// lives on a GPU: the CPU ring reads host memory). A no-op at world 1.
+    /// Runs `op` on a flat f32 buffer, through the collective's device when
+    /// the buffer lives elsewhere. A no-op at world 1.
     fn collective(&mut self, op: Op, t: &mut Tensor) -> Result<(), CollectiveError> {
         if self.coll.world_size() == 1 {
             return Ok(());
         }
+        let device = self.coll.device();
         let coll = self.coll.as_mut();
         let mut run = |t: &mut Tensor| match op {
             Op::AllReduce => coll.all_reduce_sum(t),
-            Op::ReduceScatter => coll.reduce_scatter_sum(t),
             Op::AllGather => coll.all_gather(t),
         };
-        if t.device() == Device::Cpu {
-            run(t)
-        } else {
-            let mut host = t.to_device(Device::Cpu);
-            run(&mut host)?;
-            tch::no_grad(|| t.copy_(&host));
-            Ok(())
+        if t.device() == device {
+            return run(t);
         }
-    }
-
-    /// Copies what this rank writes of a checkpoint to CPU memory (see
-    /// `checkpoint::save_shard` for the layout): the whole parameters
-    /// [`checkpoint::assign_tensors`] gives it and their AdamW moments, per
-    /// whole parameter so that they restore at any world size. At zero2
-    /// the moment shards are all-gathered first (a collective every rank
-    /// joins); nothing is written here.
-    fn snapshot(&mut self) -> anyhow::Result<checkpoint::Snapshot> {
-        let (rank, world) = (self.coll.rank(), self.coll.world_size());
-        let elt = self.model.kind().elt_size_in_bytes();
-        let sizes: Vec<(String, usize)> = self
-            .names
-            .iter()
-            .zip(&self.layout.numels)
-            .map(|(n, &numel)| (n.clone(), numel * elt))
-            .collect();
-        let (avg, avg_sq) = self.full_moments()?;
-        let assigned = checkpoint::assign_tensors(&sizes, world);
-        let mine: Vec<ShardEntry> = self
-            .names
-            .iter()
-            .enumerate()
-            .filter(|(_, n)| assigned[*n] == rank)
-            .map(|(i, n)| ShardEntry {
-                name: n.clone(),
-                param: self.params[i].shallow_clone(),
-                exp_avg: avg[i].shallow_clone(),
-                exp_avg_sq: avg_sq[i].shallow_clone(),
-            })
-            .collect();
-        Ok(checkpoint::Snapshot::new(
-            rank,
-            world,
-            &self.model.raw_config,
-            self.model.kind(),
-            self.opt.step,
-            sizes,
-            mine,
-        ))
-    }
-
-    /// AdamW moments per whole parameter (zero2: all-gathered from the
-    /// ranks' shards, a collective every rank must join).
-    fn full_moments(&mut self) -> anyhow::Result<(Vec<Tensor>, Vec<Tensor>)> {
-        if self.sharding == Sharding::Ddp {
-            let c = |v: &[Tensor]| -> Vec<Tensor> { v.iter().map(Tensor::shallow_clone).collect() };
-            return Ok((c(&self.opt.exp_avg), c(&self.opt.exp_avg_sq)));
-        }
-        let device = self.model.vs.device();
-        let range = self.shard();
-        let mut out = Vec::with_capacity(2);
-        for which in 0..2 {
-            let mut full = Tensor::zeros([self.layout.total as i64], (Kind::Float, device));
-            let local = if which == 0 {
-                &self.opt.exp_avg[0]
-            } else {
-                &self.opt.exp_avg_sq[0]
-            };
-            full.narrow(0, range.start as i64, range.len() as i64)
-                .copy_(local);
-            self.collective(Op::AllGather, &mut full)?;
-            out.push(self.layout.views(&full));
-        }
-        let avg_sq = out.pop().unwrap_or_default();
-        let avg = out.pop().unwrap_or_default();
-        Ok((avg, avg_sq))
-    }
-
-    /// HF names → shallow clones of the parameters (sorted by name).
-    pub fn named_parameters(&self) -> Vec<(String, Tensor)> {
-        self.names
-            .iter()
-            .cloned()
-            .zip(self.params.iter().map(|p| p.shallow_clone()))
-            .collect()
-    }
-
-    /// HF names → full parameters (every rank holds them at ddp and zero2;
-    /// the same method on the FSDP engine gathers them).
-    pub fn named_full_parameters(&mut self) -> anyhow::Result<Vec<(String, Tensor)>> {
-        Ok(self.named_parameters())
-    }
-
-    /// HF names → the parameters' accumulated (this rank's, unreduced)
-    /// gradients (tests).
-    pub fn named_grads(&self) -> Vec<(String, Tensor)> {
-        self.names
-            .iter()
-            .cloned()
-            .zip(self.params.iter().map(|p| p.grad()))
-            .collect()
-    }
-
-    /// HF names → AdamW `(exp_avg, exp_avg_sq)` per whole parameter and the
-    /// optimizer step count. At zero2 this gathers the shards: every rank
-    /// must call it.
-    pub fn optimizer_state(&mut self) -> anyhow::Result<(u64, Vec<NamedMoments>)> {
-        let (avg, avg_sq) = self.full_moments()?;
-        let state = self
-            .names
-            .iter()
-            .cloned()
-            .zip(avg.into_iter().zip(avg_sq))
-            .map(|(n, (a, s))| (n, a, s))
-            .collect();
-        Ok((self.opt.step, state))
-    }
-
-    /// Bytes of parameters, gradients and optimizer state this rank holds.
-    pub fn state_bytes(&self) -> StateBytes {
-        let elt = self.model.kind().elt_size_in_bytes() as u64;
-        let numel = self.layout.total as u64;
-        let moments: u64 = self
-            .opt
-            .exp_avg
-            .iter()
-            .chain(&self.opt.exp_avg_sq)
-            .map(|t| t.numel() as u64 * 4)
-            .sum();
-        StateBytes {
-            params: numel * elt,
-            grads: numel * elt,
-            optimizer: moments,
-            boundary: numel * 4,
-        }
+        let mut moved = t.to_device(device);
+        run(&mut moved)?;
+        tch::no_grad(|| t.copy_(&moved));
+        Ok(())
     }
 
     pub fn sharding(&self) -> Sharding {
@@ -473,12 +422,42 @@ impl Trainer {
         (self.coll.rank(), self.coll.world_size())
     }
 
+    /// The master model (its variables are the trained parameters).
     pub fn model(&self) -> &Llama {
         &self.model
     }
 
-    pub fn model_mut(&mut self) -> &mut Llama {
-        &mut self.model
+    /// The model forward and backward run on (the compute copy under mixed
+    /// precision): benchmarks time the phases of a microbatch with it.
+    pub fn compute_model(&self) -> &Llama {
+        self.net()
+    }
+
+    /// The backward of a training forward of [`Self::compute_model`] from
+    /// its loss's gradients, accumulated like a microbatch's (benchmarks;
+    /// zero2: a collective).
+    pub fn backward(
+        &mut self,
+        fwd: crate::model::recompute::Forward,
+        grad_hidden: &Tensor,
+        grad_head: &Tensor,
+    ) -> anyhow::Result<()> {
+        let grads = self.net().backward_train(
+            fwd,
+            grad_hidden,
+            grad_head,
+            &self.compute_params,
+            &self.groups,
+        );
+        self.absorb(&grads)
+    }
+
+    /// Sets the packed-attention implementation of the model(s) run.
+    pub fn set_attention(&mut self, mode: PackedAttention) {
+        self.model.attention = mode;
+        if let Some(c) = &mut self.compute {
+            c.attention = mode;
+        }
     }
 
     /// A token id outside the model's vocabulary is the plan's document's
@@ -497,4 +476,19 @@ impl Trainer {
     pub fn set_loss_chunk_tokens(&mut self, n: usize) {
         self.loss_chunk_tokens = n;
     }
+
+    /// Overrides `runtime.activation_checkpointing`.
+    pub fn set_activation_checkpointing(&mut self, on: bool) {
+        self.checkpointing = on;
+    }
+}
+
+/// The frozen initial model reference log-probs are taken on, in the
+/// compute dtype.
+fn reference_model(cfg: &JobConfig) -> anyhow::Result<Llama> {
+    let mut m = build_model(cfg, None)?;
+    if cfg.mixed() {
+        m.vs.set_kind(cfg.precision.compute);
+    }
+    Ok(frozen(m))
 }

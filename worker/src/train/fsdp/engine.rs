@@ -89,6 +89,10 @@ impl Engine for FsdpTrainer {
         true
     }
 
+    fn device(&self) -> tch::Device {
+        self.device
+    }
+
     fn model_flops(&self, cu_seq_lens: &[i64], loss_tokens: u64) -> f64 {
         crate::model::flops::training_flops(self.model_config(), cu_seq_lens, loss_tokens)
     }

@@ -60,7 +60,7 @@ use crate::model::{weights, LlamaConfig, PackedAttention};
 use crate::objective::Objective;
 
 use super::checkpoint::{self, ShardEntry};
-use super::optim::{self, AdamW};
+use super::optim::{self, AdamW, Segment};
 use super::source::build_model;
 use super::trainer::{StateBytes, StepStats};
 use shell::LayerShell;
@@ -74,6 +74,13 @@ pub struct FsdpTrainer {
     raw_config: serde_json::Value,
     /// Compute dtype (the shards are float32).
     kind: Kind,
+    /// Parameter dtype (`model.dtype`): what checkpoints hold; bfloat16
+    /// (pure bf16) also rounds the master shards after every update.
+    param_kind: Kind,
+    /// Per unit: the weight-decay runs of this rank's shard.
+    segments: Vec<Vec<Segment>>,
+    /// `optimizer.no_decay`, to cut the runs again for a new layout.
+    no_decay: Vec<String>,
     device: Device,
     layouts: Vec<UnitLayout>,
     /// Per unit: this rank's shard of the flat parameters.
@@ -125,8 +132,8 @@ impl FsdpTrainer {
                  frozen full copy of the model on every rank, which fsdp exists to avoid)"
             );
         }
-        let kind = cfg.dtype;
-        let device = Device::cuda_if_available();
+        let kind = cfg.precision.compute;
+        let device = cfg.device;
         let (mcfg, raw, tensors, source) = match (restore, &cfg.model) {
             (Some(dir), _) => {
                 let (c, r, t) = read_hf_dir(dir)
@@ -162,8 +169,13 @@ impl FsdpTrainer {
         }
         drop(tensors);
         let grads = params.iter().map(Tensor::zeros_like).collect();
+        let segments = layouts
+            .iter()
+            .map(|l| l.segments(world, rank, &cfg.no_decay))
+            .collect();
         let adam = cfg.optimizer;
-        let mut opt = AdamW::new(adam, &params);
+        let lens: Vec<usize> = params.iter().map(Tensor::numel).collect();
+        let mut opt = AdamW::new(adam, &lens, device);
         if let Some(dir) = restore {
             let (step, moments) = checkpoint::load_optimizer_tensors(dir)
                 .with_context(|| format!("restoring optimizer from {}", dir.display()))?;
@@ -187,6 +199,9 @@ impl FsdpTrainer {
             cfg: mcfg,
             raw_config: raw,
             kind,
+            param_kind: cfg.dtype,
+            segments,
+            no_decay: cfg.no_decay.clone(),
             device,
             layouts,
             params,
@@ -249,18 +264,15 @@ impl FsdpTrainer {
                 "non-finite learning rate {lr}; parameters left unchanged"
             )));
         }
-        if let Some(coef) = optim::clip_coefficient(norm, self.grad_clip) {
-            for g in &mut self.grads {
-                let _ = g.g_mul_scalar_(coef);
-            }
-        }
-        self.opt.step_with_grads(&self.params, &self.grads, lr);
-        if self.kind != Kind::Float {
-            // The single-process trainer keeps parameters in the compute
-            // dtype: round the master shards the same way.
+        let scale = optim::clip_coefficient(norm, self.grad_clip).unwrap_or(1.0);
+        self.opt
+            .update(&self.params, &self.grads, &self.segments, lr, scale);
+        if self.param_kind != Kind::Float {
+            // Pure bfloat16: the replicated trainer keeps its parameters in
+            // that dtype; round the master shards the same way.
             tch::no_grad(|| {
                 for p in &mut self.params {
-                    let rounded = p.to_kind(self.kind).to_kind(Kind::Float);
+                    let rounded = p.to_kind(self.param_kind).to_kind(Kind::Float);
                     p.copy_(&rounded);
                 }
             });
@@ -273,7 +285,7 @@ impl FsdpTrainer {
     /// and the whole tensors [`checkpoint::assign_tensors`] gives this rank
     /// are kept. Nothing is written here.
     fn snapshot(&mut self) -> anyhow::Result<checkpoint::Snapshot> {
-        let elt = self.kind.elt_size_in_bytes();
+        let elt = self.param_kind.elt_size_in_bytes();
         let sizes: Vec<(String, usize)> = self
             .layouts
             .iter()
@@ -290,7 +302,7 @@ impl FsdpTrainer {
                 if assignment.get(&s.name) == Some(&rank) {
                     mine.push(ShardEntry {
                         name: s.name.clone(),
-                        param: s.view(&p).to_kind(self.kind).copy(),
+                        param: s.view(&p).to_kind(self.param_kind).copy(),
                         exp_avg: s.view(&m).copy(),
                         exp_avg_sq: s.view(&v).copy(),
                     });
@@ -301,7 +313,7 @@ impl FsdpTrainer {
             rank,
             world,
             &self.raw_config,
-            self.kind,
+            self.param_kind,
             self.opt.step,
             sizes,
             mine,
@@ -315,7 +327,10 @@ impl FsdpTrainer {
         for u in 0..self.layouts.len() {
             let flat = self.gather(u)?;
             for s in &self.layouts[u].slots {
-                out.push((s.name.clone(), s.view(&flat).to_kind(self.kind).copy()));
+                out.push((
+                    s.name.clone(),
+                    s.view(&flat).to_kind(self.param_kind).copy(),
+                ));
             }
         }
         out.sort_by(|a, b| a.0.cmp(&b.0));
@@ -335,6 +350,10 @@ impl FsdpTrainer {
             params: bytes(&self.params),
             grads: bytes(&self.grads),
             optimizer: bytes(&self.opt.exp_avg) + bytes(&self.opt.exp_avg_sq),
+            // Units are cast to the compute dtype as they are gathered.
+            compute_copy: 0,
+            // One unit's gradient at a time, before its reduce-scatter.
+            backward: self.largest_unit_bytes() / 4 * self.kind.elt_size_in_bytes() as u64,
             // The transient gather buffer of the largest unit.
             boundary: self.largest_unit_bytes(),
         }

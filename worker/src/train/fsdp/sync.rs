@@ -87,6 +87,7 @@ impl FsdpTrainer {
             self.params[u] = p;
             self.opt.exp_avg[u] = m;
             self.opt.exp_avg_sq[u] = v;
+            self.segments[u] = self.layouts[u].segments(world, rank, &self.no_decay);
         }
         self.opt.step = scalars[0];
         Ok(())

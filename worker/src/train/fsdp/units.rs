@@ -16,6 +16,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::collective::shard_range;
 use crate::model::LlamaConfig;
+use crate::train::optim::{self, Segment};
 
 /// One parameter inside a unit's flat buffer.
 #[derive(Debug, Clone, PartialEq)]
@@ -121,6 +122,20 @@ impl UnitLayout {
     pub fn take_shard(&self, flat: &Tensor, world: usize, rank: usize) -> Tensor {
         let r = self.shard(world, rank);
         flat.narrow(0, r.start as i64, r.len() as i64).copy()
+    }
+
+    /// The weight-decay runs of `rank`'s shard of this unit (relative to
+    /// the shard's start) under `no_decay` (see `optim::decays`).
+    pub fn segments(&self, world: usize, rank: usize, no_decay: &[String]) -> Vec<Segment> {
+        let runs: Vec<Segment> = self
+            .slots
+            .iter()
+            .map(|s| Segment {
+                range: s.offset..s.offset + s.numel,
+                decay: optim::decays(&s.name, no_decay),
+            })
+            .collect();
+        optim::segments_within(&runs, self.shard(world, rank))
     }
 
     /// A zero flat buffer of this unit (a rank with nothing to contribute).

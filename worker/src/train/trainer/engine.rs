@@ -53,14 +53,31 @@ impl Engine for Trainer {
     }
 
     fn zero_grad(&mut self) {
-        for p in &self.params {
-            p.shallow_clone().zero_grad();
-        }
+        self.grads.zero();
     }
 
     fn grads_finite(&self) -> bool {
-        let grads: Vec<tch::Tensor> = self.params.iter().map(tch::Tensor::grad).collect();
-        crate::train::engine::all_finite(&grads)
+        self.grads.finite(&self.layout)
+    }
+
+    /// The microbatch's own gradients, checked and dropped: nothing is
+    /// reduced (a zero2 rank would otherwise sum other ranks' probes in).
+    fn probe_microbatch(
+        &mut self,
+        index: usize,
+        batch: &PackedBatch,
+        meta: &MicrobatchMeta,
+        norms: &StepNorms,
+    ) -> anyhow::Result<(MicrobatchOutcome, bool)> {
+        self.zero_grad();
+        let (o, grads) = self.objective_grads(index, batch, meta, norms)?;
+        let finite = o.loss_sum.is_finite() && crate::train::engine::all_finite(&grads);
+        Ok((o, finite))
+    }
+
+    /// zero2 reduce-scatters every microbatch's gradient.
+    fn collective_per_microbatch(&self) -> bool {
+        self.sharding == Sharding::Zero2 && self.coll.world_size() > 1
     }
 
     fn checkpoint_snapshot(&mut self) -> anyhow::Result<CheckpointWrite> {
@@ -100,6 +117,10 @@ impl Engine for Trainer {
 
     fn group(&mut self) -> &mut dyn Collective {
         self.coll.as_mut()
+    }
+
+    fn device(&self) -> tch::Device {
+        self.model.vs.device()
     }
 
     fn model_flops(&self, cu_seq_lens: &[i64], loss_tokens: u64) -> f64 {

@@ -5,14 +5,14 @@
 //! the forward-only reference plans.
 
 use anyhow::Context;
+use tch::Tensor;
 
-use super::Trainer;
+use super::{reference_model, Trainer};
 use crate::batch::{MicrobatchMeta, MicrobatchOutcome, PackedBatch, SequenceLogp, StepNorms};
 use crate::model::{loss, Llama};
 use crate::objective::head;
 use crate::objective::microbatch;
 use crate::objective::Objective;
-use crate::train::source::{build_model, frozen};
 
 /// Per-token reference log-probs of `mb` under `model`, without autograd.
 fn reference_token_logps(
@@ -38,16 +38,30 @@ impl Trainer {
         meta: &MicrobatchMeta,
         norms: &StepNorms,
     ) -> anyhow::Result<MicrobatchOutcome> {
+        let (sums, grads) = self.objective_grads(index, mb, meta, norms)?;
+        self.absorb(&grads)?;
+        Ok(sums)
+    }
+
+    /// The sums and gradients of one microbatch under the job's objective
+    /// (nothing applied).
+    pub(super) fn objective_grads(
+        &self,
+        index: usize,
+        mb: &PackedBatch,
+        meta: &MicrobatchMeta,
+        norms: &StepNorms,
+    ) -> anyhow::Result<(MicrobatchOutcome, Vec<Tensor>)> {
         let objective = self.objective;
         if objective == Objective::Sft {
-            return self.microbatch(index, mb, norms.loss_tokens);
+            return self.sft_grads(index, mb, norms.loss_tokens);
         }
         let mut sums = MicrobatchOutcome {
             tokens: mb.tokens() as u64,
             ..Default::default()
         };
         if mb.is_empty() {
-            return Ok(sums);
+            return Ok((sums, Vec::new()));
         }
         mb.validate()
             .with_context(|| format!("microbatch {index}"))?;
@@ -58,11 +72,12 @@ impl Trainer {
             Some(r) => Some(reference_token_logps(r, mb, &targets, chunk)?),
             None => None,
         };
-        let hidden = self.model.hidden(&mb.input_ids, &mb.cu_seq_lens);
-        let head_w = self.model.lm_head_weight();
+        let net = self.net();
+        let fwd = net.forward_train(&mb.input_ids, &mb.cu_seq_lens, self.checkpointing);
+        let head_w = net.lm_head_weight();
         let out = microbatch::objective(
             &objective,
-            &hidden,
+            &fwd.hidden,
             head_w,
             mb,
             meta,
@@ -71,11 +86,17 @@ impl Trainer {
             live.as_deref(),
         )
         .with_context(|| format!("microbatch {index}"))?;
-        loss::backward_into_model(&hidden, head_w, &out.grads);
+        let grads = net.backward_train(
+            fwd,
+            &out.grads.grad_hidden,
+            &out.grads.grad_weight,
+            &self.compute_params,
+            &self.groups,
+        );
         sums.loss_sum = out.loss_sum;
         sums.loss_tokens = out.loss_tokens;
         sums.extra = out.extra;
-        Ok(sums)
+        Ok((sums, grads))
     }
 
     /// Each sequence's log-prob (Σ over its loss tokens) and loss-token
@@ -128,11 +149,11 @@ impl Trainer {
             .with_context(|| format!("microbatch {index}"))?;
         self.check_vocabulary(index, mb)?;
         if !self.pristine && self.reference.is_none() {
-            self.reference = Some(frozen(build_model(&self.init, None)?));
+            self.reference = Some(reference_model(&self.init)?);
         }
         let model = match &self.reference {
             Some(r) => r,
-            None => &self.model,
+            None => self.net(),
         };
         let targets = loss::shifted_targets(&mb.labels, &mb.cu_seq_lens);
         let lp = reference_token_logps(model, mb, &targets, self.loss_chunk_tokens)

@@ -1,8 +1,10 @@
 //! State sync of the data-parallel trainer (issue 6): the replica as flat
-//! buffers for [`reshard::sync`] — the parameters (replicated at ddp and
-//! zero2) and the AdamW moments (replicated at ddp, sharded by
+//! buffers for [`reshard::sync`] — the master parameters (replicated at ddp
+//! and zero2) and the AdamW moments (replicated at ddp, sharded by
 //! [`shard_range`] of the flat layout at zero2) — plus the optimizer's step
-//! count and whether the weights are still the initial ones.
+//! count and whether the weights are still the initial ones. All three
+//! already live in the flat layout, so ranges are read and written as
+//! slices of them.
 //!
 //! Parameters and ddp moments are written in place (holders rewrite the
 //! values they hold); zero2 moment shards for the new layout are allocated
@@ -11,20 +13,20 @@
 
 use std::ops::Range;
 
-use tch::{Device, Kind, Tensor};
+use tch::{Kind, Tensor};
 
+use super::grads::Grads;
 use super::{Sharding, Trainer};
 use crate::collective::reshard::{self, FlatBuffer, StateAccess, SyncPlan};
 use crate::collective::{shard_range, Collective, Solo};
-use crate::train::flat::FlatLayout;
 use crate::train::Engine;
 
 struct Access<'a> {
-    layout: &'a FlatLayout,
-    params: &'a [Tensor],
-    /// ddp: per parameter (read and written in place); zero2: the old
-    /// shard (read only).
-    avg: [&'a [Tensor]; 2],
+    /// The master weights, flat (any dtype).
+    params: &'a Tensor,
+    /// ddp: the whole flat moments (read and written in place); zero2:
+    /// the old shard (read only).
+    avg: [&'a Tensor; 2],
     sharding: Sharding,
     old: Range<usize>,
     new: Range<usize>,
@@ -32,50 +34,32 @@ struct Access<'a> {
     new_avg: [Tensor; 2],
 }
 
-impl Access<'_> {
-    /// Writes `values` (the elements `range` of the flat layout) into
-    /// per-parameter tensors.
-    fn scatter(&self, dst: &[Tensor], range: Range<usize>, values: &Tensor) {
-        tch::no_grad(|| {
-            for (i, within) in self.layout.pieces(range.clone()) {
-                let at = self.layout.offsets[i] + within.start - range.start;
-                let src = values.narrow(0, at as i64, within.len() as i64);
-                dst[i]
-                    .detach()
-                    .view([-1])
-                    .narrow(0, within.start as i64, within.len() as i64)
-                    .copy_(&src);
-            }
-        });
-    }
+fn part(t: &Tensor, start: usize, len: usize) -> Tensor {
+    t.narrow(0, start as i64, len as i64)
 }
 
 impl StateAccess for Access<'_> {
     fn read(&mut self, buf: usize, range: Range<usize>) -> Tensor {
         // On the model's device; `reshard::sync` moves it where the
-        // collective needs it.
-        let device = self.params.first().map_or(Device::Cpu, Tensor::device);
+        // collective needs it. Copies: the sender's values must not move
+        // while they travel.
+        let (start, len) = (range.start, range.len());
         match (buf, self.sharding) {
-            (0, _) => self.layout.slice(self.params, range, device),
-            (m, Sharding::Ddp) => self.layout.slice(self.avg[m - 1], range, device),
-            (m, Sharding::Zero2) => self.avg[m - 1][0].narrow(
-                0,
-                (range.start - self.old.start) as i64,
-                range.len() as i64,
-            ),
+            (0, _) => part(self.params, start, len).to_kind(Kind::Float).copy(),
+            (m, Sharding::Ddp) => part(self.avg[m - 1], start, len).copy(),
+            (m, Sharding::Zero2) => part(self.avg[m - 1], start - self.old.start, len),
         }
     }
 
     fn write(&mut self, buf: usize, range: Range<usize>, values: &Tensor) {
-        match (buf, self.sharding) {
-            (0, _) => self.scatter(self.params, range, values),
-            (m, Sharding::Ddp) => self.scatter(self.avg[m - 1], range, values),
-            (m, Sharding::Zero2) => tch::no_grad(|| {
-                self.new_avg[m - 1]
-                    .narrow(0, (range.start - self.new.start) as i64, range.len() as i64)
-                    .copy_(values)
-            }),
-        }
+        let (start, len) = (range.start, range.len());
+        tch::no_grad(|| match (buf, self.sharding) {
+            (0, _) => part(self.params, start, len).copy_(values),
+            (m, Sharding::Ddp) => part(self.avg[m - 1], start, len).copy_(values),
+            (m, Sharding::Zero2) => {
+                part(&self.new_avg[m - 1], start - self.new.start, len).copy_(values)
+            }
+        });
     }
 }
 
@@ -118,9 +102,8 @@ impl Trainer {
         };
         let mut scalars = [self.opt.step, u64::from(self.pristine)];
         let mut access = Access {
-            layout: &self.layout,
-            params: &self.params,
-            avg: [&self.opt.exp_avg, &self.opt.exp_avg_sq],
+            params: &self.flat_params,
+            avg: [&self.opt.exp_avg[0], &self.opt.exp_avg_sq[0]],
             sharding: self.sharding,
             old,
             new,
@@ -136,6 +119,9 @@ impl Trainer {
         }
         self.opt.step = scalars[0];
         self.pristine = scalars[1] != 0;
+        // A zero2 gradient shard follows the new layout.
+        self.grads = Grads::new(&self.layout, zero2, self.coll.as_ref(), device);
+        self.refresh_compute();
         self.zero_grad();
         Ok(())
     }

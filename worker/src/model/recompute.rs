@@ -1,0 +1,196 @@
+//! A training forward and its backward, with activation checkpointing per
+//! decoder layer as an option (`runtime.activation_checkpointing`,
+//! Chen et al. 2016, "Training deep nets with sublinear memory cost"; the
+//! per-block policy of `torch.utils.checkpoint` in HF Trainer and
+//! OLMo-core).
+//!
+//! Without checkpointing the forward is taped whole and the backward is
+//! one pass. With it, the forward runs without autograd and keeps only
+//! each layer's input `[T, H]`; the backward first takes the gradient of
+//! the last layer's output through the final norm and LM head, then, layer
+//! by layer in reverse, recomputes the layer from its saved input with
+//! autograd and backpropagates the upstream gradient (what fsdp does per
+//! unit, see `train::fsdp`). Activation memory is then one layer's worth
+//! plus `L` inputs instead of every layer's intermediates.
+//!
+//! Both return the gradients with respect to the model's variables rather
+//! than accumulating them into `.grad`: the trainers own where gradients
+//! accumulate (a float32 flat buffer, or a ZeRO-2 shard).
+
+use tch::{Kind, Tensor};
+
+use super::llama::{positions, Llama};
+
+/// Which of a model's variables (by index into a name-sorted list) belong
+/// to each part the checkpointed backward visits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VarGroups {
+    /// Per decoder layer, the indices of `model.layers.{i}.*`.
+    pub layers: Vec<Vec<usize>>,
+    pub embed: usize,
+    pub norm: usize,
+    /// `lm_head.weight` when untied.
+    pub head: Option<usize>,
+}
+
+impl VarGroups {
+    /// Groups `names` (a model's variable names, any order) for a model of
+    /// `layers` decoder layers.
+    pub fn new(names: &[String], layers: usize) -> anyhow::Result<VarGroups> {
+        let find = |n: &str| names.iter().position(|x| x == n);
+        let embed = find("model.embed_tokens.weight")
+            .ok_or_else(|| anyhow::anyhow!("model has no model.embed_tokens.weight"))?;
+        let norm = find("model.norm.weight")
+            .ok_or_else(|| anyhow::anyhow!("model has no model.norm.weight"))?;
+        let layers = (0..layers)
+            .map(|l| {
+                let prefix = format!("model.layers.{l}.");
+                (0..names.len())
+                    .filter(|&i| names[i].starts_with(&prefix))
+                    .collect()
+            })
+            .collect();
+        Ok(VarGroups {
+            layers,
+            embed,
+            norm,
+            head: find("lm_head.weight"),
+        })
+    }
+}
+
+/// What the backward needs of a training forward.
+pub struct Forward {
+    /// The final hidden states after the norm, `[T, H]`, in the graph.
+    pub hidden: Tensor,
+    tape: Tape,
+}
+
+enum Tape {
+    /// The whole forward is in the autograd graph.
+    Full,
+    /// Per-layer recomputation.
+    Layers {
+        ids: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        cu_seq_lens: Vec<i64>,
+        /// Each layer's input (no graph).
+        inputs: Vec<Tensor>,
+        /// The last layer's output, a leaf that requires grad.
+        last: Tensor,
+    },
+}
+
+impl Llama {
+    /// The forward of a packed row for training (see the module docs).
+    pub fn forward_train(
+        &self,
+        input_ids: &[i64],
+        cu_seq_lens: &[i64],
+        checkpoint: bool,
+    ) -> Forward {
+        if !checkpoint {
+            return Forward {
+                hidden: self.hidden(input_ids, cu_seq_lens),
+                tape: Tape::Full,
+            };
+        }
+        let device = self.vs.device();
+        let (cos, sin) = self
+            .rope
+            .cos_sin(&positions(cu_seq_lens), self.kind(), device);
+        let ids = Tensor::from_slice(input_ids).to_device(device);
+        let mut inputs = Vec::with_capacity(self.layers.len());
+        let x = tch::no_grad(|| {
+            let mut x = Tensor::embedding(&self.embed_tokens, &ids, -1, false, false);
+            for layer in &self.layers {
+                let y = layer.forward(&x, &cos, &sin, cu_seq_lens, self.attention);
+                inputs.push(x);
+                x = y;
+            }
+            x
+        });
+        let last = x.detach().set_requires_grad(true);
+        Forward {
+            hidden: self.norm.forward(&last),
+            tape: Tape::Layers {
+                ids,
+                cos,
+                sin,
+                cu_seq_lens: cu_seq_lens.to_vec(),
+                inputs,
+                last,
+            },
+        }
+    }
+
+    /// The gradients of `⟨hidden, grad_hidden⟩ + ⟨head, grad_head⟩` (the
+    /// chunked loss's, see `loss`) with respect to `vars`, the model's
+    /// variables as grouped by `groups`; undefined for a variable the loss
+    /// does not reach. `grad_hidden` undefined: no loss token, no gradient.
+    pub fn backward_train(
+        &self,
+        fwd: Forward,
+        grad_hidden: &Tensor,
+        grad_head: &Tensor,
+        vars: &[Tensor],
+        groups: &VarGroups,
+    ) -> Vec<Tensor> {
+        let mut out: Vec<Tensor> = vars.iter().map(|_| Tensor::new()).collect();
+        if !grad_hidden.defined() {
+            return out;
+        }
+        let head = self.lm_head_weight();
+        let surrogate =
+            (&fwd.hidden * grad_hidden).sum(Kind::Float) + (head * grad_head).sum(Kind::Float);
+        let Tape::Layers {
+            ids,
+            cos,
+            sin,
+            cu_seq_lens,
+            inputs,
+            last,
+        } = fwd.tape
+        else {
+            return Tensor::run_backward(&[surrogate], vars, false, false);
+        };
+        let head_index = groups.head.unwrap_or(groups.embed);
+        let g = Tensor::run_backward(
+            &[surrogate],
+            &[&last, &vars[groups.norm], &vars[head_index]],
+            false,
+            false,
+        );
+        let mut add = |i: usize, g: &Tensor| {
+            if g.defined() {
+                out[i] = if out[i].defined() {
+                    &out[i] + g
+                } else {
+                    g.shallow_clone()
+                };
+            }
+        };
+        add(groups.norm, &g[1]);
+        add(head_index, &g[2]);
+        let mut upstream = g[0].shallow_clone();
+        for (l, layer) in self.layers.iter().enumerate().rev() {
+            let x = inputs[l].detach().set_requires_grad(true);
+            let y = layer.forward(&x, &cos, &sin, &cu_seq_lens, self.attention);
+            let surrogate = (&y * &upstream).sum(Kind::Float);
+            let mut wrt = vec![x.shallow_clone()];
+            wrt.extend(groups.layers[l].iter().map(|&i| vars[i].shallow_clone()));
+            let g = Tensor::run_backward(&[surrogate], &wrt, false, false);
+            for (k, &i) in groups.layers[l].iter().enumerate() {
+                add(i, &g[k + 1]);
+            }
+            upstream = g[0].shallow_clone();
+        }
+        // The embedding's gradient needs only the ids and the upstream
+        // gradient (what autograd's embedding backward computes).
+        let vocab = self.cfg.vocab_size as i64;
+        let embed = Tensor::embedding_dense_backward(&upstream, &ids, vocab, -1, false);
+        add(groups.embed, &embed);
+        out
+    }
+}

@@ -1,0 +1,272 @@
+//! GPU checks (issue 15, item 8). Ignored by default and skipped (with a
+//! line saying so) without CUDA; `scripts/gpu-check.sh` runs them with
+//! `--features cuda -- --ignored` on a machine with a GPU:
+//! - transformers parity on CUDA (logits, loss sum, gradients) for the
+//!   Llama and Qwen2 variants, against transformers on the CPU in fp32;
+//! - bf16-mixed against fp32 over 20 steps on the GPU;
+//! - the GPU memory a step reports (allocated, reserved);
+//! - with 2 GPUs and `--features cuda`: 2 ranks on NCCL (the backend the
+//!   generation's join picks) at ddp, zero2 and fsdp end where one rank
+//!   does, and so does the staged TCP ring (`parallel.collective = "ring"`).
+
+mod common;
+
+use accrue_worker::train::{Engine, Trainer};
+use tch::Device;
+
+fn gpu(test: &str) -> Option<Device> {
+    if tch::Cuda::is_available() {
+        Some(Device::Cuda(0))
+    } else {
+        println!("{test}: no GPU visible to libtorch, skipped");
+        None
+    }
+}
+
+fn parity_on(device: Device, variant: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let reference = common::make_reference(dir.path(), variant);
+    let docs = common::documents(&reference);
+    let total = i64::try_from(&reference["total_loss_tokens"]).unwrap() as u64;
+    let mut cfg = common::job_config(
+        dir.path().join("model").to_str().unwrap(),
+        "[runtime]\nloss_chunk_tokens = 16\n",
+    );
+    cfg.device = device;
+    let mut t = Trainer::single(&cfg, None).unwrap();
+    let batch = common::batch(&docs);
+    let logits = tch::no_grad(|| t.model().logits(&batch.input_ids, &batch.cu_seq_lens))
+        .to_device(Device::Cpu);
+    let mut worst = 0.0f64;
+    for (i, w) in batch.cu_seq_lens.windows(2).enumerate() {
+        let ours = logits.narrow(0, w[0], w[1] - w[0]);
+        worst = worst.max(common::max_abs_diff(
+            &ours,
+            &reference[&format!("doc{i}.logits")],
+        ));
+    }
+    let sums = t.microbatch(0, &batch, total).unwrap();
+    let expected: f64 = (0..docs.len())
+        .map(|i| f64::try_from(&reference[&format!("doc{i}.loss_sum")]).unwrap())
+        .sum();
+    let loss_rel = (sums.loss_sum - expected).abs() / expected;
+    let grads: Vec<(String, tch::Tensor)> = t
+        .named_grads()
+        .into_iter()
+        .map(|(n, g)| (n, g.to_device(Device::Cpu)))
+        .collect();
+    let theirs: Vec<(String, tch::Tensor)> = grads
+        .iter()
+        .map(|(n, _)| (n.clone(), reference[&format!("grad.{n}")].shallow_clone()))
+        .collect();
+    let (g, name) = common::worst_rel(&grads, &theirs);
+    println!("{variant} on {device:?}: logits {worst:e}, loss sum rel {loss_rel:e}, gradients {g:e} ({name})");
+    assert!(worst <= 2e-4, "{variant}: logits differ by {worst}");
+    assert!(
+        loss_rel <= 1e-5,
+        "{variant}: loss sum differs by {loss_rel}"
+    );
+    assert!(g <= 1e-4, "{variant}: gradient of {name} differs by {g}");
+}
+
+#[test]
+#[ignore = "needs a GPU: scripts/gpu-check.sh"]
+fn gpu_parity_with_transformers() {
+    let Some(device) = gpu("gpu_parity_with_transformers") else {
+        return;
+    };
+    for variant in ["llama", "qwen2", "tied"] {
+        parity_on(device, variant);
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: scripts/gpu-check.sh"]
+fn gpu_bf16_mixed_tracks_fp32() {
+    let Some(device) = gpu("gpu_bf16_mixed_tracks_fp32") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let run = |extra: &str| {
+        let mut cfg = common::random_job(
+            dir.path(),
+            &format!("[optimizer]\neps = 1e-6\n[runtime]\nloss_chunk_tokens = 64\n{extra}"),
+        );
+        cfg.device = device;
+        let mut t = Trainer::single(&cfg, None).unwrap();
+        let losses: Vec<f64> = (0..20)
+            .map(|s| {
+                let docs = common::synthetic_documents(&[37, 5, 61, 12, 50, 3], 100 + s);
+                let b = common::batch(&docs);
+                let o = t.microbatch(0, &b, b.loss_tokens()).unwrap();
+                t.optimizer_step(1e-4).unwrap();
+                o.loss_sum / b.loss_tokens() as f64
+            })
+            .collect();
+        losses
+    };
+    let fp32 = run("");
+    let mixed = run("[precision]\ncompute = \"bfloat16\"\n");
+    let worst = fp32
+        .iter()
+        .zip(&mixed)
+        .map(|(a, b)| (a - b).abs() / a.abs())
+        .fold(0.0, f64::max);
+    println!(
+        "bf16-mixed vs fp32 on {device:?}: worst relative loss difference over 20 steps {worst:e}"
+    );
+    assert!(worst <= 0.01, "bf16-mixed loss is {worst} away from fp32");
+}
+
+#[test]
+#[ignore = "needs a GPU: scripts/gpu-check.sh"]
+fn gpu_memory_is_reported() {
+    let Some(device) = gpu("gpu_memory_is_reported") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = common::random_job(dir.path(), "");
+    cfg.device = device;
+    let mut t = Trainer::single(&cfg, None).unwrap();
+    accrue_worker::gpu_memory::reset_peak(device);
+    let b = common::batch(&common::synthetic_documents(&[200, 100], 3));
+    t.microbatch(0, &b, b.loss_tokens()).unwrap();
+    t.optimizer_step(1e-4).unwrap();
+    let p = accrue_worker::gpu_memory::peak(device).expect("GPU memory readable");
+    println!(
+        "GPU memory of a step: peak allocated {} B, peak reserved {} B",
+        p.allocated, p.reserved
+    );
+    assert!(p.reserved > 0);
+    assert!(p.allocated == 0 || p.reserved >= p.allocated, "{p:?}");
+}
+
+/// 2 ranks on 2 GPUs joined for real (TCP ring, members' exchange, NCCL
+/// communicator) against one rank on GPU 0.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs 2 GPUs: scripts/gpu-check.sh"]
+fn gpu_two_ranks_on_nccl_match_one_rank() {
+    use accrue_worker::collective::join::{join, Join};
+    use accrue_worker::collective::select::Backend;
+    use accrue_worker::config::{CollectiveChoice, Sharding};
+    use accrue_worker::train::FsdpTrainer;
+    use std::net::TcpListener;
+    use std::time::Duration;
+    use tch::Kind;
+
+    if !tch::Cuda::is_available() || tch::Cuda::device_count() < 2 {
+        println!("gpu_two_ranks_on_nccl_match_one_rank: fewer than 2 GPUs, skipped");
+        return;
+    }
+    let steps: Vec<Vec<(Vec<i64>, Vec<i64>)>> = (0..3)
+        .map(|s| common::synthetic_documents(&[37, 5, 61, 12, 2, 28], 40 + s))
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg_for = |sharding: &str| {
+        common::random_job(
+            dir.path(),
+            &format!("[optimizer]\nweight_decay = 0.1\n[parallel]\nsharding = \"{sharding}\"\n"),
+        )
+    };
+    // One rank, ddp, GPU 0: the reference.
+    let mut one_cfg = cfg_for("ddp");
+    one_cfg.device = Device::Cuda(0);
+    let mut one = Trainer::single(&one_cfg, None).unwrap();
+    for docs in &steps {
+        let b = common::batch(docs);
+        one.microbatch(0, &b, b.loss_tokens()).unwrap();
+        one.optimizer_step(1e-3).unwrap();
+    }
+    let reference: Vec<(String, tch::Tensor)> = one
+        .named_parameters()
+        .into_iter()
+        .map(|(n, p)| (n, p.to_device(Device::Cpu)))
+        .collect();
+    for (sharding, choice, backend) in [
+        ("ddp", CollectiveChoice::Auto, Backend::Nccl),
+        ("zero2", CollectiveChoice::Auto, Backend::Nccl),
+        ("fsdp", CollectiveChoice::Auto, Backend::Nccl),
+        ("zero2", CollectiveChoice::Ring, Backend::StagedRing),
+    ] {
+        let ls: Vec<TcpListener> = (0..2)
+            .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+            .collect();
+        let peers: Vec<String> = ls
+            .iter()
+            .map(|l| l.local_addr().unwrap().to_string())
+            .collect();
+        let ckpt = tempfile::tempdir().unwrap();
+        let handles: Vec<_> = ls
+            .into_iter()
+            .enumerate()
+            .map(|(rank, l)| {
+                let mut cfg = cfg_for(sharding);
+                cfg.device = Device::Cuda(rank);
+                let peers = peers.clone();
+                let steps = steps.clone();
+                let ckpt = ckpt.path().to_path_buf();
+                std::thread::spawn(move || {
+                    let j = Join {
+                        rank,
+                        world: 2,
+                        peers: &peers,
+                        generation: 1,
+                        timeout: Duration::from_secs(60),
+                        device: cfg.device,
+                        choice,
+                    };
+                    let (coll, got) = join(&l, &j).unwrap();
+                    let mut t: Box<dyn Engine> = if cfg.sharding == Sharding::Fsdp {
+                        Box::new(FsdpTrainer::new(&cfg, None, coll).unwrap())
+                    } else {
+                        Box::new(Trainer::new(&cfg, None, coll).unwrap())
+                    };
+                    for docs in &steps {
+                        let total = common::batch(docs).loss_tokens();
+                        let mine: Vec<_> = docs.iter().skip(rank).step_by(2).cloned().collect();
+                        let norms = accrue_worker::batch::StepNorms {
+                            loss_tokens: total,
+                            ..Default::default()
+                        };
+                        t.train_microbatch(0, &common::batch(&mine), &Default::default(), &norms)
+                            .unwrap();
+                        t.optimizer_step(1e-3).unwrap();
+                    }
+                    // Every rank writes its whole tensors (a collective).
+                    t.save_checkpoint(&ckpt).unwrap();
+                    got
+                })
+            })
+            .collect();
+        let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        assert!(
+            results.iter().all(|b| *b == backend),
+            "{sharding}: {results:?}"
+        );
+        let mut saved = common::read(&ckpt.path().join("model-00001-of-00002.safetensors"));
+        saved.extend(common::read(
+            &ckpt.path().join("model-00002-of-00002.safetensors"),
+        ));
+        let mut worst = (0.0, String::new());
+        for (n, r) in &reference {
+            let t = saved
+                .get(n)
+                .unwrap_or_else(|| panic!("{sharding}: {n} not saved"));
+            let (d, norm) = common::diff_norms(&t.to_kind(Kind::Float), r);
+            if d / norm > worst.0 {
+                worst = (d / norm, n.clone());
+            }
+        }
+        println!(
+            "{sharding} on 2 GPUs ({backend:?}) vs 1 rank: worst relative difference {:e} ({})",
+            worst.0, worst.1
+        );
+        assert!(
+            worst.0 <= 1e-5,
+            "{sharding}: {} differs by {:e}",
+            worst.1,
+            worst.0
+        );
+    }
+}
