@@ -25,6 +25,20 @@ pub mod staged;
 pub mod tcp;
 pub mod timed;
 
+/// `world` listeners on OS-picked loopback ports and their addresses: the
+/// peers of a test ring.
+#[cfg(test)]
+pub(crate) fn loopback_peers(world: usize) -> (Vec<std::net::TcpListener>, Vec<String>) {
+    let ls: Vec<_> = (0..world)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    let peers = ls
+        .iter()
+        .map(|l| l.local_addr().unwrap().to_string())
+        .collect();
+    (ls, peers)
+}
+
 use std::sync::Arc;
 
 use tch::Tensor;

@@ -160,7 +160,6 @@ impl Collective for Staged {
 
 #[cfg(test)]
 mod tests {
-    use std::net::TcpListener;
     use std::time::Duration;
 
     use super::*;
@@ -169,13 +168,7 @@ mod tests {
     /// Runs `ops` on every rank of a TCP ring, plain and staged, on the same
     /// inputs; returns (plain, staged) bits per rank.
     fn run(world: usize, len: i64, staged: bool) -> Vec<Vec<u32>> {
-        let ls: Vec<_> = (0..world)
-            .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
-            .collect();
-        let peers: Vec<String> = ls
-            .iter()
-            .map(|l| l.local_addr().unwrap().to_string())
-            .collect();
+        let (ls, peers) = crate::collective::loopback_peers(world);
         let handles: Vec<_> = ls
             .into_iter()
             .enumerate()

@@ -186,13 +186,7 @@ mod tests {
                 t
             }
         };
-        let ls: Vec<_> = (0..world)
-            .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
-            .collect();
-        let peers: Vec<String> = ls
-            .iter()
-            .map(|l| l.local_addr().unwrap().to_string())
-            .collect();
+        let (ls, peers) = crate::collective::loopback_peers(world);
         let ring: Vec<_> = ls
             .into_iter()
             .enumerate()
