@@ -40,7 +40,9 @@ pub fn init_tracing(json: bool) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        // No colour codes in a log file or pipe.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     let _ = if json {
         builder.json().try_init()
     } else {

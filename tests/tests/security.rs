@@ -189,6 +189,11 @@ fn serving_metrics_off_loopback_warns_at_startup() {
             http.unwrap()
         );
         assert_eq!(text.contains(&warning), warns, "{metrics}: {text}");
+        // Issue 18: no colour codes when the log is not a terminal.
+        assert!(
+            !text.contains('\u{1b}'),
+            "colour codes in a log file: {text}"
+        );
     }
 }
 
