@@ -26,6 +26,7 @@ mod recovery;
 pub mod render;
 pub mod rollouts;
 pub mod set;
+mod shell;
 pub mod steps;
 pub mod validate;
 pub mod watch;
@@ -206,6 +207,18 @@ pub enum Command {
         /// The job: its id, its job.name (the live one), or a unique id prefix.
         #[arg(value_name = "JOB")]
         job: String,
+    },
+    /// Print a shell completion script (e.g. `accrue completions bash >
+    /// /etc/bash_completion.d/accrue`).
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Write the man pages (`accrue.1` and one per subcommand) into DIR,
+    /// or print the top page.
+    Man {
+        #[arg(long, value_name = "DIR")]
+        out: Option<PathBuf>,
     },
     /// List workers.
     Workers {
@@ -581,6 +594,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Pause { job } => admin::transition(conn, &job, admin::Transition::Pause).await,
         Command::Resume { job } => admin::transition(conn, &job, admin::Transition::Resume).await,
         Command::Workers { json } => admin::workers(conn, json).await,
+        Command::Completions { shell } => shell::completions(shell, &mut std::io::stdout()),
+        Command::Man { out } => shell::man(out.as_deref(), &mut std::io::stdout()),
         Command::Drain { worker } => admin::drain(conn, &worker).await,
         Command::Checkpoint { job } => admin::checkpoint(conn, &job).await,
         Command::Quarantine {
