@@ -170,13 +170,6 @@ pub trait Engine {
 
 /// Replaces `current` with a new generation's collective when the state
 /// fits the new rank and world; the error names both layouts.
-/// Whether every defined tensor of `ts` is finite.
-pub fn all_finite<'a>(ts: impl IntoIterator<Item = &'a tch::Tensor>) -> bool {
-    ts.into_iter()
-        .filter(|t| t.defined())
-        .all(|t| t.isfinite().all().int64_value(&[]) != 0)
-}
-
 pub fn swap_collective(
     current: &mut Box<dyn Collective>,
     new: Box<dyn Collective>,

@@ -4,12 +4,15 @@
 
 pub mod checkpoint;
 pub mod engine;
+pub mod finite;
 pub mod flat;
 pub mod fsdp;
+pub mod memory;
 pub mod optim;
 pub mod source;
 pub mod trainer;
 
 pub use engine::{build, CheckpointWrite, Engine};
 pub use fsdp::FsdpTrainer;
-pub use trainer::{Sharding, StateBytes, StepStats, Trainer};
+pub use memory::StateBytes;
+pub use trainer::{Sharding, StepStats, Trainer};

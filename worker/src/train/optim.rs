@@ -18,6 +18,7 @@
 //! in-place ATen operations torch's foreach implementation runs.
 
 pub mod kernel;
+pub use kernel::StepScalars;
 
 use std::ops::Range;
 
@@ -82,23 +83,6 @@ pub struct AdamW {
     pub step: u64,
     pub exp_avg: Vec<Tensor>,
     pub exp_avg_sq: Vec<Tensor>,
-}
-
-/// The scalars of one step, shared by every buffer it updates.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct StepScalars {
-    pub lr: f64,
-    pub beta1: f64,
-    pub beta2: f64,
-    pub eps: f64,
-    /// `1 − lr·wd` for decaying elements.
-    pub decay_factor: f64,
-    /// `lr / (1 − β1ᵗ)`.
-    pub step_size: f64,
-    /// `√(1 − β2ᵗ)`.
-    pub bias2_sqrt: f64,
-    /// The gradient clip factor (1: none).
-    pub grad_scale: f64,
 }
 
 impl AdamW {

@@ -49,7 +49,6 @@ use super::source::{build_model, frozen};
 use grads::Grads;
 
 pub use grads::BUCKET_ELEMENTS;
-pub use state::{NamedMoments, StateBytes};
 
 /// What an optimizer step reports.
 #[derive(Debug, Clone, Copy, PartialEq)]

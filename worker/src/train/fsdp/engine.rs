@@ -50,7 +50,7 @@ impl Engine for FsdpTrainer {
     }
 
     fn grads_finite(&self) -> bool {
-        crate::train::engine::all_finite(&self.grads)
+        crate::train::finite::all_finite(&self.grads)
     }
 
     fn checkpoint_snapshot(&mut self) -> anyhow::Result<CheckpointWrite> {

@@ -60,9 +60,10 @@ use crate::model::{weights, LlamaConfig, PackedAttention};
 use crate::objective::Objective;
 
 use super::checkpoint::{self, ShardEntry};
+use super::memory::StateBytes;
 use super::optim::{self, AdamW, Segment};
 use super::source::build_model;
-use super::trainer::{StateBytes, StepStats};
+use super::trainer::StepStats;
 use shell::LayerShell;
 use units::UnitLayout;
 

@@ -13,7 +13,22 @@
 
 use tch::{Device, Kind, Tensor};
 
-use super::StepScalars;
+/// The scalars of one step, shared by every buffer it updates.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepScalars {
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    /// `1 − lr·wd` for decaying elements.
+    pub decay_factor: f64,
+    /// `lr / (1 − β1ᵗ)`.
+    pub step_size: f64,
+    /// `√(1 − β2ᵗ)`.
+    pub bias2_sqrt: f64,
+    /// The gradient clip factor (1: none).
+    pub grad_scale: f64,
+}
 
 /// Below this many elements a run is updated on the calling thread.
 const PARALLEL_MIN: usize = 1 << 16;

@@ -71,7 +71,7 @@ impl Engine for Trainer {
     ) -> anyhow::Result<(MicrobatchOutcome, bool)> {
         self.zero_grad();
         let (o, grads) = self.objective_grads(index, batch, meta, norms)?;
-        let finite = o.loss_sum.is_finite() && crate::train::engine::all_finite(&grads);
+        let finite = o.loss_sum.is_finite() && crate::train::finite::all_finite(&grads);
         Ok((o, finite))
     }
 

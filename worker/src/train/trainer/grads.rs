@@ -140,9 +140,9 @@ impl Grads {
                     .filter(|&i| touched[i])
                     .map(|i| acc.narrow(0, layout.offsets[i] as i64, layout.numels[i] as i64))
                     .collect();
-                crate::train::engine::all_finite(&parts)
+                crate::train::finite::all_finite(&parts)
             }
-            Grads::Sharded { shard, .. } => crate::train::engine::all_finite([shard]),
+            Grads::Sharded { shard, .. } => crate::train::finite::all_finite([shard]),
         }
     }
 
