@@ -252,14 +252,12 @@ impl Coordinator {
         job.rec.state = JobState::Running;
         job.rec.reason = String::new();
         job.rec.members = members.clone();
-        let gen = Generation {
-            id: job.rec.generation,
-            members: members.clone(),
-            ready: vec![false; world],
-            step: decision.step,
-            decision: decision.clone(),
+        let gen = Generation::new(
+            job.rec.generation,
+            members.clone(),
+            decision.clone(),
             disk_only,
-        };
+        );
         for (rank, m) in members.iter().enumerate() {
             fx.push(Effect::Send {
                 worker: m.clone(),

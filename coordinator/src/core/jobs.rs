@@ -42,9 +42,33 @@ pub struct Generation {
     /// Formed under "restore from disk" (a state sync had failed): until it
     /// is ready, the next generation must restore from disk too.
     pub disk_only: bool,
+    /// Each member's rank: every result, error and Ready looks its sender
+    /// up, so this is O(log W), not a scan of the members (issue 19).
+    /// Shared: a generation is cloned often and never changes.
+    ranks: Arc<BTreeMap<WorkerId, u32>>,
 }
 
 impl Generation {
+    /// A generation of `members` (rank = position), none ready yet.
+    pub fn new(id: u64, members: Vec<WorkerId>, decision: Decision, disk_only: bool) -> Self {
+        let ranks = Arc::new(
+            members
+                .iter()
+                .enumerate()
+                .map(|(r, m)| (m.clone(), r as u32))
+                .collect(),
+        );
+        Generation {
+            id,
+            ready: vec![false; members.len()],
+            members,
+            step: decision.step,
+            decision,
+            disk_only,
+            ranks,
+        }
+    }
+
     pub fn world_size(&self) -> u32 {
         self.members.len() as u32
     }
@@ -54,10 +78,7 @@ impl Generation {
     }
 
     pub fn rank_of(&self, worker: &str) -> Option<u32> {
-        self.members
-            .iter()
-            .position(|w| w == worker)
-            .map(|r| r as u32)
+        self.ranks.get(worker).copied()
     }
 }
 
