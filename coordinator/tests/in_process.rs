@@ -28,15 +28,22 @@ docs_per_step = 4
     .to_string()
 }
 
-#[tokio::test]
-async fn admin_rpcs_validate_input_and_persist_jobs() {
+type Admin = wire::admin_client::AdminClient<tonic::transport::Channel>;
+
+/// A coordinator on the fixture's directory and an admin client to it:
+/// (dir, spec, server, client, the dir as the submit base).
+async fn admin_on_fixture() -> (tempfile::TempDir, String, common::Running, Admin, String) {
     let dir = tempfile::tempdir().unwrap();
     let spec = write_fixture(dir.path());
     let s = start(&dir.path().join("state")).await;
-    let mut admin = wire::admin_client::AdminClient::connect(s.url.clone())
-        .await
-        .unwrap();
+    let admin = Admin::connect(s.url.clone()).await.unwrap();
     let base = dir.path().display().to_string();
+    (dir, spec, s, admin, base)
+}
+
+#[tokio::test]
+async fn admin_rpcs_validate_input_and_persist_jobs() {
+    let (dir, spec, s, mut admin, base) = admin_on_fixture().await;
 
     // An invalid spec: InvalidArgument listing each field, nothing created.
     let bad = spec
@@ -228,13 +235,7 @@ async fn worker_session_rejects_bad_openings() {
 /// taken over.
 #[tokio::test]
 async fn a_live_jobs_output_dir_is_refused_to_another_and_an_unusable_one_at_submit() {
-    let dir = tempfile::tempdir().unwrap();
-    let spec = write_fixture(dir.path());
-    let s = start(&dir.path().join("state")).await;
-    let mut admin = wire::admin_client::AdminClient::connect(s.url.clone())
-        .await
-        .unwrap();
-    let base = dir.path().display().to_string();
+    let (dir, spec, _s, mut admin, base) = admin_on_fixture().await;
     let submit = |spec_toml: String| wire::SubmitJobRequest {
         spec_toml,
         base_dir: base.clone(),
@@ -353,13 +354,7 @@ async fn a_persisted_job_over_the_limits_fails_at_restore_instead_of_planning() 
 /// spec is refused naming the live job; `new_job` starts another anyway.
 #[tokio::test]
 async fn submitting_twice_returns_the_live_job_and_another_spec_is_refused() {
-    let dir = tempfile::tempdir().unwrap();
-    let spec = write_fixture(dir.path());
-    let s = start(&dir.path().join("state")).await;
-    let mut admin = wire::admin_client::AdminClient::connect(s.url.clone())
-        .await
-        .unwrap();
-    let base = dir.path().display().to_string();
+    let (_dir, spec, _s, mut admin, base) = admin_on_fixture().await;
     let submit = |spec_toml: String, new_job: bool| wire::SubmitJobRequest {
         spec_toml,
         base_dir: base.clone(),
