@@ -224,7 +224,7 @@ pub async fn fake_worker(url: String, max_steps: Option<usize>) -> anyhow::Resul
                 .await?;
             }
             In::Abort(_) => {}
-            In::PublishPolicy(_) => {}
+            In::PublishPolicy(_) | In::GeneratePlan(_) => {}
             In::Release(_) => {
                 report.released = true;
                 break;
