@@ -64,9 +64,9 @@ async fn metrics_endpoint_shows_committed_steps_and_workers() {
     ));
 
     // Step 1 committed and checkpointed, step 2 dispatched and held.
-    let age = format!("accrue_checkpoint_age_seconds{{job=\"{job}\"}}");
+    let age = format!("accrue_checkpoint_age_seconds{{job_id=\"{job}\"}}");
     let text = scrape_until(metrics, &age).await;
-    let of = |name: &str| sample(&text, &format!("{name}{{job=\"{job}\"}}"));
+    let of = |name: &str| sample(&text, &format!("{name}{{job_id=\"{job}\"}}"));
     let seconds = of("accrue_checkpoint_age_seconds").unwrap();
     assert!((0.0..60.0).contains(&seconds), "checkpoint age {seconds}");
     assert_eq!(of("accrue_checkpoint_step"), Some(1.0), "{text}");
@@ -91,8 +91,18 @@ async fn metrics_endpoint_shows_committed_steps_and_workers() {
         "{text}"
     );
     assert_eq!(sample(&text, "accrue_jobs{state=\"running\"}"), Some(1.0));
+    // Step 2 is held: the job's progress age grows across scrapes (what
+    // the "no committed step" alert reads).
+    let progress = format!("accrue_job_progress_age_seconds{{job_id=\"{job}\"}}");
+    let before = sample(&text, &progress).expect("progress age of a running job");
+    tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+    let later = sample(&scrape_until(metrics, &progress).await, &progress).unwrap();
+    assert!(
+        later >= before + 1.0,
+        "progress age {before} then {later} while step 2 is held"
+    );
     assert_eq!(sample(&text, "accrue_workers{state=\"active\"}"), Some(1.0));
-    let compute = format!("accrue_rank_seconds_total{{job=\"{job}\",phase=\"compute\"}}");
+    let compute = format!("accrue_rank_seconds_total{{job_id=\"{job}\",phase=\"compute\"}}");
     assert_eq!(sample(&text, &compute), Some(0.5), "{text}");
     for (family, kind) in [
         ("accrue_steps_committed_total", "counter"),
@@ -121,11 +131,11 @@ async fn metrics_endpoint_shows_committed_steps_and_workers() {
     let text = get(metrics, "/metrics").await;
     assert!(text.starts_with("HTTP/1.1 200 OK"), "{text}");
     for line in [
-        format!("accrue_steps_committed_total{{job=\"{job}\"}} 2"),
-        format!("accrue_tokens_total{{job=\"{job}\"}} 56"),
-        format!("accrue_step_duration_seconds_count{{job=\"{job}\"}} 2"),
-        format!("accrue_loss{{job=\"{job}\"}} 2"),
-        format!("accrue_job_generation{{job=\"{job}\"}} 1"),
+        format!("accrue_steps_committed_total{{job_id=\"{job}\"}} 2"),
+        format!("accrue_tokens_total{{job_id=\"{job}\"}} 56"),
+        format!("accrue_step_duration_seconds_count{{job_id=\"{job}\"}} 2"),
+        format!("accrue_loss{{job_id=\"{job}\"}} 2"),
+        format!("accrue_job_generation{{job_id=\"{job}\"}} 1"),
         "accrue_workers{state=\"active\"} 0".to_string(),
         "accrue_jobs{state=\"completed\"} 1".to_string(),
     ] {
@@ -138,7 +148,12 @@ async fn metrics_endpoint_shows_committed_steps_and_workers() {
     assert!(sample(&text, &age).is_none(), "{text}");
     // (The final checkpoint may still be pending: the worker was released.)
     assert!(
-        sample(&text, &format!("accrue_checkpoints_total{{job=\"{job}\"}}")).unwrap() >= 1.0,
+        sample(
+            &text,
+            &format!("accrue_checkpoints_total{{job_id=\"{job}\"}}")
+        )
+        .unwrap()
+            >= 1.0,
         "{text}"
     );
     // The released worker is idle or, once its session closed, lost: one in all.
@@ -151,7 +166,7 @@ async fn metrics_endpoint_shows_committed_steps_and_workers() {
     for name in ["accrue_step_time_seconds", "accrue_tokens_per_second"] {
         assert!(
             text.lines()
-                .any(|l| l.starts_with(&format!("{name}{{job=\"{job}\"}} "))),
+                .any(|l| l.starts_with(&format!("{name}{{job_id=\"{job}\"}} "))),
             "{name} missing from:\n{text}"
         );
     }
@@ -182,7 +197,7 @@ async fn a_lost_worker_counts_one_aborted_step_by_reason() {
     .expect("the second worker is released when the job completes");
 
     let text = get(metrics, "/metrics").await;
-    let lost = format!("accrue_step_aborts_total{{job=\"{job}\",reason=\"worker_lost\"}}");
+    let lost = format!("accrue_step_aborts_total{{job_id=\"{job}\",reason=\"worker_lost\"}}");
     assert_eq!(sample(&text, &lost), Some(1.0), "{text}");
     assert_eq!(
         text.lines()
@@ -192,7 +207,7 @@ async fn a_lost_worker_counts_one_aborted_step_by_reason() {
         "one abort, one reason:\n{text}"
     );
     assert!(text.contains("# TYPE accrue_step_aborts_total counter"));
-    let of = |name: &str| sample(&text, &format!("{name}{{job=\"{job}\"}}"));
+    let of = |name: &str| sample(&text, &format!("{name}{{job_id=\"{job}\"}}"));
     assert_eq!(of("accrue_job_generation"), Some(2.0), "{text}");
     assert_eq!(of("accrue_plans_dispatched_total"), Some(2.0), "{text}");
     assert_eq!(of("accrue_steps_committed_total"), Some(1.0), "{text}");

@@ -445,3 +445,414 @@ fn dockerfiles_pin_their_bases_run_as_non_root_and_ship_the_workspace_binaries()
         );
     }
 }
+
+/// A copy of deploy/k8s in a temp dir (to render a changed parameter or
+/// an extra component without touching the repository).
+fn copy_k8s() -> tempfile::TempDir {
+    fn copy(from: &Path, to: &Path) {
+        std::fs::create_dir_all(to).unwrap();
+        for e in std::fs::read_dir(from).unwrap() {
+            let e = e.unwrap();
+            let target = to.join(e.file_name());
+            if e.file_type().unwrap().is_dir() {
+                copy(&e.path(), &target);
+            } else {
+                std::fs::copy(e.path(), &target).unwrap();
+            }
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    copy(&root().join("deploy/k8s"), &dir.path().join("k8s"));
+    dir
+}
+
+/// Every overlay, plus the cpu-dev overlay with the loader component
+/// (opt-in, so no overlay includes it).
+fn rendered_everything() -> Vec<(String, Vec<Value>)> {
+    let mut out: Vec<(String, Vec<Value>)> = overlays()
+        .into_iter()
+        .map(|(name, dir)| (name, render(&dir)))
+        .collect();
+    let copy = copy_k8s();
+    let with_loader = copy.path().join("k8s/overlays/with-loader");
+    std::fs::create_dir_all(&with_loader).unwrap();
+    std::fs::write(
+        with_loader.join("kustomization.yaml"),
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n\
+         resources:\n  - ../cpu-dev\ncomponents:\n  - ../../components/loader\n",
+    )
+    .unwrap();
+    out.push(("with-loader".into(), render(&with_loader)));
+    out
+}
+
+/// Pod Security Standards "restricted" (v1.35), the checks that apply to
+/// what we ship: non-root, RuntimeDefault seccomp, no privilege escalation,
+/// every capability dropped, no host namespaces, ports or paths. A pod-level
+/// setting counts for every container, as the admission controller reads it.
+#[test]
+fn every_pod_passes_pod_security_restricted() {
+    let mut bad = Vec::new();
+    for (overlay, docs) in rendered_everything() {
+        for d in docs
+            .iter()
+            .filter(|d| !d["spec"]["template"]["spec"].is_null())
+        {
+            let pod = &d["spec"]["template"]["spec"];
+            let at = format!("{overlay}: {}", object_name(d));
+            for host in ["hostNetwork", "hostPID", "hostIPC"] {
+                if pod[host] == true {
+                    bad.push(format!("{at}: {host}"));
+                }
+            }
+            if array(&pod["volumes"]).any(|v| !v["hostPath"].is_null()) {
+                bad.push(format!("{at}: a hostPath volume"));
+            }
+            let psc = &pod["securityContext"];
+            for c in array(&pod["initContainers"]).chain(array(&pod["containers"])) {
+                let name = c["name"].as_str().unwrap_or("?");
+                let csc = &c["securityContext"];
+                let either = |key: &str| {
+                    if csc[key].is_null() {
+                        psc[key].clone()
+                    } else {
+                        csc[key].clone()
+                    }
+                };
+                if either("runAsNonRoot") != true {
+                    bad.push(format!("{at}/{name}: runAsNonRoot is not true"));
+                }
+                if either("runAsUser") == 0 {
+                    bad.push(format!("{at}/{name}: runs as uid 0"));
+                }
+                if either("seccompProfile")["type"] != "RuntimeDefault" {
+                    bad.push(format!("{at}/{name}: seccompProfile is not RuntimeDefault"));
+                }
+                if csc["allowPrivilegeEscalation"] != false {
+                    bad.push(format!(
+                        "{at}/{name}: allowPrivilegeEscalation is not false"
+                    ));
+                }
+                if csc["privileged"] == true {
+                    bad.push(format!("{at}/{name}: privileged"));
+                }
+                if !array(&csc["capabilities"]["drop"]).any(|c| c == "ALL") {
+                    bad.push(format!("{at}/{name}: capabilities.drop lacks ALL"));
+                }
+                if array(&csc["capabilities"]["add"]).any(|c| c != "NET_BIND_SERVICE") {
+                    bad.push(format!("{at}/{name}: adds capabilities"));
+                }
+                if array(&c["ports"]).any(|p| !p["hostPort"].is_null()) {
+                    bad.push(format!("{at}/{name}: a hostPort"));
+                }
+            }
+        }
+    }
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
+
+/// OpenShift's restricted SCC gives each pod a random uid from the
+/// namespace's range and refuses fixed ones: the openshift overlay has
+/// none, and keeps the rest of the gpu overlay.
+#[test]
+fn the_openshift_overlay_asks_for_no_fixed_uid_or_group() {
+    let dir = root().join("deploy/k8s/overlays/openshift");
+    let docs = render(&dir);
+    let gpu = render(&root().join("deploy/k8s/overlays/gpu"));
+    assert_eq!(
+        docs.iter().map(object_name).collect::<BTreeSet<_>>(),
+        gpu.iter().map(object_name).collect::<BTreeSet<_>>(),
+        "openshift renders the gpu overlay's objects"
+    );
+    let text = serde_json::to_string(&docs).unwrap();
+    for key in ["runAsUser", "runAsGroup", "\"fsGroup\""] {
+        assert!(!text.contains(key), "openshift: {key} is set");
+    }
+    for d in docs
+        .iter()
+        .filter(|d| !d["spec"]["template"]["spec"].is_null())
+    {
+        assert_eq!(
+            d["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"],
+            true,
+            "{}",
+            object_name(d)
+        );
+    }
+}
+
+/// The shared volume's storage class comes from the overlay's params.env:
+/// what the file says is what renders, and changing the one line changes
+/// it. Pods that mount it re-own it only on a root mismatch.
+#[test]
+fn the_shared_volume_storage_class_is_a_parameter() {
+    for (name, dir) in overlays() {
+        let docs = render(&dir);
+        let params = std::fs::read_to_string(dir.join("params.env"))
+            .or_else(|_| std::fs::read_to_string(dir.join("../gpu/params.env")))
+            .unwrap_or_else(|e| panic!("{name}: params.env: {e}"));
+        let want = params
+            .lines()
+            .find_map(|l| l.strip_prefix("shared_storage_class="))
+            .unwrap_or_else(|| panic!("{name}: params.env sets no shared_storage_class"));
+        let pvc = find(&docs, "PersistentVolumeClaim/accrue-shared");
+        assert_eq!(pvc["spec"]["storageClassName"], want, "{name}");
+        for d in docs
+            .iter()
+            .filter(|d| !d["spec"]["template"]["spec"].is_null())
+        {
+            let pod = &d["spec"]["template"]["spec"];
+            let mounts_shared = array(&pod["volumes"])
+                .any(|v| v["persistentVolumeClaim"]["claimName"] == "accrue-shared");
+            if mounts_shared {
+                assert_eq!(
+                    pod["securityContext"]["fsGroupChangePolicy"],
+                    "OnRootMismatch",
+                    "{name}: {}",
+                    object_name(d)
+                );
+            }
+        }
+    }
+    let copy = copy_k8s();
+    let params = copy.path().join("k8s/overlays/cpu-dev/params.env");
+    std::fs::write(&params, "shared_storage_class=fast-rwx\n").unwrap();
+    let docs = render(&copy.path().join("k8s/overlays/cpu-dev"));
+    assert_eq!(
+        find(&docs, "PersistentVolumeClaim/accrue-shared")["spec"]["storageClassName"],
+        "fast-rwx"
+    );
+}
+
+/// Metric names (`accrue_…`) a PromQL expression uses.
+fn metric_names(expr: &str) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    let mut rest = expr;
+    while let Some(i) = rest.find("accrue_") {
+        let tail = &rest[i..];
+        let end = tail
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .unwrap_or(tail.len());
+        out.insert(tail[..end].to_string());
+        rest = &tail[end..];
+    }
+    out
+}
+
+/// The names the exporters register (string literals in their code).
+fn exported_names() -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    for file in ["coordinator/src/metrics/mod.rs", "worker/src/metrics.rs"] {
+        let text = std::fs::read_to_string(root().join(file)).unwrap();
+        for part in text.split('"').skip(1).step_by(2) {
+            if part.starts_with("accrue_") && !part.contains(['{', ' ']) {
+                out.insert(part.to_string());
+            }
+        }
+    }
+    out
+}
+
+/// A series name of an exported family: the family itself or a
+/// histogram's _bucket/_sum/_count.
+fn is_exported(name: &str, exported: &BTreeSet<String>) -> bool {
+    exported.contains(name)
+        || ["_bucket", "_sum", "_count"]
+            .iter()
+            .any(|s| name.strip_suffix(s).is_some_and(|b| exported.contains(b)))
+}
+
+/// Monitoring: the workers' metrics port is in a Service; the PodMonitor
+/// scrapes a port named `metrics` that every Accrue pod serving metrics
+/// declares; the alerts (no committed step, worker lost, checkpoint
+/// failing) and every dashboard query name metrics the exporters really
+/// export and select by `job_id` (Prometheus overwrites a `job` label).
+#[test]
+fn monitoring_scrapes_every_pod_and_alerts_on_real_metrics_by_job_id() {
+    let exported = exported_names();
+    assert!(
+        exported.contains("accrue_steps_committed_total"),
+        "{exported:?}"
+    );
+    let code = std::fs::read_to_string(root().join("coordinator/src/metrics/mod.rs")).unwrap();
+    assert!(
+        !code.contains("&[\"job\"") && !code.contains("[\"job\","),
+        "a coordinator metric is labelled `job`"
+    );
+    let docs = render(&root().join("deploy/k8s/overlays/gpu"));
+    let svc = find(&docs, "Service/accrue-worker");
+    assert!(
+        array(&svc["spec"]["ports"]).any(|p| p["targetPort"] == "metrics"),
+        "the workers' metrics port is not in a Service"
+    );
+    let monitor = find(&docs, "PodMonitor/accrue");
+    let selector = &monitor["spec"]["selector"]["matchLabels"];
+    let ports: BTreeSet<&str> = array(&monitor["spec"]["podMetricsEndpoints"])
+        .filter_map(|e| e["port"].as_str())
+        .collect();
+    for object in ["Deployment/accrue-worker", "StatefulSet/accrue-coordinator"] {
+        let d = find(&docs, object);
+        let labels = &d["spec"]["template"]["metadata"]["labels"];
+        for (k, v) in selector.as_object().unwrap() {
+            assert_eq!(&labels[k], v, "{object} is not selected by the PodMonitor");
+        }
+        let declared: BTreeSet<&str> = array(&d["spec"]["template"]["spec"]["containers"])
+            .flat_map(|c| array(&c["ports"]))
+            .filter_map(|p| p["name"].as_str())
+            .filter(|n| n.starts_with("metrics"))
+            .collect();
+        assert!(
+            declared.contains("metrics"),
+            "{object}: no port named metrics"
+        );
+        for p in &declared {
+            assert!(ports.contains(p), "{object}: port {p} is not scraped");
+        }
+    }
+    let rules = find(&docs, "PrometheusRule/accrue");
+    let mut alerts = BTreeSet::new();
+    let mut exprs = Vec::new();
+    for g in array(&rules["spec"]["groups"]) {
+        for r in array(&g["rules"]) {
+            alerts.insert(r["alert"].as_str().unwrap_or("").to_string());
+            exprs.push(r["expr"].as_str().unwrap().to_string());
+        }
+    }
+    for want in [
+        "AccrueNoCommittedStep",
+        "AccrueWorkerLost",
+        "AccrueCheckpointFailing",
+    ] {
+        assert!(alerts.contains(want), "alert {want} missing: {alerts:?}");
+    }
+    let dashboard = find(&docs, "ConfigMap/accrue-dashboard");
+    assert_eq!(dashboard["metadata"]["labels"]["grafana_dashboard"], "1");
+    let json: Value =
+        serde_json::from_str(dashboard["data"]["accrue-dashboard.json"].as_str().unwrap())
+            .expect("the dashboard is JSON");
+    let panels: Vec<&Value> = array(&json["panels"]).collect();
+    assert!(panels.len() >= 8, "{} panels", panels.len());
+    for p in &panels {
+        let targets: Vec<&Value> = array(&p["targets"]).collect();
+        assert!(!targets.is_empty(), "panel {} has no query", p["title"]);
+        exprs.extend(
+            targets
+                .iter()
+                .map(|t| t["expr"].as_str().unwrap().to_string()),
+        );
+    }
+    for e in &exprs {
+        let names = metric_names(e);
+        assert!(!names.is_empty(), "{e}: names no accrue metric");
+        for n in names {
+            assert!(is_exported(&n, &exported), "{e}: {n} is not exported");
+        }
+        assert!(
+            !e.contains("job=") && !e.contains("by (job)") && !e.contains("job,"),
+            "{e}: selects by `job`, not `job_id`"
+        );
+    }
+}
+
+/// GPUs are released when no job needs them: in the gpu overlay a Job
+/// follows the demo job (by its job.name, exit 0 on any end) and then
+/// scales the worker Deployment to zero, with RBAC allowing exactly that.
+#[test]
+fn the_gpu_overlay_scales_the_workers_to_zero_when_the_job_ends() {
+    let docs = render(&root().join("deploy/k8s/overlays/gpu"));
+    let job = find(&docs, "Job/accrue-release");
+    let pod = &job["spec"]["template"]["spec"];
+    let wait = array(&pod["initContainers"]).next().expect("a wait step");
+    let args: Vec<&str> = array(&wait["args"]).filter_map(Value::as_str).collect();
+    let spec = std::fs::read_to_string(root().join("deploy/k8s/base/job.toml")).unwrap();
+    let name = spec
+        .lines()
+        .find_map(|l| l.strip_prefix("name = "))
+        .unwrap()
+        .trim_matches('"');
+    assert_eq!(&args[..2], ["watch", name], "{args:?}");
+    assert!(args.contains(&"--exit-zero"), "{args:?}");
+    let scale = array(&pod["containers"]).next().unwrap();
+    let cmd: Vec<&str> = array(&scale["command"])
+        .chain(array(&scale["args"]))
+        .filter_map(Value::as_str)
+        .collect();
+    assert_eq!(
+        cmd,
+        [
+            "kubectl",
+            "scale",
+            "deployment/accrue-worker",
+            "--replicas=0"
+        ]
+    );
+    let sa = pod["serviceAccountName"].as_str().unwrap();
+    let binding = find(&docs, &format!("RoleBinding/{sa}"));
+    assert!(array(&binding["subjects"]).any(|s| s["name"] == sa));
+    let role = find(
+        &docs,
+        &format!("Role/{}", binding["roleRef"]["name"].as_str().unwrap()),
+    );
+    assert!(array(&role["rules"]).any(|r| {
+        array(&r["resources"]).any(|x| x == "deployments/scale")
+            && array(&r["verbs"]).any(|v| v == "patch")
+            && array(&r["resourceNames"]).any(|n| n == "accrue-worker")
+    }));
+}
+
+/// Workers are disrupted one at a time and rank below the coordinator.
+#[test]
+fn workers_have_a_disruption_budget_and_rank_below_the_coordinator() {
+    for (name, dir) in overlays() {
+        let docs = render(&dir);
+        let pdb = find(&docs, "PodDisruptionBudget/accrue-worker");
+        assert_eq!(pdb["spec"]["maxUnavailable"], 1, "{name}");
+        let workers = find(&docs, "Deployment/accrue-worker");
+        assert_eq!(
+            pdb["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"],
+            workers["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"],
+            "{name}: the budget selects the workers"
+        );
+        let priority = |object: &str| -> i64 {
+            let d = find(&docs, object);
+            let class = d["spec"]["template"]["spec"]["priorityClassName"]
+                .as_str()
+                .unwrap_or_else(|| panic!("{name}: {object} has no priority class"));
+            find(&docs, &format!("PriorityClass/{class}"))["value"]
+                .as_i64()
+                .unwrap()
+        };
+        assert!(
+            priority("StatefulSet/accrue-coordinator") > priority("Deployment/accrue-worker"),
+            "{name}"
+        );
+    }
+}
+
+/// The loader component (a model or dataset from the Hub onto the shared
+/// volume) renders into a valid overlay, writes under /shared and reads
+/// its token from an optional Secret.
+#[test]
+fn the_loader_component_downloads_onto_the_shared_volume() {
+    let (_, docs) = rendered_everything()
+        .into_iter()
+        .find(|(n, _)| n == "with-loader")
+        .unwrap();
+    let problems = check(&docs, &RealHelp::default());
+    assert!(problems.is_empty(), "{problems:?}");
+    let job = find(&docs, "Job/accrue-loader");
+    let pod = &job["spec"]["template"]["spec"];
+    let c = array(&pod["containers"]).next().unwrap();
+    assert!(mounts(pod, c).contains(&("/shared".to_string(), "pvc:accrue-shared".to_string())));
+    let env: BTreeMap<&str, &Value> = array(&c["env"])
+        .map(|e| (e["name"].as_str().unwrap(), e))
+        .collect();
+    assert!(env["DEST"]["value"]
+        .as_str()
+        .unwrap()
+        .starts_with("/shared/"));
+    assert_eq!(
+        env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["optional"],
+        true
+    );
+}

@@ -311,6 +311,11 @@ pub enum Command {
         /// Print every step and event as a JSON line instead of a progress bar.
         #[arg(long)]
         json: bool,
+        /// Exit 0 whenever the job ends, completed or not (for a clean-up
+        /// step that must run after any end, e.g. scaling workers to zero).
+        /// Errors (an unknown job, an unreachable coordinator) still exit 1.
+        #[arg(long)]
+        exit_zero: bool,
     },
     /// Draw a job's training curves (loss, tokens/s, grad norm, learning
     /// rate against step) from its metrics.jsonl into a PNG.
@@ -615,7 +620,11 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             job,
             from_step,
             json,
-        } => watch::run(conn, &job, from_step, json).await,
+            exit_zero,
+        } => {
+            let code = watch::run(conn, &job, from_step, json).await?;
+            Ok(if exit_zero { ExitCode::SUCCESS } else { code })
+        }
         Command::Steps {
             job,
             from,
@@ -814,7 +823,7 @@ mod tests {
         let cli = parse(&["watch", "j1", "--from-step", "5"]).unwrap();
         assert!(matches!(
             cli.command,
-            Command::Watch { ref job, from_step: 5, json: false } if job == "j1"
+            Command::Watch { ref job, from_step: 5, json: false, .. } if job == "j1"
         ));
         let cli = parse(&["data", "synth", "--task", "arithmetic", "--out", "o"]).unwrap();
         let Command::Data {

@@ -77,6 +77,7 @@ pub struct Exporter {
     checkpoints: IntCounterVec,
     checkpoint_step: IntGaugeVec,
     checkpoint_age: GaugeVec,
+    progress_age: GaugeVec,
     checkpoints_pending: IntGaugeVec,
     // Streamed rollouts.
     rollouts_admitted: IntCounterVec,
@@ -93,6 +94,8 @@ pub struct Exporter {
     /// Per job: (checkpoint step, unix ms it became complete), as seen by
     /// this process or, after a restart, the checkpoint directory's mtime.
     checkpoint_times: Mutex<HashMap<String, (u64, Option<i64>)>>,
+    /// Per job: the last step seen at a scrape and when it was first seen.
+    progress_times: Mutex<HashMap<String, (u64, i64)>>,
 }
 
 impl Default for Exporter {
@@ -130,7 +133,7 @@ impl Builder {
 
     fn histogram(&mut self, name: &str, help: &str, buckets: &[f64]) -> HistogramVec {
         let opts = HistogramOpts::new(name, help).buckets(buckets.to_vec());
-        self.add(HistogramVec::new(opts, &["job"]).expect("valid metric"))
+        self.add(HistogramVec::new(opts, &["job_id"]).expect("valid metric"))
     }
 }
 
@@ -140,7 +143,7 @@ impl Exporter {
             registry: Registry::new(),
             families: 0,
         };
-        let job = &["job"];
+        let job = &["job_id"];
         let steps = b.counter(
             "accrue_steps_committed_total",
             "Steps committed (cursor moved, metrics written)",
@@ -162,7 +165,7 @@ impl Exporter {
                     "accrue_rank_seconds_total",
                     "Rank time of committed steps by phase (compute, collective, optimizer, idle), summed over ranks",
                 ),
-                &["job", "phase"],
+                &["job_id", "phase"],
             )
             .expect("valid metric"),
         );
@@ -189,7 +192,7 @@ impl Exporter {
         let gpu_memory = b.gauge(
             "accrue_gpu_memory_peak_bytes",
             "Largest per-rank peak GPU memory of the last committed step, by kind = allocated (tensors) or reserved (device memory in use); absent on CPU",
-            &["job", "kind"],
+            &["job_id", "kind"],
         );
         let padding = b.gauge(
             "accrue_padding_ratio",
@@ -204,22 +207,22 @@ impl Exporter {
         let source_loss = b.gauge(
             "accrue_source_loss",
             "Loss of each source's documents in the last committed step of a mixture",
-            &["job", "source"],
+            &["job_id", "source"],
         );
         let source_tokens = b.counter(
             "accrue_source_tokens_total",
             "Tokens trained per source of a mixture",
-            &["job", "source"],
+            &["job_id", "source"],
         );
         let source_documents = b.counter(
             "accrue_source_documents_total",
             "Documents trained per source of a mixture",
-            &["job", "source"],
+            &["job_id", "source"],
         );
         let eval_loss = b.gauge(
             "accrue_eval_loss",
             "Loss of the last evaluation, per eval source and over all (source=\"all\")",
-            &["job", "source"],
+            &["job_id", "source"],
         );
         let grad_norm = b.gauge(
             "accrue_grad_norm",
@@ -257,7 +260,7 @@ impl Exporter {
         let aborts = b.counter(
             "accrue_step_aborts_total",
             "In-flight steps aborted (re-planned with the same documents, or ended with the job), by reason",
-            &["job", "reason"],
+            &["job_id", "reason"],
         );
         let checkpoints = b.counter(
             "accrue_checkpoints_total",
@@ -267,6 +270,12 @@ impl Exporter {
         let checkpoint_step = b.int_gauge(
             "accrue_checkpoint_step",
             "Step of the job's newest complete checkpoint (absent when it has none)",
+            job,
+        );
+        let progress_age = b.gauge(
+            "accrue_job_progress_age_seconds",
+            "Seconds since a running job's step last advanced, as seen at scrapes (absent unless \
+             the job is running)",
             job,
         );
         let checkpoint_age = b.gauge(
@@ -288,7 +297,7 @@ impl Exporter {
         let rollouts_rejected = b.counter(
             "accrue_rollouts_dropped_total",
             "Pushed rollouts not trained on, by reason (stale policy, zero reward variance group)",
-            &["job", "reason"],
+            &["job_id", "reason"],
         );
         let rollouts_queued = b.int_gauge(
             "accrue_rollout_queue_rollouts",
@@ -355,6 +364,7 @@ impl Exporter {
             checkpoints,
             checkpoint_step,
             checkpoint_age,
+            progress_age,
             checkpoints_pending,
             rollouts_admitted,
             rollouts_rejected,
@@ -367,6 +377,7 @@ impl Exporter {
             generation,
             quarantined,
             checkpoint_times: Mutex::new(HashMap::new()),
+            progress_times: Mutex::new(HashMap::new()),
         }
     }
 }

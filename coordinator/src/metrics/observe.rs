@@ -136,8 +136,24 @@ impl Exporter {
             self.jobs.with_label_values(&[state.name()]).set(n as i64);
         }
         let mut times = lock(&self.checkpoint_times);
+        let mut progress = lock(&self.progress_times);
         for j in core.jobs() {
             let id = j.rec.id.as_str();
+            // The alert "no committed step for N minutes" reads this; a
+            // paused, pending or ended job is not expected to advance.
+            let seen = progress
+                .entry(id.to_string())
+                .or_insert((j.rec.step, now_ms));
+            if seen.0 != j.rec.step {
+                *seen = (j.rec.step, now_ms);
+            }
+            if j.rec.state == JobState::Running {
+                self.progress_age
+                    .with_label_values(&[id])
+                    .set((now_ms - seen.1).max(0) as f64 / 1000.0);
+            } else {
+                drop(self.progress_age.remove_label_values(&[id]));
+            }
             self.generation
                 .with_label_values(&[id])
                 .set(j.rec.generation as i64);

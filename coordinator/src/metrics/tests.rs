@@ -53,6 +53,7 @@ fn populated() -> Exporter {
         g.with_label_values(&["j"]).set(1);
     }
     e.checkpoint_age.with_label_values(&["j"]).set(4.0);
+    e.progress_age.with_label_values(&["j"]).set(4.0);
     e.gpu_memory.with_label_values(&["j", "allocated"]).set(1.0);
     e
 }
@@ -101,7 +102,7 @@ fn every_family_follows_the_prometheus_naming_conventions() {
                 // `source`: a mixture's sources, declared in the spec (a dozen,
                 // not one per document).
                 assert!(
-                    ["job", "state", "reason", "phase", "source", "kind"].contains(&l.name()),
+                    ["job_id", "state", "reason", "phase", "source", "kind"].contains(&l.name()),
                     "{name}: label {} is not one of the low-cardinality ones",
                     l.name()
                 );
@@ -125,19 +126,19 @@ fn a_committed_step_moves_the_counters_and_the_histogram() {
     );
     let text = e.render();
     for line in [
-        "accrue_tokens_total{job=\"j\"} 150",
-        "accrue_documents_total{job=\"j\"} 6",
-        "accrue_steps_committed_total{job=\"j\"} 2",
-        "accrue_step_duration_seconds_count{job=\"j\"} 2",
-        "accrue_step_duration_seconds_sum{job=\"j\"} 2.2",
-        "accrue_rank_seconds_total{job=\"j\",phase=\"compute\"} 2",
-        "accrue_rank_seconds_total{job=\"j\",phase=\"idle\"} 0.5",
-        "accrue_step_aborts_total{job=\"j\",reason=\"worker_lost\"} 1",
-        "accrue_rollouts_admitted_total{job=\"j\"} 8",
-        "accrue_rollouts_dropped_total{job=\"j\",reason=\"stale\"} 2",
-        "accrue_rollouts_dropped_total{job=\"j\",reason=\"zero_variance\"} 4",
-        "accrue_plan_duration_seconds_count{job=\"j\"} 1",
-        "accrue_checkpoints_total{job=\"j\"} 1",
+        "accrue_tokens_total{job_id=\"j\"} 150",
+        "accrue_documents_total{job_id=\"j\"} 6",
+        "accrue_steps_committed_total{job_id=\"j\"} 2",
+        "accrue_step_duration_seconds_count{job_id=\"j\"} 2",
+        "accrue_step_duration_seconds_sum{job_id=\"j\"} 2.2",
+        "accrue_rank_seconds_total{job_id=\"j\",phase=\"compute\"} 2",
+        "accrue_rank_seconds_total{job_id=\"j\",phase=\"idle\"} 0.5",
+        "accrue_step_aborts_total{job_id=\"j\",reason=\"worker_lost\"} 1",
+        "accrue_rollouts_admitted_total{job_id=\"j\"} 8",
+        "accrue_rollouts_dropped_total{job_id=\"j\",reason=\"stale\"} 2",
+        "accrue_rollouts_dropped_total{job_id=\"j\",reason=\"zero_variance\"} 4",
+        "accrue_plan_duration_seconds_count{job_id=\"j\"} 1",
+        "accrue_checkpoints_total{job_id=\"j\"} 1",
         "accrue_rollout_pushes_waiting 1",
         "accrue_worker_heartbeat_age_max_seconds 0",
         "accrue_jobs{state=\"running\"} 0",

@@ -3,7 +3,9 @@
 //! ignores fields a type does not know, so whatever the round trip drops
 //! is a field the schema does not have (a typo, a wrong indentation level).
 
-use k8s_openapi::api::{apps, batch, core};
+use k8s_openapi::api::{apps, batch, core, policy, rbac, scheduling};
+
+use super::crd;
 use serde::de::DeserializeOwned;
 use serde::Deserialize as _;
 use serde::Serialize;
@@ -39,6 +41,14 @@ pub fn roundtrip_dropped(doc: &Value) -> Result<Vec<(String, String)>, String> {
         ("v1", "Secret") => roundtrip::<core::v1::Secret>(doc),
         ("v1", "PersistentVolumeClaim") => roundtrip::<core::v1::PersistentVolumeClaim>(doc),
         ("v1", "ServiceAccount") => roundtrip::<core::v1::ServiceAccount>(doc),
+        ("policy/v1", "PodDisruptionBudget") => roundtrip::<policy::v1::PodDisruptionBudget>(doc),
+        ("scheduling.k8s.io/v1", "PriorityClass") => {
+            roundtrip::<scheduling::v1::PriorityClass>(doc)
+        }
+        ("rbac.authorization.k8s.io/v1", "Role") => roundtrip::<rbac::v1::Role>(doc),
+        ("rbac.authorization.k8s.io/v1", "RoleBinding") => roundtrip::<rbac::v1::RoleBinding>(doc),
+        ("monitoring.coreos.com/v1", "PodMonitor") => roundtrip::<crd::PodMonitor>(doc),
+        ("monitoring.coreos.com/v1", "PrometheusRule") => roundtrip::<crd::PrometheusRule>(doc),
         _ => Err(format!(
             "no schema known for apiVersion {api:?} kind {kind:?}"
         )),
