@@ -3,13 +3,12 @@
 
 use std::process::ExitCode;
 
-use accrue_coordinator::cli::{self, Cli};
-use clap::Parser;
+use accrue_coordinator::cli;
 use tracing_subscriber::EnvFilter;
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(
             EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn")),

@@ -46,8 +46,11 @@ pub struct Cli {
     pub command: Command,
 }
 
-/// How to reach the coordinator (global flags, valid on every subcommand).
+/// How to reach the coordinator (global flags, valid on every subcommand;
+/// shown under their own heading, and hidden from the help of the
+/// [`OFFLINE`] commands).
 #[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Connection")]
 pub struct Conn {
     /// Address of the coordinator's admin API (http://host:port).
     #[arg(
@@ -106,6 +109,43 @@ pub struct Conn {
     pub max_message_mb: usize,
 }
 
+/// Subcommands that never talk to a coordinator (`local` runs its own).
+pub const OFFLINE: [&str; 7] = [
+    "validate",
+    "export",
+    "bench",
+    "data",
+    "local",
+    "completions",
+    "man",
+];
+
+/// The CLI's definition as `accrue` parses it: [`Cli`] with the connection
+/// flags hidden from the offline commands' help (they stay accepted, as
+/// global flags are, so scripts that always pass them keep working).
+pub fn command() -> clap::Command {
+    use clap::CommandFactory as _;
+    let mut cmd = Cli::command();
+    // A subcommand's own argument shadows a global one of the same id, so
+    // hidden local copies keep the flags accepted but out of the help.
+    let conn: Vec<clap::Arg> = Conn::augment_args(clap::Command::new("conn"))
+        .get_arguments()
+        .map(|a| a.clone().global(false).hide(true))
+        .collect();
+    for name in OFFLINE {
+        cmd = cmd.mut_subcommand(name, |sub| sub.args(conn.iter().cloned()));
+    }
+    cmd
+}
+
+/// Parses the process's arguments with [`command`] (exits on an error or
+/// `--help`, as clap does).
+pub fn parse() -> Cli {
+    use clap::FromArgMatches as _;
+    let matches = command().get_matches();
+    Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+}
+
 impl Conn {
     /// Plain settings for `coordinator`: no token, no TLS, default limits.
     pub fn new(coordinator: &str) -> Conn {
@@ -160,6 +200,25 @@ pub enum Command {
         /// Do not read the data.
         #[arg(long)]
         no_data: bool,
+    },
+    /// Write a checkpoint as a clean Hugging Face model folder: weights
+    /// (in --dtype, sharded by --shard-size, with an index), config.json and
+    /// the tokenizer files; no optimizer state. The folder loads with
+    /// `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`.
+    Export {
+        /// The checkpoint directory (OUTPUT_DIR/checkpoints/step-N).
+        #[arg(value_name = "CKPT")]
+        checkpoint: PathBuf,
+        /// The folder to write (created; must be empty or absent).
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
+        /// Weight dtype: float32, bfloat16 or float16 (default: as trained).
+        #[arg(long, value_name = "DTYPE", value_parser = crate::export::Dtype::parse)]
+        dtype: Option<crate::export::Dtype>,
+        /// Largest weight shard (5GB, 500MB, 2GiB, bytes), as
+        /// `save_pretrained(max_shard_size=...)`.
+        #[arg(long, value_name = "SIZE", default_value = "5GB", value_parser = crate::export::parse_size)]
+        shard_size: u64,
     },
     /// Submit a job; prints its id.
     ///
@@ -592,6 +651,32 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 &mut std::io::stderr(),
             )
         }
+        Command::Export {
+            checkpoint,
+            out,
+            dtype,
+            shard_size,
+        } => {
+            let opts = crate::export::ExportOptions {
+                dtype,
+                shard_bytes: shard_size,
+            };
+            let r = crate::export::export(&checkpoint, &out, &opts)?;
+            for f in &r.missing_tokenizer_files {
+                output::errln!(
+                    "warning: {} has no {f} (a checkpoint older than the tokenizer files): the folder loads as a model, not with AutoTokenizer",
+                    checkpoint.display()
+                );
+            }
+            output::outln!(
+                "{}: {} tensors, {:.1} MB in {} file(s)",
+                out.display(),
+                r.tensors,
+                r.bytes as f64 / 1e6,
+                r.shards.len()
+            )?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Submit { spec, new_job } => admin::submit(conn, &spec, new_job).await,
         Command::Jobs { json } => admin::jobs(conn, json).await,
         Command::Status { job, json } => admin::status(conn, &job, json).await,
@@ -714,6 +799,37 @@ mod tests {
     use super::*;
     use clap::CommandFactory as _;
 
+    #[test]
+    fn connection_flags_have_their_heading_and_stay_out_of_offline_help() {
+        let mut cmd = command();
+        cmd.build();
+        let help = |cmd: &mut clap::Command, sub: &str| {
+            cmd.find_subcommand_mut(sub)
+                .unwrap()
+                .render_long_help()
+                .to_string()
+        };
+        let jobs = help(&mut cmd, "jobs");
+        assert!(jobs.contains("Connection:"), "{jobs}");
+        assert!(jobs.contains("--coordinator"), "{jobs}");
+        for sub in OFFLINE {
+            let text = help(&mut cmd, sub);
+            for flag in ["--coordinator", "--token", "--tls-ca", "--max-message-mb"] {
+                assert!(!text.contains(flag), "`accrue {sub} --help` shows {flag}");
+            }
+        }
+        // Still accepted there (scripts that always pass them keep working).
+        command()
+            .try_get_matches_from([
+                "accrue",
+                "validate",
+                "x.toml",
+                "--coordinator",
+                "http://h:1",
+            ])
+            .unwrap();
+    }
+
     fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
         Cli::try_parse_from(std::iter::once("accrue").chain(args.iter().copied()))
     }
@@ -820,6 +936,23 @@ mod tests {
         for args in cases {
             parse(args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
         }
+        let cli = parse(&[
+            "export",
+            "ck",
+            "--out",
+            "o",
+            "--dtype",
+            "bf16",
+            "--shard-size",
+            "2GiB",
+        ])
+        .unwrap();
+        assert!(matches!(
+            cli.command,
+            Command::Export { dtype: Some(crate::export::Dtype::BFloat16), shard_size, .. } if shard_size == 2 << 30
+        ));
+        let e = parse(&["export", "ck", "--out", "o", "--dtype", "int8"]).unwrap_err();
+        assert!(e.to_string().contains("unknown dtype"), "{e}");
         let cli = parse(&["watch", "j1", "--from-step", "5"]).unwrap();
         assert!(matches!(
             cli.command,

@@ -49,11 +49,13 @@ pub const EOS_FALLBACKS: &[&str] = &[
 /// A compiled chat template with the special-token strings it renders.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    /// The Jinja text (written into exported model folders).
+    pub text: String,
     /// Where the template came from, for messages.
     pub source: String,
     pub bos_token: String,
     pub eos_token: String,
-    pad_token: Option<String>,
+    pub pad_token: Option<String>,
     unk_token: Option<String>,
 }
 
@@ -77,6 +79,7 @@ impl ChatTemplate {
             .map_err(|e| format!("does not compile: {e:#}"))?;
         Ok(Self {
             env,
+            text: text.to_string(),
             source: source.into(),
             bos_token: String::new(),
             eos_token: String::new(),

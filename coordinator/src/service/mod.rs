@@ -5,6 +5,7 @@
 
 mod admin;
 pub mod convert;
+mod model_folder;
 mod rollouts;
 mod validate;
 mod worker;
@@ -37,6 +38,7 @@ pub struct Shared {
     metrics: crate::metrics::Exporter,
     /// Wakes rollout pushers waiting for queue room.
     rollouts: rollouts::Signals,
+    tokenizers: model_folder::TokenizerWriter,
 }
 
 pub(crate) struct Inner {
@@ -66,6 +68,7 @@ impl Shared {
             watch,
             metrics: crate::metrics::Exporter::new(),
             rollouts: rollouts::Signals::default(),
+            tokenizers: model_folder::TokenizerWriter::default(),
         })
     }
 
@@ -228,6 +231,15 @@ impl Shared {
                         // A closed channel means the session is going away;
                         // its close event will follow.
                         let _ = tx.send(Ok(convert::to_worker(&msg)));
+                    }
+                    match &msg {
+                        ToWorker::Checkpoint { job, dir, .. }
+                        | ToWorker::PublishPolicy { job, dir, .. } => {
+                            if let Ok(j) = inner.core.job(job) {
+                                self.tokenizers.write(job, &j.spec.data, dir);
+                            }
+                        }
+                        _ => {}
                     }
                     if let ToWorker::Plan { job, .. } = msg {
                         let now = Instant::now();
