@@ -156,6 +156,108 @@ fn accrue_local_trains_checkpoints_and_resumes_at_the_same_step_and_cursor() {
     let per_layer = 64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128 + 2 * 64;
     assert_eq!(hf["params"], 2 * 320 * 64 + 2 * per_layer + 64);
 
+    // The checkpoint is a complete model folder, and `accrue export` makes
+    // the clean one a user uploads: bf16, sharded, no optimizer state;
+    // transformers loads model and tokenizer, which encodes, decodes and
+    // renders the chat template as Accrue did, and generates greedily.
+    for f in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "generation_config.json",
+    ] {
+        assert!(
+            ck10.join(f).is_file(),
+            "{f} missing from {}",
+            ck10.display()
+        );
+    }
+    let exported = d.join("export");
+    let out = accrue(
+        d,
+        &[
+            "export",
+            ck10.to_str().unwrap(),
+            "--out",
+            exported.to_str().unwrap(),
+            "--dtype",
+            "bfloat16",
+            "--shard-size",
+            "40KB",
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(exported.join("model.safetensors.index.json").is_file());
+    let files: Vec<String> = std::fs::read_dir(&exported)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        files.iter().filter(|f| f.starts_with("model-0")).count() >= 2,
+        "{files:?}"
+    );
+    assert!(
+        !files
+            .iter()
+            .any(|f| f.contains("optimizer") || f == "trainer.json"),
+        "{files:?}"
+    );
+    let texts = ["12+30=42", "héllo ✓ <|eos|>", " spaces  and\ttabs\n"];
+    let ids: Vec<Vec<u32>> = texts
+        .iter()
+        .map(|t| {
+            std::iter::once(256)
+                .chain(t.replace("<|eos|>", "\u{1}").bytes().map(|b| {
+                    if b == 1 {
+                        257
+                    } else {
+                        u32::from(b)
+                    }
+                }))
+                .collect()
+        })
+        .collect();
+    let expect = serde_json::json!({
+        "texts": texts,
+        "ids": ids,
+        "messages": [{"role": "user", "content": "12+30="}, {"role": "assistant", "content": "42"}],
+        "rendered": "<|bos|><|user|>\n12+30=\n<|assistant|>\n42<|eos|>",
+        "prompt_ids": [256, 49, 50, 43, 51, 48, 61],
+        "new_tokens": 4,
+    });
+    let mut child = Command::new(&py)
+        .arg(root().join("scripts/reference/check_export.py"))
+        .arg(&exported)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        use std::io::Write as _;
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(expect.to_string().as_bytes())
+            .unwrap();
+    }
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "transformers could not load the export:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let hf: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert_eq!(hf["bad"], serde_json::json!([]), "{hf}");
+    assert_eq!(hf["dtype"], "bfloat16", "{hf}");
+    assert_eq!(hf["generated"].as_array().unwrap().len(), 4, "{hf}");
+
     // Run b resumes from a's step-10 checkpoint: steps 11..20 on the same
     // documents (same cursors), and since model and optimizer state are
     // restored, the same losses as run a.
