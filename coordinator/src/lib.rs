@@ -31,6 +31,7 @@ pub mod settings;
 pub mod sources;
 pub mod spec;
 pub mod store;
+pub mod tensorboard;
 pub mod tls;
 
 pub use accrue_proto::v1 as wire;

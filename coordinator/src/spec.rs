@@ -62,6 +62,18 @@ pub struct JobSpec {
     /// `[eval]`: forward-only passes over held-out sources.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval: Option<EvalSection>,
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub tracking: TrackingSection,
+}
+
+/// `[tracking]`: where metrics go besides `metrics.jsonl` and Prometheus.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrackingSection {
+    /// TensorBoard event files in `OUTPUT_DIR/tb/`, written by the
+    /// coordinator: every step and eval metric of metrics.jsonl as a scalar.
+    #[serde(default)]
+    pub tensorboard: bool,
 }
 
 fn is_default<T: Default + PartialEq>(v: &T) -> bool {
@@ -552,6 +564,7 @@ const SECTIONS: &[&str] = &[
     "precision",
     "faults",
     "eval",
+    "tracking",
 ];
 
 impl JobSpec {
@@ -1230,6 +1243,7 @@ fn check_section(section: &str, value: toml::Value) -> Result<(), SpecProblem> {
         "precision" => value.try_into::<PrecisionSection>().map(drop),
         "faults" => value.try_into::<FaultsSection>().map(drop),
         "eval" => value.try_into::<EvalSection>().map(drop),
+        "tracking" => value.try_into::<TrackingSection>().map(drop),
         _ => Ok(()),
     };
     result.map_err(|e| {

@@ -7,10 +7,12 @@ mod admin;
 pub mod convert;
 mod model_folder;
 mod rollouts;
+mod tracking;
 mod validate;
 mod worker;
 
 use std::collections::HashMap;
+use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -39,6 +41,7 @@ pub struct Shared {
     /// Wakes rollout pushers waiting for queue room.
     rollouts: rollouts::Signals,
     tokenizers: model_folder::TokenizerWriter,
+    tensorboard: tracking::TensorBoard,
 }
 
 pub(crate) struct Inner {
@@ -69,6 +72,7 @@ impl Shared {
             metrics: crate::metrics::Exporter::new(),
             rollouts: rollouts::Signals::default(),
             tokenizers: model_folder::TokenizerWriter::default(),
+            tensorboard: tracking::TensorBoard::default(),
         })
     }
 
@@ -141,6 +145,32 @@ impl Shared {
         }
     }
 
+    /// Writes a metrics line to the job's TensorBoard files when its spec
+    /// asks for them; `Err` names the file that could not be written.
+    fn track(
+        &self,
+        inner: &Inner,
+        job: &JobId,
+        prefix: &str,
+        step: u64,
+        unix_ms: i64,
+        line: &impl serde::Serialize,
+    ) -> Result<(), String> {
+        let Ok(j) = inner.core.job(job) else {
+            return Ok(());
+        };
+        if !j.spec.tracking.tensorboard {
+            return Ok(());
+        }
+        let out = Path::new(&j.spec.job.output_dir);
+        self.tensorboard
+            .write(job, out, prefix, step, unix_ms, line)
+            .map_err(|err| {
+                error!(%job, %err, "writing TensorBoard events failed");
+                format!("{}/tb: {err}", out.display())
+            })
+    }
+
     /// Carries out `effects` of the state-machine call `timing` measured.
     fn run_effects(
         &self,
@@ -203,6 +233,15 @@ impl Shared {
                         error!(path = %path.display(), %err, "writing metrics.jsonl failed");
                         let what = format!("{}: {err}", path.display());
                         failed_outputs.push(Event::OutputFailed { job, what });
+                    } else if let Err(what) = self.track(
+                        inner,
+                        &job,
+                        "train",
+                        metrics.step,
+                        metrics.unix_ms,
+                        &*metrics,
+                    ) {
+                        failed_outputs.push(Event::OutputFailed { job, what });
                     }
                 }
                 Effect::AppendEval { job, path, eval } => {
@@ -210,6 +249,10 @@ impl Shared {
                     if let Err(err) = crate::output::append_eval(&path, &job, &eval) {
                         error!(path = %path.display(), %err, "writing metrics.jsonl failed");
                         let what = format!("{}: {err}", path.display());
+                        failed_outputs.push(Event::OutputFailed { job, what });
+                    } else if let Err(what) =
+                        self.track(inner, &job, "eval", eval.step, eval.unix_ms, &eval)
+                    {
                         failed_outputs.push(Event::OutputFailed { job, what });
                     }
                 }
