@@ -225,3 +225,63 @@ fn coordinator_sigterm_exits_promptly_and_a_restart_completes_the_job() {
     c.wait_completed(&id, Duration::from_secs(240));
     c.assert_trained_like(&id, want, "ddp, coordinator SIGTERM and restart");
 }
+
+/// Supervisors often read the first line of a server's stdout and close
+/// the pipe, or start it with stdout closed: the coordinator must keep
+/// serving (its address lines go to a reader that is gone) and still exit
+/// 0 on SIGTERM.
+#[test]
+fn the_coordinator_serves_and_exits_cleanly_on_sigterm_with_its_stdout_gone() {
+    let state = tempfile::tempdir().unwrap();
+    let mut child = std::process::Command::new(real::bin_dir().join("accrue-coordinator"))
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--state-dir",
+        ])
+        .arg(state.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The reader goes away before the server writes its address.
+    drop(child.stdout.take());
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead as _;
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = tx.send(line);
+        }
+    });
+    let t0 = Instant::now();
+    let mut log = Vec::new();
+    while !log
+        .iter()
+        .any(|l: &String| l.contains("coordinator listening"))
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "never listened:\n{}",
+            log.join("\n")
+        );
+        if let Ok(l) = rx.recv_timeout(Duration::from_millis(100)) {
+            log.push(l);
+        }
+    }
+    // Past the address lines: still up.
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "the coordinator exited with its stdout gone:\n{}",
+        log.join("\n")
+    );
+    signal(child.id(), "TERM");
+    let (status, _) = wait_exit(&mut child, Duration::from_secs(30));
+    assert!(status.success(), "exit {status} after SIGTERM");
+}

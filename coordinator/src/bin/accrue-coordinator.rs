@@ -109,13 +109,17 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     let server = Server::bind(config).await?;
-    // Machine-readable for scripts and tests that pass port 0.
-    println!("listening on {}", server.local_addr());
-    if let Some(a) = server.metrics_addr() {
-        // Not println!: a reader that took only the first line may have
-        // closed the pipe, and that must not stop the server.
+    // Machine-readable for scripts and tests that pass port 0. Not
+    // println!: stdout may be closed or a pipe whose reader has gone (a
+    // supervisor that took the first line), and that must not stop the
+    // server (println! panics on EPIPE); the logs on stderr say the same.
+    {
         use std::io::Write as _;
-        let _ = writeln!(std::io::stdout(), "metrics on {a}");
+        let mut out = std::io::stdout();
+        let _ = writeln!(out, "listening on {}", server.local_addr());
+        if let Some(a) = server.metrics_addr() {
+            let _ = writeln!(out, "metrics on {a}");
+        }
     }
     let shutdown = accrue_coordinator::shutdown_on_signal();
     server.run(shutdown).await
