@@ -16,6 +16,7 @@ mod admin;
 mod bench;
 pub mod client;
 mod data;
+mod doctor;
 pub mod local;
 #[cfg(test)]
 mod mock_tests;
@@ -200,6 +201,21 @@ pub enum Command {
         /// Do not read the data.
         #[arg(long)]
         no_data: bool,
+    },
+    /// Check this machine for a job: the worker binary loads libtorch,
+    /// CUDA devices and the NCCL build, the coordinator answers with the
+    /// admin token, the shared directory is writable. Exit 1 if anything
+    /// failed.
+    Doctor {
+        /// The directory jobs write checkpoints and metrics to.
+        #[arg(long, value_name = "DIR", default_value = ".")]
+        shared: PathBuf,
+        /// Skip the coordinator check.
+        #[arg(long)]
+        offline: bool,
+        /// Print the checks as a JSON array.
+        #[arg(long)]
+        json: bool,
     },
     /// Write a checkpoint as a clean Hugging Face model folder: weights
     /// (in --dtype, sharded by --shard-size, with an index), config.json and
@@ -651,6 +667,11 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 &mut std::io::stderr(),
             )
         }
+        Command::Doctor {
+            shared,
+            offline,
+            json,
+        } => doctor::run(conn, &shared, offline, json).await,
         Command::Export {
             checkpoint,
             out,

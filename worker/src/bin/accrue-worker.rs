@@ -41,6 +41,10 @@ struct Args {
     /// (exit 0 if SERVING, 1 otherwise) and exit: the image's HEALTHCHECK.
     #[arg(long, value_name = "ADDR")]
     health_check: Option<String>,
+    /// Print what this worker can use as one JSON line (libtorch loaded,
+    /// CUDA devices, the cuda/NCCL build) and exit; `accrue doctor` runs it.
+    #[arg(long)]
+    probe: bool,
     /// libtorch intra-op threads (default: libtorch's choice).
     #[arg(long)]
     threads: Option<i32>,
@@ -92,6 +96,20 @@ async fn main() -> anyhow::Result<()> {
     if let Some(addr) = &args.health_check {
         let serving = session::lifecycle::check_alive(addr).await;
         std::process::exit(if serving { 0 } else { 1 });
+    }
+    if args.probe {
+        let gpus = accrue_worker::device::probe();
+        let line = serde_json::json!({
+            "version": env!("CARGO_PKG_VERSION"),
+            "libtorch": true,
+            "cuda_devices": gpus.visible,
+            "cuda_busy": gpus.busy,
+            "cuda_build": cfg!(feature = "cuda"),
+            "threads": tch::get_num_threads(),
+        });
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), "{line}");
+        return Ok(());
     }
     if let Some(gpus) = args.gpus {
         let n = accrue_worker::launch::count(gpus).map_err(anyhow::Error::msg)?;
