@@ -218,14 +218,15 @@ fn extra_json(extra: &std::collections::HashMap<String, f64>) -> Value {
     json!(sorted)
 }
 
-/// One step's metrics as JSON.
+/// One step's metrics as JSON, each field named as in metrics.jsonl (a
+/// test holds the two to one name per field).
 pub fn step_json(s: &StepMetrics) -> Value {
     let mut v = json!({
         "step": s.step,
         "loss": s.loss,
         "tokens": s.tokens,
         "loss_tokens": s.loss_tokens,
-        "documents": s.documents,
+        "docs": s.documents,
         "microbatches": s.microbatches,
         "lr": s.lr,
         "grad_norm": s.grad_norm,
@@ -258,7 +259,7 @@ pub fn sources_json(
             "loss": m.loss,
             "loss_tokens": m.loss_tokens,
             "tokens": m.tokens,
-            "documents": m.documents,
+            "docs": m.documents,
             "extra": extra_json(&m.extra),
         });
         (name.clone(), v)
@@ -273,7 +274,7 @@ pub fn eval_json(e: &crate::wire::EvalMetrics) -> Value {
         "loss": e.loss,
         "loss_tokens": e.loss_tokens,
         "tokens": e.tokens,
-        "documents": e.documents,
+        "docs": e.documents,
         "extra": extra_json(&e.extra),
         "sources": sources_json(&e.sources),
         "unix_ms": e.unix_ms,
@@ -791,5 +792,70 @@ mod tests {
         assert_eq!(human_ms(7_800_000), "2h10m");
         assert_eq!(human_ms(3 * 86_400_000 + 4 * 3_600_000), "3d4h");
         assert_eq!(step_of_total(3, 0), "3");
+    }
+
+    /// `watch --json` and metrics.jsonl name every field alike: each key
+    /// the watch stream prints (nested ones too) is the metrics.jsonl
+    /// line's key for the same value.
+    #[test]
+    fn watch_json_and_metrics_jsonl_use_one_name_per_field() {
+        use crate::core::{EvalMetrics, SourceMetrics, StepMetrics};
+        let source = SourceMetrics {
+            loss: 1.5,
+            loss_tokens: 10,
+            tokens: 12,
+            docs: 2,
+            extra: [("rewards/accuracy".to_string(), 0.5)].into(),
+        };
+        let step = StepMetrics {
+            step: 7,
+            loss: 2.0,
+            tokens: 100,
+            loss_tokens: 90,
+            docs: 4,
+            microbatches: 3,
+            lr: 1e-4,
+            grad_norm: 0.5,
+            tokens_per_s: 1000.0,
+            world_size: 2,
+            generation: 1,
+            mfu: 0.25,
+            model_flops: 1e9,
+            gpu_memory_peak_allocated_bytes: 5,
+            gpu_memory_peak_reserved_bytes: 6,
+            extra: [("kl".to_string(), 0.1)].into(),
+            sources: [("chat".to_string(), source.clone())].into(),
+            ..Default::default()
+        };
+        fn check(watch: &Value, line: &Value, at: &str) {
+            for (k, v) in watch.as_object().unwrap() {
+                let Some(l) = line.get(k) else {
+                    panic!("{at}{k}: in watch --json, not in metrics.jsonl ({line})");
+                };
+                match (v, l) {
+                    (Value::Object(_), Value::Object(_)) => check(v, l, &format!("{at}{k}.")),
+                    (Value::Number(a), Value::Number(b)) => {
+                        assert_eq!(a.as_f64(), b.as_f64(), "{at}{k}")
+                    }
+                    _ => {}
+                }
+            }
+        }
+        let line = serde_json::to_value(&step).unwrap();
+        let watch = step_json(&crate::service::convert::step_metrics(&step));
+        check(&watch, &line, "step.");
+        let eval = EvalMetrics {
+            step: 7,
+            loss: 1.0,
+            loss_tokens: 9,
+            tokens: 11,
+            docs: 3,
+            extra: BTreeMap::new(),
+            sources: [("chat".to_string(), source)].into(),
+            unix_ms: 5,
+        };
+        let line = serde_json::to_value(&eval).unwrap();
+        let watch = eval_json(&crate::service::convert::eval_metrics(&eval));
+        check(&watch, &line, "eval.");
     }
 }
