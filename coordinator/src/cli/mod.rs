@@ -392,28 +392,36 @@ pub enum Command {
         #[arg(long)]
         exit_zero: bool,
     },
-    /// Draw a job's training curves (loss, tokens/s, grad norm, learning
-    /// rate against step) from its metrics.jsonl into a PNG.
+    /// Draw training curves (loss, tokens/s, grad norm, learning rate and
+    /// the objective's metrics against step) from metrics.jsonl into a PNG;
+    /// several runs are overlaid.
     ///
-    /// JOB is looked up on the coordinator and its metrics.jsonl read from
-    /// the job's output_dir (which must be visible here); --metrics reads a
-    /// metrics.jsonl directly, offline.
-    #[command(group = clap::ArgGroup::new("source").required(true))]
+    /// Each JOB is looked up on the coordinator and its metrics.jsonl read
+    /// from the job's output_dir (which must be visible here); --metrics
+    /// reads a metrics.jsonl directly, offline.
+    #[command(group = clap::ArgGroup::new("source").required(true).multiple(true).args(["jobs", "metrics"]))]
     Plot {
-        /// The job: its id, its job.name (the live one), or a unique id prefix.
-        #[arg(value_name = "JOB", group = "source")]
-        job: Option<String>,
-        /// Read this metrics.jsonl instead of asking the coordinator.
-        #[arg(long, value_name = "PATH", group = "source")]
-        metrics: Option<PathBuf>,
+        /// Jobs to plot, overlaid (id, job.name of the live one, or a
+        /// unique id prefix).
+        #[arg(value_name = "JOB")]
+        jobs: Vec<String>,
+        /// Read this metrics.jsonl instead of asking the coordinator
+        /// (repeatable; overlaid with the jobs).
+        #[arg(long, value_name = "PATH")]
+        metrics: Vec<PathBuf>,
         /// The PNG to write.
         #[arg(long, value_name = "FILE.png")]
         out: PathBuf,
+        /// Smooth each curve with an exponential moving average of this
+        /// weight (0.6–0.99; TensorBoard's slider), drawn over the raw one.
+        #[arg(long, value_name = "A")]
+        smooth: Option<f64>,
         /// Image width in pixels.
         #[arg(long, value_name = "PX", default_value_t = plot::DEFAULT_SIZE.0,
               value_parser = clap::value_parser!(u32).range(200..=8000))]
         width: u32,
-        /// Image height in pixels.
+        /// Image height in pixels (of the first two panel rows; more rows
+        /// make it taller).
         #[arg(long, value_name = "PX", default_value_t = plot::DEFAULT_SIZE.1,
               value_parser = clap::value_parser!(u32).range(200..=8000))]
         height: u32,
@@ -766,17 +774,19 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             set::run(conn, &args).await
         }
         Command::Plot {
-            job,
+            jobs,
             metrics,
             out,
+            smooth,
             width,
             height,
         } => {
             let args = plot::PlotArgs {
-                job,
+                jobs,
                 metrics,
                 out,
                 size: (width, height),
+                smooth,
             };
             plot::run(conn, &args).await
         }
@@ -1017,7 +1027,7 @@ mod tests {
             &["set", "j1", "--docs-per-step", "-1"],
             &["steps"],
             &["plot", "--out", "p.png"],
-            &["plot", "j1", "--metrics", "m.jsonl", "--out", "p.png"],
+            &["plot", "j1", "--out", "p.png", "--smooth", "x"],
             &["plot", "j1"],
         ] {
             let e = parse(args).unwrap_err();

@@ -1,6 +1,10 @@
-//! `accrue plot`: a job's training curves as a PNG, four panels against the
-//! step (loss, tokens/s, gradient norm, learning rate), read from its
-//! metrics.jsonl. The loss panel also draws a mixture's per-source losses
+//! `accrue plot`: a job's training curves as a PNG, panels against the step
+//! (loss, tokens/s, gradient norm, learning rate, then one per objective
+//! metric the run has: reward, accuracy, margin, KL, ... from the line's
+//! `extra`), read from its metrics.jsonl. Several runs are overlaid, one
+//! colour each (`accrue plot RUN_A RUN_B`); `--smooth A` draws an
+//! exponential moving average over the raw curve (TensorBoard's, debiased).
+//! With one run the loss panel also draws a mixture's per-source losses
 //! (one curve per source) and the evaluations (`eval` lines: the overall
 //! eval loss as dots, each eval source's as smaller ones). Drawn with
 //! `plotters` on its bitmap backend; text uses a font embedded in the binary
@@ -62,6 +66,9 @@ pub struct Point {
     /// A mixture: each source's loss at this step.
     #[serde(default)]
     pub sources: BTreeMap<String, SourcePoint>,
+    /// The objective's own metrics (DPO rewards/accuracy, PG reward, KL).
+    #[serde(default)]
+    pub extra: BTreeMap<String, Option<f64>>,
 }
 
 /// One source's loss at a step (or in an evaluation).
@@ -114,7 +121,7 @@ pub struct Panel {
     pub value: fn(&Point) -> Option<f64>,
 }
 
-/// The four panels, left to right, top to bottom.
+/// The four panels every run has, left to right, top to bottom.
 pub const PANELS: [Panel; 4] = [
     Panel {
         title: "loss",
@@ -137,6 +144,120 @@ pub const PANELS: [Panel; 4] = [
         value: |p| p.lr,
     },
 ];
+
+/// Objective metrics drawn first when a run has them (then any other
+/// `extra` key, by name).
+pub const OBJECTIVE_METRICS: [&str; 8] = [
+    "reward",
+    "rewards/accuracy",
+    "rewards/margin",
+    "kl",
+    "rewards/chosen",
+    "rewards/rejected",
+    "reward_std",
+    "response_length",
+];
+
+/// At most this many objective panels (beyond the four).
+pub const MAX_EXTRA_PANELS: usize = 8;
+
+/// Colours of the objective panels, in panel order.
+const EXTRA_COLORS: [RGBColor; 4] = [
+    RGBColor(255, 127, 14),
+    RGBColor(23, 190, 207),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+];
+
+/// Colours of overlaid runs, in argument order.
+pub const RUN_COLORS: [RGBColor; 6] = [
+    RGBColor(31, 119, 180),
+    RGBColor(214, 39, 40),
+    RGBColor(44, 160, 44),
+    RGBColor(148, 103, 189),
+    RGBColor(255, 127, 14),
+    RGBColor(23, 190, 207),
+];
+
+/// What a drawn panel plots.
+#[derive(Debug, Clone, PartialEq)]
+enum Metric {
+    /// One of [`PANELS`].
+    Base(usize),
+    /// A key of the lines' `extra`.
+    Extra(String),
+}
+
+struct PanelSpec {
+    title: String,
+    color: RGBColor,
+    metric: Metric,
+}
+
+impl PanelSpec {
+    fn value(&self, p: &Point) -> Option<f64> {
+        match &self.metric {
+            Metric::Base(i) => (PANELS[*i].value)(p),
+            Metric::Extra(k) => p.extra.get(k).copied().flatten(),
+        }
+    }
+}
+
+/// The four base panels, then one per objective metric any run has.
+fn panels_for(runs: &[Run]) -> Vec<PanelSpec> {
+    let mut out: Vec<PanelSpec> = PANELS
+        .iter()
+        .enumerate()
+        .map(|(i, p)| PanelSpec {
+            title: p.title.to_string(),
+            color: p.color,
+            metric: Metric::Base(i),
+        })
+        .collect();
+    let keys: std::collections::BTreeSet<&String> = runs
+        .iter()
+        .flat_map(|r| r.points.iter().flat_map(|p| p.extra.keys()))
+        .collect();
+    let mut ordered: Vec<&String> = OBJECTIVE_METRICS
+        .iter()
+        .filter_map(|k| keys.iter().find(|x| x.as_str() == *k).copied())
+        .collect();
+    ordered.extend(
+        keys.iter()
+            .filter(|k| !OBJECTIVE_METRICS.contains(&k.as_str())),
+    );
+    for (i, k) in ordered.into_iter().take(MAX_EXTRA_PANELS).enumerate() {
+        out.push(PanelSpec {
+            title: k.clone(),
+            color: EXTRA_COLORS[i % EXTRA_COLORS.len()],
+            metric: Metric::Extra(k.clone()),
+        });
+    }
+    out
+}
+
+/// One run to draw: its label (in the legend when overlaid), its steps and
+/// its evaluations.
+pub struct Run {
+    pub label: String,
+    pub points: Vec<Point>,
+    pub evals: Vec<EvalPoint>,
+}
+
+/// TensorBoard's smoothing: an exponential moving average with weight `a`
+/// on the past, debiased so the first points are not pulled to zero.
+pub fn smooth(values: &[(f64, f64)], a: f64) -> Vec<(f64, f64)> {
+    let mut last = 0.0;
+    let mut weight = 0.0;
+    values
+        .iter()
+        .map(|&(x, v)| {
+            last = last * a + (1.0 - a) * v;
+            weight = weight * a + (1.0 - a);
+            (x, last / weight)
+        })
+        .collect()
+}
 
 /// Parses metrics.jsonl `text` (read from `path`, named in errors). Blank
 /// lines are skipped; a step written twice (re-committed after a recovery)
@@ -204,18 +325,39 @@ pub fn render_png_with(
     out: &Path,
     size: (u32, u32),
 ) -> Result<(), PlotError> {
+    let run = Run {
+        label: title.to_string(),
+        points: points.to_vec(),
+        evals: evals.to_vec(),
+    };
+    render_runs(&[run], title, out, size, None)
+}
+
+/// Draws `runs` (overlaid when several) as a PNG at `out`: two panels a
+/// row, `size` for the first two rows and taller for more; `smoothing`
+/// draws each curve's moving average over its faint raw values.
+pub fn render_runs(
+    runs: &[Run],
+    title: &str,
+    out: &Path,
+    size: (u32, u32),
+    smoothing: Option<f64>,
+) -> Result<(), PlotError> {
     register_font();
     let draw_err = |e: &dyn std::fmt::Display| PlotError::Draw {
         path: out.display().to_string(),
         message: e.to_string(),
     };
-    let root = BitMapBackend::new(out, size).into_drawing_area();
+    let panels = panels_for(runs);
+    let rows = panels.len().div_ceil(2);
+    let height = size.1 * rows.max(2) as u32 / 2;
+    let root = BitMapBackend::new(out, (size.0, height)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| draw_err(&e))?;
     let root = root
         .titled(title, ("sans-serif", 22))
         .map_err(|e| draw_err(&e))?;
-    for (area, panel) in root.split_evenly((2, 2)).iter().zip(&PANELS) {
-        draw_panel(area, panel, points, evals).map_err(|e| draw_err(&e))?;
+    for (area, panel) in root.split_evenly((rows, 2)).iter().zip(&panels) {
+        draw_panel(area, panel, runs, smoothing).map_err(|e| draw_err(&e))?;
     }
     root.present().map_err(|e| draw_err(&e))
 }
@@ -224,17 +366,30 @@ type Area<'a> = DrawingArea<BitMapBackend<'a>, plotters::coord::Shift>;
 type DrawResult =
     Result<(), DrawingAreaErrorKind<<BitMapBackend<'static> as DrawingBackend>::ErrorType>>;
 
-fn draw_panel(area: &Area<'_>, panel: &Panel, points: &[Point], evals: &[EvalPoint]) -> DrawResult {
-    let series: Vec<(u64, f64)> = points
-        .iter()
-        .filter_map(|p| {
-            (panel.value)(p)
-                .filter(|v| v.is_finite())
-                .map(|v| (p.step, v))
-        })
-        .collect();
-    // The loss panel: each source's curve and the evaluations too.
-    let is_loss = panel.title == "loss";
+fn draw_panel(
+    area: &Area<'_>,
+    panel: &PanelSpec,
+    runs: &[Run],
+    smoothing: Option<f64>,
+) -> DrawResult {
+    let overlaid = runs.len() > 1;
+    let series_of = |run: &Run| -> Vec<(f64, f64)> {
+        run.points
+            .iter()
+            .filter_map(|p| {
+                panel
+                    .value(p)
+                    .filter(|v| v.is_finite())
+                    .map(|v| (p.step as f64, v))
+            })
+            .collect()
+    };
+    let all: Vec<Vec<(f64, f64)>> = runs.iter().map(series_of).collect();
+    // One run's loss panel: each source's curve and the evaluations too.
+    let single = (!overlaid).then(|| &runs[0]);
+    let is_loss = panel.metric == Metric::Base(0);
+    let points: &[Point] = single.map_or(&[], |r| &r.points);
+    let evals: &[EvalPoint] = single.map_or(&[], |r| &r.evals);
     let names: std::collections::BTreeSet<&String> = if is_loss {
         points.iter().flat_map(|p| p.sources.keys()).collect()
     } else {
@@ -270,22 +425,33 @@ fn draw_panel(area: &Area<'_>, panel: &Panel, points: &[Point], evals: &[EvalPoi
         .flat_map(|n| source_series(n).into_iter().map(|p| p.1))
         .chain(eval_points.iter().map(|p| p.1))
         .collect();
-    let series_values = series.iter().map(|s| s.1).chain(extra.iter().copied());
-    let (x0, x1) = padded(
-        points.first().map_or(0.0, |p| p.step as f64),
-        points.last().map_or(1.0, |p| p.step as f64),
-        0.0,
-    );
-    let (lo, hi) = series_values.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
+    let values = all
+        .iter()
+        .flatten()
+        .map(|s| s.1)
+        .chain(extra.iter().copied());
+    let steps = runs
+        .iter()
+        .flat_map(|r| r.points.iter().map(|p| p.step as f64));
+    let (sx0, sx1) = steps.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), x| {
+        (a.min(x), b.max(x))
+    });
+    let (x0, x1) = if sx0.is_finite() {
+        padded(sx0, sx1, 0.0)
+    } else {
+        (0.0, 1.0)
+    };
+    let (lo, hi) = values.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
         (lo.min(v), hi.max(v))
     });
-    let (y0, y1) = if series.is_empty() {
+    let empty = all.iter().all(Vec::is_empty);
+    let (y0, y1) = if empty {
         (0.0, 1.0)
     } else {
         padded(lo, hi, 0.05)
     };
     let mut chart = ChartBuilder::on(area)
-        .caption(panel.title, ("sans-serif", 18))
+        .caption(&panel.title, ("sans-serif", 18))
         .margin(12)
         .x_label_area_size(32)
         .y_label_area_size(72)
@@ -298,7 +464,7 @@ fn draw_panel(area: &Area<'_>, panel: &Panel, points: &[Point], evals: &[EvalPoi
         .y_label_formatter(&|y| label(*y))
         .label_style(("sans-serif", 13))
         .draw()?;
-    if series.is_empty() {
+    if empty {
         let mid = ((x0 + x1) / 2.0, 0.5);
         chart.draw_series(std::iter::once(Text::new(
             "no values",
@@ -307,15 +473,34 @@ fn draw_panel(area: &Area<'_>, panel: &Panel, points: &[Point], evals: &[EvalPoi
         )))?;
         return Ok(());
     }
-    let style = ShapeStyle::from(panel.color).stroke_width(2);
-    let drawn = chart.draw_series(LineSeries::new(
-        series.iter().map(|&(s, v)| (s as f64, v)),
-        style,
-    ))?;
-    if !names.is_empty() || !eval_points.is_empty() {
-        drawn
-            .label("all")
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], style));
+    let legend = overlaid || !names.is_empty() || !eval_points.is_empty();
+    for (i, (run, series)) in runs.iter().zip(&all).enumerate() {
+        let color = if overlaid {
+            RUN_COLORS[i % RUN_COLORS.len()]
+        } else {
+            panel.color
+        };
+        let style = ShapeStyle::from(color).stroke_width(2);
+        let line = match smoothing {
+            Some(a) => {
+                // The raw values faint underneath.
+                let faint = ShapeStyle::from(color.mix(0.25)).stroke_width(1);
+                chart.draw_series(LineSeries::new(series.iter().copied(), faint))?;
+                smooth(series, a)
+            }
+            None => series.clone(),
+        };
+        let drawn = chart.draw_series(LineSeries::new(line, style))?;
+        if legend {
+            let text = if overlaid { run.label.as_str() } else { "all" };
+            drawn
+                .label(text)
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], style));
+        }
+        // A lone step has no line: mark it.
+        if series.len() == 1 {
+            chart.draw_series(std::iter::once(Circle::new(series[0], 4, style.filled())))?;
+        }
     }
     for (i, name) in names.iter().enumerate() {
         let c = SOURCE_COLORS[i % SOURCE_COLORS.len()];
@@ -336,22 +521,13 @@ fn draw_panel(area: &Area<'_>, panel: &Panel, points: &[Point], evals: &[EvalPoi
             .label("eval")
             .legend(move |(x, y)| Circle::new((x + 8, y), 4, dot));
     }
-    if !names.is_empty() || !eval_points.is_empty() {
+    if legend {
         chart
             .configure_series_labels()
             .background_style(WHITE.mix(0.8))
             .border_style(BLACK)
             .label_font(("sans-serif", 12))
             .draw()?;
-    }
-    // A lone step has no line: mark it.
-    if series.len() == 1 {
-        let (s, v) = series[0];
-        chart.draw_series(std::iter::once(Circle::new(
-            (s as f64, v),
-            4,
-            style.filled(),
-        )))?;
     }
     Ok(())
 }
@@ -395,50 +571,80 @@ fn metrics_path(spec_toml: &str) -> anyhow::Result<PathBuf> {
 /// Arguments of `accrue plot`.
 #[derive(Debug, Clone)]
 pub struct PlotArgs {
-    /// Job id, resolved through the coordinator (None: `metrics` is given).
-    pub job: Option<String>,
-    /// A metrics.jsonl to read directly.
-    pub metrics: Option<PathBuf>,
+    /// Jobs (id, name or id prefix), resolved through the coordinator.
+    pub jobs: Vec<String>,
+    /// metrics.jsonl files to read directly.
+    pub metrics: Vec<PathBuf>,
     pub out: PathBuf,
     pub size: (u32, u32),
+    /// Moving-average weight in [0, 1) (None: raw curves).
+    pub smooth: Option<f64>,
 }
 
-/// Runs `accrue plot`: prints the PNG's path and the steps plotted.
-pub async fn run(conn: &Conn, args: &PlotArgs) -> anyhow::Result<ExitCode> {
-    let (path, title) = match (&args.metrics, &args.job) {
-        (Some(p), _) => (p.clone(), p.display().to_string()),
-        (None, Some(job)) => {
-            let mut client = super::client::connect(conn).await?;
-            let reply = client
-                .get_job(accrue_proto::v1::GetJobRequest {
-                    job_id: job.clone(),
-                })
-                .await
-                .map_err(|s| anyhow::anyhow!("{}", s.message()))?
-                .into_inner();
-            let name = reply.job.map(|j| j.name).unwrap_or_default();
-            (metrics_path(&reply.spec_toml)?, format!("{name} ({job})"))
-        }
-        (None, None) => anyhow::bail!("give a job id or --metrics PATH"),
-    };
-    let points = read_metrics(&path).map_err(|e| match (e, &args.job) {
-        (PlotError::Read { path, source }, Some(_)) => anyhow::anyhow!(
+/// Reads one run's metrics.jsonl; `job` says where the path came from
+/// (for a better message when it is on another machine).
+fn read_run(path: &Path, label: String, from_job: bool) -> anyhow::Result<Run> {
+    let points = read_metrics(path).map_err(|e| match (e, from_job) {
+        (PlotError::Read { path, source }, true) => anyhow::anyhow!(
             "cannot read {path}: {source} (it is on the coordinator's filesystem; \
              copy it here and pass --metrics PATH)"
         ),
         (e, _) => e.into(),
     })?;
-    let evals = std::fs::read_to_string(&path)
+    let evals = std::fs::read_to_string(path)
         .map(|t| parse_evals(&t))
         .unwrap_or_default();
-    render_png_with(&points, &evals, &title, &args.out, args.size)?;
-    outln!(
-        "wrote {} ({} steps, {}..{})",
-        args.out.display(),
-        points.len(),
-        points[0].step,
-        points[points.len() - 1].step
-    )?;
+    Ok(Run {
+        label,
+        points,
+        evals,
+    })
+}
+
+/// Runs `accrue plot`: prints the PNG's path and the steps plotted.
+pub async fn run(conn: &Conn, args: &PlotArgs) -> anyhow::Result<ExitCode> {
+    if args.jobs.is_empty() && args.metrics.is_empty() {
+        anyhow::bail!("give one or more jobs, or --metrics PATH (repeatable)");
+    }
+    if let Some(a) = args.smooth {
+        anyhow::ensure!((0.0..1.0).contains(&a), "--smooth {a}: must be in [0, 1)");
+    }
+    let mut runs = Vec::new();
+    for job in &args.jobs {
+        let mut client = super::client::connect(conn).await?;
+        let reply = client
+            .get_job(accrue_proto::v1::GetJobRequest {
+                job_id: job.clone(),
+            })
+            .await
+            .map_err(|s| anyhow::anyhow!("{job}: {}", s.message()))?
+            .into_inner();
+        let name = reply.job.map(|j| j.name).unwrap_or_default();
+        runs.push(read_run(
+            &metrics_path(&reply.spec_toml)?,
+            format!("{name} ({job})"),
+            true,
+        )?);
+    }
+    for p in &args.metrics {
+        runs.push(read_run(p, p.display().to_string(), false)?);
+    }
+    let title = runs
+        .iter()
+        .map(|r| r.label.as_str())
+        .collect::<Vec<_>>()
+        .join(" vs ");
+    render_runs(&runs, &title, &args.out, args.size, args.smooth)?;
+    for r in &runs {
+        outln!(
+            "{}: {} steps, {}..{}",
+            r.label,
+            r.points.len(),
+            r.points[0].step,
+            r.points[r.points.len() - 1].step
+        )?;
+    }
+    outln!("wrote {}", args.out.display())?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -645,5 +851,95 @@ mod tests {
         assert_eq!(padded(2.0, 2.0, 0.05), (1.8, 2.2));
         let spec = "[job]\nname = \"a\"\noutput_dir = \"/r/a\"\n";
         assert_eq!(metrics_path(spec).unwrap(), Path::new("/r/a/metrics.jsonl"));
+    }
+
+    #[test]
+    fn smoothing_is_a_debiased_moving_average() {
+        let raw: Vec<(f64, f64)> = (0..5)
+            .map(|i| (i as f64, if i % 2 == 0 { 1.0 } else { 3.0 }))
+            .collect();
+        let s = smooth(&raw, 0.5);
+        // Debiased: the first point is the first value, not half of it.
+        assert_eq!(s[0], (0.0, 1.0));
+        // (0.5·0.5·1 + 0.5·3) / 0.75
+        assert!((s[1].1 - (0.25 + 1.5) / 0.75).abs() < 1e-12);
+        assert_eq!(smooth(&raw, 0.0), raw, "weight 0 is the raw curve");
+        let flat = smooth(&[(0.0, 2.0), (1.0, 2.0), (2.0, 2.0)], 0.9);
+        assert!(flat.iter().all(|p| (p.1 - 2.0).abs() < 1e-12));
+    }
+
+    fn pixels(path: &Path) -> (Vec<u8>, u32, u32) {
+        let decoder = png::Decoder::new(std::fs::File::open(path).unwrap());
+        let mut reader = decoder.read_info().unwrap();
+        let mut img = vec![0; reader.output_buffer_size()];
+        let info = reader.next_frame(&mut img).unwrap();
+        (img, info.width, info.height)
+    }
+
+    /// A PG run (reward and kl in `extra`) gets a panel per objective
+    /// metric, and two runs overlaid draw each in its own colour in every
+    /// panel they both have.
+    #[test]
+    fn objective_panels_and_overlaid_runs() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = |offset: f64| -> Vec<Point> {
+            (1..=30u64)
+                .map(|step| {
+                    let mut m = crate::core::StepMetrics {
+                        step,
+                        loss: 3.0 / (1.0 + step as f64 * 0.2) + offset,
+                        tokens_per_s: 1000.0 + 50.0 * (step % 7) as f64 + 400.0 * offset,
+                        grad_norm: 2.0 / (step as f64).sqrt() + offset,
+                        lr: 1e-4,
+                        ..Default::default()
+                    };
+                    m.extra.insert("reward".into(), step as f64 / 30.0 + offset);
+                    m.extra.insert("kl".into(), 0.01 * step as f64 + offset);
+                    let text = serde_json::to_string(&m).unwrap();
+                    serde_json::from_str(&text).unwrap()
+                })
+                .collect()
+        };
+        let a = Run {
+            label: "a".into(),
+            points: run(0.0),
+            evals: vec![],
+        };
+        let panels = panels_for(std::slice::from_ref(&a));
+        let titles: Vec<&str> = panels.iter().map(|p| p.title.as_str()).collect();
+        assert_eq!(
+            titles,
+            [
+                "loss",
+                "tokens/s",
+                "grad norm",
+                "learning rate",
+                "reward",
+                "kl"
+            ]
+        );
+        let out = dir.path().join("two.png");
+        let b = Run {
+            label: "b".into(),
+            points: run(0.5),
+            evals: vec![],
+        };
+        render_runs(&[a, b], "a vs b", &out, DEFAULT_SIZE, Some(0.6)).unwrap();
+        let (img, w, h) = pixels(&out);
+        // 6 panels: 3 rows, the image 1.5 times the default height.
+        assert_eq!((w, h), (DEFAULT_SIZE.0, DEFAULT_SIZE.1 * 3 / 2));
+        let third = h / 3;
+        for (row, col) in [(0u32, 0u32), (0, 1), (2, 0), (2, 1)] {
+            let rect = (
+                col * w / 2,
+                row * third,
+                (col + 1) * w / 2,
+                (row + 1) * third,
+            );
+            for (i, c) in RUN_COLORS[..2].iter().enumerate() {
+                let n = count(&img, w, rect, *c);
+                assert!(n > 200, "panel ({row}, {col}): run {i} drew {n} pixels");
+            }
+        }
     }
 }
