@@ -43,10 +43,38 @@ fn eval_line(step: u64) -> String {
     serde_json::json!({"job": "j", "eval": e}).to_string()
 }
 
+/// Installs both trackers once, before either test runs its bridge: two
+/// pip installs into one venv at once can break each other.
+fn ensure_trackers() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let py = root().join(".venv/bin/python");
+        let have = Command::new(&py)
+            .args(["-c", "import wandb, mlflow"])
+            .status()
+            .is_ok_and(|s| s.success());
+        if !have {
+            let ok = Command::new(&py)
+                .args([
+                    "-m",
+                    "pip",
+                    "install",
+                    "-q",
+                    "wandb==0.31.0",
+                    "mlflow-skinny==3.17.2",
+                ])
+                .status()
+                .is_ok_and(|s| s.success());
+            assert!(ok, "pip install wandb mlflow-skinny failed");
+        }
+    });
+}
+
 /// Starts the bridge following `metrics`, appends steps 1..=4 (step 2
 /// twice, an eval after 3) while it runs, and waits for it to stop at
 /// step 4.
 fn follow(tracker: &str, metrics: &Path, extra: &[&str], env: &[(&str, &str)]) {
+    ensure_trackers();
     std::fs::write(metrics, format!("{}\n", step_line(1))).unwrap();
     let child = Command::new(root().join(".venv/bin/python"))
         .arg(root().join("scripts/track.py"))
