@@ -12,7 +12,7 @@ use crate::config::{CollectiveChoice, JobConfig, ModelSource, Precision, Shardin
 use crate::error::StepError;
 use crate::generate;
 use crate::objective::dpo::{DpoLoss, DpoParams};
-use crate::objective::pg::PgParams;
+use crate::objective::pg::{OffPolicy, PgParams};
 use crate::objective::{Normalization, Objective};
 use crate::train::optim::AdamWConfig;
 use crate::wire;
@@ -189,6 +189,18 @@ pub fn job_config(job: &wire::JobDefinition) -> Result<JobConfig, FieldError> {
                 params: PgParams {
                     clip_ratio: p.clip_ratio,
                     kl_coef: p.kl_coef,
+                    off_policy: match p.off_policy() {
+                        wire::OffPolicy::Tis => {
+                            if !(p.tis_cap.is_finite() && p.tis_cap >= 1.0) {
+                                return Err(invalid(
+                                    "job.objective.pg.tis_cap",
+                                    format!("must be ≥ 1, got {}", p.tis_cap),
+                                ));
+                            }
+                            OffPolicy::Tis { cap: p.tis_cap }
+                        }
+                        wire::OffPolicy::Clip | wire::OffPolicy::Unspecified => OffPolicy::Clip,
+                    },
                 },
                 norm,
                 live: live && p.kl_coef > 0.0,
