@@ -7,7 +7,7 @@
 mod common;
 
 use accrue_worker::batch::PackedBatch;
-use accrue_worker::generate::sampler::Sampler;
+use accrue_worker::generate::sampler::{log_sum_exp, Sampler};
 use accrue_worker::generate::stop::finished;
 use accrue_worker::generate::{generate, Completion, Finish, Request, SamplingParams};
 use accrue_worker::model::{Init, Llama, LlamaConfig};
@@ -45,7 +45,7 @@ fn recompute(model: &Llama, params: &SamplingParams, r: &Request) -> Completion 
     loop {
         let logits = tch::no_grad(|| model.logits(&seq, &[0, seq.len() as i64]));
         let row = Vec::<f32>::try_from(logits.get(seq.len() as i64 - 1)).unwrap();
-        let (t, lp) = sampler.sample(params, &row);
+        let (t, lp) = sampler.sample(params, &row, log_sum_exp(&row));
         tokens.push(t as i64);
         logprobs.push(lp);
         seq.push(t as i64);
@@ -74,15 +74,20 @@ fn sampled(max_batch: usize) -> SamplingParams {
 fn kv_cache_decode_equals_recomputing_the_whole_sequence() {
     let model = tiny_model(3);
     let reqs = requests(7);
-    let greedy = SamplingParams {
+    let mut greedy = SamplingParams {
         max_new_tokens: 11,
         max_batch: 3,
-        // A stop id some sequences hit: slots free at different steps.
-        stop_ids: vec![17],
         ..SamplingParams::default()
     };
+    // A stop id request 1 draws third: slots free at different steps, and
+    // the last steps decode slots that are not 0..n (a gather of the cache).
+    greedy.stop_ids = vec![recompute(&model, &greedy, &reqs[1]).tokens[2]];
     for params in [greedy, sampled(3)] {
         let ours = generate(&model, &params, &reqs).unwrap();
+        if params.temperature == 0.0 {
+            assert_eq!(ours[1].finish, Finish::Stop);
+            assert!(ours[1].tokens.len() <= 3);
+        }
         for (i, (r, c)) in reqs.iter().zip(&ours).enumerate() {
             let want = recompute(&model, &params, r);
             assert_eq!(c.tokens, want.tokens, "request {i} ({params:?})");
