@@ -12,7 +12,7 @@
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::SamplingParams;
+use super::types::SamplingParams;
 
 /// One sequence's sampler.
 #[derive(Debug, Clone)]

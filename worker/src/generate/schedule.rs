@@ -12,7 +12,7 @@ use tch::{Device, Tensor};
 
 use super::sampler::Sampler;
 use super::stop::finished;
-use super::{Completion, Finish, Request, SamplingParams};
+use super::types::{Completion, Finish, Request, SamplingParams};
 use crate::error::StepError;
 use crate::model::{KvCache, Llama};
 
