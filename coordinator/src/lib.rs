@@ -24,6 +24,7 @@ pub mod objective;
 pub mod output;
 pub mod plan;
 pub mod rl;
+pub mod rl_loop;
 pub mod server;
 pub mod service;
 pub mod settings;
@@ -31,6 +32,7 @@ pub mod sources;
 pub mod spec;
 pub mod store;
 pub mod tls;
+pub mod verify;
 
 pub use accrue_proto::v1 as wire;
 

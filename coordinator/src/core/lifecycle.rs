@@ -249,6 +249,10 @@ impl Coordinator {
             let stale = r.rejected_stale as f64;
             m.extra.insert("count/rejected_stale".into(), stale);
         }
+        // The RL loop's rounds since the last commit (reward, accuracy,
+        // response length, generation speed).
+        m.extra
+            .extend(std::mem::take(&mut job.data.loop_stats).metrics());
         job.rec.step = planned.step;
         job.rec.cursor = planned.cursor_after.clone();
         job.rec.last_loss = Some(m.loss);
@@ -311,8 +315,9 @@ impl Coordinator {
             job.requests.checkpoint = false;
             job.request_checkpoint(fx);
         }
-        // A final evaluation runs first; the job completes after it.
-        if finished && job.eval_run.is_none() {
+        // A final evaluation (or the RL loop's eval prompts) runs first;
+        // the job completes after it.
+        if finished && job.eval_run.is_none() && !self.eval_due(job_id) {
             self.complete(job_id, "all steps trained", now_ms, fx);
             return;
         }
@@ -533,6 +538,17 @@ impl Coordinator {
     }
 
     fn dispatch(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
+        // The RL loop: nothing goes out while a round is being scored (its
+        // rollouts or eval answers are owed first); eval prompts are
+        // answered before the first step and after the last.
+        if let Some(l) = self.jobs[job_id].data.rollout_loop.as_ref() {
+            if l.scoring.is_some() {
+                return;
+            }
+            if self.eval_due(job_id) && self.plan_eval(job_id, now_ms, fx) {
+                return;
+            }
+        }
         let job = self.jobs.get_mut(job_id).expect("known job");
         if !job.replaying() && job.finished() && job.eval_run.is_none() {
             self.complete(job_id, "all steps trained", now_ms, fx);
@@ -548,8 +564,14 @@ impl Coordinator {
                 // A streamed job waits until its queue holds a whole step.
                 let s = job.data.stream.as_ref().expect("a streamed job");
                 let docs = job.settings().at(next).docs_per_step.unwrap_or(1);
-                if let Some(reason) = s.waiting_reason(s.step_rollouts(docs)) {
+                let need = s.step_rollouts(docs);
+                if let Some(reason) = s.waiting_reason(need) {
+                    // The RL loop makes the rollouts itself.
+                    let generating = job.data.rollout_loop.is_some();
                     job.rec.reason = reason;
+                    if generating {
+                        self.plan_round(job_id, need, now_ms, fx);
+                    }
                     return;
                 }
                 job.rec.reason.clear();

@@ -5,6 +5,7 @@
 
 mod admin;
 pub mod convert;
+mod generate;
 mod rollouts;
 mod validate;
 mod worker;
@@ -37,6 +38,10 @@ pub struct Shared {
     metrics: crate::metrics::Exporter,
     /// Wakes rollout pushers waiting for queue room.
     rollouts: rollouts::Signals,
+    /// The RL loop: each generating job's prompts, tokenizer and verifier.
+    scorers: Mutex<HashMap<JobId, Arc<crate::rl_loop::Scorer>>>,
+    /// Itself, for work that outlives a call (scoring threads).
+    me: std::sync::Weak<Shared>,
 }
 
 pub(crate) struct Inner {
@@ -56,7 +61,7 @@ pub fn now_ms() -> i64 {
 impl Shared {
     pub fn new(core: Coordinator, store: Store) -> Arc<Shared> {
         let (watch, _) = broadcast::channel(1024);
-        Arc::new(Shared {
+        Arc::new_cyclic(|me| Shared {
             inner: Mutex::new(Inner {
                 core,
                 store,
@@ -66,6 +71,8 @@ impl Shared {
             watch,
             metrics: crate::metrics::Exporter::new(),
             rollouts: rollouts::Signals::default(),
+            scorers: Mutex::new(HashMap::new()),
+            me: me.clone(),
         })
     }
 
@@ -250,6 +257,7 @@ impl Shared {
                 Effect::Publish { job, item } => {
                     let _ = self.watch.send((job, item));
                 }
+                Effect::ScoreRound(round) => self.score_round(*round),
                 Effect::PersistRollouts(w) => {
                     if let Some(c) = &w.counts {
                         self.metrics.observe_rollouts(&w.job, c);
