@@ -41,6 +41,20 @@ pub enum Reference {
     Live,
 }
 
+/// How a policy-gradient token's loss treats rollouts drawn by another
+/// policy than the one trained (`objective.off_policy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum OffPolicy {
+    /// PPO's clipped ratio against the rollout's log-probs.
+    #[default]
+    Clip,
+    /// Token-level truncated importance sampling (verl's
+    /// `tis_imp_ratio_cap`, AIPO): the REINFORCE gradient weighted by
+    /// `min(π/μ, tis_cap)`, the weight held constant.
+    Tis,
+}
+
 /// What a policy-gradient microbatch's loss is divided by.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
@@ -85,6 +99,12 @@ pub struct ObjectiveSection {
     pub loss_normalization: Option<LossNormalization>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub normalization_constant: Option<f64>,
+    /// `"clip"` (default) or `"tis"`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub off_policy: Option<OffPolicy>,
+    /// The truncation `C` of `off_policy = "tis"` (default 2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tis_cap: Option<f64>,
 }
 
 /// Resolved DPO settings.
@@ -106,6 +126,9 @@ pub struct PgParams {
     pub reference: Reference,
     pub loss_normalization: LossNormalization,
     pub normalization_constant: Option<f64>,
+    pub off_policy: OffPolicy,
+    /// Used with [`OffPolicy::Tis`].
+    pub tis_cap: f64,
 }
 
 impl ObjectiveSection {
@@ -129,6 +152,8 @@ impl ObjectiveSection {
             reference: self.reference.unwrap_or_default(),
             loss_normalization: self.loss_normalization.unwrap_or_default(),
             normalization_constant: self.normalization_constant,
+            off_policy: self.off_policy.unwrap_or_default(),
+            tis_cap: self.tis_cap.unwrap_or(2.0),
         })
     }
 
@@ -149,6 +174,8 @@ impl ObjectiveSection {
                 "normalization_constant",
                 self.normalization_constant.is_some(),
             ),
+            ("off_policy", self.off_policy.is_some()),
+            ("tis_cap", self.tis_cap.is_some()),
         ];
         let kind = format!("{:?}", self.kind).to_lowercase();
         let mut wrong_kind = |fields: &[(&str, bool)], for_kind: &str| {
@@ -209,6 +236,17 @@ impl ObjectiveSection {
                 bad(
                     "objective.kl_coef",
                     format!("must be ≥ 0, got {}", p.kl_coef),
+                );
+            }
+            if !(p.tis_cap.is_finite() && p.tis_cap >= 1.0) {
+                bad(
+                    "objective.tis_cap",
+                    format!("must be a number ≥ 1, got {}", p.tis_cap),
+                );
+            } else if self.tis_cap.is_some() && p.off_policy != OffPolicy::Tis {
+                bad(
+                    "objective.tis_cap",
+                    "only applies to off_policy = \"tis\"".into(),
                 );
             }
             match (p.loss_normalization, p.normalization_constant) {
@@ -472,6 +510,32 @@ mod tests {
             toml::from_str("kind = \"pg\"\nloss_normalization = \"constant\"").unwrap();
         assert!(problems(&o)[0].starts_with("objective.normalization_constant: required"));
         assert!(toml::from_str::<ObjectiveSection>("kind = \"dpo\"\nloss = \"hinge\"").is_err());
+    }
+
+    #[test]
+    fn off_policy_tis_resolves_and_its_cap_is_checked() {
+        let parse = |t: &str| toml::from_str::<ObjectiveSection>(t).unwrap();
+        let clip = parse("kind = \"pg\"").pg().unwrap();
+        assert_eq!((clip.off_policy, clip.tis_cap), (OffPolicy::Clip, 2.0));
+        let tis = parse("kind = \"pg\"\noff_policy = \"tis\"\ntis_cap = 3.0");
+        assert!(problems(&tis).is_empty());
+        assert_eq!(tis.pg().unwrap().off_policy, OffPolicy::Tis);
+        assert_eq!(tis.pg().unwrap().tis_cap, 3.0);
+        let p = problems(&parse("kind = \"pg\"\noff_policy = \"tis\"\ntis_cap = 0.5")).join("\n");
+        assert!(p.contains("objective.tis_cap: must be a number ≥ 1"), "{p}");
+        let p = problems(&parse("kind = \"pg\"\ntis_cap = 3.0")).join("\n");
+        assert!(
+            p.contains("objective.tis_cap: only applies to off_policy"),
+            "{p}"
+        );
+        let p = problems(&parse("kind = \"sft\"\noff_policy = \"tis\"")).join("\n");
+        assert!(
+            p.contains("objective.off_policy: only applies to kind = \"pg\""),
+            "{p}"
+        );
+        assert!(
+            toml::from_str::<ObjectiveSection>("kind = \"pg\"\noff_policy = \"aipo\"").is_err()
+        );
     }
 
     #[test]

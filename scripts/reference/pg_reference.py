@@ -12,6 +12,9 @@ Per step:
   surrogate `-min(ratio*A, clamp(ratio, 1-c, 1+c)*A)`, plus
   `kl_coef * (exp(ref - logp) - (ref - logp) - 1)` (k3) with `ref` the
   log-probs of a frozen copy of the INITIAL model;
+- or, with `off_policy = "tis"`, verl's truncated importance sampling:
+  the clipped surrogate against `logp.detach()` (ratio 1, gradient
+  d logp) times `min(exp(logp.detach() - old_logp), tis_cap)`;
 - the step's objective: Σ token losses / T (the step's completion tokens,
   "token"), Σ over rollouts of the rollout's token mean / rollouts
   ("sequence"), or Σ / constant ("constant");
@@ -19,6 +22,7 @@ Per step:
 
 usage: pg_reference.py MODEL_DIR SPEC_JSON TENSORS_OUT
   SPEC_JSON: {"clip_ratio", "kl_coef", "norm": "token"|"sequence"|"constant",
+              "off_policy": "clip"|"tis" (default clip), "tis_cap",
               "constant", "scale_by_std", "adv_eps",
               "optimizer": {"lr", "betas", "eps", "weight_decay", "grad_clip"},
               "steps": [[{"ids", "labels", "reward", "group",
@@ -79,14 +83,29 @@ def step_loss(model, ref_model, rollouts, adv, spec):
     for r, a in zip(rollouts, adv):
         lp, mask = completion_logps(model, r["ids"], r["labels"])
         lp = lp[mask]
-        if r.get("old_logprobs") is not None:
+        has_old = r.get("old_logprobs") is not None
+        if has_old:
             old = torch.tensor(r["old_logprobs"][1:], dtype=torch.float64)[mask]
-            ratio = torch.exp(lp - old)
+        if spec.get("off_policy") == "tis":
+            # verl `compute_policy_loss_vanilla` with `tis_imp_ratio_cap`:
+            # the PPO ratio against the trainer's own old_log_prob (the
+            # current weights: one update per batch), the loss times the
+            # truncated rollout ratio exp(old_log_prob - rollout), detached.
+            old_log_prob = lp.detach()
+            ratio = torch.exp(lp - old_log_prob)
+            pg = torch.maximum(-ratio * a, -ratio.clamp(1 - c, 1 + c) * a)
+            if has_old:
+                tis = torch.exp(old_log_prob - old)
+                token_loss = pg * tis.clamp(max=spec["tis_cap"])
+                stats["clip_count"] += int((tis > spec["tis_cap"]).sum())
+            else:
+                token_loss = pg
+            unclipped = clipped = torch.zeros_like(lp)
         else:
-            ratio = torch.exp(lp - lp.detach())
-        unclipped = ratio * a
-        clipped = ratio.clamp(1 - c, 1 + c) * a
-        token_loss = -torch.minimum(unclipped, clipped)
+            ratio = torch.exp(lp - old) if has_old else torch.exp(lp - lp.detach())
+            unclipped = ratio * a
+            clipped = ratio.clamp(1 - c, 1 + c) * a
+            token_loss = -torch.minimum(unclipped, clipped)
         kl = torch.zeros_like(lp)
         if kl_coef > 0:
             with torch.no_grad():

@@ -10,8 +10,9 @@ use tch::{Device, Kind};
 use crate::batch::{MicrobatchMeta, PackedBatch, SeqMeta, StepNorms};
 use crate::config::{CollectiveChoice, JobConfig, ModelSource, Precision, Sharding};
 use crate::error::StepError;
+use crate::generate;
 use crate::objective::dpo::{DpoLoss, DpoParams};
-use crate::objective::pg::PgParams;
+use crate::objective::pg::{OffPolicy, PgParams};
 use crate::objective::{Normalization, Objective};
 use crate::train::optim::AdamWConfig;
 use crate::wire;
@@ -188,6 +189,18 @@ pub fn job_config(job: &wire::JobDefinition) -> Result<JobConfig, FieldError> {
                 params: PgParams {
                     clip_ratio: p.clip_ratio,
                     kl_coef: p.kl_coef,
+                    off_policy: match p.off_policy() {
+                        wire::OffPolicy::Tis => {
+                            if !(p.tis_cap.is_finite() && p.tis_cap >= 1.0) {
+                                return Err(invalid(
+                                    "job.objective.pg.tis_cap",
+                                    format!("must be ≥ 1, got {}", p.tis_cap),
+                                ));
+                            }
+                            OffPolicy::Tis { cap: p.tis_cap }
+                        }
+                        wire::OffPolicy::Clip | wire::OffPolicy::Unspecified => OffPolicy::Clip,
+                    },
                 },
                 norm,
                 live: live && p.kl_coef > 0.0,
@@ -235,6 +248,77 @@ pub fn job_config(job: &wire::JobDefinition) -> Result<JobConfig, FieldError> {
 }
 
 /// A complete definition for tests with fake executors.
+/// A generate plan's sampling settings and requests (prompt ids as the
+/// model's `i64`). A missing `sampling` is refused; `top_p` 0 (unset) is
+/// off like 1, `max_batch` 0 is [`generate::DEFAULT_MAX_BATCH`].
+pub fn generate_plan(
+    p: &wire::GeneratePlan,
+) -> Result<(generate::SamplingParams, Vec<generate::Request>), FieldError> {
+    let s = p.sampling.as_ref().ok_or_else(|| missing("sampling"))?;
+    if !(s.temperature.is_finite() && s.temperature >= 0.0) {
+        return Err(invalid(
+            "sampling.temperature",
+            format!("must be ≥ 0, got {}", s.temperature),
+        ));
+    }
+    if !(s.top_p.is_finite() && (0.0..=1.0).contains(&s.top_p)) {
+        return Err(invalid(
+            "sampling.top_p",
+            format!("must be in [0, 1], got {}", s.top_p),
+        ));
+    }
+    let ids = |bytes: &[u8], field: &str| -> Result<Vec<i64>, FieldError> {
+        accrue_proto::unpack_u32(bytes)
+            .map(|v| v.into_iter().map(i64::from).collect())
+            .map_err(|e| invalid(field, e.to_string()))
+    };
+    let stop_sequences = s
+        .stop_sequences
+        .iter()
+        .enumerate()
+        .map(|(i, b)| ids(b, &format!("sampling.stop_sequences[{i}]")))
+        .collect::<Result<_, _>>()?;
+    let params = generate::SamplingParams {
+        temperature: s.temperature,
+        top_p: if s.top_p == 0.0 { 1.0 } else { s.top_p },
+        top_k: s.top_k,
+        max_new_tokens: s.max_new_tokens as usize,
+        stop_ids: s.stop_ids.iter().map(|&t| i64::from(t)).collect(),
+        stop_sequences,
+        max_batch: match s.max_batch {
+            0 => generate::DEFAULT_MAX_BATCH,
+            n => n as usize,
+        },
+    };
+    let requests = p
+        .requests
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            Ok(generate::Request {
+                prompt: ids(&r.prompt_ids, &format!("requests[{i}].prompt_ids"))?,
+                seed: r.seed,
+            })
+        })
+        .collect::<Result<_, _>>()?;
+    Ok((params, requests))
+}
+
+/// A completion on the wire.
+pub fn completion(r: &wire::GenerateRequest, c: &generate::Completion) -> wire::Completion {
+    let ids: Vec<u32> = c.tokens.iter().map(|&t| t as u32).collect();
+    wire::Completion {
+        prompt_id: r.prompt_id.clone(),
+        sample: r.sample,
+        token_ids: accrue_proto::pack_u32(&ids),
+        logprobs: accrue_proto::pack_f32(&c.logprobs),
+        finish: match c.finish {
+            generate::Finish::Stop => wire::FinishReason::Stop,
+            generate::Finish::Length => wire::FinishReason::Length,
+        } as i32,
+    }
+}
+
 #[cfg(test)]
 pub(crate) mod testing {
     use crate::wire;

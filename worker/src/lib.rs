@@ -8,6 +8,7 @@ pub mod config;
 pub mod convert;
 pub mod device;
 pub mod error;
+pub mod generate;
 pub mod gpu_memory;
 pub mod launch;
 pub mod metrics;

@@ -29,6 +29,7 @@
 mod checkpoint;
 mod configure;
 pub mod fault;
+mod generate;
 mod handle;
 mod probe;
 mod publish;

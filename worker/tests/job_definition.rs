@@ -119,6 +119,14 @@ fn every_example_spec_round_trips_through_the_typed_job_message() {
                 params: accrue_worker::objective::pg::PgParams {
                     clip_ratio: p.clip_ratio,
                     kl_coef: p.kl_coef,
+                    off_policy: match p.off_policy {
+                        accrue_coordinator::objective::OffPolicy::Clip => {
+                            accrue_worker::objective::pg::OffPolicy::Clip
+                        }
+                        accrue_coordinator::objective::OffPolicy::Tis => {
+                            accrue_worker::objective::pg::OffPolicy::Tis { cap: p.tis_cap }
+                        }
+                    },
                 },
                 norm,
                 live: p.kl_coef > 0.0 && p.reference == Reference::Live,

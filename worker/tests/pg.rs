@@ -73,6 +73,8 @@ struct Case {
     /// carried in the plan (`reference = "cached"`) rather than a frozen
     /// model on the worker.
     cached_ref: bool,
+    /// `off_policy = "tis"` with this cap (else the clipped ratio).
+    tis: Option<f64>,
 }
 
 fn tokens(n: usize, seed: u64) -> Vec<i64> {
@@ -170,6 +172,10 @@ fn job(dir: &std::path::Path, case: &Case) -> accrue_worker::config::JobConfig {
     } else {
         String::new()
     };
+    let off_policy = match case.tis {
+        Some(cap) => format!("off_policy = \"tis\"\ntis_cap = {cap}\n"),
+        None => String::new(),
+    };
     common::random_job(
         dir,
         &format!(
@@ -178,7 +184,7 @@ fn job(dir: &std::path::Path, case: &Case) -> accrue_worker::config::JobConfig {
             "[optimizer]\nweight_decay = 0.1\ngrad_clip = 1.0\neps = 1e-6\nno_decay = []\n\
              [runtime]\nloss_chunk_tokens = 16\n\
              [objective]\nkind = \"pg\"\nclip_ratio = 0.2\nkl_coef = {}\n\
-             reference = \"{reference}\"\nloss_normalization = \"{}\"\n{constant}",
+             reference = \"{reference}\"\nloss_normalization = \"{}\"\n{constant}{off_policy}",
             case.kl_coef, case.norm
         ),
     )
@@ -418,6 +424,8 @@ fn spec_json(case: &Case, all: &[Rollout]) -> String {
     serde_json::json!({
         "clip_ratio": 0.2, "kl_coef": case.kl_coef, "norm": case.norm,
         "constant": case.constant, "scale_by_std": true, "adv_eps": 1e-6,
+        "off_policy": if case.tis.is_some() { "tis" } else { "clip" },
+        "tis_cap": case.tis.unwrap_or(0.0),
         "optimizer": {"lr": LR, "betas": [0.9, 0.999], "eps": 1e-6,
                       "weight_decay": 0.1, "grad_clip": 1.0},
         "steps": steps,
@@ -669,6 +677,7 @@ fn pg_token_norm_on_policy_matches_reference_and_any_split() {
         old: Old::None,
         kl_coef: 0.0,
         cached_ref: false,
+        tis: None,
     });
 }
 
@@ -680,6 +689,7 @@ fn pg_token_norm_with_old_logprobs_matches_reference_and_any_split() {
         old: Old::All,
         kl_coef: 0.0,
         cached_ref: false,
+        tis: None,
     });
 }
 
@@ -691,6 +701,7 @@ fn pg_sequence_norm_mixed_old_logprobs_and_live_kl_match_reference_and_any_split
         old: Old::Mixed,
         kl_coef: 0.5,
         cached_ref: false,
+        tis: None,
     });
 }
 
@@ -702,6 +713,7 @@ fn pg_constant_norm_with_live_kl_matches_reference_and_any_split() {
         old: Old::None,
         kl_coef: 0.5,
         cached_ref: false,
+        tis: None,
     });
 }
 
@@ -713,6 +725,7 @@ fn pg_token_norm_old_logprobs_and_live_kl_match_reference_and_any_split() {
         old: Old::All,
         kl_coef: 0.5,
         cached_ref: false,
+        tis: None,
     });
 }
 
@@ -727,6 +740,7 @@ fn pg_cached_kl_matches_reference_any_split_and_the_live_reference() {
         old: Old::All,
         kl_coef: 0.5,
         cached_ref: true,
+        tis: None,
     };
     check(case);
     let all = rollouts(case.old);
@@ -759,6 +773,7 @@ fn pg_microbatch_token_normaliser_is_caught() {
         old: Old::All,
         kl_coef: 0.0,
         cached_ref: false,
+        tis: None,
     };
     let all = rollouts(case.old);
     let layouts = layouts();
@@ -770,5 +785,52 @@ fn pg_microbatch_token_normaliser_is_caught() {
     assert!(
         w > 1e-3 && g > 1e-2,
         "should miss: parameters {w:e}, grad norm {g:e}"
+    );
+}
+
+/// Truncated importance sampling (`off_policy = "tis"`, cap 1.1 so that
+/// some of the rollouts' ratios, ≈ 0.7–1.4, are truncated and some not)
+/// matches verl's formula in the Python reference and any split.
+#[test]
+fn pg_tis_matches_the_verl_formula_and_any_split() {
+    check(Case {
+        norm: "token",
+        constant: 0.0,
+        old: Old::All,
+        kl_coef: 0.5,
+        cached_ref: false,
+        tis: Some(1.1),
+    });
+}
+
+/// The correction matters where the sampling policy differs from the
+/// trained one: with old log-probs, TIS and the clipped ratio give
+/// different updates; on-policy (no old log-probs) they are the same.
+#[test]
+fn pg_tis_changes_the_update_only_off_policy() {
+    tch::set_num_threads(2);
+    let layout = &layouts()[0].1;
+    let case = |old: Old, tis: Option<f64>| Case {
+        norm: "token",
+        constant: 0.0,
+        old,
+        kl_coef: 0.0,
+        cached_ref: false,
+        tis,
+    };
+    let run =
+        |old: Old, tis: Option<f64>| train(&case(old, tis), &rollouts(old), layout, Norm::Global);
+    let ((off, name), _) = compare(&run(Old::All, Some(1.1)), &run(Old::All, None));
+    println!(
+        "off-policy: TIS vs clipped ratio, worst relative parameter difference {off:e} ({name})"
+    );
+    assert!(
+        off > 1e-3,
+        "TIS did not change the off-policy update ({off:e})"
+    );
+    let ((on, name), (w, what)) = compare(&run(Old::None, Some(1.1)), &run(Old::None, None));
+    assert!(
+        on <= 1e-9 && w <= 1e-9,
+        "on-policy: {name} {on:e}, {what} {w:e}"
     );
 }

@@ -9,7 +9,7 @@ use crate::core::{
 };
 use crate::cursor::Cursor;
 use crate::doc::DocId;
-use crate::objective::{DpoLoss, LossNormalization, Reference};
+use crate::objective::{DpoLoss, LossNormalization, OffPolicy, Reference};
 use crate::plan::Normalizers;
 use crate::spec::{CollectiveChoice, Dtype, JobSpec, Sharding};
 
@@ -53,6 +53,11 @@ pub fn job_definition(spec: &JobSpec) -> wire::JobDefinition {
                 LossNormalization::Constant => wire::LossNormalization::Constant,
             } as i32,
             normalization_constant: p.normalization_constant,
+            off_policy: match p.off_policy {
+                OffPolicy::Clip => wire::OffPolicy::Clip,
+                OffPolicy::Tis => wire::OffPolicy::Tis,
+            } as i32,
+            tis_cap: p.tis_cap,
         })
     } else {
         Kind::Sft(wire::SftObjective {})

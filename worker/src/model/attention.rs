@@ -99,23 +99,23 @@ impl Attention {
         cu_seq_lens: &[i64],
         mode: PackedAttention,
     ) -> Tensor {
-        use tch::nn::Module;
         let t = x.size()[0];
-        let (nq, nkv) = (self.heads * self.head_dim, self.kv_heads * self.head_dim);
-        // One matmul for q/k/v (weights concatenated at run time; the stored
-        // parameters keep HF's names and shapes), and one RoPE for q and k.
-        let qkv = fused_linear(x, &[&self.q_proj, &self.k_proj, &self.v_proj]);
-        let qk = qkv
-            .narrow(1, 0, nq + nkv)
-            .view([t, self.heads + self.kv_heads, self.head_dim])
-            .transpose(0, 1);
-        let qk = rope::apply(&qk, cos, sin);
-        let q = qk.narrow(0, 0, self.heads);
-        let k = qk.narrow(0, self.heads, self.kv_heads);
-        let v = qkv
-            .narrow(1, nq + nkv, nkv)
-            .view([t, self.kv_heads, self.head_dim])
-            .transpose(0, 1);
+        let (q, k, v) = self.project(x, cos, sin);
+        let out = self.attend(&q, &k, &v, cu_seq_lens, mode);
+        let out = out.transpose(0, 1).reshape([t, self.heads * self.head_dim]);
+        self.output(&out)
+    }
+
+    /// Causal attention within the documents of `cu_seq_lens` of `q:
+    /// [heads, T, d]` over `k, v: [kv_heads, T, d]`; `[heads, T, d]`.
+    pub fn attend(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        cu_seq_lens: &[i64],
+        mode: PackedAttention,
+    ) -> Tensor {
         // GQA: repeat kv heads (HF `repeat_kv`); the CPU flash kernel has no
         // native grouped path.
         let rep = self.heads / self.kv_heads;
@@ -125,10 +125,10 @@ impl Attention {
                 v.repeat_interleave_self_int(rep, 0, None),
             )
         } else {
-            (k, v)
+            (k.shallow_clone(), v.shallow_clone())
         };
-        let out = match mode.on(x.device()) {
-            PackedAttention::Bucketed => bucketed(&q, &k, &v, cu_seq_lens),
+        match mode.on(q.device()) {
+            PackedAttention::Bucketed => bucketed(q, &k, &v, cu_seq_lens),
             PackedAttention::Auto | PackedAttention::PerDocument => {
                 // `split` rather than one `narrow` per document: its backward
                 // is one concatenation, not a zero-filled full-size gradient
@@ -158,7 +158,7 @@ impl Attention {
                 Tensor::cat(&docs, 1)
             }
             PackedAttention::BlockMask => {
-                let mask = block_causal_mask(cu_seq_lens, x.device());
+                let mask = block_causal_mask(cu_seq_lens, q.device());
                 Tensor::scaled_dot_product_attention(
                     &q.unsqueeze(0),
                     &k.unsqueeze(0),
@@ -171,9 +171,41 @@ impl Attention {
                 )
                 .squeeze_dim(0)
             }
-        };
-        let out = out.transpose(0, 1).reshape([t, self.heads * self.head_dim]);
-        self.o_proj.forward(&out)
+        }
+    }
+
+    /// q `[heads, T, d]`, k and v `[kv_heads, T, d]` of the tokens `x:
+    /// [T, H]`, RoPE applied to q and k (the cached keys of generation are
+    /// these k).
+    pub fn project(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> (Tensor, Tensor, Tensor) {
+        let t = x.size()[0];
+        let (nq, nkv) = (self.heads * self.head_dim, self.kv_heads * self.head_dim);
+        // One matmul for q/k/v (weights concatenated at run time; the stored
+        // parameters keep HF's names and shapes), and one RoPE for q and k.
+        let qkv = fused_linear(x, &[&self.q_proj, &self.k_proj, &self.v_proj]);
+        let qk = qkv
+            .narrow(1, 0, nq + nkv)
+            .view([t, self.heads + self.kv_heads, self.head_dim])
+            .transpose(0, 1);
+        let qk = rope::apply(&qk, cos, sin);
+        let q = qk.narrow(0, 0, self.heads);
+        let k = qk.narrow(0, self.heads, self.kv_heads);
+        let v = qkv
+            .narrow(1, nq + nkv, nkv)
+            .view([t, self.kv_heads, self.head_dim])
+            .transpose(0, 1);
+        (q, k, v)
+    }
+
+    /// The output projection of the heads' outputs `[T, heads · d]`.
+    pub fn output(&self, heads: &Tensor) -> Tensor {
+        use tch::nn::Module;
+        self.o_proj.forward(heads)
+    }
+
+    /// `(heads, kv_heads, head_dim)`.
+    pub fn shape(&self) -> (i64, i64, i64) {
+        (self.heads, self.kv_heads, self.head_dim)
     }
 }
 

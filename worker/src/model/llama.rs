@@ -18,10 +18,10 @@ use super::rope::Rope;
 /// One transformer block: pre-norm attention and pre-norm MLP, residuals.
 #[derive(Debug)]
 pub struct DecoderLayer {
-    input_layernorm: RmsNorm,
-    self_attn: Attention,
-    post_attention_layernorm: RmsNorm,
-    mlp: Mlp,
+    pub(super) input_layernorm: RmsNorm,
+    pub(super) self_attn: Attention,
+    pub(super) post_attention_layernorm: RmsNorm,
+    pub(super) mlp: Mlp,
 }
 
 impl DecoderLayer {

@@ -4,6 +4,7 @@
 
 pub mod attention;
 pub mod config;
+pub mod decode;
 pub mod flops;
 pub mod init;
 pub mod linear;
@@ -17,5 +18,6 @@ pub mod weights;
 
 pub use attention::PackedAttention;
 pub use config::LlamaConfig;
+pub use decode::KvCache;
 pub use init::Init;
 pub use llama::Llama;

@@ -146,6 +146,7 @@ impl Thread {
             Work::Plan(p) => self.plan(&p),
             Work::Checkpoint(c) => self.checkpoint(&c),
             Work::Publish(p) => self.publish(&p),
+            Work::Generate(g) => self.generate(&g),
             Work::Abort(a) => {
                 if let Some(h) = &mut self.job {
                     h.exec.zero_grad();

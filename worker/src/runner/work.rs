@@ -136,6 +136,8 @@ pub enum Work {
     Abort(wire::Abort),
     /// Write the policy for an external generator (`rl.publish_every`).
     Publish(wire::PublishPolicy),
+    /// Complete prompts with the current weights (issue 17).
+    Generate(Box<wire::GeneratePlan>),
 }
 
 impl Work {
@@ -149,6 +151,7 @@ impl Work {
             Work::Checkpoint(c) => format!("the checkpoint of step {}", c.step),
             Work::Abort(a) => format!("the abort of step {}", a.step),
             Work::Publish(p) => format!("publishing the policy of step {}", p.step),
+            Work::Generate(g) => format!("generation round {}", g.round),
         }
     }
 }

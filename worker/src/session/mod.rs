@@ -273,9 +273,7 @@ async fn session(
                     In::CheckpointRequest(c) => runner.submit(Work::Checkpoint(c)),
                     In::Abort(a) => runner.submit(Work::Abort(a)),
                     In::PublishPolicy(p) => runner.submit(Work::Publish(p)),
-                    In::GeneratePlan(g) => {
-                        warn!(job = %g.job_id, round = g.round, "generate plan: generation is not built into this worker yet");
-                    }
+                    In::GeneratePlan(g) => runner.submit(Work::Generate(Box::new(g))),
                     In::Release(r) => {
                         info!(job = %r.job_id, reason = %r.reason, "released");
                         if cfg.exit_on_release || leaving {

@@ -141,6 +141,13 @@ pub trait Engine {
         0.0
     }
 
+    /// The whole model for generation (issue 17): the weights forward runs
+    /// on (the compute copy under mixed precision). `None` when this rank
+    /// holds only a shard of them (fsdp).
+    fn policy(&self) -> Option<&crate::model::Llama> {
+        None
+    }
+
     /// The device the replica lives on.
     fn device(&self) -> tch::Device {
         tch::Device::Cpu

@@ -123,6 +123,11 @@ impl Engine for Trainer {
         self.model.vs.device()
     }
 
+    /// ddp and zero2 hold every parameter on every rank.
+    fn policy(&self) -> Option<&crate::model::Llama> {
+        Some(self.compute_model())
+    }
+
     fn model_flops(&self, cu_seq_lens: &[i64], loss_tokens: u64) -> f64 {
         crate::model::flops::training_flops(&self.model.cfg, cu_seq_lens, loss_tokens)
     }

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Generation benchmark (issue 17): tokens/s of the worker's KV-cache
+# generation (continuous batching, greedy) beside transformers' `generate`
+# (greedy, use_cache=True) on the same random small Llama (4 layers,
+# hidden 512, vocab 8192, float32, CPU), the same 8 prompts of 5–64 tokens
+# and 64 new tokens each, run interleaved (ours, HF, ours, HF) in one
+# process each; prints each run and the ratio of the best runs.
+# ACCRUE_BENCH_PROFILE=dev skips the release build (slower Rust, same
+# libtorch kernels).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/env.sh
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+export ACCRUE_BENCH_DIR="$work" ACCRUE_BENCH_MAX_NEW="${ACCRUE_BENCH_MAX_NEW:-64}"
+py=.venv/bin/python
+profile=(--release)
+[[ "${ACCRUE_BENCH_PROFILE:-release}" == dev ]] && profile=()
+$py scripts/reference/bench_hf_generate.py make "$work" --batch 8
+cargo test "${profile[@]}" -q -p accrue-worker --test generate --no-run 2>/dev/null
+ours() { cargo test "${profile[@]}" -q -p accrue-worker --test generate -- --ignored --exact --nocapture bench_generate 2>/dev/null | grep '^{'; }
+hf() { $py scripts/reference/bench_hf_generate.py run "$work" "$ACCRUE_BENCH_MAX_NEW"; }
+{ ours; hf; ours; hf; } | tee "$work/results.jsonl"
+$py - "$work/results.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+best = {}
+for r in rows:
+    best[r["impl"]] = max(best.get(r["impl"], 0), r["tokens_per_s"])
+print(f"best tokens/s: {best}")
+if "accrue-generate" in best and "hf-generate" in best:
+    print(f"ratio accrue-generate / hf-generate: {best['accrue-generate'] / best['hf-generate']:.2f}")
+PY

@@ -1,0 +1,151 @@
+//! Continuous batching (Orca, vLLM): up to `max_batch` sequences decode
+//! together, one token each per step; a finished sequence's slot takes the
+//! next waiting prompt at once (its prefill), so short completions never
+//! wait on long ones. Requests are taken in order; completions are
+//! returned in request order.
+//!
+//! A slot's state is the last sampled token, not yet in the cache: the
+//! next decode step feeds it. A sequence ends on the token that finishes
+//! it, which is then never fed.
+
+use tch::{Device, Tensor};
+
+use super::sampler::Sampler;
+use super::stop::finished;
+use super::{Completion, Finish, Request, SamplingParams};
+use crate::error::StepError;
+use crate::model::{KvCache, Llama};
+
+/// A sequence being decoded in a slot.
+struct Active {
+    request: usize,
+    sampler: Sampler,
+    tokens: Vec<i64>,
+    logprobs: Vec<f32>,
+}
+
+/// Completes every request with `model` (no gradient), in request order.
+pub fn generate(
+    model: &Llama,
+    params: &SamplingParams,
+    requests: &[Request],
+) -> anyhow::Result<Vec<Completion>> {
+    let vocab = model.cfg.vocab_size as i64;
+    for (i, r) in requests.iter().enumerate() {
+        if r.prompt.is_empty() {
+            return Err(StepError::data(format!("request {i}: empty prompt")));
+        }
+        if let Some(t) = r.prompt.iter().find(|&&t| t < 0 || t >= vocab) {
+            return Err(StepError::data(format!(
+                "request {i}: prompt token {t} outside the vocabulary of {vocab}"
+            )));
+        }
+    }
+    let mut done: Vec<Option<Completion>> = vec![None; requests.len()];
+    let capacity = requests
+        .iter()
+        .map(|r| r.prompt.len() + params.max_new_tokens)
+        .max()
+        .unwrap_or(0);
+    let slots = params.max_batch.max(1).min(requests.len());
+    if params.max_new_tokens == 0 || slots == 0 {
+        return Ok(requests
+            .iter()
+            .map(|_| Completion {
+                tokens: Vec::new(),
+                logprobs: Vec::new(),
+                finish: Finish::Length,
+            })
+            .collect());
+    }
+    tch::no_grad(|| {
+        let mut cache = KvCache::new(model, slots, capacity);
+        let mut active: Vec<Option<Active>> = (0..slots).map(|_| None).collect();
+        let mut waiting = 0..requests.len();
+        loop {
+            // Refill: every free slot takes the next prompt, prefilled
+            // together; one that finishes on its first token frees its
+            // slot again.
+            loop {
+                let fill: Vec<(usize, usize)> = active
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, a)| a.is_none())
+                    .map(|(s, _)| s)
+                    .zip(&mut waiting)
+                    .collect();
+                if fill.is_empty() {
+                    break;
+                }
+                let prompts: Vec<(usize, &[i64])> = fill
+                    .iter()
+                    .map(|&(s, r)| (s, requests[r].prompt.as_slice()))
+                    .collect();
+                let logits = rows(&model.prefill(&mut cache, &prompts)?)?;
+                for (&(slot, r), row) in fill.iter().zip(logits) {
+                    let a = Active {
+                        request: r,
+                        sampler: Sampler::new(requests[r].seed),
+                        tokens: Vec::new(),
+                        logprobs: Vec::new(),
+                    };
+                    active[slot] = advance(params, a, &row, &mut done);
+                    if active[slot].is_none() {
+                        cache.clear(slot);
+                    }
+                }
+            }
+            let step: Vec<(usize, i64)> = active
+                .iter()
+                .enumerate()
+                .filter_map(|(s, a)| Some((s, *a.as_ref()?.tokens.last()?)))
+                .collect();
+            if step.is_empty() {
+                break;
+            }
+            let logits = rows(&model.decode(&mut cache, &step)?)?;
+            for (&(slot, _), row) in step.iter().zip(logits) {
+                let a = active[slot].take().expect("stepped slots are active");
+                active[slot] = advance(params, a, &row, &mut done);
+                if active[slot].is_none() {
+                    cache.clear(slot);
+                }
+            }
+        }
+        Ok(done
+            .into_iter()
+            .map(|c| c.expect("every request completes"))
+            .collect())
+    })
+}
+
+/// Samples `a`'s next token from `logits`; returns it still active, or
+/// `None` after storing its completion in `done`.
+fn advance(
+    params: &SamplingParams,
+    mut a: Active,
+    logits: &[f32],
+    done: &mut [Option<Completion>],
+) -> Option<Active> {
+    let (token, logprob) = a.sampler.sample(params, logits);
+    a.tokens.push(token as i64);
+    a.logprobs.push(logprob);
+    match finished(params, &a.tokens) {
+        None => Some(a),
+        Some(finish) => {
+            done[a.request] = Some(Completion {
+                tokens: a.tokens,
+                logprobs: a.logprobs,
+                finish,
+            });
+            None
+        }
+    }
+}
+
+/// `[N, V]` float32 logits as N host rows.
+fn rows(logits: &Tensor) -> anyhow::Result<Vec<Vec<f32>>> {
+    let v = logits.size()[1] as usize;
+    let flat = Vec::<f32>::try_from(logits.to_device(Device::Cpu).contiguous().view([-1]))?;
+    Ok(flat.chunks(v).map(<[f32]>::to_vec).collect())
+}

@@ -1,0 +1,222 @@
+//! Generation's forward: the same [`Llama`] with a per-layer key/value
+//! cache, so a new token costs one token's forward instead of the whole
+//! sequence's (HF `DynamicCache`/`StaticCache`, vLLM's slots).
+//!
+//! The cache is a fixed set of slots, one sequence each, every layer's keys
+//! and values held as `[slots, kv_heads, capacity, head_dim]` (a static
+//! cache: no reallocation while decoding). [`Llama::prefill`] runs new
+//! prompts as one packed row through the training forward's attention and
+//! writes their keys and values into their slots; [`Llama::decode`] runs one
+//! token for each of any set of slots, each at its own position, attending
+//! to its slot's cache under a length mask. Both return the logits of the
+//! last token per sequence, from the same weights and kernels as a training
+//! forward (the log-probs a sampler reports are then the trainer's
+//! `old_logprobs`).
+
+use anyhow::bail;
+use tch::{Kind, Tensor};
+
+use super::llama::{positions, Llama};
+
+/// Keys and values of up to `slots` sequences of at most `capacity` tokens.
+pub struct KvCache {
+    /// Per layer, `[slots, kv_heads, capacity, head_dim]`.
+    keys: Vec<Tensor>,
+    values: Vec<Tensor>,
+    /// Tokens held per slot.
+    lens: Vec<i64>,
+    capacity: i64,
+}
+
+impl std::fmt::Debug for KvCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvCache")
+            .field("lens", &self.lens)
+            .field("capacity", &self.capacity)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KvCache {
+    /// An empty cache for `model` (its dtype and device).
+    pub fn new(model: &Llama, slots: usize, capacity: usize) -> KvCache {
+        let (_, kv_heads, head_dim) = model.layers[0].self_attn.shape();
+        let shape = [slots as i64, kv_heads, capacity as i64, head_dim];
+        let opts = (model.kind(), model.vs.device());
+        let make = || -> Vec<Tensor> {
+            (0..model.layers.len())
+                .map(|_| Tensor::zeros(shape, opts))
+                .collect()
+        };
+        KvCache {
+            keys: make(),
+            values: make(),
+            lens: vec![0; slots],
+            capacity: capacity as i64,
+        }
+    }
+
+    /// Tokens cached in `slot`.
+    pub fn len(&self, slot: usize) -> usize {
+        self.lens[slot] as usize
+    }
+
+    pub fn slots(&self) -> usize {
+        self.lens.len()
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity as usize
+    }
+
+    /// Frees `slot` for a new sequence (its stale entries are masked out).
+    pub fn clear(&mut self, slot: usize) {
+        self.lens[slot] = 0;
+    }
+}
+
+impl Llama {
+    /// Runs `prompts` (slot, token ids) as one packed row, stores their keys
+    /// and values in their slots (which must be empty) and returns the
+    /// float32 logits of each prompt's last token, `[prompts, V]`.
+    pub fn prefill(
+        &self,
+        cache: &mut KvCache,
+        prompts: &[(usize, &[i64])],
+    ) -> anyhow::Result<Tensor> {
+        let mut cu = vec![0i64];
+        let mut ids = Vec::new();
+        for &(slot, p) in prompts {
+            if p.is_empty() || cache.lens[slot] != 0 || p.len() as i64 > cache.capacity {
+                bail!(
+                    "prefill of slot {slot}: {} prompt tokens into a slot holding {} of {}",
+                    p.len(),
+                    cache.lens[slot],
+                    cache.capacity
+                );
+            }
+            ids.extend_from_slice(p);
+            cu.push(ids.len() as i64);
+        }
+        let device = self.vs.device();
+        let (cos, sin) = self.rope.cos_sin(&positions(&cu), self.kind(), device);
+        let tokens = Tensor::from_slice(&ids).to_device(device);
+        let mut x = Tensor::embedding(&self.embed_tokens, &tokens, -1, false, false);
+        let t = ids.len() as i64;
+        for (l, layer) in self.layers.iter().enumerate() {
+            let attn = &layer.self_attn;
+            let (q, k, v) = attn.project(&layer.input_layernorm.forward(&x), &cos, &sin);
+            for (&(slot, _), w) in prompts.iter().zip(cu.windows(2)) {
+                let (s, n) = (w[0], w[1] - w[0]);
+                let at = |c: &Tensor| c.get(slot as i64).narrow(1, 0, n);
+                at(&cache.keys[l]).copy_(&k.narrow(1, s, n));
+                at(&cache.values[l]).copy_(&v.narrow(1, s, n));
+            }
+            let (heads, _, head_dim) = attn.shape();
+            let out = attn
+                .attend(&q, &k, &v, &cu, self.attention)
+                .transpose(0, 1)
+                .reshape([t, heads * head_dim]);
+            let h = &x + attn.output(&out);
+            x = &h
+                + layer
+                    .mlp
+                    .forward(&layer.post_attention_layernorm.forward(&h));
+        }
+        for &(slot, p) in prompts {
+            cache.lens[slot] = p.len() as i64;
+        }
+        let last: Vec<i64> = cu[1..].iter().map(|&e| e - 1).collect();
+        let last = Tensor::from_slice(&last).to_device(device);
+        Ok(self.head_logits(&x.index_select(0, &last)))
+    }
+
+    /// Runs one token for each `(slot, token)`, at the position after its
+    /// slot's cached tokens, appends its key and value to the slot and
+    /// returns the float32 logits `[tokens, V]`.
+    pub fn decode(&self, cache: &mut KvCache, tokens: &[(usize, i64)]) -> anyhow::Result<Tensor> {
+        let device = self.vs.device();
+        let b = tokens.len() as i64;
+        let pos: Vec<i64> = tokens.iter().map(|&(s, _)| cache.lens[s]).collect();
+        if let Some(&(slot, _)) = tokens
+            .iter()
+            .find(|&&(s, _)| cache.lens[s] >= cache.capacity)
+        {
+            bail!(
+                "decode of slot {slot}: its cache is full ({} tokens)",
+                cache.capacity
+            );
+        }
+        let slots: Vec<i64> = tokens.iter().map(|&(s, _)| s as i64).collect();
+        // Only the cache up to the longest sequence is attended.
+        let span = pos.iter().max().map_or(0, |m| m + 1);
+        let mask: Vec<bool> = pos
+            .iter()
+            .flat_map(|&p| (0..span).map(move |j| j <= p))
+            .collect();
+        let mask = Tensor::from_slice(&mask)
+            .view([b, 1, 1, span])
+            .to_device(device);
+        // Contiguous slots from 0 (the common case) are a view, not a copy.
+        let in_order = slots.iter().enumerate().all(|(i, &s)| i as i64 == s);
+        let slot_idx = Tensor::from_slice(&slots).to_device(device);
+        let pos_idx = Tensor::from_slice(&pos).to_device(device);
+        let (cos, sin) = self.rope.cos_sin(&pos, self.kind(), device);
+        let ids: Vec<i64> = tokens.iter().map(|&(_, t)| t).collect();
+        let ids = Tensor::from_slice(&ids).to_device(device);
+        let mut x = Tensor::embedding(&self.embed_tokens, &ids, -1, false, false);
+        for (l, layer) in self.layers.iter().enumerate() {
+            let attn = &layer.self_attn;
+            let (heads, kv_heads, head_dim) = attn.shape();
+            let (q, k, v) = attn.project(&layer.input_layernorm.forward(&x), &cos, &sin);
+            // k, v: [kv_heads, B, d] → [B, kv_heads, d] at (slot, :, pos).
+            let index = [
+                Some(slot_idx.shallow_clone()),
+                None,
+                Some(pos_idx.shallow_clone()),
+            ];
+            let _ = cache.keys[l].index_put_(&index, &k.transpose(0, 1), false);
+            let _ = cache.values[l].index_put_(&index, &v.transpose(0, 1), false);
+            let window = |c: &Tensor| {
+                let c = c.narrow(2, 0, span);
+                match in_order {
+                    true => c.narrow(0, 0, b),
+                    false => c.index_select(0, &slot_idx),
+                }
+            };
+            // GQA without repeating the cache: the `heads / kv_heads` query
+            // heads of a kv head (HF `repeat_kv` order) are its queries.
+            let q = q
+                .transpose(0, 1)
+                .reshape([b, kv_heads, heads / kv_heads, head_dim]);
+            let out = Tensor::scaled_dot_product_attention(
+                &q,
+                &window(&cache.keys[l]),
+                &window(&cache.values[l]),
+                Some(mask.shallow_clone()),
+                0.0,
+                false,
+                None,
+                false,
+            )
+            .reshape([b, heads * head_dim]);
+            let h = &x + attn.output(&out);
+            x = &h
+                + layer
+                    .mlp
+                    .forward(&layer.post_attention_layernorm.forward(&h));
+        }
+        for &(s, _) in tokens {
+            cache.lens[s] += 1;
+        }
+        Ok(self.head_logits(&x))
+    }
+
+    /// Final norm and LM head of hidden states `[N, H]`, float32.
+    fn head_logits(&self, x: &Tensor) -> Tensor {
+        self.norm
+            .forward(x)
+            .matmul(&self.lm_head_weight().tr())
+            .to_kind(Kind::Float)
+    }
+}

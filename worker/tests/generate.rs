@@ -1,0 +1,311 @@
+//! Generation (issue 17): the KV-cache decode with continuous batching
+//! gives what recomputing the whole sequence every token gives, and what
+//! transformers' `generate` gives on the same weights; sampling depends on
+//! the seed only; the returned log-probs are a training forward's; stops
+//! are honoured.
+
+mod common;
+
+use accrue_worker::batch::PackedBatch;
+use accrue_worker::generate::sampler::Sampler;
+use accrue_worker::generate::stop::finished;
+use accrue_worker::generate::{generate, Completion, Finish, Request, SamplingParams};
+use accrue_worker::model::{Init, Llama, LlamaConfig};
+use accrue_worker::objective::head::token_logps;
+use tch::{Device, Kind, Tensor};
+
+fn tiny_model(seed: u64) -> Llama {
+    let raw: serde_json::Value = serde_json::from_str(common::TINY_CONFIG).unwrap();
+    let cfg: LlamaConfig = serde_json::from_value(raw.clone()).unwrap();
+    Llama::new(cfg, raw, Kind::Float, Device::Cpu, Init::Seeded(seed)).unwrap()
+}
+
+/// Prompts of different lengths (1 token included), more than a batch.
+fn requests(n: usize) -> Vec<Request> {
+    let lens = [7usize, 1, 12, 3, 9, 5, 2];
+    (0..n)
+        .map(|i| Request {
+            prompt: (0..lens[i % lens.len()])
+                .map(|j| ((i * 37 + j * 11 + 5) % 300) as i64)
+                .collect(),
+            seed: 1000 + i as u64,
+        })
+        .collect()
+}
+
+/// The slow reference: every token recomputes the whole sequence with the
+/// training forward (no cache, one request at a time), same sampler.
+fn recompute(model: &Llama, params: &SamplingParams, r: &Request) -> Completion {
+    let mut seq = r.prompt.clone();
+    let mut sampler = Sampler::new(r.seed);
+    let (mut tokens, mut logprobs) = (Vec::new(), Vec::new());
+    loop {
+        let logits = tch::no_grad(|| model.logits(&seq, &[0, seq.len() as i64]));
+        let row = Vec::<f32>::try_from(logits.get(seq.len() as i64 - 1)).unwrap();
+        let (t, lp) = sampler.sample(params, &row);
+        tokens.push(t as i64);
+        logprobs.push(lp);
+        seq.push(t as i64);
+        if let Some(finish) = finished(params, &tokens) {
+            return Completion {
+                tokens,
+                logprobs,
+                finish,
+            };
+        }
+    }
+}
+
+fn sampled(max_batch: usize) -> SamplingParams {
+    SamplingParams {
+        temperature: 0.9,
+        top_k: 40,
+        top_p: 0.95,
+        max_new_tokens: 9,
+        max_batch,
+        ..SamplingParams::default()
+    }
+}
+
+#[test]
+fn kv_cache_decode_equals_recomputing_the_whole_sequence() {
+    let model = tiny_model(3);
+    let reqs = requests(7);
+    let greedy = SamplingParams {
+        max_new_tokens: 11,
+        max_batch: 3,
+        // A stop id some sequences hit: slots free at different steps.
+        stop_ids: vec![17],
+        ..SamplingParams::default()
+    };
+    for params in [greedy, sampled(3)] {
+        let ours = generate(&model, &params, &reqs).unwrap();
+        for (i, (r, c)) in reqs.iter().zip(&ours).enumerate() {
+            let want = recompute(&model, &params, r);
+            assert_eq!(c.tokens, want.tokens, "request {i} ({params:?})");
+            assert_eq!(c.finish, want.finish, "request {i}");
+            for (a, b) in c.logprobs.iter().zip(&want.logprobs) {
+                assert!((a - b).abs() < 1e-4, "request {i}: log-prob {a} vs {b}");
+            }
+        }
+    }
+}
+
+#[test]
+fn same_seed_same_completions_whatever_the_batch() {
+    let model = tiny_model(5);
+    let reqs = requests(6);
+    let one = generate(&model, &sampled(1), &reqs).unwrap();
+    for b in [2, 4, 16] {
+        let other = generate(&model, &sampled(b), &reqs).unwrap();
+        let tokens = |c: &[Completion]| c.iter().map(|c| c.tokens.clone()).collect::<Vec<_>>();
+        assert_eq!(tokens(&one), tokens(&other), "max_batch {b}");
+    }
+    // A different seed draws differently (the seed is used at all).
+    let mut reseeded = reqs.clone();
+    for r in &mut reseeded {
+        r.seed += 1;
+    }
+    let again = generate(&model, &sampled(4), &reseeded).unwrap();
+    assert_ne!(
+        one.iter().map(|c| &c.tokens).collect::<Vec<_>>(),
+        again.iter().map(|c| &c.tokens).collect::<Vec<_>>()
+    );
+}
+
+#[test]
+fn returned_logprobs_equal_a_training_forward() {
+    let model = tiny_model(7);
+    let reqs = requests(5);
+    let out = generate(&model, &sampled(2), &reqs).unwrap();
+    // prompt + completion as training documents, the completion labelled.
+    let docs: Vec<(Vec<i64>, Vec<i64>)> = reqs
+        .iter()
+        .zip(&out)
+        .map(|(r, c)| {
+            let ids = [r.prompt.clone(), c.tokens.clone()].concat();
+            let labels = [vec![-100; r.prompt.len()], c.tokens.clone()].concat();
+            (ids, labels)
+        })
+        .collect();
+    let b = PackedBatch::from_documents(&docs);
+    let targets = accrue_worker::model::loss::shifted_targets(&b.labels, &b.cu_seq_lens);
+    let lp = tch::no_grad(|| {
+        let hidden = model.hidden(&b.input_ids, &b.cu_seq_lens);
+        token_logps(&hidden, model.lm_head_weight(), &targets, 64).unwrap()
+    });
+    let train: Vec<f64> = lp
+        .iter()
+        .zip(&targets)
+        .filter(|(_, &t)| t != -100)
+        .map(|(l, _)| *l)
+        .collect();
+    let ours: Vec<f32> = out.iter().flat_map(|c| c.logprobs.clone()).collect();
+    assert_eq!(train.len(), ours.len());
+    let worst = train
+        .iter()
+        .zip(&ours)
+        .map(|(a, b)| (a - *b as f64).abs())
+        .fold(0.0, f64::max);
+    assert!(worst < 1e-4, "log-probs differ from training by {worst}");
+}
+
+#[test]
+fn stop_ids_stop_sequences_and_max_new_tokens_are_honoured() {
+    let model = tiny_model(3);
+    let reqs = requests(4);
+    let free = SamplingParams {
+        max_new_tokens: 8,
+        max_batch: 2,
+        ..SamplingParams::default()
+    };
+    let base = generate(&model, &free, &reqs).unwrap();
+    for c in &base {
+        assert_eq!((c.tokens.len(), c.finish), (8, Finish::Length));
+    }
+    // Request 0's 4th token as a stop id: it ends there, the id kept.
+    let stop = base[0].tokens[3];
+    let cut = |c: &Completion, n: usize| c.tokens[..n].to_vec();
+    let first = base[0].tokens.iter().position(|&t| t == stop).unwrap();
+    let by_id = generate(
+        &model,
+        &SamplingParams {
+            stop_ids: vec![stop],
+            ..free.clone()
+        },
+        &reqs,
+    )
+    .unwrap();
+    assert_eq!(by_id[0].tokens, cut(&base[0], first + 1));
+    assert_eq!(by_id[0].finish, Finish::Stop);
+    // Tokens 2..5 of request 1 as a stop sequence.
+    let seq = base[1].tokens[2..5].to_vec();
+    let by_seq = generate(
+        &model,
+        &SamplingParams {
+            stop_sequences: vec![seq.clone()],
+            ..free.clone()
+        },
+        &reqs,
+    )
+    .unwrap();
+    let end = (3..=8)
+        .find(|&n| base[1].tokens[..n].ends_with(&seq))
+        .unwrap();
+    assert_eq!(by_seq[1].tokens, cut(&base[1], end));
+    assert_eq!(by_seq[1].finish, Finish::Stop);
+    // The others are cut where they contain it, or run to the length.
+    for (b, c) in base.iter().zip(&by_seq) {
+        assert!(b.tokens.starts_with(&c.tokens));
+    }
+    let none = generate(
+        &model,
+        &SamplingParams {
+            max_new_tokens: 0,
+            ..free
+        },
+        &reqs,
+    )
+    .unwrap();
+    assert!(none
+        .iter()
+        .all(|c| c.tokens.is_empty() && c.finish == Finish::Length));
+}
+
+#[test]
+fn bad_prompts_are_data_errors() {
+    let model = tiny_model(3);
+    let params = SamplingParams::default();
+    for prompt in [vec![], vec![1, 300]] {
+        let e = generate(&model, &params, &[Request { prompt, seed: 0 }]).unwrap_err();
+        let (kind, _) = accrue_worker::error::classify(&e);
+        assert_eq!(kind, accrue_worker::wire::ErrorKind::Data, "{e:#}");
+    }
+}
+
+/// Greedy decoding equals transformers `generate(do_sample=False)` with its
+/// KV cache on the same checkpoint, token for token.
+#[test]
+fn greedy_equals_transformers_generate() {
+    let dir = tempfile::tempdir().unwrap();
+    common::make_reference(dir.path(), "llama");
+    let model_dir = dir.path().join("model");
+    let model =
+        accrue_worker::train::source::load_model(&model_dir, Kind::Float, Device::Cpu).unwrap();
+    let reqs = requests(5);
+    let max_new = 12;
+    let params = SamplingParams {
+        max_new_tokens: max_new,
+        max_batch: 2,
+        ..SamplingParams::default()
+    };
+    let ours = generate(&model, &params, &reqs).unwrap();
+    let prompts: Vec<(String, Tensor)> = reqs
+        .iter()
+        .enumerate()
+        .map(|(i, r)| (format!("prompt{i}"), Tensor::from_slice(&r.prompt)))
+        .collect();
+    let input = dir.path().join("prompts.safetensors");
+    Tensor::write_safetensors(&prompts, &input).unwrap();
+    let out = dir.path().join("hf_completions.safetensors");
+    common::python(
+        "hf_generate.py",
+        &[
+            model_dir.to_str().unwrap(),
+            input.to_str().unwrap(),
+            &max_new.to_string(),
+            out.to_str().unwrap(),
+        ],
+    );
+    let theirs = common::read(&out);
+    for (i, c) in ours.iter().enumerate() {
+        let want = Vec::<i64>::try_from(&theirs[&format!("completion{i}")]).unwrap();
+        assert_eq!(c.tokens, want, "request {i}");
+    }
+}
+
+/// `scripts/bench_generate.sh`: tokens/s of greedy generation of the
+/// prompts and checkpoint in `ACCRUE_BENCH_DIR` (made by
+/// `bench_hf_generate.py make`), all prompts in one batch, one JSON line.
+#[test]
+#[ignore = "benchmark: run by scripts/bench_generate.sh"]
+fn bench_generate() {
+    let dir = std::path::PathBuf::from(std::env::var("ACCRUE_BENCH_DIR").unwrap());
+    let max_new: usize = std::env::var("ACCRUE_BENCH_MAX_NEW").map_or(64, |s| s.parse().unwrap());
+    let threads: i32 = std::env::var("OMP_NUM_THREADS").map_or(2, |s| s.parse().unwrap());
+    tch::set_num_threads(threads);
+    let model =
+        accrue_worker::train::source::load_model(&dir.join("model"), Kind::Float, Device::Cpu)
+            .unwrap();
+    let prompts = common::read(&dir.join("prompts.safetensors"));
+    let reqs: Vec<Request> = (0..prompts.len())
+        .map(|i| Request {
+            prompt: Vec::<i64>::try_from(&prompts[&format!("prompt{i}")]).unwrap(),
+            seed: i as u64,
+        })
+        .collect();
+    let params = SamplingParams {
+        max_new_tokens: max_new,
+        max_batch: reqs.len(),
+        ..SamplingParams::default()
+    };
+    // Warm-up (allocator, kernels), as the HF side does.
+    generate(
+        &model,
+        &SamplingParams {
+            max_new_tokens: 2,
+            ..params.clone()
+        },
+        &reqs[..1],
+    )
+    .unwrap();
+    let start = std::time::Instant::now();
+    let out = generate(&model, &params, &reqs).unwrap();
+    let seconds = start.elapsed().as_secs_f64();
+    let tokens: usize = out.iter().map(|c| c.tokens.len()).sum();
+    println!(
+        "{}",
+        serde_json::json!({"impl": "accrue-generate", "tokens": tokens, "seconds": seconds,
+                           "tokens_per_s": tokens as f64 / seconds})
+    );
+}
