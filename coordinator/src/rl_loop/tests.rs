@@ -116,3 +116,41 @@ fn gsm8k_rows_score_by_their_final_number_and_unknown_prompts_are_named() {
         "{e}"
     );
 }
+
+#[test]
+fn generating_specs_are_validated_field_by_field() {
+    let d = tempfile::tempdir().unwrap();
+    std::fs::write(d.path().join("p.jsonl"), "{\"prompt\": \"a\", \"answer\": \"b\"}\n").unwrap();
+    std::fs::write(d.path().join("c.json"), "{}").unwrap();
+    let fields = |data: &str, rl: &str| -> Vec<String> {
+        let text = format!(
+            "[job]\nname = \"g\"\noutput_dir = \"o\"\nsteps = 2\n[model]\ninit = \"random\"\n\
+             config = \"c.json\"\n[data]\n{data}\n[batch]\ndocs_per_step = 4\n\
+             [objective]\nkind = \"pg\"\n[rl]\n{rl}\n"
+        );
+        match JobSpec::parse(&text, d.path()) {
+            Ok(_) => Vec::new(),
+            Err(problems) => problems.into_iter().map(|p| p.field).collect(),
+        }
+    };
+    let data = "source = \"generate\"\nformat = \"prompts\"\ntrain = [\"p.jsonl\"]";
+    let ok = "group_size = 2\n[rl.verifier]\nkind = \"exact\"";
+    assert!(fields(data, ok).is_empty(), "{:?}", fields(data, ok));
+    assert_eq!(fields(data, "group_size = 2"), ["rl.verifier"]);
+    assert_eq!(
+        fields(data, &format!("{ok}\n[rl.sampling]\ntemperature = -1.0\ntop_p = 0.0")),
+        ["rl.sampling.temperature", "rl.sampling.top_p"]
+    );
+    assert_eq!(
+        fields(data, &format!("eval_prompts = [\"missing.jsonl\"]\n{ok}")),
+        ["rl.eval_prompts[0]"]
+    );
+    let wrong_format = data.replace("\"prompts\"", "\"rollouts\"");
+    assert!(fields(&wrong_format, ok).contains(&"data.format".to_string()));
+    // Loop settings on a job that reads rollout files are refused.
+    let files = "format = \"rollouts\"\ntrain = [\"p.jsonl\"]";
+    assert_eq!(
+        fields(files, "[rl.verifier]\nkind = \"exact\""),
+        ["rl.verifier"]
+    );
+}
