@@ -1159,6 +1159,7 @@ fn validate_generate(spec: &JobSpec, bad: &mut impl FnMut(&str, String)) {
 /// `batch.docs_per_step` in whole groups of `rl.group_size`, and a queue
 /// that holds at least one step.
 fn validate_source(spec: &JobSpec, bad: &mut impl FnMut(&str, String)) {
+    validate_generate(spec, bad);
     let rl = &spec.rl;
     if !spec.data.is_stream() {
         for (field, given) in [
@@ -1192,7 +1193,6 @@ fn validate_source(spec: &JobSpec, bad: &mut impl FnMut(&str, String)) {
             "a streamed job's KL penalty needs reference = \"live\" (the cached pass runs before step 1, over file rollouts only)".into(),
         );
     }
-    validate_generate(spec, bad);
     if !spec.data.train.is_empty() && !spec.data.is_generate() {
         bad(
             "data.train",

@@ -120,7 +120,11 @@ fn gsm8k_rows_score_by_their_final_number_and_unknown_prompts_are_named() {
 #[test]
 fn generating_specs_are_validated_field_by_field() {
     let d = tempfile::tempdir().unwrap();
-    std::fs::write(d.path().join("p.jsonl"), "{\"prompt\": \"a\", \"answer\": \"b\"}\n").unwrap();
+    std::fs::write(
+        d.path().join("p.jsonl"),
+        "{\"prompt\": \"a\", \"answer\": \"b\"}\n",
+    )
+    .unwrap();
     std::fs::write(d.path().join("c.json"), "{}").unwrap();
     let fields = |data: &str, rl: &str| -> Vec<String> {
         let text = format!(
@@ -138,7 +142,10 @@ fn generating_specs_are_validated_field_by_field() {
     assert!(fields(data, ok).is_empty(), "{:?}", fields(data, ok));
     assert_eq!(fields(data, "group_size = 2"), ["rl.verifier"]);
     assert_eq!(
-        fields(data, &format!("{ok}\n[rl.sampling]\ntemperature = -1.0\ntop_p = 0.0")),
+        fields(
+            data,
+            &format!("{ok}\n[rl.sampling]\ntemperature = -1.0\ntop_p = 0.0")
+        ),
         ["rl.sampling.temperature", "rl.sampling.top_p"]
     );
     assert_eq!(
