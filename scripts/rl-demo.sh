@@ -35,8 +35,9 @@ fi
 ckpt=$(ls -d "$PWD"/runs/rl-sft/checkpoints/step-* | sort -V | tail -1)
 
 # GRPO from the SFT checkpoint (weights only: a fresh optimizer and step 0).
-sed -e "s#^init = .*#init = \"$ckpt\"\nresume = false#" \
-    -e "s/^steps = .*/steps = ${RL_STEPS:-40}/" \
+steps="s/^steps = .*/steps = ${RL_STEPS:-}/"
+[[ -n "${RL_STEPS:-}" ]] || steps="s/^//"
+sed -e "s#^init = .*#init = \"$ckpt\"\nresume = false#" -e "$steps" \
     deploy/examples/rl-demo.toml > runs/rl-demo.toml
 "$accrue" local runs/rl-demo.toml --workers "${WORKERS:-1}" >&2
 
