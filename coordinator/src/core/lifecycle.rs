@@ -276,6 +276,9 @@ impl Coordinator {
         if !source_names.is_empty() {
             manifest.record_sources(&job.data.file_source, &source_names);
         }
+        if let Some(s) = &job.data.stream {
+            manifest.groups = trained_groups(s, &planned.docs);
+        }
         fx.push(Effect::CommitStep {
             rec: Box::new(job.rec.clone()),
             metrics: Box::new(m.clone()),
@@ -674,6 +677,19 @@ impl Coordinator {
     }
 }
 
+/// The groups of a streamed step's documents, in queue order (they are
+/// still queued: a commit pops them after its manifest is written).
+fn trained_groups(s: &super::stream::RolloutStream, docs: &[crate::doc::DocId]) -> Vec<String> {
+    let ids: std::collections::HashSet<_> = docs.iter().collect();
+    s.groups()
+        .filter_map(|g| g.iter().find(|d| ids.contains(&d.id)))
+        .filter_map(|d| match &d.body {
+            crate::doc::DocBody::Rollout(r) => Some(r.group.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
 /// The manifest of `planned`, committing in `generation` after `attempts`
 /// dispatches: the settings it ran with and its exact layout.
 fn manifest_of(planned: &PlannedStep, generation: u64, attempts: u32) -> StepManifest {
@@ -707,5 +723,6 @@ fn manifest_of(planned: &PlannedStep, generation: u64, attempts: u32) -> StepMan
         ranks,
         files: Default::default(),
         sources: Default::default(),
+        groups: Vec::new(),
     }
 }

@@ -193,6 +193,16 @@ fn rounds_train_every_prompt_once_per_epoch_with_loop_metrics() {
         assert_eq!(plan.stop_ids.as_ref(), &[258]);
     }
     assert_prompts_once_per_epoch(&s, 6, 2);
+    // Each step's manifest names the prompts (groups) it trained.
+    for (m, groups) in s.manifests.iter().zip(s.trained_groups()) {
+        let mut want = groups.clone();
+        want.dedup();
+        assert_eq!(m.groups, want);
+        assert!(m
+            .groups
+            .iter()
+            .all(|g| g.starts_with("0:") && g.contains('@')));
+    }
     for (m, docs) in &s.committed {
         assert_eq!(docs.len(), 4);
         assert_eq!(m.extra["rl/reward_mean"], 0.5);
