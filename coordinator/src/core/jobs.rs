@@ -528,6 +528,26 @@ impl Job {
         Some(f.started_ms.saturating_add(timeout))
     }
 
+    /// The generation round in flight (the RL loop), if any.
+    pub fn round(&self) -> Option<&super::generate::Round> {
+        match self.active().map(|a| &a.work) {
+            Some(Work::Generating(r)) => Some(r),
+            _ => None,
+        }
+    }
+
+    /// When the round in flight is overdue: after `faults.step_timeout_s`,
+    /// else the deadline floor (a round's pace is not learned: its length
+    /// depends on what the policy samples).
+    pub fn round_deadline_ms(&self) -> Option<i64> {
+        let r = self.round()?;
+        let timeout = match self.spec.faults.step_timeout_s {
+            Some(s) => (s * 1000.0).ceil() as i64,
+            None => super::deadline::FLOOR_MS as i64,
+        };
+        Some(r.started_ms.saturating_add(timeout))
+    }
+
     /// Times step `step` was dispatched so far (at least 1).
     pub fn attempts_of(&self, step: u64) -> u32 {
         if self.attempts.0 == step {

@@ -454,3 +454,45 @@ fn eval_prompts_are_answered_greedily_before_the_first_step_and_after_the_last()
         .flatten()
         .all(|g| g.starts_with("0:")));
 }
+
+#[test]
+fn a_hung_generator_is_lost_at_the_deadline_and_its_round_planned_again() {
+    let mut s = Sim::new();
+    let mut sp = loop_spec(2, 4, 2, 2);
+    sp.faults.step_timeout_s = Some(5.0);
+    s.worker("a");
+    s.worker("b");
+    s.submit_loop(sp, 6);
+    // b heartbeats but never answers its part of round 1.
+    s.run_until(|s| s.rounds.len() == 2);
+    s.dead.push("b".into());
+    s.run();
+    assert_eq!(s.state(), JobState::Running);
+    assert!(s.to_score.is_empty() && s.committed.is_empty());
+    s.now += 6_000;
+    for w in ["a", "b"] {
+        s.handle(Event::Heartbeat { worker: w.into() }).unwrap();
+    }
+    s.handle(Event::Tick).unwrap();
+    let j = s.c.job("job").unwrap();
+    assert!(
+        j.gen().is_some_and(|g| g.members == ["a"]),
+        "b was dropped for its silence: {:?} {:?} {}",
+        j.gen().map(|g| &g.members),
+        s.events,
+        j.rec.reason
+    );
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    assert_prompts_once_per_epoch(&s, 6, 2);
+    let first: Vec<DocId> = s.rounds[..2]
+        .iter()
+        .flat_map(|(_, p)| p.requests.iter().map(|q| q.prompt))
+        .collect();
+    let again: Vec<DocId> = s.rounds[2].1.requests.iter().map(|q| q.prompt).collect();
+    assert_eq!(
+        first.iter().collect::<std::collections::BTreeSet<_>>(),
+        again.iter().collect(),
+        "the overdue round's prompts are planned again"
+    );
+}

@@ -388,6 +388,27 @@ impl Coordinator {
                 }
             }
         }
+        // The same for a generation round (a hung sampler).
+        for job in self.jobs.values() {
+            let (Some(deadline), Some(a), Some(r)) =
+                (job.round_deadline_ms(), job.active(), job.round())
+            else {
+                continue;
+            };
+            if now_ms <= deadline {
+                continue;
+            }
+            let waited_s = (now_ms - r.started_ms) as f64 / 1000.0;
+            for (rank, m) in a.gen.members.iter().enumerate() {
+                if !r.answers.contains_key(&(rank as u32)) {
+                    let detail = format!(
+                        "worker {m} (rank {rank}) gave no completions for generation round {} in {waited_s:.0} s (the step deadline)",
+                        r.id
+                    );
+                    overdue.push((m.clone(), detail));
+                }
+            }
+        }
         for (w, detail) in overdue {
             let why = Why::new(AbortReason::StepDeadline, detail);
             self.lose_worker_because(&w, why, now_ms, fx);
