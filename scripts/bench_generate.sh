@@ -3,8 +3,9 @@
 # generation (continuous batching, greedy) beside transformers' `generate`
 # (greedy, use_cache=True) on the same random small Llama (4 layers,
 # hidden 512, vocab 8192, float32, CPU), the same 8 prompts of 5–64 tokens
-# and 64 new tokens each, run interleaved (ours, HF, ours, HF) in one
-# process each; prints each run and the ratio of the best runs.
+# and 64 new tokens each, run interleaved (ours, HF, ours, HF, …;
+# ACCRUE_BENCH_ROUNDS pairs, default 3) in one process each; prints each
+# run, the best and median tokens/s of each side and their ratios.
 # ACCRUE_BENCH_PROFILE=dev skips the release build (slower Rust, same
 # libtorch kernels).
 set -euo pipefail
@@ -21,14 +22,16 @@ $py scripts/reference/bench_hf_generate.py make "$work" --batch 8
 cargo test "${profile[@]}" -q -p accrue-worker --test generate --no-run 2>/dev/null
 ours() { cargo test "${profile[@]}" -q -p accrue-worker --test generate -- --ignored --exact --nocapture bench_generate 2>/dev/null | grep '^{'; }
 hf() { $py scripts/reference/bench_hf_generate.py run "$work" "$ACCRUE_BENCH_MAX_NEW"; }
-{ ours; hf; ours; hf; } | tee "$work/results.jsonl"
+for _ in $(seq "${ACCRUE_BENCH_ROUNDS:-3}"); do ours; hf; done | tee "$work/results.jsonl"
 $py - "$work/results.jsonl" <<'PY'
-import json, sys
+import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
-best = {}
+runs = {}
 for r in rows:
-    best[r["impl"]] = max(best.get(r["impl"], 0), r["tokens_per_s"])
-print(f"best tokens/s: {best}")
-if "accrue-generate" in best and "hf-generate" in best:
-    print(f"ratio accrue-generate / hf-generate: {best['accrue-generate'] / best['hf-generate']:.2f}")
+    runs.setdefault(r["impl"], []).append(r["tokens_per_s"])
+for name, f in (("best", max), ("median", statistics.median)):
+    got = {k: round(f(v), 1) for k, v in runs.items()}
+    print(f"{name} tokens/s: {got}")
+    if len(got) == 2:
+        print(f"{name} ratio accrue-generate / hf-generate: {got['accrue-generate'] / got['hf-generate']:.2f}")
 PY

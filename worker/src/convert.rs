@@ -412,4 +412,53 @@ mod tests {
         d.collective = 0;
         assert_eq!(field(d), "job.collective");
     }
+
+    #[test]
+    fn generate_plans_resolve_their_defaults_and_name_bad_fields() {
+        let plan = |s: Option<wire::SamplingParams>| wire::GeneratePlan {
+            sampling: s,
+            requests: vec![wire::GenerateRequest {
+                prompt_id: "p:1".into(),
+                sample: 0,
+                prompt_ids: accrue_proto::pack_u32(&[5, 7]),
+                seed: 9,
+            }],
+            ..Default::default()
+        };
+        let sampling = wire::SamplingParams {
+            temperature: 0.7,
+            max_new_tokens: 4,
+            stop_ids: vec![2],
+            stop_sequences: vec![accrue_proto::pack_u32(&[3, 4])],
+            ..Default::default()
+        };
+        let (p, r) = generate_plan(&plan(Some(sampling.clone()))).unwrap();
+        assert_eq!(p.top_p, 1.0, "unset top_p is off");
+        assert_eq!(p.max_batch, generate::DEFAULT_MAX_BATCH);
+        assert_eq!((p.stop_ids, p.stop_sequences), (vec![2], vec![vec![3, 4]]));
+        assert_eq!(
+            r,
+            vec![generate::Request {
+                prompt: vec![5, 7],
+                seed: 9
+            }]
+        );
+        assert_eq!(generate_plan(&plan(None)).unwrap_err().field, "sampling");
+        let bad = |s: wire::SamplingParams| generate_plan(&plan(Some(s))).unwrap_err().field;
+        let t = wire::SamplingParams {
+            temperature: -1.0,
+            ..sampling.clone()
+        };
+        assert_eq!(bad(t), "sampling.temperature");
+        let t = wire::SamplingParams {
+            top_p: 1.5,
+            ..sampling.clone()
+        };
+        assert_eq!(bad(t), "sampling.top_p");
+        let t = wire::SamplingParams {
+            stop_sequences: vec![vec![1, 2, 3]],
+            ..sampling
+        };
+        assert_eq!(bad(t), "sampling.stop_sequences[0]");
+    }
 }

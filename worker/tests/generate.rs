@@ -7,11 +7,14 @@
 mod common;
 
 use accrue_worker::batch::PackedBatch;
-use accrue_worker::generate::sampler::Sampler;
+use accrue_worker::generate::sampler::{log_sum_exp, Sampler};
 use accrue_worker::generate::stop::finished;
 use accrue_worker::generate::{generate, Completion, Finish, Request, SamplingParams};
 use accrue_worker::model::{Init, Llama, LlamaConfig};
 use accrue_worker::objective::head::token_logps;
+use accrue_worker::runner::{default_factory, Runner, Work};
+use accrue_worker::wire;
+use accrue_worker::wire::worker_message::Msg;
 use tch::{Device, Kind, Tensor};
 
 fn tiny_model(seed: u64) -> Llama {
@@ -42,7 +45,7 @@ fn recompute(model: &Llama, params: &SamplingParams, r: &Request) -> Completion 
     loop {
         let logits = tch::no_grad(|| model.logits(&seq, &[0, seq.len() as i64]));
         let row = Vec::<f32>::try_from(logits.get(seq.len() as i64 - 1)).unwrap();
-        let (t, lp) = sampler.sample(params, &row);
+        let (t, lp) = sampler.sample(params, &row, log_sum_exp(&row));
         tokens.push(t as i64);
         logprobs.push(lp);
         seq.push(t as i64);
@@ -71,15 +74,20 @@ fn sampled(max_batch: usize) -> SamplingParams {
 fn kv_cache_decode_equals_recomputing_the_whole_sequence() {
     let model = tiny_model(3);
     let reqs = requests(7);
-    let greedy = SamplingParams {
+    let mut greedy = SamplingParams {
         max_new_tokens: 11,
         max_batch: 3,
-        // A stop id some sequences hit: slots free at different steps.
-        stop_ids: vec![17],
         ..SamplingParams::default()
     };
+    // A stop id request 1 draws third: slots free at different steps, and
+    // the last steps decode slots that are not 0..n (a gather of the cache).
+    greedy.stop_ids = vec![recompute(&model, &greedy, &reqs[1]).tokens[2]];
     for params in [greedy, sampled(3)] {
         let ours = generate(&model, &params, &reqs).unwrap();
+        if params.temperature == 0.0 {
+            assert_eq!(ours[1].finish, Finish::Stop);
+            assert!(ours[1].tokens.len() <= 3);
+        }
         for (i, (r, c)) in reqs.iter().zip(&ours).enumerate() {
             let want = recompute(&model, &params, r);
             assert_eq!(c.tokens, want.tokens, "request {i} ({params:?})");
@@ -308,4 +316,137 @@ fn bench_generate() {
         serde_json::json!({"impl": "accrue-generate", "tokens": tokens, "seconds": seconds,
                            "tokens_per_s": tokens as f64 / seconds})
     );
+}
+
+fn next(rx: &mut tokio::sync::mpsc::UnboundedReceiver<accrue_worker::wire::WorkerMessage>) -> Msg {
+    for _ in 0..3000 {
+        if let Ok(m) = rx.try_recv() {
+            return m.msg.unwrap();
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    panic!("no message from the runner");
+}
+
+/// A runner configured with the tiny random job (`extra` continues its
+/// `[model]` section), at generation 1 step 0.
+fn configured(
+    dir: &std::path::Path,
+    extra: &str,
+) -> (
+    Runner,
+    tokio::sync::mpsc::UnboundedReceiver<accrue_worker::wire::WorkerMessage>,
+) {
+    let config = dir.join("config.json");
+    std::fs::write(&config, common::TINY_CONFIG).unwrap();
+    let job = common::job_definition(
+        "random",
+        &format!("config = \"{}\"\n{extra}", config.display()),
+    );
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let runner = Runner::spawn(default_factory(), tx);
+    runner.submit(Work::Configure(Box::new(wire::Configure {
+        job_id: "j".into(),
+        generation: 1,
+        world_size: 1,
+        job: Some(job),
+        step: 0,
+        ..Default::default()
+    })));
+    assert!(matches!(next(&mut rx), Msg::Ready(_)));
+    (runner, rx)
+}
+
+fn plan(reqs: &[Request], policy_version: u64) -> wire::GeneratePlan {
+    wire::GeneratePlan {
+        job_id: "j".into(),
+        generation: 1,
+        round: 4,
+        rank: 0,
+        policy_version,
+        sampling: Some(wire::SamplingParams {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            max_new_tokens: 6,
+            stop_ids: vec![],
+            stop_sequences: vec![],
+            max_batch: 2,
+        }),
+        requests: reqs
+            .iter()
+            .enumerate()
+            .map(|(i, r)| wire::GenerateRequest {
+                prompt_id: format!("p:{i}"),
+                sample: 1,
+                prompt_ids: accrue_proto::pack_u32(
+                    &r.prompt.iter().map(|&t| t as u32).collect::<Vec<_>>(),
+                ),
+                seed: r.seed,
+            })
+            .collect(),
+    }
+}
+
+/// A generate plan on the runner thread answers with the completions of the
+/// replica's weights, tagged with the plan's round and policy version; a
+/// plan for another policy version is refused as an invalid plan.
+#[test]
+fn the_runner_answers_a_generate_plan_with_the_replicas_completions() {
+    let dir = tempfile::tempdir().unwrap();
+    let (runner, mut rx) = configured(dir.path(), "");
+    let reqs = requests(3);
+    runner.submit(Work::Generate(Box::new(plan(&reqs, 0))));
+    let Msg::GenerateResult(r) = next(&mut rx) else {
+        panic!("expected a generate result");
+    };
+    assert_eq!(
+        (r.job_id.as_str(), r.generation, r.round, r.policy_version),
+        ("j", 1, 4, 0)
+    );
+    assert!(r.seconds > 0.0);
+    // The same weights (the job's seeded init) decoded directly.
+    let cfg = common::random_job(dir.path(), "");
+    let trainer = accrue_worker::train::Trainer::single(&cfg, None).unwrap();
+    let params = SamplingParams {
+        max_new_tokens: 6,
+        max_batch: 2,
+        ..SamplingParams::default()
+    };
+    let want = generate(trainer.model(), &params, &reqs).unwrap();
+    assert_eq!(r.completions.len(), 3);
+    for (i, (c, w)) in r.completions.iter().zip(&want).enumerate() {
+        assert_eq!((c.prompt_id.clone(), c.sample), (format!("p:{i}"), 1));
+        let ids: Vec<i64> = accrue_proto::unpack_u32(&c.token_ids)
+            .unwrap()
+            .into_iter()
+            .map(i64::from)
+            .collect();
+        assert_eq!(ids, w.tokens, "completion {i}");
+        assert_eq!(accrue_proto::unpack_f32(&c.logprobs).unwrap(), w.logprobs);
+        assert_eq!(c.finish, wire::FinishReason::Length as i32);
+    }
+    runner.submit(Work::Generate(Box::new(plan(&reqs, 3))));
+    let Msg::Error(e) = next(&mut rx) else {
+        panic!("expected an error");
+    };
+    assert_eq!(e.kind, wire::ErrorKind::InvalidPlan as i32);
+    assert_eq!(e.step, 4, "errors carry the round");
+    assert!(e.message.contains("policy version 3"), "{}", e.message);
+    runner.shutdown();
+}
+
+/// Under fsdp a rank holds a shard of the parameters: generation is
+/// refused with an invalid-plan error naming the shardings that work.
+#[test]
+fn fsdp_refuses_generation_as_an_invalid_plan() {
+    let dir = tempfile::tempdir().unwrap();
+    let (runner, mut rx) = configured(dir.path(), "[parallel]\nsharding = \"fsdp\"");
+    runner.submit(Work::Generate(Box::new(plan(&requests(2), 0))));
+    let Msg::Error(e) = next(&mut rx) else {
+        panic!("expected an error");
+    };
+    assert_eq!(e.kind, wire::ErrorKind::InvalidPlan as i32);
+    assert!(e.message.contains("ddp or zero2"), "{}", e.message);
+    runner.shutdown();
 }

@@ -12,7 +12,7 @@
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::SamplingParams;
+use super::types::SamplingParams;
 
 /// One sequence's sampler.
 #[derive(Debug, Clone)]
@@ -28,14 +28,15 @@ impl Sampler {
     }
 
     /// The next token of `logits` (one row, the whole vocabulary) and its
-    /// log-prob under the raw distribution.
-    pub fn sample(&mut self, params: &SamplingParams, logits: &[f32]) -> (usize, f32) {
+    /// log-prob under the raw distribution, `logits[token] − lse` with
+    /// `lse` the row's log-sum-exp ([`log_sum_exp`], or libtorch's).
+    pub fn sample(&mut self, params: &SamplingParams, logits: &[f32], lse: f32) -> (usize, f32) {
         let token = if params.temperature <= 0.0 {
             argmax(logits)
         } else {
             self.draw(params, logits)
         };
-        (token, log_softmax_at(logits, token))
+        (token, logits[token] - lse)
     }
 
     fn draw(&mut self, params: &SamplingParams, logits: &[f32]) -> usize {
@@ -97,16 +98,11 @@ pub fn argmax(logits: &[f32]) -> usize {
     best
 }
 
-/// `log_softmax(logits)[token]`, in f64 then rounded.
-pub fn log_softmax_at(logits: &[f32], token: usize) -> f32 {
+/// `log Σ exp(logits)`, in f64 then rounded.
+pub fn log_sum_exp(logits: &[f32]) -> f32 {
     let max = logits.iter().fold(f32::MIN, |m, &x| m.max(x)) as f64;
-    let lse = logits
-        .iter()
-        .map(|&x| (x as f64 - max).exp())
-        .sum::<f64>()
-        .ln()
-        + max;
-    (logits[token] as f64 - lse) as f32
+    let sum: f64 = logits.iter().map(|&x| (x as f64 - max).exp()).sum();
+    (sum.ln() + max) as f32
 }
 
 #[cfg(test)]
@@ -125,7 +121,7 @@ mod tests {
     #[test]
     fn greedy_takes_the_first_largest_logit_and_reports_its_raw_log_prob() {
         let logits = [0.5f32, 2.0, -1.0, 2.0];
-        let (tok, lp) = Sampler::new(1).sample(&params(0.0, 0, 1.0), &logits);
+        let (tok, lp) = Sampler::new(1).sample(&params(0.0, 0, 1.0), &logits, log_sum_exp(&logits));
         assert_eq!(tok, 1);
         let z: f64 = logits.iter().map(|&x| (x as f64).exp()).sum();
         assert!((lp as f64 - (2.0 - z.ln())).abs() < 1e-6);
@@ -136,12 +132,13 @@ mod tests {
         // Probabilities ∝ exp: token 3 holds ~0.64, token 1 ~0.24.
         let logits = [0.0f32, 2.0, -3.0, 3.0, 1.0];
         let mut s = Sampler::new(7);
+        let lse = log_sum_exp(&logits);
         for _ in 0..500 {
-            let (t, _) = s.sample(&params(1.0, 2, 1.0), &logits);
+            let (t, _) = s.sample(&params(1.0, 2, 1.0), &logits, lse);
             assert!(t == 3 || t == 1, "top-k 2 picked {t}");
-            let (t, _) = s.sample(&params(1.0, 0, 0.5), &logits);
+            let (t, _) = s.sample(&params(1.0, 0, 0.5), &logits, lse);
             assert_eq!(t, 3, "top-p 0.5 keeps the top token only");
-            let (t, _) = s.sample(&params(1.0, 0, 0.8), &logits);
+            let (t, _) = s.sample(&params(1.0, 0, 0.8), &logits, lse);
             assert!(t == 3 || t == 1, "top-p 0.8 picked {t}");
         }
     }
@@ -154,7 +151,7 @@ mod tests {
         let t = 2.0f64;
         let mut counts = [0usize; 3];
         for _ in 0..n {
-            counts[s.sample(&params(t as f32, 0, 1.0), &logits).0] += 1;
+            counts[s.sample(&params(t as f32, 0, 1.0), &logits, 0.0).0] += 1;
         }
         let z: f64 = logits.iter().map(|&x| (x as f64 / t).exp()).sum();
         for (i, &c) in counts.iter().enumerate() {
@@ -174,7 +171,7 @@ mod tests {
         let run = |seed| {
             let mut s = Sampler::new(seed);
             (0..20)
-                .map(|_| s.sample(&params(0.9, 10, 0.9), &logits).0)
+                .map(|_| s.sample(&params(0.9, 10, 0.9), &logits, 0.0).0)
                 .collect::<Vec<_>>()
         };
         assert_eq!(run(5), run(5));

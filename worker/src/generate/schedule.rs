@@ -12,7 +12,7 @@ use tch::{Device, Tensor};
 
 use super::sampler::Sampler;
 use super::stop::finished;
-use super::{Completion, Finish, Request, SamplingParams};
+use super::types::{Completion, Finish, Request, SamplingParams};
 use crate::error::StepError;
 use crate::model::{KvCache, Llama};
 
@@ -119,15 +119,15 @@ pub fn generate(
     })
 }
 
-/// Samples `a`'s next token from `logits`; returns it still active, or
+/// Samples `a`'s next token from a logits row and its log-sum-exp; returns it still active, or
 /// `None` after storing its completion in `done`.
 fn advance(
     params: &SamplingParams,
     mut a: Active,
-    logits: &[f32],
+    (logits, lse): &(Vec<f32>, f32),
     done: &mut [Option<Completion>],
 ) -> Option<Active> {
-    let (token, logprob) = a.sampler.sample(params, logits);
+    let (token, logprob) = a.sampler.sample(params, logits, *lse);
     a.tokens.push(token as i64);
     a.logprobs.push(logprob);
     match finished(params, &a.tokens) {
@@ -143,9 +143,11 @@ fn advance(
     }
 }
 
-/// `[N, V]` float32 logits as N host rows.
-fn rows(logits: &Tensor) -> anyhow::Result<Vec<Vec<f32>>> {
+/// `[N, V]` float32 logits as N host rows, each with its log-sum-exp
+/// (computed by libtorch, as the training forward's log-softmax is).
+fn rows(logits: &Tensor) -> anyhow::Result<Vec<(Vec<f32>, f32)>> {
     let v = logits.size()[1] as usize;
+    let lse = Vec::<f32>::try_from(logits.logsumexp([1], false).to_device(Device::Cpu))?;
     let flat = Vec::<f32>::try_from(logits.to_device(Device::Cpu).contiguous().view([-1]))?;
-    Ok(flat.chunks(v).map(<[f32]>::to_vec).collect())
+    Ok(flat.chunks(v).map(<[f32]>::to_vec).zip(lse).collect())
 }

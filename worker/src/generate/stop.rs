@@ -2,7 +2,7 @@
 //! `max_new_tokens` (stop is checked first, so a stop token that is also
 //! the last allowed one reports `Stop`).
 
-use super::{Finish, SamplingParams};
+use super::types::{Finish, SamplingParams};
 
 /// Whether `completion` (the new tokens so far) is finished, and why.
 pub fn finished(params: &SamplingParams, completion: &[i64]) -> Option<Finish> {

@@ -11,9 +11,19 @@ pub(crate) fn linear(p: nn::Path, inp: usize, out: usize, bias: bool) -> nn::Lin
     nn::Linear { ws, bs }
 }
 
+/// Below this many rows the weight concatenation (a copy of every weight
+/// per call) costs more than the matmul launches it saves: generation's
+/// decode steps (one row per sequence) run the linears one by one.
+const FUSE_MIN_ROWS: i64 = 64;
+
 /// `x Wᵀ (+ b)` for several linears sharing the input `x`, as one matmul
 /// over their concatenated weights: outputs side by side, `[T, Σ out]`.
 pub(crate) fn fused_linear(x: &Tensor, layers: &[&nn::Linear]) -> Tensor {
+    if x.size()[0] < FUSE_MIN_ROWS {
+        use tch::nn::Module;
+        let outs: Vec<Tensor> = layers.iter().map(|l| l.forward(x)).collect();
+        return Tensor::cat(&outs, 1);
+    }
     let w = Tensor::cat(&layers.iter().map(|l| &l.ws).collect::<Vec<_>>(), 0);
     let y = x.matmul(&w.tr());
     if layers.iter().all(|l| l.bs.is_some()) {
