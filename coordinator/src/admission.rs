@@ -51,6 +51,12 @@ pub fn admit(spec: &JobSpec, scan_data: bool) -> Result<Admitted, Vec<SpecProble
             if let Some(m) = model.as_ref().filter(|m| m.vocab_size < tokenizer_ids) {
                 problems.push(vocab_problem(spec, m, tokenizer_ids));
             }
+            if scan_data && spec.data.is_generate() {
+                let vocab = model.as_ref().map_or(u32::MAX, |m| m.vocab_size);
+                if let Err(e) = crate::rl_loop::Scorer::load(spec, vocab, None) {
+                    problems.push(loop_problem(spec, &e));
+                }
+            }
             if scan_data && !spec.data.is_stream() {
                 match data::load_job(&enc, spec, &|_, _| {}) {
                     Ok(ds) => Some(ds),
@@ -97,6 +103,20 @@ fn vocab_problem(spec: &JobSpec, m: &ModelConfig, tokenizer_ids: u32) -> SpecPro
     )
 }
 
+/// A problem of the RL loop's prompts, stop strings or verifier.
+fn loop_problem(spec: &JobSpec, e: &crate::rl_loop::LoopError) -> SpecProblem {
+    use crate::rl_loop::LoopError;
+    match e {
+        LoopError::Data(d) => data_problem(spec, d),
+        LoopError::Stop { index, .. } => {
+            SpecProblem::new(format!("rl.sampling.stop[{index}]"), e.to_string())
+        }
+        LoopError::Verify(_) | LoopError::Round { .. } => {
+            SpecProblem::new("rl.verifier", e.to_string())
+        }
+    }
+}
+
 /// A data error as a problem of the spec field that names the file at
 /// fault (the tokenizer, the template, a dataset file), else `data`.
 fn data_problem(spec: &JobSpec, e: &DataError) -> SpecProblem {
@@ -118,6 +138,9 @@ fn field_of_path(spec: &JobSpec, path: &Path) -> String {
     let d = &spec.data;
     if let Some(i) = d.train.iter().position(|f| f == path) {
         return format!("data.train[{i}]");
+    }
+    if let Some(i) = spec.rl.eval_prompts.iter().position(|f| f == path) {
+        return format!("rl.eval_prompts[{i}]");
     }
     for (i, src) in d.sources.iter().enumerate() {
         if let Some(j) = src.entries().position(|f| f == path) {

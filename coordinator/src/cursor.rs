@@ -220,6 +220,12 @@ impl Order {
         perm
     }
 
+    /// The dataset index served `i`-th in `epoch` (a single source;
+    /// cached per epoch, no copy).
+    pub fn index_at(&self, epoch: u64, i: u64) -> u64 {
+        self.source_permutation(0, epoch)[i as usize]
+    }
+
     /// The dataset indices of `epoch` in serving order (a single source).
     pub fn permutation(&self, epoch: u64) -> Vec<u64> {
         self.source_permutation(0, epoch).to_vec()

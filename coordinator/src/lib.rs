@@ -25,6 +25,7 @@ pub mod objective;
 pub mod output;
 pub mod plan;
 pub mod rl;
+pub mod rl_loop;
 pub mod server;
 pub mod service;
 pub mod settings;
@@ -33,6 +34,7 @@ pub mod spec;
 pub mod store;
 pub mod tensorboard;
 pub mod tls;
+pub mod verify;
 
 pub use accrue_proto::v1 as wire;
 

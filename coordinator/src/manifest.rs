@@ -55,6 +55,11 @@ pub struct StepManifest {
     /// ... and the step's documents per source.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub sources: BTreeMap<String, u64>,
+    /// A rollout stream: the groups the step trained, in order (the RL
+    /// loop names them `prompt_id@position`, so the prompts a step
+    /// trained on are on record).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub groups: Vec<String>,
 }
 
 impl StepManifest {
@@ -227,6 +232,7 @@ mod tests {
             }]],
             files: Default::default(),
             sources: Default::default(),
+            groups: Vec::new(),
         }
     }
 

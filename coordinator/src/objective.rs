@@ -287,6 +287,94 @@ pub struct RlSection {
     /// "stream"`; file rollouts group by their `group` field.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub group_size: Option<u32>,
+    /// The RL loop (`data.source = "generate"`): how completions are sampled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sampling: Option<SamplingSection>,
+    /// The RL loop: how completions are scored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verifier: Option<crate::verify::VerifierSection>,
+    /// The RL loop: prompts per generation round (default: the groups one
+    /// step takes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompts_per_round: Option<u64>,
+    /// The RL loop: held-out prompt files, answered greedily before the
+    /// first step, after the last and every `eval_every` steps, scored by
+    /// the verifier (accuracy before/after; never trained on).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub eval_prompts: Vec<std::path::PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_every: Option<u64>,
+}
+
+/// `[rl.sampling]`: how the RL loop's workers sample completions.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SamplingSection {
+    /// 0 = greedy.
+    #[serde(default = "one")]
+    pub temperature: f32,
+    /// 1 = off.
+    #[serde(default = "one")]
+    pub top_p: f32,
+    /// 0 = off.
+    #[serde(default)]
+    pub top_k: u32,
+    #[serde(default = "default_max_new_tokens")]
+    pub max_new_tokens: u32,
+    /// Generation stops after one of these strings; the verifier reads the
+    /// completion cut before it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stop: Vec<String>,
+    /// Sequences a worker decodes at once (0: the worker's default).
+    #[serde(default)]
+    pub max_batch: u32,
+}
+
+fn one() -> f32 {
+    1.0
+}
+
+fn default_max_new_tokens() -> u32 {
+    256
+}
+
+impl Default for SamplingSection {
+    fn default() -> Self {
+        SamplingSection {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            max_new_tokens: default_max_new_tokens(),
+            stop: Vec::new(),
+            max_batch: 0,
+        }
+    }
+}
+
+impl SamplingSection {
+    pub fn validate(&self, bad: &mut impl FnMut(&str, String)) {
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            bad(
+                "rl.sampling.temperature",
+                format!("must be ≥ 0 (0 is greedy), got {}", self.temperature),
+            );
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            bad(
+                "rl.sampling.top_p",
+                format!("must be in (0, 1], got {}", self.top_p),
+            );
+        }
+        if self.max_new_tokens == 0 {
+            bad("rl.sampling.max_new_tokens", "must be at least 1".into());
+        }
+        if let Some(i) = self.stop.iter().position(String::is_empty) {
+            bad(
+                &format!("rl.sampling.stop[{i}]"),
+                "must not be empty".into(),
+            );
+        }
+    }
 }
 
 /// Rollouts in the whole groups a streamed step takes: `docs_per_step`
@@ -301,7 +389,12 @@ impl RlSection {
         let any = self.max_staleness.is_some()
             || self.publish_every.is_some()
             || self.queue_capacity.is_some()
-            || self.group_size.is_some();
+            || self.group_size.is_some()
+            || self.sampling.is_some()
+            || self.verifier.is_some()
+            || self.prompts_per_round.is_some()
+            || !self.eval_prompts.is_empty()
+            || self.eval_every.is_some();
         if any && kind != ObjectiveKind::Pg {
             bad("rl", "only applies to objective.kind = \"pg\"".into());
         }
@@ -310,6 +403,18 @@ impl RlSection {
         }
         if self.queue_capacity == Some(0) {
             bad("rl.queue_capacity", "must be at least 1".into());
+        }
+        if self.eval_every == Some(0) {
+            bad("rl.eval_every", "must be at least 1".into());
+        }
+        if self.prompts_per_round == Some(0) {
+            bad("rl.prompts_per_round", "must be at least 1".into());
+        }
+        if let Some(s) = &self.sampling {
+            s.validate(bad);
+        }
+        if let Some(v) = &self.verifier {
+            v.validate(bad);
         }
     }
 

@@ -96,10 +96,25 @@ impl Server {
         });
         let records = store.jobs()?;
         let restored = records.len();
+        let mut scorers = Vec::new();
         for rec in records {
             let (id, terminal) = (rec.id.clone(), rec.state.is_terminal());
             let event = restore_event(rec, &store)?;
+            let scorer = match &event {
+                Event::RestoreJob { spec, .. } if spec.data.is_generate() && !terminal => {
+                    restore_scorer(&id, spec)
+                }
+                _ => None,
+            };
             core.handle(event, crate::service::now_ms())?;
+            if let Some(s) = scorer {
+                let event = Event::LoadPrompts {
+                    job: id.clone(),
+                    inputs: s.inputs(),
+                };
+                core.handle(event, crate::service::now_ms())?;
+                scorers.push((id.clone(), s));
+            }
             // A streamed job's acknowledged rollouts come back with it.
             if let Some(stored) = store.stream(&id)?.filter(|_| !terminal) {
                 let event = Event::RestoreRollouts { job: id, stored };
@@ -126,11 +141,15 @@ impl Server {
         if let Some(warning) = exposed.and_then(crate::http::exposure_warning) {
             tracing::warn!("{warning}");
         }
+        let shared = Shared::new(core, store);
+        for (id, s) in scorers {
+            shared.install_scorer(&id, s);
+        }
         Ok(Server {
             listener,
             tls,
             metrics,
-            shared: Shared::new(core, store),
+            shared,
             config,
         })
     }
@@ -260,6 +279,24 @@ fn within_limits(
             "its step settings break the admission limits: {}",
             problems.join("; ")
         ))
+    }
+}
+
+/// A restored generating job's prompts and verifier; a job whose prompts
+/// can no longer be read is left without (its first round then fails the
+/// job, naming this log line's reason).
+fn restore_scorer(id: &str, spec: &JobSpec) -> Option<Arc<crate::rl_loop::Scorer>> {
+    let loaded = crate::model::read_config(&spec.model)
+        .map_err(|e| e.to_string())
+        .and_then(|m| {
+            crate::rl_loop::Scorer::load(spec, m.vocab_size, None).map_err(|e| e.to_string())
+        });
+    match loaded {
+        Ok(s) => Some(Arc::new(s)),
+        Err(e) => {
+            error!(job = %id, %e, "the RL loop's prompts could not be loaded after a restart");
+            None
+        }
     }
 }
 

@@ -141,6 +141,9 @@ pub enum DataFormat {
     Sft,
     Dpo,
     Rollouts,
+    /// Prompts and reference answers for the RL loop (`data.source =
+    /// "generate"`; see `data::prompts`).
+    Prompts,
 }
 
 /// Where a job's documents come from.
@@ -153,6 +156,11 @@ pub enum DataSource {
     /// Rollouts pushed through the `Rollouts.PushRollouts` RPC while the
     /// job runs (policy gradient only; see `core::stream`).
     Stream,
+    /// The RL loop: the coordinator reads prompts from `data.train`, has
+    /// the job's workers sample `rl.group_size` completions of each,
+    /// scores them with `[rl.verifier]` and trains on them as a stream
+    /// (see `core::generate`).
+    Generate,
 }
 
 /// What to do with a document longer than `max_tokens`, or a malformed line.
@@ -202,9 +210,15 @@ impl DataSection {
         self.tokenizer == "bytes"
     }
 
-    /// True when rollouts are pushed to the job rather than read from files.
+    /// True when the job trains on a rollout queue rather than on file
+    /// documents: pushed rollouts, or the RL loop's own.
     pub fn is_stream(&self) -> bool {
-        self.source == DataSource::Stream
+        matches!(self.source, DataSource::Stream | DataSource::Generate)
+    }
+
+    /// True when the coordinator generates the job's rollouts (RL loop).
+    pub fn is_generate(&self) -> bool {
+        self.source == DataSource::Generate
     }
 
     /// The training sources: `[[data.sources]]`, or `train` as one source
@@ -722,6 +736,9 @@ impl JobSpec {
         if let Some(c) = self.data.cache_dir.as_mut() {
             abs(c);
         }
+        for f in &mut self.rl.eval_prompts {
+            abs(f);
+        }
         if !self.data.is_byte_tokenizer()
             && !self.data.tokenizer.is_empty()
             && Path::new(&self.data.tokenizer).is_relative()
@@ -781,7 +798,7 @@ impl JobSpec {
                 "give exactly one of job.steps and job.epochs, not both".into(),
             ),
             // A streamed job may run until cancelled.
-            (None, None) if !self.data.is_stream() => bad(
+            (None, None) if !self.data.is_stream() || self.data.is_generate() => bad(
                 "job.steps",
                 "give exactly one of job.steps and job.epochs".into(),
             ),
@@ -826,7 +843,8 @@ impl JobSpec {
             }
         }
 
-        if self.data.train.is_empty() && self.data.sources.is_empty() && !self.data.is_stream() {
+        let needs_files = !self.data.is_stream() || self.data.is_generate();
+        if self.data.train.is_empty() && self.data.sources.is_empty() && needs_files {
             bad(
                 "data.train",
                 "list at least one dataset file (or give [[data.sources]])".into(),
@@ -958,6 +976,7 @@ impl JobSpec {
         let expected = match self.objective.kind {
             ObjectiveKind::Sft => DataFormat::Sft,
             ObjectiveKind::Dpo => DataFormat::Dpo,
+            ObjectiveKind::Pg if self.data.is_generate() => DataFormat::Prompts,
             ObjectiveKind::Pg => DataFormat::Rollouts,
         };
         if self.data.format != expected {
@@ -1109,12 +1128,51 @@ fn validate_sharding(spec: &JobSpec, bad: &mut impl FnMut(&str, String)) {
     }
 }
 
+/// Checks of the RL loop (`data.source = "generate"`): prompt files, a
+/// verifier, and no loop settings on a job that does not generate.
+fn validate_generate(spec: &JobSpec, bad: &mut impl FnMut(&str, String)) {
+    let rl = &spec.rl;
+    if !spec.data.is_generate() {
+        for (field, given) in [
+            ("rl.sampling", rl.sampling.is_some()),
+            ("rl.verifier", rl.verifier.is_some()),
+            ("rl.prompts_per_round", rl.prompts_per_round.is_some()),
+            ("rl.eval_prompts", !rl.eval_prompts.is_empty()),
+            ("rl.eval_every", rl.eval_every.is_some()),
+        ] {
+            if given {
+                bad(field, "only applies to data.source = \"generate\"".into());
+            }
+        }
+        return;
+    }
+    if spec.data.format != DataFormat::Prompts {
+        bad(
+            "data.format",
+            "data.source = \"generate\" reads prompts: it needs data.format = \"prompts\"".into(),
+        );
+    }
+    for (i, f) in rl.eval_prompts.iter().enumerate() {
+        check_file(bad, &format!("rl.eval_prompts[{i}]"), f);
+    }
+    if rl.eval_every.is_some() && rl.eval_prompts.is_empty() {
+        bad("rl.eval_every", "needs rl.eval_prompts".into());
+    }
+    if rl.verifier.is_none() {
+        bad(
+            "rl.verifier",
+            "required for data.source = \"generate\": how completions are scored ([rl.verifier] kind = \"exact\" | \"gsm8k\" | \"regex\" | \"command\")".into(),
+        );
+    }
+}
+
 /// Checks tying `data.source` to the rest of the spec. A streamed job
 /// (`data.source = "stream"`) trains policy gradient on pushed rollouts: no
 /// files, no epochs (`job.steps` or until cancelled), steps counted by
 /// `batch.docs_per_step` in whole groups of `rl.group_size`, and a queue
 /// that holds at least one step.
 fn validate_source(spec: &JobSpec, bad: &mut impl FnMut(&str, String)) {
+    validate_generate(spec, bad);
     let rl = &spec.rl;
     if !spec.data.is_stream() {
         for (field, given) in [
@@ -1148,7 +1206,7 @@ fn validate_source(spec: &JobSpec, bad: &mut impl FnMut(&str, String)) {
             "a streamed job's KL penalty needs reference = \"live\" (the cached pass runs before step 1, over file rollouts only)".into(),
         );
     }
-    if !spec.data.train.is_empty() {
+    if !spec.data.train.is_empty() && !spec.data.is_generate() {
         bad(
             "data.train",
             "a streamed job reads no files: leave data.train out, or use data.source = \"files\""

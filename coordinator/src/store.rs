@@ -483,6 +483,7 @@ mod tests {
             replayed: false,
             files: Default::default(),
             sources: Default::default(),
+            groups: Vec::new(),
             ranks: vec![
                 vec![MicrobatchEntry {
                     tokens: 20,

@@ -147,15 +147,18 @@ pub const PANELS: [Panel; 4] = [
 
 /// Objective metrics drawn first when a run has them (then any other
 /// `extra` key, by name).
-pub const OBJECTIVE_METRICS: [&str; 8] = [
+pub const OBJECTIVE_METRICS: [&str; 11] = [
+    "rl/accuracy",
+    "rl/reward_mean",
     "reward",
     "rewards/accuracy",
     "rewards/margin",
     "kl",
+    "rl/response_tokens_mean",
+    "rl/gen_tokens_per_s",
     "rewards/chosen",
     "rewards/rejected",
     "reward_std",
-    "response_length",
 ];
 
 /// At most this many objective panels (beyond the four).

@@ -134,6 +134,7 @@ fn checked(spec: &JobSpec, a: &Admitted, scanned: Result<bool, u64>) -> String {
             d.docs.len(),
             d.report.tokens
         ),
+        _ if spec.data.is_generate() => "prompts (generated rollouts)".into(),
         _ if spec.data.is_stream() => "streamed".into(),
         (None, Err(bytes)) => format!(
             "not read ({} MiB, more than {} MiB: pass --data to read it)",

@@ -6,6 +6,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use super::generate::{GenCompletion, LoopInputs, RoundPlan, RoundStats, RoundToScore};
 use super::metrics::{MetricSums, StepMetrics};
 use super::reference::{RefEntry, ReferenceLogps, SeqLogp};
 use super::step::PlannedStep;
@@ -131,6 +132,36 @@ pub enum Event {
         job: JobId,
         stored: StoredStream,
     },
+    /// A generating job's prompts, loaded by the shell after its
+    /// `SubmitJob` or `RestoreJob` (the loop plans no round before).
+    LoadPrompts {
+        job: JobId,
+        inputs: LoopInputs,
+    },
+    /// One rank's completions of a generation round.
+    GenerateResult {
+        worker: WorkerId,
+        job: JobId,
+        generation: u64,
+        round: u64,
+        completions: Vec<GenCompletion>,
+        seconds: f64,
+    },
+    /// The shell scored a round (`Effect::ScoreRound`): its rollouts in
+    /// group order, admitted whole with the round's prompts consumed.
+    RoundScored {
+        job: JobId,
+        round: u64,
+        rollouts: Vec<Rollout>,
+        stats: RoundStats,
+    },
+    /// The shell could not score a round (a verifier failed): the job
+    /// fails, naming the verifier's error.
+    RoundFailed {
+        job: JobId,
+        round: u64,
+        error: String,
+    },
     /// The shell could not write one of the job's outputs (`metrics.jsonl`,
     /// a checkpoint's removal, …): the job fails, naming it, rather than
     /// go on with a record that silently lacks it.
@@ -194,6 +225,13 @@ pub enum ToWorker {
         job: JobId,
         step: u64,
         dir: PathBuf,
+    },
+    /// Sample completions with the current weights (the RL loop).
+    Generate {
+        job: JobId,
+        generation: u64,
+        rank: u32,
+        plan: Arc<RoundPlan>,
     },
 }
 
@@ -263,6 +301,9 @@ pub enum Effect {
     /// transaction). A push is acknowledged only after this ran; a write
     /// that frees room wakes waiting pushers.
     PersistRollouts(Box<RolloutWrite>),
+    /// Decode and score a generated round off the state lock, then answer
+    /// with `Event::RoundScored` or `Event::RoundFailed`.
+    ScoreRound(Box<RoundToScore>),
     /// A checkpoint left the job's index (`checkpoint.keep`): delete its
     /// directory (after the record persisted before it).
     RemoveCheckpoint {

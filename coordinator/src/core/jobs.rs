@@ -111,6 +111,9 @@ pub enum Work {
     /// member is ready (and the job is running).
     Idle,
     InFlight(InFlight),
+    /// A generation round of the RL loop (`super::generate`): the members
+    /// sample completions with the committed step's weights.
+    Generating(Box<super::generate::Round>),
     /// The current step's checkpoint is being written and nothing is
     /// dispatched meanwhile; then the generation goes on as `then` says.
     AwaitingCheckpoint(AfterCheckpoint),
@@ -170,6 +173,10 @@ pub struct JobData {
     pub rollouts: Option<RolloutPlan>,
     /// Streamed PG jobs (`data.source = "stream"`): the queue of groups.
     pub stream: Option<RolloutStream>,
+    /// The RL loop (`data.source = "generate"`): prompts and rounds.
+    pub rollout_loop: Option<super::generate::LoopState>,
+    /// The loop's rounds scored since the last commit (step metrics).
+    pub loop_stats: super::generate::RoundStats,
     /// Committed steps after `rec.history_from`, for replay.
     pub history: BTreeMap<u64, CommittedStep>,
     /// Documents by id (built on the first replay).
@@ -260,6 +267,11 @@ impl JobData {
                 .then(|| ReferenceCache::new(reference.unwrap_or_default())),
             rollouts,
             stream: RolloutStream::for_spec(spec),
+            rollout_loop: spec
+                .data
+                .is_generate()
+                .then(|| super::generate::LoopState::new(spec.job.seed, spec.data.shuffle)),
+            loop_stats: Default::default(),
             history: BTreeMap::new(),
             doc_index: OnceLock::new(),
             docs,
@@ -514,6 +526,26 @@ impl Job {
             .pace
             .deadline_ms(self.spec.faults.step_timeout_s, tokens);
         Some(f.started_ms.saturating_add(timeout))
+    }
+
+    /// The generation round in flight (the RL loop), if any.
+    pub fn round(&self) -> Option<&super::generate::Round> {
+        match self.active().map(|a| &a.work) {
+            Some(Work::Generating(r)) => Some(r),
+            _ => None,
+        }
+    }
+
+    /// When the round in flight is overdue: after `faults.step_timeout_s`,
+    /// else the deadline floor (a round's pace is not learned: its length
+    /// depends on what the policy samples).
+    pub fn round_deadline_ms(&self) -> Option<i64> {
+        let r = self.round()?;
+        let timeout = match self.spec.faults.step_timeout_s {
+            Some(s) => (s * 1000.0).ceil() as i64,
+            None => super::deadline::FLOOR_MS as i64,
+        };
+        Some(r.started_ms.saturating_add(timeout))
     }
 
     /// Times step `step` was dispatched so far (at least 1).

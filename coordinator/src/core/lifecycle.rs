@@ -249,6 +249,10 @@ impl Coordinator {
             let stale = r.rejected_stale as f64;
             m.extra.insert("count/rejected_stale".into(), stale);
         }
+        // The RL loop's rounds since the last commit (reward, accuracy,
+        // response length, generation speed).
+        m.extra
+            .extend(std::mem::take(&mut job.data.loop_stats).metrics());
         job.rec.step = planned.step;
         job.rec.cursor = planned.cursor_after.clone();
         job.rec.last_loss = Some(m.loss);
@@ -271,6 +275,9 @@ impl Coordinator {
         let mut manifest = manifest_of(&planned, generation, job.attempts_of(planned.step));
         if !source_names.is_empty() {
             manifest.record_sources(&job.data.file_source, &source_names);
+        }
+        if let Some(s) = &job.data.stream {
+            manifest.groups = trained_groups(s, &planned.docs);
         }
         fx.push(Effect::CommitStep {
             rec: Box::new(job.rec.clone()),
@@ -311,8 +318,9 @@ impl Coordinator {
             job.requests.checkpoint = false;
             job.request_checkpoint(fx);
         }
-        // A final evaluation runs first; the job completes after it.
-        if finished && job.eval_run.is_none() {
+        // A final evaluation (or the RL loop's eval prompts) runs first;
+        // the job completes after it.
+        if finished && job.eval_run.is_none() && !self.eval_due(job_id) {
             self.complete(job_id, "all steps trained", now_ms, fx);
             return;
         }
@@ -533,6 +541,17 @@ impl Coordinator {
     }
 
     fn dispatch(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
+        // The RL loop: nothing goes out while a round is being scored (its
+        // rollouts or eval answers are owed first); eval prompts are
+        // answered before the first step and after the last.
+        if let Some(l) = self.jobs[job_id].data.rollout_loop.as_ref() {
+            if l.scoring.is_some() {
+                return;
+            }
+            if self.eval_due(job_id) && self.plan_eval(job_id, now_ms, fx) {
+                return;
+            }
+        }
         let job = self.jobs.get_mut(job_id).expect("known job");
         if !job.replaying() && job.finished() && job.eval_run.is_none() {
             self.complete(job_id, "all steps trained", now_ms, fx);
@@ -548,8 +567,14 @@ impl Coordinator {
                 // A streamed job waits until its queue holds a whole step.
                 let s = job.data.stream.as_ref().expect("a streamed job");
                 let docs = job.settings().at(next).docs_per_step.unwrap_or(1);
-                if let Some(reason) = s.waiting_reason(s.step_rollouts(docs)) {
+                let need = s.step_rollouts(docs);
+                if let Some(reason) = s.waiting_reason(need) {
+                    // The RL loop makes the rollouts itself.
+                    let generating = job.data.rollout_loop.is_some();
                     job.rec.reason = reason;
+                    if generating {
+                        self.plan_round(job_id, need, now_ms, fx);
+                    }
                     return;
                 }
                 job.rec.reason.clear();
@@ -652,6 +677,19 @@ impl Coordinator {
     }
 }
 
+/// The groups of a streamed step's documents, in queue order (they are
+/// still queued: a commit pops them after its manifest is written).
+fn trained_groups(s: &super::stream::RolloutStream, docs: &[crate::doc::DocId]) -> Vec<String> {
+    let ids: std::collections::HashSet<_> = docs.iter().collect();
+    s.groups()
+        .filter_map(|g| g.iter().find(|d| ids.contains(&d.id)))
+        .filter_map(|d| match &d.body {
+            crate::doc::DocBody::Rollout(r) => Some(r.group.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
 /// The manifest of `planned`, committing in `generation` after `attempts`
 /// dispatches: the settings it ran with and its exact layout.
 fn manifest_of(planned: &PlannedStep, generation: u64, attempts: u32) -> StepManifest {
@@ -685,5 +723,6 @@ fn manifest_of(planned: &PlannedStep, generation: u64, attempts: u32) -> StepMan
         ranks,
         files: Default::default(),
         sources: Default::default(),
+        groups: Vec::new(),
     }
 }

@@ -223,6 +223,28 @@ impl Coordinator {
                     self.finish(&job, super::types::End::Failed(why), now_ms, &mut fx);
                 }
             }
+            Event::LoadPrompts { job, inputs } => self.load_prompts(&job, inputs)?,
+            Event::GenerateResult {
+                worker,
+                job,
+                generation,
+                round,
+                completions,
+                seconds,
+            } => {
+                self.seen(&worker, now_ms);
+                let answer = (completions, seconds);
+                self.on_generated(&worker, &job, generation, round, answer, now_ms, &mut fx);
+            }
+            Event::RoundScored {
+                job,
+                round,
+                rollouts,
+                stats,
+            } => self.on_scored(&job, round, rollouts, stats, now_ms, &mut fx)?,
+            Event::RoundFailed { job, round, error } => {
+                self.on_score_failed(&job, round, error, now_ms, &mut fx)
+            }
             Event::RestoreRollouts { job, stored } => {
                 if let Some(j) = self.jobs.get_mut(&job) {
                     let id = j.rec.id.clone();
@@ -366,6 +388,27 @@ impl Coordinator {
                 }
             }
         }
+        // The same for a generation round (a hung sampler).
+        for job in self.jobs.values() {
+            let (Some(deadline), Some(a), Some(r)) =
+                (job.round_deadline_ms(), job.active(), job.round())
+            else {
+                continue;
+            };
+            if now_ms <= deadline {
+                continue;
+            }
+            let waited_s = (now_ms - r.started_ms) as f64 / 1000.0;
+            for (rank, m) in a.gen.members.iter().enumerate() {
+                if !r.answers.contains_key(&(rank as u32)) {
+                    let detail = format!(
+                        "worker {m} (rank {rank}) gave no completions for generation round {} in {waited_s:.0} s (the step deadline)",
+                        r.id
+                    );
+                    overdue.push((m.clone(), detail));
+                }
+            }
+        }
         for (w, detail) in overdue {
             let why = Why::new(AbortReason::StepDeadline, detail);
             self.lose_worker_because(&w, why, now_ms, fx);
@@ -466,7 +509,7 @@ impl Coordinator {
         }
         let aborted = match active.work {
             Work::InFlight(f) => Some(f.planned.step),
-            Work::Idle | Work::AwaitingCheckpoint(_) => None,
+            Work::Idle | Work::Generating(_) | Work::AwaitingCheckpoint(_) => None,
         };
         // Checkpoints its members are still writing go on (they count once
         // every writer reports); one missing a lost writer was dropped.

@@ -7,14 +7,14 @@
 //! Layers point down; no file imports one above it:
 //! - `types` (ids, states, reasons), `error`, `metrics`, `deadline`, `record` (the
 //!   persisted job), `workers`, `recovery` (where state comes from),
-//!   `reference`, `rollouts`, `stream`, `step` (a planned step), `bisect`
+//!   `reference`, `rollouts`, `stream`, `generate` (the RL loop's rounds), `step` (a planned step), `bisect`
 //!   (finding poison documents), `eval` (evaluation passes and their
 //!   metrics);
 //! - `effects` (what goes in and comes out), `jobs` (a job and its
 //!   [`Phase`]), `planner` (the one planner), `membership` (who forms a
 //!   generation);
 //! - `machine` (the [`Coordinator`] and `handle`), then its handlers by
-//!   concern: `lifecycle`, `generations`, `control`, `publish`,
+//!   concern: `lifecycle`, `generations`, `control`, `publish`, `rollout_loop`,
 //!   `quarantine`.
 //!
 //! This file only declares and re-exports.
@@ -25,6 +25,7 @@ pub mod deadline;
 mod effects;
 mod error;
 pub mod eval;
+pub mod generate;
 mod generations;
 mod jobs;
 mod lifecycle;
@@ -37,6 +38,7 @@ mod quarantine;
 mod record;
 pub mod recovery;
 pub mod reference;
+mod rollout_loop;
 pub mod rollouts;
 pub mod step;
 pub mod stream;

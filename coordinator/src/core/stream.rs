@@ -74,6 +74,10 @@ pub struct StreamMeta {
     pub rejected_stale: u64,
     pub zero_variance_groups: u64,
     pub zero_variance_rollouts: u64,
+    /// The RL loop: prompt-stream positions whose rollouts were admitted
+    /// (written with them: a prompt is consumed exactly once).
+    #[serde(default)]
+    pub prompts_done: u64,
 }
 
 /// A stream read back from the store: its meta and its rollouts in
@@ -112,6 +116,8 @@ pub struct RolloutStream {
     /// Stored rollouts of groups already committed (restored before their
     /// deletion was written): deleted by the next write.
     owed_removal: Vec<DocId>,
+    /// The RL loop's prompt position (see [`StreamMeta::prompts_done`]).
+    pub prompts_done: u64,
 }
 
 impl RolloutStream {
@@ -132,6 +138,7 @@ impl RolloutStream {
             filling_rollouts: 0,
             next_line: 1,
             owed_removal: Vec::new(),
+            prompts_done: 0,
         })
     }
 
@@ -193,6 +200,7 @@ impl RolloutStream {
             rejected_stale: plan.rejected_stale,
             zero_variance_groups: plan.zero_variance_groups,
             zero_variance_rollouts: plan.zero_variance_rollouts,
+            prompts_done: self.prompts_done,
         }
     }
 
@@ -288,10 +296,38 @@ impl RolloutStream {
                 capacity: self.capacity,
             });
         }
-        plan.rejected_stale += stale.len() as u64;
+        Ok(self.admit(plan, at, fresh, stale.len() as u64))
+    }
+
+    /// Admits a generated round whole, over capacity if need be (a round
+    /// is planned only while the queue lacks a step, so it is bounded by
+    /// `rl.prompts_per_round`), consuming its prompts up to `prompts_done`
+    /// in the same write.
+    pub fn push_generated(
+        &mut self,
+        plan: &mut RolloutPlan,
+        at: Admission<'_>,
+        batch: Vec<Rollout>,
+        prompts_done: u64,
+    ) -> RolloutWrite {
+        let (fresh, stale): (Vec<Rollout>, Vec<Rollout>) = batch
+            .into_iter()
+            .partition(|r| rl::admit(r.policy_version, at.step, at.max_staleness).is_ok());
+        self.prompts_done = prompts_done;
+        self.admit(plan, at, fresh, stale.len() as u64)
+    }
+
+    fn admit(
+        &mut self,
+        plan: &mut RolloutPlan,
+        at: Admission<'_>,
+        fresh: Vec<Rollout>,
+        stale: u64,
+    ) -> RolloutWrite {
+        plan.rejected_stale += stale;
         let mut counts = AdmitCounts {
             accepted: fresh.len() as u64,
-            rejected_stale: stale.len() as u64,
+            rejected_stale: stale,
             ..Default::default()
         };
         let mut admit = Vec::with_capacity(fresh.len());
@@ -313,13 +349,13 @@ impl RolloutStream {
             }
         }
         counts.queued = self.buffered();
-        Ok(RolloutWrite {
+        RolloutWrite {
             job: at.job.to_string(),
             admit,
             remove,
             meta: self.meta(plan),
             counts: Some(counts),
-        })
+        }
     }
 
     /// After a commit moved the job's cursor to queue position `to`: the
@@ -351,6 +387,7 @@ impl RolloutStream {
         let m = stored.meta;
         self.head = m.head;
         self.next_line = m.next_line.max(1);
+        self.prompts_done = m.prompts_done;
         for doc in stored.rollouts {
             self.next_line = self.next_line.max(doc.id.line + 1);
             // Zero-variance groups were deleted when they completed; one

@@ -69,7 +69,7 @@ impl Sim {
 
     /// The rollouts the store would hold after every write so far, minus
     /// the writes listed in `lost` (indices into `rollout_writes`).
-    fn stored(&self, lost: &[usize]) -> StoredStream {
+    pub(super) fn stored(&self, lost: &[usize]) -> StoredStream {
         let mut meta = StreamMeta::default();
         let mut rows: BTreeMap<u64, Document> = BTreeMap::new();
         for (i, w) in self.rollout_writes.iter().enumerate() {

@@ -19,6 +19,9 @@ mod fault_tests;
 #[path = "mixture_tests.rs"]
 mod mixture_tests;
 
+#[path = "loop_tests.rs"]
+mod loop_tests;
+
 fn docs(n: usize) -> Arc<[Document]> {
     (0..n)
         .map(|i| {
@@ -105,6 +108,12 @@ struct Sim {
     poison: Vec<DocId>,
     /// Evaluations written, in order.
     evals: Vec<EvalMetrics>,
+    /// Every generation round plan sent (rank, plan).
+    rounds: Vec<(u32, Arc<generate::RoundPlan>)>,
+    /// Rounds the core asked the shell to score, not yet answered.
+    to_score: Vec<generate::RoundToScore>,
+    /// Whether `run` scores rounds itself (else a test answers them).
+    auto_score: bool,
 }
 
 /// The log-prob a simulated worker reports in a reference pass.
@@ -147,6 +156,9 @@ impl Sim {
             held_checkpoints: None,
             poison: Vec::new(),
             evals: Vec::new(),
+            rounds: Vec::new(),
+            to_score: Vec::new(),
+            auto_score: true,
         }
     }
 
@@ -181,6 +193,9 @@ impl Sim {
                     if let ToWorker::Abort { step, .. } = &msg {
                         self.aborts.push((worker.clone(), *step));
                     }
+                    if let ToWorker::Generate { rank, plan, .. } = &msg {
+                        self.rounds.push((*rank, plan.clone()));
+                    }
                     self.inbox.push_back((worker, msg))
                 }
                 Effect::Publish {
@@ -203,6 +218,7 @@ impl Sim {
                 Effect::RemoveCheckpoint { step, .. } => self.removed_checkpoints.push(step),
                 Effect::EndSession { worker, .. } => self.ended_sessions.push(worker),
                 Effect::AppendEval { eval, .. } => self.evals.push(*eval),
+                Effect::ScoreRound(r) => self.to_score.push(*r),
                 Effect::AppendMetrics { .. } | Effect::Publish { .. } => {}
             }
         }
@@ -237,6 +253,11 @@ impl Sim {
     /// Answers one message; returns false when the inbox is empty.
     fn step_once(&mut self) -> bool {
         let Some((w, msg)) = self.inbox.pop_front() else {
+            if self.auto_score && !self.to_score.is_empty() {
+                let r = self.to_score.remove(0);
+                self.handle(loop_tests::scored(&r)).unwrap();
+                return true;
+            }
             return false;
         };
         if self.dead.contains(&w) {
@@ -366,6 +387,12 @@ impl Sim {
                 job,
                 step,
             },
+            ToWorker::Generate {
+                job,
+                generation,
+                plan,
+                ..
+            } => loop_tests::generated(w, job, generation, &plan),
             ToWorker::Abort { .. } | ToWorker::Release { .. } => return true,
         };
         self.handle(ev).unwrap();

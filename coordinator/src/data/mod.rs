@@ -9,6 +9,7 @@
 //! - [`tokenize`]: the built-in byte tokenizer and HF `tokenizer.json`.
 //! - [`template`]: chat templates (HF Jinja through minijinja, or built in).
 //! - [`format`], [`sft`], [`dpo`], [`rollout`]: row shapes → documents.
+//! - [`prompts`]: the RL loop's prompt files (`data.format = "prompts"`).
 //! - [`synth`]: a seeded arithmetic demo dataset in all three formats.
 //!
 //! A job's documents are indexed in memory (the planner needs every
@@ -34,6 +35,7 @@ pub mod error;
 pub mod format;
 pub mod locate;
 pub mod parquet;
+pub mod prompts;
 pub mod read;
 pub mod rollout;
 pub mod sft;
@@ -167,6 +169,9 @@ pub fn build_doc(enc: &Encoder, format: DataFormat, row: &Json) -> Result<DocBod
             DocBody::Pair { chosen, rejected }
         }
         DataFormat::Rollouts => DocBody::Rollout(rollout::rollout_row(enc, row)?),
+        DataFormat::Prompts => {
+            return Err("prompt rows are read by the RL loop (data.source = \"generate\"), not as training documents".into())
+        }
     })
 }
 
@@ -238,6 +243,17 @@ pub fn load_sources(
     files: &[PathBuf],
     via: Via<'_>,
 ) -> Result<Dataset> {
+    if data.is_generate() {
+        // Prompts are read by `prompts::load`; rollouts come from the loop.
+        return Ok(Dataset {
+            docs: Vec::new(),
+            files: Vec::new(),
+            report: LoadReport::default(),
+            tokenizer_vocab: enc.tok.vocab_size(),
+            sources: Vec::new(),
+            eval: None,
+        });
+    }
     if format_for(objective) != data.format {
         return Err(DataError::FormatMismatch {
             objective,

@@ -47,7 +47,7 @@ fn objective(f: DataFormat) -> ObjectiveKind {
     match f {
         DataFormat::Sft => ObjectiveKind::Sft,
         DataFormat::Dpo => ObjectiveKind::Dpo,
-        DataFormat::Rollouts => ObjectiveKind::Pg,
+        DataFormat::Rollouts | DataFormat::Prompts => ObjectiveKind::Pg,
     }
 }
 
@@ -321,7 +321,9 @@ fn check_masks(name: &str, s: &Shared, path: &Path, ds: &Dataset, eos: u32) {
                 }
             }
         }
-        (DataFormat::Rollouts, _) => unreachable!("no rollout files in shared data"),
+        (DataFormat::Rollouts | DataFormat::Prompts, _) => {
+            unreachable!("no rollout or prompt files in shared data")
+        }
     }
 }
 

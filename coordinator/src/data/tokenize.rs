@@ -94,6 +94,20 @@ impl Tokenizer {
         }
     }
 
+    /// The text of `ids`, special tokens left out (a generated
+    /// completion as a verifier reads it).
+    pub fn decode(&self, ids: &[u32]) -> Result<String, String> {
+        match self {
+            Tokenizer::Bytes => {
+                let bytes: Vec<u8> = ids.iter().filter(|&&t| t < 256).map(|&t| t as u8).collect();
+                Ok(String::from_utf8_lossy(&bytes).into_owned())
+            }
+            Tokenizer::Hf(t) => t
+                .decode(ids, true)
+                .map_err(|e| format!("tokenizer failed to decode: {e}")),
+        }
+    }
+
     /// Token ids of `text` with each token's byte range in `text`.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Encoded, String> {
         match self {

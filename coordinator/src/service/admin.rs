@@ -192,6 +192,19 @@ impl Admin for AdminService {
             .await
             .map_err(|e| Status::internal(format!("admission task: {e}")))?
             .map_err(|p| problems_status(&p))?;
+        // The RL loop's prompts and verifier, read like the dataset is.
+        let scorer = if spec.data.is_generate() {
+            let (checked, vocab) = (spec.clone(), admitted.model.vocab_size);
+            let s = tokio::task::spawn_blocking(move || {
+                crate::rl_loop::Scorer::load(&checked, vocab, None)
+            })
+            .await
+            .map_err(|e| Status::internal(format!("admission task: {e}")))?
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+            Some(Arc::new(s))
+        } else {
+            None
+        };
         let docs = admitted
             .dataset
             .map(crate::data::Dataset::into_job_docs)
@@ -235,6 +248,13 @@ impl Admin for AdminService {
                 start,
             },
         )?;
+        if let Some(scorer) = scorer {
+            let inputs = scorer.inputs();
+            self.shared.install_scorer(&id, scorer);
+            let job = id.clone();
+            self.shared
+                .apply_locked(&mut inner, Event::LoadPrompts { job, inputs })?;
+        }
         Ok(Response::new(wire::SubmitJobResponse {
             job_id: id,
             existing: false,

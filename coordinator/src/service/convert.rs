@@ -527,6 +527,17 @@ pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
             job_id: job.clone(),
             reason: reason.clone(),
         }),
+        ToWorker::Generate {
+            job,
+            generation,
+            rank,
+            plan,
+        } => Msg::GeneratePlan(super::generate::generate_plan(
+            job,
+            *generation,
+            *rank,
+            plan,
+        )),
     };
     wire::CoordinatorMessage { msg: Some(msg) }
 }

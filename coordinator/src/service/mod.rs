@@ -5,6 +5,7 @@
 
 mod admin;
 pub mod convert;
+mod generate;
 mod model_folder;
 mod rollouts;
 mod tracking;
@@ -42,6 +43,10 @@ pub struct Shared {
     rollouts: rollouts::Signals,
     tokenizers: model_folder::TokenizerWriter,
     tensorboard: tracking::TensorBoard,
+    /// The RL loop: each generating job's prompts, tokenizer and verifier.
+    scorers: Mutex<HashMap<JobId, Arc<crate::rl_loop::Scorer>>>,
+    /// Itself, for work that outlives a call (scoring threads).
+    me: std::sync::Weak<Shared>,
 }
 
 pub(crate) struct Inner {
@@ -61,7 +66,7 @@ pub fn now_ms() -> i64 {
 impl Shared {
     pub fn new(core: Coordinator, store: Store) -> Arc<Shared> {
         let (watch, _) = broadcast::channel(1024);
-        Arc::new(Shared {
+        Arc::new_cyclic(|me| Shared {
             inner: Mutex::new(Inner {
                 core,
                 store,
@@ -73,6 +78,8 @@ impl Shared {
             rollouts: rollouts::Signals::default(),
             tokenizers: model_folder::TokenizerWriter::default(),
             tensorboard: tracking::TensorBoard::default(),
+            scorers: Mutex::new(HashMap::new()),
+            me: me.clone(),
         })
     }
 
@@ -305,6 +312,7 @@ impl Shared {
                 Effect::Publish { job, item } => {
                     let _ = self.watch.send((job, item));
                 }
+                Effect::ScoreRound(round) => self.score_round(*round),
                 Effect::PersistRollouts(w) => {
                     if let Some(c) = &w.counts {
                         self.metrics.observe_rollouts(&w.job, c);

@@ -80,13 +80,7 @@ fn event_of(worker: &str, msg: Msg) -> Result<Option<Event>, Status> {
         },
         // A worker that got SIGTERM leaves like an admin drain.
         Msg::Leave(_) => Event::DrainWorker { worker },
-        // No generation round is planned yet (the RL loop is being built):
-        // a result for one is a protocol error.
-        Msg::GenerateResult(_) => {
-            return Err(Status::invalid_argument(
-                "generate_result: no generation round was planned",
-            ))
-        }
+        Msg::GenerateResult(g) => super::generate::generate_result(&worker, g)?,
     }))
 }
 

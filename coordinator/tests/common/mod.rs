@@ -150,6 +150,8 @@ pub struct FakeWorker {
     pub hold: Option<(u64, oneshot::Receiver<()>)>,
     /// Run on each plan before it is answered.
     pub before_plan: Option<PlanHook>,
+    /// Close the session on the generation round of this number.
+    pub die_at_round: Option<u64>,
 }
 
 impl FakeWorker {
@@ -162,6 +164,7 @@ impl FakeWorker {
             die_at: None,
             hold: None,
             before_plan: None,
+            die_at_round: None,
         }
     }
 }
@@ -260,6 +263,8 @@ pub async fn fake_worker(url: String, mut w: FakeWorker) -> Vec<String> {
                 }
                 result
             }
+            Some(In::GeneratePlan(g)) if w.die_at_round == Some(g.round) => return docs,
+            Some(In::GeneratePlan(g)) => Out::GenerateResult(generated(&g)),
             Some(In::CheckpointRequest(c)) => Out::CheckpointDone(wire::CheckpointDone {
                 job_id: c.job_id,
                 step: c.step,
@@ -272,4 +277,34 @@ pub async fn fake_worker(url: String, mut w: FakeWorker) -> Vec<String> {
         tx.send(msg(reply)).await.unwrap();
     }
     docs
+}
+
+/// A deterministic answer to a generation round: the completion of sample
+/// `k` is the text `k` then the byte tokenizer's EOS (257), each token at
+/// log-prob -0.1.
+pub fn generated(g: &wire::GeneratePlan) -> wire::GenerateResult {
+    let completions = g
+        .requests
+        .iter()
+        .map(|q| {
+            let mut ids: Vec<u32> = q.sample.to_string().bytes().map(u32::from).collect();
+            ids.push(257);
+            wire::Completion {
+                prompt_id: q.prompt_id.clone(),
+                sample: q.sample,
+                logprobs: accrue_proto::pack_f32(&vec![-0.1; ids.len()]),
+                token_ids: accrue_proto::pack_u32(&ids),
+                finish: wire::FinishReason::Stop as i32,
+            }
+        })
+        .collect();
+    wire::GenerateResult {
+        job_id: g.job_id.clone(),
+        generation: g.generation,
+        round: g.round,
+        rank: g.rank,
+        policy_version: g.policy_version,
+        completions,
+        seconds: 0.01,
+    }
 }

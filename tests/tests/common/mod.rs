@@ -114,12 +114,26 @@ pub struct FakeReport {
     pub docs: Vec<(u64, String)>,
     /// Steps whose plan was a replay of an already committed step.
     pub replayed: Vec<u64>,
+    /// Generation rounds answered (the RL loop).
+    pub rounds: Vec<u64>,
 }
 
 /// A worker speaking the real protocol: answers Configure with Ready and a
 /// plan with sums computed from the plan's own tokens (loss = 1.5/token).
 /// Stops after `max_steps` results (then just stops answering) if given.
 pub async fn fake_worker(url: String, max_steps: Option<usize>) -> anyhow::Result<FakeReport> {
+    fake_generator(url, max_steps, None).await
+}
+
+/// [`fake_worker`] that also answers the RL loop's generation rounds: the
+/// completion of sample k is the text "k" and the byte tokenizer's EOS,
+/// each token at log-prob -0.1. It dies (closes its session unanswered)
+/// on round `die_at_round`.
+pub async fn fake_generator(
+    url: String,
+    max_steps: Option<usize>,
+    die_at_round: Option<u64>,
+) -> anyhow::Result<FakeReport> {
     let mut client = wire::worker_service_client::WorkerServiceClient::connect(url).await?;
     let reg = client
         .register(wire::RegisterRequest {
@@ -224,7 +238,37 @@ pub async fn fake_worker(url: String, max_steps: Option<usize>) -> anyhow::Resul
                 .await?;
             }
             In::Abort(_) => {}
-            In::PublishPolicy(_) | In::GeneratePlan(_) => {}
+            In::GeneratePlan(g) if die_at_round == Some(g.round) => break,
+            In::GeneratePlan(g) => {
+                report.rounds.push(g.round);
+                let completions = g
+                    .requests
+                    .iter()
+                    .map(|q| {
+                        let mut ids: Vec<u32> =
+                            q.sample.to_string().bytes().map(u32::from).collect();
+                        ids.push(257);
+                        wire::Completion {
+                            prompt_id: q.prompt_id.clone(),
+                            sample: q.sample,
+                            logprobs: accrue_proto::pack_f32(&vec![-0.1; ids.len()]),
+                            token_ids: accrue_proto::pack_u32(&ids),
+                            finish: wire::FinishReason::Stop as i32,
+                        }
+                    })
+                    .collect();
+                tx.send(send(Out::GenerateResult(wire::GenerateResult {
+                    job_id: g.job_id,
+                    generation: g.generation,
+                    round: g.round,
+                    rank: g.rank,
+                    policy_version: g.policy_version,
+                    completions,
+                    seconds: 0.01,
+                })))
+                .await?;
+            }
+            In::PublishPolicy(_) => {}
             In::Release(_) => {
                 report.released = true;
                 break;

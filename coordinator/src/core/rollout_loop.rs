@@ -1,0 +1,318 @@
+//! The RL loop's handlers (issue 17; the pure part is `super::generate`):
+//! plan a generation round when a generating job's queue lacks its next
+//! step, gather the ranks' completions, hand the round to the shell for
+//! scoring, and admit the scored rollouts into the job's stream with the
+//! round's prompts consumed in the same write.
+
+use std::sync::Arc;
+
+use tracing::{info, warn};
+
+use super::effects::{Effect, ToWorker, WatchItem};
+use super::error::{CoreError, Result};
+use super::generate::{GenCompletion, LoopInputs, RoundKind, RoundStats, Scoring};
+use super::jobs::Work;
+use super::machine::Coordinator;
+use super::stream::Admission;
+use super::types::{AbortReason, End, Why};
+use crate::doc::Rollout;
+
+impl Coordinator {
+    /// The shell loaded a generating job's prompts.
+    pub(super) fn load_prompts(&mut self, job_id: &str, inputs: LoopInputs) -> Result<()> {
+        let job = self.job_mut(job_id)?;
+        let Some(l) = job.data.rollout_loop.as_mut() else {
+            return Err(CoreError::NotStreamed(job_id.to_string()));
+        };
+        info!(
+            job = job_id,
+            prompts = inputs.prompts.len(),
+            "prompts loaded"
+        );
+        l.load(inputs);
+        Ok(())
+    }
+
+    /// Plans a round for an idle generating job whose queue lacks `need`
+    /// rollouts; false when it cannot (prompts not loaded, or a round is
+    /// being scored: the job waits).
+    pub(super) fn plan_round(
+        &mut self,
+        job_id: &str,
+        need: u64,
+        now_ms: i64,
+        fx: &mut Vec<Effect>,
+    ) -> bool {
+        let job = self.jobs.get_mut(job_id).expect("known job");
+        let Some(gen) = job.gen() else {
+            return false;
+        };
+        let (gen_id, world) = (gen.id, gen.world_size());
+        let sampling = job.spec.rl.sampling.clone().unwrap_or_default();
+        let per_round = job.spec.rl.prompts_per_round;
+        let (Some(l), Some(s)) = (job.data.rollout_loop.as_mut(), job.data.stream.as_ref()) else {
+            return false;
+        };
+        if l.scoring.is_some() {
+            job.rec.reason = "scoring generated rollouts".into();
+            return false;
+        }
+        let group = s.group_size;
+        let missing = need.saturating_sub(s.queued_rollouts());
+        let prompts = per_round.unwrap_or_else(|| missing.div_ceil(u64::from(group)));
+        let planned = l.plan_round(
+            s.prompts_done,
+            prompts,
+            group,
+            world,
+            gen_id,
+            job.rec.step,
+            &sampling,
+            now_ms,
+        );
+        let Some((round, plans)) = planned else {
+            job.rec.reason = "waiting for the prompts to load".into();
+            return false;
+        };
+        self.send_round(job_id, round, plans, fx);
+        true
+    }
+
+    /// Whether the job's eval prompts are due at its committed step:
+    /// before the first step, after the last, and every `rl.eval_every`.
+    pub(super) fn eval_due(&self, job_id: &str) -> bool {
+        let job = &self.jobs[job_id];
+        let Some(l) = job.data.rollout_loop.as_ref() else {
+            return false;
+        };
+        let has = l.inputs().is_some_and(|i| i.eval.is_some());
+        let step = job.rec.step;
+        let every = job.spec.rl.eval_every;
+        let at = step == 0 || job.finished() || every.is_some_and(|e| step.is_multiple_of(e));
+        has && at && l.evaluated != Some(step) && !job.replaying()
+    }
+
+    /// Plans a greedy round over the job's eval prompts.
+    pub(super) fn plan_eval(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) -> bool {
+        let job = self.jobs.get_mut(job_id).expect("known job");
+        let Some(gen) = job.gen() else {
+            return false;
+        };
+        let (gen_id, world) = (gen.id, gen.world_size());
+        let sampling = job.spec.rl.sampling.clone().unwrap_or_default();
+        let Some(l) = job.data.rollout_loop.as_mut() else {
+            return false;
+        };
+        let Some((round, plans)) =
+            l.plan_eval_round(world, gen_id, job.rec.step, &sampling, now_ms)
+        else {
+            return false;
+        };
+        self.send_round(job_id, round, plans, fx);
+        true
+    }
+
+    fn send_round(
+        &mut self,
+        job_id: &str,
+        round: super::generate::Round,
+        plans: Vec<super::generate::RoundPlan>,
+        fx: &mut Vec<Effect>,
+    ) {
+        let job = self.jobs.get_mut(job_id).expect("known job");
+        info!(
+            job = job_id,
+            round = round.id,
+            kind = ?round.kind,
+            prompts = round.positions.end - round.positions.start,
+            from = round.positions.start,
+            policy = round.policy_version,
+            "generation round planned"
+        );
+        job.rec.reason = format!("generating round {}", round.id);
+        let gen_id = round.generation;
+        let active = job.active_mut().expect("a round within a generation");
+        for (rank, (m, plan)) in active.gen.members.iter().zip(plans).enumerate() {
+            fx.push(Effect::Send {
+                worker: m.clone(),
+                msg: ToWorker::Generate {
+                    job: job_id.to_string(),
+                    generation: gen_id,
+                    rank: rank as u32,
+                    plan: Arc::new(plan),
+                },
+            });
+        }
+        active.work = Work::Generating(Box::new(round));
+    }
+
+    /// One rank's completions; once every rank answered, the round goes to
+    /// the shell for scoring and the generation is idle again. A result
+    /// for another generation or round is ignored; one that does not
+    /// answer its plan drops the worker (its round is planned again).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn on_generated(
+        &mut self,
+        worker: &str,
+        job_id: &str,
+        generation: u64,
+        round: u64,
+        answer: (Vec<GenCompletion>, f64),
+        now_ms: i64,
+        fx: &mut Vec<Effect>,
+    ) {
+        let Some(job) = self.jobs.get_mut(job_id) else {
+            return;
+        };
+        let Some(active) = job.active_mut() else {
+            return;
+        };
+        let rank = active.gen.rank_of(worker);
+        let Work::Generating(r) = &mut active.work else {
+            warn!(
+                worker,
+                job = job_id,
+                round,
+                "completions for no round, ignored"
+            );
+            return;
+        };
+        let Some(rank) = rank.filter(|_| r.generation == generation && r.id == round) else {
+            warn!(
+                worker,
+                job = job_id,
+                generation,
+                round,
+                "completions for a stale round, ignored"
+            );
+            return;
+        };
+        match r.answer(rank, answer.0, answer.1) {
+            Ok(false) => {}
+            Ok(true) => {
+                let Work::Generating(r) = std::mem::replace(&mut active.work, Work::Idle) else {
+                    unreachable!("matched above")
+                };
+                let l = job.data.rollout_loop.as_mut().expect("a generating job");
+                l.scoring = Some(Scoring {
+                    round: r.id,
+                    kind: r.kind,
+                    prompts_end: r.positions.end,
+                });
+                let to_score = (*r).into_score(job_id, l);
+                job.rec.reason = format!("scoring round {}", to_score.round);
+                fx.push(Effect::ScoreRound(Box::new(to_score)));
+            }
+            Err(e) => {
+                let why = Why::new(
+                    AbortReason::WorkerError,
+                    format!("worker {worker} (rank {rank}) answered generation round {round} wrongly: {e}"),
+                );
+                self.lose_worker_because(worker, why, now_ms, fx);
+            }
+        }
+    }
+
+    /// The shell scored round `round`: its rollouts join the stream and
+    /// its prompts are consumed, in one write. Any other round is stale
+    /// (already admitted, or of a job that restarted) and ignored.
+    pub(super) fn on_scored(
+        &mut self,
+        job_id: &str,
+        round: u64,
+        rollouts: Vec<Rollout>,
+        stats: RoundStats,
+        now_ms: i64,
+        fx: &mut Vec<Effect>,
+    ) -> Result<()> {
+        let job = self.job_mut(job_id)?;
+        let pg = job.spec.objective.pg();
+        let next = job.rec.step + 1;
+        let docs = job.settings().at(next).docs_per_step.unwrap_or(1);
+        let (step, max_staleness) = (job.rec.step, job.spec.rl.max_staleness);
+        let (Some(l), Some(s), Some(plan), Some(pg)) = (
+            job.data.rollout_loop.as_mut(),
+            job.data.stream.as_mut(),
+            job.data.rollouts.as_mut(),
+            pg,
+        ) else {
+            return Err(CoreError::NotStreamed(job_id.to_string()));
+        };
+        let (prompts_done, kind) = match l.scoring {
+            Some(sc) if sc.round == round && !job.rec.state.is_terminal() => {
+                (sc.prompts_end, sc.kind)
+            }
+            _ => {
+                warn!(
+                    job = job_id,
+                    round, "scored round is not the one being scored, ignored"
+                );
+                return Ok(());
+            }
+        };
+        l.scoring = None;
+        job.rec.reason.clear();
+        if kind == RoundKind::Eval {
+            l.evaluated = Some(step);
+            let metrics = crate::core::eval::EvalMetrics {
+                step,
+                loss: 0.0,
+                loss_tokens: 0,
+                tokens: stats.completion_tokens,
+                docs: stats.completions,
+                extra: stats.metrics(),
+                sources: Default::default(),
+                unix_ms: now_ms,
+            };
+            info!(job = job_id, step, accuracy = ?metrics.extra.get("rl/accuracy"), "eval prompts answered");
+            fx.push(Effect::AppendEval {
+                job: job_id.to_string(),
+                path: job.spec.job.output_dir.join("metrics.jsonl"),
+                eval: Box::new(metrics.clone()),
+            });
+            fx.push(Effect::Publish {
+                job: job_id.to_string(),
+                item: WatchItem::Eval(metrics),
+            });
+            return Ok(());
+        }
+        let at = Admission {
+            job: job_id,
+            pg: &pg,
+            step,
+            max_staleness,
+            need: s.step_rollouts(docs),
+        };
+        let write = s.push_generated(plan, at, rollouts, prompts_done);
+        job.data.loop_stats.add(&stats);
+        fx.push(Effect::PersistRollouts(Box::new(write)));
+        Ok(())
+    }
+
+    /// The shell could not score round `round`: the job fails with why.
+    pub(super) fn on_score_failed(
+        &mut self,
+        job_id: &str,
+        round: u64,
+        error: String,
+        now_ms: i64,
+        fx: &mut Vec<Effect>,
+    ) {
+        let Some(job) = self.jobs.get(job_id) else {
+            return;
+        };
+        let ours = job
+            .data
+            .rollout_loop
+            .as_ref()
+            .is_some_and(|l| l.scoring.is_some_and(|s| s.round == round));
+        if !ours || job.rec.state.is_terminal() {
+            return;
+        }
+        let why = Why::new(
+            AbortReason::JobFailed,
+            format!("scoring generation round {round} failed: {error}"),
+        );
+        self.finish(job_id, End::Failed(why), now_ms, fx);
+    }
+}

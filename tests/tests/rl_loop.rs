@@ -1,0 +1,73 @@
+//! The RL loop with the real coordinator binary (issue 17): prompts in, the
+//! coordinator plans generation rounds for its workers (here fake
+//! generators speaking the real protocol), scores the completions with the
+//! exact-match verifier and trains on them. A generator that dies in the
+//! middle of a round loses no prompt and no rollout is trained twice.
+
+mod common;
+
+use std::collections::BTreeSet;
+
+use common::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_generator_killed_mid_round_loses_no_prompt_and_counts_no_rollout_twice() {
+    let dir = tempfile::tempdir().unwrap();
+    // 8 prompts whose answer is "0": sample 0 is right, sample 1 wrong.
+    let rows: String = (0..8)
+        .map(|i| format!("{{\"question\": \"{i} times 0?\", \"answer\": \"#### 0\"}}\n"))
+        .collect();
+    std::fs::write(dir.path().join("prompts.jsonl"), rows).unwrap();
+    std::fs::write(dir.path().join("tiny.json"), r#"{"vocab_size": 320}"#).unwrap();
+    let spec = dir.path().join("loop.toml");
+    std::fs::write(
+        &spec,
+        "[job]\nname = \"loop\"\nsteps = 6\noutput_dir = \"out\"\n\
+         [model]\ninit = \"random\"\nconfig = \"tiny.json\"\n\
+         [data]\nsource = \"generate\"\nformat = \"prompts\"\ntrain = [\"prompts.jsonl\"]\nmax_tokens = 256\n\
+         [batch]\ndocs_per_step = 4\n[objective]\nkind = \"pg\"\n\
+         [parallel]\nmin_workers = 1\nmax_workers = 2\n\
+         [rl]\ngroup_size = 2\n[rl.sampling]\nmax_new_tokens = 8\n\
+         [rl.verifier]\nkind = \"gsm8k\"\n",
+    )
+    .unwrap();
+    let coord = Coordinator::start(&dir.path().join("state"));
+    // Both generators are in the first generation; b dies on round 2.
+    let a = tokio::spawn(fake_generator(coord.url.clone(), None, None));
+    let b = tokio::spawn(fake_generator(coord.url.clone(), None, Some(2)));
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let out = accrue(&coord.url, &["submit", spec.to_str().unwrap()], dir.path());
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let a = a.await.unwrap().unwrap();
+    let b = b.await.unwrap().unwrap();
+    assert!(a.released, "the job completes");
+    assert_eq!(b.rounds, [1], "b answered round 1, died on round 2");
+    // Each rollout (its stream id) trained once, by whichever rank had it.
+    let trained: Vec<&String> = a.docs.iter().chain(&b.docs).map(|(_, d)| d).collect();
+    let unique: BTreeSet<&&String> = trained.iter().collect();
+    assert_eq!((trained.len(), unique.len()), (24, 24), "{trained:?}");
+    let metrics = std::fs::read_to_string(dir.path().join("out/metrics.jsonl")).unwrap();
+    let steps: Vec<serde_json::Value> = metrics
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(steps.len(), 6);
+    for m in &steps {
+        assert_eq!(m["docs"], 4, "{m}");
+        assert_eq!(m["extra"]["rl/accuracy"], 0.5, "{m}");
+    }
+    // 6 steps × 2 prompts = 12 prompt uses of 8 prompts: every prompt
+    // once in epoch 0, then 4 of epoch 1 — read back from the groups the
+    // coordinator logged in the rollout store is not exposed, so count the
+    // steps' cursor instead: the stream head moved by 2 groups a step.
+    let heads: Vec<u64> = steps
+        .iter()
+        .map(|m| m["cursor"]["position"].as_u64().unwrap())
+        .collect();
+    assert_eq!(heads, [2, 4, 6, 8, 10, 12]);
+}
