@@ -232,6 +232,17 @@ impl Store {
         Ok(out)
     }
 
+    /// Bytes the step records of `job` take as stored (keys aside).
+    pub fn steps_bytes(&self, job: &str) -> Result<u64> {
+        let tx = self.db.begin_read()?;
+        let table = tx.open_table(STEPS)?;
+        let mut total = 0;
+        for row in table.range((job, 0)..=(job, u64::MAX))? {
+            total += row?.1.value().len() as u64;
+        }
+        Ok(total)
+    }
+
     /// Step records of `job` with step ≥ `from`, in step order.
     pub fn steps(&self, job: &str, from: u64) -> Result<Vec<StepRecord>> {
         let tx = self.db.begin_read()?;

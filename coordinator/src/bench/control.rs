@@ -75,8 +75,11 @@ pub struct ControlRow {
     pub plan_bytes_per_worker_per_step: f64,
     /// Resident memory of the process at the end (fakes included).
     pub rss_bytes: u64,
-    /// Growth of the state store per measured step.
+    /// Growth of the state store's file per measured step (redb grows
+    /// its file in regions: 0 until one fills).
     pub store_bytes_per_step: f64,
+    /// Bytes of step records stored per measured step.
+    pub step_record_bytes: f64,
     /// Workers whose session the coordinator ended (declared lost).
     pub workers_lost: u64,
     /// Generations formed (1 when nobody was lost).
@@ -231,6 +234,7 @@ async fn drive(
         plan_bytes_per_worker_per_step: plan_bytes as f64 / plans.max(1) as f64,
         rss_bytes,
         store_bytes_per_step: (end.store_bytes as f64 - start.store_bytes as f64) / steps,
+        step_record_bytes: (end.steps_bytes - start.steps_bytes) as f64 / steps,
         workers_lost: tally.lost.load(Ordering::Relaxed),
         generations: tally.max_generation.load(Ordering::Relaxed),
     })
@@ -243,6 +247,7 @@ struct Sample {
     coord_cpu_ns: u64,
     locked_ns: u64,
     store_bytes: u64,
+    steps_bytes: u64,
 }
 
 impl Sample {
@@ -254,6 +259,12 @@ impl Sample {
             coord_cpu_ns,
             locked_ns: shared.lock_stats(false).total_ns,
             store_bytes: std::fs::metadata(state.join("accrue.redb")).map_or(0, |m| m.len()),
+            steps_bytes: {
+                let inner = shared.lock();
+                let job = inner.core.jobs().next().map(|j| j.rec.id.clone());
+                job.and_then(|j| inner.store.steps_bytes(&j).ok())
+                    .unwrap_or(0)
+            },
         }
     }
 }

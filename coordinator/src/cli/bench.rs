@@ -438,6 +438,7 @@ fn control_table(rows: &[crate::bench::control::ControlRow]) -> String {
                 format!("{:.0}", r.plan_bytes_per_worker_per_step),
                 format!("{:.0}", r.rss_bytes as f64 / 1048576.0),
                 format!("{:.0}", r.store_bytes_per_step),
+                format!("{:.0}", r.step_record_bytes),
                 r.workers_lost.to_string(),
             ]
         })
@@ -457,6 +458,7 @@ fn control_table(rows: &[crate::bench::control::ControlRow]) -> String {
             "PLAN_B/W",
             "RSS_MB",
             "STORE_B/STEP",
+            "RECORD_B/STEP",
             "LOST",
         ],
         &body,
