@@ -10,7 +10,8 @@ use crate::error::{RingError, RingResult};
 pub struct RingConfig {
     pub rank: usize,
     pub world: usize,
-    /// The collective address (`host:port`) of every rank, by rank.
+    /// The collective address (`host:port`) of every rank, by rank. Only
+    /// rank + 1 is dialled, so the others may be empty.
     pub peers: Vec<String>,
     /// Membership generation; connections and messages of any other
     /// generation are refused.

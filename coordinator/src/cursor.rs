@@ -424,6 +424,19 @@ mod tests {
         Order::single(7, shuffle, len, epochs)
     }
 
+    /// Issue 19: planning a step must not reshuffle the whole dataset; the
+    /// epoch's permutation is drawn once and shared by every clone of the
+    /// job's order (each plan clones it).
+    #[test]
+    fn an_epochs_permutation_is_drawn_once_for_every_step() {
+        let order = Order::single(7, true, 10_000, None);
+        let first = order.source_permutation(0, 0);
+        let again = order.clone().source_permutation(0, 0);
+        assert!(Arc::ptr_eq(&first, &again));
+        let next_epoch = order.source_permutation(0, 1);
+        assert!(!Arc::ptr_eq(&first, &next_epoch));
+    }
+
     #[test]
     fn permutation_is_seeded_and_complete() {
         let o = order(100, true, None);

@@ -65,7 +65,9 @@ pub type Result<T> = std::result::Result<T, StoreError>;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StepRecord {
     pub metrics: StepMetrics,
-    /// The step manifest: the documents it trained on.
+    /// The step manifest: the documents it trained on (stored only when
+    /// the full manifest does not already list them).
+    #[serde(default)]
     pub docs: Vec<DocId>,
     /// The full manifest (settings, layout per rank and microbatch,
     /// attempts); absent on records written before it existed.
@@ -113,7 +115,10 @@ impl Store {
             let mut jobs = tx.open_table(JOBS)?;
             jobs.insert(rec.id.as_str(), json(rec).as_slice())?;
             let mut steps = tx.open_table(STEPS)?;
-            steps.insert((rec.id.as_str(), step.metrics.step), json(step).as_slice())?;
+            steps.insert(
+                (rec.id.as_str(), step.metrics.step),
+                compact(step).as_slice(),
+            )?;
         }
         tx.commit()?;
         Ok(())
@@ -227,6 +232,17 @@ impl Store {
         Ok(out)
     }
 
+    /// Bytes the step records of `job` take as stored (keys aside).
+    pub fn steps_bytes(&self, job: &str) -> Result<u64> {
+        let tx = self.db.begin_read()?;
+        let table = tx.open_table(STEPS)?;
+        let mut total = 0;
+        for row in table.range((job, 0)..=(job, u64::MAX))? {
+            total += row?.1.value().len() as u64;
+        }
+        Ok(total)
+    }
+
     /// Step records of `job` with step ≥ `from`, in step order.
     pub fn steps(&self, job: &str, from: u64) -> Result<Vec<StepRecord>> {
         let tx = self.db.begin_read()?;
@@ -235,7 +251,7 @@ impl Store {
         for row in table.range((job, from)..=(job, u64::MAX))? {
             let (k, v) = row?;
             let (_, step) = k.value();
-            out.push(decode::<StepRecord>(&format!("{job}/{step}"), v.value())?);
+            out.push(step_record(&format!("{job}/{step}"), v.value())?);
         }
         Ok(out)
     }
@@ -254,6 +270,58 @@ pub fn committed_steps(store: &Store, job: &str, from: u64) -> Result<Vec<Commit
             docs: r.docs,
         })
         .collect())
+}
+
+/// Tags a step record compressed with zstd; a plain JSON one (written
+/// before, or by hand) starts with `{`.
+const ZSTD: u8 = 1;
+
+/// A step record as stored (issue 19, bounded state): its JSON without the
+/// document list when the manifest lists the same documents, zstd-compressed
+/// (document ids repeat their field names: ~10× smaller at 16k documents).
+fn compact(step: &StepRecord) -> Vec<u8> {
+    #[derive(Serialize)]
+    struct Compact<'a> {
+        metrics: &'a StepMetrics,
+        #[serde(skip_serializing_if = "<[DocId]>::is_empty")]
+        docs: &'a [DocId],
+        #[serde(skip_serializing_if = "Option::is_none")]
+        manifest: Option<&'a crate::manifest::StepManifest>,
+    }
+    let listed = step
+        .manifest
+        .as_ref()
+        .is_some_and(|m| m.docs() == step.docs);
+    let body = json(&Compact {
+        metrics: &step.metrics,
+        docs: if listed { &[] } else { &step.docs },
+        manifest: step.manifest.as_ref(),
+    });
+    let mut out = vec![ZSTD];
+    // Level 1: the write is on the commit path; the ratio barely improves above.
+    zstd::stream::copy_encode(body.as_slice(), &mut out, 1)
+        .expect("compressing into memory cannot fail");
+    out
+}
+
+/// Reads a step record in either form, its document list restored.
+fn step_record(key: &str, bytes: &[u8]) -> Result<StepRecord> {
+    let mut rec: StepRecord = match bytes.first() {
+        Some(&ZSTD) => {
+            let body = zstd::stream::decode_all(&bytes[1..]).map_err(|e| StoreError::Corrupt {
+                what: key.to_string(),
+                message: format!("decompressing: {e}"),
+            })?;
+            decode(key, &body)?
+        }
+        _ => decode(key, bytes)?,
+    };
+    if rec.docs.is_empty() {
+        if let Some(m) = &rec.manifest {
+            rec.docs = m.docs();
+        }
+    }
+    Ok(rec)
 }
 
 fn json<T: Serialize>(v: &T) -> Vec<u8> {
@@ -348,6 +416,65 @@ mod tests {
         );
         assert_eq!(steps[1].docs, vec![DocId { file: 0, line: 3 }]);
         assert!(s.steps("b", 0).unwrap().is_empty());
+    }
+
+    /// Issue 19, bounded state: a 16k-document step (1024 ranks of 16) is
+    /// stored in a few bytes per document, its list not repeated beside the
+    /// manifest; a plain JSON record (written before) still reads.
+    #[test]
+    fn a_large_step_is_stored_compact_and_old_records_still_read() {
+        use crate::manifest::{MicrobatchEntry, SeqEntry, StepManifest};
+        let mut rng = 0x2545_f491_4f6c_dd1du64;
+        let ranks: Vec<Vec<MicrobatchEntry>> = (0..1024)
+            .map(|_| {
+                let seqs = (0..16)
+                    .map(|_| {
+                        // xorshift: documents from a shuffled 200k dataset.
+                        rng ^= rng << 13;
+                        rng ^= rng >> 7;
+                        rng ^= rng << 17;
+                        let id = DocId {
+                            file: 0,
+                            line: 1 + rng % 200_000,
+                        };
+                        SeqEntry(id, 0, 10 + (rng % 50) as u32)
+                    })
+                    .collect();
+                vec![MicrobatchEntry { tokens: 500, seqs }]
+            })
+            .collect();
+        let manifest = StepManifest {
+            step: 7,
+            generation: 1,
+            world_size: 1024,
+            lr: 1e-4,
+            settings: Default::default(),
+            epoch: 0,
+            tokens: 512_000,
+            attempts: 1,
+            replayed: false,
+            files: Default::default(),
+            sources: Default::default(),
+            groups: Vec::new(),
+            ranks,
+        };
+        let record = StepRecord {
+            metrics: StepMetrics {
+                step: 7,
+                ..Default::default()
+            },
+            docs: manifest.docs(),
+            manifest: Some(manifest),
+        };
+        let stored = compact(&record);
+        let per_doc = stored.len() as f64 / 16_384.0;
+        let plain = json(&record).len() as f64 / 16_384.0;
+        assert!(
+            per_doc < 8.0,
+            "{per_doc:.1} bytes per document stored ({plain:.1} as JSON)"
+        );
+        assert_eq!(step_record("a/7", &stored).unwrap(), record);
+        assert_eq!(step_record("a/7", &json(&record)).unwrap(), record);
     }
 
     #[test]

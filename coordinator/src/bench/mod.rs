@@ -4,6 +4,7 @@
 //! of `accrue-collective`.
 
 mod collective;
+pub mod control;
 pub mod data;
 mod packing;
 

@@ -357,3 +357,110 @@ pub fn data_submit_child(spec: &Path) -> anyhow::Result<ExitCode> {
     outln!("{}", serde_json::to_string(&row)?)?;
     Ok(ExitCode::SUCCESS)
 }
+
+/// `accrue bench control-plane`: one child process per (W, dataset size),
+/// so one run's memory and threads do not count in the next.
+pub fn control_plane(args: &super::ControlPlaneArgs) -> anyhow::Result<ExitCode> {
+    let tmp = tempfile::tempdir()?;
+    let work = args
+        .work
+        .clone()
+        .unwrap_or_else(|| tmp.path().to_path_buf());
+    if let ([w], [docs]) = (args.workers.as_slice(), args.docs.as_slice()) {
+        let opts = crate::bench::control::ControlBenchOpts {
+            workers: *w,
+            docs: *docs,
+            docs_per_worker: args.docs_per_worker,
+            steps: args.steps,
+            warmup: args.warmup,
+            work: work.join(format!("docs-{docs}")),
+        };
+        // Its own runtimes, off the CLI's (a runtime cannot start in one).
+        let row = std::thread::spawn(move || crate::bench::control::control_plane(&opts))
+            .join()
+            .map_err(|_| anyhow::anyhow!("the control-plane measurement panicked"))??;
+        if args.json {
+            outln!("{}", serde_json::to_string(&row)?)?;
+        } else {
+            outln!("{}", control_table(&[row]))?;
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    let exe = std::env::current_exe()?;
+    let mut rows = Vec::new();
+    for docs in &args.docs {
+        for w in &args.workers {
+            let out = std::process::Command::new(&exe)
+                .args(["bench", "control-plane", "--json"])
+                .arg(format!("--workers={w}"))
+                .arg(format!("--docs={docs}"))
+                .arg(format!("--docs-per-worker={}", args.docs_per_worker))
+                .arg(format!("--steps={}", args.steps))
+                .arg(format!("--warmup={}", args.warmup))
+                .arg("--work")
+                .arg(&work)
+                .stderr(std::process::Stdio::inherit())
+                .output()
+                .context("running one control-plane measurement")?;
+            if !out.status.success() {
+                errln!("W={w} docs={docs}: the measurement failed ({})", out.status);
+                continue;
+            }
+            let row: crate::bench::control::ControlRow =
+                serde_json::from_slice(&out.stdout).context("reading a measurement")?;
+            if args.json {
+                outln!("{}", serde_json::to_string(&row)?)?;
+            }
+            rows.push(row);
+        }
+    }
+    if !args.json {
+        outln!("{}", control_table(&rows))?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn control_table(rows: &[crate::bench::control::ControlRow]) -> String {
+    let body: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| {
+            vec![
+                r.workers.to_string(),
+                r.dataset_docs.to_string(),
+                r.docs_per_step.to_string(),
+                format!("{:.1}", r.step_ms),
+                format!("{:.1}", r.coordinator_cpu_ms_per_step),
+                format!("{:.1}", r.process_cpu_ms_per_step),
+                format!("{:.1}", r.locked_ms_per_step),
+                format!("{:.1}", r.formation_ms),
+                format!("{:.1}", r.formation_locked_ms),
+                format!("{:.0}", r.configure_bytes_per_worker),
+                format!("{:.0}", r.plan_bytes_per_worker_per_step),
+                format!("{:.0}", r.rss_bytes as f64 / 1048576.0),
+                format!("{:.0}", r.store_bytes_per_step),
+                format!("{:.0}", r.step_record_bytes),
+                r.workers_lost.to_string(),
+            ]
+        })
+        .collect();
+    super::render::table(
+        &[
+            "W",
+            "DOCS",
+            "DOCS/STEP",
+            "STEP_MS",
+            "COORD_CPU_MS",
+            "PROC_CPU_MS",
+            "LOCKED_MS",
+            "FORM_MS",
+            "FORM_LOCK_MS",
+            "CONF_B/W",
+            "PLAN_B/W",
+            "RSS_MB",
+            "STORE_B/STEP",
+            "RECORD_B/STEP",
+            "LOST",
+        ],
+        &body,
+    )
+}

@@ -476,6 +476,47 @@ pub enum BenchCommand {
     /// One submit measurement of `bench data` (internal: started by it).
     #[command(hide = true)]
     DataSubmitChild { spec: PathBuf },
+    /// The control plane at scale: the real coordinator against W
+    /// simulated workers (one process, real sockets), per W: coordinator
+    /// CPU and locked time per step, generation formation, bytes per
+    /// worker, memory, store growth.
+    ControlPlane(ControlPlaneArgs),
+}
+
+/// Arguments of `accrue bench control-plane`.
+#[derive(Debug, Clone, Args)]
+pub struct ControlPlaneArgs {
+    /// Print one JSON object per row instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Numbers of simulated workers (each row runs in its own process).
+    #[arg(
+        long,
+        value_name = "W,...",
+        value_delimiter = ',',
+        default_value = "1,64,256,1024"
+    )]
+    pub workers: Vec<usize>,
+    /// Dataset sizes in documents.
+    #[arg(
+        long,
+        value_name = "N,...",
+        value_delimiter = ',',
+        default_value = "200000"
+    )]
+    pub docs: Vec<u64>,
+    /// docs_per_step = this × W.
+    #[arg(long, value_name = "N", default_value_t = 16)]
+    pub docs_per_worker: u64,
+    /// Steps measured (after the warm-up steps).
+    #[arg(long, value_name = "N", default_value_t = 20)]
+    pub steps: u64,
+    /// Steps run before measuring.
+    #[arg(long, value_name = "N", default_value_t = 3)]
+    pub warmup: u64,
+    /// Scratch directory (default: a temporary one).
+    #[arg(long, value_name = "DIR")]
+    pub work: Option<PathBuf>,
 }
 
 /// Arguments of `accrue bench data`.
@@ -808,6 +849,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Bench {
             bench: BenchCommand::CollectiveRank(args),
         } => bench::collective_rank(&args),
+        Command::Bench {
+            bench: BenchCommand::ControlPlane(args),
+        } => bench::control_plane(&args),
         Command::Data {
             data: DataCommand::Synth(args),
         } => data::synth(&args),

@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use super::generate::{GenCompletion, LoopInputs, RoundPlan, RoundStats, RoundToScore};
 use super::metrics::{MetricSums, StepMetrics};
+use super::recovery::PriorRun;
 use super::reference::{RefEntry, ReferenceLogps, SeqLogp};
 use super::step::PlannedStep;
 use super::stream::{RolloutWrite, StoredStream};
@@ -193,6 +194,8 @@ pub enum ToWorker {
         /// Per rank: the state that peer holds in memory when it holds the
         /// configured step (no restore; the others sync from it).
         priors: Arc<[Option<HeldState>]>,
+        /// `priors` as runs, computed once per generation (what the wire carries).
+        prior_runs: Arc<[PriorRun]>,
         /// The validated spec; the adapter sends its resolved form.
         spec: Arc<JobSpec>,
         step: u64,

@@ -240,6 +240,7 @@ impl Coordinator {
         let world = members.len();
         let priors: Arc<[Option<HeldState>]> =
             (0..world).map(|i| decision.prior(i).cloned()).collect();
+        let prior_runs: Arc<[recovery::PriorRun]> = recovery::prior_runs(&priors).into();
         // Memory a Configure does not overwrite: a ddp holder's (it only
         // sends), or a sharded layout that stays exactly as it was.
         let unchanged_layout = priors.iter().enumerate().all(|(i, p)| {
@@ -267,6 +268,7 @@ impl Coordinator {
                     rank: rank as u32,
                     peers: peers.clone(),
                     priors: priors.clone(),
+                    prior_runs: prior_runs.clone(),
                     spec: job.spec.clone(),
                     step: decision.step,
                     restore_from: decision.restore_from(),

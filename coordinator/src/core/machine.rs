@@ -100,7 +100,13 @@ impl Coordinator {
             Event::SessionClosed { worker } => {
                 self.lose_worker(&worker, "session closed", now_ms, &mut fx)
             }
-            Event::Heartbeat { worker } => self.seen(&worker, now_ms),
+            Event::Heartbeat { worker } => {
+                // Liveness only: it can make no job formable or dispatchable,
+                // so nothing to schedule (issue 19: composing a waiting job's
+                // generation on each of 4096 workers' heartbeats starved them).
+                self.seen(&worker, now_ms);
+                return Ok(fx);
+            }
             Event::Ready {
                 worker,
                 job,

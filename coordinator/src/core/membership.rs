@@ -49,17 +49,19 @@ pub fn compose(now_ms: i64, job: &Job, workers: &BTreeMap<WorkerId, Worker>) -> 
             job.rec.generation
         ));
     }
+    // Counted before anything is cloned: a waiting job is composed after
+    // every registration.
+    let available_now = workers.values().filter(|w| w.available()).count();
+    if (available_now as u32) < min {
+        return Composition::Wait(format!(
+            "waiting for workers: {available_now} available, min_workers = {min}"
+        ));
+    }
     let mut free: Vec<(WorkerId, u64, Option<HeldState>)> = workers
         .values()
         .filter(|w| w.available())
         .map(|w| (w.id.clone(), w.seq, w.held_for(id).cloned()))
         .collect();
-    if (free.len() as u32) < min {
-        return Composition::Wait(format!(
-            "waiting for workers: {} available, min_workers = {min}",
-            free.len()
-        ));
-    }
     recovery::member_order(id, &mut free);
     free.truncate(max as usize);
     let (members, held): (Vec<WorkerId>, Vec<Option<HeldState>>) =

@@ -97,6 +97,43 @@ impl Decision {
     }
 }
 
+/// Members `rank..rank + count` hold the configured step as ranks
+/// `prior_rank..prior_rank + count` of `prior_world`: the priors in the
+/// form every member is sent (issue 19: survivors keep their order, so a
+/// re-formed generation is a few runs however many members it has).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PriorRun {
+    pub rank: u32,
+    pub count: u32,
+    pub prior_rank: u32,
+    pub prior_world: u32,
+}
+
+/// The priors by rank as runs; members holding nothing are in no run.
+pub fn prior_runs(priors: &[Option<HeldState>]) -> Vec<PriorRun> {
+    let mut runs: Vec<PriorRun> = Vec::new();
+    for (i, p) in priors.iter().enumerate() {
+        let Some(p) = p else { continue };
+        let i = i as u32;
+        match runs.last_mut() {
+            Some(r)
+                if r.rank + r.count == i
+                    && r.prior_rank + r.count == p.rank
+                    && r.prior_world == p.world_size =>
+            {
+                r.count += 1
+            }
+            _ => runs.push(PriorRun {
+                rank: i,
+                count: 1,
+                prior_rank: p.rank,
+                prior_world: p.world_size,
+            }),
+        }
+    }
+    runs
+}
+
 /// Everything [`decide`] looks at.
 #[derive(Debug, Clone)]
 pub struct Situation<'a> {
@@ -260,6 +297,31 @@ mod tests {
             rank,
             generation,
         })
+    }
+
+    #[test]
+    fn survivors_in_order_are_one_run_per_gap() {
+        // Four of five survivors keep their order, a newcomer holds nothing.
+        let priors = [
+            held(3, 1, 5, 0),
+            held(3, 1, 5, 2),
+            held(3, 1, 5, 3),
+            None,
+            held(3, 1, 5, 4),
+        ];
+        let run = |rank, count, prior_rank| PriorRun {
+            rank,
+            count,
+            prior_rank,
+            prior_world: 5,
+        };
+        assert_eq!(
+            prior_runs(&priors),
+            vec![run(0, 1, 0), run(1, 2, 2), run(4, 1, 4)]
+        );
+        let many: Vec<_> = (0..4096).map(|r| held(3, 1, 4096, r)).collect();
+        assert_eq!(prior_runs(&many).len(), 1);
+        assert!(prior_runs(&[None, None]).is_empty());
     }
 
     fn ck(step: u64) -> CheckpointEntry {

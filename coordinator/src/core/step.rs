@@ -86,8 +86,9 @@ impl PlannedStep {
     }
 
     /// Where rank `rank`'s training result disagrees with what this plan
-    /// gave it (microbatches, tokens, documents), the first such
-    /// field with both values: such a result was not computed on this plan.
+    /// gave it (microbatches, tokens, documents, loss tokens), the first
+    /// such field with both values: such a result was not computed on this
+    /// plan.
     pub fn disagreement(&self, rank: u32, sums: &MetricSums) -> Option<String> {
         let mbs = self.ranks.get(rank as usize)?;
         let tokens: u64 = mbs.iter().map(|m| m.token_ids.len() as u64).sum();
@@ -101,6 +102,7 @@ impl PlannedStep {
             ),
             ("tokens", sums.tokens, tokens),
             ("documents", sums.documents, docs.count() as u64),
+            ("loss tokens", sums.loss_tokens, rank_loss_tokens(mbs)),
         ];
         checks
             .into_iter()
@@ -116,6 +118,20 @@ impl PlannedStep {
             .max()
             .unwrap_or(0)
     }
+}
+
+/// Loss tokens of one rank's microbatches as every objective's worker
+/// counts them (SFT, DPO and policy gradient alike): per sequence, the
+/// labels after its first that are not ignored (the shift stays inside a
+/// document), the count the plan's normaliser T sums.
+fn rank_loss_tokens(mbs: &[MicrobatchPayload]) -> u64 {
+    mbs.iter()
+        .flat_map(|m| {
+            m.cu_seq_lens
+                .windows(2)
+                .map(|w| crate::doc::count_loss_tokens(&m.labels[w[0] as usize..w[1] as usize]))
+        })
+        .sum()
 }
 
 /// Packs `chosen` into microbatches of at most `max_tokens`, spreads them

@@ -2313,6 +2313,55 @@ fn a_worker_lost_with_its_session_open_is_told_and_rejoins_by_registering() {
 /// every metric; its worker is dropped and the step re-planned.
 #[test]
 fn a_result_that_disagrees_with_its_plan_drops_the_worker_and_replans() {
+    refused_for(|mbs| {
+        let tokens: u64 = mbs.iter().map(|m| m.token_ids.len() as u64).sum();
+        let sums = MetricSums {
+            tokens: tokens * 2,
+            microbatches: mbs.len() as u32,
+            documents: 2,
+            loss_tokens: 1,
+            loss_sum: 1.0,
+            ..Default::default()
+        };
+        (sums, format!("tokens {}, planned {tokens}", tokens * 2))
+    });
+}
+
+/// Issue 19: loss tokens are checked too (every objective's worker counts
+/// them the same way, so a correct result always agrees).
+#[test]
+fn a_result_with_other_loss_tokens_than_planned_is_refused() {
+    refused_for(|mbs| {
+        let planned: u64 = mbs
+            .iter()
+            .flat_map(|m| {
+                m.cu_seq_lens
+                    .windows(2)
+                    .map(|w| crate::doc::count_loss_tokens(&m.labels[w[0] as usize..w[1] as usize]))
+            })
+            .sum();
+        let sums = MetricSums {
+            tokens: mbs.iter().map(|m| m.token_ids.len() as u64).sum(),
+            microbatches: mbs.len() as u32,
+            documents: mbs
+                .iter()
+                .flat_map(|m| &m.seqs)
+                .filter(|q| q.role == 0)
+                .count() as u64,
+            loss_tokens: planned + 1,
+            loss_sum: 1.0,
+            ..Default::default()
+        };
+        (
+            sums,
+            format!("loss tokens {}, planned {planned}", planned + 1),
+        )
+    });
+}
+
+/// Rank 2 of three answers step 1 with `bad(its microbatches)`: the result
+/// is refused naming the returned detail, and the job completes without it.
+fn refused_for(bad: impl Fn(&[step::MicrobatchPayload]) -> (MetricSums, String)) {
     let (mut s, d) = three_workers_step_1_in_flight(Sharding::Ddp);
     let (w, generation, planned) = s
         .inbox
@@ -2327,8 +2376,7 @@ fn a_result_that_disagrees_with_its_plan_drops_the_worker_and_replans() {
             _ => None,
         })
         .unwrap();
-    let mbs = &planned.ranks[2];
-    let tokens: u64 = mbs.iter().map(|m| m.token_ids.len() as u64).sum();
+    let (sums, want) = bad(&planned.ranks[2]);
     s.inbox.retain(|(x, _)| *x != w);
     s.dead.push(w.clone());
     s.handle(Event::StepResult {
@@ -2336,14 +2384,7 @@ fn a_result_that_disagrees_with_its_plan_drops_the_worker_and_replans() {
         job: "job".into(),
         generation,
         step: 1,
-        sums: MetricSums {
-            tokens: tokens * 2,
-            microbatches: mbs.len() as u32,
-            documents: 2,
-            loss_tokens: 1,
-            loss_sum: 1.0,
-            ..Default::default()
-        },
+        sums,
         logps: Vec::new(),
         nonfinite: Vec::new(),
     })
@@ -2355,10 +2396,7 @@ fn a_result_that_disagrees_with_its_plan_drops_the_worker_and_replans() {
         .map(|(k, m)| (k, m, m.as_str()))
         .find(|(_, m, _)| m.contains("disagrees with its plan"))
         .expect("a generation event naming the disagreement");
-    assert!(
-        detail.contains(&format!("tokens {}, planned {tokens}", tokens * 2)),
-        "{detail}"
-    );
+    assert!(detail.contains(&want), "{detail}");
     s.run();
     assert_eq!(s.state(), JobState::Completed);
     assert_eq!(s.manifests[0].world_size, 2, "step 1 re-planned without it");

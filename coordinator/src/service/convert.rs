@@ -5,7 +5,7 @@ use accrue_proto::{pack_f32, pack_i32, pack_u32, v1 as wire};
 
 use crate::core::{
     AbortReason, EventKind, HeldState, Job, JobState, MetricSums, PlanKind, Quarantined, SeqLogp,
-    StepMetrics, ToWorker, WatchItem, Worker, WorkerErrorKind, WorkerState,
+    StepMetrics, ToWorker, WatchItem, Worker, WorkerErrorKind, WorkerId, WorkerState,
 };
 use crate::cursor::Cursor;
 use crate::doc::DocId;
@@ -416,6 +416,17 @@ fn normalizers(n: &Normalizers) -> wire::Normalizers {
     }
 }
 
+/// The peer rank `rank` dials in the generation's ring (itself when alone).
+fn ring_next(peers: &[(WorkerId, String)], rank: u32) -> Option<wire::Peer> {
+    let next = (rank as usize + 1) % peers.len().max(1);
+    peers.get(next).map(|(id, addr)| wire::Peer {
+        rank: next as u32,
+        worker_id: id.clone(),
+        collective_addr: addr.clone(),
+        prior: None,
+    })
+}
+
 /// The wire message for one worker. Tokens travel as packed bytes.
 pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
     use wire::coordinator_message::Msg;
@@ -426,6 +437,7 @@ pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
             rank,
             peers,
             priors,
+            prior_runs,
             spec,
             step,
             restore_from,
@@ -434,14 +446,21 @@ pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
             generation: *generation,
             rank: *rank,
             world_size: peers.len() as u32,
-            peers: peers
+            // O(1) in the world size: the neighbour, this rank's prior and
+            // the runs, never the whole membership.
+            peers: Vec::new(),
+            next: ring_next(peers, *rank),
+            prior: priors
+                .get(*rank as usize)
+                .and_then(Option::as_ref)
+                .map(held_state),
+            priors: prior_runs
                 .iter()
-                .enumerate()
-                .map(|(r, (id, addr))| wire::Peer {
-                    rank: r as u32,
-                    worker_id: id.clone(),
-                    collective_addr: addr.clone(),
-                    prior: priors.get(r).and_then(Option::as_ref).map(held_state),
+                .map(|r| wire::PriorRun {
+                    rank: r.rank,
+                    count: r.count,
+                    prior_rank: r.prior_rank,
+                    prior_world_size: r.prior_world,
                 })
                 .collect(),
             job: Some(job_definition(spec)),
@@ -571,9 +590,71 @@ mod tests {
             .contains("held.job_id"));
     }
 
+    /// Issue 19: a generation's Configures are O(W) in total (each O(1)),
+    /// even re-formed with every member holding the state; listing every
+    /// peer in each made them O(W²).
+    #[test]
+    fn a_generations_configures_grow_linearly_with_its_size() {
+        use prost::Message;
+        use std::sync::Arc;
+        let spec: Arc<JobSpec> = Arc::new(
+            toml::from_str(
+                "[job]\nname = \"t\"\noutput_dir = \"/o\"\n[model]\ninit = \"random\"\n\
+                 config = \"/c.json\"\n[data]\nformat = \"sft\"\n[batch]\ndocs_per_step = 2\n",
+            )
+            .unwrap(),
+        );
+        let total = |w: usize| -> usize {
+            let peers: Arc<[(WorkerId, String)]> = (0..w)
+                .map(|i| {
+                    (
+                        uuid::Uuid::new_v4().to_string(),
+                        format!("10.0.{}.{}:29500", i / 256, i % 256),
+                    )
+                })
+                .collect();
+            let priors: Vec<Option<HeldState>> = (0..w)
+                .map(|r| {
+                    Some(HeldState {
+                        job: "j".into(),
+                        step: 9,
+                        world_size: w as u32,
+                        rank: r as u32,
+                        generation: 1,
+                    })
+                })
+                .collect();
+            let prior_runs: Arc<[_]> = crate::core::recovery::prior_runs(&priors).into();
+            let priors: Arc<[Option<HeldState>]> = priors.into();
+            (0..w)
+                .map(|r| {
+                    to_worker(&ToWorker::Configure {
+                        job: "j".into(),
+                        generation: 2,
+                        rank: r as u32,
+                        peers: peers.clone(),
+                        priors: priors.clone(),
+                        prior_runs: prior_runs.clone(),
+                        spec: spec.clone(),
+                        step: 9,
+                        restore_from: None,
+                    })
+                    .encoded_len()
+                })
+                .sum()
+        };
+        let (small, large) = (total(16), total(256));
+        let ratio = large as f64 / small as f64;
+        assert!(
+            (15.0..17.0).contains(&ratio),
+            "16 → 256 members: {small} → {large} bytes ({ratio:.1}×, linear is 16×)"
+        );
+    }
+
     #[test]
     fn configure_carries_each_peers_prior() {
         let h = held_from_wire(wire_held(0, 1)).unwrap();
+        let priors = vec![Some(h), None];
         let spec: JobSpec = toml::from_str(
             "[job]\nname = \"t\"\noutput_dir = \"/o\"\n[model]\ninit = \"random\"\n\
              config = \"/c.json\"\n[data]\nformat = \"sft\"\n[batch]\ndocs_per_step = 2\n",
@@ -584,7 +665,8 @@ mod tests {
             generation: 4,
             rank: 1,
             peers: vec![("a".into(), "x:1".into()), ("b".into(), "x:2".into())].into(),
-            priors: vec![Some(h), None].into(),
+            priors: priors.clone().into(),
+            prior_runs: crate::core::recovery::prior_runs(&priors).into(),
             spec: std::sync::Arc::new(spec),
             step: 7,
             restore_from: None,
@@ -592,8 +674,22 @@ mod tests {
         let Some(wire::coordinator_message::Msg::Configure(c)) = msg.msg else {
             panic!("expected a configure");
         };
-        assert_eq!(c.peers[0].prior, Some(wire_held(0, 1)));
-        assert_eq!(c.peers[1].prior, None);
+        // Rank 1 of 2: its neighbour is rank 0, the holder; it holds nothing.
+        assert!(c.peers.is_empty());
+        assert_eq!(
+            c.next
+                .as_ref()
+                .map(|p| (p.rank, p.collective_addr.as_str())),
+            Some((0, "x:1"))
+        );
+        assert_eq!(c.prior, None);
+        let run = wire::PriorRun {
+            rank: 0,
+            count: 1,
+            prior_rank: 0,
+            prior_world_size: 1,
+        };
+        assert_eq!(c.priors, vec![run]);
         assert!(c.restore_from.is_empty());
         let job = c.job.expect("the resolved job travels with it");
         assert_eq!(job.sharding, wire::Sharding::Ddp as i32);

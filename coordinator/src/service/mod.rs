@@ -14,10 +14,10 @@ mod worker;
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use accrue_proto::v1 as wire;
 use tokio::sync::{broadcast, mpsc};
 use tonic::Status;
 use tracing::error;
@@ -31,8 +31,10 @@ use crate::core::{
 };
 use crate::store::{StepRecord, Store};
 
-/// Messages queued for one worker's session stream.
-pub type SessionTx = mpsc::UnboundedSender<Result<wire::CoordinatorMessage, Status>>;
+/// Messages queued for one worker's session stream. Domain messages, not
+/// wire ones: each session's stream encodes its own, outside the state lock
+/// and in parallel (a generation's W Configures were built under the lock).
+pub type SessionTx = mpsc::UnboundedSender<Result<ToWorker, Status>>;
 
 /// State shared by the admin and worker services.
 pub struct Shared {
@@ -47,6 +49,54 @@ pub struct Shared {
     scorers: Mutex<HashMap<JobId, Arc<crate::rl_loop::Scorer>>>,
     /// Itself, for work that outlives a call (scoring threads).
     me: std::sync::Weak<Shared>,
+    /// How long the state lock has been held (the control plane's serial
+    /// section, issue 19), for `accrue bench control-plane`.
+    held: HeldTime,
+}
+
+/// Time the state lock was held: in total, how often, and the longest.
+#[derive(Debug, Default)]
+struct HeldTime {
+    total_ns: AtomicU64,
+    count: AtomicU64,
+    max_ns: AtomicU64,
+}
+
+/// A snapshot of [`HeldTime`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LockStats {
+    pub total_ns: u64,
+    pub count: u64,
+    pub max_ns: u64,
+}
+
+/// The state, locked; records how long it was held when dropped.
+pub(crate) struct Locked<'a> {
+    guard: MutexGuard<'a, Inner>,
+    since: Instant,
+    held: &'a HeldTime,
+}
+
+impl std::ops::Deref for Locked<'_> {
+    type Target = Inner;
+    fn deref(&self) -> &Inner {
+        &self.guard
+    }
+}
+
+impl std::ops::DerefMut for Locked<'_> {
+    fn deref_mut(&mut self) -> &mut Inner {
+        &mut self.guard
+    }
+}
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        let ns = self.since.elapsed().as_nanos() as u64;
+        self.held.total_ns.fetch_add(ns, Ordering::Relaxed);
+        self.held.count.fetch_add(1, Ordering::Relaxed);
+        self.held.max_ns.fetch_max(ns, Ordering::Relaxed);
+    }
 }
 
 pub(crate) struct Inner {
@@ -80,6 +130,7 @@ impl Shared {
             tensorboard: tracking::TensorBoard::default(),
             scorers: Mutex::new(HashMap::new()),
             me: me.clone(),
+            held: HeldTime::default(),
         })
     }
 
@@ -93,8 +144,27 @@ impl Shared {
         self.metrics.render()
     }
 
-    pub(crate) fn lock(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    pub(crate) fn lock(&self) -> Locked<'_> {
+        let guard = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        Locked {
+            guard,
+            since: Instant::now(),
+            held: &self.held,
+        }
+    }
+
+    /// How long the state lock has been held since the server started;
+    /// `reset` starts the longest hold over (a benchmark's next phase).
+    pub fn lock_stats(&self, reset: bool) -> LockStats {
+        let max_ns = match reset {
+            true => self.held.max_ns.swap(0, Ordering::Relaxed),
+            false => self.held.max_ns.load(Ordering::Relaxed),
+        };
+        LockStats {
+            total_ns: self.held.total_ns.load(Ordering::Relaxed),
+            count: self.held.count.load(Ordering::Relaxed),
+            max_ns,
+        }
     }
 
     /// Feeds one event to the state machine and carries out its effects.
@@ -277,11 +347,10 @@ impl Shared {
                     }
                 }
                 Effect::Send { worker, msg } => {
-                    if let Some((_, tx)) = inner.sessions.get(&worker) {
-                        // A closed channel means the session is going away;
-                        // its close event will follow.
-                        let _ = tx.send(Ok(convert::to_worker(&msg)));
-                    }
+                    let planned = match &msg {
+                        ToWorker::Plan { job, .. } => Some(job.clone()),
+                        _ => None,
+                    };
                     match &msg {
                         ToWorker::Checkpoint { job, dir, .. }
                         | ToWorker::PublishPolicy { job, dir, .. } => {
@@ -291,7 +360,12 @@ impl Shared {
                         }
                         _ => {}
                     }
-                    if let ToWorker::Plan { job, .. } = msg {
+                    if let Some((_, tx)) = inner.sessions.get(&worker) {
+                        // A closed channel means the session is going away;
+                        // its close event will follow.
+                        let _ = tx.send(Ok(msg));
+                    }
+                    if let Some(job) = planned {
                         let now = Instant::now();
                         match dispatched.iter_mut().find(|(j, _)| *j == job) {
                             Some((_, t)) => *t = now,

@@ -176,6 +176,8 @@ impl WorkerService for WorkerServiceImpl {
             }
             shared.close_session(&worker, serial);
         });
-        Ok(Response::new(Box::pin(UnboundedReceiverStream::new(rx))))
+        // Encoded here, per session: the lock only queues Arc-shared messages.
+        let encoded = UnboundedReceiverStream::new(rx).map(|m| m.map(|m| convert::to_worker(&m)));
+        Ok(Response::new(Box::pin(encoded)))
     }
 }

@@ -181,11 +181,29 @@ pub fn loss_2(_: &wire::StepPlan) -> wire::MetricSums {
 }
 
 /// `sums` with the counts a real worker reports for plan `p` (its
-/// microbatches, tokens and documents): the coordinator refuses a result
-/// that disagrees with its plan.
+/// microbatches, tokens, documents and loss tokens, the loss per token
+/// kept): the coordinator refuses a result that disagrees with its plan.
 pub fn counted(sums: wire::MetricSums, p: &wire::StepPlan) -> wire::MetricSums {
     let mbs = &p.microbatches;
+    // Per sequence, the labels after its first that are not ignored.
+    let loss_tokens: u64 = mbs
+        .iter()
+        .flat_map(|m| {
+            let labels = accrue_proto::unpack_i32(&m.labels).unwrap();
+            m.cu_seq_lens
+                .windows(2)
+                .map(|w| {
+                    let seq = &labels[w[0] as usize..w[1] as usize];
+                    seq.iter().skip(1).filter(|&&l| l != -100).count() as u64
+                })
+                .collect::<Vec<_>>()
+        })
+        .sum();
+    // The fake's loss per token is kept over the plan's loss tokens.
+    let per_token = sums.loss_sum / sums.loss_tokens.max(1) as f64;
     wire::MetricSums {
+        loss_tokens,
+        loss_sum: per_token * loss_tokens as f64,
         microbatches: mbs.len() as u32,
         tokens: mbs.iter().map(|m| m.token_ids.len() as u64 / 4).sum(),
         documents: mbs

@@ -205,7 +205,8 @@ pub async fn fake_generator(
                             seq.iter().skip(1).filter(|&&l| l != -100).count() as u64;
                     }
                     sums.tokens += ids.len() as u64;
-                    sums.documents += mb.sequences.len() as u64;
+                    // A document counts at its first sequence, as workers count.
+                    sums.documents += mb.sequences.iter().filter(|s| s.role == 0).count() as u64;
                     sums.microbatches += 1;
                     report
                         .docs

@@ -35,11 +35,21 @@ enum Source {
     KeepOrInit,
 }
 
-/// The members' priors by rank (`None`: no state), if any member has one.
+/// The members' priors by rank (`None`: no state), if any member has one:
+/// from the runs (`Configure.priors`), or from `peers` as an older
+/// coordinator sends them.
 fn priors(c: &wire::Configure) -> Option<Vec<Option<(usize, usize)>>> {
     let world = c.world_size.max(1) as usize;
     let mut out = vec![None; world];
     let mut any = false;
+    for r in &c.priors {
+        for i in 0..r.count as usize {
+            if let Some(slot) = out.get_mut(r.rank as usize + i) {
+                *slot = Some((r.prior_rank as usize + i, r.prior_world_size as usize));
+                any = true;
+            }
+        }
+    }
     for p in &c.peers {
         if let (Some(slot), Some(h)) = (out.get_mut(p.rank as usize), &p.prior) {
             *slot = Some((h.rank as usize, h.world_size as usize));
@@ -47,6 +57,16 @@ fn priors(c: &wire::Configure) -> Option<Vec<Option<(usize, usize)>>> {
         }
     }
     any.then_some(out)
+}
+
+/// The state the coordinator says this worker holds, in either form.
+fn own_prior(c: &wire::Configure) -> Option<&wire::HeldState> {
+    c.prior.as_ref().or_else(|| {
+        c.peers
+            .iter()
+            .find(|p| p.rank == c.rank)
+            .and_then(|p| p.prior.as_ref())
+    })
 }
 
 fn source(c: &wire::Configure, sharded: bool) -> Source {
@@ -258,12 +278,7 @@ impl Thread {
     /// Whether this worker holds what the coordinator's prior for it says
     /// (job, step, layout); the error names the mismatch.
     fn check_prior(&self, c: &wire::Configure) -> Result<(), String> {
-        let Some(prior) = c
-            .peers
-            .iter()
-            .find(|p| p.rank == c.rank)
-            .and_then(|p| p.prior.as_ref())
-        else {
+        let Some(prior) = own_prior(c) else {
             return Ok(());
         };
         let claim = format!(
@@ -370,4 +385,55 @@ fn check_restore_step(dir: &Path, step: u64) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The O(1) Configure (issue 19): the neighbour, this rank's prior and
+    /// the runs say what the full peer list said.
+    #[test]
+    fn runs_and_next_read_as_the_full_peer_list_did() {
+        let c = wire::Configure {
+            rank: 1,
+            world_size: 4,
+            next: Some(wire::Peer {
+                rank: 2,
+                collective_addr: "h:2".into(),
+                ..Default::default()
+            }),
+            priors: vec![
+                wire::PriorRun {
+                    rank: 0,
+                    count: 2,
+                    prior_rank: 1,
+                    prior_world_size: 3,
+                },
+                wire::PriorRun {
+                    rank: 3,
+                    count: 1,
+                    prior_rank: 0,
+                    prior_world_size: 3,
+                },
+            ],
+            ..Default::default()
+        };
+        assert_eq!(
+            priors(&c),
+            Some(vec![Some((1, 3)), Some((2, 3)), None, Some((0, 3))])
+        );
+        let addrs = super::super::work::ring_addrs(&c).unwrap();
+        assert_eq!(addrs, vec!["", "", "h:2", ""]);
+        let wrong = wire::Configure {
+            rank: 2,
+            ..c.clone()
+        };
+        assert!(super::super::work::ring_addrs(&wrong).is_err());
+        let none = wire::Configure {
+            priors: Vec::new(),
+            ..c
+        };
+        assert_eq!(priors(&none), None);
+    }
 }

@@ -51,24 +51,47 @@ pub fn collective_timeout() -> std::time::Duration {
     std::time::Duration::from_secs_f64(secs)
 }
 
+/// The collective addresses by rank, as the ring needs them: the ring
+/// dials only rank + 1, so from a coordinator that sends just `next` the
+/// other entries stay empty; an older one lists every peer.
+pub(super) fn ring_addrs(c: &wire::Configure) -> Result<Vec<String>, CollectiveError> {
+    let world = c.world_size as usize;
+    if c.peers.is_empty() {
+        let want = (c.rank as usize + 1) % world.max(1);
+        return match &c.next {
+            Some(p) if p.rank as usize == want => {
+                let mut addrs = vec![String::new(); world];
+                addrs[want] = p.collective_addr.clone();
+                Ok(addrs)
+            }
+            Some(p) => Err(CollectiveError::Setup(format!(
+                "configure: next peer is rank {}, rank {} of {world} dials rank {want}",
+                p.rank, c.rank
+            ))),
+            None => Err(CollectiveError::Setup(format!(
+                "configure: 0 peers and no next peer for world size {world}"
+            ))),
+        };
+    }
+    let mut peers: Vec<&wire::Peer> = c.peers.iter().collect();
+    peers.sort_by_key(|p| p.rank);
+    if peers.len() != world || peers.iter().enumerate().any(|(i, p)| p.rank as usize != i) {
+        return Err(CollectiveError::Setup(format!(
+            "configure: {} peers for world size {}, ranks must be 0..{}",
+            peers.len(),
+            c.world_size,
+            c.world_size
+        )));
+    }
+    Ok(peers.iter().map(|p| p.collective_addr.clone()).collect())
+}
+
 /// The collective between worker processes on `device`: the generation's
 /// TCP ring (peers' addresses in rank order from the configure message),
 /// and over it NCCL or host staging as `collective::select` decides.
 pub fn default_connector(device: Device) -> Connector {
     Arc::new(move |listener, c| {
-        let mut peers: Vec<&wire::Peer> = c.peers.iter().collect();
-        peers.sort_by_key(|p| p.rank);
-        if peers.len() != c.world_size as usize
-            || peers.iter().enumerate().any(|(i, p)| p.rank as usize != i)
-        {
-            return Err(CollectiveError::Setup(format!(
-                "configure: {} peers for world size {}, ranks must be 0..{}",
-                peers.len(),
-                c.world_size,
-                c.world_size
-            )));
-        }
-        let addrs: Vec<String> = peers.iter().map(|p| p.collective_addr.clone()).collect();
+        let addrs = ring_addrs(c)?;
         let choice = c
             .job
             .as_ref()

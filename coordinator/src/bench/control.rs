@@ -1,0 +1,466 @@
+//! `accrue bench control-plane` (issue 19): the real coordinator (gRPC
+//! server on 127.0.0.1, an OS port) against W simulated workers in this
+//! process: tokio tasks speaking the real protocol over real sockets (one
+//! connection each), heartbeating at the server's interval, answering
+//! Configure with Ready and every plan at once with the sums a real worker
+//! would report for it (so the coordinator's plan check passes).
+//!
+//! The coordinator runs on its own runtime with its own threads, so its CPU
+//! time is read apart from the fake workers' (per thread, from
+//! `/proc/self/task/*/stat`). Reported per W: coordinator CPU per step (and
+//! the whole process's, fakes included), the state lock's held time per
+//! step, generation formation (wall time from the last session to the last
+//! Configure received, and the longest single lock hold meanwhile), bytes
+//! per worker of the Configure and of a step's plan, resident memory, and
+//! store growth per step.
+//!
+//! Printing code, not domain logic.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use accrue_proto::v1 as wire;
+use anyhow::{bail, Context};
+use prost::Message;
+use serde::{Deserialize, Serialize};
+use tokio::sync::{watch, Semaphore};
+use wire::coordinator_message::Msg as In;
+use wire::worker_message::Msg as Out;
+
+use crate::server::{Server, ServerConfig};
+use crate::service::Shared;
+
+/// Thread names: the coordinator's runtime and the fake workers'.
+const COORD_THREADS: &str = "accrue-coord";
+const FAKE_THREADS: &str = "bench-fake";
+
+/// What one run measures.
+#[derive(Debug, Clone)]
+pub struct ControlBenchOpts {
+    pub workers: usize,
+    /// Documents in the dataset.
+    pub docs: u64,
+    /// docs_per_step = this × workers.
+    pub docs_per_worker: u64,
+    /// Steps measured, after `warmup` steps.
+    pub steps: u64,
+    pub warmup: u64,
+    /// Scratch directory (dataset, state, outputs).
+    pub work: PathBuf,
+}
+
+/// One output row.
+#[derive(Debug, Clone, Serialize, Deserialize, Default, PartialEq)]
+pub struct ControlRow {
+    pub workers: usize,
+    pub dataset_docs: u64,
+    pub docs_per_step: u64,
+    pub steps: u64,
+    /// Wall time per measured step.
+    pub step_ms: f64,
+    /// CPU of the coordinator's threads per step.
+    pub coordinator_cpu_ms_per_step: f64,
+    /// CPU of the whole process per step (the fake workers included).
+    pub process_cpu_ms_per_step: f64,
+    /// Time the state lock was held per step (every event: results,
+    /// heartbeats, planning, dispatch).
+    pub locked_ms_per_step: f64,
+    /// From the last worker's session to the last Configure received.
+    pub formation_ms: f64,
+    /// The longest single lock hold while the generation formed.
+    pub formation_locked_ms: f64,
+    pub configure_bytes_per_worker: f64,
+    pub plan_bytes_per_worker_per_step: f64,
+    /// Resident memory of the process at the end (fakes included).
+    pub rss_bytes: u64,
+    /// Growth of the state store's file per measured step (redb grows
+    /// its file in regions: 0 until one fills).
+    pub store_bytes_per_step: f64,
+    /// Bytes of step records stored per measured step.
+    pub step_record_bytes: f64,
+    /// Workers whose session the coordinator ended (declared lost).
+    pub workers_lost: u64,
+    /// Generations formed (1 when nobody was lost).
+    pub generations: u64,
+}
+
+/// Counters the fake workers share.
+#[derive(Debug, Default)]
+struct Tally {
+    configured: AtomicU64,
+    configure_bytes: AtomicU64,
+    plan_bytes: AtomicU64,
+    plans: AtomicU64,
+    lost: AtomicU64,
+    max_generation: AtomicU64,
+}
+
+/// Runs one measurement: its own two runtimes, torn down at the end.
+pub fn control_plane(opts: &ControlBenchOpts) -> anyhow::Result<ControlRow> {
+    std::fs::create_dir_all(&opts.work)?;
+    write_dataset(&opts.work, opts.docs)?;
+    let coord = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name(COORD_THREADS)
+        .enable_all()
+        .build()?;
+    let fakes = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name(FAKE_THREADS)
+        .enable_all()
+        .build()?;
+    let state = opts.work.join(format!("state-{}", opts.workers));
+    let _ = std::fs::remove_dir_all(&state);
+    let out = opts.work.join(format!("out-{}", opts.workers));
+    let _ = std::fs::remove_dir_all(&out);
+    let cfg = ServerConfig::new("127.0.0.1:0".parse()?, state.clone());
+    let server = coord.block_on(Server::bind(cfg))?;
+    let url = format!("http://{}", server.local_addr());
+    let shared = server.shared();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let served = coord.spawn(server.run(stop.clone()));
+    let result = fakes.block_on(drive(opts, &url, &shared, &state, &out));
+    stop.cancel();
+    let _ = coord.block_on(served);
+    fakes.shutdown_timeout(Duration::from_secs(2));
+    coord.shutdown_timeout(Duration::from_secs(2));
+    result
+}
+
+async fn drive(
+    opts: &ControlBenchOpts,
+    url: &str,
+    shared: &Shared,
+    state: &Path,
+    out: &Path,
+) -> anyhow::Result<ControlRow> {
+    let w = opts.workers;
+    let total_steps = opts.warmup + opts.steps + 1;
+    let docs_per_step = opts.docs_per_worker * w as u64;
+    let spec = format!(
+        "[job]\nname = \"control-plane\"\nsteps = {total_steps}\noutput_dir = \"{}\"\n\
+         [model]\ninit = \"random\"\nconfig = \"tiny.json\"\n\
+         [data]\ntrain = [\"train.jsonl\"]\nformat = \"sft\"\nmax_tokens = 512\n\
+         [batch]\ndocs_per_step = {docs_per_step}\n[optimizer]\nlr = 0.001\n\
+         [parallel]\nmin_workers = {w}\nmax_workers = {w}\n",
+        out.display()
+    );
+    let mut admin = wire::admin_client::AdminClient::connect(url.to_string()).await?;
+    admin
+        .submit_job(wire::SubmitJobRequest {
+            spec_toml: spec,
+            base_dir: opts.work.display().to_string(),
+            new_job: false,
+        })
+        .await
+        .context("submitting the bench job")?;
+    let tally = Arc::new(Tally::default());
+    let (step_tx, mut step_rx) = watch::channel(0u64);
+    let step_tx = Arc::new(step_tx);
+    // Bounds concurrent connects (the listener's backlog), not sessions.
+    let connecting = Arc::new(Semaphore::new(64));
+    let (session_tx, mut session_rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut tasks = tokio::task::JoinSet::new();
+    let spawn = |tasks: &mut tokio::task::JoinSet<anyhow::Result<()>>, i: usize| {
+        let fake = Fake {
+            url: url.to_string(),
+            index: i,
+            tally: tally.clone(),
+            step_tx: step_tx.clone(),
+            connecting: connecting.clone(),
+            session_tx: session_tx.clone(),
+        };
+        tasks.spawn(fake.run());
+    };
+    for i in 0..w.saturating_sub(1) {
+        spawn(&mut tasks, i);
+    }
+    for _ in 0..w.saturating_sub(1) {
+        session_rx
+            .recv()
+            .await
+            .context("a fake worker failed to start")?;
+    }
+    // The last session forms the generation: time it alone.
+    shared.lock_stats(true);
+    spawn(&mut tasks, w - 1);
+    session_rx
+        .recv()
+        .await
+        .context("the last fake worker failed")?;
+    let last_session = Instant::now();
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while tally.configured.load(Ordering::Relaxed) < w as u64 {
+        if Instant::now() > deadline {
+            bail!("the generation did not form within 600 s");
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let formation = last_session.elapsed();
+    let formation_locked = shared.lock_stats(true).max_ns;
+    let configure_bytes = tally.configure_bytes.load(Ordering::Relaxed);
+    // Measure from the plan of step warmup + 1 to that of the last step.
+    let at = |step_rx: &mut watch::Receiver<u64>, step: u64| {
+        let mut rx = step_rx.clone();
+        async move { rx.wait_for(|&s| s >= step).await.map(|_| ()) }
+    };
+    at(&mut step_rx, opts.warmup + 1).await?;
+    let start = Sample::take(shared, state);
+    let plan_bytes_0 = tally.plan_bytes.load(Ordering::Relaxed);
+    let plans_0 = tally.plans.load(Ordering::Relaxed);
+    at(&mut step_rx, total_steps).await?;
+    let end = Sample::take(shared, state);
+    let plan_bytes = tally.plan_bytes.load(Ordering::Relaxed) - plan_bytes_0;
+    let plans = tally.plans.load(Ordering::Relaxed) - plans_0;
+    let rss_bytes = rss();
+    drop(admin);
+    tasks.abort_all();
+    let steps = opts.steps as f64;
+    let ms = |ns: u64| ns as f64 / 1e6;
+    Ok(ControlRow {
+        workers: w,
+        dataset_docs: opts.docs,
+        docs_per_step,
+        steps: opts.steps,
+        step_ms: (end.at - start.at).as_secs_f64() * 1e3 / steps,
+        coordinator_cpu_ms_per_step: ms(end.coord_cpu_ns - start.coord_cpu_ns) / steps,
+        process_cpu_ms_per_step: ms(end.cpu_ns - start.cpu_ns) / steps,
+        locked_ms_per_step: ms(end.locked_ns - start.locked_ns) / steps,
+        formation_ms: formation.as_secs_f64() * 1e3,
+        formation_locked_ms: ms(formation_locked),
+        configure_bytes_per_worker: configure_bytes as f64 / w as f64,
+        plan_bytes_per_worker_per_step: plan_bytes as f64 / plans.max(1) as f64,
+        rss_bytes,
+        store_bytes_per_step: (end.store_bytes as f64 - start.store_bytes as f64) / steps,
+        step_record_bytes: (end.steps_bytes - start.steps_bytes) as f64 / steps,
+        workers_lost: tally.lost.load(Ordering::Relaxed),
+        generations: tally.max_generation.load(Ordering::Relaxed),
+    })
+}
+
+/// What is read at the start and end of the measured steps.
+struct Sample {
+    at: Instant,
+    cpu_ns: u64,
+    coord_cpu_ns: u64,
+    locked_ns: u64,
+    store_bytes: u64,
+    steps_bytes: u64,
+}
+
+impl Sample {
+    fn take(shared: &Shared, state: &Path) -> Sample {
+        let (cpu_ns, coord_cpu_ns) = thread_cpu_ns();
+        Sample {
+            at: Instant::now(),
+            cpu_ns,
+            coord_cpu_ns,
+            locked_ns: shared.lock_stats(false).total_ns,
+            store_bytes: std::fs::metadata(state.join("accrue.redb")).map_or(0, |m| m.len()),
+            steps_bytes: {
+                let inner = shared.lock();
+                let job = inner.core.jobs().next().map(|j| j.rec.id.clone());
+                job.and_then(|j| inner.store.steps_bytes(&j).ok())
+                    .unwrap_or(0)
+            },
+        }
+    }
+}
+
+/// CPU time of every thread of this process, and of the coordinator's.
+fn thread_cpu_ns() -> (u64, u64) {
+    // /proc counts in USER_HZ, 100 on every Linux architecture we run on.
+    const HZ: u64 = 100;
+    let (mut all, mut coord) = (0, 0);
+    let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+        return (0, 0);
+    };
+    for t in dir.flatten() {
+        let Ok(stat) = std::fs::read_to_string(t.path().join("stat")) else {
+            continue;
+        };
+        // "tid (comm) state ..." — comm may hold spaces, so split at ')'.
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
+        let comm = &stat[open + 1..close];
+        let fields: Vec<&str> = stat[close + 2..].split(' ').collect();
+        // utime and stime are fields 14 and 15 of stat, 12 and 13 here.
+        let ticks: u64 = fields.get(11).and_then(|s| s.parse().ok()).unwrap_or(0)
+            + fields.get(12).and_then(|s| s.parse().ok()).unwrap_or(0);
+        let ns = ticks * 1_000_000_000 / HZ;
+        all += ns;
+        if comm.starts_with(COORD_THREADS) {
+            coord += ns;
+        }
+    }
+    (all, coord)
+}
+
+/// Resident set of this process.
+fn rss() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// `train.jsonl` of `docs` short SFT rows and the model config, unless a
+/// dataset of that size is already there.
+fn write_dataset(dir: &Path, docs: u64) -> anyhow::Result<()> {
+    let marker = dir.join(format!("train.{docs}.done"));
+    if marker.is_file() {
+        return Ok(());
+    }
+    let mut rows = String::with_capacity(docs as usize * 40);
+    for i in 0..docs {
+        rows.push_str(&format!(
+            "{{\"prompt\": \"{i}+1=\", \"completion\": \"y\"}}\n"
+        ));
+    }
+    std::fs::write(dir.join("train.jsonl"), rows)?;
+    std::fs::write(dir.join("tiny.json"), r#"{"vocab_size": 320}"#)?;
+    for old in std::fs::read_dir(dir)?.flatten() {
+        if old.file_name().to_string_lossy().ends_with(".done") {
+            let _ = std::fs::remove_file(old.path());
+        }
+    }
+    std::fs::write(marker, "")?;
+    Ok(())
+}
+
+/// One simulated worker.
+struct Fake {
+    url: String,
+    index: usize,
+    tally: Arc<Tally>,
+    step_tx: Arc<watch::Sender<u64>>,
+    connecting: Arc<Semaphore>,
+    session_tx: tokio::sync::mpsc::UnboundedSender<()>,
+}
+
+impl Fake {
+    async fn run(self) -> anyhow::Result<()> {
+        let permit = self.connecting.acquire().await?;
+        let mut c = wire::worker_service_client::WorkerServiceClient::connect(self.url.clone())
+            .await?
+            .max_decoding_message_size(usize::MAX);
+        let reg = c
+            .register(wire::RegisterRequest {
+                hostname: format!("fake-{}", self.index),
+                device: "cpu".into(),
+                collective_addr: format!("127.0.0.1:{}", 10_000 + self.index),
+                ..Default::default()
+            })
+            .await?
+            .into_inner();
+        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        let msg = |m| wire::WorkerMessage { msg: Some(m) };
+        tx.send(msg(Out::Hello(wire::Hello {
+            worker_id: reg.worker_id,
+        })))
+        .await?;
+        let mut inbound = c
+            .session(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await?
+            .into_inner();
+        drop(permit);
+        let _ = self.session_tx.send(());
+        let beat = tx.clone();
+        let every = Duration::from_millis(u64::from(reg.heartbeat_interval_ms.max(1)));
+        let heartbeats = tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            loop {
+                tick.tick().await;
+                let hb = wire::Heartbeat::default();
+                if beat.send(msg(Out::Heartbeat(hb))).await.is_err() {
+                    return;
+                }
+            }
+        });
+        let ended = loop {
+            let m = match inbound.message().await {
+                Ok(Some(m)) => m,
+                Ok(None) => break false,
+                Err(_) => break true,
+            };
+            let bytes = m.encoded_len() as u64;
+            let reply = match m.msg {
+                Some(In::Configure(c)) => {
+                    self.tally
+                        .configure_bytes
+                        .fetch_add(bytes, Ordering::Relaxed);
+                    self.tally.configured.fetch_add(1, Ordering::Relaxed);
+                    self.tally
+                        .max_generation
+                        .fetch_max(c.generation, Ordering::Relaxed);
+                    Out::Ready(wire::Ready {
+                        job_id: c.job_id,
+                        generation: c.generation,
+                        step: c.step,
+                    })
+                }
+                Some(In::StepPlan(p)) => {
+                    self.tally.plan_bytes.fetch_add(bytes, Ordering::Relaxed);
+                    self.tally.plans.fetch_add(1, Ordering::Relaxed);
+                    if p.rank == 0 {
+                        self.step_tx.send_replace(p.step);
+                    }
+                    Out::StepResult(wire::StepResult {
+                        sums: Some(counted(&p)),
+                        job_id: p.job_id,
+                        generation: p.generation,
+                        step: p.step,
+                        rank: p.rank,
+                        logps: Vec::new(),
+                        nonfinite_microbatches: Vec::new(),
+                    })
+                }
+                Some(In::CheckpointRequest(c)) => Out::CheckpointDone(wire::CheckpointDone {
+                    job_id: c.job_id,
+                    step: c.step,
+                    rank: 0,
+                    path: c.dir,
+                }),
+                Some(In::Release(_)) => break false,
+                _ => continue,
+            };
+            if tx.send(msg(reply)).await.is_err() {
+                break true;
+            }
+        };
+        heartbeats.abort();
+        if ended {
+            self.tally.lost.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+}
+
+/// The sums a real worker reports for plan `p`: its microbatches, tokens,
+/// documents (at their first sequence) and loss tokens (per sequence, the
+/// labels after the first that are not ignored), a loss of 1 per token.
+fn counted(p: &wire::StepPlan) -> wire::MetricSums {
+    let mut s = wire::MetricSums {
+        microbatches: p.microbatches.len() as u32,
+        grad_norm: 1.0,
+        ..Default::default()
+    };
+    for m in &p.microbatches {
+        s.tokens += m.token_ids.len() as u64 / 4;
+        s.documents += m.sequences.iter().filter(|q| q.role == 0).count() as u64;
+        let labels = accrue_proto::unpack_i32(&m.labels).unwrap_or_default();
+        for w in m.cu_seq_lens.windows(2) {
+            let seq = labels.get(w[0] as usize..w[1] as usize).unwrap_or(&[]);
+            s.loss_tokens += seq.iter().skip(1).filter(|&&l| l != -100).count() as u64;
+        }
+    }
+    s.loss_sum = s.loss_tokens as f64;
+    s
+}
