@@ -310,7 +310,11 @@ fn status_page_in_chromium_shows_the_running_job_workers_and_a_chart() {
     // `accrue plot JOB` finds the job's metrics.jsonl through the coordinator.
     let png_out = d.join("curves.png");
     let out = accrue(d, &url, &["plot", &job, "--out", png_out.to_str().unwrap()]);
-    assert!(out.starts_with("wrote "), "{out}");
+    assert!(
+        out.lines().last().is_some_and(|l| l.starts_with("wrote ")),
+        "{out}"
+    );
+    assert!(out.contains(" steps, 1.."), "{out}");
     let reader = png::Decoder::new(std::fs::File::open(&png_out).unwrap())
         .read_info()
         .unwrap();
