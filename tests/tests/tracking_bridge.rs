@@ -51,6 +51,7 @@ fn ensure_trackers() {
         let py = root().join(".venv/bin/python");
         let have = Command::new(&py)
             .args(["-c", "import wandb, mlflow"])
+            .stderr(Stdio::null())
             .status()
             .is_ok_and(|s| s.success());
         if !have {
