@@ -159,10 +159,18 @@ pub struct LoopState {
     pub scoring: Option<Scoring>,
     /// The last committed step the eval prompts were answered at.
     pub evaluated: Option<u64>,
+    /// Training rounds in a row whose every group had equal rewards (none
+    /// admitted); the job fails at [`MAX_BARREN_ROUNDS`].
+    pub barren_rounds: u32,
     next_round: u64,
     seed: u64,
     shuffle: bool,
 }
+
+/// Consecutive training rounds with no group admitted (every group's
+/// rewards equal: no learning signal) after which a generating job fails
+/// instead of generating forever without a step.
+pub const MAX_BARREN_ROUNDS: u32 = 32;
 
 impl LoopState {
     pub fn new(seed: u64, shuffle: bool) -> LoopState {
@@ -171,6 +179,7 @@ impl LoopState {
             order: None,
             scoring: None,
             evaluated: None,
+            barren_rounds: 0,
             next_round: 1,
             seed,
             shuffle,

@@ -10,7 +10,9 @@ use tracing::{info, warn};
 
 use super::effects::{Effect, ToWorker, WatchItem};
 use super::error::{CoreError, Result};
-use super::generate::{GenCompletion, LoopInputs, RoundKind, RoundStats, Scoring};
+use super::generate::{
+    GenCompletion, LoopInputs, RoundKind, RoundStats, Scoring, MAX_BARREN_ROUNDS,
+};
 use super::jobs::Work;
 use super::machine::Coordinator;
 use super::stream::Admission;
@@ -283,9 +285,32 @@ impl Coordinator {
             max_staleness,
             need: s.step_rollouts(docs),
         };
+        let queued = s.queued_rollouts();
         let write = s.push_generated(plan, at, rollouts, prompts_done);
+        let flat = write.counts.as_ref().map_or(0, |c| c.zero_variance_groups);
+        if s.queued_rollouts() > queued {
+            l.barren_rounds = 0;
+        } else if flat > 0 {
+            l.barren_rounds += 1;
+        }
+        let barren = l.barren_rounds;
         job.data.loop_stats.add(&stats);
         fx.push(Effect::PersistRollouts(Box::new(write)));
+        if barren >= MAX_BARREN_ROUNDS {
+            let why = Why::new(
+                AbortReason::JobFailed,
+                format!(
+                    "no learning signal: {barren} generation rounds in a row admitted no group, every group's rewards were equal (zero variance, dropped; last round's mean reward {:.3}): the policy is always right or always wrong on these prompts (check the verifier and the references, rl.sampling.temperature, or the starting checkpoint)",
+                    stats.reward_sum / stats.completions.max(1) as f64
+                ),
+            );
+            warn!(
+                job = job_id,
+                rounds = barren,
+                "no group admitted, failing the job"
+            );
+            self.finish(job_id, End::Failed(why), now_ms, fx);
+        }
         Ok(())
     }
 
