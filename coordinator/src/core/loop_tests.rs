@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 
 use super::generate::{
-    Finish, GenCompletion, LoopInputs, RoundPlan, RoundStats, RoundToScore, MAX_BARREN_ROUNDS,
+    Finish, GenCompletion, LoopInputs, RoundPlan, RoundStats, RoundToScore, MAX_BARREN_GROUPS,
 };
 use super::*;
 use crate::data::prompts::{Prompt, PromptSet};
@@ -336,13 +336,13 @@ fn a_scored_round_is_admitted_once_even_when_its_generation_is_lost() {
 }
 
 #[test]
-fn rounds_that_admit_no_group_fail_the_job_after_a_bound() {
+fn groups_with_equal_rewards_fail_the_job_after_a_bound() {
     let mut s = Sim::new();
     s.auto_score = false;
     s.submit_loop(loop_spec(2, 4, 2, 1), 4);
     s.worker("a");
     let mut rounds = 0;
-    while s.state() != JobState::Failed && rounds < 2 * MAX_BARREN_ROUNDS {
+    while s.state() != JobState::Failed && rounds < 2 * MAX_BARREN_GROUPS {
         s.run();
         let Some(r) = (!s.to_score.is_empty()).then(|| s.to_score.remove(0)) else {
             break;
@@ -355,10 +355,15 @@ fn rounds_that_admit_no_group_fail_the_job_after_a_bound() {
             .unwrap();
     }
     assert_eq!(s.state(), JobState::Failed);
-    assert_eq!(rounds, MAX_BARREN_ROUNDS + 1, "bounded, counted in a row");
+    // Rounds of two groups (one step's rollouts) after the first.
+    assert_eq!(
+        rounds,
+        1 + MAX_BARREN_GROUPS / 2,
+        "bounded, counted in a row"
+    );
     let reason = &s.c.job("job").unwrap().rec.reason;
     assert!(reason.contains("no learning signal"), "{reason}");
-    assert!(reason.contains("rewards were equal"), "{reason}");
+    assert!(reason.contains("had equal rewards"), "{reason}");
 }
 
 #[test]
