@@ -10,9 +10,15 @@ use super::{SynthArgs, SynthTask};
 /// `accrue data synth`.
 pub fn synth(args: &SynthArgs) -> anyhow::Result<ExitCode> {
     match args.task {
-        SynthTask::Arithmetic => {
-            let files = crate::data::synth_arithmetic(&args.out, args.seed, args.rows as usize)
-                .with_context(|| format!("writing synthetic data to {}", args.out.display()))?;
+        SynthTask::Arithmetic | SynthTask::ArithmeticSmall => {
+            let digits = match args.task {
+                SynthTask::ArithmeticSmall => 1,
+                _ => crate::data::synth::DIGITS,
+            };
+            let rows = args.rows as usize;
+            let files =
+                crate::data::synth::synth_arithmetic_digits(&args.out, args.seed, rows, digits)
+                    .with_context(|| format!("writing synthetic data to {}", args.out.display()))?;
             for f in [&files.sft, &files.dpo, &files.rollouts] {
                 outln!("wrote {}", f.display())?;
             }

@@ -687,6 +687,8 @@ pub struct SynthArgs {
 pub enum SynthTask {
     /// Small integer arithmetic questions with exact answers.
     Arithmetic,
+    /// The same files with single-digit operands (the RL demo's task).
+    ArithmeticSmall,
     /// Rollout groups of arithmetic answers rewarded 1 (right) or 0 (wrong)
     /// for the policy-gradient demo (`--rows` rounded up to whole groups).
     ArithmeticRollouts,

@@ -5,7 +5,9 @@
 
 use std::collections::BTreeMap;
 
-use super::generate::{Finish, GenCompletion, LoopInputs, RoundPlan, RoundStats, RoundToScore};
+use super::generate::{
+    Finish, GenCompletion, LoopInputs, RoundPlan, RoundStats, RoundToScore, MAX_BARREN_GROUPS,
+};
 use super::*;
 use crate::data::prompts::{Prompt, PromptSet};
 use crate::doc::Rollout;
@@ -68,6 +70,11 @@ pub(super) fn generated(worker: WorkerId, job: JobId, generation: u64, plan: &Ro
 /// The shell's answer to a round: reward = sample parity (every group of
 /// two or more has variance), as rollouts named like the shell names them.
 pub(super) fn scored(r: &RoundToScore) -> Event {
+    scored_by(r, |sample| f64::from(sample % 2))
+}
+
+/// [`scored`] with the reward a function of the sample number.
+fn scored_by(r: &RoundToScore, reward_of: impl Fn(u32) -> f64) -> Event {
     let mut stats = RoundStats {
         gen_seconds: r.seconds,
         ..Default::default()
@@ -75,7 +82,7 @@ pub(super) fn scored(r: &RoundToScore) -> Event {
     let mut rollouts = Vec::new();
     for g in &r.groups {
         for c in &g.completions {
-            let reward = f64::from(c.sample % 2);
+            let reward = reward_of(c.sample);
             stats.completions += 1;
             stats.reward_sum += reward;
             stats.reward_sq_sum += reward * reward;
@@ -326,6 +333,37 @@ fn a_scored_round_is_admitted_once_even_when_its_generation_is_lost() {
     s.run();
     assert_eq!(s.state(), JobState::Completed);
     assert_prompts_once_per_epoch(&s, 8, 2);
+}
+
+#[test]
+fn groups_with_equal_rewards_fail_the_job_after_a_bound() {
+    let mut s = Sim::new();
+    s.auto_score = false;
+    s.submit_loop(loop_spec(2, 4, 2, 1), 4);
+    s.worker("a");
+    let mut rounds = 0;
+    while s.state() != JobState::Failed && rounds < 2 * MAX_BARREN_GROUPS {
+        s.run();
+        let Some(r) = (!s.to_score.is_empty()).then(|| s.to_score.remove(0)) else {
+            break;
+        };
+        rounds += 1;
+        // Every sample wrong, bar the very first round's: one admitted
+        // group resets the count.
+        let first = rounds == 1;
+        s.handle(scored_by(&r, |sample| f64::from(first && sample == 1)))
+            .unwrap();
+    }
+    assert_eq!(s.state(), JobState::Failed);
+    // Rounds of two groups (one step's rollouts) after the first.
+    assert_eq!(
+        rounds,
+        1 + MAX_BARREN_GROUPS / 2,
+        "bounded, counted in a row"
+    );
+    let reason = &s.c.job("job").unwrap().rec.reason;
+    assert!(reason.contains("no learning signal"), "{reason}");
+    assert!(reason.contains("had equal rewards"), "{reason}");
 }
 
 #[test]

@@ -10,7 +10,9 @@ use tracing::{info, warn};
 
 use super::effects::{Effect, ToWorker, WatchItem};
 use super::error::{CoreError, Result};
-use super::generate::{GenCompletion, LoopInputs, RoundKind, RoundStats, Scoring};
+use super::generate::{
+    GenCompletion, LoopInputs, RoundKind, RoundStats, Scoring, MAX_BARREN_GROUPS,
+};
 use super::jobs::Work;
 use super::machine::Coordinator;
 use super::stream::Admission;
@@ -283,9 +285,31 @@ impl Coordinator {
             max_staleness,
             need: s.step_rollouts(docs),
         };
+        let queued = s.queued_rollouts();
         let write = s.push_generated(plan, at, rollouts, prompts_done);
+        let flat = write.counts.as_ref().map_or(0, |c| c.zero_variance_groups);
+        if s.queued_rollouts() > queued {
+            l.barren = (0, 0);
+        } else if flat > 0 {
+            l.barren = (l.barren.0 + flat, l.barren.1 + 1);
+        }
+        let (groups, rounds) = l.barren;
         job.data.loop_stats.add(&stats);
         fx.push(Effect::PersistRollouts(Box::new(write)));
+        if groups >= MAX_BARREN_GROUPS {
+            let why = Why::new(
+                AbortReason::JobFailed,
+                format!(
+                    "no learning signal: {groups} groups in a row ({rounds} generation rounds) had equal rewards (zero variance: dropped, none admitted; last round's mean reward {:.3}): the policy is always right or always wrong on these prompts (check the verifier and the references, rl.sampling.temperature, or the starting checkpoint)",
+                    stats.reward_sum / stats.completions.max(1) as f64
+                ),
+            );
+            warn!(
+                job = job_id,
+                groups, rounds, "no group admitted, failing the job"
+            );
+            self.finish(job_id, End::Failed(why), now_ms, fx);
+        }
         Ok(())
     }
 

@@ -2,7 +2,9 @@
 //! byte-level model to make visible progress on in ~100 steps.
 //!
 //! Every row asks `"{a}+{b}="` with operands of 1 to 3 digits (digit count
-//! uniform, then the value uniform) and the answer is the decimal sum:
+//! uniform, then the value uniform; single digits with
+//! [`synth_arithmetic_digits`] at 1, `--task arithmetic-small`, the RL
+//! demo's task) and the answer is the decimal sum:
 //! - `arith-sft.jsonl`: `{"prompt": "123+456=", "completion": "579"}`;
 //! - `arith-dpo.jsonl`: `{"prompt", "chosen": correct, "rejected": wrong}`,
 //!   the wrong answer a plausible slip (off by one or ten, a dropped carry,
@@ -58,8 +60,11 @@ struct RolloutRow<'a> {
     policy_version: u64,
 }
 
-fn operand(rng: &mut ChaCha8Rng) -> u64 {
-    let digits: u32 = rng.random_range(1..=3);
+/// Operand digits of `--task arithmetic`.
+pub const DIGITS: u32 = 3;
+
+fn operand(rng: &mut ChaCha8Rng, max_digits: u32) -> u64 {
+    let digits: u32 = rng.random_range(1..=max_digits);
     let lo = if digits == 1 {
         0
     } else {
@@ -69,8 +74,8 @@ fn operand(rng: &mut ChaCha8Rng) -> u64 {
 }
 
 /// A problem: (prompt, correct answer).
-fn problem(rng: &mut ChaCha8Rng) -> (String, u64) {
-    let (a, b) = (operand(rng), operand(rng));
+fn problem(rng: &mut ChaCha8Rng, max_digits: u32) -> (String, u64) {
+    let (a, b) = (operand(rng, max_digits), operand(rng, max_digits));
     (format!("{a}+{b}="), a + b)
 }
 
@@ -139,6 +144,18 @@ fn stream(seed: u64, n: u64) -> ChaCha8Rng {
 /// Writes `arith-sft.jsonl`, `arith-dpo.jsonl` and `arith-rollouts.jsonl`
 /// (each `rows` rows) into `out_dir`, creating it if needed.
 pub fn synth_arithmetic(out_dir: &Path, seed: u64, rows: usize) -> std::io::Result<SynthFiles> {
+    synth_arithmetic_digits(out_dir, seed, rows, DIGITS)
+}
+
+/// [`synth_arithmetic`] with operands of 1 to `max_digits` digits
+/// (`--task arithmetic-small`: 1, single-digit operands, the RL demo's
+/// task). The same seed and `max_digits` give the same files.
+pub fn synth_arithmetic_digits(
+    out_dir: &Path,
+    seed: u64,
+    rows: usize,
+    max_digits: u32,
+) -> std::io::Result<SynthFiles> {
     std::fs::create_dir_all(out_dir)?;
     let files = SynthFiles {
         sft: out_dir.join("arith-sft.jsonl"),
@@ -149,7 +166,7 @@ pub fn synth_arithmetic(out_dir: &Path, seed: u64, rows: usize) -> std::io::Resu
     let mut rng = stream(seed, 0);
     let sft: Vec<(String, String)> = (0..rows)
         .map(|_| {
-            let (p, a) = problem(&mut rng);
+            let (p, a) = problem(&mut rng, max_digits);
             (p, a.to_string())
         })
         .collect();
@@ -162,7 +179,7 @@ pub fn synth_arithmetic(out_dir: &Path, seed: u64, rows: usize) -> std::io::Resu
     let mut rng = stream(seed, 1);
     let dpo: Vec<(String, String, String)> = (0..rows)
         .map(|_| {
-            let (p, a) = problem(&mut rng);
+            let (p, a) = problem(&mut rng, max_digits);
             let w = wrong(&mut rng, &p, a);
             (p, a.to_string(), w.to_string())
         })
@@ -177,7 +194,7 @@ pub fn synth_arithmetic(out_dir: &Path, seed: u64, rows: usize) -> std::io::Resu
     let mut rng = stream(seed, 2);
     let mut rollouts: Vec<(String, String, f64, String)> = Vec::with_capacity(rows);
     for g in 0..rows.div_ceil(GROUP_SIZE) {
-        let (p, a) = problem(&mut rng);
+        let (p, a) = problem(&mut rng, max_digits);
         let n = GROUP_SIZE.min(rows - g * GROUP_SIZE);
         // One right and one wrong in every group of two or more.
         let mut correct: Vec<bool> = (0..n)
@@ -253,7 +270,7 @@ pub fn synth_arithmetic_rollouts(
     let mut rng = stream(seed, 3);
     let mut rows: Vec<(String, String, f64, String, u64)> = Vec::with_capacity(groups * GROUP_SIZE);
     for g in 0..groups {
-        let (p, a) = problem(&mut rng);
+        let (p, a) = problem(&mut rng, DIGITS);
         let kind = RolloutGroupKind::of(g);
         let mut correct: Vec<bool> = match kind {
             RolloutGroupKind::Flat => vec![g % 8 == 3; GROUP_SIZE],
@@ -367,6 +384,26 @@ mod tests {
             assert_ne!(x, z);
             assert_eq!(x.iter().filter(|&&b| b == b'\n').count(), 50);
         }
+    }
+
+    #[test]
+    fn the_small_task_has_single_digit_operands() {
+        let d = tempfile::tempdir().unwrap();
+        let f = synth_arithmetic_digits(d.path(), 1, 300, 1).unwrap();
+        let text = std::fs::read_to_string(&f.sft).unwrap();
+        for l in text.lines() {
+            let r: serde_json::Value = serde_json::from_str(l).unwrap();
+            let p = r["prompt"].as_str().unwrap();
+            let (a, b) = p.trim_end_matches('=').split_once('+').unwrap();
+            let (a, b): (u64, u64) = (a.parse().unwrap(), b.parse().unwrap());
+            assert!(a < 10 && b < 10, "{p}");
+            assert_eq!(r["completion"].as_str().unwrap(), (a + b).to_string());
+        }
+        // Three digits is `--task arithmetic`, byte for byte.
+        let e = tempfile::tempdir().unwrap();
+        let g = synth_arithmetic(e.path(), 1, 300).unwrap();
+        let h = synth_arithmetic_digits(d.path(), 1, 300, DIGITS).unwrap();
+        assert_eq!(std::fs::read(g.sft).unwrap(), std::fs::read(h.sft).unwrap());
     }
 
     #[test]
