@@ -75,6 +75,11 @@ struct Line<'a> {
 
 /// Appends `metrics` of `job` to the metrics file at `path`.
 pub fn append_metrics(path: &Path, job: &str, metrics: &StepMetrics) -> std::io::Result<()> {
+    append_line(path, &Line { job, metrics })
+}
+
+/// Appends `line` as one JSON line to `path` (its directory created).
+fn append_line(path: &Path, line: &impl Serialize) -> std::io::Result<()> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;
     }
@@ -82,9 +87,9 @@ pub fn append_metrics(path: &Path, job: &str, metrics: &StepMetrics) -> std::io:
         .create(true)
         .append(true)
         .open(path)?;
-    let mut line = serde_json::to_vec(&Line { job, metrics }).map_err(std::io::Error::other)?;
-    line.push(b'\n');
-    f.write_all(&line)
+    let mut bytes = serde_json::to_vec(line).map_err(std::io::Error::other)?;
+    bytes.push(b'\n');
+    f.write_all(&bytes)
 }
 
 /// One eval line of metrics.jsonl: `{"job": …, "eval": {…}}`.
@@ -96,16 +101,7 @@ struct EvalLine<'a> {
 
 /// Appends an evaluation of `job` to the metrics file at `path`.
 pub fn append_eval(path: &Path, job: &str, eval: &crate::core::EvalMetrics) -> std::io::Result<()> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    let mut f = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)?;
-    let mut line = serde_json::to_vec(&EvalLine { job, eval }).map_err(std::io::Error::other)?;
-    line.push(b'\n');
-    f.write_all(&line)
+    append_line(path, &EvalLine { job, eval })
 }
 
 #[cfg(test)]

@@ -38,18 +38,12 @@ fn check(name: &'static str, verdict: Verdict, detail: impl Into<String>) -> Che
     }
 }
 
-/// `accrue-worker` next to this binary, else on PATH.
+/// The worker `accrue local` would start (`$ACCRUE_WORKER_BIN`, else
+/// beside this binary), else one on PATH.
 fn worker_binary() -> Option<PathBuf> {
-    let name = "accrue-worker";
-    let beside = std::env::current_exe()
-        .ok()
-        .and_then(|p| p.parent().map(|d| d.join(name)));
-    if let Some(p) = beside.filter(|p| p.is_file()) {
-        return Some(p);
-    }
-    std::env::var_os("PATH").and_then(|path| {
-        std::env::split_paths(&path)
-            .map(|d| d.join(name))
+    super::local::worker_binary().ok().or_else(|| {
+        std::env::split_paths(&std::env::var_os("PATH")?)
+            .map(|d| d.join("accrue-worker"))
             .find(|p| p.is_file())
     })
 }

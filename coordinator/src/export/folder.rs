@@ -31,12 +31,19 @@ pub fn tokenizer_files(data: &DataSection) -> Result<Vec<(String, Vec<u8>)>, Dat
         let path = Path::new(&data.tokenizer);
         let bytes = crate::input::read(path, crate::input::MAX_TOKENIZER_BYTES, "tokenizer")?;
         let cfg_path = path.with_file_name("tokenizer_config.json");
-        let cfg = match std::fs::read(&cfg_path) {
-            Ok(b) => serde_json::from_slice(&b).map_err(|e| DataError::Tokenizer {
+        // Read with the same bound as the data stream reads it.
+        let cfg = if cfg_path.is_file() {
+            let b = crate::input::read(
+                &cfg_path,
+                crate::input::MAX_CONFIG_BYTES,
+                "tokenizer config",
+            )?;
+            serde_json::from_slice(&b).map_err(|e| DataError::Tokenizer {
                 path: cfg_path.clone(),
                 message: format!("invalid json: {e}"),
-            })?,
-            Err(_) => json!({"tokenizer_class": "PreTrainedTokenizerFast"}),
+            })?
+        } else {
+            json!({"tokenizer_class": "PreTrainedTokenizerFast"})
         };
         (bytes, cfg)
     };
