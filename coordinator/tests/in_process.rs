@@ -402,3 +402,57 @@ async fn submitting_twice_returns_the_live_job_and_another_spec_is_refused() {
         .jobs;
     assert_eq!(jobs.len(), 2, "one job per distinct submit");
 }
+
+/// Issue 18: a checkpoint is a complete model folder only with its
+/// tokenizer files; when they cannot be written (here the job's chat
+/// template vanished after submit) the job fails naming the directory and
+/// the file, as for any output it cannot write, instead of reporting a
+/// checkpoint that AutoTokenizer cannot load.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_whose_tokenizer_files_cannot_be_written_fails_the_job() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = write_fixture(dir.path()).replace(
+        "format = \"sft\"\n",
+        "format = \"sft\"\nchat_template = \"t.jinja\"\n",
+    ) + "[checkpoint]\nevery_steps = 1\n";
+    let template = dir.path().join("t.jinja");
+    std::fs::write(
+        &template,
+        "{% for m in messages %}{{ m.content }}{% endfor %}",
+    )
+    .unwrap();
+    let s = start(&dir.path().join("state")).await;
+    let job = common::submit(&s.url, dir.path(), &spec).await;
+    std::fs::remove_file(&template).unwrap();
+    let worker = tokio::spawn(common::fake_worker(
+        s.url.clone(),
+        common::FakeWorker::new(|p| common::counted(common::loss_2(p), p)),
+    ));
+    let mut admin = Admin::connect(s.url.clone()).await.unwrap();
+    let mut got = None;
+    for _ in 0..200 {
+        let j = admin
+            .get_job(wire::GetJobRequest {
+                job_id: job.clone(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .job
+            .unwrap();
+        if j.state == wire::JobState::Failed as i32 || j.state == wire::JobState::Completed as i32 {
+            got = Some(j);
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let got = got.expect("the job never ended");
+    assert_eq!(got.state, wire::JobState::Failed as i32, "{got:?}");
+    assert!(
+        got.reason.contains("tokenizer files") && got.reason.contains("t.jinja"),
+        "{}",
+        got.reason
+    );
+    worker.abort();
+    s.stop.cancel();
+}

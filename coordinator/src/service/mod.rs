@@ -355,7 +355,15 @@ impl Shared {
                         ToWorker::Checkpoint { job, dir, .. }
                         | ToWorker::PublishPolicy { job, dir, .. } => {
                             if let Ok(j) = inner.core.job(job) {
-                                self.tokenizers.write(job, &j.spec.data, dir);
+                                let (me, id) = (self.me.clone(), job.clone());
+                                self.tokenizers.write(job, &j.spec.data, dir, move |what| {
+                                    if let Some(s) = me.upgrade() {
+                                        let failed = Event::OutputFailed { job: id, what };
+                                        if let Err(e) = s.apply(failed) {
+                                            error!(%e, "failing the job after a tokenizer write failed");
+                                        }
+                                    }
+                                });
                             }
                         }
                         _ => {}

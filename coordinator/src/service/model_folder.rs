@@ -3,7 +3,9 @@
 //! the tokenizer) adds `tokenizer.json`, `tokenizer_config.json` with the
 //! job's chat template, `special_tokens_map.json` and
 //! `generation_config.json`, so each directory is a complete Hugging Face
-//! model folder. Written once per directory, off the state lock.
+//! model folder. Written once per directory, off the state lock; a write
+//! that fails is handed to `on_error` (the service fails the job, as for
+//! any output it cannot write).
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -22,8 +24,15 @@ pub(super) struct TokenizerWriter {
 
 impl TokenizerWriter {
     /// Writes `data`'s tokenizer files into `dir` unless already started
-    /// for it (every rank gets the same request).
-    pub fn write(&self, job: &JobId, data: &DataSection, dir: &Path) {
+    /// for it (every rank gets the same request), on another thread;
+    /// `on_error` gets what failed.
+    pub fn write(
+        &self,
+        job: &JobId,
+        data: &DataSection,
+        dir: &Path,
+        on_error: impl FnOnce(String) + Send + 'static,
+    ) {
         let fresh = self
             .started
             .lock()
@@ -39,16 +48,16 @@ impl TokenizerWriter {
                 .and_then(|files| write_tokenizer_files(&dir, &files).map_err(|e| e.to_string()));
             match result {
                 Ok(()) => debug!(%job, dir = %dir.display(), "tokenizer files written"),
-                Err(e) => error!(
-                    %job,
-                    dir = %dir.display(),
-                    "tokenizer files not written ({e}): the folder loads as a model but not with AutoTokenizer"
-                ),
+                Err(e) => {
+                    error!(%job, dir = %dir.display(), "tokenizer files not written: {e}");
+                    on_error(format!("{}: tokenizer files: {e}", dir.display()));
+                }
             }
         };
+        // Never inline: the caller holds the state lock `on_error` takes.
         match tokio::runtime::Handle::try_current() {
             Ok(h) => drop(h.spawn_blocking(work)),
-            Err(_) => work(),
+            Err(_) => drop(std::thread::spawn(work)),
         }
     }
 }
