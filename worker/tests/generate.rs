@@ -436,17 +436,44 @@ fn the_runner_answers_a_generate_plan_with_the_replicas_completions() {
     runner.shutdown();
 }
 
-/// Under fsdp a rank holds a shard of the parameters: generation is
-/// refused with an invalid-plan error naming the shardings that work.
+/// Under fsdp and zero2 the runner answers a generate plan too (fsdp
+/// gathers the model for the round): the completions are those of the
+/// job's initial weights decoded directly, and a plan at another policy
+/// version is still refused (after telling the other ranks, here none).
 #[test]
-fn fsdp_refuses_generation_as_an_invalid_plan() {
-    let dir = tempfile::tempdir().unwrap();
-    let (runner, mut rx) = configured(dir.path(), "[parallel]\nsharding = \"fsdp\"");
-    runner.submit(Work::Generate(Box::new(plan(&requests(2), 0))));
-    let Msg::Error(e) = next(&mut rx) else {
-        panic!("expected an error");
-    };
-    assert_eq!(e.kind, wire::ErrorKind::InvalidPlan as i32);
-    assert!(e.message.contains("ddp or zero2"), "{}", e.message);
-    runner.shutdown();
+fn fsdp_and_zero2_runners_answer_a_generate_plan() {
+    let reqs = requests(3);
+    for sharding in ["fsdp", "zero2"] {
+        let dir = tempfile::tempdir().unwrap();
+        let extra = format!("[parallel]\nsharding = \"{sharding}\"");
+        let (runner, mut rx) = configured(dir.path(), &extra);
+        runner.submit(Work::Generate(Box::new(plan(&reqs, 0))));
+        let Msg::GenerateResult(r) = next(&mut rx) else {
+            panic!("{sharding}: expected a generate result");
+        };
+        let cfg = common::random_job(dir.path(), "");
+        let trainer = accrue_worker::train::Trainer::single(&cfg, None).unwrap();
+        let params = SamplingParams {
+            max_new_tokens: 6,
+            max_batch: 2,
+            ..SamplingParams::default()
+        };
+        let want = generate(trainer.model(), &params, &reqs).unwrap();
+        assert_eq!(r.completions.len(), 3, "{sharding}");
+        for (i, (c, w)) in r.completions.iter().zip(&want).enumerate() {
+            let ids: Vec<i64> = accrue_proto::unpack_u32(&c.token_ids)
+                .unwrap()
+                .into_iter()
+                .map(i64::from)
+                .collect();
+            assert_eq!(ids, w.tokens, "{sharding}: completion {i}");
+        }
+        runner.submit(Work::Generate(Box::new(plan(&reqs, 3))));
+        let Msg::Error(e) = next(&mut rx) else {
+            panic!("{sharding}: expected an error");
+        };
+        assert_eq!(e.kind, wire::ErrorKind::InvalidPlan as i32);
+        assert!(e.message.contains("policy version 3"), "{}", e.message);
+        runner.shutdown();
+    }
 }
