@@ -47,6 +47,7 @@ impl Thread {
                     round = p.round,
                     completions = completions.len(),
                     tokens,
+                    digest = format!("{:016x}", digest(&completions)),
                     tokens_per_s = tokens as f64 / seconds.max(1e-9),
                     "generation round done"
                 );
@@ -100,4 +101,19 @@ impl Thread {
             .map(|(r, c)| convert::completion(r, c))
             .collect())
     }
+}
+
+/// FNV-1a over the completions' prompt ids, sample numbers and token ids,
+/// in order: two runs that drew the same rollouts log the same digest.
+fn digest(completions: &[wire::Completion]) -> u64 {
+    let fnv = |h: u64, bytes: &[u8]| {
+        bytes.iter().fold(h, |h, &b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+        })
+    };
+    completions.iter().fold(0xcbf2_9ce4_8422_2325, |h, c| {
+        let h = fnv(h, c.prompt_id.as_bytes());
+        let h = fnv(h, &c.sample.to_le_bytes());
+        fnv(h, &c.token_ids)
+    })
 }
