@@ -45,6 +45,7 @@ impl Thread {
                 let tokens: usize = completions.iter().map(|c| c.token_ids.len() / 4).sum();
                 info!(
                     round = p.round,
+                    rank = p.rank,
                     completions = completions.len(),
                     tokens,
                     digest = format!("{:016x}", digest(&completions)),
