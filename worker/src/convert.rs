@@ -289,6 +289,7 @@ pub fn generate_plan(
             0 => generate::DEFAULT_MAX_BATCH,
             n => n as usize,
         },
+        share_prompts: true,
     };
     let requests = p
         .requests

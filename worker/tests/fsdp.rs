@@ -5,7 +5,8 @@
 //! the same parameters (per tensor ‖a−b‖ ≤ 1e-5·‖b‖), loss sums and
 //! gradient norms. Untied and tied embeddings, GQA. Also: a sharded FSDP
 //! checkpoint loads in transformers and restores at another world size,
-//! and the per-rank state memory at world 1, 2, 4.
+//! and the per-rank state memory at world 1, 2, 4. Generation (issue 17)
+//! decodes with the full model gathered for the round.
 
 mod common;
 
@@ -15,6 +16,8 @@ use accrue_worker::batch::PackedBatch;
 use accrue_worker::collective::local::LocalGroup;
 use accrue_worker::collective::Collective;
 use accrue_worker::config::JobConfig;
+use accrue_worker::generate::{generate, Completion, Request, SamplingParams};
+use accrue_worker::model::Llama;
 use accrue_worker::train::fsdp::FsdpTrainer;
 use accrue_worker::train::{Engine, Trainer};
 use tch::Tensor;
@@ -408,4 +411,154 @@ fn fsdp_a_failing_rank_fails_every_rank_without_a_hang() {
     );
     assert!(errors[1].0.contains("another rank"), "{}", errors[1].0);
     assert_eq!((errors[0].1, errors[1].1), (0.0, 0.0));
+}
+
+/// A model's parameters, sorted by name.
+fn params_of(m: &Llama) -> Params {
+    let mut v: Params = m.vs.variables().into_iter().collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    common::snapshot(&v)
+}
+
+/// Bitwise equality of two parameter lists (dtype included).
+fn assert_identical(label: &str, got: &Params, want: &Params) {
+    assert_eq!(got.len(), want.len(), "{label}: parameter count");
+    for ((n, a), (m, b)) in got.iter().zip(want) {
+        assert_eq!(n, m, "{label}");
+        assert_eq!(a.kind(), b.kind(), "{label}: {n} dtype");
+        assert!(a.equal(b), "{label}: {n} differs");
+    }
+}
+
+/// Prompts of different lengths for greedy decoding.
+fn prompts() -> Vec<Request> {
+    [9usize, 1, 14, 4, 6]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| Request {
+            prompt: (0..n)
+                .map(|j| ((i * 41 + j * 13 + 3) % 300) as i64)
+                .collect(),
+            seed: 7 + i as u64,
+        })
+        .collect()
+}
+
+fn greedy() -> SamplingParams {
+    SamplingParams {
+        max_new_tokens: 10,
+        max_batch: 2,
+        ..SamplingParams::default()
+    }
+}
+
+/// Generation under fsdp (issue 17, FSDP's `summon_full_params`): the
+/// model a round gathers holds, bit for bit, the single-process model's
+/// parameters at init and the FSDP ranks' own full parameters after 3
+/// steps (those are the single-process ones within the equivalence
+/// tolerance). Greedy decoding from it, rank 0 with three prompts and rank
+/// 1 with two, then rank 0 with all and rank 1 with none (it still
+/// gathers), gives the single-process model's tokens one for one.
+#[test]
+fn fsdp_generation_gathers_the_full_model_and_decodes_as_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = job(dir.path(), false);
+    let steps = steps();
+    let reqs = prompts();
+    let mut single = Trainer::single(&cfg, None).unwrap();
+    let init = params_of(single.compute_model());
+    let want_init = generate(single.compute_model(), &greedy(), &reqs).unwrap();
+    for docs in &steps {
+        let b = batch(docs);
+        single.microbatch(0, &b, b.loss_tokens()).unwrap();
+        single.optimizer_step(LR).unwrap();
+    }
+    let trained = params_of(single.compute_model());
+    let want = generate(single.compute_model(), &greedy(), &reqs).unwrap();
+    assert_ne!(
+        want_init.iter().map(|c| &c.tokens).collect::<Vec<_>>(),
+        want.iter().map(|c| &c.tokens).collect::<Vec<_>>(),
+        "training should change what greedy decoding gives"
+    );
+
+    let (cfg2, plan, reqs2) = (cfg.clone(), plan_2(&steps), reqs.clone());
+    let ranks = on_ranks(2, move |rank, coll| {
+        let mut t = FsdpTrainer::new(&cfg2, None, coll).unwrap();
+        let policy = t.gather_policy(true).unwrap();
+        let at_init = params_of(&policy);
+        let share = if rank == 0 { &reqs2[..3] } else { &reqs2[3..] };
+        let init_out = generate(&policy, &greedy(), share).unwrap();
+        drop(policy);
+        train(&mut t, rank, &plan, Norm::Global);
+        let full = t.named_full_parameters().unwrap();
+        let policy = t.gather_policy(true).unwrap();
+        let gathered = params_of(&policy);
+        let share = if rank == 0 { &reqs2[..] } else { &reqs2[..0] };
+        let out = generate(&policy, &greedy(), share).unwrap();
+        (at_init, init_out, full, gathered, out)
+    });
+    for (rank, (at_init, _, full, gathered, _)) in ranks.iter().enumerate() {
+        assert_identical(&format!("rank {rank} at init"), at_init, &init);
+        assert_identical(&format!("rank {rank} after 3 steps"), gathered, full);
+        let (w, n) = common::worst_rel(gathered, &trained);
+        println!("rank {rank}: gathered vs single-process after 3 steps: {w:e} ({n})");
+        assert!(w <= TOL, "rank {rank}: {n} differs by {w}");
+    }
+    let init_out: Vec<&Completion> = ranks.iter().flat_map(|r| &r.1).collect();
+    for (i, (g, w)) in init_out.iter().zip(&want_init).enumerate() {
+        assert_eq!(g.tokens, w.tokens, "prompt {i} at init");
+        // Same weights; another batch and thread count reorder the sums.
+        for (a, b) in g.logprobs.iter().zip(&w.logprobs) {
+            assert!(
+                (a - b).abs() <= 1e-5,
+                "prompt {i} at init: log-prob {a} vs {b}"
+            );
+        }
+    }
+    assert!(ranks[1].4.is_empty());
+    assert_eq!(ranks[0].4.len(), want.len());
+    for (i, (g, w)) in ranks[0].4.iter().zip(&want).enumerate() {
+        assert_eq!(g.tokens, w.tokens, "prompt {i} after 3 steps");
+        for (a, b) in g.logprobs.iter().zip(&w.logprobs) {
+            assert!((a - b).abs() <= 1e-4, "prompt {i}: log-prob {a} vs {b}");
+        }
+    }
+}
+
+/// Mixed precision: the gathered policy is in the compute dtype, equal bit
+/// for bit to the replicated trainer's compute copy, and decodes the same.
+/// A rank that cannot run the round fails every rank before the gather,
+/// without a hang.
+#[test]
+fn fsdp_policy_is_the_compute_copy_and_a_refusing_rank_fails_all_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = job(dir.path(), true);
+    cfg.precision.compute = tch::Kind::BFloat16;
+    let single = Trainer::single(&cfg, None).unwrap();
+    let want_params = params_of(single.compute_model());
+    let reqs = prompts();
+    let want = generate(single.compute_model(), &greedy(), &reqs).unwrap();
+    let (cfg2, reqs2) = (cfg.clone(), reqs.clone());
+    let ranks = on_ranks(2, move |rank, coll| {
+        let mut t = FsdpTrainer::new(&cfg2, None, coll).unwrap();
+        let policy = t.gather_policy(true).unwrap();
+        let out = generate(&policy, &greedy(), &reqs2).unwrap();
+        let params = params_of(&policy);
+        drop(policy);
+        let refused = t.gather_policy(rank != 1).map(|_| ()).unwrap_err();
+        (params, out, format!("{refused:#}"))
+    });
+    for (rank, (params, out, refused)) in ranks.iter().enumerate() {
+        assert!(params.iter().all(|(_, p)| p.kind() == tch::Kind::BFloat16));
+        assert_identical(&format!("rank {rank}"), params, &want_params);
+        for (g, w) in out.iter().zip(&want) {
+            assert_eq!((&g.tokens, &g.logprobs), (&w.tokens, &w.logprobs));
+        }
+        let expect = if rank == 1 {
+            "this rank"
+        } else {
+            "1 other rank"
+        };
+        assert!(refused.contains(expect), "rank {rank}: {refused}");
+    }
 }

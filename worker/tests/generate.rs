@@ -436,17 +436,186 @@ fn the_runner_answers_a_generate_plan_with_the_replicas_completions() {
     runner.shutdown();
 }
 
-/// Under fsdp a rank holds a shard of the parameters: generation is
-/// refused with an invalid-plan error naming the shardings that work.
+/// Under fsdp and zero2 the runner answers a generate plan too (fsdp
+/// gathers the model for the round): the completions are those of the
+/// job's initial weights decoded directly, and a plan at another policy
+/// version is still refused (after telling the other ranks, here none).
 #[test]
-fn fsdp_refuses_generation_as_an_invalid_plan() {
-    let dir = tempfile::tempdir().unwrap();
-    let (runner, mut rx) = configured(dir.path(), "[parallel]\nsharding = \"fsdp\"");
-    runner.submit(Work::Generate(Box::new(plan(&requests(2), 0))));
-    let Msg::Error(e) = next(&mut rx) else {
-        panic!("expected an error");
+fn fsdp_and_zero2_runners_answer_a_generate_plan() {
+    let reqs = requests(3);
+    for sharding in ["fsdp", "zero2"] {
+        let dir = tempfile::tempdir().unwrap();
+        let extra = format!("[parallel]\nsharding = \"{sharding}\"");
+        let (runner, mut rx) = configured(dir.path(), &extra);
+        runner.submit(Work::Generate(Box::new(plan(&reqs, 0))));
+        let Msg::GenerateResult(r) = next(&mut rx) else {
+            panic!("{sharding}: expected a generate result");
+        };
+        let cfg = common::random_job(dir.path(), "");
+        let trainer = accrue_worker::train::Trainer::single(&cfg, None).unwrap();
+        let params = SamplingParams {
+            max_new_tokens: 6,
+            max_batch: 2,
+            ..SamplingParams::default()
+        };
+        let want = generate(trainer.model(), &params, &reqs).unwrap();
+        assert_eq!(r.completions.len(), 3, "{sharding}");
+        for (i, (c, w)) in r.completions.iter().zip(&want).enumerate() {
+            let ids: Vec<i64> = accrue_proto::unpack_u32(&c.token_ids)
+                .unwrap()
+                .into_iter()
+                .map(i64::from)
+                .collect();
+            assert_eq!(ids, w.tokens, "{sharding}: completion {i}");
+        }
+        runner.submit(Work::Generate(Box::new(plan(&reqs, 3))));
+        let Msg::Error(e) = next(&mut rx) else {
+            panic!("{sharding}: expected an error");
+        };
+        assert_eq!(e.kind, wire::ErrorKind::InvalidPlan as i32);
+        assert!(e.message.contains("policy version 3"), "{}", e.message);
+        runner.shutdown();
+    }
+}
+
+/// Groups of samples of one prompt, as the RL loop deals them: `groups`
+/// prompts of different lengths, `size` requests each, every one its own
+/// seed.
+fn grouped(groups: usize, size: usize) -> Vec<Request> {
+    let lens = [11usize, 4, 23, 1, 8, 15];
+    (0..groups)
+        .flat_map(|g| {
+            let prompt: Vec<i64> = (0..lens[g % lens.len()])
+                .map(|j| ((g * 53 + j * 7 + 1) % 300) as i64)
+                .collect();
+            (0..size).map(move |s| Request {
+                prompt: prompt.clone(),
+                seed: 10_000 + (g * size + s) as u64,
+            })
+        })
+        .collect()
+}
+
+/// Largest log-prob difference between two runs with the same tokens.
+fn worst_logprob(a: &[Completion], b: &[Completion]) -> f32 {
+    a.iter()
+        .zip(b)
+        .flat_map(|(x, y)| {
+            x.logprobs
+                .iter()
+                .zip(&y.logprobs)
+                .map(|(p, q)| (p - q).abs())
+        })
+        .fold(0.0, f32::max)
+}
+
+/// Shared-prompt prefill (a group's prompt run once, its keys and values
+/// copied into the group's slots) gives what prefilling every request
+/// gives. One sequence at a time, every prefill is the same computation
+/// either way: completions and log-probs are bit-identical. Several at
+/// once, the unshared path's own numbers depend on how prompts are packed
+/// (a prompt beside its copies is another matrix shape): the tokens and
+/// finishes are identical, whether a group fills slots at once or across
+/// refills (a batch smaller than a group, stops freeing slots at different
+/// steps), and the log-probs agree within 1e-5 (rounding: the unshared
+/// path moves as much between batch sizes; both printed).
+#[test]
+fn shared_prompt_prefill_equals_prefilling_every_request() {
+    let model = tiny_model(9);
+    let reqs = grouped(5, 4);
+    let tokens = |c: &[Completion]| {
+        c.iter()
+            .map(|c| (c.tokens.clone(), c.finish))
+            .collect::<Vec<_>>()
     };
-    assert_eq!(e.kind, wire::ErrorKind::InvalidPlan as i32);
-    assert!(e.message.contains("ddp or zero2"), "{}", e.message);
-    runner.shutdown();
+    for stop in [vec![], vec![17, 99, 123]] {
+        let params = |max_batch: usize, share_prompts: bool| SamplingParams {
+            stop_ids: stop.clone(),
+            max_new_tokens: 12,
+            share_prompts,
+            ..sampled(max_batch)
+        };
+        let one = generate(&model, &params(1, false), &reqs).unwrap();
+        assert_eq!(
+            generate(&model, &params(1, true), &reqs).unwrap(),
+            one,
+            "one at a time, stops {stop:?}"
+        );
+        let mut unshared_spread = 0f32;
+        for max_batch in [3, 8, 32] {
+            let want = generate(&model, &params(max_batch, false), &reqs).unwrap();
+            let got = generate(&model, &params(max_batch, true), &reqs).unwrap();
+            assert_eq!(
+                tokens(&got),
+                tokens(&want),
+                "max_batch {max_batch}, stops {stop:?}"
+            );
+            let w = worst_logprob(&got, &want);
+            unshared_spread = unshared_spread.max(worst_logprob(&want, &one));
+            println!("max_batch {max_batch}, stops {stop:?}: shared vs unshared log-probs {w:e}");
+            assert!(w <= 1e-5, "max_batch {max_batch}: log-probs differ by {w}");
+        }
+        println!("stops {stop:?}: unshared at batch 1 vs larger batches {unshared_spread:e}");
+    }
+    // The samples of a group differ (their seeds are used).
+    let out = generate(&model, &sampled(8), &reqs).unwrap();
+    assert_ne!(out[0].tokens, out[1].tokens);
+}
+
+/// Shared-prompt prefill against prefilling every request (a measurement,
+/// not a check): a random Llama (4 layers, hidden 512, vocab 8192, float32,
+/// CPU), 8 groups of 8 samples of a 192-token prompt, one batch of 64;
+/// `max_new_tokens` 1 (the prefill alone) and 16. Runs alternate, 3 each;
+/// one JSON line per run.
+#[test]
+#[ignore = "benchmark: a measurement, run by hand"]
+fn bench_shared_prompt_prefill() {
+    tch::set_num_threads(2);
+    let raw: serde_json::Value = serde_json::from_str(
+        &common::TINY_CONFIG
+            .replace("\"vocab_size\": 300", "\"vocab_size\": 8192")
+            .replace("\"hidden_size\": 64", "\"hidden_size\": 512")
+            .replace("\"intermediate_size\": 128", "\"intermediate_size\": 1408")
+            .replace("\"num_hidden_layers\": 2", "\"num_hidden_layers\": 4")
+            .replace("\"num_attention_heads\": 4", "\"num_attention_heads\": 8")
+            .replace(
+                "\"max_position_embeddings\": 256",
+                "\"max_position_embeddings\": 512",
+            ),
+    )
+    .unwrap();
+    let cfg: LlamaConfig = serde_json::from_value(raw.clone()).unwrap();
+    let model = Llama::new(cfg, raw, Kind::Float, Device::Cpu, Init::Seeded(1)).unwrap();
+    let reqs: Vec<Request> = (0..8)
+        .flat_map(|g| {
+            let prompt: Vec<i64> = (0..192)
+                .map(|j| ((g * 977 + j * 31) % 8192) as i64)
+                .collect();
+            (0..8).map(move |s| Request {
+                prompt: prompt.clone(),
+                seed: (g * 8 + s) as u64,
+            })
+        })
+        .collect();
+    for max_new_tokens in [1, 16] {
+        for _ in 0..3 {
+            for share_prompts in [false, true] {
+                let params = SamplingParams {
+                    temperature: 1.0,
+                    max_new_tokens,
+                    max_batch: 64,
+                    share_prompts,
+                    ..SamplingParams::default()
+                };
+                let start = std::time::Instant::now();
+                generate(&model, &params, &reqs).unwrap();
+                let seconds = start.elapsed().as_secs_f64();
+                println!(
+                    "{}",
+                    serde_json::json!({"share_prompts": share_prompts,
+                        "max_new_tokens": max_new_tokens, "seconds": seconds})
+                );
+            }
+        }
+    }
 }

@@ -312,3 +312,137 @@ fn two_runners_train_checkpoint_and_rejoin_a_new_generation() {
         r.shutdown();
     }
 }
+
+/// Generation on two fsdp runners (issue 17): every rank gets the round's
+/// plan, rank 1 with nothing to generate; both gather the model, rank 0
+/// answers with what the job's initial weights give, rank 1 with nothing.
+/// A round that rank 1 refuses (another policy version) fails on both
+/// ranks, naming why, instead of leaving rank 0 waiting in the gather.
+#[test]
+fn two_fsdp_runners_gather_the_policy_for_a_round_and_fail_together() {
+    use accrue_worker::generate::{generate, Request, SamplingParams};
+    tch::set_num_threads(1);
+    let dir = tempfile::tempdir().unwrap();
+    let cfg_path = dir.path().join("config.json");
+    std::fs::write(&cfg_path, common::TINY_CONFIG).unwrap();
+    let extra = format!(
+        "config = \"{}\"\n[parallel]\nsharding = \"fsdp\"\n",
+        cfg_path.display()
+    );
+    let job = common::job_definition("random", &extra);
+    let conn = connector(Arc::new(Mutex::new(Vec::new())));
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let runners: Vec<Runner> = (0..2)
+        .map(|_| {
+            Runner::start(
+                RunnerConfig {
+                    factory: default_factory(),
+                    connector: conn.clone(),
+                    listener: Some(std::net::TcpListener::bind("127.0.0.1:0").unwrap()),
+                    device: tch::Device::Cpu,
+                },
+                tx.clone(),
+            )
+        })
+        .collect();
+    for (rank, r) in runners.iter().enumerate() {
+        r.submit(Work::Configure(Box::new(wire::Configure {
+            job_id: "j".into(),
+            generation: 1,
+            rank: rank as u32,
+            world_size: 2,
+            job: Some(job.clone()),
+            step: 0,
+            ..Default::default()
+        })));
+    }
+    for _ in 0..2 {
+        assert!(matches!(recv(&mut rx), Msg::Ready(r) if r.generation == 1));
+    }
+    let prompts: Vec<Vec<u32>> = vec![vec![5, 17, 33, 2], vec![250], vec![9, 9, 120, 7, 64, 3]];
+    let plan = |rank: u32, policy_version: u64, prompts: &[Vec<u32>]| wire::GeneratePlan {
+        job_id: "j".into(),
+        generation: 1,
+        round: 2,
+        rank,
+        policy_version,
+        sampling: Some(wire::SamplingParams {
+            max_new_tokens: 5,
+            max_batch: 2,
+            ..Default::default()
+        }),
+        requests: prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| wire::GenerateRequest {
+                prompt_id: format!("p:{i}"),
+                sample: 0,
+                prompt_ids: accrue_proto::pack_u32(p),
+                seed: 3 + i as u64,
+            })
+            .collect(),
+    };
+    runners[0].submit(Work::Generate(Box::new(plan(0, 0, &prompts))));
+    runners[1].submit(Work::Generate(Box::new(plan(1, 0, &[]))));
+    let mut results = [None, None];
+    for _ in 0..2 {
+        match recv(&mut rx) {
+            Msg::GenerateResult(r) => {
+                let rank = r.rank as usize;
+                results[rank] = Some(r);
+            }
+            m => panic!("expected a generate result, got {m:?}"),
+        }
+    }
+    let [Some(r0), Some(r1)] = results else {
+        panic!("both ranks answer");
+    };
+    assert!(r1.completions.is_empty());
+    let cfg = common::random_job(dir.path(), "");
+    let single = Trainer::single(&cfg, None).unwrap();
+    let reqs: Vec<Request> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| Request {
+            prompt: p.iter().map(|&t| i64::from(t)).collect(),
+            seed: 3 + i as u64,
+        })
+        .collect();
+    let params = SamplingParams {
+        max_new_tokens: 5,
+        max_batch: 2,
+        ..SamplingParams::default()
+    };
+    let want = generate(single.model(), &params, &reqs).unwrap();
+    assert_eq!(r0.completions.len(), 3);
+    for (c, w) in r0.completions.iter().zip(&want) {
+        let ids: Vec<i64> = accrue_proto::unpack_u32(&c.token_ids)
+            .unwrap()
+            .into_iter()
+            .map(i64::from)
+            .collect();
+        assert_eq!(ids, w.tokens, "{}", c.prompt_id);
+    }
+
+    runners[0].submit(Work::Generate(Box::new(plan(0, 0, &prompts))));
+    runners[1].submit(Work::Generate(Box::new(plan(1, 5, &prompts[..1]))));
+    let mut errors = [None, None];
+    for _ in 0..2 {
+        match recv(&mut rx) {
+            Msg::Error(e) => {
+                let rank = usize::from(e.message.contains("policy version 5"));
+                errors[rank] = Some(e);
+            }
+            m => panic!("expected an error, got {m:?}"),
+        }
+    }
+    let [Some(e0), Some(e1)] = errors else {
+        panic!("both ranks fail: {errors:?}");
+    };
+    assert_eq!(e1.kind, wire::ErrorKind::InvalidPlan as i32);
+    assert!(e0.message.contains("1 other rank"), "{}", e0.message);
+    assert_eq!((e0.step, e1.step), (2, 2), "errors carry the round");
+    for r in runners {
+        r.shutdown();
+    }
+}

@@ -17,6 +17,10 @@ pub struct SamplingParams {
     pub stop_sequences: Vec<Vec<i64>>,
     /// Sequences decoded at once.
     pub max_batch: usize,
+    /// Prefill a prompt that several requests share (a group of
+    /// `rl.group_size` samples) once and start their slots from its cached
+    /// keys and values; false prefills each request's prompt.
+    pub share_prompts: bool,
 }
 
 impl Default for SamplingParams {
@@ -29,6 +33,7 @@ impl Default for SamplingParams {
             stop_ids: Vec::new(),
             stop_sequences: Vec::new(),
             max_batch: DEFAULT_MAX_BATCH,
+            share_prompts: true,
         }
     }
 }

@@ -73,6 +73,57 @@ impl KvCache {
     pub fn clear(&mut self, slot: usize) {
         self.lens[slot] = 0;
     }
+
+    /// A copy of the keys and values of `slot`'s first `n` tokens (a
+    /// prompt another slot will start from; see [`Self::start_from`]).
+    pub fn prefix(&self, slot: usize, n: usize) -> anyhow::Result<Prefix> {
+        if n as i64 > self.lens[slot] {
+            bail!(
+                "prefix of slot {slot}: {n} tokens asked, {} held",
+                self.lens[slot]
+            );
+        }
+        let take = |c: &Vec<Tensor>| -> Vec<Tensor> {
+            c.iter()
+                .map(|t| t.get(slot as i64).narrow(1, 0, n as i64).copy())
+                .collect()
+        };
+        Ok(Prefix {
+            keys: take(&self.keys),
+            values: take(&self.values),
+            len: n as i64,
+        })
+    }
+
+    /// Starts empty `slot` from `prefix`, as if its tokens had been
+    /// prefilled there (a prefix's keys and values depend only on its
+    /// tokens and positions).
+    pub fn start_from(&mut self, slot: usize, prefix: &Prefix) -> anyhow::Result<()> {
+        if self.lens[slot] != 0 || prefix.len > self.capacity {
+            bail!(
+                "slot {slot}: a {}-token prefix into a slot holding {} of {}",
+                prefix.len,
+                self.lens[slot],
+                self.capacity
+            );
+        }
+        for (c, p) in self.keys.iter().zip(&prefix.keys) {
+            c.get(slot as i64).narrow(1, 0, prefix.len).copy_(p);
+        }
+        for (c, p) in self.values.iter().zip(&prefix.values) {
+            c.get(slot as i64).narrow(1, 0, prefix.len).copy_(p);
+        }
+        self.lens[slot] = prefix.len;
+        Ok(())
+    }
+}
+
+/// The cached keys and values of a prompt, per layer `[kv_heads, len,
+/// head_dim]`, taken out of a slot to start other slots from.
+pub struct Prefix {
+    keys: Vec<Tensor>,
+    values: Vec<Tensor>,
+    len: i64,
 }
 
 impl Llama {

@@ -87,7 +87,8 @@ impl std::fmt::Debug for Llama {
 
 impl Llama {
     /// Builds the model, its parameters set by `init` (HF's random init from
-    /// a seed, or empty for loading), in float32 then cast to `kind`.
+    /// a seed, drawn in float32 then cast to `kind`; or empty for loading,
+    /// made in `kind`).
     pub fn new(
         cfg: LlamaConfig,
         raw_config: serde_json::Value,
@@ -97,6 +98,11 @@ impl Llama {
     ) -> anyhow::Result<Llama> {
         cfg.validate()?;
         let mut vs = nn::VarStore::new(device);
+        if matches!(init, Init::Empty) {
+            // Nothing is drawn: the variables are made in `kind` at once,
+            // never as a transient float32 copy of the whole model.
+            vs.set_kind(kind);
+        }
         let root = vs.root();
         let model = &root / "model";
         let embed_tokens = (&model / "embed_tokens").var(

@@ -18,6 +18,6 @@ pub mod weights;
 
 pub use attention::PackedAttention;
 pub use config::LlamaConfig;
-pub use decode::KvCache;
+pub use decode::{KvCache, Prefix};
 pub use init::Init;
 pub use llama::Llama;

@@ -18,6 +18,7 @@ use crate::batch::{MicrobatchMeta, MicrobatchOutcome, PackedBatch, SequenceLogp,
 use crate::collective::reshard::SyncPlan;
 use crate::collective::{count_failures, Collective};
 use crate::config::{JobConfig, Sharding};
+use crate::model::Llama;
 
 /// Writes a rank's snapshotted part of a checkpoint into a directory (on a
 /// background thread, no collectives); returns the names of the files
@@ -142,10 +143,14 @@ pub trait Engine {
     }
 
     /// The whole model for generation (issue 17): the weights forward runs
-    /// on (the compute copy under mixed precision). `None` when this rank
-    /// holds only a shard of them (fsdp).
-    fn policy(&self) -> Option<&crate::model::Llama> {
-        None
+    /// on, in the compute dtype. A replicated engine lends its own; a
+    /// sharded one gathers a temporary copy, freed when the [`Policy`] is
+    /// dropped. Every rank of the generation calls it once per round,
+    /// `ready` saying whether its own plan can run: a sharded engine first
+    /// agrees on it with the other ranks, so that one rank refusing its
+    /// plan fails every rank instead of leaving them waiting in the gather.
+    fn policy(&mut self, _ready: bool) -> anyhow::Result<Policy<'_>> {
+        bail!("this engine cannot generate")
     }
 
     /// The device the replica lives on.
@@ -172,6 +177,25 @@ pub trait Engine {
             );
         }
         Ok(())
+    }
+}
+
+/// The model a generation round decodes with: the engine's own
+/// (ddp, zero2), or the full parameters gathered for the round (fsdp, as
+/// FSDP's `summon_full_params`), which exist only as long as this value.
+pub enum Policy<'a> {
+    Held(&'a Llama),
+    Gathered(Box<Llama>),
+}
+
+impl std::ops::Deref for Policy<'_> {
+    type Target = Llama;
+
+    fn deref(&self) -> &Llama {
+        match self {
+            Policy::Held(m) => m,
+            Policy::Gathered(m) => m,
+        }
     }
 }
 

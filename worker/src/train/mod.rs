@@ -12,7 +12,7 @@ pub mod optim;
 pub mod source;
 pub mod trainer;
 
-pub use engine::{build, CheckpointWrite, Engine};
+pub use engine::{build, CheckpointWrite, Engine, Policy};
 pub use fsdp::FsdpTrainer;
 pub use memory::StateBytes;
 pub use trainer::{Sharding, StepStats, Trainer};

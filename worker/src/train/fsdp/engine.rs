@@ -4,7 +4,7 @@ use super::FsdpTrainer;
 use crate::batch::{MicrobatchMeta, MicrobatchOutcome, PackedBatch, SequenceLogp, StepNorms};
 use crate::collective::reshard::SyncPlan;
 use crate::collective::Collective;
-use crate::train::engine::{swap_collective, CheckpointWrite, Engine};
+use crate::train::engine::{swap_collective, CheckpointWrite, Engine, Policy};
 use crate::train::trainer::StepStats;
 
 impl Engine for FsdpTrainer {
@@ -87,6 +87,11 @@ impl Engine for FsdpTrainer {
 
     fn collective_per_microbatch(&self) -> bool {
         true
+    }
+
+    /// A collective: the full parameters are gathered for the round.
+    fn policy(&mut self, ready: bool) -> anyhow::Result<Policy<'_>> {
+        Ok(Policy::Gathered(Box::new(self.gather_policy(ready)?)))
     }
 
     fn device(&self) -> tch::Device {

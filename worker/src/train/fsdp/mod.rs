@@ -34,12 +34,16 @@
 //! head; reference plans run steps 1 and 2 forward only on the initial
 //! weights. A live reference (a frozen full copy per rank) is refused.
 //!
+//! Generation rounds gather the whole model for the round's duration
+//! ([`policy`]).
+//!
 //! Follows PyTorch FSDP (`FlatParameter` per wrapped module, reshard after
 //! forward, pre-backward all-gather) — Zhao et al., "PyTorch FSDP", 2023.
 
 mod engine;
 mod objective;
 mod pass;
+mod policy;
 mod shell;
 mod sync;
 pub mod units;

@@ -5,7 +5,7 @@ use crate::batch::{MicrobatchMeta, MicrobatchOutcome, PackedBatch, SequenceLogp,
 use crate::collective::reshard::SyncPlan;
 use crate::collective::Collective;
 use crate::error::StepError;
-use crate::train::engine::{swap_collective, CheckpointWrite, Engine};
+use crate::train::engine::{swap_collective, CheckpointWrite, Engine, Policy};
 
 impl Engine for Trainer {
     fn train_microbatch(
@@ -124,8 +124,8 @@ impl Engine for Trainer {
     }
 
     /// ddp and zero2 hold every parameter on every rank.
-    fn policy(&self) -> Option<&crate::model::Llama> {
-        Some(self.compute_model())
+    fn policy(&mut self, _ready: bool) -> anyhow::Result<Policy<'_>> {
+        Ok(Policy::Held(self.compute_model()))
     }
 
     fn model_flops(&self, cu_seq_lens: &[i64], loss_tokens: u64) -> f64 {
