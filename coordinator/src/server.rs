@@ -403,4 +403,49 @@ mod nodelay_tests {
         let accepted = incoming.next().await.unwrap().unwrap();
         assert!(accepted.nodelay().unwrap());
     }
+
+    /// Not a speed target: a detector of Nagle's algorithm meeting the
+    /// peer's delayed ACK. Each side writes a message as two small writes
+    /// (a header, then a body) and waits for the other's whole message;
+    /// with Nagle on, the body waits for the header's ACK, which the peer
+    /// delays ~40 ms, so every round trip takes ~40 ms. Without it, well
+    /// under a millisecond on loopback: the bound leaves a loaded machine
+    /// room.
+    #[tokio::test]
+    async fn small_write_write_read_round_trips_do_not_wait_for_delayed_acks() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        const ROUNDS: usize = 21;
+        let listener = super::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut incoming = super::accepting(listener);
+        // Dialled as the worker and the CLI dial (`tcp_nodelay(true)`).
+        let mut client = tokio::net::TcpStream::connect(addr).await.unwrap();
+        client.set_nodelay(true).unwrap();
+        let mut served = incoming.next().await.unwrap().unwrap();
+        let echo = tokio::spawn(async move {
+            let mut buf = [0u8; 20];
+            for _ in 0..ROUNDS {
+                served.read_exact(&mut buf).await.unwrap();
+                served.write_all(&buf[..4]).await.unwrap();
+                served.write_all(&buf[4..]).await.unwrap();
+            }
+        });
+        let mut times = Vec::new();
+        let mut buf = [0u8; 20];
+        for i in 0..ROUNDS {
+            let started = std::time::Instant::now();
+            client.write_all(&[i as u8; 4]).await.unwrap();
+            client.write_all(&[i as u8; 16]).await.unwrap();
+            client.read_exact(&mut buf).await.unwrap();
+            times.push(started.elapsed());
+            assert_eq!(buf, [i as u8; 20]);
+        }
+        echo.await.unwrap();
+        times.sort();
+        let median = times[ROUNDS / 2];
+        assert!(
+            median < std::time::Duration::from_millis(15),
+            "median round trip {median:?} (all: {times:?}): small writes wait for delayed ACKs"
+        );
+    }
 }
