@@ -15,7 +15,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use accrue_proto::v1::admin_server::AdminServer;
 use accrue_proto::v1::rollouts_server::RolloutsServer;
@@ -177,11 +177,21 @@ impl Server {
         let ticker_stop = shutdown.clone();
         let ticker = tokio::spawn(async move {
             let mut interval = tokio::time::interval(tick);
+            // A late tick is measured (below), not made up in a burst.
+            interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut last: Option<Instant> = None;
             loop {
                 tokio::select! {
                     _ = ticker_stop.cancelled() => return,
                     _ = interval.tick() => {
-                        if let Err(e) = shared.apply(Event::Tick) {
+                        let mut inner = shared.lock();
+                        // Measured once the lock is held: a tick that waited
+                        // for it, or for a thread, was as late as the
+                        // session tasks that could not read heartbeats.
+                        let now = Instant::now();
+                        let stalled_ms = last.map_or(0, |l| stall_ms(now - l, tick));
+                        last = Some(now);
+                        if let Err(e) = shared.apply_locked(&mut inner, Event::Tick { stalled_ms }) {
                             error!(%e, "tick failed");
                         }
                     }
@@ -359,6 +369,16 @@ fn restore_event(mut rec: JobRecord, store: &Store) -> anyhow::Result<Event> {
     })
 }
 
+/// How long the coordinator could not listen, judged from one tick to the
+/// next: everything past the tick period. While the state lock is held
+/// long (a big step's planning and commit) or the runtime's threads are
+/// blocked on it, heartbeats sit unread in the sockets and the tick waits
+/// with them; that silence is the coordinator's, not the workers' (issue
+/// 19: at 4096 workers it cost nearly every worker).
+fn stall_ms(since_last_tick: Duration, period: Duration) -> i64 {
+    since_last_tick.saturating_sub(period).as_millis() as i64
+}
+
 /// The gRPC listener's connections, with Nagle's algorithm off: a worker's
 /// small messages (a plan, a result, a heartbeat) otherwise wait up to
 /// ~40 ms for the peer's delayed ACK. (`Server::tcp_nodelay` does not reach
@@ -366,6 +386,9 @@ fn restore_event(mut rec: JobRecord, store: &Store) -> anyhow::Result<Event> {
 fn accepting(listener: TcpListener) -> TcpIncoming {
     TcpIncoming::from(listener).with_nodelay(Some(true))
 }
+
+#[cfg(test)]
+mod liveness_tests;
 
 #[cfg(test)]
 mod nodelay_tests {
@@ -379,5 +402,50 @@ mod nodelay_tests {
         let _client = tokio::net::TcpStream::connect(addr).await.unwrap();
         let accepted = incoming.next().await.unwrap().unwrap();
         assert!(accepted.nodelay().unwrap());
+    }
+
+    /// Not a speed target: a detector of Nagle's algorithm meeting the
+    /// peer's delayed ACK. Each side writes a message as two small writes
+    /// (a header, then a body) and waits for the other's whole message;
+    /// with Nagle on, the body waits for the header's ACK, which the peer
+    /// delays ~40 ms, so every round trip takes ~40 ms. Without it, well
+    /// under a millisecond on loopback: the bound leaves a loaded machine
+    /// room.
+    #[tokio::test]
+    async fn small_write_write_read_round_trips_do_not_wait_for_delayed_acks() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        const ROUNDS: usize = 21;
+        let listener = super::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut incoming = super::accepting(listener);
+        // Dialled as the worker and the CLI dial (`tcp_nodelay(true)`).
+        let mut client = tokio::net::TcpStream::connect(addr).await.unwrap();
+        client.set_nodelay(true).unwrap();
+        let mut served = incoming.next().await.unwrap().unwrap();
+        let echo = tokio::spawn(async move {
+            let mut buf = [0u8; 20];
+            for _ in 0..ROUNDS {
+                served.read_exact(&mut buf).await.unwrap();
+                served.write_all(&buf[..4]).await.unwrap();
+                served.write_all(&buf[4..]).await.unwrap();
+            }
+        });
+        let mut times = Vec::new();
+        let mut buf = [0u8; 20];
+        for i in 0..ROUNDS {
+            let started = std::time::Instant::now();
+            client.write_all(&[i as u8; 4]).await.unwrap();
+            client.write_all(&[i as u8; 16]).await.unwrap();
+            client.read_exact(&mut buf).await.unwrap();
+            times.push(started.elapsed());
+            assert_eq!(buf, [i as u8; 20]);
+        }
+        echo.await.unwrap();
+        times.sort();
+        let median = times[ROUNDS / 2];
+        assert!(
+            median < std::time::Duration::from_millis(15),
+            "median round trip {median:?} (all: {times:?}): small writes wait for delayed ACKs"
+        );
     }
 }

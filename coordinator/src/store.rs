@@ -2,8 +2,21 @@
 //! records and the per-step records (metrics + manifest of documents).
 //! Every write is one committed, durable transaction, so a coordinator
 //! killed at any point restarts with a consistent view.
+//!
+//! Bounded state (issue 19): only a job's newest step records stay in redb
+//! (fewer than 2 × [`HOT_STEPS`]). Older ones move, in batches, to cold
+//! files written once and never changed
+//! (`state_dir/cold/<hex job id>/<first>-<last>.steps`, the same compact
+//! records), so the database stops growing with the number of steps. Every
+//! reader goes through [`Store::steps`], which reads both: replay after a
+//! restart (the steps after the oldest retained checkpoint, however old),
+//! `accrue steps` and its exactly-once check, the metrics API and watch
+//! history see every step as before. Bisecting works on the in-memory
+//! history, never the store.
 
-use std::path::Path;
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
 
 use redb::{Database, ReadableTable, TableDefinition};
 use serde::{Deserialize, Serialize};
@@ -75,8 +88,14 @@ pub struct StepRecord {
     pub manifest: Option<crate::manifest::StepManifest>,
 }
 
+/// Step records a job keeps in redb at least; at twice as many, all but
+/// the newest this many move to a cold file.
+pub const HOT_STEPS: u64 = 64;
+
 pub struct Store {
     db: Database,
+    /// `state_dir/cold`: step records moved out of redb.
+    cold: PathBuf,
 }
 
 impl Store {
@@ -95,7 +114,10 @@ impl Store {
         tx.open_table(ROLLOUTS)?;
         tx.open_table(STREAMS)?;
         tx.commit()?;
-        Ok(Store { db })
+        Ok(Store {
+            db,
+            cold: state_dir.join("cold"),
+        })
     }
 
     pub fn put_job(&self, rec: &JobRecord) -> Result<()> {
@@ -121,7 +143,88 @@ impl Store {
             )?;
         }
         tx.commit()?;
+        // The step is durable; moving old records out can wait for the
+        // next commit if it fails (they stay readable where they are).
+        if let Err(e) = self.cool(&rec.id, step.metrics.step) {
+            tracing::warn!(job = %rec.id, %e, "moving old step records to the cold files failed");
+        }
         Ok(())
+    }
+
+    /// Moves `job`'s step records but the newest [`HOT_STEPS`] to a cold
+    /// file once redb holds twice that many (at step `now`). The file is
+    /// complete on disk (written aside, synced, renamed) before the records
+    /// leave redb; a crash in between leaves both, and readers take one.
+    fn cool(&self, job: &str, now: u64) -> Result<()> {
+        let rows: Vec<(u64, Vec<u8>)> = {
+            let tx = self.db.begin_read()?;
+            let table = tx.open_table(STEPS)?;
+            let first = match table.range((job, 0)..=(job, u64::MAX))?.next() {
+                Some(row) => row?.0.value().1,
+                None => return Ok(()),
+            };
+            if now + 1 < first + 2 * HOT_STEPS {
+                return Ok(());
+            }
+            let mut rows = Vec::new();
+            for row in table.range((job, first)..=(job, now - HOT_STEPS))? {
+                let (k, v) = row?;
+                rows.push((k.value().1, v.value().to_vec()));
+            }
+            rows
+        };
+        let (Some(&(first, _)), Some(&(last, _))) = (rows.first(), rows.last()) else {
+            return Ok(());
+        };
+        let dir = self.cold_dir(job);
+        let path = dir.join(format!("{first:020}-{last:020}.steps"));
+        write_cold(&dir, &path, &rows).map_err(|e| StoreError::Corrupt {
+            what: path.display().to_string(),
+            message: format!("writing: {e}"),
+        })?;
+        let tx = self.db.begin_write()?;
+        {
+            let mut table = tx.open_table(STEPS)?;
+            for (step, _) in &rows {
+                table.remove((job, *step))?;
+            }
+        }
+        tx.commit()?;
+        Ok(())
+    }
+
+    fn cold_dir(&self, job: &str) -> PathBuf {
+        // Hex: a job id is any string, a directory name is not.
+        let name: String = job.bytes().map(|b| format!("{b:02x}")).collect();
+        self.cold.join(name)
+    }
+
+    /// `job`'s cold files whose last step is ≥ `from`, in step order.
+    fn cold_files(&self, job: &str, from: u64) -> Result<Vec<PathBuf>> {
+        let dir = self.cold_dir(job);
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(StoreError::Db(format!("{}: {e}", dir.display()))),
+        };
+        let mut files = Vec::new();
+        for entry in entries {
+            let path = entry
+                .map_err(|e| StoreError::Db(format!("{}: {e}", dir.display())))?
+                .path();
+            let span = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .and_then(|n| n.strip_suffix(".steps"))
+                .and_then(|n| n.split_once('-'))
+                .and_then(|(a, b)| Some((a.parse::<u64>().ok()?, b.parse::<u64>().ok()?)));
+            // Anything else (a half-written `.tmp`) is not a cold file.
+            if let Some((first, _)) = span.filter(|&(_, last)| last >= from) {
+                files.push((first, path));
+            }
+        }
+        files.sort();
+        Ok(files.into_iter().map(|(_, p)| p).collect())
     }
 
     /// Adds reference log-probs of `job`, in one transaction.
@@ -232,28 +335,54 @@ impl Store {
         Ok(out)
     }
 
-    /// Bytes the step records of `job` take as stored (keys aside).
+    /// Bytes the step records of `job` take as stored (keys aside), in
+    /// redb and in the cold files.
     pub fn steps_bytes(&self, job: &str) -> Result<u64> {
+        Ok(self.hot_steps(job)?.1 + self.cold_bytes(job)?)
+    }
+
+    /// How many step records of `job` are in redb, and their bytes.
+    pub fn hot_steps(&self, job: &str) -> Result<(u64, u64)> {
         let tx = self.db.begin_read()?;
         let table = tx.open_table(STEPS)?;
-        let mut total = 0;
+        let (mut n, mut total) = (0, 0);
         for row in table.range((job, 0)..=(job, u64::MAX))? {
+            n += 1;
             total += row?.1.value().len() as u64;
+        }
+        Ok((n, total))
+    }
+
+    fn cold_bytes(&self, job: &str) -> Result<u64> {
+        let mut total = 0;
+        for f in self.cold_files(job, 0)? {
+            total += std::fs::metadata(&f)
+                .map_err(|e| StoreError::Db(format!("{}: {e}", f.display())))?
+                .len();
         }
         Ok(total)
     }
 
-    /// Step records of `job` with step ≥ `from`, in step order.
+    /// Step records of `job` with step ≥ `from`, in step order: the cold
+    /// files', then redb's.
     pub fn steps(&self, job: &str, from: u64) -> Result<Vec<StepRecord>> {
+        let mut out = BTreeMap::new();
+        for f in self.cold_files(job, from)? {
+            for (step, bytes) in read_cold(&f)? {
+                if step >= from {
+                    let key = format!("{}#{step}", f.display());
+                    out.insert(step, step_record(&key, &bytes)?);
+                }
+            }
+        }
         let tx = self.db.begin_read()?;
         let table = tx.open_table(STEPS)?;
-        let mut out = Vec::new();
         for row in table.range((job, from)..=(job, u64::MAX))? {
             let (k, v) = row?;
             let (_, step) = k.value();
-            out.push(step_record(&format!("{job}/{step}"), v.value())?);
+            out.insert(step, step_record(&format!("{job}/{step}"), v.value())?);
         }
-        Ok(out)
+        Ok(out.into_values().collect())
     }
 }
 
@@ -322,6 +451,49 @@ fn step_record(key: &str, bytes: &[u8]) -> Result<StepRecord> {
         }
     }
     Ok(rec)
+}
+
+/// Writes a cold file: per record its step (u64) and length (u32), little
+/// endian, then its compact bytes; aside, synced, then renamed into place.
+fn write_cold(dir: &Path, path: &Path, rows: &[(u64, Vec<u8>)]) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let tmp = path.with_extension("tmp");
+    let mut f = std::io::BufWriter::new(std::fs::File::create(&tmp)?);
+    for (step, bytes) in rows {
+        f.write_all(&step.to_le_bytes())?;
+        f.write_all(&(bytes.len() as u32).to_le_bytes())?;
+        f.write_all(bytes)?;
+    }
+    f.into_inner()?.sync_all()?;
+    std::fs::rename(&tmp, path)?;
+    std::fs::File::open(dir)?.sync_all()
+}
+
+/// A cold file's records (see [`write_cold`]).
+fn read_cold(path: &Path) -> Result<Vec<(u64, Vec<u8>)>> {
+    let corrupt = |message: String| StoreError::Corrupt {
+        what: path.display().to_string(),
+        message,
+    };
+    let data = std::fs::read(path).map_err(|e| corrupt(format!("reading: {e}")))?;
+    let mut rows = Vec::new();
+    let mut rest = data.as_slice();
+    while !rest.is_empty() {
+        let (Some(step), Some(len)) = (rest.get(..8), rest.get(8..12)) else {
+            return Err(corrupt(format!(
+                "a record header cut short after {} records",
+                rows.len()
+            )));
+        };
+        let step = u64::from_le_bytes(step.try_into().expect("8 bytes"));
+        let len = u32::from_le_bytes(len.try_into().expect("4 bytes")) as usize;
+        let Some(bytes) = rest.get(12..12 + len) else {
+            return Err(corrupt(format!("step {step}'s record cut short")));
+        };
+        rows.push((step, bytes.to_vec()));
+        rest = &rest[12 + len..];
+    }
+    Ok(rows)
 }
 
 fn json<T: Serialize>(v: &T) -> Vec<u8> {
@@ -639,5 +811,81 @@ mod tests {
         let steps = s.steps("a", 0).unwrap();
         assert_eq!(steps[0].manifest.as_ref(), Some(&manifest));
         assert_eq!(steps[0].manifest.as_ref().unwrap().docs(), steps[0].docs);
+    }
+
+    #[test]
+    fn old_step_records_move_to_cold_files_and_stay_readable() {
+        use crate::manifest::{MicrobatchEntry, SeqEntry, StepManifest};
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("accrue.redb");
+        let docs = |step: u64| -> Vec<DocId> {
+            (0..256)
+                .map(|i| DocId {
+                    file: 0,
+                    line: (step * 7919 + i * 104_729) % 1_000_003,
+                })
+                .collect()
+        };
+        let record = |step: u64| StepRecord {
+            metrics: StepMetrics {
+                step,
+                loss: step as f64,
+                ..Default::default()
+            },
+            docs: docs(step),
+            manifest: Some(StepManifest {
+                step,
+                generation: 1,
+                world_size: 1,
+                lr: 1e-4,
+                settings: Default::default(),
+                epoch: 0,
+                tokens: 256,
+                attempts: 1,
+                replayed: false,
+                files: Default::default(),
+                sources: Default::default(),
+                groups: Vec::new(),
+                ranks: vec![vec![MicrobatchEntry {
+                    tokens: 256,
+                    seqs: docs(step).into_iter().map(|d| SeqEntry(d, 0, 1)).collect(),
+                }]],
+            }),
+        };
+        let mut a = rec("a/b c", 1);
+        let mut size_at = BTreeMap::new();
+        let last = 16 * HOT_STEPS;
+        {
+            let s = Store::open(dir.path()).unwrap();
+            for step in 1..=last {
+                a.step = step;
+                s.commit_step(&a, &record(step)).unwrap();
+                let (hot, _) = s.hot_steps(&a.id).unwrap();
+                assert!(hot < 2 * HOT_STEPS, "{hot} records in redb at step {step}");
+                size_at.insert(step, std::fs::metadata(&db).unwrap().len());
+            }
+        }
+        // The database stops growing with steps: no bigger after 16
+        // windows than after 4 (without the move it grows ~4x).
+        assert!(size_at[&last] <= size_at[&(4 * HOT_STEPS)], "{size_at:?}");
+        // After a restart every step reads back, from the cold files and
+        // redb alike: replay from any step, the whole manifest history.
+        let s = Store::open(dir.path()).unwrap();
+        let all = s.steps(&a.id, 0).unwrap();
+        assert_eq!(all.len() as u64, last);
+        for (i, r) in all.iter().enumerate() {
+            assert_eq!(r, &record(i as u64 + 1));
+        }
+        let replay = committed_steps(&s, &a.id, 100).unwrap();
+        assert_eq!(
+            replay.iter().map(|c| c.step).collect::<Vec<_>>(),
+            (100..=last).collect::<Vec<_>>()
+        );
+        assert_eq!(replay[0].docs, docs(100));
+        // A record in both places (a crash between the cold file's rename
+        // and redb's delete) is read once.
+        s.commit_step(&a, &record(3)).unwrap();
+        assert_eq!(s.steps(&a.id, 0).unwrap().len() as u64, last);
+        assert!(s.steps("other", 0).unwrap().is_empty());
     }
 }

@@ -120,7 +120,13 @@ pub enum Event {
         docs: Option<Vec<DocId>>,
     },
     /// Periodic: detects missed heartbeats and overdue steps.
-    Tick,
+    /// `stalled_ms` is how long the shell itself could not listen since the
+    /// last tick (the state lock held, its threads blocked: the tick came
+    /// late by that much); worker silence over that time is not counted.
+    /// The shell measures it; the core only adds it up.
+    Tick {
+        stalled_ms: i64,
+    },
     /// Rollouts pushed to a streamed job (one RPC message, admitted whole).
     /// Answered by an `Effect::PersistRollouts` carrying the counts, or
     /// refused unchanged (`QueueFull`: wait for a commit and retry).

@@ -126,14 +126,14 @@ fn a_member_silent_past_the_step_deadline_is_lost_and_its_step_replanned() {
         for w in ["a", "b"] {
             s.handle(Event::Heartbeat { worker: w.into() }).unwrap();
         }
-        s.handle(Event::Tick).unwrap();
+        s.handle(Event::Tick { stalled_ms: 0 }).unwrap();
     }
     assert_eq!(s.state(), JobState::Running, "28 s: within the deadline");
     s.now += 3_000;
     for w in ["a", "b"] {
         s.handle(Event::Heartbeat { worker: w.into() }).unwrap();
     }
-    s.handle(Event::Tick).unwrap();
+    s.handle(Event::Tick { stalled_ms: 0 }).unwrap();
     let b = s.c.worker("b").unwrap();
     assert_eq!(b.state, WorkerState::Lost);
     assert!(s
@@ -160,13 +160,13 @@ fn without_a_configured_timeout_the_deadline_follows_observed_steps_with_a_floor
     for w in ["a", "b"] {
         s.handle(Event::Heartbeat { worker: w.into() }).unwrap();
     }
-    s.handle(Event::Tick).unwrap();
+    s.handle(Event::Tick { stalled_ms: 0 }).unwrap();
     assert_ne!(s.c.worker("b").unwrap().state, WorkerState::Lost);
     s.now += 2_000;
     for w in ["a", "b"] {
         s.handle(Event::Heartbeat { worker: w.into() }).unwrap();
     }
-    s.handle(Event::Tick).unwrap();
+    s.handle(Event::Tick { stalled_ms: 0 }).unwrap();
     assert_eq!(s.c.worker("b").unwrap().state, WorkerState::Lost);
 }
 

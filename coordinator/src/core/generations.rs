@@ -338,8 +338,7 @@ impl Coordinator {
                 "ready at another step than configured"
             );
         }
-        let was_ready = gen.all_ready();
-        gen.ready[rank as usize] = true;
+        let all_ready = gen.mark_ready(rank);
         let held = HeldState {
             job: job_id.to_string(),
             step,
@@ -347,7 +346,6 @@ impl Coordinator {
             rank,
             generation,
         };
-        let all_ready = gen.all_ready() && !was_ready;
         let decision = gen.decision.clone();
         if all_ready {
             job.restore_failures = 0;

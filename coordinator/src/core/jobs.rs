@@ -32,8 +32,11 @@ pub struct Generation {
     pub id: u64,
     /// Worker of each rank.
     pub members: Vec<WorkerId>,
-    /// Ranks that reported Ready for this generation.
-    pub ready: Vec<bool>,
+    /// Ranks that reported Ready for this generation ...
+    ready: Vec<bool>,
+    /// ... and how many: "all ready?" is asked on every event that may
+    /// dispatch, so it is O(1), not a scan of W ranks (issue 19).
+    ready_count: u32,
     /// The step its members hold: the configured step, then advanced by
     /// every replayed or committed step.
     pub step: u64,
@@ -61,6 +64,7 @@ impl Generation {
         Generation {
             id,
             ready: vec![false; members.len()],
+            ready_count: 0,
             members,
             step: decision.step,
             decision,
@@ -74,7 +78,19 @@ impl Generation {
     }
 
     pub fn all_ready(&self) -> bool {
-        self.ready.iter().all(|&r| r)
+        self.ready_count as usize == self.ready.len()
+    }
+
+    /// Notes `rank`'s Ready (again is a no-op); true when it was the last.
+    pub fn mark_ready(&mut self, rank: u32) -> bool {
+        match self.ready.get_mut(rank as usize) {
+            Some(r) if !*r => {
+                *r = true;
+                self.ready_count += 1;
+                self.all_ready()
+            }
+            _ => false,
+        }
     }
 
     pub fn rank_of(&self, worker: &str) -> Option<u32> {
@@ -623,5 +639,32 @@ impl Job {
         }
         let acks = gen.members.iter().map(|m| (m.clone(), false)).collect();
         self.pending_checkpoints.insert(step, acks);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::recovery::{Decision, Source};
+
+    #[test]
+    fn a_generation_counts_its_ready_ranks_once_each() {
+        let members: Vec<WorkerId> = (0..3).map(|i| format!("w{i}")).collect();
+        let decision = Decision {
+            source: Source::Init,
+            step: 0,
+            target: 0,
+        };
+        let mut g = Generation::new(1, members, decision, false);
+        assert!(!g.all_ready());
+        assert!(!g.mark_ready(0));
+        assert!(!g.mark_ready(0), "a repeated Ready is not a second rank");
+        assert!(!g.mark_ready(7), "no such rank");
+        assert!(!g.mark_ready(2));
+        assert!(!g.all_ready());
+        assert!(g.mark_ready(1), "the last rank completes it");
+        assert!(g.all_ready());
+        assert!(!g.mark_ready(1), "and only once");
+        assert!(g.all_ready());
     }
 }

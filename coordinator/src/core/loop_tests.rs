@@ -511,7 +511,7 @@ fn a_hung_generator_is_lost_at_the_deadline_and_its_round_planned_again() {
     for w in ["a", "b"] {
         s.handle(Event::Heartbeat { worker: w.into() }).unwrap();
     }
-    s.handle(Event::Tick).unwrap();
+    s.handle(Event::Tick { stalled_ms: 0 }).unwrap();
     let j = s.c.job("job").unwrap();
     assert!(
         j.gen().is_some_and(|g| g.members == ["a"]),

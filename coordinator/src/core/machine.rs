@@ -48,6 +48,10 @@ pub struct Coordinator {
     pub(super) job_order: Vec<JobId>,
     pub(super) workers: BTreeMap<WorkerId, Worker>,
     pub(super) next_worker_seq: u64,
+    /// Total time the shell reported itself stalled ([`Event::Tick`]'s
+    /// credit): heartbeats could not be read then, so that silence is not
+    /// held against workers.
+    pub(super) stalled_ms: i64,
 }
 
 impl Coordinator {
@@ -92,7 +96,7 @@ impl Coordinator {
             Event::SessionOpened { worker } => {
                 if let Some(w) = self.workers.get_mut(&worker) {
                     w.state = WorkerState::Idle;
-                    w.last_seen_ms = now_ms;
+                    w.heard(now_ms, self.stalled_ms);
                     w.job = None;
                     w.rank = None;
                 }
@@ -215,7 +219,10 @@ impl Coordinator {
             Event::ReleaseQuarantine { job, docs } => {
                 self.release_quarantine(&job, docs.as_deref(), now_ms, &mut fx)?;
             }
-            Event::Tick => self.tick(now_ms, &mut fx),
+            Event::Tick { stalled_ms } => {
+                self.stalled_ms += stalled_ms.max(0);
+                self.tick(now_ms, &mut fx);
+            }
             Event::PushRollouts { job, rollouts } => {
                 fx.push(self.push_rollouts(&job, rollouts)?);
             }
@@ -343,6 +350,7 @@ impl Coordinator {
                 reg,
                 state: WorkerState::Registered,
                 last_seen_ms: now_ms,
+                stalled_at_seen_ms: self.stalled_ms,
                 job: None,
                 rank: None,
                 draining: false,
@@ -355,17 +363,17 @@ impl Coordinator {
     pub(super) fn seen(&mut self, worker: &str, now_ms: i64) {
         if let Some(w) = self.workers.get_mut(worker) {
             if w.state != WorkerState::Lost {
-                w.last_seen_ms = now_ms;
+                w.heard(now_ms, self.stalled_ms);
             }
         }
     }
 
     fn tick(&mut self, now_ms: i64, fx: &mut Vec<Effect>) {
-        let timeout = self.opts.heartbeat_timeout_ms;
+        let (timeout, stalled) = (self.opts.heartbeat_timeout_ms, self.stalled_ms);
         let silent: Vec<WorkerId> = self
             .workers
             .values()
-            .filter(|w| w.connected() && now_ms - w.last_seen_ms > timeout)
+            .filter(|w| w.connected() && w.silent_ms(now_ms, stalled) > timeout)
             .map(|w| w.id.clone())
             .collect();
         for w in silent {

@@ -547,10 +547,10 @@ fn heartbeat_timeout_declares_worker_lost() {
     s.now += 1_500;
     s.handle(Event::Heartbeat { worker: "a".into() }).unwrap();
     s.now += 1_500;
-    s.handle(Event::Tick).unwrap();
+    s.handle(Event::Tick { stalled_ms: 0 }).unwrap();
     assert_eq!(s.c.worker("a").unwrap().state, WorkerState::Configuring);
     s.now += 2_500;
-    s.handle(Event::Tick).unwrap();
+    s.handle(Event::Tick { stalled_ms: 0 }).unwrap();
     assert_eq!(s.c.worker("a").unwrap().state, WorkerState::Lost);
     assert_eq!(s.state(), JobState::Pending);
 }
@@ -1510,9 +1510,9 @@ fn two_seconds_of_silence_declare_a_worker_lost_and_ddp_survivors_continue() {
     let last_b = s.c.worker("b").unwrap().last_seen_ms;
     s.now = last_b + 2_000 - 20; // each handle advances 10 ms
     s.handle(Event::Heartbeat { worker: "a".into() }).unwrap();
-    s.handle(Event::Tick).unwrap(); // exactly 2 s: not yet
+    s.handle(Event::Tick { stalled_ms: 0 }).unwrap(); // exactly 2 s: not yet
     assert_ne!(s.c.worker("b").unwrap().state, WorkerState::Lost);
-    s.handle(Event::Tick).unwrap(); // 2.01 s
+    s.handle(Event::Tick { stalled_ms: 0 }).unwrap(); // 2.01 s
     assert_eq!(s.c.worker("b").unwrap().state, WorkerState::Lost);
     s.dead.push("b".into());
     let gen2 = s.configures_of(2);
@@ -1522,6 +1522,35 @@ fn two_seconds_of_silence_declare_a_worker_lost_and_ddp_survivors_continue() {
     s.run();
     assert_eq!(s.state(), JobState::Completed);
     assert!(s.replayed().is_empty());
+}
+
+#[test]
+fn a_reported_stall_is_not_held_against_workers_but_a_silent_one_is_still_lost() {
+    let mut s = Sim::new();
+    s.worker("a");
+    s.worker("b");
+    let seen = s.c.worker("b").unwrap().last_seen_ms;
+    // The shell could not listen for 5 s (the lock held): 5.5 s of wall
+    // silence is 0.5 s of silence while listening.
+    s.now = seen + 5_500;
+    s.handle(Event::Tick { stalled_ms: 5_000 }).unwrap();
+    assert_ne!(s.c.worker("a").unwrap().state, WorkerState::Lost);
+    assert_ne!(s.c.worker("b").unwrap().state, WorkerState::Lost);
+    // a heartbeats after the stall; b stays silent, and is lost once it has
+    // been silent 2 s of listening time, stall or no stall.
+    s.handle(Event::Heartbeat { worker: "a".into() }).unwrap();
+    s.now = seen + 5_000 + 2_000 - 10; // each handle advances 10 ms
+    s.handle(Event::Tick { stalled_ms: 0 }).unwrap(); // exactly 2 s: not yet
+    assert_ne!(s.c.worker("b").unwrap().state, WorkerState::Lost);
+    s.handle(Event::Tick { stalled_ms: 0 }).unwrap();
+    assert_eq!(s.c.worker("b").unwrap().state, WorkerState::Lost);
+    assert_ne!(s.c.worker("a").unwrap().state, WorkerState::Lost);
+    // A stall before a worker was last seen is no credit for it.
+    s.now = s.c.worker("a").unwrap().last_seen_ms + 2_000 - 10;
+    s.handle(Event::Tick { stalled_ms: 0 }).unwrap();
+    assert_ne!(s.c.worker("a").unwrap().state, WorkerState::Lost);
+    s.handle(Event::Tick { stalled_ms: 0 }).unwrap();
+    assert_eq!(s.c.worker("a").unwrap().state, WorkerState::Lost);
 }
 
 /// Runs a job to committed step 3 (checkpoint at 2) and hands back what a
@@ -1586,7 +1615,7 @@ impl Sim {
         for worker in alive {
             self.handle(Event::Heartbeat { worker }).unwrap();
         }
-        self.handle(Event::Tick).unwrap();
+        self.handle(Event::Tick { stalled_ms: 0 }).unwrap();
     }
 
     fn worker_holding(&mut self, id: &str, held: Option<HeldState>) {
@@ -2104,7 +2133,7 @@ fn a_paused_job_dispatches_nothing_until_resumed() {
     // nothing is dispatched.
     s.now += 1_000;
     s.handle(Event::Heartbeat { worker: "a".into() }).unwrap();
-    s.handle(Event::Tick).unwrap();
+    s.handle(Event::Tick { stalled_ms: 0 }).unwrap();
     s.worker("b");
     set(
         &mut s,
@@ -2288,7 +2317,7 @@ fn a_worker_lost_with_its_session_open_is_told_and_rejoins_by_registering() {
     for w in ["a", "b"] {
         s.handle(Event::Heartbeat { worker: w.into() }).unwrap();
     }
-    s.handle(Event::Tick).unwrap();
+    s.handle(Event::Tick { stalled_ms: 0 }).unwrap();
     assert_eq!(s.c.worker("c").unwrap().state, WorkerState::Lost);
     assert_eq!(s.ended_sessions, vec!["c".to_string()]);
     // Its late heartbeat changes nothing; its session is over.

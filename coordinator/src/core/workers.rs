@@ -44,6 +44,9 @@ pub struct Worker {
     pub reg: Registration,
     pub state: WorkerState,
     pub last_seen_ms: i64,
+    /// The coordinator's stall total ([`super::Coordinator::stalled_ms`])
+    /// when it was last seen: silence is judged net of the stalls since.
+    pub stalled_at_seen_ms: i64,
     pub job: Option<JobId>,
     pub rank: Option<u32>,
     pub draining: bool,
@@ -63,6 +66,20 @@ impl Worker {
 
     pub fn connected(&self) -> bool {
         !matches!(self.state, WorkerState::Registered | WorkerState::Lost)
+    }
+
+    /// Notes a message from it at `now_ms`, when the coordinator had been
+    /// stalled for `stalled_ms` in total.
+    pub fn heard(&mut self, now_ms: i64, stalled_ms: i64) {
+        self.last_seen_ms = now_ms;
+        self.stalled_at_seen_ms = stalled_ms;
+    }
+
+    /// How long it has been silent while the coordinator was listening:
+    /// wall time since it was last seen, less the stalls since (time the
+    /// coordinator could not read its messages is no evidence against it).
+    pub fn silent_ms(&self, now_ms: i64, stalled_ms: i64) -> i64 {
+        now_ms - self.last_seen_ms - (stalled_ms - self.stalled_at_seen_ms)
     }
 
     /// Its held state, if it is `job`'s.
