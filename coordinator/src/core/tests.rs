@@ -114,6 +114,10 @@ struct Sim {
     to_score: Vec<generate::RoundToScore>,
     /// Whether `run` scores rounds itself (else a test answers them).
     auto_score: bool,
+    /// Rounds for the external engine (`rl.engine`), not yet answered.
+    engine_rounds: Vec<generate::EngineRound>,
+    /// Engine reloads asked: (step, dir).
+    engine_reloads: Vec<(u64, std::path::PathBuf)>,
 }
 
 /// The log-prob a simulated worker reports in a reference pass.
@@ -159,6 +163,8 @@ impl Sim {
             rounds: Vec::new(),
             to_score: Vec::new(),
             auto_score: true,
+            engine_rounds: Vec::new(),
+            engine_reloads: Vec::new(),
         }
     }
 
@@ -219,6 +225,8 @@ impl Sim {
                 Effect::EndSession { worker, .. } => self.ended_sessions.push(worker),
                 Effect::AppendEval { eval, .. } => self.evals.push(*eval),
                 Effect::ScoreRound(r) => self.to_score.push(*r),
+                Effect::EngineGenerate(r) => self.engine_rounds.push(*r),
+                Effect::EngineReload { step, dir, .. } => self.engine_reloads.push((step, dir)),
                 Effect::AppendMetrics { .. } | Effect::Publish { .. } => {}
             }
         }
