@@ -35,7 +35,8 @@ impl Coordinator {
         let Some(spec) = job.spec.rl.engine.clone() else {
             return;
         };
-        if job.rec.state != JobState::Running || job.replaying() {
+        // (A finished job's last policy is of no use to the engine.)
+        if job.rec.state != JobState::Running || job.replaying() || job.finished() {
             return;
         }
         let step = job.rec.step;

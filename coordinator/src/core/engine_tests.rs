@@ -1,0 +1,194 @@
+//! Scenario tests of the RL loop on an external engine (`rl.engine`):
+//! rounds go to the shell, never to the workers, and may run while a step
+//! trains; the engine loads every published policy between rounds; every
+//! prompt is trained once per epoch within `rl.max_staleness`; a failed
+//! round fails the job naming the engine, and a late answer is ignored.
+
+use std::collections::BTreeMap;
+
+use super::generate::{EngineRound, GenCompletion};
+use super::loop_tests::{assert_prompts_once_per_epoch, generated, loop_spec};
+use super::*;
+
+fn engine_spec(steps: u64, publish_every: u64, max_staleness: u64) -> JobSpec {
+    let mut sp = loop_spec(steps, 4, 2, 2);
+    sp.rl.publish_every = Some(publish_every);
+    sp.rl.max_staleness = Some(max_staleness);
+    sp.rl.engine = Some(
+        toml::from_str("url = \"http://engine:8000\"\nmodel = \"policy\"\nreload = \"sglang\"\n")
+            .unwrap(),
+    );
+    sp
+}
+
+/// The engine's answer to a round: what a worker would have answered.
+fn completions(r: &EngineRound) -> Vec<GenCompletion> {
+    match generated("engine".into(), r.job.clone(), 0, &r.plan) {
+        Event::GenerateResult { completions, .. } => completions,
+        _ => unreachable!(),
+    }
+}
+
+impl Sim {
+    /// Runs the workers and the engine (every reload succeeds) until
+    /// nothing is left to answer.
+    fn run_with_engine(&mut self) {
+        loop {
+            self.run();
+            if !self.engine_reloads.is_empty() && self.answered_reloads < self.engine_reloads.len()
+            {
+                let step = self.engine_reloads[self.answered_reloads].0;
+                self.answered_reloads += 1;
+                self.handle(Event::EngineReloaded {
+                    job: "job".into(),
+                    step,
+                    result: Ok(()),
+                })
+                .unwrap();
+                continue;
+            }
+            if self.answered_rounds < self.engine_rounds.len() {
+                let r = self.engine_rounds[self.answered_rounds].clone();
+                self.answered_rounds += 1;
+                self.handle(Event::EngineGenerated {
+                    job: r.job.clone(),
+                    round: r.round,
+                    result: Ok((completions(&r), 0.5)),
+                })
+                .unwrap();
+                continue;
+            }
+            break;
+        }
+    }
+}
+
+#[test]
+fn engine_rounds_skip_the_workers_overlap_training_and_stay_within_staleness() {
+    let mut s = Sim::new();
+    // 6 prompts, groups of 2, 2 prompts a step: 6 steps = 2 epochs.
+    s.submit_loop(engine_spec(6, 2, 2), 6);
+    s.worker("a");
+    s.worker("b");
+    s.run_with_engine();
+    assert_eq!(s.state(), JobState::Completed);
+    assert_eq!(s.committed.len(), 6);
+    assert!(s.rounds.is_empty(), "no Generate plan went to a worker");
+    assert_prompts_once_per_epoch(&s, 6, 2);
+    // The engine first loads the starting weights (its version is never
+    // assumed), then each published policy, in order.
+    let reloads: Vec<u64> = s.engine_reloads.iter().map(|(st, _)| *st).collect();
+    assert_eq!(reloads, [0, 2, 4]);
+    assert_eq!(
+        s.engine_reloads[1].1,
+        std::path::Path::new("/tmp/accrue-core-test/policy/step-2")
+    );
+    // Rollouts were planned at the engine's version, within the bound of
+    // the step they trained in.
+    let version: BTreeMap<DocId, u64> = s
+        .rollout_writes
+        .iter()
+        .flat_map(|w| &w.admit)
+        .map(|d| match &d.body {
+            DocBody::Rollout(r) => (d.id, r.policy_version),
+            _ => unreachable!(),
+        })
+        .collect();
+    for (i, (_, docs)) in s.committed.iter().enumerate() {
+        let committed_before = i as u64;
+        for d in docs {
+            assert!(
+                committed_before - version[d] <= 2,
+                "step {}: rollout of policy {}",
+                i + 1,
+                version[d]
+            );
+        }
+    }
+    let versions: Vec<u64> = s
+        .engine_rounds
+        .iter()
+        .map(|r| r.plan.policy_version)
+        .collect();
+    assert!(versions.windows(2).all(|w| w[0] <= w[1]), "{versions:?}");
+    assert!(
+        s.engine_overlap.iter().any(|&b| b),
+        "some round was generated while a step trained: {:?}",
+        s.engine_overlap
+    );
+}
+
+#[test]
+fn a_failed_engine_round_fails_the_job_naming_the_engine() {
+    let mut s = Sim::new();
+    s.submit_loop(engine_spec(4, 1, 1), 6);
+    s.worker("a");
+    s.worker("b");
+    s.run();
+    // The starting weights load; then the first round goes out.
+    s.handle(Event::EngineReloaded {
+        job: "job".into(),
+        step: 0,
+        result: Ok(()),
+    })
+    .unwrap();
+    let r = s.engine_rounds.last().cloned().expect("a round planned");
+    // An answer to another round is ignored.
+    s.handle(Event::EngineGenerated {
+        job: "job".into(),
+        round: r.round + 7,
+        result: Ok((Vec::new(), 0.1)),
+    })
+    .unwrap();
+    assert_eq!(s.state(), JobState::Running);
+    s.handle(Event::EngineGenerated {
+        job: "job".into(),
+        round: r.round,
+        result: Err(
+            "http://engine:8000/v1/completions answered HTTP 500: boom (after 5 attempts)".into(),
+        ),
+    })
+    .unwrap();
+    assert_eq!(s.state(), JobState::Failed);
+    let reason = &s.c.job("job").unwrap().rec.reason;
+    assert!(
+        reason.contains("http://engine:8000") && reason.contains("HTTP 500"),
+        "{reason}"
+    );
+    assert!(s.committed.is_empty() && s.to_score.is_empty());
+}
+
+#[test]
+fn a_wrong_count_from_the_engine_fails_the_job_and_no_round_runs_during_a_reload() {
+    let mut s = Sim::new();
+    s.submit_loop(engine_spec(4, 1, 1), 6);
+    s.worker("a");
+    s.worker("b");
+    s.run();
+    assert_eq!(s.engine_reloads.len(), 1);
+    assert!(
+        s.engine_rounds.is_empty(),
+        "no round before the engine's version is known"
+    );
+    s.handle(Event::EngineReloaded {
+        job: "job".into(),
+        step: 0,
+        result: Ok(()),
+    })
+    .unwrap();
+    let r = s.engine_rounds.last().cloned().unwrap();
+    let mut cs = completions(&r);
+    cs.pop();
+    s.handle(Event::EngineGenerated {
+        job: "job".into(),
+        round: r.round,
+        result: Ok((cs, 0.1)),
+    })
+    .unwrap();
+    assert_eq!(s.state(), JobState::Failed);
+    let reason = &s.c.job("job").unwrap().rec.reason;
+    assert!(
+        reason.contains("answered 3 completions, 4 were asked"),
+        "{reason}"
+    );
+}
