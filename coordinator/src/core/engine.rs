@@ -21,10 +21,29 @@
 use tracing::{info, warn};
 
 use super::effects::Effect;
-use super::generate::{EngineRound, GenCompletion, Scoring};
+use super::generate::{EngineRound, GenCompletion, LoopState, Round, Scoring};
+use super::jobs::Work;
 use super::machine::Coordinator;
 use super::publish::{self, policy_dir};
 use super::types::{AbortReason, End, EventKind, JobState, PlanKind, Why};
+
+/// Hands an answered round to the shell for scoring.
+fn hand_to_scorer(
+    job_id: &str,
+    reason: &mut String,
+    l: &mut LoopState,
+    r: Round,
+    fx: &mut Vec<Effect>,
+) {
+    l.scoring = Some(Scoring {
+        round: r.id,
+        kind: r.kind,
+        prompts_end: r.positions.end,
+    });
+    let to_score = r.into_score(job_id, l);
+    *reason = format!("scoring round {}", to_score.round);
+    fx.push(Effect::ScoreRound(Box::new(to_score)));
+}
 
 impl Coordinator {
     /// Starts the next thing the job's engine should do, if any: load a
@@ -42,14 +61,23 @@ impl Coordinator {
         let step = job.rec.step;
         let ready = job.gen().is_some_and(|g| g.all_ready());
         let publishing = job.publish_acks.contains_key(&step);
+        // The workers answering eval prompts share the one scoring slot.
+        let workers_generating = matches!(job.active().map(|a| &a.work), Some(Work::Generating(_)));
         let Some(l) = job.data.rollout_loop.as_mut() else {
             return;
         };
-        let busy = l.scoring.is_some();
+        if l.scoring.is_some() {
+            return;
+        }
         let Some(e) = l.engine.as_mut() else {
             return;
         };
-        if busy || e.round.is_some() || e.reloading.is_some() {
+        // An answered round waited for the scorer: its turn now.
+        if let Some(r) = e.answered.take() {
+            hand_to_scorer(job_id, &mut job.rec.reason, l, *r, fx);
+            return;
+        }
+        if e.round.is_some() || e.reloading.is_some() || workers_generating {
             return;
         }
         // Phase 1: a newer published policy is loaded before any round.
@@ -189,14 +217,12 @@ impl Coordinator {
             self.finish(job_id, End::Failed(why), now_ms, fx);
             return;
         }
-        l.scoring = Some(Scoring {
-            round: r.id,
-            kind: r.kind,
-            prompts_end: r.positions.end,
-        });
-        let to_score = r.into_score(job_id, l);
-        job.rec.reason = format!("scoring round {}", to_score.round);
-        fx.push(Effect::ScoreRound(Box::new(to_score)));
+        if l.scoring.is_some() {
+            let e = l.engine.as_mut().expect("an engine round");
+            e.answered = Some(Box::new(r));
+            return;
+        }
+        hand_to_scorer(job_id, &mut job.rec.reason, l, r, fx);
     }
 
     /// The engine answered the reload of step `step`'s policy: from now

@@ -192,3 +192,44 @@ fn a_wrong_count_from_the_engine_fails_the_job_and_no_round_runs_during_a_reload
         "{reason}"
     );
 }
+
+#[test]
+fn eval_prompts_stay_on_the_workers_and_share_the_scorer_with_engine_rounds() {
+    let mut s = Sim::new();
+    let mut sp = engine_spec(4, 1, 1);
+    sp.rl.eval_every = Some(2);
+    s.submit(sp, Vec::new().into());
+    let mut i = super::loop_tests::inputs(6);
+    let held_out = (1..=3)
+        .map(|line| crate::data::prompts::Prompt {
+            id: DocId { file: 1, line },
+            ids: vec![99; 2],
+            text: format!("e{line}"),
+            reference: "r".into(),
+        })
+        .collect();
+    i.eval = Some(Arc::new(crate::data::prompts::PromptSet {
+        prompts: held_out,
+    }));
+    s.handle(Event::LoadPrompts {
+        job: "job".into(),
+        inputs: i,
+    })
+    .unwrap();
+    s.worker("a");
+    s.worker("b");
+    s.run_with_engine();
+    assert_eq!(s.state(), JobState::Completed);
+    assert_eq!(s.committed.len(), 4);
+    let steps: Vec<u64> = s.evals.iter().map(|e| e.step).collect();
+    assert_eq!(
+        steps,
+        [0, 2, 4],
+        "every eval answered, none lost to an engine round"
+    );
+    assert!(
+        s.rounds.iter().all(|(_, p)| p.sampling.temperature == 0.0),
+        "the workers only answered the (greedy) eval prompts"
+    );
+    assert_prompts_once_per_epoch(&s, 6, 2);
+}

@@ -179,6 +179,17 @@ pub struct EngineLoop {
     pub asked_publish: Option<u64>,
     /// The round the engine is generating.
     pub round: Option<Box<Round>>,
+    /// A round the engine answered while another round (the workers'
+    /// eval answers) was being scored: scored next.
+    pub answered: Option<Box<Round>>,
+}
+
+impl EngineLoop {
+    /// Whether a round of the engine's is out (generating or answered
+    /// and waiting to be scored).
+    pub fn busy(&self) -> bool {
+        self.round.is_some() || self.answered.is_some()
+    }
 }
 
 /// The per-job state of the loop.

@@ -552,8 +552,13 @@ impl Coordinator {
             if l.scoring.is_some() {
                 return;
             }
-            if self.eval_due(job_id) && self.plan_eval(job_id, now_ms, fx) {
-                return;
+            if self.eval_due(job_id) {
+                // The eval answers wait for an engine round out to be
+                // scored (one scoring slot).
+                if l.engine.as_ref().is_some_and(|e| e.busy()) || self.plan_eval(job_id, now_ms, fx)
+                {
+                    return;
+                }
             }
         }
         let job = self.jobs.get_mut(job_id).expect("known job");

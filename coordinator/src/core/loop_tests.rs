@@ -27,7 +27,7 @@ pub(super) fn loop_spec(steps: u64, docs_per_step: u64, group: u32, max_workers:
     sp
 }
 
-fn inputs(n: u64) -> LoopInputs {
+pub(super) fn inputs(n: u64) -> LoopInputs {
     let prompts = (1..=n)
         .map(|line| Prompt {
             id: DocId { file: 0, line },
