@@ -33,8 +33,16 @@ impl Sim {
     /// Runs the workers and the engine (every reload succeeds) until
     /// nothing is left to answer.
     fn run_with_engine(&mut self) {
+        self.run_with_engine_until(|_| false);
+    }
+
+    /// [`Self::run_with_engine`] until `done` holds.
+    fn run_with_engine_until(&mut self, done: impl Fn(&Sim) -> bool) {
         loop {
-            self.run();
+            while !done(self) && self.step_once() {}
+            if done(self) {
+                return;
+            }
             if !self.engine_reloads.is_empty() && self.answered_reloads < self.engine_reloads.len()
             {
                 let step = self.engine_reloads[self.answered_reloads].0;
@@ -232,4 +240,51 @@ fn eval_prompts_stay_on_the_workers_and_share_the_scorer_with_engine_rounds() {
         "the workers only answered the (greedy) eval prompts"
     );
     assert_prompts_once_per_epoch(&s, 6, 2);
+}
+
+#[test]
+fn after_a_restart_the_engine_loads_the_current_policy_before_any_round() {
+    let mut s = Sim::new();
+    s.submit_loop(engine_spec(4, 1, 1), 6);
+    s.worker("a");
+    s.run_with_engine_until(|s| s.committed.len() == 2);
+    let stored = s.stored(&[]);
+    let rec = s.persisted.last().unwrap().clone();
+    assert_eq!(rec.step, 2);
+    let mut r = Sim::new();
+    r.handle(Event::RestoreJob {
+        rec: Box::new(rec),
+        spec: Arc::new(engine_spec(4, 1, 1)),
+        docs: Vec::new().into(),
+        reference: Default::default(),
+        history: Vec::new(),
+    })
+    .unwrap();
+    r.handle(Event::RestoreRollouts {
+        job: "job".into(),
+        stored,
+    })
+    .unwrap();
+    r.handle(Event::LoadPrompts {
+        job: "job".into(),
+        inputs: super::loop_tests::inputs(6),
+    })
+    .unwrap();
+    let held = HeldState {
+        job: "job".into(),
+        step: 2,
+        world_size: 1,
+        rank: 0,
+        generation: s.last_generation(),
+    };
+    r.worker_holding("a", Some(held));
+    r.after_rejoin_grace();
+    r.run_with_engine();
+    assert_eq!(r.state(), JobState::Completed);
+    // What the engine serves is unknown after a restart: step 2 is
+    // published again and loaded before the first round.
+    assert_eq!(r.engine_reloads[0].0, 2);
+    assert!(r.publish_requests.iter().any(|(_, step, _)| *step == 2));
+    assert!(r.engine_rounds.iter().all(|e| e.plan.policy_version >= 2));
+    assert!(r.rounds.is_empty());
 }
