@@ -108,7 +108,7 @@ impl EngineClient {
                     attempts: attempt,
                 })?;
             let sent = tokio::time::timeout(timeout, async {
-                let resp = self.http.request(req).await.map_err(|e| format!("{e:?}"))?;
+                let resp = self.http.request(req).await.map_err(|e| chain(&e))?;
                 let status = resp.status().as_u16();
                 let body = resp
                     .into_body()
@@ -287,6 +287,19 @@ impl Shared {
     }
 }
 
+/// An error and its sources, `: `-joined ("client error (SendRequest):
+/// connection closed before message completed").
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
+}
+
 /// Waits (up to `limit`) until `dir` holds the files an engine loads.
 async fn wait_for_files(dir: &std::path::Path, limit: Duration) -> Result<(), String> {
     let deadline = Instant::now() + limit;
@@ -307,5 +320,117 @@ async fn wait_for_files(dir: &std::path::Path, limit: Duration) -> Result<(), St
             ));
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::sync::Arc;
+
+    use axum::http::{HeaderMap, StatusCode};
+    use axum::routing::post;
+
+    use super::*;
+
+    /// A server answering every POST with `status` (and counting them),
+    /// 200 only with the right bearer token when `status` is 200.
+    async fn serve(status: u16) -> (String, Arc<AtomicU32>) {
+        let hits = Arc::new(AtomicU32::new(0));
+        let h = hits.clone();
+        let app = axum::Router::new().route(
+            "/x",
+            post(move |headers: HeaderMap| {
+                let h = h.clone();
+                async move {
+                    h.fetch_add(1, Ordering::SeqCst);
+                    let auth = headers
+                        .get("authorization")
+                        .map(|v| v.to_str().unwrap().to_string());
+                    match status {
+                        200 if auth.as_deref() != Some("Bearer sekrit") => {
+                            (StatusCode::UNAUTHORIZED, "who?")
+                        }
+                        s => (StatusCode::from_u16(s).unwrap(), "{\"ok\": true}"),
+                    }
+                }
+            }),
+        );
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", l.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(l, app).await.unwrap() });
+        (url, hits)
+    }
+
+    fn engine(url: &str, key: Option<&str>) -> EngineSection {
+        EngineSection {
+            url: url.into(),
+            model: "m".into(),
+            api: crate::engine::EngineApi::Completions,
+            reload: crate::engine::EngineReload::None,
+            timeout_s: 10.0,
+            max_concurrency: 1,
+            retries: 1,
+            api_key_env: key.map(Into::into),
+        }
+    }
+
+    #[tokio::test]
+    async fn server_errors_are_retried_then_named_with_the_url_and_status() {
+        let (url, hits) = serve(503).await;
+        let c = EngineClient::default();
+        let e = c
+            .post(&engine(&url, None), "/x", &serde_json::json!({}))
+            .await
+            .unwrap_err();
+        assert_eq!(hits.load(Ordering::SeqCst), 2, "one retry");
+        let text = e.to_string();
+        assert!(
+            text.starts_with(&format!("{url}/x answered HTTP 503")),
+            "{text}"
+        );
+        assert!(text.ends_with("(after 2 attempts)"), "{text}");
+    }
+
+    #[tokio::test]
+    async fn client_errors_are_not_retried_and_the_bearer_token_comes_from_the_env() {
+        let (url, hits) = serve(200).await;
+        let c = EngineClient::default();
+        let e = c
+            .post(&engine(&url, None), "/x", &serde_json::json!({}))
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("answered HTTP 401"), "{e}");
+        assert_eq!(hits.load(Ordering::SeqCst), 1, "a 4xx is not asked again");
+        let var = "ACCRUE_TEST_ENGINE_KEY_7f3a";
+        let missing = c
+            .post(&engine(&url, Some(var)), "/x", &serde_json::json!({}))
+            .await;
+        assert!(missing.unwrap_err().to_string().contains(var));
+        std::env::set_var(var, "sekrit");
+        let body = c
+            .post(&engine(&url, Some(var)), "/x", &serde_json::json!({}))
+            .await
+            .unwrap();
+        assert_eq!(&body[..], b"{\"ok\": true}");
+    }
+
+    #[tokio::test]
+    async fn an_unreachable_engine_is_named() {
+        // A port nobody listens on any more.
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}", l.local_addr().unwrap());
+        drop(l);
+        let c = EngineClient::default();
+        let e = c
+            .post(&engine(&url, None), "/x", &serde_json::json!({}))
+            .await
+            .unwrap_err();
+        let text = e.to_string();
+        assert!(matches!(e, EngineError::Unreachable { .. }), "{text}");
+        assert!(
+            text.starts_with(&format!("{url}/x: ")) && text.ends_with("(after 2 attempts)"),
+            "{text}"
+        );
     }
 }
