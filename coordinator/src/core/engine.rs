@@ -60,7 +60,18 @@ impl Coordinator {
         }
         let step = job.rec.step;
         let ready = job.gen().is_some_and(|g| g.all_ready());
-        let publishing = job.publish_acks.contains_key(&step);
+        let gen_id = job.gen().map_or(0, |g| g.id);
+        // A publication of this step that members of this generation are
+        // writing (one whose writer was lost never completes).
+        let publishing = match (job.publish_acks.get(&step), job.gen()) {
+            (Some(waiting), Some(g)) => waiting.iter().all(|m| g.members.contains(m)),
+            _ => false,
+        };
+        let (inflight_steps, inflight_docs) = job
+            .inflight()
+            .filter(|f| f.planned.kind == PlanKind::Train)
+            .map_or((0, 0), |f| (1, f.planned.docs.len() as u64));
+        let max_staleness = job.spec.rl.max_staleness;
         // The workers answering eval prompts share the one scoring slot.
         let workers_generating = matches!(job.active().map(|a| &a.work), Some(Work::Generating(_)));
         let Some(l) = job.data.rollout_loop.as_mut() else {
@@ -94,21 +105,25 @@ impl Coordinator {
             });
             return;
         }
-        // Phase 2: an engine of unknown version gets the current weights.
-        let Some(loaded) = e.loaded else {
-            if ready && !publishing && e.asked_publish != Some(step) {
-                e.asked_publish = Some(step);
+        // Phase 2: the current weights are published for the engine when
+        // its version is unknown, or too old while no newer one is coming
+        // (the step's publication was lost with a worker, or none is due).
+        let too_old = |v: u64| max_staleness.is_some_and(|max| step.saturating_sub(v) > max);
+        let want_current = match e.loaded {
+            None => true,
+            Some(v) => inflight_steps == 0 && too_old(v) && e.published.is_none_or(|p| p < step),
+        };
+        if want_current {
+            if ready && !publishing && e.asked_publish != Some((step, gen_id)) {
+                e.asked_publish = Some((step, gen_id));
                 job.rec.reason = format!("publishing step {step}'s policy for the engine");
                 publish::request(job, fx);
             }
             return;
-        };
+        }
+        let loaded = e.loaded.expect("known when not wanted");
         // Phase 3: a round, when the queue lacks the step after the one
         // in flight and its rollouts could be admitted.
-        let (inflight_steps, inflight_docs) = job
-            .inflight()
-            .filter(|f| f.planned.kind == PlanKind::Train)
-            .map_or((0, 0), |f| (1, f.planned.docs.len() as u64));
         if job
             .spec
             .job
@@ -120,7 +135,7 @@ impl Coordinator {
         let next = step + inflight_steps + 1;
         let docs = job.settings().at(next).docs_per_step.unwrap_or(1);
         let sampling = job.spec.rl.sampling.clone().unwrap_or_default();
-        let (per_round, max_staleness) = (job.spec.rl.prompts_per_round, job.spec.rl.max_staleness);
+        let per_round = job.spec.rl.prompts_per_round;
         let Some(s) = job.data.stream.as_ref() else {
             return;
         };

@@ -327,3 +327,26 @@ fn an_engine_round_too_stale_to_admit_is_dropped_and_its_prompts_planned_again()
     assert_eq!(asked, 2, "the same prompts (same seeds) were asked again");
     assert_prompts_once_per_epoch(&s, 6, 2);
 }
+
+#[test]
+fn a_publication_lost_with_a_worker_is_asked_again_instead_of_stalling_the_engine() {
+    let mut s = Sim::new();
+    // On-policy: every round needs the policy of the committed step.
+    s.worker("a");
+    s.worker("b");
+    s.submit_loop(engine_spec(4, 1, 0), 6);
+    s.run_with_engine_until(|s| s.committed.len() == 1);
+    // b dies before it wrote its part of step 1's policy: that
+    // publication never completes.
+    assert!(s
+        .inbox
+        .iter()
+        .any(|(w, m)| w == "b" && matches!(m, ToWorker::PublishPolicy { step: 1, .. })));
+    s.kill("b");
+    s.run_with_engine();
+    let j = s.c.job("job").unwrap();
+    assert_eq!(s.state(), JobState::Completed, "{}", j.rec.reason);
+    let reloads: Vec<u64> = s.engine_reloads.iter().map(|(st, _)| *st).collect();
+    assert_eq!(reloads, [0, 1, 2, 3]);
+    assert_prompts_once_per_epoch(&s, 6, 2);
+}

@@ -174,9 +174,9 @@ pub struct EngineLoop {
     pub reloading: Option<u64>,
     /// The newest wholly published policy.
     pub published: Option<u64>,
-    /// The step whose weights were asked to be published because the
-    /// engine's version was unknown.
-    pub asked_publish: Option<u64>,
+    /// (step, generation) whose weights were asked to be published for
+    /// the engine (its version unknown or too old).
+    pub asked_publish: Option<(u64, u64)>,
     /// The round the engine is generating.
     pub round: Option<Box<Round>>,
     /// A round the engine answered while another round (the workers'
