@@ -7,7 +7,9 @@
 //! published policy (`Effect::EngineReload`), so each round's completions
 //! come from the version it is tagged with. The engine's version is known
 //! only from a reload that succeeded; until then (at submit and after a
-//! restart) the workers publish the current weights for it to load.
+//! restart), and when its policy is too old with no newer one coming (a
+//! publication lost with a worker), the workers publish the current
+//! weights for it to load.
 //!
 //! Staleness: a round is planned only when its rollouts can still be
 //! admitted when they arrive: the committed step, plus the step in flight
