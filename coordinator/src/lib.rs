@@ -12,6 +12,7 @@ pub mod core;
 pub mod cursor;
 pub mod data;
 pub mod doc;
+pub mod engine;
 pub mod export;
 pub mod http;
 pub mod input;

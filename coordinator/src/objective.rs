@@ -304,6 +304,10 @@ pub struct RlSection {
     pub eval_prompts: Vec<std::path::PathBuf>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval_every: Option<u64>,
+    /// The RL loop: generate on an external inference server instead of
+    /// the workers (`[rl.engine]`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine: Option<crate::engine::EngineSection>,
 }
 
 /// `[rl.sampling]`: how the RL loop's workers sample completions.
@@ -394,7 +398,8 @@ impl RlSection {
             || self.verifier.is_some()
             || self.prompts_per_round.is_some()
             || !self.eval_prompts.is_empty()
-            || self.eval_every.is_some();
+            || self.eval_every.is_some()
+            || self.engine.is_some();
         if any && kind != ObjectiveKind::Pg {
             bad("rl", "only applies to objective.kind = \"pg\"".into());
         }
@@ -415,6 +420,10 @@ impl RlSection {
         }
         if let Some(v) = &self.verifier {
             v.validate(bad);
+        }
+        if let Some(e) = &self.engine {
+            e.validate(bad);
+            crate::engine::validate_with_rl(e, self.publish_every, self.max_staleness, bad);
         }
     }
 

@@ -1139,6 +1139,7 @@ fn validate_generate(spec: &JobSpec, bad: &mut impl FnMut(&str, String)) {
             ("rl.prompts_per_round", rl.prompts_per_round.is_some()),
             ("rl.eval_prompts", !rl.eval_prompts.is_empty()),
             ("rl.eval_every", rl.eval_every.is_some()),
+            ("rl.engine", rl.engine.is_some()),
         ] {
             if given {
                 bad(field, "only applies to data.source = \"generate\"".into());

@@ -6,7 +6,9 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use super::generate::{GenCompletion, LoopInputs, RoundPlan, RoundStats, RoundToScore};
+use super::generate::{
+    EngineRound, GenCompletion, LoopInputs, RoundPlan, RoundStats, RoundToScore,
+};
 use super::metrics::{MetricSums, StepMetrics};
 use super::recovery::PriorRun;
 use super::reference::{RefEntry, ReferenceLogps, SeqLogp};
@@ -169,6 +171,19 @@ pub enum Event {
         round: u64,
         error: String,
     },
+    /// The engine's answer to `Effect::EngineGenerate` (after the shell's
+    /// retries): every completion of the round, or why there are none.
+    EngineGenerated {
+        job: JobId,
+        round: u64,
+        result: std::result::Result<(Vec<GenCompletion>, f64), String>,
+    },
+    /// The engine's answer to `Effect::EngineReload` of step `step`.
+    EngineReloaded {
+        job: JobId,
+        step: u64,
+        result: std::result::Result<(), String>,
+    },
     /// The shell could not write one of the job's outputs (`metrics.jsonl`,
     /// a checkpoint's removal, …): the job fails, naming it, rather than
     /// go on with a record that silently lacks it.
@@ -313,6 +328,18 @@ pub enum Effect {
     /// Decode and score a generated round off the state lock, then answer
     /// with `Event::RoundScored` or `Event::RoundFailed`.
     ScoreRound(Box<RoundToScore>),
+    /// Generate a round on the job's external engine (`rl.engine`), off
+    /// the state lock; answered with `Event::EngineGenerated`.
+    EngineGenerate(Box<EngineRound>),
+    /// Tell the job's engine to load the published policy in `dir` (an
+    /// absolute path the engine sees too); answered with
+    /// `Event::EngineReloaded`.
+    EngineReload {
+        job: JobId,
+        step: u64,
+        dir: PathBuf,
+        engine: crate::engine::EngineSection,
+    },
     /// A checkpoint left the job's index (`checkpoint.keep`): delete its
     /// directory (after the record persisted before it).
     RemoveCheckpoint {

@@ -148,6 +148,50 @@ pub struct Scoring {
     pub prompts_end: u64,
 }
 
+/// A round for the job's external engine (`rl.engine`): the shell sends
+/// one completions request per prompt, `group` samples each
+/// (`Effect::EngineGenerate`), and answers `Event::EngineGenerated`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineRound {
+    pub job: String,
+    pub round: u64,
+    pub group: u32,
+    /// The requests, each prompt's `group` samples in a row (the seed of
+    /// its sample 0 seeds the prompt's request).
+    pub plan: RoundPlan,
+    pub engine: crate::engine::EngineSection,
+}
+
+/// What the core knows of a job's external engine (`rl.engine`). One
+/// thing at a time: a round or a reload, never both, so every round's
+/// completions come from the one policy version it is tagged with.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EngineLoop {
+    /// The policy version (step) the engine serves; `None` until a reload
+    /// succeeded (the core never assumes what an engine was started with).
+    pub loaded: Option<u64>,
+    /// The step whose reload is in flight.
+    pub reloading: Option<u64>,
+    /// The newest wholly published policy.
+    pub published: Option<u64>,
+    /// (step, generation) whose weights were asked to be published for
+    /// the engine (its version unknown or too old).
+    pub asked_publish: Option<(u64, u64)>,
+    /// The round the engine is generating.
+    pub round: Option<Box<Round>>,
+    /// A round the engine answered while another round (the workers'
+    /// eval answers) was being scored: scored next.
+    pub answered: Option<Box<Round>>,
+}
+
+impl EngineLoop {
+    /// Whether a round of the engine's is out (generating or answered
+    /// and waiting to be scored).
+    pub fn busy(&self) -> bool {
+        self.round.is_some() || self.answered.is_some()
+    }
+}
+
 /// The per-job state of the loop.
 #[derive(Debug, Clone)]
 pub struct LoopState {
@@ -162,6 +206,8 @@ pub struct LoopState {
     /// Groups (and training rounds) in a row with equal rewards, since the
     /// last admitted group; the job fails at [`MAX_BARREN_GROUPS`].
     pub barren: (u64, u64),
+    /// Set when the job generates on an external engine (`rl.engine`).
+    pub engine: Option<EngineLoop>,
     next_round: u64,
     seed: u64,
     shuffle: bool,
@@ -182,10 +228,21 @@ impl LoopState {
             scoring: None,
             evaluated: None,
             barren: (0, 0),
+            engine: None,
             next_round: 1,
             seed,
             shuffle,
         }
+    }
+
+    /// Generation goes to an external engine; `loaded` is the version it
+    /// is known to serve (`Some` only for `reload = "none"`).
+    pub fn with_engine(mut self, loaded: Option<u64>) -> LoopState {
+        self.engine = Some(EngineLoop {
+            loaded,
+            ..Default::default()
+        });
+        self
     }
 
     /// Takes the shell's prompts (at submit and after a restart).

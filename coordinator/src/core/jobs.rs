@@ -283,10 +283,16 @@ impl JobData {
                 .then(|| ReferenceCache::new(reference.unwrap_or_default())),
             rollouts,
             stream: RolloutStream::for_spec(spec),
-            rollout_loop: spec
-                .data
-                .is_generate()
-                .then(|| super::generate::LoopState::new(spec.job.seed, spec.data.shuffle)),
+            rollout_loop: spec.data.is_generate().then(|| {
+                let l = super::generate::LoopState::new(spec.job.seed, spec.data.shuffle);
+                match &spec.rl.engine {
+                    // A frozen engine serves the starting policy throughout.
+                    Some(e) => l.with_engine(
+                        (e.reload == crate::engine::EngineReload::None).then_some(step),
+                    ),
+                    None => l,
+                }
+            }),
             loop_stats: Default::default(),
             history: BTreeMap::new(),
             doc_index: OnceLock::new(),

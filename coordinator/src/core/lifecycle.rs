@@ -537,6 +537,10 @@ impl Coordinator {
             if job.rec.state == JobState::Running && idle_and_ready {
                 self.dispatch(&id, now_ms, fx);
             }
+            // An external engine generates while the workers train.
+            if self.jobs[&id].spec.rl.engine.is_some() {
+                self.engine_tick(&id, now_ms, fx);
+            }
         }
     }
 
@@ -548,8 +552,13 @@ impl Coordinator {
             if l.scoring.is_some() {
                 return;
             }
-            if self.eval_due(job_id) && self.plan_eval(job_id, now_ms, fx) {
-                return;
+            if self.eval_due(job_id) {
+                // The eval answers wait for an engine round out to be
+                // scored (one scoring slot).
+                if l.engine.as_ref().is_some_and(|e| e.busy()) || self.plan_eval(job_id, now_ms, fx)
+                {
+                    return;
+                }
             }
         }
         let job = self.jobs.get_mut(job_id).expect("known job");
@@ -570,7 +579,9 @@ impl Coordinator {
                 let need = s.step_rollouts(docs);
                 if let Some(reason) = s.waiting_reason(need) {
                     // The RL loop makes the rollouts itself.
-                    let generating = job.data.rollout_loop.is_some();
+                    // (An external engine's rounds are planned apart.)
+                    let generating =
+                        job.data.rollout_loop.is_some() && job.spec.rl.engine.is_none();
                     job.rec.reason = reason;
                     if generating {
                         self.plan_round(job_id, need, now_ms, fx);

@@ -12,7 +12,7 @@ use super::*;
 use crate::data::prompts::{Prompt, PromptSet};
 use crate::doc::Rollout;
 
-fn loop_spec(steps: u64, docs_per_step: u64, group: u32, max_workers: u32) -> JobSpec {
+pub(super) fn loop_spec(steps: u64, docs_per_step: u64, group: u32, max_workers: u32) -> JobSpec {
     let mut sp = spec(
         &format!("steps = {steps}"),
         &format!("docs_per_step = {docs_per_step}"),
@@ -27,7 +27,7 @@ fn loop_spec(steps: u64, docs_per_step: u64, group: u32, max_workers: u32) -> Jo
     sp
 }
 
-fn inputs(n: u64) -> LoopInputs {
+pub(super) fn inputs(n: u64) -> LoopInputs {
     let prompts = (1..=n)
         .map(|line| Prompt {
             id: DocId { file: 0, line },
@@ -113,7 +113,7 @@ fn scored_by(r: &RoundToScore, reward_of: impl Fn(u32) -> f64) -> Event {
 }
 
 impl Sim {
-    fn submit_loop(&mut self, spec: JobSpec, prompts: u64) {
+    pub(super) fn submit_loop(&mut self, spec: JobSpec, prompts: u64) {
         self.submit(spec, Vec::new().into());
         self.handle(Event::LoadPrompts {
             job: "job".into(),
@@ -123,7 +123,7 @@ impl Sim {
     }
 
     /// The group (prompt@position) of every trained rollout, per step.
-    fn trained_groups(&self) -> Vec<Vec<String>> {
+    pub(super) fn trained_groups(&self) -> Vec<Vec<String>> {
         let group_of: BTreeMap<DocId, String> = self
             .rollout_writes
             .iter()
@@ -141,7 +141,7 @@ impl Sim {
 }
 
 /// Every prompt trained exactly once per epoch, each in `group` rollouts.
-fn assert_prompts_once_per_epoch(s: &Sim, prompts: u64, group: usize) {
+pub(super) fn assert_prompts_once_per_epoch(s: &Sim, prompts: u64, group: usize) {
     let trained: Vec<String> = s.trained_groups().into_iter().flatten().collect();
     let mut per_group: BTreeMap<&str, usize> = BTreeMap::new();
     for g in &trained {

@@ -258,6 +258,12 @@ impl Coordinator {
             Event::RoundFailed { job, round, error } => {
                 self.on_score_failed(&job, round, error, now_ms, &mut fx)
             }
+            Event::EngineGenerated { job, round, result } => {
+                self.on_engine_generated(&job, round, result, now_ms, &mut fx)
+            }
+            Event::EngineReloaded { job, step, result } => {
+                self.on_engine_reloaded(&job, step, result, now_ms, &mut fx)
+            }
             Event::RestoreRollouts { job, stored } => {
                 if let Some(j) = self.jobs.get_mut(&job) {
                     let id = j.rec.id.clone();

@@ -23,6 +23,7 @@ pub mod bisect;
 mod control;
 pub mod deadline;
 mod effects;
+mod engine;
 mod error;
 pub mod eval;
 pub mod generate;

@@ -29,12 +29,15 @@ pub(super) fn request_if_due(job: &mut Job, fx: &mut Vec<Effect>) {
     let Some(every) = job.spec.rl.publish_every.filter(|&n| n > 0) else {
         return;
     };
+    if job.rec.step.is_multiple_of(every) {
+        request(job, fx);
+    }
+}
+
+/// Asks every member to publish the committed step's policy now.
+pub(super) fn request(job: &mut Job, fx: &mut Vec<Effect>) {
     let step = job.rec.step;
-    let Some(members) = job
-        .gen()
-        .filter(|_| step.is_multiple_of(every))
-        .map(|g| g.members.clone())
-    else {
+    let Some(members) = job.gen().map(|g| g.members.clone()) else {
         return;
     };
     let dir = policy_dir(job, step);
@@ -77,5 +80,14 @@ impl Coordinator {
         info!(job = job_id, step, dir = %dir.display(), "policy published");
         let msg = format!("policy of step {step} published to {}", dir.display());
         fx.push(job.event(EventKind::Policy, msg, now_ms));
+        // The job's engine loads it next (`super::engine`).
+        if let Some(e) = job
+            .data
+            .rollout_loop
+            .as_mut()
+            .and_then(|l| l.engine.as_mut())
+        {
+            e.published = e.published.max(Some(step));
+        }
     }
 }

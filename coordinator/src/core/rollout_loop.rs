@@ -278,6 +278,22 @@ impl Coordinator {
             });
             return Ok(());
         }
+        // An engine round that went stale while scored is not admitted:
+        // its prompts stay unconsumed and are planned again.
+        let engine = job.spec.rl.engine.is_some();
+        if let Some(r) = rollouts
+            .iter()
+            .find(|r| engine && crate::rl::admit(r.policy_version, step, max_staleness).is_err())
+        {
+            warn!(
+                job = job_id,
+                round,
+                policy = r.policy_version,
+                step,
+                "engine round too stale to admit: its prompts are planned again"
+            );
+            return Ok(());
+        }
         let at = Admission {
             job: job_id,
             pg: &pg,

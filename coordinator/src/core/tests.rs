@@ -22,6 +22,9 @@ mod mixture_tests;
 #[path = "loop_tests.rs"]
 mod loop_tests;
 
+#[path = "engine_tests.rs"]
+mod engine_tests;
+
 fn docs(n: usize) -> Arc<[Document]> {
     (0..n)
         .map(|i| {
@@ -114,6 +117,15 @@ struct Sim {
     to_score: Vec<generate::RoundToScore>,
     /// Whether `run` scores rounds itself (else a test answers them).
     auto_score: bool,
+    /// Rounds for the external engine (`rl.engine`), not yet answered.
+    engine_rounds: Vec<generate::EngineRound>,
+    /// Engine reloads asked: (step, dir).
+    engine_reloads: Vec<(u64, std::path::PathBuf)>,
+    /// Per engine round: whether a step was in flight when it was planned.
+    engine_overlap: Vec<bool>,
+    /// How many of those a test has answered.
+    answered_rounds: usize,
+    answered_reloads: usize,
 }
 
 /// The log-prob a simulated worker reports in a reference pass.
@@ -159,6 +171,11 @@ impl Sim {
             rounds: Vec::new(),
             to_score: Vec::new(),
             auto_score: true,
+            engine_rounds: Vec::new(),
+            engine_reloads: Vec::new(),
+            engine_overlap: Vec::new(),
+            answered_rounds: 0,
+            answered_reloads: 0,
         }
     }
 
@@ -219,6 +236,12 @@ impl Sim {
                 Effect::EndSession { worker, .. } => self.ended_sessions.push(worker),
                 Effect::AppendEval { eval, .. } => self.evals.push(*eval),
                 Effect::ScoreRound(r) => self.to_score.push(*r),
+                Effect::EngineGenerate(r) => {
+                    let busy = self.c.job(&r.job).is_ok_and(|j| j.inflight().is_some());
+                    self.engine_overlap.push(busy);
+                    self.engine_rounds.push(*r)
+                }
+                Effect::EngineReload { step, dir, .. } => self.engine_reloads.push((step, dir)),
                 Effect::AppendMetrics { .. } | Effect::Publish { .. } => {}
             }
         }

@@ -6,6 +6,8 @@
 //! rollouts the core admits. Runs off the state lock (a `command` verifier
 //! is a subprocess).
 
+pub mod engine;
+
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -40,6 +42,7 @@ pub struct Scorer {
     by_id: HashMap<DocId, Prompt>,
     stop: Vec<String>,
     inputs: LoopInputs,
+    vocab: u32,
 }
 
 impl Scorer {
@@ -94,7 +97,13 @@ impl Scorer {
             by_id,
             stop,
             inputs,
+            vocab: model_vocab,
         })
+    }
+
+    /// The model's vocab size: every generated token id is below it.
+    pub fn vocab(&self) -> u32 {
+        self.vocab
     }
 
     /// What the core needs (`Event::LoadPrompts`).

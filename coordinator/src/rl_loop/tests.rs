@@ -160,4 +160,25 @@ fn generating_specs_are_validated_field_by_field() {
         fields(files, "[rl.verifier]\nkind = \"exact\""),
         ["rl.verifier"]
     );
+    // An engine: its fields, and publication the staleness bound can wait for.
+    let engine = "[rl.engine]\nurl = \"http://e:8000\"\nmodel = \"m\"\nreload = \"vllm\"";
+    let with =
+        |rl: &str| format!("group_size = 2\n{rl}\n[rl.verifier]\nkind = \"exact\"\n{engine}");
+    assert!(fields(data, &with("publish_every = 2\nmax_staleness = 1")).is_empty());
+    assert_eq!(fields(data, &with("")), ["rl.publish_every"]);
+    assert_eq!(
+        fields(data, &with("publish_every = 3\nmax_staleness = 1")),
+        ["rl.publish_every"]
+    );
+    assert_eq!(
+        fields(
+            data,
+            &with("publish_every = 1").replace("http://e:8000", "e:8000")
+        ),
+        ["rl.engine.url"]
+    );
+    assert_eq!(
+        fields(files, &format!("[rl.verifier]\nkind = \"exact\"\n{engine}")),
+        ["rl.publish_every", "rl.verifier", "rl.engine"]
+    );
 }

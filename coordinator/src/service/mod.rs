@@ -5,6 +5,7 @@
 
 mod admin;
 pub mod convert;
+mod engine;
 mod generate;
 mod model_folder;
 mod rollouts;
@@ -47,6 +48,11 @@ pub struct Shared {
     tensorboard: tracking::TensorBoard,
     /// The RL loop: each generating job's prompts, tokenizer and verifier.
     scorers: Mutex<HashMap<JobId, Arc<crate::rl_loop::Scorer>>>,
+    /// The RL loop's calls to external engines (`rl.engine`).
+    engine: engine::EngineClient,
+    /// The runtime the server was built on, for engine calls started from
+    /// a scoring thread.
+    runtime: Option<tokio::runtime::Handle>,
     /// Itself, for work that outlives a call (scoring threads).
     me: std::sync::Weak<Shared>,
     /// How long the state lock has been held (the control plane's serial
@@ -129,6 +135,8 @@ impl Shared {
             tokenizers: model_folder::TokenizerWriter::default(),
             tensorboard: tracking::TensorBoard::default(),
             scorers: Mutex::new(HashMap::new()),
+            engine: engine::EngineClient::default(),
+            runtime: tokio::runtime::Handle::try_current().ok(),
             me: me.clone(),
             held: HeldTime::default(),
         })
@@ -395,6 +403,13 @@ impl Shared {
                     let _ = self.watch.send((job, item));
                 }
                 Effect::ScoreRound(round) => self.score_round(*round),
+                Effect::EngineGenerate(round) => self.engine_generate(*round),
+                Effect::EngineReload {
+                    job,
+                    step,
+                    dir,
+                    engine,
+                } => self.engine_reload(job, step, dir, engine),
                 Effect::PersistRollouts(w) => {
                     if let Some(c) = &w.counts {
                         self.metrics.observe_rollouts(&w.job, c);

@@ -116,6 +116,8 @@ pub struct FakeReport {
     pub replayed: Vec<u64>,
     /// Generation rounds answered (the RL loop).
     pub rounds: Vec<u64>,
+    /// Steps whose policy it published (`rl.publish_every`).
+    pub published: Vec<u64>,
 }
 
 /// A worker speaking the real protocol: answers Configure with Ready and a
@@ -172,10 +174,12 @@ pub async fn fake_generator(
         }
     });
     let mut report = FakeReport::default();
+    let mut rank = 0;
     while let Some(msg) = inbound.next().await {
         let Some(msg) = msg?.msg else { continue };
         match msg {
             In::Configure(c) => {
+                rank = c.rank;
                 tx.send(send(Out::Ready(wire::Ready {
                     job_id: c.job_id,
                     generation: c.generation,
@@ -269,7 +273,22 @@ pub async fn fake_generator(
                 })))
                 .await?;
             }
-            In::PublishPolicy(_) => {}
+            In::PublishPolicy(p) => {
+                // As a worker does: the model's config and weights (the
+                // coordinator adds the tokenizer files).
+                let dir = std::path::Path::new(&p.dir);
+                std::fs::create_dir_all(dir)?;
+                std::fs::write(dir.join("config.json"), r#"{"vocab_size": 320}"#)?;
+                std::fs::write(dir.join("model.safetensors"), b"weights")?;
+                report.published.push(p.step);
+                tx.send(send(Out::PolicyPublished(wire::PolicyPublished {
+                    job_id: p.job_id,
+                    step: p.step,
+                    rank,
+                    path: p.dir,
+                })))
+                .await?;
+            }
             In::Release(_) => {
                 report.released = true;
                 break;

@@ -1,0 +1,292 @@
+//! The RL loop on an external engine (`rl.engine`, issue 17 item 6): the
+//! same rounds as `super::rollout_loop` plans for the workers, sent to the
+//! shell (`Effect::EngineGenerate`) instead, so generation runs on an
+//! inference server while the workers train.
+//!
+//! One thing at a time per engine: a round, or a reload of the newest
+//! published policy (`Effect::EngineReload`), so each round's completions
+//! come from the version it is tagged with. The engine's version is known
+//! only from a reload that succeeded; until then (at submit and after a
+//! restart), and when its policy is too old with no newer one coming (a
+//! publication lost with a worker), the workers publish the current
+//! weights for it to load.
+//!
+//! Staleness: a round is planned only when its rollouts can still be
+//! admitted when they arrive: the committed step, plus the step in flight
+//! that may commit meanwhile, is at most `rl.max_staleness` past the
+//! engine's version. A round is planned only while the queue lacks the
+//! step after the one in flight, so no more steps can commit before it is
+//! admitted. Should one still arrive too stale, it is dropped unadmitted
+//! and its prompts are planned again (`on_scored`): they are consumed only
+//! with admitted rollouts, as for worker rounds.
+
+use tracing::{info, warn};
+
+use super::effects::Effect;
+use super::generate::{EngineRound, GenCompletion, LoopState, Round, Scoring};
+use super::jobs::Work;
+use super::machine::Coordinator;
+use super::publish::{self, policy_dir};
+use super::types::{AbortReason, End, EventKind, JobState, PlanKind, Why};
+
+/// Hands an answered round to the shell for scoring.
+fn hand_to_scorer(
+    job_id: &str,
+    reason: &mut String,
+    l: &mut LoopState,
+    r: Round,
+    fx: &mut Vec<Effect>,
+) {
+    l.scoring = Some(Scoring {
+        round: r.id,
+        kind: r.kind,
+        prompts_end: r.positions.end,
+    });
+    let to_score = r.into_score(job_id, l);
+    *reason = format!("scoring round {}", to_score.round);
+    fx.push(Effect::ScoreRound(Box::new(to_score)));
+}
+
+impl Coordinator {
+    /// Starts the next thing the job's engine should do, if any: load a
+    /// newer published policy, ask for one when its version is unknown,
+    /// or generate the rounds the queue lacks.
+    pub(super) fn engine_tick(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
+        let job = self.jobs.get_mut(job_id).expect("known job");
+        let Some(spec) = job.spec.rl.engine.clone() else {
+            return;
+        };
+        // (A finished job's last policy is of no use to the engine.)
+        if job.rec.state != JobState::Running || job.replaying() || job.finished() {
+            return;
+        }
+        let step = job.rec.step;
+        let ready = job.gen().is_some_and(|g| g.all_ready());
+        let gen_id = job.gen().map_or(0, |g| g.id);
+        // A publication of this step that members of this generation are
+        // writing (one whose writer was lost never completes).
+        let publishing = match (job.publish_acks.get(&step), job.gen()) {
+            (Some(waiting), Some(g)) => waiting.iter().all(|m| g.members.contains(m)),
+            _ => false,
+        };
+        let (inflight_steps, inflight_docs) = job
+            .inflight()
+            .filter(|f| f.planned.kind == PlanKind::Train)
+            .map_or((0, 0), |f| (1, f.planned.docs.len() as u64));
+        let max_staleness = job.spec.rl.max_staleness;
+        // The workers answering eval prompts share the one scoring slot.
+        let workers_generating = matches!(job.active().map(|a| &a.work), Some(Work::Generating(_)));
+        let Some(l) = job.data.rollout_loop.as_mut() else {
+            return;
+        };
+        if l.scoring.is_some() {
+            return;
+        }
+        let Some(e) = l.engine.as_mut() else {
+            return;
+        };
+        // An answered round waited for the scorer: its turn now.
+        if let Some(r) = e.answered.take() {
+            hand_to_scorer(job_id, &mut job.rec.reason, l, *r, fx);
+            return;
+        }
+        if e.round.is_some() || e.reloading.is_some() || workers_generating {
+            return;
+        }
+        // Phase 1: a newer published policy is loaded before any round.
+        if let Some(p) = e.published.filter(|&p| e.loaded.is_none_or(|v| p > v)) {
+            e.reloading = Some(p);
+            let dir = policy_dir(job, p);
+            info!(job = job_id, step = p, dir = %dir.display(), url = %spec.url, "engine told to load a policy");
+            job.rec.reason = format!("engine loading the policy of step {p}");
+            fx.push(Effect::EngineReload {
+                job: job_id.to_string(),
+                step: p,
+                dir,
+                engine: spec,
+            });
+            return;
+        }
+        // Phase 2: the current weights are published for the engine when
+        // its version is unknown, or too old while no newer one is coming
+        // (the step's publication was lost with a worker, or none is due).
+        let too_old = |v: u64| max_staleness.is_some_and(|max| step.saturating_sub(v) > max);
+        let want_current = match e.loaded {
+            None => true,
+            Some(v) => inflight_steps == 0 && too_old(v) && e.published.is_none_or(|p| p < step),
+        };
+        if want_current {
+            if ready && !publishing && e.asked_publish != Some((step, gen_id)) {
+                e.asked_publish = Some((step, gen_id));
+                job.rec.reason = format!("publishing step {step}'s policy for the engine");
+                publish::request(job, fx);
+            }
+            return;
+        }
+        let loaded = e.loaded.expect("known when not wanted");
+        // Phase 3: a round, when the queue lacks the step after the one
+        // in flight and its rollouts could be admitted.
+        if job
+            .spec
+            .job
+            .steps
+            .is_some_and(|n| step + inflight_steps >= n)
+        {
+            return;
+        }
+        let next = step + inflight_steps + 1;
+        let docs = job.settings().at(next).docs_per_step.unwrap_or(1);
+        let sampling = job.spec.rl.sampling.clone().unwrap_or_default();
+        let per_round = job.spec.rl.prompts_per_round;
+        let Some(s) = job.data.stream.as_ref() else {
+            return;
+        };
+        let need = s.step_rollouts(docs);
+        let have = s.queued_rollouts().saturating_sub(inflight_docs);
+        if have >= need {
+            return;
+        }
+        let age = (step + inflight_steps).saturating_sub(loaded);
+        if max_staleness.is_some_and(|max| age > max) {
+            job.rec.reason = format!(
+                "waiting for the engine to load a newer policy (it serves step {loaded}'s; rl.max_staleness {})",
+                max_staleness.unwrap_or_default()
+            );
+            return;
+        }
+        let (group, done) = (s.group_size, s.prompts_done);
+        let prompts = per_round.unwrap_or_else(|| (need - have).div_ceil(u64::from(group)));
+        let l = job.data.rollout_loop.as_mut().expect("checked above");
+        let Some((round, mut plans)) =
+            l.plan_round(done, prompts, group, 1, 0, loaded, &sampling, now_ms)
+        else {
+            job.rec.reason = "waiting for the prompts to load".into();
+            return;
+        };
+        info!(
+            job = job_id,
+            round = round.id,
+            prompts = round.positions.end - round.positions.start,
+            from = round.positions.start,
+            policy = loaded,
+            "engine round planned"
+        );
+        job.rec.reason = format!("engine generating round {}", round.id);
+        fx.push(Effect::EngineGenerate(Box::new(EngineRound {
+            job: job_id.to_string(),
+            round: round.id,
+            group,
+            plan: plans.pop().expect("one rank"),
+            engine: spec,
+        })));
+        l.engine.as_mut().expect("checked above").round = Some(Box::new(round));
+    }
+
+    /// The engine answered round `round`: its completions go to the shell
+    /// for scoring; a failure (after the shell's retries) or an answer
+    /// that does not fit the round fails the job, naming why. An answer
+    /// for another round is ignored.
+    pub(super) fn on_engine_generated(
+        &mut self,
+        job_id: &str,
+        round: u64,
+        result: Result<(Vec<GenCompletion>, f64), String>,
+        now_ms: i64,
+        fx: &mut Vec<Effect>,
+    ) {
+        let Some(job) = self.jobs.get_mut(job_id) else {
+            return;
+        };
+        let url = job.spec.rl.engine.as_ref().map(|e| e.url.clone());
+        let Some(l) = job.data.rollout_loop.as_mut() else {
+            return;
+        };
+        let Some(r) = l
+            .engine
+            .as_mut()
+            .and_then(|e| e.round.take_if(|r| r.id == round))
+        else {
+            warn!(
+                job = job_id,
+                round, "engine completions for no pending round, ignored"
+            );
+            return;
+        };
+        if job.rec.state.is_terminal() {
+            return;
+        }
+        let mut r = *r;
+        let failure = match result {
+            Err(e) => Some(e),
+            Ok((completions, seconds)) => match r.answer(0, completions, seconds) {
+                Ok(_) => None,
+                Err(e) => Some(format!("the engine answered wrongly: {e}")),
+            },
+        };
+        if let Some(error) = failure {
+            let why = Why::new(
+                AbortReason::JobFailed,
+                format!(
+                    "generation engine {} failed round {round}: {error}",
+                    url.unwrap_or_default()
+                ),
+            );
+            self.finish(job_id, End::Failed(why), now_ms, fx);
+            return;
+        }
+        if l.scoring.is_some() {
+            let e = l.engine.as_mut().expect("an engine round");
+            e.answered = Some(Box::new(r));
+            return;
+        }
+        hand_to_scorer(job_id, &mut job.rec.reason, l, r, fx);
+    }
+
+    /// The engine answered the reload of step `step`'s policy: from now
+    /// on rounds are tagged with it. A failed reload fails the job.
+    pub(super) fn on_engine_reloaded(
+        &mut self,
+        job_id: &str,
+        step: u64,
+        result: Result<(), String>,
+        now_ms: i64,
+        fx: &mut Vec<Effect>,
+    ) {
+        let Some(job) = self.jobs.get_mut(job_id) else {
+            return;
+        };
+        let Some(e) = job
+            .data
+            .rollout_loop
+            .as_mut()
+            .and_then(|l| l.engine.as_mut())
+            .filter(|e| e.reloading == Some(step))
+        else {
+            return;
+        };
+        e.reloading = None;
+        if job.rec.state.is_terminal() {
+            return;
+        }
+        match result {
+            Ok(()) => {
+                e.loaded = e.loaded.max(Some(step));
+                info!(job = job_id, step, "engine loaded the policy");
+                job.rec.reason.clear();
+                let msg = format!("the generation engine loaded the policy of step {step}");
+                fx.push(job.event(EventKind::Policy, msg, now_ms));
+            }
+            Err(error) => {
+                let dir = policy_dir(job, step);
+                let why = Why::new(
+                    AbortReason::JobFailed,
+                    format!(
+                        "the generation engine could not load the policy in {}: {error}",
+                        dir.display()
+                    ),
+                );
+                self.finish(job_id, End::Failed(why), now_ms, fx);
+            }
+        }
+    }
+}
