@@ -203,6 +203,18 @@ fn a_corrupted_newest_checkpoint_falls_back_to_the_previous_one() {
     let id = c.submit(&spec);
     c.wait_log(victim, "fault point", Duration::from_secs(240));
     let ck = c.d().join("out/job/checkpoints/step-6");
+    // Checkpoints are written in the background while training goes on:
+    // under load rank 0 may still be finishing step 6's files (its marker,
+    // then the manifest) when the victim stops before step 8.
+    let complete = || {
+        ["manifest.json", "rank-0.json", "rank-1.json"]
+            .iter()
+            .all(|f| ck.join(f).is_file())
+    };
+    let since = std::time::Instant::now();
+    while !complete() && since.elapsed() < Duration::from_secs(120) {
+        std::thread::sleep(Duration::from_millis(100));
+    }
     for f in ["manifest.json", "rank-0.json", "rank-1.json"] {
         assert!(ck.join(f).is_file(), "checkpoint 6 incomplete: no {f}");
     }

@@ -103,6 +103,11 @@ fn configured() -> Option<Fault> {
     })
 }
 
+/// Whether `ACCRUE_FAULT` names this point (it may already have fired).
+pub fn armed(point: Point, step: u64, rank: u32) -> bool {
+    configured().is_some_and(|f| f.matches(point, step, rank))
+}
+
 /// Stops the process (SIGSTOP) if `ACCRUE_FAULT` names this point.
 pub fn point(point: Point, step: u64, rank: u32) {
     // Fires once per process: a replay of the same step after recovery

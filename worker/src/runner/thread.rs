@@ -268,6 +268,12 @@ impl Thread {
                 "replaying a committed step"
             );
         }
+        // A worker stopped "before step N" has finished writing its earlier
+        // checkpoints (a stop mid-write is `in_checkpoint_write`): the fault
+        // tests then corrupt or restore those, whatever the machine's load.
+        if fault::armed(fault::Point::BeforeStep, p.step, p.rank) {
+            self.writer.wait();
+        }
         fault::point(fault::Point::BeforeStep, p.step, p.rank);
         // Set before the abort flag is polled: an abort arriving from now
         // on also interrupts the step's collective.
