@@ -484,24 +484,29 @@ pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
             normalizers: Some(normalizers(&planned.normalizers)),
             microbatches: planned.ranks[*rank as usize]
                 .iter()
-                .map(|mb| wire::Microbatch {
-                    token_ids: pack_u32(&mb.token_ids),
-                    labels: pack_i32(&mb.labels),
-                    cu_seq_lens: mb.cu_seq_lens.clone(),
-                    sequences: mb
-                        .seqs
-                        .iter()
-                        .map(|s| wire::PackedSequence {
-                            doc_id: s.doc.to_string(),
-                            role: s.role,
-                            advantage: s.advantage,
-                            ref_logp: s.ref_logp,
-                        })
-                        .collect(),
-                    // pack_f32 of an empty slice is empty.
-                    old_logprobs: pack_f32(&mb.old_logprobs),
-                    ref_logprobs: pack_f32(&mb.ref_logprobs),
-                    source: mb.source,
+                .map(|mb| {
+                    // The token rows are materialised here, in the
+                    // session's task, outside the state lock.
+                    let rows = mb.rows();
+                    wire::Microbatch {
+                        token_ids: pack_u32(&rows.token_ids),
+                        labels: pack_i32(&rows.labels),
+                        cu_seq_lens: mb.cu_seq_lens.clone(),
+                        sequences: mb
+                            .seqs
+                            .iter()
+                            .map(|s| wire::PackedSequence {
+                                doc_id: s.doc.to_string(),
+                                role: s.role,
+                                advantage: s.advantage,
+                                ref_logp: s.ref_logp,
+                            })
+                            .collect(),
+                        // pack_f32 of an empty slice is empty.
+                        old_logprobs: pack_f32(&rows.old_logprobs),
+                        ref_logprobs: pack_f32(&mb.ref_logprobs),
+                        source: mb.source,
+                    }
                 })
                 .collect(),
             cursor_after: Some(cursor(&planned.cursor_after)),
