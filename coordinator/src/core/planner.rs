@@ -10,8 +10,11 @@
 //!
 //! Phase 1 chooses the documents (`plan::select` for files, whole groups
 //! for rollouts), phase 2 packs them and spreads them over ranks
-//! (`plan::solve`, through [`pack_documents`]), phase 3 builds the
-//! per-rank payloads. See `coordinator/src/plan/README.md`.
+//! (`plan::solve`, through [`pack_documents`]), phase 3 lays out the
+//! per-rank microbatches: handles to the documents and the counts a result
+//! is checked against, never copies of their tokens (the session task
+//! materialises those when it encodes the plan, outside the state lock).
+//! See `coordinator/src/plan/README.md`.
 
 use std::collections::HashSet;
 
@@ -249,17 +252,17 @@ fn probe(job: &Job, b: &Bisection, world_size: u32) -> Result<PlannedStep, PlanF
     })
 }
 
-/// A document of the job by id: its files, else (a copy from) its
-/// stream's queue.
+/// A document of the job by id: its files, else its stream's queue.
 fn find_doc(job: &Job, id: &DocId) -> Option<DocHandle> {
     if let Some(&i) = job.data.doc_index().get(id) {
         return Some(DocHandle::new(&job.data.docs, i));
     }
     let s = job.data.stream.as_ref()?;
-    s.groups()
-        .flatten()
-        .find(|d| d.id == *id)
-        .map(DocHandle::copied)
+    s.group_tables().find_map(|g| {
+        g.iter()
+            .position(|d| d.id == *id)
+            .map(|i| DocHandle::new(g, i))
+    })
 }
 
 /// (tokens, rollouts) of group `i`, without its quarantined rollouts.
@@ -303,13 +306,12 @@ fn stream(job: &Job, world_size: u32) -> Option<Chosen> {
             .map(|g| (g.iter().map(Document::tokens).sum(), g.len() as u64)),
     );
     // A quarantined rollout leaves the queue with its group, untrained.
-    // The queue is mutable state: its rollouts are copied (under the lock).
     let chosen: Vec<DocHandle> = s
-        .groups()
+        .group_tables()
         .take(selection.consumed)
-        .flatten()
-        .filter(|d| !job.rec.quarantined(&d.id))
-        .map(DocHandle::copied)
+        .flat_map(|g| (0..g.len()).map(move |i| (g, i)))
+        .filter(|&(g, i)| !job.rec.quarantined(&g[i].id))
+        .map(|(g, i)| DocHandle::new(g, i))
         .collect();
     Some(Chosen {
         kind: PlanKind::Train,

@@ -1,6 +1,8 @@
-//! A planned step: its documents packed into per-rank microbatch payloads
-//! with inline tokens (via `plan::solve`), its normalisers and the settings
-//! it was planned with. Which documents a step takes is the planner's
+//! A planned step: its documents packed into per-rank microbatch layouts
+//! (via `plan::solve`) holding shared handles to the documents, whose token
+//! rows are materialised outside the state lock ([`MicrobatchPayload::rows`],
+//! called where the plan is encoded), its normalisers and the settings it
+//! was planned with. Which documents a step takes is the planner's
 //! business (`super::planner`).
 
 use std::sync::Arc;
@@ -31,7 +33,7 @@ pub struct SeqRef {
 }
 
 /// One document of a shared, read-only table (the job's dataset, its eval
-/// set): what a plan holds instead of copies of the document's tokens, so
+/// set, a streamed job's complete group): what a plan holds instead of copies of the document's tokens, so
 /// that the payload is materialised outside the state lock.
 #[derive(Clone)]
 pub struct DocHandle {
@@ -47,12 +49,6 @@ impl DocHandle {
             table: Arc::clone(table),
             index,
         }
-    }
-
-    /// A document held in mutable state (a streamed job's queue): a copy
-    /// of its own, as read-only as the rest.
-    pub fn copied(doc: &Document) -> Self {
-        Self::new(&Arc::from(vec![doc.clone()]), 0)
     }
 }
 
