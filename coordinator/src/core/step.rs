@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use crate::cursor::Cursor;
-use crate::doc::{DocBody, DocId, Document};
+use crate::doc::{DocBody, DocId, Document, Sequence};
 use crate::plan::{self, Normalizers, PackItem, PackProblem, PlanError};
 use crate::rl::StalenessStats;
 use crate::settings::StepSettings;
@@ -108,32 +108,42 @@ impl MicrobatchPayload {
         u64::from(self.cu_seq_lens.last().copied().unwrap_or(0))
     }
 
-    /// The flat token row, its labels and old log-probs: the documents'
-    /// sequences in order (read-only; safe outside the state lock).
+    /// Its sequences in row order (read-only; safe outside the state
+    /// lock): what the encoder writes to the wire without a copy between.
+    pub fn sequences(&self) -> impl Iterator<Item = &Sequence> {
+        self.docs.iter().flat_map(|d| d.sequences())
+    }
+
+    /// Rollouts' old log-probs aligned with the row: NaN on a sequence
+    /// without them (the worker treats its tokens as on-policy), empty when
+    /// no sequence has any.
+    pub fn old_logprobs(&self) -> Vec<f32> {
+        let old: Vec<(usize, Option<&[f32]>)> = self
+            .docs
+            .iter()
+            .flat_map(|d| {
+                let lps = match &d.body {
+                    DocBody::Rollout(r) => r.old_logprobs.as_deref(),
+                    _ => None,
+                };
+                d.sequences().into_iter().map(move |s| (s.len(), lps))
+            })
+            .collect();
+        aligned(&old)
+    }
+
+    /// The flat token row, its labels and old log-probs, materialised.
     pub fn rows(&self) -> Rows {
         let len = self.tokens() as usize;
         let mut r = Rows {
             token_ids: Vec::with_capacity(len),
             labels: Vec::with_capacity(len),
-            old_logprobs: Vec::new(),
+            old_logprobs: self.old_logprobs(),
         };
-        // Rollouts' old log-probs, aligned with the row: NaN on a sequence
-        // without them (the worker treats its tokens as on-policy).
-        let mut old: Vec<(usize, Option<&[f32]>)> = Vec::new();
-        for d in &self.docs {
-            for seq in d.sequences() {
-                r.token_ids.extend_from_slice(seq.input_ids());
-                r.labels.extend_from_slice(&seq.labels());
-                old.push((
-                    seq.len(),
-                    match &d.body {
-                        DocBody::Rollout(r) => r.old_logprobs.as_deref(),
-                        _ => None,
-                    },
-                ));
-            }
+        for seq in self.sequences() {
+            r.token_ids.extend_from_slice(seq.input_ids());
+            r.labels.extend_from_slice(&seq.labels());
         }
-        r.old_logprobs = aligned(&old);
         r
     }
 }
@@ -343,7 +353,7 @@ mod tests {
 
     use super::*;
     use crate::core::reference::RefEntry;
-    use crate::doc::{Rollout, Sequence, TokenRows, IGNORE_INDEX};
+    use crate::doc::{Rollout, TokenRows, IGNORE_INDEX};
 
     /// The payload as it was built under the state lock before the
     /// layout/rows split (issue 19): the reference the rows must equal.
@@ -484,8 +494,9 @@ mod tests {
     }
 
     /// Issue 19: the layout decided under the lock, materialised later by
-    /// `rows`, carries exactly the payload the old in-lock copy built, and
-    /// its loss-token count is the one counted on the rows.
+    /// `rows` (and by the wire encoder), carries exactly the payload the
+    /// old in-lock copy built, and its loss-token count is the one counted
+    /// on the rows.
     #[test]
     fn materialised_rows_equal_the_payload_built_under_the_lock() {
         let (docs, cache, rollouts) = mixed();
@@ -506,6 +517,10 @@ mod tests {
             let rows = mb.rows();
             assert_eq!(rows.token_ids, old.token_ids);
             assert_eq!(rows.labels, old.labels);
+            // What the session task writes to the wire, byte for byte.
+            let (ids, labels) = crate::service::convert::packed_rows(mb);
+            assert_eq!(ids, accrue_proto::pack_u32(&old.token_ids));
+            assert_eq!(labels, accrue_proto::pack_i32(&old.labels));
             assert_eq!(mb.cu_seq_lens, old.cu_seq_lens);
             assert_eq!(mb.seqs, old.seqs);
             // NaN-aware: compare the bits.
