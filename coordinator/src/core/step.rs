@@ -279,8 +279,11 @@ pub fn pack_documents(
         .map(|mbs| {
             mbs.iter()
                 .map(|mb| {
-                    payload(
+                    // The packer summed the loss tokens already: the
+                    // labels are not read again under the lock.
+                    layout(
                         mb.items.iter().map(|&i| &chosen[problem.items[i].doc]),
+                        mb.loss_tokens,
                         notes,
                     )
                 })
@@ -296,8 +299,20 @@ pub fn payload<'a>(
     docs: impl Iterator<Item = &'a DocHandle>,
     notes: Annotations<'_>,
 ) -> MicrobatchPayload {
+    let docs: Vec<&DocHandle> = docs.collect();
+    let loss_tokens = docs.iter().map(|d| d.loss_tokens()).sum();
+    layout(docs.into_iter(), loss_tokens, notes)
+}
+
+/// [`payload`] with the microbatch's loss tokens already counted.
+fn layout<'a>(
+    docs: impl Iterator<Item = &'a DocHandle>,
+    loss_tokens: u64,
+    notes: Annotations<'_>,
+) -> MicrobatchPayload {
     let mut p = MicrobatchPayload {
         cu_seq_lens: vec![0],
+        loss_tokens,
         ..Default::default()
     };
     // Reference log-probs, aligned with the row: NaN on a sequence
@@ -308,7 +323,6 @@ pub fn payload<'a>(
         for (role, seq) in d.sequences().into_iter().enumerate() {
             end += seq.len() as u32;
             p.cu_seq_lens.push(end);
-            p.loss_tokens += seq.loss_tokens();
             refs.push((seq.len(), notes.reference.and_then(|c| c.tokens(&d.id))));
             p.seqs.push(SeqRef {
                 doc: d.id,
