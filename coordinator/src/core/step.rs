@@ -126,7 +126,7 @@ impl MicrobatchPayload {
                     DocBody::Rollout(r) => r.old_logprobs.as_deref(),
                     _ => None,
                 };
-                d.sequences().into_iter().map(move |s| (s.len(), lps))
+                d.sequences().map(move |s| (s.len(), lps))
             })
             .collect();
         aligned(&old)
@@ -320,7 +320,7 @@ fn layout<'a>(
     let mut refs: Vec<(usize, Option<&[f32]>)> = Vec::new();
     let mut end = 0u32;
     for d in docs {
-        for (role, seq) in d.sequences().into_iter().enumerate() {
+        for (role, seq) in d.sequences().enumerate() {
             end += seq.len() as u32;
             p.cu_seq_lens.push(end);
             refs.push((seq.len(), notes.reference.and_then(|c| c.tokens(&d.id))));
@@ -392,7 +392,7 @@ mod tests {
         let mut old: Vec<(usize, Option<&[f32]>)> = Vec::new();
         let mut refs: Vec<(usize, Option<&[f32]>)> = Vec::new();
         for d in docs {
-            for (role, seq) in d.sequences().into_iter().enumerate() {
+            for (role, seq) in d.sequences().enumerate() {
                 p.token_ids.extend_from_slice(seq.input_ids());
                 p.labels.extend_from_slice(&seq.labels());
                 p.cu_seq_lens.push(p.token_ids.len() as u32);
