@@ -86,11 +86,10 @@ pub struct MicrobatchPayload {
     pub docs: Vec<DocHandle>,
     /// Loss tokens as workers count them (see [`rank_loss_tokens`]).
     pub loss_tokens: u64,
-    /// Per-token cached reference log-probs (PG with a KL penalty and
-    /// `reference = "cached"`), aligned like `old_logprobs`; NaN on a
-    /// sequence with none, which the worker refuses for a KL term. Copied
-    /// here: the cache is mutable state.
-    pub ref_logprobs: Vec<f32>,
+    /// Per sequence, its cached per-token reference log-probs (PG with a
+    /// KL penalty and `reference = "cached"`; shared, not copied); empty
+    /// when the job has no cache. See [`Self::ref_logprobs`].
+    pub ref_tokens: Vec<Option<Arc<[f32]>>>,
 }
 
 /// A microbatch's token rows, materialised from its documents.
@@ -130,6 +129,18 @@ impl MicrobatchPayload {
             })
             .collect();
         aligned(&old)
+    }
+
+    /// The cached reference log-probs aligned with the row like the old
+    /// ones: NaN on a sequence with none (the worker refuses a KL term
+    /// there), empty when no sequence has any.
+    pub fn ref_logprobs(&self) -> Vec<f32> {
+        let lens = self.cu_seq_lens.windows(2).map(|w| (w[1] - w[0]) as usize);
+        let refs: Vec<(usize, Option<&[f32]>)> = lens
+            .zip(&self.ref_tokens)
+            .map(|(n, t)| (n, t.as_deref()))
+            .collect();
+        aligned(&refs)
     }
 
     /// The flat token row, its labels and old log-probs, materialised.
@@ -315,15 +326,14 @@ fn layout<'a>(
         loss_tokens,
         ..Default::default()
     };
-    // Reference log-probs, aligned with the row: NaN on a sequence
-    // without them (the worker refuses a KL term there).
-    let mut refs: Vec<(usize, Option<&[f32]>)> = Vec::new();
     let mut end = 0u32;
     for d in docs {
         for (role, seq) in d.sequences().enumerate() {
             end += seq.len() as u32;
             p.cu_seq_lens.push(end);
-            refs.push((seq.len(), notes.reference.and_then(|c| c.tokens(&d.id))));
+            if let Some(c) = notes.reference {
+                p.ref_tokens.push(c.tokens(&d.id).cloned());
+            }
             p.seqs.push(SeqRef {
                 doc: d.id,
                 source: notes
@@ -341,7 +351,6 @@ fn layout<'a>(
         p.docs.push(d.clone());
     }
     p.source = p.seqs.first().map_or(0, |s| s.source);
-    p.ref_logprobs = aligned(&refs);
     p
 }
 
@@ -403,7 +412,13 @@ mod tests {
                         _ => None,
                     },
                 ));
-                refs.push((seq.len(), notes.reference.and_then(|c| c.tokens(&d.id))));
+                refs.push((
+                    seq.len(),
+                    notes
+                        .reference
+                        .and_then(|c| c.tokens(&d.id))
+                        .map(|t| &t[..]),
+                ));
                 p.seqs.push(SeqRef {
                     doc: d.id,
                     source: notes
@@ -483,7 +498,7 @@ mod tests {
                     let seq = owned(2 + k as usize % 7, k);
                     let n = seq.len();
                     if k % 2 == 0 {
-                        refs.insert(id, RefEntry::Tokens(vec![-0.25 * k as f32; n]));
+                        refs.insert(id, RefEntry::Tokens(vec![-0.25 * k as f32; n].into()));
                     }
                     advantage.insert(id, k as f64 - 20.0);
                     DocBody::Rollout(Rollout {
@@ -540,7 +555,7 @@ mod tests {
             // NaN-aware: compare the bits.
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&rows.old_logprobs), bits(&old.old_logprobs));
-            assert_eq!(bits(&mb.ref_logprobs), bits(&old.ref_logprobs));
+            assert_eq!(bits(&mb.ref_logprobs()), bits(&old.ref_logprobs));
             assert_eq!(mb.tokens(), old.token_ids.len() as u64);
             assert_eq!(
                 mb.loss_tokens,
@@ -554,6 +569,6 @@ mod tests {
             some(|r| !r.old_logprobs.is_empty()),
             "old log-probs covered"
         );
-        assert!(ranks.iter().flatten().any(|m| !m.ref_logprobs.is_empty()));
+        assert!(ranks.iter().flatten().any(|m| !m.ref_logprobs().is_empty()));
     }
 }

@@ -517,7 +517,7 @@ pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
                             .collect(),
                         // pack_f32 of an empty slice is empty.
                         old_logprobs: pack_f32(&mb.old_logprobs()),
-                        ref_logprobs: pack_f32(&mb.ref_logprobs),
+                        ref_logprobs: pack_f32(&mb.ref_logprobs()),
                         source: mb.source,
                     }
                 })
