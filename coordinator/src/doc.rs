@@ -227,27 +227,30 @@ pub struct Document {
 impl Document {
     /// The sequences the packer places, in order; a pair's two sequences
     /// always travel together in one microbatch.
-    pub fn sequences(&self) -> Vec<&Sequence> {
-        match &self.body {
-            DocBody::Sft(s) => vec![s],
-            DocBody::Pair { chosen, rejected } => vec![chosen, rejected],
-            DocBody::Rollout(r) => vec![&r.seq],
-        }
+    /// No allocation: the planner calls this for every document of every
+    /// step, under the coordinator's state lock.
+    pub fn sequences(&self) -> impl Iterator<Item = &Sequence> + Clone {
+        let (first, second) = match &self.body {
+            DocBody::Sft(s) => (s, None),
+            DocBody::Pair { chosen, rejected } => (chosen, Some(rejected)),
+            DocBody::Rollout(r) => (&r.seq, None),
+        };
+        std::iter::once(first).chain(second)
     }
 
     /// Total tokens the document occupies in a microbatch.
     pub fn tokens(&self) -> u64 {
-        self.sequences().iter().map(|s| s.len() as u64).sum()
+        self.sequences().map(|s| s.len() as u64).sum()
     }
 
     /// Loss tokens over all its sequences.
     pub fn loss_tokens(&self) -> u64 {
-        self.sequences().iter().map(|s| s.loss_tokens()).sum()
+        self.sequences().map(|s| s.loss_tokens()).sum()
     }
 
     /// Lengths of its sequences, in packing order.
     pub fn seq_lens(&self) -> Vec<u32> {
-        self.sequences().iter().map(|s| s.len() as u32).collect()
+        self.sequences().map(|s| s.len() as u32).collect()
     }
 
     pub fn is_pair(&self) -> bool {

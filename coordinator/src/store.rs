@@ -268,7 +268,7 @@ impl Store {
                 what: format!("reference_tokens of {job} {id}"),
                 message: e.to_string(),
             })?;
-            out.insert(id, RefEntry::Tokens(t));
+            out.insert(id, RefEntry::Tokens(t.into()));
         }
         Ok(out)
     }
@@ -734,8 +734,11 @@ mod tests {
                 .unwrap();
             s.put_reference("b", &[(id(1), pair(-9.0, -9.0))]).unwrap();
             s.put_reference("a", &[(id(2), pair(-5.0, -6.0))]).unwrap();
-            s.put_reference("r", &[(id(3), RefEntry::Tokens(vec![0.0, -0.25, -1.5]))])
-                .unwrap();
+            s.put_reference(
+                "r",
+                &[(id(3), RefEntry::Tokens(vec![0.0, -0.25, -1.5].into()))],
+            )
+            .unwrap();
         }
         let s = Store::open(dir.path()).unwrap();
         let a = s.reference("a").unwrap();
@@ -745,7 +748,7 @@ mod tests {
         assert!(s.reference("c").unwrap().is_empty());
         let r = s.reference("r").unwrap();
         assert_eq!(r.len(), 1);
-        assert_eq!(r[&id(3)], RefEntry::Tokens(vec![0.0, -0.25, -1.5]));
+        assert_eq!(r[&id(3)], RefEntry::Tokens(vec![0.0, -0.25, -1.5].into()));
     }
 
     #[test]

@@ -267,7 +267,7 @@ fn a_poison_document_is_bisected_out_quarantined_and_every_other_trained_once() 
         if sharding == Sharding::Fsdp {
             for p in s.plans.iter().filter(|p| p.kind == PlanKind::Probe) {
                 assert!(
-                    p.ranks[1].iter().all(|m| m.token_ids.is_empty()),
+                    p.ranks[1].iter().all(|m| m.tokens() == 0),
                     "fsdp probes run on rank 0"
                 );
             }

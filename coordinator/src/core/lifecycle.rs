@@ -710,7 +710,7 @@ fn manifest_of(planned: &PlannedStep, generation: u64, attempts: u32) -> StepMan
         .map(|mbs| {
             mbs.iter()
                 .map(|mb| MicrobatchEntry {
-                    tokens: mb.token_ids.len() as u32,
+                    tokens: mb.tokens() as u32,
                     seqs: mb
                         .seqs
                         .iter()

@@ -10,8 +10,11 @@
 //!
 //! Phase 1 chooses the documents (`plan::select` for files, whole groups
 //! for rollouts), phase 2 packs them and spreads them over ranks
-//! (`plan::solve`, through [`pack_documents`]), phase 3 builds the
-//! per-rank payloads. See `coordinator/src/plan/README.md`.
+//! (`plan::solve`, through [`pack_documents`]), phase 3 lays out the
+//! per-rank microbatches: handles to the documents and the counts a result
+//! is checked against, never copies of their tokens (the session task
+//! materialises those when it encodes the plan, outside the state lock).
+//! See `coordinator/src/plan/README.md`.
 
 use std::collections::HashSet;
 
@@ -26,7 +29,7 @@ use super::bisect::{self, Bisection};
 use super::eval::EvalRun;
 use super::jobs::Job;
 use super::rollouts::{self, RolloutPlan};
-use super::step::{pack_documents, payload, PlannedStep};
+use super::step::{pack_documents, payload, DocHandle, PlannedStep};
 use super::types::{CommittedStep, PlanKind};
 
 /// Where a plan's documents come from.
@@ -85,12 +88,12 @@ pub fn next_source(job: &Job) -> Result<Source<'_>, PlanFailure> {
 }
 
 /// A plan's documents before packing.
-struct Chosen<'a> {
+struct Chosen {
     kind: PlanKind,
     step: u64,
     settings: StepSettings,
     lr: f64,
-    docs: Vec<&'a Document>,
+    docs: Vec<DocHandle>,
     cursor_after: Cursor,
     staleness: Option<StalenessStats>,
     replay: bool,
@@ -146,7 +149,7 @@ pub fn plan(
 }
 
 /// The next training step from the job's files (PG: its groups).
-fn files(job: &Job, world_size: u32) -> Option<Chosen<'_>> {
+fn files(job: &Job, world_size: u32) -> Option<Chosen> {
     let step = job.rec.step + 1;
     let settings = job.settings().at(step);
     let docs = &job.data.docs;
@@ -186,17 +189,17 @@ fn files(job: &Job, world_size: u32) -> Option<Chosen<'_>> {
     if selection.taken.is_empty() {
         return None;
     }
-    let chosen: Vec<&Document> = match rollouts {
+    let chosen: Vec<DocHandle> = match rollouts {
         None => selection
             .taken
             .iter()
-            .map(|&i| &docs[offered[i] as usize])
+            .map(|&i| DocHandle::new(docs, offered[i] as usize))
             .collect(),
         Some(r) => selection
             .taken
             .iter()
             .flat_map(|&i| r.units[offered[i] as usize].iter().filter(|d| kept(d)))
-            .map(|&d| &docs[d as usize])
+            .map(|&d| DocHandle::new(docs, d as usize))
             .collect(),
     };
     Some(Chosen {
@@ -231,9 +234,9 @@ fn probe(job: &Job, b: &Bisection, world_size: u32) -> Result<PlannedStep, PlanF
                     doc: *id,
                 })
             })
-            .collect::<Result<Vec<&Document>, _>>()?;
+            .collect::<Result<Vec<DocHandle>, _>>()?;
         docs.extend(group.iter().copied());
-        ranks[r as usize][i as usize] = payload(members.into_iter(), notes);
+        ranks[r as usize][i as usize] = payload(members.iter(), notes);
     }
     Ok(PlannedStep {
         kind: PlanKind::Probe,
@@ -250,12 +253,16 @@ fn probe(job: &Job, b: &Bisection, world_size: u32) -> Result<PlannedStep, PlanF
 }
 
 /// A document of the job by id: its files, else its stream's queue.
-fn find_doc<'a>(job: &'a Job, id: &DocId) -> Option<&'a Document> {
+fn find_doc(job: &Job, id: &DocId) -> Option<DocHandle> {
     if let Some(&i) = job.data.doc_index().get(id) {
-        return Some(&job.data.docs[i]);
+        return Some(DocHandle::new(&job.data.docs, i));
     }
     let s = job.data.stream.as_ref()?;
-    s.groups().flatten().find(|d| d.id == *id)
+    s.group_tables().find_map(|g| {
+        g.iter()
+            .position(|d| d.id == *id)
+            .map(|i| DocHandle::new(g, i))
+    })
 }
 
 /// (tokens, rollouts) of group `i`, without its quarantined rollouts.
@@ -273,7 +280,7 @@ fn group_size(
 }
 
 /// How old the chosen rollouts' policies are at `step`.
-fn staleness(chosen: &[&Document], step: u64) -> StalenessStats {
+fn staleness(chosen: &[DocHandle], step: u64) -> StalenessStats {
     let mut s = StalenessStats::default();
     for d in chosen {
         if let DocBody::Rollout(r) = &d.body {
@@ -285,7 +292,7 @@ fn staleness(chosen: &[&Document], step: u64) -> StalenessStats {
 
 /// The next training step from the head of a streamed job's queue, once
 /// it holds the step's rollouts.
-fn stream(job: &Job, world_size: u32) -> Option<Chosen<'_>> {
+fn stream(job: &Job, world_size: u32) -> Option<Chosen> {
     let s = job.data.stream.as_ref()?;
     let step = job.rec.step + 1;
     let settings = job.settings().at(step);
@@ -299,11 +306,12 @@ fn stream(job: &Job, world_size: u32) -> Option<Chosen<'_>> {
             .map(|g| (g.iter().map(Document::tokens).sum(), g.len() as u64)),
     );
     // A quarantined rollout leaves the queue with its group, untrained.
-    let chosen: Vec<&Document> = s
-        .groups()
+    let chosen: Vec<DocHandle> = s
+        .group_tables()
         .take(selection.consumed)
-        .flatten()
-        .filter(|d| !job.rec.quarantined(&d.id))
+        .flat_map(|g| (0..g.len()).map(move |i| (g, i)))
+        .filter(|&(g, i)| !job.rec.quarantined(&g[i].id))
+        .map(|(g, i)| DocHandle::new(g, i))
         .collect();
     Some(Chosen {
         kind: PlanKind::Train,
@@ -323,7 +331,7 @@ fn stream(job: &Job, world_size: u32) -> Option<Chosen<'_>> {
 /// Committed step `entry.step` again: its documents in manifest order, its
 /// learning rate and cursor; the annotations (DPO `ref_logp`, PG
 /// `advantage`) come from the same per-document data.
-fn replay<'a>(job: &'a Job, entry: &CommittedStep) -> Result<Chosen<'a>, PlanFailure> {
+fn replay(job: &Job, entry: &CommittedStep) -> Result<Chosen, PlanFailure> {
     let step = entry.step;
     let index = job.data.doc_index();
     let docs = entry
@@ -332,10 +340,10 @@ fn replay<'a>(job: &'a Job, entry: &CommittedStep) -> Result<Chosen<'a>, PlanFai
         .map(|id| {
             index
                 .get(id)
-                .map(|&i| &job.data.docs[i])
+                .map(|&i| DocHandle::new(&job.data.docs, i))
                 .ok_or(PlanFailure::UnknownDoc { step, doc: *id })
         })
-        .collect::<Result<Vec<&Document>, _>>()?;
+        .collect::<Result<Vec<DocHandle>, _>>()?;
     Ok(Chosen {
         kind: PlanKind::Train,
         step,
@@ -351,7 +359,7 @@ fn replay<'a>(job: &'a Job, entry: &CommittedStep) -> Result<Chosen<'a>, PlanFai
 /// The next forward-only chunk of the reference pass: documents missing
 /// from the cache, in dataset order, a training step's worth (at least
 /// 64) at a time.
-fn reference(job: &Job) -> Option<Chosen<'_>> {
+fn reference(job: &Job) -> Option<Chosen> {
     let cache = job.data.reference.as_ref()?;
     let settings = job.settings().latest();
     let chunk = match settings.step_size() {
@@ -359,11 +367,14 @@ fn reference(job: &Job) -> Option<Chosen<'_>> {
         _ => 64,
     };
     // The eval pairs need reference log-probs too (their rewards).
-    let docs: Vec<&Document> = job
-        .data
-        .all_docs()
-        .filter(|d| !cache.logps.contains_key(&d.id))
+    let train = &job.data.docs;
+    let eval = job.data.eval.as_ref().map(|e| &e.docs);
+    let tables = std::iter::once(train).chain(eval);
+    let docs: Vec<DocHandle> = tables
+        .flat_map(|t| (0..t.len()).map(move |i| (t, i)))
+        .filter(|&(t, i)| !cache.logps.contains_key(&t[i].id))
         .take(chunk)
+        .map(|(t, i)| DocHandle::new(t, i))
         .collect();
     if docs.is_empty() {
         return None;
@@ -382,14 +393,17 @@ fn reference(job: &Job) -> Option<Chosen<'_>> {
 
 /// The next chunk of evaluation `run`: eval documents in order, a training
 /// step's worth (at least 64) at a time; the cursor does not move.
-fn eval<'a>(job: &'a Job, run: &EvalRun) -> Option<Chosen<'a>> {
+fn eval(job: &Job, run: &EvalRun) -> Option<Chosen> {
     let set = job.data.eval.as_ref()?;
     let settings = job.settings().latest();
     let chunk = match settings.step_size() {
         StepSize::Docs(n) => n.max(64) as usize,
         _ => 64,
     };
-    let docs: Vec<&Document> = set.docs.iter().skip(run.next).take(chunk).collect();
+    let end = set.docs.len().min(run.next.saturating_add(chunk));
+    let docs: Vec<DocHandle> = (run.next.min(end)..end)
+        .map(|i| DocHandle::new(&set.docs, i))
+        .collect();
     if docs.is_empty() {
         return None;
     }

@@ -15,6 +15,7 @@
 //! the pass.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use crate::doc::{DocId, Document};
 use crate::objective::Reference;
@@ -37,8 +38,9 @@ pub struct SeqLogp {
 pub enum RefEntry {
     /// DPO: `[chosen, rejected]` summed over each sequence's loss tokens.
     Pair([f64; 2]),
-    /// A rollout: one log-prob per token of its sequence.
-    Tokens(Vec<f32>),
+    /// A rollout: one log-prob per token of its sequence (shared: plans
+    /// hold it and the session task copies it to the wire).
+    Tokens(Arc<[f32]>),
 }
 
 /// Reference log-probs per document.
@@ -103,7 +105,7 @@ impl ReferenceCache {
     }
 
     /// The rollout's per-token reference log-probs.
-    pub fn tokens(&self, doc: &DocId) -> Option<&[f32]> {
+    pub fn tokens(&self, doc: &DocId) -> Option<&Arc<[f32]>> {
         match self.logps.get(doc)? {
             RefEntry::Tokens(t) => Some(t),
             RefEntry::Pair(_) => None,
@@ -183,7 +185,7 @@ pub fn collect_chunk(
                     {
                         return Err(ChunkError::NonFiniteToken { doc, at, logp });
                     }
-                    RefEntry::Tokens(c.tokens.clone())
+                    RefEntry::Tokens(c.tokens.as_slice().into())
                 }
             };
             Ok((doc, entry))
@@ -253,8 +255,8 @@ mod tests {
         assert_eq!(
             tokens(&full).unwrap(),
             vec![
-                (id(1), RefEntry::Tokens(vec![0.0, -0.5])),
-                (id(2), RefEntry::Tokens(vec![0.0, -1.0, -2.0]))
+                (id(1), RefEntry::Tokens(vec![0.0, -0.5].into())),
+                (id(2), RefEntry::Tokens(vec![0.0, -1.0, -2.0].into()))
             ]
         );
         assert_eq!(

@@ -1,10 +1,14 @@
-//! A planned step: its documents packed into per-rank microbatch payloads
-//! with inline tokens (via `plan::solve`), its normalisers and the settings
-//! it was planned with. Which documents a step takes is the planner's
+//! A planned step: its documents packed into per-rank microbatch layouts
+//! (via `plan::solve`) holding shared handles to the documents, whose token
+//! rows are materialised outside the state lock ([`MicrobatchPayload::rows`],
+//! called where the plan is encoded), its normalisers and the settings it
+//! was planned with. Which documents a step takes is the planner's
 //! business (`super::planner`).
 
+use std::sync::Arc;
+
 use crate::cursor::Cursor;
-use crate::doc::{DocBody, DocId, Document};
+use crate::doc::{DocBody, DocId, Document, Sequence};
 use crate::plan::{self, Normalizers, PackItem, PackProblem, PlanError};
 use crate::rl::StalenessStats;
 use crate::settings::StepSettings;
@@ -28,22 +32,132 @@ pub struct SeqRef {
     pub ref_logp: Option<f64>,
 }
 
-/// A microbatch ready for the wire: one flat token row.
+/// One document of a shared, read-only table (the job's dataset, its eval
+/// set, a streamed job's complete group): what a plan holds instead of copies of the document's tokens, so
+/// that the payload is materialised outside the state lock.
+#[derive(Clone)]
+pub struct DocHandle {
+    table: Arc<[Document]>,
+    index: usize,
+}
+
+impl DocHandle {
+    /// Document `index` of `table`.
+    pub fn new(table: &Arc<[Document]>, index: usize) -> Self {
+        debug_assert!(index < table.len());
+        Self {
+            table: Arc::clone(table),
+            index,
+        }
+    }
+}
+
+impl std::ops::Deref for DocHandle {
+    type Target = Document;
+    fn deref(&self) -> &Document {
+        &self.table[self.index]
+    }
+}
+
+impl PartialEq for DocHandle {
+    fn eq(&self, other: &Self) -> bool {
+        let same = Arc::ptr_eq(&self.table, &other.table) && self.index == other.index;
+        same || **self == **other
+    }
+}
+
+impl std::fmt::Debug for DocHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DocHandle({})", self.id)
+    }
+}
+
+/// A microbatch's layout, decided under the state lock: its documents in
+/// order (handles, not copies), where each sequence starts and the counts
+/// a result is checked against. Its token rows are built from the handles
+/// by [`Self::rows`] where the message is encoded (the session task).
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct MicrobatchPayload {
     /// The one source of its documents (every microbatch holds one
     /// source's documents only); 0 for padding.
     pub source: u32,
-    pub token_ids: Vec<u32>,
-    pub labels: Vec<i32>,
     pub cu_seq_lens: Vec<u32>,
     pub seqs: Vec<SeqRef>,
+    /// Its documents, in row order.
+    pub docs: Vec<DocHandle>,
+    /// Loss tokens as workers count them (see [`rank_loss_tokens`]).
+    pub loss_tokens: u64,
+    /// Per sequence, its cached per-token reference log-probs (PG with a
+    /// KL penalty and `reference = "cached"`; shared, not copied); empty
+    /// when the job has no cache. See [`Self::ref_logprobs`].
+    pub ref_tokens: Vec<Option<Arc<[f32]>>>,
+}
+
+/// A microbatch's token rows, materialised from its documents.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Rows {
+    pub token_ids: Vec<u32>,
+    pub labels: Vec<i32>,
     /// Per-token old log-probs (rollouts that carry them), else empty.
     pub old_logprobs: Vec<f32>,
-    /// Per-token cached reference log-probs (PG with a KL penalty and
-    /// `reference = "cached"`), aligned like `old_logprobs`; NaN on a
-    /// sequence with none, which the worker refuses for a KL term.
-    pub ref_logprobs: Vec<f32>,
+}
+
+impl MicrobatchPayload {
+    /// Tokens in the row.
+    pub fn tokens(&self) -> u64 {
+        u64::from(self.cu_seq_lens.last().copied().unwrap_or(0))
+    }
+
+    /// Its sequences in row order (read-only; safe outside the state
+    /// lock): what the encoder writes to the wire without a copy between.
+    pub fn sequences(&self) -> impl Iterator<Item = &Sequence> {
+        self.docs.iter().flat_map(|d| d.sequences())
+    }
+
+    /// Rollouts' old log-probs aligned with the row: NaN on a sequence
+    /// without them (the worker treats its tokens as on-policy), empty when
+    /// no sequence has any.
+    pub fn old_logprobs(&self) -> Vec<f32> {
+        let old: Vec<(usize, Option<&[f32]>)> = self
+            .docs
+            .iter()
+            .flat_map(|d| {
+                let lps = match &d.body {
+                    DocBody::Rollout(r) => r.old_logprobs.as_deref(),
+                    _ => None,
+                };
+                d.sequences().map(move |s| (s.len(), lps))
+            })
+            .collect();
+        aligned(&old)
+    }
+
+    /// The cached reference log-probs aligned with the row like the old
+    /// ones: NaN on a sequence with none (the worker refuses a KL term
+    /// there), empty when no sequence has any.
+    pub fn ref_logprobs(&self) -> Vec<f32> {
+        let lens = self.cu_seq_lens.windows(2).map(|w| (w[1] - w[0]) as usize);
+        let refs: Vec<(usize, Option<&[f32]>)> = lens
+            .zip(&self.ref_tokens)
+            .map(|(n, t)| (n, t.as_deref()))
+            .collect();
+        aligned(&refs)
+    }
+
+    /// The flat token row, its labels and old log-probs, materialised.
+    pub fn rows(&self) -> Rows {
+        let len = self.tokens() as usize;
+        let mut r = Rows {
+            token_ids: Vec::with_capacity(len),
+            labels: Vec::with_capacity(len),
+            old_logprobs: self.old_logprobs(),
+        };
+        for seq in self.sequences() {
+            r.token_ids.extend_from_slice(seq.input_ids());
+            r.labels.extend_from_slice(&seq.labels());
+        }
+        r
+    }
 }
 
 /// A fully planned step: identical normalisers for every rank.
@@ -91,7 +205,7 @@ impl PlannedStep {
     /// plan.
     pub fn disagreement(&self, rank: u32, sums: &MetricSums) -> Option<String> {
         let mbs = self.ranks.get(rank as usize)?;
-        let tokens: u64 = mbs.iter().map(|m| m.token_ids.len() as u64).sum();
+        let tokens: u64 = mbs.iter().map(MicrobatchPayload::tokens).sum();
         // A document counts at its first sequence (role 0), as workers count.
         let docs = mbs.iter().flat_map(|m| &m.seqs).filter(|q| q.role == 0);
         let checks = [
@@ -102,7 +216,11 @@ impl PlannedStep {
             ),
             ("tokens", sums.tokens, tokens),
             ("documents", sums.documents, docs.count() as u64),
-            ("loss tokens", sums.loss_tokens, rank_loss_tokens(mbs)),
+            (
+                "loss tokens",
+                sums.loss_tokens,
+                mbs.iter().map(|m| m.loss_tokens).sum(),
+            ),
         ];
         checks
             .into_iter()
@@ -114,23 +232,21 @@ impl PlannedStep {
     pub fn busiest_rank_tokens(&self) -> u64 {
         self.ranks
             .iter()
-            .map(|mbs| mbs.iter().map(|m| m.token_ids.len() as u64).sum())
+            .map(|mbs| mbs.iter().map(MicrobatchPayload::tokens).sum())
             .max()
             .unwrap_or(0)
     }
 }
 
-/// Loss tokens of one rank's microbatches as every objective's worker
+/// Loss tokens of one microbatch's rows as every objective's worker
 /// counts them (SFT, DPO and policy gradient alike): per sequence, the
 /// labels after its first that are not ignored (the shift stays inside a
-/// document), the count the plan's normaliser T sums.
-fn rank_loss_tokens(mbs: &[MicrobatchPayload]) -> u64 {
-    mbs.iter()
-        .flat_map(|m| {
-            m.cu_seq_lens
-                .windows(2)
-                .map(|w| crate::doc::count_loss_tokens(&m.labels[w[0] as usize..w[1] as usize]))
-        })
+/// document), the count the plan's normaliser T sums. From the rows: what
+/// [`MicrobatchPayload::loss_tokens`] must equal.
+pub fn rank_loss_tokens(cu_seq_lens: &[u32], labels: &[i32]) -> u64 {
+    cu_seq_lens
+        .windows(2)
+        .map(|w| crate::doc::count_loss_tokens(&labels[w[0] as usize..w[1] as usize]))
         .sum()
 }
 
@@ -139,7 +255,7 @@ fn rank_loss_tokens(mbs: &[MicrobatchPayload]) -> u64 {
 /// A microbatch holds documents of one source only (`notes.source_of`), so
 /// its metric sums are that source's.
 pub fn pack_documents(
-    chosen: &[&Document],
+    chosen: &[DocHandle],
     max_tokens: u32,
     world_size: u32,
     min_microbatches_per_rank: u32,
@@ -175,8 +291,11 @@ pub fn pack_documents(
         .map(|mbs| {
             mbs.iter()
                 .map(|mb| {
-                    payload(
-                        mb.items.iter().map(|&i| chosen[problem.items[i].doc]),
+                    // The packer summed the loss tokens already: the
+                    // labels are not read again under the lock.
+                    layout(
+                        mb.items.iter().map(|&i| &chosen[problem.items[i].doc]),
+                        mb.loss_tokens,
                         notes,
                     )
                 })
@@ -186,33 +305,36 @@ pub fn pack_documents(
     Ok((ranks, solution.normalizers))
 }
 
-/// One microbatch's payload: `docs` in order, one flat row.
+/// One microbatch's layout: `docs` in order, one flat row (tokens left
+/// in the documents, see [`MicrobatchPayload::rows`]).
 pub fn payload<'a>(
-    docs: impl Iterator<Item = &'a Document>,
+    docs: impl Iterator<Item = &'a DocHandle>,
+    notes: Annotations<'_>,
+) -> MicrobatchPayload {
+    let docs: Vec<&DocHandle> = docs.collect();
+    let loss_tokens = docs.iter().map(|d| d.loss_tokens()).sum();
+    layout(docs.into_iter(), loss_tokens, notes)
+}
+
+/// [`payload`] with the microbatch's loss tokens already counted.
+fn layout<'a>(
+    docs: impl Iterator<Item = &'a DocHandle>,
+    loss_tokens: u64,
     notes: Annotations<'_>,
 ) -> MicrobatchPayload {
     let mut p = MicrobatchPayload {
         cu_seq_lens: vec![0],
+        loss_tokens,
         ..Default::default()
     };
-    // Rollouts' old and reference log-probs, aligned with the row: NaN on
-    // a sequence without them (old: the worker treats its tokens as
-    // on-policy; reference: the worker refuses a KL term there).
-    let mut old: Vec<(usize, Option<&[f32]>)> = Vec::new();
-    let mut refs: Vec<(usize, Option<&[f32]>)> = Vec::new();
+    let mut end = 0u32;
     for d in docs {
-        for (role, seq) in d.sequences().into_iter().enumerate() {
-            p.token_ids.extend_from_slice(seq.input_ids());
-            p.labels.extend_from_slice(&seq.labels());
-            p.cu_seq_lens.push(p.token_ids.len() as u32);
-            old.push((
-                seq.len(),
-                match &d.body {
-                    DocBody::Rollout(r) => r.old_logprobs.as_deref(),
-                    _ => None,
-                },
-            ));
-            refs.push((seq.len(), notes.reference.and_then(|c| c.tokens(&d.id))));
+        for (role, seq) in d.sequences().enumerate() {
+            end += seq.len() as u32;
+            p.cu_seq_lens.push(end);
+            if let Some(c) = notes.reference {
+                p.ref_tokens.push(c.tokens(&d.id).cloned());
+            }
             p.seqs.push(SeqRef {
                 doc: d.id,
                 source: notes
@@ -227,10 +349,9 @@ pub fn payload<'a>(
                     .map(|logps| logps[role.min(1)]),
             });
         }
+        p.docs.push(d.clone());
     }
     p.source = p.seqs.first().map_or(0, |s| s.source);
-    p.old_logprobs = aligned(&old);
-    p.ref_logprobs = aligned(&refs);
     p
 }
 
@@ -247,4 +368,208 @@ fn aligned(seqs: &[(usize, Option<&[f32]>)]) -> Vec<f32> {
         }
     }
     row
+}
+
+#[cfg(test)]
+mod tests {
+    use std::borrow::Cow;
+    use std::collections::{BTreeMap, HashMap};
+
+    use super::*;
+    use crate::core::reference::RefEntry;
+    use crate::doc::{Rollout, TokenRows, IGNORE_INDEX};
+
+    /// The payload as it was built under the state lock before the
+    /// layout/rows split (issue 19): the reference the rows must equal.
+    struct OldPayload {
+        token_ids: Vec<u32>,
+        labels: Vec<i32>,
+        cu_seq_lens: Vec<u32>,
+        seqs: Vec<SeqRef>,
+        old_logprobs: Vec<f32>,
+        ref_logprobs: Vec<f32>,
+    }
+
+    fn old_payload(docs: &[&Document], notes: Annotations<'_>) -> OldPayload {
+        let mut p = OldPayload {
+            token_ids: Vec::new(),
+            labels: Vec::new(),
+            cu_seq_lens: vec![0],
+            seqs: Vec::new(),
+            old_logprobs: Vec::new(),
+            ref_logprobs: Vec::new(),
+        };
+        let mut old: Vec<(usize, Option<&[f32]>)> = Vec::new();
+        let mut refs: Vec<(usize, Option<&[f32]>)> = Vec::new();
+        for d in docs {
+            for (role, seq) in d.sequences().enumerate() {
+                p.token_ids.extend_from_slice(seq.input_ids());
+                p.labels.extend_from_slice(&seq.labels());
+                p.cu_seq_lens.push(p.token_ids.len() as u32);
+                old.push((
+                    seq.len(),
+                    match &d.body {
+                        DocBody::Rollout(r) => r.old_logprobs.as_deref(),
+                        _ => None,
+                    },
+                ));
+                refs.push((
+                    seq.len(),
+                    notes
+                        .reference
+                        .and_then(|c| c.tokens(&d.id))
+                        .map(|t| &t[..]),
+                ));
+                p.seqs.push(SeqRef {
+                    doc: d.id,
+                    source: notes
+                        .file_source
+                        .and_then(|fs| fs.get(d.id.file as usize).copied())
+                        .unwrap_or(0),
+                    role: role as u32,
+                    advantage: notes.rollouts.and_then(|r| r.advantage.get(&d.id).copied()),
+                    ref_logp: notes
+                        .reference
+                        .and_then(|c| c.get(&d.id))
+                        .map(|logps| logps[role.min(1)]),
+                });
+            }
+        }
+        p.old_logprobs = aligned(&old);
+        p.ref_logprobs = aligned(&refs);
+        p
+    }
+
+    /// Rows of a mapped store: labels are the ids with every third ignored.
+    struct Store(Vec<Vec<u32>>);
+
+    fn store_labels(ids: &[u32]) -> Vec<i32> {
+        let label = |(i, &t): (usize, &u32)| if i % 3 == 1 { IGNORE_INDEX } else { t as i32 };
+        ids.iter().enumerate().map(label).collect()
+    }
+
+    impl TokenRows for Store {
+        fn ids(&self, row: u32) -> &[u32] {
+            &self.0[row as usize]
+        }
+        fn labels(&self, row: u32) -> Cow<'_, [i32]> {
+            Cow::Owned(store_labels(&self.0[row as usize]))
+        }
+    }
+
+    /// SFT (owned and mapped), DPO pairs and rollouts (with and without
+    /// old log-probs), with reference log-probs and advantages for some.
+    fn mixed() -> (Vec<Document>, ReferenceCache, RolloutPlan) {
+        let ids = |n: usize, k: u32| (0..n as u32).map(|t| 7 * k + t).collect::<Vec<_>>();
+        let owned = |n: usize, k: u32| {
+            let i = ids(n, k);
+            let l = i
+                .iter()
+                .map(|&t| if t % 4 == 0 { IGNORE_INDEX } else { t as i32 })
+                .collect();
+            Sequence::new(i, l)
+        };
+        let store = Arc::new(Store((0..8).map(|k| ids(5 + k, k as u32)).collect()));
+        let mut docs = Vec::new();
+        let mut refs = BTreeMap::new();
+        let mut advantage = HashMap::new();
+        for k in 0..40u32 {
+            let id = DocId {
+                file: 0,
+                line: u64::from(k),
+            };
+            let body = match k % 5 {
+                0 => DocBody::Sft(owned(3 + k as usize % 11, k)),
+                1 => {
+                    let row = k % 8;
+                    let rows: Arc<dyn TokenRows> = store.clone();
+                    let labels = store_labels(&store.0[row as usize]);
+                    let loss = crate::doc::count_loss_tokens(&labels) as u32;
+                    let len = store.0[row as usize].len() as u32;
+                    DocBody::Sft(Sequence::mapped(rows, row, len, loss))
+                }
+                2 => {
+                    refs.insert(id, RefEntry::Pair([-1.5 - k as f64, -2.5]));
+                    DocBody::Pair {
+                        chosen: owned(4, k),
+                        rejected: owned(6, k + 1),
+                    }
+                }
+                _ => {
+                    let seq = owned(2 + k as usize % 7, k);
+                    let n = seq.len();
+                    if k % 2 == 0 {
+                        refs.insert(id, RefEntry::Tokens(vec![-0.25 * k as f32; n].into()));
+                    }
+                    advantage.insert(id, k as f64 - 20.0);
+                    DocBody::Rollout(Rollout {
+                        seq,
+                        reward: 1.0,
+                        group: format!("g{}", k / 4),
+                        policy_version: 0,
+                        old_logprobs: (k % 3 == 0).then(|| vec![-0.5; n]),
+                    })
+                }
+            };
+            docs.push(Document { id, body });
+        }
+        let plan = RolloutPlan {
+            units: Vec::new(),
+            advantage,
+            zero_variance_groups: 0,
+            zero_variance_rollouts: 0,
+            rejected_stale: 0,
+        };
+        (docs, ReferenceCache::new(refs), plan)
+    }
+
+    /// Issue 19: the layout decided under the lock, materialised later by
+    /// `rows` (and by the wire encoder), carries exactly the payload the
+    /// old in-lock copy built, and its loss-token count is the one counted
+    /// on the rows.
+    #[test]
+    fn materialised_rows_equal_the_payload_built_under_the_lock() {
+        let (docs, cache, rollouts) = mixed();
+        let table: Arc<[Document]> = docs.into();
+        let notes = Annotations {
+            reference: Some(&cache),
+            rollouts: Some(&rollouts),
+            file_source: None,
+        };
+        let chosen: Vec<DocHandle> = (0..table.len())
+            .map(|i| DocHandle::new(&table, i))
+            .collect();
+        let (ranks, _) = pack_documents(&chosen, 40, 3, 2, notes).unwrap();
+        let mut checked = 0;
+        for mb in ranks.iter().flatten() {
+            let docs: Vec<&Document> = mb.docs.iter().map(|h| &**h).collect();
+            let old = old_payload(&docs, notes);
+            let rows = mb.rows();
+            assert_eq!(rows.token_ids, old.token_ids);
+            assert_eq!(rows.labels, old.labels);
+            // What the session task writes to the wire, byte for byte.
+            let (ids, labels) = crate::service::convert::packed_rows(mb);
+            assert_eq!(ids, accrue_proto::pack_u32(&old.token_ids));
+            assert_eq!(labels, accrue_proto::pack_i32(&old.labels));
+            assert_eq!(mb.cu_seq_lens, old.cu_seq_lens);
+            assert_eq!(mb.seqs, old.seqs);
+            // NaN-aware: compare the bits.
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&rows.old_logprobs), bits(&old.old_logprobs));
+            assert_eq!(bits(&mb.ref_logprobs()), bits(&old.ref_logprobs));
+            assert_eq!(mb.tokens(), old.token_ids.len() as u64);
+            assert_eq!(
+                mb.loss_tokens,
+                rank_loss_tokens(&old.cu_seq_lens, &old.labels)
+            );
+            checked += docs.len();
+        }
+        assert_eq!(checked, table.len(), "every document placed once");
+        let some = |f: fn(&Rows) -> bool| ranks.iter().flatten().any(|m| f(&m.rows()));
+        assert!(
+            some(|r| !r.old_logprobs.is_empty()),
+            "old log-probs covered"
+        );
+        assert!(ranks.iter().flatten().any(|m| !m.ref_logprobs().is_empty()));
+    }
 }

@@ -28,6 +28,7 @@
 //! room, e.g. the capacity is taken by filling groups).
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -107,7 +108,8 @@ pub struct RolloutStream {
     pub capacity: u64,
     /// Queue position of `queue[0]`.
     head: u64,
-    queue: VecDeque<Vec<Document>>,
+    /// Complete groups are read-only: plans hold handles into them.
+    queue: VecDeque<Arc<[Document]>>,
     queued_rollouts: u64,
     /// Groups still filling, by group id.
     filling: HashMap<String, Vec<Document>>,
@@ -162,7 +164,12 @@ impl RolloutStream {
     }
 
     /// The complete groups, head first.
-    pub fn groups(&self) -> impl Iterator<Item = &Vec<Document>> {
+    pub fn groups(&self) -> impl Iterator<Item = &[Document]> {
+        self.queue.iter().map(|g| &g[..])
+    }
+
+    /// The complete groups as shared tables (what plans hold handles into).
+    pub fn group_tables(&self) -> impl Iterator<Item = &Arc<[Document]>> {
         self.queue.iter()
     }
 
@@ -227,7 +234,7 @@ impl RolloutStream {
                     plan.advantage.insert(d.id, a);
                 }
                 self.queued_rollouts += members.len() as u64;
-                self.queue.push_back(members);
+                self.queue.push_back(members.into());
                 None
             }
             None => {
@@ -247,7 +254,7 @@ impl RolloutStream {
             };
             self.head += 1;
             self.queued_rollouts -= g.len() as u64;
-            for d in g {
+            for d in g.iter() {
                 plan.advantage.remove(&d.id);
                 ids.push(d.id);
             }

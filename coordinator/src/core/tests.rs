@@ -333,15 +333,13 @@ impl Sim {
                 } else {
                     Vec::new()
                 };
-                let tokens: u64 = mbs.iter().map(|m| m.token_ids.len() as u64).sum();
+                // Counted on the materialised rows, as a worker would.
+                let rows: Vec<step::Rows> = mbs.iter().map(|m| m.rows()).collect();
+                let tokens: u64 = rows.iter().map(|r| r.token_ids.len() as u64).sum();
                 let loss_tokens: u64 = mbs
                     .iter()
-                    .flat_map(|m| {
-                        m.cu_seq_lens
-                            .windows(2)
-                            .map(move |w| (m, w[0] as usize, w[1] as usize))
-                    })
-                    .map(|(m, a, b)| crate::doc::count_loss_tokens(&m.labels[a..b]))
+                    .zip(&rows)
+                    .map(|(m, r)| step::rank_loss_tokens(&m.cu_seq_lens, &r.labels))
                     .sum();
                 // As workers count: a DPO pair is one document.
                 let documents = mbs
@@ -367,18 +365,12 @@ impl Sim {
                 };
                 // As a worker does: each microbatch's sums go to its source.
                 let mut sources: BTreeMap<u32, SourceSums> = BTreeMap::new();
-                for m in mbs.iter().filter(|m| !m.seqs.is_empty()) {
-                    let lt: u64 = m
-                        .cu_seq_lens
-                        .windows(2)
-                        .map(|w| {
-                            crate::doc::count_loss_tokens(&m.labels[w[0] as usize..w[1] as usize])
-                        })
-                        .sum();
+                for (m, r) in mbs.iter().zip(&rows).filter(|(m, _)| !m.seqs.is_empty()) {
+                    let lt = step::rank_loss_tokens(&m.cu_seq_lens, &r.labels);
                     let e = sources.entry(m.source).or_default();
                     e.loss_sum += lt as f64 * 2.0;
                     e.loss_tokens += lt;
-                    e.tokens += m.token_ids.len() as u64;
+                    e.tokens += r.token_ids.len() as u64;
                     e.documents += m.seqs.len() as u64;
                 }
                 Event::StepResult {
@@ -1013,7 +1005,7 @@ fn pg_kl_with_a_cached_reference_runs_a_per_token_pass_first_and_plans_carry_it(
         let want: Vec<f32> = (0..doc.tokens() as usize)
             .map(|j| fake_token_logp(doc.id, j))
             .collect();
-        assert_eq!(s.stored_ref[&doc.id], RefEntry::Tokens(want));
+        assert_eq!(s.stored_ref[&doc.id], RefEntry::Tokens(want.into()));
     }
     let first_train = s
         .plans
@@ -1027,9 +1019,10 @@ fn pg_kl_with_a_cached_reference_runs_a_per_token_pass_first_and_plans_carry_it(
     for p in &s.plans[first_train..] {
         assert_eq!(p.kind, PlanKind::Train);
         for m in p.ranks.iter().flatten().filter(|m| !m.seqs.is_empty()) {
-            assert_eq!(m.ref_logprobs.len(), m.token_ids.len());
+            let ref_logprobs = m.ref_logprobs();
+            assert_eq!(ref_logprobs.len() as u64, m.tokens());
             for (q, w) in m.seqs.iter().zip(m.cu_seq_lens.windows(2)) {
-                let got = &m.ref_logprobs[w[0] as usize..w[1] as usize];
+                let got = &ref_logprobs[w[0] as usize..w[1] as usize];
                 let want: Vec<f32> = (0..got.len()).map(|j| fake_token_logp(q.doc, j)).collect();
                 assert_eq!(got, want.as_slice(), "{}", q.doc);
                 assert!(q.ref_logp.is_none());
@@ -1056,7 +1049,7 @@ fn pg_without_kl_or_with_a_live_reference_needs_no_pass() {
         assert!(s.plans.iter().all(|p| p.kind == PlanKind::Train));
         assert!(s.stored_ref.is_empty());
         let mbs = s.plans.iter().flat_map(|p| p.ranks.iter().flatten());
-        assert!(mbs.into_iter().all(|m| m.ref_logprobs.is_empty()));
+        assert!(mbs.into_iter().all(|m| m.ref_logprobs().is_empty()));
     }
 }
 
@@ -2366,7 +2359,7 @@ fn a_worker_lost_with_its_session_open_is_told_and_rejoins_by_registering() {
 #[test]
 fn a_result_that_disagrees_with_its_plan_drops_the_worker_and_replans() {
     refused_for(|mbs| {
-        let tokens: u64 = mbs.iter().map(|m| m.token_ids.len() as u64).sum();
+        let tokens: u64 = mbs.iter().map(|m| m.rows().token_ids.len() as u64).sum();
         let sums = MetricSums {
             tokens: tokens * 2,
             microbatches: mbs.len() as u32,
@@ -2386,14 +2379,10 @@ fn a_result_with_other_loss_tokens_than_planned_is_refused() {
     refused_for(|mbs| {
         let planned: u64 = mbs
             .iter()
-            .flat_map(|m| {
-                m.cu_seq_lens
-                    .windows(2)
-                    .map(|w| crate::doc::count_loss_tokens(&m.labels[w[0] as usize..w[1] as usize]))
-            })
+            .map(|m| step::rank_loss_tokens(&m.cu_seq_lens, &m.rows().labels))
             .sum();
         let sums = MetricSums {
-            tokens: mbs.iter().map(|m| m.token_ids.len() as u64).sum(),
+            tokens: mbs.iter().map(|m| m.rows().token_ids.len() as u64).sum(),
             microbatches: mbs.len() as u32,
             documents: mbs
                 .iter()
@@ -2536,7 +2525,7 @@ fn max_tokens_set_at_run_time_reaches_the_plans_sent_to_workers() {
         .collect();
     assert_eq!(sent, vec![128, 70, 70, 70, 70]);
     for p in &s.plans[1..] {
-        assert!(p.ranks.iter().flatten().all(|mb| mb.token_ids.len() <= 70));
+        assert!(p.ranks.iter().flatten().all(|mb| mb.tokens() <= 70));
     }
 }
 
@@ -2566,7 +2555,7 @@ fn a_replay_after_a_lowered_max_tokens_packs_with_the_lowered_value() {
         p.ranks
             .iter()
             .flatten()
-            .map(|mb| mb.token_ids.len())
+            .map(|mb| mb.tokens())
             .max()
             .unwrap()
     };

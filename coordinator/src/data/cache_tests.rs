@@ -71,7 +71,7 @@ fn a_store_is_built_once_then_found_and_equals_the_in_memory_load() {
     assert!(first
         .docs
         .iter()
-        .all(|d| d.sequences().iter().all(|s| s.is_mapped())));
+        .all(|d| d.sequences().all(|s| s.is_mapped())));
     // on_bad_line = "error" names the line the store remembered.
     let strict = DataSection {
         on_bad_line: OnBad::Error,

@@ -1,7 +1,7 @@
 //! Conversions between the wire (`accrue.v1`) and the domain types. The only
 //! place either side's shape leaks into the other.
 
-use accrue_proto::{pack_f32, pack_i32, pack_u32, v1 as wire};
+use accrue_proto::{pack_f32, v1 as wire};
 
 use crate::core::{
     AbortReason, EventKind, HeldState, Job, JobState, MetricSums, PlanKind, Quarantined, SeqLogp,
@@ -428,6 +428,19 @@ fn ring_next(peers: &[(WorkerId, String)], rank: u32) -> Option<wire::Peer> {
 }
 
 /// The wire message for one worker. Tokens travel as packed bytes.
+/// A microbatch's token ids and labels as the wire packs them
+/// (little-endian, 4 bytes a token; `pack_u32`/`pack_i32` of its rows),
+/// written straight from its documents' sequences.
+pub fn packed_rows(mb: &crate::core::step::MicrobatchPayload) -> (Vec<u8>, Vec<u8>) {
+    let len = mb.tokens() as usize * 4;
+    let (mut ids, mut labels) = (Vec::with_capacity(len), Vec::with_capacity(len));
+    for seq in mb.sequences() {
+        ids.extend(seq.input_ids().iter().flat_map(|t| t.to_le_bytes()));
+        labels.extend(seq.labels().iter().flat_map(|l| l.to_le_bytes()));
+    }
+    (ids, labels)
+}
+
 pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
     use wire::coordinator_message::Msg;
     let msg = match msg {
@@ -484,24 +497,29 @@ pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
             normalizers: Some(normalizers(&planned.normalizers)),
             microbatches: planned.ranks[*rank as usize]
                 .iter()
-                .map(|mb| wire::Microbatch {
-                    token_ids: pack_u32(&mb.token_ids),
-                    labels: pack_i32(&mb.labels),
-                    cu_seq_lens: mb.cu_seq_lens.clone(),
-                    sequences: mb
-                        .seqs
-                        .iter()
-                        .map(|s| wire::PackedSequence {
-                            doc_id: s.doc.to_string(),
-                            role: s.role,
-                            advantage: s.advantage,
-                            ref_logp: s.ref_logp,
-                        })
-                        .collect(),
-                    // pack_f32 of an empty slice is empty.
-                    old_logprobs: pack_f32(&mb.old_logprobs),
-                    ref_logprobs: pack_f32(&mb.ref_logprobs),
-                    source: mb.source,
+                .map(|mb| {
+                    // The token rows are materialised here, in the
+                    // session's task, outside the state lock.
+                    let (token_ids, labels) = packed_rows(mb);
+                    wire::Microbatch {
+                        token_ids,
+                        labels,
+                        cu_seq_lens: mb.cu_seq_lens.clone(),
+                        sequences: mb
+                            .seqs
+                            .iter()
+                            .map(|s| wire::PackedSequence {
+                                doc_id: s.doc.to_string(),
+                                role: s.role,
+                                advantage: s.advantage,
+                                ref_logp: s.ref_logp,
+                            })
+                            .collect(),
+                        // pack_f32 of an empty slice is empty.
+                        old_logprobs: pack_f32(&mb.old_logprobs()),
+                        ref_logprobs: pack_f32(&mb.ref_logprobs()),
+                        source: mb.source,
+                    }
                 })
                 .collect(),
             cursor_after: Some(cursor(&planned.cursor_after)),
