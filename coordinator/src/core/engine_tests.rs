@@ -251,20 +251,7 @@ fn after_a_restart_the_engine_loads_the_current_policy_before_any_round() {
     let stored = s.stored(&[]);
     let rec = s.persisted.last().unwrap().clone();
     assert_eq!(rec.step, 2);
-    let mut r = Sim::new();
-    r.handle(Event::RestoreJob {
-        rec: Box::new(rec),
-        spec: Arc::new(engine_spec(4, 1, 1)),
-        docs: Vec::new().into(),
-        reference: Default::default(),
-        history: Vec::new(),
-    })
-    .unwrap();
-    r.handle(Event::RestoreRollouts {
-        job: "job".into(),
-        stored,
-    })
-    .unwrap();
+    let mut r = Sim::restored_stream(rec, engine_spec(4, 1, 1), stored);
     r.handle(Event::LoadPrompts {
         job: "job".into(),
         inputs: super::loop_tests::inputs(6),

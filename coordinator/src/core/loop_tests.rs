@@ -396,20 +396,7 @@ fn after_a_restart_the_prompt_stream_resumes_where_its_rollouts_were_written() {
     let done = stored.meta.prompts_done;
     assert!(done >= 4, "{done}");
     let rec = s.persisted.last().unwrap().clone();
-    let mut r = Sim::new();
-    r.handle(Event::RestoreJob {
-        rec: Box::new(rec),
-        spec: Arc::new(loop_spec(3, 4, 2, 1)),
-        docs: Vec::new().into(),
-        reference: Default::default(),
-        history: Vec::new(),
-    })
-    .unwrap();
-    r.handle(Event::RestoreRollouts {
-        job: "job".into(),
-        stored,
-    })
-    .unwrap();
+    let mut r = Sim::restored_stream(rec, loop_spec(3, 4, 2, 1), stored);
     r.handle(Event::LoadPrompts {
         job: "job".into(),
         inputs: inputs(10),

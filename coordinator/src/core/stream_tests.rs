@@ -40,6 +40,30 @@ fn groups(tag: &str, n: usize, version: u64) -> Vec<Rollout> {
 }
 
 impl Sim {
+    /// A fresh coordinator that restored a streamed job as a restart does:
+    /// its record and spec, then its stored rollouts.
+    pub(super) fn restored_stream(
+        rec: super::record::JobRecord,
+        spec: JobSpec,
+        stored: StoredStream,
+    ) -> Sim {
+        let mut r = Sim::new();
+        r.handle(Event::RestoreJob {
+            rec: Box::new(rec),
+            spec: Arc::new(spec),
+            docs: Vec::new().into(),
+            reference: Default::default(),
+            history: Vec::new(),
+        })
+        .unwrap();
+        r.handle(Event::RestoreRollouts {
+            job: "job".into(),
+            stored,
+        })
+        .unwrap();
+        r
+    }
+
     fn push(&mut self, rollouts: Vec<Rollout>) -> Result<AdmitCounts> {
         let before = self.rollout_writes.len();
         self.handle(Event::PushRollouts {
@@ -321,20 +345,7 @@ fn a_restart_keeps_every_acknowledged_rollout_and_trains_none_twice() {
         let rec = s.persisted.last().unwrap().clone();
         let trained_before = s.committed[0].1.clone();
 
-        let mut r = Sim::new();
-        r.handle(Event::RestoreJob {
-            rec: Box::new(rec),
-            spec: Arc::new(stream_spec("steps = 4", 2, 2, 100)),
-            docs: Vec::new().into(),
-            reference: Default::default(),
-            history: Vec::new(),
-        })
-        .unwrap();
-        r.handle(Event::RestoreRollouts {
-            job: "job".into(),
-            stored,
-        })
-        .unwrap();
+        let mut r = Sim::restored_stream(rec, stream_spec("steps = 4", 2, 2, 100), stored);
         assert_eq!(r.stream().queued_groups(), 2, "lose_delete = {lose_delete}");
         assert_eq!(r.stream().buffered(), 5);
         // The worker comes back holding step 1 in memory (issue 6): no
