@@ -308,6 +308,12 @@ pub struct RlSection {
     /// the workers (`[rl.engine]`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub engine: Option<crate::engine::EngineSection>,
+    /// The RL loop, disaggregated: this many of the job's workers only
+    /// generate while the others train (at most all but one of them), and
+    /// trainer rank 0 broadcasts every published policy to them over the
+    /// collective. Unset: colocated (the same workers generate, then train).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generators: Option<u32>,
 }
 
 /// `[rl.sampling]`: how the RL loop's workers sample completions.
@@ -399,7 +405,8 @@ impl RlSection {
             || self.prompts_per_round.is_some()
             || !self.eval_prompts.is_empty()
             || self.eval_every.is_some()
-            || self.engine.is_some();
+            || self.engine.is_some()
+            || self.generators.is_some();
         if any && kind != ObjectiveKind::Pg {
             bad("rl", "only applies to objective.kind = \"pg\"".into());
         }
@@ -425,6 +432,41 @@ impl RlSection {
             e.validate(bad);
             crate::engine::validate_with_rl(e, self.publish_every, self.max_staleness, bad);
         }
+        match (self.generators, &self.engine) {
+            (Some(0), _) => bad(
+                "rl.generators",
+                "must be at least 1 (leave it unset for colocated generation)".into(),
+            ),
+            (Some(_), Some(_)) => bad(
+                "rl.generators",
+                "generation goes either to an external engine ([rl.engine]) or to the job's own workers (rl.generators), not both".into(),
+            ),
+            (Some(_), None) => {
+                let every = self.sync_every();
+                if let Some(max) = self.max_staleness.filter(|&m| every > m + 1) {
+                    bad(
+                        "rl.publish_every",
+                        format!(
+                            "must be at most rl.max_staleness + 1 = {} with rl.generators (got {every}): the generators' policy ages by up to rl.publish_every - 1 steps between syncs, and rounds older than rl.max_staleness cannot be admitted, so the job would wait forever",
+                            max + 1
+                        ),
+                    );
+                }
+            }
+            (None, _) => {}
+        }
+    }
+
+    /// Whether the RL loop generates apart from the trainers: on an
+    /// external engine or on the job's own generator workers.
+    pub fn generates_apart(&self) -> bool {
+        self.engine.is_some() || self.generators.is_some()
+    }
+
+    /// Disaggregated generation: steps between weight syncs to the
+    /// generators (`rl.publish_every`, default every step).
+    pub fn sync_every(&self) -> u64 {
+        self.publish_every.unwrap_or(1)
     }
 
     /// The queue bound of a streamed job: `queue_capacity`, else four

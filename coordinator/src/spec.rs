@@ -1140,6 +1140,7 @@ fn validate_generate(spec: &JobSpec, bad: &mut impl FnMut(&str, String)) {
             ("rl.eval_prompts", !rl.eval_prompts.is_empty()),
             ("rl.eval_every", rl.eval_every.is_some()),
             ("rl.engine", rl.engine.is_some()),
+            ("rl.generators", rl.generators.is_some()),
         ] {
             if given {
                 bad(field, "only applies to data.source = \"generate\"".into());
@@ -1158,6 +1159,15 @@ fn validate_generate(spec: &JobSpec, bad: &mut impl FnMut(&str, String)) {
     }
     if rl.eval_every.is_some() && rl.eval_prompts.is_empty() {
         bad("rl.eval_every", "needs rl.eval_prompts".into());
+    }
+    if let Some(g) = rl.generators.filter(|&g| g >= spec.parallel.max_workers) {
+        bad(
+            "rl.generators",
+            format!(
+                "must be below parallel.max_workers = {} (got {g}): at least one worker trains",
+                spec.parallel.max_workers
+            ),
+        );
     }
     if rl.verifier.is_none() {
         bad(

@@ -36,11 +36,13 @@ mod publish;
 mod reference;
 mod step;
 mod thread;
+mod weights;
 mod work;
 mod writer;
 
 pub use handle::Runner;
 pub use step::{run_step, StepOutcome};
+pub use weights::WEIGHT_RING_TAG;
 pub use work::{
     collective_timeout, default_connector, default_factory, Connector, Factory, Progress,
     RunnerConfig, Work,

@@ -15,8 +15,8 @@ use super::reference::{RefEntry, ReferenceLogps, SeqLogp};
 use super::step::PlannedStep;
 use super::stream::{RolloutWrite, StoredStream};
 use super::types::{
-    AbortReason, CommittedStep, EventKind, HeldState, JobId, JobState, Why, WorkerErrorKind,
-    WorkerId,
+    AbortReason, CommittedStep, EventKind, HeldState, JobId, JobState, Role, WeightRing, Why,
+    WorkerErrorKind, WorkerId,
 };
 use super::workers::Registration;
 use crate::cursor::Cursor;
@@ -76,6 +76,14 @@ pub enum Event {
         worker: WorkerId,
         job: JobId,
         step: u64,
+    },
+    /// A generator loaded the policy of step `version` from the weight
+    /// ring (`ToWorker::SyncWeights`).
+    WeightsSynced {
+        worker: WorkerId,
+        job: JobId,
+        generation: u64,
+        version: u64,
     },
     SubmitJob {
         id: JobId,
@@ -221,6 +229,11 @@ pub enum ToWorker {
         spec: Arc<JobSpec>,
         step: u64,
         restore_from: Option<PathBuf>,
+        /// A generator's `rank` numbers it among the generators and its
+        /// `peers` are the generators (it joins no training ring).
+        role: Role,
+        /// Trainer rank 0 and the generators of a disaggregated generation.
+        weights: Option<WeightRing>,
     },
     Plan {
         job: JobId,
@@ -244,11 +257,19 @@ pub enum ToWorker {
         job: JobId,
         reason: String,
     },
-    /// Write the current policy as HF safetensors into `dir`.
+    /// Write the current policy as HF safetensors into `dir`; with no
+    /// `dir`, snapshot it in memory for the generators' weight ring.
     PublishPolicy {
         job: JobId,
         step: u64,
-        dir: PathBuf,
+        dir: Option<PathBuf>,
+    },
+    /// Disaggregated RL: trainer rank 0 broadcasts its newest snapshot
+    /// (at least `version`) over the weight ring; generators load it.
+    SyncWeights {
+        job: JobId,
+        generation: u64,
+        version: u64,
     },
     /// Sample completions with the current weights (the RL loop).
     Generate {

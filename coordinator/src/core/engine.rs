@@ -19,10 +19,20 @@
 //! admitted. Should one still arrive too stale, it is dropped unadmitted
 //! and its prompts are planned again (`on_scored`): they are consumed only
 //! with admitted rollouts, as for worker rounds.
+//!
+//! Disaggregated generation (`rl.generators`) is the same loop with the
+//! job's own generator workers as the engine: a round is dealt to them as
+//! `GeneratePlan`s, "publish" is a snapshot of the policy that trainer
+//! rank 0 keeps in memory, and "reload" is a weight sync (`SyncWeights`):
+//! trainer rank 0 broadcasts the snapshot over the weight ring and every
+//! generator answers `WeightsSynced`. A generation that loses any worker
+//! re-forms; its generators start with no known policy again.
+
+use std::sync::Arc;
 
 use tracing::{info, warn};
 
-use super::effects::Effect;
+use super::effects::{Effect, ToWorker};
 use super::generate::{EngineRound, GenCompletion, LoopState, Round, Scoring};
 use super::jobs::Work;
 use super::machine::Coordinator;
@@ -47,14 +57,24 @@ fn hand_to_scorer(
     fx.push(Effect::ScoreRound(Box::new(to_score)));
 }
 
+/// Where a job's rounds go when they run apart from the trainers.
+enum Backend {
+    /// An inference server (`rl.engine`).
+    External(crate::engine::EngineSection),
+    /// The job's own generator workers (`rl.generators`).
+    Workers,
+}
+
 impl Coordinator {
-    /// Starts the next thing the job's engine should do, if any: load a
-    /// newer published policy, ask for one when its version is unknown,
-    /// or generate the rounds the queue lacks.
+    /// Starts the next thing the job's engine (or its generator workers)
+    /// should do, if any: load a newer published policy, ask for one when
+    /// its version is unknown, or generate the rounds the queue lacks.
     pub(super) fn engine_tick(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
         let job = self.jobs.get_mut(job_id).expect("known job");
-        let Some(spec) = job.spec.rl.engine.clone() else {
-            return;
+        let backend = match (&job.spec.rl.engine, job.spec.rl.generators) {
+            (Some(e), _) => Backend::External(e.clone()),
+            (None, Some(_)) => Backend::Workers,
+            (None, None) => return,
         };
         // (A finished job's last policy is of no use to the engine.)
         if job.rec.state != JobState::Running || job.replaying() || job.finished() {
@@ -63,6 +83,18 @@ impl Coordinator {
         let step = job.rec.step;
         let ready = job.gen().is_some_and(|g| g.all_ready());
         let gen_id = job.gen().map_or(0, |g| g.id);
+        // Generator workers take part in a sync or a round only once
+        // configured (and trainer rank 0, their sender, too).
+        let generators: Vec<String> = job
+            .gen()
+            .map(|g| g.generators.members.clone())
+            .unwrap_or_default();
+        let generators_ready =
+            ready && job.gen().is_some_and(|g| g.generators.all_ready()) && !generators.is_empty();
+        let sender = job.gen().and_then(|g| g.members.first().cloned());
+        if matches!(backend, Backend::Workers) && !generators_ready {
+            return;
+        }
         // A publication of this step that members of this generation are
         // writing (one whose writer was lost never completes).
         let publishing = match (job.publish_acks.get(&step), job.gen()) {
@@ -96,15 +128,39 @@ impl Coordinator {
         // Phase 1: a newer published policy is loaded before any round.
         if let Some(p) = e.published.filter(|&p| e.loaded.is_none_or(|v| p > v)) {
             e.reloading = Some(p);
-            let dir = policy_dir(job, p);
-            info!(job = job_id, step = p, dir = %dir.display(), url = %spec.url, "engine told to load a policy");
-            job.rec.reason = format!("engine loading the policy of step {p}");
-            fx.push(Effect::EngineReload {
-                job: job_id.to_string(),
-                step: p,
-                dir,
-                engine: spec,
-            });
+            match backend {
+                Backend::External(spec) => {
+                    let dir = policy_dir(job, p);
+                    info!(job = job_id, step = p, dir = %dir.display(), url = %spec.url, "engine told to load a policy");
+                    job.rec.reason = format!("engine loading the policy of step {p}");
+                    fx.push(Effect::EngineReload {
+                        job: job_id.to_string(),
+                        step: p,
+                        dir,
+                        engine: spec,
+                    });
+                }
+                Backend::Workers => {
+                    info!(
+                        job = job_id,
+                        step = p,
+                        generators = generators.len(),
+                        "weights sent to the generators"
+                    );
+                    job.rec.reason = format!("sending the policy of step {p} to the generators");
+                    e.awaiting = generators.iter().cloned().collect();
+                    for w in sender.iter().chain(&generators) {
+                        fx.push(Effect::Send {
+                            worker: w.clone(),
+                            msg: ToWorker::SyncWeights {
+                                job: job_id.to_string(),
+                                generation: gen_id,
+                                version: p,
+                            },
+                        });
+                    }
+                }
+            }
             return;
         }
         // Phase 2: the current weights are published for the engine when
@@ -118,7 +174,14 @@ impl Coordinator {
         if want_current {
             if ready && !publishing && e.asked_publish != Some((step, gen_id)) {
                 e.asked_publish = Some((step, gen_id));
-                job.rec.reason = format!("publishing step {step}'s policy for the engine");
+                job.rec.reason = match backend {
+                    Backend::External(_) => {
+                        format!("publishing step {step}'s policy for the engine")
+                    }
+                    Backend::Workers => {
+                        format!("taking step {step}'s policy for the generators")
+                    }
+                };
                 publish::request(job, fx);
             }
             return;
@@ -148,18 +211,26 @@ impl Coordinator {
         }
         let age = (step + inflight_steps).saturating_sub(loaded);
         if max_staleness.is_some_and(|max| age > max) {
+            let who = match backend {
+                Backend::External(_) => "the engine",
+                Backend::Workers => "the generators",
+            };
             job.rec.reason = format!(
-                "waiting for the engine to load a newer policy (it serves step {loaded}'s; rl.max_staleness {})",
+                "waiting for {who} to load a newer policy (they serve step {loaded}'s; rl.max_staleness {})",
                 max_staleness.unwrap_or_default()
             );
             return;
         }
         let (group, done) = (s.group_size, s.prompts_done);
         let prompts = per_round.unwrap_or_else(|| (need - have).div_ceil(u64::from(group)));
+        let ranks = match backend {
+            Backend::External(_) => 1,
+            Backend::Workers => generators.len() as u32,
+        };
         let l = job.data.rollout_loop.as_mut().expect("checked above");
-        let Some((round, mut plans)) =
-            l.plan_round(done, prompts, group, 1, 0, loaded, &sampling, now_ms)
-        else {
+        let Some((round, mut plans)) = l.plan_round(
+            done, prompts, group, ranks, gen_id, loaded, &sampling, now_ms,
+        ) else {
             job.rec.reason = "waiting for the prompts to load".into();
             return;
         };
@@ -171,15 +242,150 @@ impl Coordinator {
             policy = loaded,
             "engine round planned"
         );
-        job.rec.reason = format!("engine generating round {}", round.id);
-        fx.push(Effect::EngineGenerate(Box::new(EngineRound {
-            job: job_id.to_string(),
-            round: round.id,
-            group,
-            plan: plans.pop().expect("one rank"),
-            engine: spec,
-        })));
+        match backend {
+            Backend::External(spec) => {
+                job.rec.reason = format!("engine generating round {}", round.id);
+                fx.push(Effect::EngineGenerate(Box::new(EngineRound {
+                    job: job_id.to_string(),
+                    round: round.id,
+                    group,
+                    plan: plans.pop().expect("one rank"),
+                    engine: spec,
+                })));
+            }
+            Backend::Workers => {
+                job.rec.reason = format!("generators generating round {}", round.id);
+                for (rank, (w, plan)) in generators.iter().zip(plans).enumerate() {
+                    fx.push(Effect::Send {
+                        worker: w.clone(),
+                        msg: ToWorker::Generate {
+                            job: job_id.to_string(),
+                            generation: gen_id,
+                            rank: rank as u32,
+                            plan: Arc::new(plan),
+                        },
+                    });
+                }
+            }
+        }
         l.engine.as_mut().expect("checked above").round = Some(Box::new(round));
+    }
+
+    /// A generator's completions of the job's current generators' round:
+    /// once every generator answered, the round goes to the scorer (or
+    /// waits for it). An answer that does not fit its plan drops the
+    /// generator (its round is planned again with the new generation).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn on_generator_answer(
+        &mut self,
+        worker: &str,
+        job_id: &str,
+        rank: u32,
+        generation: u64,
+        round: u64,
+        answer: (Vec<GenCompletion>, f64),
+        now_ms: i64,
+        fx: &mut Vec<Effect>,
+    ) {
+        let job = self.jobs.get_mut(job_id).expect("known job");
+        let Some(l) = job.data.rollout_loop.as_mut() else {
+            return;
+        };
+        let Some(e) = l.engine.as_mut() else {
+            return;
+        };
+        let Some(r) = e
+            .round
+            .as_mut()
+            .filter(|r| r.generation == generation && r.id == round)
+        else {
+            warn!(
+                worker,
+                job = job_id,
+                generation,
+                round,
+                "completions for a stale round, ignored"
+            );
+            return;
+        };
+        match r.answer(rank, answer.0, answer.1) {
+            Ok(false) => {}
+            Ok(true) => {
+                let r = *e.round.take().expect("matched above");
+                if l.scoring.is_some() {
+                    l.engine.as_mut().expect("matched above").answered = Some(Box::new(r));
+                    return;
+                }
+                hand_to_scorer(job_id, &mut job.rec.reason, l, r, fx);
+            }
+            Err(err) => {
+                let why = Why::new(
+                    AbortReason::WorkerError,
+                    format!("generator {worker} (rank {rank}) answered generation round {round} wrongly: {err}"),
+                );
+                self.lose_worker_because(worker, why, now_ms, fx);
+            }
+        }
+    }
+
+    /// A generator loaded the policy of step `version` from the weight
+    /// ring; once every generator did, rounds are tagged with it.
+    pub(super) fn on_weights_synced(
+        &mut self,
+        worker: &str,
+        job_id: &str,
+        generation: u64,
+        version: u64,
+        now_ms: i64,
+        fx: &mut Vec<Effect>,
+    ) {
+        let Some(job) = self.jobs.get_mut(job_id) else {
+            return;
+        };
+        if job.gen().is_none_or(|g| g.id != generation) {
+            warn!(
+                worker,
+                job = job_id,
+                generation,
+                "weight sync of a stale generation, ignored"
+            );
+            return;
+        }
+        let Some(e) = job
+            .data
+            .rollout_loop
+            .as_mut()
+            .and_then(|l| l.engine.as_mut())
+        else {
+            return;
+        };
+        let Some(asked) = e.reloading else {
+            return;
+        };
+        if version < asked {
+            // Trainer rank 0 sends its newest snapshot, never an older one.
+            let why = Why::new(
+                AbortReason::WorkerError,
+                format!(
+                    "generator {worker} loaded the policy of step {version}, step {asked} was sent"
+                ),
+            );
+            self.lose_worker_because(worker, why, now_ms, fx);
+            return;
+        }
+        if !e.awaiting.remove(worker) || !e.awaiting.is_empty() {
+            return;
+        }
+        e.reloading = None;
+        e.loaded = e.loaded.max(Some(version));
+        info!(
+            job = job_id,
+            step = version,
+            "the generators loaded the policy"
+        );
+        job.rec.reason.clear();
+        let msg = format!("the generators loaded the policy of step {version} from trainer rank 0");
+        fx.push(job.event(EventKind::Policy, msg, now_ms));
     }
 
     /// The engine answered round `round`: its completions go to the shell

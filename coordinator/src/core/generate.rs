@@ -15,7 +15,7 @@
 //! results of an old generation or round are ignored, and a scored round is
 //! admitted at most once (only the round being scored is accepted).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -162,9 +162,12 @@ pub struct EngineRound {
     pub engine: crate::engine::EngineSection,
 }
 
-/// What the core knows of a job's external engine (`rl.engine`). One
-/// thing at a time: a round or a reload, never both, so every round's
-/// completions come from the one policy version it is tagged with.
+/// What the core knows of the generation that runs apart from the
+/// trainers: a job's external engine (`rl.engine`), or its own generator
+/// workers (`rl.generators`, where a reload is a weight sync over the
+/// weight ring). One thing at a time: a round or a reload, never both, so
+/// every round's completions come from the one policy version it is
+/// tagged with.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct EngineLoop {
     /// The policy version (step) the engine serves; `None` until a reload
@@ -182,9 +185,26 @@ pub struct EngineLoop {
     /// A round the engine answered while another round (the workers'
     /// eval answers) was being scored: scored next.
     pub answered: Option<Box<Round>>,
+    /// Generator workers: those that have not yet answered the weight
+    /// sync in flight (`reloading`).
+    pub awaiting: BTreeSet<String>,
 }
 
 impl EngineLoop {
+    /// A new generation's generators: they hold no known policy, and the
+    /// snapshot trainer rank 0 kept went with the old weight ring, so the
+    /// current step is published and synced before any round. Their
+    /// round in flight is forgotten (its prompts are planned again); one
+    /// already answered stays, to be scored.
+    pub fn new_generators(&mut self) {
+        self.loaded = None;
+        self.reloading = None;
+        self.published = None;
+        self.asked_publish = None;
+        self.round = None;
+        self.awaiting.clear();
+    }
+
     /// Whether a round of the engine's is out (generating or answered
     /// and waiting to be scored).
     pub fn busy(&self) -> bool {

@@ -14,7 +14,8 @@ use super::machine::Coordinator;
 use super::membership::{compose, Composition};
 use super::recovery::{self, Source};
 use super::types::{
-    AbortReason, CheckpointEntry, End, EventKind, HeldState, JobState, PlanKind, Why, WorkerId,
+    AbortReason, CheckpointEntry, End, EventKind, HeldState, JobState, PlanKind, Role, WeightRing,
+    Why, WorkerId,
 };
 use super::workers::WorkerState;
 use crate::spec::Sharding;
@@ -41,8 +42,7 @@ impl Coordinator {
     /// During a replay the change waits for the replay's end.
     pub(super) fn regroup(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
         let leaving = self.jobs[job_id].gen().is_some_and(|g| {
-            g.members
-                .iter()
+            g.everyone()
                 .any(|m| self.workers.get(m).is_some_and(|w| w.draining))
         });
         let job = self.jobs.get_mut(job_id).expect("known job");
@@ -212,13 +212,14 @@ impl Coordinator {
     /// Forms a generation for a waiting job as [`compose`] decides, and
     /// configures its members.
     pub(super) fn form_generation(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
-        let (members, decision, disk_only) =
+        let (members, generators, decision, disk_only) =
             match compose(now_ms, &self.jobs[job_id], &self.workers) {
                 Composition::Form {
                     members,
+                    generators,
                     decision,
                     disk_only,
-                } => (members, decision, disk_only),
+                } => (members, generators, decision, disk_only),
                 Composition::Wait(reason) => {
                     self.jobs.get_mut(job_id).expect("known job").rec.reason = reason;
                     return;
@@ -233,14 +234,28 @@ impl Coordinator {
                     return;
                 }
             };
-        let peers: Arc<[(WorkerId, String)]> = members
-            .iter()
-            .map(|m| (m.clone(), self.workers[m].reg.collective_addr.clone()))
-            .collect();
+        let addr = |m: &WorkerId| (m.clone(), self.workers[m].reg.collective_addr.clone());
+        let peers: Arc<[(WorkerId, String)]> = members.iter().map(addr).collect();
         let world = members.len();
         let priors: Arc<[Option<HeldState>]> =
             (0..world).map(|i| decision.prior(i).cloned()).collect();
         let prior_runs: Arc<[recovery::PriorRun]> = recovery::prior_runs(&priors).into();
+        // The weight ring of a disaggregated generation: trainer rank 0,
+        // then the generators; each member dials the next.
+        let ring: Vec<(WorkerId, String)> = members
+            .iter()
+            .take(1)
+            .chain(&generators)
+            .map(addr)
+            .collect();
+        let weight_ring = |i: usize| {
+            (!generators.is_empty()).then(|| WeightRing {
+                rank: i as u32,
+                world: ring.len() as u32,
+                next: ring[(i + 1) % ring.len()].clone(),
+            })
+        };
+        let generator_peers: Arc<[(WorkerId, String)]> = generators.iter().map(addr).collect();
         // Memory a Configure does not overwrite: a ddp holder's (it only
         // sends), or a sharded layout that stays exactly as it was.
         let unchanged_layout = priors.iter().enumerate().all(|(i, p)| {
@@ -258,7 +273,8 @@ impl Coordinator {
             members.clone(),
             decision.clone(),
             disk_only,
-        );
+        )
+        .with_generators(generators.clone());
         for (rank, m) in members.iter().enumerate() {
             fx.push(Effect::Send {
                 worker: m.clone(),
@@ -272,6 +288,8 @@ impl Coordinator {
                     spec: job.spec.clone(),
                     step: decision.step,
                     restore_from: decision.restore_from(),
+                    role: Role::Trainer,
+                    weights: if rank == 0 { weight_ring(0) } else { None },
                 },
             });
             let w = self.workers.get_mut(m).expect("member is registered");
@@ -283,19 +301,65 @@ impl Coordinator {
                 w.held = None;
             }
         }
+        for (i, m) in generators.iter().enumerate() {
+            fx.push(Effect::Send {
+                worker: m.clone(),
+                msg: ToWorker::Configure {
+                    job: job_id.to_string(),
+                    generation: gen.id,
+                    rank: i as u32,
+                    peers: generator_peers.clone(),
+                    priors: Arc::new([]),
+                    prior_runs: Arc::new([]),
+                    spec: job.spec.clone(),
+                    step: decision.step,
+                    restore_from: None,
+                    role: Role::Generator,
+                    weights: weight_ring(i + 1),
+                },
+            });
+            let w = self.workers.get_mut(m).expect("generator is registered");
+            w.job = Some(job_id.to_string());
+            w.rank = None;
+            w.state = WorkerState::Configuring;
+            // A generator holds no training state.
+            w.held = None;
+        }
+        // New generators hold no known policy, and trainer rank 0's
+        // snapshot went with the old weight ring: the current step is
+        // published and synced before any round.
+        if !generators.is_empty() {
+            if let Some(e) = job
+                .data
+                .rollout_loop
+                .as_mut()
+                .and_then(|l| l.engine.as_mut())
+            {
+                e.new_generators();
+            }
+        }
         let source = decision.describe();
         info!(
             job = job_id,
             generation = gen.id,
             world_size = world,
+            generators = generators.len(),
             %source,
             "generation formed"
         );
         fx.push(Effect::PersistJob(Box::new(job.rec.clone())));
-        let msg = format!(
-            "generation {} formed with {world} workers; {source}",
-            gen.id
-        );
+        let msg = if generators.is_empty() {
+            format!(
+                "generation {} formed with {world} workers; {source}",
+                gen.id
+            )
+        } else {
+            format!(
+                "generation {} formed with {world} training and {} generating workers; {source}",
+                gen.id,
+                generators.len()
+            )
+        };
         job.phase = Phase::Active(Active {
             gen,
             work: Work::Idle,
@@ -325,6 +389,17 @@ impl Coordinator {
             return;
         };
         let gen = &mut active.gen;
+        if let Some(i) = gen.generators.rank_of(worker) {
+            gen.generators.mark_ready(i);
+            if let Some(w) = self.workers.get_mut(worker) {
+                w.state = if w.draining {
+                    WorkerState::Draining
+                } else {
+                    WorkerState::Active
+                };
+            }
+            return;
+        }
         let Some(rank) = gen.rank_of(worker) else {
             return;
         };

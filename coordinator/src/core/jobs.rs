@@ -49,6 +49,58 @@ pub struct Generation {
     /// up, so this is O(log W), not a scan of the members (issue 19).
     /// Shared: a generation is cloned often and never changes.
     ranks: Arc<BTreeMap<WorkerId, u32>>,
+    /// A disaggregated RL generation's generators (`rl.generators`):
+    /// workers outside the training ranks that only generate. Empty in
+    /// every other generation.
+    pub generators: GeneratorSet,
+}
+
+/// The generators of a disaggregated generation, by their rank among the
+/// generators (what their `GeneratePlan`s carry), and which are ready.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct GeneratorSet {
+    pub members: Vec<WorkerId>,
+    ready: Vec<bool>,
+    ready_count: u32,
+}
+
+impl GeneratorSet {
+    pub fn new(members: Vec<WorkerId>) -> GeneratorSet {
+        GeneratorSet {
+            ready: vec![false; members.len()],
+            ready_count: 0,
+            members,
+        }
+    }
+
+    pub fn len(&self) -> u32 {
+        self.members.len() as u32
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.members.is_empty()
+    }
+
+    /// A generator's rank among the generators (a scan: generators answer
+    /// once per round, never on the per-step path).
+    pub fn rank_of(&self, worker: &str) -> Option<u32> {
+        self.members
+            .iter()
+            .position(|m| m == worker)
+            .map(|i| i as u32)
+    }
+
+    pub fn all_ready(&self) -> bool {
+        self.ready_count as usize == self.ready.len()
+    }
+
+    /// Notes generator `rank`'s Ready (again is a no-op).
+    pub fn mark_ready(&mut self, rank: u32) {
+        if let Some(r) = self.ready.get_mut(rank as usize).filter(|r| !**r) {
+            *r = true;
+            self.ready_count += 1;
+        }
+    }
 }
 
 impl Generation {
@@ -70,9 +122,23 @@ impl Generation {
             decision,
             disk_only,
             ranks,
+            generators: GeneratorSet::default(),
         }
     }
 
+    /// The same generation with these generators beside its training ranks.
+    pub fn with_generators(mut self, generators: Vec<WorkerId>) -> Self {
+        self.generators = GeneratorSet::new(generators);
+        self
+    }
+
+    /// Every worker of the generation: the training ranks, then the
+    /// generators.
+    pub fn everyone(&self) -> impl Iterator<Item = &WorkerId> {
+        self.members.iter().chain(&self.generators.members)
+    }
+
+    /// The training world size (generators are not in it).
     pub fn world_size(&self) -> u32 {
         self.members.len() as u32
     }
@@ -290,6 +356,8 @@ impl JobData {
                     Some(e) => l.with_engine(
                         (e.reload == crate::engine::EngineReload::None).then_some(step),
                     ),
+                    // Generator workers start with no known policy.
+                    None if spec.rl.generators.is_some() => l.with_engine(None),
                     None => l,
                 }
             }),
@@ -550,12 +618,25 @@ impl Job {
         Some(f.started_ms.saturating_add(timeout))
     }
 
-    /// The generation round in flight (the RL loop), if any.
+    /// The generation round in flight on the job's workers (the RL loop),
+    /// if any: the training ranks' (colocated, or eval prompts), else the
+    /// generators' (disaggregated).
     pub fn round(&self) -> Option<&super::generate::Round> {
-        match self.active().map(|a| &a.work) {
-            Some(Work::Generating(r)) => Some(r),
-            _ => None,
+        self.round_on().map(|(r, _)| r)
+    }
+
+    /// [`Self::round`] and the workers it was dealt to, by rank.
+    pub fn round_on(&self) -> Option<(&super::generate::Round, &[WorkerId])> {
+        let a = self.active()?;
+        if let Work::Generating(r) = &a.work {
+            return Some((r, &a.gen.members));
         }
+        if a.gen.generators.is_empty() {
+            return None;
+        }
+        let e = self.data.rollout_loop.as_ref()?.engine.as_ref()?;
+        let r = e.round.as_deref()?;
+        Some((r, &a.gen.generators.members))
     }
 
     /// When the round in flight is overdue: after `faults.step_timeout_s`,

@@ -362,12 +362,11 @@ impl Coordinator {
             .cloned()
             .expect("a boundary within a generation");
         let leaving = gen
-            .members
-            .iter()
+            .everyone()
             .any(|m| self.workers.get(m).is_some_and(|w| w.draining));
         let max_workers = self.jobs[job_id].spec.parallel.max_workers;
-        let joining =
-            self.workers.values().any(Worker::available) && gen.world_size() < max_workers;
+        let size = gen.world_size() + gen.generators.len();
+        let joining = self.workers.values().any(Worker::available) && size < max_workers;
         let job = self.jobs.get_mut(job_id).expect("known job");
         if job.requests.pause {
             job.requests.pause = false;
@@ -493,7 +492,7 @@ impl Coordinator {
                     });
                 }
             }
-            for m in gen.members {
+            for m in gen.everyone() {
                 fx.push(Effect::Send {
                     worker: m.clone(),
                     msg: ToWorker::Release {
@@ -501,7 +500,7 @@ impl Coordinator {
                         reason: reason.clone(),
                     },
                 });
-                if let Some(w) = self.workers.get_mut(&m) {
+                if let Some(w) = self.workers.get_mut(m) {
                     w.job = None;
                     w.rank = None;
                     if w.state != WorkerState::Lost {
@@ -537,8 +536,9 @@ impl Coordinator {
             if job.rec.state == JobState::Running && idle_and_ready {
                 self.dispatch(&id, now_ms, fx);
             }
-            // An external engine generates while the workers train.
-            if self.jobs[&id].spec.rl.engine.is_some() {
+            // An external engine, or the generator workers, generate
+            // while the trainers train.
+            if self.jobs[&id].spec.rl.generates_apart() {
                 self.engine_tick(&id, now_ms, fx);
             }
         }
@@ -581,7 +581,7 @@ impl Coordinator {
                     // The RL loop makes the rollouts itself.
                     // (An external engine's rounds are planned apart.)
                     let generating =
-                        job.data.rollout_loop.is_some() && job.spec.rl.engine.is_none();
+                        job.data.rollout_loop.is_some() && !job.spec.rl.generates_apart();
                     job.rec.reason = reason;
                     if generating {
                         self.plan_round(job_id, need, now_ms, fx);

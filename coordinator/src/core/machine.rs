@@ -261,6 +261,15 @@ impl Coordinator {
             Event::EngineGenerated { job, round, result } => {
                 self.on_engine_generated(&job, round, result, now_ms, &mut fx)
             }
+            Event::WeightsSynced {
+                worker,
+                job,
+                generation,
+                version,
+            } => {
+                self.seen(&worker, now_ms);
+                self.on_weights_synced(&worker, &job, generation, version, now_ms, &mut fx);
+            }
             Event::EngineReloaded { job, step, result } => {
                 self.on_engine_reloaded(&job, step, result, now_ms, &mut fx)
             }
@@ -410,8 +419,7 @@ impl Coordinator {
         }
         // The same for a generation round (a hung sampler).
         for job in self.jobs.values() {
-            let (Some(deadline), Some(a), Some(r)) =
-                (job.round_deadline_ms(), job.active(), job.round())
+            let (Some(deadline), Some((r, workers))) = (job.round_deadline_ms(), job.round_on())
             else {
                 continue;
             };
@@ -419,7 +427,7 @@ impl Coordinator {
                 continue;
             }
             let waited_s = (now_ms - r.started_ms) as f64 / 1000.0;
-            for (rank, m) in a.gen.members.iter().enumerate() {
+            for (rank, m) in workers.iter().enumerate() {
                 if !r.answers.contains_key(&(rank as u32)) {
                     let detail = format!(
                         "worker {m} (rank {rank}) gave no completions for generation round {} in {waited_s:.0} s (the step deadline)",
@@ -533,12 +541,14 @@ impl Coordinator {
         };
         // Checkpoints its members are still writing go on (they count once
         // every writer reports); one missing a lost writer was dropped.
-        for m in &gen.members {
+        // (Generators run no step: they take no abort.)
+        let trainers = gen.members.len();
+        for (i, m) in gen.everyone().enumerate() {
             if let Some(w) = self.workers.get_mut(m) {
                 if w.state == WorkerState::Lost {
                     continue;
                 }
-                if let Some(step) = aborted {
+                if let Some(step) = aborted.filter(|_| i < trainers) {
                     fx.push(Effect::Send {
                         worker: m.clone(),
                         msg: ToWorker::Abort {

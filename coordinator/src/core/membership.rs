@@ -16,6 +16,10 @@ pub enum Composition {
     /// Form a generation of `members` (rank order) from `decision`.
     Form {
         members: Vec<WorkerId>,
+        /// A disaggregated job's generators (`rl.generators`): the last
+        /// of the chosen workers (those without training state come
+        /// last), outside the training ranks.
+        generators: Vec<WorkerId>,
         decision: Decision,
         /// Formed under "restore from disk" (see `Generation::disk_only`).
         disk_only: bool,
@@ -64,6 +68,24 @@ pub fn compose(now_ms: i64, job: &Job, workers: &BTreeMap<WorkerId, Worker>) -> 
         .collect();
     recovery::member_order(id, &mut free);
     free.truncate(max as usize);
+    // Disaggregated: up to rl.generators workers generate, at least one
+    // trains; fewer workers than two cannot form such a generation.
+    let generators = match job.spec.rl.generators {
+        Some(_) if free.len() < 2 => {
+            return Composition::Wait(format!(
+                "waiting for workers: {} available, rl.generators needs at least 2 (one trains, one generates)",
+                free.len()
+            ))
+        }
+        Some(g) => {
+            let n = (g as usize).min(free.len() - 1);
+            free.split_off(free.len() - n)
+                .into_iter()
+                .map(|(id, _, _)| id)
+                .collect()
+        }
+        None => Vec::new(),
+    };
     let (members, held): (Vec<WorkerId>, Vec<Option<HeldState>>) =
         free.into_iter().map(|(id, _, h)| (id, h)).unzip();
     let history_from = replayable_from(job);
@@ -78,6 +100,7 @@ pub fn compose(now_ms: i64, job: &Job, workers: &BTreeMap<WorkerId, Worker>) -> 
     }) {
         Ok(decision) => Composition::Form {
             members,
+            generators,
             decision,
             disk_only,
         },

@@ -53,7 +53,8 @@ pub use effects::{Effect, Event, JobStart, ToWorker, WatchItem};
 pub use error::{CoreError, Result};
 pub use eval::EvalMetrics;
 pub use jobs::{
-    Active, AfterCheckpoint, BoundaryRequests, Generation, InFlight, Job, JobData, Phase, Work,
+    Active, AfterCheckpoint, BoundaryRequests, Generation, GeneratorSet, InFlight, Job, JobData,
+    Phase, Work,
 };
 pub use machine::{Coordinator, CoordinatorOptions};
 pub use metrics::{MetricSums, SourceMetrics, SourceSums, StepMetrics};
@@ -63,6 +64,6 @@ pub use step::PlannedStep;
 pub use stream::{AdmitCounts, RolloutStream, RolloutWrite, StoredStream, StreamMeta};
 pub use types::{
     AbortReason, CheckpointEntry, CommittedStep, End, EventKind, HeldState, JobId, JobState,
-    PlanKind, Quarantined, Why, WorkerErrorKind, WorkerId,
+    PlanKind, Quarantined, Role, WeightRing, Why, WorkerErrorKind, WorkerId,
 };
 pub use workers::{Registration, Worker, WorkerState};

@@ -24,9 +24,14 @@ pub fn policy_dir(job: &Job, step: u64) -> PathBuf {
         .join(format!("step-{step}"))
 }
 
-/// After a commit: asks every member to publish when the step is due.
+/// After a commit: asks every member to publish when the step is due
+/// (`rl.publish_every`; with generator workers every `rl.sync_every()`).
 pub(super) fn request_if_due(job: &mut Job, fx: &mut Vec<Effect>) {
-    let Some(every) = job.spec.rl.publish_every.filter(|&n| n > 0) else {
+    let every = match job.spec.rl.generators {
+        Some(_) => Some(job.spec.rl.sync_every()),
+        None => job.spec.rl.publish_every,
+    };
+    let Some(every) = every.filter(|&n| n > 0) else {
         return;
     };
     if job.rec.step.is_multiple_of(every) {
@@ -34,13 +39,20 @@ pub(super) fn request_if_due(job: &mut Job, fx: &mut Vec<Effect>) {
     }
 }
 
-/// Asks every member to publish the committed step's policy now.
+/// Asks every member to publish the committed step's policy now: to disk,
+/// or, for a job's own generators, as a snapshot in memory that trainer
+/// rank 0 broadcasts over the weight ring (never through disk).
 pub(super) fn request(job: &mut Job, fx: &mut Vec<Effect>) {
     let step = job.rec.step;
     let Some(members) = job.gen().map(|g| g.members.clone()) else {
         return;
     };
-    let dir = policy_dir(job, step);
+    let dir = job
+        .spec
+        .rl
+        .generators
+        .is_none()
+        .then(|| policy_dir(job, step));
     for m in &members {
         fx.push(Effect::Send {
             worker: m.clone(),
@@ -76,10 +88,17 @@ impl Coordinator {
             return;
         }
         job.publish_acks.remove(&step);
-        let dir = policy_dir(job, step);
-        info!(job = job_id, step, dir = %dir.display(), "policy published");
-        let msg = format!("policy of step {step} published to {}", dir.display());
-        fx.push(job.event(EventKind::Policy, msg, now_ms));
+        if job.spec.rl.generators.is_some() {
+            info!(
+                job = job_id,
+                step, "policy snapshot taken for the generators"
+            );
+        } else {
+            let dir = policy_dir(job, step);
+            info!(job = job_id, step, dir = %dir.display(), "policy published");
+            let msg = format!("policy of step {step} published to {}", dir.display());
+            fx.push(job.event(EventKind::Policy, msg, now_ms));
+        }
         // The job's engine loads it next (`super::engine`).
         if let Some(e) = job
             .data

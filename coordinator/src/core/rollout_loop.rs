@@ -169,6 +169,17 @@ impl Coordinator {
         let Some(active) = job.active_mut() else {
             return;
         };
+        // A disaggregated generation's generators answer the engine round.
+        if let Some(g) = active
+            .gen
+            .generators
+            .rank_of(worker)
+            .filter(|_| active.gen.id == generation)
+        {
+            let (w, j) = (worker.to_string(), job_id.to_string());
+            self.on_generator_answer(&w, &j, g, generation, round, answer, now_ms, fx);
+            return;
+        }
         let rank = active.gen.rank_of(worker);
         let Work::Generating(r) = &mut active.work else {
             warn!(
@@ -280,7 +291,7 @@ impl Coordinator {
         }
         // An engine round that went stale while scored is not admitted:
         // its prompts stay unconsumed and are planned again.
-        let engine = job.spec.rl.engine.is_some();
+        let engine = job.spec.rl.generates_apart();
         if let Some(r) = rollouts
             .iter()
             .find(|r| engine && crate::rl::admit(r.policy_version, step, max_staleness).is_err())

@@ -25,6 +25,9 @@ mod loop_tests;
 #[path = "engine_tests.rs"]
 mod engine_tests;
 
+#[path = "disagg_tests.rs"]
+mod disagg_tests;
+
 fn docs(n: usize) -> Arc<[Document]> {
     (0..n)
         .map(|i| {
@@ -126,6 +129,11 @@ struct Sim {
     /// How many of those a test has answered.
     answered_rounds: usize,
     answered_reloads: usize,
+    /// Every weight sync sent: (worker, version).
+    syncs: Vec<(WorkerId, u64)>,
+    /// Per Generate plan sent: its worker, and whether a training step
+    /// was in flight then.
+    round_workers: Vec<(WorkerId, bool)>,
 }
 
 /// The log-prob a simulated worker reports in a reference pass.
@@ -176,6 +184,8 @@ impl Sim {
             engine_overlap: Vec::new(),
             answered_rounds: 0,
             answered_reloads: 0,
+            syncs: Vec::new(),
+            round_workers: Vec::new(),
         }
     }
 
@@ -204,14 +214,25 @@ impl Sim {
                         }
                     }
                     if let ToWorker::PublishPolicy { step, dir, .. } = &msg {
-                        self.publish_requests
-                            .push((worker.clone(), *step, dir.clone()));
+                        self.publish_requests.push((
+                            worker.clone(),
+                            *step,
+                            dir.clone().unwrap_or_default(),
+                        ));
                     }
                     if let ToWorker::Abort { step, .. } = &msg {
                         self.aborts.push((worker.clone(), *step));
                     }
-                    if let ToWorker::Generate { rank, plan, .. } = &msg {
+                    if let ToWorker::Generate {
+                        rank, plan, job, ..
+                    } = &msg
+                    {
                         self.rounds.push((*rank, plan.clone()));
+                        let busy = self.c.job(job).is_ok_and(|j| j.inflight().is_some());
+                        self.round_workers.push((worker.clone(), busy));
+                    }
+                    if let ToWorker::SyncWeights { version, .. } = &msg {
+                        self.syncs.push((worker.clone(), *version));
                     }
                     self.inbox.push_back((worker, msg))
                 }
@@ -408,6 +429,28 @@ impl Sim {
                 plan,
                 ..
             } => loop_tests::generated(w, job, generation, &plan),
+            ToWorker::SyncWeights {
+                job,
+                generation,
+                version,
+            } => {
+                // Trainer rank 0 sends; the generators answer.
+                let generator = self
+                    .c
+                    .job(&job)
+                    .ok()
+                    .and_then(|j| j.gen())
+                    .is_some_and(|g| g.generators.rank_of(&w).is_some());
+                if !generator {
+                    return true;
+                }
+                Event::WeightsSynced {
+                    worker: w,
+                    job,
+                    generation,
+                    version,
+                }
+            }
             ToWorker::Abort { .. } | ToWorker::Release { .. } => return true,
         };
         self.handle(ev).unwrap();

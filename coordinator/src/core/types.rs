@@ -13,6 +13,24 @@ use crate::doc::DocId;
 pub type JobId = String;
 pub type WorkerId = String;
 
+/// A member's part in a generation: every member trains, except in a
+/// disaggregated RL job (`rl.generators`), whose generators only generate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    Trainer,
+    Generator,
+}
+
+/// Where a member sits in a disaggregated generation's weight ring
+/// (trainer rank 0, then the generators): it dials `next`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WeightRing {
+    pub rank: u32,
+    pub world: u32,
+    /// (worker id, collective address) of ring rank (rank + 1) % world.
+    pub next: (WorkerId, String),
+}
+
 /// Lifecycle of a job as operators see it (persisted in its record).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum JobState {

@@ -4,8 +4,8 @@
 use accrue_proto::{pack_f32, v1 as wire};
 
 use crate::core::{
-    AbortReason, EventKind, HeldState, Job, JobState, MetricSums, PlanKind, Quarantined, SeqLogp,
-    StepMetrics, ToWorker, WatchItem, Worker, WorkerErrorKind, WorkerId, WorkerState,
+    AbortReason, EventKind, HeldState, Job, JobState, MetricSums, PlanKind, Quarantined, Role,
+    SeqLogp, StepMetrics, ToWorker, WatchItem, Worker, WorkerErrorKind, WorkerId, WorkerState,
 };
 use crate::cursor::Cursor;
 use crate::doc::DocId;
@@ -454,6 +454,8 @@ pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
             spec,
             step,
             restore_from,
+            role,
+            weights,
         } => Msg::Configure(wire::Configure {
             job_id: job.clone(),
             generation: *generation,
@@ -462,7 +464,25 @@ pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
             // O(1) in the world size: the neighbour, this rank's prior and
             // the runs, never the whole membership.
             peers: Vec::new(),
-            next: ring_next(peers, *rank),
+            // A generator joins only the weight ring.
+            next: match role {
+                Role::Trainer => ring_next(peers, *rank),
+                Role::Generator => None,
+            },
+            role: match role {
+                Role::Trainer => wire::Role::Trainer,
+                Role::Generator => wire::Role::Generator,
+            } as i32,
+            weights: weights.as_ref().map(|w| wire::WeightRing {
+                rank: w.rank,
+                world_size: w.world,
+                next: Some(wire::Peer {
+                    rank: (w.rank + 1) % w.world.max(1),
+                    worker_id: w.next.0.clone(),
+                    collective_addr: w.next.1.clone(),
+                    prior: None,
+                }),
+            }),
             prior: priors
                 .get(*rank as usize)
                 .and_then(Option::as_ref)
@@ -558,7 +578,23 @@ pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
         ToWorker::PublishPolicy { job, step, dir } => Msg::PublishPolicy(wire::PublishPolicy {
             job_id: job.clone(),
             step: *step,
-            dir: dir.display().to_string(),
+            dir: dir
+                .as_ref()
+                .map(|d| d.display().to_string())
+                .unwrap_or_default(),
+            target: match dir {
+                Some(_) => wire::PolicyTarget::Disk,
+                None => wire::PolicyTarget::Generators,
+            } as i32,
+        }),
+        ToWorker::SyncWeights {
+            job,
+            generation,
+            version,
+        } => Msg::SyncWeights(wire::SyncWeights {
+            job_id: job.clone(),
+            generation: *generation,
+            version: *version,
         }),
         ToWorker::Release { job, reason } => Msg::Release(wire::Release {
             job_id: job.clone(),
@@ -656,6 +692,8 @@ mod tests {
                         spec: spec.clone(),
                         step: 9,
                         restore_from: None,
+                        role: Role::Trainer,
+                        weights: None,
                     })
                     .encoded_len()
                 })
@@ -688,6 +726,8 @@ mod tests {
             spec: std::sync::Arc::new(spec),
             step: 7,
             restore_from: None,
+            role: Role::Trainer,
+            weights: None,
         });
         let Some(wire::coordinator_message::Msg::Configure(c)) = msg.msg else {
             panic!("expected a configure");

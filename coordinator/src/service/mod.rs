@@ -359,22 +359,27 @@ impl Shared {
                         ToWorker::Plan { job, .. } => Some(job.clone()),
                         _ => None,
                     };
-                    match &msg {
-                        ToWorker::Checkpoint { job, dir, .. }
-                        | ToWorker::PublishPolicy { job, dir, .. } => {
-                            if let Ok(j) = inner.core.job(job) {
-                                let (me, id) = (self.me.clone(), job.clone());
-                                self.tokenizers.write(job, &j.spec.data, dir, move |what| {
-                                    if let Some(s) = me.upgrade() {
-                                        let failed = Event::OutputFailed { job: id, what };
-                                        if let Err(e) = s.apply(failed) {
-                                            error!(%e, "failing the job after a tokenizer write failed");
-                                        }
+                    let written = match &msg {
+                        ToWorker::Checkpoint { job, dir, .. } => Some((job, dir)),
+                        ToWorker::PublishPolicy {
+                            job,
+                            dir: Some(dir),
+                            ..
+                        } => Some((job, dir)),
+                        _ => None,
+                    };
+                    if let Some((job, dir)) = written {
+                        if let Ok(j) = inner.core.job(job) {
+                            let (me, id) = (self.me.clone(), job.clone());
+                            self.tokenizers.write(job, &j.spec.data, dir, move |what| {
+                                if let Some(s) = me.upgrade() {
+                                    let failed = Event::OutputFailed { job: id, what };
+                                    if let Err(e) = s.apply(failed) {
+                                        error!(%e, "failing the job after a tokenizer write failed");
                                     }
-                                });
-                            }
+                                }
+                            });
                         }
-                        _ => {}
                     }
                     if let Some((_, tx)) = inner.sessions.get(&worker) {
                         // A closed channel means the session is going away;

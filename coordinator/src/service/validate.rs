@@ -72,6 +72,7 @@ pub fn session_message(msg: &Msg) -> Result<(), Status> {
         Msg::Error(e) => non_empty("error.job_id", &e.job_id),
         Msg::GenerateResult(g) => non_empty("generate_result.job_id", &g.job_id),
         Msg::CheckpointDone(c) => non_empty("checkpoint_done.job_id", &c.job_id),
+        Msg::WeightsSynced(w) => non_empty("weights_synced.job_id", &w.job_id),
         Msg::Hello(_) | Msg::Heartbeat(_) | Msg::PolicyPublished(_) | Msg::Leave(_) => Ok(()),
     }
 }

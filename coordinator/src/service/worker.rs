@@ -81,6 +81,12 @@ fn event_of(worker: &str, msg: Msg) -> Result<Option<Event>, Status> {
         // A worker that got SIGTERM leaves like an admin drain.
         Msg::Leave(_) => Event::DrainWorker { worker },
         Msg::GenerateResult(g) => super::generate::generate_result(&worker, g)?,
+        Msg::WeightsSynced(w) => Event::WeightsSynced {
+            worker,
+            job: w.job_id,
+            generation: w.generation,
+            version: w.version,
+        },
     }))
 }
 

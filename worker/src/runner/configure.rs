@@ -111,6 +111,10 @@ impl Thread {
                 return self.error(&c.job_id, c.generation, c.step, kind, msg, None);
             }
         };
+        if c.role() == wire::Role::Generator {
+            return self.configure_generator(&c, &cfg);
+        }
+        self.weight_ring = None;
         let sharded = cfg.sharding != Sharding::Ddp;
         let result = match source(&c, sharded) {
             Source::Restore(dir) => {
@@ -123,6 +127,8 @@ impl Thread {
         let how = match result {
             Ok(how) => how,
             Err((kind, msg, peer)) => {
+                self.weight_ring = None;
+                self.serve_weights(&c);
                 if matches!(
                     kind,
                     wire::ErrorKind::StateSync | wire::ErrorKind::RestoreFailed
@@ -132,6 +138,8 @@ impl Thread {
                 return self.error(&c.job_id, c.generation, c.step, kind, msg, peer);
             }
         };
+        // Trainer rank 0 of a disaggregated generation serves the policy.
+        self.serve_weights(&c);
         let h = self.job.as_mut().expect("configured above");
         h.generation = c.generation;
         h.rank = c.rank;
@@ -306,9 +314,22 @@ impl Thread {
         Ok(())
     }
 
-    /// This rank's collective for the generation `c` describes; its abort
-    /// handle is kept for [`super::handle::Runner::submit`].
-    fn connect(&self, c: &wire::Configure) -> Result<Box<dyn Collective>, ConfigureError> {
+    /// This rank's collective for the generation `c` describes, and
+    /// after it the weight ring when `c` names one (trainer rank 0 of a
+    /// disaggregated generation: kept for its weight server).
+    fn connect(&mut self, c: &wire::Configure) -> Result<Box<dyn Collective>, ConfigureError> {
+        let train = self.connect_training(c)?;
+        self.weight_ring = None;
+        if c.weights.is_some() {
+            let (ring, _) = self.connect_weight_ring(c)?;
+            self.weight_ring = Some(ring);
+        }
+        Ok(train)
+    }
+
+    /// The training collective of `c`; its abort handle is kept for
+    /// [`super::handle::Runner::submit`].
+    fn connect_training(&self, c: &wire::Configure) -> Result<Box<dyn Collective>, ConfigureError> {
         lock(&self.in_flight).collective = None;
         if c.world_size <= 1 {
             return Ok(Box::new(Solo));

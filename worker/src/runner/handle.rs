@@ -10,6 +10,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use tracing::info;
 
 use super::thread::{lock, InFlight, PlanKey, Thread};
+use super::weights::Cmd;
 use super::work::{Factory, Progress, RunnerConfig, Work};
 use super::writer::Writer;
 use crate::wire;
@@ -25,6 +26,8 @@ pub struct Runner {
     pending: Arc<AtomicUsize>,
     /// Why the thread died (a panic outside a plan), if it did.
     died: Arc<Mutex<Option<String>>>,
+    /// Trainer rank 0's weight server, when it serves one.
+    weight_tx: Arc<Mutex<Option<std::sync::mpsc::Sender<Cmd>>>>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -45,6 +48,8 @@ impl Runner {
         let (a, p, f) = (aborted.clone(), progress.clone(), in_flight.clone());
         let died = Arc::new(Mutex::new(None));
         let dead = died.clone();
+        let weight_tx = Arc::new(Mutex::new(None));
+        let wtx = weight_tx.clone();
         let writes = pending.clone();
         // The engine is built and lives on the thread: libtorch state
         // need not be Send.
@@ -63,6 +68,9 @@ impl Runner {
                     job: None,
                     last_done: Instant::now(),
                     writer: Writer::new(writes),
+                    weights: None,
+                    weight_tx: wtx,
+                    weight_ring: None,
                 };
                 while let Ok(w) = rx.recv() {
                     let what = w.name();
@@ -95,6 +103,7 @@ impl Runner {
             progress,
             pending,
             died,
+            weight_tx,
             thread: Some(thread),
         }
     }
@@ -104,6 +113,19 @@ impl Runner {
     /// interrupting its collective (a peer may be frozen). A configure of a
     /// newer generation aborts a step of an older one still running.
     pub fn submit(&self, work: Work) {
+        // Trainer rank 0 sends the policy from its weight server, never
+        // behind the steps queued here.
+        let work = match work {
+            Work::Sync(s) => match lock(&self.weight_tx).as_ref() {
+                Some(tx) => match tx.send(Cmd::Sync(s)) {
+                    Ok(()) => return,
+                    Err(std::sync::mpsc::SendError(Cmd::Sync(s))) => Work::Sync(s),
+                    Err(_) => return,
+                },
+                None => Work::Sync(s),
+            },
+            other => other,
+        };
         let target = match &work {
             Work::Abort(a) => Some(PlanKey {
                 job: a.job_id.clone(),

@@ -4,7 +4,7 @@
 
 use std::net::TcpListener;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::Instant;
 
 use tokio::sync::mpsc::UnboundedSender;
@@ -14,9 +14,10 @@ use super::fault;
 use super::probe;
 use super::reference;
 use super::step::{run_step, StepOutcome};
+use super::weights::{Cmd, WeightServer};
 use super::work::{Connector, Factory, Progress, Work};
 use super::writer::Writer;
-use crate::collective::AbortHandle;
+use crate::collective::{AbortHandle, Collective};
 use crate::train::Engine;
 use crate::wire;
 use crate::wire::worker_message::Msg;
@@ -93,6 +94,13 @@ pub(super) struct Thread {
     pub(super) last_done: Instant,
     /// The background checkpoint writer (one write at a time).
     pub(super) writer: Writer,
+    /// Trainer rank 0 of a disaggregated generation: its weight server
+    /// (`super::weights`), and the server's inbox as the runner's handle
+    /// sees it (`SyncWeights` skips the work queue).
+    pub(super) weights: Option<WeightServer>,
+    pub(super) weight_tx: Arc<Mutex<Option<mpsc::Sender<Cmd>>>>,
+    /// The weight ring joined at configure, until the server takes it.
+    pub(super) weight_ring: Option<Box<dyn Collective>>,
 }
 
 impl Thread {
@@ -145,8 +153,12 @@ impl Thread {
             Work::Configure(c) => self.configure(*c),
             Work::Plan(p) => self.plan(&p),
             Work::Checkpoint(c) => self.checkpoint(&c),
+            Work::Publish(p) if p.target() == wire::PolicyTarget::Generators => {
+                self.publish_for_generators(&p)
+            }
             Work::Publish(p) => self.publish(&p),
             Work::Generate(g) => self.generate(&g),
+            Work::Sync(s) => self.sync_weights(&s),
             Work::Abort(a) => {
                 if let Some(h) = &mut self.job {
                     h.exec.zero_grad();

@@ -161,6 +161,9 @@ pub enum Work {
     Publish(wire::PublishPolicy),
     /// Complete prompts with the current weights (issue 17).
     Generate(Box<wire::GeneratePlan>),
+    /// Disaggregated RL: a generator loads the policy trainer rank 0
+    /// broadcasts (trainer rank 0's own goes to its weight server).
+    Sync(wire::SyncWeights),
 }
 
 impl Work {
@@ -175,6 +178,7 @@ impl Work {
             Work::Abort(a) => format!("the abort of step {}", a.step),
             Work::Publish(p) => format!("publishing the policy of step {}", p.step),
             Work::Generate(g) => format!("generation round {}", g.round),
+            Work::Sync(s) => format!("the weight sync of step {}", s.version),
         }
     }
 }

@@ -274,6 +274,7 @@ async fn session(
                     In::Abort(a) => runner.submit(Work::Abort(a)),
                     In::PublishPolicy(p) => runner.submit(Work::Publish(p)),
                     In::GeneratePlan(g) => runner.submit(Work::Generate(Box::new(g))),
+                    In::SyncWeights(s) => runner.submit(Work::Sync(s)),
                     In::Release(r) => {
                         info!(job = %r.job_id, reason = %r.reason, "released");
                         if cfg.exit_on_release || leaving {

@@ -153,6 +153,12 @@ pub trait Engine {
         bail!("this engine cannot generate")
     }
 
+    /// A generator of a disaggregated RL job: loads the policy trainer
+    /// rank 0 broadcasts over the weight ring; returns its version.
+    fn receive_policy(&mut self) -> anyhow::Result<u64> {
+        bail!("only a generator worker takes its weights from trainer rank 0")
+    }
+
     /// The device the replica lives on.
     fn device(&self) -> tch::Device {
         tch::Device::Cpu

@@ -1,0 +1,243 @@
+//! Scenario tests of disaggregated RL (`rl.generators`): some of a job's
+//! workers only generate while the others train; trainer rank 0 sends
+//! each published policy over the weight ring (never through disk); the
+//! generators' rounds stay within `rl.max_staleness`; losing a generator
+//! or a trainer re-forms the generation with every prompt trained once
+//! per epoch and no rollout counted twice.
+
+use std::collections::BTreeMap;
+
+use super::loop_tests::{assert_prompts_once_per_epoch, loop_spec};
+use super::*;
+
+fn disagg_spec(steps: u64, generators: u32, every: u64, max_staleness: u64) -> JobSpec {
+    let mut sp = loop_spec(steps, 4, 2, 3);
+    sp.rl.generators = Some(generators);
+    sp.rl.publish_every = Some(every);
+    sp.rl.max_staleness = Some(max_staleness);
+    sp
+}
+
+/// The policy version every trained rollout was generated with, by id.
+fn versions(s: &Sim) -> BTreeMap<DocId, u64> {
+    s.rollout_writes
+        .iter()
+        .flat_map(|w| &w.admit)
+        .map(|d| match &d.body {
+            DocBody::Rollout(r) => (d.id, r.policy_version),
+            _ => unreachable!(),
+        })
+        .collect()
+}
+
+/// Every trained rollout is within `max` versions of the step it trained
+/// in (step i + 1 trains on the weights of step i).
+fn assert_staleness(s: &Sim, max: u64) {
+    let version = versions(s);
+    for (i, (_, docs)) in s.committed.iter().enumerate() {
+        for d in docs {
+            let age = i as u64 - version[d];
+            assert!(
+                age <= max,
+                "step {} trained a rollout of policy {} (age {age} > {max})",
+                i + 1,
+                version[d]
+            );
+        }
+    }
+}
+
+/// (rank, role, weight ring) of each Configure of `generation`, by worker.
+fn roles(s: &Sim, generation: u64) -> BTreeMap<WorkerId, (u32, Role, Option<WeightRing>)> {
+    s.configures
+        .iter()
+        .filter_map(|(w, m)| match m {
+            ToWorker::Configure {
+                generation: g,
+                rank,
+                role,
+                weights,
+                ..
+            } if *g == generation => Some((w.clone(), (*rank, *role, weights.clone()))),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn generators_generate_trainers_train_and_weights_go_over_the_ring() {
+    let mut s = Sim::new();
+    s.worker("a");
+    s.worker("b");
+    s.worker("c");
+    // 6 prompts, groups of 2, 2 prompts a step: 6 steps = 2 epochs.
+    s.submit_loop(disagg_spec(6, 1, 1, 1), 6);
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    assert_eq!(s.committed.len(), 6);
+    // c (registered last, holding nothing) generates; a and b train as
+    // ranks 0 and 1; a and c form the weight ring.
+    let r = roles(&s, 1);
+    let ring = |rank, world, next: &str| {
+        Some(WeightRing {
+            rank,
+            world,
+            next: (next.to_string(), format!("127.0.0.1:1{next}")),
+        })
+    };
+    assert_eq!(r["a"], (0, Role::Trainer, ring(0, 2, "c")));
+    assert_eq!(r["b"], (1, Role::Trainer, None));
+    assert_eq!(r["c"], (0, Role::Generator, ring(1, 2, "a")));
+    assert!(
+        s.round_workers.iter().all(|(w, _)| w == "c"),
+        "only the generator generates: {:?}",
+        s.round_workers
+    );
+    assert!(
+        s.plans.iter().all(|p| p.ranks.len() == 2),
+        "two training ranks"
+    );
+    // No policy on disk: the trainers snapshot it in memory.
+    assert!(s
+        .publish_requests
+        .iter()
+        .all(|(_, _, dir)| dir.as_os_str().is_empty()));
+    // The starting weights go first (a generator's are never assumed),
+    // then every published step, in order, to trainer rank 0 and c.
+    let to_c: Vec<u64> = s
+        .syncs
+        .iter()
+        .filter(|(w, _)| w == "c")
+        .map(|(_, v)| *v)
+        .collect();
+    let to_a: Vec<u64> = s
+        .syncs
+        .iter()
+        .filter(|(w, _)| w == "a")
+        .map(|(_, v)| *v)
+        .collect();
+    assert_eq!(to_c.first(), Some(&0));
+    assert_eq!(to_a, to_c, "trainer rank 0 sends what the generators load");
+    assert!(to_c.windows(2).all(|w| w[0] < w[1]), "{to_c:?}");
+    assert!(s.syncs.iter().all(|(w, _)| w == "a" || w == "c"));
+    // Every round is of the newest synced policy at the time.
+    let rounds: Vec<u64> = s.rounds.iter().map(|(_, p)| p.policy_version).collect();
+    assert!(
+        rounds.iter().all(|v| to_c.contains(v)),
+        "{rounds:?} vs {to_c:?}"
+    );
+    assert_staleness(&s, 1);
+    assert_prompts_once_per_epoch(&s, 6, 2);
+    assert!(
+        s.round_workers.iter().any(|&(_, busy)| busy),
+        "some round was generated while a step trained"
+    );
+}
+
+#[test]
+fn with_no_staleness_allowed_every_step_trains_on_policy() {
+    let mut s = Sim::new();
+    s.worker("a");
+    s.worker("b");
+    s.submit_loop(disagg_spec(4, 1, 1, 0), 6);
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    assert_eq!(s.committed.len(), 4);
+    assert_staleness(&s, 0);
+    // One trainer, one generator.
+    assert!(s.plans.iter().all(|p| p.ranks.len() == 1));
+    assert!(s.round_workers.iter().all(|(w, _)| w == "b"));
+    assert!(
+        s.round_workers.iter().all(|&(_, busy)| !busy),
+        "on-policy: no round while a step trains"
+    );
+    assert_prompts_once_per_epoch(&s, 6, 2);
+}
+
+#[test]
+fn a_generator_lost_mid_round_is_replaced_with_no_prompt_lost_or_trained_twice() {
+    let mut s = Sim::new();
+    s.worker("a");
+    s.worker("b");
+    s.worker("c");
+    s.submit_loop(disagg_spec(6, 1, 1, 1), 6);
+    // Until the generator's second round is out, then lose it unanswered.
+    s.run_until(|s| s.round_workers.len() == 2);
+    let lost: Vec<DocId> = s.rounds[1].1.requests.iter().map(|q| q.prompt).collect();
+    s.inbox.retain(|(w, _)| w != "c");
+    let old = s.last_generation();
+    s.kill("c");
+    // a and b re-form: both hold the training state (ddp); b, the later
+    // rank, generates now and a trains alone.
+    s.run_until(|s| s.last_generation() > old && s.round_workers.len() >= 3);
+    let r = roles(&s, s.last_generation());
+    assert_eq!(r.len(), 2);
+    assert_eq!(
+        r.values()
+            .filter(|(_, role, _)| *role == Role::Generator)
+            .count(),
+        1
+    );
+    // The new generator's weights are unknown: synced before its round.
+    let (g, _) = s.round_workers[2].clone();
+    assert!(s.syncs.iter().any(|(w, _)| *w == g));
+    let again: Vec<DocId> = s.rounds[2].1.requests.iter().map(|q| q.prompt).collect();
+    let sorted = |mut v: Vec<DocId>| {
+        v.sort();
+        v
+    };
+    assert_eq!(
+        sorted(again),
+        sorted(lost),
+        "the lost round's prompts, whole"
+    );
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    assert_eq!(s.committed.len(), 6);
+    assert_prompts_once_per_epoch(&s, 6, 2);
+    assert_staleness(&s, 1);
+}
+
+#[test]
+fn a_trainer_lost_mid_step_keeps_the_rounds_exact() {
+    let mut s = Sim::new();
+    s.worker("a");
+    s.worker("b");
+    s.worker("c");
+    s.submit_loop(disagg_spec(6, 1, 1, 1), 6);
+    // Lose trainer b while step 3 is in flight.
+    s.run_until(|s| {
+        s.c.job("job")
+            .unwrap()
+            .inflight()
+            .is_some_and(|f| f.planned.step == 3)
+    });
+    s.inbox.retain(|(w, _)| w != "b");
+    s.kill("b");
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    assert_eq!(s.committed.len(), 6);
+    assert_prompts_once_per_epoch(&s, 6, 2);
+    assert_staleness(&s, 1);
+    // With two workers left, a trains and c still generates.
+    let r = roles(&s, s.last_generation());
+    assert_eq!(r["a"].1, Role::Trainer);
+    assert_eq!(r["c"].1, Role::Generator);
+}
+
+#[test]
+fn one_worker_cannot_form_a_disaggregated_generation() {
+    let mut s = Sim::new();
+    s.worker("a");
+    s.submit_loop(disagg_spec(2, 1, 1, 1), 6);
+    s.run();
+    assert_eq!(s.state(), JobState::Pending);
+    let reason = &s.c.job("job").unwrap().rec.reason;
+    assert!(
+        reason.contains("rl.generators needs at least 2"),
+        "{reason}"
+    );
+    s.worker("b");
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+}
