@@ -15,7 +15,7 @@
 //! training steps queued on the runner thread, and training never waits
 //! for the generators.
 
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 
 use tokio::sync::mpsc::UnboundedSender;
@@ -50,6 +50,9 @@ pub enum Cmd {
 /// Trainer rank 0's sender of published policies over the weight ring.
 pub(super) struct WeightServer {
     tx: mpsc::Sender<Cmd>,
+    /// The inbox as the runner's handle sees it: set while this server
+    /// runs, cleared when it ends (its last sender goes with it).
+    shared: Arc<Mutex<Option<mpsc::Sender<Cmd>>>>,
     abort: Option<AbortHandle>,
     thread: Option<JoinHandle<()>>,
 }
@@ -60,6 +63,7 @@ impl WeightServer {
         generation: u64,
         mut ring: Box<dyn Collective>,
         out: UnboundedSender<wire::WorkerMessage>,
+        shared: Arc<Mutex<Option<mpsc::Sender<Cmd>>>>,
     ) -> WeightServer {
         let (tx, rx) = mpsc::channel::<Cmd>();
         let abort = ring.abort_handle();
@@ -113,15 +117,18 @@ impl WeightServer {
                 }
             })
             .expect("spawning the weight server thread");
+        *lock(&shared) = Some(tx.clone());
         WeightServer {
             tx,
+            shared,
             abort,
             thread: Some(thread),
         }
     }
 
-    pub(super) fn sender(&self) -> mpsc::Sender<Cmd> {
-        self.tx.clone()
+    fn offer(&self, payload: PolicyPayload) {
+        // The thread ends only with this server.
+        let _ = self.tx.send(Cmd::Offer(payload));
     }
 }
 
@@ -132,6 +139,7 @@ impl Drop for WeightServer {
         if let Some(abort) = &self.abort {
             abort();
         }
+        *lock(&self.shared) = None;
         let (tx, _) = mpsc::channel();
         drop(std::mem::replace(&mut self.tx, tx));
         if let Some(t) = self.thread.take() {
@@ -187,12 +195,17 @@ impl Thread {
     /// one it had.
     pub(super) fn serve_weights(&mut self, c: &wire::Configure) {
         self.weights = None;
-        *lock(&self.weight_tx) = None;
         let Some(ring) = self.weight_ring.take() else {
             return;
         };
-        let server = WeightServer::start(c.job_id.clone(), c.generation, ring, self.out.clone());
-        *lock(&self.weight_tx) = Some(server.sender());
+        let shared = self.weight_tx.clone();
+        let server = WeightServer::start(
+            c.job_id.clone(),
+            c.generation,
+            ring,
+            self.out.clone(),
+            shared,
+        );
         self.weights = Some(server);
     }
 
@@ -200,7 +213,6 @@ impl Thread {
     /// training state, the weight ring as its only collective.
     pub(super) fn configure_generator(&mut self, c: &wire::Configure, cfg: &JobConfig) {
         self.weights = None;
-        *lock(&self.weight_tx) = None;
         // A generator holds no training state: whatever replica this
         // worker had (it trained before) is dropped.
         self.job = None;
@@ -334,9 +346,7 @@ impl Thread {
         };
         if let Some(payload) = payload {
             match self.weights.as_ref() {
-                Some(server) => {
-                    let _ = server.sender().send(Cmd::Offer(payload));
-                }
+                Some(server) => server.offer(payload),
                 None => {
                     let msg = format!(
                         "policy of step {} for the generators: this rank 0 has no weight ring (not a disaggregated generation)",
