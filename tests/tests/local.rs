@@ -518,6 +518,110 @@ fn rl_loop_generates_and_trains_alike_under_ddp_zero2_and_fsdp() {
     }
 }
 
+/// Disaggregated RL (`rl.generators = 1`, issue 17) on two real worker
+/// processes: one trains, one only generates, and trainer rank 0 sends
+/// every step's policy over the weight ring. On policy (`rl.max_staleness
+/// = 0`) it draws the same rollouts as the colocated loop on two workers
+/// (same rewards, tokens and documents per step), and trains to the same
+/// losses and final parameters within the tolerance of another world
+/// size; the generator logs the policy of every step it received.
+#[test]
+fn rl_loop_disaggregated_on_policy_trains_as_colocated() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let rows = [
+        "--task",
+        "arithmetic-small",
+        "--out",
+        "data",
+        "--rows",
+        "64",
+    ];
+    accrue(d, &[&["data", "synth"][..], &rows[..]].concat());
+    write_tiny_config(d);
+    let body = |rl: &str| {
+        format!("steps = 4\n[data]\nsource = \"generate\"\nformat = \"prompts\"\ntrain = [\"data/arith-sft.jsonl\"]\ntokenizer = \"bytes\"\nmax_tokens = 512\n[batch]\ndocs_per_step = 16\n[objective]\nkind = \"pg\"\n[rl]\ngroup_size = 4\nmax_staleness = 0\n{rl}[rl.sampling]\ntemperature = 1.0\nmax_new_tokens = 6\n[rl.verifier]\nkind = \"regex\"\npattern = \"[0-9]\"")
+    };
+    let run = |name: &str, rl: &str| {
+        let spec = small_job(d, name, "ddp", &body(rl));
+        accrue(d, &["local", spec.to_str().unwrap(), "--workers", "2"]);
+        let out = d.join(format!("out/{name}"));
+        let logs: Vec<String> = (0..2)
+            .map(|k| std::fs::read_to_string(out.join(format!("logs/worker-{k}.log"))).unwrap())
+            .collect();
+        (
+            metrics(&out.join("metrics.jsonl")),
+            real::cluster::final_params_at(&out, 4),
+            logs,
+        )
+    };
+    let (colocated, params, _) = run("colocated", "");
+    let (apart, apart_params, logs) = run("apart", "generators = 1\n");
+    let generator: Vec<&String> = logs
+        .iter()
+        .filter(|l| l.contains("configured as a generator"))
+        .collect();
+    assert_eq!(generator.len(), 1, "one worker generates");
+    let g = generator[0];
+    assert!(!g.contains("step done"), "the generator trained a step");
+    let received: Vec<u64> = g
+        .lines()
+        .filter(|l| l.contains("policy received from trainer rank 0"))
+        .map(|l| {
+            let at = l.find(" step=").expect("step in the line") + 6;
+            l[at..]
+                .chars()
+                .take_while(char::is_ascii_digit)
+                .collect::<String>()
+                .parse()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(
+        received,
+        [0, 1, 2, 3],
+        "the policy of every step before a round"
+    );
+    assert!(
+        logs.iter()
+            .any(|l| l.contains("policy sent to the generators")),
+        "trainer rank 0 sent it"
+    );
+    assert_eq!(apart.len(), 4);
+    let rewards: Vec<f64> = colocated
+        .iter()
+        .map(|m| m["extra"]["rl/reward_mean"].as_f64().unwrap())
+        .collect();
+    assert!(
+        rewards.iter().any(|&r| r > 0.0 && r < 1.0),
+        "the verifier should reward some completions and not others: {rewards:?}"
+    );
+    for (a, b) in colocated.iter().zip(&apart) {
+        let step = &a["step"];
+        assert_eq!(b["world_size"], 1, "one trainer: {b}");
+        for k in ["docs", "tokens", "loss_tokens"] {
+            assert_eq!(a[k], b[k], "step {step}: {k}");
+        }
+        for k in [
+            "rl/reward_mean",
+            "rl/response_tokens_mean",
+            "rl/completions",
+        ] {
+            assert_eq!(a["extra"][k], b["extra"][k], "step {step}: {k}");
+        }
+        assert_eq!(b["extra"]["staleness/max"], 0.0, "step {step}: on policy");
+        let close = |x: f64, y: f64| (x - y).abs() <= 1e-4 * x.abs().max(1e-3);
+        for k in ["loss", "grad_norm"] {
+            let (x, y) = (a[k].as_f64().unwrap(), b[k].as_f64().unwrap());
+            assert!(
+                close(x, y),
+                "step {step}: {k} colocated {x} vs disaggregated {y}"
+            );
+        }
+    }
+    real::cluster::assert_same_params(&apart_params, &params, "disaggregated");
+}
+
 /// The PG demo as shipped (deploy/examples/pg-demo.toml, run from a copy of
 /// its directory layout) on two workers: every kept rollout trained exactly
 /// once in its one epoch, flat groups dropped and refused groups counted,
