@@ -118,6 +118,13 @@ pub struct FakeReport {
     pub rounds: Vec<u64>,
     /// Steps whose policy it published (`rl.publish_every`).
     pub published: Vec<u64>,
+    /// Disaggregated RL: the generations it was configured in as a
+    /// generator, and the policy versions it loaded.
+    pub generator_in: Vec<u64>,
+    pub synced: Vec<u64>,
+    /// (generation, step, doc id) of every sequence in every plan: a step
+    /// re-planned in a new generation shows under both.
+    pub plan_docs: Vec<(u64, u64, String)>,
 }
 
 /// A worker speaking the real protocol: answers Configure with Ready and a
@@ -180,6 +187,9 @@ pub async fn fake_generator(
         match msg {
             In::Configure(c) => {
                 rank = c.rank;
+                if c.role() == wire::Role::Generator {
+                    report.generator_in.push(c.generation);
+                }
                 tx.send(send(Out::Ready(wire::Ready {
                     job_id: c.job_id,
                     generation: c.generation,
@@ -215,6 +225,11 @@ pub async fn fake_generator(
                     report
                         .docs
                         .extend(mb.sequences.iter().map(|s| (p.step, s.doc_id.clone())));
+                    report.plan_docs.extend(
+                        mb.sequences
+                            .iter()
+                            .map(|s| (p.generation, p.step, s.doc_id.clone())),
+                    );
                 }
                 sums.loss_sum = 1.5 * sums.loss_tokens as f64;
                 report.steps.push(p.step);
@@ -275,11 +290,14 @@ pub async fn fake_generator(
             }
             In::PublishPolicy(p) => {
                 // As a worker does: the model's config and weights (the
-                // coordinator adds the tokenizer files).
-                let dir = std::path::Path::new(&p.dir);
-                std::fs::create_dir_all(dir)?;
-                std::fs::write(dir.join("config.json"), r#"{"vocab_size": 320}"#)?;
-                std::fs::write(dir.join("model.safetensors"), b"weights")?;
+                // coordinator adds the tokenizer files); for generator
+                // workers a snapshot kept in memory.
+                if p.target() == wire::PolicyTarget::Disk {
+                    let dir = std::path::Path::new(&p.dir);
+                    std::fs::create_dir_all(dir)?;
+                    std::fs::write(dir.join("config.json"), r#"{"vocab_size": 320}"#)?;
+                    std::fs::write(dir.join("model.safetensors"), b"weights")?;
+                }
                 report.published.push(p.step);
                 tx.send(send(Out::PolicyPublished(wire::PolicyPublished {
                     job_id: p.job_id,
@@ -289,6 +307,19 @@ pub async fn fake_generator(
                 })))
                 .await?;
             }
+            // Trainer rank 0 would broadcast; the generator answers once
+            // it loaded the policy.
+            In::SyncWeights(w) if report.generator_in.last() == Some(&w.generation) => {
+                report.synced.push(w.version);
+                tx.send(send(Out::WeightsSynced(wire::WeightsSynced {
+                    job_id: w.job_id,
+                    generation: w.generation,
+                    version: w.version,
+                    rank,
+                })))
+                .await?;
+            }
+            In::SyncWeights(_) => {}
             In::Release(_) => {
                 report.released = true;
                 break;
