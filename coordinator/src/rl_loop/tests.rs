@@ -181,4 +181,38 @@ fn generating_specs_are_validated_field_by_field() {
         fields(files, &format!("[rl.verifier]\nkind = \"exact\"\n{engine}")),
         ["rl.publish_every", "rl.verifier", "rl.engine"]
     );
+    // Generator workers: at least one, not with an engine, at least one
+    // worker left to train, and syncs the staleness bound can wait for.
+    let apart = |rl: &str| format!("group_size = 2\n{rl}\n[rl.verifier]\nkind = \"exact\"");
+    assert!(fields(data, &apart("generators = 2")).is_empty());
+    assert!(fields(
+        data,
+        &apart("generators = 1\npublish_every = 2\nmax_staleness = 1")
+    )
+    .is_empty());
+    assert_eq!(fields(data, &apart("generators = 0")), ["rl.generators"]);
+    assert_eq!(
+        fields(
+            data,
+            &apart("generators = 1\npublish_every = 3\nmax_staleness = 1")
+        ),
+        ["rl.publish_every"]
+    );
+    assert_eq!(
+        fields(
+            data,
+            &apart("generators = 1\nmax_staleness = 0\npublish_every = 2")
+        ),
+        ["rl.publish_every"]
+    );
+    assert_eq!(
+        fields(
+            data,
+            &format!("{}\n{engine}", apart("generators = 1\npublish_every = 1"))
+        ),
+        ["rl.generators"]
+    );
+    // parallel.max_workers defaults to 8: 8 generators leave none to train.
+    assert_eq!(fields(data, &apart("generators = 8")), ["rl.generators"]);
+    assert_eq!(fields(files, "generators = 1"), ["rl.generators"]);
 }
