@@ -239,6 +239,27 @@ fn smi_visible() -> Vec<SmiGpu> {
         .collect()
 }
 
+/// A small number naming the physical GPU behind `device` (a hash of its
+/// `nvidia-smi` UUID, below 2^24 so a float32 carries it exactly; never
+/// 0), or 0 when unknown (a CPU device, no `nvidia-smi`). Two ranks on
+/// one GPU cannot share an NCCL communicator ("duplicate GPU"): the
+/// collective's backend choice compares these.
+pub fn gpu_identity(device: Device) -> u32 {
+    let Device::Cuda(ordinal) = device else {
+        return 0;
+    };
+    smi_visible()
+        .get(ordinal)
+        .map_or(0, |g| uuid_identity(&g.uuid))
+}
+
+fn uuid_identity(uuid: &str) -> u32 {
+    let h = uuid.bytes().fold(0x811c_9dc5u32, |h, b| {
+        (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+    });
+    (h & 0x00ff_ffff).max(1)
+}
+
 /// This machine's GPUs as libtorch sees them, with the busy ones marked
 /// from `nvidia-smi`'s compute processes.
 pub fn probe() -> Gpus {
@@ -319,6 +340,18 @@ fn driver_description(_ordinal: usize) -> Option<(String, u64)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gpu_identities_fit_a_float_and_tell_gpus_apart() {
+        let a = uuid_identity("GPU-6a3b1f2c-0f4e-11ee-be56-0242ac120002");
+        let b = uuid_identity("GPU-6a3b1f2c-0f4e-11ee-be56-0242ac120003");
+        assert_ne!(a, b);
+        for id in [a, b, uuid_identity("")] {
+            assert!(id > 0 && id < 1 << 24);
+            assert_eq!(id as f32 as u32, id, "exact in float32");
+        }
+        assert_eq!(gpu_identity(Device::Cpu), 0);
+    }
 
     fn gpus(visible: usize, busy: &[usize]) -> Gpus {
         Gpus {

@@ -55,6 +55,7 @@ pub fn join(
     let me = Member {
         cuda: j.device.is_cuda(),
         nccl: nccl_capable(j.device),
+        gpu: crate::device::gpu_identity(j.device),
     };
     if me.cuda && !me.nccl {
         tracing::warn!(
@@ -63,14 +64,22 @@ pub fn join(
              loader path): this generation's collectives use the staged TCP ring"
         );
     }
-    let mut table = vec![0f32; 2 * j.world];
-    table[2 * j.rank..2 * j.rank + 2].copy_from_slice(&me.encode());
+    let w = select::WORDS;
+    let mut table = vec![0f32; w * j.world];
+    table[w * j.rank..w * (j.rank + 1)].copy_from_slice(&me.encode());
     let mut t = Tensor::from_slice(&table);
     ring.all_reduce_sum(&mut t)?;
     let table = Vec::<f32>::try_from(&t.to_kind(Kind::Float))
         .map_err(|e| CollectiveError::Setup(format!("reading the members' devices: {e}")))?;
     let members = select::decode(&table);
     let backend = select::choose(&members, j.rank, j.choice);
+    if me.nccl && backend != Backend::Nccl && j.choice == CollectiveChoice::Auto {
+        tracing::info!(
+            device = ?j.device,
+            "not every member can use NCCL on a GPU of its own (a CPU member, no NCCL, or two ranks \
+             on one GPU): this generation's collectives use the staged TCP ring"
+        );
+    }
     let coll: Box<dyn Collective> = match backend {
         Backend::Ring => Box::new(ring),
         Backend::StagedRing => Box::new(Staged::new(Box::new(ring), j.device)),

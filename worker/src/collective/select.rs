@@ -37,34 +37,54 @@ pub struct Member {
     /// It can build an NCCL communicator (built with `cuda`, libnccl
     /// loads, on a CUDA device).
     pub nccl: bool,
+    /// Which physical GPU (`device::gpu_identity`; 0: unknown).
+    pub gpu: u32,
 }
 
+/// Floats per member in the exchange table.
+pub const WORDS: usize = 3;
+
 impl Member {
-    /// As two floats for the exchange (see [`decode`]).
-    pub fn encode(self) -> [f32; 2] {
+    /// As floats for the exchange (see [`decode`]).
+    pub fn encode(self) -> [f32; WORDS] {
         [
             f32::from(u8::from(self.cuda)),
             f32::from(u8::from(self.nccl)),
+            self.gpu as f32,
         ]
     }
 }
 
-/// The members of a world, from the sum over ranks of a `2 × world` table
-/// in which each rank wrote only its own [`Member::encode`] at `2·rank`.
+/// The members of a world, from the sum over ranks of a `WORDS × world`
+/// table in which each rank wrote only its own [`Member::encode`] at
+/// `WORDS·rank`.
 pub fn decode(table: &[f32]) -> Vec<Member> {
     table
-        .chunks_exact(2)
+        .chunks_exact(WORDS)
         .map(|m| Member {
             cuda: m[0] > 0.5,
             nccl: m[1] > 0.5,
+            gpu: m[2].round() as u32,
         })
         .collect()
+}
+
+/// Whether two members sit on the same physical GPU (NCCL refuses a
+/// communicator with two ranks on one device).
+fn shares_a_gpu(members: &[Member]) -> bool {
+    let mut seen: Vec<u32> = members.iter().map(|m| m.gpu).filter(|&g| g != 0).collect();
+    let n = seen.len();
+    seen.sort_unstable();
+    seen.dedup();
+    seen.len() != n
 }
 
 /// The backend rank `me` of `members` uses. Every rank computes the same
 /// answer for the generation (NCCL or not), and its own way to the ring.
 pub fn choose(members: &[Member], me: usize, choice: CollectiveChoice) -> Backend {
-    let all_nccl = !members.is_empty() && members.iter().all(|m| m.cuda && m.nccl);
+    let all_nccl = !members.is_empty()
+        && members.iter().all(|m| m.cuda && m.nccl)
+        && !shares_a_gpu(members);
     if all_nccl && choice == CollectiveChoice::Auto {
         return Backend::Nccl;
     }
@@ -82,15 +102,37 @@ mod tests {
     const CPU: Member = Member {
         cuda: false,
         nccl: false,
+        gpu: 0,
     };
     const GPU: Member = Member {
         cuda: true,
         nccl: true,
+        gpu: 0,
     };
     const GPU_NO_NCCL: Member = Member {
         cuda: true,
         nccl: false,
+        gpu: 7,
     };
+
+    fn on(gpu: u32) -> Member {
+        Member { gpu, ..GPU }
+    }
+
+    #[test]
+    fn two_ranks_on_one_gpu_take_the_staged_ring() {
+        let shared = [on(5), on(9), on(5)];
+        for me in 0..3 {
+            assert_eq!(
+                choose(&shared, me, CollectiveChoice::Auto),
+                Backend::StagedRing
+            );
+        }
+        let distinct = [on(5), on(9), on(16_777_215)];
+        assert_eq!(choose(&distinct, 1, CollectiveChoice::Auto), Backend::Nccl);
+        // Unknown identities (no nvidia-smi) are taken as distinct.
+        assert_eq!(choose(&[GPU, GPU], 0, CollectiveChoice::Auto), Backend::Nccl);
+    }
 
     #[test]
     fn all_cuda_with_nccl_is_nccl_unless_the_ring_is_forced() {
@@ -128,11 +170,11 @@ mod tests {
 
     #[test]
     fn the_exchange_table_round_trips() {
-        let members = [GPU, CPU, GPU_NO_NCCL];
+        let members = [GPU, CPU, GPU_NO_NCCL, on(16_777_215)];
         // What the all-reduce produces: each rank's own slot, zeros elsewhere, summed.
-        let mut table = vec![0f32; 6];
+        let mut table = vec![0f32; WORDS * members.len()];
         for (r, m) in members.iter().enumerate() {
-            table[2 * r..2 * r + 2].copy_from_slice(&m.encode());
+            table[WORDS * r..WORDS * (r + 1)].copy_from_slice(&m.encode());
         }
         assert_eq!(decode(&table), members);
     }
