@@ -82,9 +82,8 @@ fn shares_a_gpu(members: &[Member]) -> bool {
 /// The backend rank `me` of `members` uses. Every rank computes the same
 /// answer for the generation (NCCL or not), and its own way to the ring.
 pub fn choose(members: &[Member], me: usize, choice: CollectiveChoice) -> Backend {
-    let all_nccl = !members.is_empty()
-        && members.iter().all(|m| m.cuda && m.nccl)
-        && !shares_a_gpu(members);
+    let all_nccl =
+        !members.is_empty() && members.iter().all(|m| m.cuda && m.nccl) && !shares_a_gpu(members);
     if all_nccl && choice == CollectiveChoice::Auto {
         return Backend::Nccl;
     }
@@ -131,7 +130,10 @@ mod tests {
         let distinct = [on(5), on(9), on(16_777_215)];
         assert_eq!(choose(&distinct, 1, CollectiveChoice::Auto), Backend::Nccl);
         // Unknown identities (no nvidia-smi) are taken as distinct.
-        assert_eq!(choose(&[GPU, GPU], 0, CollectiveChoice::Auto), Backend::Nccl);
+        assert_eq!(
+            choose(&[GPU, GPU], 0, CollectiveChoice::Auto),
+            Backend::Nccl
+        );
     }
 
     #[test]
