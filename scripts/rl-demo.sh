@@ -17,7 +17,11 @@
 # Measured on the 2-core dev machine (debug build, one worker): accuracy
 # 0.055 before, 0.665 after 300 GRPO steps, 45 s in all (built binaries).
 # BIN=dir picks the binaries (default target/debug, built by setup.sh);
-# RL_STEPS / SFT_STEPS override the step counts.
+# RL_STEPS / SFT_STEPS override the step counts; WORKERS=n runs n workers;
+# GENERATORS=g makes the GRPO stage disaggregated (rl.generators = g: g of
+# the workers only generate, weights from trainer rank 0 over the
+# collective after every step, rollouts at most MAX_STALENESS (default 1)
+# versions old; needs WORKERS > g).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
@@ -41,7 +45,11 @@ ckpt=$(ls -d "$PWD"/runs/rl-sft/checkpoints/step-* | sort -V | tail -1)
 # GRPO from the SFT checkpoint (weights only: a fresh optimizer and step 0).
 steps="s/^steps = .*/steps = ${RL_STEPS:-}/"
 [[ -n "${RL_STEPS:-}" ]] || steps="s/^//"
-sed -e "s#^init = .*#init = \"$ckpt\"\nresume = false#" -e "$steps" \
+apart="s/^//"
+if [[ -n "${GENERATORS:-}" ]]; then
+  apart="s/^max_staleness = .*/max_staleness = ${MAX_STALENESS:-1}\ngenerators = $GENERATORS/"
+fi
+sed -e "s#^init = .*#init = \"$ckpt\"\nresume = false#" -e "$steps" -e "$apart" \
     deploy/examples/rl-demo.toml > runs/rl-demo.toml
 "$accrue" local runs/rl-demo.toml --workers "${WORKERS:-1}" >&2
 
