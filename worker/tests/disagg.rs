@@ -250,9 +250,145 @@ fn weights_follow_the_trainer(sharding: &str, extra: &str) {
         matches!(&m, Msg::WeightsSynced(w) if w.version == 3),
         "{m:?}"
     );
+    if sharding == "ddp" && extra.is_empty() {
+        roles_switch(&runners, &addrs, &job, &mut rx);
+    }
     for r in runners {
         r.shutdown();
     }
+}
+
+/// Generation 2 at step 3: the generator (runner 2) becomes trainer rank
+/// 1, taking the state from trainer rank 0 over the new ring (it held
+/// none), and trainer rank 1 (runner 1) becomes the generator. A step
+/// then agrees across the trainers, and the new generator's weights
+/// follow trainer rank 0's after the sync.
+fn roles_switch(
+    runners: &[Runner],
+    addrs: &[String],
+    job: &wire::JobDefinition,
+    rx: &mut tokio::sync::mpsc::UnboundedReceiver<wire::WorkerMessage>,
+) {
+    let (t0, new_gen, new_t1) = (&runners[0], &runners[1], &runners[2]);
+    new_gen.submit(Work::Configure(Box::new(wire::Configure {
+        job_id: "j".into(),
+        generation: 2,
+        rank: 0,
+        world_size: 1,
+        step: 3,
+        job: Some(job.clone()),
+        role: wire::Role::Generator as i32,
+        weights: Some(wire::WeightRing {
+            rank: 1,
+            world_size: 2,
+            next: peer(0, &addrs[0]),
+        }),
+        ..Default::default()
+    })));
+    let held = wire::PriorRun {
+        rank: 0,
+        count: 1,
+        prior_rank: 0,
+        prior_world_size: 2,
+    };
+    for (rank, (r, next)) in [(t0, &addrs[2]), (new_t1, &addrs[0])]
+        .into_iter()
+        .enumerate()
+    {
+        r.submit(Work::Configure(Box::new(wire::Configure {
+            job_id: "j".into(),
+            generation: 2,
+            rank: rank as u32,
+            world_size: 2,
+            step: 3,
+            next: peer(((rank + 1) % 2) as u32, next),
+            job: Some(job.clone()),
+            prior: (rank == 0).then(|| wire::HeldState {
+                job_id: "j".into(),
+                step: 3,
+                world_size: 2,
+                rank: 0,
+                generation: 1,
+            }),
+            priors: vec![held.clone()],
+            weights: (rank == 0).then(|| wire::WeightRing {
+                rank: 0,
+                world_size: 2,
+                next: peer(1, &addrs[1]),
+            }),
+            ..Default::default()
+        })));
+    }
+    for _ in 0..3 {
+        let m = recv(rx);
+        assert!(
+            matches!(&m, Msg::Ready(r) if r.generation == 2 && r.step == 3),
+            "{m:?}"
+        );
+    }
+    let docs = common::synthetic_documents(&[12, 33, 8], 4);
+    let total = accrue_worker::batch::PackedBatch::from_documents(&docs).loss_tokens();
+    for (rank, r) in [t0, new_t1].into_iter().enumerate() {
+        let mine = if rank == 0 { &docs[..1] } else { &docs[1..] };
+        r.submit(Work::Plan(Box::new(wire::StepPlan {
+            job_id: "j".into(),
+            generation: 2,
+            step: 4,
+            rank: rank as u32,
+            lr: 1e-2,
+            normalizers: Some(wire::Normalizers {
+                loss_tokens: total,
+                ..Default::default()
+            }),
+            microbatches: vec![common::to_wire(mine)],
+            kind: wire::PlanKind::Train as i32,
+            max_tokens: 256,
+            ..Default::default()
+        })));
+        r.submit(Work::Publish(wire::PublishPolicy {
+            job_id: "j".into(),
+            step: 4,
+            target: wire::PolicyTarget::Generators as i32,
+            ..Default::default()
+        }));
+    }
+    let mut norms = Vec::new();
+    let mut published = 0;
+    while norms.len() < 2 || published < 2 {
+        match recv(rx) {
+            Msg::StepResult(r) => norms.push(r.sums.unwrap().grad_norm),
+            Msg::PolicyPublished(_) => published += 1,
+            m => panic!("{m:?}"),
+        }
+    }
+    assert_eq!(norms[0], norms[1], "the new trainer holds rank 0's state");
+    let sync = wire::SyncWeights {
+        job_id: "j".into(),
+        generation: 2,
+        version: 4,
+    };
+    t0.submit(Work::Sync(sync.clone()));
+    new_gen.submit(Work::Sync(sync));
+    let m = recv(rx);
+    assert!(
+        matches!(&m, Msg::WeightsSynced(w) if w.version == 4),
+        "{m:?}"
+    );
+    let mut plan = round(0, 4, true);
+    plan.generation = 2;
+    t0.submit(Work::Generate(Box::new(plan.clone())));
+    new_gen.submit(Work::Generate(Box::new(plan)));
+    let mut answers = Vec::new();
+    while answers.len() < 2 {
+        match recv(rx) {
+            Msg::GenerateResult(g) => answers.push(g.completions),
+            m => panic!("{m:?}"),
+        }
+    }
+    assert_eq!(
+        answers[0], answers[1],
+        "the new generator's weights are not trainer 0's"
+    );
 }
 
 #[test]

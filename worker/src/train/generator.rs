@@ -75,6 +75,12 @@ impl Engine for Generator {
         Err(no_training())
     }
 
+    /// A generator never serves as a training replica (a worker that
+    /// generated and now trains is rebuilt or synced like a new member).
+    fn fits(&self, _rank: usize, _world: usize) -> bool {
+        false
+    }
+
     fn set_collective(&mut self, coll: Box<dyn Collective>) -> anyhow::Result<()> {
         self.ring = coll;
         Ok(())
