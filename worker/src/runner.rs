@@ -36,6 +36,7 @@ mod publish;
 mod reference;
 mod step;
 mod thread;
+mod weight_server;
 mod weights;
 mod work;
 mod writer;

@@ -10,7 +10,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use tracing::info;
 
 use super::thread::{lock, InFlight, PlanKey, Thread};
-use super::weights::Cmd;
+use super::weight_server::Cmd;
 use super::work::{Factory, Progress, RunnerConfig, Work};
 use super::writer::Writer;
 use crate::wire;

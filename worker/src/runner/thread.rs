@@ -14,7 +14,7 @@ use super::fault;
 use super::probe;
 use super::reference;
 use super::step::{run_step, StepOutcome};
-use super::weights::{Cmd, WeightServer};
+use super::weight_server::{Cmd, WeightServer};
 use super::work::{Connector, Factory, Progress, Work};
 use super::writer::Writer;
 use crate::collective::{AbortHandle, Collective};

@@ -61,7 +61,7 @@ impl Engine for Generator {
         Err(no_training())
     }
 
-    fn optimizer_step(&mut self, _lr: f64) -> anyhow::Result<super::StepStats> {
+    fn optimizer_step(&mut self, _lr: f64) -> anyhow::Result<super::trainer::StepStats> {
         Err(no_training())
     }
 
