@@ -310,7 +310,7 @@ fn roles_switch(
                 rank: 0,
                 generation: 1,
             }),
-            priors: vec![held.clone()],
+            priors: vec![held],
             weights: (rank == 0).then(|| wire::WeightRing {
                 rank: 0,
                 world_size: 2,

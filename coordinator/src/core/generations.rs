@@ -360,10 +360,10 @@ impl Coordinator {
                 generators.len()
             )
         };
-        job.phase = Phase::Active(Active {
+        job.phase = Phase::Active(Box::new(Active {
             gen,
             work: Work::Idle,
-        });
+        }));
         fx.push(job.event(EventKind::Generation, msg, now_ms));
     }
 

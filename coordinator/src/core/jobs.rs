@@ -51,8 +51,8 @@ pub struct Generation {
     ranks: Arc<BTreeMap<WorkerId, u32>>,
     /// A disaggregated RL generation's generators (`rl.generators`):
     /// workers outside the training ranks that only generate. Empty in
-    /// every other generation.
-    pub generators: GeneratorSet,
+    /// every other generation. (Boxed: most generations have none.)
+    pub generators: Box<GeneratorSet>,
 }
 
 /// The generators of a disaggregated generation, by their rank among the
@@ -122,13 +122,13 @@ impl Generation {
             decision,
             disk_only,
             ranks,
-            generators: GeneratorSet::default(),
+            generators: Box::default(),
         }
     }
 
     /// The same generation with these generators beside its training ranks.
     pub fn with_generators(mut self, generators: Vec<WorkerId>) -> Self {
-        self.generators = GeneratorSet::new(generators);
+        self.generators = Box::new(GeneratorSet::new(generators));
         self
     }
 
@@ -231,7 +231,9 @@ pub enum Phase {
         /// memory-only restore failed).
         disk_only: bool,
     },
-    Active(Active),
+    /// (Boxed: the generation and its work are large, the other phases
+    /// small.)
+    Active(Box<Active>),
     /// Completed, failed or cancelled.
     Ended,
 }

@@ -214,11 +214,9 @@ impl Thread {
         } else {
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 let policy = h.exec.policy(true)?;
-                Ok::<_, anyhow::Error>(
-                    (rank == 0)
-                        .then(|| policy_sync::snapshot(&*policy, p.step))
-                        .transpose()?,
-                )
+                (rank == 0)
+                    .then(|| policy_sync::snapshot(&policy, p.step))
+                    .transpose()
             }))
             .unwrap_or_else(|payload| Err(crate::error::from_panic(payload.as_ref())))
         };
