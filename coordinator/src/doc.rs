@@ -70,6 +70,33 @@ enum Tokens {
 pub trait TokenRows: Send + Sync {
     fn ids(&self, row: u32) -> &[u32];
     fn labels(&self, row: u32) -> Cow<'_, [i32]>;
+
+    /// Appends row `row`'s ids and labels to `ids` and `labels` as the wire
+    /// packs them (little-endian, 4 bytes a token). A store overrides this
+    /// to write its labels without building the label row first: it runs
+    /// for every token of every plan.
+    fn write_le(&self, row: u32, ids: &mut Vec<u8>, labels: &mut Vec<u8>) {
+        put_u32s(ids, self.ids(row));
+        put_i32s(labels, &self.labels(row));
+    }
+}
+
+/// Appends `values` as little-endian bytes (the wire's packed form).
+pub fn put_u32s(out: &mut Vec<u8>, values: &[u32]) {
+    let at = out.len();
+    out.resize(at + values.len() * 4, 0);
+    for (b, v) in out[at..].chunks_exact_mut(4).zip(values) {
+        b.copy_from_slice(&v.to_le_bytes());
+    }
+}
+
+/// Appends `values` as little-endian bytes (the wire's packed form).
+pub fn put_i32s(out: &mut Vec<u8>, values: &[i32]) {
+    let at = out.len();
+    out.resize(at + values.len() * 4, 0);
+    for (b, v) in out[at..].chunks_exact_mut(4).zip(values) {
+        b.copy_from_slice(&v.to_le_bytes());
+    }
 }
 
 impl Sequence {
@@ -103,6 +130,21 @@ impl Sequence {
         match &self.tokens {
             Tokens::Owned { labels, .. } => Cow::Borrowed(labels),
             Tokens::Mapped { rows, row, .. } => rows.labels(*row),
+        }
+    }
+
+    /// Appends its ids and labels as the wire packs them (see
+    /// [`TokenRows::write_le`]).
+    pub fn write_le(&self, ids: &mut Vec<u8>, labels: &mut Vec<u8>) {
+        match &self.tokens {
+            Tokens::Owned {
+                input_ids,
+                labels: l,
+            } => {
+                put_u32s(ids, input_ids);
+                put_i32s(labels, l);
+            }
+            Tokens::Mapped { rows, row, .. } => rows.write_le(*row, ids, labels),
         }
     }
 

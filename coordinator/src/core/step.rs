@@ -268,6 +268,10 @@ pub fn pack_documents(
             .collect(),
         _ => Vec::new(),
     };
+    // Each document is read here once (its ids too, for the layout): the
+    // step's documents are scattered over the dataset, so a second read
+    // is a second cache miss per document, under the state lock.
+    let ids: Vec<DocId> = chosen.iter().map(|d| d.id).collect();
     let problem = PackProblem {
         items: chosen
             .iter()
@@ -294,7 +298,10 @@ pub fn pack_documents(
                     // The packer summed the loss tokens already: the
                     // labels are not read again under the lock.
                     layout(
-                        mb.items.iter().map(|&i| &chosen[problem.items[i].doc]),
+                        mb.items.iter().map(|&i| {
+                            let it = &problem.items[i];
+                            (&chosen[it.doc], ids[it.doc], &it.seq_lens[..])
+                        }),
                         mb.loss_tokens,
                         notes,
                     )
@@ -311,14 +318,19 @@ pub fn payload<'a>(
     docs: impl Iterator<Item = &'a DocHandle>,
     notes: Annotations<'_>,
 ) -> MicrobatchPayload {
-    let docs: Vec<&DocHandle> = docs.collect();
-    let loss_tokens = docs.iter().map(|d| d.loss_tokens()).sum();
-    layout(docs.into_iter(), loss_tokens, notes)
+    let docs: Vec<(&DocHandle, DocId, Vec<u32>)> = docs.map(|d| (d, d.id, d.seq_lens())).collect();
+    let loss_tokens = docs.iter().map(|(d, ..)| d.loss_tokens()).sum();
+    layout(
+        docs.iter().map(|(d, id, lens)| (*d, *id, &lens[..])),
+        loss_tokens,
+        notes,
+    )
 }
 
-/// [`payload`] with the microbatch's loss tokens already counted.
+/// [`payload`] with the microbatch's loss tokens already counted, from
+/// each document's handle, id and sequence lengths.
 fn layout<'a>(
-    docs: impl Iterator<Item = &'a DocHandle>,
+    docs: impl Iterator<Item = (&'a DocHandle, DocId, &'a [u32])>,
     loss_tokens: u64,
     notes: Annotations<'_>,
 ) -> MicrobatchPayload {
@@ -328,25 +340,25 @@ fn layout<'a>(
         ..Default::default()
     };
     let mut end = 0u32;
-    for d in docs {
-        for (role, seq) in d.sequences().enumerate() {
-            end += seq.len() as u32;
+    for (d, id, lens) in docs {
+        let source = notes
+            .file_source
+            .and_then(|fs| fs.get(id.file as usize).copied())
+            .unwrap_or(0);
+        let advantage = notes.rollouts.and_then(|r| r.advantage.get(&id).copied());
+        let ref_logps = notes.reference.and_then(|c| c.get(&id));
+        for (role, &len) in lens.iter().enumerate() {
+            end += len;
             p.cu_seq_lens.push(end);
             if let Some(c) = notes.reference {
-                p.ref_tokens.push(c.tokens(&d.id).cloned());
+                p.ref_tokens.push(c.tokens(&id).cloned());
             }
             p.seqs.push(SeqRef {
-                doc: d.id,
-                source: notes
-                    .file_source
-                    .and_then(|fs| fs.get(d.id.file as usize).copied())
-                    .unwrap_or(0),
+                doc: id,
+                source,
                 role: role as u32,
-                advantage: notes.rollouts.and_then(|r| r.advantage.get(&d.id).copied()),
-                ref_logp: notes
-                    .reference
-                    .and_then(|c| c.get(&d.id))
-                    .map(|logps| logps[role.min(1)]),
+                advantage,
+                ref_logp: ref_logps.map(|logps| logps[role.min(1)]),
             });
         }
         p.docs.push(d.clone());

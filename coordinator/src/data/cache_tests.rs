@@ -50,6 +50,26 @@ const ROWS: &str = "{\"prompt\": \"1+1=\", \"completion\": \"2\"}\n\
                     {\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}, {\"role\": \"assistant\", \"content\": \"hello\"}]}\n";
 
 #[test]
+fn a_stored_rows_wire_bytes_are_its_ids_and_labels_packed() {
+    // Masked labels (chat, prompt/completion) and explicit ones: what a
+    // plan's encoder writes from the store, without a label row between.
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("a.jsonl");
+    let explicit = "{\"input_ids\": [1, 2, 3], \"labels\": [-100, 2, 3]}\n";
+    std::fs::write(&file, format!("{ROWS}{explicit}")).unwrap();
+    let data = section(vec![file], "bytes");
+    let ds = cached(&data, &dir.path().join("cache"), &AtomicU64::new(0));
+    assert_eq!(ds.docs.len(), 4);
+    for s in ds.docs.iter().flat_map(Document::sequences) {
+        assert!(s.is_mapped());
+        let (mut ids, mut labels) = (vec![9u8], vec![9u8]);
+        s.write_le(&mut ids, &mut labels);
+        assert_eq!(ids[1..], accrue_proto::pack_u32(s.input_ids()));
+        assert_eq!(labels[1..], accrue_proto::pack_i32(&s.labels()));
+    }
+}
+
+#[test]
 fn a_store_is_built_once_then_found_and_equals_the_in_memory_load() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("a.jsonl");

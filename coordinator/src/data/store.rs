@@ -547,6 +547,29 @@ impl TokenRows for Store {
                 .collect(),
         )
     }
+
+    fn write_le(&self, row: u32, ids: &mut Vec<u8>, labels: &mut Vec<u8>) {
+        let e = self.row(row);
+        let (start, len) = (e.start as usize, e.len as usize);
+        // The files hold little-endian 4-byte values already (see `ids`).
+        let id_bytes = &self.ids.bytes()[start * 4..(start + len) * 4];
+        ids.extend_from_slice(id_bytes);
+        if e.explicit != u64::MAX {
+            let at = e.explicit as usize * 4;
+            labels.extend_from_slice(&self.explicit.bytes()[at..at + len * 4]);
+            return;
+        }
+        let mask = &self.mask.bytes()[start..start + len];
+        let at = labels.len();
+        labels.resize(at + len * 4, 0);
+        let out = labels[at..].chunks_exact_mut(4);
+        for ((b, id), &m) in out.zip(id_bytes.chunks_exact(4)).zip(mask) {
+            match m {
+                1 => b.copy_from_slice(id),
+                _ => b.copy_from_slice(&IGNORE_INDEX.to_le_bytes()),
+            }
+        }
+    }
 }
 
 fn u64_at(b: &[u8], at: usize) -> u64 {

@@ -5,7 +5,7 @@
 //! keeps each bin within the token budget. See README.md beside this file.
 
 use std::cmp::Reverse;
-use std::collections::BinaryHeap;
+use std::collections::{BTreeSet, BinaryHeap};
 
 /// A non-negative cost as a totally ordered integer key (IEEE-754 bit
 /// patterns of non-negative floats sort like the floats).
@@ -53,6 +53,29 @@ pub(super) fn split_for_balance(bins: &mut Vec<Vec<usize>>, slots: usize, costs:
         bins[b] = left;
         bins.push(right);
     }
+}
+
+/// A load as a key ordered like the loads (`f64::total_cmp`; equal loads,
+/// equal keys, but for ±0, which a sum of non-negative costs never makes
+/// negative).
+pub(super) fn load_key(load: f64) -> u64 {
+    let bits = load.to_bits();
+    if bits >> 63 == 1 {
+        !bits
+    } else {
+        bits | 1 << 63
+    }
+}
+
+/// The costliest rank and the cheapest one, each the lowest-numbered
+/// among equals (what a scan of the ranks in order finds).
+pub(super) fn extremes(by_load: &BTreeSet<(u64, usize)>) -> (usize, usize) {
+    let (&(top, _), &(_, lo)) = (
+        by_load.last().expect("two or more ranks"),
+        by_load.first().expect("two or more ranks"),
+    );
+    let &(_, hi) = by_load.range((top, 0)..).next().expect("top is there");
+    (hi, lo)
 }
 
 /// Above this many (document in the costliest rank × document in the
@@ -181,24 +204,26 @@ impl<'a> Layout<'a> {
         let max_rounds = 2 * (self.tokens.len() + self.bins.len()) + 16;
         let budget = SEARCH_WORK_PER_ITEM * (self.tokens.len() + self.bins.len()) + (1 << 16);
         let mut spent = 0usize;
+        // Ranks by load: a round changes two loads, so the costliest and
+        // the cheapest rank are found in O(log W), not by a scan of W.
+        let mut by_load: BTreeSet<(u64, usize)> =
+            (0..w).map(|r| (load_key(self.loads[r]), r)).collect();
         for _ in 0..max_rounds {
             if spent > budget {
                 break;
             }
-            let (mut hi, mut lo) = (0, 0);
-            for r in 1..w {
-                if self.loads[r] > self.loads[hi] {
-                    hi = r;
-                }
-                if self.loads[r] < self.loads[lo] {
-                    lo = r;
-                }
-            }
+            let (hi, lo) = extremes(&by_load);
+            // A round is still charged the W-rank scan it replaced, so
+            // the budget, and with it every plan, is what it was.
             spent += w + self.round_work(hi, lo);
             let Some(change) = self.best_change(hi, lo) else {
                 break;
             };
+            by_load.remove(&(load_key(self.loads[hi]), hi));
+            by_load.remove(&(load_key(self.loads[lo]), lo));
             self.apply(hi, lo, change);
+            by_load.insert((load_key(self.loads[hi]), hi));
+            by_load.insert((load_key(self.loads[lo]), lo));
         }
     }
 

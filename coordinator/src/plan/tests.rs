@@ -4,6 +4,7 @@
 
 use proptest::prelude::*;
 
+use super::balance::{extremes, load_key};
 use super::pack::{best_fit_decreasing, BestFit};
 use super::*;
 
@@ -128,6 +129,26 @@ proptest! {
         let real = s.ranks.iter().flatten().filter(|mb| !mb.is_padding()).count() as u64;
         prop_assert!(real <= w * m);
         prop_assert!(p.items.is_empty() || real >= 1);
+    }
+
+    #[test]
+    fn ranks_by_load_give_the_extremes_a_scan_gives(
+        loads in prop::collection::vec(prop::sample::select(vec![0.0, 1.0, 2.5, 7.0, 1e9]), 2..40)
+    ) {
+        // The local search keeps its ranks ordered by load instead of
+        // scanning them each round: same costliest and cheapest rank,
+        // the lowest-numbered among equal loads (few values: many ties).
+        let (mut hi, mut lo) = (0, 0);
+        for r in 1..loads.len() {
+            if loads[r] > loads[hi] {
+                hi = r;
+            }
+            if loads[r] < loads[lo] {
+                lo = r;
+            }
+        }
+        let by_load = loads.iter().enumerate().map(|(r, &l)| (load_key(l), r)).collect();
+        prop_assert_eq!(extremes(&by_load), (hi, lo));
     }
 
     #[test]

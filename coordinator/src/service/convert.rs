@@ -435,8 +435,7 @@ pub fn packed_rows(mb: &crate::core::step::MicrobatchPayload) -> (Vec<u8>, Vec<u
     let len = mb.tokens() as usize * 4;
     let (mut ids, mut labels) = (Vec::with_capacity(len), Vec::with_capacity(len));
     for seq in mb.sequences() {
-        ids.extend(seq.input_ids().iter().flat_map(|t| t.to_le_bytes()));
-        labels.extend(seq.labels().iter().flat_map(|l| l.to_le_bytes()));
+        seq.write_le(&mut ids, &mut labels);
     }
     (ids, labels)
 }
