@@ -18,10 +18,29 @@ fn main() {
     }
     if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
         match &lib {
-            Some(dir) => cuda_memory_shim(dir),
+            Some(dir) => {
+                link_torch_cuda(dir);
+                cuda_memory_shim(dir);
+            }
             None => println!("cargo:warning=cuda memory shim skipped: libtorch's lib/ unknown"),
         }
     }
+}
+
+/// Keeps `libtorch_cuda.so` among the binaries' needed libraries. Nothing
+/// in them calls it directly, so the linker's `--as-needed` drops it, and
+/// without it loaded libtorch registers no CUDA backend: `tch` then sees
+/// no GPU on a GPU machine (found on the first one: `accrue-worker` built
+/// with `--features cuda` did not list it in `DT_NEEDED`).
+fn link_torch_cuda(lib: &Path) {
+    if !lib.join("libtorch_cuda.so").is_file() {
+        println!(
+            "cargo:warning=libtorch at {} has no libtorch_cuda.so: this worker trains on the CPU only",
+            lib.display()
+        );
+        return;
+    }
+    println!("cargo:rustc-link-arg=-Wl,--no-as-needed,-ltorch_cuda,--as-needed");
 }
 
 /// The directory holding `cuda_runtime_api.h` and the headers it needs:
