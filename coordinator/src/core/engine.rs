@@ -40,7 +40,7 @@ use super::publish::{self, policy_dir};
 use super::types::{AbortReason, End, EventKind, JobState, PlanKind, Why};
 
 /// Hands an answered round to the shell for scoring.
-fn hand_to_scorer(
+pub(super) fn hand_to_scorer(
     job_id: &str,
     reason: &mut String,
     l: &mut LoopState,
@@ -55,6 +55,21 @@ fn hand_to_scorer(
     let to_score = r.into_score(job_id, l);
     *reason = format!("scoring round {}", to_score.round);
     fx.push(Effect::ScoreRound(Box::new(to_score)));
+}
+
+/// Why a worker whose answer does not fit its round is dropped (its
+/// round is planned again).
+pub(super) fn wrong_answer(
+    who: &str,
+    worker: &str,
+    rank: u32,
+    round: u64,
+    e: &super::generate::BadAnswer,
+) -> Why {
+    Why::new(
+        AbortReason::WorkerError,
+        format!("{who} {worker} (rank {rank}) answered generation round {round} wrongly: {e}"),
+    )
 }
 
 /// Where a job's rounds go when they run apart from the trainers.
@@ -319,10 +334,7 @@ impl Coordinator {
                 hand_to_scorer(job_id, &mut job.rec.reason, l, r, fx);
             }
             Err(err) => {
-                let why = Why::new(
-                    AbortReason::WorkerError,
-                    format!("generator {worker} (rank {rank}) answered generation round {round} wrongly: {err}"),
-                );
+                let why = wrong_answer("generator", worker, rank, round, &err);
                 self.lose_worker_because(worker, why, now_ms, fx);
             }
         }

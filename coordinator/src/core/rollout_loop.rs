@@ -9,10 +9,9 @@ use std::sync::Arc;
 use tracing::{info, warn};
 
 use super::effects::{Effect, ToWorker, WatchItem};
+use super::engine::{hand_to_scorer, wrong_answer};
 use super::error::{CoreError, Result};
-use super::generate::{
-    GenCompletion, LoopInputs, RoundKind, RoundStats, Scoring, MAX_BARREN_GROUPS,
-};
+use super::generate::{GenCompletion, LoopInputs, RoundKind, RoundStats, MAX_BARREN_GROUPS};
 use super::jobs::Work;
 use super::machine::Coordinator;
 use super::stream::Admission;
@@ -207,20 +206,10 @@ impl Coordinator {
                     unreachable!("matched above")
                 };
                 let l = job.data.rollout_loop.as_mut().expect("a generating job");
-                l.scoring = Some(Scoring {
-                    round: r.id,
-                    kind: r.kind,
-                    prompts_end: r.positions.end,
-                });
-                let to_score = (*r).into_score(job_id, l);
-                job.rec.reason = format!("scoring round {}", to_score.round);
-                fx.push(Effect::ScoreRound(Box::new(to_score)));
+                hand_to_scorer(job_id, &mut job.rec.reason, l, *r, fx);
             }
             Err(e) => {
-                let why = Why::new(
-                    AbortReason::WorkerError,
-                    format!("worker {worker} (rank {rank}) answered generation round {round} wrongly: {e}"),
-                );
+                let why = wrong_answer("worker", worker, rank, round, &e);
                 self.lose_worker_because(worker, why, now_ms, fx);
             }
         }
