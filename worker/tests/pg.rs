@@ -622,8 +622,12 @@ fn check(case: Case) {
         // sum (see the reference check above), and step 2's scalars are
         // computed on them. Measured: parameters up to 5.3e-6 and step 2's
         // kl 1.2e-6 (sequence norm with mixed old log-probs), everything
-        // else ≤ 5.5e-7.
-        assert!(w <= 2e-6, "{label}, {name}: {what} differs by {w:e}");
+        // else ≤ 5.5e-7. On another CPU (same code and PyTorch; float32
+        // matmuls of other row counts round differently there) step 1's
+        // kl with a live reference and TIS moved 2.7e-6 between one
+        // microbatch and uneven ones: float32 reassociation, far below
+        // what a wrong split or normaliser does (≥ 1e-3).
+        assert!(w <= 5e-6, "{label}, {name}: {what} differs by {w:e}");
         assert!(
             pw <= 1e-5,
             "{label}, {name}: parameter {pn} differs by {pw:e}"
