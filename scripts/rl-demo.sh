@@ -64,6 +64,7 @@ for line in open("runs/rl-demo/metrics.jsonl"):
     elif "step" in row:
         steps.append(row)
 first, last = evals[0], evals[-1]
+rewards = [s["extra"]["rl/reward_mean"] for s in steps if "rl/reward_mean" in s["extra"]]
 acc = lambda e: e["extra"].get("rl/accuracy", 0.0)
 print(json.dumps({
     "accuracy_before": acc(first),
@@ -72,8 +73,9 @@ print(json.dumps({
     "eval_step_after": last["step"],
     "eval_prompts": first["docs"],
     "grpo_steps": len(steps),
-    "train_reward_first": steps[0]["extra"].get("rl/reward_mean") if steps else None,
-    "train_reward_last": steps[-1]["extra"].get("rl/reward_mean") if steps else None,
+    # (With generation running ahead, a step may carry no round's metrics.)
+    "train_reward_first": rewards[0] if rewards else None,
+    "train_reward_last": rewards[-1] if rewards else None,
     "wall_s": int(sys.argv[1]),
 }))
 PY
