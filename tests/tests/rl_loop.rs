@@ -10,27 +10,36 @@ use std::collections::BTreeSet;
 
 use common::*;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_generator_killed_mid_round_loses_no_prompt_and_counts_no_rollout_twice() {
-    let dir = tempfile::tempdir().unwrap();
-    // 8 prompts whose answer is "0": sample 0 is right, sample 1 wrong.
+/// 8 prompts whose answer is "0" (sample 0 of a fake generator is right,
+/// sample 1 wrong) and a 6-step generating job over them, groups of 2,
+/// 4 rollouts a step, with these `[parallel]` and extra `[rl]` lines.
+fn loop_job(dir: &std::path::Path, name: &str, parallel: &str, rl: &str) -> std::path::PathBuf {
     let rows: String = (0..8)
         .map(|i| format!("{{\"question\": \"{i} times 0?\", \"answer\": \"#### 0\"}}\n"))
         .collect();
-    std::fs::write(dir.path().join("prompts.jsonl"), rows).unwrap();
-    std::fs::write(dir.path().join("tiny.json"), r#"{"vocab_size": 320}"#).unwrap();
-    let spec = dir.path().join("loop.toml");
+    std::fs::write(dir.join("prompts.jsonl"), rows).unwrap();
+    std::fs::write(dir.join("tiny.json"), r#"{"vocab_size": 320}"#).unwrap();
+    let spec = dir.join("loop.toml");
     std::fs::write(
         &spec,
-        "[job]\nname = \"loop\"\nsteps = 6\noutput_dir = \"out\"\n\
-         [model]\ninit = \"random\"\nconfig = \"tiny.json\"\n\
-         [data]\nsource = \"generate\"\nformat = \"prompts\"\ntrain = [\"prompts.jsonl\"]\nmax_tokens = 256\n\
-         [batch]\ndocs_per_step = 4\n[objective]\nkind = \"pg\"\n\
-         [parallel]\nmin_workers = 1\nmax_workers = 2\n\
-         [rl]\ngroup_size = 2\n[rl.sampling]\nmax_new_tokens = 8\n\
-         [rl.verifier]\nkind = \"gsm8k\"\n",
+        format!(
+            "[job]\nname = \"{name}\"\nsteps = 6\noutput_dir = \"out\"\n\
+             [model]\ninit = \"random\"\nconfig = \"tiny.json\"\n\
+             [data]\nsource = \"generate\"\nformat = \"prompts\"\ntrain = [\"prompts.jsonl\"]\nmax_tokens = 256\n\
+             [batch]\ndocs_per_step = 4\n[objective]\nkind = \"pg\"\n\
+             [parallel]\n{parallel}\n\
+             [rl]\ngroup_size = 2\n{rl}[rl.sampling]\nmax_new_tokens = 8\n\
+             [rl.verifier]\nkind = \"gsm8k\"\n"
+        ),
     )
     .unwrap();
+    spec
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_generator_killed_mid_round_loses_no_prompt_and_counts_no_rollout_twice() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = loop_job(dir.path(), "loop", "min_workers = 1\nmax_workers = 2", "");
     let coord = Coordinator::start(&dir.path().join("state"));
     // Both generators are in the first generation; b dies on round 2.
     let a = tokio::spawn(fake_generator(coord.url.clone(), None, None));
@@ -80,23 +89,12 @@ async fn a_generator_killed_mid_round_loses_no_prompt_and_counts_no_rollout_twic
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_disaggregated_generator_killed_mid_round_loses_no_prompt() {
     let dir = tempfile::tempdir().unwrap();
-    let rows: String = (0..8)
-        .map(|i| format!("{{\"question\": \"{i} times 0?\", \"answer\": \"#### 0\"}}\n"))
-        .collect();
-    std::fs::write(dir.path().join("prompts.jsonl"), rows).unwrap();
-    std::fs::write(dir.path().join("tiny.json"), r#"{"vocab_size": 320}"#).unwrap();
-    let spec = dir.path().join("loop.toml");
-    std::fs::write(
-        &spec,
-        "[job]\nname = \"apart\"\nsteps = 6\noutput_dir = \"out\"\n\
-         [model]\ninit = \"random\"\nconfig = \"tiny.json\"\n\
-         [data]\nsource = \"generate\"\nformat = \"prompts\"\ntrain = [\"prompts.jsonl\"]\nmax_tokens = 256\n\
-         [batch]\ndocs_per_step = 4\n[objective]\nkind = \"pg\"\n\
-         [parallel]\nmin_workers = 2\nmax_workers = 3\n\
-         [rl]\ngroup_size = 2\ngenerators = 1\nmax_staleness = 1\n[rl.sampling]\nmax_new_tokens = 8\n\
-         [rl.verifier]\nkind = \"gsm8k\"\n",
-    )
-    .unwrap();
+    let spec = loop_job(
+        dir.path(),
+        "apart",
+        "min_workers = 2\nmax_workers = 3",
+        "generators = 1\nmax_staleness = 1\n",
+    );
     let coord = Coordinator::start(&dir.path().join("state"));
     // Registered in this order, c (holding nothing, last) generates first.
     let a = tokio::spawn(fake_generator(coord.url.clone(), None, None));
