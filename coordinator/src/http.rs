@@ -73,6 +73,9 @@ pub struct WorkerView {
     pub state: String,
     pub job: Option<String>,
     pub rank: Option<u32>,
+    /// A generator of its job's disaggregated generation (`rank` among
+    /// the generators).
+    pub generator: bool,
     /// Seconds since the worker was last heard from.
     pub heartbeat_age_s: f64,
 }
@@ -271,7 +274,8 @@ pub fn status_view(core: &Coordinator, totals: &HashMap<JobId, Totals>, now_ms: 
             },
             state: worker_state(w.state).to_string(),
             job: w.job.clone(),
-            rank: w.rank,
+            rank: w.rank.or(core.generator_rank(w)),
+            generator: core.generator_rank(w).is_some(),
             heartbeat_age_s: (now_ms - w.last_seen_ms).max(0) as f64 / 1000.0,
         })
         .collect();

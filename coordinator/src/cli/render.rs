@@ -508,7 +508,11 @@ pub fn workers_table(workers: &[WorkerInfo]) -> String {
                 },
                 worker_state_name(w.state),
                 or_dash(&w.job_id),
-                w.rank.map_or_else(|| "-".into(), |r| r.to_string()),
+                match (w.rank, w.generator) {
+                    (Some(r), true) => format!("gen {r}"),
+                    (Some(r), false) => r.to_string(),
+                    (None, _) => "-".into(),
+                },
                 format!("{} ago", human_ms(w.last_seen_ms_ago)),
                 match (w.gpu_memory_bytes, w.memory_bytes) {
                     (0, 0) => "-".into(),
@@ -542,6 +546,7 @@ pub fn worker_json(w: &WorkerInfo) -> Value {
         "state": worker_state_name(w.state),
         "job_id": w.job_id,
         "rank": w.rank,
+        "generator": w.generator,
         "last_seen_ms_ago": w.last_seen_ms_ago,
         "memory_bytes": w.memory_bytes,
         "gpu_name": w.gpu_name,
@@ -713,8 +718,16 @@ mod tests {
             state: WorkerState::Idle as i32,
             ..Default::default()
         };
-        let t = workers_table(&[w.clone(), idle]);
+        let generator = WorkerInfo {
+            worker_id: "w-3".into(),
+            rank: Some(0),
+            generator: true,
+            ..Default::default()
+        };
+        let t = workers_table(&[w.clone(), idle, generator.clone()]);
         let lines: Vec<&str> = t.lines().collect();
+        assert!(lines[3].contains("gen 0"), "a generator's rank: {t}");
+        assert_eq!(workers_json(&[generator])[0]["generator"], true);
         for cell in [
             "w-1", "node7", "cuda:0", "active", "a1", "3", "1s ago", "80.0 GiB",
         ] {

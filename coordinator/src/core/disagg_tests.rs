@@ -163,6 +163,11 @@ fn a_generator_lost_mid_round_is_replaced_with_no_prompt_lost_or_trained_twice()
     s.submit_loop(disagg_spec(6, 1, 1, 1), 6);
     // Until the generator's second round is out, then lose it unanswered.
     s.run_until(|s| s.round_workers.len() == 2);
+    let rank = |s: &Sim, w: &str| s.c.generator_rank(s.c.worker(w).unwrap());
+    assert_eq!(
+        (rank(&s, "a"), rank(&s, "b"), rank(&s, "c")),
+        (None, None, Some(0))
+    );
     let lost: Vec<DocId> = s.rounds[1].1.requests.iter().map(|q| q.prompt).collect();
     s.inbox.retain(|(w, _)| w != "c");
     let old = s.last_generation();

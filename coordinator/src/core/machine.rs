@@ -375,6 +375,13 @@ impl Coordinator {
         );
     }
 
+    /// A worker's rank among the generators of its job's generation
+    /// (disaggregated RL), if it is one.
+    pub fn generator_rank(&self, w: &Worker) -> Option<u32> {
+        let job = self.jobs.get(w.job.as_deref()?)?;
+        job.gen()?.generators.rank_of(&w.id)
+    }
+
     pub(super) fn seen(&mut self, worker: &str, now_ms: i64) {
         if let Some(w) = self.workers.get_mut(worker) {
             if w.state != WorkerState::Lost {

@@ -361,7 +361,7 @@ impl Admin for AdminService {
         let workers = inner
             .core
             .workers()
-            .map(|w| convert::worker_info(w, now))
+            .map(|w| convert::worker_info(w, inner.core.generator_rank(w), now))
             .collect();
         Ok(Response::new(wire::ListWorkersResponse { workers }))
     }
@@ -378,7 +378,7 @@ impl Admin for AdminService {
         let w = inner
             .core
             .worker(&id)
-            .map(|w| convert::worker_info(w, now_ms()));
+            .map(|w| convert::worker_info(w, inner.core.generator_rank(w), now_ms()));
         Ok(Response::new(wire::DrainWorkerResponse { worker: w }))
     }
 

@@ -225,7 +225,9 @@ pub fn step_metrics(m: &StepMetrics) -> wire::StepMetrics {
     }
 }
 
-pub fn worker_info(w: &Worker, now_ms: i64) -> wire::WorkerInfo {
+/// `generator`: the worker's rank among its generation's generators, if it
+/// is one (`Coordinator::generator_rank`).
+pub fn worker_info(w: &Worker, generator: Option<u32>, now_ms: i64) -> wire::WorkerInfo {
     let state = match w.state {
         WorkerState::Registered => wire::WorkerState::Registered,
         WorkerState::Idle => wire::WorkerState::Idle,
@@ -240,11 +242,12 @@ pub fn worker_info(w: &Worker, now_ms: i64) -> wire::WorkerInfo {
         device: w.reg.device.clone(),
         state: state as i32,
         job_id: w.job.clone().unwrap_or_default(),
-        rank: w.rank,
+        rank: w.rank.or(generator),
         last_seen_ms_ago: (now_ms - w.last_seen_ms).max(0) as u64,
         memory_bytes: w.reg.memory_bytes,
         gpu_name: w.reg.gpu_name.clone(),
         gpu_memory_bytes: w.reg.gpu_memory_bytes,
+        generator: generator.is_some(),
     }
 }
 
