@@ -187,7 +187,12 @@ impl Coordinator {
             Some(v) => inflight_steps == 0 && too_old(v) && e.published.is_none_or(|p| p < step),
         };
         if want_current {
-            if ready && !publishing && e.asked_publish != Some((step, gen_id)) {
+            // Only between steps: the members hold the committed step's
+            // weights then; asked while a step is in flight, they would take
+            // the policy after it, the next step's weights under this
+            // step's number (the commit publishes that one, in order).
+            let between_steps = inflight_steps == 0;
+            if ready && between_steps && !publishing && e.asked_publish != Some((step, gen_id)) {
                 e.asked_publish = Some((step, gen_id));
                 job.rec.reason = match backend {
                     Backend::External(_) => {

@@ -134,6 +134,10 @@ struct Sim {
     /// Per Generate plan sent: its worker, and whether a training step
     /// was in flight then.
     round_workers: Vec<(WorkerId, bool)>,
+    /// The step whose weights each worker will hold when it takes its
+    /// next message: its Configure's step, then each training plan's.
+    /// A policy publication must name exactly that step.
+    will_hold: BTreeMap<WorkerId, u64>,
 }
 
 /// The log-prob a simulated worker reports in a reference pass.
@@ -186,6 +190,7 @@ impl Sim {
             answered_reloads: 0,
             syncs: Vec::new(),
             round_workers: Vec::new(),
+            will_hold: BTreeMap::new(),
         }
     }
 
@@ -233,6 +238,20 @@ impl Sim {
                     }
                     if let ToWorker::SyncWeights { version, .. } = &msg {
                         self.syncs.push((worker.clone(), *version));
+                    }
+                    match &msg {
+                        ToWorker::Configure { step, .. } => {
+                            self.will_hold.insert(worker.clone(), *step);
+                        }
+                        ToWorker::Plan { planned, .. } if planned.kind == PlanKind::Train => {
+                            self.will_hold.insert(worker.clone(), planned.step);
+                        }
+                        ToWorker::PublishPolicy { step, .. } => assert_eq!(
+                            self.will_hold.get(&worker),
+                            Some(step),
+                            "{worker} is asked for step {step}'s policy behind another step's plan"
+                        ),
+                        _ => {}
                     }
                     self.inbox.push_back((worker, msg))
                 }
