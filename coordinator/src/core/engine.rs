@@ -368,12 +368,7 @@ impl Coordinator {
             );
             return;
         }
-        let Some(e) = job
-            .data
-            .rollout_loop
-            .as_mut()
-            .and_then(|l| l.engine.as_mut())
-        else {
+        let Some(e) = job.data.engine_mut() else {
             return;
         };
         let Some(asked) = e.reloading else {
@@ -478,13 +473,7 @@ impl Coordinator {
         let Some(job) = self.jobs.get_mut(job_id) else {
             return;
         };
-        let Some(e) = job
-            .data
-            .rollout_loop
-            .as_mut()
-            .and_then(|l| l.engine.as_mut())
-            .filter(|e| e.reloading == Some(step))
-        else {
+        let Some(e) = job.data.engine_mut().filter(|e| e.reloading == Some(step)) else {
             return;
         };
         e.reloading = None;

@@ -329,12 +329,7 @@ impl Coordinator {
         // snapshot went with the old weight ring: the current step is
         // published and synced before any round.
         if !generators.is_empty() {
-            if let Some(e) = job
-                .data
-                .rollout_loop
-                .as_mut()
-                .and_then(|l| l.engine.as_mut())
-            {
+            if let Some(e) = job.data.engine_mut() {
                 e.new_generators();
             }
         }

@@ -277,6 +277,12 @@ pub struct JobData {
 }
 
 impl JobData {
+    /// The generation running apart from the trainers (`rl.engine` or
+    /// `rl.generators`), if the job has one.
+    pub fn engine_mut(&mut self) -> Option<&mut super::generate::EngineLoop> {
+        self.rollout_loop.as_mut().and_then(|l| l.engine.as_mut())
+    }
+
     /// A job's data at submit or restore: the cached reference so far,
     /// its rollout groups (admitted against committed step `step`) and its
     /// stream queue, as its spec asks.

@@ -100,12 +100,7 @@ impl Coordinator {
             fx.push(job.event(EventKind::Policy, msg, now_ms));
         }
         // The job's engine loads it next (`super::engine`).
-        if let Some(e) = job
-            .data
-            .rollout_loop
-            .as_mut()
-            .and_then(|l| l.engine.as_mut())
-        {
+        if let Some(e) = job.data.engine_mut() {
             e.published = e.published.max(Some(step));
         }
     }

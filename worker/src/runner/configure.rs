@@ -342,12 +342,7 @@ impl Thread {
             let peer = e.peer().map(|p| p as u32);
             (wire::ErrorKind::CollectiveTimeout, msg, peer)
         };
-        let listener = self.listener.as_ref().ok_or_else(|| {
-            failed(CollectiveError::Setup(
-                "this worker has no collective listener".into(),
-            ))
-        })?;
-        let coll = (self.connector)(listener, c).map_err(failed)?;
+        let coll = self.join_ring(c).map_err(failed)?;
         if (coll.rank(), coll.world_size()) != (c.rank as usize, c.world_size as usize) {
             let msg = format!(
                 "configure: the collective says rank {} of {}, the coordinator rank {} of {}",

@@ -104,6 +104,20 @@ pub(super) struct Thread {
 }
 
 impl Thread {
+    /// Joins the ring `c` describes (a training ring, or a weight ring's
+    /// synthetic configure) on this worker's listener.
+    pub(super) fn join_ring(
+        &self,
+        c: &wire::Configure,
+    ) -> Result<Box<dyn Collective>, crate::collective::CollectiveError> {
+        let listener = self.listener.as_ref().ok_or_else(|| {
+            crate::collective::CollectiveError::Setup(
+                "this worker has no collective listener".into(),
+            )
+        })?;
+        (self.connector)(listener, c)
+    }
+
     pub(super) fn send(&self, msg: Msg) {
         let _ = self.out.send(wire::WorkerMessage { msg: Some(msg) });
     }

@@ -66,12 +66,7 @@ impl Thread {
         let Some(ring) = weight_ring_configure(c) else {
             return Err(failed(CollectiveError::Setup("no weight ring".into())));
         };
-        let listener = self.listener.as_ref().ok_or_else(|| {
-            failed(CollectiveError::Setup(
-                "this worker has no collective listener".into(),
-            ))
-        })?;
-        let coll = (self.connector)(listener, &ring).map_err(failed)?;
+        let coll = self.join_ring(&ring).map_err(failed)?;
         let abort = coll.abort_handle();
         Ok((Box::new(crate::collective::timed::Timed(coll)), abort))
     }
