@@ -17,6 +17,8 @@
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use redb::{Database, ReadableTable, TableDefinition};
 use serde::{Deserialize, Serialize};
@@ -93,9 +95,30 @@ pub struct StepRecord {
 pub const HOT_STEPS: u64 = 64;
 
 pub struct Store {
-    db: Database,
+    db: Arc<Database>,
     /// `state_dir/cold`: step records moved out of redb.
     cold: PathBuf,
+    /// Set while a [`Cooling`] runs: one at a time, so two never move the
+    /// same records.
+    cooling: Arc<AtomicBool>,
+}
+
+/// Moving one job's old step records to a cold file, taken from the store
+/// ([`Store::cooling`]) to run where no lock is held: it reads, writes and
+/// syncs a file of [`HOT_STEPS`] records. Readers see every record
+/// throughout (see [`Store::steps`]).
+pub struct Cooling {
+    db: Arc<Database>,
+    dir: PathBuf,
+    job: String,
+    now: u64,
+    busy: Arc<AtomicBool>,
+}
+
+impl Drop for Cooling {
+    fn drop(&mut self) {
+        self.busy.store(false, Ordering::Release);
+    }
 }
 
 impl Store {
@@ -115,8 +138,9 @@ impl Store {
         tx.open_table(STREAMS)?;
         tx.commit()?;
         Ok(Store {
-            db,
+            db: Arc::new(db),
             cold: state_dir.join("cold"),
+            cooling: Arc::new(AtomicBool::new(false)),
         })
     }
 
@@ -143,54 +167,36 @@ impl Store {
             )?;
         }
         tx.commit()?;
-        // The step is durable; moving old records out can wait for the
-        // next commit if it fails (they stay readable where they are).
-        if let Err(e) = self.cool(&rec.id, step.metrics.step) {
-            tracing::warn!(job = %rec.id, %e, "moving old step records to the cold files failed");
-        }
         Ok(())
     }
 
-    /// Moves `job`'s step records but the newest [`HOT_STEPS`] to a cold
-    /// file once redb holds twice that many (at step `now`). The file is
-    /// complete on disk (written aside, synced, renamed) before the records
-    /// leave redb; a crash in between leaves both, and readers take one.
-    fn cool(&self, job: &str, now: u64) -> Result<()> {
-        let rows: Vec<(u64, Vec<u8>)> = {
+    /// The move of `job`'s step records but the newest [`HOT_STEPS`] to a
+    /// cold file, when redb holds twice that many at step `now` and no
+    /// other move runs; the caller runs it ([`Cooling::run`]), off any
+    /// lock. A move that fails or is skipped is due again at the next
+    /// commit (the records stay readable where they are).
+    pub fn cooling(&self, job: &str, now: u64) -> Result<Option<Cooling>> {
+        {
             let tx = self.db.begin_read()?;
             let table = tx.open_table(STEPS)?;
             let first = match table.range((job, 0)..=(job, u64::MAX))?.next() {
                 Some(row) => row?.0.value().1,
-                None => return Ok(()),
+                None => return Ok(None),
             };
             if now + 1 < first + 2 * HOT_STEPS {
-                return Ok(());
-            }
-            let mut rows = Vec::new();
-            for row in table.range((job, first)..=(job, now - HOT_STEPS))? {
-                let (k, v) = row?;
-                rows.push((k.value().1, v.value().to_vec()));
-            }
-            rows
-        };
-        let (Some(&(first, _)), Some(&(last, _))) = (rows.first(), rows.last()) else {
-            return Ok(());
-        };
-        let dir = self.cold_dir(job);
-        let path = dir.join(format!("{first:020}-{last:020}.steps"));
-        write_cold(&dir, &path, &rows).map_err(|e| StoreError::Corrupt {
-            what: path.display().to_string(),
-            message: format!("writing: {e}"),
-        })?;
-        let tx = self.db.begin_write()?;
-        {
-            let mut table = tx.open_table(STEPS)?;
-            for (step, _) in &rows {
-                table.remove((job, *step))?;
+                return Ok(None);
             }
         }
-        tx.commit()?;
-        Ok(())
+        if self.cooling.swap(true, Ordering::AcqRel) {
+            return Ok(None);
+        }
+        Ok(Some(Cooling {
+            db: Arc::clone(&self.db),
+            dir: self.cold_dir(job),
+            job: job.to_string(),
+            now,
+            busy: Arc::clone(&self.cooling),
+        }))
     }
 
     fn cold_dir(&self, job: &str) -> PathBuf {
@@ -367,6 +373,10 @@ impl Store {
     /// files', then redb's.
     pub fn steps(&self, job: &str, from: u64) -> Result<Vec<StepRecord>> {
         let mut out = BTreeMap::new();
+        // redb's snapshot before the listing: a record a concurrent
+        // [`Cooling`] deletes after the snapshot was renamed into a cold
+        // file before it, so the listing holds it.
+        let tx = self.db.begin_read()?;
         for f in self.cold_files(job, from)? {
             for (step, bytes) in read_cold(&f)? {
                 if step >= from {
@@ -375,7 +385,6 @@ impl Store {
                 }
             }
         }
-        let tx = self.db.begin_read()?;
         let table = tx.open_table(STEPS)?;
         for row in table.range((job, from)..=(job, u64::MAX))? {
             let (k, v) = row?;
@@ -383,6 +392,50 @@ impl Store {
             out.insert(step, step_record(&format!("{job}/{step}"), v.value())?);
         }
         Ok(out.into_values().collect())
+    }
+}
+
+impl Cooling {
+    /// Moves the records. The file is complete on disk (written aside,
+    /// synced, renamed) before the records leave redb; a crash in between
+    /// leaves both, and readers take one.
+    pub fn run(self) -> Result<()> {
+        let (job, now) = (self.job.as_str(), self.now);
+        let rows: Vec<(u64, Vec<u8>)> = {
+            let tx = self.db.begin_read()?;
+            let table = tx.open_table(STEPS)?;
+            let first = match table.range((job, 0)..=(job, u64::MAX))?.next() {
+                Some(row) => row?.0.value().1,
+                None => return Ok(()),
+            };
+            if now + 1 < first + 2 * HOT_STEPS {
+                return Ok(());
+            }
+            let mut rows = Vec::new();
+            for row in table.range((job, first)..=(job, now - HOT_STEPS))? {
+                let (k, v) = row?;
+                rows.push((k.value().1, v.value().to_vec()));
+            }
+            rows
+        };
+        let (Some(&(first, _)), Some(&(last, _))) = (rows.first(), rows.last()) else {
+            return Ok(());
+        };
+        let dir = &self.dir;
+        let path = dir.join(format!("{first:020}-{last:020}.steps"));
+        write_cold(dir, &path, &rows).map_err(|e| StoreError::Corrupt {
+            what: path.display().to_string(),
+            message: format!("writing: {e}"),
+        })?;
+        let tx = self.db.begin_write()?;
+        {
+            let mut table = tx.open_table(STEPS)?;
+            for (step, _) in &rows {
+                table.remove((job, *step))?;
+            }
+        }
+        tx.commit()?;
+        Ok(())
     }
 }
 
@@ -863,6 +916,11 @@ mod tests {
             for step in 1..=last {
                 a.step = step;
                 s.commit_step(&a, &record(step)).unwrap();
+                if let Some(cooling) = s.cooling(&a.id, step).unwrap() {
+                    // One move at a time: a second is not handed out.
+                    assert!(s.cooling(&a.id, step).unwrap().is_none());
+                    cooling.run().unwrap();
+                }
                 let (hot, _) = s.hot_steps(&a.id).unwrap();
                 assert!(hot < 2 * HOT_STEPS, "{hot} records in redb at step {step}");
                 size_at.insert(step, std::fs::metadata(&db).unwrap().len());

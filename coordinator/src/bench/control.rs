@@ -6,8 +6,8 @@
 //! would report for it (so the coordinator's plan check passes).
 //!
 //! The coordinator runs on its own runtime with its own threads, so its CPU
-//! time is read apart from the fake workers' (per thread, from
-//! `/proc/self/task/*/stat`). Reported per W: coordinator CPU per step (and
+//! time is read apart from the fake workers' (the process's, less the fake
+//! workers' threads, from `/proc/self/stat` and `/proc/self/task/*/stat`). Reported per W: coordinator CPU per step (and
 //! the whole process's, fakes included), the state lock's held time per
 //! step, generation formation (wall time from the last session to the last
 //! Configure received, and the longest single lock hold meanwhile), bytes
@@ -109,6 +109,8 @@ pub fn control_plane(opts: &ControlBenchOpts) -> anyhow::Result<ControlRow> {
     let fakes = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name(FAKE_THREADS)
+        // Never ended mid-run: the coordinator's CPU is the rest.
+        .thread_keep_alive(Duration::from_secs(24 * 3600))
         .enable_all()
         .build()?;
     let state = opts.work.join(format!("state-{}", opts.workers));
@@ -269,34 +271,48 @@ impl Sample {
     }
 }
 
-/// CPU time of every thread of this process, and of the coordinator's.
+/// CPU time of this whole process (threads that ended included), and of
+/// the coordinator's part: the whole less the fake workers' threads and
+/// the main thread (which drives them). The fakes' threads live through
+/// the run (their blocking pool is kept alive), so a thread that ended
+/// was the coordinator's (its blocking pool, the cold-file mover) and is
+/// counted as such.
 fn thread_cpu_ns() -> (u64, u64) {
     // /proc counts in USER_HZ, 100 on every Linux architecture we run on.
     const HZ: u64 = 100;
-    let (mut all, mut coord) = (0, 0);
+    // "pid (comm) state ..." — comm may hold spaces, so split at ')';
+    // utime and stime are fields 14 and 15 of stat, 12 and 13 after it.
+    let parse = |stat: &str| -> Option<(String, u64)> {
+        let (open, close) = (stat.find('(')?, stat.rfind(')')?);
+        let fields: Vec<&str> = stat.get(close + 2..)?.split(' ').collect();
+        let ticks: u64 =
+            fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+        Some((
+            stat[open + 1..close].to_string(),
+            ticks * 1_000_000_000 / HZ,
+        ))
+    };
+    let all = std::fs::read_to_string("/proc/self/stat")
+        .ok()
+        .and_then(|s| parse(&s))
+        .map_or(0, |(_, ns)| ns);
+    let main = std::process::id().to_string();
+    let mut fakes = 0;
     let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
-        return (0, 0);
+        return (all, 0);
     };
     for t in dir.flatten() {
-        let Ok(stat) = std::fs::read_to_string(t.path().join("stat")) else {
+        let Some((comm, ns)) = std::fs::read_to_string(t.path().join("stat"))
+            .ok()
+            .and_then(|s| parse(&s))
+        else {
             continue;
         };
-        // "tid (comm) state ..." — comm may hold spaces, so split at ')'.
-        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
-            continue;
-        };
-        let comm = &stat[open + 1..close];
-        let fields: Vec<&str> = stat[close + 2..].split(' ').collect();
-        // utime and stime are fields 14 and 15 of stat, 12 and 13 here.
-        let ticks: u64 = fields.get(11).and_then(|s| s.parse().ok()).unwrap_or(0)
-            + fields.get(12).and_then(|s| s.parse().ok()).unwrap_or(0);
-        let ns = ticks * 1_000_000_000 / HZ;
-        all += ns;
-        if comm.starts_with(COORD_THREADS) {
-            coord += ns;
+        if comm.starts_with(FAKE_THREADS) || t.file_name().to_str() == Some(main.as_str()) {
+            fakes += ns;
         }
     }
-    (all, coord)
+    (all, all.saturating_sub(fakes))
 }
 
 /// Resident set of this process.

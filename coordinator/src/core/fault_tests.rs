@@ -406,3 +406,54 @@ fn an_init_that_fails_to_load_fails_the_job_naming_the_cause() {
     let reason = &s.c.job("job").unwrap().rec.reason;
     assert!(reason.contains("header is not valid JSON"), "{reason}");
 }
+
+/// A probe naming a microbatch it was not given, or counting more tokens
+/// than planned, is refused; the bisection still finds the poison.
+#[test]
+fn a_probe_result_that_disagrees_with_its_plan_is_refused() {
+    for (bad, want) in [(0u32, "non-finite microbatch"), (1, "tokens")] {
+        let mut s = Sim::new();
+        s.poison = vec![id(13)];
+        for w in ["a", "b", "c"] {
+            s.worker(w);
+        }
+        s.submit(
+            bisecting(spec("epochs = 1", "docs_per_step = 8", 1, 3)),
+            docs(40),
+        );
+        let (generation, rank, planned) = take_plan(&mut s, "c", PlanKind::Probe);
+        let mbs = &planned.ranks[rank as usize];
+        let mut sums = forward_sums(mbs);
+        let mut nonfinite = Vec::new();
+        match bad {
+            0 => nonfinite.push(mbs.len() as u32),
+            _ => sums.tokens += 1,
+        }
+        s.dead.push("c".into());
+        s.handle(Event::StepResult {
+            worker: "c".into(),
+            job: "job".into(),
+            generation,
+            step: planned.step,
+            sums,
+            logps: Vec::new(),
+            nonfinite,
+        })
+        .unwrap();
+        assert_eq!(s.c.worker("c").unwrap().state, WorkerState::Lost, "{want}");
+        let detail = s
+            .events
+            .iter()
+            .map(|(_, m)| m.as_str())
+            .find(|m| m.contains("probe of step") && m.contains("disagrees with its plan"))
+            .expect("a generation event naming the disagreement");
+        assert!(detail.contains(want), "{detail}");
+        s.run();
+        assert_eq!(s.state(), JobState::Completed, "{want}");
+        assert_eq!(
+            quarantine(&s),
+            vec![id(13)],
+            "{want}: the poison is set aside"
+        );
+    }
+}

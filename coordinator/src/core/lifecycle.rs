@@ -84,18 +84,22 @@ impl Coordinator {
             return self
                 .on_worker_error(worker, job_id, generation, step, kind, message, now_ms, fx);
         }
-        if flight.planned.kind == PlanKind::Train {
-            if let Some(field) = flight.planned.disagreement(rank, &result.sums) {
-                // A confused (or hostile) worker would skew every metric:
-                // it is dropped like a failed one and the step re-planned.
-                let why = Why::new(
-                    AbortReason::WorkerError,
-                    format!(
-                        "worker {worker} (rank {rank}) sent a result for step {step} that disagrees with its plan: {field}"
-                    ),
-                );
-                return self.lose_worker_because(worker, why, now_ms, fx);
-            }
+        let disagreement =
+            flight
+                .planned
+                .disagreement(rank, &result.sums, &result.logps, &result.nonfinite);
+        if let Some(field) = disagreement {
+            // A confused (or hostile) worker would skew every metric (or
+            // fail the job on a malformed eval or reference chunk): it is
+            // dropped like a failed one and the plan made again.
+            let why = Why::new(
+                AbortReason::WorkerError,
+                format!(
+                    "worker {worker} (rank {rank}) sent a result for {} {step} that disagrees with its plan: {field}",
+                    flight.planned.kind.noun()
+                ),
+            );
+            return self.lose_worker_because(worker, why, now_ms, fx);
         }
         flight.results.insert(rank, result.sums);
         flight.logps.extend(result.logps);

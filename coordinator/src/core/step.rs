@@ -14,7 +14,7 @@ use crate::rl::StalenessStats;
 use crate::settings::StepSettings;
 
 use super::metrics::MetricSums;
-use super::reference::ReferenceCache;
+use super::reference::{ReferenceCache, SeqLogp};
 use super::rollouts::RolloutPlan;
 use super::types::PlanKind;
 
@@ -199,33 +199,69 @@ impl PlannedStep {
         self.ranks.iter().map(|r| r.len() as u32).sum()
     }
 
-    /// Where rank `rank`'s training result disagrees with what this plan
-    /// gave it (microbatches, tokens, documents, loss tokens), the first
-    /// such field with both values: such a result was not computed on this
-    /// plan.
-    pub fn disagreement(&self, rank: u32, sums: &MetricSums) -> Option<String> {
-        let mbs = self.ranks.get(rank as usize)?;
+    /// Where rank `rank`'s result disagrees with what this plan gave it,
+    /// the first such field with both values: such a result was not
+    /// computed on this plan. Every kind is checked on its microbatches,
+    /// tokens, documents and loss tokens as its workers count them (a
+    /// training result counts a DPO pair once, a forward-only pass counts
+    /// every sequence); reference and eval results must carry one log-prob
+    /// per planned sequence, in row order, with per-token log-probs (when
+    /// any) as long as the sequence; a probe may count fewer tokens (a
+    /// non-finite microbatch counts none) and names only its microbatches.
+    pub fn disagreement(
+        &self,
+        rank: u32,
+        sums: &MetricSums,
+        logps: &[SeqLogp],
+        nonfinite: &[u32],
+    ) -> Option<String> {
+        let Some(mbs) = self.ranks.get(rank as usize) else {
+            return Some(format!("rank {rank}, planned {} ranks", self.ranks.len()));
+        };
         let tokens: u64 = mbs.iter().map(MicrobatchPayload::tokens).sum();
-        // A document counts at its first sequence (role 0), as workers count.
-        let docs = mbs.iter().flat_map(|m| &m.seqs).filter(|q| q.role == 0);
+        let seqs = || mbs.iter().flat_map(|m| &m.seqs);
+        let documents = match self.kind {
+            // A document counts at its first sequence (role 0), as workers count.
+            PlanKind::Train => seqs().filter(|q| q.role == 0).count(),
+            PlanKind::Reference | PlanKind::Eval | PlanKind::Probe => seqs().count(),
+        } as u64;
+        let loss_tokens: u64 = mbs.iter().map(|m| m.loss_tokens).sum();
+        // A probe counts its finite microbatches' tokens only: never more.
+        let at_most = self.kind == PlanKind::Probe;
         let checks = [
             (
                 "microbatches",
                 u64::from(sums.microbatches),
                 mbs.len() as u64,
+                false,
             ),
-            ("tokens", sums.tokens, tokens),
-            ("documents", sums.documents, docs.count() as u64),
-            (
-                "loss tokens",
-                sums.loss_tokens,
-                mbs.iter().map(|m| m.loss_tokens).sum(),
-            ),
+            ("tokens", sums.tokens, tokens, at_most),
+            ("documents", sums.documents, documents, false),
+            ("loss tokens", sums.loss_tokens, loss_tokens, at_most),
         ];
-        checks
-            .into_iter()
-            .find(|(_, got, planned)| got != planned)
-            .map(|(field, got, planned)| format!("{field} {got}, planned {planned}"))
+        for (field, got, planned, at_most) in checks {
+            if at_most && got > planned {
+                return Some(format!("{field} {got}, planned at most {planned}"));
+            }
+            if !at_most && got != planned {
+                return Some(format!("{field} {got}, planned {planned}"));
+            }
+        }
+        if let Some(&i) = nonfinite.iter().find(|&&i| i as usize >= mbs.len()) {
+            return Some(format!(
+                "non-finite microbatch {i}, planned {} microbatches",
+                mbs.len()
+            ));
+        }
+        match self.kind {
+            PlanKind::Reference | PlanKind::Eval => logp_disagreement(mbs, logps),
+            PlanKind::Train | PlanKind::Probe if !logps.is_empty() => Some(format!(
+                "{} log-probs, planned none for a {:?} plan",
+                logps.len(),
+                self.kind
+            )),
+            PlanKind::Train | PlanKind::Probe => None,
+        }
     }
 
     /// Tokens of the rank with the most: what the step's time follows.
@@ -236,6 +272,40 @@ impl PlannedStep {
             .max()
             .unwrap_or(0)
     }
+}
+
+/// Where a forward-only result's log-probs differ from the sequences
+/// planned (one each, in row order, per-token ones as long as the
+/// sequence when reported): the first difference, named.
+fn logp_disagreement(mbs: &[MicrobatchPayload], logps: &[SeqLogp]) -> Option<String> {
+    let planned = mbs.iter().flat_map(|m| {
+        let lens = m.cu_seq_lens.windows(2).map(|w| (w[1] - w[0]) as usize);
+        m.seqs.iter().zip(lens)
+    });
+    let want = mbs.iter().map(|m| m.seqs.len()).sum::<usize>();
+    if logps.len() != want {
+        return Some(format!("log-probs {}, planned {want}", logps.len()));
+    }
+    logps
+        .iter()
+        .zip(planned)
+        .enumerate()
+        .find_map(|(i, (l, (q, len)))| {
+            if (l.doc, l.role) != (q.doc, q.role) {
+                Some(format!(
+                    "log-prob {i} for document {} role {}, planned document {} role {}",
+                    l.doc, l.role, q.doc, q.role
+                ))
+            } else if !l.tokens.is_empty() && l.tokens.len() != len {
+                Some(format!(
+                    "log-prob {i} (document {}) has {} per-token log-probs, planned {len} tokens",
+                    l.doc,
+                    l.tokens.len()
+                ))
+            } else {
+                None
+            }
+        })
 }
 
 /// Loss tokens of one microbatch's rows as every objective's worker

@@ -381,11 +381,12 @@ impl Sim {
                     .zip(&rows)
                     .map(|(m, r)| step::rank_loss_tokens(&m.cu_seq_lens, &r.labels))
                     .sum();
-                // As workers count: a DPO pair is one document.
+                // As workers count: a training step counts a DPO pair
+                // once, a forward-only pass every sequence.
                 let documents = mbs
                     .iter()
                     .flat_map(|m| &m.seqs)
-                    .filter(|q| q.role == 0)
+                    .filter(|q| q.role == 0 || planned.kind != PlanKind::Train)
                     .count() as u64;
                 // Per-token log-probs too: a DPO pass ignores them.
                 let logps = if matches!(planned.kind, PlanKind::Reference | PlanKind::Eval) {
@@ -2741,4 +2742,121 @@ fn jobs_resolve_by_id_name_or_unique_prefix() {
         s.c.resolve_job("dpo"),
         Err(CoreError::AmbiguousJob { .. })
     ));
+}
+
+/// Runs `s` until a plan of `kind` for worker `w` waits in its inbox;
+/// takes it out (the worker answers it by hand) and returns its
+/// generation and plan.
+fn take_plan(s: &mut Sim, w: &str, kind: PlanKind) -> (u64, u32, Arc<step::PlannedStep>) {
+    loop {
+        let found = s.inbox.iter().position(|(x, m)| {
+            x == w && matches!(m, ToWorker::Plan { planned, .. } if planned.kind == kind)
+        });
+        if let Some(i) = found {
+            let Some((
+                _,
+                ToWorker::Plan {
+                    generation,
+                    rank,
+                    planned,
+                    ..
+                },
+            )) = s.inbox.remove(i)
+            else {
+                unreachable!("matched above")
+            };
+            return (generation, rank, planned);
+        }
+        assert!(s.step_once(), "no {kind:?} plan for {w}");
+    }
+}
+
+/// The log-probs an honest worker reports for `mbs`.
+fn honest_logps(mbs: &[step::MicrobatchPayload]) -> Vec<SeqLogp> {
+    mbs.iter()
+        .flat_map(|m| m.seqs.iter())
+        .map(|q| SeqLogp {
+            doc: q.doc,
+            role: q.role,
+            logp: fake_logp(q.doc, q.role),
+            tokens: Vec::new(),
+        })
+        .collect()
+}
+
+/// The counts an honest worker reports for a forward-only plan `mbs`.
+fn forward_sums(mbs: &[step::MicrobatchPayload]) -> MetricSums {
+    MetricSums {
+        microbatches: mbs.len() as u32,
+        tokens: mbs.iter().map(|m| m.tokens()).sum(),
+        documents: mbs.iter().map(|m| m.seqs.len() as u64).sum(),
+        loss_tokens: mbs.iter().map(|m| m.loss_tokens).sum(),
+        ..Default::default()
+    }
+}
+
+/// Eval, reference and probe results are checked against their plans
+/// like training ones: a reference chunk whose log-probs are not its
+/// plan's sequences (one missing, one for another document, counts off)
+/// drops the worker and the chunk is planned again, and the pass still
+/// caches every document once (before, a missing log-prob failed the job
+/// and a wrong one was cached).
+#[test]
+fn a_reference_result_that_disagrees_with_its_plan_is_refused() {
+    type Bad = fn(&mut MetricSums, &mut Vec<SeqLogp>) -> &'static str;
+    let cases: [Bad; 4] = [
+        |_, l| {
+            l.pop();
+            "log-probs"
+        },
+        |_, l| {
+            l[0].doc.line += 1000;
+            "log-prob 0 for document"
+        },
+        |s, _| {
+            s.documents += 1;
+            "documents"
+        },
+        |s, _| {
+            s.tokens -= 1;
+            "tokens"
+        },
+    ];
+    for bad in cases {
+        let mut s = Sim::new();
+        let d = pairs(150);
+        s.submit(dpo_spec("steps = 2"), d.clone());
+        s.worker("a");
+        s.worker("b");
+        let (generation, rank, planned) = take_plan(&mut s, "b", PlanKind::Reference);
+        let mbs = &planned.ranks[rank as usize];
+        let (mut sums, mut logps) = (forward_sums(mbs), honest_logps(mbs));
+        let want = bad(&mut sums, &mut logps);
+        s.dead.push("b".into());
+        s.handle(Event::StepResult {
+            worker: "b".into(),
+            job: "job".into(),
+            generation,
+            step: planned.step,
+            sums,
+            logps,
+            nonfinite: Vec::new(),
+        })
+        .unwrap();
+        assert_eq!(s.c.worker("b").unwrap().state, WorkerState::Lost, "{want}");
+        let detail = s
+            .events
+            .iter()
+            .map(|(_, m)| m.as_str())
+            .find(|m| m.contains("reference chunk") && m.contains("disagrees with its plan"))
+            .expect("a generation event naming the disagreement");
+        assert!(detail.contains(want), "{detail}");
+        s.run();
+        assert_eq!(s.state(), JobState::Completed, "{want}");
+        assert_eq!(s.stored_ref.len(), d.len(), "{want}: every pair cached");
+        for (id, e) in &s.stored_ref {
+            let honest = reference::RefEntry::Pair([fake_logp(*id, 0), fake_logp(*id, 1)]);
+            assert_eq!(*e, honest, "{want}: {id} cached as computed");
+        }
+    }
 }

@@ -121,6 +121,18 @@ pub enum PlanKind {
     Eval,
 }
 
+impl PlanKind {
+    /// What its `step` number names, for messages ("eval chunk 3").
+    pub fn noun(self) -> &'static str {
+        match self {
+            PlanKind::Train => "step",
+            PlanKind::Reference => "reference chunk",
+            PlanKind::Probe => "probe of step",
+            PlanKind::Eval => "eval chunk",
+        }
+    }
+}
+
 /// Kinds of worker-reported failure (mirror of `accrue.v1.ErrorKind`): the
 /// coordinator decides on the kind, never on the message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

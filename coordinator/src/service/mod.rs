@@ -21,7 +21,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use tokio::sync::{broadcast, mpsc};
 use tonic::Status;
-use tracing::error;
+use tracing::{error, warn};
 
 pub use admin::AdminService;
 pub use rollouts::RolloutsService;
@@ -290,6 +290,7 @@ impl Shared {
                     manifest,
                 } => {
                     self.metrics.observe_step(&rec.id, &metrics);
+                    let step = metrics.step;
                     if let Err(err) = inner.store.commit_step(
                         &rec,
                         &StepRecord {
@@ -303,6 +304,8 @@ impl Shared {
                             "persisting job {}: {err}",
                             rec.id
                         )));
+                    } else {
+                        cool_off_lock(&inner.store, &rec.id, step);
                     }
                 }
                 Effect::StoreReference { job, entries } => {
@@ -525,5 +528,32 @@ pub fn core_status(e: CoreError) -> Status {
         }
         CoreError::NotQuarantined { .. } => Status::not_found(e.to_string()),
         CoreError::OutputInUse { .. } => Status::failed_precondition(e.to_string()),
+    }
+}
+
+/// Moves `job`'s old step records to a cold file on a thread of its own
+/// when due: tens of megabytes read, written and synced at W = 1024 must
+/// not hold the state lock (issue 19). The thread's name marks it as the
+/// coordinator's (the control-plane benchmark counts its CPU). A move
+/// that fails is logged and due again at the next commit.
+fn cool_off_lock(store: &Store, job: &str, step: u64) {
+    let cooling = match store.cooling(job, step) {
+        Ok(Some(c)) => c,
+        Ok(None) => return,
+        Err(err) => {
+            warn!(%job, %err, "checking for old step records to move failed");
+            return;
+        }
+    };
+    let job = job.to_string();
+    let spawned = std::thread::Builder::new()
+        .name("accrue-coord-cool".into())
+        .spawn(move || {
+            if let Err(err) = cooling.run() {
+                warn!(%job, %err, "moving old step records to the cold files failed");
+            }
+        });
+    if let Err(err) = spawned {
+        warn!(%err, "starting the move of old step records failed");
     }
 }
