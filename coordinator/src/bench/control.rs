@@ -35,6 +35,9 @@ use crate::service::Shared;
 /// Thread names: the coordinator's runtime and the fake workers'.
 const COORD_THREADS: &str = "accrue-coord";
 const FAKE_THREADS: &str = "bench-fake";
+/// The thread that runs a measurement (it drives the fakes): named like
+/// them so its CPU is not counted as the coordinator's.
+pub const DRIVER_THREAD: &str = "bench-fake-driver";
 
 /// What one run measures.
 #[derive(Debug, Clone)]
@@ -47,6 +50,10 @@ pub struct ControlBenchOpts {
     /// Steps measured, after `warmup` steps.
     pub steps: u64,
     pub warmup: u64,
+    /// Generations re-formed after the measured steps (one fake worker
+    /// leaves and comes back each time), for the memory growth per
+    /// generation and the re-formation time.
+    pub reforms: u64,
     /// Scratch directory (dataset, state, outputs).
     pub work: PathBuf,
 }
@@ -67,6 +74,10 @@ pub struct ControlRow {
     /// Time the state lock was held per step (every event: results,
     /// heartbeats, planning, dispatch).
     pub locked_ms_per_step: f64,
+    /// Time of the state-machine call that planned each step (the last
+    /// result's commit included): what must not grow with the dataset.
+    #[serde(default)]
+    pub plan_ms_per_step: f64,
     /// From the last worker's session to the last Configure received.
     pub formation_ms: f64,
     /// The longest single lock hold while the generation formed.
@@ -82,8 +93,20 @@ pub struct ControlRow {
     pub step_record_bytes: f64,
     /// Workers whose session the coordinator ended (declared lost).
     pub workers_lost: u64,
-    /// Generations formed (1 when nobody was lost).
+    /// Generations formed (1 + `reforms` when nobody else was lost).
     pub generations: u64,
+    /// Re-formed generations measured after the steps.
+    #[serde(default)]
+    pub reforms: u64,
+    /// Mean wall time from the returning worker's session to the last
+    /// Configure of its new generation received.
+    #[serde(default)]
+    pub reform_ms: f64,
+    /// Growth of the resident set per re-formed generation after the
+    /// first (the process, fakes included; allocator and page granularity
+    /// make it noisy).
+    #[serde(default)]
+    pub rss_growth_per_generation_bytes: f64,
 }
 
 /// Counters the fake workers share.
@@ -95,6 +118,8 @@ struct Tally {
     plans: AtomicU64,
     lost: AtomicU64,
     max_generation: AtomicU64,
+    /// Sessions a fake ended on purpose (a re-formation), not losses.
+    bounced: AtomicU64,
 }
 
 /// Runs one measurement: its own two runtimes, torn down at the end.
@@ -140,9 +165,12 @@ async fn drive(
 ) -> anyhow::Result<ControlRow> {
     let w = opts.workers;
     let total_steps = opts.warmup + opts.steps + 1;
+    // Room for the re-formations after the measured steps (each aborts
+    // the step in flight and trains one after it).
+    let job_steps = total_steps + 2 * opts.reforms + 2;
     let docs_per_step = opts.docs_per_worker * w as u64;
     let spec = format!(
-        "[job]\nname = \"control-plane\"\nsteps = {total_steps}\noutput_dir = \"{}\"\n\
+        "[job]\nname = \"control-plane\"\nsteps = {job_steps}\noutput_dir = \"{}\"\n\
          [model]\ninit = \"random\"\nconfig = \"tiny.json\"\n\
          [data]\ntrain = [\"train.jsonl\"]\nformat = \"sft\"\nmax_tokens = 512\n\
          [batch]\ndocs_per_step = {docs_per_step}\n[optimizer]\nlr = 0.001\n\
@@ -161,6 +189,8 @@ async fn drive(
     let tally = Arc::new(Tally::default());
     let (step_tx, mut step_rx) = watch::channel(0u64);
     let step_tx = Arc::new(step_tx);
+    // Fake 0 ends its session and comes back each time this moves.
+    let (bounce_tx, bounce_rx) = watch::channel(0u64);
     // Bounds concurrent connects (the listener's backlog), not sessions.
     let connecting = Arc::new(Semaphore::new(64));
     let (session_tx, mut session_rx) = tokio::sync::mpsc::unbounded_channel();
@@ -173,6 +203,7 @@ async fn drive(
             step_tx: step_tx.clone(),
             connecting: connecting.clone(),
             session_tx: session_tx.clone(),
+            bounce: (i == 0).then(|| bounce_rx.clone()),
         };
         tasks.spawn(fake.run());
     };
@@ -217,6 +248,39 @@ async fn drive(
     let plan_bytes = tally.plan_bytes.load(Ordering::Relaxed) - plan_bytes_0;
     let plans = tally.plans.load(Ordering::Relaxed) - plans_0;
     let rss_bytes = rss();
+    // Generations re-formed: fake 0 leaves, the step in flight aborts, the
+    // job waits for min_workers, fake 0 comes back, a new generation forms
+    // and trains a step.
+    let mut reform = Duration::ZERO;
+    let mut rss_first = rss_bytes;
+    for k in 1..=opts.reforms {
+        let generation = tally.max_generation.load(Ordering::Relaxed);
+        let configured = tally.configured.load(Ordering::Relaxed);
+        bounce_tx.send_replace(k);
+        session_rx
+            .recv()
+            .await
+            .context("fake 0 did not come back")?;
+        let back = Instant::now();
+        let deadline = back + Duration::from_secs(600);
+        while tally.max_generation.load(Ordering::Relaxed) <= generation
+            || tally.configured.load(Ordering::Relaxed) < configured + w as u64
+        {
+            if Instant::now() > deadline {
+                bail!("re-formation {k} did not complete within 600 s");
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        reform += back.elapsed();
+        let next = *step_rx.borrow() + 1;
+        at(&mut step_rx, next).await?;
+        if k == 1 {
+            // Growth is counted from here: the first re-formation's is
+            // one-off (the allocator's pools, the rejoin's connection).
+            rss_first = rss();
+        }
+    }
+    let rss_after = rss();
     drop(admin);
     tasks.abort_all();
     let steps = opts.steps as f64;
@@ -230,6 +294,8 @@ async fn drive(
         coordinator_cpu_ms_per_step: ms(end.coord_cpu_ns - start.coord_cpu_ns) / steps,
         process_cpu_ms_per_step: ms(end.cpu_ns - start.cpu_ns) / steps,
         locked_ms_per_step: ms(end.locked_ns - start.locked_ns) / steps,
+        plan_ms_per_step: (end.plan_s - start.plan_s) * 1e3
+            / (end.plans - start.plans).max(1) as f64,
         formation_ms: formation.as_secs_f64() * 1e3,
         formation_locked_ms: ms(formation_locked),
         configure_bytes_per_worker: configure_bytes as f64 / w as f64,
@@ -239,6 +305,13 @@ async fn drive(
         step_record_bytes: (end.steps_bytes - start.steps_bytes) as f64 / steps,
         workers_lost: tally.lost.load(Ordering::Relaxed),
         generations: tally.max_generation.load(Ordering::Relaxed),
+        reforms: opts.reforms,
+        reform_ms: reform.as_secs_f64() * 1e3 / opts.reforms.max(1) as f64,
+        rss_growth_per_generation_bytes: match opts.reforms {
+            0 => 0.0,
+            1 => rss_after as f64 - rss_bytes as f64,
+            n => (rss_after as f64 - rss_first as f64) / (n - 1) as f64,
+        },
     })
 }
 
@@ -248,6 +321,8 @@ struct Sample {
     cpu_ns: u64,
     coord_cpu_ns: u64,
     locked_ns: u64,
+    plan_s: f64,
+    plans: u64,
     store_bytes: u64,
     steps_bytes: u64,
 }
@@ -255,18 +330,19 @@ struct Sample {
 impl Sample {
     fn take(shared: &Shared, state: &Path) -> Sample {
         let (cpu_ns, coord_cpu_ns) = thread_cpu_ns();
+        let job = shared.lock().core.jobs().next().map(|j| j.rec.id.clone());
+        let (plan_s, plans) = job.as_deref().map_or((0.0, 0), |j| shared.plan_seconds(j));
         Sample {
+            plan_s,
+            plans,
             at: Instant::now(),
             cpu_ns,
             coord_cpu_ns,
             locked_ns: shared.lock_stats(false).total_ns,
             store_bytes: std::fs::metadata(state.join("accrue.redb")).map_or(0, |m| m.len()),
-            steps_bytes: {
-                let inner = shared.lock();
-                let job = inner.core.jobs().next().map(|j| j.rec.id.clone());
-                job.and_then(|j| inner.store.steps_bytes(&j).ok())
-                    .unwrap_or(0)
-            },
+            steps_bytes: job
+                .and_then(|j| shared.lock().store.steps_bytes(&j).ok())
+                .unwrap_or(0),
         }
     }
 }
@@ -330,14 +406,16 @@ fn rss() -> u64 {
 /// `train.jsonl` of `docs` short SFT rows and the model config, unless a
 /// dataset of that size is already there.
 fn write_dataset(dir: &Path, docs: u64) -> anyhow::Result<()> {
-    let marker = dir.join(format!("train.{docs}.done"));
+    // v2: fixed-width numbers, so every dataset size has documents of
+    // the same length (a bigger one must not plan longer documents).
+    let marker = dir.join(format!("train.v2.{docs}.done"));
     if marker.is_file() {
         return Ok(());
     }
     let mut rows = String::with_capacity(docs as usize * 40);
     for i in 0..docs {
         rows.push_str(&format!(
-            "{{\"prompt\": \"{i}+1=\", \"completion\": \"y\"}}\n"
+            "{{\"prompt\": \"{i:010}+1=\", \"completion\": \"y\"}}\n"
         ));
     }
     std::fs::write(dir.join("train.jsonl"), rows)?;
@@ -359,10 +437,25 @@ struct Fake {
     step_tx: Arc<watch::Sender<u64>>,
     connecting: Arc<Semaphore>,
     session_tx: tokio::sync::mpsc::UnboundedSender<()>,
+    /// Fake 0: ends its session and registers again (as the same worker)
+    /// each time this moves.
+    bounce: Option<watch::Receiver<u64>>,
 }
 
 impl Fake {
-    async fn run(self) -> anyhow::Result<()> {
+    async fn run(mut self) -> anyhow::Result<()> {
+        let mut previous = String::new();
+        loop {
+            match self.session(&previous).await? {
+                Some(id) => previous = id,
+                None => return Ok(()),
+            }
+        }
+    }
+
+    /// One registration and session; Some(its worker id) when it ended to
+    /// come back (a bounce).
+    async fn session(&mut self, previous: &str) -> anyhow::Result<Option<String>> {
         let permit = self.connecting.acquire().await?;
         let mut c = wire::worker_service_client::WorkerServiceClient::connect(self.url.clone())
             .await?
@@ -372,10 +465,12 @@ impl Fake {
                 hostname: format!("fake-{}", self.index),
                 device: "cpu".into(),
                 collective_addr: format!("127.0.0.1:{}", 10_000 + self.index),
+                previous_worker_id: previous.to_string(),
                 ..Default::default()
             })
             .await?
             .into_inner();
+        let worker_id = reg.worker_id.clone();
         let (tx, rx) = tokio::sync::mpsc::channel(16);
         let msg = |m| wire::WorkerMessage { msg: Some(m) };
         tx.send(msg(Out::Hello(wire::Hello {
@@ -400,8 +495,27 @@ impl Fake {
                 }
             }
         });
+        let mut bounce = self.bounce.clone();
+        if let Some(b) = bounce.as_mut() {
+            b.borrow_and_update();
+        }
+        let bounced = async move {
+            match bounce.as_mut() {
+                Some(b) => b.changed().await.is_ok(),
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(bounced);
         let ended = loop {
-            let m = match inbound.message().await {
+            let next = tokio::select! {
+                m = inbound.message() => m,
+                true = &mut bounced => {
+                    heartbeats.abort();
+                    self.tally.bounced.fetch_add(1, Ordering::Relaxed);
+                    return Ok(Some(worker_id));
+                }
+            };
+            let m = match next {
                 Ok(Some(m)) => m,
                 Ok(None) => break false,
                 Err(_) => break true,
@@ -455,7 +569,7 @@ impl Fake {
         if ended {
             self.tally.lost.fetch_add(1, Ordering::Relaxed);
         }
-        Ok(())
+        Ok(None)
     }
 }
 
@@ -479,4 +593,38 @@ fn counted(p: &wire::StepPlan) -> wire::MetricSums {
     }
     s.loss_sum = s.loss_tokens as f64;
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A small run end to end: the generation forms, the steps are
+    /// measured with plans checked by the coordinator (no fake is refused),
+    /// and each re-formation brings the leaving fake back as a member of a
+    /// new generation that trains.
+    #[test]
+    fn a_small_swarm_trains_and_re_forms_its_generation() {
+        let dir = tempfile::tempdir().unwrap();
+        let opts = ControlBenchOpts {
+            workers: 4,
+            docs: 2_000,
+            docs_per_worker: 4,
+            steps: 3,
+            warmup: 1,
+            reforms: 2,
+            work: dir.path().to_path_buf(),
+        };
+        let row = control_plane(&opts).unwrap();
+        assert_eq!(row.workers_lost, 0, "{row:?}");
+        assert_eq!(
+            row.generations, 3,
+            "one, then one per re-formation: {row:?}"
+        );
+        assert_eq!(row.docs_per_step, 16);
+        assert!(row.plan_ms_per_step > 0.0, "{row:?}");
+        assert!(row.reform_ms > 0.0, "{row:?}");
+        assert!(row.plan_bytes_per_worker_per_step > 0.0, "{row:?}");
+        assert!(row.step_record_bytes > 0.0, "{row:?}");
+    }
 }

@@ -373,10 +373,13 @@ pub fn control_plane(args: &super::ControlPlaneArgs) -> anyhow::Result<ExitCode>
             docs_per_worker: args.docs_per_worker,
             steps: args.steps,
             warmup: args.warmup,
+            reforms: args.reforms,
             work: work.join(format!("docs-{docs}")),
         };
         // Its own runtimes, off the CLI's (a runtime cannot start in one).
-        let row = std::thread::spawn(move || crate::bench::control::control_plane(&opts))
+        let row = std::thread::Builder::new()
+            .name(crate::bench::control::DRIVER_THREAD.into())
+            .spawn(move || crate::bench::control::control_plane(&opts))?
             .join()
             .map_err(|_| anyhow::anyhow!("the control-plane measurement panicked"))??;
         if args.json {
@@ -432,6 +435,7 @@ fn control_table(rows: &[crate::bench::control::ControlRow]) -> String {
                 format!("{:.1}", r.coordinator_cpu_ms_per_step),
                 format!("{:.1}", r.process_cpu_ms_per_step),
                 format!("{:.1}", r.locked_ms_per_step),
+                format!("{:.2}", r.plan_ms_per_step),
                 format!("{:.1}", r.formation_ms),
                 format!("{:.1}", r.formation_locked_ms),
                 format!("{:.0}", r.configure_bytes_per_worker),
@@ -440,6 +444,8 @@ fn control_table(rows: &[crate::bench::control::ControlRow]) -> String {
                 format!("{:.0}", r.store_bytes_per_step),
                 format!("{:.0}", r.step_record_bytes),
                 r.workers_lost.to_string(),
+                format!("{:.1}", r.reform_ms),
+                format!("{:.0}", r.rss_growth_per_generation_bytes / 1024.0),
             ]
         })
         .collect();
@@ -452,6 +458,7 @@ fn control_table(rows: &[crate::bench::control::ControlRow]) -> String {
             "COORD_CPU_MS",
             "PROC_CPU_MS",
             "LOCKED_MS",
+            "PLAN_MS",
             "FORM_MS",
             "FORM_LOCK_MS",
             "CONF_B/W",
@@ -460,6 +467,8 @@ fn control_table(rows: &[crate::bench::control::ControlRow]) -> String {
             "STORE_B/STEP",
             "RECORD_B/STEP",
             "LOST",
+            "REFORM_MS",
+            "RSS_KB/GEN",
         ],
         &body,
     )

@@ -514,6 +514,10 @@ pub struct ControlPlaneArgs {
     /// Steps run before measuring.
     #[arg(long, value_name = "N", default_value_t = 3)]
     pub warmup: u64,
+    /// Generations re-formed after the measured steps (a worker leaves and
+    /// comes back): re-formation time and memory growth per generation.
+    #[arg(long, value_name = "N", default_value_t = 3)]
+    pub reforms: u64,
     /// Scratch directory (default: a temporary one).
     #[arg(long, value_name = "DIR")]
     pub work: Option<PathBuf>,

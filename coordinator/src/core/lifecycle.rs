@@ -265,7 +265,7 @@ impl Coordinator {
             CommittedStep {
                 step: planned.step,
                 lr: planned.lr,
-                docs: planned.docs.clone(),
+                docs: crate::doc::DocIds::new(&planned.docs),
                 cursor_after: planned.cursor_after.clone(),
             },
         );

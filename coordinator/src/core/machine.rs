@@ -39,6 +39,13 @@ impl Default for CoordinatorOptions {
     }
 }
 
+/// Lost workers whose records stay for operators (`accrue workers`,
+/// ListWorkers); older ones are forgotten, so workers that come and go (a
+/// restarted pod registers under a new id) do not grow the registry and
+/// every listing without bound. A forgotten worker that comes back
+/// registers again, under its old id if it asks for it.
+pub const LOST_WORKERS_KEPT: usize = 256;
+
 /// All jobs and workers, and the rules that move them.
 #[derive(Debug, Default)]
 pub struct Coordinator {
@@ -48,6 +55,9 @@ pub struct Coordinator {
     pub(super) job_order: Vec<JobId>,
     pub(super) workers: BTreeMap<WorkerId, Worker>,
     pub(super) next_worker_seq: u64,
+    /// Lost workers, least recently lost first, each once: the oldest
+    /// records beyond [`LOST_WORKERS_KEPT`] are forgotten.
+    pub(super) lost: std::collections::VecDeque<WorkerId>,
     /// Total time the shell reported itself stalled ([`Event::Tick`]'s
     /// credit): heartbeats could not be read then, so that silence is not
     /// held against workers.
@@ -507,6 +517,27 @@ impl Coordinator {
         }
         if let Some(job) = job {
             self.end_generation(&job, why, false, now_ms, fx);
+        }
+        self.remember_lost(worker);
+    }
+
+    /// Notes `worker` as the most recently lost and forgets the records of
+    /// the least recently lost beyond [`LOST_WORKERS_KEPT`] (one that came
+    /// back since is not lost and stays).
+    fn remember_lost(&mut self, worker: &str) {
+        self.lost.retain(|w| w != worker);
+        self.lost.push_back(worker.to_string());
+        while self.lost.len() > LOST_WORKERS_KEPT {
+            let Some(old) = self.lost.pop_front() else {
+                break;
+            };
+            let forget = self
+                .workers
+                .get(&old)
+                .is_some_and(|w| w.state == WorkerState::Lost && w.job.is_none());
+            if forget {
+                self.workers.remove(&old);
+            }
         }
     }
 

@@ -339,9 +339,9 @@ fn replay(job: &Job, entry: &CommittedStep) -> Result<Chosen, PlanFailure> {
         .iter()
         .map(|id| {
             index
-                .get(id)
+                .get(&id)
                 .map(|&i| DocHandle::new(&job.data.docs, i))
-                .ok_or(PlanFailure::UnknownDoc { step, doc: *id })
+                .ok_or(PlanFailure::UnknownDoc { step, doc: id })
         })
         .collect::<Result<Vec<DocHandle>, _>>()?;
     Ok(Chosen {

@@ -1653,7 +1653,7 @@ fn run_then_restart(sharding: Sharding) -> (Sim, JobRecord, Vec<CommittedStep>, 
         .map(|(m, docs)| CommittedStep {
             step: m.step,
             lr: m.lr,
-            docs: docs.clone(),
+            docs: docs.clone().into(),
             cursor_after: m.cursor.clone(),
         })
         .collect();
@@ -2124,7 +2124,7 @@ fn settings_changes_survive_a_coordinator_restart() {
         .map(|(m, d)| super::CommittedStep {
             step: m.step,
             lr: m.lr,
-            docs: d.clone(),
+            docs: d.clone().into(),
             cursor_after: m.cursor.clone(),
         })
         .collect();
@@ -2859,4 +2859,41 @@ fn a_reference_result_that_disagrees_with_its_plan_is_refused() {
             assert_eq!(*e, honest, "{want}: {id} cached as computed");
         }
     }
+}
+
+/// Issue 19, bounded state: workers that come and go (each registering
+/// under a new id, as a restarted pod does) leave at most
+/// [`LOST_WORKERS_KEPT`] lost records, the most recent; a forgotten
+/// worker registers again and trains.
+#[test]
+fn lost_workers_beyond_the_kept_number_are_forgotten_oldest_first() {
+    let mut s = Sim::new();
+    let churn = machine::LOST_WORKERS_KEPT + 40;
+    for i in 0..churn {
+        let id = format!("w{i}");
+        s.worker(&id);
+        s.dead.push(id.clone());
+        s.handle(Event::SessionClosed { worker: id }).unwrap();
+    }
+    let lost: Vec<&str> =
+        s.c.workers()
+            .filter(|w| w.state == WorkerState::Lost)
+            .map(|w| w.id.as_str())
+            .collect();
+    assert_eq!(lost.len(), machine::LOST_WORKERS_KEPT);
+    assert_eq!(s.c.workers().count(), machine::LOST_WORKERS_KEPT);
+    assert!(s.c.worker("w0").is_none(), "the first lost is forgotten");
+    assert!(
+        s.c.worker(&format!("w{}", churn - 1)).is_some(),
+        "the last is kept"
+    );
+    assert!(s.c.worker("w40").is_some(), "the oldest kept");
+    assert!(s.c.worker("w39").is_none(), "the newest forgotten");
+    // A forgotten worker comes back under its old id and trains.
+    s.dead.clear();
+    s.worker("w0");
+    s.submit(spec("epochs = 1", "docs_per_step = 4", 1, 1), docs(8));
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    assert_eq!(s.c.worker("w0").unwrap().state, WorkerState::Idle);
 }

@@ -99,8 +99,8 @@ pub struct CheckpointEntry {
 pub struct CommittedStep {
     pub step: u64,
     pub lr: f64,
-    /// The step's documents in selection order (its manifest).
-    pub docs: Vec<DocId>,
+    /// The step's documents in selection order (its manifest), compact.
+    pub docs: crate::doc::DocIds,
     pub cursor_after: Cursor,
 }
 

@@ -84,6 +84,14 @@ impl Exporter {
             .observe(dispatch.as_secs_f64());
     }
 
+    /// Seconds spent planning `job`'s steps so far (the state-machine
+    /// calls that planned one), and how many: what the control-plane
+    /// benchmark reports as planning time per step.
+    pub fn plan_seconds(&self, job: &str) -> (f64, u64) {
+        let h = self.plan_duration.with_label_values(&[job]);
+        (h.get_sample_sum(), h.get_sample_count())
+    }
+
     /// Records an aborted in-flight step of `job` (the `reason` label is
     /// the typed reason's name: a bounded set).
     pub fn observe_abort(&self, job: &str, reason: AbortReason) {

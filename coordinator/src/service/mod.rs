@@ -175,6 +175,11 @@ impl Shared {
         }
     }
 
+    /// See [`crate::metrics::Exporter::plan_seconds`].
+    pub fn plan_seconds(&self, job: &str) -> (f64, u64) {
+        self.metrics.plan_seconds(job)
+    }
+
     /// Feeds one event to the state machine and carries out its effects.
     pub fn apply(&self, event: Event) -> Result<(), Status> {
         let mut inner = self.lock();
