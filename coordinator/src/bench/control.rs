@@ -93,6 +93,10 @@ pub struct ControlRow {
     pub step_record_bytes: f64,
     /// Workers whose session the coordinator ended (declared lost).
     pub workers_lost: u64,
+    /// The longest gap between two heartbeats a fake sent (the fakes share
+    /// the machine: a gap near the heartbeat timeout makes a loss theirs).
+    #[serde(default)]
+    pub fake_heartbeat_gap_ms: u64,
     /// Generations formed (1 + `reforms` when nobody else was lost).
     pub generations: u64,
     /// Re-formed generations measured after the steps.
@@ -120,6 +124,8 @@ struct Tally {
     max_generation: AtomicU64,
     /// Sessions a fake ended on purpose (a re-formation), not losses.
     bounced: AtomicU64,
+    /// The longest time between two heartbeats a fake sent.
+    max_beat_gap_ms: AtomicU64,
 }
 
 /// Runs one measurement: its own two runtimes, torn down at the end.
@@ -165,9 +171,10 @@ async fn drive(
 ) -> anyhow::Result<ControlRow> {
     let w = opts.workers;
     let total_steps = opts.warmup + opts.steps + 1;
-    // Room for the re-formations after the measured steps (each aborts
-    // the step in flight and trains one after it).
-    let job_steps = total_steps + 2 * opts.reforms + 2;
+    // Room for the re-formations after the measured steps: the fakes
+    // train on at full speed while one leaves and comes back (steps the
+    // bench does not wait for are never run: it stops the coordinator).
+    let job_steps = total_steps + 1000 * opts.reforms + 2;
     let docs_per_step = opts.docs_per_worker * w as u64;
     let spec = format!(
         "[job]\nname = \"control-plane\"\nsteps = {job_steps}\noutput_dir = \"{}\"\n\
@@ -266,12 +273,25 @@ async fn drive(
         while tally.max_generation.load(Ordering::Relaxed) <= generation
             || tally.configured.load(Ordering::Relaxed) < configured + w as u64
         {
-            if Instant::now() > deadline {
-                bail!("re-formation {k} did not complete within 600 s");
+            let lost = tally.lost.load(Ordering::Relaxed);
+            if lost > 0 || Instant::now() > deadline {
+                // A lost fake does not come back: the job would wait forever.
+                let gap = tally.max_beat_gap_ms.load(Ordering::Relaxed);
+                bail!(
+                    "re-formation {k} did not complete: {lost} fake workers lost \
+                     (the longest gap between a fake's own heartbeats: {gap} ms)"
+                );
             }
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
         reform += back.elapsed();
+        tracing::info!(
+            reform = k,
+            ms = back.elapsed().as_secs_f64() * 1e3,
+            longest_lock_hold_ms = shared.lock_stats(true).max_ns as f64 / 1e6,
+            fake_heartbeat_gap_ms = tally.max_beat_gap_ms.load(Ordering::Relaxed),
+            "generation re-formed"
+        );
         let next = *step_rx.borrow() + 1;
         at(&mut step_rx, next).await?;
         if k == 1 {
@@ -304,6 +324,7 @@ async fn drive(
         store_bytes_per_step: (end.store_bytes as f64 - start.store_bytes as f64) / steps,
         step_record_bytes: (end.steps_bytes - start.steps_bytes) as f64 / steps,
         workers_lost: tally.lost.load(Ordering::Relaxed),
+        fake_heartbeat_gap_ms: tally.max_beat_gap_ms.load(Ordering::Relaxed),
         generations: tally.max_generation.load(Ordering::Relaxed),
         reforms: opts.reforms,
         reform_ms: reform.as_secs_f64() * 1e3 / opts.reforms.max(1) as f64,
@@ -485,10 +506,20 @@ impl Fake {
         let _ = self.session_tx.send(());
         let beat = tx.clone();
         let every = Duration::from_millis(u64::from(reg.heartbeat_interval_ms.max(1)));
+        let tally = self.tally.clone();
         let heartbeats = tokio::spawn(async move {
             let mut tick = tokio::time::interval(every);
+            let mut last: Option<Instant> = None;
             loop {
                 tick.tick().await;
+                // How late this fake itself is: a starved fake (they share
+                // the machine with the coordinator) goes silent by itself.
+                let now = Instant::now();
+                if let Some(l) = last {
+                    let gap = (now - l).as_millis() as u64;
+                    tally.max_beat_gap_ms.fetch_max(gap, Ordering::Relaxed);
+                }
+                last = Some(now);
                 let hb = wire::Heartbeat::default();
                 if beat.send(msg(Out::Heartbeat(hb))).await.is_err() {
                     return;

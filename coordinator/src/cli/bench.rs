@@ -444,6 +444,7 @@ fn control_table(rows: &[crate::bench::control::ControlRow]) -> String {
                 format!("{:.0}", r.store_bytes_per_step),
                 format!("{:.0}", r.step_record_bytes),
                 r.workers_lost.to_string(),
+                r.fake_heartbeat_gap_ms.to_string(),
                 format!("{:.1}", r.reform_ms),
                 format!("{:.0}", r.rss_growth_per_generation_bytes / 1024.0),
             ]
@@ -467,6 +468,7 @@ fn control_table(rows: &[crate::bench::control::ControlRow]) -> String {
             "STORE_B/STEP",
             "RECORD_B/STEP",
             "LOST",
+            "FAKE_BEAT_GAP_MS",
             "REFORM_MS",
             "RSS_KB/GEN",
         ],
