@@ -137,8 +137,16 @@ pub fn control_plane(opts: &ControlBenchOpts) -> anyhow::Result<ControlRow> {
         .thread_name(COORD_THREADS)
         .enable_all()
         .build()?;
+    // The fakes' threads (2 unless ACCRUE_BENCH_FAKE_THREADS says): on a
+    // machine with cores to spare, more keep 4,096 fake connections from
+    // falling behind the coordinator they measure.
+    let fake_threads = std::env::var("ACCRUE_BENCH_FAKE_THREADS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(2);
     let fakes = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(fake_threads)
         .thread_name(FAKE_THREADS)
         // Never ended mid-run: the coordinator's CPU is the rest.
         .thread_keep_alive(Duration::from_secs(24 * 3600))
