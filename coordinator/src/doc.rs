@@ -171,26 +171,8 @@ pub trait TokenRows: Send + Sync {
     /// to write its labels without building the label row first: it runs
     /// for every token of every plan.
     fn write_le(&self, row: u32, ids: &mut Vec<u8>, labels: &mut Vec<u8>) {
-        put_u32s(ids, self.ids(row));
-        put_i32s(labels, &self.labels(row));
-    }
-}
-
-/// Appends `values` as little-endian bytes (the wire's packed form).
-pub fn put_u32s(out: &mut Vec<u8>, values: &[u32]) {
-    let at = out.len();
-    out.resize(at + values.len() * 4, 0);
-    for (b, v) in out[at..].chunks_exact_mut(4).zip(values) {
-        b.copy_from_slice(&v.to_le_bytes());
-    }
-}
-
-/// Appends `values` as little-endian bytes (the wire's packed form).
-pub fn put_i32s(out: &mut Vec<u8>, values: &[i32]) {
-    let at = out.len();
-    out.resize(at + values.len() * 4, 0);
-    for (b, v) in out[at..].chunks_exact_mut(4).zip(values) {
-        b.copy_from_slice(&v.to_le_bytes());
+        accrue_proto::extend_u32(ids, self.ids(row));
+        accrue_proto::extend_i32(labels, &self.labels(row));
     }
 }
 
@@ -236,8 +218,8 @@ impl Sequence {
                 input_ids,
                 labels: l,
             } => {
-                put_u32s(ids, input_ids);
-                put_i32s(labels, l);
+                accrue_proto::extend_u32(ids, input_ids);
+                accrue_proto::extend_i32(labels, l);
             }
             Tokens::Mapped { rows, row, .. } => rows.write_le(*row, ids, labels),
         }

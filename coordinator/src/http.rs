@@ -264,7 +264,8 @@ pub fn status_view(core: &Coordinator, totals: &HashMap<JobId, Totals>, now_ms: 
         .collect();
     let workers = core
         .workers()
-        .map(|w| WorkerView {
+        .map(|w| (w, core.generator_rank(w)))
+        .map(|(w, generator)| WorkerView {
             id: w.id.clone(),
             hostname: w.reg.hostname.clone(),
             device: if w.reg.gpu_name.is_empty() {
@@ -274,8 +275,8 @@ pub fn status_view(core: &Coordinator, totals: &HashMap<JobId, Totals>, now_ms: 
             },
             state: worker_state(w.state).to_string(),
             job: w.job.clone(),
-            rank: w.rank.or(core.generator_rank(w)),
-            generator: core.generator_rank(w).is_some(),
+            rank: w.rank.or(generator),
+            generator: generator.is_some(),
             heartbeat_age_s: (now_ms - w.last_seen_ms).max(0) as f64 / 1000.0,
         })
         .collect();

@@ -114,7 +114,9 @@ pub struct Cooling {
     db: Arc<Database>,
     dir: PathBuf,
     job: String,
-    now: u64,
+    /// The records it moves: steps `first..=last`.
+    first: u64,
+    last: u64,
     busy: Arc<AtomicBool>,
 }
 
@@ -185,7 +187,7 @@ impl Store {
     /// lock. A move that fails or is skipped is due again at the next
     /// commit (the records stay readable where they are).
     pub fn cooling(&self, job: &str, now: u64) -> Result<Option<Cooling>> {
-        {
+        let first = {
             let tx = self.db.begin_read()?;
             let table = tx.open_table(STEPS)?;
             let first = match table.range((job, 0)..=(job, u64::MAX))?.next() {
@@ -195,15 +197,19 @@ impl Store {
             if now + 1 < first + 2 * HOT_STEPS {
                 return Ok(None);
             }
-        }
+            first
+        };
         if self.cooling.swap(true, Ordering::AcqRel) {
             return Ok(None);
         }
+        // Only this move deletes records, and commits add newer ones: the
+        // range stays what was checked here.
         Ok(Some(Cooling {
             db: Arc::clone(&self.db),
             dir: self.cold_dir(job),
             job: job.to_string(),
-            now,
+            first,
+            last: now - HOT_STEPS,
             busy: Arc::clone(&self.cooling),
         }))
     }
@@ -409,19 +415,12 @@ impl Cooling {
     /// synced, renamed) before the records leave redb; a crash in between
     /// leaves both, and readers take one.
     pub fn run(self) -> Result<()> {
-        let (job, now) = (self.job.as_str(), self.now);
+        let job = self.job.as_str();
         let rows: Vec<(u64, Vec<u8>)> = {
             let tx = self.db.begin_read()?;
             let table = tx.open_table(STEPS)?;
-            let first = match table.range((job, 0)..=(job, u64::MAX))?.next() {
-                Some(row) => row?.0.value().1,
-                None => return Ok(()),
-            };
-            if now + 1 < first + 2 * HOT_STEPS {
-                return Ok(());
-            }
             let mut rows = Vec::new();
-            for row in table.range((job, first)..=(job, now - HOT_STEPS))? {
+            for row in table.range((job, self.first)..=(job, self.last))? {
                 let (k, v) = row?;
                 rows.push((k.value().1, v.value().to_vec()));
             }

@@ -12,19 +12,34 @@ pub mod v1 {
 /// Packs token ids as little-endian `u32` bytes (4 bytes per token).
 pub fn pack_u32(values: &[u32]) -> Vec<u8> {
     let mut out = Vec::with_capacity(values.len() * 4);
-    for v in values {
-        out.extend_from_slice(&v.to_le_bytes());
-    }
+    extend_u32(&mut out, values);
     out
 }
 
 /// Packs labels as little-endian `i32` bytes (4 bytes per token).
 pub fn pack_i32(values: &[i32]) -> Vec<u8> {
     let mut out = Vec::with_capacity(values.len() * 4);
-    for v in values {
-        out.extend_from_slice(&v.to_le_bytes());
-    }
+    extend_i32(&mut out, values);
     out
+}
+
+/// Appends token ids to `out` as [`pack_u32`] packs them (a payload built
+/// from many rows is written in place, not packed row by row).
+pub fn extend_u32(out: &mut Vec<u8>, values: &[u32]) {
+    let at = out.len();
+    out.resize(at + values.len() * 4, 0);
+    for (b, v) in out[at..].chunks_exact_mut(4).zip(values) {
+        b.copy_from_slice(&v.to_le_bytes());
+    }
+}
+
+/// Appends labels to `out` as [`pack_i32`] packs them.
+pub fn extend_i32(out: &mut Vec<u8>, values: &[i32]) {
+    let at = out.len();
+    out.resize(at + values.len() * 4, 0);
+    for (b, v) in out[at..].chunks_exact_mut(4).zip(values) {
+        b.copy_from_slice(&v.to_le_bytes());
+    }
 }
 
 /// Packs per-token floats as little-endian `f32` bytes.

@@ -429,25 +429,13 @@ fn a_probe_result_that_disagrees_with_its_plan_is_refused() {
             0 => nonfinite.push(mbs.len() as u32),
             _ => sums.tokens += 1,
         }
-        s.dead.push("c".into());
-        s.handle(Event::StepResult {
-            worker: "c".into(),
-            job: "job".into(),
-            generation,
-            step: planned.step,
+        let result = RankResult {
             sums,
             logps: Vec::new(),
             nonfinite,
-        })
-        .unwrap();
-        assert_eq!(s.c.worker("c").unwrap().state, WorkerState::Lost, "{want}");
-        let detail = s
-            .events
-            .iter()
-            .map(|(_, m)| m.as_str())
-            .find(|m| m.contains("probe of step") && m.contains("disagrees with its plan"))
-            .expect("a generation event naming the disagreement");
-        assert!(detail.contains(want), "{detail}");
+        };
+        let step = planned.step;
+        assert_refused(&mut s, "c", generation, step, result, "probe of step", want);
         s.run();
         assert_eq!(s.state(), JobState::Completed, "{want}");
         assert_eq!(

@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use super::jobs::RankResult;
 use super::*;
 use crate::doc::{DocBody, DocId, Document, Sequence};
 use crate::spec::JobSpec;
@@ -2465,6 +2466,44 @@ fn a_result_with_other_loss_tokens_than_planned_is_refused() {
 
 /// Rank 2 of three answers step 1 with `bad(its microbatches)`: the result
 /// is refused naming the returned detail, and the job completes without it.
+/// `worker` (its session already gone: it is dead to the simulation)
+/// answers `step` of `generation` with `result`; asserts the result is
+/// refused: the worker lost, and a generation event saying its result for
+/// `noun` disagrees with its plan, naming `want`.
+fn assert_refused(
+    s: &mut Sim,
+    worker: &str,
+    generation: u64,
+    step: u64,
+    result: RankResult,
+    noun: &str,
+    want: &str,
+) {
+    s.dead.push(worker.to_string());
+    s.handle(Event::StepResult {
+        worker: worker.to_string(),
+        job: "job".into(),
+        generation,
+        step,
+        sums: result.sums,
+        logps: result.logps,
+        nonfinite: result.nonfinite,
+    })
+    .unwrap();
+    assert_eq!(
+        s.c.worker(worker).unwrap().state,
+        WorkerState::Lost,
+        "{want}"
+    );
+    let detail = s
+        .events
+        .iter()
+        .map(|(_, m)| m.as_str())
+        .find(|m| m.contains(noun) && m.contains("disagrees with its plan"))
+        .expect("a generation event naming the disagreement");
+    assert!(detail.contains(want), "{detail}");
+}
+
 fn refused_for(bad: impl Fn(&[step::MicrobatchPayload]) -> (MetricSums, String)) {
     let (mut s, d) = three_workers_step_1_in_flight(Sharding::Ddp);
     let (w, generation, planned) = s
@@ -2482,25 +2521,12 @@ fn refused_for(bad: impl Fn(&[step::MicrobatchPayload]) -> (MetricSums, String))
         .unwrap();
     let (sums, want) = bad(&planned.ranks[2]);
     s.inbox.retain(|(x, _)| *x != w);
-    s.dead.push(w.clone());
-    s.handle(Event::StepResult {
-        worker: w.clone(),
-        job: "job".into(),
-        generation,
-        step: 1,
+    let result = RankResult {
         sums,
         logps: Vec::new(),
         nonfinite: Vec::new(),
-    })
-    .unwrap();
-    assert_eq!(s.c.worker(&w).unwrap().state, WorkerState::Lost);
-    let (_, _, detail) = s
-        .events
-        .iter()
-        .map(|(k, m)| (k, m, m.as_str()))
-        .find(|(_, m, _)| m.contains("disagrees with its plan"))
-        .expect("a generation event naming the disagreement");
-    assert!(detail.contains(&want), "{detail}");
+    };
+    assert_refused(&mut s, &w, generation, 1, result, "step", &want);
     s.run();
     assert_eq!(s.state(), JobState::Completed);
     assert_eq!(s.manifests[0].world_size, 2, "step 1 re-planned without it");
@@ -2832,25 +2858,21 @@ fn a_reference_result_that_disagrees_with_its_plan_is_refused() {
         let mbs = &planned.ranks[rank as usize];
         let (mut sums, mut logps) = (forward_sums(mbs), honest_logps(mbs));
         let want = bad(&mut sums, &mut logps);
-        s.dead.push("b".into());
-        s.handle(Event::StepResult {
-            worker: "b".into(),
-            job: "job".into(),
-            generation,
-            step: planned.step,
+        let result = RankResult {
             sums,
             logps,
             nonfinite: Vec::new(),
-        })
-        .unwrap();
-        assert_eq!(s.c.worker("b").unwrap().state, WorkerState::Lost, "{want}");
-        let detail = s
-            .events
-            .iter()
-            .map(|(_, m)| m.as_str())
-            .find(|m| m.contains("reference chunk") && m.contains("disagrees with its plan"))
-            .expect("a generation event naming the disagreement");
-        assert!(detail.contains(want), "{detail}");
+        };
+        let step = planned.step;
+        assert_refused(
+            &mut s,
+            "b",
+            generation,
+            step,
+            result,
+            "reference chunk",
+            want,
+        );
         s.run();
         assert_eq!(s.state(), JobState::Completed, "{want}");
         assert_eq!(s.stored_ref.len(), d.len(), "{want}: every pair cached");

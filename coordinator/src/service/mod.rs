@@ -538,9 +538,8 @@ pub fn core_status(e: CoreError) -> Status {
 
 /// Moves `job`'s old step records to a cold file on a thread of its own
 /// when due: tens of megabytes read, written and synced at W = 1024 must
-/// not hold the state lock (issue 19). The thread's name marks it as the
-/// coordinator's (the control-plane benchmark counts its CPU). A move
-/// that fails is logged and due again at the next commit.
+/// not hold the state lock (issue 19). A move that fails is logged and
+/// due again at the next commit.
 fn cool_off_lock(store: &Store, job: &str, step: u64) {
     let cooling = match store.cooling(job, step) {
         Ok(Some(c)) => c,
