@@ -277,7 +277,7 @@ pub fn status_view(core: &Coordinator, totals: &HashMap<JobId, Totals>, now_ms: 
             job: w.job.clone(),
             rank: w.rank.or(generator),
             generator: generator.is_some(),
-            heartbeat_age_s: (now_ms - w.last_seen_ms).max(0) as f64 / 1000.0,
+            heartbeat_age_s: (now_ms - w.last_seen_ms()).max(0) as f64 / 1000.0,
         })
         .collect();
     StatusView {

@@ -117,6 +117,7 @@ async fn metrics_endpoint_shows_committed_steps_and_workers() {
         ("accrue_checkpoints_pending", "gauge"),
         ("accrue_mfu_ratio", "gauge"),
         ("accrue_worker_heartbeat_age_max_seconds", "gauge"),
+        ("accrue_heartbeat_backlog_seconds", "gauge"),
         ("accrue_jobs", "gauge"),
     ] {
         let line = format!("# TYPE {family} {kind}");

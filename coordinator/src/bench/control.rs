@@ -126,6 +126,8 @@ struct Tally {
     bounced: AtomicU64,
     /// The longest time between two heartbeats a fake sent.
     max_beat_gap_ms: AtomicU64,
+    /// Why the first lost fake's session ended, as it saw it.
+    first_loss: std::sync::Mutex<Option<String>>,
 }
 
 /// Runs one measurement: its own two runtimes, torn down at the end.
@@ -285,9 +287,11 @@ async fn drive(
             if lost > 0 || Instant::now() > deadline {
                 // A lost fake does not come back: the job would wait forever.
                 let gap = tally.max_beat_gap_ms.load(Ordering::Relaxed);
+                let why = tally.first_loss.lock().expect("poisoned").clone();
                 bail!(
                     "re-formation {k} did not complete: {lost} fake workers lost \
-                     (the longest gap between a fake's own heartbeats: {gap} ms)"
+                     (the first: {}; the longest gap between a fake's own heartbeats: {gap} ms)",
+                    why.as_deref().unwrap_or("none lost: timed out")
                 );
             }
             tokio::time::sleep(Duration::from_millis(1)).await;
@@ -516,6 +520,7 @@ impl Fake {
         let every = Duration::from_millis(u64::from(reg.heartbeat_interval_ms.max(1)));
         let tally = self.tally.clone();
         let heartbeats = tokio::spawn(async move {
+            let opened = Instant::now();
             let mut tick = tokio::time::interval(every);
             let mut last: Option<Instant> = None;
             loop {
@@ -528,7 +533,10 @@ impl Fake {
                     tally.max_beat_gap_ms.fetch_max(gap, Ordering::Relaxed);
                 }
                 last = Some(now);
-                let hb = wire::Heartbeat::default();
+                let hb = wire::Heartbeat {
+                    sent_ms: opened.elapsed().as_millis() as u64 + 1,
+                    ..Default::default()
+                };
                 if beat.send(msg(Out::Heartbeat(hb))).await.is_err() {
                     return;
                 }
@@ -557,7 +565,11 @@ impl Fake {
             let m = match next {
                 Ok(Some(m)) => m,
                 Ok(None) => break false,
-                Err(_) => break true,
+                Err(e) => {
+                    let mut first = self.tally.first_loss.lock().expect("poisoned");
+                    first.get_or_insert_with(|| format!("fake {}: {e}", self.index));
+                    break true;
+                }
             };
             let bytes = m.encoded_len() as u64;
             let reply = match m.msg {

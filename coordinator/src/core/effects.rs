@@ -40,6 +40,11 @@ pub enum Event {
     },
     Heartbeat {
         worker: WorkerId,
+        /// How much later than its session's quickest this heartbeat was
+        /// read (the shell measures it from the worker's send time; None
+        /// when the worker sent none): what the coordinator's backlog is
+        /// judged from (see `liveness`).
+        lag_ms: Option<i64>,
     },
     Ready {
         worker: WorkerId,

@@ -10,6 +10,7 @@ use tracing::{info, warn};
 use super::effects::{Effect, Event, JobStart, ToWorker};
 use super::error::{CoreError, Result};
 use super::jobs::{Job, JobData, Phase, RankResult, Work};
+use super::liveness::Liveness;
 use super::planner;
 use super::record::JobRecord;
 use super::types::{
@@ -58,10 +59,9 @@ pub struct Coordinator {
     /// Lost workers, least recently lost first, each once: the oldest
     /// records beyond [`LOST_WORKERS_KEPT`] are forgotten.
     pub(super) lost: std::collections::VecDeque<WorkerId>,
-    /// Total time the shell reported itself stalled ([`Event::Tick`]'s
-    /// credit): heartbeats could not be read then, so that silence is not
-    /// held against workers.
-    pub(super) stalled_ms: i64,
+    /// The coordinator's own delays in hearing workers (stalls, a
+    /// backlog), not held against them.
+    pub(super) liveness: Liveness,
 }
 
 impl Coordinator {
@@ -88,6 +88,11 @@ impl Coordinator {
             .ok_or_else(|| CoreError::JobNotFound(id.to_string()))
     }
 
+    /// How late heartbeats are read now (see `liveness`).
+    pub fn heartbeat_backlog_ms(&self) -> i64 {
+        self.liveness.backlog_ms()
+    }
+
     pub fn workers(&self) -> impl Iterator<Item = &Worker> {
         let mut w: Vec<&Worker> = self.workers.values().collect();
         w.sort_by_key(|w| w.seq);
@@ -106,7 +111,7 @@ impl Coordinator {
             Event::SessionOpened { worker } => {
                 if let Some(w) = self.workers.get_mut(&worker) {
                     w.state = WorkerState::Idle;
-                    w.heard(now_ms, self.stalled_ms);
+                    w.heard = self.liveness.heard(now_ms, None);
                     w.job = None;
                     w.rank = None;
                 }
@@ -114,11 +119,16 @@ impl Coordinator {
             Event::SessionClosed { worker } => {
                 self.lose_worker(&worker, "session closed", now_ms, &mut fx)
             }
-            Event::Heartbeat { worker } => {
+            Event::Heartbeat { worker, lag_ms } => {
                 // Liveness only: it can make no job formable or dispatchable,
                 // so nothing to schedule (issue 19: composing a waiting job's
                 // generation on each of 4096 workers' heartbeats starved them).
-                self.seen(&worker, now_ms);
+                let heard = self.liveness.heard(now_ms, lag_ms);
+                if let Some(w) = self.workers.get_mut(&worker) {
+                    if w.state != WorkerState::Lost {
+                        w.heard = heard;
+                    }
+                }
                 return Ok(fx);
             }
             Event::Ready {
@@ -230,7 +240,8 @@ impl Coordinator {
                 self.release_quarantine(&job, docs.as_deref(), now_ms, &mut fx)?;
             }
             Event::Tick { stalled_ms } => {
-                self.stalled_ms += stalled_ms.max(0);
+                let timeout = self.opts.heartbeat_timeout_ms;
+                self.liveness.tick(now_ms, stalled_ms, timeout);
                 self.tick(now_ms, &mut fx);
             }
             Event::PushRollouts { job, rollouts } => {
@@ -374,8 +385,7 @@ impl Coordinator {
                 id,
                 reg,
                 state: WorkerState::Registered,
-                last_seen_ms: now_ms,
-                stalled_at_seen_ms: self.stalled_ms,
+                heard: self.liveness.heard(now_ms, None),
                 job: None,
                 rank: None,
                 draining: false,
@@ -395,17 +405,18 @@ impl Coordinator {
     pub(super) fn seen(&mut self, worker: &str, now_ms: i64) {
         if let Some(w) = self.workers.get_mut(worker) {
             if w.state != WorkerState::Lost {
-                w.heard(now_ms, self.stalled_ms);
+                w.heard = self.liveness.heard(now_ms, None);
             }
         }
     }
 
     fn tick(&mut self, now_ms: i64, fx: &mut Vec<Effect>) {
-        let (timeout, stalled) = (self.opts.heartbeat_timeout_ms, self.stalled_ms);
+        let timeout = self.opts.heartbeat_timeout_ms;
+        let live = &self.liveness;
         let silent: Vec<WorkerId> = self
             .workers
             .values()
-            .filter(|w| w.connected() && w.silent_ms(now_ms, stalled) > timeout)
+            .filter(|w| w.connected() && live.silent_ms(&w.heard, now_ms) > timeout)
             .map(|w| w.id.clone())
             .collect();
         for w in silent {

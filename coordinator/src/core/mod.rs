@@ -6,7 +6,7 @@
 //!
 //! Layers point down; no file imports one above it:
 //! - `types` (ids, states, reasons), `error`, `metrics`, `deadline`, `record` (the
-//!   persisted job), `workers`, `recovery` (where state comes from),
+//!   persisted job), `liveness` (silence net of the coordinator's delays), `workers`, `recovery` (where state comes from),
 //!   `reference`, `rollouts`, `stream`, `generate` (the RL loop's rounds), `step` (a planned step), `bisect`
 //!   (finding poison documents), `eval` (evaluation passes and their
 //!   metrics);
@@ -30,6 +30,7 @@ pub mod generate;
 mod generations;
 mod jobs;
 mod lifecycle;
+mod liveness;
 mod machine;
 pub mod membership;
 pub mod metrics;

@@ -624,7 +624,11 @@ fn heartbeat_timeout_declares_worker_lost() {
     s.submit(spec("steps = 2", "docs_per_step = 4", 1, 2), docs(10));
     s.worker("a");
     s.now += 1_500;
-    s.handle(Event::Heartbeat { worker: "a".into() }).unwrap();
+    s.handle(Event::Heartbeat {
+        worker: "a".into(),
+        lag_ms: None,
+    })
+    .unwrap();
     s.now += 1_500;
     s.handle(Event::Tick { stalled_ms: 0 }).unwrap();
     assert_eq!(s.c.worker("a").unwrap().state, WorkerState::Configuring);
@@ -1587,9 +1591,13 @@ fn two_seconds_of_silence_declare_a_worker_lost_and_ddp_survivors_continue() {
     );
     s.run_until(|s| s.committed.len() == 1);
     s.inbox.clear();
-    let last_b = s.c.worker("b").unwrap().last_seen_ms;
+    let last_b = s.c.worker("b").unwrap().last_seen_ms();
     s.now = last_b + 2_000 - 20; // each handle advances 10 ms
-    s.handle(Event::Heartbeat { worker: "a".into() }).unwrap();
+    s.handle(Event::Heartbeat {
+        worker: "a".into(),
+        lag_ms: None,
+    })
+    .unwrap();
     s.handle(Event::Tick { stalled_ms: 0 }).unwrap(); // exactly 2 s: not yet
     assert_ne!(s.c.worker("b").unwrap().state, WorkerState::Lost);
     s.handle(Event::Tick { stalled_ms: 0 }).unwrap(); // 2.01 s
@@ -1609,7 +1617,7 @@ fn a_reported_stall_is_not_held_against_workers_but_a_silent_one_is_still_lost()
     let mut s = Sim::new();
     s.worker("a");
     s.worker("b");
-    let seen = s.c.worker("b").unwrap().last_seen_ms;
+    let seen = s.c.worker("b").unwrap().last_seen_ms();
     // The shell could not listen for 5 s (the lock held): 5.5 s of wall
     // silence is 0.5 s of silence while listening.
     s.now = seen + 5_500;
@@ -1618,7 +1626,11 @@ fn a_reported_stall_is_not_held_against_workers_but_a_silent_one_is_still_lost()
     assert_ne!(s.c.worker("b").unwrap().state, WorkerState::Lost);
     // a heartbeats after the stall; b stays silent, and is lost once it has
     // been silent 2 s of listening time, stall or no stall.
-    s.handle(Event::Heartbeat { worker: "a".into() }).unwrap();
+    s.handle(Event::Heartbeat {
+        worker: "a".into(),
+        lag_ms: None,
+    })
+    .unwrap();
     s.now = seen + 5_000 + 2_000 - 10; // each handle advances 10 ms
     s.handle(Event::Tick { stalled_ms: 0 }).unwrap(); // exactly 2 s: not yet
     assert_ne!(s.c.worker("b").unwrap().state, WorkerState::Lost);
@@ -1626,11 +1638,49 @@ fn a_reported_stall_is_not_held_against_workers_but_a_silent_one_is_still_lost()
     assert_eq!(s.c.worker("b").unwrap().state, WorkerState::Lost);
     assert_ne!(s.c.worker("a").unwrap().state, WorkerState::Lost);
     // A stall before a worker was last seen is no credit for it.
-    s.now = s.c.worker("a").unwrap().last_seen_ms + 2_000 - 10;
+    s.now = s.c.worker("a").unwrap().last_seen_ms() + 2_000 - 10;
     s.handle(Event::Tick { stalled_ms: 0 }).unwrap();
     assert_ne!(s.c.worker("a").unwrap().state, WorkerState::Lost);
     s.handle(Event::Tick { stalled_ms: 0 }).unwrap();
     assert_eq!(s.c.worker("a").unwrap().state, WorkerState::Lost);
+}
+
+#[test]
+fn a_heartbeat_backlog_is_not_held_against_workers_but_a_silent_one_is_still_lost() {
+    let mut s = Sim::new();
+    for w in ["a", "b", "c"] {
+        s.worker(w);
+    }
+    let seen = s.c.worker("c").unwrap().last_seen_ms();
+    let beat = |s: &mut Sim, w: &str| {
+        let ev = Event::Heartbeat {
+            worker: w.into(),
+            lag_ms: Some(1_500),
+        };
+        s.handle(ev).unwrap();
+    };
+    // From here on the shell reads every heartbeat 1.5 s after it was sent
+    // (it is behind, its tick on time); c's are queued behind a's and b's.
+    s.now = seen + 1_500;
+    beat(&mut s, "a");
+    beat(&mut s, "b");
+    s.handle(Event::Tick { stalled_ms: 0 }).unwrap();
+    assert_eq!(s.c.heartbeat_backlog_ms(), 1_500);
+    // 3.4 s of wall silence, 1.9 s of it while keeping up: not lost (it
+    // was before the backlog counted).
+    s.now = seen + 3_400;
+    beat(&mut s, "a");
+    beat(&mut s, "b");
+    s.handle(Event::Tick { stalled_ms: 0 }).unwrap();
+    assert_ne!(s.c.worker("c").unwrap().state, WorkerState::Lost);
+    // Silent on: lost once 2 s past the backlog, the others kept.
+    s.now = seen + 3_600;
+    beat(&mut s, "a");
+    beat(&mut s, "b");
+    s.handle(Event::Tick { stalled_ms: 0 }).unwrap();
+    assert_eq!(s.c.worker("c").unwrap().state, WorkerState::Lost);
+    assert_ne!(s.c.worker("a").unwrap().state, WorkerState::Lost);
+    assert_ne!(s.c.worker("b").unwrap().state, WorkerState::Lost);
 }
 
 /// Runs a job to committed step 3 (checkpoint at 2) and hands back what a
@@ -1693,7 +1743,11 @@ impl Sim {
             .map(|w| w.id.clone())
             .collect();
         for worker in alive {
-            self.handle(Event::Heartbeat { worker }).unwrap();
+            self.handle(Event::Heartbeat {
+                worker,
+                lag_ms: None,
+            })
+            .unwrap();
         }
         self.handle(Event::Tick { stalled_ms: 0 }).unwrap();
     }
@@ -2212,7 +2266,11 @@ fn a_paused_job_dispatches_nothing_until_resumed() {
     // Time passes, a worker joins, an operator changes a setting: still
     // nothing is dispatched.
     s.now += 1_000;
-    s.handle(Event::Heartbeat { worker: "a".into() }).unwrap();
+    s.handle(Event::Heartbeat {
+        worker: "a".into(),
+        lag_ms: None,
+    })
+    .unwrap();
     s.handle(Event::Tick { stalled_ms: 0 }).unwrap();
     s.worker("b");
     set(
@@ -2395,13 +2453,21 @@ fn a_worker_lost_with_its_session_open_is_told_and_rejoins_by_registering() {
     s.dead.push("c".into());
     s.now += 10_000;
     for w in ["a", "b"] {
-        s.handle(Event::Heartbeat { worker: w.into() }).unwrap();
+        s.handle(Event::Heartbeat {
+            worker: w.into(),
+            lag_ms: None,
+        })
+        .unwrap();
     }
     s.handle(Event::Tick { stalled_ms: 0 }).unwrap();
     assert_eq!(s.c.worker("c").unwrap().state, WorkerState::Lost);
     assert_eq!(s.ended_sessions, vec!["c".to_string()]);
     // Its late heartbeat changes nothing; its session is over.
-    s.handle(Event::Heartbeat { worker: "c".into() }).unwrap();
+    s.handle(Event::Heartbeat {
+        worker: "c".into(),
+        lag_ms: None,
+    })
+    .unwrap();
     assert_eq!(s.c.worker("c").unwrap().state, WorkerState::Lost);
     // It registers again (same id, as the worker does) and rejoins.
     s.dead.clear();

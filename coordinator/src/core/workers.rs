@@ -3,6 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::liveness::Heard;
 use super::types::{HeldState, JobId, WorkerId};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -43,10 +44,9 @@ pub struct Worker {
     pub id: WorkerId,
     pub reg: Registration,
     pub state: WorkerState,
-    pub last_seen_ms: i64,
-    /// The coordinator's stall total ([`super::Coordinator::stalled_ms`])
-    /// when it was last seen: silence is judged net of the stalls since.
-    pub stalled_at_seen_ms: i64,
+    /// When it was last heard from (silence is judged from this by
+    /// [`super::liveness::Liveness`]).
+    pub heard: Heard,
     pub job: Option<JobId>,
     pub rank: Option<u32>,
     pub draining: bool,
@@ -68,18 +68,9 @@ impl Worker {
         !matches!(self.state, WorkerState::Registered | WorkerState::Lost)
     }
 
-    /// Notes a message from it at `now_ms`, when the coordinator had been
-    /// stalled for `stalled_ms` in total.
-    pub fn heard(&mut self, now_ms: i64, stalled_ms: i64) {
-        self.last_seen_ms = now_ms;
-        self.stalled_at_seen_ms = stalled_ms;
-    }
-
-    /// How long it has been silent while the coordinator was listening:
-    /// wall time since it was last seen, less the stalls since (time the
-    /// coordinator could not read its messages is no evidence against it).
-    pub fn silent_ms(&self, now_ms: i64, stalled_ms: i64) -> i64 {
-        now_ms - self.last_seen_ms - (stalled_ms - self.stalled_at_seen_ms)
+    /// When it was last heard from.
+    pub fn last_seen_ms(&self) -> i64 {
+        self.heard.at_ms
     }
 
     /// Its held state, if it is `job`'s.

@@ -88,6 +88,7 @@ pub struct Exporter {
     // Membership and jobs (scrape time).
     workers: IntGaugeVec,
     heartbeat_age: Gauge,
+    heartbeat_backlog: Gauge,
     jobs: IntGaugeVec,
     generation: IntGaugeVec,
     quarantined: IntGaugeVec,
@@ -324,6 +325,13 @@ impl Exporter {
             )
             .expect("valid metric"),
         );
+        let heartbeat_backlog = b.add(
+            Gauge::new(
+                "accrue_heartbeat_backlog_seconds",
+                "How late the coordinator reads most workers' heartbeats (time it is behind, credited to workers' silence)",
+            )
+            .expect("valid metric"),
+        );
         let jobs = b.int_gauge("accrue_jobs", "Jobs by state", &["state"]);
         let generation = b.int_gauge(
             "accrue_job_generation",
@@ -373,6 +381,7 @@ impl Exporter {
             push_waiters,
             workers,
             heartbeat_age,
+            heartbeat_backlog,
             jobs,
             generation,
             quarantined,

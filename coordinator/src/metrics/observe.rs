@@ -135,10 +135,12 @@ impl Exporter {
                 .set(n as i64);
         }
         for w in core.workers().filter(|w| w.connected()) {
-            oldest_heartbeat = oldest_heartbeat.max(now_ms - w.last_seen_ms);
+            oldest_heartbeat = oldest_heartbeat.max(now_ms - w.last_seen_ms());
         }
         self.heartbeat_age
             .set(oldest_heartbeat.max(0) as f64 / 1000.0);
+        self.heartbeat_backlog
+            .set(core.heartbeat_backlog_ms() as f64 / 1000.0);
         for state in JOB_STATES {
             let n = core.jobs().filter(|j| j.rec.state == state).count();
             self.jobs.with_label_values(&[state.name()]).set(n as i64);

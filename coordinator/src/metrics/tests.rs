@@ -141,6 +141,7 @@ fn a_committed_step_moves_the_counters_and_the_histogram() {
         "accrue_checkpoints_total{job_id=\"j\"} 1",
         "accrue_rollout_pushes_waiting 1",
         "accrue_worker_heartbeat_age_max_seconds 0",
+        "accrue_heartbeat_backlog_seconds 0",
         "accrue_jobs{state=\"running\"} 0",
     ] {
         assert!(text.lines().any(|l| l == line), "{line} missing:\n{text}");

@@ -243,7 +243,7 @@ pub fn worker_info(w: &Worker, generator: Option<u32>, now_ms: i64) -> wire::Wor
         state: state as i32,
         job_id: w.job.clone().unwrap_or_default(),
         rank: w.rank.or(generator),
-        last_seen_ms_ago: (now_ms - w.last_seen_ms).max(0) as u64,
+        last_seen_ms_ago: (now_ms - w.last_seen_ms()).max(0) as u64,
         memory_bytes: w.reg.memory_bytes,
         gpu_name: w.reg.gpu_name.clone(),
         gpu_memory_bytes: w.reg.gpu_memory_bytes,

@@ -30,13 +30,53 @@ impl WorkerServiceImpl {
 
 type SessionStream = Pin<Box<dyn Stream<Item = Result<wire::CoordinatorMessage, Status>> + Send>>;
 
+/// How late a session's heartbeats are read: each one's delay from the
+/// worker's send time to our read, less the least delay seen on the
+/// session (the two clocks' offset is unknown; the quickest heartbeat
+/// stands for no delay). Measured in the shell because the read time is
+/// the shell's; the state machine judges the backlog from it.
+#[derive(Debug)]
+struct InboundDelay {
+    opened: std::time::Instant,
+    least: Option<i64>,
+}
+
+impl InboundDelay {
+    fn new() -> Self {
+        Self {
+            opened: std::time::Instant::now(),
+            least: None,
+        }
+    }
+
+    /// The delay of a heartbeat sent at the worker's `sent_ms` and read
+    /// `read_ms` after the session opened (None: the worker sent no time).
+    fn lag(&mut self, read_ms: i64, sent_ms: u64) -> Option<i64> {
+        if sent_ms == 0 {
+            return None;
+        }
+        let offset = read_ms.saturating_sub(i64::try_from(sent_ms).unwrap_or(i64::MAX));
+        let least = self.least.map_or(offset, |l| l.min(offset));
+        self.least = Some(least);
+        Some(offset - least)
+    }
+
+    fn read_now(&mut self, sent_ms: u64) -> Option<i64> {
+        let read_ms = self.opened.elapsed().as_millis() as i64;
+        self.lag(read_ms, sent_ms)
+    }
+}
+
 /// A worker message as a state-machine event (None: nothing to do).
-fn event_of(worker: &str, msg: Msg) -> Result<Option<Event>, Status> {
+fn event_of(worker: &str, msg: Msg, delay: &mut InboundDelay) -> Result<Option<Event>, Status> {
     super::validate::session_message(&msg)?;
     let worker = worker.to_string();
     Ok(Some(match msg {
         Msg::Hello(_) => return Err(Status::invalid_argument("hello: sent twice on one session")),
-        Msg::Heartbeat(_) => Event::Heartbeat { worker },
+        Msg::Heartbeat(h) => Event::Heartbeat {
+            worker,
+            lag_ms: delay.read_now(h.sent_ms),
+        },
         Msg::Ready(r) => Event::Ready {
             worker,
             job: r.job_id,
@@ -161,6 +201,7 @@ impl WorkerService for WorkerServiceImpl {
         let serial = self.shared.open_session(&worker, tx.clone())?;
         let shared = self.shared.clone();
         tokio::spawn(async move {
+            let mut delay = InboundDelay::new();
             while let Some(item) = incoming.next().await {
                 let msg = match item {
                     Ok(wire::WorkerMessage { msg: Some(m) }) => m,
@@ -170,7 +211,7 @@ impl WorkerService for WorkerServiceImpl {
                         break;
                     }
                 };
-                let result = event_of(&worker, msg).and_then(|ev| match ev {
+                let result = event_of(&worker, msg, &mut delay).and_then(|ev| match ev {
                     Some(ev) => shared.apply(ev),
                     None => Ok(()),
                 });
@@ -185,5 +226,24 @@ impl WorkerService for WorkerServiceImpl {
         // Encoded here, per session: the lock only queues Arc-shared messages.
         let encoded = UnboundedReceiverStream::new(rx).map(|m| m.map(|m| convert::to_worker(&m)));
         Ok(Response::new(Box::pin(encoded)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::InboundDelay;
+
+    #[test]
+    fn a_heartbeat_delay_is_measured_against_the_sessions_quickest() {
+        let mut d = InboundDelay::new();
+        // The worker's clock runs 10 s behind ours; the first arrives in 3 ms.
+        assert_eq!(d.lag(10_003, 0), None);
+        assert_eq!(d.lag(10_003, 1), Some(0));
+        assert_eq!(d.lag(10_503, 500), Some(1));
+        // Read 1.5 s after it was sent.
+        assert_eq!(d.lag(12_501, 1_000), Some(1_499));
+        // A quicker one lowers the baseline: no delay is negative.
+        assert_eq!(d.lag(11_501, 1_500), Some(0));
+        assert_eq!(d.lag(12_003, 2_000), Some(2));
     }
 }

@@ -256,6 +256,16 @@ async fn session(
         u64::from(reg.heartbeat_interval_ms).max(50),
     ));
     let progress = runner.progress();
+    // Stamped with this session's clock: the coordinator measures how late
+    // it reads them (a backlog of its own is not held against us).
+    let opened = Instant::now();
+    let heartbeat = || wire::Heartbeat {
+        generation: progress
+            .generation
+            .load(std::sync::atomic::Ordering::Relaxed),
+        step: progress.step.load(std::sync::atomic::Ordering::Relaxed),
+        sent_ms: opened.elapsed().as_millis() as u64 + 1,
+    };
     cfg.health.set_ready(true).await;
     let mut leaving = false;
     let ended = loop {
@@ -297,11 +307,7 @@ async fn session(
                     }
                     break Ended::Died(why);
                 }
-                let hb = wire::Heartbeat {
-                    generation: progress.generation.load(std::sync::atomic::Ordering::Relaxed),
-                    step: progress.step.load(std::sync::atomic::Ordering::Relaxed),
-                };
-                if tx.send(send(Out::Heartbeat(hb))).await.is_err() {
+                if tx.send(send(Out::Heartbeat(heartbeat()))).await.is_err() {
                     break Ended::Lost("the outbound stream closed".into());
                 }
             }
@@ -323,11 +329,7 @@ async fn session(
             tokio::select! {
                 Some(m) = results.recv() => { let _ = tx.send(m).await; }
                 _ = beat.tick() => {
-                    let hb = wire::Heartbeat {
-                        generation: progress.generation.load(std::sync::atomic::Ordering::Relaxed),
-                        step: progress.step.load(std::sync::atomic::Ordering::Relaxed),
-                    };
-                    let _ = tx.send(send(Out::Heartbeat(hb))).await;
+                    let _ = tx.send(send(Out::Heartbeat(heartbeat()))).await;
                 }
             }
         }
