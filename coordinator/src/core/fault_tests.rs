@@ -124,22 +124,14 @@ fn a_member_silent_past_the_step_deadline_is_lost_and_its_step_replanned() {
     for _ in 0..2 {
         s.now += 14_000;
         for w in ["a", "b"] {
-            s.handle(Event::Heartbeat {
-                worker: w.into(),
-                lag_ms: None,
-            })
-            .unwrap();
+            s.handle(heartbeat(w.into())).unwrap();
         }
         s.handle(Event::Tick { stalled_ms: 0 }).unwrap();
     }
     assert_eq!(s.state(), JobState::Running, "28 s: within the deadline");
     s.now += 3_000;
     for w in ["a", "b"] {
-        s.handle(Event::Heartbeat {
-            worker: w.into(),
-            lag_ms: None,
-        })
-        .unwrap();
+        s.handle(heartbeat(w.into())).unwrap();
     }
     s.handle(Event::Tick { stalled_ms: 0 }).unwrap();
     let b = s.c.worker("b").unwrap();
@@ -166,21 +158,13 @@ fn without_a_configured_timeout_the_deadline_follows_observed_steps_with_a_floor
     // Steps here take milliseconds; the deadline is still the floor.
     s.now += deadline::FLOOR_MS as i64 - 1_000;
     for w in ["a", "b"] {
-        s.handle(Event::Heartbeat {
-            worker: w.into(),
-            lag_ms: None,
-        })
-        .unwrap();
+        s.handle(heartbeat(w.into())).unwrap();
     }
     s.handle(Event::Tick { stalled_ms: 0 }).unwrap();
     assert_ne!(s.c.worker("b").unwrap().state, WorkerState::Lost);
     s.now += 2_000;
     for w in ["a", "b"] {
-        s.handle(Event::Heartbeat {
-            worker: w.into(),
-            lag_ms: None,
-        })
-        .unwrap();
+        s.handle(heartbeat(w.into())).unwrap();
     }
     s.handle(Event::Tick { stalled_ms: 0 }).unwrap();
     assert_eq!(s.c.worker("b").unwrap().state, WorkerState::Lost);

@@ -496,11 +496,7 @@ fn a_hung_generator_is_lost_at_the_deadline_and_its_round_planned_again() {
     assert!(s.to_score.is_empty() && s.committed.is_empty());
     s.now += 6_000;
     for w in ["a", "b"] {
-        s.handle(Event::Heartbeat {
-            worker: w.into(),
-            lag_ms: None,
-        })
-        .unwrap();
+        s.handle(heartbeat(w.into())).unwrap();
     }
     s.handle(Event::Tick { stalled_ms: 0 }).unwrap();
     let j = s.c.job("job").unwrap();

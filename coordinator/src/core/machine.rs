@@ -123,12 +123,7 @@ impl Coordinator {
                 // Liveness only: it can make no job formable or dispatchable,
                 // so nothing to schedule (issue 19: composing a waiting job's
                 // generation on each of 4096 workers' heartbeats starved them).
-                let heard = self.liveness.heard(now_ms, lag_ms);
-                if let Some(w) = self.workers.get_mut(&worker) {
-                    if w.state != WorkerState::Lost {
-                        w.heard = heard;
-                    }
-                }
+                self.heard_from(&worker, now_ms, lag_ms);
                 return Ok(fx);
             }
             Event::Ready {
@@ -403,9 +398,16 @@ impl Coordinator {
     }
 
     pub(super) fn seen(&mut self, worker: &str, now_ms: i64) {
+        self.heard_from(worker, now_ms, None);
+    }
+
+    /// A message from `worker` read `lag_ms` late (see `liveness`). Every
+    /// heartbeat's delay is evidence of the backlog, a lost worker's too.
+    fn heard_from(&mut self, worker: &str, now_ms: i64, lag_ms: Option<i64>) {
+        let heard = self.liveness.heard(now_ms, lag_ms);
         if let Some(w) = self.workers.get_mut(worker) {
             if w.state != WorkerState::Lost {
-                w.heard = self.liveness.heard(now_ms, None);
+                w.heard = heard;
             }
         }
     }

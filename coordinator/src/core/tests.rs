@@ -29,6 +29,14 @@ mod engine_tests;
 #[path = "disagg_tests.rs"]
 mod disagg_tests;
 
+/// A heartbeat that carries no send time (read as late as the backlog).
+fn heartbeat(worker: WorkerId) -> Event {
+    Event::Heartbeat {
+        worker,
+        lag_ms: None,
+    }
+}
+
 fn docs(n: usize) -> Arc<[Document]> {
     (0..n)
         .map(|i| {
@@ -624,11 +632,7 @@ fn heartbeat_timeout_declares_worker_lost() {
     s.submit(spec("steps = 2", "docs_per_step = 4", 1, 2), docs(10));
     s.worker("a");
     s.now += 1_500;
-    s.handle(Event::Heartbeat {
-        worker: "a".into(),
-        lag_ms: None,
-    })
-    .unwrap();
+    s.handle(heartbeat("a".into())).unwrap();
     s.now += 1_500;
     s.handle(Event::Tick { stalled_ms: 0 }).unwrap();
     assert_eq!(s.c.worker("a").unwrap().state, WorkerState::Configuring);
@@ -1593,11 +1597,7 @@ fn two_seconds_of_silence_declare_a_worker_lost_and_ddp_survivors_continue() {
     s.inbox.clear();
     let last_b = s.c.worker("b").unwrap().last_seen_ms();
     s.now = last_b + 2_000 - 20; // each handle advances 10 ms
-    s.handle(Event::Heartbeat {
-        worker: "a".into(),
-        lag_ms: None,
-    })
-    .unwrap();
+    s.handle(heartbeat("a".into())).unwrap();
     s.handle(Event::Tick { stalled_ms: 0 }).unwrap(); // exactly 2 s: not yet
     assert_ne!(s.c.worker("b").unwrap().state, WorkerState::Lost);
     s.handle(Event::Tick { stalled_ms: 0 }).unwrap(); // 2.01 s
@@ -1626,11 +1626,7 @@ fn a_reported_stall_is_not_held_against_workers_but_a_silent_one_is_still_lost()
     assert_ne!(s.c.worker("b").unwrap().state, WorkerState::Lost);
     // a heartbeats after the stall; b stays silent, and is lost once it has
     // been silent 2 s of listening time, stall or no stall.
-    s.handle(Event::Heartbeat {
-        worker: "a".into(),
-        lag_ms: None,
-    })
-    .unwrap();
+    s.handle(heartbeat("a".into())).unwrap();
     s.now = seen + 5_000 + 2_000 - 10; // each handle advances 10 ms
     s.handle(Event::Tick { stalled_ms: 0 }).unwrap(); // exactly 2 s: not yet
     assert_ne!(s.c.worker("b").unwrap().state, WorkerState::Lost);
@@ -1743,11 +1739,7 @@ impl Sim {
             .map(|w| w.id.clone())
             .collect();
         for worker in alive {
-            self.handle(Event::Heartbeat {
-                worker,
-                lag_ms: None,
-            })
-            .unwrap();
+            self.handle(heartbeat(worker)).unwrap();
         }
         self.handle(Event::Tick { stalled_ms: 0 }).unwrap();
     }
@@ -2266,11 +2258,7 @@ fn a_paused_job_dispatches_nothing_until_resumed() {
     // Time passes, a worker joins, an operator changes a setting: still
     // nothing is dispatched.
     s.now += 1_000;
-    s.handle(Event::Heartbeat {
-        worker: "a".into(),
-        lag_ms: None,
-    })
-    .unwrap();
+    s.handle(heartbeat("a".into())).unwrap();
     s.handle(Event::Tick { stalled_ms: 0 }).unwrap();
     s.worker("b");
     set(
@@ -2453,21 +2441,13 @@ fn a_worker_lost_with_its_session_open_is_told_and_rejoins_by_registering() {
     s.dead.push("c".into());
     s.now += 10_000;
     for w in ["a", "b"] {
-        s.handle(Event::Heartbeat {
-            worker: w.into(),
-            lag_ms: None,
-        })
-        .unwrap();
+        s.handle(heartbeat(w.into())).unwrap();
     }
     s.handle(Event::Tick { stalled_ms: 0 }).unwrap();
     assert_eq!(s.c.worker("c").unwrap().state, WorkerState::Lost);
     assert_eq!(s.ended_sessions, vec!["c".to_string()]);
     // Its late heartbeat changes nothing; its session is over.
-    s.handle(Event::Heartbeat {
-        worker: "c".into(),
-        lag_ms: None,
-    })
-    .unwrap();
+    s.handle(heartbeat("c".into())).unwrap();
     assert_eq!(s.c.worker("c").unwrap().state, WorkerState::Lost);
     // It registers again (same id, as the worker does) and rejoins.
     s.dead.clear();
