@@ -58,7 +58,9 @@ impl InboundDelay {
         let offset = read_ms.saturating_sub(i64::try_from(sent_ms).unwrap_or(i64::MAX));
         let least = self.least.map_or(offset, |l| l.min(offset));
         self.least = Some(least);
-        Some(offset - least)
+        // Saturating: a send time far off (a broken or hostile clock) makes
+        // a huge delay, which the backlog caps, never an overflow.
+        Some(offset.saturating_sub(least))
     }
 
     fn read_now(&mut self, sent_ms: u64) -> Option<i64> {
@@ -245,5 +247,12 @@ mod tests {
         // A quicker one lowers the baseline: no delay is negative.
         assert_eq!(d.lag(11_501, 1_500), Some(0));
         assert_eq!(d.lag(12_003, 2_000), Some(2));
+    }
+
+    #[test]
+    fn a_send_time_far_off_is_a_huge_delay_not_an_overflow() {
+        let mut d = InboundDelay::new();
+        assert_eq!(d.lag(10_000, u64::MAX), Some(0));
+        assert_eq!(d.lag(10_501, 500), Some(i64::MAX));
     }
 }
