@@ -25,6 +25,15 @@ use crate::manifest::StepManifest;
 use crate::settings::JobUpdate;
 use crate::spec::JobSpec;
 
+/// One rank's answer to a plan.
+#[derive(Debug, Clone, Default)]
+pub struct RankResult {
+    pub sums: MetricSums,
+    /// Reference plans: per-sequence log-probs.
+    pub logps: Vec<SeqLogp>,
+    /// Probe plans: the rank's non-finite microbatches.
+    pub nonfinite: Vec<u32>,
+}
 /// Everything that can happen to the coordinator.
 #[derive(Debug, Clone)]
 pub enum Event {
@@ -62,6 +71,17 @@ pub enum Event {
         logps: Vec<SeqLogp>,
         /// Probe plans: this rank's non-finite microbatches.
         nonfinite: Vec<u32>,
+    },
+    /// A train step's results of every rank, gathered over the
+    /// generation's collective and sent by its rank 0 (`worker`): each
+    /// entry counts as that rank's own `StepResult` (issue 19).
+    StepResults {
+        worker: WorkerId,
+        job: JobId,
+        generation: u64,
+        step: u64,
+        /// (rank, its result), one per rank.
+        results: Vec<(u32, RankResult)>,
     },
     WorkerError {
         worker: WorkerId,

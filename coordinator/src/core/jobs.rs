@@ -176,16 +176,6 @@ pub struct InFlight {
     pub nonfinite: BTreeMap<u32, Vec<u32>>,
 }
 
-/// One rank's answer to a plan.
-#[derive(Debug, Clone, Default)]
-pub struct RankResult {
-    pub sums: MetricSums,
-    /// Reference plans: per-sequence log-probs.
-    pub logps: Vec<SeqLogp>,
-    /// Probe plans: the rank's non-finite microbatches.
-    pub nonfinite: Vec<u32>,
-}
-
 /// What a formed generation is doing.
 #[derive(Debug, Clone)]
 pub enum Work {

@@ -7,9 +7,9 @@ use std::sync::Arc;
 
 use tracing::{info, warn};
 
-use super::effects::{Effect, ToWorker, WatchItem};
+use super::effects::{Effect, RankResult, ToWorker, WatchItem};
 use super::error::{CoreError, Result};
-use super::jobs::{AfterCheckpoint, InFlight, Phase, RankResult, Work};
+use super::jobs::{AfterCheckpoint, InFlight, Phase, Work};
 use super::machine::Coordinator;
 use super::metrics::{self, StepFacts};
 use super::planner::{self, Source};
@@ -121,6 +121,68 @@ impl Coordinator {
             (PlanKind::Eval, _) => self.commit_eval(job_id, flight, now_ms, fx),
             (PlanKind::Train, true) => self.replayed(job_id, step, now_ms, fx),
             (PlanKind::Train, false) => self.commit(job_id, flight, now_ms, fx),
+        }
+    }
+
+    /// Rank 0's gathered results of a step: each entry is taken as its
+    /// rank's own result (checked against that rank's plan; a disagreeing
+    /// one is blamed on that rank's worker). A batch from any other member,
+    /// or one that does not hold exactly one result per rank, is a protocol
+    /// error: its sender is dropped like a failed worker.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn on_gathered(
+        &mut self,
+        worker: &str,
+        job_id: &str,
+        generation: u64,
+        step: u64,
+        results: Vec<(u32, RankResult)>,
+        now_ms: i64,
+        fx: &mut Vec<Effect>,
+    ) {
+        let Some(gen) = self
+            .jobs
+            .get(job_id)
+            .and_then(|j| j.active())
+            .map(|a| &a.gen)
+        else {
+            return;
+        };
+        if gen.id != generation {
+            warn!(
+                worker,
+                job = job_id,
+                generation,
+                step,
+                "gathered results for a stale generation, ignored"
+            );
+            return;
+        }
+        let world = gen.members.len();
+        let refused = if gen.rank_of(worker) != Some(0) {
+            Some("it is not the generation's rank 0".to_string())
+        } else if results.len() != world || results.iter().any(|(r, _)| *r as usize >= world) {
+            let ranks: Vec<u32> = results.iter().map(|(r, _)| *r).collect();
+            Some(format!(
+                "it holds ranks {ranks:?}, not one result for each of {world} ranks"
+            ))
+        } else {
+            None
+        };
+        if let Some(why) = refused {
+            let why = Why::new(
+                AbortReason::WorkerError,
+                format!("worker {worker} sent gathered results for step {step} of generation {generation}, refused: {why}"),
+            );
+            return self.lose_worker_because(worker, why, now_ms, fx);
+        }
+        let members: Vec<(String, RankResult)> = results
+            .into_iter()
+            .map(|(r, result)| (gen.members[r as usize].clone(), result))
+            .collect();
+        for (member, result) in members {
+            self.note_result(&member, job_id, generation, step);
+            self.on_result(&member, job_id, generation, step, result, now_ms, fx);
         }
     }
 

@@ -7,9 +7,9 @@ use std::collections::BTreeMap;
 
 use tracing::{info, warn};
 
-use super::effects::{Effect, Event, JobStart, ToWorker};
+use super::effects::{Effect, Event, JobStart, RankResult, ToWorker};
 use super::error::{CoreError, Result};
-use super::jobs::{Job, JobData, Phase, RankResult, Work};
+use super::jobs::{Job, JobData, Phase, Work};
 use super::liveness::Liveness;
 use super::planner;
 use super::record::JobRecord;
@@ -152,6 +152,16 @@ impl Coordinator {
                     nonfinite,
                 };
                 self.on_result(&worker, &job, generation, step, result, now_ms, &mut fx);
+            }
+            Event::StepResults {
+                worker,
+                job,
+                generation,
+                step,
+                results,
+            } => {
+                self.seen(&worker, now_ms);
+                self.on_gathered(&worker, &job, generation, step, results, now_ms, &mut fx);
             }
             Event::WorkerError {
                 worker,

@@ -6,7 +6,6 @@ use std::collections::{BTreeMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use super::jobs::RankResult;
 use super::*;
 use crate::doc::{DocBody, DocId, Document, Sequence};
 use crate::spec::JobSpec;
@@ -84,6 +83,12 @@ every_steps = 2
 struct Sim {
     c: Coordinator,
     now: i64,
+    /// Train results travel as workers with `Configure.gather_results`
+    /// send them: held until every rank has one, then one
+    /// `Event::StepResults` from rank 0's worker.
+    gather: bool,
+    /// Held results by (generation, step): (rank, result).
+    gathered: BTreeMap<(u64, u64), Vec<(u32, RankResult)>>,
     /// Messages sent to workers, not yet answered.
     inbox: VecDeque<(WorkerId, ToWorker)>,
     committed: Vec<(StepMetrics, Vec<DocId>)>,
@@ -169,6 +174,8 @@ impl Sim {
         Sim {
             c: Coordinator::new(CoordinatorOptions::default()),
             now: 1_000,
+            gather: false,
+            gathered: BTreeMap::new(),
             inbox: VecDeque::new(),
             committed: Vec::new(),
             persisted: Vec::new(),
@@ -423,6 +430,24 @@ impl Sim {
                     e.tokens += r.token_ids.len() as u64;
                     e.documents += m.seqs.len() as u64;
                 }
+                let sums = MetricSums {
+                    loss_sum: loss_tokens as f64 * 2.0,
+                    loss_tokens,
+                    tokens,
+                    documents,
+                    microbatches: mbs.len() as u32,
+                    grad_norm: 1.0,
+                    sources,
+                    ..Default::default()
+                };
+                if self.gather && planned.kind == PlanKind::Train {
+                    let result = RankResult {
+                        sums,
+                        logps,
+                        nonfinite,
+                    };
+                    return self.gather_result(job, generation, planned.step, rank, result);
+                }
                 Event::StepResult {
                     logps,
                     nonfinite,
@@ -430,16 +455,7 @@ impl Sim {
                     job,
                     generation,
                     step: planned.step,
-                    sums: MetricSums {
-                        loss_sum: loss_tokens as f64 * 2.0,
-                        loss_tokens,
-                        tokens,
-                        documents,
-                        microbatches: mbs.len() as u32,
-                        grad_norm: 1.0,
-                        sources,
-                        ..Default::default()
-                    },
+                    sums,
                 }
             }
             ToWorker::Checkpoint { job, step, .. } => Event::CheckpointDone {
@@ -488,6 +504,45 @@ impl Sim {
 
     fn run(&mut self) {
         while self.step_once() {}
+    }
+
+    /// Holds `rank`'s train result until every rank of the generation has
+    /// one, then sends them all from rank 0's worker, as gathering workers
+    /// do. Always true (an answer was handled or held).
+    fn gather_result(
+        &mut self,
+        job: JobId,
+        generation: u64,
+        step: u64,
+        rank: u32,
+        result: RankResult,
+    ) -> bool {
+        let held = self.gathered.entry((generation, step)).or_default();
+        held.push((rank, result));
+        let gen = self.c.job(&job).ok().and_then(|j| j.gen());
+        let Some(gen) = gen.filter(|g| g.id == generation) else {
+            return true;
+        };
+        if held.len() < gen.members.len() {
+            return true;
+        }
+        let worker = gen.members[0].clone();
+        let results = self
+            .gathered
+            .remove(&(generation, step))
+            .unwrap_or_default();
+        if self.dead.contains(&worker) {
+            return true;
+        }
+        self.handle(Event::StepResults {
+            worker,
+            job,
+            generation,
+            step,
+            results,
+        })
+        .unwrap();
+        true
     }
 
     fn state(&self) -> JobState {
@@ -624,6 +679,146 @@ fn results_from_a_stale_generation_are_ignored() {
     assert!(s.committed.is_empty());
     s.run();
     assert_eq!(s.committed.len(), 2);
+}
+
+/// Runs a 3-worker job to the end, train results gathered or per rank.
+fn three_worker_run(gather: bool) -> Sim {
+    let mut s = Sim::new();
+    s.gather = gather;
+    for w in ["a", "b", "c"] {
+        s.worker(w);
+    }
+    s.submit(spec("steps = 5", "docs_per_step = 7", 3, 3), docs(40));
+    s.run();
+    assert_eq!(s.state(), JobState::Completed, "gather {gather}");
+    s
+}
+
+#[test]
+fn gathered_results_commit_the_same_steps_as_results_sent_per_rank() {
+    let (per_rank, gathered) = (three_worker_run(false), three_worker_run(true));
+    assert_eq!(gathered.committed.len(), 5);
+    let facts = |s: &Sim| -> Vec<_> {
+        s.committed
+            .iter()
+            .map(|(m, docs)| {
+                let sources: Vec<_> = m.sources.values().map(|x| (x.tokens, x.docs)).collect();
+                let m = (
+                    m.step,
+                    m.loss,
+                    m.tokens,
+                    m.loss_tokens,
+                    m.docs,
+                    m.microbatches,
+                );
+                (m, sources, docs.clone())
+            })
+            .collect()
+    };
+    assert_eq!(facts(&per_rank), facts(&gathered));
+    let cursors =
+        |s: &Sim| -> Vec<_> { s.committed.iter().map(|(m, _)| m.cursor.clone()).collect() };
+    assert_eq!(cursors(&per_rank), cursors(&gathered));
+}
+
+/// Three workers with step 1 dispatched and unanswered; its plan.
+fn step_1_unanswered() -> (Sim, Arc<PlannedStep>) {
+    let mut s = Sim::new();
+    for w in ["a", "b", "c"] {
+        s.worker(w);
+    }
+    s.submit(spec("steps = 3", "docs_per_step = 6", 3, 3), docs(30));
+    while let Some((_, ToWorker::Configure { .. })) = s.inbox.front() {
+        s.step_once();
+    }
+    let planned = s.plans.last().cloned().expect("step 1 dispatched");
+    s.inbox.clear();
+    (s, planned)
+}
+
+/// What a worker would report for `rank` of `p` (as `Sim` answers).
+fn result_of(p: &PlannedStep, rank: u32) -> RankResult {
+    let mbs = &p.ranks[rank as usize];
+    let rows: Vec<step::Rows> = mbs.iter().map(|m| m.rows()).collect();
+    let loss_tokens: u64 = mbs
+        .iter()
+        .zip(&rows)
+        .map(|(m, r)| step::rank_loss_tokens(&m.cu_seq_lens, &r.labels))
+        .sum();
+    RankResult {
+        sums: MetricSums {
+            loss_sum: loss_tokens as f64,
+            loss_tokens,
+            tokens: rows.iter().map(|r| r.token_ids.len() as u64).sum(),
+            documents: mbs.iter().map(|m| m.seqs.len() as u64).sum(),
+            microbatches: mbs.len() as u32,
+            grad_norm: 1.0,
+            ..Default::default()
+        },
+        ..Default::default()
+    }
+}
+
+fn gathered(worker: &str, p: &PlannedStep, results: Vec<(u32, RankResult)>) -> Event {
+    Event::StepResults {
+        worker: worker.into(),
+        job: "job".into(),
+        generation: 1,
+        step: p.step,
+        results,
+    }
+}
+
+#[test]
+fn gathered_results_are_taken_only_from_rank_0_and_only_whole() {
+    let all = |p: &PlannedStep| (0..3).map(|r| (r, result_of(p, r))).collect::<Vec<_>>();
+    // From rank 0, whole: the step commits.
+    let (mut s, p) = step_1_unanswered();
+    s.handle(gathered("a", &p, all(&p))).unwrap();
+    assert_eq!(s.committed.len(), 1);
+    assert!(s.ended_sessions.is_empty());
+    // From another member: refused, its sender dropped, nothing committed.
+    let (mut s, p) = step_1_unanswered();
+    s.handle(gathered("b", &p, all(&p))).unwrap();
+    assert!(s.committed.is_empty());
+    assert_eq!(s.ended_sessions, vec!["b".to_string()]);
+    // A rank missing, or one out of range: refused the same way.
+    for results in [
+        all(&p).into_iter().take(2).collect::<Vec<_>>(),
+        all(&p).into_iter().map(|(r, x)| (r * 2, x)).collect(),
+    ] {
+        let (mut s, p) = step_1_unanswered();
+        s.handle(gathered("a", &p, results)).unwrap();
+        assert!(s.committed.is_empty());
+        assert_eq!(s.ended_sessions, vec!["a".to_string()]);
+        let why = s
+            .events
+            .iter()
+            .map(|(_, m)| m.as_str())
+            .collect::<Vec<_>>()
+            .join("\n");
+        assert!(why.contains("not one result for each of 3 ranks"), "{why}");
+    }
+}
+
+#[test]
+fn a_gathered_entry_that_disagrees_with_its_plan_drops_that_ranks_worker() {
+    let (mut s, p) = step_1_unanswered();
+    let mut results: Vec<_> = (0..3).map(|r| (r, result_of(&p, r))).collect();
+    results[2].1.sums.tokens += 1;
+    s.handle(gathered("a", &p, results)).unwrap();
+    assert!(s.committed.is_empty());
+    assert_eq!(
+        s.ended_sessions,
+        vec!["c".to_string()],
+        "rank 2 computed it; rank 0 only relayed it"
+    );
+    // With a replacement the job re-forms and trains the same documents.
+    s.dead.push("c".into());
+    s.worker("d");
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    assert_eq!(s.committed[0].1, p.docs);
 }
 
 #[test]
@@ -1813,8 +2008,12 @@ fn after_a_restart_a_sharded_job_missing_a_rank_restores_and_replays() {
 /// exactly the committed documents.
 #[test]
 fn exactly_once_over_a_run_with_losses_joins_and_replays() {
-    for sharding in [Sharding::Ddp, Sharding::Fsdp, Sharding::Zero2] {
+    let runs = [Sharding::Ddp, Sharding::Fsdp, Sharding::Zero2]
+        .into_iter()
+        .flat_map(|sharding| [(sharding, false), (sharding, true)]);
+    for (sharding, gather) in runs {
         let mut s = Sim::new();
+        s.gather = gather;
         s.worker("a");
         s.worker("b");
         let d = docs(53);
@@ -1835,7 +2034,11 @@ fn exactly_once_over_a_run_with_losses_joins_and_replays() {
         s.kill("c");
         s.worker("e");
         s.run();
-        assert_eq!(s.state(), JobState::Completed, "{sharding:?}");
+        assert_eq!(
+            s.state(),
+            JobState::Completed,
+            "{sharding:?}, gather {gather}"
+        );
         assert_exactly_once(&s, &d, 2);
         if sharding == Sharding::Ddp {
             assert!(s.replayed().is_empty(), "ddp never restores");

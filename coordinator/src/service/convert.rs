@@ -504,6 +504,9 @@ pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
                 .as_ref()
                 .map(|p| p.display().to_string())
                 .unwrap_or_default(),
+            // Trainers answer train steps with one gathered message from
+            // rank 0 (`Event::StepResults`); generators run no steps.
+            gather_results: matches!(role, Role::Trainer),
         }),
         ToWorker::Plan {
             job,

@@ -54,17 +54,24 @@ pub fn hello(h: &wire::Hello) -> Result<(), Status> {
 pub fn session_message(msg: &Msg) -> Result<(), Status> {
     match msg {
         Msg::Ready(r) => non_empty("ready.job_id", &r.job_id),
-        Msg::StepResult(r) => {
-            non_empty("step_result.job_id", &r.job_id)?;
-            if let Some(s) = &r.sums {
-                for (field, v) in [
-                    ("compute_s", s.compute_s),
-                    ("collective_s", s.collective_s),
-                    ("optimizer_s", s.optimizer_s),
-                    ("idle_s", s.idle_s),
-                    ("model_flops", s.model_flops),
-                ] {
-                    non_negative(&format!("step_result.sums.{field}"), v)?;
+        Msg::StepResult(r) => step_result("step_result", r),
+        Msg::StepResults(b) => {
+            non_empty("step_results.job_id", &b.job_id)?;
+            let mut ranks = std::collections::HashSet::new();
+            for (i, r) in b.results.iter().enumerate() {
+                let field = format!("step_results.results[{i}]");
+                step_result(&field, r)?;
+                if (r.job_id.as_str(), r.generation, r.step) != (&b.job_id, b.generation, b.step) {
+                    return Err(Status::invalid_argument(format!(
+                        "{field}: job {} generation {} step {} in a batch of job {} generation {} step {}",
+                        r.job_id, r.generation, r.step, b.job_id, b.generation, b.step
+                    )));
+                }
+                if !ranks.insert(r.rank) {
+                    return Err(Status::invalid_argument(format!(
+                        "{field}.rank: rank {} given twice",
+                        r.rank
+                    )));
                 }
             }
             Ok(())
@@ -75,6 +82,23 @@ pub fn session_message(msg: &Msg) -> Result<(), Status> {
         Msg::WeightsSynced(w) => non_empty("weights_synced.job_id", &w.job_id),
         Msg::Hello(_) | Msg::Heartbeat(_) | Msg::PolicyPublished(_) | Msg::Leave(_) => Ok(()),
     }
+}
+
+/// One rank's step result (`field` names it in errors).
+fn step_result(field: &str, r: &wire::StepResult) -> Result<(), Status> {
+    non_empty(&format!("{field}.job_id"), &r.job_id)?;
+    if let Some(s) = &r.sums {
+        for (name, v) in [
+            ("compute_s", s.compute_s),
+            ("collective_s", s.collective_s),
+            ("optimizer_s", s.optimizer_s),
+            ("idle_s", s.idle_s),
+            ("model_flops", s.model_flops),
+        ] {
+            non_negative(&format!("{field}.sums.{name}"), v)?;
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -122,5 +146,42 @@ mod tests {
         );
         let e = session_message(&Msg::Ready(wire::Ready::default())).unwrap_err();
         assert_eq!(e.message(), "ready.job_id must not be empty");
+    }
+
+    #[test]
+    fn a_gathered_batch_names_the_entry_at_fault() {
+        let entry = |rank, step, compute_s| wire::StepResult {
+            job_id: "j".into(),
+            generation: 2,
+            step,
+            rank,
+            sums: Some(wire::MetricSums {
+                compute_s,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let batch = |results| {
+            Msg::StepResults(wire::StepResults {
+                job_id: "j".into(),
+                generation: 2,
+                step: 5,
+                results,
+            })
+        };
+        assert!(session_message(&batch(vec![entry(0, 5, 0.1), entry(1, 5, 0.2)])).is_ok());
+        let message = |m| session_message(&m).unwrap_err().message().to_string();
+        let m = message(batch(vec![entry(0, 5, 0.1), entry(1, 5, -1.0)]));
+        assert!(
+            m.starts_with("step_results.results[1].sums.compute_s"),
+            "{m}"
+        );
+        let m = message(batch(vec![entry(0, 5, 0.1), entry(1, 4, 0.1)]));
+        assert!(
+            m.starts_with("step_results.results[1]: job j generation 2 step 4"),
+            "{m}"
+        );
+        let m = message(batch(vec![entry(1, 5, 0.1), entry(1, 5, 0.1)]));
+        assert_eq!(m, "step_results.results[1].rank: rank 1 given twice");
     }
 }

@@ -12,7 +12,7 @@ use tonic::{Request, Response, Status, Streaming};
 use tracing::{debug, warn};
 
 use super::{convert, Shared};
-use crate::core::{Event, Registration};
+use crate::core::{Event, RankResult, Registration};
 
 pub struct WorkerServiceImpl {
     shared: Arc<Shared>,
@@ -69,6 +69,26 @@ impl InboundDelay {
     }
 }
 
+/// A `StepResult` as its rank and the core's result.
+fn rank_result(r: wire::StepResult) -> Result<(u32, RankResult), Status> {
+    let sums = r
+        .sums
+        .ok_or_else(|| Status::invalid_argument("step_result.sums: missing"))?;
+    Ok((
+        r.rank,
+        RankResult {
+            sums: convert::metric_sums(sums),
+            logps: r
+                .logps
+                .into_iter()
+                .enumerate()
+                .map(|(i, l)| convert::seq_logp(i, l))
+                .collect::<Result<_, _>>()?,
+            nonfinite: r.nonfinite_microbatches,
+        },
+    ))
+}
+
 /// A worker message as a state-machine event (None: nothing to do).
 fn event_of(worker: &str, msg: Msg, delay: &mut InboundDelay) -> Result<Option<Event>, Status> {
     super::validate::session_message(&msg)?;
@@ -85,22 +105,29 @@ fn event_of(worker: &str, msg: Msg, delay: &mut InboundDelay) -> Result<Option<E
             generation: r.generation,
             step: r.step,
         },
-        Msg::StepResult(r) => Event::StepResult {
+        Msg::StepResult(r) => {
+            let (job, generation, step) = (r.job_id.clone(), r.generation, r.step);
+            let (_, result) = rank_result(r)?;
+            Event::StepResult {
+                worker,
+                job,
+                generation,
+                step,
+                sums: result.sums,
+                logps: result.logps,
+                nonfinite: result.nonfinite,
+            }
+        }
+        Msg::StepResults(b) => Event::StepResults {
             worker,
-            job: r.job_id,
-            generation: r.generation,
-            step: r.step,
-            sums: convert::metric_sums(
-                r.sums
-                    .ok_or_else(|| Status::invalid_argument("step_result.sums: missing"))?,
-            ),
-            logps: r
-                .logps
+            job: b.job_id,
+            generation: b.generation,
+            step: b.step,
+            results: b
+                .results
                 .into_iter()
-                .enumerate()
-                .map(|(i, l)| convert::seq_logp(i, l))
+                .map(rank_result)
                 .collect::<Result<_, _>>()?,
-            nonfinite: r.nonfinite_microbatches,
         },
         Msg::Error(e) => Event::WorkerError {
             worker,
