@@ -16,6 +16,7 @@
 //!
 //! Printing code, not domain logic.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -54,6 +55,9 @@ pub struct ControlBenchOpts {
     /// leaves and comes back each time), for the memory growth per
     /// generation and the re-formation time.
     pub reforms: u64,
+    /// The fakes send one result each per step (as workers did before
+    /// gathering) instead of rank 0 sending them all.
+    pub per_rank_results: bool,
     /// Scratch directory (dataset, state, outputs).
     pub work: PathBuf,
 }
@@ -84,6 +88,11 @@ pub struct ControlRow {
     pub formation_locked_ms: f64,
     pub configure_bytes_per_worker: f64,
     pub plan_bytes_per_worker_per_step: f64,
+    /// Result messages the coordinator received per measured step: 1 when
+    /// rank 0 sends every rank's result gathered, W when each rank sends
+    /// its own (`--per-rank-results`).
+    #[serde(default)]
+    pub result_messages_per_step: f64,
     /// Resident memory of the process at the end (fakes included).
     pub rss_bytes: u64,
     /// Growth of the state store's file per measured step (redb grows
@@ -120,6 +129,8 @@ struct Tally {
     configure_bytes: AtomicU64,
     plan_bytes: AtomicU64,
     plans: AtomicU64,
+    /// Result messages sent (StepResult or StepResults).
+    results: AtomicU64,
     lost: AtomicU64,
     max_generation: AtomicU64,
     /// Sessions a fake ended on purpose (a re-formation), not losses.
@@ -128,6 +139,71 @@ struct Tally {
     max_beat_gap_ms: AtomicU64,
     /// Why the first lost fake's session ended, as it saw it.
     first_loss: std::sync::Mutex<Option<String>>,
+}
+
+/// The fakes' stand-in for the workers' collective (`Configure.
+/// gather_results`): each train result is deposited here, and the fake that
+/// completes a step's set sends them all through rank 0's session, as rank
+/// 0 does after the all-gather.
+#[derive(Default)]
+struct Gathering {
+    inner: std::sync::Mutex<GatherState>,
+}
+
+#[derive(Default)]
+struct GatherState {
+    /// Rank 0's session of each live generation.
+    rank0: HashMap<u64, tokio::sync::mpsc::Sender<wire::WorkerMessage>>,
+    /// Results deposited so far, by (generation, step).
+    pending: HashMap<(u64, u64), Vec<wire::StepResult>>,
+}
+
+impl Gathering {
+    /// A fake was configured as `rank` of `generation`: rank 0's session
+    /// is where the generation's results go; older generations' are gone.
+    fn configured(
+        &self,
+        generation: u64,
+        rank: u32,
+        session: &tokio::sync::mpsc::Sender<wire::WorkerMessage>,
+    ) {
+        if rank != 0 {
+            return;
+        }
+        let mut g = self.inner.lock().expect("poisoned");
+        g.rank0.retain(|&gen, _| gen >= generation);
+        g.pending.retain(|&(gen, _), _| gen >= generation);
+        g.rank0.insert(generation, session.clone());
+    }
+
+    /// Deposits `r`: rank 0's session and the whole set when `r`
+    /// completes its step's `world` results.
+    fn deposit(
+        &self,
+        r: wire::StepResult,
+        world: u32,
+    ) -> Option<(
+        tokio::sync::mpsc::Sender<wire::WorkerMessage>,
+        wire::StepResults,
+    )> {
+        let mut g = self.inner.lock().expect("poisoned");
+        let key = (r.generation, r.step);
+        let set = g.pending.entry(key).or_default();
+        set.push(r);
+        if set.len() < world as usize {
+            return None;
+        }
+        let mut results = g.pending.remove(&key).unwrap_or_default();
+        results.sort_by_key(|r| r.rank);
+        let first = &results[0];
+        let batch = wire::StepResults {
+            job_id: first.job_id.clone(),
+            generation: first.generation,
+            step: first.step,
+            results,
+        };
+        Some((g.rank0.get(&key.0)?.clone(), batch))
+    }
 }
 
 /// Runs one measurement: its own two runtimes, torn down at the end.
@@ -204,6 +280,7 @@ async fn drive(
         .await
         .context("submitting the bench job")?;
     let tally = Arc::new(Tally::default());
+    let gathering = Arc::new(Gathering::default());
     let (step_tx, mut step_rx) = watch::channel(0u64);
     let step_tx = Arc::new(step_tx);
     // Fake 0 ends its session and comes back each time this moves.
@@ -217,6 +294,8 @@ async fn drive(
             url: url.to_string(),
             index: i,
             tally: tally.clone(),
+            gathering: gathering.clone(),
+            per_rank_results: opts.per_rank_results,
             step_tx: step_tx.clone(),
             connecting: connecting.clone(),
             session_tx: session_tx.clone(),
@@ -260,7 +339,9 @@ async fn drive(
     let start = Sample::take(shared, state);
     let plan_bytes_0 = tally.plan_bytes.load(Ordering::Relaxed);
     let plans_0 = tally.plans.load(Ordering::Relaxed);
+    let results_0 = tally.results.load(Ordering::Relaxed);
     at(&mut step_rx, total_steps).await?;
+    let results = tally.results.load(Ordering::Relaxed) - results_0;
     let end = Sample::take(shared, state);
     let plan_bytes = tally.plan_bytes.load(Ordering::Relaxed) - plan_bytes_0;
     let plans = tally.plans.load(Ordering::Relaxed) - plans_0;
@@ -332,6 +413,7 @@ async fn drive(
         formation_locked_ms: ms(formation_locked),
         configure_bytes_per_worker: configure_bytes as f64 / w as f64,
         plan_bytes_per_worker_per_step: plan_bytes as f64 / plans.max(1) as f64,
+        result_messages_per_step: results as f64 / steps,
         rss_bytes,
         store_bytes_per_step: (end.store_bytes as f64 - start.store_bytes as f64) / steps,
         step_record_bytes: (end.steps_bytes - start.steps_bytes) as f64 / steps,
@@ -467,6 +549,9 @@ struct Fake {
     url: String,
     index: usize,
     tally: Arc<Tally>,
+    gathering: Arc<Gathering>,
+    /// Ignores `Configure.gather_results` (`--per-rank-results`).
+    per_rank_results: bool,
     step_tx: Arc<watch::Sender<u64>>,
     connecting: Arc<Semaphore>,
     session_tx: tokio::sync::mpsc::UnboundedSender<()>,
@@ -553,6 +638,8 @@ impl Fake {
             }
         };
         tokio::pin!(bounced);
+        // The generation's world size when its train results are gathered.
+        let mut gather: Option<u32> = None;
         let ended = loop {
             let next = tokio::select! {
                 m = inbound.message() => m,
@@ -581,6 +668,8 @@ impl Fake {
                     self.tally
                         .max_generation
                         .fetch_max(c.generation, Ordering::Relaxed);
+                    gather = (c.gather_results && !self.per_rank_results).then_some(c.world_size);
+                    self.gathering.configured(c.generation, c.rank, &tx);
                     Out::Ready(wire::Ready {
                         job_id: c.job_id,
                         generation: c.generation,
@@ -593,7 +682,7 @@ impl Fake {
                     if p.rank == 0 {
                         self.step_tx.send_replace(p.step);
                     }
-                    Out::StepResult(wire::StepResult {
+                    let result = wire::StepResult {
                         sums: Some(counted(&p)),
                         job_id: p.job_id,
                         generation: p.generation,
@@ -601,7 +690,22 @@ impl Fake {
                         rank: p.rank,
                         logps: Vec::new(),
                         nonfinite_microbatches: Vec::new(),
-                    })
+                    };
+                    match gather.filter(|&w| w > 1 && p.kind == wire::PlanKind::Train as i32) {
+                        None => {
+                            self.tally.results.fetch_add(1, Ordering::Relaxed);
+                            Out::StepResult(result)
+                        }
+                        Some(world) => {
+                            let Some((rank0, batch)) = self.gathering.deposit(result, world) else {
+                                continue;
+                            };
+                            self.tally.results.fetch_add(1, Ordering::Relaxed);
+                            // Rank 0's session may have ended (a bounce).
+                            let _ = rank0.send(msg(Out::StepResults(batch))).await;
+                            continue;
+                        }
+                    }
                 }
                 Some(In::CheckpointRequest(c)) => Out::CheckpointDone(wire::CheckpointDone {
                     job_id: c.job_id,
@@ -656,26 +760,37 @@ mod tests {
     /// new generation that trains.
     #[test]
     fn a_small_swarm_trains_and_re_forms_its_generation() {
-        let dir = tempfile::tempdir().unwrap();
-        let opts = ControlBenchOpts {
-            workers: 4,
-            docs: 2_000,
-            docs_per_worker: 4,
-            steps: 3,
-            warmup: 1,
-            reforms: 2,
-            work: dir.path().to_path_buf(),
-        };
-        let row = control_plane(&opts).unwrap();
-        assert_eq!(row.workers_lost, 0, "{row:?}");
-        assert_eq!(
-            row.generations, 3,
-            "one, then one per re-formation: {row:?}"
-        );
-        assert_eq!(row.docs_per_step, 16);
-        assert!(row.plan_ms_per_step > 0.0, "{row:?}");
-        assert!(row.reform_ms > 0.0, "{row:?}");
-        assert!(row.plan_bytes_per_worker_per_step > 0.0, "{row:?}");
-        assert!(row.step_record_bytes > 0.0, "{row:?}");
+        for per_rank_results in [false, true] {
+            let dir = tempfile::tempdir().unwrap();
+            let opts = ControlBenchOpts {
+                workers: 4,
+                docs: 2_000,
+                docs_per_worker: 4,
+                steps: 3,
+                warmup: 1,
+                reforms: 2,
+                per_rank_results,
+                work: dir.path().to_path_buf(),
+            };
+            let row = control_plane(&opts).unwrap();
+            assert_eq!(row.workers_lost, 0, "{row:?}");
+            assert_eq!(
+                row.generations, 3,
+                "one, then one per re-formation: {row:?}"
+            );
+            assert_eq!(row.docs_per_step, 16);
+            assert!(row.plan_ms_per_step > 0.0, "{row:?}");
+            assert!(row.reform_ms > 0.0, "{row:?}");
+            assert!(row.plan_bytes_per_worker_per_step > 0.0, "{row:?}");
+            assert!(row.step_record_bytes > 0.0, "{row:?}");
+            // One step's results arrive per step: all four gathered in one
+            // message, or one message per rank (the window's edges may
+            // catch a step's messages early or late: at most one step's).
+            let per_step = row.result_messages_per_step;
+            match per_rank_results {
+                true => assert!((2.5..=6.0).contains(&per_step), "{row:?}"),
+                false => assert!((0.5..1.5).contains(&per_step), "{row:?}"),
+            }
+        }
     }
 }

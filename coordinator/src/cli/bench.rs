@@ -374,6 +374,7 @@ pub fn control_plane(args: &super::ControlPlaneArgs) -> anyhow::Result<ExitCode>
             steps: args.steps,
             warmup: args.warmup,
             reforms: args.reforms,
+            per_rank_results: args.per_rank_results,
             work: work.join(format!("docs-{docs}")),
         };
         // Its own runtimes, off the CLI's (a runtime cannot start in one).
@@ -400,6 +401,8 @@ pub fn control_plane(args: &super::ControlPlaneArgs) -> anyhow::Result<ExitCode>
                 .arg(format!("--docs-per-worker={}", args.docs_per_worker))
                 .arg(format!("--steps={}", args.steps))
                 .arg(format!("--warmup={}", args.warmup))
+                .arg(format!("--reforms={}", args.reforms))
+                .args(args.per_rank_results.then_some("--per-rank-results"))
                 .arg("--work")
                 .arg(&work)
                 .stderr(std::process::Stdio::inherit())
@@ -440,6 +443,7 @@ fn control_table(rows: &[crate::bench::control::ControlRow]) -> String {
                 format!("{:.1}", r.formation_locked_ms),
                 format!("{:.0}", r.configure_bytes_per_worker),
                 format!("{:.0}", r.plan_bytes_per_worker_per_step),
+                format!("{:.1}", r.result_messages_per_step),
                 format!("{:.0}", r.rss_bytes as f64 / 1048576.0),
                 format!("{:.0}", r.store_bytes_per_step),
                 format!("{:.0}", r.step_record_bytes),
@@ -464,6 +468,7 @@ fn control_table(rows: &[crate::bench::control::ControlRow]) -> String {
             "FORM_LOCK_MS",
             "CONF_B/W",
             "PLAN_B/W",
+            "RESULT_MSGS/STEP",
             "RSS_MB",
             "STORE_B/STEP",
             "RECORD_B/STEP",

@@ -518,6 +518,10 @@ pub struct ControlPlaneArgs {
     /// comes back): re-formation time and memory growth per generation.
     #[arg(long, value_name = "N", default_value_t = 3)]
     pub reforms: u64,
+    /// The fake workers send one result each per step, as workers did
+    /// before results were gathered on rank 0 (the comparison row).
+    #[arg(long)]
+    pub per_rank_results: bool,
     /// Scratch directory (default: a temporary one).
     #[arg(long, value_name = "DIR")]
     pub work: Option<PathBuf>,

@@ -15,6 +15,7 @@
 //! Shard layout for reduce-scatter / all-gather is [`shard_range`]: the
 //! first `len % world` ranks hold one element more, so any length works.
 
+pub mod bytes;
 pub mod join;
 pub mod local;
 #[cfg(feature = "cuda")]

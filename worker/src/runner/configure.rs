@@ -144,6 +144,7 @@ impl Thread {
         h.generation = c.generation;
         h.rank = c.rank;
         h.world_size = c.world_size;
+        h.gather_results = c.gather_results;
         h.step = c.step;
         h.exec.zero_grad();
         let held = h.held_state();
@@ -377,6 +378,7 @@ impl Thread {
             generation: c.generation,
             rank: c.rank,
             world_size: c.world_size,
+            gather_results: c.gather_results,
             step: c.step,
             name: cfg.name.clone(),
             exec,

@@ -715,3 +715,198 @@ fn a_probe_fails_on_anything_but_a_non_finite_value() {
         None
     );
 }
+
+/// Sums like [`Fake`]'s, over the collective the generation gives it (for
+/// the gathered results).
+struct Ringed {
+    coll: Option<Box<dyn Collective>>,
+    solo: Solo,
+}
+
+impl Engine for Ringed {
+    fn train_microbatch(
+        &mut self,
+        _: usize,
+        mb: &PackedBatch,
+        _: &MicrobatchMeta,
+        _: &StepNorms,
+    ) -> anyhow::Result<MicrobatchOutcome> {
+        let loss_tokens = mb.labels.iter().filter(|&&l| l != -100).count() as u64;
+        Ok(MicrobatchOutcome {
+            loss_sum: 2.0 * loss_tokens as f64,
+            loss_tokens,
+            tokens: mb.labels.len() as u64,
+            ..Default::default()
+        })
+    }
+    fn optimizer_step(&mut self, _: f64) -> anyhow::Result<StepStats> {
+        Ok(StepStats { grad_norm: 0.5 })
+    }
+    fn zero_grad(&mut self) {}
+    fn grads_finite(&self) -> bool {
+        true
+    }
+    fn checkpoint_snapshot(&mut self) -> anyhow::Result<CheckpointWrite> {
+        Ok(Box::new(|_: &Path| Ok(Vec::new())))
+    }
+    fn set_collective(&mut self, coll: Box<dyn Collective>) -> anyhow::Result<()> {
+        self.coll = Some(coll);
+        Ok(())
+    }
+    fn group(&mut self) -> &mut dyn Collective {
+        match &mut self.coll {
+            Some(c) => c.as_mut(),
+            None => &mut self.solo,
+        }
+    }
+}
+
+/// Two runners on a real TCP ring, configured with `gather_results`;
+/// their answers arrive on the returned receiver.
+fn gathering_pair() -> (
+    [Runner; 2],
+    tokio::sync::mpsc::UnboundedReceiver<wire::WorkerMessage>,
+) {
+    let factory: Factory = Arc::new(|_, _, coll| {
+        Ok(Box::new(Ringed {
+            coll: Some(coll),
+            solo: Solo,
+        }) as Box<dyn Engine>)
+    });
+    let listeners: Vec<TcpListener> = (0..2)
+        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    let addrs: Vec<String> = listeners
+        .iter()
+        .map(|l| l.local_addr().unwrap().to_string())
+        .collect();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let runners: Vec<Runner> = listeners
+        .into_iter()
+        .map(|l| {
+            Runner::start(
+                RunnerConfig {
+                    factory: factory.clone(),
+                    connector: default_connector(tch::Device::Cpu),
+                    listener: Some(l),
+                    device: tch::Device::Cpu,
+                },
+                tx.clone(),
+            )
+        })
+        .collect();
+    let runners: [Runner; 2] = runners.try_into().unwrap_or_else(|_| panic!("two runners"));
+    for (rank, r) in runners.iter().enumerate() {
+        let next = (rank + 1) % 2;
+        r.submit(Work::Configure(Box::new(wire::Configure {
+            job_id: "j".into(),
+            generation: 1,
+            world_size: 2,
+            rank: rank as u32,
+            next: Some(wire::Peer {
+                rank: next as u32,
+                worker_id: format!("w{next}"),
+                collective_addr: addrs[next].clone(),
+                prior: None,
+            }),
+            job: Some(crate::convert::testing::definition()),
+            gather_results: true,
+            ..Default::default()
+        })));
+    }
+    for _ in 0..2 {
+        assert!(matches!(msg(&mut rx), Msg::Ready(_)));
+    }
+    (runners, rx)
+}
+
+/// Waits until `r` has no work queued or running (at most `limit`).
+fn idle_within(r: &Runner, limit: Duration) -> bool {
+    let start = std::time::Instant::now();
+    while r.pending() > 0 {
+        if start.elapsed() > limit {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    true
+}
+
+#[test]
+fn gathered_train_results_come_once_from_rank_0_with_every_ranks_own_sums() {
+    let (runners, mut rx) = gathering_pair();
+    let plans = [
+        plan(1, vec![mb(&[("a:1", 4), ("a:2", 3)])]),
+        wire::StepPlan {
+            rank: 1,
+            ..plan(1, vec![mb(&[("a:3", 6)]), mb(&[])])
+        },
+    ];
+    // What each rank reports when it sends its own result.
+    let own: Vec<wire::MetricSums> = plans
+        .iter()
+        .map(|p| {
+            let mut e = Ringed {
+                coll: None,
+                solo: Solo,
+            };
+            match run_step(&mut e, p, 0.0, &|| false) {
+                StepOutcome::Done(s) => s,
+                other => panic!("{other:?}"),
+            }
+        })
+        .collect();
+    for (r, p) in runners.iter().zip(&plans) {
+        r.submit(Work::Plan(Box::new(p.clone())));
+    }
+    let Msg::StepResults(b) = msg(&mut rx) else {
+        panic!("expected the gathered results");
+    };
+    assert_eq!((b.job_id.as_str(), b.generation, b.step), ("j", 1, 1));
+    assert_eq!(b.results.iter().map(|r| r.rank).collect::<Vec<_>>(), [0, 1]);
+    for (got, want) in b.results.iter().zip(&own) {
+        let got = got.sums.as_ref().unwrap();
+        // Timings differ run to run; every count and sum is the rank's own.
+        let counts = |s: &wire::MetricSums| {
+            (
+                s.loss_sum,
+                s.loss_tokens,
+                s.tokens,
+                s.documents,
+                s.microbatches,
+                s.grad_norm,
+            )
+        };
+        assert_eq!(counts(got), counts(want));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(rx.try_recv().is_err(), "rank 1 sends nothing of its own");
+    for r in runners {
+        r.shutdown();
+    }
+}
+
+#[test]
+fn an_abort_interrupts_a_gather_waiting_on_a_rank_that_never_ran_the_step() {
+    let (runners, mut rx) = gathering_pair();
+    // Only rank 0 gets the step: it trains, then waits in the gather.
+    runners[0].submit(Work::Plan(Box::new(plan(1, vec![mb(&[("a:1", 4)])]))));
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        rx.try_recv().is_err(),
+        "nothing is sent before every rank's result is in"
+    );
+    runners[0].submit(Work::Abort(wire::Abort {
+        job_id: "j".into(),
+        generation: 1,
+        step: 1,
+        ..Default::default()
+    }));
+    // The gather ends at once and the step counts as aborted: no result,
+    // no error (a configure of the next generation would be taken next).
+    assert!(idle_within(&runners[0], Duration::from_secs(5)));
+    assert!(rx.try_recv().is_err(), "an aborted gather reports nothing");
+    for r in runners {
+        r.shutdown();
+    }
+}

@@ -61,6 +61,9 @@ pub(super) struct Held {
     pub(super) generation: u64,
     pub(super) rank: u32,
     pub(super) world_size: u32,
+    /// Train-step results go to rank 0 over the collective, which sends
+    /// them all (`Configure.gather_results`).
+    pub(super) gather_results: bool,
     /// Last step whose update the engine holds.
     pub(super) step: u64,
     pub(super) name: String,
@@ -195,15 +198,9 @@ impl Thread {
 
     /// Sends plan `p`'s result.
     fn result(&self, p: &wire::StepPlan, sums: wire::MetricSums, logps: Vec<wire::SequenceLogp>) {
-        self.send(Msg::StepResult(wire::StepResult {
-            job_id: p.job_id.clone(),
-            generation: p.generation,
-            step: p.step,
-            rank: p.rank,
-            sums: Some(sums),
-            logps,
-            nonfinite_microbatches: Vec::new(),
-        }));
+        let mut r = result_of(p, sums);
+        r.logps = logps;
+        self.send(Msg::StepResult(r));
     }
 
     /// Runs probe plan `p` (the coordinator bisecting a non-finite step)
@@ -309,9 +306,8 @@ impl Thread {
         let idle_s = self.last_done.elapsed().as_secs_f64();
         let outcome = guarded(p, || Ok(run_step(h.exec.as_mut(), p, idle_s, &is_aborted)))
             .unwrap_or_else(StepOutcome::Failed);
-        lock(&self.in_flight).running = None;
         self.last_done = Instant::now();
-        match outcome {
+        let outcome = match outcome {
             StepOutcome::Done(sums) => {
                 h.step = p.step;
                 self.progress.step.store(p.step, Ordering::Relaxed);
@@ -321,19 +317,114 @@ impl Thread {
                     loss = sums.loss_sum / sums.loss_tokens.max(1) as f64,
                     "step done"
                 );
-                self.result(p, sums, Vec::new());
+                let mine = result_of(p, sums);
+                if h.gather_results && h.world_size > 1 {
+                    // Still `running`: an abort interrupts the gather too.
+                    let gathered = guarded(p, || gather(h.exec.group(), p, mine, &is_aborted));
+                    match gathered {
+                        Ok(Some(all)) if p.rank == 0 => Gathered::All(all),
+                        Ok(Some(_)) => Gathered::Sent,
+                        Ok(None) => Gathered::AbortedGathering,
+                        Err(e) => Gathered::Failed(e),
+                    }
+                } else {
+                    Gathered::Own(Box::new(mine))
+                }
             }
-            StepOutcome::Failed(e) => {
+            StepOutcome::Failed(e) => Gathered::Failed(e),
+            StepOutcome::Aborted => Gathered::Aborted,
+        };
+        lock(&self.in_flight).running = None;
+        match outcome {
+            Gathered::Own(r) => self.send(Msg::StepResult(*r)),
+            Gathered::All(results) => self.send(Msg::StepResults(wire::StepResults {
+                job_id: p.job_id.clone(),
+                generation: p.generation,
+                step: p.step,
+                results,
+            })),
+            Gathered::Sent => {}
+            Gathered::AbortedGathering => info!(
+                step = p.step,
+                "step aborted while its results were gathered: its update is applied and held"
+            ),
+            Gathered::Failed(e) => {
                 warn!(step = p.step, message = %e.message, "step failed");
                 self.send(Msg::Error(e));
             }
-            StepOutcome::Aborted => info!(
+            Gathered::Aborted => info!(
                 step = p.step,
                 replay = p.replay,
                 "step aborted mid-way: gradients dropped, parameters untouched"
             ),
         }
     }
+}
+
+/// This rank's result of plan `p`.
+fn result_of(p: &wire::StepPlan, sums: wire::MetricSums) -> wire::StepResult {
+    wire::StepResult {
+        job_id: p.job_id.clone(),
+        generation: p.generation,
+        step: p.step,
+        rank: p.rank,
+        sums: Some(sums),
+        logps: Vec::new(),
+        nonfinite_microbatches: Vec::new(),
+    }
+}
+
+/// Where a train step's answer goes.
+enum Gathered {
+    /// This rank sends its own result (not gathering, or world size 1).
+    Own(Box<wire::StepResult>),
+    /// Rank 0 gathered every rank's result: it sends them all.
+    All(Vec<wire::StepResult>),
+    /// Gathered by rank 0, which sends it: nothing to send here.
+    Sent,
+    Failed(wire::WorkerError),
+    Aborted,
+    /// Aborted after the update, while the results were gathered.
+    AbortedGathering,
+}
+
+/// Gathers every rank's result of train plan `p` over the generation's
+/// collective (after the update, so rank 0 holds them only once every rank
+/// has applied it): Some(all, in rank order) on success, None when the
+/// step was aborted meanwhile. A failed gather fails the step as a failed
+/// collective does (its kind and blamed peer kept).
+fn gather(
+    coll: &mut dyn Collective,
+    p: &wire::StepPlan,
+    mine: wire::StepResult,
+    aborted: &dyn Fn() -> bool,
+) -> Result<Option<Vec<wire::StepResult>>, wire::WorkerError> {
+    use prost::Message;
+    let fail = |e: anyhow::Error| {
+        let (kind, peer_rank) = crate::error::classify(&e);
+        wire::WorkerError {
+            job_id: p.job_id.clone(),
+            generation: p.generation,
+            step: p.step,
+            kind: kind as i32,
+            message: format!("step {}, gathering the results: {e:#}", p.step),
+            peer_rank,
+        }
+    };
+    let all = match crate::collective::bytes::all_gather_bytes(coll, &mine.encode_to_vec()) {
+        Ok(all) => all,
+        Err(_) if aborted() => return Ok(None),
+        Err(e) => return Err(fail(e.into())),
+    };
+    let results = all
+        .iter()
+        .enumerate()
+        .map(|(r, b)| {
+            wire::StepResult::decode(b.as_slice())
+                .map_err(|e| fail(anyhow::anyhow!("rank {r}'s result does not decode: {e}")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Some(results))
 }
 
 /// Runs `f` for plan `p`, turning a panic (libtorch panics on a C++

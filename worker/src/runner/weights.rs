@@ -120,6 +120,8 @@ impl Thread {
             generation: c.generation,
             rank: c.rank,
             world_size: c.world_size,
+            // A generator runs no train steps.
+            gather_results: false,
             step: c.step,
             name: cfg.name.clone(),
             exec: Box::new(generator),
