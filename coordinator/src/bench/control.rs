@@ -152,8 +152,9 @@ struct Gathering {
 
 #[derive(Default)]
 struct GatherState {
-    /// Rank 0's session of each live generation.
-    rank0: HashMap<u64, tokio::sync::mpsc::Sender<wire::WorkerMessage>>,
+    /// Rank 0's session of each live generation (weak: a session that
+    /// ended must close, not be held open by this table).
+    rank0: HashMap<u64, tokio::sync::mpsc::WeakSender<wire::WorkerMessage>>,
     /// Results deposited so far, by (generation, step).
     pending: HashMap<(u64, u64), Vec<wire::StepResult>>,
 }
@@ -173,7 +174,7 @@ impl Gathering {
         let mut g = self.inner.lock().expect("poisoned");
         g.rank0.retain(|&gen, _| gen >= generation);
         g.pending.retain(|&(gen, _), _| gen >= generation);
-        g.rank0.insert(generation, session.clone());
+        g.rank0.insert(generation, session.downgrade());
     }
 
     /// Deposits `r`: rank 0's session and the whole set when `r`
@@ -202,7 +203,7 @@ impl Gathering {
             step: first.step,
             results,
         };
-        Some((g.rank0.get(&key.0)?.clone(), batch))
+        Some((g.rank0.get(&key.0)?.upgrade()?, batch))
     }
 }
 
