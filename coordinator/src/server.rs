@@ -358,7 +358,9 @@ fn restore_event(mut rec: JobRecord, store: &Store) -> anyhow::Result<Event> {
     let history = if rec.state.is_terminal() {
         Vec::new()
     } else {
-        crate::store::committed_steps(store, &rec.id, rec.history_from + 1)?
+        // Only the newest steps: a replay reaching older ones reads them
+        // then (`Effect::LoadHistory`).
+        crate::store::committed_steps(store, &rec.id, crate::core::Job::history_window_start(&rec))?
     };
     Ok(Event::RestoreJob {
         rec: Box::new(rec),

@@ -97,6 +97,8 @@ pub const HOT_STEPS: u64 = 64;
 /// redb's page cache: a bound on the store's resident memory.
 const CACHE_BYTES: usize = 64 << 20;
 
+/// A handle to the state store (clones share the database).
+#[derive(Clone)]
 pub struct Store {
     db: Arc<Database>,
     /// `state_dir/cold`: step records moved out of redb.
@@ -221,7 +223,7 @@ impl Store {
     }
 
     /// `job`'s cold files whose last step is ≥ `from`, in step order.
-    fn cold_files(&self, job: &str, from: u64) -> Result<Vec<PathBuf>> {
+    fn cold_files(&self, job: &str, from: u64, to: u64) -> Result<Vec<PathBuf>> {
         let dir = self.cold_dir(job);
         let entries = match std::fs::read_dir(&dir) {
             Ok(e) => e,
@@ -240,7 +242,7 @@ impl Store {
                 .and_then(|n| n.split_once('-'))
                 .and_then(|(a, b)| Some((a.parse::<u64>().ok()?, b.parse::<u64>().ok()?)));
             // Anything else (a half-written `.tmp`) is not a cold file.
-            if let Some((first, _)) = span.filter(|&(_, last)| last >= from) {
+            if let Some((first, _)) = span.filter(|&(first, last)| last >= from && first <= to) {
                 files.push((first, path));
             }
         }
@@ -376,7 +378,7 @@ impl Store {
 
     fn cold_bytes(&self, job: &str) -> Result<u64> {
         let mut total = 0;
-        for f in self.cold_files(job, 0)? {
+        for f in self.cold_files(job, 0, u64::MAX)? {
             total += std::fs::metadata(&f)
                 .map_err(|e| StoreError::Db(format!("{}: {e}", f.display())))?
                 .len();
@@ -387,21 +389,27 @@ impl Store {
     /// Step records of `job` with step ≥ `from`, in step order: the cold
     /// files', then redb's.
     pub fn steps(&self, job: &str, from: u64) -> Result<Vec<StepRecord>> {
+        self.steps_between(job, from, u64::MAX)
+    }
+
+    /// `job`'s step records `from..=to`, in step order (redb and cold
+    /// files; only the cold files that overlap are read).
+    pub fn steps_between(&self, job: &str, from: u64, to: u64) -> Result<Vec<StepRecord>> {
         let mut out = BTreeMap::new();
         // redb's snapshot before the listing: a record a concurrent
         // [`Cooling`] deletes after the snapshot was renamed into a cold
         // file before it, so the listing holds it.
         let tx = self.db.begin_read()?;
-        for f in self.cold_files(job, from)? {
+        for f in self.cold_files(job, from, to)? {
             for (step, bytes) in read_cold(&f)? {
-                if step >= from {
+                if (from..=to).contains(&step) {
                     let key = format!("{}#{step}", f.display());
                     out.insert(step, step_record(&key, &bytes)?);
                 }
             }
         }
         let table = tx.open_table(STEPS)?;
-        for row in table.range((job, from)..=(job, u64::MAX))? {
+        for row in table.range((job, from)..=(job, to))? {
             let (k, v) = row?;
             let (_, step) = k.value();
             out.insert(step, step_record(&format!("{job}/{step}"), v.value())?);
@@ -450,8 +458,19 @@ impl Cooling {
 /// What replaying `job`'s committed steps from `from` on needs (their
 /// manifests and learning rates), read from the step records.
 pub fn committed_steps(store: &Store, job: &str, from: u64) -> Result<Vec<CommittedStep>> {
+    committed_steps_between(store, job, from, u64::MAX)
+}
+
+/// The same for steps `from..=to` only (a replay loading back the part of
+/// its history the coordinator no longer holds in memory).
+pub fn committed_steps_between(
+    store: &Store,
+    job: &str,
+    from: u64,
+    to: u64,
+) -> Result<Vec<CommittedStep>> {
     Ok(store
-        .steps(job, from)?
+        .steps_between(job, from, to)?
         .into_iter()
         .map(|r| CommittedStep {
             step: r.metrics.step,
@@ -951,6 +970,20 @@ mod tests {
             (100..=last).collect::<Vec<_>>()
         );
         assert_eq!(replay[0].docs.to_vec(), docs(100));
+        // A replay loading part of its history back reads just that range,
+        // across a cold file's edge and into redb.
+        for (from, to) in [
+            (5, 9),
+            (HOT_STEPS - 2, HOT_STEPS + 3),
+            (last - 3, last + 10),
+        ] {
+            let part = committed_steps_between(&s, &a.id, from, to).unwrap();
+            assert_eq!(
+                part.iter().map(|c| c.step).collect::<Vec<_>>(),
+                (from..=to.min(last)).collect::<Vec<_>>()
+            );
+            assert_eq!(part[0].docs.to_vec(), docs(from));
+        }
         // A record in both places (a crash between the cold file's rename
         // and redb's delete) is read once.
         s.commit_step(&a, &record(3)).unwrap();

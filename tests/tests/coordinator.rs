@@ -195,6 +195,48 @@ async fn restarted_coordinator_lists_the_same_jobs_and_cursors() {
     assert_eq!(replayed, first, "a replay trains the committed documents");
 }
 
+/// A job that never checkpoints keeps only its newest steps' documents in
+/// memory (issue 19, bounded state): after a restart a fresh worker
+/// restores from init and replays every committed step, the oldest read
+/// back from the store as the replay reaches them, each with the documents
+/// it was trained on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_longer_than_the_history_kept_in_memory_trains_every_step_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let spec = write_job(dir.path(), "long", "steps = 120");
+    let text = std::fs::read_to_string(&spec).unwrap();
+    std::fs::write(&spec, text.replace("every_steps = 2", "every_steps = 0")).unwrap();
+    let coord = Coordinator::start(&state);
+    let out = accrue(&coord.url, &["submit", spec.to_str().unwrap()], dir.path());
+    assert!(out.status.success(), "{}", stderr(&out));
+    let committed = 80u64;
+    let report = fake_worker(coord.url.clone(), Some(committed as usize))
+        .await
+        .unwrap();
+    assert_eq!(report.steps, (1..=committed).collect::<Vec<_>>());
+    wait_for_jobs(&coord.url, dir.path(), 20, |v| v[0]["step"] == committed);
+    coord.kill();
+    let again = Coordinator::start(&state);
+    let report2 = fake_worker(again.url.clone(), Some(committed as usize + 2))
+        .await
+        .unwrap();
+    assert_eq!(report2.replayed, (1..=committed).collect::<Vec<_>>());
+    assert_eq!(report2.steps.last(), Some(&(committed + 2)));
+    let docs_of = |r: &FakeReport, step: u64| -> Vec<String> {
+        r.docs
+            .iter()
+            .filter(|(s, _)| *s == step)
+            .map(|(_, d)| d.clone())
+            .collect()
+    };
+    for step in 1..=committed {
+        let (first, again) = (docs_of(&report, step), docs_of(&report2, step));
+        assert!(!first.is_empty());
+        assert_eq!(again, first, "step {step} replayed with its own documents");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_clear_errors_and_change_nothing() {
     let dir = tempfile::tempdir().unwrap();

@@ -37,6 +37,13 @@ pub struct RankResult {
 /// Everything that can happen to the coordinator.
 #[derive(Debug, Clone)]
 pub enum Event {
+    /// The answer to [`Effect::LoadHistory`]: the steps read, or why the
+    /// store could not give them.
+    HistoryLoaded {
+        job: JobId,
+        from: u64,
+        steps: std::result::Result<Vec<CommittedStep>, String>,
+    },
     RegisterWorker {
         id: WorkerId,
         reg: Registration,
@@ -327,6 +334,14 @@ pub enum WatchItem {
 /// and publications that depend on them.
 #[derive(Debug, Clone)]
 pub enum Effect {
+    /// A replay needs steps `from..=to` of `job`'s history, which only the
+    /// store holds: read their records (off the state lock) and answer
+    /// with [`Event::HistoryLoaded`].
+    LoadHistory {
+        job: JobId,
+        from: u64,
+        to: u64,
+    },
     PersistJob(Box<super::record::JobRecord>),
     /// The step's record, its metrics and its manifest, in one transaction.
     CommitStep {

@@ -14,8 +14,8 @@ use super::machine::Coordinator;
 use super::membership::{compose, Composition};
 use super::recovery::{self, Source};
 use super::types::{
-    AbortReason, CheckpointEntry, End, EventKind, HeldState, JobState, PlanKind, Role, WeightRing,
-    Why, WorkerId,
+    AbortReason, CheckpointEntry, CommittedStep, End, EventKind, HeldState, JobState, PlanKind,
+    Role, WeightRing, Why, WorkerId,
 };
 use super::workers::WorkerState;
 use crate::spec::Sharding;
@@ -28,10 +28,59 @@ impl Coordinator {
         let active = job.active_mut().expect("replaying within a generation");
         active.gen.step = step;
         active.work = Work::Idle;
+        // What was loaded back from the store for this step is not needed
+        // again unless the replay starts over (then it is loaded again).
+        job.trim_history(Some(step + 1));
         info!(job = job_id, step, "step replayed");
         if !job.replaying() {
             info!(job = job_id, step = job.rec.step, "replay complete");
             self.at_boundary(job_id, now_ms, fx);
+        }
+    }
+
+    /// The shell read steps of `job_id`'s history back from the store (a
+    /// replay reached them, [`Effect::LoadHistory`]): they join the
+    /// in-memory history and dispatch goes on at the next schedule. A store
+    /// that cannot give the step the replay needs fails the job, naming it.
+    pub(super) fn history_loaded(
+        &mut self,
+        job_id: &str,
+        from: u64,
+        steps: std::result::Result<Vec<CommittedStep>, String>,
+        now_ms: i64,
+        fx: &mut Vec<Effect>,
+    ) {
+        let Some(job) = self.jobs.get_mut(job_id) else {
+            return;
+        };
+        if job.data.history_loading != Some(from) {
+            return;
+        }
+        job.data.history_loading = None;
+        job.rec.reason.clear();
+        let failure = match steps {
+            Ok(steps) => {
+                let (lo, hi) = (job.rec.history_from, job.data.history_stored_through);
+                let n = steps.len();
+                for s in steps.into_iter().filter(|s| s.step > lo && s.step <= hi) {
+                    job.data.history.entry(s.step).or_insert(s);
+                }
+                info!(
+                    job = job_id,
+                    from,
+                    steps = n,
+                    "replay history read from the store"
+                );
+                (!job.data.history.contains_key(&from))
+                    .then(|| format!("replaying step {from}: the store holds no record of it"))
+            }
+            Err(e) => Some(format!(
+                "replaying step {from}: reading its record from the store failed: {e}"
+            )),
+        };
+        if let Some(message) = failure {
+            let why = Why::new(AbortReason::JobFailed, message);
+            self.finish(job_id, End::Failed(why), now_ms, fx);
         }
     }
 

@@ -176,6 +176,13 @@ pub struct InFlight {
     pub nonfinite: BTreeMap<u32, Vec<u32>>,
 }
 
+/// Committed steps whose replay history stays in memory; older steps'
+/// documents are read back from the store only if a replay reaches them.
+pub const HISTORY_WINDOW: u64 = 64;
+
+/// Steps of stored history a replay loads back at a time.
+pub const HISTORY_LOAD_STEPS: u64 = 64;
+
 /// What a formed generation is doing.
 #[derive(Debug, Clone)]
 pub enum Work {
@@ -251,8 +258,18 @@ pub struct JobData {
     pub rollout_loop: Option<super::generate::LoopState>,
     /// The loop's rounds scored since the last commit (step metrics).
     pub loop_stats: super::generate::RoundStats,
-    /// Committed steps after `rec.history_from`, for replay.
+    /// Committed steps after `rec.history_from` held in memory for replay:
+    /// the newest [`HISTORY_WINDOW`], and those a replay in progress loaded
+    /// back from the store (issue 19: a job that never checkpoints would
+    /// otherwise hold every step's documents for its whole run).
     pub history: BTreeMap<u64, CommittedStep>,
+    /// Committed steps after `rec.history_from` and at or below this were
+    /// dropped from memory: the store holds their records, and a replay
+    /// loads them back ([`super::effects::Effect::LoadHistory`]).
+    pub history_stored_through: u64,
+    /// The first step of a load of stored history asked of the shell and
+    /// not yet answered.
+    pub history_loading: Option<u64>,
     /// Documents by id (built on the first replay).
     doc_index: OnceLock<HashMap<DocId, usize>>,
     /// The training sources (one for a plain `data.train`).
@@ -361,6 +378,8 @@ impl JobData {
             }),
             loop_stats: Default::default(),
             history: BTreeMap::new(),
+            history_stored_through: 0,
+            history_loading: None,
             doc_index: OnceLock::new(),
             docs,
             sources,
@@ -577,6 +596,25 @@ impl Job {
     pub fn prune_history(&mut self) {
         let h = &mut self.data.history;
         *h = h.split_off(&(self.rec.history_from + 1));
+    }
+
+    /// The first step of the replay history kept in memory: the newest
+    /// [`HISTORY_WINDOW`] committed steps after `rec.history_from` (older
+    /// ones are read back from the store when a replay reaches them).
+    pub fn history_window_start(rec: &JobRecord) -> u64 {
+        rec.history_from
+            .max(rec.step.saturating_sub(HISTORY_WINDOW))
+            + 1
+    }
+
+    /// Drops from memory the replay history below the window (the store
+    /// holds it), except steps from `keep` on (a replay in progress).
+    pub fn trim_history(&mut self, keep: Option<u64>) {
+        let start = Job::history_window_start(&self.rec);
+        let cut = keep.map_or(start, |k| k.min(start));
+        let h = &mut self.data.history;
+        *h = h.split_off(&cut);
+        self.data.history_stored_through = self.data.history_stored_through.max(start - 1);
     }
 
     /// True when the job has trained all it was asked to.

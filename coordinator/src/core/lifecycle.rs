@@ -331,6 +331,7 @@ impl Coordinator {
                 cursor_after: planned.cursor_after.clone(),
             },
         );
+        job.trim_history(None);
         info!(
             job = job_id,
             step = m.step,
@@ -656,6 +657,21 @@ impl Coordinator {
                 }
                 job.rec.reason.clear();
                 planner::plan(job, Source::Stream, world)
+            }
+            Ok(Source::LoadHistory { from, to }) => {
+                // The replay reached steps whose documents only the store
+                // holds: the shell reads them (off the state lock) and
+                // answers with `Event::HistoryLoaded`; dispatch resumes then.
+                if job.data.history_loading.is_none() {
+                    job.data.history_loading = Some(from);
+                    job.rec.reason = format!("replay: reading steps {from}..={to} from the store");
+                    fx.push(Effect::LoadHistory {
+                        job: job_id.to_string(),
+                        from,
+                        to,
+                    });
+                }
+                return;
             }
             Ok(source) => planner::plan(job, source, world),
             Err(e) => Err(e),

@@ -153,6 +153,9 @@ impl Coordinator {
                 };
                 self.on_result(&worker, &job, generation, step, result, now_ms, &mut fx);
             }
+            Event::HistoryLoaded { job, from, steps } => {
+                self.history_loaded(&job, from, steps, now_ms, &mut fx)
+            }
             Event::StepResults {
                 worker,
                 job,
@@ -232,6 +235,9 @@ impl Coordinator {
                 }
                 job.data.history = history.into_iter().map(|h| (h.step, h)).collect();
                 job.prune_history();
+                // The shell loads only the window (`Job::history_window_start`);
+                // the steps before it are in the store.
+                job.trim_history(None);
                 self.job_order.push(id.clone());
                 self.jobs.insert(id, job);
             }

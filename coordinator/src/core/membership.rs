@@ -109,11 +109,13 @@ pub fn compose(now_ms: i64, job: &Job, workers: &BTreeMap<WorkerId, Worker>) -> 
 }
 
 /// The lowest step `k` such that every committed step after it is in the
-/// job's history (so a source at `k` can be replayed up to the committed
-/// step).
+/// job's history, in memory or in the store (so a source at `k` can be
+/// replayed up to the committed step).
 fn replayable_from(job: &Job) -> u64 {
     let mut k = job.rec.step;
-    while k > job.rec.history_from && job.data.history.contains_key(&k) {
+    // Steps dropped from memory are in the store: a replay loads them.
+    let stored = |k: u64| k <= job.data.history_stored_through;
+    while k > job.rec.history_from && (stored(k) || job.data.history.contains_key(&k)) {
         k -= 1;
     }
     k

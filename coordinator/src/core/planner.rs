@@ -27,7 +27,7 @@ use crate::spec::{JobSpec, Sharding, StepSize};
 
 use super::bisect::{self, Bisection};
 use super::eval::EvalRun;
-use super::jobs::Job;
+use super::jobs::{Job, HISTORY_LOAD_STEPS};
 use super::rollouts::{self, RolloutPlan};
 use super::step::{pack_documents, payload, DocHandle, PlannedStep};
 use super::types::{CommittedStep, PlanKind};
@@ -38,6 +38,12 @@ pub enum Source<'a> {
     Files,
     Stream,
     Replay(&'a CommittedStep),
+    /// A replay reached steps `from..=to` whose documents only the store
+    /// holds: they are read back before the replay goes on.
+    LoadHistory {
+        from: u64,
+        to: u64,
+    },
     Reference,
     /// The next round of a bisection of a non-finite step.
     Probe(&'a Bisection),
@@ -64,12 +70,15 @@ pub enum PlanFailure {
 pub fn next_source(job: &Job) -> Result<Source<'_>, PlanFailure> {
     if let Some(gen) = job.gen().filter(|_| job.replaying()) {
         let step = gen.step + 1;
-        return job
-            .data
-            .history
-            .get(&step)
-            .map(Source::Replay)
-            .ok_or(PlanFailure::NoHistory { step });
+        if let Some(h) = job.data.history.get(&step) {
+            return Ok(Source::Replay(h));
+        }
+        let stored = job.data.history_stored_through;
+        if step > job.rec.history_from && step <= stored {
+            let to = stored.min(step + HISTORY_LOAD_STEPS - 1);
+            return Ok(Source::LoadHistory { from: step, to });
+        }
+        return Err(PlanFailure::NoHistory { step });
     }
     if let Some(b) = &job.bisection {
         return Ok(Source::Probe(b));
@@ -111,6 +120,8 @@ pub fn plan(
         Source::Files => files(job, world_size),
         Source::Stream => stream(job, world_size),
         Source::Replay(entry) => replay(job, entry).map(Some)?,
+        // Dispatch asks the shell to load them first; never planned.
+        Source::LoadHistory { from, .. } => return Err(PlanFailure::NoHistory { step: from }),
         Source::Reference => reference(job),
         Source::Probe(b) => return probe(job, b, world_size).map(Some),
         Source::Eval(run) => eval(job, run),

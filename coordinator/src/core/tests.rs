@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use super::jobs::{HISTORY_LOAD_STEPS, HISTORY_WINDOW};
 use super::*;
 use crate::doc::{DocBody, DocId, Document, Sequence};
 use crate::spec::JobSpec;
@@ -89,6 +90,12 @@ struct Sim {
     gather: bool,
     /// Held results by (generation, step): (rank, result).
     gathered: BTreeMap<(u64, u64), Vec<(u32, RankResult)>>,
+    /// Every stored-history load the core asked for: (from, to); the
+    /// unanswered ones are answered from `committed` by `step_once`.
+    history_loads: Vec<(u64, u64)>,
+    history_unanswered: VecDeque<(JobId, u64, u64)>,
+    /// Answer history loads with this error instead.
+    history_error: Option<String>,
     /// Messages sent to workers, not yet answered.
     inbox: VecDeque<(WorkerId, ToWorker)>,
     committed: Vec<(StepMetrics, Vec<DocId>)>,
@@ -176,6 +183,9 @@ impl Sim {
             now: 1_000,
             gather: false,
             gathered: BTreeMap::new(),
+            history_loads: Vec::new(),
+            history_unanswered: VecDeque::new(),
+            history_error: None,
             inbox: VecDeque::new(),
             committed: Vec::new(),
             persisted: Vec::new(),
@@ -298,6 +308,10 @@ impl Sim {
                     self.engine_rounds.push(*r)
                 }
                 Effect::EngineReload { step, dir, .. } => self.engine_reloads.push((step, dir)),
+                Effect::LoadHistory { job, from, to } => {
+                    self.history_loads.push((from, to));
+                    self.history_unanswered.push_back((job, from, to));
+                }
                 Effect::AppendMetrics { .. } | Effect::Publish { .. } => {}
             }
         }
@@ -331,6 +345,26 @@ impl Sim {
 
     /// Answers one message; returns false when the inbox is empty.
     fn step_once(&mut self) -> bool {
+        if let Some((job, from, to)) = self.history_unanswered.pop_front() {
+            // As the store answers: the committed steps' records.
+            let steps = match &self.history_error {
+                Some(e) => Err(e.clone()),
+                None => Ok(self
+                    .committed
+                    .iter()
+                    .filter(|(m, _)| (from..=to).contains(&m.step))
+                    .map(|(m, docs)| CommittedStep {
+                        step: m.step,
+                        lr: m.lr,
+                        docs: crate::doc::DocIds::new(docs),
+                        cursor_after: m.cursor.clone(),
+                    })
+                    .collect()),
+            };
+            self.handle(Event::HistoryLoaded { job, from, steps })
+                .unwrap();
+            return true;
+        }
         let Some((w, msg)) = self.inbox.pop_front() else {
             if self.auto_score && !self.to_score.is_empty() {
                 let r = self.to_score.remove(0);
@@ -1471,6 +1505,70 @@ fn ddp_loss_keeps_the_survivors_state_and_replans_the_same_documents() {
     );
     assert_eq!(s.committed[3].0.world_size, 2);
     assert_exactly_once(&s, &d, 1);
+}
+
+/// An fsdp job of `steps` steps that never checkpoints, on three workers,
+/// run until one step is left; then a worker dies (the survivors restore
+/// from init and replay every committed step).
+fn long_run_losing_a_shard(steps: u64) -> (Sim, Arc<[Document]>) {
+    let mut s = Sim::new();
+    for w in ["a", "b", "c"] {
+        s.worker(w);
+    }
+    let d = docs(steps as usize * 3);
+    let sp = spec(&format!("steps = {steps}"), "docs_per_step = 3", 1, 3);
+    s.submit(with(sp, Sharding::Fsdp, 0), d.clone());
+    s.run_until(|s| s.committed.len() as u64 == steps - 1);
+    s.inbox.clear();
+    s.kill("c");
+    (s, d)
+}
+
+#[test]
+fn a_replay_past_the_in_memory_window_reads_older_steps_back_from_the_store() {
+    let steps = HISTORY_WINDOW + HISTORY_LOAD_STEPS + 30;
+    let (mut s, d) = long_run_losing_a_shard(steps);
+    // Only the newest steps' documents stayed in memory.
+    let job = s.c.job("job").unwrap();
+    assert_eq!(job.data.history.len() as u64, HISTORY_WINDOW);
+    assert_eq!(job.data.history_stored_through, steps - 1 - HISTORY_WINDOW);
+    let mut most = 0;
+    while s.step_once() {
+        most = most.max(s.c.job("job").unwrap().data.history.len() as u64);
+    }
+    assert_eq!(s.state(), JobState::Completed);
+    // The stored steps were read back in chunks as the replay reached them,
+    // and memory never held more than the window and one chunk.
+    let stored = steps - 1 - HISTORY_WINDOW;
+    assert_eq!(
+        s.history_loads,
+        vec![(1, HISTORY_LOAD_STEPS), (HISTORY_LOAD_STEPS + 1, stored)]
+    );
+    assert!(most <= HISTORY_WINDOW + HISTORY_LOAD_STEPS, "{most}");
+    // Every committed step replayed with its own documents and lr.
+    let replayed = s.replayed();
+    assert_eq!(
+        replayed.iter().map(|p| p.step).collect::<Vec<_>>(),
+        (1..steps).collect::<Vec<_>>()
+    );
+    for p in &replayed {
+        let (m, docs) = &s.committed[p.step as usize - 1];
+        assert_eq!((&p.docs, p.lr), (docs, m.lr), "step {}", p.step);
+    }
+    assert_exactly_once(&s, &d, 1);
+}
+
+#[test]
+fn a_store_that_cannot_give_a_replayed_step_fails_the_job_naming_it() {
+    let (mut s, _) = long_run_losing_a_shard(HISTORY_WINDOW + 5);
+    s.history_error = Some("disk on fire".into());
+    s.run();
+    assert_eq!(s.state(), JobState::Failed);
+    let reason = &s.c.job("job").unwrap().rec.reason;
+    assert!(
+        reason.contains("replaying step 1: reading its record from the store failed: disk on fire"),
+        "{reason}"
+    );
 }
 
 #[test]

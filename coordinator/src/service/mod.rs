@@ -415,6 +415,9 @@ impl Shared {
                 Effect::Publish { job, item } => {
                     let _ = self.watch.send((job, item));
                 }
+                Effect::LoadHistory { job, from, to } => {
+                    load_history(self.me.clone(), inner.store.clone(), job, from, to)
+                }
                 Effect::ScoreRound(round) => self.score_round(*round),
                 Effect::EngineGenerate(round) => self.engine_generate(*round),
                 Effect::EngineReload {
@@ -533,6 +536,27 @@ pub fn core_status(e: CoreError) -> Status {
         }
         CoreError::NotQuarantined { .. } => Status::not_found(e.to_string()),
         CoreError::OutputInUse { .. } => Status::failed_precondition(e.to_string()),
+    }
+}
+
+/// Reads steps `from..=to` of `job`'s replay history from the store on a
+/// thread of its own (a replay reached steps the core no longer holds in
+/// memory; decompressing their records must not hold the state lock) and
+/// hands them to the core.
+fn load_history(me: std::sync::Weak<Shared>, store: Store, job: String, from: u64, to: u64) {
+    let spawned = std::thread::Builder::new()
+        .name("accrue-coord-history".into())
+        .spawn(move || {
+            let steps = crate::store::committed_steps_between(&store, &job, from, to)
+                .map_err(|e| e.to_string());
+            if let Some(shared) = me.upgrade() {
+                if let Err(status) = shared.apply(Event::HistoryLoaded { job, from, steps }) {
+                    error!(%status, "handing the replay history read from the store to the core failed");
+                }
+            }
+        });
+    if let Err(err) = spawned {
+        error!(%err, "starting the thread that reads replay history failed");
     }
 }
 
