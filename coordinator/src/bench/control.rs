@@ -111,8 +111,11 @@ pub struct ControlRow {
     /// Re-formed generations measured after the steps.
     #[serde(default)]
     pub reforms: u64,
-    /// Mean wall time from the returning worker's session to the last
-    /// Configure of its new generation received.
+    /// Mean wall time from a worker's leaving (the step in flight then
+    /// aborts on every member) to the last Configure of the generation it
+    /// rejoins received: how long the job stands still. (Measured from its
+    /// return, as before, this hid the aborts whenever the worker came back
+    /// after them.)
     #[serde(default)]
     pub reform_ms: f64,
     /// Growth of the resident set per re-formed generation after the
@@ -355,13 +358,13 @@ async fn drive(
     for k in 1..=opts.reforms {
         let generation = tally.max_generation.load(Ordering::Relaxed);
         let configured = tally.configured.load(Ordering::Relaxed);
+        let left = Instant::now();
         bounce_tx.send_replace(k);
         session_rx
             .recv()
             .await
             .context("fake 0 did not come back")?;
-        let back = Instant::now();
-        let deadline = back + Duration::from_secs(600);
+        let deadline = Instant::now() + Duration::from_secs(600);
         while tally.max_generation.load(Ordering::Relaxed) <= generation
             || tally.configured.load(Ordering::Relaxed) < configured + w as u64
         {
@@ -378,10 +381,10 @@ async fn drive(
             }
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
-        reform += back.elapsed();
+        reform += left.elapsed();
         tracing::info!(
             reform = k,
-            ms = back.elapsed().as_secs_f64() * 1e3,
+            ms = left.elapsed().as_secs_f64() * 1e3,
             longest_lock_hold_ms = shared.lock_stats(true).max_ns as f64 / 1e6,
             fake_heartbeat_gap_ms = tally.max_beat_gap_ms.load(Ordering::Relaxed),
             "generation re-formed"
