@@ -184,15 +184,30 @@ impl Server {
                 tokio::select! {
                     _ = ticker_stop.cancelled() => return,
                     _ = interval.tick() => {
-                        let mut inner = shared.lock();
-                        // Measured once the lock is held: a tick that waited
-                        // for it, or for a thread, was as late as the
-                        // session tasks that could not read heartbeats.
-                        let now = Instant::now();
-                        let stalled_ms = last.map_or(0, |l| stall_ms(now - l, tick));
-                        last = Some(now);
-                        if let Err(e) = shared.apply_locked(&mut inner, Event::Tick { stalled_ms }) {
-                            error!(%e, "tick failed");
+                        // Waits for the lock on a blocking thread: a runtime
+                        // thread blocked here would stop the sessions it
+                        // serves from reading heartbeats.
+                        let shared = shared.clone();
+                        let ticked = tokio::task::spawn_blocking(move || {
+                            let mut inner = shared.lock();
+                            // Measured once the lock is held: a tick that
+                            // waited for it, or for a thread, was that late.
+                            let now = Instant::now();
+                            let stalled_ms = last.map_or(0, |l| stall_ms(now - l, tick));
+                            // The heartbeats read meanwhile count before the
+                            // tick judges silence.
+                            if let Err(e) = shared.apply_heartbeats(&mut inner) {
+                                error!(%e, "applying heartbeats failed");
+                            }
+                            if let Err(e) = shared.apply_locked(&mut inner, Event::Tick { stalled_ms }) {
+                                error!(%e, "tick failed");
+                            }
+                            now
+                        })
+                        .await;
+                        match ticked {
+                            Ok(now) => last = Some(now),
+                            Err(e) => error!(%e, "the tick's thread failed"),
                         }
                     }
                 }

@@ -25,6 +25,15 @@ use crate::manifest::StepManifest;
 use crate::settings::JobUpdate;
 use crate::spec::JobSpec;
 
+/// A heartbeat as the shell read it: from whom, when, and how late
+/// (see [`Event::Heartbeat`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Beat {
+    pub worker: WorkerId,
+    pub at_ms: i64,
+    pub lag_ms: Option<i64>,
+}
+
 /// One rank's answer to a plan.
 #[derive(Debug, Clone, Default)]
 pub struct RankResult {
@@ -37,6 +46,12 @@ pub struct RankResult {
 /// Everything that can happen to the coordinator.
 #[derive(Debug, Clone)]
 pub enum Event {
+    /// Heartbeats the shell read since the last tick, each at its own read
+    /// time, applied in one go just before the tick (the shell queues them
+    /// off the state lock).
+    Heartbeats {
+        beats: Vec<Beat>,
+    },
     /// The answer to [`Effect::LoadHistory`]: the steps read, or why the
     /// store could not give them.
     HistoryLoaded {

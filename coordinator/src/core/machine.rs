@@ -126,6 +126,12 @@ impl Coordinator {
                 self.heard_from(&worker, now_ms, lag_ms);
                 return Ok(fx);
             }
+            Event::Heartbeats { beats } => {
+                for b in beats {
+                    self.heard_from(&b.worker, b.at_ms.min(now_ms), b.lag_ms);
+                }
+                return Ok(fx);
+            }
             Event::Ready {
                 worker,
                 job,
@@ -422,7 +428,9 @@ impl Coordinator {
     fn heard_from(&mut self, worker: &str, now_ms: i64, lag_ms: Option<i64>) {
         let heard = self.liveness.heard(now_ms, lag_ms);
         if let Some(w) = self.workers.get_mut(worker) {
-            if w.state != WorkerState::Lost {
+            // A queued heartbeat applied after a newer message keeps the
+            // newer time.
+            if w.state != WorkerState::Lost && heard.at_ms >= w.heard.at_ms {
                 w.heard = heard;
             }
         }

@@ -50,7 +50,7 @@ mod workers;
 #[cfg(test)]
 mod tests;
 
-pub use effects::{Effect, Event, JobStart, RankResult, ToWorker, WatchItem};
+pub use effects::{Beat, Effect, Event, JobStart, RankResult, ToWorker, WatchItem};
 pub use error::{CoreError, Result};
 pub use eval::EvalMetrics;
 pub use jobs::{

@@ -856,6 +856,45 @@ fn a_gathered_entry_that_disagrees_with_its_plan_drops_that_ranks_worker() {
 }
 
 #[test]
+fn queued_heartbeats_count_at_their_own_read_time_and_never_turn_back_the_clock() {
+    let mut s = Sim::new();
+    s.worker("a");
+    s.worker("b");
+    let read_at = s.now + 500;
+    s.now += 1_500;
+    // Applied together just before a tick, each at the time it was read.
+    s.handle(Event::Heartbeats {
+        beats: vec![
+            Beat {
+                worker: "a".into(),
+                at_ms: read_at,
+                lag_ms: Some(0),
+            },
+            Beat {
+                worker: "b".into(),
+                at_ms: read_at - 400,
+                lag_ms: Some(0),
+            },
+        ],
+    })
+    .unwrap();
+    let seen = |s: &Sim, w: &str| s.c.worker(w).unwrap().last_seen_ms();
+    assert_eq!((seen(&s, "a"), seen(&s, "b")), (read_at, read_at - 400));
+    // A heartbeat read before a newer message does not move its time back.
+    s.handle(heartbeat("a".into())).unwrap();
+    let newer = seen(&s, "a");
+    s.handle(Event::Heartbeats {
+        beats: vec![Beat {
+            worker: "a".into(),
+            at_ms: read_at,
+            lag_ms: Some(0),
+        }],
+    })
+    .unwrap();
+    assert_eq!(seen(&s, "a"), newer);
+}
+
+#[test]
 fn heartbeat_timeout_declares_worker_lost() {
     let mut s = Sim::new();
     s.submit(spec("steps = 2", "docs_per_step = 4", 1, 2), docs(10));

@@ -112,6 +112,10 @@ fn a_lock_held_past_the_heartbeat_timeout_loses_no_heartbeating_worker() {
     {
         let _held = shared.lock();
         std::thread::sleep(Duration::from_millis(3 * TIMEOUT_MS as u64));
+        // The sessions kept reading heartbeats meanwhile: they wait for
+        // the tick, not for the lock.
+        let queued = shared.queued_heartbeats();
+        assert!(queued >= 4 * 10, "{queued} heartbeats read during the hold");
     }
     // Ticks after the stall, with the heartbeats read meanwhile.
     std::thread::sleep(Duration::from_millis(TIMEOUT_MS as u64 / 2));

@@ -241,6 +241,11 @@ impl WorkerService for WorkerServiceImpl {
                     }
                 };
                 let result = event_of(&worker, msg, &mut delay).and_then(|ev| match ev {
+                    // Queued for the tick: never the state lock.
+                    Some(Event::Heartbeat { worker, lag_ms }) => {
+                        shared.heartbeat(worker, lag_ms);
+                        Ok(())
+                    }
                     Some(ev) => shared.apply(ev),
                     None => Ok(()),
                 });
