@@ -68,6 +68,7 @@ pub struct ControlRow {
     pub workers: usize,
     pub dataset_docs: u64,
     pub docs_per_step: u64,
+    /// Steps inside the measured window (at least the steps asked for).
     pub steps: u64,
     /// Wall time per measured step.
     pub step_ms: f64,
@@ -264,7 +265,7 @@ async fn drive(
     // Room for the re-formations after the measured steps: the fakes
     // train on at full speed while one leaves and comes back (steps the
     // bench does not wait for are never run: it stops the coordinator).
-    let job_steps = total_steps + 1000 * opts.reforms + 2;
+    let job_steps = total_steps + 1000 * (opts.reforms + 1) + 2;
     let docs_per_step = opts.docs_per_worker * w as u64;
     let spec = format!(
         "[job]\nname = \"control-plane\"\nsteps = {job_steps}\noutput_dir = \"{}\"\n\
@@ -340,13 +341,18 @@ async fn drive(
         async move { rx.wait_for(|&s| s >= step).await.map(|_| ()) }
     };
     at(&mut step_rx, opts.warmup + 1).await?;
+    // The steps actually inside the window: a driver woken late (tiny
+    // steps, a busy machine) finds the job further on, and dividing by
+    // `opts.steps` would then count steps it never saw.
+    let first = *step_rx.borrow();
     let start = Sample::take(shared, state);
     let plan_bytes_0 = tally.plan_bytes.load(Ordering::Relaxed);
     let plans_0 = tally.plans.load(Ordering::Relaxed);
     let results_0 = tally.results.load(Ordering::Relaxed);
-    at(&mut step_rx, total_steps).await?;
+    at(&mut step_rx, first + opts.steps).await?;
     let results = tally.results.load(Ordering::Relaxed) - results_0;
     let end = Sample::take(shared, state);
+    let measured = *step_rx.borrow() - first;
     let plan_bytes = tally.plan_bytes.load(Ordering::Relaxed) - plan_bytes_0;
     let plans = tally.plans.load(Ordering::Relaxed) - plans_0;
     let rss_bytes = rss();
@@ -400,13 +406,13 @@ async fn drive(
     let rss_after = rss();
     drop(admin);
     tasks.abort_all();
-    let steps = opts.steps as f64;
+    let steps = measured.max(1) as f64;
     let ms = |ns: u64| ns as f64 / 1e6;
     Ok(ControlRow {
         workers: w,
         dataset_docs: opts.docs,
         docs_per_step,
-        steps: opts.steps,
+        steps: measured,
         step_ms: (end.at - start.at).as_secs_f64() * 1e3 / steps,
         coordinator_cpu_ms_per_step: ms(end.coord_cpu_ns - start.coord_cpu_ns) / steps,
         process_cpu_ms_per_step: ms(end.cpu_ns - start.cpu_ns) / steps,
