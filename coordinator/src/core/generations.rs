@@ -149,7 +149,9 @@ impl Coordinator {
         let dropped = recovery::add_checkpoint(&mut job.rec.checkpoints, entry, keep);
         if let Some(oldest) = job.rec.checkpoints.first().filter(|_| !dropped.is_empty()) {
             job.rec.history_from = job.rec.history_from.max(oldest.step);
-            job.prune_history();
+            // A replay in progress keeps what it loaded for its next steps.
+            let replay_next = job.gen().filter(|_| job.replaying()).map(|g| g.step + 1);
+            job.trim_history(replay_next);
         }
         job.rec.last_checkpoint = job.rec.checkpoints.last().map(|c| c.step);
         fx.push(Effect::PersistJob(Box::new(job.rec.clone())));

@@ -592,12 +592,6 @@ impl Job {
         self.rec.step == 0 || self.rec.checkpoints.iter().any(|c| c.step == self.rec.step)
     }
 
-    /// Drops replay history at or below `rec.history_from`.
-    pub fn prune_history(&mut self) {
-        let h = &mut self.data.history;
-        *h = h.split_off(&(self.rec.history_from + 1));
-    }
-
     /// The first step of the replay history kept in memory: the newest
     /// [`HISTORY_WINDOW`] committed steps after `rec.history_from` (older
     /// ones are read back from the store when a replay reaches them).
@@ -608,7 +602,9 @@ impl Job {
     }
 
     /// Drops from memory the replay history below the window (the store
-    /// holds it), except steps from `keep` on (a replay in progress).
+    /// holds it), except steps from `keep` on (a replay in progress); the
+    /// window starts after `rec.history_from`, so nothing at or below it
+    /// (no longer replayable) stays either.
     pub fn trim_history(&mut self, keep: Option<u64>) {
         let start = Job::history_window_start(&self.rec);
         let cut = keep.map_or(start, |k| k.min(start));

@@ -240,7 +240,6 @@ impl Coordinator {
                     }
                 }
                 job.data.history = history.into_iter().map(|h| (h.step, h)).collect();
-                job.prune_history();
                 // The shell loads only the window (`Job::history_window_start`);
                 // the steps before it are in the store.
                 job.trim_history(None);

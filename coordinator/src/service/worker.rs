@@ -105,8 +105,8 @@ fn event_of(worker: &str, msg: Msg, delay: &mut InboundDelay) -> Result<Option<E
             generation: r.generation,
             step: r.step,
         },
-        Msg::StepResult(r) => {
-            let (job, generation, step) = (r.job_id.clone(), r.generation, r.step);
+        Msg::StepResult(mut r) => {
+            let (job, generation, step) = (std::mem::take(&mut r.job_id), r.generation, r.step);
             let (_, result) = rank_result(r)?;
             Event::StepResult {
                 worker,

@@ -19,6 +19,24 @@ pub enum StepOutcome {
     Aborted,
 }
 
+/// Plan `p` failed with `e`: its error, typed by `classify` (kind and
+/// blamed peer), with `message` for people.
+pub(super) fn plan_error(
+    p: &wire::StepPlan,
+    e: &anyhow::Error,
+    message: String,
+) -> wire::WorkerError {
+    let (kind, peer_rank) = classify(e);
+    wire::WorkerError {
+        job_id: p.job_id.clone(),
+        generation: p.generation,
+        step: p.step,
+        kind: kind as i32,
+        message,
+        peer_rank,
+    }
+}
+
 /// Runs one plan: every non-empty microbatch (empty padding ones are
 /// counted, not run), then the optimizer step. `aborted` is polled between
 /// microbatches. The plan's `max_tokens` (its step's budget per microbatch)
@@ -30,17 +48,8 @@ pub fn run_step(
     idle_s: f64,
     aborted: &dyn Fn() -> bool,
 ) -> StepOutcome {
-    let fail = |e: &anyhow::Error, message: String| {
-        let (kind, peer_rank) = classify(e);
-        StepOutcome::Failed(wire::WorkerError {
-            job_id: plan.job_id.clone(),
-            generation: plan.generation,
-            step: plan.step,
-            kind: kind as i32,
-            message,
-            peer_rank,
-        })
-    };
+    let fail =
+        |e: &anyhow::Error, message: String| StepOutcome::Failed(plan_error(plan, e, message));
     let norms = match convert::norms(plan.normalizers.as_ref()) {
         Ok(n) => n,
         Err(e) => {

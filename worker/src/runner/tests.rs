@@ -34,6 +34,8 @@ struct Fake {
     fail_at: Option<(usize, fn() -> anyhow::Error)>,
     fail_optimizer: bool,
     delay: Duration,
+    /// The generation's collective, once configured with one.
+    coll: Option<Box<dyn Collective>>,
     solo: Solo,
 }
 
@@ -46,6 +48,7 @@ impl Fake {
                 fail_at: None,
                 fail_optimizer: false,
                 delay: Duration::ZERO,
+                coll: None,
                 solo: Solo,
             },
             calls,
@@ -98,12 +101,16 @@ impl Engine for Fake {
         true
     }
 
-    fn set_collective(&mut self, _: Box<dyn Collective>) -> anyhow::Result<()> {
+    fn set_collective(&mut self, coll: Box<dyn Collective>) -> anyhow::Result<()> {
+        self.coll = Some(coll);
         Ok(())
     }
 
     fn group(&mut self) -> &mut dyn Collective {
-        &mut self.solo
+        match &mut self.coll {
+            Some(c) => c.as_mut(),
+            None => &mut self.solo,
+        }
     }
 
     fn checkpoint_snapshot(&mut self) -> anyhow::Result<CheckpointWrite> {
@@ -334,6 +341,7 @@ fn the_thread_configures_runs_checkpoints_and_drains_on_shutdown() {
             fail_at: None,
             fail_optimizer: false,
             delay: Duration::from_millis(50),
+            coll: None,
             solo: Solo,
         }) as Box<dyn Engine>)
     });
@@ -716,51 +724,6 @@ fn a_probe_fails_on_anything_but_a_non_finite_value() {
     );
 }
 
-/// Sums like [`Fake`]'s, over the collective the generation gives it (for
-/// the gathered results).
-struct Ringed {
-    coll: Option<Box<dyn Collective>>,
-    solo: Solo,
-}
-
-impl Engine for Ringed {
-    fn train_microbatch(
-        &mut self,
-        _: usize,
-        mb: &PackedBatch,
-        _: &MicrobatchMeta,
-        _: &StepNorms,
-    ) -> anyhow::Result<MicrobatchOutcome> {
-        let loss_tokens = mb.labels.iter().filter(|&&l| l != -100).count() as u64;
-        Ok(MicrobatchOutcome {
-            loss_sum: 2.0 * loss_tokens as f64,
-            loss_tokens,
-            tokens: mb.labels.len() as u64,
-            ..Default::default()
-        })
-    }
-    fn optimizer_step(&mut self, _: f64) -> anyhow::Result<StepStats> {
-        Ok(StepStats { grad_norm: 0.5 })
-    }
-    fn zero_grad(&mut self) {}
-    fn grads_finite(&self) -> bool {
-        true
-    }
-    fn checkpoint_snapshot(&mut self) -> anyhow::Result<CheckpointWrite> {
-        Ok(Box::new(|_: &Path| Ok(Vec::new())))
-    }
-    fn set_collective(&mut self, coll: Box<dyn Collective>) -> anyhow::Result<()> {
-        self.coll = Some(coll);
-        Ok(())
-    }
-    fn group(&mut self) -> &mut dyn Collective {
-        match &mut self.coll {
-            Some(c) => c.as_mut(),
-            None => &mut self.solo,
-        }
-    }
-}
-
 /// Two runners on a real TCP ring, configured with `gather_results`;
 /// their answers arrive on the returned receiver.
 fn gathering_pair() -> (
@@ -768,10 +731,9 @@ fn gathering_pair() -> (
     tokio::sync::mpsc::UnboundedReceiver<wire::WorkerMessage>,
 ) {
     let factory: Factory = Arc::new(|_, _, coll| {
-        Ok(Box::new(Ringed {
-            coll: Some(coll),
-            solo: Solo,
-        }) as Box<dyn Engine>)
+        let (mut f, _) = Fake::new();
+        f.coll = Some(coll);
+        Ok(Box::new(f) as Box<dyn Engine>)
     });
     let listeners: Vec<TcpListener> = (0..2)
         .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
@@ -845,15 +807,9 @@ fn gathered_train_results_come_once_from_rank_0_with_every_ranks_own_sums() {
     // What each rank reports when it sends its own result.
     let own: Vec<wire::MetricSums> = plans
         .iter()
-        .map(|p| {
-            let mut e = Ringed {
-                coll: None,
-                solo: Solo,
-            };
-            match run_step(&mut e, p, 0.0, &|| false) {
-                StepOutcome::Done(s) => s,
-                other => panic!("{other:?}"),
-            }
+        .map(|p| match run_step(&mut Fake::new().0, p, 0.0, &|| false) {
+            StepOutcome::Done(s) => s,
+            other => panic!("{other:?}"),
         })
         .collect();
     for (r, p) in runners.iter().zip(&plans) {

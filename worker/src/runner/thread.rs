@@ -13,7 +13,7 @@ use tracing::{info, warn};
 use super::fault;
 use super::probe;
 use super::reference;
-use super::step::{run_step, StepOutcome};
+use super::step::{plan_error, run_step, StepOutcome};
 use super::weight_server::{Cmd, WeightServer};
 use super::work::{Connector, Factory, Progress, Work};
 use super::writer::Writer;
@@ -224,15 +224,9 @@ impl Thread {
                     ?nonfinite,
                     "probe done"
                 );
-                self.send(Msg::StepResult(wire::StepResult {
-                    job_id: p.job_id.clone(),
-                    generation: p.generation,
-                    step: p.step,
-                    rank: p.rank,
-                    sums: Some(sums),
-                    logps: Vec::new(),
-                    nonfinite_microbatches: nonfinite,
-                }));
+                let mut r = result_of(p, sums);
+                r.nonfinite_microbatches = nonfinite;
+                self.send(Msg::StepResult(r));
             }
             Ok(None) => info!(step = p.step, "probe aborted"),
             Err(e) => {
@@ -401,15 +395,11 @@ fn gather(
 ) -> Result<Option<Vec<wire::StepResult>>, wire::WorkerError> {
     use prost::Message;
     let fail = |e: anyhow::Error| {
-        let (kind, peer_rank) = crate::error::classify(&e);
-        wire::WorkerError {
-            job_id: p.job_id.clone(),
-            generation: p.generation,
-            step: p.step,
-            kind: kind as i32,
-            message: format!("step {}, gathering the results: {e:#}", p.step),
-            peer_rank,
-        }
+        plan_error(
+            p,
+            &e,
+            format!("step {}, gathering the results: {e:#}", p.step),
+        )
     };
     let all = match crate::collective::bytes::all_gather_bytes(coll, &mine.encode_to_vec()) {
         Ok(all) => all,
@@ -437,15 +427,7 @@ fn guarded<T>(
 ) -> Result<T, wire::WorkerError> {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|payload| {
         let e = crate::error::from_panic(payload.as_ref());
-        let (kind, peer_rank) = crate::error::classify(&e);
-        Err(wire::WorkerError {
-            job_id: p.job_id.clone(),
-            generation: p.generation,
-            step: p.step,
-            kind: kind as i32,
-            message: format!("step {}: {e:#}", p.step),
-            peer_rank,
-        })
+        Err(plan_error(p, &e, format!("step {}: {e:#}", p.step)))
     })
 }
 
