@@ -306,7 +306,8 @@ impl Shared {
         self.observe_effects(inner, &effects);
         let mut failure = None;
         // Outputs that could not be written fail their job, after this
-        // call's effects (the core hears of it as an event).
+        // call's effects (the core hears of it as an event); so does a
+        // history read that could not start.
         let mut failed_outputs: Vec<Event> = Vec::new();
         // Per job with a plan among the effects: when its last plan was queued.
         let mut dispatched: Vec<(JobId, Instant)> = Vec::new();
@@ -451,7 +452,14 @@ impl Shared {
                     let _ = self.watch.send((job, item));
                 }
                 Effect::LoadHistory { job, from, to } => {
-                    load_history(self.me.clone(), inner.store.clone(), job, from, to)
+                    if let Err(err) =
+                        load_history(self.me.clone(), inner.store.clone(), &job, from, to)
+                    {
+                        // The core waits for an answer: without a thread the
+                        // replay would wait forever, so it fails instead.
+                        let steps = Err(format!("starting the thread that reads it: {err}"));
+                        failed_outputs.push(Event::HistoryLoaded { job, from, steps });
+                    }
                 }
                 Effect::ScoreRound(round) => self.score_round(*round),
                 Effect::EngineGenerate(round) => self.engine_generate(*round),
@@ -577,9 +585,17 @@ pub fn core_status(e: CoreError) -> Status {
 /// Reads steps `from..=to` of `job`'s replay history from the store on a
 /// thread of its own (a replay reached steps the core no longer holds in
 /// memory; decompressing their records must not hold the state lock) and
-/// hands them to the core.
-fn load_history(me: std::sync::Weak<Shared>, store: Store, job: String, from: u64, to: u64) {
-    let spawned = std::thread::Builder::new()
+/// hands them to the core. Err: the thread could not start (nothing was
+/// read; the caller answers the core itself).
+fn load_history(
+    me: std::sync::Weak<Shared>,
+    store: Store,
+    job: &str,
+    from: u64,
+    to: u64,
+) -> std::io::Result<()> {
+    let job = job.to_string();
+    std::thread::Builder::new()
         .name("accrue-coord-history".into())
         .spawn(move || {
             let steps = crate::store::committed_steps_between(&store, &job, from, to)
@@ -589,10 +605,8 @@ fn load_history(me: std::sync::Weak<Shared>, store: Store, job: String, from: u6
                     error!(%status, "handing the replay history read from the store to the core failed");
                 }
             }
-        });
-    if let Err(err) = spawned {
-        error!(%err, "starting the thread that reads replay history failed");
-    }
+        })
+        .map(|_| ())
 }
 
 /// Moves `job`'s old step records to a cold file on a thread of its own
