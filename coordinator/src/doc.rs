@@ -19,6 +19,20 @@ pub struct DocId {
     pub line: u64,
 }
 
+impl DocId {
+    /// The `file:line` form [`fmt::Display`] writes, without the formatter
+    /// (every packed sequence of every plan carries one: 16k a step).
+    pub fn label(&self) -> String {
+        let (mut file, mut line) = (itoa::Buffer::new(), itoa::Buffer::new());
+        let (file, line) = (file.format(self.file), line.format(self.line));
+        let mut s = String::with_capacity(file.len() + 1 + line.len());
+        s.push_str(file);
+        s.push(':');
+        s.push_str(line);
+        s
+    }
+}
+
 impl fmt::Display for DocId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}:{}", self.file, self.line)
@@ -174,6 +188,30 @@ pub trait TokenRows: Send + Sync {
         accrue_proto::extend_u32(ids, self.ids(row));
         accrue_proto::extend_i32(labels, &self.labels(row));
     }
+
+    /// Whether every label of row `row` is its token's id or ignored: then
+    /// the wire carries them as a loss mask ([`accrue_proto::LossMask`]).
+    fn maskable(&self, row: u32) -> bool {
+        maskable(self.ids(row), &self.labels(row))
+    }
+
+    /// Appends row `row`'s ids as [`TokenRows::write_le`] does and its
+    /// labels to `mask`; only for a [`TokenRows::maskable`] row.
+    fn write_masked(&self, row: u32, ids: &mut Vec<u8>, mask: &mut accrue_proto::LossMask) {
+        accrue_proto::extend_u32(ids, self.ids(row));
+        for &l in self.labels(row).iter() {
+            mask.push(l != IGNORE_INDEX);
+        }
+    }
+}
+
+/// Labels that are each their token's id or ignored.
+fn maskable(ids: &[u32], labels: &[i32]) -> bool {
+    ids.len() == labels.len()
+        && ids
+            .iter()
+            .zip(labels)
+            .all(|(&id, &l)| l == IGNORE_INDEX || l == id as i32)
 }
 
 impl Sequence {
@@ -222,6 +260,27 @@ impl Sequence {
                 accrue_proto::extend_i32(labels, l);
             }
             Tokens::Mapped { rows, row, .. } => rows.write_le(*row, ids, labels),
+        }
+    }
+
+    /// See [`TokenRows::maskable`].
+    pub fn maskable(&self) -> bool {
+        match &self.tokens {
+            Tokens::Owned { input_ids, labels } => maskable(input_ids, labels),
+            Tokens::Mapped { rows, row, .. } => rows.maskable(*row),
+        }
+    }
+
+    /// See [`TokenRows::write_masked`]; only for a [`Sequence::maskable`] one.
+    pub fn write_masked(&self, ids: &mut Vec<u8>, mask: &mut accrue_proto::LossMask) {
+        match &self.tokens {
+            Tokens::Owned { input_ids, labels } => {
+                accrue_proto::extend_u32(ids, input_ids);
+                for &l in labels {
+                    mask.push(l != IGNORE_INDEX);
+                }
+            }
+            Tokens::Mapped { rows, row, .. } => rows.write_masked(*row, ids, mask),
         }
     }
 
@@ -401,6 +460,21 @@ mod tests {
         assert_eq!(d.loss_tokens(), 6);
         assert_eq!(d.seq_lens(), vec![3, 5]);
         assert_eq!(d.id.to_string(), "0:3");
+    }
+
+    #[test]
+    fn a_label_is_the_display_form_and_parses_back() {
+        for (file, line) in [
+            (0, 0),
+            (0, 3),
+            (9, 10),
+            (12, 2_000_001),
+            (u32::MAX, u64::MAX),
+        ] {
+            let id = DocId { file, line };
+            assert_eq!(id.label(), id.to_string());
+            assert_eq!(id.label().parse::<DocId>(), Ok(id));
+        }
     }
 }
 

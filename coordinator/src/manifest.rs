@@ -196,7 +196,7 @@ mod doc_str {
     use crate::doc::DocId;
 
     pub fn serialize<S: Serializer>(d: &DocId, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(d)
+        s.serialize_str(&d.label())
     }
 
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<DocId, D::Error> {

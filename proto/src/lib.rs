@@ -2,7 +2,8 @@
 //! its workers and the `accrue` CLI. Generated from `proto/accrue/v1/*.proto`.
 //!
 //! Token ids travel as packed little-endian bytes (`u32` ids, `i32` labels):
-//! see [`pack_u32`] and friends.
+//! see [`pack_u32`] and friends; labels that are ids or ignored travel as a
+//! bit mask ([`LossMask`], [`microbatch_labels`]).
 
 #[allow(clippy::all, clippy::pedantic)]
 pub mod v1 {
@@ -91,9 +92,176 @@ pub fn unpack_f32(bytes: &[u8]) -> Result<Vec<f32>, PackedLenError> {
     Ok(chunks4(bytes)?.map(f32::from_le_bytes).collect())
 }
 
+/// A microbatch's labels as its `loss_mask` carries them: one bit a token,
+/// least significant first, set when the label is the token's id (the
+/// packed labels of such a row would be 4 bytes a token of copies).
+#[derive(Debug, Default)]
+pub struct LossMask {
+    bytes: Vec<u8>,
+    tokens: usize,
+}
+
+impl LossMask {
+    pub fn with_capacity(tokens: usize) -> Self {
+        Self {
+            bytes: Vec::with_capacity(tokens.div_ceil(8)),
+            tokens: 0,
+        }
+    }
+
+    /// Token `tokens()`'s label: its id (`true`) or ignored.
+    pub fn push(&mut self, on: bool) {
+        if self.tokens.is_multiple_of(8) {
+            self.bytes.push(0);
+        }
+        if on {
+            *self.bytes.last_mut().expect("pushed above") |= 1 << (self.tokens % 8);
+        }
+        self.tokens += 1;
+    }
+
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    pub fn into_bytes(self) -> Vec<u8> {
+        self.bytes
+    }
+}
+
+/// Error for a microbatch whose labels cannot be read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LabelsError {
+    /// `labels` whose length is not a multiple of 4.
+    Packed(PackedLenError),
+    /// `labels` and `loss_mask` both set: which one holds the labels?
+    Both,
+    /// `labels` for a different number of tokens.
+    Labels { labels: usize, tokens: usize },
+    /// A `loss_mask` of the wrong length for the tokens.
+    MaskLen { bytes: usize, tokens: usize },
+    /// Bits set past the last token.
+    MaskPadding,
+}
+
+impl std::fmt::Display for LabelsError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Packed(e) => write!(f, "labels: {e}"),
+            Self::Both => write!(f, "labels and loss_mask are both set"),
+            Self::Labels { labels, tokens } => {
+                write!(f, "labels: {labels} labels for {tokens} tokens")
+            }
+            Self::MaskLen { bytes, tokens } => write!(
+                f,
+                "loss_mask: {bytes} bytes for {tokens} tokens (expected {})",
+                tokens.div_ceil(8)
+            ),
+            Self::MaskPadding => write!(f, "loss_mask: bits set past the last token"),
+        }
+    }
+}
+
+impl std::error::Error for LabelsError {}
+
+/// The labels of a microbatch of `ids`, from `labels` or, when that is
+/// empty, from `loss_mask` (an id where its bit is set, -100 elsewhere).
+pub fn microbatch_labels(
+    ids: &[u32],
+    labels: &[u8],
+    loss_mask: &[u8],
+) -> Result<Vec<i32>, LabelsError> {
+    if !labels.is_empty() {
+        if !loss_mask.is_empty() {
+            return Err(LabelsError::Both);
+        }
+        let labels = unpack_i32(labels).map_err(LabelsError::Packed)?;
+        if labels.len() != ids.len() {
+            return Err(LabelsError::Labels {
+                labels: labels.len(),
+                tokens: ids.len(),
+            });
+        }
+        return Ok(labels);
+    }
+    if loss_mask.len() != ids.len().div_ceil(8) {
+        return Err(LabelsError::MaskLen {
+            bytes: loss_mask.len(),
+            tokens: ids.len(),
+        });
+    }
+    let used = ids.len() % 8;
+    if used != 0 && loss_mask[loss_mask.len() - 1] >> used != 0 {
+        return Err(LabelsError::MaskPadding);
+    }
+    // Same bits as the packed form (a u32 id read as i32), which the
+    // coordinator copies for a row with labels.
+    Ok(ids
+        .iter()
+        .enumerate()
+        .map(|(i, &id)| {
+            if loss_mask[i / 8] >> (i % 8) & 1 == 1 {
+                id as i32
+            } else {
+                -100
+            }
+        })
+        .collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_loss_mask_gives_the_labels_packed_labels_give() {
+        for n in [0usize, 1, 7, 8, 9, 16, 17, 1003] {
+            let ids: Vec<u32> = (0..n as u64)
+                .map(|i| (i * 2_654_435_761 % 50_000) as u32)
+                .collect();
+            let on = |i: usize| !(i * 7 + n).is_multiple_of(3);
+            let mut mask = LossMask::with_capacity(n);
+            let mut labels = Vec::new();
+            for (i, &id) in ids.iter().enumerate() {
+                mask.push(on(i));
+                labels.push(if on(i) { id as i32 } else { -100 });
+            }
+            assert_eq!(mask.tokens(), n);
+            let mask = mask.into_bytes();
+            assert_eq!(mask.len(), n.div_ceil(8));
+            assert_eq!(microbatch_labels(&ids, &[], &mask).unwrap(), labels);
+            assert_eq!(
+                microbatch_labels(&ids, &pack_i32(&labels), &[]).unwrap(),
+                labels
+            );
+        }
+    }
+
+    #[test]
+    fn labels_that_cannot_be_read_are_named() {
+        let ids = [5u32, 6, 7];
+        let e = |labels: &[u8], mask: &[u8]| {
+            microbatch_labels(&ids, labels, mask)
+                .unwrap_err()
+                .to_string()
+        };
+        assert_eq!(e(&[], &[]), "loss_mask: 0 bytes for 3 tokens (expected 1)");
+        assert_eq!(
+            e(&[], &[1, 0]),
+            "loss_mask: 2 bytes for 3 tokens (expected 1)"
+        );
+        assert_eq!(e(&[], &[0b1000]), "loss_mask: bits set past the last token");
+        assert_eq!(
+            e(&pack_i32(&[1, 2, 3]), &[1]),
+            "labels and loss_mask are both set"
+        );
+        assert_eq!(e(&pack_i32(&[1, 2]), &[]), "labels: 2 labels for 3 tokens");
+        assert_eq!(
+            e(&[1, 2, 3], &[]),
+            "labels: packed field has 3 bytes, not a multiple of 4"
+        );
+        assert_eq!(microbatch_labels(&[], &[], &[]).unwrap(), Vec::<i32>::new());
+    }
 
     #[test]
     fn packed_round_trip() {

@@ -210,4 +210,32 @@ mod tests {
         assert!(empty.is_empty());
         assert_eq!(empty.loss_tokens(), 0);
     }
+
+    /// Labels sent as a loss mask make the batch packed labels make.
+    #[test]
+    fn a_loss_mask_makes_the_batch_packed_labels_make() {
+        let ids = [11, 12, 13, 14, 15, 16, 17, 18, 19];
+        let labels = [-100, 12, 13, -100, -100, 16, 17, 18, 19];
+        let mut mask = accrue_proto::LossMask::default();
+        for l in labels {
+            mask.push(l != -100);
+        }
+        let masked = accrue_proto::v1::Microbatch {
+            labels: Vec::new(),
+            loss_mask: mask.into_bytes(),
+            ..wire(&ids, &labels, &[0, 4, 9])
+        };
+        let (a, _) = crate::convert::microbatch(&masked).unwrap();
+        let (b, _) = crate::convert::microbatch(&wire(&ids, &labels, &[0, 4, 9])).unwrap();
+        assert_eq!(a.labels, b.labels);
+        assert_eq!(a.input_ids, b.input_ids);
+        assert_eq!(a.loss_tokens(), 6);
+        // One bit short of the row's nine tokens: refused, naming the field.
+        let short = accrue_proto::v1::Microbatch {
+            loss_mask: vec![0xff],
+            ..masked
+        };
+        let e = crate::convert::microbatch(&short).unwrap_err().to_string();
+        assert!(e.contains("loss_mask: 1 bytes for 9 tokens"), "{e}");
+    }
 }

@@ -65,7 +65,8 @@ pub fn microbatch(mb: &wire::Microbatch) -> Result<(PackedBatch, MicrobatchMeta)
         StepError::InvalidPlan(format!("microbatch {field}: {e}"))
     };
     let ids = accrue_proto::unpack_u32(&mb.token_ids).map_err(|e| bad("token_ids", e))?;
-    let labels = accrue_proto::unpack_i32(&mb.labels).map_err(|e| bad("labels", e))?;
+    let labels = accrue_proto::microbatch_labels(&ids, &mb.labels, &mb.loss_mask)
+        .map_err(|e| StepError::InvalidPlan(format!("microbatch {e}")))?;
     let batch = PackedBatch {
         input_ids: ids.into_iter().map(i64::from).collect(),
         labels: labels.into_iter().map(i64::from).collect(),

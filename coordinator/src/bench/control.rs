@@ -750,7 +750,9 @@ fn counted(p: &wire::StepPlan) -> wire::MetricSums {
     for m in &p.microbatches {
         s.tokens += m.token_ids.len() as u64 / 4;
         s.documents += m.sequences.iter().filter(|q| q.role == 0).count() as u64;
-        let labels = accrue_proto::unpack_i32(&m.labels).unwrap_or_default();
+        let ids = accrue_proto::unpack_u32(&m.token_ids).unwrap_or_default();
+        let labels =
+            accrue_proto::microbatch_labels(&ids, &m.labels, &m.loss_mask).unwrap_or_default();
         for w in m.cu_seq_lens.windows(2) {
             let seq = labels.get(w[0] as usize..w[1] as usize).unwrap_or(&[]);
             s.loss_tokens += seq.iter().skip(1).filter(|&&l| l != -100).count() as u64;

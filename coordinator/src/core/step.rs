@@ -543,11 +543,17 @@ mod tests {
     /// old log-probs), with reference log-probs and advantages for some.
     fn mixed() -> (Vec<Document>, ReferenceCache, RolloutPlan) {
         let ids = |n: usize, k: u32| (0..n as u32).map(|t| 7 * k + t).collect::<Vec<_>>();
+        // Some with labels that are not their ids (then the wire packs
+        // the microbatch's labels instead of masking them).
         let owned = |n: usize, k: u32| {
             let i = ids(n, k);
             let l = i
                 .iter()
-                .map(|&t| if t % 4 == 0 { IGNORE_INDEX } else { t as i32 })
+                .map(|&t| match t {
+                    _ if t % 4 == 0 => IGNORE_INDEX,
+                    _ if k % 9 == 4 && t % 5 == 0 => 1,
+                    _ => t as i32,
+                })
                 .collect();
             Sequence::new(i, l)
         };
@@ -622,17 +628,27 @@ mod tests {
             .map(|i| DocHandle::new(&table, i))
             .collect();
         let (ranks, _) = pack_documents(&chosen, 40, 3, 2, notes).unwrap();
-        let mut checked = 0;
+        let (mut checked, mut masked_mbs, mut packed_mbs) = (0, 0, 0);
         for mb in ranks.iter().flatten() {
             let docs: Vec<&Document> = mb.docs.iter().map(|h| &**h).collect();
             let old = old_payload(&docs, notes);
             let rows = mb.rows();
             assert_eq!(rows.token_ids, old.token_ids);
             assert_eq!(rows.labels, old.labels);
-            // What the session task writes to the wire, byte for byte.
-            let (ids, labels) = crate::service::convert::packed_rows(mb);
-            assert_eq!(ids, accrue_proto::pack_u32(&old.token_ids));
-            assert_eq!(labels, accrue_proto::pack_i32(&old.labels));
+            // What the session task writes to the wire, byte for byte: the
+            // labels masked when each is its id or ignored, else packed.
+            let wire = crate::service::convert::packed_rows(mb);
+            assert_eq!(wire.token_ids, accrue_proto::pack_u32(&old.token_ids));
+            let masked = (old.token_ids.iter().zip(&old.labels))
+                .all(|(&t, &l)| l == IGNORE_INDEX || l == t as i32);
+            assert_eq!(wire.labels.is_empty(), masked);
+            assert_eq!(wire.loss_mask.is_empty(), !masked || old.labels.is_empty());
+            masked_mbs += usize::from(masked && !old.labels.is_empty());
+            packed_mbs += usize::from(!masked);
+            assert_eq!(
+                accrue_proto::microbatch_labels(&old.token_ids, &wire.labels, &wire.loss_mask),
+                Ok(old.labels.clone())
+            );
             assert_eq!(mb.cu_seq_lens, old.cu_seq_lens);
             assert_eq!(mb.seqs, old.seqs);
             // NaN-aware: compare the bits.
@@ -647,6 +663,10 @@ mod tests {
             checked += docs.len();
         }
         assert_eq!(checked, table.len(), "every document placed once");
+        assert!(
+            masked_mbs > 0 && packed_mbs > 0,
+            "{masked_mbs} masked, {packed_mbs} packed"
+        );
         let some = |f: fn(&Rows) -> bool| ranks.iter().flatten().any(|m| f(&m.rows()));
         assert!(
             some(|r| !r.old_logprobs.is_empty()),

@@ -430,17 +430,39 @@ fn ring_next(peers: &[(WorkerId, String)], rank: u32) -> Option<wire::Peer> {
     })
 }
 
-/// The wire message for one worker. Tokens travel as packed bytes.
-/// A microbatch's token ids and labels as the wire packs them
-/// (little-endian, 4 bytes a token; `pack_u32`/`pack_i32` of its rows),
+/// A microbatch's row as the wire carries it: token ids little-endian, 4
+/// bytes a token (`pack_u32` of its rows), and its labels as a loss mask
+/// when every sequence's are its ids or ignored, else packed (`pack_i32`);
 /// written straight from its documents' sequences.
-pub fn packed_rows(mb: &crate::core::step::MicrobatchPayload) -> (Vec<u8>, Vec<u8>) {
-    let len = mb.tokens() as usize * 4;
-    let (mut ids, mut labels) = (Vec::with_capacity(len), Vec::with_capacity(len));
-    for seq in mb.sequences() {
-        seq.write_le(&mut ids, &mut labels);
+pub struct PackedRows {
+    pub token_ids: Vec<u8>,
+    pub labels: Vec<u8>,
+    pub loss_mask: Vec<u8>,
+}
+
+pub fn packed_rows(mb: &crate::core::step::MicrobatchPayload) -> PackedRows {
+    let tokens = mb.tokens() as usize;
+    let mut token_ids = Vec::with_capacity(tokens * 4);
+    if mb.sequences().all(|s| s.maskable()) {
+        let mut mask = accrue_proto::LossMask::with_capacity(tokens);
+        for seq in mb.sequences() {
+            seq.write_masked(&mut token_ids, &mut mask);
+        }
+        return PackedRows {
+            token_ids,
+            labels: Vec::new(),
+            loss_mask: mask.into_bytes(),
+        };
     }
-    (ids, labels)
+    let mut labels = Vec::with_capacity(tokens * 4);
+    for seq in mb.sequences() {
+        seq.write_le(&mut token_ids, &mut labels);
+    }
+    PackedRows {
+        token_ids,
+        labels,
+        loss_mask: Vec::new(),
+    }
 }
 
 pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
@@ -525,16 +547,17 @@ pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
                 .map(|mb| {
                     // The token rows are materialised here, in the
                     // session's task, outside the state lock.
-                    let (token_ids, labels) = packed_rows(mb);
+                    let rows = packed_rows(mb);
                     wire::Microbatch {
-                        token_ids,
-                        labels,
+                        token_ids: rows.token_ids,
+                        labels: rows.labels,
+                        loss_mask: rows.loss_mask,
                         cu_seq_lens: mb.cu_seq_lens.clone(),
                         sequences: mb
                             .seqs
                             .iter()
                             .map(|s| wire::PackedSequence {
-                                doc_id: s.doc.to_string(),
+                                doc_id: s.doc.label(),
                                 role: s.role,
                                 advantage: s.advantage,
                                 ref_logp: s.ref_logp,

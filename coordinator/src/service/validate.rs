@@ -3,11 +3,13 @@
 //! A refused message is `InvalidArgument` naming the field, and is refused
 //! before it reaches the core, so it changes nothing.
 
+use std::fmt;
+
 use accrue_proto::v1 as wire;
 use accrue_proto::v1::worker_message::Msg;
 use tonic::Status;
 
-fn non_empty(field: &str, value: &str) -> Result<(), Status> {
+fn non_empty(field: impl fmt::Display, value: &str) -> Result<(), Status> {
     if value.is_empty() {
         return Err(Status::invalid_argument(format!(
             "{field} must not be empty"
@@ -17,7 +19,7 @@ fn non_empty(field: &str, value: &str) -> Result<(), Status> {
 }
 
 /// A duration or count that must be a finite number ≥ 0.
-fn non_negative(field: &str, value: f64) -> Result<(), Status> {
+fn non_negative(field: impl fmt::Display, value: f64) -> Result<(), Status> {
     if !(value.is_finite() && value >= 0.0) {
         return Err(Status::invalid_argument(format!(
             "{field}: expected a finite number >= 0, got {value}"
@@ -54,12 +56,12 @@ pub fn hello(h: &wire::Hello) -> Result<(), Status> {
 pub fn session_message(msg: &Msg) -> Result<(), Status> {
     match msg {
         Msg::Ready(r) => non_empty("ready.job_id", &r.job_id),
-        Msg::StepResult(r) => step_result("step_result", r),
+        Msg::StepResult(r) => step_result(&"step_result", r),
         Msg::StepResults(b) => {
             non_empty("step_results.job_id", &b.job_id)?;
             let mut ranks = std::collections::HashSet::new();
             for (i, r) in b.results.iter().enumerate() {
-                let field = format!("step_results.results[{i}]");
+                let field = Entry(i);
                 step_result(&field, r)?;
                 if (r.job_id.as_str(), r.generation, r.step) != (&b.job_id, b.generation, b.step) {
                     return Err(Status::invalid_argument(format!(
@@ -84,9 +86,28 @@ pub fn session_message(msg: &Msg) -> Result<(), Status> {
     }
 }
 
+/// A batch's entry as errors name it, written only when one is (a batch
+/// holds one entry per rank and is checked every step).
+struct Entry(usize);
+
+impl fmt::Display for Entry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "step_results.results[{}]", self.0)
+    }
+}
+
+/// `{0}.{1}`, written only when an error names it.
+struct Sub<'a>(&'a dyn fmt::Display, &'a str);
+
+impl fmt::Display for Sub<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}.{}", self.0, self.1)
+    }
+}
+
 /// One rank's step result (`field` names it in errors).
-fn step_result(field: &str, r: &wire::StepResult) -> Result<(), Status> {
-    non_empty(&format!("{field}.job_id"), &r.job_id)?;
+fn step_result(field: &dyn fmt::Display, r: &wire::StepResult) -> Result<(), Status> {
+    non_empty(Sub(field, "job_id"), &r.job_id)?;
     if let Some(s) = &r.sums {
         for (name, v) in [
             ("compute_s", s.compute_s),
@@ -95,7 +116,7 @@ fn step_result(field: &str, r: &wire::StepResult) -> Result<(), Status> {
             ("idle_s", s.idle_s),
             ("model_flops", s.model_flops),
         ] {
-            non_negative(&format!("{field}.sums.{name}"), v)?;
+            non_negative(Sub(&Sub(field, "sums"), name), v)?;
         }
     }
     Ok(())

@@ -189,7 +189,8 @@ pub fn counted(sums: wire::MetricSums, p: &wire::StepPlan) -> wire::MetricSums {
     let loss_tokens: u64 = mbs
         .iter()
         .flat_map(|m| {
-            let labels = accrue_proto::unpack_i32(&m.labels).unwrap();
+            let ids = accrue_proto::unpack_u32(&m.token_ids).unwrap();
+            let labels = accrue_proto::microbatch_labels(&ids, &m.labels, &m.loss_mask).unwrap();
             m.cu_seq_lens
                 .windows(2)
                 .map(|w| {

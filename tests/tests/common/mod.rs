@@ -207,8 +207,7 @@ pub async fn fake_generator(
                 };
                 for mb in &p.microbatches {
                     let ids = accrue_proto::unpack_u32(&mb.token_ids)?;
-                    let labels = accrue_proto::unpack_i32(&mb.labels)?;
-                    anyhow::ensure!(ids.len() == labels.len(), "labels misaligned");
+                    let labels = accrue_proto::microbatch_labels(&ids, &mb.labels, &mb.loss_mask)?;
                     anyhow::ensure!(
                         mb.cu_seq_lens.last().copied().unwrap_or(0) as usize == ids.len(),
                         "cu_seq_lens do not cover the row"

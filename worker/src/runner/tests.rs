@@ -151,6 +151,7 @@ fn mb(docs: &[(&str, usize)]) -> wire::Microbatch {
         sequences: seqs,
         old_logprobs: Vec::new(),
         source: 0,
+        loss_mask: Vec::new(),
     }
 }
 
