@@ -189,29 +189,34 @@ pub trait TokenRows: Send + Sync {
         accrue_proto::extend_i32(labels, &self.labels(row));
     }
 
-    /// Whether every label of row `row` is its token's id or ignored: then
-    /// the wire carries them as a loss mask ([`accrue_proto::LossMask`]).
-    fn maskable(&self, row: u32) -> bool {
-        maskable(self.ids(row), &self.labels(row))
-    }
-
-    /// Appends row `row`'s ids as [`TokenRows::write_le`] does and its
-    /// labels to `mask`; only for a [`TokenRows::maskable`] row.
-    fn write_masked(&self, row: u32, ids: &mut Vec<u8>, mask: &mut accrue_proto::LossMask) {
-        accrue_proto::extend_u32(ids, self.ids(row));
-        for &l in self.labels(row).iter() {
-            mask.push(l != IGNORE_INDEX);
-        }
+    /// When every label of row `row` is its token's id or ignored, appends
+    /// its ids as [`TokenRows::write_le`] does and its labels to `mask` (the
+    /// wire's loss mask, [`accrue_proto::LossMask`]) and says so; otherwise
+    /// writes nothing. One pass: the row is read once.
+    fn write_masked(&self, row: u32, ids: &mut Vec<u8>, mask: &mut accrue_proto::LossMask) -> bool {
+        write_masked(self.ids(row), &self.labels(row), ids, mask)
     }
 }
 
-/// Labels that are each their token's id or ignored.
-fn maskable(ids: &[u32], labels: &[i32]) -> bool {
-    ids.len() == labels.len()
+/// [`TokenRows::write_masked`] of a row held as `ids` and `labels`.
+fn write_masked(
+    ids: &[u32],
+    labels: &[i32],
+    out: &mut Vec<u8>,
+    mask: &mut accrue_proto::LossMask,
+) -> bool {
+    let maskable = ids.len() == labels.len()
         && ids
             .iter()
             .zip(labels)
-            .all(|(&id, &l)| l == IGNORE_INDEX || l == id as i32)
+            .all(|(&id, &l)| l == IGNORE_INDEX || l == id as i32);
+    if maskable {
+        accrue_proto::extend_u32(out, ids);
+        for &l in labels {
+            mask.push(l != IGNORE_INDEX);
+        }
+    }
+    maskable
 }
 
 impl Sequence {
@@ -263,23 +268,10 @@ impl Sequence {
         }
     }
 
-    /// See [`TokenRows::maskable`].
-    pub fn maskable(&self) -> bool {
+    /// See [`TokenRows::write_masked`].
+    pub fn write_masked(&self, ids: &mut Vec<u8>, mask: &mut accrue_proto::LossMask) -> bool {
         match &self.tokens {
-            Tokens::Owned { input_ids, labels } => maskable(input_ids, labels),
-            Tokens::Mapped { rows, row, .. } => rows.maskable(*row),
-        }
-    }
-
-    /// See [`TokenRows::write_masked`]; only for a [`Sequence::maskable`] one.
-    pub fn write_masked(&self, ids: &mut Vec<u8>, mask: &mut accrue_proto::LossMask) {
-        match &self.tokens {
-            Tokens::Owned { input_ids, labels } => {
-                accrue_proto::extend_u32(ids, input_ids);
-                for &l in labels {
-                    mask.push(l != IGNORE_INDEX);
-                }
-            }
+            Tokens::Owned { input_ids, labels } => write_masked(input_ids, labels, ids, mask),
             Tokens::Mapped { rows, row, .. } => rows.write_masked(*row, ids, mask),
         }
     }

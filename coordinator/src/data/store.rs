@@ -572,17 +572,17 @@ impl TokenRows for Store {
     }
 
     /// A row without explicit labels has its ids or ignored (see `write_le`).
-    fn maskable(&self, row: u32) -> bool {
-        self.row(row).explicit == u64::MAX
-    }
-
-    fn write_masked(&self, row: u32, ids: &mut Vec<u8>, mask: &mut accrue_proto::LossMask) {
+    fn write_masked(&self, row: u32, ids: &mut Vec<u8>, mask: &mut accrue_proto::LossMask) -> bool {
         let e = self.row(row);
+        if e.explicit != u64::MAX {
+            return false;
+        }
         let (start, len) = (e.start as usize, e.len as usize);
         ids.extend_from_slice(&self.ids.bytes()[start * 4..(start + len) * 4]);
         for &m in &self.mask.bytes()[start..start + len] {
             mask.push(m == 1);
         }
+        true
     }
 }
 

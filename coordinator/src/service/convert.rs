@@ -443,17 +443,19 @@ pub struct PackedRows {
 pub fn packed_rows(mb: &crate::core::step::MicrobatchPayload) -> PackedRows {
     let tokens = mb.tokens() as usize;
     let mut token_ids = Vec::with_capacity(tokens * 4);
-    if mb.sequences().all(|s| s.maskable()) {
-        let mut mask = accrue_proto::LossMask::with_capacity(tokens);
-        for seq in mb.sequences() {
-            seq.write_masked(&mut token_ids, &mut mask);
-        }
+    let mut mask = accrue_proto::LossMask::with_capacity(tokens);
+    if mb
+        .sequences()
+        .all(|s| s.write_masked(&mut token_ids, &mut mask))
+    {
         return PackedRows {
             token_ids,
             labels: Vec::new(),
             loss_mask: mask.into_bytes(),
         };
     }
+    // A sequence with other labels: the whole row again, labels packed.
+    token_ids.clear();
     let mut labels = Vec::with_capacity(tokens * 4);
     for seq in mb.sequences() {
         seq.write_le(&mut token_ids, &mut labels);
