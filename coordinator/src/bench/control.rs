@@ -341,20 +341,16 @@ async fn drive(
         async move { rx.wait_for(|&s| s >= step).await.map(|_| ()) }
     };
     at(&mut step_rx, opts.warmup + 1).await?;
-    // The steps actually inside the window: a driver woken late (tiny
-    // steps, a busy machine) finds the job further on, and dividing by
-    // `opts.steps` would then count steps it never saw.
-    let first = *step_rx.borrow();
-    let start = Sample::take(shared, state);
-    let plan_bytes_0 = tally.plan_bytes.load(Ordering::Relaxed);
-    let plans_0 = tally.plans.load(Ordering::Relaxed);
-    let results_0 = tally.results.load(Ordering::Relaxed);
-    at(&mut step_rx, first + opts.steps).await?;
-    let results = tally.results.load(Ordering::Relaxed) - results_0;
-    let end = Sample::take(shared, state);
-    let measured = *step_rx.borrow() - first;
-    let plan_bytes = tally.plan_bytes.load(Ordering::Relaxed) - plan_bytes_0;
-    let plans = tally.plans.load(Ordering::Relaxed) - plans_0;
+    // The steps actually inside the window, counted where everything else
+    // is sampled: a driver woken late (tiny steps, a busy machine) finds
+    // the job further on, and steps keep running while a sample is taken.
+    let start = Sample::take(shared, state, &tally, &step_rx);
+    at(&mut step_rx, start.step + opts.steps).await?;
+    let end = Sample::take(shared, state, &tally, &step_rx);
+    let measured = end.step - start.step;
+    let results = end.results - start.results;
+    let plan_bytes = end.plan_bytes - start.plan_bytes;
+    let plans = end.sent_plans - start.sent_plans;
     let rss_bytes = rss();
     // Generations re-formed: fake 0 leaves, the step in flight aborts, the
     // job waits for min_workers, fake 0 comes back, a new generation forms
@@ -445,6 +441,12 @@ struct Sample {
     at: Instant,
     cpu_ns: u64,
     coord_cpu_ns: u64,
+    /// The step planned last, the result messages and plans the fakes
+    /// received and sent, read together with the CPU times.
+    step: u64,
+    results: u64,
+    sent_plans: u64,
+    plan_bytes: u64,
     locked_ns: u64,
     plan_s: f64,
     plans: u64,
@@ -453,14 +455,23 @@ struct Sample {
 }
 
 impl Sample {
-    fn take(shared: &Shared, state: &Path) -> Sample {
+    fn take(shared: &Shared, state: &Path, tally: &Tally, step: &watch::Receiver<u64>) -> Sample {
         let (cpu_ns, coord_cpu_ns) = thread_cpu_ns();
+        let at = Instant::now();
+        let step = *step.borrow();
+        let results = tally.results.load(Ordering::Relaxed);
+        let sent_plans = tally.plans.load(Ordering::Relaxed);
+        let plan_bytes = tally.plan_bytes.load(Ordering::Relaxed);
         let job = shared.lock().core.jobs().next().map(|j| j.rec.id.clone());
         let (plan_s, plans) = job.as_deref().map_or((0.0, 0), |j| shared.plan_seconds(j));
         Sample {
             plan_s,
             plans,
-            at: Instant::now(),
+            at,
+            step,
+            results,
+            sent_plans,
+            plan_bytes,
             cpu_ns,
             coord_cpu_ns,
             locked_ns: shared.lock_stats(false).total_ns,
@@ -778,7 +789,9 @@ mod tests {
                 workers: 4,
                 docs: 2_000,
                 docs_per_worker: 4,
-                steps: 3,
+                // Enough that a step's messages early or late at either
+                // edge of the window stay inside the bounds below.
+                steps: 10,
                 warmup: 1,
                 reforms: 2,
                 per_rank_results,
