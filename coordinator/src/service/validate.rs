@@ -110,13 +110,13 @@ fn step_result(field: &dyn fmt::Display, r: &wire::StepResult) -> Result<(), Sta
     non_empty(Sub(field, "job_id"), &r.job_id)?;
     if let Some(s) = &r.sums {
         for (name, v) in [
-            ("compute_s", s.compute_s),
-            ("collective_s", s.collective_s),
-            ("optimizer_s", s.optimizer_s),
-            ("idle_s", s.idle_s),
-            ("model_flops", s.model_flops),
+            ("sums.compute_s", s.compute_s),
+            ("sums.collective_s", s.collective_s),
+            ("sums.optimizer_s", s.optimizer_s),
+            ("sums.idle_s", s.idle_s),
+            ("sums.model_flops", s.model_flops),
         ] {
-            non_negative(Sub(&Sub(field, "sums"), name), v)?;
+            non_negative(Sub(field, name), v)?;
         }
     }
     Ok(())
