@@ -168,23 +168,48 @@ enum Tokens {
     },
     Mapped {
         rows: Arc<dyn TokenRows>,
-        row: u32,
-        len: u32,
-        loss_tokens: u32,
+        row: Row,
     },
+}
+
+/// One row of a [`TokenRows`] as its row table describes it. A mapped
+/// [`Sequence`] keeps all of it, read once when its document is loaded:
+/// building a plan then reads the row's tokens alone (the table would be
+/// one more cache miss per document of every plan).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Row {
+    pub len: u32,
+    pub loss_tokens: u32,
+    /// Where its owner keeps its tokens (a store: the offset of its first
+    /// token in the token array).
+    pub start: u64,
+    /// Offset of its explicit labels, or [`Row::NO_EXPLICIT`]: its labels
+    /// are then its ids, some ignored (a `u64` rather than an `Option`
+    /// keeps a mapped sequence no larger than an owned one).
+    pub explicit: u64,
+}
+
+impl Row {
+    pub const NO_EXPLICIT: u64 = u64::MAX;
+
+    /// Where its explicit labels start, if it has any.
+    pub fn explicit_labels(&self) -> Option<u64> {
+        (self.explicit != Self::NO_EXPLICIT).then_some(self.explicit)
+    }
 }
 
 /// Rows of tokens kept outside the coordinator's heap (a memory-mapped
 /// token store): what a mapped [`Sequence`] reads when a plan is built.
+/// Each method is given the [`Row`] its table described at load.
 pub trait TokenRows: Send + Sync {
-    fn ids(&self, row: u32) -> &[u32];
-    fn labels(&self, row: u32) -> Cow<'_, [i32]>;
+    fn ids(&self, row: &Row) -> &[u32];
+    fn labels(&self, row: &Row) -> Cow<'_, [i32]>;
 
     /// Appends row `row`'s ids and labels to `ids` and `labels` as the wire
     /// packs them (little-endian, 4 bytes a token). A store overrides this
     /// to write its labels without building the label row first: it runs
     /// for every token of every plan.
-    fn write_le(&self, row: u32, ids: &mut Vec<u8>, labels: &mut Vec<u8>) {
+    fn write_le(&self, row: &Row, ids: &mut Vec<u8>, labels: &mut Vec<u8>) {
         accrue_proto::extend_u32(ids, self.ids(row));
         accrue_proto::extend_i32(labels, &self.labels(row));
     }
@@ -193,7 +218,12 @@ pub trait TokenRows: Send + Sync {
     /// its ids as [`TokenRows::write_le`] does and its labels to `mask` (the
     /// wire's loss mask, [`accrue_proto::LossMask`]) and says so; otherwise
     /// writes nothing. One pass: the row is read once.
-    fn write_masked(&self, row: u32, ids: &mut Vec<u8>, mask: &mut accrue_proto::LossMask) -> bool {
+    fn write_masked(
+        &self,
+        row: &Row,
+        ids: &mut Vec<u8>,
+        mask: &mut accrue_proto::LossMask,
+    ) -> bool {
         write_masked(self.ids(row), &self.labels(row), ids, mask)
     }
 }
@@ -226,30 +256,24 @@ impl Sequence {
         }
     }
 
-    /// Row `row` of `rows`, whose length and loss tokens the caller knows
-    /// (from the store's row table).
-    pub fn mapped(rows: Arc<dyn TokenRows>, row: u32, len: u32, loss_tokens: u32) -> Self {
+    /// Row `row` of `rows`, as their row table describes it.
+    pub fn mapped(rows: Arc<dyn TokenRows>, row: Row) -> Self {
         Self {
-            tokens: Tokens::Mapped {
-                rows,
-                row,
-                len,
-                loss_tokens,
-            },
+            tokens: Tokens::Mapped { rows, row },
         }
     }
 
     pub fn input_ids(&self) -> &[u32] {
         match &self.tokens {
             Tokens::Owned { input_ids, .. } => input_ids,
-            Tokens::Mapped { rows, row, .. } => rows.ids(*row),
+            Tokens::Mapped { rows, row } => rows.ids(row),
         }
     }
 
     pub fn labels(&self) -> Cow<'_, [i32]> {
         match &self.tokens {
             Tokens::Owned { labels, .. } => Cow::Borrowed(labels),
-            Tokens::Mapped { rows, row, .. } => rows.labels(*row),
+            Tokens::Mapped { rows, row } => rows.labels(row),
         }
     }
 
@@ -264,7 +288,7 @@ impl Sequence {
                 accrue_proto::extend_u32(ids, input_ids);
                 accrue_proto::extend_i32(labels, l);
             }
-            Tokens::Mapped { rows, row, .. } => rows.write_le(*row, ids, labels),
+            Tokens::Mapped { rows, row } => rows.write_le(row, ids, labels),
         }
     }
 
@@ -272,14 +296,14 @@ impl Sequence {
     pub fn write_masked(&self, ids: &mut Vec<u8>, mask: &mut accrue_proto::LossMask) -> bool {
         match &self.tokens {
             Tokens::Owned { input_ids, labels } => write_masked(input_ids, labels, ids, mask),
-            Tokens::Mapped { rows, row, .. } => rows.write_masked(*row, ids, mask),
+            Tokens::Mapped { rows, row } => rows.write_masked(row, ids, mask),
         }
     }
 
     pub fn len(&self) -> usize {
         match &self.tokens {
             Tokens::Owned { input_ids, .. } => input_ids.len(),
-            Tokens::Mapped { len, .. } => *len as usize,
+            Tokens::Mapped { row, .. } => row.len as usize,
         }
     }
 
@@ -297,7 +321,7 @@ impl Sequence {
     pub fn loss_tokens(&self) -> u64 {
         match &self.tokens {
             Tokens::Owned { labels, .. } => count_loss_tokens(labels),
-            Tokens::Mapped { loss_tokens, .. } => u64::from(*loss_tokens),
+            Tokens::Mapped { row, .. } => u64::from(row.loss_tokens),
         }
     }
 }
@@ -419,8 +443,15 @@ impl Document {
     }
 
     /// Lengths of its sequences, in packing order.
-    pub fn seq_lens(&self) -> Vec<u32> {
-        self.sequences().map(|s| s.len() as u32).collect()
+    pub fn seq_lens(&self) -> crate::plan::SeqLens {
+        use crate::plan::SeqLens;
+        match &self.body {
+            DocBody::Sft(s) => SeqLens::one(s.len() as u32),
+            DocBody::Pair { chosen, rejected } => {
+                SeqLens::pair(chosen.len() as u32, rejected.len() as u32)
+            }
+            DocBody::Rollout(r) => SeqLens::one(r.seq.len() as u32),
+        }
     }
 
     pub fn is_pair(&self) -> bool {
@@ -431,6 +462,14 @@ impl Document {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_mapped_sequence_is_no_larger_than_an_owned_one() {
+        // Every document of a dataset is resident: a mapped row carries
+        // its table entry (see `Row`) within the size an owned row needs.
+        let owned = std::mem::size_of::<(Vec<u32>, Vec<i32>)>();
+        assert_eq!(std::mem::size_of::<Sequence>(), owned);
+    }
 
     #[test]
     fn loss_tokens_skip_first_label_and_ignored() {
@@ -450,7 +489,7 @@ mod tests {
         };
         assert_eq!(d.tokens(), 8);
         assert_eq!(d.loss_tokens(), 6);
-        assert_eq!(d.seq_lens(), vec![3, 5]);
+        assert_eq!(d.seq_lens()[..], [3, 5]);
         assert_eq!(d.id.to_string(), "0:3");
     }
 
@@ -501,5 +540,17 @@ mod doc_ids_tests {
         let c = DocIds::new(&many);
         assert_eq!(c.to_vec(), many);
         assert!(c.encoded_len() <= 4 * many.len(), "{}", c.encoded_len());
+    }
+}
+#[cfg(test)]
+mod size_probe {
+    #[test]
+    fn probe() {
+        eprintln!(
+            "SIZES seq={} doc={} row={}",
+            std::mem::size_of::<super::Sequence>(),
+            std::mem::size_of::<super::Document>(),
+            std::mem::size_of::<super::Row>()
+        );
     }
 }

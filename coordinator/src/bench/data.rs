@@ -455,7 +455,7 @@ pub fn planner(sources: u32, docs: u64, docs_per_step: u64) -> anyhow::Result<Da
             .iter()
             .map(|&i| PackItem {
                 doc: i,
-                seq_lens: vec![lens[offered[i] as usize]],
+                seq_lens: plan::SeqLens::one(lens[offered[i] as usize]),
                 loss_tokens: u64::from(lens[offered[i] as usize]) / 2,
                 is_pair: false,
             })

@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::plan::{
     audit, item_cost, lower_bound_per_rank, normalizers, solve, Microbatch, PackItem, PackProblem,
-    PackSolution, PlanError,
+    PackSolution, PlanError, SeqLens,
 };
 
 /// Name of the built-in synthetic dataset.
@@ -230,7 +230,8 @@ fn steps(
                 .enumerate()
                 .map(|(doc, lens)| PackItem {
                     doc,
-                    seq_lens: lens.to_vec(),
+                    seq_lens: SeqLens::from_slice(lens)
+                        .expect("a document has one sequence or a pair's two"),
                     loss_tokens: lens.iter().map(|&l| u64::from(l)).sum(),
                     is_pair: lens.len() == 2,
                 })
@@ -405,7 +406,7 @@ mod tests {
             .enumerate()
             .map(|(doc, &l)| PackItem {
                 doc,
-                seq_lens: vec![l],
+                seq_lens: SeqLens::one(l),
                 loss_tokens: 1,
                 is_pair: false,
             })

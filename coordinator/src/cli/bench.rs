@@ -116,7 +116,10 @@ fn real_datasets(dir: &Path) -> anyhow::Result<Vec<(String, Vec<Vec<u32>>)>> {
                 .unwrap_or_default()
                 .to_string_lossy()
                 .into_owned();
-            out.push((name, ds.docs.iter().map(|d| d.seq_lens()).collect()));
+            out.push((
+                name,
+                ds.docs.iter().map(|d| d.seq_lens().to_vec()).collect(),
+            ));
         }
     }
     Ok(out)

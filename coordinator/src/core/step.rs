@@ -388,7 +388,8 @@ pub fn payload<'a>(
     docs: impl Iterator<Item = &'a DocHandle>,
     notes: Annotations<'_>,
 ) -> MicrobatchPayload {
-    let docs: Vec<(&DocHandle, DocId, Vec<u32>)> = docs.map(|d| (d, d.id, d.seq_lens())).collect();
+    let docs: Vec<(&DocHandle, DocId, crate::plan::SeqLens)> =
+        docs.map(|d| (d, d.id, d.seq_lens())).collect();
     let loss_tokens = docs.iter().map(|(d, ..)| d.loss_tokens()).sum();
     layout(
         docs.iter().map(|(d, id, lens)| (*d, *id, &lens[..])),
@@ -459,7 +460,7 @@ mod tests {
 
     use super::*;
     use crate::core::reference::RefEntry;
-    use crate::doc::{Rollout, TokenRows, IGNORE_INDEX};
+    use crate::doc::{Rollout, Row, TokenRows, IGNORE_INDEX};
 
     /// The payload as it was built under the state lock before the
     /// layout/rows split (issue 19): the reference the rows must equal.
@@ -522,7 +523,8 @@ mod tests {
         p
     }
 
-    /// Rows of a mapped store: labels are the ids with every third ignored.
+    /// Rows of a mapped store (a row's `start` is its index): labels are the
+    /// ids with every third ignored.
     struct Store(Vec<Vec<u32>>);
 
     fn store_labels(ids: &[u32]) -> Vec<i32> {
@@ -531,11 +533,11 @@ mod tests {
     }
 
     impl TokenRows for Store {
-        fn ids(&self, row: u32) -> &[u32] {
-            &self.0[row as usize]
+        fn ids(&self, row: &Row) -> &[u32] {
+            &self.0[row.start as usize]
         }
-        fn labels(&self, row: u32) -> Cow<'_, [i32]> {
-            Cow::Owned(store_labels(&self.0[row as usize]))
+        fn labels(&self, row: &Row) -> Cow<'_, [i32]> {
+            Cow::Owned(store_labels(&self.0[row.start as usize]))
         }
     }
 
@@ -572,9 +574,13 @@ mod tests {
                     let row = k % 8;
                     let rows: Arc<dyn TokenRows> = store.clone();
                     let labels = store_labels(&store.0[row as usize]);
-                    let loss = crate::doc::count_loss_tokens(&labels) as u32;
-                    let len = store.0[row as usize].len() as u32;
-                    DocBody::Sft(Sequence::mapped(rows, row, len, loss))
+                    let row = Row {
+                        len: store.0[row as usize].len() as u32,
+                        loss_tokens: crate::doc::count_loss_tokens(&labels) as u32,
+                        start: u64::from(row),
+                        explicit: Row::NO_EXPLICIT,
+                    };
+                    DocBody::Sft(Sequence::mapped(rows, row))
                 }
                 2 => {
                     refs.insert(id, RefEntry::Pair([-1.5 - k as f64, -2.5]));

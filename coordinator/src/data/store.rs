@@ -33,7 +33,7 @@ use std::sync::Arc;
 use memmap2::Mmap;
 use serde::{Deserialize, Serialize};
 
-use crate::doc::{DocBody, Rollout, Sequence, TokenRows, IGNORE_INDEX};
+use crate::doc::{DocBody, Rollout, Row, Sequence, TokenRows, IGNORE_INDEX};
 
 const ROW_BYTES: usize = 24;
 const DOC_BYTES: usize = 24;
@@ -107,15 +107,6 @@ pub struct DocEntry {
     pub element: Option<u64>,
     pub first_row: u32,
     pub rows: u32,
-}
-
-/// One row as the store indexes it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RowEntry {
-    pub start: u64,
-    pub len: u32,
-    pub loss_tokens: u32,
-    explicit: u64,
 }
 
 /// Writes a store into a temporary directory; [`Writer::finish`] makes it
@@ -247,7 +238,7 @@ impl Writer {
             .write_all(&mask)
             .map_err(self.io("cannot write mask.bin"))?;
         let explicit = if masked {
-            u64::MAX
+            Row::NO_EXPLICIT
         } else {
             let at = self.meta.explicit_labels;
             let mut buf = Vec::with_capacity(labels.len() * 4);
@@ -474,10 +465,11 @@ impl Store {
         }
     }
 
-    pub fn row(&self, i: u32) -> RowEntry {
-        let i = i as usize;
+    /// Row `index` as the row table describes it.
+    pub fn row(&self, index: u32) -> Row {
+        let i = index as usize;
         let r = &self.rows.bytes()[i * ROW_BYTES..(i + 1) * ROW_BYTES];
-        RowEntry {
+        Row {
             start: u64_at(r, 0),
             len: u32_at(r, 8),
             loss_tokens: u32_at(r, 12),
@@ -498,9 +490,8 @@ impl Store {
     pub fn body(self: &Arc<Self>, i: usize) -> DocBody {
         let d = self.doc(i);
         let seq = |r: u32| {
-            let e = self.row(r);
             let rows: Arc<dyn TokenRows> = self.clone();
-            Sequence::mapped(rows, r, e.len, e.loss_tokens)
+            Sequence::mapped(rows, self.row(r))
         };
         if self.meta.rollouts {
             let x = &self.rollouts[i];
@@ -523,22 +514,20 @@ impl Store {
 }
 
 impl TokenRows for Store {
-    fn ids(&self, row: u32) -> &[u32] {
-        let e = self.row(row);
-        let bytes =
-            &self.ids.bytes()[e.start as usize * 4..(e.start as usize + e.len as usize) * 4];
+    fn ids(&self, row: &Row) -> &[u32] {
+        let (start, len) = (row.start as usize, row.len as usize);
         // The map is page-aligned and every id is 4 bytes from its start.
-        bytemuck::cast_slice(bytes)
+        bytemuck::cast_slice(&self.ids.bytes()[start * 4..(start + len) * 4])
     }
 
-    fn labels(&self, row: u32) -> Cow<'_, [i32]> {
-        let e = self.row(row);
-        if e.explicit != u64::MAX {
-            let at = e.explicit as usize * 4;
-            let bytes = &self.explicit.bytes()[at..at + e.len as usize * 4];
+    fn labels(&self, row: &Row) -> Cow<'_, [i32]> {
+        if let Some(at) = row.explicit_labels() {
+            let at = at as usize * 4;
+            let bytes = &self.explicit.bytes()[at..at + row.len as usize * 4];
             return Cow::Borrowed(bytemuck::cast_slice(bytes));
         }
-        let mask = &self.mask.bytes()[e.start as usize..e.start as usize + e.len as usize];
+        let (start, len) = (row.start as usize, row.len as usize);
+        let mask = &self.mask.bytes()[start..start + len];
         Cow::Owned(
             self.ids(row)
                 .iter()
@@ -548,14 +537,13 @@ impl TokenRows for Store {
         )
     }
 
-    fn write_le(&self, row: u32, ids: &mut Vec<u8>, labels: &mut Vec<u8>) {
-        let e = self.row(row);
-        let (start, len) = (e.start as usize, e.len as usize);
+    fn write_le(&self, row: &Row, ids: &mut Vec<u8>, labels: &mut Vec<u8>) {
+        let (start, len) = (row.start as usize, row.len as usize);
         // The files hold little-endian 4-byte values already (see `ids`).
         let id_bytes = &self.ids.bytes()[start * 4..(start + len) * 4];
         ids.extend_from_slice(id_bytes);
-        if e.explicit != u64::MAX {
-            let at = e.explicit as usize * 4;
+        if let Some(at) = row.explicit_labels() {
+            let at = at as usize * 4;
             labels.extend_from_slice(&self.explicit.bytes()[at..at + len * 4]);
             return;
         }
@@ -572,12 +560,16 @@ impl TokenRows for Store {
     }
 
     /// A row without explicit labels has its ids or ignored (see `write_le`).
-    fn write_masked(&self, row: u32, ids: &mut Vec<u8>, mask: &mut accrue_proto::LossMask) -> bool {
-        let e = self.row(row);
-        if e.explicit != u64::MAX {
+    fn write_masked(
+        &self,
+        row: &Row,
+        ids: &mut Vec<u8>,
+        mask: &mut accrue_proto::LossMask,
+    ) -> bool {
+        if row.explicit_labels().is_some() {
             return false;
         }
-        let (start, len) = (e.start as usize, e.len as usize);
+        let (start, len) = (row.start as usize, row.len as usize);
         ids.extend_from_slice(&self.ids.bytes()[start * 4..(start + len) * 4]);
         for &m in &self.mask.bytes()[start..start + len] {
             mask.push(m == 1);

@@ -24,7 +24,7 @@ pub struct PackItem {
     pub doc: usize,
     /// Lengths of its sequences; a DPO pair has two and they are placed
     /// together, in this order, in one microbatch.
-    pub seq_lens: Vec<u32>,
+    pub seq_lens: SeqLens,
     /// Loss tokens over its sequences (after the label shift).
     pub loss_tokens: u64,
     /// True for a preference pair (counts toward `Normalizers::pairs`).
@@ -34,6 +34,53 @@ pub struct PackItem {
 impl PackItem {
     pub fn tokens(&self) -> u64 {
         self.seq_lens.iter().map(|&l| l as u64).sum()
+    }
+}
+
+/// A document's sequence lengths: one, or a pair's two. Held inline: an
+/// item is built for every document of every step, under the state lock.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct SeqLens {
+    lens: [u32; 2],
+    pair: bool,
+}
+
+impl SeqLens {
+    pub fn one(len: u32) -> Self {
+        Self {
+            lens: [len, 0],
+            pair: false,
+        }
+    }
+
+    /// A pair's two sequences, in the order they are placed.
+    pub fn pair(first: u32, second: u32) -> Self {
+        Self {
+            lens: [first, second],
+            pair: true,
+        }
+    }
+
+    /// One or two lengths; `None` for any other count.
+    pub fn from_slice(lens: &[u32]) -> Option<Self> {
+        match *lens {
+            [len] => Some(Self::one(len)),
+            [first, second] => Some(Self::pair(first, second)),
+            _ => None,
+        }
+    }
+}
+
+impl std::ops::Deref for SeqLens {
+    type Target = [u32];
+    fn deref(&self) -> &[u32] {
+        &self.lens[..1 + usize::from(self.pair)]
+    }
+}
+
+impl std::fmt::Debug for SeqLens {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
     }
 }
 

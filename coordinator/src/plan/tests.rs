@@ -11,7 +11,7 @@ use super::*;
 fn single(doc: usize, len: u32) -> PackItem {
     PackItem {
         doc,
-        seq_lens: vec![len],
+        seq_lens: SeqLens::one(len),
         loss_tokens: u64::from(len) / 2,
         is_pair: false,
     }
@@ -49,9 +49,9 @@ fn items_from(raw: &[(bool, u32, u32, u64)], max: u32) -> Vec<PackItem> {
         .map(|(doc, &(pair, r1, r2, loss))| {
             let seq_lens = if pair {
                 let a = r1 % (max + 1);
-                vec![a, r2 % (max - a + 1)]
+                SeqLens::pair(a, r2 % (max - a + 1))
             } else {
-                vec![1 + r1 % max]
+                SeqLens::one(1 + r1 % max)
             };
             let tokens: u64 = seq_lens.iter().map(|&l| u64::from(l)).sum();
             PackItem {
@@ -307,7 +307,7 @@ fn documents_of_exactly_max_tokens_fill_one_microbatch_each() {
 fn a_pair_stays_together_in_order() {
     let pair = PackItem {
         doc: 7,
-        seq_lens: vec![30, 20],
+        seq_lens: SeqLens::pair(30, 20),
         loss_tokens: 12,
         is_pair: true,
     };
@@ -319,7 +319,7 @@ fn a_pair_stays_together_in_order() {
         .collect();
     assert_eq!(holder.len(), 1);
     assert!(holder[0].tokens >= 50);
-    assert_eq!(p.items[1].seq_lens, vec![30, 20]);
+    assert_eq!(p.items[1].seq_lens[..], [30, 20]);
     assert_eq!(s.normalizers.pairs, 1);
     assert_eq!(s.normalizers.sequences, 4);
 }
@@ -329,7 +329,7 @@ fn overlong_document_is_an_error_naming_it() {
     let mut items = singles(&[10, 20]);
     items.push(PackItem {
         doc: 42,
-        seq_lens: vec![60, 50],
+        seq_lens: SeqLens::pair(60, 50),
         loss_tokens: 0,
         is_pair: true,
     });
@@ -369,7 +369,7 @@ fn attention_cost_counts_the_square() {
     assert_eq!(seq_cost(4096), 4096.0 * 2.0);
     let pair = PackItem {
         doc: 0,
-        seq_lens: vec![4096, 4096],
+        seq_lens: SeqLens::pair(4096, 4096),
         loss_tokens: 0,
         is_pair: true,
     };
