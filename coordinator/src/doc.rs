@@ -226,6 +226,12 @@ pub trait TokenRows: Send + Sync {
     ) -> bool {
         write_masked(self.ids(row), &self.labels(row), ids, mask)
     }
+
+    /// Starts loading row `row`'s first bytes into the cache without
+    /// waiting for them. A plan's rows are scattered over the store, each
+    /// a cache miss: touched together before they are copied, the misses
+    /// overlap instead of following one another.
+    fn prefetch(&self, _row: &Row) {}
 }
 
 /// [`TokenRows::write_masked`] of a row held as `ids` and `labels`.
@@ -289,6 +295,13 @@ impl Sequence {
                 accrue_proto::extend_i32(labels, l);
             }
             Tokens::Mapped { rows, row } => rows.write_le(row, ids, labels),
+        }
+    }
+
+    /// See [`TokenRows::prefetch`]; nothing for owned tokens.
+    pub fn prefetch(&self) {
+        if let Tokens::Mapped { rows, row } = &self.tokens {
+            rows.prefetch(row);
         }
     }
 

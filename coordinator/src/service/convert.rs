@@ -444,6 +444,7 @@ pub fn packed_rows(mb: &crate::core::step::MicrobatchPayload) -> PackedRows {
     let tokens = mb.tokens() as usize;
     let mut token_ids = Vec::with_capacity(tokens * 4);
     let mut mask = accrue_proto::LossMask::with_capacity(tokens);
+    mb.sequences().for_each(crate::doc::Sequence::prefetch);
     if mb
         .sequences()
         .all(|s| s.write_masked(&mut token_ids, &mut mask))
