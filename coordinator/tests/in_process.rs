@@ -208,6 +208,16 @@ async fn worker_session_rejects_bad_openings() {
         .unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
     assert!(err.message().contains("hostname"));
+    // A worker built before workers sent their contract revision.
+    let err = client
+        .register(wire::RegisterRequest {
+            hostname: "old".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    assert!(err.message().starts_with("protocol: "), "{}", err.message());
 
     // First message not hello.
     let msgs = tokio_stream::iter(vec![wire::WorkerMessage {

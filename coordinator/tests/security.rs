@@ -87,6 +87,7 @@ fn register() -> wire::RegisterRequest {
     wire::RegisterRequest {
         hostname: "h".into(),
         device: "cpu".into(),
+        protocol: accrue_proto::PROTOCOL,
         ..Default::default()
     }
 }

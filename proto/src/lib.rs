@@ -5,6 +5,15 @@
 //! see [`pack_u32`] and friends; labels that are ids or ignored travel as a
 //! bit mask ([`LossMask`], [`microbatch_labels`]).
 
+/// The revision of this contract a worker sends at registration
+/// (`RegisterRequest.protocol`); the coordinator registers workers of its
+/// own revision only. Raise it with any change an older peer would
+/// misread rather than refuse.
+///
+/// 1: plans may carry labels as a loss mask (`Microbatch.loss_mask`),
+/// which workers from before (they send 0) read as "0 labels for N tokens".
+pub const PROTOCOL: u32 = 1;
+
 #[allow(clippy::all, clippy::pedantic)]
 pub mod v1 {
     tonic::include_proto!("accrue.v1");

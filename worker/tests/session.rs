@@ -272,3 +272,75 @@ async fn a_worker_trains_checkpoints_and_a_resumed_job_continues_at_the_same_ste
     stop.cancel();
     task.await.unwrap().unwrap();
 }
+
+/// A coordinator of another contract revision: it refuses every
+/// registration naming `protocol`, and counts them.
+struct OtherRevision {
+    registrations: Arc<Mutex<u32>>,
+}
+
+#[tonic::async_trait]
+impl cwire::worker_service_server::WorkerService for OtherRevision {
+    async fn register(
+        &self,
+        req: tonic::Request<cwire::RegisterRequest>,
+    ) -> Result<tonic::Response<cwire::RegisterResponse>, tonic::Status> {
+        *self.registrations.lock().unwrap() += 1;
+        let sent = req.into_inner().protocol;
+        assert_eq!(
+            sent,
+            accrue_proto::PROTOCOL,
+            "the worker sends its revision"
+        );
+        Err(tonic::Status::failed_precondition(format!(
+            "protocol: this worker speaks revision {sent}, this coordinator {}",
+            sent + 1
+        )))
+    }
+
+    type SessionStream =
+        tokio_stream::wrappers::ReceiverStream<Result<cwire::CoordinatorMessage, tonic::Status>>;
+
+    async fn session(
+        &self,
+        _: tonic::Request<tonic::Streaming<cwire::WorkerMessage>>,
+    ) -> Result<tonic::Response<Self::SessionStream>, tonic::Status> {
+        Err(tonic::Status::unimplemented("never reached"))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_refused_for_its_contract_revision_exits_naming_it_without_retrying() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let registrations = Arc::new(Mutex::new(0));
+    let service = cwire::worker_service_server::WorkerServiceServer::new(OtherRevision {
+        registrations: registrations.clone(),
+    });
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(service)
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let restores = Arc::new(Mutex::new(Vec::new()));
+    // Retrying would go on for the whole reconnect timeout (a minute).
+    let err = tokio::time::timeout(
+        Duration::from_secs(20),
+        session::run(
+            SessionConfig::new(&url),
+            RunnerConfig::new(factory(restores, None)),
+        ),
+    )
+    .await
+    .expect("the worker gives up at once")
+    .unwrap_err();
+    let message = format!("{err:#}");
+    assert!(message.contains("refused this worker"), "{message}");
+    assert!(message.contains("protocol: "), "{message}");
+    assert_eq!(
+        *registrations.lock().unwrap(),
+        1,
+        "registered once, not retried"
+    );
+    server.abort();
+}

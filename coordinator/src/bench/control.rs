@@ -605,6 +605,7 @@ impl Fake {
                 device: "cpu".into(),
                 collective_addr: format!("127.0.0.1:{}", 10_000 + self.index),
                 previous_worker_id: previous.to_string(),
+                protocol: accrue_proto::PROTOCOL,
                 ..Default::default()
             })
             .await?

@@ -31,6 +31,7 @@ async fn worker(url: &str, beating: bool) -> (String, mpsc::Sender<wire::WorkerM
             hostname: "h".into(),
             device: "cpu".into(),
             collective_addr: "127.0.0.1:1".into(),
+            protocol: accrue_proto::PROTOCOL,
             ..Default::default()
         })
         .await

@@ -32,6 +32,17 @@ fn non_negative(field: impl fmt::Display, value: f64) -> Result<(), Status> {
 /// (single-rank workers) or `host:port`.
 pub fn register(r: &wire::RegisterRequest) -> Result<(), Status> {
     non_empty("hostname", &r.hostname)?;
+    if r.protocol != accrue_proto::PROTOCOL {
+        // Not retried by the worker: a rebuild is what fixes it.
+        return Err(Status::failed_precondition(format!(
+            "protocol: this worker (version {:?}) speaks revision {} of the \
+             worker contract, this coordinator revision {}: run workers and \
+             coordinator of the same release",
+            r.version,
+            r.protocol,
+            accrue_proto::PROTOCOL
+        )));
+    }
     if !r.collective_addr.is_empty() {
         let ok = r
             .collective_addr
@@ -132,9 +143,27 @@ mod tests {
         let mut r = wire::RegisterRequest {
             hostname: "h".into(),
             collective_addr: "127.0.0.1:9".into(),
+            protocol: accrue_proto::PROTOCOL,
             ..Default::default()
         };
         assert!(register(&r).is_ok());
+        // A worker of another revision (0: built before workers sent it).
+        for other in [0, accrue_proto::PROTOCOL + 1] {
+            let e = register(&wire::RegisterRequest {
+                protocol: other,
+                version: "0.0.9".into(),
+                ..r.clone()
+            })
+            .unwrap_err();
+            assert_eq!(e.code(), Code::FailedPrecondition);
+            assert!(e.message().starts_with("protocol: "), "{}", e.message());
+            assert!(
+                e.message().contains(&format!("revision {other} ")),
+                "{}",
+                e.message()
+            );
+            assert!(e.message().contains("\"0.0.9\""), "{}", e.message());
+        }
         for bad in ["nohost", ":9", "h:99999", "h:"] {
             r.collective_addr = bad.into();
             let e = register(&r).unwrap_err();

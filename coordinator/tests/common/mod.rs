@@ -228,6 +228,7 @@ pub async fn fake_worker(url: String, mut w: FakeWorker) -> Vec<String> {
             hostname: w.hostname.into(),
             device: "cpu".into(),
             collective_addr: w.collective_addr.into(),
+            protocol: accrue_proto::PROTOCOL,
             ..Default::default()
         })
         .await

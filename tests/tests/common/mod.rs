@@ -156,6 +156,7 @@ pub async fn fake_generator(
             peak_flops: 1e12,
             gpu_name: String::new(),
             gpu_memory_bytes: 0,
+            protocol: accrue_proto::PROTOCOL,
         })
         .await?
         .into_inner();

@@ -228,6 +228,7 @@ async fn session(
         gpu_memory_bytes: cfg.device.gpu_memory_bytes,
         collective_addr: cfg.collective_addr.clone(),
         version: env!("CARGO_PKG_VERSION").into(),
+        protocol: accrue_proto::PROTOCOL,
         previous_worker_id: worker_id.clone(),
         peak_flops: cfg.peak_flops,
         // The replica this process still holds (a coordinator restart):
@@ -235,7 +236,18 @@ async fn session(
         held: runner.progress().held(),
     });
     let reg = tokio::select! {
-        r = registering => r.context("register")?.into_inner(),
+        r = registering => match r {
+            // Another revision of the contract (`protocol`): retrying
+            // cannot fix it.
+            Err(s) if s.code() == tonic::Code::FailedPrecondition => {
+                return Ok(Ended::Died(format!(
+                    "coordinator {} refused this worker: {}",
+                    cfg.coordinator,
+                    s.message()
+                )));
+            }
+            r => r.context("register")?.into_inner(),
+        },
         _ = drain.wait() => return Ok(Ended::Drained),
     };
     *worker_id = reg.worker_id.clone();
