@@ -467,13 +467,17 @@ impl Coordinator {
             rank,
             generation,
         };
-        let decision = gen.decision.clone();
+        // Read only at the last Ready: the decision holds a state per rank,
+        // and copying it at every Ready made forming a generation O(W²)
+        // (~1 s at W = 4096).
+        let replay = all_ready
+            .then(|| gen.decision.replay().map(|r| (r, gen.decision.describe())))
+            .flatten();
         if all_ready {
             job.restore_failures = 0;
-            if let Some(r) = decision.replay() {
+            if let Some((r, describe)) = replay {
                 let msg = format!(
-                    "generation {generation}: {}; replayed steps do not commit again",
-                    decision.describe()
+                    "generation {generation}: {describe}; replayed steps do not commit again"
                 );
                 info!(
                     job = job_id,
