@@ -118,14 +118,22 @@ impl MicrobatchPayload {
     /// without them (the worker treats its tokens as on-policy), empty when
     /// no sequence has any.
     pub fn old_logprobs(&self) -> Vec<f32> {
+        fn old_of(d: &DocHandle) -> Option<&[f32]> {
+            match &d.body {
+                DocBody::Rollout(r) => r.old_logprobs.as_deref(),
+                _ => None,
+            }
+        }
+        // Most microbatches have none (SFT, DPO): no alignment to build,
+        // for every microbatch of every plan.
+        if self.docs.iter().all(|d| old_of(d).is_none()) {
+            return Vec::new();
+        }
         let old: Vec<(usize, Option<&[f32]>)> = self
             .docs
             .iter()
             .flat_map(|d| {
-                let lps = match &d.body {
-                    DocBody::Rollout(r) => r.old_logprobs.as_deref(),
-                    _ => None,
-                };
+                let lps = old_of(d);
                 d.sequences().map(move |s| (s.len(), lps))
             })
             .collect();
@@ -136,6 +144,9 @@ impl MicrobatchPayload {
     /// ones: NaN on a sequence with none (the worker refuses a KL term
     /// there), empty when no sequence has any.
     pub fn ref_logprobs(&self) -> Vec<f32> {
+        if self.ref_tokens.iter().all(Option::is_none) {
+            return Vec::new();
+        }
         let lens = self.cu_seq_lens.windows(2).map(|w| (w[1] - w[0]) as usize);
         let refs: Vec<(usize, Option<&[f32]>)> = lens
             .zip(&self.ref_tokens)
