@@ -458,12 +458,11 @@ impl Document {
     /// Lengths of its sequences, in packing order.
     pub fn seq_lens(&self) -> crate::plan::SeqLens {
         use crate::plan::SeqLens;
-        match &self.body {
-            DocBody::Sft(s) => SeqLens::one(s.len() as u32),
-            DocBody::Pair { chosen, rejected } => {
-                SeqLens::pair(chosen.len() as u32, rejected.len() as u32)
-            }
-            DocBody::Rollout(r) => SeqLens::one(r.seq.len() as u32),
+        let mut lens = self.sequences().map(|s| s.len() as u32);
+        let first = lens.next().expect("a document has a first sequence");
+        match lens.next() {
+            Some(second) => SeqLens::pair(first, second),
+            None => SeqLens::one(first),
         }
     }
 
@@ -553,17 +552,5 @@ mod doc_ids_tests {
         let c = DocIds::new(&many);
         assert_eq!(c.to_vec(), many);
         assert!(c.encoded_len() <= 4 * many.len(), "{}", c.encoded_len());
-    }
-}
-#[cfg(test)]
-mod size_probe {
-    #[test]
-    fn probe() {
-        eprintln!(
-            "SIZES seq={} doc={} row={}",
-            std::mem::size_of::<super::Sequence>(),
-            std::mem::size_of::<super::Document>(),
-            std::mem::size_of::<super::Row>()
-        );
     }
 }

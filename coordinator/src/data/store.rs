@@ -477,6 +477,18 @@ impl Store {
         }
     }
 
+    /// Row `row`'s ids as stored: little-endian, 4 bytes each.
+    fn id_bytes(&self, row: &Row) -> &[u8] {
+        let (start, len) = (row.start as usize, row.len as usize);
+        &self.ids.bytes()[start * 4..(start + len) * 4]
+    }
+
+    /// Row `row`'s loss mask: a byte per token, 1 when its label is its id.
+    fn mask_bytes(&self, row: &Row) -> &[u8] {
+        let (start, len) = (row.start as usize, row.len as usize);
+        &self.mask.bytes()[start..start + len]
+    }
+
     /// Tokens of document `i` (a pair counts both rows), without touching
     /// its token bytes.
     pub fn doc_tokens(&self, i: usize) -> u64 {
@@ -515,9 +527,8 @@ impl Store {
 
 impl TokenRows for Store {
     fn ids(&self, row: &Row) -> &[u32] {
-        let (start, len) = (row.start as usize, row.len as usize);
         // The map is page-aligned and every id is 4 bytes from its start.
-        bytemuck::cast_slice(&self.ids.bytes()[start * 4..(start + len) * 4])
+        bytemuck::cast_slice(self.id_bytes(row))
     }
 
     fn labels(&self, row: &Row) -> Cow<'_, [i32]> {
@@ -526,32 +537,28 @@ impl TokenRows for Store {
             let bytes = &self.explicit.bytes()[at..at + row.len as usize * 4];
             return Cow::Borrowed(bytemuck::cast_slice(bytes));
         }
-        let (start, len) = (row.start as usize, row.len as usize);
-        let mask = &self.mask.bytes()[start..start + len];
         Cow::Owned(
             self.ids(row)
                 .iter()
-                .zip(mask)
+                .zip(self.mask_bytes(row))
                 .map(|(&id, &m)| if m == 1 { id as i32 } else { IGNORE_INDEX })
                 .collect(),
         )
     }
 
     fn write_le(&self, row: &Row, ids: &mut Vec<u8>, labels: &mut Vec<u8>) {
-        let (start, len) = (row.start as usize, row.len as usize);
         // The files hold little-endian 4-byte values already (see `ids`).
-        let id_bytes = &self.ids.bytes()[start * 4..(start + len) * 4];
+        let id_bytes = self.id_bytes(row);
         ids.extend_from_slice(id_bytes);
         if let Some(at) = row.explicit_labels() {
             let at = at as usize * 4;
-            labels.extend_from_slice(&self.explicit.bytes()[at..at + len * 4]);
+            labels.extend_from_slice(&self.explicit.bytes()[at..at + id_bytes.len()]);
             return;
         }
-        let mask = &self.mask.bytes()[start..start + len];
         let at = labels.len();
-        labels.resize(at + len * 4, 0);
+        labels.resize(at + id_bytes.len(), 0);
         let out = labels[at..].chunks_exact_mut(4);
-        for ((b, id), &m) in out.zip(id_bytes.chunks_exact(4)).zip(mask) {
+        for ((b, id), &m) in out.zip(id_bytes.chunks_exact(4)).zip(self.mask_bytes(row)) {
             match m {
                 1 => b.copy_from_slice(id),
                 _ => b.copy_from_slice(&IGNORE_INDEX.to_le_bytes()),
@@ -560,13 +567,10 @@ impl TokenRows for Store {
     }
 
     fn prefetch(&self, row: &Row) {
-        let start = row.start as usize;
-        if row.len > 0 {
-            // A load whose value nothing waits for: the core issues it and
-            // goes on (`black_box` keeps the compiler from dropping it).
-            std::hint::black_box(self.ids.bytes()[start * 4]);
-            std::hint::black_box(self.mask.bytes()[start]);
-        }
+        // Loads whose values nothing waits for: the core issues them and
+        // goes on (`black_box` keeps the compiler from dropping them).
+        std::hint::black_box(self.id_bytes(row).first().copied());
+        std::hint::black_box(self.mask_bytes(row).first().copied());
     }
 
     /// A row without explicit labels has its ids or ignored (see `write_le`).
@@ -579,9 +583,8 @@ impl TokenRows for Store {
         if row.explicit_labels().is_some() {
             return false;
         }
-        let (start, len) = (row.start as usize, row.len as usize);
-        ids.extend_from_slice(&self.ids.bytes()[start * 4..(start + len) * 4]);
-        for &m in &self.mask.bytes()[start..start + len] {
+        ids.extend_from_slice(self.id_bytes(row));
+        for &m in self.mask_bytes(row) {
             mask.push(m == 1);
         }
         true
