@@ -58,6 +58,8 @@ pub struct ControlBenchOpts {
     /// The fakes send one result each per step (as workers did before
     /// gathering) instead of rank 0 sending them all.
     pub per_rank_results: bool,
+    /// Each fake takes this long over a train step before answering.
+    pub fake_step_ms: u64,
     /// Scratch directory (dataset, state, outputs).
     pub work: PathBuf,
 }
@@ -72,6 +74,13 @@ pub struct ControlRow {
     pub steps: u64,
     /// Wall time per measured step.
     pub step_ms: f64,
+    /// How long each fake took over a train step (`--fake-step-ms`).
+    #[serde(default)]
+    pub fake_step_ms: u64,
+    /// `step_ms` less `fake_step_ms`: what the coordinator adds between
+    /// steps (the last result in to every plan out), while workers idle.
+    #[serde(default)]
+    pub gap_ms_per_step: f64,
     /// CPU of the coordinator's threads per step.
     pub coordinator_cpu_ms_per_step: f64,
     /// CPU of the whole process per step (the fake workers included).
@@ -301,6 +310,7 @@ async fn drive(
             tally: tally.clone(),
             gathering: gathering.clone(),
             per_rank_results: opts.per_rank_results,
+            step_time: Duration::from_millis(opts.fake_step_ms),
             step_tx: step_tx.clone(),
             connecting: connecting.clone(),
             session_tx: session_tx.clone(),
@@ -410,6 +420,8 @@ async fn drive(
         docs_per_step,
         steps: measured,
         step_ms: (end.at - start.at).as_secs_f64() * 1e3 / steps,
+        fake_step_ms: opts.fake_step_ms,
+        gap_ms_per_step: (end.at - start.at).as_secs_f64() * 1e3 / steps - opts.fake_step_ms as f64,
         coordinator_cpu_ms_per_step: ms(end.coord_cpu_ns - start.coord_cpu_ns) / steps,
         process_cpu_ms_per_step: ms(end.cpu_ns - start.cpu_ns) / steps,
         locked_ms_per_step: ms(end.locked_ns - start.locked_ns) / steps,
@@ -573,6 +585,8 @@ struct Fake {
     gathering: Arc<Gathering>,
     /// Ignores `Configure.gather_results` (`--per-rank-results`).
     per_rank_results: bool,
+    /// Taken over each train step before answering (`--fake-step-ms`).
+    step_time: Duration,
     step_tx: Arc<watch::Sender<u64>>,
     connecting: Arc<Semaphore>,
     session_tx: tokio::sync::mpsc::UnboundedSender<()>,
@@ -704,6 +718,12 @@ impl Fake {
                     if p.rank == 0 {
                         self.step_tx.send_replace(p.step);
                     }
+                    // A worker's compute, without its CPU: the heartbeats
+                    // go on (their own task); later messages wait, as a
+                    // real worker's queued work does.
+                    if !self.step_time.is_zero() && p.kind == wire::PlanKind::Train as i32 {
+                        tokio::time::sleep(self.step_time).await;
+                    }
                     let result = wire::StepResult {
                         sums: Some(counted(&p)),
                         job_id: p.job_id,
@@ -796,6 +816,7 @@ mod tests {
                 warmup: 1,
                 reforms: 2,
                 per_rank_results,
+                fake_step_ms: 0,
                 work: dir.path().to_path_buf(),
             };
             let row = control_plane(&opts).unwrap();
@@ -818,5 +839,33 @@ mod tests {
                 false => assert!((0.5..1.5).contains(&per_step), "{row:?}"),
             }
         }
+    }
+
+    /// With a simulated step time, a step takes at least that long and the
+    /// gap is the rest of its wall time.
+    #[test]
+    fn a_simulated_step_time_is_waited_for_and_taken_out_of_the_gap() {
+        let dir = tempfile::tempdir().unwrap();
+        let opts = ControlBenchOpts {
+            workers: 2,
+            docs: 500,
+            docs_per_worker: 4,
+            steps: 8,
+            warmup: 1,
+            reforms: 0,
+            per_rank_results: false,
+            fake_step_ms: 40,
+            work: dir.path().to_path_buf(),
+        };
+        let row = control_plane(&opts).unwrap();
+        assert_eq!(row.workers_lost, 0, "{row:?}");
+        assert_eq!(row.fake_step_ms, 40);
+        // Each step waits for its fakes' 40 ms (less at most a step's worth
+        // of the window's edges, spread over its 8 steps).
+        assert!(row.step_ms >= 40.0 * 7.0 / 8.0, "{row:?}");
+        assert!(
+            (row.gap_ms_per_step - (row.step_ms - 40.0)).abs() < 1e-9,
+            "{row:?}"
+        );
     }
 }

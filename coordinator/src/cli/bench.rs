@@ -378,6 +378,7 @@ pub fn control_plane(args: &super::ControlPlaneArgs) -> anyhow::Result<ExitCode>
             warmup: args.warmup,
             reforms: args.reforms,
             per_rank_results: args.per_rank_results,
+            fake_step_ms: args.fake_step_ms,
             work: work.join(format!("docs-{docs}")),
         };
         // Its own runtimes, off the CLI's (a runtime cannot start in one).
@@ -406,6 +407,7 @@ pub fn control_plane(args: &super::ControlPlaneArgs) -> anyhow::Result<ExitCode>
                 .arg(format!("--warmup={}", args.warmup))
                 .arg(format!("--reforms={}", args.reforms))
                 .args(args.per_rank_results.then_some("--per-rank-results"))
+                .arg(format!("--fake-step-ms={}", args.fake_step_ms))
                 .arg("--work")
                 .arg(&work)
                 .stderr(std::process::Stdio::inherit())
@@ -438,6 +440,7 @@ fn control_table(rows: &[crate::bench::control::ControlRow]) -> String {
                 r.dataset_docs.to_string(),
                 r.docs_per_step.to_string(),
                 format!("{:.1}", r.step_ms),
+                format!("{:.1}", r.gap_ms_per_step),
                 format!("{:.1}", r.coordinator_cpu_ms_per_step),
                 format!("{:.1}", r.process_cpu_ms_per_step),
                 format!("{:.1}", r.locked_ms_per_step),
@@ -463,6 +466,7 @@ fn control_table(rows: &[crate::bench::control::ControlRow]) -> String {
             "DOCS",
             "DOCS/STEP",
             "STEP_MS",
+            "GAP_MS",
             "COORD_CPU_MS",
             "PROC_CPU_MS",
             "LOCKED_MS",

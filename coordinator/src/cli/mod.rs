@@ -522,6 +522,11 @@ pub struct ControlPlaneArgs {
     /// before results were gathered on rank 0 (the comparison row).
     #[arg(long)]
     pub per_rank_results: bool,
+    /// Each fake takes this long over a train step before it answers (0:
+    /// at once). With it, `GAP_MS` is the time the coordinator adds between
+    /// steps: the step's wall time less this.
+    #[arg(long, value_name = "MS", default_value_t = 0)]
+    pub fake_step_ms: u64,
     /// Scratch directory (default: a temporary one).
     #[arg(long, value_name = "DIR")]
     pub work: Option<PathBuf>,
