@@ -90,6 +90,12 @@ async fn metrics_endpoint_shows_committed_steps_and_workers() {
         Some(2.0),
         "{text}"
     );
+    // Each dispatch is followed by planning the next step ahead.
+    assert_eq!(
+        of("accrue_plan_ahead_duration_seconds_count"),
+        Some(2.0),
+        "{text}"
+    );
     assert_eq!(sample(&text, "accrue_jobs{state=\"running\"}"), Some(1.0));
     // Step 2 is held: the job's progress age grows across scrapes (what
     // the "no committed step" alert reads).
@@ -112,6 +118,8 @@ async fn metrics_endpoint_shows_committed_steps_and_workers() {
         ("accrue_plans_dispatched_total", "counter"),
         ("accrue_step_duration_seconds", "histogram"),
         ("accrue_plan_duration_seconds", "histogram"),
+        ("accrue_plan_ahead_duration_seconds", "histogram"),
+        ("accrue_steps_sent_ahead", "gauge"),
         ("accrue_dispatch_duration_seconds", "histogram"),
         ("accrue_checkpoint_age_seconds", "gauge"),
         ("accrue_checkpoints_pending", "gauge"),

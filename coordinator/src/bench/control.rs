@@ -74,6 +74,10 @@ pub struct ControlRow {
     pub steps: u64,
     /// Wall time per measured step.
     pub step_ms: f64,
+    /// The share of the measured steps sent as planned while the step
+    /// before ran (`core::ahead`).
+    #[serde(default)]
+    pub sent_ahead_share: f64,
     /// How long each fake took over a train step (`--fake-step-ms`).
     #[serde(default)]
     pub fake_step_ms: u64,
@@ -435,6 +439,7 @@ async fn drive(
         rss_bytes,
         store_bytes_per_step: (end.store_bytes as f64 - start.store_bytes as f64) / steps,
         step_record_bytes: (end.steps_bytes - start.steps_bytes) as f64 / steps,
+        sent_ahead_share: (end.sent_ahead - start.sent_ahead) as f64 / steps,
         workers_lost: tally.lost.load(Ordering::Relaxed),
         fake_heartbeat_gap_ms: tally.max_beat_gap_ms.load(Ordering::Relaxed),
         generations: tally.max_generation.load(Ordering::Relaxed),
@@ -464,6 +469,7 @@ struct Sample {
     plans: u64,
     store_bytes: u64,
     steps_bytes: u64,
+    sent_ahead: u64,
 }
 
 impl Sample {
@@ -474,9 +480,17 @@ impl Sample {
         let results = tally.results.load(Ordering::Relaxed);
         let sent_plans = tally.plans.load(Ordering::Relaxed);
         let plan_bytes = tally.plan_bytes.load(Ordering::Relaxed);
-        let job = shared.lock().core.jobs().next().map(|j| j.rec.id.clone());
+        let (job, sent_ahead) = {
+            let inner = shared.lock();
+            let job = inner.core.jobs().next();
+            (
+                job.map(|j| j.rec.id.clone()),
+                job.map_or(0, |j| j.sent_ahead),
+            )
+        };
         let (plan_s, plans) = job.as_deref().map_or((0.0, 0), |j| shared.plan_seconds(j));
         Sample {
+            sent_ahead,
             plan_s,
             plans,
             at,
@@ -867,5 +881,8 @@ mod tests {
             (row.gap_ms_per_step - (row.step_ms - 40.0)).abs() < 1e-9,
             "{row:?}"
         );
+        // 40 ms is ample time to plan the next step while one runs: the
+        // steps go out as planned ahead (a slow machine may miss a few).
+        assert!(row.sent_ahead_share >= 0.75, "{row:?}");
     }
 }

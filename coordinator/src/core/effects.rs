@@ -59,6 +59,11 @@ pub enum Event {
         from: u64,
         steps: std::result::Result<Vec<CommittedStep>, String>,
     },
+    /// A step of the job was just dispatched: plan the next one while it
+    /// runs (the shell sends this once the plans are out; see `ahead`).
+    PlanAhead {
+        job: JobId,
+    },
     RegisterWorker {
         id: WorkerId,
         reg: Registration,

@@ -484,6 +484,11 @@ pub struct Job {
     /// An evaluation owed or under way (live only: lost with the
     /// coordinator, never needed for correctness).
     pub eval_run: Option<EvalRun>,
+    /// The next step, planned while the current one runs (see `ahead`) ...
+    pub ahead: Option<super::ahead::Ahead>,
+    /// ... and how many steps went out so planned (the others were planned
+    /// at dispatch: the first, and any after a change).
+    pub sent_ahead: u64,
 }
 
 impl Job {
@@ -512,6 +517,8 @@ impl Job {
             pace: Pace::default(),
             bisection: None,
             eval_run: None,
+            ahead: None,
+            sent_ahead: 0,
         }
     }
 

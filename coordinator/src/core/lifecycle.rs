@@ -673,6 +673,24 @@ impl Coordinator {
                 }
                 return;
             }
+            // The step planned while the last one ran, if the job is where
+            // it was planned from.
+            Ok(Source::Files) => match planner::take_ahead(job, world) {
+                Some(p) => {
+                    #[cfg(debug_assertions)]
+                    {
+                        let fresh = planner::plan(job, Source::Files, world);
+                        assert!(
+                            matches!(&fresh, Ok(Some(f)) if *f == p),
+                            "step {} planned ahead is not the step planned at dispatch: {fresh:?}",
+                            p.step
+                        );
+                    }
+                    job.sent_ahead += 1;
+                    Ok(Some(p))
+                }
+                None => planner::plan(job, Source::Files, world),
+            },
             Ok(source) => planner::plan(job, source, world),
             Err(e) => Err(e),
         };
@@ -705,6 +723,34 @@ impl Coordinator {
             }
         };
         self.send_plan(job_id, planned, now_ms, fx);
+    }
+
+    /// Plans the step after the one in flight, while it runs (see
+    /// `ahead`): the shell asks once that step's plans are out.
+    pub(super) fn plan_ahead(&mut self, job_id: &str) {
+        let Some(job) = self.jobs.get_mut(job_id) else {
+            return;
+        };
+        let Some(active) = job.active() else {
+            return;
+        };
+        let Work::InFlight(flight) = &active.work else {
+            return;
+        };
+        let (planned, world, generation) = (
+            flight.planned.clone(),
+            active.gen.world_size(),
+            active.gen.id,
+        );
+        // Asked twice for the same step (a late ask after the next dispatch).
+        if job
+            .ahead
+            .as_ref()
+            .is_some_and(|a| a.follows(&planned, generation))
+        {
+            return;
+        }
+        job.ahead = planner::plan_ahead(job, world, &planned);
     }
 
     fn send_plan(

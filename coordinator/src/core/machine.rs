@@ -162,6 +162,11 @@ impl Coordinator {
             Event::HistoryLoaded { job, from, steps } => {
                 self.history_loaded(&job, from, steps, now_ms, &mut fx)
             }
+            Event::PlanAhead { job } => {
+                // Changes nothing a schedule could act on.
+                self.plan_ahead(&job);
+                return Ok(fx);
+            }
             Event::StepResults {
                 worker,
                 job,

@@ -19,6 +19,7 @@
 //!
 //! This file only declares and re-exports.
 
+mod ahead;
 pub mod bisect;
 mod control;
 pub mod deadline;

@@ -25,6 +25,7 @@ use crate::rl::{self, StalenessStats};
 use crate::settings::StepSettings;
 use crate::spec::{JobSpec, Sharding, StepSize};
 
+use super::ahead::{Ahead, Origin};
 use super::bisect::{self, Bisection};
 use super::eval::EvalRun;
 use super::jobs::{Job, HISTORY_LOAD_STEPS};
@@ -94,6 +95,59 @@ pub fn next_source(job: &Job) -> Result<Source<'_>, PlanFailure> {
     } else {
         Source::Files
     })
+}
+
+/// Where `job` is now, as a step planned ahead records it (`ahead`).
+fn origin(job: &Job, world_size: u32) -> Option<Origin> {
+    Some(Origin {
+        generation: job.gen()?.id,
+        world_size,
+        step: job.rec.step,
+        cursor: job.rec.cursor.clone(),
+        changes: job.rec.changes.clone(),
+        quarantine: job.rec.quarantine.clone(),
+        total_steps: job.rec.total_steps,
+    })
+}
+
+/// Plans the step after `in_flight` as dispatch will once `in_flight`
+/// commits (see `ahead`); `None` when dispatch would not plan it from the
+/// job's files (a replay, a stream, a bisection, an incomplete reference
+/// pass, the last step) or there is nothing to plan.
+pub fn plan_ahead(job: &mut Job, world_size: u32, in_flight: &PlannedStep) -> Option<Ahead> {
+    let files = in_flight.kind == PlanKind::Train
+        && !in_flight.replay
+        && job.data.stream.is_none()
+        && job.bisection.is_none()
+        && job.data.reference_complete();
+    if !files {
+        return None;
+    }
+    // The job as it will be once `in_flight` commits (its step and cursor:
+    // nothing else planning reads moves at a commit).
+    let step = std::mem::replace(&mut job.rec.step, in_flight.step);
+    let cursor = std::mem::replace(&mut job.rec.cursor, in_flight.cursor_after.clone());
+    let ahead = match job.finished() {
+        true => None,
+        false => match (
+            plan(job, Source::Files, world_size),
+            origin(job, world_size),
+        ) {
+            (Ok(Some(planned)), Some(origin)) => Some(Ahead::new(origin, planned)),
+            // Failures are dispatch's to report, when it plans again.
+            _ => None,
+        },
+    };
+    job.rec.step = step;
+    job.rec.cursor = cursor;
+    ahead
+}
+
+/// The step planned ahead, if the job is now where it was planned from
+/// (dispatch, about to plan from the job's files); dropped either way.
+pub fn take_ahead(job: &mut Job, world_size: u32) -> Option<PlannedStep> {
+    let ahead = job.ahead.take()?;
+    ahead.take_if_from(&origin(job, world_size)?)
 }
 
 /// A plan's documents before packing.

@@ -223,14 +223,24 @@ impl Sim {
     fn handle(&mut self, e: Event) -> Result<()> {
         self.now += 10;
         let fx = self.c.handle(e, self.now)?;
+        // As the shell does: once a step's plans are out, the next step is
+        // planned ahead (and dispatch, in a debug build, checks it against
+        // planning it again: every scenario here checks that).
+        let mut dispatched: Vec<JobId> = Vec::new();
         for f in fx {
             match f {
                 Effect::Send { worker, msg } => {
                     if let ToWorker::Plan {
-                        rank: 0, planned, ..
+                        rank: 0,
+                        planned,
+                        job,
+                        ..
                     } = &msg
                     {
                         self.plans.push(planned.clone());
+                        if !dispatched.contains(job) {
+                            dispatched.push(job.clone());
+                        }
                     }
                     if let ToWorker::Configure { .. } = &msg {
                         self.configures.push((worker.clone(), msg.clone()));
@@ -314,6 +324,10 @@ impl Sim {
                 }
                 Effect::AppendMetrics { .. } | Effect::Publish { .. } => {}
             }
+        }
+        for job in dispatched {
+            let fx = self.c.handle(Event::PlanAhead { job }, self.now)?;
+            assert!(fx.is_empty(), "planning ahead had effects: {fx:?}");
         }
         Ok(())
     }
@@ -3304,4 +3318,81 @@ fn lost_workers_beyond_the_kept_number_are_forgotten_oldest_first() {
     s.run();
     assert_eq!(s.state(), JobState::Completed);
     assert_eq!(s.c.worker("w0").unwrap().state, WorkerState::Idle);
+}
+
+// Planning the next step while one runs (`ahead`).
+
+/// Steps until the `n`th plan has been sent.
+fn until_plans(s: &mut Sim, n: usize) {
+    while s.plans.len() < n {
+        assert!(s.step_once(), "stalled before plan {n}");
+    }
+}
+
+#[test]
+fn the_next_step_is_planned_while_one_runs_and_sent_as_planned() {
+    let mut s = Sim::new();
+    s.submit(spec("epochs = 1", "docs_per_step = 4", 2, 2), docs(40));
+    s.worker("a");
+    s.worker("b");
+    until_plans(&mut s, 1);
+    let job = s.c.job("job").unwrap();
+    let ahead = job
+        .ahead
+        .as_ref()
+        .expect("step 2 planned while step 1 runs");
+    assert_eq!(ahead.planned().step, 2);
+    let planned = ahead.planned().clone();
+    until_plans(&mut s, 2);
+    assert_eq!(*s.plans[1], planned, "step 2 went out as planned ahead");
+    let job = s.c.job("job").unwrap();
+    assert_eq!(job.ahead.as_ref().map(|a| a.planned().step), Some(3));
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    assert_eq!(s.committed.len(), 10);
+    // All but the first went out as planned ahead.
+    assert_eq!(s.c.job("job").unwrap().sent_ahead, 9);
+}
+
+#[test]
+fn a_step_planned_ahead_is_planned_again_when_what_it_was_planned_from_changed() {
+    let mut s = Sim::new();
+    s.submit(spec("epochs = 1", "docs_per_step = 4", 1, 2), docs(40));
+    s.worker("a");
+    until_plans(&mut s, 1);
+    let ahead =
+        s.c.job("job")
+            .unwrap()
+            .ahead
+            .clone()
+            .expect("planned ahead");
+    assert_eq!(ahead.planned().docs.len(), 4);
+    // A live change for step 2 while step 1 runs.
+    set(
+        &mut s,
+        JobUpdate {
+            docs_per_step: Some(6),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    until_plans(&mut s, 2);
+    assert_eq!(s.plans[1].step, 2);
+    assert_eq!(s.plans[1].docs.len(), 6, "planned again with the change");
+    assert_eq!(s.c.job("job").unwrap().sent_ahead, 0);
+    // A member joins while step 2 runs: step 3, planned for one rank, is
+    // planned again for the new generation's two.
+    let ahead =
+        s.c.job("job")
+            .unwrap()
+            .ahead
+            .clone()
+            .expect("planned ahead");
+    assert_eq!(ahead.planned().ranks.len(), 1);
+    s.worker("b");
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    assert!(s.plans.iter().any(|p| p.ranks.len() == 2), "re-formed at 2");
+    let all: Vec<DocId> = s.committed.iter().flat_map(|(_, d)| d.clone()).collect();
+    assert_eq!(all.len(), 40, "every document once");
 }

@@ -71,6 +71,7 @@ pub struct Exporter {
     // Dispatch and aborts.
     plans: IntCounterVec,
     plan_duration: HistogramVec,
+    plan_ahead_duration: HistogramVec,
     dispatch_duration: HistogramVec,
     aborts: IntCounterVec,
     // Checkpoints.
@@ -91,6 +92,7 @@ pub struct Exporter {
     heartbeat_backlog: Gauge,
     jobs: IntGaugeVec,
     generation: IntGaugeVec,
+    sent_ahead: IntGaugeVec,
     quarantined: IntGaugeVec,
     /// Per job: (checkpoint step, unix ms it became complete), as seen by
     /// this process or, after a restart, the checkpoint directory's mtime.
@@ -252,6 +254,12 @@ impl Exporter {
              after a commit it includes committing the previous step)",
             LATENCY_BUCKETS,
         );
+        let plan_ahead_duration = b.histogram(
+            "accrue_plan_ahead_duration_seconds",
+            "Wall time of the state-machine call that planned a job's next step while one ran \
+             (dispatch then sends it without planning, if nothing it was planned from changed)",
+            LATENCY_BUCKETS,
+        );
         let dispatch_duration = b.histogram(
             "accrue_dispatch_duration_seconds",
             "Wall time from a step plan existing to the last rank's plan queued on its session stream \
@@ -338,6 +346,12 @@ impl Exporter {
             "Last generation (membership) formed for the job",
             job,
         );
+        let sent_ahead = b.int_gauge(
+            "accrue_steps_sent_ahead",
+            "Steps of the job this coordinator sent as planned while the step before ran (the \
+             others were planned at dispatch: the first, and any after a change)",
+            job,
+        );
         let quarantined = b.int_gauge(
             "accrue_quarantined_documents",
             "Documents the job trains without: non-finite steps bisected down to them (accrue quarantine JOB)",
@@ -367,6 +381,7 @@ impl Exporter {
             world_size,
             plans,
             plan_duration,
+            plan_ahead_duration,
             dispatch_duration,
             aborts,
             checkpoints,
@@ -384,6 +399,7 @@ impl Exporter {
             heartbeat_backlog,
             jobs,
             generation,
+            sent_ahead,
             quarantined,
             checkpoint_times: Mutex::new(HashMap::new()),
             progress_times: Mutex::new(HashMap::new()),

@@ -84,12 +84,25 @@ impl Exporter {
             .observe(dispatch.as_secs_f64());
     }
 
+    /// Records the call that planned `job`'s next step while one ran
+    /// (`core::ahead`): planning time, though no plan went out.
+    pub fn observe_plan_ahead(&self, job: &str, plan: Duration) {
+        self.plan_ahead_duration
+            .with_label_values(&[job])
+            .observe(plan.as_secs_f64());
+    }
+
     /// Seconds spent planning `job`'s steps so far (the state-machine
-    /// calls that planned one), and how many: what the control-plane
-    /// benchmark reports as planning time per step.
+    /// calls that planned one, at dispatch or ahead), and how many were
+    /// dispatched: what the control-plane benchmark reports as planning
+    /// time per step.
     pub fn plan_seconds(&self, job: &str) -> (f64, u64) {
         let h = self.plan_duration.with_label_values(&[job]);
-        (h.get_sample_sum(), h.get_sample_count())
+        let ahead = self.plan_ahead_duration.with_label_values(&[job]);
+        (
+            h.get_sample_sum() + ahead.get_sample_sum(),
+            h.get_sample_count(),
+        )
     }
 
     /// Records an aborted in-flight step of `job` (the `reason` label is
@@ -170,6 +183,9 @@ impl Exporter {
             self.job_step
                 .with_label_values(&[id])
                 .set(j.rec.step as i64);
+            self.sent_ahead
+                .with_label_values(&[id])
+                .set(j.sent_ahead as i64);
             self.checkpoints_pending
                 .with_label_values(&[id])
                 .set(j.pending_checkpoints.len() as i64);

@@ -30,6 +30,7 @@ fn populated() -> Exporter {
     e.observe_step("j", &m);
     e.observe_eval("j", &crate::core::EvalMetrics::default());
     e.observe_plan("j", Duration::from_millis(3), Duration::from_micros(200));
+    e.observe_plan_ahead("j", Duration::from_millis(5));
     e.observe_abort("j", AbortReason::WorkerLost);
     e.observe_checkpoint("j", Some(3), 1_000);
     e.observe_rollouts(
@@ -49,6 +50,7 @@ fn populated() -> Exporter {
         &e.rollouts_capacity,
         &e.checkpoint_step,
         &e.quarantined,
+        &e.sent_ahead,
     ] {
         g.with_label_values(&["j"]).set(1);
     }
@@ -138,6 +140,7 @@ fn a_committed_step_moves_the_counters_and_the_histogram() {
         "accrue_rollouts_dropped_total{job_id=\"j\",reason=\"stale\"} 2",
         "accrue_rollouts_dropped_total{job_id=\"j\",reason=\"zero_variance\"} 4",
         "accrue_plan_duration_seconds_count{job_id=\"j\"} 1",
+        "accrue_plan_ahead_duration_seconds_count{job_id=\"j\"} 1",
         "accrue_checkpoints_total{job_id=\"j\"} 1",
         "accrue_rollout_pushes_waiting 1",
         "accrue_worker_heartbeat_age_max_seconds 0",

@@ -486,17 +486,50 @@ impl Shared {
                 }
             }
         }
-        for (job, queued) in dispatched {
+        for (job, queued) in &dispatched {
             let plan = timing.returned - timing.started;
             self.metrics
-                .observe_plan(&job, plan, queued - timing.returned);
+                .observe_plan(job, plan, *queued - timing.returned);
         }
         for event in failed_outputs {
             if let Err(status) = self.apply_locked(inner, event) {
                 failure = Some(status);
             }
         }
+        // The plans are queued to the sessions, whose tasks encode and send
+        // them: the next step is planned while this one runs, after the
+        // tasks already queued (the sends) had their turn.
+        for (job, _) in dispatched {
+            match (&self.runtime, self.me.upgrade()) {
+                (Some(rt), Some(me)) => {
+                    rt.spawn(async move {
+                        tokio::task::yield_now().await;
+                        me.plan_ahead(&job);
+                    });
+                }
+                _ => self.plan_ahead_locked(inner, &job),
+            }
+        }
         failure.map_or(Ok(()), Err)
+    }
+
+    /// Plans `job`'s next step while its current one runs (`core::ahead`).
+    fn plan_ahead(&self, job: &str) {
+        let mut inner = self.lock();
+        self.plan_ahead_locked(&mut inner, job);
+    }
+
+    fn plan_ahead_locked(&self, inner: &mut Inner, job: &str) {
+        let event = Event::PlanAhead {
+            job: job.to_string(),
+        };
+        match handle_timed(inner, event) {
+            Ok((_, timing)) => self
+                .metrics
+                .observe_plan_ahead(job, timing.returned - timing.started),
+            // Nothing to report to: dispatch plans the step itself.
+            Err(e) => warn!(job, %e, "planning the next step ahead failed"),
+        }
     }
 
     /// Subscribes to watch items (subscribe before reading history so none
