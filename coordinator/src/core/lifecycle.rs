@@ -734,9 +734,14 @@ impl Coordinator {
         let Some(active) = job.active() else {
             return;
         };
+        // Only a training step is followed by the next: after an eval chunk
+        // (or a probe, a replay) the step planned before it is kept.
         let Work::InFlight(flight) = &active.work else {
             return;
         };
+        if flight.planned.kind != PlanKind::Train || flight.planned.replay {
+            return;
+        }
         let (planned, world, generation) = (
             flight.planned.clone(),
             active.gen.world_size(),

@@ -224,4 +224,7 @@ fn eval_runs_at_its_steps_and_never_moves_the_training_cursor() {
     for docs in s.manifests().values() {
         assert!(docs.iter().all(|id| id.file < 3));
     }
+    // Every step but the first went out as planned while the one before
+    // ran: the eval chunks between them keep the step planned ahead.
+    assert_eq!(s.c.job("job").unwrap().sent_ahead, last - 1);
 }
