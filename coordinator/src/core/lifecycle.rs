@@ -734,14 +734,9 @@ impl Coordinator {
         let Some(active) = job.active() else {
             return;
         };
-        // Only a training step is followed by the next: after an eval chunk
-        // (or a probe, a replay) the step planned before it is kept.
         let Work::InFlight(flight) = &active.work else {
             return;
         };
-        if flight.planned.kind != PlanKind::Train || flight.planned.replay {
-            return;
-        }
         let (planned, world, generation) = (
             flight.planned.clone(),
             active.gen.world_size(),
@@ -755,7 +750,11 @@ impl Coordinator {
         {
             return;
         }
-        job.ahead = planner::plan_ahead(job, world, &planned);
+        // Nothing planned (an eval chunk, a probe or a replay in flight):
+        // the step planned before it is kept; dispatch checks its origin.
+        if let Some(ahead) = planner::plan_ahead(job, world, &planned) {
+            job.ahead = Some(ahead);
+        }
     }
 
     fn send_plan(

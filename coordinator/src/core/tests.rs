@@ -3322,6 +3322,16 @@ fn lost_workers_beyond_the_kept_number_are_forgotten_oldest_first() {
 
 // Planning the next step while one runs (`ahead`).
 
+/// The step job "job" holds planned ahead.
+fn planned_ahead(s: &Sim) -> PlannedStep {
+    let job = s.c.job("job").unwrap();
+    job.ahead
+        .as_ref()
+        .expect("a step planned ahead")
+        .planned()
+        .clone()
+}
+
 /// Steps until the `n`th plan has been sent.
 fn until_plans(s: &mut Sim, n: usize) {
     while s.plans.len() < n {
@@ -3336,17 +3346,11 @@ fn the_next_step_is_planned_while_one_runs_and_sent_as_planned() {
     s.worker("a");
     s.worker("b");
     until_plans(&mut s, 1);
-    let job = s.c.job("job").unwrap();
-    let ahead = job
-        .ahead
-        .as_ref()
-        .expect("step 2 planned while step 1 runs");
-    assert_eq!(ahead.planned().step, 2);
-    let planned = ahead.planned().clone();
+    let planned = planned_ahead(&s);
+    assert_eq!(planned.step, 2);
     until_plans(&mut s, 2);
     assert_eq!(*s.plans[1], planned, "step 2 went out as planned ahead");
-    let job = s.c.job("job").unwrap();
-    assert_eq!(job.ahead.as_ref().map(|a| a.planned().step), Some(3));
+    assert_eq!(planned_ahead(&s).step, 3);
     s.run();
     assert_eq!(s.state(), JobState::Completed);
     assert_eq!(s.committed.len(), 10);
@@ -3360,13 +3364,7 @@ fn a_step_planned_ahead_is_planned_again_when_what_it_was_planned_from_changed()
     s.submit(spec("epochs = 1", "docs_per_step = 4", 1, 2), docs(40));
     s.worker("a");
     until_plans(&mut s, 1);
-    let ahead =
-        s.c.job("job")
-            .unwrap()
-            .ahead
-            .clone()
-            .expect("planned ahead");
-    assert_eq!(ahead.planned().docs.len(), 4);
+    assert_eq!(planned_ahead(&s).docs.len(), 4);
     // A live change for step 2 while step 1 runs.
     set(
         &mut s,
@@ -3382,13 +3380,7 @@ fn a_step_planned_ahead_is_planned_again_when_what_it_was_planned_from_changed()
     assert_eq!(s.c.job("job").unwrap().sent_ahead, 0);
     // A member joins while step 2 runs: step 3, planned for one rank, is
     // planned again for the new generation's two.
-    let ahead =
-        s.c.job("job")
-            .unwrap()
-            .ahead
-            .clone()
-            .expect("planned ahead");
-    assert_eq!(ahead.planned().ranks.len(), 1);
+    assert_eq!(planned_ahead(&s).ranks.len(), 1);
     s.worker("b");
     s.run();
     assert_eq!(s.state(), JobState::Completed);
