@@ -51,6 +51,9 @@ pub struct ServerConfig {
     pub security: crate::auth::Security,
     /// How long open connections may run on after shutdown starts.
     pub shutdown_grace: Duration,
+    /// Generations of at least this many ranks relay through hubs when
+    /// every member can (`core::relay`); 0: never.
+    pub relay_min_world: u32,
 }
 
 impl ServerConfig {
@@ -65,6 +68,7 @@ impl ServerConfig {
             metrics_optional: false,
             security: crate::auth::Security::default(),
             shutdown_grace: Duration::from_secs(3),
+            relay_min_world: crate::core::RELAY_MIN_WORLD,
         }
     }
 }
@@ -92,6 +96,7 @@ impl Server {
         let store = Store::open(&config.state_dir)?;
         let mut core = Coordinator::new(CoordinatorOptions {
             heartbeat_timeout_ms: config.heartbeat_timeout_ms,
+            relay_min_world: config.relay_min_world,
             ..Default::default()
         });
         let records = store.jobs()?;

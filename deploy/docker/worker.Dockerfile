@@ -82,10 +82,11 @@ COPY --from=build /out/opt/ /opt/
 COPY --from=build /out/etc/ld.so.conf.d/ /etc/ld.so.conf.d/
 RUN ldconfig
 USER 65532:65532
-# 7071: collective ring (TCP); 7072: gRPC health; 9091: HTTP metrics.
+# 7071: collective ring (TCP); 7072: gRPC health; 7073: plan relay (TCP);
+# 9091: HTTP metrics.
 # `--gpus all` moves local rank i's ports up by 100·i; its metrics ports
 # are declared (the PodMonitor scrapes them by name).
-EXPOSE 7071 7072 9091 9191 9291 9391 9491 9591 9691 9791
+EXPOSE 7071 7072 7073 9091 9191 9291 9391 9491 9591 9691 9791
 # Docker's own check (Kubernetes uses the manifests' gRPC probes): the
 # worker's liveness on its health port (--health-listen 0.0.0.0:7072, as the
 # manifests run it).

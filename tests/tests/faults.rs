@@ -40,6 +40,46 @@ fn kill_at(sharding: &str, point: &str) {
     c.assert_trained_like(&id, want, &format!("{sharding}, kill -9 {point}"));
 }
 
+/// A generation whose coordinator relays through hubs (issue 19,
+/// `--relay-min-world 2`: worker 1's messages come through worker 0)
+/// trains exactly like one sent directly (the reference), and when the
+/// follower is killed mid-run, or the hub, the job finishes on the
+/// survivor, every document once, with the same parameters.
+fn relayed(victim_index: usize) {
+    let _g = lock();
+    let want = reference("ddp");
+    let mut c = Cluster::relaying(2);
+    let spec = write_job(c.d(), "job", "ddp", 2);
+    let fault = |i: usize| (victim_index == i).then_some("stop:before_step:5");
+    let hub = c.start_worker(fault(0));
+    c.wait_workers(1);
+    let follower = c.start_worker(fault(1));
+    let id = c.submit(&spec);
+    c.wait_log(hub, "relay hub", Duration::from_secs(120));
+    if victim_index < 2 {
+        let victim = [hub, follower][victim_index];
+        c.wait_log(victim, "fault point", Duration::from_secs(240));
+        c.kill_worker(victim);
+    }
+    c.wait_completed(&id, Duration::from_secs(240));
+    c.assert_trained_like(&id, want, &format!("relayed, victim {victim_index}"));
+}
+
+#[test]
+fn a_relayed_generation_trains_like_one_sent_directly() {
+    relayed(2);
+}
+
+#[test]
+fn a_relayed_follower_killed_before_a_step() {
+    relayed(1);
+}
+
+#[test]
+fn a_relay_hub_killed_before_a_step() {
+    relayed(0);
+}
+
 #[test]
 fn ddp_worker_killed_before_a_step() {
     kill_at("ddp", "before_step");

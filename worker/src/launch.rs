@@ -15,17 +15,21 @@
 pub const PORT_STRIDE: u16 = 100;
 
 /// Flags whose `host:port` (or `:port`) value is shifted per child.
-pub const PORT_FLAGS: [&str; 4] = [
+pub const PORT_FLAGS: [&str; 6] = [
     "--collective-listen",
     "--collective-advertise",
+    "--relay-listen",
+    "--relay-advertise",
     "--health-listen",
     "--metrics-listen",
 ];
 
 /// The environment variables of the [`PORT_FLAGS`] that have one: the
 /// launcher turns them into flags (shifted) and clears them for children.
-const PORT_ENVS: [(&str, &str); 3] = [
+const PORT_ENVS: [(&str, &str); 5] = [
     ("--collective-advertise", "ACCRUE_COLLECTIVE_ADVERTISE"),
+    ("--relay-listen", "ACCRUE_RELAY_LISTEN"),
+    ("--relay-advertise", "ACCRUE_RELAY_ADVERTISE"),
     ("--health-listen", "ACCRUE_HEALTH_LISTEN"),
     ("--metrics-listen", "ACCRUE_WORKER_METRICS_LISTEN"),
 ];

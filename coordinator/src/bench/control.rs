@@ -60,6 +60,8 @@ pub struct ControlBenchOpts {
     pub per_rank_results: bool,
     /// Each fake takes this long over a train step before answering.
     pub fake_step_ms: u64,
+    /// The coordinator's `relay_min_world` (every fake can relay).
+    pub relay_min_world: u32,
     /// Scratch directory (dataset, state, outputs).
     pub work: PathBuf,
 }
@@ -107,6 +109,10 @@ pub struct ControlRow {
     /// its own (`--per-rank-results`).
     #[serde(default)]
     pub result_messages_per_step: f64,
+    /// Plans and relays the coordinator sent on sessions per measured step:
+    /// W without relaying, about √W relayed (`core::relay`).
+    #[serde(default)]
+    pub plan_messages_per_step: f64,
     /// Resident memory of the process at the end (fakes included).
     pub rss_bytes: u64,
     /// Growth of the state store's file per measured step (redb grows
@@ -148,6 +154,10 @@ struct Tally {
     plans: AtomicU64,
     /// Result messages sent (StepResult or StepResults).
     results: AtomicU64,
+    /// Plans and relays that came on a session (not through a hub).
+    session_plans: AtomicU64,
+    /// Relays that came on a session.
+    relays: AtomicU64,
     lost: AtomicU64,
     max_generation: AtomicU64,
     /// Sessions a fake ended on purpose (a re-formation), not losses.
@@ -252,7 +262,8 @@ pub fn control_plane(opts: &ControlBenchOpts) -> anyhow::Result<ControlRow> {
     let _ = std::fs::remove_dir_all(&state);
     let out = opts.work.join(format!("out-{}", opts.workers));
     let _ = std::fs::remove_dir_all(&out);
-    let cfg = ServerConfig::new("127.0.0.1:0".parse()?, state.clone());
+    let mut cfg = ServerConfig::new("127.0.0.1:0".parse()?, state.clone());
+    cfg.relay_min_world = opts.relay_min_world;
     let server = coord.block_on(Server::bind(cfg))?;
     let url = format!("http://{}", server.local_addr());
     let shared = server.shared();
@@ -319,6 +330,7 @@ async fn drive(
             connecting: connecting.clone(),
             session_tx: session_tx.clone(),
             bounce: (i == 0).then(|| bounce_rx.clone()),
+            relay: None,
         };
         tasks.spawn(fake.run());
     };
@@ -363,6 +375,7 @@ async fn drive(
     let end = Sample::take(shared, state, &tally, &step_rx);
     let measured = end.step - start.step;
     let results = end.results - start.results;
+    let session_plans = end.session_plans - start.session_plans;
     let plan_bytes = end.plan_bytes - start.plan_bytes;
     let plans = end.sent_plans - start.sent_plans;
     let rss_bytes = rss();
@@ -436,6 +449,7 @@ async fn drive(
         configure_bytes_per_worker: configure_bytes as f64 / w as f64,
         plan_bytes_per_worker_per_step: plan_bytes as f64 / plans.max(1) as f64,
         result_messages_per_step: results as f64 / steps,
+        plan_messages_per_step: session_plans as f64 / steps,
         rss_bytes,
         store_bytes_per_step: (end.store_bytes as f64 - start.store_bytes as f64) / steps,
         step_record_bytes: (end.steps_bytes - start.steps_bytes) as f64 / steps,
@@ -462,6 +476,7 @@ struct Sample {
     /// received and sent, read together with the CPU times.
     step: u64,
     results: u64,
+    session_plans: u64,
     sent_plans: u64,
     plan_bytes: u64,
     locked_ns: u64,
@@ -478,6 +493,7 @@ impl Sample {
         let at = Instant::now();
         let step = *step.borrow();
         let results = tally.results.load(Ordering::Relaxed);
+        let session_plans = tally.session_plans.load(Ordering::Relaxed);
         let sent_plans = tally.plans.load(Ordering::Relaxed);
         let plan_bytes = tally.plan_bytes.load(Ordering::Relaxed);
         let (job, sent_ahead) = {
@@ -496,6 +512,7 @@ impl Sample {
             at,
             step,
             results,
+            session_plans,
             sent_plans,
             plan_bytes,
             cpu_ns,
@@ -607,10 +624,33 @@ struct Fake {
     /// Fake 0: ends its session and registers again (as the same worker)
     /// each time this moves.
     bounce: Option<watch::Receiver<u64>>,
+    /// Its relay hub (`accrue-relay`, as a worker runs it) and address,
+    /// once `run` bound it.
+    relay: Option<(accrue_relay::Hub, String)>,
 }
+
+/// The relay frames a fake accepts.
+const RELAY_MAX_FRAME: usize = 64 << 20;
 
 impl Fake {
     async fn run(mut self) -> anyhow::Result<()> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?.to_string();
+        let opts = accrue_relay::HubOptions {
+            max_frame: RELAY_MAX_FRAME,
+            ..Default::default()
+        };
+        let (hub, mut faults) = accrue_relay::Hub::start(listener, opts);
+        let (tally, index) = (self.tally.clone(), self.index);
+        tokio::spawn(async move {
+            while let Some(f) = faults.recv().await {
+                let mut first = tally.first_loss.lock().expect("poisoned");
+                first.get_or_insert_with(|| {
+                    format!("fake {index}: relay to rank {}: {}", f.rank, f.why)
+                });
+            }
+        });
+        self.relay = Some((hub, addr));
         let mut previous = String::new();
         loop {
             match self.session(&previous).await? {
@@ -634,6 +674,7 @@ impl Fake {
                 collective_addr: format!("127.0.0.1:{}", 10_000 + self.index),
                 previous_worker_id: previous.to_string(),
                 protocol: accrue_proto::PROTOCOL,
+                relay_addr: self.relay.as_ref().map(|r| r.1.clone()).unwrap_or_default(),
                 ..Default::default()
             })
             .await?
@@ -690,13 +731,50 @@ impl Fake {
         tokio::pin!(bounced);
         // The generation's world size when its train results are gathered.
         let mut gather: Option<u32> = None;
+        // A follower's connection to its hub: the messages it forwards.
+        let mut link: Option<
+            tokio::sync::mpsc::UnboundedReceiver<
+                Result<wire::CoordinatorMessage, accrue_relay::LinkError>,
+            >,
+        > = None;
+        let hub = self.relay.as_ref().map(|r| r.0.clone());
+        // A hub's own messages, from the relay it forwarded.
+        let mut own: std::collections::VecDeque<wire::CoordinatorMessage> = Default::default();
         let ended = loop {
-            let next = tokio::select! {
-                m = inbound.message() => m,
-                true = &mut bounced => {
-                    heartbeats.abort();
-                    self.tally.bounced.fetch_add(1, Ordering::Relaxed);
-                    return Ok(Some(worker_id));
+            let next = if let Some(m) = own.pop_front() {
+                Ok(Some(m))
+            } else {
+                let relayed = async {
+                    match link.as_mut() {
+                        Some(l) => l.recv().await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    m = inbound.message() => {
+                        if let Ok(Some(wire::CoordinatorMessage {
+                            msg: Some(In::StepPlan(_) | In::Relay(_)),
+                        })) = &m
+                        {
+                            self.tally.session_plans.fetch_add(1, Ordering::Relaxed);
+                        }
+                        m
+                    }
+                    r = relayed => match r {
+                        Some(Ok(m)) => Ok(Some(m)),
+                        // Its hub moved on to a newer generation (whose
+                        // Configure is on its way here too), or went away
+                        // (its session ends, and the generation re-forms).
+                        Some(Err(_)) | None => {
+                            link = None;
+                            continue;
+                        }
+                    },
+                    true = &mut bounced => {
+                        heartbeats.abort();
+                        self.tally.bounced.fetch_add(1, Ordering::Relaxed);
+                        return Ok(Some(worker_id));
+                    }
                 }
             };
             let m = match next {
@@ -720,6 +798,32 @@ impl Fake {
                         .fetch_max(c.generation, Ordering::Relaxed);
                     gather = (c.gather_results && !self.per_rank_results).then_some(c.world_size);
                     self.gathering.configured(c.generation, c.rank, &tx);
+                    // As a worker's session does: a hub opens the
+                    // generation, a follower dials its hub.
+                    link = None;
+                    if let Some(hub) = &hub {
+                        hub.close();
+                        match &c.relay {
+                            Some(r) if !r.followers.is_empty() => {
+                                hub.open(&c.job_id, c.generation, c.rank, &r.token, &r.followers)
+                            }
+                            Some(r) if !r.hub_addr.is_empty() => {
+                                let hello = wire::RelayHello {
+                                    job_id: c.job_id.clone(),
+                                    generation: c.generation,
+                                    rank: c.rank,
+                                    token: r.token.clone(),
+                                };
+                                link = Some(accrue_relay::dial(
+                                    r.hub_addr.clone(),
+                                    hello,
+                                    Duration::from_secs(10),
+                                    RELAY_MAX_FRAME,
+                                ));
+                            }
+                            _ => {}
+                        }
+                    }
                     Out::Ready(wire::Ready {
                         job_id: c.job_id,
                         generation: c.generation,
@@ -769,6 +873,13 @@ impl Fake {
                     rank: 0,
                     path: c.dir,
                 }),
+                Some(In::Relay(r)) => {
+                    self.tally.relays.fetch_add(1, Ordering::Relaxed);
+                    if let Some(hub) = &hub {
+                        own.extend(hub.forward(r));
+                    }
+                    continue;
+                }
                 Some(In::Release(_)) => break false,
                 _ => continue,
             };
@@ -818,7 +929,7 @@ mod tests {
     /// new generation that trains.
     #[test]
     fn a_small_swarm_trains_and_re_forms_its_generation() {
-        for per_rank_results in [false, true] {
+        for (per_rank_results, relay) in [(false, false), (true, false), (false, true)] {
             let dir = tempfile::tempdir().unwrap();
             let opts = ControlBenchOpts {
                 workers: 4,
@@ -831,6 +942,7 @@ mod tests {
                 reforms: 2,
                 per_rank_results,
                 fake_step_ms: 0,
+                relay_min_world: if relay { 2 } else { 0 },
                 work: dir.path().to_path_buf(),
             };
             let row = control_plane(&opts).unwrap();
@@ -852,6 +964,13 @@ mod tests {
                 true => assert!((2.5..=6.0).contains(&per_step), "{row:?}"),
                 false => assert!((0.5..1.5).contains(&per_step), "{row:?}"),
             }
+            // A plan per rank, or one relay per hub (ranks 0 and 2 of four,
+            // each with its own plan and its follower's): 4 or 2 a step.
+            let sent = row.plan_messages_per_step;
+            match relay {
+                false => assert!((3.5..=4.5).contains(&sent), "{row:?}"),
+                true => assert!((1.5..=2.5).contains(&sent), "{row:?}"),
+            }
         }
     }
 
@@ -869,6 +988,7 @@ mod tests {
             reforms: 0,
             per_rank_results: false,
             fake_step_ms: 40,
+            relay_min_world: 0,
             work: dir.path().to_path_buf(),
         };
         let row = control_plane(&opts).unwrap();

@@ -22,6 +22,11 @@ struct Args {
     /// A worker silent for this long (ms) is declared lost.
     #[arg(long, default_value_t = 2000)]
     heartbeat_timeout_ms: i64,
+    /// Generations of at least this many workers relay the coordinator's
+    /// messages through hub workers (one message per hub instead of one
+    /// per worker), when every member can; 0: never.
+    #[arg(long, default_value_t = accrue_coordinator::core::RELAY_MIN_WORLD)]
+    relay_min_world: u32,
     /// Serve Prometheus metrics (GET /metrics) here; port 0 lets the OS
     /// pick, "off" disables. Default 127.0.0.1:9090, skipped with a warning
     /// when taken.
@@ -99,6 +104,7 @@ async fn main() -> anyhow::Result<()> {
     accrue_coordinator::init_tracing(args.log_json);
     let mut config = ServerConfig::new(args.listen, args.state_dir);
     config.heartbeat_timeout_ms = args.heartbeat_timeout_ms;
+    config.relay_min_world = args.relay_min_world;
     config.security = args.security.into_security()?;
     match args.metrics_listen.as_deref() {
         Some("off") => {}

@@ -379,6 +379,7 @@ pub fn control_plane(args: &super::ControlPlaneArgs) -> anyhow::Result<ExitCode>
             reforms: args.reforms,
             per_rank_results: args.per_rank_results,
             fake_step_ms: args.fake_step_ms,
+            relay_min_world: args.relay_min_world,
             work: work.join(format!("docs-{docs}")),
         };
         // Its own runtimes, off the CLI's (a runtime cannot start in one).
@@ -408,6 +409,7 @@ pub fn control_plane(args: &super::ControlPlaneArgs) -> anyhow::Result<ExitCode>
                 .arg(format!("--reforms={}", args.reforms))
                 .args(args.per_rank_results.then_some("--per-rank-results"))
                 .arg(format!("--fake-step-ms={}", args.fake_step_ms))
+                .arg(format!("--relay-min-world={}", args.relay_min_world))
                 .arg("--work")
                 .arg(&work)
                 .stderr(std::process::Stdio::inherit())
@@ -451,6 +453,7 @@ fn control_table(rows: &[crate::bench::control::ControlRow]) -> String {
                 format!("{:.0}", r.configure_bytes_per_worker),
                 format!("{:.0}", r.plan_bytes_per_worker_per_step),
                 format!("{:.1}", r.result_messages_per_step),
+                format!("{:.1}", r.plan_messages_per_step),
                 format!("{:.0}", r.rss_bytes as f64 / 1048576.0),
                 format!("{:.0}", r.store_bytes_per_step),
                 format!("{:.0}", r.step_record_bytes),
@@ -478,6 +481,7 @@ fn control_table(rows: &[crate::bench::control::ControlRow]) -> String {
             "CONF_B/W",
             "PLAN_B/W",
             "RESULT_MSGS/STEP",
+            "PLAN_MSGS/STEP",
             "RSS_MB",
             "STORE_B/STEP",
             "RECORD_B/STEP",

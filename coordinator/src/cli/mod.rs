@@ -527,6 +527,10 @@ pub struct ControlPlaneArgs {
     /// steps: the step's wall time less this.
     #[arg(long, value_name = "MS", default_value_t = 0)]
     pub fake_step_ms: u64,
+    /// The coordinator's `--relay-min-world` (the fakes can all relay):
+    /// 0 sends every message to its worker directly.
+    #[arg(long, value_name = "W", default_value_t = crate::core::RELAY_MIN_WORLD)]
+    pub relay_min_world: u32,
     /// Scratch directory (default: a temporary one).
     #[arg(long, value_name = "DIR")]
     pub work: Option<PathBuf>,

@@ -286,6 +286,8 @@ pub enum ToWorker {
         role: Role,
         /// Trainer rank 0 and the generators of a disaggregated generation.
         weights: Option<WeightRing>,
+        /// A relayed generation's hubs and followers (`super::relay`).
+        relay: Option<super::relay::RelayRole>,
     },
     Plan {
         job: JobId,
@@ -329,6 +331,13 @@ pub enum ToWorker {
         generation: u64,
         rank: u32,
         plan: Arc<RoundPlan>,
+    },
+    /// To a hub: its followers' messages, by rank, in order
+    /// (`super::relay::route`).
+    Relay {
+        job: JobId,
+        generation: u64,
+        messages: Vec<(u32, ToWorker)>,
     },
 }
 

@@ -307,6 +307,16 @@ impl Coordinator {
             })
         };
         let generator_peers: Arc<[(WorkerId, String)]> = generators.iter().map(addr).collect();
+        let relay_addrs: Vec<&str> = members
+            .iter()
+            .map(|m| self.workers[m].reg.relay_addr.as_str())
+            .collect();
+        let relaying = super::relay::Relaying::decide(&relay_addrs, self.opts.relay_min_world);
+        let relay_addr = |rank: u32| relay_addrs[rank as usize].to_string();
+        let roles: Vec<Option<super::relay::RelayRole>> = (0..world as u32)
+            .map(|r| relaying.as_ref()?.role(r, world as u32, relay_addr))
+            .collect();
+        drop(relay_addrs);
         // Memory a Configure does not overwrite: a ddp holder's (it only
         // sends), or a sharded layout that stays exactly as it was.
         let unchanged_layout = priors.iter().enumerate().all(|(i, p)| {
@@ -341,9 +351,20 @@ impl Coordinator {
                     restore_from: decision.restore_from(),
                     role: Role::Trainer,
                     weights: if rank == 0 { weight_ring(0) } else { None },
+                    relay: roles[rank].clone(),
                 },
             });
             let w = self.workers.get_mut(m).expect("member is registered");
+            // A hub's own messages come in its relays too.
+            w.follows = match (&relaying, &roles[rank]) {
+                (Some(r), Some(_)) => Some(super::relay::Follows {
+                    job: job_id.to_string(),
+                    generation: gen.id,
+                    hub: members[r.hub_of(rank as u32) as usize].clone(),
+                    rank: rank as u32,
+                }),
+                _ => None,
+            };
             w.job = Some(job_id.to_string());
             w.rank = Some(rank as u32);
             w.state = WorkerState::Configuring;
@@ -367,9 +388,11 @@ impl Coordinator {
                     restore_from: None,
                     role: Role::Generator,
                     weights: weight_ring(i + 1),
+                    relay: None,
                 },
             });
             let w = self.workers.get_mut(m).expect("generator is registered");
+            w.follows = None;
             w.job = Some(job_id.to_string());
             w.rank = None;
             w.state = WorkerState::Configuring;

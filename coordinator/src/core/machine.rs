@@ -29,6 +29,9 @@ pub struct CoordinatorOptions {
     /// generation to re-register (they may still hold its state in memory)
     /// before forming a generation without them.
     pub rejoin_grace_ms: i64,
+    /// Generations of at least this many ranks relay their messages
+    /// through hubs (`super::relay`) when every member can; 0: never.
+    pub relay_min_world: u32,
 }
 
 impl Default for CoordinatorOptions {
@@ -36,9 +39,14 @@ impl Default for CoordinatorOptions {
         Self {
             heartbeat_timeout_ms: 2_000,
             rejoin_grace_ms: 10_000,
+            relay_min_world: RELAY_MIN_WORLD,
         }
     }
 }
+
+/// The default [`CoordinatorOptions::relay_min_world`]: below it the
+/// messages saved do not pay for the extra hop.
+pub const RELAY_MIN_WORLD: u32 = 64;
 
 /// Lost workers whose records stay for operators (`accrue workers`,
 /// ListWorkers); older ones are forgotten, so workers that come and go (a
@@ -329,6 +337,9 @@ impl Coordinator {
             }
         }
         self.schedule(now_ms, &mut fx);
+        let jobs = &self.jobs;
+        let current = |job: &str| jobs.get(job)?.active().map(|a| a.gen.id);
+        super::routing::route(&mut fx, &self.workers, current);
         Ok(fx)
     }
 
@@ -412,6 +423,7 @@ impl Coordinator {
                 draining: false,
                 seq: self.next_worker_seq,
                 held,
+                follows: None,
             },
         );
     }

@@ -41,8 +41,10 @@ mod quarantine;
 mod record;
 pub mod recovery;
 pub mod reference;
+pub mod relay;
 mod rollout_loop;
 pub mod rollouts;
+mod routing;
 pub mod step;
 pub mod stream;
 mod types;
@@ -58,7 +60,7 @@ pub use jobs::{
     Active, AfterCheckpoint, BoundaryRequests, Generation, GeneratorSet, InFlight, Job, JobData,
     Phase, Work,
 };
-pub use machine::{Coordinator, CoordinatorOptions};
+pub use machine::{Coordinator, CoordinatorOptions, RELAY_MIN_WORLD};
 pub use metrics::{MetricSums, SourceMetrics, SourceSums, StepMetrics};
 pub use record::JobRecord;
 pub use reference::{RefEntry, ReferenceLogps, SeqLogp};

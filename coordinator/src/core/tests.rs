@@ -112,6 +112,10 @@ struct Sim {
     events: Vec<(String, String)>,
     /// Checkpoint steps requested (rank 0's copy).
     checkpoints: Vec<u64>,
+    /// Every relay sent: (its hub, messages in it).
+    relayed: Vec<(WorkerId, usize)>,
+    /// Every plan relayed: (rank, step).
+    relayed_plans: Vec<(u32, u64)>,
     /// Policies workers were asked to publish: (worker, step, dir).
     publish_requests: Vec<(WorkerId, u64, std::path::PathBuf)>,
     /// Rollout store writes of streamed jobs, in order.
@@ -176,10 +180,18 @@ fn fake_token_logp(doc: DocId, j: usize) -> f32 {
     }
 }
 
+/// Every scenario's workers can relay, and generations of this many relay
+/// (`core::relay`): 2, so every scenario of two or more workers routes its
+/// followers' messages through hubs, as `Sim::forward_relays` delivers them.
+const SIM_RELAY_MIN_WORLD: u32 = 2;
+
 impl Sim {
     fn new() -> Self {
         Sim {
-            c: Coordinator::new(CoordinatorOptions::default()),
+            c: Coordinator::new(CoordinatorOptions {
+                relay_min_world: SIM_RELAY_MIN_WORLD,
+                ..CoordinatorOptions::default()
+            }),
             now: 1_000,
             gather: false,
             gathered: BTreeMap::new(),
@@ -195,6 +207,8 @@ impl Sim {
             configures: Vec::new(),
             events: Vec::new(),
             checkpoints: Vec::new(),
+            relayed: Vec::new(),
+            relayed_plans: Vec::new(),
             publish_requests: Vec::new(),
             rollout_writes: Vec::new(),
             manifests: Vec::new(),
@@ -220,9 +234,57 @@ impl Sim {
         }
     }
 
+    /// Each `ToWorker::Relay` as the messages its hub forwards; one for a
+    /// generation no longer current reaches nobody (its hub was configured
+    /// again, and drops it). Counts the relays in `relayed`.
+    fn forward_relays(&mut self, fx: Vec<Effect>) -> Vec<Effect> {
+        let mut out = Vec::with_capacity(fx.len());
+        for f in fx {
+            let Effect::Send {
+                worker: hub,
+                msg:
+                    ToWorker::Relay {
+                        job,
+                        generation,
+                        messages,
+                    },
+            } = f
+            else {
+                out.push(f);
+                continue;
+            };
+            self.relayed.push((hub, messages.len()));
+            for (rank, m) in &messages {
+                if let ToWorker::Plan { planned, .. } = m {
+                    self.relayed_plans.push((*rank, planned.step));
+                }
+            }
+            let members = self
+                .c
+                .job(&job)
+                .ok()
+                .and_then(|j| j.active())
+                .filter(|a| a.gen.id == generation)
+                .map(|a| a.gen.members.clone())
+                .unwrap_or_default();
+            for (rank, msg) in messages {
+                if let Some(worker) = members.get(rank as usize) {
+                    out.push(Effect::Send {
+                        worker: worker.clone(),
+                        msg,
+                    });
+                }
+            }
+        }
+        out
+    }
+
     fn handle(&mut self, e: Event) -> Result<()> {
         self.now += 10;
         let fx = self.c.handle(e, self.now)?;
+        // A hub forwards its followers' messages (accrue-relay): they
+        // arrive as if sent to each, after the call's other messages.
+        let fx = self.forward_relays(fx);
         // As the shell does: once a step's plans are out, the next step is
         // planned ahead (and dispatch, in a debug build, checks it against
         // planning it again: every scenario here checks that).
@@ -338,6 +400,7 @@ impl Sim {
             reg: Registration {
                 hostname: "h".into(),
                 collective_addr: format!("127.0.0.1:1{id}"),
+                relay_addr: format!("127.0.0.1:2{id}"),
                 ..Default::default()
             },
         })
@@ -545,6 +608,7 @@ impl Sim {
                 }
             }
             ToWorker::Abort { .. } | ToWorker::Release { .. } => return true,
+            ToWorker::Relay { .. } => unreachable!("forwarded when sent (forward_relays)"),
         };
         self.handle(ev).unwrap();
         true
@@ -2096,6 +2160,7 @@ impl Sim {
             reg: Registration {
                 hostname: "h".into(),
                 collective_addr: format!("127.0.0.1:1{id}"),
+                relay_addr: format!("127.0.0.1:2{id}"),
                 held,
                 ..Default::default()
             },
@@ -3387,4 +3452,118 @@ fn a_step_planned_ahead_is_planned_again_when_what_it_was_planned_from_changed()
     assert!(s.plans.iter().any(|p| p.ranks.len() == 2), "re-formed at 2");
     let all: Vec<DocId> = s.committed.iter().flat_map(|(_, d)| d.clone()).collect();
     assert_eq!(all.len(), 40, "every document once");
+}
+
+/// The relay roles of generation `g`'s Configures, by rank.
+fn relay_roles(s: &Sim, g: u64) -> Vec<Option<crate::core::relay::RelayRole>> {
+    let mut roles: Vec<(u32, Option<crate::core::relay::RelayRole>)> = s
+        .configures
+        .iter()
+        .filter_map(|(_, m)| match m {
+            ToWorker::Configure {
+                generation,
+                rank,
+                relay,
+                role: Role::Trainer,
+                ..
+            } if *generation == g => Some((*rank, relay.clone())),
+            _ => None,
+        })
+        .collect();
+    roles.sort_by_key(|r| r.0);
+    roles.into_iter().map(|r| r.1).collect()
+}
+
+#[test]
+fn a_relayed_generations_followers_get_their_messages_through_their_hubs() {
+    use crate::core::relay::RelayRole;
+    let mut s = Sim::new();
+    s.submit(spec("epochs = 1", "docs_per_step = 8", 4, 4), docs(40));
+    for w in ["a", "b", "c", "d"] {
+        s.worker(w);
+    }
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    assert_eq!(s.committed.len(), 5);
+    // Four ranks: groups of ⌈√4⌉ = 2, hubs 0 and 2.
+    let roles = relay_roles(&s, 1);
+    let token = match &roles[0] {
+        Some(RelayRole::Hub { token, followers }) => {
+            assert_eq!(followers, &[1]);
+            token.clone()
+        }
+        other => panic!("rank 0: {other:?}"),
+    };
+    assert_eq!(
+        roles[2],
+        Some(RelayRole::Hub {
+            token: token.clone(),
+            followers: vec![3]
+        })
+    );
+    let members = s.c.job("job").unwrap().rec.members.clone();
+    let addr = |r: usize| format!("127.0.0.1:2{}", members[r]);
+    assert_eq!(
+        roles[1],
+        Some(RelayRole::Follower {
+            token: token.clone(),
+            hub: 0,
+            hub_addr: addr(0)
+        })
+    );
+    assert_eq!(
+        roles[3],
+        Some(RelayRole::Follower {
+            token,
+            hub: 2,
+            hub_addr: addr(2)
+        })
+    );
+    // Relays go to hubs only, and carry every member's plan of every step
+    // (the hubs' own too), with the checkpoint requests.
+    let hubs = [members[0].clone(), members[2].clone()];
+    assert!(
+        s.relayed.iter().all(|(h, _)| hubs.contains(h)),
+        "{:?}",
+        s.relayed
+    );
+    let mut plans = s.relayed_plans.clone();
+    plans.sort();
+    let want: Vec<(u32, u64)> = (0..4)
+        .flat_map(|r| (1..=5).map(move |step| (r, step)))
+        .collect();
+    assert_eq!(plans, want);
+    let all: Vec<DocId> = s.committed.iter().flat_map(|(_, d)| d.clone()).collect();
+    let mut sorted = all.clone();
+    sorted.sort();
+    sorted.dedup();
+    assert_eq!((all.len(), sorted.len()), (40, 40), "every document once");
+}
+
+#[test]
+fn a_relayed_generation_that_loses_a_follower_re_forms_and_relays_again() {
+    use crate::core::relay::RelayRole;
+    let mut s = Sim::new();
+    s.submit(spec("epochs = 1", "docs_per_step = 6", 3, 4), docs(36));
+    for w in ["a", "b", "c", "d"] {
+        s.worker(w);
+    }
+    until_plans(&mut s, 2);
+    let members = s.c.job("job").unwrap().rec.members.clone();
+    // Rank 3 follows rank 2: its plan went through rank 2's relay.
+    s.kill(&members[3]);
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    // Three ranks: groups of 2; rank 2's group has no follower.
+    let last = s.c.job("job").unwrap().rec.generation;
+    let roles = relay_roles(&s, last);
+    assert_eq!(roles.len(), 3, "{roles:?}");
+    assert!(matches!(&roles[0], Some(RelayRole::Hub { followers, .. }) if followers == &[1]));
+    assert!(matches!(&roles[1], Some(RelayRole::Follower { .. })));
+    assert_eq!(roles[2], None);
+    let all: Vec<DocId> = s.committed.iter().flat_map(|(_, d)| d.clone()).collect();
+    let mut sorted = all.clone();
+    sorted.sort();
+    sorted.dedup();
+    assert_eq!((all.len(), sorted.len()), (36, 36), "every document once");
 }

@@ -32,6 +32,8 @@ pub struct Registration {
     pub gpu_name: String,
     pub gpu_memory_bytes: u64,
     pub collective_addr: String,
+    /// Where its plan relay listens; empty: it cannot relay.
+    pub relay_addr: String,
     /// Peak FLOP/s of the device, rounded (0 = unknown): the MFU denominator.
     pub peak_flops: u64,
     /// The training state it still holds in memory (re-registering after a
@@ -56,6 +58,9 @@ pub struct Worker {
     /// knows (from its registration, its Ready, its step results); None
     /// while a Configure may be overwriting it.
     pub held: Option<HeldState>,
+    /// The hub its messages go through, while it follows one
+    /// (`super::relay`).
+    pub follows: Option<super::relay::Follows>,
 }
 
 impl Worker {

@@ -2,7 +2,9 @@
 //! place either side's shape leaks into the other.
 
 use accrue_proto::{pack_f32, v1 as wire};
+use prost::Message as _;
 
+use crate::core::relay::RelayRole;
 use crate::core::{
     AbortReason, EventKind, HeldState, Job, JobState, MetricSums, PlanKind, Quarantined, Role,
     SeqLogp, StepMetrics, ToWorker, WatchItem, Worker, WorkerErrorKind, WorkerId, WorkerState,
@@ -483,6 +485,7 @@ pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
             restore_from,
             role,
             weights,
+            relay,
         } => Msg::Configure(wire::Configure {
             job_id: job.clone(),
             generation: *generation,
@@ -532,6 +535,24 @@ pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
             // Trainers answer train steps with one gathered message from
             // rank 0 (`Event::StepResults`); generators run no steps.
             gather_results: matches!(role, Role::Trainer),
+            relay: relay.as_ref().map(|r| match r {
+                RelayRole::Hub { token, followers } => wire::RelayRoute {
+                    token: token.to_vec(),
+                    hub_addr: String::new(),
+                    followers: followers.clone(),
+                    hub_rank: *rank,
+                },
+                RelayRole::Follower {
+                    token,
+                    hub,
+                    hub_addr,
+                } => wire::RelayRoute {
+                    token: token.to_vec(),
+                    hub_addr: hub_addr.clone(),
+                    followers: Vec::new(),
+                    hub_rank: *hub,
+                },
+            }),
         }),
         ToWorker::Plan {
             job,
@@ -642,6 +663,23 @@ pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
             *rank,
             plan,
         )),
+        // Each follower's message encoded here, in the hub's session task:
+        // the hub forwards the bytes as they are.
+        ToWorker::Relay {
+            job,
+            generation,
+            messages,
+        } => Msg::Relay(wire::Relay {
+            job_id: job.clone(),
+            generation: *generation,
+            messages: messages
+                .iter()
+                .map(|(rank, m)| wire::Relayed {
+                    rank: *rank,
+                    message: to_worker(m).encode_to_vec(),
+                })
+                .collect(),
+        }),
     };
     wire::CoordinatorMessage { msg: Some(msg) }
 }
@@ -680,7 +718,6 @@ mod tests {
     /// peer in each made them O(W²).
     #[test]
     fn a_generations_configures_grow_linearly_with_its_size() {
-        use prost::Message;
         use std::sync::Arc;
         let spec: Arc<JobSpec> = Arc::new(
             toml::from_str(
@@ -689,6 +726,10 @@ mod tests {
             )
             .unwrap(),
         );
+        let relaying = |w: usize| crate::core::relay::Relaying {
+            token: vec![7; 16].into(),
+            group: (w as f64).sqrt().ceil() as u32,
+        };
         let total = |w: usize| -> usize {
             let peers: Arc<[(WorkerId, String)]> = (0..w)
                 .map(|i| {
@@ -725,6 +766,9 @@ mod tests {
                         restore_from: None,
                         role: Role::Trainer,
                         weights: None,
+                        // Relayed: a hub's Configure lists its √W
+                        // followers, still O(W) in all.
+                        relay: relaying(w).role(r as u32, w as u32, |h| format!("10.0.0.{h}:7072")),
                     })
                     .encoded_len()
                 })
@@ -759,6 +803,7 @@ mod tests {
             restore_from: None,
             role: Role::Trainer,
             weights: None,
+            relay: None,
         });
         let Some(wire::coordinator_message::Msg::Configure(c)) = msg.msg else {
             panic!("expected a configure");

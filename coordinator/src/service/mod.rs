@@ -399,11 +399,17 @@ impl Shared {
                     }
                 }
                 Effect::Send { worker, msg } => {
-                    let planned = match &msg {
+                    // A relay's messages are its members'.
+                    let relayed: &[(u32, ToWorker)] = match &msg {
+                        ToWorker::Relay { messages, .. } => messages,
+                        _ => &[],
+                    };
+                    let each = std::iter::once(&msg).chain(relayed.iter().map(|m| &m.1));
+                    let planned = each.clone().find_map(|m| match m {
                         ToWorker::Plan { job, .. } => Some(job.clone()),
                         _ => None,
-                    };
-                    let written = match &msg {
+                    });
+                    let written = each.clone().find_map(|m| match m {
                         ToWorker::Checkpoint { job, dir, .. } => Some((job, dir)),
                         ToWorker::PublishPolicy {
                             job,
@@ -411,7 +417,7 @@ impl Shared {
                             ..
                         } => Some((job, dir)),
                         _ => None,
-                    };
+                    });
                     if let Some((job, dir)) = written {
                         if let Ok(j) = inner.core.job(job) {
                             let (me, id) = (self.me.clone(), job.clone());

@@ -43,15 +43,17 @@ pub fn register(r: &wire::RegisterRequest) -> Result<(), Status> {
             accrue_proto::PROTOCOL
         )));
     }
-    if !r.collective_addr.is_empty() {
-        let ok = r
-            .collective_addr
-            .rsplit_once(':')
-            .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+    for (field, addr) in [
+        ("collective_addr", &r.collective_addr),
+        ("relay_addr", &r.relay_addr),
+    ] {
+        let ok = addr.is_empty()
+            || addr
+                .rsplit_once(':')
+                .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
         if !ok {
             return Err(Status::invalid_argument(format!(
-                "collective_addr: expected host:port, got {:?}",
-                r.collective_addr
+                "{field}: expected host:port, got {addr:?}"
             )));
         }
     }

@@ -193,6 +193,7 @@ impl WorkerService for WorkerServiceImpl {
                 gpu_name: r.gpu_name,
                 gpu_memory_bytes: r.gpu_memory_bytes,
                 collective_addr: r.collective_addr,
+                relay_addr: r.relay_addr,
                 peak_flops: if r.peak_flops.is_finite() && r.peak_flops > 0.0 {
                     r.peak_flops.round() as u64
                 } else {

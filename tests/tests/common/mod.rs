@@ -157,6 +157,8 @@ pub async fn fake_generator(
             gpu_name: String::new(),
             gpu_memory_bytes: 0,
             protocol: accrue_proto::PROTOCOL,
+            // It cannot relay: its generations are sent directly.
+            relay_addr: String::new(),
         })
         .await?
         .into_inner();
@@ -320,6 +322,8 @@ pub async fn fake_generator(
                 .await?;
             }
             In::SyncWeights(_) => {}
+            // Never sent to a worker that advertises no relay address.
+            In::Relay(r) => anyhow::bail!("a relay for generation {}", r.generation),
             In::Release(_) => {
                 report.released = true;
                 break;

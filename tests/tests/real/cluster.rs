@@ -131,6 +131,9 @@ pub struct Cluster {
     pub dir: tempfile::TempDir,
     /// The coordinator's `--heartbeat-timeout-ms` (None: its 2 s default).
     pub heartbeat_ms: Option<u64>,
+    /// The coordinator's `--relay-min-world` (None: its default, above
+    /// these tests' worlds).
+    pub relay_min_world: Option<u32>,
     pub coord: Option<Child>,
     pub addr: String,
     pub workers: Vec<Child>,
@@ -142,6 +145,16 @@ impl Cluster {
     }
 
     pub fn with_heartbeat(heartbeat_ms: Option<u64>) -> Cluster {
+        Self::with_settings(heartbeat_ms, None)
+    }
+
+    /// A cluster whose generations of `min_world` workers or more relay
+    /// the coordinator's messages through hubs (`--relay-min-world`).
+    pub fn relaying(min_world: u32) -> Cluster {
+        Self::with_settings(None, Some(min_world))
+    }
+
+    fn with_settings(heartbeat_ms: Option<u64>, relay_min_world: Option<u32>) -> Cluster {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
         std::fs::create_dir_all(d.join("logs")).unwrap();
@@ -157,6 +170,7 @@ impl Cluster {
         let mut c = Cluster {
             dir,
             heartbeat_ms,
+            relay_min_world,
             coord: None,
             addr: "127.0.0.1:0".into(),
             workers: Vec::new(),
@@ -182,6 +196,9 @@ impl Cluster {
         let mut cmd = Command::new(bin_dir().join("accrue-coordinator"));
         if let Some(ms) = self.heartbeat_ms {
             cmd.args(["--heartbeat-timeout-ms", &ms.to_string()]);
+        }
+        if let Some(w) = self.relay_min_world {
+            cmd.args(["--relay-min-world", &w.to_string()]);
         }
         let mut child = cmd
             .args(["--listen", &self.addr, "--state-dir"])

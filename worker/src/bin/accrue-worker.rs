@@ -28,6 +28,23 @@ struct Args {
     /// (in Kubernetes: `$(POD_IP):7071`, as pod hostnames do not resolve).
     #[arg(long, value_name = "ADDR", env = "ACCRUE_COLLECTIVE_ADVERTISE")]
     collective_advertise: Option<String>,
+    /// Where this worker listens for the relay connections of the workers
+    /// it relays the coordinator's messages to, in generations large
+    /// enough to relay (the coordinator's --relay-min-world): "auto" (the
+    /// collective listener's host, any free port), "off" (never relay), or
+    /// host:port.
+    #[arg(
+        long,
+        value_name = "ADDR",
+        default_value = "auto",
+        env = "ACCRUE_RELAY_LISTEN"
+    )]
+    relay_listen: String,
+    /// Address other workers dial for this worker's relay: host:port, or a
+    /// bare host that takes the bound port (default with "auto": the
+    /// --collective-advertise host).
+    #[arg(long, value_name = "ADDR", env = "ACCRUE_RELAY_ADVERTISE")]
+    relay_advertise: Option<String>,
     /// Device to train on: auto (LOCAL_RANK, else the first free visible
     /// GPU, else the CPU), cpu, cuda (like auto, GPUs only) or cuda:N.
     #[arg(long, env = "ACCRUE_DEVICE", default_value = "auto")]
@@ -133,12 +150,19 @@ async fn main() -> anyhow::Result<()> {
         &args.collective_listen,
         args.collective_advertise.as_deref(),
     )?;
+    let relay = session::bind_relay(
+        &args.relay_listen,
+        args.relay_advertise.as_deref(),
+        &args.collective_listen,
+        args.collective_advertise.as_deref(),
+    )?;
     let local_rank = std::env::var("LOCAL_RANK").ok();
     let choice = device::choose(args.device, local_rank.as_deref(), &device::probe())?;
     let info = device::describe(choice.device);
     tracing::info!(device = %info, why = choice.why, "training device");
     let mut cfg = SessionConfig::new(&args.coordinator);
     cfg.collective_addr = advertised;
+    cfg.relay = relay.map(|(l, a)| (std::sync::Arc::new(l), a));
     cfg.exit_on_release = args.exit_on_release;
     cfg.peak_flops = session::peak_flops(args.peak_tflops, &info);
     cfg.device = info;

@@ -9,8 +9,10 @@
 mod host;
 pub mod lifecycle;
 mod peak;
+mod relay;
 pub mod secure;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use accrue_proto::v1 as wire;
@@ -23,6 +25,8 @@ use tracing::{info, warn};
 
 pub use host::{hostname, memory_bytes};
 pub use peak::peak_flops;
+pub use relay::Relay;
+use relay::RelayEvent;
 
 use crate::runner::{Runner, RunnerConfig, Work};
 
@@ -51,6 +55,9 @@ pub struct SessionConfig {
     pub health: lifecycle::Health,
     /// Requests a drain (default: never).
     pub drain: lifecycle::Drain,
+    /// This worker's relay listener and the address it advertises
+    /// (`--relay-listen`; default: none, its generations are not relayed).
+    pub relay: Option<(Arc<std::net::TcpListener>, String)>,
 }
 
 impl SessionConfig {
@@ -68,6 +75,7 @@ impl SessionConfig {
             security: secure::Security::default(),
             health: lifecycle::Health::default(),
             drain: lifecycle::Drain::default(),
+            relay: None,
         }
     }
 }
@@ -85,11 +93,59 @@ pub fn bind_collective(
     addr: &str,
     advertise: Option<&str>,
 ) -> anyhow::Result<(std::net::TcpListener, String)> {
+    bind_endpoint("collective", addr, advertise)
+}
+
+/// Binds this worker's relay listener (`--relay-listen`, see
+/// [`Relay`]) like [`bind_collective`]. `addr` "auto" takes the collective
+/// listener's host (`collective_listen`) with any free port, advertised
+/// with the collective's advertised host unless `advertise` says more;
+/// "off": no relay (its generations are never relayed).
+pub fn bind_relay(
+    addr: &str,
+    advertise: Option<&str>,
+    collective_listen: &str,
+    collective_advertise: Option<&str>,
+) -> anyhow::Result<Option<(std::net::TcpListener, String)>> {
+    let (addr, advertise) = match addr.trim() {
+        "off" => return Ok(None),
+        "auto" => (
+            format!("{}:0", host_part(collective_listen)),
+            advertise
+                .map(str::to_string)
+                .or_else(|| collective_advertise.map(|a| host_part(a).to_string())),
+        ),
+        a => (a.to_string(), advertise.map(str::to_string)),
+    };
+    bind_endpoint("relay", &addr, advertise.as_deref()).map(Some)
+}
+
+/// The host of `host:port`, `[v6]:port`, or a bare host or IP.
+fn host_part(addr: &str) -> &str {
+    let addr = addr.trim();
+    if addr.parse::<std::net::IpAddr>().is_ok() {
+        return addr;
+    }
+    match addr.rsplit_once(':') {
+        Some((host, _)) if !host.is_empty() && (!host.contains(':') || host.starts_with('[')) => {
+            host
+        }
+        _ => addr,
+    }
+}
+
+/// Binds `--{what}-listen` and works out the address to advertise for it
+/// (see [`bind_collective`]).
+fn bind_endpoint(
+    what: &str,
+    addr: &str,
+    advertise: Option<&str>,
+) -> anyhow::Result<(std::net::TcpListener, String)> {
     let listener = std::net::TcpListener::bind(addr)
-        .with_context(|| format!("--collective-listen: binding {addr}"))?;
+        .with_context(|| format!("--{what}-listen: binding {addr}"))?;
     let local = listener.local_addr()?;
     let advertised = match advertise.map(str::trim) {
-        Some(a) => advertised_with_port(a, local.port())?,
+        Some(a) => advertised_with_port(what, a, local.port())?,
         None if local.ip().is_unspecified() => format!("{}:{}", hostname(), local.port()),
         None => local.to_string(),
     };
@@ -97,9 +153,9 @@ pub fn bind_collective(
 }
 
 /// `advertise` with `port` filled in where it names none (or port 0).
-fn advertised_with_port(advertise: &str, port: u16) -> anyhow::Result<String> {
+fn advertised_with_port(what: &str, advertise: &str, port: u16) -> anyhow::Result<String> {
     if advertise.is_empty() {
-        anyhow::bail!("--collective-advertise: empty address");
+        anyhow::bail!("--{what}-advertise: empty address");
     }
     if let Ok(ip) = advertise.parse::<std::net::IpAddr>() {
         // A bare IP (an IPv6 one holds colons but no port).
@@ -108,11 +164,11 @@ fn advertised_with_port(advertise: &str, port: u16) -> anyhow::Result<String> {
     match advertise.rsplit_once(':') {
         Some((host, p)) if (!host.is_empty() && !host.contains(':')) || host.starts_with('[') => {
             let p: u16 = p.parse().with_context(|| {
-                format!("--collective-advertise: {advertise:?}: port {p:?} is not a number")
+                format!("--{what}-advertise: {advertise:?}: port {p:?} is not a number")
             })?;
             Ok(format!("{host}:{}", if p == 0 { port } else { p }))
         }
-        Some(_) => anyhow::bail!("--collective-advertise: {advertise:?} is not host:port"),
+        Some(_) => anyhow::bail!("--{what}-advertise: {advertise:?} is not host:port"),
         None => Ok(format!("{advertise}:{port}")),
     }
 }
@@ -134,12 +190,23 @@ enum Ended {
 pub async fn run(cfg: SessionConfig, runner: RunnerConfig) -> anyhow::Result<()> {
     let (out_tx, mut out_rx) = mpsc::unbounded_channel();
     let runner = Runner::start(runner, out_tx);
+    let mut relay = match &cfg.relay {
+        Some((listener, addr)) => Some(
+            Relay::start(
+                listener.try_clone()?,
+                addr.clone(),
+                cfg.security.max_message_bytes,
+            )
+            .context("starting the relay listener")?,
+        ),
+        None => None,
+    };
     let mut worker_id = String::new();
     let mut unreachable_since: Option<Instant> = None;
     let mut backoff = Duration::from_millis(100);
     let mut drain = cfg.drain.clone();
     let result = loop {
-        let ended = session(&cfg, &mut worker_id, &runner, &mut out_rx).await;
+        let ended = session(&cfg, &mut worker_id, &runner, &mut out_rx, relay.as_mut()).await;
         cfg.health.set_ready(false).await;
         match ended {
             Ok(Ended::Released(reason)) => {
@@ -192,6 +259,56 @@ pub async fn run(cfg: SessionConfig, runner: RunnerConfig) -> anyhow::Result<()>
     result
 }
 
+/// Hands one coordinator message (from the session or through this
+/// worker's hub) to the runner; Some when it ends the session (a Release,
+/// when `release_ends`).
+fn deliver(
+    msg: In,
+    runner: &Runner,
+    relay: Option<&mut Relay>,
+    release_ends: bool,
+) -> Option<Ended> {
+    match msg {
+        In::Configure(c) => {
+            if let Some(r) = relay {
+                r.configure(&c);
+            }
+            runner.submit(Work::Configure(Box::new(c)))
+        }
+        In::StepPlan(p) => runner.submit(Work::Plan(Box::new(p))),
+        In::CheckpointRequest(c) => runner.submit(Work::Checkpoint(c)),
+        In::Abort(a) => runner.submit(Work::Abort(a)),
+        In::PublishPolicy(p) => runner.submit(Work::Publish(p)),
+        In::GeneratePlan(g) => runner.submit(Work::Generate(Box::new(g))),
+        In::SyncWeights(s) => runner.submit(Work::Sync(s)),
+        In::Relay(r) => {
+            let Some(relay) = relay else {
+                warn!(job = %r.job_id, generation = r.generation, "a relay for a worker that runs no hub: dropped");
+                return None;
+            };
+            // Its own messages, in order (never a Configure, a Release or a
+            // relay: those are not relayed).
+            for m in relay.forward(r) {
+                match m.msg {
+                    Some(In::Relay(_) | In::Configure(_) | In::Release(_)) | None => {
+                        warn!("a relayed message of a kind never relayed: dropped")
+                    }
+                    Some(m) => {
+                        deliver(m, runner, None, false);
+                    }
+                }
+            }
+        }
+        In::Release(r) => {
+            info!(job = %r.job_id, reason = %r.reason, "released");
+            if release_ends {
+                return Some(Ended::Released(r.reason));
+            }
+        }
+    }
+    None
+}
+
 /// Whether `e` is the coordinator refusing our credentials.
 fn refused(e: &anyhow::Error) -> bool {
     e.chain()
@@ -211,6 +328,7 @@ async fn session(
     worker_id: &mut String,
     runner: &Runner,
     results: &mut mpsc::UnboundedReceiver<wire::WorkerMessage>,
+    mut relay: Option<&mut Relay>,
 ) -> anyhow::Result<Ended> {
     let mut drain = cfg.drain.clone();
     if drain.requested() {
@@ -234,6 +352,10 @@ async fn session(
         // The replica this process still holds (a coordinator restart):
         // the coordinator keeps it when it is at the committed step.
         held: runner.progress().held(),
+        relay_addr: relay
+            .as_ref()
+            .map(|r| r.addr().to_string())
+            .unwrap_or_default(),
     });
     let reg = tokio::select! {
         r = registering => match r {
@@ -289,22 +411,36 @@ async fn session(
                     Err(s) => break Ended::Lost(format!("session stream: {s}")),
                 };
                 let Some(msg) = msg.msg else { continue };
-                match msg {
-                    In::Configure(c) => runner.submit(Work::Configure(Box::new(c))),
-                    In::StepPlan(p) => runner.submit(Work::Plan(Box::new(p))),
-                    In::CheckpointRequest(c) => runner.submit(Work::Checkpoint(c)),
-                    In::Abort(a) => runner.submit(Work::Abort(a)),
-                    In::PublishPolicy(p) => runner.submit(Work::Publish(p)),
-                    In::GeneratePlan(g) => runner.submit(Work::Generate(Box::new(g))),
-                    In::SyncWeights(s) => runner.submit(Work::Sync(s)),
-                    In::Release(r) => {
-                        info!(job = %r.job_id, reason = %r.reason, "released");
-                        if cfg.exit_on_release || leaving {
-                            break Ended::Released(r.reason);
-                        }
-                    }
+                if let Some(ended) = deliver(msg, runner, relay.as_deref_mut(), cfg.exit_on_release || leaving) {
+                    break ended;
                 }
             }
+            event = async {
+                match relay.as_deref_mut() {
+                    Some(r) => r.next().await,
+                    None => std::future::pending().await,
+                }
+            } => match event {
+                RelayEvent::Message(m) => {
+                    let Some(msg) = m.msg else { continue };
+                    if let Some(ended) = deliver(msg, runner, relay.as_deref_mut(), cfg.exit_on_release || leaving) {
+                        break ended;
+                    }
+                }
+                RelayEvent::Failed { job, generation, peer_rank, message } => {
+                    let error = wire::WorkerError {
+                        job_id: job,
+                        generation,
+                        step: progress.step.load(std::sync::atomic::Ordering::Relaxed),
+                        kind: wire::ErrorKind::CollectiveTimeout as i32,
+                        message,
+                        peer_rank: Some(peer_rank),
+                    };
+                    if tx.send(send(Out::Error(error))).await.is_err() {
+                        break Ended::Lost("the outbound stream closed".into());
+                    }
+                }
+            },
             Some(m) = results.recv() => {
                 if tx.send(m).await.is_err() {
                     break Ended::Lost("the outbound stream closed".into());
@@ -381,7 +517,7 @@ mod tests {
         let (l, a) = bind_collective("127.0.0.1:0", Some("fd00::7")).unwrap();
         assert_eq!(a, format!("[fd00::7]:{}", l.local_addr().unwrap().port()));
         assert_eq!(
-            advertised_with_port("[fd00::7]:9", 1).unwrap(),
+            advertised_with_port("collective", "[fd00::7]:9", 1).unwrap(),
             "[fd00::7]:9"
         );
     }
@@ -395,6 +531,31 @@ mod tests {
             a,
             format!("{}:{}", hostname(), l.local_addr().unwrap().port())
         );
+    }
+
+    #[test]
+    fn the_relay_listener_follows_the_collective_one_unless_told_otherwise() {
+        assert!(bind_relay("off", None, "127.0.0.1:0", None)
+            .unwrap()
+            .is_none());
+        // auto: the collective's host, any port, advertised with the
+        // collective's advertised host.
+        let (l, a) = bind_relay("auto", None, "127.0.0.1:0", Some("10.1.2.3:7071"))
+            .unwrap()
+            .unwrap();
+        let port = l.local_addr().unwrap().port();
+        assert_eq!(l.local_addr().unwrap().ip().to_string(), "127.0.0.1");
+        assert_eq!(a, format!("10.1.2.3:{port}"));
+        let (l, a) = bind_relay("auto", None, "127.0.0.1:0", None)
+            .unwrap()
+            .unwrap();
+        assert_eq!(a, l.local_addr().unwrap().to_string());
+        let (_, a) = bind_relay("127.0.0.1:0", Some("pod-a:7073"), "0.0.0.0:0", None)
+            .unwrap()
+            .unwrap();
+        assert_eq!(a, "pod-a:7073");
+        let e = bind_relay("auto", Some("a:b:c"), "127.0.0.1:0", None).unwrap_err();
+        assert!(format!("{e:#}").contains("--relay-advertise"), "{e:#}");
     }
 
     #[test]

@@ -1,0 +1,39 @@
+//! The plan relay (issue 19). At W = 1024 the coordinator's send path (one
+//! HTTP/2 message, one task wake-up and one `writev` per worker per step)
+//! was half its CPU. A relayed generation is cut into groups of consecutive
+//! ranks (`wire::RelayRoute`): the coordinator sends each group's first rank,
+//! its hub, one `wire::Relay` per flush holding the messages of the group's
+//! other ranks, its followers, and the hub forwards each over a plain TCP
+//! connection the follower opened to it. So the coordinator sends about
+//! √W messages a step, and each hub √W.
+//!
+//! - [`Hub`]: the hub's side: a listener every worker that can relay runs,
+//!   the followers' connections of its current generation, and messages
+//!   queued for a follower that has not connected yet.
+//! - [`dial`]: the follower's side: one connection to its hub, read into a
+//!   channel the session merges with its stream.
+//!
+//! Frames are length-delimited protobuf (`tokio_util`'s codec: a 4-byte
+//! big-endian length): the follower's `wire::RelayHello`, then encoded
+//! `wire::CoordinatorMessage`s, hub to follower. Nothing here decides what
+//! is relayed or when; the coordinator does (Configure, Abort and Release
+//! never are). A failure is a [`Fault`] naming the rank to blame, which
+//! the worker reports like a collective's.
+
+mod hub;
+mod link;
+
+pub use hub::{Fault, Hub, HubOptions};
+pub use link::{dial, LinkError};
+
+#[cfg(test)]
+mod tests;
+
+use tokio_util::codec::LengthDelimitedCodec;
+
+/// The codec of a relay connection, frames up to `max_frame` bytes.
+fn codec(max_frame: usize) -> LengthDelimitedCodec {
+    LengthDelimitedCodec::builder()
+        .max_frame_length(max_frame)
+        .new_codec()
+}
