@@ -71,8 +71,6 @@ enum Admit {
 struct Generation {
     job: String,
     generation: u64,
-    /// The hub's own rank: its messages come in the relays too.
-    rank: u32,
     token: Vec<u8>,
     followers: HashMap<u32, Follower>,
 }
@@ -120,21 +118,30 @@ impl Hub {
         (hub, rx)
     }
 
-    /// Makes this worker, rank `rank`, the hub of `followers` in
-    /// `generation` of `job`, whose connections prove themselves with
-    /// `token`. Ends whatever it relayed before (those connections close).
-    pub fn open(&self, job: &str, generation: u64, rank: u32, token: &[u8], followers: &[u32]) {
-        let open = Generation {
-            job: job.to_string(),
-            generation,
-            rank,
-            token: token.to_vec(),
-            followers: followers
-                .iter()
-                .map(|&r| (r, Follower::Waiting(Vec::new())))
-                .collect(),
-        };
-        self.lock().open = Some(open);
+    /// Makes this listener the hub of `followers` in `generation` of
+    /// `job`, whose connections prove themselves with `token`. Ends
+    /// whatever it relayed for another generation (those connections
+    /// close); for the same one it adds them (several hubs of a generation
+    /// may share a listener: the benchmark's simulated workers do).
+    pub fn open(&self, job: &str, generation: u64, token: &[u8], followers: &[u32]) {
+        {
+            let mut state = self.lock();
+            let open = match state.open.take() {
+                Some(g) if g.job == job && g.generation == generation && g.token == token => g,
+                _ => Generation {
+                    job: job.to_string(),
+                    generation,
+                    token: token.to_vec(),
+                    followers: HashMap::new(),
+                },
+            };
+            let open = state.open.insert(open);
+            for &r in followers {
+                open.followers
+                    .entry(r)
+                    .or_insert_with(|| Follower::Waiting(Vec::new()));
+            }
+        }
         self.opened.notify_waiters();
         let (hub, job) = (self.clone(), job.to_string());
         let wait = self.opts.connect_timeout;
@@ -150,11 +157,12 @@ impl Hub {
         self.lock().open = None;
     }
 
-    /// Queues each of `relay`'s messages to its follower, and returns the
-    /// hub's own, in order. A relay for another generation than the open
-    /// one is dropped: the one that replaced it is newer (Configure comes
-    /// on the session, in order).
-    pub fn forward(&self, relay: wire::Relay) -> Vec<wire::CoordinatorMessage> {
+    /// Queues each of `relay`'s messages to its follower, and returns those
+    /// of the hub itself, rank `own`, in order. A relay for another
+    /// generation than the open one is dropped: the one that replaced it
+    /// is newer (Configure comes on the session, in order).
+    pub fn forward(&self, relay: wire::Relay, own: u32) -> Vec<wire::CoordinatorMessage> {
+        let own_rank = own;
         let mut own = Vec::new();
         let mut state = self.lock();
         let Some(open) = state
@@ -166,7 +174,7 @@ impl Hub {
             return own;
         };
         for m in relay.messages {
-            if m.rank == open.rank {
+            if m.rank == own_rank {
                 match wire::CoordinatorMessage::decode(m.message.as_slice()) {
                     Ok(msg) => own.push(msg),
                     Err(e) => {
@@ -301,8 +309,10 @@ impl Hub {
         if !bool::from(open.token.ct_eq(&hello.token)) {
             return Admit::No(format!("rank {}: wrong token", hello.rank));
         }
+        // Not (yet) a follower: another hub sharing this listener may still
+        // open it (the benchmark's simulated workers share listeners).
         let Some(f) = open.followers.get_mut(&hello.rank) else {
-            return Admit::No(format!("rank {} is not a follower of this hub", hello.rank));
+            return Admit::NotYet;
         };
         match std::mem::replace(f, Follower::Connected(tx.clone())) {
             Follower::Waiting(queued) => {

@@ -317,6 +317,10 @@ async fn drive(
     // Bounds concurrent connects (the listener's backlog), not sessions.
     let connecting = Arc::new(Semaphore::new(64));
     let (session_tx, mut session_rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut relays = Vec::with_capacity(RELAY_LISTENERS);
+    for _ in 0..RELAY_LISTENERS.min(w) {
+        relays.push(relay_hub(&tally).await?);
+    }
     let mut tasks = tokio::task::JoinSet::new();
     let spawn = |tasks: &mut tokio::task::JoinSet<anyhow::Result<()>>, i: usize| {
         let fake = Fake {
@@ -330,7 +334,7 @@ async fn drive(
             connecting: connecting.clone(),
             session_tx: session_tx.clone(),
             bounce: (i == 0).then(|| bounce_rx.clone()),
-            relay: None,
+            relay: Some(relays[i % relays.len()].clone()),
         };
         tasks.spawn(fake.run());
     };
@@ -608,6 +612,25 @@ fn write_dataset(dir: &Path, docs: u64) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The relay listener the fakes share, its faults noted as the first loss.
+async fn relay_hub(tally: &Arc<Tally>) -> anyhow::Result<(accrue_relay::Hub, String)> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?.to_string();
+    let opts = accrue_relay::HubOptions {
+        max_frame: RELAY_MAX_FRAME,
+        ..Default::default()
+    };
+    let (hub, mut faults) = accrue_relay::Hub::start(listener, opts);
+    let tally = tally.clone();
+    tokio::spawn(async move {
+        while let Some(f) = faults.recv().await {
+            let mut first = tally.first_loss.lock().expect("poisoned");
+            first.get_or_insert_with(|| format!("relay to rank {}: {}", f.rank, f.why));
+        }
+    });
+    Ok((hub, addr))
+}
+
 /// One simulated worker.
 struct Fake {
     url: String,
@@ -624,33 +647,22 @@ struct Fake {
     /// Fake 0: ends its session and registers again (as the same worker)
     /// each time this moves.
     bounce: Option<watch::Receiver<u64>>,
-    /// Its relay hub (`accrue-relay`, as a worker runs it) and address,
-    /// once `run` bound it.
+    /// The relay hub (`accrue-relay`, as a worker runs it) and its
+    /// address, shared with other fakes ([`RELAY_LISTENERS`]).
     relay: Option<(accrue_relay::Hub, String)>,
 }
+
+/// Relay listeners the fakes share (fake i uses listener i mod this; a
+/// prime, so the hubs, every ⌈√W⌉th rank, spread over them). One each
+/// would take ~4k more descriptors at W = 4096, past this machine's
+/// limit; one for all queued ~4k connections on one backlog.
+const RELAY_LISTENERS: usize = 67;
 
 /// The relay frames a fake accepts.
 const RELAY_MAX_FRAME: usize = 64 << 20;
 
 impl Fake {
     async fn run(mut self) -> anyhow::Result<()> {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let addr = listener.local_addr()?.to_string();
-        let opts = accrue_relay::HubOptions {
-            max_frame: RELAY_MAX_FRAME,
-            ..Default::default()
-        };
-        let (hub, mut faults) = accrue_relay::Hub::start(listener, opts);
-        let (tally, index) = (self.tally.clone(), self.index);
-        tokio::spawn(async move {
-            while let Some(f) = faults.recv().await {
-                let mut first = tally.first_loss.lock().expect("poisoned");
-                first.get_or_insert_with(|| {
-                    format!("fake {index}: relay to rank {}: {}", f.rank, f.why)
-                });
-            }
-        });
-        self.relay = Some((hub, addr));
         let mut previous = String::new();
         loop {
             match self.session(&previous).await? {
@@ -740,6 +752,7 @@ impl Fake {
         let hub = self.relay.as_ref().map(|r| r.0.clone());
         // A hub's own messages, from the relay it forwarded.
         let mut own: std::collections::VecDeque<wire::CoordinatorMessage> = Default::default();
+        let mut own_rank = 0;
         let ended = loop {
             let next = if let Some(m) = own.pop_front() {
                 Ok(Some(m))
@@ -765,9 +778,16 @@ impl Fake {
                         // Its hub moved on to a newer generation (whose
                         // Configure is on its way here too), or went away
                         // (its session ends, and the generation re-forms).
-                        Some(Err(_)) | None => {
+                        Some(Err(accrue_relay::LinkError::Closed)) | None => {
                             link = None;
                             continue;
+                        }
+                        // It never reached its hub: a real worker reports
+                        // it and the generation re-forms; here, a loss.
+                        Some(Err(e)) => {
+                            let mut first = self.tally.first_loss.lock().expect("poisoned");
+                            first.get_or_insert_with(|| format!("fake {}: {e}", self.index));
+                            break true;
                         }
                     },
                     true = &mut bounced => {
@@ -799,13 +819,14 @@ impl Fake {
                     gather = (c.gather_results && !self.per_rank_results).then_some(c.world_size);
                     self.gathering.configured(c.generation, c.rank, &tx);
                     // As a worker's session does: a hub opens the
-                    // generation, a follower dials its hub.
+                    // generation (on the listener the fakes share), a
+                    // follower dials its hub.
                     link = None;
+                    own_rank = c.rank;
                     if let Some(hub) = &hub {
-                        hub.close();
                         match &c.relay {
                             Some(r) if !r.followers.is_empty() => {
-                                hub.open(&c.job_id, c.generation, c.rank, &r.token, &r.followers)
+                                hub.open(&c.job_id, c.generation, &r.token, &r.followers)
                             }
                             Some(r) if !r.hub_addr.is_empty() => {
                                 let hello = wire::RelayHello {
@@ -876,7 +897,7 @@ impl Fake {
                 Some(In::Relay(r)) => {
                     self.tally.relays.fetch_add(1, Ordering::Relaxed);
                     if let Some(hub) = &hub {
-                        own.extend(hub.forward(r));
+                        own.extend(hub.forward(r, own_rank));
                     }
                     continue;
                 }

@@ -22,6 +22,8 @@ pub struct Relay {
     max_frame: usize,
     /// As a follower: the connection to its hub, and whom to blame.
     link: Option<Link>,
+    /// Its rank in the generation it was last configured for.
+    rank: u32,
 }
 
 struct Link {
@@ -67,6 +69,7 @@ impl Relay {
             addr,
             max_frame,
             link: None,
+            rank: 0,
         })
     }
 
@@ -79,6 +82,7 @@ impl Relay {
     pub fn configure(&mut self, c: &wire::Configure) {
         self.link = None;
         self.hub.close();
+        self.rank = c.rank;
         let Some(r) = &c.relay else {
             return;
         };
@@ -89,7 +93,7 @@ impl Relay {
                 "relay hub"
             );
             self.hub
-                .open(&c.job_id, c.generation, c.rank, &r.token, &r.followers);
+                .open(&c.job_id, c.generation, &r.token, &r.followers);
         } else if !r.hub_addr.is_empty() {
             let hello = wire::RelayHello {
                 job_id: c.job_id.clone(),
@@ -110,7 +114,7 @@ impl Relay {
     /// A relay from the coordinator: forwards the followers' messages and
     /// returns this hub's own, in order.
     pub fn forward(&self, r: wire::Relay) -> Vec<wire::CoordinatorMessage> {
-        self.hub.forward(r)
+        self.hub.forward(r, self.rank)
     }
 
     /// The next relayed message or failure. Cancel-safe (channel reads).
