@@ -62,6 +62,15 @@ struct State {
     open: Option<Generation>,
 }
 
+impl State {
+    /// The open generation, if it is `generation` of `job`.
+    fn open(&mut self, job: &str, generation: u64) -> Option<&mut Generation> {
+        self.open
+            .as_mut()
+            .filter(|g| g.job == job && g.generation == generation)
+    }
+}
+
 enum Admit {
     Yes,
     No(String),
@@ -161,15 +170,10 @@ impl Hub {
     /// of the hub itself, rank `own`, in order. A relay for another
     /// generation than the open one is dropped: the one that replaced it
     /// is newer (Configure comes on the session, in order).
-    pub fn forward(&self, relay: wire::Relay, own: u32) -> Vec<wire::CoordinatorMessage> {
-        let own_rank = own;
+    pub fn forward(&self, relay: wire::Relay, own_rank: u32) -> Vec<wire::CoordinatorMessage> {
         let mut own = Vec::new();
         let mut state = self.lock();
-        let Some(open) = state
-            .open
-            .as_mut()
-            .filter(|g| g.job == relay.job_id && g.generation == relay.generation)
-        else {
+        let Some(open) = state.open(&relay.job_id, relay.generation) else {
             debug!(job = %relay.job_id, generation = relay.generation, "relay for a generation this worker is no hub of: dropped");
             return own;
         };
@@ -216,11 +220,7 @@ impl Hub {
     /// The followers of `generation` still not connected are faults.
     fn expire(&self, job: &str, generation: u64) {
         let mut state = self.lock();
-        let Some(open) = state
-            .open
-            .as_mut()
-            .filter(|g| g.job == job && g.generation == generation)
-        else {
+        let Some(open) = state.open(job, generation) else {
             return;
         };
         for (&rank, f) in open.followers.iter_mut() {
@@ -331,11 +331,7 @@ impl Hub {
     /// `hello`'s connection broke: a fault if its generation is still open.
     fn failed(&self, hello: &wire::RelayHello, why: String) {
         let mut state = self.lock();
-        let Some(open) = state
-            .open
-            .as_mut()
-            .filter(|g| g.job == hello.job_id && g.generation == hello.generation)
-        else {
+        let Some(open) = state.open(&hello.job_id, hello.generation) else {
             return;
         };
         if let Some(f) = open.followers.get_mut(&hello.rank) {

@@ -3474,6 +3474,15 @@ fn relay_roles(s: &Sim, g: u64) -> Vec<Option<crate::core::relay::RelayRole>> {
     roles.into_iter().map(|r| r.1).collect()
 }
 
+/// `n` documents committed, each once.
+fn assert_every_document_once(s: &Sim, n: usize) {
+    let all: Vec<DocId> = s.committed.iter().flat_map(|(_, d)| d.clone()).collect();
+    let mut sorted = all.clone();
+    sorted.sort();
+    sorted.dedup();
+    assert_eq!((all.len(), sorted.len()), (n, n), "every document once");
+}
+
 #[test]
 fn a_relayed_generations_followers_get_their_messages_through_their_hubs() {
     use crate::core::relay::RelayRole;
@@ -3533,11 +3542,7 @@ fn a_relayed_generations_followers_get_their_messages_through_their_hubs() {
         .flat_map(|r| (1..=5).map(move |step| (r, step)))
         .collect();
     assert_eq!(plans, want);
-    let all: Vec<DocId> = s.committed.iter().flat_map(|(_, d)| d.clone()).collect();
-    let mut sorted = all.clone();
-    sorted.sort();
-    sorted.dedup();
-    assert_eq!((all.len(), sorted.len()), (40, 40), "every document once");
+    assert_every_document_once(&s, 40);
 }
 
 #[test]
@@ -3561,9 +3566,5 @@ fn a_relayed_generation_that_loses_a_follower_re_forms_and_relays_again() {
     assert!(matches!(&roles[0], Some(RelayRole::Hub { followers, .. }) if followers == &[1]));
     assert!(matches!(&roles[1], Some(RelayRole::Follower { .. })));
     assert_eq!(roles[2], None);
-    let all: Vec<DocId> = s.committed.iter().flat_map(|(_, d)| d.clone()).collect();
-    let mut sorted = all.clone();
-    sorted.sort();
-    sorted.dedup();
-    assert_eq!((all.len(), sorted.len()), (36, 36), "every document once");
+    assert_every_document_once(&s, 36);
 }
