@@ -7,6 +7,8 @@
 //! of each epoch is trained exactly once, whatever failed (`accrue steps JOB
 //! --detail --json` prints them).
 
+pub mod compact;
+
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};

@@ -168,7 +168,7 @@ impl Store {
     }
 
     /// The job record and its step record, atomically.
-    pub fn commit_step(&self, rec: &JobRecord, step: &StepRecord) -> Result<()> {
+    pub fn commit_step(&self, rec: &JobRecord, step: StepRecord) -> Result<()> {
         let tx = self.db.begin_write()?;
         {
             let mut jobs = tx.open_table(JOBS)?;
@@ -485,43 +485,86 @@ pub fn committed_steps_between(
 /// before, or by hand) starts with `{`.
 const ZSTD: u8 = 1;
 
-/// A step record as stored (issue 19, bounded state): its JSON without the
-/// document list when the manifest lists the same documents, zstd-compressed
-/// (document ids repeat their field names: ~10× smaller at 16k documents).
-fn compact(step: &StepRecord) -> Vec<u8> {
-    #[derive(Serialize)]
-    struct Compact<'a> {
-        metrics: &'a StepMetrics,
-        #[serde(skip_serializing_if = "<[DocId]>::is_empty")]
-        docs: &'a [DocId],
-        #[serde(skip_serializing_if = "Option::is_none")]
-        manifest: Option<&'a crate::manifest::StepManifest>,
-    }
-    let listed = step
-        .manifest
-        .as_ref()
-        .is_some_and(|m| m.docs() == step.docs);
-    let body = json(&Compact {
-        metrics: &step.metrics,
-        docs: if listed { &[] } else { &step.docs },
-        manifest: step.manifest.as_ref(),
+/// Tags a step record whose documents and layout are binary
+/// ([`crate::manifest::compact`]): zstd over the length of the rest's JSON
+/// (a varint), that JSON, the documents, then the layout if it has one.
+const ZSTD_BINARY: u8 = 2;
+
+/// A step record as stored (issue 19, bounded state): the documents (none
+/// when the layout lists the same, in the same order) and the layout in
+/// binary, the rest as JSON, zstd-compressed. No id is formatted as text:
+/// that, and compressing the text, was most of a 16k-document commit.
+fn compact(step: StepRecord) -> Vec<u8> {
+    use crate::manifest::compact;
+    let StepRecord {
+        metrics,
+        docs,
+        mut manifest,
+    } = step;
+    let ranks = manifest.as_mut().map(|m| std::mem::take(&mut m.ranks));
+    let listed = ranks.as_ref().is_some_and(|ranks| {
+        let layout = ranks.iter().flatten().flat_map(|m| &m.seqs);
+        layout
+            .filter(|s| s.1 == 0)
+            .map(|s| s.0)
+            .eq(docs.iter().copied())
     });
-    let mut out = vec![ZSTD];
+    let head = json(&StepRecord {
+        metrics,
+        docs: Vec::new(),
+        manifest,
+    });
+    let mut body = Vec::with_capacity(head.len() + 8 * docs.len() + 8);
+    prost::encoding::encode_varint(head.len() as u64, &mut body);
+    body.extend_from_slice(&head);
+    compact::encode_docs(if listed { &[] } else { &docs }, &mut body);
+    if let Some(ranks) = &ranks {
+        compact::encode(ranks, &mut body);
+    }
+    let mut out = vec![ZSTD_BINARY];
     // Level 1: the write is on the commit path; the ratio barely improves above.
-    zstd::stream::copy_encode(body.as_slice(), &mut out, 1)
-        .expect("compressing into memory cannot fail");
+    out.extend(zstd::bulk::compress(&body, 1).expect("compressing into memory cannot fail"));
     out
 }
 
-/// Reads a step record in either form, its document list restored.
+/// Reads a step record in any form written, its document list restored.
 fn step_record(key: &str, bytes: &[u8]) -> Result<StepRecord> {
+    use crate::manifest::compact;
+    let corrupt = |message: String| StoreError::Corrupt {
+        what: key.to_string(),
+        message,
+    };
+    let unzip = |bytes: &[u8]| {
+        zstd::stream::decode_all(bytes).map_err(|e| corrupt(format!("decompressing: {e}")))
+    };
     let mut rec: StepRecord = match bytes.first() {
-        Some(&ZSTD) => {
-            let body = zstd::stream::decode_all(&bytes[1..]).map_err(|e| StoreError::Corrupt {
-                what: key.to_string(),
-                message: format!("decompressing: {e}"),
-            })?;
-            decode(key, &body)?
+        Some(&ZSTD) => decode(key, &unzip(&bytes[1..])?)?,
+        Some(&ZSTD_BINARY) => {
+            let body = unzip(&bytes[1..])?;
+            let mut rest = body.as_slice();
+            let len = prost::encoding::decode_varint(&mut rest)
+                .map_err(|e| corrupt(format!("the head's length: {e}")))?;
+            let Some(head) = usize::try_from(len).ok().and_then(|n| rest.get(..n)) else {
+                return Err(corrupt(format!("a head of {len} bytes cut short")));
+            };
+            rest = &rest[head.len()..];
+            let mut rec: StepRecord = decode(key, head)?;
+            rec.docs = compact::decode_docs(&mut rest)
+                .map_err(|e| corrupt(format!("the documents: {e}")))?;
+            match &mut rec.manifest {
+                Some(m) => {
+                    m.ranks =
+                        compact::decode(rest).map_err(|e| corrupt(format!("the layout: {e}")))?;
+                }
+                None if !rest.is_empty() => {
+                    return Err(corrupt(format!(
+                        "{} bytes after the documents and no layout",
+                        rest.len()
+                    )));
+                }
+                None => {}
+            }
+            rec
         }
         _ => decode(key, bytes)?,
     };
@@ -641,7 +684,7 @@ mod tests {
                 };
                 s.commit_step(
                     &a,
-                    &StepRecord {
+                    StepRecord {
                         metrics: m,
                         docs: vec![DocId {
                             file: 0,
@@ -718,15 +761,85 @@ mod tests {
             docs: manifest.docs(),
             manifest: Some(manifest),
         };
-        let stored = compact(&record);
+        let stored = compact(record.clone());
+        assert_eq!(stored[0], ZSTD_BINARY);
         let per_doc = stored.len() as f64 / 16_384.0;
         let plain = json(&record).len() as f64 / 16_384.0;
+        eprintln!("{per_doc:.2} bytes per document stored ({plain:.1} as JSON)");
         assert!(
-            per_doc < 8.0,
+            per_doc < 5.0,
             "{per_doc:.1} bytes per document stored ({plain:.1} as JSON)"
         );
         assert_eq!(step_record("a/7", &stored).unwrap(), record);
         assert_eq!(step_record("a/7", &json(&record)).unwrap(), record);
+        // The form before the binary layout: zstd over the whole JSON.
+        let mut zstd_json = vec![ZSTD];
+        zstd::stream::copy_encode(json(&record).as_slice(), &mut zstd_json, 1).unwrap();
+        assert_eq!(step_record("a/7", &zstd_json).unwrap(), record);
+    }
+
+    /// A record whose document list is not its layout's (or that has no
+    /// layout) keeps the list; a damaged record is an error naming it.
+    #[test]
+    fn a_compact_record_keeps_a_list_its_layout_does_not_give_and_damage_is_named() {
+        use crate::manifest::{MicrobatchEntry, SeqEntry, StepManifest};
+        let id = |line| DocId { file: 1, line };
+        let manifest = StepManifest {
+            step: 3,
+            generation: 2,
+            world_size: 2,
+            lr: 0.5,
+            settings: Default::default(),
+            epoch: 1,
+            tokens: 9,
+            attempts: 2,
+            replayed: true,
+            files: [(1, "web".to_string())].into(),
+            sources: [("web".to_string(), 2)].into(),
+            groups: vec!["p@0".into()],
+            ranks: vec![
+                vec![MicrobatchEntry {
+                    tokens: 4,
+                    seqs: vec![SeqEntry(id(5), 0, 2), SeqEntry(id(5), 1, 2)],
+                }],
+                vec![MicrobatchEntry {
+                    tokens: 5,
+                    seqs: vec![SeqEntry(id(9), 0, 5)],
+                }],
+            ],
+        };
+        let metrics = StepMetrics {
+            step: 3,
+            loss: 1.5,
+            ..Default::default()
+        };
+        for record in [
+            StepRecord {
+                metrics: metrics.clone(),
+                docs: vec![id(9), id(5)],
+                manifest: Some(manifest.clone()),
+            },
+            StepRecord {
+                metrics: metrics.clone(),
+                docs: vec![id(5), id(9)],
+                manifest: Some(manifest),
+            },
+            StepRecord {
+                metrics,
+                docs: vec![id(7)],
+                manifest: None,
+            },
+        ] {
+            let stored = compact(record.clone());
+            assert_eq!(step_record("a/3", &stored).unwrap(), record);
+        }
+        let mut body = Vec::new();
+        prost::encoding::encode_varint(1_000, &mut body);
+        body.extend_from_slice(b"{}");
+        let mut damaged = vec![ZSTD_BINARY];
+        zstd::stream::copy_encode(body.as_slice(), &mut damaged, 1).unwrap();
+        let err = step_record("a/3", &damaged).unwrap_err().to_string();
+        assert!(err.contains("a/3") && err.contains("cut short"), "{err}");
     }
 
     #[test]
@@ -749,7 +862,7 @@ mod tests {
                 docs: vec![],
                 manifest: None,
             };
-            s.commit_step(&a, &r).unwrap();
+            s.commit_step(&a, r).unwrap();
         }
         let s = Store::open(dir.path()).unwrap();
         let jobs = s.jobs().unwrap();
@@ -887,7 +1000,7 @@ mod tests {
                 docs: vec![doc(4), doc(9)],
                 manifest: Some(manifest.clone()),
             };
-            s.commit_step(&a, &record).unwrap();
+            s.commit_step(&a, record).unwrap();
         }
         let s = Store::open(dir.path()).unwrap();
         assert_eq!(s.jobs().unwrap()[0].changes, a.changes);
@@ -942,7 +1055,7 @@ mod tests {
             let s = Store::open(dir.path()).unwrap();
             for step in 1..=last {
                 a.step = step;
-                s.commit_step(&a, &record(step)).unwrap();
+                s.commit_step(&a, record(step)).unwrap();
                 if let Some(cooling) = s.cooling(&a.id, step).unwrap() {
                     // One move at a time: a second is not handed out.
                     assert!(s.cooling(&a.id, step).unwrap().is_none());
@@ -986,7 +1099,7 @@ mod tests {
         }
         // A record in both places (a crash between the cold file's rename
         // and redb's delete) is read once.
-        s.commit_step(&a, &record(3)).unwrap();
+        s.commit_step(&a, record(3)).unwrap();
         assert_eq!(s.steps(&a.id, 0).unwrap().len() as u64, last);
         assert!(s.steps("other", 0).unwrap().is_empty());
     }

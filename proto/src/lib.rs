@@ -12,7 +12,20 @@
 ///
 /// 1: plans may carry labels as a loss mask (`Microbatch.loss_mask`),
 /// which workers from before (they send 0) read as "0 labels for N tokens".
-pub const PROTOCOL: u32 = 1;
+/// 2: a plan's sequences name their document by number
+/// (`PackedSequence.doc_file`, `doc_line`), `doc_id` left empty, which
+/// workers of revision 1 read as every sequence of the same document.
+pub const PROTOCOL: u32 = 2;
+
+/// A packed sequence's document id as text (`file:line`): its `doc_id`
+/// when one is set, else its `doc_file` and `doc_line`.
+pub fn doc_label(s: &v1::PackedSequence) -> String {
+    if s.doc_id.is_empty() {
+        format!("{}:{}", s.doc_file, s.doc_line)
+    } else {
+        s.doc_id.clone()
+    }
+}
 
 #[allow(clippy::all, clippy::pedantic)]
 pub mod v1 {
@@ -221,6 +234,21 @@ pub fn microbatch_labels(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_sequence_names_its_document_by_number_unless_it_carries_text() {
+        let numbered = v1::PackedSequence {
+            doc_file: 3,
+            doc_line: 1 << 40,
+            ..Default::default()
+        };
+        assert_eq!(doc_label(&numbered), "3:1099511627776");
+        let text = v1::PackedSequence {
+            doc_id: "d:7".into(),
+            ..numbered
+        };
+        assert_eq!(doc_label(&text), "d:7");
+    }
 
     #[test]
     fn a_loss_mask_gives_the_labels_packed_labels_give() {

@@ -78,7 +78,7 @@ pub fn microbatch(mb: &wire::Microbatch) -> Result<(PackedBatch, MicrobatchMeta)
             .sequences
             .iter()
             .map(|s| SeqMeta {
-                doc_id: s.doc_id.clone(),
+                doc_id: accrue_proto::doc_label(s),
                 role: s.role,
                 advantage: s.advantage,
                 ref_logp: s.ref_logp,

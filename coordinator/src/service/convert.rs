@@ -581,7 +581,9 @@ pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
                             .seqs
                             .iter()
                             .map(|s| wire::PackedSequence {
-                                doc_id: s.doc.label(),
+                                doc_id: String::new(),
+                                doc_file: s.doc.file,
+                                doc_line: s.doc.line,
                                 role: s.role,
                                 advantage: s.advantage,
                                 ref_logp: s.ref_logp,

@@ -334,7 +334,7 @@ impl Shared {
                     let step = metrics.step;
                     if let Err(err) = inner.store.commit_step(
                         &rec,
-                        &StepRecord {
+                        StepRecord {
                             metrics: *metrics,
                             docs,
                             manifest: Some(*manifest),

@@ -224,13 +224,15 @@ pub async fn fake_generator(
                     // A document counts at its first sequence, as workers count.
                     sums.documents += mb.sequences.iter().filter(|s| s.role == 0).count() as u64;
                     sums.microbatches += 1;
-                    report
-                        .docs
-                        .extend(mb.sequences.iter().map(|s| (p.step, s.doc_id.clone())));
+                    report.docs.extend(
+                        mb.sequences
+                            .iter()
+                            .map(|s| (p.step, accrue_proto::doc_label(s))),
+                    );
                     report.plan_docs.extend(
                         mb.sequences
                             .iter()
-                            .map(|s| (p.generation, p.step, s.doc_id.clone())),
+                            .map(|s| (p.generation, p.step, accrue_proto::doc_label(s))),
                     );
                 }
                 sums.loss_sum = 1.5 * sums.loss_tokens as f64;
