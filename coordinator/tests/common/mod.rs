@@ -260,7 +260,7 @@ pub async fn fake_worker(url: String, mut w: FakeWorker) -> Vec<String> {
                     hook(&p).await;
                 }
                 let seqs = p.microbatches.iter().flat_map(|m| &m.sequences);
-                docs.extend(seqs.map(|s| accrue_proto::doc_label(s)));
+                docs.extend(seqs.map(accrue_proto::doc_label));
                 let result = Out::StepResult(wire::StepResult {
                     sums: Some(counted((w.sums)(&p), &p)),
                     job_id: p.job_id,
