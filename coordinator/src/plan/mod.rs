@@ -5,6 +5,7 @@
 
 mod balance;
 mod error;
+mod free_bins;
 mod pack;
 mod select;
 

@@ -6,9 +6,9 @@
 //! described in README.md beside this file.
 
 use std::cmp::Reverse;
-use std::collections::BTreeSet;
 
 use super::balance::{cost_key, split_for_balance, Layout};
+use super::free_bins::FreeBins;
 use super::{Microbatch, Normalizers, PackItem, PackProblem, PackSolution, PlanError};
 
 /// Attention term of the cost model: a sequence of `len` tokens costs
@@ -158,13 +158,12 @@ fn validate(problem: &PackProblem) -> Result<(), PlanError> {
 
 /// Online best fit: each item goes to the open bin with the least remaining
 /// capacity that still holds it (lowest bin index on ties), else to a new
-/// bin while fewer than `limit` are open. `O(log bins)` per item.
+/// bin while fewer than `limit` are open.
 #[derive(Debug, Clone)]
 pub(super) struct BestFit {
     max: u64,
     limit: usize,
-    /// (remaining capacity, bin index) of every open bin.
-    free: BTreeSet<(u64, usize)>,
+    free: FreeBins,
     bins: Vec<Vec<usize>>,
 }
 
@@ -173,8 +172,18 @@ impl BestFit {
         BestFit {
             max,
             limit,
-            free: BTreeSet::new(),
+            free: FreeBins::new(max),
             bins: Vec::new(),
+        }
+    }
+
+    /// [`BestFit::new`] over the ordered set of open bins, whatever `max`
+    /// (the reference the dense form is tested against).
+    #[cfg(test)]
+    pub(super) fn sparse(max: u64, limit: usize) -> Self {
+        BestFit {
+            free: FreeBins::sparse(),
+            ..Self::new(max, limit)
         }
     }
 
@@ -183,11 +192,8 @@ impl BestFit {
         if tokens > self.max {
             return None;
         }
-        let (remaining, bin) = match self.free.range((tokens, 0)..).next().copied() {
-            Some(key) => {
-                self.free.remove(&key);
-                key
-            }
+        let (remaining, bin) = match self.free.take(tokens) {
+            Some(key) => key,
             None if self.bins.len() < self.limit => {
                 self.bins.push(Vec::new());
                 (self.max, self.bins.len() - 1)
@@ -195,13 +201,13 @@ impl BestFit {
             None => return None,
         };
         self.bins[bin].push(i);
-        self.free.insert((remaining - tokens, bin));
+        self.free.put(remaining - tokens, bin);
         Some(bin)
     }
 
     /// True when every allowed bin is open and completely full.
     pub(super) fn is_full(&self) -> bool {
-        self.bins.len() >= self.limit && self.free.last().is_none_or(|&(r, _)| r == 0)
+        self.bins.len() >= self.limit && self.free.all_full()
     }
 
     pub(super) fn into_bins(self) -> Vec<Vec<usize>> {

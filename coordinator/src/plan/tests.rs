@@ -213,6 +213,22 @@ proptest! {
         }
     }
 
+    /// Best fit over the bit set of rooms places every item where best
+    /// fit over the ordered set of (room, bin) does, bin limits included.
+    #[test]
+    fn best_fit_places_items_where_the_ordered_set_does(
+        lens in prop::collection::vec(1u64..=600, 0..300),
+        max in prop_oneof![Just(64u64), Just(512), 1u64..=700],
+        limit in prop_oneof![Just(usize::MAX), 1usize..40],
+    ) {
+        let (mut fast, mut reference) = (BestFit::new(max, limit), BestFit::sparse(max, limit));
+        for (i, &t) in lens.iter().enumerate() {
+            prop_assert_eq!(fast.place(i, t), reference.place(i, t), "item {}", i);
+            prop_assert_eq!(fast.is_full(), reference.is_full());
+        }
+        prop_assert_eq!(fast.into_bins(), reference.into_bins());
+    }
+
     #[test]
     fn select_static_takes_only_fitting_and_reports_misfits(
         lens in prop::collection::vec(1u64..=300, 0..120),
