@@ -142,6 +142,32 @@ impl LossMask {
         self.tokens += 1;
     }
 
+    /// Appends a token per byte of `flags`: its label is its id when the
+    /// byte is 1. Eight at a time where the bytes are all 0 or 1: a plan
+    /// packs every token of a step through here.
+    pub fn extend_flags(&mut self, flags: &[u8]) {
+        let mut chunks = flags.chunks_exact(8);
+        for chunk in &mut chunks {
+            let x = u64::from_le_bytes(chunk.try_into().expect("8 bytes"));
+            if x & !0x0101_0101_0101_0101 != 0 {
+                chunk.iter().for_each(|&f| self.push(f == 1));
+                continue;
+            }
+            // Byte i (0 or 1) lands on bit 56 + i; no two partial products
+            // share a bit, so nothing carries.
+            let bits = (x.wrapping_mul(0x0102_0408_1020_4080) >> 56) as u8;
+            let off = self.tokens % 8;
+            if off == 0 {
+                self.bytes.push(bits);
+            } else {
+                *self.bytes.last_mut().expect("a partial byte") |= bits << off;
+                self.bytes.push(bits >> (8 - off));
+            }
+            self.tokens += 8;
+        }
+        chunks.remainder().iter().for_each(|&f| self.push(f == 1));
+    }
+
     pub fn tokens(&self) -> usize {
         self.tokens
     }
@@ -234,6 +260,37 @@ pub fn microbatch_labels(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn flags_extend_a_mask_as_pushing_them_one_by_one_does() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        for start in 0..9 {
+            for n in [0usize, 1, 7, 8, 9, 16, 23, 64, 101] {
+                let flags: Vec<u8> = (0..n)
+                    .map(|i| {
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        // Mostly 0/1; now and then another value (off).
+                        if i % 29 == 5 {
+                            2
+                        } else {
+                            (x & 1) as u8
+                        }
+                    })
+                    .collect();
+                let (mut bulk, mut one) = (LossMask::with_capacity(0), LossMask::with_capacity(0));
+                for i in 0..start {
+                    bulk.push(i % 3 == 0);
+                    one.push(i % 3 == 0);
+                }
+                bulk.extend_flags(&flags);
+                flags.iter().for_each(|&f| one.push(f == 1));
+                assert_eq!(bulk.tokens(), one.tokens(), "start {start} n {n}");
+                assert_eq!(bulk.into_bytes(), one.into_bytes(), "start {start} n {n}");
+            }
+        }
+    }
 
     #[test]
     fn a_sequence_names_its_document_by_number_unless_it_carries_text() {

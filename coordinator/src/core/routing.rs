@@ -4,6 +4,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use super::effects::{Effect, ToWorker};
+use super::relay::Follows;
 use super::types::WorkerId;
 use super::workers::Worker;
 
@@ -58,38 +59,36 @@ pub fn route(
             last_configure.insert(worker, i);
         }
     }
-    let relayed: Vec<bool> = fx
+    // Per effect, the hub its message goes through (one lookup each).
+    let via: Vec<Option<&Follows>> = fx
         .iter()
         .enumerate()
         .map(|(i, e)| {
             let Effect::Send { worker, msg } = e else {
-                return false;
+                return None;
             };
-            let (Some((job, generation)), Some(f)) = (relayable(msg), follows(worker)) else {
-                return false;
-            };
-            f.job == job
+            let (job, generation) = relayable(msg)?;
+            let f = follows(worker)?;
+            let relay = f.job == job
                 && generation.is_none_or(|g| g == f.generation)
                 && current(job) == Some(f.generation)
-                && last_configure.get(worker).is_none_or(|&c| c < i)
+                && last_configure.get(worker).is_none_or(|&c| c < i);
+            relay.then_some(f)
         })
         .collect();
     // Per hub: the index of its Relay in `relays`.
-    let mut hubs: HashMap<WorkerId, usize> = HashMap::new();
+    let mut hubs: HashMap<&WorkerId, usize> = HashMap::new();
     let mut relays: Vec<Effect> = Vec::new();
     let mut kept = Vec::with_capacity(fx.len());
-    for (e, relay) in std::mem::take(fx).into_iter().zip(relayed) {
-        let f = match &e {
-            Effect::Send { worker, .. } if relay => follows(worker).expect("checked above"),
-            _ => {
-                kept.push(e);
-                continue;
-            }
+    for (e, via) in std::mem::take(fx).into_iter().zip(via) {
+        let Some(f) = via else {
+            kept.push(e);
+            continue;
         };
         let Effect::Send { msg, .. } = e else {
             unreachable!("matched above")
         };
-        let at = *hubs.entry(f.hub.clone()).or_insert_with(|| {
+        let at = *hubs.entry(&f.hub).or_insert_with(|| {
             relays.push(Effect::Send {
                 worker: f.hub.clone(),
                 msg: ToWorker::Relay {

@@ -416,11 +416,16 @@ fn layout<'a>(
     loss_tokens: u64,
     notes: Annotations<'_>,
 ) -> MicrobatchPayload {
+    // Sized for one sequence a document (a pair grows them once).
+    let n = docs.size_hint().0;
     let mut p = MicrobatchPayload {
-        cu_seq_lens: vec![0],
+        cu_seq_lens: Vec::with_capacity(n + 1),
+        seqs: Vec::with_capacity(n),
+        docs: Vec::with_capacity(n),
         loss_tokens,
         ..Default::default()
     };
+    p.cu_seq_lens.push(0);
     let mut end = 0u32;
     for (d, id, lens) in docs {
         let source = notes

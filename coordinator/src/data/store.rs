@@ -582,9 +582,7 @@ impl TokenRows for Store {
             return false;
         }
         ids.extend_from_slice(self.id_bytes(row));
-        for &m in self.mask_bytes(row) {
-            mask.push(m == 1);
-        }
+        mask.extend_flags(self.mask_bytes(row));
         true
     }
 }
