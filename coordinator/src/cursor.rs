@@ -383,6 +383,9 @@ impl Cursor {
         let mut overflow_consumed = 0;
         let mut untaken_from_stream = Vec::new();
         let mut offered = 0;
+        // `taken` is sorted and offers are counted up: a pointer into it
+        // answers "taken?" for each in turn, no search per candidate.
+        let mut next_taken = taken.iter().copied().peekable();
         let mut it = order.candidates(self);
         // Stop before pulling past the last consumed candidate: the
         // iterator's state is then where the stream stands after the step.
@@ -396,7 +399,7 @@ impl Cursor {
             }
             let i = offered;
             offered += 1;
-            let untaken = taken.binary_search(&i).is_err();
+            let untaken = next_taken.next_if_eq(&i).is_none();
             if c.from_overflow {
                 overflow_consumed += 1;
                 if untaken {

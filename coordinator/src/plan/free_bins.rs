@@ -7,6 +7,7 @@
 
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, BinaryHeap, HashMap};
+use std::hash::{BuildHasherDefault, Hasher};
 
 /// Rooms up to this take a bit each (128 KiB at most); bins larger than
 /// that (a `max_tokens` over a million) use the ordered set.
@@ -26,7 +27,7 @@ pub(super) struct Dense {
     /// Bit `w % 64` of `summary[w / 64]`: `words[w]` is not zero.
     summary: Vec<u64>,
     /// The bins of each room, lowest index first out.
-    bins: HashMap<u64, BinaryHeap<Reverse<usize>>>,
+    bins: HashMap<u64, BinaryHeap<Reverse<usize>>, BuildHasherDefault<RoomHasher>>,
     /// Open bins with any room.
     roomy: usize,
 }
@@ -39,7 +40,7 @@ impl FreeBins {
             FreeBins::Dense(Dense {
                 words: vec![0; words],
                 summary: vec![0; words.div_ceil(64)],
-                bins: HashMap::new(),
+                bins: HashMap::default(),
                 roomy: 0,
             })
         } else {
@@ -100,6 +101,28 @@ impl FreeBins {
             FreeBins::Sparse(set) => set.last().is_none_or(|&(r, _)| r == 0),
             FreeBins::Dense(d) => d.roomy == 0,
         }
+    }
+}
+
+/// Hashes a room with one multiplication (Fibonacci hashing): rooms are
+/// small integers, never chosen by an adversary, and SipHash was a fifth
+/// of a placement.
+#[derive(Default)]
+pub(super) struct RoomHasher(u64);
+
+impl Hasher for RoomHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
+    }
+
+    fn write_u64(&mut self, v: u64) {
+        self.0 = (self.0.rotate_left(5) ^ v).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
     }
 }
 

@@ -195,7 +195,8 @@ impl BestFit {
         let (remaining, bin) = match self.free.take(tokens) {
             Some(key) => key,
             None if self.bins.len() < self.limit => {
-                self.bins.push(Vec::new());
+                // Room for a few items before the first regrowth.
+                self.bins.push(Vec::with_capacity(8));
                 (self.max, self.bins.len() - 1)
             }
             None => return None,
