@@ -424,16 +424,18 @@ impl Coordinator {
     /// A step boundary: a requested pause takes effect, drained workers
     /// leave and joiners come in (both form a new generation).
     pub(super) fn at_boundary(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
-        let gen = self.jobs[job_id]
-            .gen()
-            .cloned()
-            .expect("a boundary within a generation");
-        let leaving = gen
-            .everyone()
-            .any(|m| self.workers.get(m).is_some_and(|w| w.draining));
-        let max_workers = self.jobs[job_id].spec.parallel.max_workers;
+        let job = &self.jobs[job_id];
+        let gen = job.gen().expect("a boundary within a generation");
+        // Every step, so no copy of the generation and no lookup per
+        // member: one pass over the workers, and the membership check only
+        // for a draining one (rare).
+        let leaving = self
+            .workers
+            .iter()
+            .any(|(id, w)| w.draining && gen.everyone().any(|m| m == id));
         let size = gen.world_size() + gen.generators.len();
-        let joining = self.workers.values().any(Worker::available) && size < max_workers;
+        let joining =
+            size < job.spec.parallel.max_workers && self.workers.values().any(Worker::available);
         let job = self.jobs.get_mut(job_id).expect("known job");
         if job.requests.pause {
             job.requests.pause = false;
