@@ -25,6 +25,7 @@ pub mod nonfinite;
 pub mod objective;
 pub mod output;
 pub mod plan;
+pub mod prefetch;
 pub mod rl;
 pub mod rl_loop;
 pub mod server;

@@ -108,6 +108,15 @@ impl MicrobatchPayload {
         u64::from(self.cu_seq_lens.last().copied().unwrap_or(0))
     }
 
+    /// Starts loading its documents' entries (see [`crate::prefetch`]):
+    /// a handle gives an entry's address without reading it, so every
+    /// entry's miss is in flight before the first is read.
+    pub fn prefetch_docs(&self) {
+        for d in &self.docs {
+            crate::prefetch::value::<Document>(d);
+        }
+    }
+
     /// Its sequences in row order (read-only; safe outside the state
     /// lock): what the encoder writes to the wire without a copy between.
     pub fn sequences(&self) -> impl Iterator<Item = &Sequence> {
@@ -352,7 +361,17 @@ pub fn pack_documents(
     // Each document is read here once (its ids too, for the layout): the
     // step's documents are scattered over the dataset, so a second read
     // is a second cache miss per document, under the state lock.
-    let ids: Vec<DocId> = chosen.iter().map(|d| d.id).collect();
+    // A few documents ahead are asked for while one is read, so their
+    // misses overlap (see `crate::prefetch`).
+    const AHEAD: usize = 8;
+    let ids: Vec<DocId> = (0..chosen.len())
+        .map(|i| {
+            if let Some(ahead) = chosen.get(i + AHEAD) {
+                crate::prefetch::value::<Document>(ahead);
+            }
+            chosen[i].id
+        })
+        .collect();
     let problem = PackProblem {
         items: chosen
             .iter()

@@ -567,8 +567,8 @@ impl TokenRows for Store {
     }
 
     fn prefetch(&self, row: &Row) {
-        prefetch(self.id_bytes(row));
-        prefetch(self.mask_bytes(row));
+        crate::prefetch::first_line(self.id_bytes(row));
+        crate::prefetch::first_line(self.mask_bytes(row));
     }
 
     /// A row without explicit labels has its ids or ignored (see `write_le`).
@@ -585,21 +585,6 @@ impl TokenRows for Store {
         mask.extend_flags(self.mask_bytes(row));
         true
     }
-}
-
-/// Asks the core to start loading `bytes`' first cache line and goes on:
-/// a hint, never a wait. A plain load whose value is thrown away (the
-/// fallback elsewhere) still occupies the core until the line arrives.
-fn prefetch(bytes: &[u8]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        // SAFETY: SSE is part of every x86_64 target, and a prefetch
-        // never faults, whatever the address.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(bytes.as_ptr().cast()) };
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    std::hint::black_box(bytes.first().copied());
 }
 
 fn u64_at(b: &[u8], at: usize) -> u64 {

@@ -446,6 +446,9 @@ pub fn packed_rows(mb: &crate::core::step::MicrobatchPayload) -> PackedRows {
     let tokens = mb.tokens() as usize;
     let mut token_ids = Vec::with_capacity(tokens * 4);
     let mut mask = accrue_proto::LossMask::with_capacity(tokens);
+    // Documents first (their addresses need no load), then their rows
+    // (their addresses are in the documents), then the copying.
+    mb.prefetch_docs();
     mb.sequences().for_each(crate::doc::Sequence::prefetch);
     if mb
         .sequences()

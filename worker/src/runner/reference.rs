@@ -91,7 +91,7 @@ fn run_logps(
         for (s, l) in mb.sequences.iter().zip(got) {
             sums.loss_tokens += l.loss_tokens;
             logps.push(wire::SequenceLogp {
-                doc_id: s.doc_id.clone(),
+                doc_id: accrue_proto::doc_label(s),
                 role: s.role,
                 logp: l.logp,
                 loss_tokens: l.loss_tokens,

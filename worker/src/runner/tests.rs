@@ -652,7 +652,7 @@ fn reference_plans_run_empty_microbatches_for_lockstep_engines() {
             self.lockstep
         }
     }
-    let p = plan(
+    let mut p = plan(
         0,
         vec![
             mb(&[("a", 3)]),
@@ -660,6 +660,9 @@ fn reference_plans_run_empty_microbatches_for_lockstep_engines() {
             mb(&[("b", 4), ("c", 2)]),
         ],
     );
+    // As the coordinator sends it: the document by number, no text.
+    let numbered = &mut p.microbatches[2].sequences[0];
+    (numbered.doc_id, numbered.doc_file, numbered.doc_line) = (String::new(), 3, 17);
     for (lockstep, want) in [(false, vec![0, 2]), (true, vec![0, 1, 2])] {
         let mut e = Ref {
             lockstep,
@@ -668,7 +671,12 @@ fn reference_plans_run_empty_microbatches_for_lockstep_engines() {
         };
         let (sums, logps) = reference::run_reference(&mut e, &p).unwrap();
         assert_eq!(e.seen, want, "lockstep {lockstep}");
-        assert_eq!(logps.len(), 3);
+        let ids: Vec<&str> = logps.iter().map(|l| l.doc_id.as_str()).collect();
+        assert_eq!(
+            ids,
+            ["a", "3:17", "c"],
+            "each log-prob names its document as text"
+        );
         assert_eq!((sums.microbatches, sums.documents), (3, 3));
         assert_eq!((sums.tokens, sums.loss_tokens), (9, 6));
     }
