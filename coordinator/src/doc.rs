@@ -21,7 +21,7 @@ pub struct DocId {
 
 impl DocId {
     /// The `file:line` form [`fmt::Display`] writes, without the formatter
-    /// (every packed sequence of every plan carries one: 16k a step).
+    /// (every sequence of a manifest printed as JSON carries one).
     pub fn label(&self) -> String {
         let (mut file, mut line) = (itoa::Buffer::new(), itoa::Buffer::new());
         let (file, line) = (file.format(self.file), line.format(self.line));

@@ -68,13 +68,7 @@ impl StepManifest {
     /// The step's documents, each once (a DPO pair's two sequences are one
     /// document), in layout order.
     pub fn docs(&self) -> Vec<DocId> {
-        self.ranks
-            .iter()
-            .flatten()
-            .flat_map(|m| &m.seqs)
-            .filter(|s| s.1 == 0)
-            .map(|s| s.0)
-            .collect()
+        layout_docs(&self.ranks).collect()
     }
 
     /// Records each document's source (`file_source[file]` indexes
@@ -97,6 +91,17 @@ impl StepManifest {
     pub fn microbatches_per_rank(&self) -> u32 {
         self.ranks.first().map_or(0, |r| r.len() as u32)
     }
+}
+
+/// A layout's documents, each once (at its first sequence: a DPO pair's
+/// rejected one is the same document), in layout order.
+pub fn layout_docs(ranks: &[Vec<MicrobatchEntry>]) -> impl Iterator<Item = DocId> + '_ {
+    ranks
+        .iter()
+        .flatten()
+        .flat_map(|m| &m.seqs)
+        .filter(|s| s.1 == 0)
+        .map(|s| s.0)
 }
 
 /// What a run should have trained, for [`check_exactly_once`].

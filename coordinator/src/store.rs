@@ -502,19 +502,15 @@ fn compact(step: StepRecord) -> Vec<u8> {
         mut manifest,
     } = step;
     let ranks = manifest.as_mut().map(|m| std::mem::take(&mut m.ranks));
-    let listed = ranks.as_ref().is_some_and(|ranks| {
-        let layout = ranks.iter().flatten().flat_map(|m| &m.seqs);
-        layout
-            .filter(|s| s.1 == 0)
-            .map(|s| s.0)
-            .eq(docs.iter().copied())
-    });
+    let listed = ranks
+        .as_ref()
+        .is_some_and(|ranks| crate::manifest::layout_docs(ranks).eq(docs.iter().copied()));
     let head = json(&StepRecord {
         metrics,
         docs: Vec::new(),
         manifest,
     });
-    let mut body = Vec::with_capacity(head.len() + 8 * docs.len() + 8);
+    let mut body = Vec::new();
     prost::encoding::encode_varint(head.len() as u64, &mut body);
     body.extend_from_slice(&head);
     compact::encode_docs(if listed { &[] } else { &docs }, &mut body);

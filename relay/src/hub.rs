@@ -167,7 +167,7 @@ impl Hub {
     }
 
     /// Queues each of `relay`'s messages to its follower, and returns those
-    /// of the hub itself, rank `own`, in order. A relay for another
+    /// of the hub itself, rank `own_rank`, in order. A relay for another
     /// generation than the open one is dropped: the one that replaced it
     /// is newer (Configure comes on the session, in order).
     pub fn forward(&self, relay: wire::Relay, own_rank: u32) -> Vec<wire::CoordinatorMessage> {

@@ -364,12 +364,14 @@ pub fn pack_documents(
     // A few documents ahead are asked for while one is read, so their
     // misses overlap (see `crate::prefetch`).
     const AHEAD: usize = 8;
-    let ids: Vec<DocId> = (0..chosen.len())
-        .map(|i| {
+    let ids: Vec<DocId> = chosen
+        .iter()
+        .enumerate()
+        .map(|(i, d)| {
             if let Some(ahead) = chosen.get(i + AHEAD) {
                 crate::prefetch::value::<Document>(ahead);
             }
-            chosen[i].id
+            d.id
         })
         .collect();
     let problem = PackProblem {
