@@ -34,7 +34,7 @@ echo "chaos seeds: $ACCRUE_CHAOS_SEEDS"
 
 # Build once, then run a snapshot of the binaries (hard links), so another
 # build into a shared target directory cannot replace them mid-soak.
-cargo build -q -p accrue-coordinator -p accrue-worker --bins
+cargo build -q -p accrue-coordinator -p accrue-cli -p accrue-worker --bins
 target="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')"
 bins="$(mktemp -d)"
 trap 'rm -rf "$bins"' EXIT

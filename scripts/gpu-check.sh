@@ -53,7 +53,7 @@ if ! cargo test --release -p accrue-worker --features cuda --test gpu -- \
 fi
 
 echo "== 2. 1-GPU SFT demo (20 steps)"
-cargo build --release -q -p accrue-coordinator --bin accrue
+cargo build --release -q -p accrue-cli --bin accrue
 cargo build --release -q -p accrue-worker --bin accrue-worker --features cuda
 target/release/accrue data synth --task arithmetic --out "$work/data" >/dev/null
 sed -e "s|^steps = .*|steps = 20|" \

@@ -6,8 +6,6 @@
 
 pub mod admission;
 pub mod auth;
-pub mod bench;
-pub mod cli;
 pub mod core;
 pub mod cursor;
 pub mod data;

@@ -12,7 +12,7 @@ COPY . .
 # protoc comes from the protoc-bin-vendored crate: nothing else to install.
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
-    cargo build --release --locked -p accrue-coordinator \
+    cargo build --release --locked -p accrue-coordinator -p accrue-cli \
         --bin accrue-coordinator --bin accrue \
  && mkdir -p /out \
  && cp target/release/accrue-coordinator target/release/accrue /out/

@@ -166,6 +166,18 @@ impl Shared {
         }
     }
 
+    /// Reads the state machine under the state lock (what an embedding
+    /// program or a benchmark shows: jobs, workers).
+    pub fn read<R>(&self, f: impl FnOnce(&Coordinator) -> R) -> R {
+        f(&self.lock().core)
+    }
+
+    /// The bytes of `job`'s step records in the store (see
+    /// [`Store::steps_bytes`]).
+    pub fn steps_bytes(&self, job: &str) -> std::io::Result<u64> {
+        self.lock().store.steps_bytes(job).map_err(std::io::Error::other)
+    }
+
     /// How long the state lock has been held since the server started;
     /// `reset` starts the longest hold over (a benchmark's next phase).
     pub fn lock_stats(&self, reset: bool) -> LockStats {

@@ -27,7 +27,17 @@ pub fn bin_dir() -> PathBuf {
     }
     BUILD.call_once(|| {
         let status = Command::new(env!("CARGO"))
-            .args(["build", "-q", "-p", "accrue-coordinator", "-p", "accrue-worker", "--bins"])
+            .args([
+                "build",
+                "-q",
+                "-p",
+                "accrue-coordinator",
+                "-p",
+                "accrue-cli",
+                "-p",
+                "accrue-worker",
+                "--bins",
+            ])
             .current_dir(root())
             .status()
             .expect("running cargo build");

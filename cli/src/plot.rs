@@ -8,7 +8,7 @@
 //! (one curve per source) and the evaluations (`eval` lines: the overall
 //! eval loss as dots, each eval source's as smaller ones). Drawn with
 //! `plotters` on its bitmap backend; text uses a font embedded in the binary
-//! (a DejaVu Sans subset, coordinator/assets), so it renders on a machine
+//! (a DejaVu Sans subset, cli/assets), so it renders on a machine
 //! without fontconfig or system fonts.
 
 use std::collections::BTreeMap;
@@ -23,8 +23,8 @@ use serde::Deserialize;
 use super::output::outln;
 use super::Conn;
 
-/// The embedded font (see coordinator/assets/LICENSE-DejaVu.txt).
-const FONT: &[u8] = include_bytes!("../../assets/DejaVuSans-ascii.ttf");
+/// The embedded font (see cli/assets/LICENSE-DejaVu.txt).
+const FONT: &[u8] = include_bytes!("../assets/DejaVuSans-ascii.ttf");
 
 /// Default image size in pixels.
 pub const DEFAULT_SIZE: (u32, u32) = (1280, 960);
@@ -659,7 +659,7 @@ mod tests {
     fn fixture(n: u64) -> String {
         let mut s = String::new();
         for step in 1..=n {
-            let m = crate::core::StepMetrics {
+            let m = accrue_coordinator::core::StepMetrics {
                 step,
                 loss: 3.0 / (1.0 + step as f64 * 0.2),
                 tokens_per_s: 1000.0 + 50.0 * (step % 7) as f64,
@@ -736,14 +736,14 @@ mod tests {
     fn a_mixture_plots_a_loss_curve_per_source_and_the_evals() {
         let mut text = String::new();
         for step in 1..=30u64 {
-            let src = |loss: f64| crate::core::SourceMetrics {
+            let src = |loss: f64| accrue_coordinator::core::SourceMetrics {
                 loss,
                 loss_tokens: 10,
                 tokens: 12,
                 docs: 2,
                 ..Default::default()
             };
-            let m = crate::core::StepMetrics {
+            let m = accrue_coordinator::core::StepMetrics {
                 step,
                 loss: 2.0 / (1.0 + step as f64 * 0.1),
                 tokens_per_s: 1000.0,
@@ -759,7 +759,7 @@ mod tests {
             text.push_str(&serde_json::to_string(&m).unwrap());
             text.push('\n');
             if step % 10 == 0 {
-                let e = crate::core::EvalMetrics {
+                let e = accrue_coordinator::core::EvalMetrics {
                     step,
                     loss: 2.1 / (1.0 + step as f64 * 0.1),
                     sources: [("held".to_string(), src(2.0))].into(),
@@ -888,7 +888,7 @@ mod tests {
         let run = |offset: f64| -> Vec<Point> {
             (1..=30u64)
                 .map(|step| {
-                    let mut m = crate::core::StepMetrics {
+                    let mut m = accrue_coordinator::core::StepMetrics {
                         step,
                         loss: 3.0 / (1.0 + step as f64 * 0.2) + offset,
                         tokens_per_s: 1000.0 + 50.0 * (step % 7) as f64 + 400.0 * offset,

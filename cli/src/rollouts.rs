@@ -15,9 +15,9 @@ use serde_json::{Map, Value as Json};
 use super::client::rpc_error;
 use super::output::out;
 use super::Conn;
-use crate::data::read;
-use crate::wire;
-use crate::wire::rollouts_client::RolloutsClient;
+use accrue_coordinator::data::read;
+use accrue_coordinator::wire;
+use accrue_coordinator::wire::rollouts_client::RolloutsClient;
 
 /// One row as the wire rollout; the error names the field.
 pub fn wire_rollout(row: &Json) -> Result<wire::StreamedRollout, String> {

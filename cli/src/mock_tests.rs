@@ -9,9 +9,9 @@ use std::sync::{Arc, Mutex};
 use tonic::{Request, Response, Status};
 
 use super::{admin, set, steps, watch, Conn};
-use crate::wire::admin_server::{Admin, AdminServer};
-use crate::wire::watch_job_response::Item;
-use crate::wire::*;
+use accrue_coordinator::wire::admin_server::{Admin, AdminServer};
+use accrue_coordinator::wire::watch_job_response::Item;
+use accrue_coordinator::wire::*;
 
 struct Mock {
     /// The `authorization` header of every call, in order.

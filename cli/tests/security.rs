@@ -2,13 +2,14 @@
 //! audience, TLS (certificates made here with rcgen, all on 127.0.0.1),
 //! message size limits, and the startup policy for unprotected services.
 
+#[path = "../../coordinator/tests/common/mod.rs"]
 mod common;
 
 use std::path::{Path, PathBuf};
 
 use accrue_coordinator::auth::{Security, Token, Tokens};
-use accrue_coordinator::cli::client::connect;
-use accrue_coordinator::cli::Conn;
+use accrue_cli::client::connect;
+use accrue_cli::Conn;
 use accrue_coordinator::server::{Server, ServerConfig};
 use accrue_coordinator::tls::ServerTls;
 use accrue_coordinator::wire;

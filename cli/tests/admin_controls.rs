@@ -4,6 +4,7 @@
 //! bad input is refused naming the field, and the manifests survive a
 //! restart.
 
+#[path = "../../coordinator/tests/common/mod.rs"]
 mod common;
 
 use std::sync::Arc;
@@ -217,7 +218,7 @@ async fn a_change_during_step_1_applies_from_step_2_and_every_manifest_records_i
     // The manifests prove exactly-once through the CLI's JSON form.
     let parsed: Vec<StepManifest> = all
         .iter()
-        .map(|m| serde_json::from_value(accrue_coordinator::cli::steps::step_json(m)).unwrap())
+        .map(|m| serde_json::from_value(accrue_cli::steps::step_json(m)).unwrap())
         .collect();
     let expect = Expectation {
         complete_epochs: 1,

@@ -17,11 +17,11 @@ use tokio_util::sync::CancellationToken;
 use super::client::{connect, rpc_error};
 use super::output::errln;
 use super::{watch, Conn};
-use crate::auth::{Token, Tokens, WORKER_TOKEN_ENV};
-use crate::core::Event;
-use crate::server::{Server, ServerConfig};
-use crate::spec::JobSpec;
-use crate::wire::{GetJobRequest, SubmitJobRequest};
+use accrue_coordinator::auth::{Token, Tokens, WORKER_TOKEN_ENV};
+use accrue_coordinator::core::Event;
+use accrue_coordinator::server::{Server, ServerConfig};
+use accrue_coordinator::spec::JobSpec;
+use accrue_coordinator::wire::{GetJobRequest, SubmitJobRequest};
 
 /// How long finished workers get to write their final checkpoint and exit.
 const WORKER_GRACE: Duration = Duration::from_secs(120);
@@ -94,7 +94,7 @@ fn probe_gpus() -> usize {
 /// Runs `accrue local`.
 pub async fn run(spec_path: &Path, workers: u32, devices: Devices) -> anyhow::Result<ExitCode> {
     anyhow::ensure!(workers >= 1, "--workers must be at least 1");
-    let spec_toml = crate::input::read_spec(spec_path, crate::input::MAX_CONFIG_BYTES)?;
+    let spec_toml = accrue_coordinator::input::read_spec(spec_path, accrue_coordinator::input::MAX_CONFIG_BYTES)?;
     let base = std::path::absolute(std::env::current_dir()?)?;
     let spec = match JobSpec::parse(&spec_toml, &base) {
         Ok(s) => s,
@@ -206,18 +206,13 @@ pub async fn run(spec_path: &Path, workers: u32, devices: Devices) -> anyhow::Re
 /// Waits until `n` workers hold an open session, failing if a worker
 /// process exits first or none arrive within a minute.
 pub(super) async fn wait_for_workers(
-    shared: &crate::service::Shared,
+    shared: &accrue_coordinator::service::Shared,
     n: u32,
     children: &mut [(Child, PathBuf)],
 ) -> anyhow::Result<()> {
     let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(60);
     loop {
-        let connected = shared
-            .lock()
-            .core
-            .workers()
-            .filter(|w| w.connected())
-            .count();
+        let connected = shared.read(|c| c.workers().filter(|w| w.connected()).count());
         if connected >= n as usize {
             return Ok(());
         }
@@ -241,13 +236,12 @@ pub(super) async fn wait_for_workers(
 fn cancel_leftover_jobs(server: &Server) {
     let shared = server.shared();
     let open: Vec<String> = {
-        let inner = shared.lock();
-        inner
-            .core
-            .jobs()
-            .filter(|j| !j.rec.state.is_terminal())
-            .map(|j| j.rec.id.clone())
-            .collect()
+        shared.read(|c| {
+            c.jobs()
+                .filter(|j| !j.rec.state.is_terminal())
+                .map(|j| j.rec.id.clone())
+                .collect()
+        })
     };
     for job in open {
         errln!("cancelling job {job} left unfinished by an earlier run");
@@ -276,7 +270,7 @@ async fn follow(
         .into_inner()
         .job_id;
     errln!("submitted job {job}");
-    let interrupted = crate::shutdown_on_signal();
+    let interrupted = accrue_coordinator::shutdown_on_signal();
     let code = tokio::select! {
         biased;
         r = watch::run(conn, &job, 0, false) => r?,

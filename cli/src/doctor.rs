@@ -13,7 +13,7 @@ use serde::Serialize;
 use super::client::{connect, rpc_error};
 use super::output::outln;
 use super::Conn;
-use crate::wire::ListJobsRequest;
+use accrue_coordinator::wire::ListJobsRequest;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]

@@ -2,6 +2,7 @@
 //! the right token passes the coordinator check, a wrong one fails it by
 //! name with exit 1, an unwritable shared directory fails too.
 
+#[path = "../../coordinator/tests/common/mod.rs"]
 mod common;
 
 use accrue_coordinator::auth::{Security, Token, Tokens};

@@ -1,9 +1,9 @@
 //! `accrue`: the command-line client of an Accrue coordinator. See
-//! `accrue --help`; the commands live in `accrue_coordinator::cli`.
+//! `accrue --help`; the commands live in the `accrue_cli` library.
 
 use std::process::ExitCode;
 
-use accrue_coordinator::cli;
+use accrue_cli as cli;
 use tracing_subscriber::EnvFilter;
 
 #[tokio::main]

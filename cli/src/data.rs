@@ -13,11 +13,11 @@ pub fn synth(args: &SynthArgs) -> anyhow::Result<ExitCode> {
         SynthTask::Arithmetic | SynthTask::ArithmeticSmall => {
             let digits = match args.task {
                 SynthTask::ArithmeticSmall => 1,
-                _ => crate::data::synth::DIGITS,
+                _ => accrue_coordinator::data::synth::DIGITS,
             };
             let rows = args.rows as usize;
             let files =
-                crate::data::synth::synth_arithmetic_digits(&args.out, args.seed, rows, digits)
+                accrue_coordinator::data::synth::synth_arithmetic_digits(&args.out, args.seed, rows, digits)
                     .with_context(|| format!("writing synthetic data to {}", args.out.display()))?;
             for f in [&files.sft, &files.dpo, &files.rollouts] {
                 outln!("wrote {}", f.display())?;
@@ -25,8 +25,8 @@ pub fn synth(args: &SynthArgs) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         SynthTask::ArithmeticRollouts => {
-            let groups = (args.rows as usize).div_ceil(crate::data::synth::GROUP_SIZE);
-            let file = crate::data::synth::synth_arithmetic_rollouts(&args.out, args.seed, groups)
+            let groups = (args.rows as usize).div_ceil(accrue_coordinator::data::synth::GROUP_SIZE);
+            let file = accrue_coordinator::data::synth::synth_arithmetic_rollouts(&args.out, args.seed, groups)
                 .with_context(|| format!("writing synthetic rollouts to {}", args.out.display()))?;
             outln!("wrote {} ({groups} groups)", file.display())?;
             Ok(ExitCode::SUCCESS)
@@ -39,10 +39,10 @@ pub fn synth(args: &SynthArgs) -> anyhow::Result<ExitCode> {
 /// per file, and prints what each holds: documents, rows/s, and the rows
 /// skipped (`file:line: reason`).
 pub fn prepare(args: &super::PrepareArgs) -> anyhow::Result<ExitCode> {
-    use crate::data::{self, cache};
-    let text = crate::input::read_spec(&args.spec, crate::input::MAX_CONFIG_BYTES)?;
+    use accrue_coordinator::data::{self, cache};
+    let text = accrue_coordinator::input::read_spec(&args.spec, accrue_coordinator::input::MAX_CONFIG_BYTES)?;
     let base = std::env::current_dir().context("cannot determine the current directory")?;
-    let spec = crate::spec::JobSpec::parse(&text, &base).map_err(|p| {
+    let spec = accrue_coordinator::spec::JobSpec::parse(&text, &base).map_err(|p| {
         let lines: Vec<String> = p.iter().map(ToString::to_string).collect();
         anyhow::anyhow!(
             "{}: invalid spec:\n  {}",
@@ -53,7 +53,7 @@ pub fn prepare(args: &super::PrepareArgs) -> anyhow::Result<ExitCode> {
     // The model's vocabulary bounds pre-tokenized ids, so it is part of a
     // store's key: without it the stores would be built under a key submit
     // never looks up.
-    let vocab = crate::model::read_config(&spec.model)
+    let vocab = accrue_coordinator::model::read_config(&spec.model)
         .map_err(|e| {
             anyhow::anyhow!(
                 "{}: cannot read the model's vocab_size (part of the token cache key): {e}",
@@ -73,7 +73,7 @@ pub fn prepare(args: &super::PrepareArgs) -> anyhow::Result<ExitCode> {
         files.extend(e.sources.iter().flat_map(|s| s.entries().cloned()));
         lists.push((
             files,
-            crate::sources::resolve(&e.sources, train_files.len() as u32, None),
+            accrue_coordinator::sources::resolve(&e.sources, train_files.len() as u32, None),
         ));
     }
     let mut skipped_total = 0u64;
@@ -151,7 +151,7 @@ pub fn prepare(args: &super::PrepareArgs) -> anyhow::Result<ExitCode> {
             }
         }
     }
-    if skipped_total > 0 && spec.data.on_bad_line == crate::spec::OnBad::Error && !args.json {
+    if skipped_total > 0 && spec.data.on_bad_line == accrue_coordinator::spec::OnBad::Error && !args.json {
         outln!("note: {skipped_total} rows are not documents; the job fails on them unless data.on_bad_line = \"skip\"")?;
     }
     Ok(ExitCode::SUCCESS)

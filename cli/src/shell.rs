@@ -46,7 +46,7 @@ mod tests {
             let mut out = Vec::new();
             completions(shell, &mut out).unwrap();
             let text = String::from_utf8(out).unwrap();
-            for sub in crate::cli::command().get_subcommands() {
+            for sub in crate::command().get_subcommands() {
                 assert!(
                     text.contains(sub.get_name()),
                     "{shell}: no {}",

@@ -10,7 +10,7 @@ use anyhow::Context as _;
 use super::client::{connect, rpc_error};
 use super::output::outln;
 use super::Conn;
-use crate::wire::UpdateJobRequest;
+use accrue_coordinator::wire::UpdateJobRequest;
 
 /// The settings `accrue set` can change; unset ones stay as they are.
 #[derive(Debug, Clone, Default, PartialEq)]

@@ -14,7 +14,7 @@ use super::client::{connect, rpc_error};
 use super::output::outln;
 use super::render;
 use super::Conn;
-use crate::wire::{watch_job_response::Item, GetJobRequest, JobState, WatchJobRequest};
+use accrue_coordinator::wire::{watch_job_response::Item, GetJobRequest, JobState, WatchJobRequest};
 
 /// The exit code for a job in `state`: `Some` once the job has ended.
 pub fn exit_for(state: i32) -> Option<ExitCode> {
@@ -181,7 +181,7 @@ pub async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::wire::{EventKind, JobEvent, StepMetrics};
+    use accrue_coordinator::wire::{EventKind, JobEvent, StepMetrics};
 
     fn event(state: JobState) -> Item {
         Item::Event(JobEvent {

@@ -30,8 +30,8 @@ use tokio::sync::{watch, Semaphore};
 use wire::coordinator_message::Msg as In;
 use wire::worker_message::Msg as Out;
 
-use crate::server::{Server, ServerConfig};
-use crate::service::Shared;
+use accrue_coordinator::server::{Server, ServerConfig};
+use accrue_coordinator::service::Shared;
 
 /// Thread names: the coordinator's runtime and the fake workers'.
 const COORD_THREADS: &str = "accrue-coord";
@@ -500,14 +500,13 @@ impl Sample {
         let session_plans = tally.session_plans.load(Ordering::Relaxed);
         let sent_plans = tally.plans.load(Ordering::Relaxed);
         let plan_bytes = tally.plan_bytes.load(Ordering::Relaxed);
-        let (job, sent_ahead) = {
-            let inner = shared.lock();
-            let job = inner.core.jobs().next();
+        let (job, sent_ahead) = shared.read(|c| {
+            let job = c.jobs().next();
             (
                 job.map(|j| j.rec.id.clone()),
                 job.map_or(0, |j| j.sent_ahead),
             )
-        };
+        });
         let (plan_s, plans) = job.as_deref().map_or((0.0, 0), |j| shared.plan_seconds(j));
         Sample {
             sent_ahead,
@@ -524,7 +523,7 @@ impl Sample {
             locked_ns: shared.lock_stats(false).total_ns,
             store_bytes: std::fs::metadata(state.join("accrue.redb")).map_or(0, |m| m.len()),
             steps_bytes: job
-                .and_then(|j| shared.lock().store.steps_bytes(&j).ok())
+                .and_then(|j| shared.steps_bytes(&j).ok())
                 .unwrap_or(0),
         }
     }

@@ -11,7 +11,7 @@ use std::fmt::Write as _;
 
 use serde_json::{json, Value};
 
-use crate::wire::{
+use accrue_coordinator::wire::{
     watch_job_response::Item, AbortReason, DataCursor, EventKind, GetJobResponse, JobEvent,
     JobState, JobSummary, StepMetrics, WatchJobResponse, WorkerInfo, WorkerState,
 };
@@ -251,7 +251,7 @@ pub fn step_json(s: &StepMetrics) -> Value {
 
 /// Per-source metrics as JSON, by source name.
 pub fn sources_json(
-    sources: &std::collections::HashMap<String, crate::wire::SourceMetrics>,
+    sources: &std::collections::HashMap<String, accrue_coordinator::wire::SourceMetrics>,
 ) -> Value {
     let sorted: std::collections::BTreeMap<_, _> = sources.iter().collect();
     let each = sorted.into_iter().map(|(name, m)| {
@@ -268,7 +268,7 @@ pub fn sources_json(
 }
 
 /// An evaluation as JSON.
-pub fn eval_json(e: &crate::wire::EvalMetrics) -> Value {
+pub fn eval_json(e: &accrue_coordinator::wire::EvalMetrics) -> Value {
     json!({
         "step": e.step,
         "loss": e.loss,
@@ -282,7 +282,7 @@ pub fn eval_json(e: &crate::wire::EvalMetrics) -> Value {
 }
 
 /// An evaluation on one line: `eval @ step N  loss X  (a 1.2, b 3.4)`.
-pub fn eval_line(e: &crate::wire::EvalMetrics) -> String {
+pub fn eval_line(e: &accrue_coordinator::wire::EvalMetrics) -> String {
     let mut line = format!(
         "eval @ step {}  loss {:.4}  docs {}",
         e.step, e.loss, e.documents
@@ -298,7 +298,7 @@ pub fn eval_line(e: &crate::wire::EvalMetrics) -> String {
 }
 
 /// `  (a 1.2345, b 3.4567)`: each source's loss, by name; empty for none.
-fn per_source(sources: &std::collections::HashMap<String, crate::wire::SourceMetrics>) -> String {
+fn per_source(sources: &std::collections::HashMap<String, accrue_coordinator::wire::SourceMetrics>) -> String {
     if sources.is_empty() {
         return String::new();
     }
@@ -812,7 +812,7 @@ mod tests {
     /// line's key for the same value.
     #[test]
     fn watch_json_and_metrics_jsonl_use_one_name_per_field() {
-        use crate::core::{EvalMetrics, SourceMetrics, StepMetrics};
+        use accrue_coordinator::core::{EvalMetrics, SourceMetrics, StepMetrics};
         let source = SourceMetrics {
             loss: 1.5,
             loss_tokens: 10,
@@ -855,7 +855,7 @@ mod tests {
             }
         }
         let line = serde_json::to_value(&step).unwrap();
-        let watch = step_json(&crate::service::convert::step_metrics(&step));
+        let watch = step_json(&accrue_coordinator::service::convert::step_metrics(&step));
         check(&watch, &line, "step.");
         let eval = EvalMetrics {
             step: 7,
@@ -868,7 +868,7 @@ mod tests {
             unix_ms: 5,
         };
         let line = serde_json::to_value(&eval).unwrap();
-        let watch = eval_json(&crate::service::convert::eval_metrics(&eval));
+        let watch = eval_json(&accrue_coordinator::service::convert::eval_metrics(&eval));
         check(&watch, &line, "eval.");
     }
 }

@@ -23,7 +23,6 @@ mod mock_tests;
 pub mod output;
 pub mod plot;
 mod quarantine;
-mod recovery;
 pub mod render;
 pub mod rollouts;
 pub mod set;
@@ -104,7 +103,7 @@ pub struct Conn {
         long,
         global = true,
         value_name = "MB",
-        default_value_t = crate::auth::DEFAULT_MAX_MESSAGE_MB,
+        default_value_t = accrue_coordinator::auth::DEFAULT_MAX_MESSAGE_MB,
         value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=4096)
     )]
     pub max_message_mb: usize,
@@ -158,13 +157,13 @@ impl Conn {
             tls_domain: None,
             tls_cert: None,
             tls_key: None,
-            max_message_mb: crate::auth::DEFAULT_MAX_MESSAGE_MB,
+            max_message_mb: accrue_coordinator::auth::DEFAULT_MAX_MESSAGE_MB,
         }
     }
 
     /// The admin token: `--token-file` wins over `--token`/`$ACCRUE_ADMIN_TOKEN`.
-    pub fn resolved_token(&self) -> anyhow::Result<Option<crate::auth::Token>> {
-        Ok(crate::auth::resolve_token(
+    pub fn resolved_token(&self) -> anyhow::Result<Option<accrue_coordinator::auth::Token>> {
+        Ok(accrue_coordinator::auth::resolve_token(
             "--token",
             self.token.as_deref(),
             self.token_file.as_deref(),
@@ -172,8 +171,8 @@ impl Conn {
     }
 
     /// The TLS settings (all `None`: plain HTTP/2).
-    pub fn tls(&self) -> crate::tls::ClientTls {
-        crate::tls::ClientTls {
+    pub fn tls(&self) -> accrue_coordinator::tls::ClientTls {
+        accrue_coordinator::tls::ClientTls {
             ca: self.tls_ca.clone(),
             domain: self.tls_domain.clone(),
             cert: self.tls_cert.clone(),
@@ -229,11 +228,11 @@ pub enum Command {
         #[arg(long, value_name = "DIR")]
         out: PathBuf,
         /// Weight dtype: float32, bfloat16 or float16 (default: as trained).
-        #[arg(long, value_name = "DTYPE", value_parser = crate::export::Dtype::parse)]
-        dtype: Option<crate::export::Dtype>,
+        #[arg(long, value_name = "DTYPE", value_parser = accrue_coordinator::export::Dtype::parse)]
+        dtype: Option<accrue_coordinator::export::Dtype>,
         /// Largest weight shard (5GB, 500MB, 2GiB, bytes), as
         /// `save_pretrained(max_shard_size=...)`.
-        #[arg(long, value_name = "SIZE", default_value = "5GB", value_parser = crate::export::parse_size)]
+        #[arg(long, value_name = "SIZE", default_value = "5GB", value_parser = accrue_coordinator::export::parse_size)]
         shard_size: u64,
     },
     /// Submit a job; prints its id.
@@ -529,7 +528,7 @@ pub struct ControlPlaneArgs {
     pub fake_step_ms: u64,
     /// The coordinator's `--relay-min-world` (the fakes can all relay):
     /// 0 sends every message to its worker directly.
-    #[arg(long, value_name = "W", default_value_t = crate::core::RELAY_MIN_WORLD)]
+    #[arg(long, value_name = "W", default_value_t = accrue_coordinator::core::RELAY_MIN_WORLD)]
     pub relay_min_world: u32,
     /// Scratch directory (default: a temporary one).
     #[arg(long, value_name = "DIR")]
@@ -746,11 +745,11 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             dtype,
             shard_size,
         } => {
-            let opts = crate::export::ExportOptions {
+            let opts = accrue_coordinator::export::ExportOptions {
                 dtype,
                 shard_bytes: shard_size,
             };
-            let r = crate::export::export(&checkpoint, &out, &opts)?;
+            let r = accrue_coordinator::export::export(&checkpoint, &out, &opts)?;
             for f in &r.missing_tokenizer_files {
                 output::errln!(
                     "warning: {} has no {f} (a checkpoint older than the tokenizer files): the folder loads as a model, not with AutoTokenizer",
@@ -852,25 +851,25 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Bench {
             bench: BenchCommand::Packing(args),
-        } => bench::packing(&args),
+        } => bench::run::packing(&args),
         Command::Bench {
             bench: BenchCommand::Collective(args),
-        } => bench::collective(&args),
+        } => bench::run::collective(&args),
         Command::Bench {
             bench: BenchCommand::Recovery(args),
-        } => recovery::run(&args).await,
+        } => bench::recovery::run(&args).await,
         Command::Bench {
             bench: BenchCommand::Data(args),
-        } => bench::data(&args),
+        } => bench::run::data(&args),
         Command::Bench {
             bench: BenchCommand::DataSubmitChild { spec },
-        } => bench::data_submit_child(&spec),
+        } => bench::run::data_submit_child(&spec),
         Command::Bench {
             bench: BenchCommand::CollectiveRank(args),
-        } => bench::collective_rank(&args),
+        } => bench::run::collective_rank(&args),
         Command::Bench {
             bench: BenchCommand::ControlPlane(args),
-        } => bench::control_plane(&args),
+        } => bench::run::control_plane(&args),
         Command::Data {
             data: DataCommand::Synth(args),
         } => data::synth(&args),
@@ -1043,7 +1042,7 @@ mod tests {
         .unwrap();
         assert!(matches!(
             cli.command,
-            Command::Export { dtype: Some(crate::export::Dtype::BFloat16), shard_size, .. } if shard_size == 2 << 30
+            Command::Export { dtype: Some(accrue_coordinator::export::Dtype::BFloat16), shard_size, .. } if shard_size == 2 << 30
         ));
         let e = parse(&["export", "ck", "--out", "o", "--dtype", "int8"]).unwrap_err();
         assert!(e.to_string().contains("unknown dtype"), "{e}");
