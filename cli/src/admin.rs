@@ -11,7 +11,7 @@ use tonic::Code;
 use super::client::{check_request_size, connect, rpc_error, AdminConn};
 use super::output::{errln, out, outln};
 use super::render;
-use super::Conn;
+use crate::args::Conn;
 use accrue_coordinator::wire::{
     CancelJobRequest, DrainWorkerRequest, GetJobRequest, JobSummary, ListJobsRequest,
     ListWorkersRequest, PauseJobRequest, ResumeJobRequest, SubmitJobRequest,
@@ -30,7 +30,10 @@ fn print_json(v: &serde_json::Value) -> anyhow::Result<ExitCode> {
 /// `accrue submit`: prints the new job's id alone on stdout. A spec the
 /// coordinator rejects (InvalidArgument) prints its problems and exits 1.
 pub async fn submit(conn: &Conn, path: &Path, new_job: bool) -> anyhow::Result<ExitCode> {
-    let spec_toml = accrue_coordinator::input::read_spec(path, accrue_coordinator::input::MAX_CONFIG_BYTES)?;
+    let spec_toml = accrue_coordinator::job::input::read_spec(
+        path,
+        accrue_coordinator::job::input::MAX_CONFIG_BYTES,
+    )?;
     let base_dir = std::env::current_dir().context("cannot determine the current directory")?;
     let base_dir = std::path::absolute(&base_dir).unwrap_or(base_dir);
     let req = SubmitJobRequest {

@@ -10,8 +10,8 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Request, Status};
 
-use super::Conn;
-use accrue_coordinator::auth::Token;
+use crate::args::Conn;
+use accrue_coordinator::shell::auth::Token;
 use accrue_coordinator::wire::admin_client::AdminClient;
 
 /// Where the CLI looks for a coordinator when neither `--coordinator` nor
@@ -80,8 +80,8 @@ pub async fn connect(conn: &Conn) -> anyhow::Result<AdminConn> {
 pub async fn channel(conn: &Conn) -> anyhow::Result<(Channel, BearerAuth)> {
     let token = conn.resolved_token()?;
     let auth = BearerAuth::new(token.as_ref().map(Token::expose))?;
-    let tls = accrue_coordinator::tls::client_config(&conn.tls())?;
-    let url = accrue_coordinator::tls::url_for(&conn.coordinator, tls.is_some());
+    let tls = accrue_coordinator::shell::tls::client_config(&conn.tls())?;
+    let url = accrue_coordinator::shell::tls::url_for(&conn.coordinator, tls.is_some());
     let mut endpoint = Endpoint::from_shared(url.clone())
         .with_context(|| format!("invalid coordinator address {url:?}"))?
         .connect_timeout(CONNECT_TIMEOUT)
@@ -150,7 +150,7 @@ pub fn rpc_error(status: &Status, coordinator: &str) -> anyhow::Error {
         Code::OutOfRange => format!(
             "a gRPC message over the size limit: {msg} (--max-message-mb, on the coordinator \
              and on accrue: {} MiB by default)",
-            accrue_coordinator::auth::DEFAULT_MAX_MESSAGE_MB
+            accrue_coordinator::shell::auth::DEFAULT_MAX_MESSAGE_MB
         ),
         code => format!("{msg} ({})", code_name(code)),
     };

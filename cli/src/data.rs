@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 
 use super::output::outln;
-use super::{SynthArgs, SynthTask};
+use crate::args::{SynthArgs, SynthTask};
 
 /// `accrue data synth`.
 pub fn synth(args: &SynthArgs) -> anyhow::Result<ExitCode> {
@@ -13,21 +13,25 @@ pub fn synth(args: &SynthArgs) -> anyhow::Result<ExitCode> {
         SynthTask::Arithmetic | SynthTask::ArithmeticSmall => {
             let digits = match args.task {
                 SynthTask::ArithmeticSmall => 1,
-                _ => accrue_coordinator::data::synth::DIGITS,
+                _ => accrue_coordinator::stream::data::synth::DIGITS,
             };
             let rows = args.rows as usize;
-            let files =
-                accrue_coordinator::data::synth::synth_arithmetic_digits(&args.out, args.seed, rows, digits)
-                    .with_context(|| format!("writing synthetic data to {}", args.out.display()))?;
+            let files = accrue_coordinator::stream::data::synth::synth_arithmetic_digits(
+                &args.out, args.seed, rows, digits,
+            )
+            .with_context(|| format!("writing synthetic data to {}", args.out.display()))?;
             for f in [&files.sft, &files.dpo, &files.rollouts] {
                 outln!("wrote {}", f.display())?;
             }
             Ok(ExitCode::SUCCESS)
         }
         SynthTask::ArithmeticRollouts => {
-            let groups = (args.rows as usize).div_ceil(accrue_coordinator::data::synth::GROUP_SIZE);
-            let file = accrue_coordinator::data::synth::synth_arithmetic_rollouts(&args.out, args.seed, groups)
-                .with_context(|| format!("writing synthetic rollouts to {}", args.out.display()))?;
+            let groups =
+                (args.rows as usize).div_ceil(accrue_coordinator::stream::data::synth::GROUP_SIZE);
+            let file = accrue_coordinator::stream::data::synth::synth_arithmetic_rollouts(
+                &args.out, args.seed, groups,
+            )
+            .with_context(|| format!("writing synthetic rollouts to {}", args.out.display()))?;
             outln!("wrote {} ({groups} groups)", file.display())?;
             Ok(ExitCode::SUCCESS)
         }
@@ -38,11 +42,14 @@ pub fn synth(args: &SynthArgs) -> anyhow::Result<ExitCode> {
 /// every file of the job's sources and eval sources, with a progress bar
 /// per file, and prints what each holds: documents, rows/s, and the rows
 /// skipped (`file:line: reason`).
-pub fn prepare(args: &super::PrepareArgs) -> anyhow::Result<ExitCode> {
-    use accrue_coordinator::data::{self, cache};
-    let text = accrue_coordinator::input::read_spec(&args.spec, accrue_coordinator::input::MAX_CONFIG_BYTES)?;
+pub fn prepare(args: &crate::args::PrepareArgs) -> anyhow::Result<ExitCode> {
+    use accrue_coordinator::stream::data::{self, cache};
+    let text = accrue_coordinator::job::input::read_spec(
+        &args.spec,
+        accrue_coordinator::job::input::MAX_CONFIG_BYTES,
+    )?;
     let base = std::env::current_dir().context("cannot determine the current directory")?;
-    let spec = accrue_coordinator::spec::JobSpec::parse(&text, &base).map_err(|p| {
+    let spec = accrue_coordinator::job::spec::JobSpec::parse(&text, &base).map_err(|p| {
         let lines: Vec<String> = p.iter().map(ToString::to_string).collect();
         anyhow::anyhow!(
             "{}: invalid spec:\n  {}",
@@ -53,7 +60,7 @@ pub fn prepare(args: &super::PrepareArgs) -> anyhow::Result<ExitCode> {
     // The model's vocabulary bounds pre-tokenized ids, so it is part of a
     // store's key: without it the stores would be built under a key submit
     // never looks up.
-    let vocab = accrue_coordinator::model::read_config(&spec.model)
+    let vocab = accrue_coordinator::model::config::read_config(&spec.model)
         .map_err(|e| {
             anyhow::anyhow!(
                 "{}: cannot read the model's vocab_size (part of the token cache key): {e}",
@@ -73,7 +80,7 @@ pub fn prepare(args: &super::PrepareArgs) -> anyhow::Result<ExitCode> {
         files.extend(e.sources.iter().flat_map(|s| s.entries().cloned()));
         lists.push((
             files,
-            accrue_coordinator::sources::resolve(&e.sources, train_files.len() as u32, None),
+            accrue_coordinator::job::sources::resolve(&e.sources, train_files.len() as u32, None),
         ));
     }
     let mut skipped_total = 0u64;
@@ -151,7 +158,10 @@ pub fn prepare(args: &super::PrepareArgs) -> anyhow::Result<ExitCode> {
             }
         }
     }
-    if skipped_total > 0 && spec.data.on_bad_line == accrue_coordinator::spec::OnBad::Error && !args.json {
+    if skipped_total > 0
+        && spec.data.on_bad_line == accrue_coordinator::job::spec::OnBad::Error
+        && !args.json
+    {
         outln!("note: {skipped_total} rows are not documents; the job fails on them unless data.on_bad_line = \"skip\"")?;
     }
     Ok(ExitCode::SUCCESS)

@@ -12,7 +12,7 @@ use serde::Serialize;
 
 use super::client::{connect, rpc_error};
 use super::output::outln;
-use super::Conn;
+use crate::args::Conn;
 use accrue_coordinator::wire::ListJobsRequest;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]

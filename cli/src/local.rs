@@ -16,11 +16,12 @@ use tokio_util::sync::CancellationToken;
 
 use super::client::{connect, rpc_error};
 use super::output::errln;
-use super::{watch, Conn};
-use accrue_coordinator::auth::{Token, Tokens, WORKER_TOKEN_ENV};
+use super::watch;
+use crate::args::{Conn, Devices};
 use accrue_coordinator::core::Event;
-use accrue_coordinator::server::{Server, ServerConfig};
-use accrue_coordinator::spec::JobSpec;
+use accrue_coordinator::job::spec::JobSpec;
+use accrue_coordinator::shell::auth::{Token, Tokens, WORKER_TOKEN_ENV};
+use accrue_coordinator::shell::server::{Server, ServerConfig};
 use accrue_coordinator::wire::{GetJobRequest, SubmitJobRequest};
 
 /// How long finished workers get to write their final checkpoint and exit.
@@ -45,14 +46,6 @@ pub fn worker_binary() -> anyhow::Result<PathBuf> {
 fn threads_per_worker(workers: u32) -> usize {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     (cores / workers.max(1) as usize).max(1)
-}
-
-/// `accrue local --devices`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Devices {
-    /// Worker i on visible GPU i mod the GPU count (CPU without GPUs).
-    Gpu,
-    Cpu,
 }
 
 /// The `--device` of worker `k` of a local run on a machine with
@@ -94,7 +87,10 @@ fn probe_gpus() -> usize {
 /// Runs `accrue local`.
 pub async fn run(spec_path: &Path, workers: u32, devices: Devices) -> anyhow::Result<ExitCode> {
     anyhow::ensure!(workers >= 1, "--workers must be at least 1");
-    let spec_toml = accrue_coordinator::input::read_spec(spec_path, accrue_coordinator::input::MAX_CONFIG_BYTES)?;
+    let spec_toml = accrue_coordinator::job::input::read_spec(
+        spec_path,
+        accrue_coordinator::job::input::MAX_CONFIG_BYTES,
+    )?;
     let base = std::path::absolute(std::env::current_dir()?)?;
     let spec = match JobSpec::parse(&spec_toml, &base) {
         Ok(s) => s,
@@ -206,7 +202,7 @@ pub async fn run(spec_path: &Path, workers: u32, devices: Devices) -> anyhow::Re
 /// Waits until `n` workers hold an open session, failing if a worker
 /// process exits first or none arrive within a minute.
 pub(super) async fn wait_for_workers(
-    shared: &accrue_coordinator::service::Shared,
+    shared: &accrue_coordinator::shell::service::Shared,
     n: u32,
     children: &mut [(Child, PathBuf)],
 ) -> anyhow::Result<()> {

@@ -21,13 +21,10 @@ use plotters::prelude::*;
 use serde::Deserialize;
 
 use super::output::outln;
-use super::Conn;
+use crate::args::Conn;
 
 /// The embedded font (see cli/assets/LICENSE-DejaVu.txt).
 const FONT: &[u8] = include_bytes!("../assets/DejaVuSans-ascii.ttf");
-
-/// Default image size in pixels.
-pub const DEFAULT_SIZE: (u32, u32) = (1280, 960);
 
 /// Why a plot could not be made.
 #[derive(Debug, thiserror::Error)]
@@ -654,6 +651,7 @@ pub async fn run(conn: &Conn, args: &PlotArgs) -> anyhow::Result<ExitCode> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::args::PLOT_SIZE as DEFAULT_SIZE;
 
     /// A metrics.jsonl of `n` steps shaped like the coordinator's lines.
     fn fixture(n: u64) -> String {

@@ -8,8 +8,10 @@ use serde_json::json;
 
 use super::client::{connect, rpc_error};
 use super::output::{out, outln};
-use super::Conn;
-use accrue_coordinator::wire::{ListQuarantineRequest, QuarantinedDocument, ReleaseQuarantineRequest};
+use crate::args::Conn;
+use accrue_coordinator::wire::{
+    ListQuarantineRequest, QuarantinedDocument, ReleaseQuarantineRequest,
+};
 
 /// What `accrue quarantine` does.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -298,7 +298,9 @@ pub fn eval_line(e: &accrue_coordinator::wire::EvalMetrics) -> String {
 }
 
 /// `  (a 1.2345, b 3.4567)`: each source's loss, by name; empty for none.
-fn per_source(sources: &std::collections::HashMap<String, accrue_coordinator::wire::SourceMetrics>) -> String {
+fn per_source(
+    sources: &std::collections::HashMap<String, accrue_coordinator::wire::SourceMetrics>,
+) -> String {
     if sources.is_empty() {
         return String::new();
     }
@@ -855,7 +857,9 @@ mod tests {
             }
         }
         let line = serde_json::to_value(&step).unwrap();
-        let watch = step_json(&accrue_coordinator::service::convert::step_metrics(&step));
+        let watch = step_json(&accrue_coordinator::shell::service::convert::step_metrics(
+            &step,
+        ));
         check(&watch, &line, "step.");
         let eval = EvalMetrics {
             step: 7,
@@ -868,7 +872,9 @@ mod tests {
             unix_ms: 5,
         };
         let line = serde_json::to_value(&eval).unwrap();
-        let watch = eval_json(&accrue_coordinator::service::convert::eval_metrics(&eval));
+        let watch = eval_json(&accrue_coordinator::shell::service::convert::eval_metrics(
+            &eval,
+        ));
         check(&watch, &line, "eval.");
     }
 }

@@ -14,8 +14,8 @@ use serde_json::{Map, Value as Json};
 
 use super::client::rpc_error;
 use super::output::out;
-use super::Conn;
-use accrue_coordinator::data::read;
+use crate::args::Conn;
+use accrue_coordinator::stream::data::read;
 use accrue_coordinator::wire;
 use accrue_coordinator::wire::rollouts_client::RolloutsClient;
 

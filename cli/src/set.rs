@@ -9,7 +9,7 @@ use anyhow::Context as _;
 
 use super::client::{connect, rpc_error};
 use super::output::outln;
-use super::Conn;
+use crate::args::Conn;
 use accrue_coordinator::wire::UpdateJobRequest;
 
 /// The settings `accrue set` can change; unset ones stay as they are.
@@ -22,17 +22,6 @@ pub struct SetArgs {
     pub lr: Option<f64>,
     /// Mixture weights by source name.
     pub weights: Vec<(String, f64)>,
-}
-
-/// Parses `NAME=W`.
-pub fn parse_weight(s: &str) -> Result<(String, f64), String> {
-    let (name, w) = s
-        .split_once('=')
-        .ok_or_else(|| format!("expected NAME=WEIGHT, got {s:?}"))?;
-    let w: f64 = w
-        .parse()
-        .map_err(|_| format!("weight of {name:?} is not a number: {w:?}"))?;
-    Ok((name.to_string(), w))
 }
 
 /// The request `args` stands for.

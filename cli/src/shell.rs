@@ -9,14 +9,14 @@ use anyhow::Context;
 
 /// Writes the completion script for `shell` to `out`.
 pub fn completions(shell: clap_complete::Shell, out: &mut dyn Write) -> anyhow::Result<ExitCode> {
-    clap_complete::generate(shell, &mut super::command(), "accrue", out);
+    clap_complete::generate(shell, &mut crate::args::command(), "accrue", out);
     Ok(ExitCode::SUCCESS)
 }
 
 /// Writes `accrue.1` and one `accrue-SUB.1` per subcommand into `dir`, or
 /// the top page to `out` without one.
 pub fn man(dir: Option<&Path>, out: &mut dyn Write) -> anyhow::Result<ExitCode> {
-    let cmd = super::command();
+    let cmd = crate::args::command();
     let Some(dir) = dir else {
         clap_mangen::Man::new(cmd).render(out)?;
         return Ok(ExitCode::SUCCESS);
@@ -46,7 +46,7 @@ mod tests {
             let mut out = Vec::new();
             completions(shell, &mut out).unwrap();
             let text = String::from_utf8(out).unwrap();
-            for sub in crate::command().get_subcommands() {
+            for sub in crate::args::command().get_subcommands() {
                 assert!(
                     text.contains(sub.get_name()),
                     "{shell}: no {}",

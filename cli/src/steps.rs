@@ -1,9 +1,9 @@
 //! `accrue steps JOB`: the per-step manifests of a job's committed steps, as
 //! a table (with `--detail`, each rank's microbatches below its step) or
 //! as JSON lines. A `--json` line deserialises into
-//! [`accrue_coordinator::manifest::StepManifest`], so a test can feed
+//! [`accrue_coordinator::core::manifest::StepManifest`], so a test can feed
 //! `accrue steps JOB --detail --json` to
-//! [`accrue_coordinator::manifest::check_exactly_once`].
+//! [`accrue_coordinator::core::manifest::check_exactly_once`].
 
 use std::fmt::Write as _;
 use std::process::ExitCode;
@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 use super::client::{connect, rpc_error};
 use super::output::{out, outln};
 use super::render::table;
-use super::Conn;
+use crate::args::Conn;
 use accrue_coordinator::wire::{ListStepsRequest, StepManifest, StepRankLayout};
 
 /// What `accrue steps` asks for and how it prints it.
@@ -145,7 +145,7 @@ fn rank_line(layout: &StepRankLayout) -> String {
 }
 
 /// One step as a JSON object (one line of `--json`); its fields are those
-/// of [`accrue_coordinator::manifest::StepManifest`]'s serde form plus `documents`,
+/// of [`accrue_coordinator::core::manifest::StepManifest`]'s serde form plus `documents`,
 /// `rank_microbatches`, `complete` and, with `--detail`, `docs`.
 pub fn step_json(s: &StepManifest) -> Value {
     let mut v = json!({
@@ -188,7 +188,7 @@ pub fn step_json(s: &StepManifest) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use accrue_coordinator::manifest::{check_exactly_once, Expectation};
+    use accrue_coordinator::core::manifest::{check_exactly_once, Expectation};
     use accrue_coordinator::wire::{StepMicrobatch, StepSequence};
 
     fn seq(doc: &str, role: u32, tokens: u32) -> StepSequence {
@@ -263,7 +263,7 @@ mod tests {
     #[test]
     fn json_lines_parse_back_into_manifests_for_the_exactly_once_check() {
         let steps = [manifest(1, &["0:1", "0:2"]), manifest(2, &["0:3", "0:2"])];
-        let parsed: Vec<accrue_coordinator::manifest::StepManifest> = steps
+        let parsed: Vec<accrue_coordinator::core::manifest::StepManifest> = steps
             .iter()
             .map(|s| serde_json::from_str(&step_json(s).to_string()).unwrap())
             .collect();

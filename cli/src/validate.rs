@@ -1,6 +1,6 @@
 //! `accrue validate JOB.toml`: checks a job spec offline with what the
 //! coordinator runs on submit — [`JobSpec::parse`], then
-//! [`accrue_coordinator::admission::admit`] (the model's config against the tokenizer,
+//! [`accrue_coordinator::shell::admission::admit`] (the model's config against the tokenizer,
 //! a `model.init` checkpoint whole, and the data read by the job's own
 //! readers) — and prints every problem as `JOB.toml: <field>: <message>`,
 //! like a compiler.
@@ -15,9 +15,9 @@ use std::io::Write;
 use std::path::Path;
 use std::process::ExitCode;
 
-use accrue_coordinator::admission::{self, Admitted};
-use accrue_coordinator::input::{self, MAX_CONFIG_BYTES};
-use accrue_coordinator::spec::{JobSpec, SpecProblem, StepSize};
+use accrue_coordinator::job::input::{self, MAX_CONFIG_BYTES};
+use accrue_coordinator::job::spec::{JobSpec, SpecProblem, StepSize};
+use accrue_coordinator::shell::admission::{self, Admitted};
 
 /// `data.train` files up to this many bytes in all are read by default.
 pub const AUTO_SCAN_BYTES: u64 = 16 << 20;
@@ -68,15 +68,17 @@ fn all_cached(spec: &JobSpec, files: &[std::path::PathBuf]) -> bool {
     if spec.data.sources.iter().any(|s| s.chat_template.is_some()) {
         return false;
     }
-    let Ok(model) = accrue_coordinator::model::read_config(&spec.model) else {
+    let Ok(model) = accrue_coordinator::model::config::read_config(&spec.model) else {
         return false;
     };
-    let Ok(enc) = accrue_coordinator::data::encoder_key(&spec.data, model.vocab_size, None) else {
+    let Ok(enc) = accrue_coordinator::stream::data::encoder_key(&spec.data, model.vocab_size, None)
+    else {
         return false;
     };
     let root = spec.data.cache_root();
     files.iter().all(|f| {
-        accrue_coordinator::data::cache::file_key(f, enc).is_ok_and(|k| root.join(k).join("meta.json").is_file())
+        accrue_coordinator::stream::data::cache::file_key(f, enc)
+            .is_ok_and(|k| root.join(k).join("meta.json").is_file())
     })
 }
 
@@ -114,7 +116,7 @@ pub fn check(
 
 /// `  source a: 48 documents, 5120 tokens (50 rows; 2 bad rows and 0
 /// over-long documents skipped)`, one line per source.
-fn per_source(what: &str, d: &accrue_coordinator::data::Dataset) -> Vec<String> {
+fn per_source(what: &str, d: &accrue_coordinator::stream::data::Dataset) -> Vec<String> {
     d.sources
         .iter()
         .map(|(_, s)| {

@@ -13,8 +13,10 @@ use indicatif::{ProgressBar, ProgressStyle};
 use super::client::{connect, rpc_error};
 use super::output::outln;
 use super::render;
-use super::Conn;
-use accrue_coordinator::wire::{watch_job_response::Item, GetJobRequest, JobState, WatchJobRequest};
+use crate::args::Conn;
+use accrue_coordinator::wire::{
+    watch_job_response::Item, GetJobRequest, JobState, WatchJobRequest,
+};
 
 /// The exit code for a job in `state`: `Some` once the job has ended.
 pub fn exit_for(state: i32) -> Option<ExitCode> {

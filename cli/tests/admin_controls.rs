@@ -9,7 +9,7 @@ mod common;
 
 use std::sync::Arc;
 
-use accrue_coordinator::manifest::{check_exactly_once, Expectation, StepManifest};
+use accrue_coordinator::core::manifest::{check_exactly_once, Expectation, StepManifest};
 use accrue_coordinator::wire;
 use common::{fake_worker, start, FakeWorker, PlanHook};
 use tokio::sync::Notify;

@@ -5,7 +5,7 @@
 #[path = "../../coordinator/tests/common/mod.rs"]
 mod common;
 
-use accrue_coordinator::auth::{Security, Token, Tokens};
+use accrue_coordinator::shell::auth::{Security, Token, Tokens};
 
 const ADMIN: &str = "doctor-admin-token-0123456789abcdef";
 

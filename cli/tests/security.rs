@@ -7,11 +7,11 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use accrue_coordinator::auth::{Security, Token, Tokens};
 use accrue_cli::client::connect;
 use accrue_cli::Conn;
-use accrue_coordinator::server::{Server, ServerConfig};
-use accrue_coordinator::tls::ServerTls;
+use accrue_coordinator::shell::auth::{Security, Token, Tokens};
+use accrue_coordinator::shell::server::{Server, ServerConfig};
+use accrue_coordinator::shell::tls::ServerTls;
 use accrue_coordinator::wire;
 use tokio_util::sync::DropGuard;
 use tonic::metadata::MetadataValue;

@@ -19,7 +19,7 @@
 
 use std::ops::Range;
 
-use crate::shard_range;
+use crate::shard::shard_range;
 
 /// What a received piece does with its bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

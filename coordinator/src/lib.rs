@@ -4,37 +4,12 @@
 //! Pure domain modules (`doc`, `cursor`, `spec`, `data`, `plan`, `core`) do
 //! no network I/O; `service` and `server` adapt them to tonic.
 
-pub mod admission;
-pub mod auth;
 pub mod core;
-pub mod cursor;
-pub mod data;
-pub mod doc;
-pub mod engine;
-pub mod export;
-pub mod http;
-pub mod input;
-pub mod limits;
-pub mod manifest;
-pub mod metrics;
-pub mod mix;
+pub mod job;
 pub mod model;
-pub mod nonfinite;
-pub mod objective;
-pub mod output;
-pub mod plan;
-pub mod prefetch;
 pub mod rl;
-pub mod rl_loop;
-pub mod server;
-pub mod service;
-pub mod settings;
-pub mod sources;
-pub mod spec;
-pub mod store;
-pub mod tensorboard;
-pub mod tls;
-pub mod verify;
+pub mod shell;
+pub mod stream;
 
 pub use accrue_proto::v1 as wire;
 

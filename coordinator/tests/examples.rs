@@ -5,7 +5,7 @@
 
 use std::path::Path;
 
-use accrue_coordinator::spec::JobSpec;
+use accrue_coordinator::job::spec::JobSpec;
 
 #[test]
 fn example_specs_are_valid() {

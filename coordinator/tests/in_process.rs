@@ -326,7 +326,7 @@ async fn a_persisted_job_over_the_limits_fails_at_restore_instead_of_planning() 
 
     // What an older coordinator admitted: the stored spec over the limit.
     {
-        let store = accrue_coordinator::store::Store::open(&state).unwrap();
+        let store = accrue_coordinator::shell::store::Store::open(&state).unwrap();
         let mut rec = store.jobs().unwrap().pop().unwrap();
         rec.spec_toml = rec
             .spec_toml

@@ -11,7 +11,7 @@ use std::collections::BTreeSet;
 use std::path::Path;
 use std::time::Duration;
 
-use accrue_coordinator::service::Shared;
+use accrue_coordinator::shell::service::Shared;
 use accrue_coordinator::wire;
 use common::{fake_worker, start, FakeWorker};
 use tonic::Code;

@@ -5,7 +5,8 @@
 
 mod common;
 
-use accrue_coordinator::{tensorboard, wire};
+use accrue_coordinator::shell::tensorboard;
+use accrue_coordinator::wire;
 use common::{fake_worker, submit, FakeWorker};
 
 fn sums(p: &wire::StepPlan) -> wire::MetricSums {

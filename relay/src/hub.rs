@@ -244,7 +244,7 @@ impl Hub {
     async fn serve(&self, sock: TcpStream) -> Result<(), String> {
         let _ = sock.set_nodelay(true);
         let (read, write) = sock.into_split();
-        let mut frames = FramedRead::new(read, crate::codec(self.opts.max_frame));
+        let mut frames = FramedRead::new(read, crate::codec::codec(self.opts.max_frame));
         let hello = match tokio::time::timeout(self.opts.connect_timeout, frames.next()).await {
             Ok(Some(Ok(b))) => wire::RelayHello::decode(b).map_err(|e| format!("hello: {e}"))?,
             Ok(Some(Err(e))) => return Err(format!("hello: {e}")),
@@ -273,7 +273,7 @@ impl Hub {
             }
         }
         drop(tx);
-        let mut out = FramedWrite::new(write, crate::codec(self.opts.max_frame));
+        let mut out = FramedWrite::new(write, crate::codec::codec(self.opts.max_frame));
         // Ends when the generation's state (the last sender) is dropped.
         while let Some(first) = rx.recv().await {
             // Everything queued goes in one flush.

@@ -20,6 +20,7 @@
 //! never are). A failure is a [`Fault`] naming the rank to blame, which
 //! the worker reports like a collective's.
 
+mod codec;
 mod hub;
 mod link;
 
@@ -28,12 +29,3 @@ pub use link::{dial, LinkError};
 
 #[cfg(test)]
 mod tests;
-
-use tokio_util::codec::LengthDelimitedCodec;
-
-/// The codec of a relay connection, frames up to `max_frame` bytes.
-fn codec(max_frame: usize) -> LengthDelimitedCodec {
-    LengthDelimitedCodec::builder()
-        .max_frame_length(max_frame)
-        .new_codec()
-}

@@ -48,13 +48,13 @@ pub fn dial(
         };
         let _ = sock.set_nodelay(true);
         let (read, write) = sock.into_split();
-        let mut out = FramedWrite::new(write, crate::codec(max_frame));
+        let mut out = FramedWrite::new(write, crate::codec::codec(max_frame));
         if let Err(e) = out.send(bytes::Bytes::from(hello.encode_to_vec())).await {
             let why = e.to_string();
             let _ = tx.send(Err(LinkError::Connect { addr, why }));
             return;
         }
-        let mut frames = FramedRead::new(read, crate::codec(max_frame));
+        let mut frames = FramedRead::new(read, crate::codec::codec(max_frame));
         loop {
             let item = tokio::select! {
                 f = frames.next() => f,

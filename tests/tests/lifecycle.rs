@@ -10,8 +10,8 @@
 use std::process::Child;
 use std::time::{Duration, Instant};
 
-use accrue_coordinator::auth::{Security, Token, Tokens};
-use accrue_coordinator::server::{Server, ServerConfig};
+use accrue_coordinator::shell::auth::{Security, Token, Tokens};
+use accrue_coordinator::shell::server::{Server, ServerConfig};
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;

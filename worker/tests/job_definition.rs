@@ -6,9 +6,9 @@
 
 use std::path::Path;
 
-use accrue_coordinator::objective::{DpoLoss as SpecDpoLoss, LossNormalization, Reference};
-use accrue_coordinator::service::convert::job_definition;
-use accrue_coordinator::spec::{Dtype, JobSpec, Sharding as SpecSharding};
+use accrue_coordinator::job::objective::{DpoLoss as SpecDpoLoss, LossNormalization, Reference};
+use accrue_coordinator::job::spec::{Dtype, JobSpec, Sharding as SpecSharding};
+use accrue_coordinator::shell::service::convert::job_definition;
 use accrue_worker::config::{ModelSource, Sharding};
 use accrue_worker::convert::job_config;
 use accrue_worker::objective::dpo::DpoLoss;
@@ -129,10 +129,10 @@ fn every_example_spec_round_trips_through_the_typed_job_message() {
                     clip_ratio: p.clip_ratio,
                     kl_coef: p.kl_coef,
                     off_policy: match p.off_policy {
-                        accrue_coordinator::objective::OffPolicy::Clip => {
+                        accrue_coordinator::job::objective::OffPolicy::Clip => {
                             accrue_worker::objective::pg::OffPolicy::Clip
                         }
-                        accrue_coordinator::objective::OffPolicy::Tis => {
+                        accrue_coordinator::job::objective::OffPolicy::Tis => {
                             accrue_worker::objective::pg::OffPolicy::Tis { cap: p.tis_cap }
                         }
                     },
@@ -159,7 +159,7 @@ fn defaults_reach_the_worker_from_the_coordinator_only() {
     spec.optimizer = Default::default();
     spec.runtime = Default::default();
     let cfg = job_config(&job_definition(&spec)).unwrap();
-    let defaults = accrue_coordinator::spec::OptimizerSection::default();
+    let defaults = accrue_coordinator::job::spec::OptimizerSection::default();
     assert_eq!(
         (cfg.optimizer.beta1, cfg.optimizer.beta2),
         (defaults.betas[0], defaults.betas[1])
@@ -170,6 +170,6 @@ fn defaults_reach_the_worker_from_the_coordinator_only() {
     );
     assert_eq!(
         cfg.loss_chunk_tokens as u64,
-        accrue_coordinator::spec::RuntimeSection::default().loss_chunk_tokens
+        accrue_coordinator::job::spec::RuntimeSection::default().loss_chunk_tokens
     );
 }

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use accrue_coordinator::server::{Server, ServerConfig};
+use accrue_coordinator::shell::server::{Server, ServerConfig};
 use accrue_coordinator::wire as cwire;
 use accrue_worker::batch::{MicrobatchMeta, MicrobatchOutcome, PackedBatch, StepNorms};
 use accrue_worker::collective::{Collective, Solo};

@@ -30,8 +30,8 @@ use tokio::sync::{watch, Semaphore};
 use wire::coordinator_message::Msg as In;
 use wire::worker_message::Msg as Out;
 
-use accrue_coordinator::server::{Server, ServerConfig};
-use accrue_coordinator::service::Shared;
+use accrue_coordinator::shell::server::{Server, ServerConfig};
+use accrue_coordinator::shell::service::Shared;
 
 /// Thread names: the coordinator's runtime and the fake workers'.
 const COORD_THREADS: &str = "accrue-coord";
@@ -522,9 +522,7 @@ impl Sample {
             coord_cpu_ns,
             locked_ns: shared.lock_stats(false).total_ns,
             store_bytes: std::fs::metadata(state.join("accrue.redb")).map_or(0, |m| m.len()),
-            steps_bytes: job
-                .and_then(|j| shared.steps_bytes(&j).ok())
-                .unwrap_or(0),
+            steps_bytes: job.and_then(|j| shared.steps_bytes(&j).ok()).unwrap_or(0),
         }
     }
 }

@@ -29,8 +29,8 @@ use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
 use accrue_coordinator::core::{Coordinator, CoordinatorOptions, Event, Registration};
-use accrue_coordinator::cursor::{Cursor, Order, SourceOrder};
-use accrue_coordinator::plan::{self, PackItem, PackProblem, StepTarget};
+use accrue_coordinator::stream::cursor::{Cursor, Order, SourceOrder};
+use accrue_coordinator::stream::plan::{self, PackItem, PackProblem, StepTarget};
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -289,13 +289,13 @@ pub fn data(opts: &DataBenchOpts, out: &mut dyn Write) -> anyhow::Result<Vec<Dat
 /// Builds a store of `file` in a fresh cache; (rows, seconds).
 fn tokenize_ours(file: &Path, tokenizer: &str) -> anyhow::Result<(u64, f64)> {
     let dir = tempfile::tempdir()?;
-    let section: accrue_coordinator::spec::DataSection = toml::from_str(&format!(
+    let section: accrue_coordinator::job::spec::DataSection = toml::from_str(&format!(
         "train = [{:?}]\nformat = \"sft\"\ntokenizer = {tokenizer:?}\n",
         file.display().to_string()
     ))?;
-    let enc = accrue_coordinator::data::encoder(&section, u32::MAX)?;
+    let enc = accrue_coordinator::stream::data::encoder(&section, u32::MAX)?;
     let t0 = Instant::now();
-    let meta = accrue_coordinator::data::cache::build(
+    let meta = accrue_coordinator::stream::data::cache::build(
         &dir.path().join("store"),
         file,
         &enc,
@@ -348,12 +348,13 @@ pub fn submit_child(spec_path: &Path) -> anyhow::Result<DataRow> {
     let base = rss_anon();
     let t0 = Instant::now();
     let text = std::fs::read_to_string(spec_path)?;
-    let spec =
-        accrue_coordinator::spec::JobSpec::parse(&text, Path::new("/")).map_err(|p| anyhow::anyhow!("{p:?}"))?;
-    let admitted = accrue_coordinator::admission::admit(&spec, true).map_err(|p| anyhow::anyhow!("{p:?}"))?;
+    let spec = accrue_coordinator::job::spec::JobSpec::parse(&text, Path::new("/"))
+        .map_err(|p| anyhow::anyhow!("{p:?}"))?;
+    let admitted = accrue_coordinator::shell::admission::admit(&spec, true)
+        .map_err(|p| anyhow::anyhow!("{p:?}"))?;
     let ds = admitted.dataset.context("no dataset")?;
     let mapped = ds.report.tokens * 5;
-    let docs: Arc<[accrue_coordinator::doc::Document]> = ds.into_job_docs().into();
+    let docs: Arc<[accrue_coordinator::stream::doc::Document]> = ds.into_job_docs().into();
     let n = docs.len() as u64;
     let mut c = Coordinator::new(CoordinatorOptions::default());
     let now = 1_000;
@@ -438,7 +439,11 @@ pub fn planner(sources: u32, docs: u64, docs_per_step: u64) -> anyhow::Result<Da
     let weights: Vec<f64> = (0..sources).map(|s| 1.0 + f64::from(s)).collect();
     let order = Order::mixture(1, true, parts, weights);
     let max_tokens = 8192;
-    let target = StepTarget::new(accrue_coordinator::spec::StepSize::Docs(docs_per_step), 8, max_tokens);
+    let target = StepTarget::new(
+        accrue_coordinator::job::spec::StepSize::Docs(docs_per_step),
+        8,
+        max_tokens,
+    );
     let mut cursor = Cursor::default();
     let steps = 2000;
     let t0 = Instant::now();

@@ -1,4 +1,4 @@
-//! `accrue bench packing`: the step planner ([`accrue_coordinator::plan::solve`],
+//! `accrue bench packing`: the step planner ([`accrue_coordinator::stream::plan::solve`],
 //! best-fit-decreasing + rank balancing) against the open-instruct
 //! collator's packing (complete documents in arrival order, a new
 //! microbatch when the next does not fit, microbatches dealt round-robin to
@@ -10,7 +10,7 @@
 //! line. Documents longer than `max_tokens` are excluded up front and
 //! counted (`docs_overlong_excluded`), never truncated. Dropped and
 //! truncated documents are counted by auditing each solution
-//! ([`accrue_coordinator::plan::audit`]), not assumed.
+//! ([`accrue_coordinator::stream::plan::audit`]), not assumed.
 
 use std::io::Write;
 use std::time::{Duration, Instant};
@@ -19,7 +19,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
-use accrue_coordinator::plan::{
+use accrue_coordinator::stream::plan::{
     audit, item_cost, lower_bound_per_rank, normalizers, solve, Microbatch, PackItem, PackProblem,
     PackSolution, PlanError, SeqLens,
 };

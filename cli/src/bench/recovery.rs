@@ -20,11 +20,11 @@ use tokio::process::{Child, Command};
 use tokio_stream::StreamExt;
 use tokio_util::sync::CancellationToken;
 
+use crate::args::RecoveryArgs;
 use crate::client::{connect, rpc_error};
 use crate::local::{wait_for_workers, worker_binary};
 use crate::output::{errln, outln};
-use crate::RecoveryArgs;
-use accrue_coordinator::server::{Server, ServerConfig};
+use accrue_coordinator::shell::server::{Server, ServerConfig};
 use accrue_coordinator::wire::{
     watch_job_response::Item, AbortReason, CancelJobRequest, EventKind, JobState, SubmitJobRequest,
     WatchJobRequest,
@@ -94,7 +94,7 @@ pub async fn run(args: &RecoveryArgs) -> anyhow::Result<ExitCode> {
 }
 
 fn write_job(dir: &Path, sharding: &str, workers: u32) -> anyhow::Result<String> {
-    accrue_coordinator::data::synth::synth_arithmetic(&dir.join("data"), 3, 2000)?;
+    accrue_coordinator::stream::data::synth::synth_arithmetic(&dir.join("data"), 3, 2000)?;
     std::fs::write(
         dir.join("tiny.json"),
         r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":64,
@@ -167,7 +167,7 @@ async fn measure(sharding: &str, workers: u32, fault: &str) -> anyhow::Result<Re
     }
     let result = async {
         wait_for_workers(&shared, workers, &mut children).await?;
-        let mut client = connect(&crate::Conn::new(&url)).await?;
+        let mut client = connect(&crate::args::Conn::new(&url)).await?;
         let job = client
             .submit_job(SubmitJobRequest {
                 spec_toml: spec,
@@ -250,7 +250,9 @@ async fn measure(sharding: &str, workers: u32, fault: &str) -> anyhow::Result<Re
 }
 
 /// The next item of the watch stream, within a minute.
-async fn next(watch: &mut tonic::Streaming<accrue_coordinator::wire::WatchJobResponse>) -> anyhow::Result<Item> {
+async fn next(
+    watch: &mut tonic::Streaming<accrue_coordinator::wire::WatchJobResponse>,
+) -> anyhow::Result<Item> {
     let item = tokio::time::timeout(Duration::from_secs(60), watch.next())
         .await
         .context("nothing on the watch stream for 60 s")?

@@ -5,10 +5,10 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 
-use crate::output::{errln, outln};
-use crate::{CollectiveArgs, CollectiveRankArgs, DataArgs, PackingArgs};
+use crate::args::{CollectiveArgs, CollectiveRankArgs, DataArgs, PackingArgs};
 use crate::bench::{CollectiveBenchOpts, CollectiveRow, PackingBenchOpts, PackingRow};
-use accrue_coordinator::spec::{DataFormat, DataSection, ObjectiveKind, OnBad};
+use crate::output::{errln, outln};
+use accrue_coordinator::job::spec::{DataFormat, DataSection, ObjectiveKind, OnBad};
 
 /// The load-imbalance target where a step holds ≥ 2 microbatches per rank.
 const MAX_IMBALANCE: f64 = 1.10;
@@ -109,7 +109,7 @@ fn real_datasets(dir: &Path) -> anyhow::Result<Vec<(String, Vec<Vec<u32>>)>> {
                 cache_dir: None,
             };
             // No model here: token ids are bounded by nothing but the tokenizer.
-            let ds = accrue_coordinator::data::load(&section, objective, u32::MAX)
+            let ds = accrue_coordinator::stream::data::load(&section, objective, u32::MAX)
                 .with_context(|| format!("loading {}", file.display()))?;
             let name = file
                 .file_name()
@@ -363,7 +363,7 @@ pub fn data_submit_child(spec: &Path) -> anyhow::Result<ExitCode> {
 
 /// `accrue bench control-plane`: one child process per (W, dataset size),
 /// so one run's memory and threads do not count in the next.
-pub fn control_plane(args: &crate::ControlPlaneArgs) -> anyhow::Result<ExitCode> {
+pub fn control_plane(args: &crate::args::ControlPlaneArgs) -> anyhow::Result<ExitCode> {
     let tmp = tempfile::tempdir()?;
     let work = args
         .work

@@ -3,9 +3,9 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use accrue_coordinator::auth;
-use accrue_coordinator::server::{Server, ServerConfig};
-use accrue_coordinator::tls::ServerTls;
+use accrue_coordinator::shell::auth;
+use accrue_coordinator::shell::server::{Server, ServerConfig};
+use accrue_coordinator::shell::tls::ServerTls;
 use anyhow::Context as _;
 use clap::Parser;
 

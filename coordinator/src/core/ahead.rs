@@ -8,8 +8,8 @@
 //! planned ahead is the step planned at dispatch: debug builds plan it
 //! again and compare (every scenario test that trains checks it).
 
-use crate::cursor::Cursor;
-use crate::settings::ConfigChange;
+use crate::job::settings::ConfigChange;
+use crate::stream::cursor::Cursor;
 
 use super::step::PlannedStep;
 use super::types::Quarantined;

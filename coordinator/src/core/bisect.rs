@@ -9,8 +9,8 @@
 //! A pure state machine: the planner turns [`Bisection::groups`] into a
 //! probe plan, the lifecycle feeds back which groups were non-finite.
 
-use crate::doc::DocId;
-use crate::plan::Normalizers;
+use crate::stream::doc::DocId;
+use crate::stream::plan::Normalizers;
 
 /// A bisection of one failed step, live only: a coordinator restarted
 /// mid-way re-runs the step, which fails again and starts over.

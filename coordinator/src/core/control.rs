@@ -12,10 +12,10 @@ use super::machine::Coordinator;
 use super::planner;
 use super::types::{End, EventKind, JobState};
 use super::workers::WorkerState;
-use crate::settings::{record_change, JobUpdate, UpdateContext};
+use crate::job::settings::{record_change, JobUpdate, UpdateContext};
 
 impl Coordinator {
-    pub(super) fn cancel(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) -> Result<()> {
+    pub(crate) fn cancel(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) -> Result<()> {
         let state = self.job(job_id)?.rec.state;
         if state.is_terminal() {
             return Err(CoreError::bad_state(job_id, state, "cancel"));
@@ -24,7 +24,7 @@ impl Coordinator {
         Ok(())
     }
 
-    pub(super) fn pause(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) -> Result<()> {
+    pub(crate) fn pause(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) -> Result<()> {
         let job = self.job_mut(job_id)?;
         match job.rec.state {
             JobState::Running if job.inflight().is_some() => job.requests.pause = true,
@@ -35,7 +35,7 @@ impl Coordinator {
         Ok(())
     }
 
-    pub(super) fn resume(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) -> Result<()> {
+    pub(crate) fn resume(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) -> Result<()> {
         let job = self.job_mut(job_id)?;
         match job.rec.state {
             JobState::Paused => {
@@ -66,7 +66,7 @@ impl Coordinator {
     /// step boundary, which is now when no step is in flight. Asking again
     /// is harmless: nothing is sent twice, except a Release to a drained
     /// worker that has since reconnected (its first one may be lost).
-    pub(super) fn drain(&mut self, worker: &str, now_ms: i64, fx: &mut Vec<Effect>) -> Result<()> {
+    pub(crate) fn drain(&mut self, worker: &str, now_ms: i64, fx: &mut Vec<Effect>) -> Result<()> {
         let w = self
             .workers
             .get_mut(worker)
@@ -104,7 +104,7 @@ impl Coordinator {
         Ok(())
     }
 
-    pub(super) fn trigger_checkpoint(&mut self, job_id: &str, fx: &mut Vec<Effect>) -> Result<()> {
+    pub(crate) fn trigger_checkpoint(&mut self, job_id: &str, fx: &mut Vec<Effect>) -> Result<()> {
         let job = self.job_mut(job_id)?;
         if job.rec.state.is_terminal() {
             return Err(CoreError::bad_state(job_id, job.rec.state, "checkpoint"));
@@ -124,7 +124,7 @@ impl Coordinator {
     /// it, effective from the job's next new step: the in-flight step, or
     /// an aborted one waiting to be re-planned, keeps its settings and so
     /// its documents.
-    pub(super) fn update_job(
+    pub(crate) fn update_job(
         &mut self,
         job_id: &str,
         update: JobUpdate,
@@ -170,7 +170,7 @@ fn update_context(job: &Job) -> UpdateContext {
     UpdateContext {
         longest,
         stream: job.data.stream.as_ref().map(|s| (s.capacity, s.group_size)),
-        dataset: files.then(|| crate::limits::DatasetSize {
+        dataset: files.then(|| crate::job::limits::DatasetSize {
             docs: job.data.docs.len() as u64,
             tokens: job.data.docs.iter().map(|d| d.tokens()).sum(),
         }),

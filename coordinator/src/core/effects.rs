@@ -6,24 +6,24 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use super::generate::{
-    EngineRound, GenCompletion, LoopInputs, RoundPlan, RoundStats, RoundToScore,
-};
 use super::metrics::{MetricSums, StepMetrics};
 use super::recovery::PriorRun;
 use super::reference::{RefEntry, ReferenceLogps, SeqLogp};
 use super::step::PlannedStep;
-use super::stream::{RolloutWrite, StoredStream};
 use super::types::{
     AbortReason, CommittedStep, EventKind, HeldState, JobId, JobState, Role, WeightRing, Why,
     WorkerErrorKind, WorkerId,
 };
 use super::workers::Registration;
-use crate::cursor::Cursor;
-use crate::doc::{DocId, Document, Rollout};
-use crate::manifest::StepManifest;
-use crate::settings::JobUpdate;
-use crate::spec::JobSpec;
+use crate::core::manifest::StepManifest;
+use crate::job::settings::JobUpdate;
+use crate::job::spec::JobSpec;
+use crate::rl::rounds::{
+    EngineRound, GenCompletion, LoopInputs, RoundPlan, RoundStats, RoundToScore,
+};
+use crate::rl::stream::{RolloutWrite, StoredStream};
+use crate::stream::cursor::Cursor;
+use crate::stream::doc::{DocId, Document, Rollout};
 
 /// A heartbeat as the shell read it: from whom, when, and how late
 /// (see [`Event::Heartbeat`]).
@@ -428,7 +428,7 @@ pub enum Effect {
         job: JobId,
         step: u64,
         dir: PathBuf,
-        engine: crate::engine::EngineSection,
+        engine: crate::job::engine::EngineSection,
     },
     /// A checkpoint left the job's index (`checkpoint.keep`): delete its
     /// directory (after the record persisted before it).

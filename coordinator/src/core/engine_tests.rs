@@ -6,9 +6,9 @@
 
 use std::collections::BTreeMap;
 
-use super::generate::{EngineRound, GenCompletion};
 use super::loop_tests::{assert_prompts_once_per_epoch, generated, loop_spec};
 use super::*;
+use crate::rl::rounds::{EngineRound, GenCompletion};
 
 fn engine_spec(steps: u64, publish_every: u64, max_staleness: u64) -> JobSpec {
     let mut sp = loop_spec(steps, 4, 2, 2);
@@ -209,14 +209,14 @@ fn eval_prompts_stay_on_the_workers_and_share_the_scorer_with_engine_rounds() {
     s.submit(sp, Vec::new().into());
     let mut i = super::loop_tests::inputs(6);
     let held_out = (1..=3)
-        .map(|line| crate::data::prompts::Prompt {
+        .map(|line| crate::rl::prompts::Prompt {
             id: DocId { file: 1, line },
             ids: vec![99; 2],
             text: format!("e{line}"),
             reference: "r".into(),
         })
         .collect();
-    i.eval = Some(Arc::new(crate::data::prompts::PromptSet {
+    i.eval = Some(Arc::new(crate::rl::prompts::PromptSet {
         prompts: held_out,
     }));
     s.handle(Event::LoadPrompts {

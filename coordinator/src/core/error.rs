@@ -39,11 +39,14 @@ pub enum CoreError {
         candidates: Vec<String>,
     },
     #[error("document {doc} is not quarantined in job {job}")]
-    NotQuarantined { job: String, doc: crate::doc::DocId },
+    NotQuarantined {
+        job: String,
+        doc: crate::stream::doc::DocId,
+    },
     #[error("invalid update of job {job}: {}", .problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
     InvalidUpdate {
         job: String,
-        problems: Vec<crate::spec::SpecProblem>,
+        problems: Vec<crate::job::spec::SpecProblem>,
     },
 }
 

@@ -22,8 +22,8 @@ use serde::{Deserialize, Serialize};
 
 use super::metrics::{SourceMetrics, SourceSums};
 use super::reference::{ReferenceCache, SeqLogp};
-use crate::doc::{DocBody, DocId, Document};
-use crate::sources::Source;
+use crate::job::sources::Source;
+use crate::stream::doc::{DocBody, DocId, Document};
 
 /// A job's eval documents and sources.
 #[derive(Debug, Clone)]
@@ -63,12 +63,12 @@ pub struct EvalRun {
 pub struct EvalMetrics {
     /// The committed step the weights are from.
     pub step: u64,
-    #[serde(deserialize_with = "crate::nonfinite::f64")]
+    #[serde(deserialize_with = "crate::core::nonfinite::f64")]
     pub loss: f64,
     pub loss_tokens: u64,
     pub tokens: u64,
     pub docs: u64,
-    #[serde(default, deserialize_with = "crate::nonfinite::map")]
+    #[serde(default, deserialize_with = "crate::core::nonfinite::map")]
     pub extra: BTreeMap<String, f64>,
     pub sources: BTreeMap<String, SourceMetrics>,
     pub unix_ms: i64,
@@ -205,7 +205,7 @@ fn rollout_means(mut m: SourceMetrics, sums: &SourceSums) -> SourceMetrics {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::doc::Sequence;
+    use crate::stream::doc::Sequence;
 
     fn doc(file: u32, line: u64, loss: usize) -> Document {
         let labels: Vec<i32> = (0..loss + 1).map(|_| 7).collect();

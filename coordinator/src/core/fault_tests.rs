@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use super::*;
-use crate::spec::Sharding;
+use crate::job::spec::Sharding;
 
 fn checkpoints_of(s: &Sim) -> Vec<u64> {
     s.c.job("job")
@@ -202,7 +202,7 @@ fn a_step_that_never_commits_fails_the_job_after_max_step_attempts() {
 
 fn bisecting(sp: JobSpec) -> JobSpec {
     let mut sp = sp;
-    sp.faults.on_nonfinite = crate::spec::OnNonFinite::Bisect;
+    sp.faults.on_nonfinite = crate::job::spec::OnNonFinite::Bisect;
     sp
 }
 

@@ -18,12 +18,12 @@ use super::types::{
     Role, WeightRing, Why, WorkerId,
 };
 use super::workers::WorkerState;
-use crate::spec::Sharding;
+use crate::job::spec::Sharding;
 
 impl Coordinator {
     /// Every rank re-ran a committed step: the generation moves on, nothing
     /// commits again (no metrics, no cursor move, no manifest rewrite).
-    pub(super) fn replayed(&mut self, job_id: &str, step: u64, now_ms: i64, fx: &mut Vec<Effect>) {
+    pub(crate) fn replayed(&mut self, job_id: &str, step: u64, now_ms: i64, fx: &mut Vec<Effect>) {
         let job = self.jobs.get_mut(job_id).expect("replaying a known job");
         let active = job.active_mut().expect("replaying within a generation");
         active.gen.step = step;
@@ -42,7 +42,7 @@ impl Coordinator {
     /// replay reached them, [`Effect::LoadHistory`]): they join the
     /// in-memory history and dispatch goes on at the next schedule. A store
     /// that cannot give the step the replay needs fails the job, naming it.
-    pub(super) fn history_loaded(
+    pub(crate) fn history_loaded(
         &mut self,
         job_id: &str,
         from: u64,
@@ -89,7 +89,7 @@ impl Coordinator {
     /// zero2/fsdp drain first writes the current step to disk, because the
     /// leaver's shards would otherwise be lost (no dispatch meanwhile).
     /// During a replay the change waits for the replay's end.
-    pub(super) fn regroup(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
+    pub(crate) fn regroup(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
         let leaving = self.jobs[job_id].gen().is_some_and(|g| {
             g.everyone()
                 .any(|m| self.workers.get(m).is_some_and(|w| w.draining))
@@ -120,7 +120,7 @@ impl Coordinator {
     /// generation reported, the checkpoint joins the job's index (the
     /// oldest beyond `checkpoint.keep` drop out, and the replay history
     /// below the oldest kept one with them).
-    pub(super) fn on_checkpoint_done(
+    pub(crate) fn on_checkpoint_done(
         &mut self,
         worker: &str,
         job_id: &str,
@@ -194,7 +194,7 @@ impl Coordinator {
     /// checkpoint is marked bad (never used again, nothing loaded from it
     /// trusted) and the generation re-forms from the next older source,
     /// replaying more.
-    pub(super) fn on_restore_failed(
+    pub(crate) fn on_restore_failed(
         &mut self,
         worker: &str,
         job_id: &str,
@@ -262,7 +262,7 @@ impl Coordinator {
 
     /// Forms a generation for a waiting job as [`compose`] decides, and
     /// configures its members.
-    pub(super) fn form_generation(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
+    pub(crate) fn form_generation(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
         let (members, generators, decision, disk_only) =
             match compose(now_ms, &self.jobs[job_id], &self.workers) {
                 Composition::Form {
@@ -436,7 +436,7 @@ impl Coordinator {
         fx.push(job.event(EventKind::Generation, msg, now_ms));
     }
 
-    pub(super) fn on_ready(
+    pub(crate) fn on_ready(
         &mut self,
         worker: &str,
         job_id: &str,
@@ -524,7 +524,7 @@ impl Coordinator {
 
     /// A step result means the worker applied that step's update, whether
     /// or not its generation is still current: its held state moves on.
-    pub(super) fn note_result(&mut self, worker: &str, job_id: &str, generation: u64, step: u64) {
+    pub(crate) fn note_result(&mut self, worker: &str, job_id: &str, generation: u64, step: u64) {
         let Some(job) = self.jobs.get(job_id) else {
             return;
         };

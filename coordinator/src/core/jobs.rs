@@ -16,15 +16,15 @@ use super::metrics::MetricSums;
 use super::record::JobRecord;
 use super::recovery::Decision;
 use super::reference::{self, ReferenceCache, ReferenceLogps, SeqLogp};
-use super::rollouts::{self, RolloutPlan};
 use super::step::{Annotations, PlannedStep};
-use super::stream::RolloutStream;
 use super::types::{AbortReason, CommittedStep, EventKind, JobState, PlanKind, WorkerId};
-use crate::cursor::{Order, SourceOrder};
-use crate::doc::{DocId, Document};
-use crate::settings::Settings;
-use crate::sources::Source;
-use crate::spec::JobSpec;
+use crate::job::settings::Settings;
+use crate::job::sources::Source;
+use crate::job::spec::JobSpec;
+use crate::rl::rollouts::{self, RolloutPlan};
+use crate::rl::stream::RolloutStream;
+use crate::stream::cursor::{Order, SourceOrder};
+use crate::stream::doc::{DocId, Document};
 
 /// A fixed membership of a job: ranks 0..W-1.
 #[derive(Debug, Clone, PartialEq)]
@@ -190,9 +190,9 @@ pub enum Work {
     /// member is ready (and the job is running).
     Idle,
     InFlight(InFlight),
-    /// A generation round of the RL loop (`super::generate`): the members
+    /// A generation round of the RL loop (`crate::rl::rounds`): the members
     /// sample completions with the committed step's weights.
-    Generating(Box<super::generate::Round>),
+    Generating(Box<crate::rl::rounds::Round>),
     /// The current step's checkpoint is being written and nothing is
     /// dispatched meanwhile; then the generation goes on as `then` says.
     AwaitingCheckpoint(AfterCheckpoint),
@@ -255,9 +255,9 @@ pub struct JobData {
     /// Streamed PG jobs (`data.source = "stream"`): the queue of groups.
     pub stream: Option<RolloutStream>,
     /// The RL loop (`data.source = "generate"`): prompts and rounds.
-    pub rollout_loop: Option<super::generate::LoopState>,
+    pub rollout_loop: Option<crate::rl::rounds::LoopState>,
     /// The loop's rounds scored since the last commit (step metrics).
-    pub loop_stats: super::generate::RoundStats,
+    pub loop_stats: crate::rl::rounds::RoundStats,
     /// Committed steps after `rec.history_from` held in memory for replay:
     /// the newest [`HISTORY_WINDOW`], and those a replay in progress loaded
     /// back from the store (issue 19: a job that never checkpoints would
@@ -286,7 +286,7 @@ pub struct JobData {
 impl JobData {
     /// The generation running apart from the trainers (`rl.engine` or
     /// `rl.generators`), if the job has one.
-    pub fn engine_mut(&mut self) -> Option<&mut super::generate::EngineLoop> {
+    pub fn engine_mut(&mut self) -> Option<&mut crate::rl::rounds::EngineLoop> {
         self.rollout_loop.as_mut().and_then(|l| l.engine.as_mut())
     }
 
@@ -307,9 +307,9 @@ impl JobData {
             Some(e) if docs.iter().any(|d| d.id.file >= train_files) => {
                 let (t, ev): (Vec<Document>, Vec<Document>) =
                     docs.iter().cloned().partition(|d| d.id.file < train_files);
-                let sources = crate::sources::resolve(&e.sources, train_files, None);
+                let sources = crate::job::sources::resolve(&e.sources, train_files, None);
                 let mut file_source = vec![0; train_files as usize];
-                file_source.extend(crate::sources::file_sources(&sources));
+                file_source.extend(crate::job::sources::file_sources(&sources));
                 let set = EvalSet {
                     docs: ev.into(),
                     file_source: file_source.clone(),
@@ -333,7 +333,7 @@ impl JobData {
             plan
         });
         let sources = spec.data.train_sources(spec.job.epochs);
-        let file_source = crate::sources::file_sources(&sources);
+        let file_source = crate::job::sources::file_sources(&sources);
         let len = rollouts.as_ref().map_or(docs.len(), |r| r.units.len()) as u64;
         let order = if rollouts.is_some() || sources.len() < 2 {
             Order::single(spec.job.seed, spec.data.shuffle, len, spec.job.epochs)
@@ -365,11 +365,11 @@ impl JobData {
             rollouts,
             stream: RolloutStream::for_spec(spec),
             rollout_loop: spec.data.is_generate().then(|| {
-                let l = super::generate::LoopState::new(spec.job.seed, spec.data.shuffle);
+                let l = crate::rl::rounds::LoopState::new(spec.job.seed, spec.data.shuffle);
                 match &spec.rl.engine {
                     // A frozen engine serves the starting policy throughout.
                     Some(e) => l.with_engine(
-                        (e.reload == crate::engine::EngineReload::None).then_some(step),
+                        (e.reload == crate::job::engine::EngineReload::None).then_some(step),
                     ),
                     // Generator workers start with no known policy.
                     None if spec.rl.generators.is_some() => l.with_engine(None),
@@ -660,12 +660,12 @@ impl Job {
     /// The generation round in flight on the job's workers (the RL loop),
     /// if any: the training ranks' (colocated, or eval prompts), else the
     /// generators' (disaggregated).
-    pub fn round(&self) -> Option<&super::generate::Round> {
+    pub fn round(&self) -> Option<&crate::rl::rounds::Round> {
         self.round_on().map(|(r, _)| r)
     }
 
     /// [`Self::round`] and the workers it was dealt to, by rank.
-    pub fn round_on(&self) -> Option<(&super::generate::Round, &[WorkerId])> {
+    pub fn round_on(&self) -> Option<(&crate::rl::rounds::Round, &[WorkerId])> {
         let a = self.active()?;
         if let Work::Generating(r) = &a.work {
             return Some((r, &a.gen.members));

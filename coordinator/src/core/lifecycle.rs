@@ -15,13 +15,13 @@ use super::metrics::{self, StepFacts};
 use super::planner::{self, Source};
 use super::reference;
 use super::step::PlannedStep;
-use super::stream::Admission;
 use super::types::{
     AbortReason, CommittedStep, End, EventKind, JobState, PlanKind, Why, WorkerErrorKind,
 };
 use super::workers::{Worker, WorkerState};
-use crate::doc::Rollout;
-use crate::manifest::{MicrobatchEntry, SeqEntry, StepManifest};
+use crate::core::manifest::{MicrobatchEntry, SeqEntry, StepManifest};
+use crate::rl::stream::Admission;
+use crate::stream::doc::Rollout;
 
 impl Coordinator {
     /// Σ peak FLOP/s of the job's current generation; 0 when any member's
@@ -42,7 +42,7 @@ impl Coordinator {
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn on_result(
+    pub(crate) fn on_result(
         &mut self,
         worker: &str,
         job_id: &str,
@@ -130,7 +130,7 @@ impl Coordinator {
     /// or one that does not hold exactly one result per rank, is a protocol
     /// error: its sender is dropped like a failed worker.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn on_gathered(
+    pub(crate) fn on_gathered(
         &mut self,
         worker: &str,
         job_id: &str,
@@ -195,7 +195,7 @@ impl Coordinator {
             return;
         };
         let wanted: std::collections::BTreeSet<_> = flight.planned.docs.iter().collect();
-        let docs: Vec<&crate::doc::Document> =
+        let docs: Vec<&crate::stream::doc::Document> =
             set.docs.iter().filter(|d| wanted.contains(&d.id)).collect();
         if let Err(e) = run.add_chunk(set, &docs, &flight.logps, job.data.reference.as_ref()) {
             let why = Why::new(AbortReason::JobFailed, e.to_string());
@@ -243,7 +243,7 @@ impl Coordinator {
             .filter(|d| planned.contains(&d.id))
             .map(|d| (d.id, d.tokens() as usize))
             .collect();
-        let token_count = |d: &crate::doc::DocId| lens.get(d).copied().unwrap_or(0);
+        let token_count = |d: &crate::stream::doc::DocId| lens.get(d).copied().unwrap_or(0);
         let entries = match reference::collect_chunk(
             &flight.planned.docs,
             &flight.logps,
@@ -327,7 +327,7 @@ impl Coordinator {
             CommittedStep {
                 step: planned.step,
                 lr: planned.lr,
-                docs: crate::doc::DocIds::new(&planned.docs),
+                docs: crate::stream::doc::DocIds::new(&planned.docs),
                 cursor_after: planned.cursor_after.clone(),
             },
         );
@@ -398,7 +398,7 @@ impl Coordinator {
     /// step's checkpoint is durable, so that "completed" always means the
     /// trained model is on disk. Until then the generation waits (a lost
     /// writer re-forms it, and the next generation asks again).
-    pub(super) fn complete(
+    pub(crate) fn complete(
         &mut self,
         job_id: &str,
         detail: &str,
@@ -423,7 +423,7 @@ impl Coordinator {
 
     /// A step boundary: a requested pause takes effect, drained workers
     /// leave and joiners come in (both form a new generation).
-    pub(super) fn at_boundary(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
+    pub(crate) fn at_boundary(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
         let job = &self.jobs[job_id];
         let gen = job.gen().expect("a boundary within a generation");
         // Every step, so no copy of the generation and no lookup per
@@ -447,7 +447,7 @@ impl Coordinator {
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn on_worker_error(
+    pub(crate) fn on_worker_error(
         &mut self,
         worker: &str,
         job_id: &str,
@@ -538,7 +538,7 @@ impl Coordinator {
     }
 
     /// Ends a job: the step in flight is aborted, the members released.
-    pub(super) fn finish(&mut self, job_id: &str, end: End, now_ms: i64, fx: &mut Vec<Effect>) {
+    pub(crate) fn finish(&mut self, job_id: &str, end: End, now_ms: i64, fx: &mut Vec<Effect>) {
         let Some(job) = self.jobs.get_mut(job_id) else {
             return;
         };
@@ -592,7 +592,7 @@ impl Coordinator {
 
     /// Forms generations for waiting jobs (FIFO) and dispatches the next step
     /// of every ready, running job.
-    pub(super) fn schedule(&mut self, now_ms: i64, fx: &mut Vec<Effect>) {
+    pub(crate) fn schedule(&mut self, now_ms: i64, fx: &mut Vec<Effect>) {
         for id in self.job_order.clone() {
             let job = &self.jobs[&id];
             if job.rec.state == JobState::Pending && matches!(job.phase, Phase::Waiting { .. }) {
@@ -729,7 +729,7 @@ impl Coordinator {
 
     /// Plans the step after the one in flight, while it runs (see
     /// `ahead`): the shell asks once that step's plans are out.
-    pub(super) fn plan_ahead(&mut self, job_id: &str) {
+    pub(crate) fn plan_ahead(&mut self, job_id: &str) {
         let Some(job) = self.jobs.get_mut(job_id) else {
             return;
         };
@@ -792,8 +792,8 @@ impl Coordinator {
         job.note_dispatch(&planned);
     }
 
-    /// Admits rollouts pushed to a streamed job (see `super::stream`).
-    pub(super) fn push_rollouts(&mut self, job_id: &str, batch: Vec<Rollout>) -> Result<Effect> {
+    /// Admits rollouts pushed to a streamed job (see `crate::rl::stream`).
+    pub(crate) fn push_rollouts(&mut self, job_id: &str, batch: Vec<Rollout>) -> Result<Effect> {
         let job = self.job_mut(job_id)?;
         if job.rec.state.is_terminal() {
             return Err(CoreError::bad_state(
@@ -824,12 +824,15 @@ impl Coordinator {
 
 /// The groups of a streamed step's documents, in queue order (they are
 /// still queued: a commit pops them after its manifest is written).
-fn trained_groups(s: &super::stream::RolloutStream, docs: &[crate::doc::DocId]) -> Vec<String> {
+fn trained_groups(
+    s: &crate::rl::stream::RolloutStream,
+    docs: &[crate::stream::doc::DocId],
+) -> Vec<String> {
     let ids: std::collections::HashSet<_> = docs.iter().collect();
     s.groups()
         .filter_map(|g| g.iter().find(|d| ids.contains(&d.id)))
         .filter_map(|d| match &d.body {
-            crate::doc::DocBody::Rollout(r) => Some(r.group.clone()),
+            crate::stream::doc::DocBody::Rollout(r) => Some(r.group.clone()),
             _ => None,
         })
         .collect()

@@ -5,29 +5,29 @@
 
 use std::collections::BTreeMap;
 
-use super::generate::{
+use super::*;
+use crate::rl::prompts::{Prompt, PromptSet};
+use crate::rl::rounds::{
     Finish, GenCompletion, LoopInputs, RoundPlan, RoundStats, RoundToScore, MAX_BARREN_GROUPS,
 };
-use super::*;
-use crate::data::prompts::{Prompt, PromptSet};
-use crate::doc::Rollout;
+use crate::stream::doc::Rollout;
 
-pub(super) fn loop_spec(steps: u64, docs_per_step: u64, group: u32, max_workers: u32) -> JobSpec {
+pub(crate) fn loop_spec(steps: u64, docs_per_step: u64, group: u32, max_workers: u32) -> JobSpec {
     let mut sp = spec(
         &format!("steps = {steps}"),
         &format!("docs_per_step = {docs_per_step}"),
         1,
         max_workers,
     );
-    sp.data.source = crate::spec::DataSource::Generate;
-    sp.data.format = crate::spec::DataFormat::Prompts;
-    sp.objective.kind = crate::objective::ObjectiveKind::Pg;
+    sp.data.source = crate::job::spec::DataSource::Generate;
+    sp.data.format = crate::job::spec::DataFormat::Prompts;
+    sp.objective.kind = crate::job::objective::ObjectiveKind::Pg;
     sp.rl.group_size = Some(group);
     sp.rl.queue_capacity = Some(1000);
     sp
 }
 
-pub(super) fn inputs(n: u64) -> LoopInputs {
+pub(crate) fn inputs(n: u64) -> LoopInputs {
     let prompts = (1..=n)
         .map(|line| Prompt {
             id: DocId { file: 0, line },
@@ -46,7 +46,7 @@ pub(super) fn inputs(n: u64) -> LoopInputs {
 
 /// A simulated worker's answer to a round: two tokens per request, the
 /// second its sample number (so rewards can depend on it).
-pub(super) fn generated(worker: WorkerId, job: JobId, generation: u64, plan: &RoundPlan) -> Event {
+pub(crate) fn generated(worker: WorkerId, job: JobId, generation: u64, plan: &RoundPlan) -> Event {
     Event::GenerateResult {
         worker,
         job,
@@ -69,7 +69,7 @@ pub(super) fn generated(worker: WorkerId, job: JobId, generation: u64, plan: &Ro
 
 /// The shell's answer to a round: reward = sample parity (every group of
 /// two or more has variance), as rollouts named like the shell names them.
-pub(super) fn scored(r: &RoundToScore) -> Event {
+pub(crate) fn scored(r: &RoundToScore) -> Event {
     scored_by(r, |sample| f64::from(sample % 2))
 }
 
@@ -113,7 +113,7 @@ fn scored_by(r: &RoundToScore, reward_of: impl Fn(u32) -> f64) -> Event {
 }
 
 impl Sim {
-    pub(super) fn submit_loop(&mut self, spec: JobSpec, prompts: u64) {
+    pub(crate) fn submit_loop(&mut self, spec: JobSpec, prompts: u64) {
         self.submit(spec, Vec::new().into());
         self.handle(Event::LoadPrompts {
             job: "job".into(),
@@ -123,7 +123,7 @@ impl Sim {
     }
 
     /// The group (prompt@position) of every trained rollout, per step.
-    pub(super) fn trained_groups(&self) -> Vec<Vec<String>> {
+    pub(crate) fn trained_groups(&self) -> Vec<Vec<String>> {
         let group_of: BTreeMap<DocId, String> = self
             .rollout_writes
             .iter()
@@ -141,7 +141,7 @@ impl Sim {
 }
 
 /// Every prompt trained exactly once per epoch, each in `group` rollouts.
-pub(super) fn assert_prompts_once_per_epoch(s: &Sim, prompts: u64, group: usize) {
+pub(crate) fn assert_prompts_once_per_epoch(s: &Sim, prompts: u64, group: usize) {
     let trained: Vec<String> = s.trained_groups().into_iter().flatten().collect();
     let mut per_group: BTreeMap<&str, usize> = BTreeMap::new();
     for g in &trained {
@@ -422,7 +422,7 @@ fn after_a_restart_the_prompt_stream_resumes_where_its_rollouts_were_written() {
         .expect("a round after the restart");
     // The first round after the restart starts at the stored position
     // (its seeds are those of that position).
-    let pos_seed = super::generate::seed_of(3, done, 0);
+    let pos_seed = crate::rl::rounds::seed_of(3, done, 0);
     assert_eq!(first, pos_seed);
 }
 

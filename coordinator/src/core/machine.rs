@@ -17,8 +17,8 @@ use super::types::{
     AbortReason, CheckpointEntry, EventKind, JobId, JobState, PlanKind, Why, WorkerId,
 };
 use super::workers::{Registration, Worker, WorkerState};
-use crate::doc::Document;
-use crate::spec::JobSpec;
+use crate::job::spec::JobSpec;
+use crate::stream::doc::Document;
 
 /// Tunables of the state machine.
 #[derive(Debug, Clone)]
@@ -58,18 +58,18 @@ pub const LOST_WORKERS_KEPT: usize = 256;
 /// All jobs and workers, and the rules that move them.
 #[derive(Debug, Default)]
 pub struct Coordinator {
-    pub(super) opts: CoordinatorOptions,
-    pub(super) jobs: BTreeMap<JobId, Job>,
+    pub(crate) opts: CoordinatorOptions,
+    pub(crate) jobs: BTreeMap<JobId, Job>,
     /// Submission order, for FIFO scheduling.
-    pub(super) job_order: Vec<JobId>,
-    pub(super) workers: BTreeMap<WorkerId, Worker>,
-    pub(super) next_worker_seq: u64,
+    pub(crate) job_order: Vec<JobId>,
+    pub(crate) workers: BTreeMap<WorkerId, Worker>,
+    pub(crate) next_worker_seq: u64,
     /// Lost workers, least recently lost first, each once: the oldest
     /// records beyond [`LOST_WORKERS_KEPT`] are forgotten.
-    pub(super) lost: std::collections::VecDeque<WorkerId>,
+    pub(crate) lost: std::collections::VecDeque<WorkerId>,
     /// The coordinator's own delays in hearing workers (stalls, a
     /// backlog), not held against them.
-    pub(super) liveness: Liveness,
+    pub(crate) liveness: Liveness,
 }
 
 impl Coordinator {
@@ -90,7 +90,7 @@ impl Coordinator {
             .ok_or_else(|| CoreError::JobNotFound(id.to_string()))
     }
 
-    pub(super) fn job_mut(&mut self, id: &str) -> Result<&mut Job> {
+    pub(crate) fn job_mut(&mut self, id: &str) -> Result<&mut Job> {
         self.jobs
             .get_mut(id)
             .ok_or_else(|| CoreError::JobNotFound(id.to_string()))
@@ -435,7 +435,7 @@ impl Coordinator {
         job.gen()?.generators.rank_of(&w.id)
     }
 
-    pub(super) fn seen(&mut self, worker: &str, now_ms: i64) {
+    pub(crate) fn seen(&mut self, worker: &str, now_ms: i64) {
         self.heard_from(worker, now_ms, None);
     }
 
@@ -515,7 +515,7 @@ impl Coordinator {
 
     /// A worker is gone: its generation's in-flight step is aborted and the
     /// job waits for a new generation, re-planning from the same cursor.
-    pub(super) fn lose_worker(
+    pub(crate) fn lose_worker(
         &mut self,
         worker: &str,
         why: &str,
@@ -530,7 +530,7 @@ impl Coordinator {
     }
 
     /// [`Self::lose_worker`] with the reason its generation ends for.
-    pub(super) fn lose_worker_because(
+    pub(crate) fn lose_worker_because(
         &mut self,
         worker: &str,
         why: Why,
@@ -597,7 +597,7 @@ impl Coordinator {
     /// Ends a job's generation: aborts its in-flight step (the cursor has
     /// not moved, so the same documents are re-planned) and frees its
     /// members. With `disk_only` the next generation must restore from disk.
-    pub(super) fn end_generation(
+    pub(crate) fn end_generation(
         &mut self,
         job_id: &str,
         why: Why,

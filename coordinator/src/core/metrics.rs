@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::cursor::Cursor;
+use crate::stream::cursor::Cursor;
 
 /// One rank's metric sums for one step (mirror of `accrue.v1.MetricSums`).
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
@@ -76,12 +76,12 @@ impl SourceSums {
 /// One source's part of a step (or of an evaluation).
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct SourceMetrics {
-    #[serde(deserialize_with = "crate::nonfinite::f64")]
+    #[serde(deserialize_with = "crate::core::nonfinite::f64")]
     pub loss: f64,
     pub loss_tokens: u64,
     pub tokens: u64,
     pub docs: u64,
-    #[serde(default, deserialize_with = "crate::nonfinite::map")]
+    #[serde(default, deserialize_with = "crate::core::nonfinite::map")]
     pub extra: BTreeMap<String, f64>,
 }
 
@@ -126,51 +126,51 @@ impl MetricSums {
 
 /// A committed step as written to metrics.jsonl and sent to watchers.
 /// Non-finite values are written as JSON `null` and read back as NaN
-/// (`crate::nonfinite`), so the record always stays readable.
+/// (`crate::core::nonfinite`), so the record always stays readable.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct StepMetrics {
     pub step: u64,
-    #[serde(deserialize_with = "crate::nonfinite::f64")]
+    #[serde(deserialize_with = "crate::core::nonfinite::f64")]
     pub loss: f64,
     pub tokens: u64,
     pub loss_tokens: u64,
     pub docs: u64,
     pub microbatches: u32,
-    #[serde(deserialize_with = "crate::nonfinite::f64")]
+    #[serde(deserialize_with = "crate::core::nonfinite::f64")]
     pub lr: f64,
-    #[serde(deserialize_with = "crate::nonfinite::f64")]
+    #[serde(deserialize_with = "crate::core::nonfinite::f64")]
     pub grad_norm: f64,
-    #[serde(deserialize_with = "crate::nonfinite::f64")]
+    #[serde(deserialize_with = "crate::core::nonfinite::f64")]
     pub tokens_per_s: f64,
-    #[serde(deserialize_with = "crate::nonfinite::f64")]
+    #[serde(deserialize_with = "crate::core::nonfinite::f64")]
     pub tokens_per_s_per_worker: f64,
-    #[serde(deserialize_with = "crate::nonfinite::f64")]
+    #[serde(deserialize_with = "crate::core::nonfinite::f64")]
     pub padding_fraction: f64,
-    #[serde(deserialize_with = "crate::nonfinite::f64")]
+    #[serde(deserialize_with = "crate::core::nonfinite::f64")]
     pub step_time_s: f64,
     pub world_size: u32,
     pub generation: u64,
     /// Per-rank time split, summed over ranks.
-    #[serde(deserialize_with = "crate::nonfinite::f64")]
+    #[serde(deserialize_with = "crate::core::nonfinite::f64")]
     pub compute_s: f64,
-    #[serde(deserialize_with = "crate::nonfinite::f64")]
+    #[serde(deserialize_with = "crate::core::nonfinite::f64")]
     pub collective_s: f64,
-    #[serde(deserialize_with = "crate::nonfinite::f64")]
+    #[serde(deserialize_with = "crate::core::nonfinite::f64")]
     pub optimizer_s: f64,
-    #[serde(deserialize_with = "crate::nonfinite::f64")]
+    #[serde(deserialize_with = "crate::core::nonfinite::f64")]
     pub idle_s: f64,
     pub cursor: Cursor,
     /// Objective-specific metrics: means over pairs (DPO) or loss tokens
     /// (PG), except `pairs` and `count/*`, which are sums.
-    #[serde(deserialize_with = "crate::nonfinite::map")]
+    #[serde(deserialize_with = "crate::core::nonfinite::map")]
     pub extra: BTreeMap<String, f64>,
     pub unix_ms: i64,
     /// Σ training FLOPs of the ranks.
-    #[serde(default, deserialize_with = "crate::nonfinite::f64")]
+    #[serde(default, deserialize_with = "crate::core::nonfinite::f64")]
     pub model_flops: f64,
     /// Model FLOPs utilisation, `model_flops / (step_time_s · peak_flops)`
     /// (0 when the peak is unknown).
-    #[serde(default, deserialize_with = "crate::nonfinite::f64")]
+    #[serde(default, deserialize_with = "crate::core::nonfinite::f64")]
     pub mfu: f64,
     /// Per source name: its documents' loss, tokens and documents. Their
     /// sums add up to the step's (the loss: Σ loss·loss_tokens / Σ

@@ -19,36 +19,33 @@
 //!
 //! This file only declares and re-exports.
 
-mod ahead;
+pub(crate) mod ahead;
 pub mod bisect;
-mod control;
+pub(crate) mod control;
 pub mod deadline;
-mod effects;
-mod engine;
-mod error;
+pub(crate) mod effects;
+pub(crate) mod error;
 pub mod eval;
-pub mod generate;
-mod generations;
-mod jobs;
-mod lifecycle;
-mod liveness;
-mod machine;
+pub(crate) mod generations;
+pub(crate) mod jobs;
+pub(crate) mod lifecycle;
+pub(crate) mod liveness;
+pub(crate) mod machine;
+pub mod manifest;
 pub mod membership;
 pub mod metrics;
+pub mod nonfinite;
 pub mod planner;
-mod publish;
-mod quarantine;
-mod record;
+pub(crate) mod publish;
+pub(crate) mod quarantine;
+pub(crate) mod record;
 pub mod recovery;
 pub mod reference;
 pub mod relay;
-mod rollout_loop;
-pub mod rollouts;
-mod routing;
+pub(crate) mod routing;
 pub mod step;
-pub mod stream;
-mod types;
-mod workers;
+pub(crate) mod types;
+pub(crate) mod workers;
 
 #[cfg(test)]
 mod tests;
@@ -65,7 +62,6 @@ pub use metrics::{MetricSums, SourceMetrics, SourceSums, StepMetrics};
 pub use record::JobRecord;
 pub use reference::{RefEntry, ReferenceLogps, SeqLogp};
 pub use step::PlannedStep;
-pub use stream::{AdmitCounts, RolloutStream, RolloutWrite, StoredStream, StreamMeta};
 pub use types::{
     AbortReason, CheckpointEntry, CommittedStep, End, EventKind, HeldState, JobId, JobState,
     PlanKind, Quarantined, Role, WeightRing, Why, WorkerErrorKind, WorkerId,

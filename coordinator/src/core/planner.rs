@@ -1,5 +1,5 @@
 //! The one planner (issue 13): every plan a job runs comes from a
-//! [`Source`] and the step's settings (`crate::settings`), and is packed
+//! [`Source`] and the step's settings (`crate::job::settings`), and is packed
 //! and built in one place ([`plan`]):
 //! - **files**: the next documents (PG: whole groups) of the job's seeded
 //!   stream from its cursor, sized by the step's settings;
@@ -18,20 +18,20 @@
 
 use std::collections::HashSet;
 
-use crate::cursor::Cursor;
-use crate::doc::{DocBody, DocId, Document};
-use crate::plan::{self, PlanError, StepTarget};
-use crate::rl::{self, StalenessStats};
-use crate::settings::StepSettings;
-use crate::spec::{JobSpec, Sharding, StepSize};
+use crate::job::settings::StepSettings;
+use crate::job::spec::{JobSpec, Sharding, StepSize};
+use crate::rl::pg::{self, StalenessStats};
+use crate::stream::cursor::Cursor;
+use crate::stream::doc::{DocBody, DocId, Document};
+use crate::stream::plan::{self, PlanError, StepTarget};
 
 use super::ahead::{Ahead, Origin};
 use super::bisect::{self, Bisection};
 use super::eval::EvalRun;
 use super::jobs::{Job, HISTORY_LOAD_STEPS};
-use super::rollouts::{self, RolloutPlan};
 use super::step::{pack_documents, payload, DocHandle, PlannedStep};
 use super::types::{CommittedStep, PlanKind};
+use crate::rl::rollouts::{self, RolloutPlan};
 
 /// Where a plan's documents come from.
 #[derive(Debug, Clone, Copy)]
@@ -58,11 +58,17 @@ pub enum PlanFailure {
     #[error("planning step {step}: {source}")]
     Pack { step: u64, source: PlanError },
     #[error("replaying step {step}: its manifest names document {doc}, which the dataset no longer holds")]
-    UnknownDoc { step: u64, doc: crate::doc::DocId },
+    UnknownDoc {
+        step: u64,
+        doc: crate::stream::doc::DocId,
+    },
     #[error("replaying step {step}: no manifest kept for it")]
     NoHistory { step: u64 },
     #[error("probing step {step}: document {doc} is no longer held")]
-    ProbeDoc { step: u64, doc: crate::doc::DocId },
+    ProbeDoc {
+        step: u64,
+        doc: crate::stream::doc::DocId,
+    },
 }
 
 /// The source of `job`'s next plan: a replay while its generation is
@@ -349,7 +355,7 @@ fn staleness(chosen: &[DocHandle], step: u64) -> StalenessStats {
     let mut s = StalenessStats::default();
     for d in chosen {
         if let DocBody::Rollout(r) = &d.body {
-            s.add(rl::staleness(r.policy_version, step - 1));
+            s.add(pg::staleness(r.policy_version, step - 1));
         }
     }
     s
@@ -495,7 +501,7 @@ pub fn total_steps(spec: &JobSpec, docs: &[Document], rollouts: Option<&RolloutP
     let count = rollouts.map_or(docs.len(), RolloutPlan::rollouts) as u64;
     // A mixture: each source's documents times its own epochs.
     let sources = spec.data.train_sources(spec.job.epochs);
-    let file_source = crate::sources::file_sources(&sources);
+    let file_source = crate::job::sources::file_sources(&sources);
     let epochs_of = |d: &Document| {
         let s = file_source.get(d.id.file as usize).copied().unwrap_or(0) as usize;
         sources.get(s).and_then(|s| s.epochs).unwrap_or(epochs)

@@ -26,7 +26,7 @@ pub fn policy_dir(job: &Job, step: u64) -> PathBuf {
 
 /// After a commit: asks every member to publish when the step is due
 /// (`rl.publish_every`; with generator workers every `rl.sync_every()`).
-pub(super) fn request_if_due(job: &mut Job, fx: &mut Vec<Effect>) {
+pub(crate) fn request_if_due(job: &mut Job, fx: &mut Vec<Effect>) {
     let every = match job.spec.rl.generators {
         Some(_) => Some(job.spec.rl.sync_every()),
         None => job.spec.rl.publish_every,
@@ -42,7 +42,7 @@ pub(super) fn request_if_due(job: &mut Job, fx: &mut Vec<Effect>) {
 /// Asks every member to publish the committed step's policy now: to disk,
 /// or, for a job's own generators, as a snapshot in memory that trainer
 /// rank 0 broadcasts over the weight ring (never through disk).
-pub(super) fn request(job: &mut Job, fx: &mut Vec<Effect>) {
+pub(crate) fn request(job: &mut Job, fx: &mut Vec<Effect>) {
     let step = job.rec.step;
     let Some(members) = job.gen().map(|g| g.members.clone()) else {
         return;
@@ -69,7 +69,7 @@ pub(super) fn request(job: &mut Job, fx: &mut Vec<Effect>) {
 impl Coordinator {
     /// A worker wrote its part of step `step`'s policy; the last one
     /// announces it on the watch stream.
-    pub(super) fn on_policy_published(
+    pub(crate) fn on_policy_published(
         &mut self,
         worker: &str,
         job_id: &str,
@@ -99,7 +99,7 @@ impl Coordinator {
             let msg = format!("policy of step {step} published to {}", dir.display());
             fx.push(job.event(EventKind::Policy, msg, now_ms));
         }
-        // The job's engine loads it next (`super::engine`).
+        // The job's engine loads it next (`crate::rl::engine`).
         if let Some(e) = job.data.engine_mut() {
             e.published = e.published.max(Some(step));
         }

@@ -14,14 +14,14 @@ use super::error::{CoreError, Result};
 use super::jobs::InFlight;
 use super::machine::Coordinator;
 use super::types::{AbortReason, End, EventKind, PlanKind, Quarantined, Why};
-use crate::doc::DocId;
-use crate::spec::{OnNonFinite, Sharding};
+use crate::job::spec::{OnNonFinite, Sharding};
+use crate::stream::doc::DocId;
 
 impl Coordinator {
     /// Whether a non-finite `step` of the job is bisected rather than
     /// failing it: the spec asks for it and `step` is the training step
     /// in flight (not a replay, not a probe or reference plan).
-    pub(super) fn bisects(&self, job_id: &str, step: u64) -> bool {
+    pub(crate) fn bisects(&self, job_id: &str, step: u64) -> bool {
         let Some(job) = self.jobs.get(job_id) else {
             return false;
         };
@@ -34,7 +34,7 @@ impl Coordinator {
     /// The training step in flight was non-finite: its documents, as its
     /// microbatches grouped them, become the first probe round, and the
     /// generation ends (its members' collectives may be mid-way).
-    pub(super) fn start_bisection(
+    pub(crate) fn start_bisection(
         &mut self,
         job_id: &str,
         worker: &str,
@@ -86,7 +86,7 @@ impl Coordinator {
 
     /// Every rank answered a probe: its verdict narrows the bisection,
     /// which probes again, quarantines what it found, or fails the job.
-    pub(super) fn probed(
+    pub(crate) fn probed(
         &mut self,
         job_id: &str,
         flight: InFlight,
@@ -172,7 +172,7 @@ impl Coordinator {
     /// Returns quarantined documents to the job (`None`: all of them). The
     /// stream trains each when it next reaches it. Unknown ids are an
     /// error and release nothing.
-    pub(super) fn release_quarantine(
+    pub(crate) fn release_quarantine(
         &mut self,
         job_id: &str,
         docs: Option<&[DocId]>,

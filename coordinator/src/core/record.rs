@@ -4,8 +4,8 @@
 use serde::{Deserialize, Serialize};
 
 use super::types::{CheckpointEntry, JobId, JobState, Quarantined, WorkerId};
-use crate::cursor::Cursor;
-use crate::settings::ConfigChange;
+use crate::job::settings::ConfigChange;
+use crate::stream::cursor::Cursor;
 
 /// Everything about a job that survives a coordinator restart. Persisted
 /// before any reply or worker message that depends on it.
@@ -69,7 +69,7 @@ impl JobRecord {
     }
 
     /// Whether the job trains without `doc`.
-    pub fn quarantined(&self, doc: &crate::doc::DocId) -> bool {
+    pub fn quarantined(&self, doc: &crate::stream::doc::DocId) -> bool {
         self.quarantine.iter().any(|q| &q.doc == doc)
     }
 }

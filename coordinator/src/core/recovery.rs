@@ -29,7 +29,7 @@ use std::ops::RangeInclusive;
 use std::path::PathBuf;
 
 use super::types::{CheckpointEntry, HeldState};
-use crate::spec::Sharding;
+use crate::job::spec::Sharding;
 
 /// Where a generation's state comes from.
 #[derive(Debug, Clone, PartialEq)]

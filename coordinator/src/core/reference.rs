@@ -17,9 +17,9 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use crate::doc::{DocId, Document};
-use crate::objective::Reference;
-use crate::spec::JobSpec;
+use crate::job::objective::Reference;
+use crate::job::spec::JobSpec;
+use crate::stream::doc::{DocId, Document};
 
 /// One sequence's reference log-prob as a rank reported it.
 #[derive(Debug, Clone, PartialEq)]

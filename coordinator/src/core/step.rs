@@ -7,16 +7,16 @@
 
 use std::sync::Arc;
 
-use crate::cursor::Cursor;
-use crate::doc::{DocBody, DocId, Document, Sequence};
-use crate::plan::{self, Normalizers, PackItem, PackProblem, PlanError};
-use crate::rl::StalenessStats;
-use crate::settings::StepSettings;
+use crate::job::settings::StepSettings;
+use crate::rl::pg::StalenessStats;
+use crate::stream::cursor::Cursor;
+use crate::stream::doc::{DocBody, DocId, Document, Sequence};
+use crate::stream::plan::{self, Normalizers, PackItem, PackProblem, PlanError};
 
 use super::metrics::MetricSums;
 use super::reference::{ReferenceCache, SeqLogp};
-use super::rollouts::RolloutPlan;
 use super::types::PlanKind;
+use crate::rl::rollouts::RolloutPlan;
 
 /// One sequence inside a microbatch payload.
 #[derive(Debug, Clone, PartialEq)]
@@ -108,12 +108,12 @@ impl MicrobatchPayload {
         u64::from(self.cu_seq_lens.last().copied().unwrap_or(0))
     }
 
-    /// Starts loading its documents' entries (see [`crate::prefetch`]):
+    /// Starts loading its documents' entries (see [`crate::stream::prefetch`]):
     /// a handle gives an entry's address without reading it, so every
     /// entry's miss is in flight before the first is read.
     pub fn prefetch_docs(&self) {
         for d in &self.docs {
-            crate::prefetch::value::<Document>(d);
+            crate::stream::prefetch::value::<Document>(d);
         }
     }
 
@@ -336,7 +336,7 @@ fn logp_disagreement(mbs: &[MicrobatchPayload], logps: &[SeqLogp]) -> Option<Str
 pub fn rank_loss_tokens(cu_seq_lens: &[u32], labels: &[i32]) -> u64 {
     cu_seq_lens
         .windows(2)
-        .map(|w| crate::doc::count_loss_tokens(&labels[w[0] as usize..w[1] as usize]))
+        .map(|w| crate::stream::doc::count_loss_tokens(&labels[w[0] as usize..w[1] as usize]))
         .sum()
 }
 
@@ -362,14 +362,14 @@ pub fn pack_documents(
     // step's documents are scattered over the dataset, so a second read
     // is a second cache miss per document, under the state lock.
     // A few documents ahead are asked for while one is read, so their
-    // misses overlap (see `crate::prefetch`).
+    // misses overlap (see `crate::stream::prefetch`).
     const AHEAD: usize = 8;
     let ids: Vec<DocId> = chosen
         .iter()
         .enumerate()
         .map(|(i, d)| {
             if let Some(ahead) = chosen.get(i + AHEAD) {
-                crate::prefetch::value::<Document>(ahead);
+                crate::stream::prefetch::value::<Document>(ahead);
             }
             d.id
         })
@@ -420,7 +420,7 @@ pub fn payload<'a>(
     docs: impl Iterator<Item = &'a DocHandle>,
     notes: Annotations<'_>,
 ) -> MicrobatchPayload {
-    let docs: Vec<(&DocHandle, DocId, crate::plan::SeqLens)> =
+    let docs: Vec<(&DocHandle, DocId, crate::stream::plan::SeqLens)> =
         docs.map(|d| (d, d.id, d.seq_lens())).collect();
     let loss_tokens = docs.iter().map(|(d, ..)| d.loss_tokens()).sum();
     layout(
@@ -497,7 +497,7 @@ mod tests {
 
     use super::*;
     use crate::core::reference::RefEntry;
-    use crate::doc::{Rollout, Row, TokenRows, IGNORE_INDEX};
+    use crate::stream::doc::{Rollout, Row, TokenRows, IGNORE_INDEX};
 
     /// The payload as it was built under the state lock before the
     /// layout/rows split (issue 19): the reference the rows must equal.
@@ -613,7 +613,7 @@ mod tests {
                     let labels = store_labels(&store.0[row as usize]);
                     let row = Row {
                         len: store.0[row as usize].len() as u32,
-                        loss_tokens: crate::doc::count_loss_tokens(&labels) as u32,
+                        loss_tokens: crate::stream::doc::count_loss_tokens(&labels) as u32,
                         start: u64::from(row),
                         explicit: Row::NO_EXPLICIT,
                     };
@@ -680,7 +680,7 @@ mod tests {
             assert_eq!(rows.labels, old.labels);
             // What the session task writes to the wire, byte for byte: the
             // labels masked when each is its id or ignored, else packed.
-            let wire = crate::service::convert::packed_rows(mb);
+            let wire = crate::shell::service::convert::packed_rows(mb);
             assert_eq!(wire.token_ids, accrue_proto::pack_u32(&old.token_ids));
             let masked = (old.token_ids.iter().zip(&old.labels))
                 .all(|(&t, &l)| l == IGNORE_INDEX || l == t as i32);

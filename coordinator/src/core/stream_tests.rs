@@ -5,14 +5,15 @@
 use std::collections::BTreeMap;
 
 use super::*;
-use crate::doc::Rollout;
+use crate::rl::stream::{AdmitCounts, RolloutStream, StoredStream, StreamMeta};
+use crate::stream::doc::Rollout;
 
 fn stream_spec(steps: &str, docs_per_step: u64, group: u32, capacity: u64) -> JobSpec {
     let mut sp = spec(steps, &format!("docs_per_step = {docs_per_step}"), 1, 4);
     sp.data.train.clear();
-    sp.data.source = crate::spec::DataSource::Stream;
-    sp.data.format = crate::spec::DataFormat::Rollouts;
-    sp.objective.kind = crate::objective::ObjectiveKind::Pg;
+    sp.data.source = crate::job::spec::DataSource::Stream;
+    sp.data.format = crate::job::spec::DataFormat::Rollouts;
+    sp.objective.kind = crate::job::objective::ObjectiveKind::Pg;
     sp.rl.group_size = Some(group);
     sp.rl.queue_capacity = Some(capacity);
     sp
@@ -42,7 +43,7 @@ fn groups(tag: &str, n: usize, version: u64) -> Vec<Rollout> {
 impl Sim {
     /// A fresh coordinator that restored a streamed job as a restart does:
     /// its record and spec, then its stored rollouts.
-    pub(super) fn restored_stream(
+    pub(crate) fn restored_stream(
         rec: super::record::JobRecord,
         spec: JobSpec,
         stored: StoredStream,
@@ -93,7 +94,7 @@ impl Sim {
 
     /// The rollouts the store would hold after every write so far, minus
     /// the writes listed in `lost` (indices into `rollout_writes`).
-    pub(super) fn stored(&self, lost: &[usize]) -> StoredStream {
+    pub(crate) fn stored(&self, lost: &[usize]) -> StoredStream {
         let mut meta = StreamMeta::default();
         let mut rows: BTreeMap<u64, Document> = BTreeMap::new();
         for (i, w) in self.rollout_writes.iter().enumerate() {
@@ -404,7 +405,7 @@ fn a_streamed_job_honours_a_docs_per_step_change_and_its_manifest_says_so() {
     s.run_until(|s| s.committed.len() == 1);
     s.handle(Event::UpdateJob {
         job: "job".into(),
-        update: crate::settings::JobUpdate {
+        update: crate::job::settings::JobUpdate {
             docs_per_step: Some(4),
             ..Default::default()
         },
@@ -439,7 +440,7 @@ fn a_streamed_job_refuses_a_step_larger_than_its_queue() {
     let err = s
         .handle(Event::UpdateJob {
             job: "job".into(),
-            update: crate::settings::JobUpdate {
+            update: crate::job::settings::JobUpdate {
                 docs_per_step: Some(9),
                 ..Default::default()
             },

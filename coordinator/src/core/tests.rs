@@ -8,8 +8,10 @@ use std::sync::Arc;
 
 use super::jobs::{HISTORY_LOAD_STEPS, HISTORY_WINDOW};
 use super::*;
-use crate::doc::{DocBody, DocId, Document, Sequence};
-use crate::spec::JobSpec;
+use crate::job::spec::JobSpec;
+use crate::rl::rounds as generate;
+use crate::rl::stream::RolloutWrite;
+use crate::stream::doc::{DocBody, DocId, Document, Sequence};
 
 #[path = "stream_tests.rs"]
 mod stream_tests;
@@ -121,7 +123,7 @@ struct Sim {
     /// Rollout store writes of streamed jobs, in order.
     rollout_writes: Vec<RolloutWrite>,
     /// The manifest of every committed step.
-    manifests: Vec<crate::manifest::StepManifest>,
+    manifests: Vec<crate::core::manifest::StepManifest>,
     /// Every Abort sent: (worker, step).
     aborts: Vec<(WorkerId, u64)>,
     /// Every Release sent: the worker.
@@ -433,7 +435,7 @@ impl Sim {
                     .map(|(m, docs)| CommittedStep {
                         step: m.step,
                         lr: m.lr,
-                        docs: crate::doc::DocIds::new(docs),
+                        docs: crate::stream::doc::DocIds::new(docs),
                         cursor_after: m.cursor.clone(),
                     })
                     .collect()),
@@ -1225,8 +1227,8 @@ fn pairs(n: usize) -> Arc<[Document]> {
 
 fn dpo_spec(extra_job: &str) -> JobSpec {
     let mut s = spec(extra_job, "docs_per_step = 8", 1, 4);
-    s.data.format = crate::spec::DataFormat::Dpo;
-    s.objective.kind = crate::objective::ObjectiveKind::Dpo;
+    s.data.format = crate::job::spec::DataFormat::Dpo;
+    s.objective.kind = crate::job::objective::ObjectiveKind::Dpo;
     s
 }
 
@@ -1340,7 +1342,7 @@ fn rollouts(groups: usize, size: usize) -> Arc<[Document]> {
             let reward = if g % 3 == 2 { 1.0 } else { k as f64 };
             out.push(Document {
                 id: DocId { file: 0, line },
-                body: DocBody::Rollout(crate::doc::Rollout {
+                body: DocBody::Rollout(crate::stream::doc::Rollout {
                     seq: Sequence::new(
                         vec![7; 6 + (line as usize * 7) % 30],
                         vec![7; 6 + (line as usize * 7) % 30],
@@ -1361,8 +1363,8 @@ fn pg_steps_take_whole_groups_and_train_every_kept_rollout_once() {
     let mut s = Sim::new();
     let d = rollouts(9, 4);
     let mut sp = spec("epochs = 1", "docs_per_step = 6", 1, 4);
-    sp.data.format = crate::spec::DataFormat::Rollouts;
-    sp.objective.kind = crate::objective::ObjectiveKind::Pg;
+    sp.data.format = crate::job::spec::DataFormat::Rollouts;
+    sp.objective.kind = crate::job::objective::ObjectiveKind::Pg;
     s.submit(sp, d.clone());
     s.worker("a");
     s.worker("b");
@@ -1408,8 +1410,8 @@ fn pg_kl_with_a_cached_reference_runs_a_per_token_pass_first_and_plans_carry_it(
     let mut s = Sim::new();
     let d = rollouts(9, 4);
     let mut sp = spec("epochs = 1", "docs_per_step = 8", 1, 4);
-    sp.data.format = crate::spec::DataFormat::Rollouts;
-    sp.objective.kind = crate::objective::ObjectiveKind::Pg;
+    sp.data.format = crate::job::spec::DataFormat::Rollouts;
+    sp.objective.kind = crate::job::objective::ObjectiveKind::Pg;
     sp.objective.kl_coef = Some(0.05);
     s.submit(sp, d.clone());
     s.worker("a");
@@ -1453,11 +1455,14 @@ fn pg_kl_with_a_cached_reference_runs_a_per_token_pass_first_and_plans_carry_it(
 
 #[test]
 fn pg_without_kl_or_with_a_live_reference_needs_no_pass() {
-    for (kl, reference) in [(0.0, None), (0.05, Some(crate::objective::Reference::Live))] {
+    for (kl, reference) in [
+        (0.0, None),
+        (0.05, Some(crate::job::objective::Reference::Live)),
+    ] {
         let mut s = Sim::new();
         let mut sp = spec("epochs = 1", "docs_per_step = 8", 1, 4);
-        sp.data.format = crate::spec::DataFormat::Rollouts;
-        sp.objective.kind = crate::objective::ObjectiveKind::Pg;
+        sp.data.format = crate::job::spec::DataFormat::Rollouts;
+        sp.objective.kind = crate::job::objective::ObjectiveKind::Pg;
         sp.objective.kl_coef = Some(kl);
         sp.objective.reference = reference;
         s.submit(sp, rollouts(3, 4));
@@ -1545,13 +1550,13 @@ impl Sim {
     }
 }
 
-fn with(mut sp: JobSpec, sharding: crate::spec::Sharding, every: u64) -> JobSpec {
+fn with(mut sp: JobSpec, sharding: crate::job::spec::Sharding, every: u64) -> JobSpec {
     sp.parallel.sharding = sharding;
     sp.checkpoint.every_steps = every;
     sp
 }
 
-use crate::spec::Sharding;
+use crate::job::spec::Sharding;
 
 /// Every document of every epoch in the committed manifests exactly once,
 /// steps 1..=n without gaps, and every replayed plan carries exactly the
@@ -2297,8 +2302,8 @@ fn replayed_dpo_and_pg_steps_carry_the_same_annotations() {
         Sharding::Fsdp,
         2,
     );
-    pg.data.format = crate::spec::DataFormat::Rollouts;
-    pg.objective.kind = crate::objective::ObjectiveKind::Pg;
+    pg.data.format = crate::job::spec::DataFormat::Rollouts;
+    pg.objective.kind = crate::job::objective::ObjectiveKind::Pg;
     let mut dpo = dpo_spec("steps = 6");
     dpo.parallel.sharding = Sharding::Fsdp;
     dpo.checkpoint.every_steps = 2;
@@ -2339,8 +2344,8 @@ fn pg_publishes_the_policy_every_n_steps_once_all_ranks_wrote_it() {
     // 15 groups, every third flat: 10 kept groups of 4, 2 groups a step.
     let d = rollouts(15, 4);
     let mut sp = spec("epochs = 1", "docs_per_step = 6", 1, 4);
-    sp.data.format = crate::spec::DataFormat::Rollouts;
-    sp.objective.kind = crate::objective::ObjectiveKind::Pg;
+    sp.data.format = crate::job::spec::DataFormat::Rollouts;
+    sp.objective.kind = crate::job::objective::ObjectiveKind::Pg;
     sp.rl.publish_every = Some(2);
     s.submit(sp, d);
     s.worker("a");
@@ -2397,8 +2402,8 @@ fn pg_publishes_the_policy_every_n_steps_once_all_ranks_wrote_it() {
 // Operator controls: live step settings, and the manifests that record
 // what each step ran with.
 
-use crate::manifest::{check_exactly_once, Expectation};
-use crate::settings::JobUpdate;
+use crate::core::manifest::{check_exactly_once, Expectation};
+use crate::job::settings::JobUpdate;
 
 fn set(s: &mut Sim, update: JobUpdate) -> Result<()> {
     s.handle(Event::UpdateJob {
@@ -3065,7 +3070,7 @@ fn max_tokens_set_at_run_time_reaches_the_plans_sent_to_workers() {
         .plans
         .iter()
         .map(|p| {
-            let msg = crate::service::convert::to_worker(&ToWorker::Plan {
+            let msg = crate::shell::service::convert::to_worker(&ToWorker::Plan {
                 job: "job".into(),
                 generation: 1,
                 rank: 0,

@@ -7,8 +7,8 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use crate::cursor::Cursor;
-use crate::doc::DocId;
+use crate::stream::cursor::Cursor;
+use crate::stream::doc::DocId;
 
 pub type JobId = String;
 pub type WorkerId = String;
@@ -100,7 +100,7 @@ pub struct CommittedStep {
     pub step: u64,
     pub lr: f64,
     /// The step's documents in selection order (its manifest), compact.
-    pub docs: crate::doc::DocIds,
+    pub docs: crate::stream::doc::DocIds,
     pub cursor_after: Cursor,
 }
 

@@ -13,8 +13,8 @@ use std::path::Path;
 use std::pin::Pin;
 use std::sync::{Arc, Weak};
 
-use accrue_coordinator::server::{Server, ServerConfig};
-use accrue_coordinator::service::Shared;
+use accrue_coordinator::shell::server::{Server, ServerConfig};
+use accrue_coordinator::shell::service::Shared;
 use accrue_coordinator::wire;
 use accrue_coordinator::wire::coordinator_message::Msg as In;
 use accrue_coordinator::wire::worker_message::Msg as Out;

@@ -21,7 +21,15 @@ static BUILD: Once = Once::new();
 pub fn bin_dir() -> PathBuf {
     BUILD.call_once(|| {
         let status = Command::new(env!("CARGO"))
-            .args(["build", "-q", "-p", "accrue-coordinator", "-p", "accrue-cli", "--bins"])
+            .args([
+                "build",
+                "-q",
+                "-p",
+                "accrue-coordinator",
+                "-p",
+                "accrue-cli",
+                "--bins",
+            ])
             .current_dir(workspace_root())
             .status()
             .expect("running cargo build");

@@ -12,7 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use accrue_coordinator::manifest::{check_exactly_once, Expectation, StepManifest};
+use accrue_coordinator::core::manifest::{check_exactly_once, Expectation, StepManifest};
 
 use super::{bin_dir, write_tiny_config};
 

@@ -1,7 +1,7 @@
 //! How the worker reaches the coordinator safely: the worker bearer token
 //! (`$ACCRUE_WORKER_TOKEN` or `--token-file`), optional TLS (`--tls-ca`,
 //! `--tls-domain`, and `--tls-cert`/`--tls-key` for mutual TLS) and the
-//! message size limit. The coordinator's side is `accrue_coordinator::auth`
+//! message size limit. The coordinator's side is `accrue_coordinator::shell::auth`
 //! and `::tls`; this crate cannot depend on it, so the few lines of file
 //! handling are repeated here.
 

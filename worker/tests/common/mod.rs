@@ -115,9 +115,9 @@ pub fn job_definition(init: &str, extra: &str) -> accrue_worker::wire::JobDefini
     spec.entry("batch")
         .or_insert_with(|| toml::toml! { docs_per_step = 1 }.into());
     let text = toml::to_string(&spec).unwrap();
-    let spec = accrue_coordinator::spec::JobSpec::parse(&text, Path::new("/"))
+    let spec = accrue_coordinator::job::spec::JobSpec::parse(&text, Path::new("/"))
         .unwrap_or_else(|p| panic!("test spec is invalid: {p:?}\n{text}"));
-    accrue_coordinator::service::convert::job_definition(&spec)
+    accrue_coordinator::shell::service::convert::job_definition(&spec)
 }
 
 /// `(‖a − b‖, ‖b‖)` in f64.

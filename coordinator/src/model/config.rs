@@ -1,0 +1,441 @@
+//! What the coordinator reads of a job's model before admitting it: the
+//! `vocab_size` of the config the workers build the model from (every
+//! token id the data stream produces must be below it), and, when
+//! `model.init` is a checkpoint directory, that the directory is whole.
+//!
+//! Workers load the weights; a job whose model cannot start used to be
+//! admitted and fail on the workers with a cause only their logs named.
+//! Checking here makes `accrue validate` and `submit` refuse it naming the
+//! file and what is wrong with it.
+//!
+//! A checkpoint is checked the way workers check it before a restore: the
+//! weights (`model.safetensors`, or the shards of
+//! `model.safetensors.index.json`) have well-formed headers whose tensors
+//! fill the file exactly (the safetensors format), and a checkpoint of ours
+//! (with `manifest.json`) has the `rank-R.json` marker of every rank, and
+//! every file a marker lists has the listed size and CRC-32.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::job::input::{self, InputError, MAX_CONFIG_BYTES};
+use crate::job::spec::{ModelSection, SpecProblem};
+
+/// The largest safetensors header the format allows.
+const MAX_SAFETENSORS_HEADER: u64 = 100 << 20;
+
+/// The part of a model's `config.json` the coordinator uses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelConfig {
+    /// The spec field it comes from: `model.config` or `model.init`.
+    pub field: &'static str,
+    pub path: PathBuf,
+    /// Rows of the embedding: every token id must be below it.
+    pub vocab_size: u32,
+}
+
+/// Why a model config or checkpoint cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error(transparent)]
+    Input(#[from] InputError),
+    #[error("no config: model.config is required when model.init = \"random\"")]
+    NoConfig,
+    #[error("{}: invalid json: {message}", path.display())]
+    Json { path: PathBuf, message: String },
+    #[error("{}: vocab_size {problem}", path.display())]
+    VocabSize { path: PathBuf, problem: String },
+    #[error("{}: missing, the checkpoint is incomplete", .0.display())]
+    Missing(PathBuf),
+    #[error("{}: neither model.safetensors nor model.safetensors.index.json", .0.display())]
+    NoWeights(PathBuf),
+    #[error("{}: {what}", path.display())]
+    Corrupt { path: PathBuf, what: String },
+}
+
+impl ModelError {
+    fn corrupt(path: &Path, what: impl Into<String>) -> ModelError {
+        ModelError::Corrupt {
+            path: path.to_path_buf(),
+            what: what.into(),
+        }
+    }
+
+    /// A missing file is "missing" (a checkpoint is incomplete); anything
+    /// else about it keeps its own cause.
+    fn of_checkpoint_file(e: InputError) -> ModelError {
+        match e {
+            InputError::NotFound { path } => ModelError::Missing(path),
+            other => ModelError::Input(other),
+        }
+    }
+}
+
+/// The config workers build the model from, with its spec field:
+/// `model.config` for a random init, else `config.json` in `model.init`.
+pub fn config_path(model: &ModelSection) -> Option<(&'static str, PathBuf)> {
+    if model.is_random() {
+        model.config.clone().map(|c| ("model.config", c))
+    } else {
+        Some(("model.init", Path::new(&model.init).join("config.json")))
+    }
+}
+
+/// Reads the model's config (see [`config_path`]).
+pub fn read_config(model: &ModelSection) -> Result<ModelConfig, ModelError> {
+    let (field, path) = config_path(model).ok_or(ModelError::NoConfig)?;
+    let vocab_size = read_vocab_size(&path)?;
+    Ok(ModelConfig {
+        field,
+        path,
+        vocab_size,
+    })
+}
+
+fn read_vocab_size(path: &Path) -> Result<u32, ModelError> {
+    let bytes = input::read(path, MAX_CONFIG_BYTES, "model config")?;
+    let json: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| ModelError::Json {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })?;
+    let problem = |problem: String| ModelError::VocabSize {
+        path: path.to_path_buf(),
+        problem,
+    };
+    match json.get("vocab_size") {
+        None => Err(problem(
+            "is missing: the model's vocabulary size is required".into(),
+        )),
+        Some(v) => v
+            .as_u64()
+            .filter(|&n| n > 0)
+            .and_then(|n| u32::try_from(n).ok())
+            .ok_or_else(|| problem(format!("must be a positive integer below 2^32, got {v}"))),
+    }
+}
+
+/// Checks that `dir` holds usable weights and, for a checkpoint of ours,
+/// that it is complete and intact (see the module docs).
+pub fn verify_checkpoint(dir: &Path) -> Result<(), ModelError> {
+    for file in weight_files(dir)? {
+        check_safetensors(&file)?;
+    }
+    let manifest = dir.join("manifest.json");
+    if !manifest.exists() {
+        return Ok(());
+    }
+    let world = manifest_world_size(&manifest)?;
+    let markers: Vec<PathBuf> = (0..world)
+        .map(|r| dir.join(format!("rank-{r}.json")))
+        .collect();
+    if !markers.iter().any(|m| m.exists()) {
+        // Written before markers existed: workers accept it unverified.
+        return Ok(());
+    }
+    for (rank, path) in markers.iter().enumerate() {
+        verify_marker(dir, path, rank as u32, world)?;
+    }
+    Ok(())
+}
+
+/// The safetensors files of a HF checkpoint directory.
+fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
+    let single = dir.join("model.safetensors");
+    if single.exists() {
+        return Ok(vec![single]);
+    }
+    let index = dir.join("model.safetensors.index.json");
+    if !index.exists() {
+        return Err(ModelError::NoWeights(dir.to_path_buf()));
+    }
+    let json = read_json(&index)?;
+    let map = json
+        .get("weight_map")
+        .and_then(serde_json::Value::as_object)
+        .ok_or_else(|| ModelError::corrupt(&index, "no \"weight_map\" object"))?;
+    let mut files: Vec<PathBuf> = map
+        .values()
+        .filter_map(serde_json::Value::as_str)
+        .map(|f| dir.join(f))
+        .collect();
+    files.sort();
+    files.dedup();
+    Ok(files)
+}
+
+fn read_json(path: &Path) -> Result<serde_json::Value, ModelError> {
+    let bytes = input::read(path, MAX_CONFIG_BYTES, "checkpoint json file")
+        .map_err(ModelError::of_checkpoint_file)?;
+    serde_json::from_slice(&bytes).map_err(|e| ModelError::Json {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })
+}
+
+/// A safetensors file: an 8-byte little-endian header length, a JSON
+/// header naming every tensor's byte range, then exactly those bytes.
+fn check_safetensors(path: &Path) -> Result<(), ModelError> {
+    let size = input::check(path).map_err(ModelError::of_checkpoint_file)?;
+    let bad = |what: String| ModelError::corrupt(path, format!("not a safetensors file: {what}"));
+    if size < 8 {
+        return Err(bad(format!("{size} bytes, shorter than its header length")));
+    }
+    let mut f = std::fs::File::open(path).map_err(|source| InputError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let mut len = [0u8; 8];
+    let io = |source| {
+        ModelError::Input(InputError::Io {
+            path: path.to_path_buf(),
+            source,
+        })
+    };
+    f.read_exact(&mut len).map_err(io)?;
+    let header_len = u64::from_le_bytes(len);
+    if header_len > MAX_SAFETENSORS_HEADER || 8 + header_len > size {
+        return Err(bad(format!(
+            "its first 8 bytes give a header of {header_len} bytes, the file has {size}"
+        )));
+    }
+    let mut header = vec![0u8; header_len as usize];
+    f.read_exact(&mut header).map_err(io)?;
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&header).map_err(|e| bad(format!("header: {e}")))?;
+    let mut data_end = 0u64;
+    for (name, t) in header.iter().filter(|(k, _)| *k != "__metadata__") {
+        let end = t
+            .get("data_offsets")
+            .and_then(serde_json::Value::as_array)
+            .and_then(|o| o.get(1))
+            .and_then(serde_json::Value::as_u64)
+            .ok_or_else(|| bad(format!("tensor {name} has no data_offsets")))?;
+        data_end = data_end.max(end);
+    }
+    let expected = 8 + header_len + data_end;
+    if size != expected {
+        return Err(ModelError::corrupt(
+            path,
+            format!(
+                "{size} bytes, its safetensors header describes {expected}{}",
+                if size < expected { " (truncated)" } else { "" }
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn manifest_world_size(path: &Path) -> Result<u32, ModelError> {
+    read_json(path)?
+        .get("world_size")
+        .and_then(serde_json::Value::as_u64)
+        .filter(|&w| w > 0)
+        .and_then(|w| u32::try_from(w).ok())
+        .ok_or_else(|| ModelError::corrupt(path, "no positive world_size"))
+}
+
+/// `rank-R.json`, as workers write it (`worker/src/train/checkpoint/marker.rs`).
+#[derive(Deserialize)]
+struct RankMarker {
+    rank: u32,
+    world_size: u32,
+    files: Vec<MarkedFile>,
+}
+
+#[derive(Deserialize)]
+struct MarkedFile {
+    name: String,
+    bytes: u64,
+    crc32: u32,
+}
+
+fn verify_marker(dir: &Path, path: &Path, rank: u32, world: u32) -> Result<(), ModelError> {
+    let marker: RankMarker = serde_json::from_value(read_json(path)?)
+        .map_err(|e| ModelError::corrupt(path, e.to_string()))?;
+    if (marker.rank, marker.world_size) != (rank, world) {
+        return Err(ModelError::corrupt(
+            path,
+            format!(
+                "marks rank {} of {}, the manifest expects rank {rank} of {world}",
+                marker.rank, marker.world_size
+            ),
+        ));
+    }
+    for f in &marker.files {
+        let file = dir.join(&f.name);
+        let bytes = input::check(&file).map_err(ModelError::of_checkpoint_file)?;
+        if bytes != f.bytes {
+            return Err(ModelError::corrupt(
+                &file,
+                format!("{bytes} bytes, rank {rank}'s marker says {}", f.bytes),
+            ));
+        }
+        let crc = crc32(&file)?;
+        if crc != f.crc32 {
+            return Err(ModelError::corrupt(
+                &file,
+                format!(
+                    "checksum {crc:08x}, rank {rank}'s marker says {:08x}: the file is corrupt",
+                    f.crc32
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn crc32(path: &Path) -> Result<u32, ModelError> {
+    let io = |source| {
+        ModelError::Input(InputError::Io {
+            path: path.to_path_buf(),
+            source,
+        })
+    };
+    let mut f = std::fs::File::open(path).map_err(io)?;
+    let mut crc = crc32fast::Hasher::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf).map_err(io)?;
+        if n == 0 {
+            return Ok(crc.finalize());
+        }
+        crc.update(&buf[..n]);
+    }
+}
+
+/// The model's config, checked, and its checkpoint when `model.init` is
+/// one; every problem with the spec field it belongs to.
+pub fn check(model: &ModelSection) -> Result<ModelConfig, Vec<SpecProblem>> {
+    let mut problems = Vec::new();
+    let config = match read_config(model) {
+        Ok(c) => Some(c),
+        Err(e) => {
+            let field = config_path(model).map_or("model.config", |(f, _)| f);
+            problems.push(SpecProblem::new(field, e.to_string()));
+            None
+        }
+    };
+    if !model.is_random() {
+        if let Err(e) = verify_checkpoint(Path::new(&model.init)) {
+            problems.push(SpecProblem::new("model.init", e.to_string()));
+        }
+    }
+    match config {
+        Some(c) if problems.is_empty() => Ok(c),
+        _ => Err(problems),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A valid safetensors file of one f32 tensor of `n` elements.
+    pub(crate) fn safetensors(n: usize) -> Vec<u8> {
+        let header = format!(
+            r#"{{"w":{{"dtype":"F32","shape":[{n}],"data_offsets":[0,{}]}}}}"#,
+            4 * n
+        );
+        let mut out = (header.len() as u64).to_le_bytes().to_vec();
+        out.extend_from_slice(header.as_bytes());
+        out.extend(std::iter::repeat_n(0u8, 4 * n));
+        out
+    }
+
+    fn section(init: &str, config: Option<&Path>) -> ModelSection {
+        ModelSection {
+            init: init.into(),
+            config: config.map(Path::to_path_buf),
+            dtype: Default::default(),
+            resume: true,
+        }
+    }
+
+    #[test]
+    fn vocab_size_is_read_and_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = dir.path().join("c.json");
+        std::fs::write(&c, r#"{"vocab_size": 320}"#).unwrap();
+        let cfg = read_config(&section("random", Some(&c))).unwrap();
+        assert_eq!((cfg.field, cfg.vocab_size), ("model.config", 320));
+        for (text, want) in [
+            ("{}", "vocab_size is missing"),
+            (
+                r#"{"vocab_size": 0}"#,
+                "vocab_size must be a positive integer",
+            ),
+            (
+                r#"{"vocab_size": "big"}"#,
+                "vocab_size must be a positive integer",
+            ),
+            ("{", "invalid json"),
+        ] {
+            std::fs::write(&c, text).unwrap();
+            let e = read_config(&section("random", Some(&c))).unwrap_err();
+            assert!(e.to_string().contains(want), "{text}: {e}");
+            assert!(e.to_string().contains("c.json"), "{e}");
+        }
+    }
+
+    /// A checkpoint of ours: weights, manifest and a rank marker.
+    fn checkpoint(dir: &Path) {
+        std::fs::write(dir.join("config.json"), r#"{"vocab_size": 320}"#).unwrap();
+        let weights = safetensors(4);
+        std::fs::write(dir.join("model.safetensors"), &weights).unwrap();
+        std::fs::write(
+            dir.join("manifest.json"),
+            r#"{"job":"j","step":2,"cursor":{"epoch":0,"position":4,"overflow":[]},"world_size":1,"generation":1}"#,
+        )
+        .unwrap();
+        let marker = serde_json::json!({"rank": 0, "world_size": 1, "files": [
+            {"name": "model.safetensors", "bytes": weights.len(), "crc32": crc32fast::hash(&weights)}
+        ]});
+        std::fs::write(dir.join("rank-0.json"), marker.to_string()).unwrap();
+    }
+
+    #[test]
+    fn a_whole_checkpoint_passes_and_each_corruption_names_its_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        checkpoint(d);
+        let init = d.display().to_string();
+        assert_eq!(check(&section(&init, None)).unwrap().vocab_size, 320);
+
+        let weights = d.join("model.safetensors");
+        let good = std::fs::read(&weights).unwrap();
+        // Same size, one byte flipped: only the checksum sees it.
+        let mut flipped = good.clone();
+        *flipped.last_mut().unwrap() ^= 1;
+        std::fs::write(&weights, &flipped).unwrap();
+        let e = verify_checkpoint(d).unwrap_err().to_string();
+        assert!(
+            e.starts_with(&weights.display().to_string()) && e.contains("the file is corrupt"),
+            "{e}"
+        );
+        // Truncated.
+        std::fs::write(&weights, &good[..good.len() - 3]).unwrap();
+        let e = verify_checkpoint(d).unwrap_err().to_string();
+        assert!(e.contains("(truncated)"), "{e}");
+        // Not safetensors at all.
+        std::fs::write(&weights, b"garbage, not a model").unwrap();
+        let e = verify_checkpoint(d).unwrap_err().to_string();
+        assert!(e.contains("not a safetensors file"), "{e}");
+        // Gone.
+        std::fs::remove_file(&weights).unwrap();
+        let e = verify_checkpoint(d).unwrap_err().to_string();
+        assert!(e.contains("neither model.safetensors"), "{e}");
+        std::fs::write(&weights, &good).unwrap();
+        // A marker that does not parse.
+        std::fs::write(d.join("rank-0.json"), "{").unwrap();
+        let p = check(&section(&init, None)).unwrap_err();
+        assert_eq!(p[0].field, "model.init");
+        assert!(p[0].message.contains("rank-0.json: invalid json"), "{p:?}");
+        // A directory where the config should be.
+        std::fs::remove_file(d.join("config.json")).unwrap();
+        std::fs::create_dir(d.join("config.json")).unwrap();
+        let p = check(&section(&init, None)).unwrap_err();
+        assert!(p[0].message.contains("is a directory"), "{p:?}");
+    }
+}

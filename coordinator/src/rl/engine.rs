@@ -1,0 +1,504 @@
+//! The RL loop on an external engine (`rl.engine`, issue 17 item 6): the
+//! same rounds as `super::rollout_loop` plans for the workers, sent to the
+//! shell (`Effect::EngineGenerate`) instead, so generation runs on an
+//! inference server while the workers train.
+//!
+//! One thing at a time per engine: a round, or a reload of the newest
+//! published policy (`Effect::EngineReload`), so each round's completions
+//! come from the version it is tagged with. The engine's version is known
+//! only from a reload that succeeded; until then (at submit and after a
+//! restart), and when its policy is too old with no newer one coming (a
+//! publication lost with a worker), the workers publish the current
+//! weights for it to load.
+//!
+//! Staleness: a round is planned only when its rollouts can still be
+//! admitted when they arrive: the committed step, plus the step in flight
+//! that may commit meanwhile, is at most `rl.max_staleness` past the
+//! engine's version. A round is planned only while the queue lacks the
+//! step after the one in flight, so no more steps can commit before it is
+//! admitted. Should one still arrive too stale, it is dropped unadmitted
+//! and its prompts are planned again (`on_scored`): they are consumed only
+//! with admitted rollouts, as for worker rounds.
+//!
+//! Disaggregated generation (`rl.generators`) is the same loop with the
+//! job's own generator workers as the engine: a round is dealt to them as
+//! `GeneratePlan`s, "publish" is a snapshot of the policy that trainer
+//! rank 0 keeps in memory, and "reload" is a weight sync (`SyncWeights`):
+//! trainer rank 0 broadcasts the snapshot over the weight ring and every
+//! generator answers `WeightsSynced`. A generation that loses any worker
+//! re-forms; its generators start with no known policy again.
+
+use std::sync::Arc;
+
+use tracing::{info, warn};
+
+use super::rounds::{EngineRound, GenCompletion, LoopState, Round, Scoring};
+use crate::core::effects::{Effect, ToWorker};
+use crate::core::jobs::Work;
+use crate::core::machine::Coordinator;
+use crate::core::publish::{self, policy_dir};
+use crate::core::types::{AbortReason, End, EventKind, JobState, PlanKind, Why};
+
+/// Hands an answered round to the shell for scoring.
+pub(crate) fn hand_to_scorer(
+    job_id: &str,
+    reason: &mut String,
+    l: &mut LoopState,
+    r: Round,
+    fx: &mut Vec<Effect>,
+) {
+    l.scoring = Some(Scoring {
+        round: r.id,
+        kind: r.kind,
+        prompts_end: r.positions.end,
+    });
+    let to_score = r.into_score(job_id, l);
+    *reason = format!("scoring round {}", to_score.round);
+    fx.push(Effect::ScoreRound(Box::new(to_score)));
+}
+
+/// Why a worker whose answer does not fit its round is dropped (its
+/// round is planned again).
+pub(crate) fn wrong_answer(
+    who: &str,
+    worker: &str,
+    rank: u32,
+    round: u64,
+    e: &super::rounds::BadAnswer,
+) -> Why {
+    Why::new(
+        AbortReason::WorkerError,
+        format!("{who} {worker} (rank {rank}) answered generation round {round} wrongly: {e}"),
+    )
+}
+
+/// Where a job's rounds go when they run apart from the trainers.
+enum Backend {
+    /// An inference server (`rl.engine`).
+    External(crate::job::engine::EngineSection),
+    /// The job's own generator workers (`rl.generators`).
+    Workers,
+}
+
+impl Coordinator {
+    /// Starts the next thing the job's engine (or its generator workers)
+    /// should do, if any: load a newer published policy, ask for one when
+    /// its version is unknown, or generate the rounds the queue lacks.
+    pub(crate) fn engine_tick(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
+        let job = self.jobs.get_mut(job_id).expect("known job");
+        let backend = match (&job.spec.rl.engine, job.spec.rl.generators) {
+            (Some(e), _) => Backend::External(e.clone()),
+            (None, Some(_)) => Backend::Workers,
+            (None, None) => return,
+        };
+        // (A finished job's last policy is of no use to the engine.)
+        if job.rec.state != JobState::Running || job.replaying() || job.finished() {
+            return;
+        }
+        let step = job.rec.step;
+        let ready = job.gen().is_some_and(|g| g.all_ready());
+        let gen_id = job.gen().map_or(0, |g| g.id);
+        // Generator workers take part in a sync or a round only once
+        // configured (and trainer rank 0, their sender, too).
+        let generators: Vec<String> = job
+            .gen()
+            .map(|g| g.generators.members.clone())
+            .unwrap_or_default();
+        let generators_ready =
+            ready && job.gen().is_some_and(|g| g.generators.all_ready()) && !generators.is_empty();
+        let sender = job.gen().and_then(|g| g.members.first().cloned());
+        if matches!(backend, Backend::Workers) && !generators_ready {
+            return;
+        }
+        // A publication of this step that members of this generation are
+        // writing (one whose writer was lost never completes).
+        let publishing = match (job.publish_acks.get(&step), job.gen()) {
+            (Some(waiting), Some(g)) => waiting.iter().all(|m| g.members.contains(m)),
+            _ => false,
+        };
+        let (inflight_steps, inflight_docs) = job
+            .inflight()
+            .filter(|f| f.planned.kind == PlanKind::Train)
+            .map_or((0, 0), |f| (1, f.planned.docs.len() as u64));
+        let max_staleness = job.spec.rl.max_staleness;
+        // The workers answering eval prompts share the one scoring slot.
+        let workers_generating = matches!(job.active().map(|a| &a.work), Some(Work::Generating(_)));
+        let Some(l) = job.data.rollout_loop.as_mut() else {
+            return;
+        };
+        if l.scoring.is_some() {
+            return;
+        }
+        let Some(e) = l.engine.as_mut() else {
+            return;
+        };
+        // An answered round waited for the scorer: its turn now.
+        if let Some(r) = e.answered.take() {
+            hand_to_scorer(job_id, &mut job.rec.reason, l, *r, fx);
+            return;
+        }
+        if e.round.is_some() || e.reloading.is_some() || workers_generating {
+            return;
+        }
+        // Phase 1: a newer published policy is loaded before any round.
+        if let Some(p) = e.published.filter(|&p| e.loaded.is_none_or(|v| p > v)) {
+            e.reloading = Some(p);
+            match backend {
+                Backend::External(spec) => {
+                    let dir = policy_dir(job, p);
+                    info!(job = job_id, step = p, dir = %dir.display(), url = %spec.url, "engine told to load a policy");
+                    job.rec.reason = format!("engine loading the policy of step {p}");
+                    fx.push(Effect::EngineReload {
+                        job: job_id.to_string(),
+                        step: p,
+                        dir,
+                        engine: spec,
+                    });
+                }
+                Backend::Workers => {
+                    info!(
+                        job = job_id,
+                        step = p,
+                        generators = generators.len(),
+                        "weights sent to the generators"
+                    );
+                    job.rec.reason = format!("sending the policy of step {p} to the generators");
+                    e.awaiting = generators.iter().cloned().collect();
+                    for w in sender.iter().chain(&generators) {
+                        fx.push(Effect::Send {
+                            worker: w.clone(),
+                            msg: ToWorker::SyncWeights {
+                                job: job_id.to_string(),
+                                generation: gen_id,
+                                version: p,
+                            },
+                        });
+                    }
+                }
+            }
+            return;
+        }
+        // Phase 2: the current weights are published for the engine when
+        // its version is unknown, or too old while no newer one is coming
+        // (the step's publication was lost with a worker, or none is due).
+        let too_old = |v: u64| max_staleness.is_some_and(|max| step.saturating_sub(v) > max);
+        let want_current = match e.loaded {
+            None => true,
+            Some(v) => inflight_steps == 0 && too_old(v) && e.published.is_none_or(|p| p < step),
+        };
+        if want_current {
+            // Only between steps: the members hold the committed step's
+            // weights then; asked while a step is in flight, they would take
+            // the policy after it, the next step's weights under this
+            // step's number (the commit publishes that one, in order).
+            let between_steps = inflight_steps == 0;
+            if ready && between_steps && !publishing && e.asked_publish != Some((step, gen_id)) {
+                e.asked_publish = Some((step, gen_id));
+                job.rec.reason = match backend {
+                    Backend::External(_) => {
+                        format!("publishing step {step}'s policy for the engine")
+                    }
+                    Backend::Workers => {
+                        format!("taking step {step}'s policy for the generators")
+                    }
+                };
+                publish::request(job, fx);
+            }
+            return;
+        }
+        let loaded = e.loaded.expect("known when not wanted");
+        // Phase 3: a round, when the queue lacks the step after the one
+        // in flight and its rollouts could be admitted.
+        if job
+            .spec
+            .job
+            .steps
+            .is_some_and(|n| step + inflight_steps >= n)
+        {
+            return;
+        }
+        let next = step + inflight_steps + 1;
+        let docs = job.settings().at(next).docs_per_step.unwrap_or(1);
+        let sampling = job.spec.rl.sampling.clone().unwrap_or_default();
+        let per_round = job.spec.rl.prompts_per_round;
+        let Some(s) = job.data.stream.as_ref() else {
+            return;
+        };
+        let need = s.step_rollouts(docs);
+        let have = s.queued_rollouts().saturating_sub(inflight_docs);
+        if have >= need {
+            return;
+        }
+        let age = (step + inflight_steps).saturating_sub(loaded);
+        if max_staleness.is_some_and(|max| age > max) {
+            let who = match backend {
+                Backend::External(_) => "the engine",
+                Backend::Workers => "the generators",
+            };
+            job.rec.reason = format!(
+                "waiting for {who} to load a newer policy (they serve step {loaded}'s; rl.max_staleness {})",
+                max_staleness.unwrap_or_default()
+            );
+            return;
+        }
+        let (group, done) = (s.group_size, s.prompts_done);
+        let prompts = per_round.unwrap_or_else(|| (need - have).div_ceil(u64::from(group)));
+        let ranks = match backend {
+            Backend::External(_) => 1,
+            Backend::Workers => generators.len() as u32,
+        };
+        let l = job.data.rollout_loop.as_mut().expect("checked above");
+        let Some((round, mut plans)) = l.plan_round(
+            done, prompts, group, ranks, gen_id, loaded, &sampling, now_ms,
+        ) else {
+            job.rec.reason = "waiting for the prompts to load".into();
+            return;
+        };
+        info!(
+            job = job_id,
+            round = round.id,
+            prompts = round.positions.end - round.positions.start,
+            from = round.positions.start,
+            policy = loaded,
+            "engine round planned"
+        );
+        match backend {
+            Backend::External(spec) => {
+                job.rec.reason = format!("engine generating round {}", round.id);
+                fx.push(Effect::EngineGenerate(Box::new(EngineRound {
+                    job: job_id.to_string(),
+                    round: round.id,
+                    group,
+                    plan: plans.pop().expect("one rank"),
+                    engine: spec,
+                })));
+            }
+            Backend::Workers => {
+                job.rec.reason = format!("generators generating round {}", round.id);
+                for (rank, (w, plan)) in generators.iter().zip(plans).enumerate() {
+                    fx.push(Effect::Send {
+                        worker: w.clone(),
+                        msg: ToWorker::Generate {
+                            job: job_id.to_string(),
+                            generation: gen_id,
+                            rank: rank as u32,
+                            plan: Arc::new(plan),
+                        },
+                    });
+                }
+            }
+        }
+        l.engine.as_mut().expect("checked above").round = Some(Box::new(round));
+    }
+
+    /// A generator's completions of the job's current generators' round:
+    /// once every generator answered, the round goes to the scorer (or
+    /// waits for it). An answer that does not fit its plan drops the
+    /// generator (its round is planned again with the new generation).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn on_generator_answer(
+        &mut self,
+        worker: &str,
+        job_id: &str,
+        rank: u32,
+        generation: u64,
+        round: u64,
+        answer: (Vec<GenCompletion>, f64),
+        now_ms: i64,
+        fx: &mut Vec<Effect>,
+    ) {
+        let job = self.jobs.get_mut(job_id).expect("known job");
+        let Some(l) = job.data.rollout_loop.as_mut() else {
+            return;
+        };
+        let Some(e) = l.engine.as_mut() else {
+            return;
+        };
+        let Some(r) = e
+            .round
+            .as_mut()
+            .filter(|r| r.generation == generation && r.id == round)
+        else {
+            warn!(
+                worker,
+                job = job_id,
+                generation,
+                round,
+                "completions for a stale round, ignored"
+            );
+            return;
+        };
+        match r.answer(rank, answer.0, answer.1) {
+            Ok(false) => {}
+            Ok(true) => {
+                let r = *e.round.take().expect("matched above");
+                if l.scoring.is_some() {
+                    l.engine.as_mut().expect("matched above").answered = Some(Box::new(r));
+                    return;
+                }
+                hand_to_scorer(job_id, &mut job.rec.reason, l, r, fx);
+            }
+            Err(err) => {
+                let why = wrong_answer("generator", worker, rank, round, &err);
+                self.lose_worker_because(worker, why, now_ms, fx);
+            }
+        }
+    }
+
+    /// A generator loaded the policy of step `version` from the weight
+    /// ring; once every generator did, rounds are tagged with it.
+    pub(crate) fn on_weights_synced(
+        &mut self,
+        worker: &str,
+        job_id: &str,
+        generation: u64,
+        version: u64,
+        now_ms: i64,
+        fx: &mut Vec<Effect>,
+    ) {
+        let Some(job) = self.jobs.get_mut(job_id) else {
+            return;
+        };
+        if job.gen().is_none_or(|g| g.id != generation) {
+            warn!(
+                worker,
+                job = job_id,
+                generation,
+                "weight sync of a stale generation, ignored"
+            );
+            return;
+        }
+        let Some(e) = job.data.engine_mut() else {
+            return;
+        };
+        let Some(asked) = e.reloading else {
+            return;
+        };
+        if version < asked {
+            // Trainer rank 0 sends its newest snapshot, never an older one.
+            let why = Why::new(
+                AbortReason::WorkerError,
+                format!(
+                    "generator {worker} loaded the policy of step {version}, step {asked} was sent"
+                ),
+            );
+            self.lose_worker_because(worker, why, now_ms, fx);
+            return;
+        }
+        if !e.awaiting.remove(worker) || !e.awaiting.is_empty() {
+            return;
+        }
+        e.reloading = None;
+        e.loaded = e.loaded.max(Some(version));
+        info!(
+            job = job_id,
+            step = version,
+            "the generators loaded the policy"
+        );
+        job.rec.reason.clear();
+        let msg = format!("the generators loaded the policy of step {version} from trainer rank 0");
+        fx.push(job.event(EventKind::Policy, msg, now_ms));
+    }
+
+    /// The engine answered round `round`: its completions go to the shell
+    /// for scoring; a failure (after the shell's retries) or an answer
+    /// that does not fit the round fails the job, naming why. An answer
+    /// for another round is ignored.
+    pub(crate) fn on_engine_generated(
+        &mut self,
+        job_id: &str,
+        round: u64,
+        result: Result<(Vec<GenCompletion>, f64), String>,
+        now_ms: i64,
+        fx: &mut Vec<Effect>,
+    ) {
+        let Some(job) = self.jobs.get_mut(job_id) else {
+            return;
+        };
+        let url = job.spec.rl.engine.as_ref().map(|e| e.url.clone());
+        let Some(l) = job.data.rollout_loop.as_mut() else {
+            return;
+        };
+        let Some(r) = l
+            .engine
+            .as_mut()
+            .and_then(|e| e.round.take_if(|r| r.id == round))
+        else {
+            warn!(
+                job = job_id,
+                round, "engine completions for no pending round, ignored"
+            );
+            return;
+        };
+        if job.rec.state.is_terminal() {
+            return;
+        }
+        let mut r = *r;
+        let failure = match result {
+            Err(e) => Some(e),
+            Ok((completions, seconds)) => match r.answer(0, completions, seconds) {
+                Ok(_) => None,
+                Err(e) => Some(format!("the engine answered wrongly: {e}")),
+            },
+        };
+        if let Some(error) = failure {
+            let why = Why::new(
+                AbortReason::JobFailed,
+                format!(
+                    "generation engine {} failed round {round}: {error}",
+                    url.unwrap_or_default()
+                ),
+            );
+            self.finish(job_id, End::Failed(why), now_ms, fx);
+            return;
+        }
+        if l.scoring.is_some() {
+            let e = l.engine.as_mut().expect("an engine round");
+            e.answered = Some(Box::new(r));
+            return;
+        }
+        hand_to_scorer(job_id, &mut job.rec.reason, l, r, fx);
+    }
+
+    /// The engine answered the reload of step `step`'s policy: from now
+    /// on rounds are tagged with it. A failed reload fails the job.
+    pub(crate) fn on_engine_reloaded(
+        &mut self,
+        job_id: &str,
+        step: u64,
+        result: Result<(), String>,
+        now_ms: i64,
+        fx: &mut Vec<Effect>,
+    ) {
+        let Some(job) = self.jobs.get_mut(job_id) else {
+            return;
+        };
+        let Some(e) = job.data.engine_mut().filter(|e| e.reloading == Some(step)) else {
+            return;
+        };
+        e.reloading = None;
+        if job.rec.state.is_terminal() {
+            return;
+        }
+        match result {
+            Ok(()) => {
+                e.loaded = e.loaded.max(Some(step));
+                info!(job = job_id, step, "engine loaded the policy");
+                job.rec.reason.clear();
+                let msg = format!("the generation engine loaded the policy of step {step}");
+                fx.push(job.event(EventKind::Policy, msg, now_ms));
+            }
+            Err(error) => {
+                let dir = policy_dir(job, step);
+                let why = Why::new(
+                    AbortReason::JobFailed,
+                    format!(
+                        "the generation engine could not load the policy in {}: {error}",
+                        dir.display()
+                    ),
+                );
+                self.finish(job_id, End::Failed(why), now_ms, fx);
+            }
+        }
+    }
+}

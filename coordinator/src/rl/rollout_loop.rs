@@ -1,0 +1,357 @@
+//! The RL loop's handlers (issue 17; the pure part is `super::rounds`):
+//! plan a generation round when a generating job's queue lacks its next
+//! step, gather the ranks' completions, hand the round to the shell for
+//! scoring, and admit the scored rollouts into the job's stream with the
+//! round's prompts consumed in the same write.
+
+use std::sync::Arc;
+
+use tracing::{info, warn};
+
+use super::engine::{hand_to_scorer, wrong_answer};
+use super::rounds::{GenCompletion, LoopInputs, RoundKind, RoundStats, MAX_BARREN_GROUPS};
+use super::stream::Admission;
+use crate::core::effects::{Effect, ToWorker, WatchItem};
+use crate::core::error::{CoreError, Result};
+use crate::core::jobs::Work;
+use crate::core::machine::Coordinator;
+use crate::core::types::{AbortReason, End, Why};
+use crate::stream::doc::Rollout;
+
+impl Coordinator {
+    /// The shell loaded a generating job's prompts.
+    pub(crate) fn load_prompts(&mut self, job_id: &str, inputs: LoopInputs) -> Result<()> {
+        let job = self.job_mut(job_id)?;
+        let Some(l) = job.data.rollout_loop.as_mut() else {
+            return Err(CoreError::NotStreamed(job_id.to_string()));
+        };
+        info!(
+            job = job_id,
+            prompts = inputs.prompts.len(),
+            "prompts loaded"
+        );
+        l.load(inputs);
+        Ok(())
+    }
+
+    /// Plans a round for an idle generating job whose queue lacks `need`
+    /// rollouts; false when it cannot (prompts not loaded, or a round is
+    /// being scored: the job waits).
+    pub(crate) fn plan_round(
+        &mut self,
+        job_id: &str,
+        need: u64,
+        now_ms: i64,
+        fx: &mut Vec<Effect>,
+    ) -> bool {
+        let job = self.jobs.get_mut(job_id).expect("known job");
+        let Some(gen) = job.gen() else {
+            return false;
+        };
+        let (gen_id, world) = (gen.id, gen.world_size());
+        let sampling = job.spec.rl.sampling.clone().unwrap_or_default();
+        let per_round = job.spec.rl.prompts_per_round;
+        let (Some(l), Some(s)) = (job.data.rollout_loop.as_mut(), job.data.stream.as_ref()) else {
+            return false;
+        };
+        if l.scoring.is_some() {
+            job.rec.reason = "scoring generated rollouts".into();
+            return false;
+        }
+        let group = s.group_size;
+        let missing = need.saturating_sub(s.queued_rollouts());
+        let prompts = per_round.unwrap_or_else(|| missing.div_ceil(u64::from(group)));
+        let planned = l.plan_round(
+            s.prompts_done,
+            prompts,
+            group,
+            world,
+            gen_id,
+            job.rec.step,
+            &sampling,
+            now_ms,
+        );
+        let Some((round, plans)) = planned else {
+            job.rec.reason = "waiting for the prompts to load".into();
+            return false;
+        };
+        self.send_round(job_id, round, plans, fx);
+        true
+    }
+
+    /// Whether the job's eval prompts are due at its committed step:
+    /// before the first step, after the last, and every `rl.eval_every`.
+    pub(crate) fn eval_due(&self, job_id: &str) -> bool {
+        let job = &self.jobs[job_id];
+        let Some(l) = job.data.rollout_loop.as_ref() else {
+            return false;
+        };
+        let has = l.inputs().is_some_and(|i| i.eval.is_some());
+        let step = job.rec.step;
+        let every = job.spec.rl.eval_every;
+        let at = step == 0 || job.finished() || every.is_some_and(|e| step.is_multiple_of(e));
+        has && at && l.evaluated != Some(step) && !job.replaying()
+    }
+
+    /// Plans a greedy round over the job's eval prompts.
+    pub(crate) fn plan_eval(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) -> bool {
+        let job = self.jobs.get_mut(job_id).expect("known job");
+        let Some(gen) = job.gen() else {
+            return false;
+        };
+        let (gen_id, world) = (gen.id, gen.world_size());
+        let sampling = job.spec.rl.sampling.clone().unwrap_or_default();
+        let Some(l) = job.data.rollout_loop.as_mut() else {
+            return false;
+        };
+        let Some((round, plans)) =
+            l.plan_eval_round(world, gen_id, job.rec.step, &sampling, now_ms)
+        else {
+            return false;
+        };
+        self.send_round(job_id, round, plans, fx);
+        true
+    }
+
+    fn send_round(
+        &mut self,
+        job_id: &str,
+        round: super::rounds::Round,
+        plans: Vec<super::rounds::RoundPlan>,
+        fx: &mut Vec<Effect>,
+    ) {
+        let job = self.jobs.get_mut(job_id).expect("known job");
+        info!(
+            job = job_id,
+            round = round.id,
+            kind = ?round.kind,
+            prompts = round.positions.end - round.positions.start,
+            from = round.positions.start,
+            policy = round.policy_version,
+            "generation round planned"
+        );
+        job.rec.reason = format!("generating round {}", round.id);
+        let gen_id = round.generation;
+        let active = job.active_mut().expect("a round within a generation");
+        for (rank, (m, plan)) in active.gen.members.iter().zip(plans).enumerate() {
+            fx.push(Effect::Send {
+                worker: m.clone(),
+                msg: ToWorker::Generate {
+                    job: job_id.to_string(),
+                    generation: gen_id,
+                    rank: rank as u32,
+                    plan: Arc::new(plan),
+                },
+            });
+        }
+        active.work = Work::Generating(Box::new(round));
+    }
+
+    /// One rank's completions; once every rank answered, the round goes to
+    /// the shell for scoring and the generation is idle again. A result
+    /// for another generation or round is ignored; one that does not
+    /// answer its plan drops the worker (its round is planned again).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn on_generated(
+        &mut self,
+        worker: &str,
+        job_id: &str,
+        generation: u64,
+        round: u64,
+        answer: (Vec<GenCompletion>, f64),
+        now_ms: i64,
+        fx: &mut Vec<Effect>,
+    ) {
+        let Some(job) = self.jobs.get_mut(job_id) else {
+            return;
+        };
+        let Some(active) = job.active_mut() else {
+            return;
+        };
+        // A disaggregated generation's generators answer the engine round.
+        if let Some(g) = active
+            .gen
+            .generators
+            .rank_of(worker)
+            .filter(|_| active.gen.id == generation)
+        {
+            let (w, j) = (worker.to_string(), job_id.to_string());
+            self.on_generator_answer(&w, &j, g, generation, round, answer, now_ms, fx);
+            return;
+        }
+        let rank = active.gen.rank_of(worker);
+        let Work::Generating(r) = &mut active.work else {
+            warn!(
+                worker,
+                job = job_id,
+                round,
+                "completions for no round, ignored"
+            );
+            return;
+        };
+        let Some(rank) = rank.filter(|_| r.generation == generation && r.id == round) else {
+            warn!(
+                worker,
+                job = job_id,
+                generation,
+                round,
+                "completions for a stale round, ignored"
+            );
+            return;
+        };
+        match r.answer(rank, answer.0, answer.1) {
+            Ok(false) => {}
+            Ok(true) => {
+                let Work::Generating(r) = std::mem::replace(&mut active.work, Work::Idle) else {
+                    unreachable!("matched above")
+                };
+                let l = job.data.rollout_loop.as_mut().expect("a generating job");
+                hand_to_scorer(job_id, &mut job.rec.reason, l, *r, fx);
+            }
+            Err(e) => {
+                let why = wrong_answer("worker", worker, rank, round, &e);
+                self.lose_worker_because(worker, why, now_ms, fx);
+            }
+        }
+    }
+
+    /// The shell scored round `round`: its rollouts join the stream and
+    /// its prompts are consumed, in one write. Any other round is stale
+    /// (already admitted, or of a job that restarted) and ignored.
+    pub(crate) fn on_scored(
+        &mut self,
+        job_id: &str,
+        round: u64,
+        rollouts: Vec<Rollout>,
+        stats: RoundStats,
+        now_ms: i64,
+        fx: &mut Vec<Effect>,
+    ) -> Result<()> {
+        let job = self.job_mut(job_id)?;
+        let pg = job.spec.objective.pg();
+        let next = job.rec.step + 1;
+        let docs = job.settings().at(next).docs_per_step.unwrap_or(1);
+        let (step, max_staleness) = (job.rec.step, job.spec.rl.max_staleness);
+        let (Some(l), Some(s), Some(plan), Some(pg)) = (
+            job.data.rollout_loop.as_mut(),
+            job.data.stream.as_mut(),
+            job.data.rollouts.as_mut(),
+            pg,
+        ) else {
+            return Err(CoreError::NotStreamed(job_id.to_string()));
+        };
+        let (prompts_done, kind) = match l.scoring {
+            Some(sc) if sc.round == round && !job.rec.state.is_terminal() => {
+                (sc.prompts_end, sc.kind)
+            }
+            _ => {
+                warn!(
+                    job = job_id,
+                    round, "scored round is not the one being scored, ignored"
+                );
+                return Ok(());
+            }
+        };
+        l.scoring = None;
+        job.rec.reason.clear();
+        if kind == RoundKind::Eval {
+            l.evaluated = Some(step);
+            let metrics = crate::core::eval::EvalMetrics {
+                step,
+                loss: 0.0,
+                loss_tokens: 0,
+                tokens: stats.completion_tokens,
+                docs: stats.completions,
+                extra: stats.metrics(),
+                sources: Default::default(),
+                unix_ms: now_ms,
+            };
+            info!(job = job_id, step, accuracy = ?metrics.extra.get("rl/accuracy"), "eval prompts answered");
+            fx.push(Effect::AppendEval {
+                job: job_id.to_string(),
+                path: job.spec.job.output_dir.join("metrics.jsonl"),
+                eval: Box::new(metrics.clone()),
+            });
+            fx.push(Effect::Publish {
+                job: job_id.to_string(),
+                item: WatchItem::Eval(metrics),
+            });
+            return Ok(());
+        }
+        // An engine round that went stale while scored is not admitted:
+        // its prompts stay unconsumed and are planned again.
+        let engine = job.spec.rl.generates_apart();
+        if let Some(r) = rollouts.iter().find(|r| {
+            engine && crate::rl::pg::admit(r.policy_version, step, max_staleness).is_err()
+        }) {
+            warn!(
+                job = job_id,
+                round,
+                policy = r.policy_version,
+                step,
+                "engine round too stale to admit: its prompts are planned again"
+            );
+            return Ok(());
+        }
+        let at = Admission {
+            job: job_id,
+            pg: &pg,
+            step,
+            max_staleness,
+            need: s.step_rollouts(docs),
+        };
+        let queued = s.queued_rollouts();
+        let write = s.push_generated(plan, at, rollouts, prompts_done);
+        let flat = write.counts.as_ref().map_or(0, |c| c.zero_variance_groups);
+        if s.queued_rollouts() > queued {
+            l.barren = (0, 0);
+        } else if flat > 0 {
+            l.barren = (l.barren.0 + flat, l.barren.1 + 1);
+        }
+        let (groups, rounds) = l.barren;
+        job.data.loop_stats.add(&stats);
+        fx.push(Effect::PersistRollouts(Box::new(write)));
+        if groups >= MAX_BARREN_GROUPS {
+            let why = Why::new(
+                AbortReason::JobFailed,
+                format!(
+                    "no learning signal: {groups} groups in a row ({rounds} generation rounds) had equal rewards (zero variance: dropped, none admitted; last round's mean reward {:.3}): the policy is always right or always wrong on these prompts (check the verifier and the references, rl.sampling.temperature, or the starting checkpoint)",
+                    stats.reward_sum / stats.completions.max(1) as f64
+                ),
+            );
+            warn!(
+                job = job_id,
+                groups, rounds, "no group admitted, failing the job"
+            );
+            self.finish(job_id, End::Failed(why), now_ms, fx);
+        }
+        Ok(())
+    }
+
+    /// The shell could not score round `round`: the job fails with why.
+    pub(crate) fn on_score_failed(
+        &mut self,
+        job_id: &str,
+        round: u64,
+        error: String,
+        now_ms: i64,
+        fx: &mut Vec<Effect>,
+    ) {
+        let Some(job) = self.jobs.get(job_id) else {
+            return;
+        };
+        let ours = job
+            .data
+            .rollout_loop
+            .as_ref()
+            .is_some_and(|l| l.scoring.is_some_and(|s| s.round == round));
+        if !ours || job.rec.state.is_terminal() {
+            return;
+        }
+        let why = Why::new(
+            AbortReason::JobFailed,
+            format!("scoring generation round {round} failed: {error}"),
+        );
+        self.finish(job_id, End::Failed(why), now_ms, fx);
+    }
+}

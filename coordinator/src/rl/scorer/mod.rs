@@ -1,0 +1,190 @@
+//! The shell's half of the RL loop (issue 17): what needs the job's
+//! tokenizer and verifier, which the pure core has neither of. At submit
+//! and restore it loads the prompts ([`Scorer::load`]); for each generated
+//! round ([`crate::rl::rounds::RoundToScore`]) it decodes the
+//! completions, cuts them at the stop strings, scores them and builds the
+//! rollouts the core admits. Runs off the state lock (a `command` verifier
+//! is a subprocess).
+
+pub mod engine;
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use crate::job::spec::JobSpec;
+use crate::rl::prompts::{self, Prompt};
+use crate::rl::rounds::{Finish, LoopInputs, RoundStats, RoundToScore};
+use crate::rl::verify::{self, Sample, Verifier};
+use crate::stream::data::format::{join, Encoder};
+use crate::stream::doc::{DocId, Rollout};
+
+/// Why a generating job could not be set up or a round scored.
+#[derive(Debug, thiserror::Error)]
+pub enum LoopError {
+    #[error(transparent)]
+    Data(#[from] crate::stream::data::DataError),
+    #[error(transparent)]
+    Verify(#[from] verify::VerifyError),
+    #[error("rl.sampling.stop[{index}]: {message}")]
+    Stop { index: usize, message: String },
+    #[error("round {round}: prompt {prompt}: {message}")]
+    Round {
+        round: u64,
+        prompt: DocId,
+        message: String,
+    },
+}
+
+/// A generating job's tokenizer, prompts and verifier.
+pub struct Scorer {
+    enc: Encoder,
+    verifier: Verifier,
+    by_id: HashMap<DocId, Prompt>,
+    stop: Vec<String>,
+    inputs: LoopInputs,
+    vocab: u32,
+}
+
+impl Scorer {
+    /// Loads the job's prompts (`data.train`) with its tokenizer, and its
+    /// verifier; `base` is where relative paths of the spec resolve.
+    pub fn load(
+        spec: &JobSpec,
+        model_vocab: u32,
+        base: Option<&Path>,
+    ) -> Result<Scorer, LoopError> {
+        let enc = crate::stream::data::encoder(&spec.data, model_vocab)?;
+        let files = spec.data.files();
+        let prompts = prompts::load(&enc, &files, 0)?;
+        // Eval prompts' ids follow the training files'.
+        let eval = match spec.rl.eval_prompts.as_slice() {
+            [] => None,
+            f => Some(prompts::load(&enc, f, files.len() as u32)?),
+        };
+        let section = spec.rl.verifier.clone().unwrap_or_default();
+        let mut verifier = Verifier::new(&section)?;
+        verifier.base_dir = base.map(Path::to_path_buf);
+        let stop = spec
+            .rl
+            .sampling
+            .as_ref()
+            .map(|s| s.stop.clone())
+            .unwrap_or_default();
+        let stop_sequences = stop
+            .iter()
+            .enumerate()
+            .map(|(index, s)| {
+                enc.tok
+                    .ids(s, false)
+                    .map_err(|message| LoopError::Stop { index, message })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let inputs = LoopInputs {
+            prompts: prompts.clone(),
+            stop_ids: vec![enc.eos_id],
+            stop_sequences,
+            eval: eval.clone(),
+        };
+        let by_id = prompts
+            .prompts
+            .iter()
+            .chain(eval.iter().flat_map(|e| e.prompts.iter()))
+            .map(|p| (p.id, p.clone()))
+            .collect();
+        Ok(Scorer {
+            enc,
+            verifier,
+            by_id,
+            stop,
+            inputs,
+            vocab: model_vocab,
+        })
+    }
+
+    /// The model's vocab size: every generated token id is below it.
+    pub fn vocab(&self) -> u32 {
+        self.vocab
+    }
+
+    /// What the core needs (`Event::LoadPrompts`).
+    pub fn inputs(&self) -> LoopInputs {
+        self.inputs.clone()
+    }
+
+    fn prompt(&self, id: DocId) -> Option<&Prompt> {
+        self.by_id.get(&id)
+    }
+
+    /// Scores a round: one rollout per completion, groups in round order,
+    /// each group named by its prompt and stream position.
+    pub fn score(&self, r: &RoundToScore) -> Result<(Vec<Rollout>, RoundStats), LoopError> {
+        let mut texts = Vec::new();
+        for g in &r.groups {
+            let p = self.prompt(g.prompt).ok_or_else(|| LoopError::Round {
+                round: r.round,
+                prompt: g.prompt,
+                message: "not a prompt of this job".into(),
+            })?;
+            for c in &g.completions {
+                let text =
+                    self.enc
+                        .tok
+                        .decode(&c.token_ids)
+                        .map_err(|message| LoopError::Round {
+                            round: r.round,
+                            prompt: g.prompt,
+                            message,
+                        })?;
+                texts.push((p, verify::truncate_at_stop(&text, &self.stop).to_string()));
+            }
+        }
+        let batch: Vec<Sample> = texts
+            .iter()
+            .map(|(p, t)| Sample {
+                prompt: &p.text,
+                completion: t,
+                reference: &p.reference,
+            })
+            .collect();
+        let scores = self.verifier.score(&batch)?;
+        let mut stats = RoundStats {
+            gen_seconds: r.seconds,
+            ..Default::default()
+        };
+        let mut rollouts = Vec::with_capacity(scores.len());
+        let completions = r
+            .groups
+            .iter()
+            .flat_map(|g| g.completions.iter().map(move |c| (g, c)));
+        for ((g, c), sc) in completions.zip(&scores) {
+            let p = self.prompt(g.prompt).expect("checked above");
+            stats.completions += 1;
+            stats.reward_sum += sc.reward;
+            stats.reward_sq_sum += sc.reward * sc.reward;
+            stats.completion_tokens += c.token_ids.len() as u64;
+            stats.truncated += u64::from(c.finish == Finish::Length);
+            if let Some(ok) = sc.correct {
+                stats.judged += 1;
+                stats.correct += u64::from(ok);
+            }
+            for (k, v) in &sc.components {
+                *stats.components.entry(k.clone()).or_default() += v;
+            }
+            let mut old = vec![0.0f32; p.ids.len()];
+            old.extend(&c.logprobs);
+            rollouts.push(Rollout {
+                seq: join(p.ids.clone(), c.token_ids.clone()),
+                reward: sc.reward,
+                // Unique per position: a prompt seen again next epoch is a
+                // new group; the prompt id stays readable in it.
+                group: format!("{}@{}", g.prompt, g.position),
+                policy_version: r.policy_version,
+                old_logprobs: Some(old),
+            });
+        }
+        Ok((rollouts, stats))
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,451 @@
+//! The coordinator's HTTP side (axum on `--metrics-listen`): Prometheus
+//! `GET /metrics`, the status page `GET /`, and the read-only JSON API the
+//! page polls (`GET /api/status`, `GET /api/jobs/{id}/metrics?since=N`).
+//!
+//! Everything here is read-only and carries no token, as Prometheus scrapes
+//! expect: bind it to a private address (the default is 127.0.0.1:9090) or a
+//! cluster-internal Service, never to the public internet (the server warns
+//! at startup when it is bound elsewhere, [`exposure_warning`]). It shows no
+//! specs or data: job reasons are shown with their file paths redacted
+//! ([`redact_paths`]). Views are built by pure functions from the state
+//! machine; the lock is held only to copy what a reply needs, never across
+//! an `.await`.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use axum::extract::{Path, Query, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{Html, IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use serde::{Deserialize, Serialize};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tracing::warn;
+
+use crate::core::{Coordinator, JobId, StepMetrics, WorkerState};
+use crate::shell::service::{now_ms, Shared};
+use crate::shell::store::Store;
+
+/// The status page: one self-contained file (no CDN, no external fonts:
+/// clusters may be offline).
+const STATUS_PAGE: &str = include_str!("status_page.html");
+
+/// Most steps one `/api/jobs/{id}/metrics` reply holds; `more` says when a
+/// client should ask again from the last step it got.
+pub const MAX_STEPS_PER_REPLY: usize = 2_000;
+
+/// One job as the status API shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobView {
+    pub id: String,
+    pub name: String,
+    /// The objective: `sft`, `dpo` or `pg`.
+    pub kind: String,
+    /// `pending`, `running`, `paused`, `completed`, `failed` or `cancelled`.
+    pub state: String,
+    /// Why the job is pending, paused or failed (empty otherwise), file
+    /// paths shown as `<path>`.
+    pub reason: String,
+    /// Last committed step.
+    pub step: u64,
+    /// Total steps when known, else 0.
+    pub total_steps: u64,
+    pub generation: u64,
+    /// Workers in the current generation (0 when none is formed).
+    pub world_size: u32,
+    /// Documents trained on in committed steps.
+    pub docs_seen: u64,
+    /// Real (non-padding) tokens trained on in committed steps.
+    pub tokens_seen: u64,
+    /// Loss of the last committed step.
+    pub last_loss: Option<f64>,
+}
+
+/// One worker as the status API shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkerView {
+    pub id: String,
+    pub hostname: String,
+    pub device: String,
+    /// `registered`, `idle`, `configuring`, `active`, `draining` or `lost`.
+    pub state: String,
+    pub job: Option<String>,
+    pub rank: Option<u32>,
+    /// A generator of its job's disaggregated generation (`rank` among
+    /// the generators).
+    pub generator: bool,
+    /// Seconds since the worker was last heard from.
+    pub heartbeat_age_s: f64,
+}
+
+/// The reply of `GET /api/status`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StatusView {
+    pub unix_ms: i64,
+    pub jobs: Vec<JobView>,
+    pub workers: Vec<WorkerView>,
+}
+
+/// The reply of `GET /api/jobs/{id}/metrics`: committed steps after `since`,
+/// oldest first, each as a line of the job's metrics.jsonl.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MetricsView {
+    pub job: String,
+    pub steps: Vec<StepMetrics>,
+    /// More steps follow the last one here (the reply was capped at
+    /// [`MAX_STEPS_PER_REPLY`]).
+    pub more: bool,
+}
+
+/// Documents and tokens of a job's committed steps, summed up to `through`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Totals {
+    pub through: u64,
+    pub docs: u64,
+    pub tokens: u64,
+}
+
+/// The router's state: the coordinator and a per-job cache of totals, so a
+/// poll reads only the steps committed since the previous one.
+#[derive(Clone)]
+struct AppState {
+    shared: Arc<Shared>,
+    totals: Arc<Mutex<HashMap<JobId, Totals>>>,
+}
+
+/// The HTTP routes over `shared`.
+pub fn router(shared: Arc<Shared>) -> Router {
+    let state = AppState {
+        shared,
+        totals: Arc::default(),
+    };
+    Router::new()
+        .route("/", get(status_page))
+        .route("/metrics", get(metrics))
+        .route("/api/status", get(status))
+        .route("/api/jobs/{id}/metrics", get(job_metrics))
+        .fallback(not_found)
+        // One request per connection: scrapers and the page's 2 s poll need
+        // no keep-alive, and a plain reader sees the reply end.
+        .layer(axum::middleware::map_response(
+            |mut r: Response| async move {
+                r.headers_mut()
+                    .insert(header::CONNECTION, HeaderValue::from_static("close"));
+                r
+            },
+        ))
+        .with_state(state)
+}
+
+/// Serves [`router`] on `listener` until `shutdown` fires.
+pub async fn serve(listener: TcpListener, shared: Arc<Shared>, shutdown: CancellationToken) {
+    let app = router(shared);
+    if let Err(e) = axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown.cancelled_owned())
+        .await
+    {
+        warn!(%e, "http server stopped");
+    }
+}
+
+async fn status_page() -> Html<&'static str> {
+    Html(STATUS_PAGE)
+}
+
+async fn metrics(State(s): State<AppState>) -> impl IntoResponse {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        s.shared.render_metrics(),
+    )
+}
+
+async fn not_found() -> impl IntoResponse {
+    (
+        StatusCode::NOT_FOUND,
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        "not found: try /, /metrics, /api/status or /api/jobs/JOB/metrics\n",
+    )
+}
+
+async fn status(State(s): State<AppState>) -> Result<Json<StatusView>, ApiError> {
+    let inner = s.shared.lock();
+    let mut totals = s.totals.lock().unwrap_or_else(|p| p.into_inner());
+    for j in inner.core.jobs() {
+        let t = totals.entry(j.rec.id.clone()).or_default();
+        if j.rec.step > t.through {
+            let steps = inner
+                .store
+                .steps(&j.rec.id, t.through + 1)
+                .map_err(ApiError::internal)?;
+            *t = add_steps(*t, steps.iter().map(|r| &r.metrics));
+        }
+    }
+    Ok(Json(status_view(&inner.core, &totals, now_ms())))
+}
+
+/// Query of `GET /api/jobs/{id}/metrics`.
+#[derive(Debug, Deserialize)]
+struct Since {
+    /// Steps after this one (0: from the first).
+    #[serde(default)]
+    since: u64,
+}
+
+async fn job_metrics(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+    Query(q): Query<Since>,
+) -> Result<Json<MetricsView>, ApiError> {
+    let inner = s.shared.lock();
+    if inner.core.job(&id).is_err() {
+        return Err(ApiError {
+            status: StatusCode::NOT_FOUND,
+            message: format!("job {id} not found"),
+        });
+    }
+    Ok(Json(metrics_view(&inner.store, &id, q.since)?))
+}
+
+/// Committed steps of `job` after `since`, at most [`MAX_STEPS_PER_REPLY`].
+fn metrics_view(store: &Store, job: &str, since: u64) -> Result<MetricsView, ApiError> {
+    let records = store
+        .steps(job, since.saturating_add(1))
+        .map_err(ApiError::internal)?;
+    let more = records.len() > MAX_STEPS_PER_REPLY;
+    let steps = records
+        .into_iter()
+        .take(MAX_STEPS_PER_REPLY)
+        .map(|r| r.metrics)
+        .collect();
+    Ok(MetricsView {
+        job: job.to_string(),
+        steps,
+        more,
+    })
+}
+
+/// `t` plus the given committed steps (those after `t.through`; a replayed
+/// step already counted is not counted again).
+pub fn add_steps<'a>(mut t: Totals, steps: impl IntoIterator<Item = &'a StepMetrics>) -> Totals {
+    for m in steps {
+        if m.step > t.through {
+            t.through = m.step;
+            t.docs += m.docs;
+            t.tokens += m.tokens;
+        }
+    }
+    t
+}
+
+/// The status view of `core` at `now_ms`, with documents and tokens from
+/// `totals` (0 for a job missing there).
+pub fn status_view(core: &Coordinator, totals: &HashMap<JobId, Totals>, now_ms: i64) -> StatusView {
+    let jobs = core
+        .jobs()
+        .map(|j| {
+            let t = totals.get(&j.rec.id).copied().unwrap_or_default();
+            JobView {
+                id: j.rec.id.clone(),
+                name: j.rec.name.clone(),
+                kind: lower(j.spec.objective.kind),
+                state: lower(j.rec.state),
+                reason: redact_paths(&j.rec.reason),
+                step: j.rec.step,
+                total_steps: j.rec.total_steps,
+                generation: j.rec.generation,
+                world_size: j.gen().map_or(0, |g| g.world_size()),
+                docs_seen: t.docs,
+                tokens_seen: t.tokens,
+                last_loss: j.rec.last_loss,
+            }
+        })
+        .collect();
+    let workers = core
+        .workers()
+        .map(|w| (w, core.generator_rank(w)))
+        .map(|(w, generator)| WorkerView {
+            id: w.id.clone(),
+            hostname: w.reg.hostname.clone(),
+            device: if w.reg.gpu_name.is_empty() {
+                w.reg.device.clone()
+            } else {
+                format!("{} ({})", w.reg.device, w.reg.gpu_name)
+            },
+            state: worker_state(w.state).to_string(),
+            job: w.job.clone(),
+            rank: w.rank.or(generator),
+            generator: generator.is_some(),
+            heartbeat_age_s: (now_ms - w.last_seen_ms()).max(0) as f64 / 1000.0,
+        })
+        .collect();
+    StatusView {
+        unix_ms: now_ms,
+        jobs,
+        workers,
+    }
+}
+
+/// What stands for a redacted path.
+pub const REDACTED_PATH: &str = "<path>";
+
+/// `text` with every absolute (or `~/`) file path replaced by `<path>`:
+/// reasons name the files at fault (`/data/x.jsonl:3: invalid json`), and
+/// an unauthenticated page must not show where a job's data and outputs
+/// live. A path starts at `/` or `~/` at the start of a word and runs to
+/// whitespace, a quote, a bracket, `,`, `;` or `:` (so `:LINE` stays).
+pub fn redact_paths(text: &str) -> String {
+    let stops = |c: char| c.is_whitespace() || "\"'`()[]{}<>,;:".contains(c);
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.char_indices().peekable();
+    let mut prev: Option<char> = None;
+    while let Some((i, c)) = chars.next() {
+        let at_word = prev.is_none_or(|p| stops(p) || p == '=');
+        let starts = c == '/' || (c == '~' && text[i + 1..].starts_with('/'));
+        if at_word && starts {
+            out.push_str(REDACTED_PATH);
+            let mut last = c;
+            while let Some(&(_, n)) = chars.peek() {
+                if stops(n) {
+                    break;
+                }
+                last = n;
+                chars.next();
+            }
+            prev = Some(last);
+            continue;
+        }
+        out.push(c);
+        prev = Some(c);
+    }
+    out
+}
+
+/// The warning to log when the unauthenticated HTTP side is bound to
+/// `addr` off loopback, where others may reach it.
+pub fn exposure_warning(addr: std::net::SocketAddr) -> Option<String> {
+    (!addr.ip().is_loopback()).then(|| {
+        format!(
+            "the status page and /metrics on {addr} take no token and are not on loopback: \
+             whoever can reach {addr} sees job names, states, hosts and losses; keep \
+             --metrics-listen on 127.0.0.1 or a cluster-internal address"
+        )
+    })
+}
+
+fn lower(v: impl std::fmt::Debug) -> String {
+    format!("{v:?}").to_lowercase()
+}
+
+fn worker_state(s: WorkerState) -> &'static str {
+    match s {
+        WorkerState::Registered => "registered",
+        WorkerState::Idle => "idle",
+        WorkerState::Configuring => "configuring",
+        WorkerState::Active => "active",
+        WorkerState::Draining => "draining",
+        WorkerState::Lost => "lost",
+    }
+}
+
+/// A JSON error reply: `{"error": "..."}`.
+#[derive(Debug)]
+struct ApiError {
+    status: StatusCode,
+    message: String,
+}
+
+impl ApiError {
+    fn internal(e: impl std::fmt::Display) -> ApiError {
+        ApiError {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message: format!("reading the store: {e}"),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = serde_json::json!({ "error": self.message });
+        (self.status, Json(body)).into_response()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn step(step: u64, docs: u64, tokens: u64) -> StepMetrics {
+        StepMetrics {
+            step,
+            docs,
+            tokens,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn totals_add_each_step_once() {
+        let t = add_steps(Totals::default(), &[step(1, 4, 40), step(2, 4, 50)]);
+        assert_eq!(
+            t,
+            Totals {
+                through: 2,
+                docs: 8,
+                tokens: 90
+            }
+        );
+        // A replayed step 2 (after a restore) is not counted twice.
+        let t = add_steps(t, &[step(2, 4, 50), step(3, 2, 7)]);
+        assert_eq!(
+            t,
+            Totals {
+                through: 3,
+                docs: 10,
+                tokens: 97
+            }
+        );
+    }
+
+    /// Issue 14 item 9: the unauthenticated status JSON showed absolute
+    /// file paths in job reasons.
+    #[test]
+    fn reasons_are_shown_without_their_paths() {
+        for (reason, shown) in [
+            (
+                "data: /srv/data/train.jsonl:3: invalid json: expected value",
+                "data: <path>:3: invalid json: expected value",
+            ),
+            (
+                "after restart the dataset could not be loaded: file not found: /home/me/x.jsonl",
+                "after restart the dataset could not be loaded: file not found: <path>",
+            ),
+            (
+                "checkpoint step-4 failed to restore on w1: \"/runs/a b/ckpt\" (model.safetensors); falling back",
+                "checkpoint step-4 failed to restore on w1: \"<path> b/ckpt\" (model.safetensors); falling back",
+            ),
+            ("model.init=~/ckpt/step-2 is bad", "model.init=<path> is bad"),
+            ("waiting for 2 workers (have 1/2)", "waiting for 2 workers (have 1/2)"),
+            ("", ""),
+        ] {
+            assert_eq!(redact_paths(reason), shown, "{reason}");
+        }
+    }
+
+    #[test]
+    fn binding_off_loopback_warns() {
+        assert_eq!(exposure_warning("127.0.0.1:9090".parse().unwrap()), None);
+        assert_eq!(exposure_warning("[::1]:9090".parse().unwrap()), None);
+        let w = exposure_warning("0.0.0.0:9090".parse().unwrap()).unwrap();
+        assert!(w.contains("0.0.0.0:9090") && w.contains("no token"), "{w}");
+    }
+
+    #[test]
+    fn an_empty_coordinator_has_an_empty_status() {
+        let core = Coordinator::new(Default::default());
+        let v = status_view(&core, &HashMap::new(), 5_000);
+        assert_eq!(v.unix_ms, 5_000);
+        assert!(v.jobs.is_empty() && v.workers.is_empty());
+    }
+}

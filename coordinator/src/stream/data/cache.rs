@@ -1,0 +1,215 @@
+//! The token cache: every dataset file is tokenized once into a token store
+//! ([`super::store`]) under a key that hashes everything its documents
+//! depend on — the file's bytes, the tokenizer (`tokenizer.json` and the
+//! `tokenizer_config.json` beside it), the chat template, the document
+//! kind, the model's vocabulary bound for pre-tokenized ids and the store
+//! layout. The same file under the same encoder is found again by any job
+//! and after a coordinator restart; changing any input changes the key, so
+//! a stale store is never used (it stays on disk until removed).
+//!
+//! What is *not* in the key is applied when a store is opened: the job's
+//! `max_tokens` with `on_overlong`, and `on_bad_line` (the store remembers
+//! its bad rows), so jobs with different budgets share one store.
+//!
+//! Building tokenizes batches of rows on every core (rayon), in file
+//! order, while the file streams through ([`super::read::for_each_batch`]).
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use rayon::prelude::*;
+use xxhash_rust::xxh3::Xxh3;
+
+use super::error::{DataError, Result};
+use super::read::RawRow;
+use super::store::{self, BadRow, Store, StoreError, Writer};
+use super::Encoder;
+use crate::job::spec::DataFormat;
+
+/// Rows tokenized per parallel batch while building.
+const BATCH_ROWS: usize = 8192;
+
+/// The environment variable naming the cache directory.
+pub const CACHE_DIR_ENV: &str = "ACCRUE_CACHE_DIR";
+
+/// Where stores live: `$ACCRUE_CACHE_DIR`, else `$XDG_CACHE_HOME/accrue/tokens`,
+/// else `~/.cache/accrue/tokens`, else the temporary directory.
+pub fn default_root() -> PathBuf {
+    if let Some(d) = std::env::var_os(CACHE_DIR_ENV).filter(|d| !d.is_empty()) {
+        return PathBuf::from(d);
+    }
+    if let Some(d) = std::env::var_os("XDG_CACHE_HOME").filter(|d| !d.is_empty()) {
+        return PathBuf::from(d).join("accrue/tokens");
+    }
+    if let Some(h) = std::env::var_os("HOME").filter(|d| !d.is_empty()) {
+        return PathBuf::from(h).join(".cache/accrue/tokens");
+    }
+    std::env::temp_dir().join("accrue-tokens")
+}
+
+/// What an encoder's output depends on, hashed once per job and source:
+/// the files it was built from and the settings that shape documents.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EncoderKey(u128);
+
+impl EncoderKey {
+    /// Hashes the tokenizer (with its `tokenizer_config.json`), the chat
+    /// template file, the document kind and the model's vocabulary bound.
+    pub fn new(
+        tokenizer: Option<&Path>,
+        chat_template: Option<&Path>,
+        format: DataFormat,
+        model_vocab: u32,
+    ) -> Result<EncoderKey> {
+        let mut h = Xxh3::new();
+        h.update(b"accrue-token-cache");
+        h.update(&store::LAYOUT_VERSION.to_le_bytes());
+        h.update(format!("{format:?}").as_bytes());
+        h.update(&model_vocab.to_le_bytes());
+        match tokenizer {
+            None => h.update(b"tokenizer=bytes"),
+            Some(p) => {
+                h.update(b"tokenizer=");
+                hash_file(&mut h, p)?;
+                let cfg = p.with_file_name("tokenizer_config.json");
+                if cfg.is_file() {
+                    h.update(b"config=");
+                    hash_file(&mut h, &cfg)?;
+                }
+            }
+        }
+        if let Some(t) = chat_template {
+            h.update(b"template=");
+            hash_file(&mut h, t)?;
+        }
+        Ok(EncoderKey(h.digest128()))
+    }
+}
+
+/// The key of one file under one encoder.
+pub fn file_key(path: &Path, enc: EncoderKey) -> Result<String> {
+    let mut h = Xxh3::new();
+    h.update(&enc.0.to_le_bytes());
+    hash_file(&mut h, path)?;
+    Ok(format!("{:032x}", h.digest128()))
+}
+
+fn hash_file(h: &mut Xxh3, path: &Path) -> Result<()> {
+    let io = |source| DataError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    crate::job::input::check(path)?;
+    let mut f = std::fs::File::open(path).map_err(io)?;
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf).map_err(io)?;
+        if n == 0 {
+            return Ok(());
+        }
+        h.update(&buf[..n]);
+    }
+}
+
+/// Progress of a build, reported after every batch.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Progress {
+    pub rows: u64,
+    pub bad: u64,
+}
+
+/// How a store was found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Found {
+    /// Opened as it was on disk.
+    Hit,
+    /// Built now (absent, or on disk but incomplete).
+    Built,
+}
+
+/// Opens the store of `path` under `key` in `root`, building it when it is
+/// absent or damaged.
+pub fn open_or_build(
+    root: &Path,
+    key: &str,
+    path: &Path,
+    enc: &Encoder,
+    format: DataFormat,
+    progress: &(dyn Fn(Progress) + Sync),
+) -> Result<(Arc<Store>, Found)> {
+    let dir = root.join(key);
+    if dir.exists() {
+        match Store::open(&dir) {
+            Ok(s) => return Ok((Arc::new(s), Found::Hit)),
+            Err(e) => {
+                // Stores appear only by a rename of a finished one, so this
+                // is damage (a disk error, a hand edit): never used, rebuilt.
+                tracing::warn!(error = %e, "rebuilding a damaged token store");
+                let _ = std::fs::remove_dir_all(&dir);
+            }
+        }
+    }
+    build(&dir, path, enc, format, progress)?;
+    let s = Store::open(&dir).map_err(|e| store_error(path, e))?;
+    Ok((Arc::new(s), Found::Built))
+}
+
+fn store_error(path: &Path, e: StoreError) -> DataError {
+    DataError::Io {
+        path: path.to_path_buf(),
+        source: std::io::Error::other(e.to_string()),
+    }
+}
+
+/// Tokenizes `path` into a new store at `dest` (atomically).
+pub fn build(
+    dest: &Path,
+    path: &Path,
+    enc: &Encoder,
+    format: DataFormat,
+    progress: &(dyn Fn(Progress) + Sync),
+) -> Result<store::Meta> {
+    if let Some(parent) = dest.parent() {
+        std::fs::create_dir_all(parent).map_err(|source| DataError::Io {
+            path: parent.to_path_buf(),
+            source,
+        })?;
+    }
+    let mut w = Writer::create(dest, path).map_err(|e| store_error(path, e))?;
+    let mut seen = Progress::default();
+    let result = super::read::for_each_batch(path, BATCH_ROWS, |rows: Vec<RawRow>| {
+        let bodies: Vec<_> = rows
+            .par_iter()
+            .map(|r| match &r.value {
+                Ok(v) => super::build_doc(enc, format, v).map_err(|e| (false, e)),
+                Err(e) => Err((true, e.clone())),
+            })
+            .collect();
+        for (row, body) in rows.iter().zip(bodies) {
+            let pushed = match body {
+                Ok(b) => w.push(row.line, row.element, &b),
+                Err((json, reason)) => {
+                    seen.bad += 1;
+                    w.push_bad(&BadRow {
+                        line: row.line,
+                        element: row.element,
+                        json,
+                        reason,
+                    })
+                }
+            };
+            pushed.map_err(|e| store_error(path, e))?;
+        }
+        seen.rows += rows.len() as u64;
+        progress(seen);
+        Ok(())
+    });
+    match result {
+        Ok(_) => w.finish(dest).map_err(|e| store_error(path, e)),
+        Err(e) => {
+            w.abandon();
+            Err(e)
+        }
+    }
+}
