@@ -6,7 +6,9 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::client::DEFAULT_COORDINATOR;
+/// Where the CLI looks for a coordinator when neither `--coordinator` nor
+/// `ACCRUE_COORDINATOR` says otherwise.
+pub const DEFAULT_COORDINATOR: &str = "http://127.0.0.1:7070";
 
 /// Submit, watch and steer Accrue training jobs.
 ///

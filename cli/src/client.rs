@@ -14,10 +14,6 @@ use crate::args::Conn;
 use accrue_coordinator::shell::auth::Token;
 use accrue_coordinator::wire::admin_client::AdminClient;
 
-/// Where the CLI looks for a coordinator when neither `--coordinator` nor
-/// `ACCRUE_COORDINATOR` says otherwise.
-pub const DEFAULT_COORDINATOR: &str = "http://127.0.0.1:7070";
-
 /// How long to wait for the TCP/HTTP2 connection before giving up.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -173,6 +169,7 @@ fn code_name(code: Code) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::args::DEFAULT_COORDINATOR;
     use tonic::service::Interceptor as _;
 
     #[test]

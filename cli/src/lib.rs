@@ -30,7 +30,7 @@ pub mod validate;
 pub mod watch;
 
 pub use args::*;
-pub use client::{BearerAuth, DEFAULT_COORDINATOR};
+pub use client::BearerAuth;
 
 /// Runs one parsed command line. `Err` is printed by the binary as
 /// `error: {:#}` with exit code 1.

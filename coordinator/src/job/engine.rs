@@ -2,7 +2,7 @@
 //! (issue 17 item 6) instead of the job's workers: a vLLM or SGLang server
 //! speaking the OpenAI-compatible `/v1/completions` API, told to reload
 //! each published policy from disk. The spec section and its checks; the
-//! request/response conversion is `crate::rl::scorer::engine`, the HTTP calls
+//! request/response conversion is `crate::rl::engine::wire`, the HTTP calls
 //! `crate::shell::service::engine`.
 
 use serde::{Deserialize, Serialize};

@@ -7,7 +7,9 @@
 pub mod engine;
 pub mod input;
 pub mod limits;
+pub mod locate;
 pub mod objective;
 pub mod settings;
 pub mod sources;
 pub mod spec;
+pub mod verifier;

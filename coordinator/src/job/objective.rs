@@ -292,7 +292,7 @@ pub struct RlSection {
     pub sampling: Option<SamplingSection>,
     /// The RL loop: how completions are scored.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub verifier: Option<crate::rl::verify::VerifierSection>,
+    pub verifier: Option<super::verifier::VerifierSection>,
     /// The RL loop: prompts per generation round (default: the groups one
     /// step takes).
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -14,7 +14,6 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 use crate::job::limits;
-use crate::stream::doc::DocId;
 
 /// One `[[data.sources]]` (or `[[eval.sources]]`) entry as written.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
@@ -88,12 +87,6 @@ pub struct Source {
     pub epochs: Option<u64>,
     pub max_docs: Option<u64>,
     pub chat_template: Option<PathBuf>,
-}
-
-impl Source {
-    pub fn holds(&self, doc: &DocId) -> bool {
-        self.files.contains(&doc.file)
-    }
 }
 
 /// The sources of a list of entries whose files start at `first_file`.

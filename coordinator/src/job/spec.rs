@@ -9,10 +9,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::job::input;
 use crate::job::limits::{self, StepShape};
+use crate::job::locate;
 use crate::job::objective::{step_rollouts, Reference};
 pub use crate::job::objective::{ObjectiveKind, ObjectiveSection, RlSection};
 use crate::job::sources::{self, EvalSection, Source, SourceSpec};
-use crate::stream::data::locate;
 
 /// One thing wrong with a spec, with the dotted path of the field.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -200,7 +200,7 @@ pub struct DataSection {
     /// `[[data.sources]]`: a mixture, instead of `train`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub sources: Vec<SourceSpec>,
-    /// Where token stores are kept (see `data::cache::default_root`).
+    /// Where token stores are kept (see `locate::default_cache_root`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache_dir: Option<PathBuf>,
 }
@@ -255,7 +255,7 @@ impl DataSection {
     pub fn cache_root(&self) -> PathBuf {
         self.cache_dir
             .clone()
-            .unwrap_or_else(crate::stream::data::cache::default_root)
+            .unwrap_or_else(locate::default_cache_root)
     }
 }
 

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use tracing::{info, warn};
 
-use super::engine::{hand_to_scorer, wrong_answer};
+use super::engine::tick::{hand_to_scorer, wrong_answer};
 use super::rounds::{GenCompletion, LoopInputs, RoundKind, RoundStats, MAX_BARREN_GROUPS};
 use super::stream::Admission;
 use crate::core::effects::{Effect, ToWorker, WatchItem};

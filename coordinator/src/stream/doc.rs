@@ -456,8 +456,7 @@ impl Document {
     }
 
     /// Lengths of its sequences, in packing order.
-    pub fn seq_lens(&self) -> crate::stream::plan::SeqLens {
-        use crate::stream::plan::SeqLens;
+    pub fn seq_lens(&self) -> SeqLens {
         let mut lens = self.sequences().map(|s| s.len() as u32);
         let first = lens.next().expect("a document has a first sequence");
         match lens.next() {
@@ -468,6 +467,53 @@ impl Document {
 
     pub fn is_pair(&self) -> bool {
         matches!(self.body, DocBody::Pair { .. })
+    }
+}
+
+/// A document's sequence lengths: one, or a pair's two. Held inline: an
+/// item is built for every document of every step, under the state lock.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct SeqLens {
+    lens: [u32; 2],
+    pair: bool,
+}
+
+impl SeqLens {
+    pub fn one(len: u32) -> Self {
+        Self {
+            lens: [len, 0],
+            pair: false,
+        }
+    }
+
+    /// A pair's two sequences, in the order they are placed.
+    pub fn pair(first: u32, second: u32) -> Self {
+        Self {
+            lens: [first, second],
+            pair: true,
+        }
+    }
+
+    /// One or two lengths; `None` for any other count.
+    pub fn from_slice(lens: &[u32]) -> Option<Self> {
+        match *lens {
+            [len] => Some(Self::one(len)),
+            [first, second] => Some(Self::pair(first, second)),
+            _ => None,
+        }
+    }
+}
+
+impl std::ops::Deref for SeqLens {
+    type Target = [u32];
+    fn deref(&self) -> &[u32] {
+        &self.lens[..1 + usize::from(self.pair)]
+    }
+}
+
+impl std::fmt::Debug for SeqLens {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
     }
 }
 

@@ -24,7 +24,9 @@ pub fn tokenizer_files(data: &DataSection) -> Result<Vec<(String, Vec<u8>)>, Dat
     let id = |token: &str| enc.tok.token_to_id(token);
     let (tokenizer_json, mut config) = if data.is_byte_tokenizer() {
         (
-            super::byte_tokenizer_json().to_string().into_bytes(),
+            super::byte_tokenizer::tokenizer_json()
+                .to_string()
+                .into_bytes(),
             json!({"tokenizer_class": "PreTrainedTokenizerFast"}),
         )
     } else {

@@ -16,7 +16,7 @@ use safetensors::tensor::TensorView;
 use safetensors::{Dtype as StDtype, SafeTensors};
 use serde_json::{json, Value};
 
-use super::TOKENIZER_FILES;
+use super::folder::TOKENIZER_FILES;
 
 /// A floating-point dtype of exported weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

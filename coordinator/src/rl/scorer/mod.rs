@@ -6,8 +6,6 @@
 //! rollouts the core admits. Runs off the state lock (a `command` verifier
 //! is a subprocess).
 
-pub mod engine;
-
 use std::collections::HashMap;
 use std::path::Path;
 

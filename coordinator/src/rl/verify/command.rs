@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value as Json;
 
-use super::{Sample, Score, VerifyError};
+use super::sample::{Sample, Score, VerifyError};
 
 /// Runs `argv` over `batch` (see the module doc).
 pub fn run(

@@ -2,6 +2,7 @@
 //! (`/work/shared/data/rl/`, or `ACCRUE_RL_DATA`; never committed).
 
 use super::*;
+use crate::job::verifier::VerifierSection;
 
 /// (question, answer) rows of the GSM8K test split, or None (printed).
 fn gsm8k_rows(n: usize) -> Option<Vec<(String, String)>> {

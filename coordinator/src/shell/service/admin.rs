@@ -12,7 +12,8 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use tracing::instrument;
 
-use super::{convert, now_ms, Shared};
+use super::convert;
+use super::shared::{now_ms, Shared};
 use crate::core::manifest::StepManifest;
 use crate::core::{Event, EventKind, JobStart, WatchItem};
 use crate::job::settings::JobUpdate;
@@ -35,12 +36,15 @@ impl AdminService {
     fn job_id(&self, arg: &str) -> Result<String, Status> {
         required("job_id", arg)?;
         let inner = self.shared.lock();
-        inner.core.resolve_job(arg).map_err(super::core_status)
+        inner
+            .core
+            .resolve_job(arg)
+            .map_err(super::shared::core_status)
     }
 
     fn summary(&self, job: &str) -> Result<wire::JobSummary, Status> {
         let inner = self.shared.lock();
-        let j = inner.core.job(job).map_err(super::core_status)?;
+        let j = inner.core.job(job).map_err(super::shared::core_status)?;
         Ok(convert::job_summary(j))
     }
 }
@@ -227,7 +231,7 @@ impl Admin for AdminService {
         inner
             .core
             .check_output_free(&dir)
-            .map_err(super::core_status)?;
+            .map_err(super::shared::core_status)?;
         let owner = crate::shell::output::Owner {
             job: id.clone(),
             name: spec.job.name.clone(),
@@ -303,7 +307,7 @@ impl Admin for AdminService {
     ) -> Result<Response<wire::GetJobResponse>, Status> {
         let id = self.job_id(&req.into_inner().job_id)?;
         let inner = self.shared.lock();
-        let job = inner.core.job(&id).map_err(super::core_status)?;
+        let job = inner.core.job(&id).map_err(super::shared::core_status)?;
         let from = job.rec.step.saturating_sub(9).max(1);
         let recent = inner
             .store
@@ -391,7 +395,7 @@ impl Admin for AdminService {
         let step = inner
             .core
             .checkpoint_step(&id)
-            .map_err(super::core_status)?;
+            .map_err(super::shared::core_status)?;
         self.shared
             .apply_locked(&mut inner, Event::TriggerCheckpoint { job: id })?;
         Ok(Response::new(wire::TriggerCheckpointResponse { step }))
@@ -411,7 +415,10 @@ impl Admin for AdminService {
             )));
         }
         let inner = self.shared.lock();
-        inner.core.job(&req.job_id).map_err(super::core_status)?;
+        inner
+            .core
+            .job(&req.job_id)
+            .map_err(super::shared::core_status)?;
         let steps = inner
             .store
             .steps(&req.job_id, from)
@@ -444,7 +451,10 @@ impl Admin for AdminService {
                 update,
             },
         )?;
-        let job = inner.core.job(&req.job_id).map_err(super::core_status)?;
+        let job = inner
+            .core
+            .job(&req.job_id)
+            .map_err(super::shared::core_status)?;
         Ok(Response::new(wire::UpdateJobResponse {
             job: Some(convert::job_summary(job)),
             from_step: job.rec.changes.last().map_or(0, |c| c.from_step),
@@ -457,7 +467,7 @@ impl Admin for AdminService {
     ) -> Result<Response<wire::ListQuarantineResponse>, Status> {
         let id = self.job_id(&req.into_inner().job_id)?;
         let inner = self.shared.lock();
-        let job = inner.core.job(&id).map_err(super::core_status)?;
+        let job = inner.core.job(&id).map_err(super::shared::core_status)?;
         let documents = job
             .rec
             .quarantine
@@ -493,7 +503,10 @@ impl Admin for AdminService {
             }
         };
         let mut inner = self.shared.lock();
-        let job = inner.core.job(&req.job_id).map_err(super::core_status)?;
+        let job = inner
+            .core
+            .job(&req.job_id)
+            .map_err(super::shared::core_status)?;
         let released = job
             .rec
             .quarantine
@@ -524,7 +537,7 @@ impl Admin for AdminService {
         let mut live = self.shared.subscribe();
         let (history, state, last_step) = {
             let inner = self.shared.lock();
-            let j = inner.core.job(&job).map_err(super::core_status)?;
+            let j = inner.core.job(&job).map_err(super::shared::core_status)?;
             let history = if req.from_step > 0 {
                 inner
                     .store

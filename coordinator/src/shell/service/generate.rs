@@ -9,7 +9,7 @@ use accrue_proto::{pack_u32, unpack_f32, unpack_u32, v1 as wire};
 use tonic::Status;
 use tracing::{error, info};
 
-use super::Shared;
+use super::shared::Shared;
 use crate::core::Event;
 use crate::rl::rounds::{Finish, GenCompletion, RoundPlan, RoundToScore};
 use crate::rl::scorer::Scorer;

@@ -8,60 +8,22 @@
 //! then retries: the stream is not read meanwhile, which is the
 //! backpressure a client sees (HTTP/2 flow control).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use accrue_proto::v1 as wire;
 use accrue_proto::v1::rollouts_server::Rollouts;
 use serde_json::{json, Map, Value as Json};
-use tokio::sync::watch;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{debug, instrument};
 
-use super::{core_status, Shared};
+use super::push_room::Waiting;
+use super::shared::{core_status, handle_timed, Shared};
 use crate::core::{CoreError, Effect, Event};
 use crate::job::spec::{DataSection, ModelSection, OnBad};
 use crate::rl::stream::AdmitCounts;
 use crate::stream::data::Encoder;
 use crate::stream::doc::Rollout;
-
-/// Wakes pushers waiting for room in a rollout queue.
-pub(crate) struct Signals {
-    space: watch::Sender<u64>,
-    waiting: AtomicUsize,
-}
-
-impl Default for Signals {
-    fn default() -> Self {
-        Self {
-            space: watch::channel(0).0,
-            waiting: AtomicUsize::new(0),
-        }
-    }
-}
-
-impl Signals {
-    /// Something that may free room or end a job happened: waiters re-check.
-    pub(crate) fn wake(&self) {
-        self.space.send_modify(|v| *v = v.wrapping_add(1));
-    }
-}
-
-/// Counts a waiting pusher for as long as it waits (also when dropped).
-struct Waiting<'a>(&'a AtomicUsize);
-
-impl<'a> Waiting<'a> {
-    fn new(n: &'a AtomicUsize) -> Self {
-        n.fetch_add(1, Ordering::SeqCst);
-        Self(n)
-    }
-}
-
-impl Drop for Waiting<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
-    }
-}
 
 impl Shared {
     /// Pushes waiting for room in a rollout queue right now (observability
@@ -80,7 +42,7 @@ impl Shared {
                     job: job.to_string(),
                     rollouts: batch.clone(),
                 };
-                match super::handle_timed(&mut inner, event) {
+                match handle_timed(&mut inner, event) {
                     Ok((effects, timing)) => {
                         let counts = effects.iter().find_map(|e| match e {
                             Effect::PersistRollouts(w) if w.job == job => w.counts,

@@ -11,7 +11,8 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{debug, warn};
 
-use super::{convert, Shared};
+use super::convert;
+use super::shared::Shared;
 use crate::core::{Event, RankResult, Registration};
 
 pub struct WorkerServiceImpl {

@@ -15,38 +15,21 @@
 //! order, while the file streams through ([`super::read::for_each_batch`]).
 
 use std::io::Read;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use rayon::prelude::*;
 use xxhash_rust::xxh3::Xxh3;
 
+use super::build::build_doc;
 use super::error::{DataError, Result};
-use super::read::RawRow;
+use super::format::Encoder;
+use super::row::RawRow;
 use super::store::{self, BadRow, Store, StoreError, Writer};
-use super::Encoder;
 use crate::job::spec::DataFormat;
 
 /// Rows tokenized per parallel batch while building.
 const BATCH_ROWS: usize = 8192;
-
-/// The environment variable naming the cache directory.
-pub const CACHE_DIR_ENV: &str = "ACCRUE_CACHE_DIR";
-
-/// Where stores live: `$ACCRUE_CACHE_DIR`, else `$XDG_CACHE_HOME/accrue/tokens`,
-/// else `~/.cache/accrue/tokens`, else the temporary directory.
-pub fn default_root() -> PathBuf {
-    if let Some(d) = std::env::var_os(CACHE_DIR_ENV).filter(|d| !d.is_empty()) {
-        return PathBuf::from(d);
-    }
-    if let Some(d) = std::env::var_os("XDG_CACHE_HOME").filter(|d| !d.is_empty()) {
-        return PathBuf::from(d).join("accrue/tokens");
-    }
-    if let Some(h) = std::env::var_os("HOME").filter(|d| !d.is_empty()) {
-        return PathBuf::from(h).join(".cache/accrue/tokens");
-    }
-    std::env::temp_dir().join("accrue-tokens")
-}
 
 /// What an encoder's output depends on, hashed once per job and source:
 /// the files it was built from and the settings that shape documents.
@@ -182,7 +165,7 @@ pub fn build(
         let bodies: Vec<_> = rows
             .par_iter()
             .map(|r| match &r.value {
-                Ok(v) => super::build_doc(enc, format, v).map_err(|e| (false, e)),
+                Ok(v) => build_doc(enc, format, v).map_err(|e| (false, e)),
                 Err(e) => Err((true, e.clone())),
             })
             .collect();

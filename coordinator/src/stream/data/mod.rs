@@ -29,14 +29,15 @@
 //! with `data.on_overlong = "skip"`, skipped and counted. Nothing is ever
 //! truncated.
 
+pub mod build;
 pub mod cache;
 pub mod dpo;
 pub mod error;
 pub mod format;
-pub mod locate;
 pub mod parquet;
 pub mod read;
 pub mod rollout;
+pub mod row;
 pub mod sft;
 pub mod store;
 pub mod synth;
@@ -45,13 +46,13 @@ pub mod tokenize;
 
 use std::path::{Path, PathBuf};
 
-use serde_json::Value as Json;
 use tracing::{debug, info, warn};
 
 use crate::job::sources::Source;
 use crate::job::spec::{DataFormat, DataSection, ObjectiveKind, OnBad};
 use crate::stream::doc::{DocBody, DocId, Document};
 
+pub use build::build_doc;
 pub use error::{DataError, Location, Result};
 pub use format::Encoder;
 pub use synth::{synth_arithmetic, SynthFiles};
@@ -156,21 +157,6 @@ pub fn encoder_with_template(
         template,
         eos_id: specials.eos_id,
         model_vocab,
-    })
-}
-
-/// Builds the body of one row for a format; the error is the reason.
-pub fn build_doc(enc: &Encoder, format: DataFormat, row: &Json) -> Result<DocBody, String> {
-    Ok(match format {
-        DataFormat::Sft => DocBody::Sft(sft::sft_row(enc, row)?),
-        DataFormat::Dpo => {
-            let (chosen, rejected) = dpo::dpo_row(enc, row)?;
-            DocBody::Pair { chosen, rejected }
-        }
-        DataFormat::Rollouts => DocBody::Rollout(rollout::rollout_row(enc, row)?),
-        DataFormat::Prompts => {
-            return Err("prompt rows are read by the RL loop (data.source = \"generate\"), not as training documents".into())
-        }
     })
 }
 
@@ -501,9 +487,9 @@ fn load_file(
 fn build_all(
     enc: &Encoder,
     format: DataFormat,
-    rows: &[read::RawRow],
+    rows: &[row::RawRow],
 ) -> Vec<Result<DocBody, String>> {
-    let build = |r: &read::RawRow| match &r.value {
+    let build = |r: &row::RawRow| match &r.value {
         Ok(v) => build_doc(enc, format, v),
         Err(e) => Err(e.clone()),
     };

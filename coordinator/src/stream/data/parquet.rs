@@ -12,7 +12,7 @@ use std::path::Path;
 use parquet::file::reader::{FileReader, SerializedFileReader};
 
 use super::error::{DataError, Result};
-use super::read::RawRow;
+use super::row::RawRow;
 
 const MAGIC: &[u8; 4] = b"PAR1";
 

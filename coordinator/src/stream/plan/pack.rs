@@ -8,8 +8,9 @@
 use std::cmp::Reverse;
 
 use super::balance::{cost_key, split_for_balance, Layout};
+use super::error::PlanError;
 use super::free_bins::FreeBins;
-use super::{Microbatch, Normalizers, PackItem, PackProblem, PackSolution, PlanError};
+use super::problem::{Microbatch, Normalizers, PackItem, PackProblem, PackSolution};
 
 /// Attention term of the cost model: a sequence of `len` tokens costs
 /// `len + len² / ATTN_SCALE`.

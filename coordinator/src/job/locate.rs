@@ -11,6 +11,24 @@
 
 use std::path::{Path, PathBuf};
 
+/// The environment variable naming the cache directory.
+pub const CACHE_DIR_ENV: &str = "ACCRUE_CACHE_DIR";
+
+/// Where token stores live (the default of `data.cache_dir`): `$ACCRUE_CACHE_DIR`, else `$XDG_CACHE_HOME/accrue/tokens`,
+/// else `~/.cache/accrue/tokens`, else the temporary directory.
+pub fn default_cache_root() -> PathBuf {
+    if let Some(d) = std::env::var_os(CACHE_DIR_ENV).filter(|d| !d.is_empty()) {
+        return PathBuf::from(d);
+    }
+    if let Some(d) = std::env::var_os("XDG_CACHE_HOME").filter(|d| !d.is_empty()) {
+        return PathBuf::from(d).join("accrue/tokens");
+    }
+    if let Some(h) = std::env::var_os("HOME").filter(|d| !d.is_empty()) {
+        return PathBuf::from(h).join(".cache/accrue/tokens");
+    }
+    std::env::temp_dir().join("accrue-tokens")
+}
+
 /// Dataset file suffixes a directory entry picks up.
 const SUFFIXES: &[&str] = &[".jsonl", ".json", ".jsonl.gz", ".json.gz", ".parquet"];
 /// Split names recognised in file and directory names.

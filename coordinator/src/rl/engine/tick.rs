@@ -1,5 +1,5 @@
 //! The RL loop on an external engine (`rl.engine`, issue 17 item 6): the
-//! same rounds as `super::rollout_loop` plans for the workers, sent to the
+//! same rounds as `crate::rl::rollout_loop` plans for the workers, sent to the
 //! shell (`Effect::EngineGenerate`) instead, so generation runs on an
 //! inference server while the workers train.
 //!
@@ -32,12 +32,12 @@ use std::sync::Arc;
 
 use tracing::{info, warn};
 
-use super::rounds::{EngineRound, GenCompletion, LoopState, Round, Scoring};
 use crate::core::effects::{Effect, ToWorker};
 use crate::core::jobs::Work;
 use crate::core::machine::Coordinator;
 use crate::core::publish::{self, policy_dir};
 use crate::core::types::{AbortReason, End, EventKind, JobState, PlanKind, Why};
+use crate::rl::rounds::{EngineRound, GenCompletion, LoopState, Round, Scoring};
 
 /// Hands an answered round to the shell for scoring.
 pub(crate) fn hand_to_scorer(
@@ -64,7 +64,7 @@ pub(crate) fn wrong_answer(
     worker: &str,
     rank: u32,
     round: u64,
-    e: &super::rounds::BadAnswer,
+    e: &crate::rl::rounds::BadAnswer,
 ) -> Why {
     Why::new(
         AbortReason::WorkerError,
