@@ -182,3 +182,35 @@ async fn bad_pushes_are_refused_with_the_field_and_cancel_ends_a_waiting_push() 
     assert!(err.message().contains("cancelled"), "{}", err.message());
     s.stop.cancel();
 }
+
+/// Regression (issue 32, bug 2): a pushed rollout was checked against the
+/// submitted `data.max_tokens`: after `accrue set --max-tokens` lowered
+/// it, a longer rollout was admitted and the next plan failed the job.
+/// The push is refused naming the rollout and the live limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_push_is_checked_against_the_live_max_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = start(&dir.path().join("state")).await;
+    let job = submit(&s.url, dir.path(), 10).await;
+    let mut admin = wire::admin_client::AdminClient::connect(s.url.clone())
+        .await
+        .unwrap();
+    admin
+        .update_job(wire::UpdateJobRequest {
+            job_id: job.clone(),
+            max_tokens: Some(8),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let mut long = group(&job, 0);
+    long.rollouts[1].completion = "1234567890".into();
+    let err = push(s.url.clone(), vec![long]).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{}", err.message());
+    assert!(
+        err.message().starts_with("messages[0].rollouts[1]: ")
+            && err.message().contains("data.max_tokens = 8"),
+        "{}",
+        err.message()
+    );
+}

@@ -24,6 +24,15 @@ pub enum CoreError {
         buffered: u64,
         capacity: u64,
     },
+    /// A pushed rollout longer than the `data.max_tokens` its step will
+    /// be planned with (the live setting): it would fail the plan.
+    #[error("job {job}: rollouts[{index}] has {tokens} tokens, more than data.max_tokens = {max_tokens} (it is never truncated)")]
+    RolloutTooLong {
+        job: String,
+        index: usize,
+        tokens: u64,
+        max_tokens: u32,
+    },
     /// Two live jobs would write the same checkpoints and metrics.
     #[error("job.output_dir {dir} belongs to job {owner} ({name}), which is {state}: give this job another output_dir, or cancel {owner} first")]
     OutputInUse {

@@ -803,7 +803,23 @@ impl Coordinator {
             ));
         }
         let next = job.rec.step + 1;
-        let docs = job.settings().at(next).docs_per_step.unwrap_or(1);
+        let settings = job.settings().at(next);
+        // Against the live limit (`accrue set --max-tokens`), not the
+        // submitted one: the next plan packs with it.
+        if let Some((index, tokens)) = batch
+            .iter()
+            .map(|r| r.seq.len() as u64)
+            .enumerate()
+            .find(|&(_, t)| t > u64::from(settings.max_tokens))
+        {
+            return Err(CoreError::RolloutTooLong {
+                job: job_id.to_string(),
+                index,
+                tokens,
+                max_tokens: settings.max_tokens,
+            });
+        }
+        let docs = settings.docs_per_step.unwrap_or(1);
         let (step, max_staleness) = (job.rec.step, job.spec.rl.max_staleness);
         let pg = job.spec.objective.pg();
         let (Some(s), Some(plan), Some(pg)) =

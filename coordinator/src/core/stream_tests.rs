@@ -449,3 +449,36 @@ fn a_streamed_job_refuses_a_step_larger_than_its_queue() {
     assert!(err.to_string().contains("rl.queue_capacity = 8"), "{err}");
     assert!(s.c.job("job").unwrap().rec.changes.is_empty());
 }
+
+/// Regression (issue 32, bug 2): pushed rollouts were checked against the
+/// submitted `data.max_tokens`, not the live setting: after `accrue set
+/// --max-tokens 16` a 24-token rollout was admitted and the next plan
+/// failed the whole job. It is refused at the push, naming the rollout
+/// and the live limit, and the job trains on.
+#[test]
+fn a_push_longer_than_the_live_max_tokens_is_refused_and_the_job_goes_on() {
+    let mut s = Sim::new();
+    s.submit_stream(stream_spec("steps = 2", 2, 2, 100));
+    s.worker("w");
+    s.handle(Event::UpdateJob {
+        job: "job".into(),
+        update: crate::job::settings::JobUpdate {
+            max_tokens: Some(16),
+            ..Default::default()
+        },
+    })
+    .unwrap();
+    // Group "long0" makes 6 + 5·3 = 21-token rollouts: within the
+    // submitted 128, over the live 16.
+    let err = s.push(groups("long", 1, 0)).unwrap_err();
+    let msg = err.to_string();
+    assert!(msg.contains("rollouts[0]"), "{msg}");
+    assert!(msg.contains("21 tokens"), "{msg}");
+    assert!(msg.contains("data.max_tokens = 16"), "{msg}");
+    assert!(s.stream().groups().next().is_none(), "nothing was admitted");
+    // Rollouts that fit are admitted and trained.
+    s.push(groups("a", 2, 0)).unwrap();
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    assert_eq!(s.committed.len(), 2);
+}

@@ -75,14 +75,17 @@ impl RolloutsService {
     }
 
     /// The data and model sections of a job that takes streamed rollouts
-    /// (pushed ids are bounded by the model's vocabulary, as file rows are).
-    fn sections(&self, job: &str) -> Result<(DataSection, ModelSection), Status> {
+    /// (pushed ids are bounded by the model's vocabulary, as file rows
+    /// are), and the `data.max_tokens` its next step plans with (the live
+    /// setting: `accrue set --max-tokens` may have changed the spec's).
+    fn sections(&self, job: &str) -> Result<(DataSection, ModelSection, u32), Status> {
         let inner = self.shared.lock();
         let j = inner.core.job(job).map_err(core_status)?;
         if j.data.stream.is_none() {
             return Err(core_status(CoreError::NotStreamed(job.to_string())));
         }
-        Ok((j.spec.data.clone(), j.spec.model.clone()))
+        let max_tokens = j.settings().at(j.rec.step + 1).max_tokens;
+        Ok((j.spec.data.clone(), j.spec.model.clone(), max_tokens))
     }
 }
 
@@ -160,9 +163,8 @@ impl Rollouts for RolloutsService {
         }
         let job = first.job_id.clone();
         tracing::Span::current().record("job", job.as_str());
-        let (data, model) = self.sections(&job)?;
+        let (data, model, max_tokens) = self.sections(&job)?;
         let skip_bad = data.on_bad_line == OnBad::Skip || data.on_overlong == OnBad::Skip;
-        let max_tokens = data.max_tokens;
         // Pushed ids are bounded by the model's vocabulary, as file rows are.
         let enc = tokio::task::spawn_blocking(move || {
             let vocab = crate::model::config::read_config(&model)

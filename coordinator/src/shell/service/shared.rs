@@ -617,9 +617,9 @@ pub fn core_status(e: CoreError) -> Status {
         }
         CoreError::QueueFull { .. } => Status::resource_exhausted(e.to_string()),
         CoreError::DuplicateJob(_) => Status::already_exists(e.to_string()),
-        CoreError::InvalidUpdate { .. } | CoreError::AmbiguousJob { .. } => {
-            Status::invalid_argument(e.to_string())
-        }
+        CoreError::InvalidUpdate { .. }
+        | CoreError::AmbiguousJob { .. }
+        | CoreError::RolloutTooLong { .. } => Status::invalid_argument(e.to_string()),
         CoreError::NotQuarantined { .. } => Status::not_found(e.to_string()),
         CoreError::OutputInUse { .. } => Status::failed_precondition(e.to_string()),
     }
