@@ -466,3 +466,53 @@ async fn a_checkpoint_whose_tokenizer_files_cannot_be_written_fails_the_job() {
     worker.abort();
     s.stop.cancel();
 }
+
+/// Regression (issue 32, bug 5): whether a worker may take back its
+/// previous id was decided under one lock and applied under another, and
+/// a registration not yet followed by a session did not count as taking
+/// the id: two processes registering with the same previous id (a worker
+/// restarted twice, a duplicated pod) both got it and shared one record.
+/// Each registration gets an id no other live registration holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registrations_with_the_same_previous_id_get_distinct_ids() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = start(&dir.path().join("state")).await;
+    let register = |url: String, previous: &str| {
+        let previous = previous.to_string();
+        async move {
+            let mut c = wire::worker_service_client::WorkerServiceClient::connect(url)
+                .await
+                .unwrap();
+            c.register(wire::RegisterRequest {
+                hostname: "h".into(),
+                device: "cpu".into(),
+                memory_bytes: 1 << 30,
+                collective_addr: "127.0.0.1:9".into(),
+                version: "test".into(),
+                previous_worker_id: previous,
+                protocol: accrue_proto::PROTOCOL,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .worker_id
+        }
+    };
+    // Unknown to this coordinator: the first registration takes it back.
+    let first = register(s.url.clone(), "w-old").await;
+    assert_eq!(first, "w-old");
+    let second = register(s.url.clone(), "w-old").await;
+    assert_ne!(second, "w-old", "the id is held by the first registration");
+    // Many at once: no two share an id.
+    let many: Vec<_> = (0..16)
+        .map(|_| tokio::spawn(register(s.url.clone(), "w-many")))
+        .collect();
+    let mut ids = Vec::new();
+    for h in many {
+        ids.push(h.await.unwrap());
+    }
+    let distinct: std::collections::BTreeSet<_> = ids.iter().collect();
+    assert_eq!(distinct.len(), ids.len(), "{ids:?}");
+    assert_eq!(ids.iter().filter(|i| *i == "w-many").count(), 1, "{ids:?}");
+}

@@ -7,6 +7,9 @@ pub enum CoreError {
     JobNotFound(String),
     #[error("worker {0} not found")]
     WorkerNotFound(String),
+    /// A registration under an id a live registration holds.
+    #[error("worker id {0} is held by a live registration")]
+    WorkerIdInUse(String),
     #[error("job {job} is {state}: {action} is not possible")]
     BadJobState {
         job: String,

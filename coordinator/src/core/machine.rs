@@ -115,7 +115,16 @@ impl Coordinator {
     pub fn handle(&mut self, event: Event, now_ms: i64) -> Result<Vec<Effect>> {
         let mut fx = Vec::new();
         match event {
-            Event::RegisterWorker { id, reg } => self.register(id, reg, now_ms),
+            Event::RegisterWorker { id, reg } => {
+                if self
+                    .workers
+                    .get(&id)
+                    .is_some_and(|w| w.state != WorkerState::Lost)
+                {
+                    return Err(CoreError::WorkerIdInUse(id));
+                }
+                self.register(id, reg, now_ms)
+            }
             Event::SessionOpened { worker } => {
                 if let Some(w) = self.workers.get_mut(&worker) {
                     w.state = WorkerState::Idle;
@@ -405,6 +414,21 @@ impl Coordinator {
         Ok(j.inflight()
             .filter(|f| f.planned.kind == PlanKind::Train)
             .map_or(j.rec.step, |f| f.planned.step))
+    }
+
+    /// The id a registering worker that held `previous` gets back: that
+    /// one when no live registration holds it (unknown here, or lost),
+    /// else none (it takes a fresh id). A registration not yet followed by
+    /// its session holds its id too: two processes claiming one id (a
+    /// worker restarted twice, a duplicated pod) must not share a record.
+    /// Decided and applied under one lock (the shell's), with
+    /// [`Event::RegisterWorker`].
+    pub fn reusable_id(&self, previous: &str) -> Option<WorkerId> {
+        let taken = self
+            .workers
+            .get(previous)
+            .is_some_and(|w| w.state != WorkerState::Lost);
+        (!previous.is_empty() && !taken).then(|| previous.to_string())
     }
 
     fn register(&mut self, id: WorkerId, reg: Registration, now_ms: i64) {

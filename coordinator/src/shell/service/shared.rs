@@ -616,6 +616,7 @@ pub fn core_status(e: CoreError) -> Status {
             Status::failed_precondition(e.to_string())
         }
         CoreError::QueueFull { .. } => Status::resource_exhausted(e.to_string()),
+        CoreError::WorkerIdInUse(_) => Status::already_exists(e.to_string()),
         CoreError::DuplicateJob(_) => Status::already_exists(e.to_string()),
         CoreError::InvalidUpdate { .. }
         | CoreError::AmbiguousJob { .. }

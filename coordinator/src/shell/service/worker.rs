@@ -172,37 +172,36 @@ impl WorkerService for WorkerServiceImpl {
         }
         super::validate::register(&r)?;
         let held = r.held.clone().map(convert::held_from_wire).transpose()?;
-        let id = {
-            let inner = self.shared.lock();
-            let reuse = !r.previous_worker_id.is_empty()
-                && inner
-                    .core
-                    .worker(&r.previous_worker_id)
-                    .is_none_or(|w| !w.connected());
-            if reuse {
-                r.previous_worker_id.clone()
+        let reg = Registration {
+            hostname: r.hostname,
+            device: r.device,
+            memory_bytes: r.memory_bytes,
+            gpu_name: r.gpu_name,
+            gpu_memory_bytes: r.gpu_memory_bytes,
+            collective_addr: r.collective_addr,
+            relay_addr: r.relay_addr,
+            peak_flops: if r.peak_flops.is_finite() && r.peak_flops > 0.0 {
+                r.peak_flops.round() as u64
             } else {
-                uuid::Uuid::new_v4().to_string()
-            }
-        };
-        self.shared.apply(Event::RegisterWorker {
-            id: id.clone(),
-            reg: Registration {
-                hostname: r.hostname,
-                device: r.device,
-                memory_bytes: r.memory_bytes,
-                gpu_name: r.gpu_name,
-                gpu_memory_bytes: r.gpu_memory_bytes,
-                collective_addr: r.collective_addr,
-                relay_addr: r.relay_addr,
-                peak_flops: if r.peak_flops.is_finite() && r.peak_flops > 0.0 {
-                    r.peak_flops.round() as u64
-                } else {
-                    0
-                },
-                held,
+                0
             },
-        })?;
+            held,
+        };
+        // Which id, and the registration under it, under one lock: two
+        // registrations claiming one previous id cannot both take it.
+        let id = {
+            let mut inner = self.shared.lock();
+            let id = inner
+                .core
+                .reusable_id(&r.previous_worker_id)
+                .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+            let event = Event::RegisterWorker {
+                id: id.clone(),
+                reg,
+            };
+            self.shared.apply_locked(&mut inner, event)?;
+            id
+        };
         Ok(Response::new(wire::RegisterResponse {
             worker_id: id,
             heartbeat_interval_ms: self.heartbeat_interval_ms,
