@@ -382,6 +382,7 @@ pub fn submit_child(spec_path: &Path) -> anyhow::Result<DataRow> {
     )?;
     let fx = c.handle(Event::SessionOpened { worker: "w".into() }, now)?;
     let generation = fx
+        .then()
         .iter()
         .find_map(|f| match f {
             accrue_coordinator::core::Effect::Send {
@@ -400,7 +401,7 @@ pub fn submit_child(spec_path: &Path) -> anyhow::Result<DataRow> {
         },
         now,
     )?;
-    let planned = fx.iter().any(|f| {
+    let planned = fx.then().iter().any(|f| {
         matches!(
             f,
             accrue_coordinator::core::Effect::Send {

@@ -5,7 +5,7 @@
 //! input is invalid, or the job is in a state where the action makes no
 //! sense.
 
-use super::effects::{Effect, ToWorker};
+use super::effects::{Effect, Effects, Persist, ToWorker};
 use super::error::{CoreError, Result};
 use super::jobs::{Job, Phase, Work};
 use super::machine::Coordinator;
@@ -15,7 +15,7 @@ use super::workers::WorkerState;
 use crate::job::settings::{record_change, JobUpdate, UpdateContext};
 
 impl Coordinator {
-    pub(crate) fn cancel(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) -> Result<()> {
+    pub(crate) fn cancel(&mut self, job_id: &str, now_ms: i64, fx: &mut Effects) -> Result<()> {
         let state = self.job(job_id)?.rec.state;
         if state.is_terminal() {
             return Err(CoreError::bad_state(job_id, state, "cancel"));
@@ -24,7 +24,7 @@ impl Coordinator {
         Ok(())
     }
 
-    pub(crate) fn pause(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) -> Result<()> {
+    pub(crate) fn pause(&mut self, job_id: &str, now_ms: i64, fx: &mut Effects) -> Result<()> {
         let job = self.job_mut(job_id)?;
         match job.rec.state {
             JobState::Running if job.inflight().is_some() => job.requests.pause = true,
@@ -35,7 +35,7 @@ impl Coordinator {
         Ok(())
     }
 
-    pub(crate) fn resume(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) -> Result<()> {
+    pub(crate) fn resume(&mut self, job_id: &str, now_ms: i64, fx: &mut Effects) -> Result<()> {
         let job = self.job_mut(job_id)?;
         match job.rec.state {
             JobState::Paused => {
@@ -50,7 +50,7 @@ impl Coordinator {
                 } else {
                     "waiting for workers".into()
                 };
-                fx.push(Effect::PersistJob(Box::new(job.rec.clone())));
+                fx.persist(Persist::Job(Box::new(job.rec.clone())));
                 let msg = format!("resumed at step {}", job.rec.step);
                 fx.push(job.event(EventKind::State, msg, now_ms));
             }
@@ -66,7 +66,7 @@ impl Coordinator {
     /// step boundary, which is now when no step is in flight. Asking again
     /// is harmless: nothing is sent twice, except a Release to a drained
     /// worker that has since reconnected (its first one may be lost).
-    pub(crate) fn drain(&mut self, worker: &str, now_ms: i64, fx: &mut Vec<Effect>) -> Result<()> {
+    pub(crate) fn drain(&mut self, worker: &str, now_ms: i64, fx: &mut Effects) -> Result<()> {
         let w = self
             .workers
             .get_mut(worker)
@@ -104,7 +104,7 @@ impl Coordinator {
         Ok(())
     }
 
-    pub(crate) fn trigger_checkpoint(&mut self, job_id: &str, fx: &mut Vec<Effect>) -> Result<()> {
+    pub(crate) fn trigger_checkpoint(&mut self, job_id: &str, fx: &mut Effects) -> Result<()> {
         let job = self.job_mut(job_id)?;
         if job.rec.state.is_terminal() {
             return Err(CoreError::bad_state(job_id, job.rec.state, "checkpoint"));
@@ -129,7 +129,7 @@ impl Coordinator {
         job_id: &str,
         update: JobUpdate,
         now_ms: i64,
-        fx: &mut Vec<Effect>,
+        fx: &mut Effects,
     ) -> Result<()> {
         let job = self.job_mut(job_id)?;
         if job.rec.state.is_terminal() || matches!(job.phase, Phase::Ended) {
@@ -148,7 +148,7 @@ impl Coordinator {
             job.rec.total_steps = planner::estimated_total_steps(job, from);
         }
         tracing::info!(job = job_id, from_step = from, change = %update.describe(), "step settings changed");
-        fx.push(Effect::PersistJob(Box::new(job.rec.clone())));
+        fx.persist(Persist::Job(Box::new(job.rec.clone())));
         let msg = format!("from step {from}: {}", update.describe());
         fx.push(job.event(EventKind::Config, msg, now_ms));
         Ok(())

@@ -190,7 +190,7 @@ pub enum Event {
         stalled_ms: i64,
     },
     /// Rollouts pushed to a streamed job (one RPC message, admitted whole).
-    /// Answered by an `Effect::PersistRollouts` carrying the counts, or
+    /// Answered by a `Persist::Rollouts` carrying the counts, or
     /// refused unchanged (`QueueFull`: wait for a commit and retry).
     PushRollouts {
         job: JobId,
@@ -250,6 +250,14 @@ pub enum Event {
     OutputFailed {
         job: JobId,
         what: String,
+    },
+    /// The store refused a call's writes for these jobs: what followed
+    /// them was not carried out. Each job ends in memory only (the store
+    /// is what failed; its last durable state stays, and a restarted
+    /// coordinator resumes the job from it) and its workers are released.
+    PersistFailed {
+        jobs: Vec<JobId>,
+        error: String,
     },
 }
 
@@ -359,8 +367,88 @@ pub enum WatchItem {
     },
 }
 
-/// What the shell must do, in order. Persist effects come before the sends
-/// and publications that depend on them.
+/// A durable write: the shell carries out every one of a call's before
+/// anything else the call asked for ([`Effects`]).
+#[derive(Debug, Clone)]
+pub enum Persist {
+    Job(Box<super::record::JobRecord>),
+    /// The step's record, its metrics and its manifest, in one transaction.
+    Step {
+        rec: Box<super::record::JobRecord>,
+        metrics: Box<StepMetrics>,
+        docs: Vec<DocId>,
+        manifest: Box<StepManifest>,
+    },
+    /// Reference log-probs of a committed chunk (persisted before the
+    /// plans that carry them are sent).
+    Reference {
+        job: JobId,
+        entries: Vec<(DocId, RefEntry)>,
+    },
+    /// A streamed job's rollouts: admitted, and deleted once trained (one
+    /// transaction). A push is acknowledged only after this ran; a write
+    /// that frees room wakes waiting pushers.
+    Rollouts(Box<RolloutWrite>),
+}
+
+impl Persist {
+    /// The job whose state this writes.
+    pub fn job(&self) -> &str {
+        match self {
+            Persist::Job(rec) | Persist::Step { rec, .. } => &rec.id,
+            Persist::Reference { job, .. } => job,
+            Persist::Rollouts(w) => &w.job,
+        }
+    }
+}
+
+/// What one call of the state machine asks of the shell: the durable
+/// writes, then what may only follow them. The split is the
+/// persist-then-notify rule as a type: the shell carries out `then` only
+/// once every write of `persist` succeeded, so no worker, watcher or file
+/// ever acts on state the store does not hold (after a restart the
+/// coordinator and its workers would disagree).
+#[derive(Debug, Default)]
+pub struct Effects {
+    persist: Vec<Persist>,
+    then: Vec<Effect>,
+}
+
+impl Effects {
+    /// A durable write, before everything the call does after it.
+    pub fn persist(&mut self, p: Persist) {
+        self.persist.push(p);
+    }
+
+    /// An effect to carry out once the call's writes are durable.
+    pub fn push(&mut self, e: Effect) {
+        self.then.push(e);
+    }
+
+    pub fn persists(&self) -> &[Persist] {
+        &self.persist
+    }
+
+    /// What follows the writes, in order.
+    pub fn then(&self) -> &[Effect] {
+        &self.then
+    }
+
+    pub(crate) fn then_mut(&mut self) -> &mut Vec<Effect> {
+        &mut self.then
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.persist.is_empty() && self.then.is_empty()
+    }
+
+    /// The writes and what follows them.
+    pub fn into_parts(self) -> (Vec<Persist>, Vec<Effect>) {
+        (self.persist, self.then)
+    }
+}
+
+/// What the shell does once a call's writes are durable, in order.
 #[derive(Debug, Clone)]
 pub enum Effect {
     /// A replay needs steps `from..=to` of `job`'s history, which only the
@@ -370,20 +458,6 @@ pub enum Effect {
         job: JobId,
         from: u64,
         to: u64,
-    },
-    PersistJob(Box<super::record::JobRecord>),
-    /// The step's record, its metrics and its manifest, in one transaction.
-    CommitStep {
-        rec: Box<super::record::JobRecord>,
-        metrics: Box<StepMetrics>,
-        docs: Vec<DocId>,
-        manifest: Box<StepManifest>,
-    },
-    /// Reference log-probs of a committed chunk (persisted before the
-    /// plans that carry them are sent).
-    StoreReference {
-        job: JobId,
-        entries: Vec<(DocId, RefEntry)>,
     },
     AppendMetrics {
         job: JobId,
@@ -395,6 +469,13 @@ pub enum Effect {
         job: JobId,
         path: PathBuf,
         eval: Box<super::eval::EvalMetrics>,
+    },
+    /// The tokenizer side of a model folder the workers are writing (a
+    /// checkpoint, a published policy): the job's tokenizer files, written
+    /// into `dir` off the state lock (the coordinator owns the tokenizer).
+    WriteTokenizer {
+        job: JobId,
+        dir: PathBuf,
     },
     Send {
         worker: WorkerId,
@@ -411,10 +492,6 @@ pub enum Effect {
         job: JobId,
         item: WatchItem,
     },
-    /// A streamed job's rollouts: admitted, and deleted once trained (one
-    /// transaction). A push is acknowledged only after this ran; a write
-    /// that frees room wakes waiting pushers.
-    PersistRollouts(Box<RolloutWrite>),
     /// Decode and score a generated round off the state lock, then answer
     /// with `Event::RoundScored` or `Event::RoundFailed`.
     ScoreRound(Box<RoundToScore>),

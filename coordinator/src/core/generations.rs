@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use tracing::{info, warn};
 
-use super::effects::{Effect, ToWorker};
+use super::effects::{Effect, Effects, Persist, ToWorker};
 use super::jobs::{Active, AfterCheckpoint, Generation, Phase, Work};
 use super::machine::Coordinator;
 use super::membership::{compose, Composition};
@@ -23,7 +23,7 @@ use crate::job::spec::Sharding;
 impl Coordinator {
     /// Every rank re-ran a committed step: the generation moves on, nothing
     /// commits again (no metrics, no cursor move, no manifest rewrite).
-    pub(crate) fn replayed(&mut self, job_id: &str, step: u64, now_ms: i64, fx: &mut Vec<Effect>) {
+    pub(crate) fn replayed(&mut self, job_id: &str, step: u64, now_ms: i64, fx: &mut Effects) {
         let job = self.jobs.get_mut(job_id).expect("replaying a known job");
         let active = job.active_mut().expect("replaying within a generation");
         active.gen.step = step;
@@ -48,7 +48,7 @@ impl Coordinator {
         from: u64,
         steps: std::result::Result<Vec<CommittedStep>, String>,
         now_ms: i64,
-        fx: &mut Vec<Effect>,
+        fx: &mut Effects,
     ) {
         let Some(job) = self.jobs.get_mut(job_id) else {
             return;
@@ -89,7 +89,7 @@ impl Coordinator {
     /// zero2/fsdp drain first writes the current step to disk, because the
     /// leaver's shards would otherwise be lost (no dispatch meanwhile).
     /// During a replay the change waits for the replay's end.
-    pub(crate) fn regroup(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
+    pub(crate) fn regroup(&mut self, job_id: &str, now_ms: i64, fx: &mut Effects) {
         let leaving = self.jobs[job_id].gen().is_some_and(|g| {
             g.everyone()
                 .any(|m| self.workers.get(m).is_some_and(|w| w.draining))
@@ -126,7 +126,7 @@ impl Coordinator {
         job_id: &str,
         step: u64,
         now_ms: i64,
-        fx: &mut Vec<Effect>,
+        fx: &mut Effects,
     ) {
         let Some(job) = self.jobs.get_mut(job_id) else {
             return;
@@ -154,7 +154,7 @@ impl Coordinator {
             job.trim_history(replay_next);
         }
         job.rec.last_checkpoint = job.rec.checkpoints.last().map(|c| c.step);
-        fx.push(Effect::PersistJob(Box::new(job.rec.clone())));
+        fx.persist(Persist::Job(Box::new(job.rec.clone())));
         // Out of the index, a checkpoint is no recovery source any more:
         // its directory goes once the record saying so is durable. Only
         // the job's own (never the checkpoint it resumed from).
@@ -200,7 +200,7 @@ impl Coordinator {
         job_id: &str,
         message: &str,
         now_ms: i64,
-        fx: &mut Vec<Effect>,
+        fx: &mut Effects,
     ) {
         let job = self.jobs.get_mut(job_id).expect("known job");
         let gen = job.gen().cloned().expect("an error within a generation");
@@ -262,7 +262,7 @@ impl Coordinator {
 
     /// Forms a generation for a waiting job as [`compose`] decides, and
     /// configures its members.
-    pub(crate) fn form_generation(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
+    pub(crate) fn form_generation(&mut self, job_id: &str, now_ms: i64, fx: &mut Effects) {
         let (members, generators, decision, disk_only) =
             match compose(now_ms, &self.jobs[job_id], &self.workers) {
                 Composition::Form {
@@ -416,7 +416,7 @@ impl Coordinator {
             %source,
             "generation formed"
         );
-        fx.push(Effect::PersistJob(Box::new(job.rec.clone())));
+        fx.persist(Persist::Job(Box::new(job.rec.clone())));
         let msg = if generators.is_empty() {
             format!(
                 "generation {} formed with {world} workers; {source}",
@@ -443,7 +443,7 @@ impl Coordinator {
         generation: u64,
         step: u64,
         now_ms: i64,
-        fx: &mut Vec<Effect>,
+        fx: &mut Effects,
     ) {
         let Some(job) = self.jobs.get_mut(job_id) else {
             return;

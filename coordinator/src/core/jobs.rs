@@ -10,7 +10,7 @@ use tracing::info;
 
 use super::bisect::Bisection;
 use super::deadline::Pace;
-use super::effects::{Effect, ToWorker, WatchItem};
+use super::effects::{Effect, Effects, Persist, ToWorker, WatchItem};
 use super::eval::{EvalRun, EvalSet};
 use super::metrics::MetricSums;
 use super::record::JobRecord;
@@ -700,10 +700,10 @@ impl Job {
     }
 
     /// Pauses the job at its current step boundary.
-    pub fn pause_now(&mut self, now_ms: i64, fx: &mut Vec<Effect>) {
+    pub fn pause_now(&mut self, now_ms: i64, fx: &mut Effects) {
         self.rec.state = JobState::Paused;
         self.rec.reason = "paused by operator".into();
-        fx.push(Effect::PersistJob(Box::new(self.rec.clone())));
+        fx.persist(Persist::Job(Box::new(self.rec.clone())));
         let msg = format!("paused at step {}", self.rec.step);
         fx.push(self.event(EventKind::State, msg, now_ms));
     }
@@ -739,7 +739,7 @@ impl Job {
     /// Asks every member to write the committed step's checkpoint (once
     /// per step). Mid-replay the members do not hold the committed step
     /// yet: the checkpoint is taken at the next commit instead.
-    pub fn request_checkpoint(&mut self, fx: &mut Vec<Effect>) {
+    pub fn request_checkpoint(&mut self, fx: &mut Effects) {
         let Some(gen) = self.gen() else { return };
         if gen.step < self.rec.step {
             self.requests.checkpoint = true;
@@ -752,6 +752,12 @@ impl Job {
             return;
         }
         let dir = self.checkpoint_dir(step);
+        // The workers write weights and optimizer state; the coordinator,
+        // which owns the tokenizer, its files.
+        fx.push(Effect::WriteTokenizer {
+            job: self.rec.id.clone(),
+            dir: dir.clone(),
+        });
         for m in &gen.members {
             fx.push(Effect::Send {
                 worker: m.clone(),

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use tracing::{info, warn};
 
-use super::effects::{Effect, RankResult, ToWorker, WatchItem};
+use super::effects::{Effect, Effects, Persist, RankResult, ToWorker, WatchItem};
 use super::error::{CoreError, Result};
 use super::jobs::{AfterCheckpoint, InFlight, Phase, Work};
 use super::machine::Coordinator;
@@ -50,7 +50,7 @@ impl Coordinator {
         step: u64,
         result: RankResult,
         now_ms: i64,
-        fx: &mut Vec<Effect>,
+        fx: &mut Effects,
     ) {
         let Some(active) = self.jobs.get_mut(job_id).and_then(|j| j.active_mut()) else {
             return;
@@ -138,7 +138,7 @@ impl Coordinator {
         step: u64,
         results: Vec<(u32, RankResult)>,
         now_ms: i64,
-        fx: &mut Vec<Effect>,
+        fx: &mut Effects,
     ) {
         let Some(gen) = self
             .jobs
@@ -189,7 +189,7 @@ impl Coordinator {
     /// Every rank reported its part of an eval chunk: its sums join the
     /// evaluation's; after the last chunk the metrics are written and sent.
     /// Nothing else moves (no cursor, no step).
-    fn commit_eval(&mut self, job_id: &str, flight: InFlight, now_ms: i64, fx: &mut Vec<Effect>) {
+    fn commit_eval(&mut self, job_id: &str, flight: InFlight, now_ms: i64, fx: &mut Effects) {
         let job = self.jobs.get_mut(job_id).expect("an eval of a known job");
         let (Some(set), Some(run)) = (job.data.eval.as_ref(), job.eval_run.as_mut()) else {
             return;
@@ -226,13 +226,7 @@ impl Coordinator {
 
     /// Every rank reported its part of a reference chunk: the log-probs are
     /// stored (the store write precedes any plan that carries them).
-    fn commit_reference(
-        &mut self,
-        job_id: &str,
-        flight: InFlight,
-        now_ms: i64,
-        fx: &mut Vec<Effect>,
-    ) {
+    fn commit_reference(&mut self, job_id: &str, flight: InFlight, now_ms: i64, fx: &mut Effects) {
         let job = self.jobs.get_mut(job_id).expect("committing a known job");
         let kind = reference::pass_kind(&job.spec).unwrap_or(reference::PassKind::Pairs);
         let planned: std::collections::BTreeSet<_> = flight.planned.docs.iter().collect();
@@ -265,7 +259,7 @@ impl Coordinator {
         cache.logps.extend(entries.iter().cloned());
         let (done, total) = (cache.logps.len(), job.data.docs.len());
         info!(job = job_id, done, total, "reference chunk committed");
-        fx.push(Effect::StoreReference {
+        fx.persist(Persist::Reference {
             job: job_id.to_string(),
             entries,
         });
@@ -279,7 +273,7 @@ impl Coordinator {
     }
 
     /// Every rank reported: the step commits, the cursor moves.
-    fn commit(&mut self, job_id: &str, flight: InFlight, now_ms: i64, fx: &mut Vec<Effect>) {
+    fn commit(&mut self, job_id: &str, flight: InFlight, now_ms: i64, fx: &mut Effects) {
         let peak_flops = self.generation_peak_flops(job_id);
         let job = self.jobs.get_mut(job_id).expect("committing a known job");
         // Per-source metrics for a mixture (one source: the step's own).
@@ -346,7 +340,7 @@ impl Coordinator {
         if let Some(s) = &job.data.stream {
             manifest.groups = trained_groups(s, &planned.docs);
         }
-        fx.push(Effect::CommitStep {
+        fx.persist(Persist::Step {
             rec: Box::new(job.rec.clone()),
             metrics: Box::new(m.clone()),
             docs: planned.docs.clone(),
@@ -363,9 +357,7 @@ impl Coordinator {
         });
         let (id, to) = (job.rec.id.clone(), job.rec.cursor.position);
         if let (Some(s), Some(plan)) = (job.data.stream.as_mut(), job.data.rollouts.as_mut()) {
-            fx.push(Effect::PersistRollouts(Box::new(
-                s.on_commit(plan, &id, to),
-            )));
+            fx.persist(Persist::Rollouts(Box::new(s.on_commit(plan, &id, to))));
         }
 
         super::publish::request_if_due(job, fx);
@@ -398,13 +390,7 @@ impl Coordinator {
     /// step's checkpoint is durable, so that "completed" always means the
     /// trained model is on disk. Until then the generation waits (a lost
     /// writer re-forms it, and the next generation asks again).
-    pub(crate) fn complete(
-        &mut self,
-        job_id: &str,
-        detail: &str,
-        now_ms: i64,
-        fx: &mut Vec<Effect>,
-    ) {
+    pub(crate) fn complete(&mut self, job_id: &str, detail: &str, now_ms: i64, fx: &mut Effects) {
         let job = self.jobs.get_mut(job_id).expect("completing a known job");
         if job.step_durable() {
             self.finish(job_id, End::Completed(detail.into()), now_ms, fx);
@@ -423,7 +409,7 @@ impl Coordinator {
 
     /// A step boundary: a requested pause takes effect, drained workers
     /// leave and joiners come in (both form a new generation).
-    pub(crate) fn at_boundary(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
+    pub(crate) fn at_boundary(&mut self, job_id: &str, now_ms: i64, fx: &mut Effects) {
         let job = &self.jobs[job_id];
         let gen = job.gen().expect("a boundary within a generation");
         // Every step, so no copy of the generation and no lookup per
@@ -456,7 +442,7 @@ impl Coordinator {
         kind: WorkerErrorKind,
         message: String,
         now_ms: i64,
-        fx: &mut Vec<Effect>,
+        fx: &mut Effects,
     ) {
         let Some(job) = self.jobs.get(job_id) else {
             return;
@@ -538,7 +524,7 @@ impl Coordinator {
     }
 
     /// Ends a job: the step in flight is aborted, the members released.
-    pub(crate) fn finish(&mut self, job_id: &str, end: End, now_ms: i64, fx: &mut Vec<Effect>) {
+    pub(crate) fn finish(&mut self, job_id: &str, end: End, now_ms: i64, fx: &mut Effects) {
         let Some(job) = self.jobs.get_mut(job_id) else {
             return;
         };
@@ -585,14 +571,14 @@ impl Coordinator {
         job.rec.state = end.state();
         job.rec.reason = reason.clone();
         info!(job = job_id, state = ?job.rec.state, reason, "job finished");
-        fx.push(Effect::PersistJob(Box::new(job.rec.clone())));
+        fx.persist(Persist::Job(Box::new(job.rec.clone())));
         let ended = (!matches!(end, End::Completed(_))).then_some(why.reason);
         fx.push(job.event_ending(EventKind::State, reason, ended, aborted_step, now_ms));
     }
 
     /// Forms generations for waiting jobs (FIFO) and dispatches the next step
     /// of every ready, running job.
-    pub(crate) fn schedule(&mut self, now_ms: i64, fx: &mut Vec<Effect>) {
+    pub(crate) fn schedule(&mut self, now_ms: i64, fx: &mut Effects) {
         for id in self.job_order.clone() {
             let job = &self.jobs[&id];
             if job.rec.state == JobState::Pending && matches!(job.phase, Phase::Waiting { .. }) {
@@ -613,7 +599,7 @@ impl Coordinator {
         }
     }
 
-    fn dispatch(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
+    fn dispatch(&mut self, job_id: &str, now_ms: i64, fx: &mut Effects) {
         // The RL loop: nothing goes out while a round is being scored (its
         // rollouts or eval answers are owed first); eval prompts are
         // answered before the first step and after the last.
@@ -764,7 +750,7 @@ impl Coordinator {
         job_id: &str,
         planned: Arc<PlannedStep>,
         now_ms: i64,
-        fx: &mut Vec<Effect>,
+        fx: &mut Effects,
     ) {
         let job = self.jobs.get_mut(job_id).expect("known job");
         let active = job.active_mut().expect("dispatch within a generation");
@@ -793,7 +779,12 @@ impl Coordinator {
     }
 
     /// Admits rollouts pushed to a streamed job (see `crate::rl::stream`).
-    pub(crate) fn push_rollouts(&mut self, job_id: &str, batch: Vec<Rollout>) -> Result<Effect> {
+    pub(crate) fn push_rollouts(
+        &mut self,
+        job_id: &str,
+        batch: Vec<Rollout>,
+        fx: &mut Effects,
+    ) -> Result<()> {
         let job = self.job_mut(job_id)?;
         if job.rec.state.is_terminal() {
             return Err(CoreError::bad_state(
@@ -834,7 +825,8 @@ impl Coordinator {
             max_staleness,
             need: s.step_rollouts(docs),
         };
-        Ok(Effect::PersistRollouts(Box::new(s.push(plan, at, batch)?)))
+        fx.persist(Persist::Rollouts(Box::new(s.push(plan, at, batch)?)));
+        Ok(())
     }
 }
 

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use tracing::{info, warn};
 
-use super::effects::{Effect, Event, JobStart, RankResult, ToWorker};
+use super::effects::{Effect, Effects, Event, JobStart, Persist, RankResult, ToWorker};
 use super::error::{CoreError, Result};
 use super::jobs::{Job, JobData, Phase, Work};
 use super::liveness::Liveness;
@@ -112,8 +112,8 @@ impl Coordinator {
     }
 
     /// Applies one event. Admin errors leave the state unchanged.
-    pub fn handle(&mut self, event: Event, now_ms: i64) -> Result<Vec<Effect>> {
-        let mut fx = Vec::new();
+    pub fn handle(&mut self, event: Event, now_ms: i64) -> Result<Effects> {
+        let mut fx = Effects::default();
         match event {
             Event::RegisterWorker { id, reg } => {
                 if self
@@ -232,7 +232,7 @@ impl Coordinator {
                 let mut job = Job::new(rec, spec, data);
                 job.rec.total_steps =
                     planner::total_steps(&job.spec, &job.data.docs, job.data.rollouts.as_ref());
-                fx.push(Effect::PersistJob(Box::new(job.rec.clone())));
+                fx.persist(Persist::Job(Box::new(job.rec.clone())));
                 self.job_order.push(id.clone());
                 self.jobs.insert(id, job);
             }
@@ -283,7 +283,7 @@ impl Coordinator {
                 self.tick(now_ms, &mut fx);
             }
             Event::PushRollouts { job, rollouts } => {
-                fx.push(self.push_rollouts(&job, rollouts)?);
+                self.push_rollouts(&job, rollouts, &mut fx)?;
             }
             Event::OutputFailed { job, what } => {
                 let state = self.job(&job)?.rec.state;
@@ -293,6 +293,11 @@ impl Coordinator {
                         format!("writing the job's output failed: {what}"),
                     );
                     self.finish(&job, super::types::End::Failed(why), now_ms, &mut fx);
+                }
+            }
+            Event::PersistFailed { jobs, error } => {
+                for job in jobs {
+                    self.persist_failed(&job, &error, now_ms, &mut fx);
                 }
             }
             Event::LoadPrompts { job, inputs } => self.load_prompts(&job, inputs)?,
@@ -348,8 +353,34 @@ impl Coordinator {
         self.schedule(now_ms, &mut fx);
         let jobs = &self.jobs;
         let current = |job: &str| jobs.get(job)?.active().map(|a| a.gen.id);
-        super::routing::route(&mut fx, &self.workers, current);
+        super::routing::route(fx.then_mut(), &self.workers, current);
         Ok(fx)
+    }
+
+    /// The store refused `job_id`'s writes: the job ends here, in memory
+    /// only. Nothing is written (the store is what failed; its last
+    /// durable state is what a restarted coordinator resumes the job
+    /// from), and its members are released.
+    fn persist_failed(&mut self, job_id: &str, error: &str, now_ms: i64, fx: &mut Effects) {
+        if self
+            .jobs
+            .get(job_id)
+            .is_none_or(|j| j.rec.state.is_terminal())
+        {
+            return;
+        }
+        let why = Why::new(
+            AbortReason::OutputFailed,
+            format!(
+                "the coordinator's store refused the job's state ({error}); a restarted coordinator resumes it from its last durable step"
+            ),
+        );
+        let mut ended = Effects::default();
+        self.finish(job_id, super::types::End::Failed(why), now_ms, &mut ended);
+        let (_unwritable, then) = ended.into_parts();
+        for e in then {
+            fx.push(e);
+        }
     }
 
     /// The job an operator means by `arg`: its id; else its `job.name`
@@ -476,7 +507,7 @@ impl Coordinator {
         }
     }
 
-    fn tick(&mut self, now_ms: i64, fx: &mut Vec<Effect>) {
+    fn tick(&mut self, now_ms: i64, fx: &mut Effects) {
         let timeout = self.opts.heartbeat_timeout_ms;
         let live = &self.liveness;
         let silent: Vec<WorkerId> = self
@@ -539,13 +570,7 @@ impl Coordinator {
 
     /// A worker is gone: its generation's in-flight step is aborted and the
     /// job waits for a new generation, re-planning from the same cursor.
-    pub(crate) fn lose_worker(
-        &mut self,
-        worker: &str,
-        why: &str,
-        now_ms: i64,
-        fx: &mut Vec<Effect>,
-    ) {
+    pub(crate) fn lose_worker(&mut self, worker: &str, why: &str, now_ms: i64, fx: &mut Effects) {
         let why = Why::new(
             AbortReason::WorkerLost,
             format!("worker {worker} lost: {why}"),
@@ -559,7 +584,7 @@ impl Coordinator {
         worker: &str,
         why: Why,
         now_ms: i64,
-        fx: &mut Vec<Effect>,
+        fx: &mut Effects,
     ) {
         let Some(w) = self.workers.get_mut(worker) else {
             return;
@@ -627,7 +652,7 @@ impl Coordinator {
         why: Why,
         disk_only: bool,
         now_ms: i64,
-        fx: &mut Vec<Effect>,
+        fx: &mut Effects,
     ) {
         let Some(job) = self.jobs.get_mut(job_id) else {
             return;
@@ -699,7 +724,7 @@ impl Coordinator {
             job.rec.state = JobState::Pending;
             job.rec.reason = why.detail.clone();
         }
-        fx.push(Effect::PersistJob(Box::new(job.rec.clone())));
+        fx.persist(Persist::Job(Box::new(job.rec.clone())));
         let message = match aborted {
             Some(step) => format!("generation {} ended, step {step} aborted: {why}", gen.id),
             None => format!("generation {} ended: {why}", gen.id),

@@ -1,7 +1,9 @@
 //! The coordinator as a pure state machine: `Coordinator::handle(event,
-//! now_ms) -> Vec<Effect>`. No sockets, no clock, no disk: the server shell
-//! feeds events in and carries the effects out, persisting before it sends
-//! (raft-rs `ready()/advance()` is the model). Multi-worker scenarios are
+//! now_ms) -> Effects`. No sockets, no clock, no disk: the server shell
+//! feeds events in and carries the effects out. [`Effects`] holds the
+//! durable writes apart from what may follow them, and the shell carries
+//! out the rest only once every write succeeded (raft-rs
+//! `ready()/advance()` is the model). Multi-worker scenarios are
 //! tested as loops over `handle`.
 //!
 //! Layers point down; no file imports one above it:
@@ -50,7 +52,9 @@ pub(crate) mod workers;
 #[cfg(test)]
 mod tests;
 
-pub use effects::{Beat, Effect, Event, JobStart, RankResult, ToWorker, WatchItem};
+pub use effects::{
+    Beat, Effect, Effects, Event, JobStart, Persist, RankResult, ToWorker, WatchItem,
+};
 pub use error::{CoreError, Result};
 pub use eval::EvalMetrics;
 pub use jobs::{

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 
 use tracing::info;
 
-use super::effects::{Effect, ToWorker};
+use super::effects::{Effect, Effects, ToWorker};
 use super::jobs::Job;
 use super::machine::Coordinator;
 use super::types::EventKind;
@@ -26,7 +26,7 @@ pub fn policy_dir(job: &Job, step: u64) -> PathBuf {
 
 /// After a commit: asks every member to publish when the step is due
 /// (`rl.publish_every`; with generator workers every `rl.sync_every()`).
-pub(crate) fn request_if_due(job: &mut Job, fx: &mut Vec<Effect>) {
+pub(crate) fn request_if_due(job: &mut Job, fx: &mut Effects) {
     let every = match job.spec.rl.generators {
         Some(_) => Some(job.spec.rl.sync_every()),
         None => job.spec.rl.publish_every,
@@ -42,7 +42,7 @@ pub(crate) fn request_if_due(job: &mut Job, fx: &mut Vec<Effect>) {
 /// Asks every member to publish the committed step's policy now: to disk,
 /// or, for a job's own generators, as a snapshot in memory that trainer
 /// rank 0 broadcasts over the weight ring (never through disk).
-pub(crate) fn request(job: &mut Job, fx: &mut Vec<Effect>) {
+pub(crate) fn request(job: &mut Job, fx: &mut Effects) {
     let step = job.rec.step;
     let Some(members) = job.gen().map(|g| g.members.clone()) else {
         return;
@@ -53,6 +53,13 @@ pub(crate) fn request(job: &mut Job, fx: &mut Vec<Effect>) {
         .generators
         .is_none()
         .then(|| policy_dir(job, step));
+    // The coordinator owns the tokenizer: its files complete the folder.
+    if let Some(dir) = &dir {
+        fx.push(Effect::WriteTokenizer {
+            job: job.rec.id.clone(),
+            dir: dir.clone(),
+        });
+    }
     for m in &members {
         fx.push(Effect::Send {
             worker: m.clone(),
@@ -75,7 +82,7 @@ impl Coordinator {
         job_id: &str,
         step: u64,
         now_ms: i64,
-        fx: &mut Vec<Effect>,
+        fx: &mut Effects,
     ) {
         let Some(job) = self.jobs.get_mut(job_id) else {
             return;

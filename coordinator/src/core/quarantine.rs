@@ -9,7 +9,7 @@ use std::collections::BTreeSet;
 use tracing::{info, warn};
 
 use super::bisect::{self, Bisection, Next};
-use super::effects::Effect;
+use super::effects::{Effects, Persist};
 use super::error::{CoreError, Result};
 use super::jobs::InFlight;
 use super::machine::Coordinator;
@@ -40,7 +40,7 @@ impl Coordinator {
         worker: &str,
         message: &str,
         now_ms: i64,
-        fx: &mut Vec<Effect>,
+        fx: &mut Effects,
     ) {
         let job = self.jobs.get_mut(job_id).expect("bisecting a known job");
         let planned = job
@@ -86,13 +86,7 @@ impl Coordinator {
 
     /// Every rank answered a probe: its verdict narrows the bisection,
     /// which probes again, quarantines what it found, or fails the job.
-    pub(crate) fn probed(
-        &mut self,
-        job_id: &str,
-        flight: InFlight,
-        now_ms: i64,
-        fx: &mut Vec<Effect>,
-    ) {
+    pub(crate) fn probed(&mut self, job_id: &str, flight: InFlight, now_ms: i64, fx: &mut Effects) {
         let job = self.jobs.get_mut(job_id).expect("probing a known job");
         let world = flight.planned.ranks.len() as u32;
         let coupled = job.spec.parallel.sharding == Sharding::Fsdp;
@@ -129,7 +123,7 @@ impl Coordinator {
                         unix_ms: now_ms,
                     });
                 }
-                fx.push(Effect::PersistJob(Box::new(job.rec.clone())));
+                fx.persist(Persist::Job(Box::new(job.rec.clone())));
                 for doc in &docs {
                     let msg = format!(
                         "document {doc} quarantined: step {step} is non-finite with it alone (found in {round} probe rounds)"
@@ -177,7 +171,7 @@ impl Coordinator {
         job_id: &str,
         docs: Option<&[DocId]>,
         now_ms: i64,
-        fx: &mut Vec<Effect>,
+        fx: &mut Effects,
     ) -> Result<Vec<Quarantined>> {
         let job = self.job_mut(job_id)?;
         if let Some(docs) = docs {
@@ -195,7 +189,7 @@ impl Coordinator {
         if released.is_empty() {
             return Ok(released);
         }
-        fx.push(Effect::PersistJob(Box::new(job.rec.clone())));
+        fx.persist(Persist::Job(Box::new(job.rec.clone())));
         let names: Vec<String> = released.iter().map(|q| q.doc.to_string()).collect();
         let msg = format!("released from quarantine: {}", names.join(", "));
         fx.push(job.event(EventKind::Quarantine, msg, now_ms));

@@ -134,6 +134,8 @@ struct Sim {
     checkpoint_msgs: usize,
     /// Checkpoint directories the shell was asked to delete, by step.
     removed_checkpoints: Vec<u64>,
+    /// Directories the core asked the shell to write tokenizer files into.
+    tokenizer_dirs: Vec<PathBuf>,
     /// When set, Checkpoint messages wait here instead of being answered.
     held_checkpoints: Option<Vec<(WorkerId, ToWorker)>>,
     /// Documents whose loss is NaN: a training plan holding one fails as
@@ -219,6 +221,7 @@ impl Sim {
             ended_sessions: Vec::new(),
             checkpoint_msgs: 0,
             removed_checkpoints: Vec::new(),
+            tokenizer_dirs: Vec::new(),
             held_checkpoints: None,
             poison: Vec::new(),
             evals: Vec::new(),
@@ -283,7 +286,24 @@ impl Sim {
 
     fn handle(&mut self, e: Event) -> Result<()> {
         self.now += 10;
-        let fx = self.c.handle(e, self.now)?;
+        let (persists, fx) = self.c.handle(e, self.now)?.into_parts();
+        for p in persists {
+            match p {
+                Persist::Reference { entries, .. } => self.stored_ref.extend(entries),
+                Persist::Step {
+                    rec,
+                    metrics,
+                    docs,
+                    manifest,
+                } => {
+                    self.manifests.push(*manifest);
+                    self.persisted.push(*rec);
+                    self.committed.push((*metrics, docs));
+                }
+                Persist::Job(rec) => self.persisted.push(*rec),
+                Persist::Rollouts(w) => self.rollout_writes.push(*w),
+            }
+        }
         // A hub forwards its followers' messages (accrue-relay): they
         // arrive as if sent to each, after the call's other messages.
         let fx = self.forward_relays(fx);
@@ -359,19 +379,6 @@ impl Sim {
                     item: WatchItem::Event { kind, message, .. },
                     ..
                 } => self.events.push((kind.name().to_string(), message)),
-                Effect::StoreReference { entries, .. } => self.stored_ref.extend(entries),
-                Effect::CommitStep {
-                    rec,
-                    metrics,
-                    docs,
-                    manifest,
-                } => {
-                    self.manifests.push(*manifest);
-                    self.persisted.push(*rec);
-                    self.committed.push((*metrics, docs));
-                }
-                Effect::PersistJob(rec) => self.persisted.push(*rec),
-                Effect::PersistRollouts(w) => self.rollout_writes.push(*w),
                 Effect::RemoveCheckpoint { step, .. } => self.removed_checkpoints.push(step),
                 Effect::EndSession { worker, .. } => self.ended_sessions.push(worker),
                 Effect::AppendEval { eval, .. } => self.evals.push(*eval),
@@ -386,6 +393,7 @@ impl Sim {
                     self.history_loads.push((from, to));
                     self.history_unanswered.push_back((job, from, to));
                 }
+                Effect::WriteTokenizer { dir, .. } => self.tokenizer_dirs.push(dir),
                 Effect::AppendMetrics { .. } | Effect::Publish { .. } => {}
             }
         }
@@ -1792,6 +1800,13 @@ fn an_fsdp_drain_writes_the_step_first_and_restores_it_without_replay() {
     s.run();
     assert_eq!(s.state(), JobState::Completed);
     assert_eq!(s.checkpoints, vec![1, 4], "the drain writes step 1 first");
+    // The core asks for each checkpoint's tokenizer files once, whatever
+    // the number of writers (the shell no longer guesses from the sends).
+    let job = s.c.job("job").unwrap();
+    assert_eq!(
+        s.tokenizer_dirs,
+        vec![job.checkpoint_dir(1), job.checkpoint_dir(4)]
+    );
     let gen2 = s.configures_of(2);
     assert_eq!(gen2.len(), 2);
     assert!(gen2.iter().all(|c| c.step == 1

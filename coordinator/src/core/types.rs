@@ -221,7 +221,8 @@ pub enum AbortReason {
     MembershipChange,
     /// The job failed for a reason of its own (planning, a reference pass).
     JobFailed,
-    /// The job's output (metrics, a checkpoint) could not be written.
+    /// The job's output (metrics, a checkpoint) or its state in the
+    /// coordinator's store could not be written.
     OutputFailed,
     /// A member did not answer within the step deadline.
     StepDeadline,

@@ -11,7 +11,7 @@ use tracing::{info, warn};
 use super::engine::tick::{hand_to_scorer, wrong_answer};
 use super::rounds::{GenCompletion, LoopInputs, RoundKind, RoundStats, MAX_BARREN_GROUPS};
 use super::stream::Admission;
-use crate::core::effects::{Effect, ToWorker, WatchItem};
+use crate::core::effects::{Effect, Effects, Persist, ToWorker, WatchItem};
 use crate::core::error::{CoreError, Result};
 use crate::core::jobs::Work;
 use crate::core::machine::Coordinator;
@@ -42,7 +42,7 @@ impl Coordinator {
         job_id: &str,
         need: u64,
         now_ms: i64,
-        fx: &mut Vec<Effect>,
+        fx: &mut Effects,
     ) -> bool {
         let job = self.jobs.get_mut(job_id).expect("known job");
         let Some(gen) = job.gen() else {
@@ -94,7 +94,7 @@ impl Coordinator {
     }
 
     /// Plans a greedy round over the job's eval prompts.
-    pub(crate) fn plan_eval(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) -> bool {
+    pub(crate) fn plan_eval(&mut self, job_id: &str, now_ms: i64, fx: &mut Effects) -> bool {
         let job = self.jobs.get_mut(job_id).expect("known job");
         let Some(gen) = job.gen() else {
             return false;
@@ -118,7 +118,7 @@ impl Coordinator {
         job_id: &str,
         round: super::rounds::Round,
         plans: Vec<super::rounds::RoundPlan>,
-        fx: &mut Vec<Effect>,
+        fx: &mut Effects,
     ) {
         let job = self.jobs.get_mut(job_id).expect("known job");
         info!(
@@ -160,7 +160,7 @@ impl Coordinator {
         round: u64,
         answer: (Vec<GenCompletion>, f64),
         now_ms: i64,
-        fx: &mut Vec<Effect>,
+        fx: &mut Effects,
     ) {
         let Some(job) = self.jobs.get_mut(job_id) else {
             return;
@@ -225,7 +225,7 @@ impl Coordinator {
         rollouts: Vec<Rollout>,
         stats: RoundStats,
         now_ms: i64,
-        fx: &mut Vec<Effect>,
+        fx: &mut Effects,
     ) -> Result<()> {
         let job = self.job_mut(job_id)?;
         let pg = job.spec.objective.pg();
@@ -310,7 +310,7 @@ impl Coordinator {
         }
         let (groups, rounds) = l.barren;
         job.data.loop_stats.add(&stats);
-        fx.push(Effect::PersistRollouts(Box::new(write)));
+        fx.persist(Persist::Rollouts(Box::new(write)));
         if groups >= MAX_BARREN_GROUPS {
             let why = Why::new(
                 AbortReason::JobFailed,
@@ -335,7 +335,7 @@ impl Coordinator {
         round: u64,
         error: String,
         now_ms: i64,
-        fx: &mut Vec<Effect>,
+        fx: &mut Effects,
     ) {
         let Some(job) = self.jobs.get(job_id) else {
             return;

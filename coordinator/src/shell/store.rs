@@ -106,6 +106,9 @@ pub struct Store {
     /// Set while a [`Cooling`] runs: one at a time, so two never move the
     /// same records.
     cooling: Arc<AtomicBool>,
+    /// Tests: every write fails while set (a full or failing disk).
+    #[cfg(test)]
+    failing: Arc<AtomicBool>,
 }
 
 /// Moving one job's old step records to a cold file, taken from the store
@@ -154,11 +157,28 @@ impl Store {
             db: Arc::new(db),
             cold: state_dir.join("cold"),
             cooling: Arc::new(AtomicBool::new(false)),
+            #[cfg(test)]
+            failing: Arc::new(AtomicBool::new(false)),
         })
     }
 
+    /// Tests: makes every write fail (`on`) or succeed again.
+    #[cfg(test)]
+    pub(crate) fn fail_writes(&self, on: bool) {
+        self.failing.store(on, Ordering::SeqCst);
+    }
+
+    /// A write's transaction (tests may make it fail).
+    fn begin_write(&self) -> Result<redb::WriteTransaction> {
+        #[cfg(test)]
+        if self.failing.load(Ordering::SeqCst) {
+            return Err(StoreError::Db("injected write failure".into()));
+        }
+        Ok(self.db.begin_write()?)
+    }
+
     pub fn put_job(&self, rec: &JobRecord) -> Result<()> {
-        let tx = self.db.begin_write()?;
+        let tx = self.begin_write()?;
         {
             let mut jobs = tx.open_table(JOBS)?;
             jobs.insert(rec.id.as_str(), json(rec).as_slice())?;
@@ -169,7 +189,7 @@ impl Store {
 
     /// The job record and its step record, atomically.
     pub fn commit_step(&self, rec: &JobRecord, step: StepRecord) -> Result<()> {
-        let tx = self.db.begin_write()?;
+        let tx = self.begin_write()?;
         {
             let mut jobs = tx.open_table(JOBS)?;
             jobs.insert(rec.id.as_str(), json(rec).as_slice())?;
@@ -252,7 +272,7 @@ impl Store {
 
     /// Adds reference log-probs of `job`, in one transaction.
     pub fn put_reference(&self, job: &str, entries: &[(DocId, RefEntry)]) -> Result<()> {
-        let tx = self.db.begin_write()?;
+        let tx = self.begin_write()?;
         {
             let mut pairs = tx.open_table(REFERENCE)?;
             let mut tokens = tx.open_table(REFERENCE_TOKENS)?;
@@ -300,7 +320,7 @@ impl Store {
     /// the meta) in one transaction.
     pub fn put_rollouts(&self, w: &crate::rl::stream::RolloutWrite) -> Result<()> {
         let job = w.job.as_str();
-        let tx = self.db.begin_write()?;
+        let tx = self.begin_write()?;
         {
             let mut t = tx.open_table(ROLLOUTS)?;
             for d in &w.admit {

@@ -32,7 +32,7 @@ use std::sync::Arc;
 
 use tracing::{info, warn};
 
-use crate::core::effects::{Effect, ToWorker};
+use crate::core::effects::{Effect, Effects, ToWorker};
 use crate::core::jobs::Work;
 use crate::core::machine::Coordinator;
 use crate::core::publish::{self, policy_dir};
@@ -45,7 +45,7 @@ pub(crate) fn hand_to_scorer(
     reason: &mut String,
     l: &mut LoopState,
     r: Round,
-    fx: &mut Vec<Effect>,
+    fx: &mut Effects,
 ) {
     l.scoring = Some(Scoring {
         round: r.id,
@@ -84,7 +84,7 @@ impl Coordinator {
     /// Starts the next thing the job's engine (or its generator workers)
     /// should do, if any: load a newer published policy, ask for one when
     /// its version is unknown, or generate the rounds the queue lacks.
-    pub(crate) fn engine_tick(&mut self, job_id: &str, now_ms: i64, fx: &mut Vec<Effect>) {
+    pub(crate) fn engine_tick(&mut self, job_id: &str, now_ms: i64, fx: &mut Effects) {
         let job = self.jobs.get_mut(job_id).expect("known job");
         let backend = match (&job.spec.rl.engine, job.spec.rl.generators) {
             (Some(e), _) => Backend::External(e.clone()),
@@ -305,7 +305,7 @@ impl Coordinator {
         round: u64,
         answer: (Vec<GenCompletion>, f64),
         now_ms: i64,
-        fx: &mut Vec<Effect>,
+        fx: &mut Effects,
     ) {
         let job = self.jobs.get_mut(job_id).expect("known job");
         let Some(l) = job.data.rollout_loop.as_mut() else {
@@ -354,7 +354,7 @@ impl Coordinator {
         generation: u64,
         version: u64,
         now_ms: i64,
-        fx: &mut Vec<Effect>,
+        fx: &mut Effects,
     ) {
         let Some(job) = self.jobs.get_mut(job_id) else {
             return;
@@ -410,7 +410,7 @@ impl Coordinator {
         round: u64,
         result: Result<(Vec<GenCompletion>, f64), String>,
         now_ms: i64,
-        fx: &mut Vec<Effect>,
+        fx: &mut Effects,
     ) {
         let Some(job) = self.jobs.get_mut(job_id) else {
             return;
@@ -468,7 +468,7 @@ impl Coordinator {
         step: u64,
         result: Result<(), String>,
         now_ms: i64,
-        fx: &mut Vec<Effect>,
+        fx: &mut Effects,
     ) {
         let Some(job) = self.jobs.get_mut(job_id) else {
             return;

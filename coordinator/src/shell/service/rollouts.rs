@@ -19,7 +19,7 @@ use tracing::{debug, instrument};
 
 use super::push_room::Waiting;
 use super::shared::{core_status, handle_timed, Shared};
-use crate::core::{CoreError, Effect, Event};
+use crate::core::{CoreError, Event, Persist};
 use crate::job::spec::{DataSection, ModelSection, OnBad};
 use crate::rl::stream::AdmitCounts;
 use crate::stream::data::Encoder;
@@ -44,8 +44,8 @@ impl Shared {
                 };
                 match handle_timed(&mut inner, event) {
                     Ok((effects, timing)) => {
-                        let counts = effects.iter().find_map(|e| match e {
-                            Effect::PersistRollouts(w) if w.job == job => w.counts,
+                        let counts = effects.persists().iter().find_map(|p| match p {
+                            Persist::Rollouts(w) if w.job == job => w.counts,
                             _ => None,
                         });
                         self.run_effects(&mut inner, effects, timing)?;

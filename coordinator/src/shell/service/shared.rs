@@ -16,7 +16,8 @@ use super::model_folder::TokenizerWriter;
 use super::push_room::Signals;
 use super::tracking::TensorBoard;
 use crate::core::{
-    Coordinator, CoreError, Effect, Event, EventKind, JobId, ToWorker, WatchItem, WorkerId,
+    Coordinator, CoreError, Effect, Effects, Event, EventKind, JobId, Persist, ToWorker, WatchItem,
+    WorkerId,
 };
 use crate::rl::engine::client::EngineClient;
 use crate::shell::store::{StepRecord, Store};
@@ -300,13 +301,105 @@ impl Shared {
             })
     }
 
-    /// Carries out `effects` of the state-machine call `timing` measured.
+    /// One durable write; Err names the job and what failed.
+    fn persist(&self, inner: &mut Inner, p: Persist) -> Result<(), (JobId, String)> {
+        let job = p.job().to_string();
+        let result = match p {
+            Persist::Job(rec) => {
+                // A state change may end a waiting push (cancelled job).
+                self.rollouts.wake();
+                inner
+                    .store
+                    .put_job(&rec)
+                    .map_err(|e| format!("persisting job {job}: {e}"))
+            }
+            Persist::Step {
+                rec,
+                metrics,
+                docs,
+                manifest,
+            } => {
+                let step = metrics.step;
+                let m = (*metrics).clone();
+                let record = StepRecord {
+                    metrics: *metrics,
+                    docs,
+                    manifest: Some(*manifest),
+                };
+                let written = inner.store.commit_step(&rec, record);
+                if written.is_ok() {
+                    self.metrics.observe_step(&job, &m);
+                    cool_off_lock(&inner.store, &job, step);
+                }
+                written.map_err(|e| format!("persisting step {step} of job {job}: {e}"))
+            }
+            Persist::Reference { entries, .. } => inner
+                .store
+                .put_reference(&job, &entries)
+                .map_err(|e| format!("persisting reference log-probs of job {job}: {e}")),
+            Persist::Rollouts(w) => {
+                let written = inner.store.put_rollouts(&w);
+                if written.is_ok() {
+                    if let Some(c) = &w.counts {
+                        self.metrics.observe_rollouts(&job, c);
+                    }
+                }
+                if !w.remove.is_empty() {
+                    self.rollouts.wake();
+                }
+                written.map_err(|e| format!("persisting rollouts of job {job}: {e}"))
+            }
+        };
+        result.map_err(|what| {
+            error!(%job, %what, "a write to the store failed");
+            (job, what)
+        })
+    }
+
+    /// Some of a call's writes failed: what followed them (`withheld`
+    /// effects) is dropped, and the core ends the jobs written for without
+    /// writing again (their last durable state stays in the store).
+    fn persist_failed(
+        &self,
+        inner: &mut Inner,
+        failed: Vec<(JobId, String)>,
+        withheld: usize,
+    ) -> Status {
+        let error = failed
+            .iter()
+            .map(|(_, what)| what.as_str())
+            .collect::<Vec<_>>()
+            .join("; ");
+        let mut jobs: Vec<JobId> = failed.into_iter().map(|(j, _)| j).collect();
+        jobs.dedup();
+        error!(?jobs, withheld, %error, "writes failed: their messages are withheld");
+        let status = Status::internal(error.clone());
+        if let Err(e) = self.apply_locked(inner, Event::PersistFailed { jobs, error }) {
+            error!(%e, "ending the jobs whose writes failed");
+        }
+        status
+    }
+
+    /// Carries out `effects` of the state-machine call `timing` measured:
+    /// the writes, then (only if every write succeeded) the rest. A
+    /// refused write withholds everything after it and fails the jobs
+    /// written for, in memory only ([`Event::PersistFailed`]).
     pub(super) fn run_effects(
         &self,
         inner: &mut Inner,
-        effects: Vec<Effect>,
+        effects: Effects,
         timing: Timing,
     ) -> Result<(), Status> {
+        let (persists, effects) = effects.into_parts();
+        let mut failed: Vec<(JobId, String)> = Vec::new();
+        for p in persists {
+            if let Err(e) = self.persist(inner, p) {
+                failed.push(e);
+            }
+        }
+        if !failed.is_empty() {
+            return Err(self.persist_failed(inner, failed, effects.len()));
+        }
         self.observe_effects(inner, &effects);
         let mut failure = None;
         // Outputs that could not be written fail their job, after this
@@ -317,50 +410,6 @@ impl Shared {
         let mut dispatched: Vec<(JobId, Instant)> = Vec::new();
         for e in effects {
             match e {
-                Effect::PersistJob(rec) => {
-                    // A state change may end a waiting push (cancelled job).
-                    self.rollouts.wake();
-                    if let Err(err) = inner.store.put_job(&rec) {
-                        error!(job = %rec.id, %err, "persisting job failed");
-                        failure = Some(Status::internal(format!(
-                            "persisting job {}: {err}",
-                            rec.id
-                        )));
-                    }
-                }
-                Effect::CommitStep {
-                    rec,
-                    metrics,
-                    docs,
-                    manifest,
-                } => {
-                    self.metrics.observe_step(&rec.id, &metrics);
-                    let step = metrics.step;
-                    if let Err(err) = inner.store.commit_step(
-                        &rec,
-                        StepRecord {
-                            metrics: *metrics,
-                            docs,
-                            manifest: Some(*manifest),
-                        },
-                    ) {
-                        error!(job = %rec.id, %err, "persisting step failed");
-                        failure = Some(Status::internal(format!(
-                            "persisting job {}: {err}",
-                            rec.id
-                        )));
-                    } else {
-                        cool_off_lock(&inner.store, &rec.id, step);
-                    }
-                }
-                Effect::StoreReference { job, entries } => {
-                    if let Err(err) = inner.store.put_reference(&job, &entries) {
-                        error!(%job, %err, "persisting reference log-probs failed");
-                        failure = Some(Status::internal(format!(
-                            "persisting reference log-probs of job {job}: {err}"
-                        )));
-                    }
-                }
                 Effect::AppendMetrics { job, path, metrics } => {
                     if let Err(err) = crate::shell::output::append_metrics(&path, &job, &metrics) {
                         error!(path = %path.display(), %err, "writing metrics.jsonl failed");
@@ -402,6 +451,19 @@ impl Shared {
                         }
                     }
                 }
+                Effect::WriteTokenizer { job, dir } => {
+                    if let Ok(j) = inner.core.job(&job) {
+                        let (me, id) = (self.me.clone(), job.clone());
+                        self.tokenizers.write(&job, &j.spec.data, &dir, move |what| {
+                            if let Some(s) = me.upgrade() {
+                                let failed = Event::OutputFailed { job: id, what };
+                                if let Err(e) = s.apply(failed) {
+                                    error!(%e, "failing the job after a tokenizer write failed");
+                                }
+                            }
+                        });
+                    }
+                }
                 Effect::Send { worker, msg } => {
                     // A relay's messages are its members'.
                     let relayed: &[(u32, ToWorker)] = match &msg {
@@ -413,28 +475,6 @@ impl Shared {
                         ToWorker::Plan { job, .. } => Some(job.clone()),
                         _ => None,
                     });
-                    let written = each.clone().find_map(|m| match m {
-                        ToWorker::Checkpoint { job, dir, .. } => Some((job, dir)),
-                        ToWorker::PublishPolicy {
-                            job,
-                            dir: Some(dir),
-                            ..
-                        } => Some((job, dir)),
-                        _ => None,
-                    });
-                    if let Some((job, dir)) = written {
-                        if let Ok(j) = inner.core.job(job) {
-                            let (me, id) = (self.me.clone(), job.clone());
-                            self.tokenizers.write(job, &j.spec.data, dir, move |what| {
-                                if let Some(s) = me.upgrade() {
-                                    let failed = Event::OutputFailed { job: id, what };
-                                    if let Err(e) = s.apply(failed) {
-                                        error!(%e, "failing the job after a tokenizer write failed");
-                                    }
-                                }
-                            });
-                        }
-                    }
                     if let Some((_, tx)) = inner.sessions.get(&worker) {
                         // A closed channel means the session is going away;
                         // its close event will follow.
@@ -479,21 +519,6 @@ impl Shared {
                     dir,
                     engine,
                 } => self.engine_reload(job, step, dir, engine),
-                Effect::PersistRollouts(w) => {
-                    if let Some(c) = &w.counts {
-                        self.metrics.observe_rollouts(&w.job, c);
-                    }
-                    if let Err(err) = inner.store.put_rollouts(&w) {
-                        error!(job = %w.job, %err, "persisting rollouts failed");
-                        failure = Some(Status::internal(format!(
-                            "persisting rollouts of job {}: {err}",
-                            w.job
-                        )));
-                    }
-                    if !w.remove.is_empty() {
-                        self.rollouts.wake();
-                    }
-                }
             }
         }
         for (job, queued) in &dispatched {
@@ -599,7 +624,7 @@ pub(crate) struct Timing {
 pub(crate) fn handle_timed(
     inner: &mut Inner,
     event: Event,
-) -> Result<(Vec<Effect>, Timing), CoreError> {
+) -> Result<(Effects, Timing), CoreError> {
     let started = Instant::now();
     let effects = inner.core.handle(event, now_ms())?;
     let returned = Instant::now();
@@ -678,3 +703,7 @@ fn cool_off_lock(store: &Store, job: &str, step: u64) {
         warn!(%err, "starting the move of old step records failed");
     }
 }
+
+#[cfg(test)]
+#[path = "shared_tests.rs"]
+mod tests;
