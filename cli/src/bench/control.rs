@@ -504,7 +504,7 @@ impl Sample {
             let job = c.jobs().next();
             (
                 job.map(|j| j.rec.id.clone()),
-                job.map_or(0, |j| j.sent_ahead),
+                job.map_or(0, |j| j.ahead.sent),
             )
         });
         let (plan_s, plans) = job.as_deref().map_or((0.0, 0), |j| shared.plan_seconds(j));

@@ -5,38 +5,46 @@
 //! input is invalid, or the job is in a state where the action makes no
 //! sense.
 
-use super::effects::{Effect, Effects, Persist, ToWorker};
+use super::ctx::JobCtx;
+use super::effects::Persist;
 use super::error::{CoreError, Result};
-use super::jobs::{Job, Phase, Work};
-use super::machine::Coordinator;
+use super::job::Job;
+use super::phase::{Phase, Work};
 use super::planner;
 use super::types::{End, EventKind, JobState};
-use super::workers::WorkerState;
 use crate::job::settings::{record_change, JobUpdate, UpdateContext};
 
-impl Coordinator {
-    pub(crate) fn cancel(&mut self, job_id: &str, now_ms: i64, fx: &mut Effects) -> Result<()> {
-        let state = self.job(job_id)?.rec.state;
+impl JobCtx<'_> {
+    pub(crate) fn cancel(&mut self) -> Result<()> {
+        let state = self.job.rec.state;
         if state.is_terminal() {
-            return Err(CoreError::bad_state(job_id, state, "cancel"));
+            return Err(CoreError::bad_state(&self.id, state, "cancel"));
         }
-        self.finish(job_id, End::Cancelled, now_ms, fx);
+        self.finish(End::Cancelled);
         Ok(())
     }
 
-    pub(crate) fn pause(&mut self, job_id: &str, now_ms: i64, fx: &mut Effects) -> Result<()> {
-        let job = self.job_mut(job_id)?;
-        match job.rec.state {
-            JobState::Running if job.inflight().is_some() => job.requests.pause = true,
-            JobState::Running | JobState::Pending => job.pause_now(now_ms, fx),
+    pub(crate) fn pause(&mut self) -> Result<()> {
+        match self.job.rec.state {
+            JobState::Running if self.job.inflight().is_some() => self.job.requests.pause = true,
+            JobState::Running | JobState::Pending => self.pause_now(),
             JobState::Paused => {}
-            s => return Err(CoreError::bad_state(job_id, s, "pause")),
+            s => return Err(CoreError::bad_state(&self.id, s, "pause")),
         }
         Ok(())
     }
 
-    pub(crate) fn resume(&mut self, job_id: &str, now_ms: i64, fx: &mut Effects) -> Result<()> {
-        let job = self.job_mut(job_id)?;
+    /// Pauses the job at its current step boundary.
+    pub(crate) fn pause_now(&mut self) {
+        self.job.rec.state = JobState::Paused;
+        self.job.rec.reason = "paused by operator".into();
+        self.persist_job();
+        let msg = format!("paused at step {}", self.job.rec.step);
+        self.event(EventKind::State, msg);
+    }
+
+    pub(crate) fn resume(&mut self) -> Result<()> {
+        let job = &mut *self.job;
         match job.rec.state {
             JobState::Paused => {
                 let formed = job.gen().is_some();
@@ -50,70 +58,30 @@ impl Coordinator {
                 } else {
                     "waiting for workers".into()
                 };
-                fx.persist(Persist::Job(Box::new(job.rec.clone())));
+                self.fx.persist(Persist::Job(Box::new(job.rec.clone())));
                 let msg = format!("resumed at step {}", job.rec.step);
-                fx.push(job.event(EventKind::State, msg, now_ms));
+                self.fx.push(job.event(EventKind::State, msg, self.now));
             }
             JobState::Running | JobState::Pending => job.requests.pause = false,
-            s => return Err(CoreError::bad_state(job_id, s, "resume")),
+            s => return Err(CoreError::bad_state(self.id.as_str(), s, "resume")),
         }
         Ok(())
     }
 
-    /// Drains a worker (an operator's DrainWorker, or the worker's own
-    /// Leave on SIGTERM): an idle one is released now; one in a job (being
-    /// configured, training, or in a paused job) leaves at the job's next
-    /// step boundary, which is now when no step is in flight. Asking again
-    /// is harmless: nothing is sent twice, except a Release to a drained
-    /// worker that has since reconnected (its first one may be lost).
-    pub(crate) fn drain(&mut self, worker: &str, now_ms: i64, fx: &mut Effects) -> Result<()> {
-        let w = self
-            .workers
-            .get_mut(worker)
-            .ok_or_else(|| CoreError::WorkerNotFound(worker.into()))?;
-        let released = w.draining && w.state == WorkerState::Draining;
-        w.draining = true;
-        if w.job.is_none() && w.connected() {
-            if released {
-                return Ok(());
-            }
-            // Nothing to finish: it can go now.
-            tracing::info!(worker, "draining an idle worker: released");
-            w.state = WorkerState::Draining;
-            fx.push(Effect::Send {
-                worker: worker.to_string(),
-                msg: ToWorker::Release {
-                    job: String::new(),
-                    reason: "drained".into(),
-                },
-            });
-        } else if let Some(job) = w.job.clone() {
-            w.state = WorkerState::Draining;
-            tracing::info!(worker, job = %job, "draining: the worker leaves at the step boundary");
-            // With no step in flight the boundary is now (unless the
-            // drain's checkpoint is already being written).
-            let at_boundary = self
-                .jobs
-                .get(&job)
-                .and_then(Job::active)
-                .is_some_and(|a| matches!(a.work, Work::Idle));
-            if at_boundary {
-                self.regroup(&job, now_ms, fx);
-            }
-        }
-        Ok(())
-    }
-
-    pub(crate) fn trigger_checkpoint(&mut self, job_id: &str, fx: &mut Effects) -> Result<()> {
-        let job = self.job_mut(job_id)?;
+    pub(crate) fn trigger_checkpoint(&mut self) -> Result<()> {
+        let job = &mut *self.job;
         if job.rec.state.is_terminal() {
-            return Err(CoreError::bad_state(job_id, job.rec.state, "checkpoint"));
+            return Err(CoreError::bad_state(
+                self.id.as_str(),
+                job.rec.state,
+                "checkpoint",
+            ));
         }
         let idle_gen = job
             .active()
             .is_some_and(|a| a.gen.all_ready() && !matches!(a.work, Work::InFlight(_)));
         if idle_gen {
-            job.request_checkpoint(fx);
+            job.request_checkpoint(self.fx);
         } else {
             job.requests.checkpoint = true;
         }
@@ -124,33 +92,31 @@ impl Coordinator {
     /// it, effective from the job's next new step: the in-flight step, or
     /// an aborted one waiting to be re-planned, keeps its settings and so
     /// its documents.
-    pub(crate) fn update_job(
-        &mut self,
-        job_id: &str,
-        update: JobUpdate,
-        now_ms: i64,
-        fx: &mut Effects,
-    ) -> Result<()> {
-        let job = self.job_mut(job_id)?;
+    pub(crate) fn update_job(&mut self, update: JobUpdate) -> Result<()> {
+        let job = &mut *self.job;
         if job.rec.state.is_terminal() || matches!(job.phase, Phase::Ended) {
-            return Err(CoreError::bad_state(job_id, job.rec.state, "update"));
+            return Err(CoreError::bad_state(
+                self.id.as_str(),
+                job.rec.state,
+                "update",
+            ));
         }
         let problems = job.settings().check(&update, &update_context(job));
         if !problems.is_empty() {
             return Err(CoreError::InvalidUpdate {
-                job: job_id.into(),
+                job: self.id.as_str().into(),
                 problems,
             });
         }
         let from = job.next_new_step();
-        record_change(&mut job.rec.changes, from, update.clone(), now_ms);
+        record_change(&mut job.rec.changes, from, update.clone(), self.now);
         if update.docs_per_step.is_some() || update.tokens_per_step.is_some() {
             job.rec.total_steps = planner::estimated_total_steps(job, from);
         }
-        tracing::info!(job = job_id, from_step = from, change = %update.describe(), "step settings changed");
-        fx.persist(Persist::Job(Box::new(job.rec.clone())));
+        tracing::info!(job = %self.id, from_step = from, change = %update.describe(), "step settings changed");
+        self.fx.persist(Persist::Job(Box::new(job.rec.clone())));
         let msg = format!("from step {from}: {}", update.describe());
-        fx.push(job.event(EventKind::Config, msg, now_ms));
+        self.fx.push(job.event(EventKind::Config, msg, self.now));
         Ok(())
     }
 }

@@ -261,6 +261,81 @@ pub enum Event {
     },
 }
 
+impl Event {
+    /// The worker whose message this is, if a worker's.
+    pub fn from_worker(&self) -> Option<&str> {
+        match self {
+            Event::Ready { worker, .. }
+            | Event::StepResult { worker, .. }
+            | Event::StepResults { worker, .. }
+            | Event::WorkerError { worker, .. }
+            | Event::CheckpointDone { worker, .. }
+            | Event::PolicyPublished { worker, .. }
+            | Event::WeightsSynced { worker, .. }
+            | Event::GenerateResult { worker, .. } => Some(worker),
+            _ => None,
+        }
+    }
+
+    /// The job the event is about, if one job's.
+    pub fn job(&self) -> Option<&str> {
+        match self {
+            Event::HistoryLoaded { job, .. }
+            | Event::PlanAhead { job }
+            | Event::Ready { job, .. }
+            | Event::StepResult { job, .. }
+            | Event::StepResults { job, .. }
+            | Event::WorkerError { job, .. }
+            | Event::CheckpointDone { job, .. }
+            | Event::PolicyPublished { job, .. }
+            | Event::WeightsSynced { job, .. }
+            | Event::CancelJob { job }
+            | Event::PauseJob { job }
+            | Event::ResumeJob { job }
+            | Event::TriggerCheckpoint { job }
+            | Event::UpdateJob { job, .. }
+            | Event::ReleaseQuarantine { job, .. }
+            | Event::PushRollouts { job, .. }
+            | Event::RestoreRollouts { job, .. }
+            | Event::LoadPrompts { job, .. }
+            | Event::GenerateResult { job, .. }
+            | Event::RoundScored { job, .. }
+            | Event::RoundFailed { job, .. }
+            | Event::EngineGenerated { job, .. }
+            | Event::EngineReloaded { job, .. }
+            | Event::OutputFailed { job, .. } => Some(job),
+            Event::SubmitJob { id, .. } => Some(id),
+            Event::RestoreJob { rec, .. } => Some(&rec.id),
+            Event::Heartbeats { .. }
+            | Event::RegisterWorker { .. }
+            | Event::SessionOpened { .. }
+            | Event::SessionClosed { .. }
+            | Event::Heartbeat { .. }
+            | Event::DrainWorker { .. }
+            | Event::Tick { .. }
+            | Event::PersistFailed { .. } => None,
+        }
+    }
+
+    /// Whether the event is a request whose sender waits for the answer
+    /// (an unknown job is an error to it, not a message to drop).
+    pub fn is_request(&self) -> bool {
+        matches!(
+            self,
+            Event::CancelJob { .. }
+                | Event::PauseJob { .. }
+                | Event::ResumeJob { .. }
+                | Event::TriggerCheckpoint { .. }
+                | Event::UpdateJob { .. }
+                | Event::ReleaseQuarantine { .. }
+                | Event::PushRollouts { .. }
+                | Event::LoadPrompts { .. }
+                | Event::RoundScored { .. }
+                | Event::OutputFailed { .. }
+        )
+    }
+}
+
 /// Where a job resumed from a checkpoint starts: its manifest's step and
 /// data cursor, and the directory workers restore from (model and
 /// optimizer state).

@@ -8,10 +8,11 @@ use std::sync::Arc;
 
 use tracing::{info, warn};
 
-use super::effects::{Effect, Effects, Persist, ToWorker};
-use super::jobs::{Active, AfterCheckpoint, Generation, Phase, Work};
-use super::machine::Coordinator;
+use super::ctx::JobCtx;
+use super::effects::{Effect, Persist, ToWorker};
+use super::generation::Generation;
 use super::membership::{compose, Composition};
+use super::phase::{Active, AfterCheckpoint, Phase, Work};
 use super::recovery::{self, Source};
 use super::types::{
     AbortReason, CheckpointEntry, CommittedStep, End, EventKind, HeldState, JobState, PlanKind,
@@ -20,39 +21,34 @@ use super::types::{
 use super::workers::WorkerState;
 use crate::job::spec::Sharding;
 
-impl Coordinator {
+impl JobCtx<'_> {
     /// Every rank re-ran a committed step: the generation moves on, nothing
     /// commits again (no metrics, no cursor move, no manifest rewrite).
-    pub(crate) fn replayed(&mut self, job_id: &str, step: u64, now_ms: i64, fx: &mut Effects) {
-        let job = self.jobs.get_mut(job_id).expect("replaying a known job");
+    pub(crate) fn replayed(&mut self, step: u64) {
+        let job = &mut *self.job;
         let active = job.active_mut().expect("replaying within a generation");
         active.gen.step = step;
         active.work = Work::Idle;
         // What was loaded back from the store for this step is not needed
         // again unless the replay starts over (then it is loaded again).
         job.trim_history(Some(step + 1));
-        info!(job = job_id, step, "step replayed");
+        info!(job = %self.id, step, "step replayed");
         if !job.replaying() {
-            info!(job = job_id, step = job.rec.step, "replay complete");
-            self.at_boundary(job_id, now_ms, fx);
+            info!(job = %self.id, step = job.rec.step, "replay complete");
+            self.at_boundary();
         }
     }
 
-    /// The shell read steps of `job_id`'s history back from the store (a
+    /// The shell read steps of `self.id.as_str()`'s history back from the store (a
     /// replay reached them, [`Effect::LoadHistory`]): they join the
     /// in-memory history and dispatch goes on at the next schedule. A store
     /// that cannot give the step the replay needs fails the job, naming it.
     pub(crate) fn history_loaded(
         &mut self,
-        job_id: &str,
         from: u64,
         steps: std::result::Result<Vec<CommittedStep>, String>,
-        now_ms: i64,
-        fx: &mut Effects,
     ) {
-        let Some(job) = self.jobs.get_mut(job_id) else {
-            return;
-        };
+        let job = &mut *self.job;
         if job.data.history_loading != Some(from) {
             return;
         }
@@ -66,7 +62,7 @@ impl Coordinator {
                     job.data.history.entry(s.step).or_insert(s);
                 }
                 info!(
-                    job = job_id,
+                    job = %self.id,
                     from,
                     steps = n,
                     "replay history read from the store"
@@ -80,7 +76,7 @@ impl Coordinator {
         };
         if let Some(message) = failure {
             let why = Why::new(AbortReason::JobFailed, message);
-            self.finish(job_id, End::Failed(why), now_ms, fx);
+            self.finish(End::Failed(why));
         }
     }
 
@@ -89,12 +85,12 @@ impl Coordinator {
     /// zero2/fsdp drain first writes the current step to disk, because the
     /// leaver's shards would otherwise be lost (no dispatch meanwhile).
     /// During a replay the change waits for the replay's end.
-    pub(crate) fn regroup(&mut self, job_id: &str, now_ms: i64, fx: &mut Effects) {
-        let leaving = self.jobs[job_id].gen().is_some_and(|g| {
+    pub(crate) fn regroup(&mut self) {
+        let leaving = self.job.gen().is_some_and(|g| {
             g.everyone()
                 .any(|m| self.workers.get(m).is_some_and(|w| w.draining))
         });
-        let job = self.jobs.get_mut(job_id).expect("known job");
+        let job = &mut *self.job;
         if job.replaying() {
             return;
         }
@@ -102,7 +98,7 @@ impl Coordinator {
         let sharded = job.spec.parallel.sharding != Sharding::Ddp;
         let on_disk = step == 0 || job.rec.checkpoints.iter().any(|c| c.step == step);
         if sharded && leaving && !on_disk {
-            job.request_checkpoint(fx);
+            job.request_checkpoint(self.fx);
             if let Some(a) = job.active_mut() {
                 a.work = Work::AwaitingCheckpoint(AfterCheckpoint::Regroup);
             }
@@ -113,34 +109,18 @@ impl Coordinator {
             AbortReason::MembershipChange,
             "membership change at step boundary",
         );
-        self.end_generation(job_id, why, false, now_ms, fx);
+        self.end_generation(why, false);
     }
 
     /// A rank's part of a checkpoint is durable; once every writer of its
     /// generation reported, the checkpoint joins the job's index (the
     /// oldest beyond `checkpoint.keep` drop out, and the replay history
     /// below the oldest kept one with them).
-    pub(crate) fn on_checkpoint_done(
-        &mut self,
-        worker: &str,
-        job_id: &str,
-        step: u64,
-        now_ms: i64,
-        fx: &mut Effects,
-    ) {
-        let Some(job) = self.jobs.get_mut(job_id) else {
-            return;
-        };
-        let Some(acks) = job.pending_checkpoints.get_mut(&step) else {
-            return;
-        };
-        if let Some(a) = acks.get_mut(worker) {
-            *a = true;
-        }
-        if !acks.values().all(|&a| a) {
+    pub(crate) fn on_checkpoint_done(&mut self, worker: &str, step: u64) {
+        let job = &mut *self.job;
+        if !job.acks.checkpoints.ack(&step, worker) {
             return;
         }
-        job.pending_checkpoints.remove(&step);
         let entry = CheckpointEntry {
             step,
             dir: job.checkpoint_dir(step),
@@ -154,7 +134,7 @@ impl Coordinator {
             job.trim_history(replay_next);
         }
         job.rec.last_checkpoint = job.rec.checkpoints.last().map(|c| c.step);
-        fx.persist(Persist::Job(Box::new(job.rec.clone())));
+        self.fx.persist(Persist::Job(Box::new(job.rec.clone())));
         // Out of the index, a checkpoint is no recovery source any more:
         // its directory goes once the record saying so is durable. Only
         // the job's own (never the checkpoint it resumed from).
@@ -162,14 +142,15 @@ impl Coordinator {
             .iter()
             .filter(|c| c.dir == job.checkpoint_dir(c.step))
         {
-            fx.push(Effect::RemoveCheckpoint {
-                job: job_id.to_string(),
+            self.fx.push(Effect::RemoveCheckpoint {
+                job: self.id.clone(),
                 step: c.step,
                 dir: c.dir.clone(),
             });
         }
         let msg = format!("checkpoint of step {step} written");
-        fx.push(job.event(EventKind::Checkpoint, msg, now_ms));
+        self.fx
+            .push(job.event(EventKind::Checkpoint, msg, self.now));
         let current = step == job.rec.step;
         let then = match job.active_mut() {
             Some(a) if current => match std::mem::replace(&mut a.work, Work::Idle) {
@@ -182,10 +163,8 @@ impl Coordinator {
             _ => None,
         };
         match then {
-            Some(AfterCheckpoint::Regroup) => self.regroup(job_id, now_ms, fx),
-            Some(AfterCheckpoint::Complete(detail)) => {
-                self.finish(job_id, End::Completed(detail), now_ms, fx)
-            }
+            Some(AfterCheckpoint::Regroup) => self.regroup(),
+            Some(AfterCheckpoint::Complete(detail)) => self.finish(End::Completed(detail)),
             None => {}
         }
     }
@@ -194,31 +173,24 @@ impl Coordinator {
     /// checkpoint is marked bad (never used again, nothing loaded from it
     /// trusted) and the generation re-forms from the next older source,
     /// replaying more.
-    pub(crate) fn on_restore_failed(
-        &mut self,
-        worker: &str,
-        job_id: &str,
-        message: &str,
-        now_ms: i64,
-        fx: &mut Effects,
-    ) {
-        let job = self.jobs.get_mut(job_id).expect("known job");
+    pub(crate) fn on_restore_failed(&mut self, worker: &str, message: &str) {
+        let job = &mut *self.job;
         let gen = job.gen().cloned().expect("an error within a generation");
-        job.last_restore_failure = Some(format!("{worker}: {message}"));
-        job.restore_failures += 1;
+        job.faults.last_restore_failure = Some(format!("{worker}: {message}"));
+        job.faults.restore_failures += 1;
         let Source::Checkpoint(bad) = &gen.decision.source else {
             let max = job.spec.faults.max_step_attempts;
-            if job.restore_failures >= max {
+            if job.faults.restore_failures >= max {
                 // The same source (the model init, a peer's memory) failed
                 // every time: another try would load it again.
                 let why = Why::new(
                     AbortReason::RestoreFailed,
                     format!(
                         "{} generations in a row failed to restore their state (faults.max_step_attempts); the last on {worker}: {message}",
-                        job.restore_failures
+                        job.faults.restore_failures
                     ),
                 );
-                self.finish(job_id, End::Failed(why), now_ms, fx);
+                self.finish(End::Failed(why));
                 return;
             }
             // Nothing was to be read from disk: treat it as a failed sync.
@@ -226,7 +198,7 @@ impl Coordinator {
                 AbortReason::RestoreFailed,
                 format!("restore failed on {worker} without a checkpoint: {message}"),
             );
-            self.end_generation(job_id, why, true, now_ms, fx);
+            self.end_generation(why, true);
             return;
         };
         job.rec.checkpoints.retain(|c| c.step != bad.step);
@@ -248,7 +220,7 @@ impl Coordinator {
             "checkpoint step-{} failed to restore on {worker}: {message}; falling back to {next}",
             bad.step
         );
-        warn!(job = job_id, checkpoint = bad.step, worker, "{detail}");
+        warn!(job = %self.id, checkpoint = bad.step, worker, "{detail}");
         for m in &gen.members {
             if let Some(w) = self.workers.get_mut(m) {
                 if w.held.as_ref().is_some_and(|h| h.generation == gen.id) {
@@ -257,14 +229,14 @@ impl Coordinator {
             }
         }
         let why = Why::new(AbortReason::RestoreFailed, detail);
-        self.end_generation(job_id, why, false, now_ms, fx);
+        self.end_generation(why, false);
     }
 
     /// Forms a generation for a waiting job as [`compose`] decides, and
     /// configures its members.
-    pub(crate) fn form_generation(&mut self, job_id: &str, now_ms: i64, fx: &mut Effects) {
+    pub(crate) fn form_generation(&mut self) {
         let (members, generators, decision, disk_only) =
-            match compose(now_ms, &self.jobs[job_id], &self.workers) {
+            match compose(self.now, self.job, self.workers) {
                 Composition::Form {
                     members,
                     generators,
@@ -272,16 +244,16 @@ impl Coordinator {
                     disk_only,
                 } => (members, generators, decision, disk_only),
                 Composition::Wait(reason) => {
-                    self.jobs.get_mut(job_id).expect("known job").rec.reason = reason;
+                    self.job.rec.reason = reason;
                     return;
                 }
                 Composition::Fail(e) => {
-                    let detail = match &self.jobs[job_id].last_restore_failure {
+                    let detail = match &self.job.faults.last_restore_failure {
                         Some(cause) => format!("{e}; the last restore failed on {cause}"),
                         None => e.to_string(),
                     };
                     let why = Why::new(AbortReason::JobFailed, detail);
-                    self.finish(job_id, End::Failed(why), now_ms, fx);
+                    self.finish(End::Failed(why));
                     return;
                 }
             };
@@ -323,7 +295,7 @@ impl Coordinator {
             p.as_ref()
                 .is_some_and(|p| p.rank as usize == i && p.world_size as usize == world)
         });
-        let job = self.jobs.get_mut(job_id).expect("known job");
+        let job = &mut *self.job;
         let ddp = job.spec.parallel.sharding == Sharding::Ddp;
         job.rec.generation += 1;
         job.rec.state = JobState::Running;
@@ -337,10 +309,10 @@ impl Coordinator {
         )
         .with_generators(generators.clone());
         for (rank, m) in members.iter().enumerate() {
-            fx.push(Effect::Send {
+            self.fx.push(Effect::Send {
                 worker: m.clone(),
                 msg: ToWorker::Configure {
-                    job: job_id.to_string(),
+                    job: self.id.clone(),
                     generation: gen.id,
                     rank: rank as u32,
                     peers: peers.clone(),
@@ -358,14 +330,14 @@ impl Coordinator {
             // A hub's own messages come in its relays too.
             w.follows = match (&relaying, &roles[rank]) {
                 (Some(r), Some(_)) => Some(super::relay::Follows {
-                    job: job_id.to_string(),
+                    job: self.id.clone(),
                     generation: gen.id,
                     hub: members[r.hub_of(rank as u32) as usize].clone(),
                     rank: rank as u32,
                 }),
                 _ => None,
             };
-            w.job = Some(job_id.to_string());
+            w.job = Some(self.id.clone());
             w.rank = Some(rank as u32);
             w.state = WorkerState::Configuring;
             let kept = priors[rank].is_some() && (ddp || unchanged_layout);
@@ -374,10 +346,10 @@ impl Coordinator {
             }
         }
         for (i, m) in generators.iter().enumerate() {
-            fx.push(Effect::Send {
+            self.fx.push(Effect::Send {
                 worker: m.clone(),
                 msg: ToWorker::Configure {
-                    job: job_id.to_string(),
+                    job: self.id.clone(),
                     generation: gen.id,
                     rank: i as u32,
                     peers: generator_peers.clone(),
@@ -393,7 +365,7 @@ impl Coordinator {
             });
             let w = self.workers.get_mut(m).expect("generator is registered");
             w.follows = None;
-            w.job = Some(job_id.to_string());
+            w.job = Some(self.id.clone());
             w.rank = None;
             w.state = WorkerState::Configuring;
             // A generator holds no training state.
@@ -409,14 +381,14 @@ impl Coordinator {
         }
         let source = decision.describe();
         info!(
-            job = job_id,
+            job = %self.id,
             generation = gen.id,
             world_size = world,
             generators = generators.len(),
             %source,
             "generation formed"
         );
-        fx.persist(Persist::Job(Box::new(job.rec.clone())));
+        self.fx.persist(Persist::Job(Box::new(job.rec.clone())));
         let msg = if generators.is_empty() {
             format!(
                 "generation {} formed with {world} workers; {source}",
@@ -433,25 +405,16 @@ impl Coordinator {
             gen,
             work: Work::Idle,
         }));
-        fx.push(job.event(EventKind::Generation, msg, now_ms));
+        self.fx
+            .push(job.event(EventKind::Generation, msg, self.now));
     }
 
-    pub(crate) fn on_ready(
-        &mut self,
-        worker: &str,
-        job_id: &str,
-        generation: u64,
-        step: u64,
-        now_ms: i64,
-        fx: &mut Effects,
-    ) {
-        let Some(job) = self.jobs.get_mut(job_id) else {
-            return;
-        };
+    pub(crate) fn on_ready(&mut self, worker: &str, generation: u64, step: u64) {
+        let job = &mut *self.job;
         let Some(active) = job.active_mut().filter(|a| a.gen.id == generation) else {
             warn!(
                 worker,
-                job = job_id,
+                job = %self.id,
                 generation,
                 "ready from a stale generation, ignored"
             );
@@ -475,7 +438,7 @@ impl Coordinator {
         if step != gen.step {
             warn!(
                 worker,
-                job = job_id,
+                job = %self.id,
                 generation,
                 step,
                 configured = gen.step,
@@ -484,7 +447,7 @@ impl Coordinator {
         }
         let all_ready = gen.mark_ready(rank);
         let held = HeldState {
-            job: job_id.to_string(),
+            job: self.id.clone(),
             step,
             world_size: gen.world_size(),
             rank,
@@ -497,19 +460,19 @@ impl Coordinator {
             .then(|| gen.decision.replay().map(|r| (r, gen.decision.describe())))
             .flatten();
         if all_ready {
-            job.restore_failures = 0;
+            job.faults.restore_failures = 0;
             if let Some((r, describe)) = replay {
                 let msg = format!(
                     "generation {generation}: {describe}; replayed steps do not commit again"
                 );
                 info!(
-                    job = job_id,
+                    job = %self.id,
                     generation,
                     from = r.start(),
                     to = r.end(),
                     "replaying"
                 );
-                fx.push(job.event(EventKind::Replay, msg, now_ms));
+                self.fx.push(job.event(EventKind::Replay, msg, self.now));
             }
         }
         if let Some(w) = self.workers.get_mut(worker) {
@@ -524,10 +487,8 @@ impl Coordinator {
 
     /// A step result means the worker applied that step's update, whether
     /// or not its generation is still current: its held state moves on.
-    pub(crate) fn note_result(&mut self, worker: &str, job_id: &str, generation: u64, step: u64) {
-        let Some(job) = self.jobs.get(job_id) else {
-            return;
-        };
+    pub(crate) fn note_result(&mut self, worker: &str, generation: u64, step: u64) {
+        let job = &*self.job;
         if job.last_plan != Some((generation, step, PlanKind::Train)) {
             return;
         }
@@ -535,7 +496,7 @@ impl Coordinator {
             .workers
             .get_mut(worker)
             .and_then(|w| w.held.as_mut())
-            .filter(|h| h.job == job_id && h.generation == generation)
+            .filter(|h| h.job == self.id.as_str() && h.generation == generation)
         {
             h.step = step;
         }

@@ -7,33 +7,33 @@ use std::sync::Arc;
 
 use tracing::{info, warn};
 
-use super::effects::{Effect, Effects, Persist, RankResult, ToWorker, WatchItem};
+use super::ctx::JobCtx;
+use super::effects::{Effect, Persist, RankResult, ToWorker, WatchItem};
 use super::error::{CoreError, Result};
-use super::jobs::{AfterCheckpoint, InFlight, Phase, Work};
-use super::machine::Coordinator;
 use super::metrics::{self, StepFacts};
+use super::phase::{AfterCheckpoint, InFlight, Phase, Work};
 use super::planner::{self, Source};
 use super::reference;
 use super::step::PlannedStep;
 use super::types::{
     AbortReason, CommittedStep, End, EventKind, JobState, PlanKind, Why, WorkerErrorKind,
 };
-use super::workers::{Worker, WorkerState};
+use super::workers::Worker;
 use crate::core::manifest::{MicrobatchEntry, SeqEntry, StepManifest};
-use crate::rl::stream::Admission;
+use crate::rl::stream::{Admission, StoredStream};
 use crate::stream::doc::Rollout;
 
-impl Coordinator {
+impl JobCtx<'_> {
     /// Σ peak FLOP/s of the job's current generation; 0 when any member's
     /// peak is unknown (a partial sum would overstate MFU).
-    fn generation_peak_flops(&self, job_id: &str) -> f64 {
-        let Some(gen) = self.jobs.get(job_id).and_then(|j| j.gen()) else {
+    fn generation_peak_flops(&self) -> f64 {
+        let Some(gen) = self.job.gen() else {
             return 0.0;
         };
         let peaks: Vec<u64> = gen
             .members
             .iter()
-            .map(|id| self.worker(id).map_or(0, |w| w.reg.peak_flops))
+            .map(|id| self.workers.get(id).map_or(0, |w| w.reg.peak_flops))
             .collect();
         if peaks.contains(&0) {
             return 0.0;
@@ -45,14 +45,11 @@ impl Coordinator {
     pub(crate) fn on_result(
         &mut self,
         worker: &str,
-        job_id: &str,
         generation: u64,
         step: u64,
         result: RankResult,
-        now_ms: i64,
-        fx: &mut Effects,
     ) {
-        let Some(active) = self.jobs.get_mut(job_id).and_then(|j| j.active_mut()) else {
+        let Some(active) = self.job.active_mut() else {
             return;
         };
         let gen = &active.gen;
@@ -62,7 +59,7 @@ impl Coordinator {
         if gen.id != generation || flight.planned.step != step {
             warn!(
                 worker,
-                job = job_id,
+                job = %self.id,
                 generation,
                 step,
                 "result for a stale step, ignored"
@@ -81,8 +78,7 @@ impl Coordinator {
                 result.sums.loss_sum, result.sums.grad_norm
             );
             let kind = WorkerErrorKind::NonFinite;
-            return self
-                .on_worker_error(worker, job_id, generation, step, kind, message, now_ms, fx);
+            return self.on_worker_error(worker, generation, step, kind, message);
         }
         let disagreement =
             flight
@@ -99,7 +95,7 @@ impl Coordinator {
                     flight.planned.kind.noun()
                 ),
             );
-            return self.lose_worker_because(worker, why, now_ms, fx);
+            return self.lose_member(worker, why);
         }
         flight.results.insert(rank, result.sums);
         flight.logps.extend(result.logps);
@@ -110,17 +106,17 @@ impl Coordinator {
         let Work::InFlight(flight) = std::mem::replace(&mut active.work, Work::Idle) else {
             unreachable!("matched above")
         };
-        let job = self.jobs.get_mut(job_id).expect("a job with a generation");
-        job.pace.observe(
-            now_ms - flight.started_ms,
+        let job = &mut *self.job;
+        job.faults.pace.observe(
+            self.now - flight.started_ms,
             flight.planned.busiest_rank_tokens(),
         );
         match (flight.planned.kind, flight.planned.replay) {
-            (PlanKind::Probe, _) => self.probed(job_id, flight, now_ms, fx),
-            (PlanKind::Reference, _) => self.commit_reference(job_id, flight, now_ms, fx),
-            (PlanKind::Eval, _) => self.commit_eval(job_id, flight, now_ms, fx),
-            (PlanKind::Train, true) => self.replayed(job_id, step, now_ms, fx),
-            (PlanKind::Train, false) => self.commit(job_id, flight, now_ms, fx),
+            (PlanKind::Probe, _) => self.probed(flight),
+            (PlanKind::Reference, _) => self.commit_reference(flight),
+            (PlanKind::Eval, _) => self.commit_eval(flight),
+            (PlanKind::Train, true) => self.replayed(step),
+            (PlanKind::Train, false) => self.commit(flight),
         }
     }
 
@@ -133,25 +129,17 @@ impl Coordinator {
     pub(crate) fn on_gathered(
         &mut self,
         worker: &str,
-        job_id: &str,
         generation: u64,
         step: u64,
         results: Vec<(u32, RankResult)>,
-        now_ms: i64,
-        fx: &mut Effects,
     ) {
-        let Some(gen) = self
-            .jobs
-            .get(job_id)
-            .and_then(|j| j.active())
-            .map(|a| &a.gen)
-        else {
+        let Some(gen) = self.job.gen() else {
             return;
         };
         if gen.id != generation {
             warn!(
                 worker,
-                job = job_id,
+                job = %self.id,
                 generation,
                 step,
                 "gathered results for a stale generation, ignored"
@@ -174,23 +162,23 @@ impl Coordinator {
                 AbortReason::WorkerError,
                 format!("worker {worker} sent gathered results for step {step} of generation {generation}, refused: {why}"),
             );
-            return self.lose_worker_because(worker, why, now_ms, fx);
+            return self.lose_member(worker, why);
         }
         let members: Vec<(String, RankResult)> = results
             .into_iter()
             .map(|(r, result)| (gen.members[r as usize].clone(), result))
             .collect();
         for (member, result) in members {
-            self.note_result(&member, job_id, generation, step);
-            self.on_result(&member, job_id, generation, step, result, now_ms, fx);
+            self.note_result(&member, generation, step);
+            self.on_result(&member, generation, step, result);
         }
     }
 
     /// Every rank reported its part of an eval chunk: its sums join the
     /// evaluation's; after the last chunk the metrics are written and sent.
     /// Nothing else moves (no cursor, no step).
-    fn commit_eval(&mut self, job_id: &str, flight: InFlight, now_ms: i64, fx: &mut Effects) {
-        let job = self.jobs.get_mut(job_id).expect("an eval of a known job");
+    fn commit_eval(&mut self, flight: InFlight) {
+        let job = &mut *self.job;
         let (Some(set), Some(run)) = (job.data.eval.as_ref(), job.eval_run.as_mut()) else {
             return;
         };
@@ -199,35 +187,35 @@ impl Coordinator {
             set.docs.iter().filter(|d| wanted.contains(&d.id)).collect();
         if let Err(e) = run.add_chunk(set, &docs, &flight.logps, job.data.reference.as_ref()) {
             let why = Why::new(AbortReason::JobFailed, e.to_string());
-            self.finish(job_id, End::Failed(why), now_ms, fx);
+            self.finish(End::Failed(why));
             return;
         }
         if run.next >= set.docs.len() {
-            let m = run.finish(set, now_ms);
+            let m = run.finish(set, self.now);
             job.eval_run = None;
             info!(
-                job = job_id,
+                job = %self.id,
                 step = m.step,
                 loss = m.loss,
                 "evaluation done"
             );
-            fx.push(Effect::AppendEval {
-                job: job_id.to_string(),
+            self.fx.push(Effect::AppendEval {
+                job: self.id.clone(),
                 path: job.spec.job.output_dir.join("metrics.jsonl"),
                 eval: Box::new(m.clone()),
             });
-            fx.push(Effect::Publish {
-                job: job_id.to_string(),
+            self.fx.push(Effect::Publish {
+                job: self.id.clone(),
                 item: WatchItem::Eval(m),
             });
         }
-        self.at_boundary(job_id, now_ms, fx);
+        self.at_boundary();
     }
 
     /// Every rank reported its part of a reference chunk: the log-probs are
     /// stored (the store write precedes any plan that carries them).
-    fn commit_reference(&mut self, job_id: &str, flight: InFlight, now_ms: i64, fx: &mut Effects) {
-        let job = self.jobs.get_mut(job_id).expect("committing a known job");
+    fn commit_reference(&mut self, flight: InFlight) {
+        let job = &mut *self.job;
         let kind = reference::pass_kind(&job.spec).unwrap_or(reference::PassKind::Pairs);
         let planned: std::collections::BTreeSet<_> = flight.planned.docs.iter().collect();
         let lens: BTreeMap<_, _> = job
@@ -250,7 +238,7 @@ impl Coordinator {
                     AbortReason::JobFailed,
                     format!("chunk {}: {e}", flight.planned.step),
                 );
-                self.finish(job_id, End::Failed(why), now_ms, fx);
+                self.finish(End::Failed(why));
                 return;
             }
         };
@@ -258,9 +246,9 @@ impl Coordinator {
         cache.chunks += 1;
         cache.logps.extend(entries.iter().cloned());
         let (done, total) = (cache.logps.len(), job.data.docs.len());
-        info!(job = job_id, done, total, "reference chunk committed");
-        fx.persist(Persist::Reference {
-            job: job_id.to_string(),
+        info!(job = %self.id, done, total, "reference chunk committed");
+        self.fx.persist(Persist::Reference {
+            job: self.id.clone(),
             entries,
         });
         let what = match kind {
@@ -268,14 +256,14 @@ impl Coordinator {
             reference::PassKind::Tokens => "rollouts",
         };
         let msg = format!("reference log-probs of {done}/{total} {what} cached");
-        fx.push(job.event(EventKind::Reference, msg, now_ms));
-        self.at_boundary(job_id, now_ms, fx);
+        self.fx.push(job.event(EventKind::Reference, msg, self.now));
+        self.at_boundary();
     }
 
     /// Every rank reported: the step commits, the cursor moves.
-    fn commit(&mut self, job_id: &str, flight: InFlight, now_ms: i64, fx: &mut Effects) {
-        let peak_flops = self.generation_peak_flops(job_id);
-        let job = self.jobs.get_mut(job_id).expect("committing a known job");
+    fn commit(&mut self, flight: InFlight) {
+        let peak_flops = self.generation_peak_flops();
+        let job = &mut *self.job;
         // Per-source metrics for a mixture (one source: the step's own).
         let source_names: Vec<String> = match job.data.sources.len() {
             0 | 1 => Vec::new(),
@@ -292,8 +280,8 @@ impl Coordinator {
             world_size,
             generation,
             microbatches: planned.microbatches(),
-            step_time_s: (now_ms - flight.started_ms).max(0) as f64 / 1000.0,
-            unix_ms: now_ms,
+            step_time_s: (self.now - flight.started_ms).max(0) as f64 / 1000.0,
+            unix_ms: self.now,
             peak_flops,
             source_names: &source_names,
         };
@@ -327,7 +315,7 @@ impl Coordinator {
         );
         job.trim_history(None);
         info!(
-            job = job_id,
+            job = %self.id,
             step = m.step,
             loss = m.loss,
             tokens = m.tokens,
@@ -340,27 +328,28 @@ impl Coordinator {
         if let Some(s) = &job.data.stream {
             manifest.groups = trained_groups(s, &planned.docs);
         }
-        fx.persist(Persist::Step {
+        self.fx.persist(Persist::Step {
             rec: Box::new(job.rec.clone()),
             metrics: Box::new(m.clone()),
             docs: planned.docs.clone(),
             manifest: Box::new(manifest),
         });
-        fx.push(Effect::AppendMetrics {
-            job: job_id.to_string(),
+        self.fx.push(Effect::AppendMetrics {
+            job: self.id.clone(),
             path: job.spec.job.output_dir.join("metrics.jsonl"),
             metrics: Box::new(m.clone()),
         });
-        fx.push(Effect::Publish {
-            job: job_id.to_string(),
+        self.fx.push(Effect::Publish {
+            job: self.id.clone(),
             item: WatchItem::Step(Box::new(m)),
         });
         let (id, to) = (job.rec.id.clone(), job.rec.cursor.position);
         if let (Some(s), Some(plan)) = (job.data.stream.as_mut(), job.data.rollouts.as_mut()) {
-            fx.persist(Persist::Rollouts(Box::new(s.on_commit(plan, &id, to))));
+            self.fx
+                .persist(Persist::Rollouts(Box::new(s.on_commit(plan, &id, to))));
         }
 
-        super::publish::request_if_due(job, fx);
+        super::publish::request_if_due(job, self.fx);
         let every = job.spec.checkpoint.every_steps;
         let finished = job.finished();
         // An evaluation after every `eval.every_steps`-th step and the last
@@ -375,28 +364,28 @@ impl Coordinator {
             || finished;
         if due {
             job.requests.checkpoint = false;
-            job.request_checkpoint(fx);
+            job.request_checkpoint(self.fx);
         }
         // A final evaluation (or the RL loop's eval prompts) runs first;
         // the job completes after it.
-        if finished && job.eval_run.is_none() && !self.eval_due(job_id) {
-            self.complete(job_id, "all steps trained", now_ms, fx);
+        if finished && job.eval_run.is_none() && !self.eval_due() {
+            self.complete("all steps trained");
             return;
         }
-        self.at_boundary(job_id, now_ms, fx);
+        self.at_boundary();
     }
 
     /// The job trained all it will: it completes once the committed
     /// step's checkpoint is durable, so that "completed" always means the
     /// trained model is on disk. Until then the generation waits (a lost
     /// writer re-forms it, and the next generation asks again).
-    pub(crate) fn complete(&mut self, job_id: &str, detail: &str, now_ms: i64, fx: &mut Effects) {
-        let job = self.jobs.get_mut(job_id).expect("completing a known job");
+    pub(crate) fn complete(&mut self, detail: &str) {
+        let job = &mut *self.job;
         if job.step_durable() {
-            self.finish(job_id, End::Completed(detail.into()), now_ms, fx);
+            self.finish(End::Completed(detail.into()));
             return;
         }
-        job.request_checkpoint(fx);
+        job.request_checkpoint(self.fx);
         if let Some(a) = job.active_mut() {
             a.work = Work::AwaitingCheckpoint(AfterCheckpoint::Complete(detail.into()));
         }
@@ -404,13 +393,13 @@ impl Coordinator {
             "step {} trained ({detail}); completing once its checkpoint is durable",
             job.rec.step
         );
-        fx.push(job.event(EventKind::State, msg, now_ms));
+        self.fx.push(job.event(EventKind::State, msg, self.now));
     }
 
     /// A step boundary: a requested pause takes effect, drained workers
     /// leave and joiners come in (both form a new generation).
-    pub(crate) fn at_boundary(&mut self, job_id: &str, now_ms: i64, fx: &mut Effects) {
-        let job = &self.jobs[job_id];
+    pub(crate) fn at_boundary(&mut self) {
+        let job = &*self.job;
         let gen = job.gen().expect("a boundary within a generation");
         // Every step, so no copy of the generation and no lookup per
         // member: one pass over the workers, and the membership check only
@@ -422,13 +411,12 @@ impl Coordinator {
         let size = gen.world_size() + gen.generators.len();
         let joining =
             size < job.spec.parallel.max_workers && self.workers.values().any(Worker::available);
-        let job = self.jobs.get_mut(job_id).expect("known job");
-        if job.requests.pause {
-            job.requests.pause = false;
-            job.pause_now(now_ms, fx);
+        if self.job.requests.pause {
+            self.job.requests.pause = false;
+            self.pause_now();
         }
         if leaving || joining {
-            self.regroup(job_id, now_ms, fx);
+            self.regroup();
         }
     }
 
@@ -436,17 +424,12 @@ impl Coordinator {
     pub(crate) fn on_worker_error(
         &mut self,
         worker: &str,
-        job_id: &str,
         generation: u64,
         step: u64,
         kind: WorkerErrorKind,
         message: String,
-        now_ms: i64,
-        fx: &mut Effects,
     ) {
-        let Some(job) = self.jobs.get(job_id) else {
-            return;
-        };
+        let job = &*self.job;
         if kind == WorkerErrorKind::CheckpointWrite {
             // Whatever generation asked for it, a checkpoint that cannot be
             // written means the job's output is not durable: never dropped
@@ -456,14 +439,14 @@ impl Coordinator {
                     AbortReason::OutputFailed,
                     format!("checkpoint of step {step} not written on worker {worker}: {message}"),
                 );
-                self.finish(job_id, End::Failed(why), now_ms, fx);
+                self.finish(End::Failed(why));
             }
             return;
         }
         let Some(gen) = job.gen().filter(|g| g.id == generation) else {
             warn!(
                 worker,
-                job = job_id,
+                job = %self.id,
                 generation,
                 "error from a stale generation, ignored"
             );
@@ -476,7 +459,7 @@ impl Coordinator {
                 // The silent peer is the suspect, not the reporter.
                 if let Some(peer_id) = gen.members.get(peer as usize).cloned() {
                     let why = format!("collective timeout reported by {worker}: {message}");
-                    self.lose_worker(&peer_id, &why, now_ms, fx);
+                    self.lose_member_for(&peer_id, &why);
                 }
             }
             WorkerErrorKind::CollectiveTimeout { peer_rank: None } => {
@@ -484,11 +467,9 @@ impl Coordinator {
                     AbortReason::CollectiveTimeout,
                     format!("collective timeout at step {step} on {worker}: {message}"),
                 );
-                self.end_generation(job_id, why, false, now_ms, fx);
+                self.end_generation(why, false);
             }
-            WorkerErrorKind::RestoreFailed => {
-                self.on_restore_failed(worker, job_id, &message, now_ms, fx)
-            }
+            WorkerErrorKind::RestoreFailed => self.on_restore_failed(worker, &message),
             WorkerErrorKind::StateSync => {
                 let why = Why::new(
                     AbortReason::StateSyncFailed,
@@ -496,14 +477,14 @@ impl Coordinator {
                         "state sync failed on {worker}: {message}; restoring from a checkpoint"
                     ),
                 );
-                warn!(worker, job = job_id, generation, %message, "state sync failed");
+                warn!(worker, job = %self.id, generation, %message, "state sync failed");
                 if let Some(w) = self.workers.get_mut(worker) {
                     w.held = None;
                 }
-                self.end_generation(job_id, why, true, now_ms, fx);
+                self.end_generation(why, true);
             }
-            WorkerErrorKind::NonFinite if self.bisects(job_id, step) => {
-                self.start_bisection(job_id, worker, &message, now_ms, fx)
+            WorkerErrorKind::NonFinite if self.bisects(step) => {
+                self.start_bisection(worker, &message)
             }
             WorkerErrorKind::NonFinite
             | WorkerErrorKind::InvalidPlan
@@ -518,107 +499,52 @@ impl Coordinator {
                         kind.name()
                     ),
                 );
-                self.finish(job_id, End::Failed(why), now_ms, fx);
+                self.finish(End::Failed(why));
             }
         }
     }
 
-    /// Ends a job: the step in flight is aborted, the members released.
-    pub(crate) fn finish(&mut self, job_id: &str, end: End, now_ms: i64, fx: &mut Effects) {
-        let Some(job) = self.jobs.get_mut(job_id) else {
-            return;
-        };
-        let why = end.why();
-        let reason = why.detail.clone();
-        let mut aborted_step = None;
-        if let Phase::Active(active) = std::mem::replace(&mut job.phase, Phase::Ended) {
-            let gen = active.gen;
-            if let Work::InFlight(flight) = &active.work {
-                aborted_step = Some(flight.planned.step);
-                for m in &gen.members {
-                    fx.push(Effect::Send {
-                        worker: m.clone(),
-                        msg: ToWorker::Abort {
-                            job: job_id.to_string(),
-                            generation: gen.id,
-                            step: flight.planned.step,
-                            why: why.clone(),
-                        },
-                    });
-                }
-            }
-            for m in gen.everyone() {
-                fx.push(Effect::Send {
-                    worker: m.clone(),
-                    msg: ToWorker::Release {
-                        job: job_id.to_string(),
-                        reason: reason.clone(),
-                    },
-                });
-                if let Some(w) = self.workers.get_mut(m) {
-                    w.job = None;
-                    w.rank = None;
-                    if w.state != WorkerState::Lost {
-                        w.state = if w.draining {
-                            WorkerState::Draining
-                        } else {
-                            WorkerState::Idle
-                        };
-                    }
-                }
-            }
+    /// Forms the job's generation when it waits for one, dispatches its
+    /// next step when its generation is ready and idle, and lets its
+    /// engine (or generator workers) go on generating.
+    pub(crate) fn schedule(&mut self) {
+        let job = &*self.job;
+        if job.rec.state == JobState::Pending && matches!(job.phase, Phase::Waiting { .. }) {
+            self.form_generation();
         }
-        job.rec.state = end.state();
-        job.rec.reason = reason.clone();
-        info!(job = job_id, state = ?job.rec.state, reason, "job finished");
-        fx.persist(Persist::Job(Box::new(job.rec.clone())));
-        let ended = (!matches!(end, End::Completed(_))).then_some(why.reason);
-        fx.push(job.event_ending(EventKind::State, reason, ended, aborted_step, now_ms));
-    }
-
-    /// Forms generations for waiting jobs (FIFO) and dispatches the next step
-    /// of every ready, running job.
-    pub(crate) fn schedule(&mut self, now_ms: i64, fx: &mut Effects) {
-        for id in self.job_order.clone() {
-            let job = &self.jobs[&id];
-            if job.rec.state == JobState::Pending && matches!(job.phase, Phase::Waiting { .. }) {
-                self.form_generation(&id, now_ms, fx);
-            }
-            let job = &self.jobs[&id];
-            let idle_and_ready = job
-                .active()
-                .is_some_and(|a| a.gen.all_ready() && matches!(a.work, Work::Idle));
-            if job.rec.state == JobState::Running && idle_and_ready {
-                self.dispatch(&id, now_ms, fx);
-            }
-            // An external engine, or the generator workers, generate
-            // while the trainers train.
-            if self.jobs[&id].spec.rl.generates_apart() {
-                self.engine_tick(&id, now_ms, fx);
-            }
+        let job = &*self.job;
+        let idle_and_ready = job
+            .active()
+            .is_some_and(|a| a.gen.all_ready() && matches!(a.work, Work::Idle));
+        if job.rec.state == JobState::Running && idle_and_ready {
+            self.dispatch();
+        }
+        // An external engine, or the generator workers, generate while
+        // the trainers train.
+        if self.job.spec.rl.generates_apart() {
+            self.engine_tick();
         }
     }
 
-    fn dispatch(&mut self, job_id: &str, now_ms: i64, fx: &mut Effects) {
+    fn dispatch(&mut self) {
         // The RL loop: nothing goes out while a round is being scored (its
         // rollouts or eval answers are owed first); eval prompts are
         // answered before the first step and after the last.
-        if let Some(l) = self.jobs[job_id].data.rollout_loop.as_ref() {
+        if let Some(l) = self.job.data.rollout_loop.as_ref() {
             if l.scoring.is_some() {
                 return;
             }
-            if self.eval_due(job_id) {
+            if self.eval_due() {
                 // The eval answers wait for an engine round out to be
                 // scored (one scoring slot).
-                if l.engine.as_ref().is_some_and(|e| e.busy()) || self.plan_eval(job_id, now_ms, fx)
-                {
+                if l.engine.as_ref().is_some_and(|e| e.busy()) || self.plan_eval() {
                     return;
                 }
             }
         }
-        let job = self.jobs.get_mut(job_id).expect("known job");
+        let job = &mut *self.job;
         if !job.replaying() && job.finished() && job.eval_run.is_none() {
-            self.complete(job_id, "all steps trained", now_ms, fx);
+            self.complete("all steps trained");
             return;
         }
         let world = job
@@ -639,7 +565,7 @@ impl Coordinator {
                         job.data.rollout_loop.is_some() && !job.spec.rl.generates_apart();
                     job.rec.reason = reason;
                     if generating {
-                        self.plan_round(job_id, need, now_ms, fx);
+                        self.plan_round(need);
                     }
                     return;
                 }
@@ -653,8 +579,8 @@ impl Coordinator {
                 if job.data.history_loading.is_none() {
                     job.data.history_loading = Some(from);
                     job.rec.reason = format!("replay: reading steps {from}..={to} from the store");
-                    fx.push(Effect::LoadHistory {
-                        job: job_id.to_string(),
+                    self.fx.push(Effect::LoadHistory {
+                        job: self.id.clone(),
                         from,
                         to,
                     });
@@ -674,7 +600,7 @@ impl Coordinator {
                             p.step
                         );
                     }
-                    job.sent_ahead += 1;
+                    job.ahead.sent += 1;
                     Ok(Some(p))
                 }
                 None => planner::plan(job, Source::Files, world),
@@ -684,41 +610,39 @@ impl Coordinator {
         };
         let planned = match planned {
             Ok(Some(p)) if p.kind == PlanKind::Train && !p.replay => {
-                let job = &self.jobs[job_id];
+                let job = &*self.job;
                 let max = job.spec.faults.max_step_attempts;
-                if job.attempts.0 == p.step && job.attempts.1 >= max {
+                if job.faults.attempts.0 == p.step && job.faults.attempts.1 >= max {
                     let why = Why::new(
                         AbortReason::TooManyAttempts,
                         format!(
                             "step {} was dispatched {max} times without committing (faults.max_step_attempts); the last attempt ended: {}",
-                            p.step, job.last_abort
+                            p.step, job.faults.last_abort
                         ),
                     );
-                    self.finish(job_id, End::Failed(why), now_ms, fx);
+                    self.finish(End::Failed(why));
                     return;
                 }
                 Arc::new(p)
             }
             Ok(Some(p)) => Arc::new(p),
             Ok(None) => {
-                self.complete(job_id, "data exhausted", now_ms, fx);
+                self.complete("data exhausted");
                 return;
             }
             Err(e) => {
                 let why = Why::new(AbortReason::JobFailed, e.to_string());
-                self.finish(job_id, End::Failed(why), now_ms, fx);
+                self.finish(End::Failed(why));
                 return;
             }
         };
-        self.send_plan(job_id, planned, now_ms, fx);
+        self.send_plan(planned);
     }
 
     /// Plans the step after the one in flight, while it runs (see
     /// `ahead`): the shell asks once that step's plans are out.
-    pub(crate) fn plan_ahead(&mut self, job_id: &str) {
-        let Some(job) = self.jobs.get_mut(job_id) else {
-            return;
-        };
+    pub(crate) fn plan_ahead(&mut self) {
+        let job = &mut *self.job;
         let Some(active) = job.active() else {
             return;
         };
@@ -733,6 +657,7 @@ impl Coordinator {
         // Asked twice for the same step (a late ask after the next dispatch).
         if job
             .ahead
+            .next
             .as_ref()
             .is_some_and(|a| a.follows(&planned, generation))
         {
@@ -741,25 +666,19 @@ impl Coordinator {
         // Nothing planned (an eval chunk, a probe or a replay in flight):
         // the step planned before it is kept; dispatch checks its origin.
         if let Some(ahead) = planner::plan_ahead(job, world, &planned) {
-            job.ahead = Some(ahead);
+            job.ahead.next = Some(ahead);
         }
     }
 
-    fn send_plan(
-        &mut self,
-        job_id: &str,
-        planned: Arc<PlannedStep>,
-        now_ms: i64,
-        fx: &mut Effects,
-    ) {
-        let job = self.jobs.get_mut(job_id).expect("known job");
+    fn send_plan(&mut self, planned: Arc<PlannedStep>) {
+        let job = &mut *self.job;
         let active = job.active_mut().expect("dispatch within a generation");
         let gen = &active.gen;
         for (rank, m) in gen.members.iter().enumerate() {
-            fx.push(Effect::Send {
+            self.fx.push(Effect::Send {
                 worker: m.clone(),
                 msg: ToWorker::Plan {
-                    job: job_id.to_string(),
+                    job: self.id.clone(),
                     generation: gen.id,
                     rank: rank as u32,
                     planned: planned.clone(),
@@ -769,7 +688,7 @@ impl Coordinator {
         let last_plan = (gen.id, planned.step, planned.kind);
         active.work = Work::InFlight(InFlight {
             planned: planned.clone(),
-            started_ms: now_ms,
+            started_ms: self.now,
             results: BTreeMap::new(),
             logps: Vec::new(),
             nonfinite: BTreeMap::new(),
@@ -778,17 +697,24 @@ impl Coordinator {
         job.note_dispatch(&planned);
     }
 
+    /// A streamed job's stored queue, read back after its restore.
+    pub(crate) fn restore_rollouts(&mut self, stored: StoredStream) {
+        let j = &mut *self.job;
+        let cursor = j.rec.cursor.position;
+        let pg = j.spec.objective.pg();
+        if let (Some(s), Some(plan), Some(pg)) =
+            (j.data.stream.as_mut(), j.data.rollouts.as_mut(), pg)
+        {
+            s.restore(plan, &pg, &self.id, cursor, stored);
+        }
+    }
+
     /// Admits rollouts pushed to a streamed job (see `crate::rl::stream`).
-    pub(crate) fn push_rollouts(
-        &mut self,
-        job_id: &str,
-        batch: Vec<Rollout>,
-        fx: &mut Effects,
-    ) -> Result<()> {
-        let job = self.job_mut(job_id)?;
+    pub(crate) fn push_rollouts(&mut self, batch: Vec<Rollout>) -> Result<()> {
+        let job = &mut *self.job;
         if job.rec.state.is_terminal() {
             return Err(CoreError::bad_state(
-                job_id,
+                self.id.as_str(),
                 job.rec.state,
                 "pushing rollouts",
             ));
@@ -804,7 +730,7 @@ impl Coordinator {
             .find(|&(_, t)| t > u64::from(settings.max_tokens))
         {
             return Err(CoreError::RolloutTooLong {
-                job: job_id.to_string(),
+                job: self.id.clone(),
                 index,
                 tokens,
                 max_tokens: settings.max_tokens,
@@ -816,16 +742,17 @@ impl Coordinator {
         let (Some(s), Some(plan), Some(pg)) =
             (job.data.stream.as_mut(), job.data.rollouts.as_mut(), pg)
         else {
-            return Err(CoreError::NotStreamed(job_id.to_string()));
+            return Err(CoreError::NotStreamed(self.id.clone()));
         };
         let at = Admission {
-            job: job_id,
+            job: self.id.as_str(),
             pg: &pg,
             step,
             max_staleness,
             need: s.step_rollouts(docs),
         };
-        fx.persist(Persist::Rollouts(Box::new(s.push(plan, at, batch)?)));
+        self.fx
+            .persist(Persist::Rollouts(Box::new(s.push(plan, at, batch)?)));
         Ok(())
     }
 }

@@ -5,7 +5,8 @@
 
 use std::collections::BTreeMap;
 
-use super::jobs::{Job, Phase};
+use super::job::Job;
+use super::phase::Phase;
 use super::recovery::{self, Decision, NoSource, Situation};
 use super::types::{HeldState, WorkerId};
 use super::workers::Worker;

@@ -226,5 +226,5 @@ fn eval_runs_at_its_steps_and_never_moves_the_training_cursor() {
     }
     // Every step but the first went out as planned while the one before
     // ran: the eval chunks between them keep the step planned ahead.
-    assert_eq!(s.c.job("job").unwrap().sent_ahead, last - 1);
+    assert_eq!(s.c.job("job").unwrap().ahead.sent, last - 1);
 }

@@ -21,15 +21,20 @@
 //!
 //! This file only declares and re-exports.
 
+pub(crate) mod acks;
 pub(crate) mod ahead;
 pub mod bisect;
 pub(crate) mod control;
+pub(crate) mod ctx;
 pub mod deadline;
 pub(crate) mod effects;
 pub(crate) mod error;
 pub mod eval;
+pub(crate) mod generation;
 pub(crate) mod generations;
-pub(crate) mod jobs;
+pub(crate) mod job;
+pub(crate) mod job_data;
+pub(crate) mod job_events;
 pub(crate) mod lifecycle;
 pub(crate) mod liveness;
 pub(crate) mod machine;
@@ -37,6 +42,8 @@ pub mod manifest;
 pub mod membership;
 pub mod metrics;
 pub mod nonfinite;
+pub(crate) mod options;
+pub(crate) mod phase;
 pub mod planner;
 pub(crate) mod publish;
 pub(crate) mod quarantine;
@@ -46,6 +53,7 @@ pub mod reference;
 pub mod relay;
 pub(crate) mod routing;
 pub mod step;
+pub(crate) mod submit;
 pub(crate) mod types;
 pub(crate) mod workers;
 
@@ -57,12 +65,13 @@ pub use effects::{
 };
 pub use error::{CoreError, Result};
 pub use eval::EvalMetrics;
-pub use jobs::{
-    Active, AfterCheckpoint, BoundaryRequests, Generation, GeneratorSet, InFlight, Job, JobData,
-    Phase, Work,
-};
-pub use machine::{Coordinator, CoordinatorOptions, RELAY_MIN_WORLD};
+pub use generation::{Generation, GeneratorSet};
+pub use job::{BoundaryRequests, Job};
+pub use job_data::JobData;
+pub use machine::Coordinator;
 pub use metrics::{MetricSums, SourceMetrics, SourceSums, StepMetrics};
+pub use options::{CoordinatorOptions, RELAY_MIN_WORLD};
+pub use phase::{Active, AfterCheckpoint, InFlight, Phase, Work};
 pub use record::JobRecord;
 pub use reference::{RefEntry, ReferenceLogps, SeqLogp};
 pub use step::PlannedStep;

@@ -28,7 +28,8 @@ use crate::stream::plan::{self, PlanError, StepTarget};
 use super::ahead::{Ahead, Origin};
 use super::bisect::{self, Bisection};
 use super::eval::EvalRun;
-use super::jobs::{Job, HISTORY_LOAD_STEPS};
+use super::job::Job;
+use super::job_data::HISTORY_LOAD_STEPS;
 use super::step::{pack_documents, payload, DocHandle, PlannedStep};
 use super::types::{CommittedStep, PlanKind};
 use crate::rl::rollouts::{self, RolloutPlan};
@@ -87,7 +88,7 @@ pub fn next_source(job: &Job) -> Result<Source<'_>, PlanFailure> {
         }
         return Err(PlanFailure::NoHistory { step });
     }
-    if let Some(b) = &job.bisection {
+    if let Some(b) = &job.faults.bisection {
         return Ok(Source::Probe(b));
     }
     if !job.data.reference_complete() {
@@ -124,7 +125,7 @@ pub fn plan_ahead(job: &mut Job, world_size: u32, in_flight: &PlannedStep) -> Op
     let files = in_flight.kind == PlanKind::Train
         && !in_flight.replay
         && job.data.stream.is_none()
-        && job.bisection.is_none()
+        && job.faults.bisection.is_none()
         && job.data.reference_complete();
     if !files {
         return None;
@@ -152,7 +153,7 @@ pub fn plan_ahead(job: &mut Job, world_size: u32, in_flight: &PlannedStep) -> Op
 /// The step planned ahead, if the job is now where it was planned from
 /// (dispatch, about to plan from the job's files); dropped either way.
 pub fn take_ahead(job: &mut Job, world_size: u32) -> Option<PlannedStep> {
-    let ahead = job.ahead.take()?;
+    let ahead = job.ahead.next.take()?;
     ahead.take_if_from(&origin(job, world_size)?)
 }
 

@@ -10,9 +10,9 @@ use std::path::PathBuf;
 
 use tracing::info;
 
+use super::ctx::JobCtx;
 use super::effects::{Effect, Effects, ToWorker};
-use super::jobs::Job;
-use super::machine::Coordinator;
+use super::job::Job;
 use super::types::EventKind;
 
 /// `OUTPUT_DIR/policy/step-N`.
@@ -70,41 +70,27 @@ pub(crate) fn request(job: &mut Job, fx: &mut Effects) {
             },
         });
     }
-    job.publish_acks.insert(step, members.into_iter().collect());
+    job.acks.policies.expect(step, members);
 }
 
-impl Coordinator {
+impl JobCtx<'_> {
     /// A worker wrote its part of step `step`'s policy; the last one
     /// announces it on the watch stream.
-    pub(crate) fn on_policy_published(
-        &mut self,
-        worker: &str,
-        job_id: &str,
-        step: u64,
-        now_ms: i64,
-        fx: &mut Effects,
-    ) {
-        let Some(job) = self.jobs.get_mut(job_id) else {
-            return;
-        };
-        let Some(waiting) = job.publish_acks.get_mut(&step) else {
-            return;
-        };
-        waiting.remove(worker);
-        if !waiting.is_empty() {
+    pub(crate) fn on_policy_published(&mut self, worker: &str, step: u64) {
+        let job = &mut *self.job;
+        if !job.acks.policies.ack(&step, worker) {
             return;
         }
-        job.publish_acks.remove(&step);
         if job.spec.rl.generators.is_some() {
             info!(
-                job = job_id,
+                job = %self.id,
                 step, "policy snapshot taken for the generators"
             );
         } else {
             let dir = policy_dir(job, step);
-            info!(job = job_id, step, dir = %dir.display(), "policy published");
+            info!(job = %self.id, step, dir = %dir.display(), "policy published");
             let msg = format!("policy of step {step} published to {}", dir.display());
-            fx.push(job.event(EventKind::Policy, msg, now_ms));
+            self.fx.push(job.event(EventKind::Policy, msg, self.now));
         }
         // The job's engine loads it next (`crate::rl::engine`).
         if let Some(e) = job.data.engine_mut() {

@@ -9,20 +9,20 @@ use std::collections::BTreeSet;
 use tracing::{info, warn};
 
 use super::bisect::{self, Bisection, Next};
-use super::effects::{Effects, Persist};
+use super::ctx::JobCtx;
+use super::effects::Persist;
 use super::error::{CoreError, Result};
-use super::jobs::InFlight;
-use super::machine::Coordinator;
+use super::phase::InFlight;
 use super::types::{AbortReason, End, EventKind, PlanKind, Quarantined, Why};
 use crate::job::spec::{OnNonFinite, Sharding};
 use crate::stream::doc::DocId;
 
-impl Coordinator {
+impl JobCtx<'_> {
     /// Whether a non-finite `step` of the job is bisected rather than
     /// failing it: the spec asks for it and `step` is the training step
     /// in flight (not a replay, not a probe or reference plan).
-    pub(crate) fn bisects(&self, job_id: &str, step: u64) -> bool {
-        let Some(job) = self.jobs.get(job_id) else {
+    pub(crate) fn bisects(&self, step: u64) -> bool {
+        let Some(job) = Some(&*self.job) else {
             return false;
         };
         job.spec.faults.on_nonfinite == OnNonFinite::Bisect
@@ -34,15 +34,8 @@ impl Coordinator {
     /// The training step in flight was non-finite: its documents, as its
     /// microbatches grouped them, become the first probe round, and the
     /// generation ends (its members' collectives may be mid-way).
-    pub(crate) fn start_bisection(
-        &mut self,
-        job_id: &str,
-        worker: &str,
-        message: &str,
-        now_ms: i64,
-        fx: &mut Effects,
-    ) {
-        let job = self.jobs.get_mut(job_id).expect("bisecting a known job");
+    pub(crate) fn start_bisection(&mut self, worker: &str, message: &str) {
+        let job = &mut *self.job;
         let planned = job
             .inflight()
             .expect("bisecting the step in flight")
@@ -66,32 +59,33 @@ impl Coordinator {
         let b = Bisection::new(planned.step, groups, planned.normalizers, detail.clone());
         let (docs, groups) = (planned.docs.len(), b.groups().len());
         warn!(
-            job = job_id,
+            job = %self.id,
             step = planned.step,
             docs,
             "non-finite step: bisecting its documents"
         );
-        job.bisection = Some(b);
+        job.faults.bisection = Some(b);
         let msg = format!(
             "step {} was non-finite ({detail}); bisecting its {docs} documents, starting from its {groups} microbatches",
             planned.step
         );
-        fx.push(job.event(EventKind::Quarantine, msg, now_ms));
+        self.fx
+            .push(job.event(EventKind::Quarantine, msg, self.now));
         let why = Why::new(
             AbortReason::NonFinite,
             format!("step {} non-finite; bisecting its documents", planned.step),
         );
-        self.end_generation(job_id, why, false, now_ms, fx);
+        self.end_generation(why, false);
     }
 
     /// Every rank answered a probe: its verdict narrows the bisection,
     /// which probes again, quarantines what it found, or fails the job.
-    pub(crate) fn probed(&mut self, job_id: &str, flight: InFlight, now_ms: i64, fx: &mut Effects) {
-        let job = self.jobs.get_mut(job_id).expect("probing a known job");
+    pub(crate) fn probed(&mut self, flight: InFlight) {
+        let job = &mut *self.job;
         let world = flight.planned.ranks.len() as u32;
         let coupled = job.spec.parallel.sharding == Sharding::Fsdp;
         let max_rounds = job.spec.faults.max_bisect_rounds;
-        let Some(b) = job.bisection.as_mut() else {
+        let Some(b) = job.faults.bisection.as_mut() else {
             return;
         };
         let slots = bisect::slots(b.groups().len(), world, coupled);
@@ -110,44 +104,46 @@ impl Coordinator {
                 let msg = format!(
                     "bisecting step {step}: probe round {round} left {suspects} suspect documents"
                 );
-                fx.push(job.event(EventKind::Quarantine, msg, now_ms));
+                self.fx
+                    .push(job.event(EventKind::Quarantine, msg, self.now));
             }
             Next::Found(docs) => {
-                job.bisection = None;
+                job.faults.bisection = None;
                 for doc in &docs {
-                    warn!(job = job_id, step, %doc, "document quarantined");
+                    warn!(job = %self.id, step, %doc, "document quarantined");
                     job.rec.quarantine.push(Quarantined {
                         doc: *doc,
                         step,
                         detail: detail.clone(),
-                        unix_ms: now_ms,
+                        unix_ms: self.now,
                     });
                 }
-                fx.persist(Persist::Job(Box::new(job.rec.clone())));
+                self.fx.persist(Persist::Job(Box::new(job.rec.clone())));
                 for doc in &docs {
                     let msg = format!(
                         "document {doc} quarantined: step {step} is non-finite with it alone (found in {round} probe rounds)"
                     );
-                    fx.push(job.event(EventKind::Quarantine, msg, now_ms));
+                    self.fx
+                        .push(job.event(EventKind::Quarantine, msg, self.now));
                 }
                 info!(
-                    job = job_id,
+                    job = %self.id,
                     step, "step re-planned without its quarantined documents"
                 );
-                self.at_boundary(job_id, now_ms, fx);
+                self.at_boundary();
             }
             Next::NotReproduced => {
-                job.bisection = None;
+                job.faults.bisection = None;
                 let why = Why::new(
                     AbortReason::NonFinite,
                     format!(
                         "step {step} was non-finite ({detail}), but none of its microbatches or documents is on its own; no document to quarantine"
                     ),
                 );
-                self.finish(job_id, End::Failed(why), now_ms, fx);
+                self.finish(End::Failed(why));
             }
             Next::OutOfRounds(suspects) => {
-                job.bisection = None;
+                job.faults.bisection = None;
                 let list: Vec<String> = suspects.iter().take(10).map(ToString::to_string).collect();
                 let why = Why::new(
                     AbortReason::NonFinite,
@@ -158,7 +154,7 @@ impl Coordinator {
                         if suspects.len() > 10 { ", ..." } else { "" }
                     ),
                 );
-                self.finish(job_id, End::Failed(why), now_ms, fx);
+                self.finish(End::Failed(why));
             }
         }
     }
@@ -168,16 +164,13 @@ impl Coordinator {
     /// error and release nothing.
     pub(crate) fn release_quarantine(
         &mut self,
-        job_id: &str,
         docs: Option<&[DocId]>,
-        now_ms: i64,
-        fx: &mut Effects,
     ) -> Result<Vec<Quarantined>> {
-        let job = self.job_mut(job_id)?;
+        let job = &mut *self.job;
         if let Some(docs) = docs {
             if let Some(d) = docs.iter().find(|d| !job.rec.quarantined(d)) {
                 return Err(CoreError::NotQuarantined {
-                    job: job_id.to_string(),
+                    job: self.id.clone(),
                     doc: *d,
                 });
             }
@@ -189,10 +182,11 @@ impl Coordinator {
         if released.is_empty() {
             return Ok(released);
         }
-        fx.persist(Persist::Job(Box::new(job.rec.clone())));
+        self.fx.persist(Persist::Job(Box::new(job.rec.clone())));
         let names: Vec<String> = released.iter().map(|q| q.doc.to_string()).collect();
         let msg = format!("released from quarantine: {}", names.join(", "));
-        fx.push(job.event(EventKind::Quarantine, msg, now_ms));
+        self.fx
+            .push(job.event(EventKind::Quarantine, msg, self.now));
         Ok(released)
     }
 }

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use super::jobs::{HISTORY_LOAD_STEPS, HISTORY_WINDOW};
+use super::job_data::{HISTORY_LOAD_STEPS, HISTORY_WINDOW};
 use super::*;
 use crate::job::spec::JobSpec;
 use crate::rl::rounds as generate;
@@ -3375,7 +3375,7 @@ fn a_reference_result_that_disagrees_with_its_plan_is_refused() {
 #[test]
 fn lost_workers_beyond_the_kept_number_are_forgotten_oldest_first() {
     let mut s = Sim::new();
-    let churn = machine::LOST_WORKERS_KEPT + 40;
+    let churn = workers::LOST_WORKERS_KEPT + 40;
     for i in 0..churn {
         let id = format!("w{i}");
         s.worker(&id);
@@ -3387,8 +3387,8 @@ fn lost_workers_beyond_the_kept_number_are_forgotten_oldest_first() {
             .filter(|w| w.state == WorkerState::Lost)
             .map(|w| w.id.as_str())
             .collect();
-    assert_eq!(lost.len(), machine::LOST_WORKERS_KEPT);
-    assert_eq!(s.c.workers().count(), machine::LOST_WORKERS_KEPT);
+    assert_eq!(lost.len(), workers::LOST_WORKERS_KEPT);
+    assert_eq!(s.c.workers().count(), workers::LOST_WORKERS_KEPT);
     assert!(s.c.worker("w0").is_none(), "the first lost is forgotten");
     assert!(
         s.c.worker(&format!("w{}", churn - 1)).is_some(),
@@ -3411,6 +3411,7 @@ fn lost_workers_beyond_the_kept_number_are_forgotten_oldest_first() {
 fn planned_ahead(s: &Sim) -> PlannedStep {
     let job = s.c.job("job").unwrap();
     job.ahead
+        .next
         .as_ref()
         .expect("a step planned ahead")
         .planned()
@@ -3440,7 +3441,7 @@ fn the_next_step_is_planned_while_one_runs_and_sent_as_planned() {
     assert_eq!(s.state(), JobState::Completed);
     assert_eq!(s.committed.len(), 10);
     // All but the first went out as planned ahead.
-    assert_eq!(s.c.job("job").unwrap().sent_ahead, 9);
+    assert_eq!(s.c.job("job").unwrap().ahead.sent, 9);
 }
 
 #[test]
@@ -3462,7 +3463,7 @@ fn a_step_planned_ahead_is_planned_again_when_what_it_was_planned_from_changed()
     until_plans(&mut s, 2);
     assert_eq!(s.plans[1].step, 2);
     assert_eq!(s.plans[1].docs.len(), 6, "planned again with the change");
-    assert_eq!(s.c.job("job").unwrap().sent_ahead, 0);
+    assert_eq!(s.c.job("job").unwrap().ahead.sent, 0);
     // A member joins while step 2 runs: step 3, planned for one rank, is
     // planned again for the new generation's two.
     assert_eq!(planned_ahead(&s).ranks.len(), 1);

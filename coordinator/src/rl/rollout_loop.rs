@@ -11,22 +11,22 @@ use tracing::{info, warn};
 use super::engine::tick::{hand_to_scorer, wrong_answer};
 use super::rounds::{GenCompletion, LoopInputs, RoundKind, RoundStats, MAX_BARREN_GROUPS};
 use super::stream::Admission;
-use crate::core::effects::{Effect, Effects, Persist, ToWorker, WatchItem};
+use crate::core::ctx::JobCtx;
+use crate::core::effects::{Effect, Persist, ToWorker, WatchItem};
 use crate::core::error::{CoreError, Result};
-use crate::core::jobs::Work;
-use crate::core::machine::Coordinator;
+use crate::core::phase::Work;
 use crate::core::types::{AbortReason, End, Why};
 use crate::stream::doc::Rollout;
 
-impl Coordinator {
+impl JobCtx<'_> {
     /// The shell loaded a generating job's prompts.
-    pub(crate) fn load_prompts(&mut self, job_id: &str, inputs: LoopInputs) -> Result<()> {
-        let job = self.job_mut(job_id)?;
+    pub(crate) fn load_prompts(&mut self, inputs: LoopInputs) -> Result<()> {
+        let job = &mut *self.job;
         let Some(l) = job.data.rollout_loop.as_mut() else {
-            return Err(CoreError::NotStreamed(job_id.to_string()));
+            return Err(CoreError::NotStreamed(self.id.clone()));
         };
         info!(
-            job = job_id,
+            job = %self.id,
             prompts = inputs.prompts.len(),
             "prompts loaded"
         );
@@ -37,14 +37,8 @@ impl Coordinator {
     /// Plans a round for an idle generating job whose queue lacks `need`
     /// rollouts; false when it cannot (prompts not loaded, or a round is
     /// being scored: the job waits).
-    pub(crate) fn plan_round(
-        &mut self,
-        job_id: &str,
-        need: u64,
-        now_ms: i64,
-        fx: &mut Effects,
-    ) -> bool {
-        let job = self.jobs.get_mut(job_id).expect("known job");
+    pub(crate) fn plan_round(&mut self, need: u64) -> bool {
+        let job = &mut *self.job;
         let Some(gen) = job.gen() else {
             return false;
         };
@@ -69,20 +63,20 @@ impl Coordinator {
             gen_id,
             job.rec.step,
             &sampling,
-            now_ms,
+            self.now,
         );
         let Some((round, plans)) = planned else {
             job.rec.reason = "waiting for the prompts to load".into();
             return false;
         };
-        self.send_round(job_id, round, plans, fx);
+        self.send_round(round, plans);
         true
     }
 
     /// Whether the job's eval prompts are due at its committed step:
     /// before the first step, after the last, and every `rl.eval_every`.
-    pub(crate) fn eval_due(&self, job_id: &str) -> bool {
-        let job = &self.jobs[job_id];
+    pub(crate) fn eval_due(&self) -> bool {
+        let job = &*self.job;
         let Some(l) = job.data.rollout_loop.as_ref() else {
             return false;
         };
@@ -94,8 +88,8 @@ impl Coordinator {
     }
 
     /// Plans a greedy round over the job's eval prompts.
-    pub(crate) fn plan_eval(&mut self, job_id: &str, now_ms: i64, fx: &mut Effects) -> bool {
-        let job = self.jobs.get_mut(job_id).expect("known job");
+    pub(crate) fn plan_eval(&mut self) -> bool {
+        let job = &mut *self.job;
         let Some(gen) = job.gen() else {
             return false;
         };
@@ -105,24 +99,18 @@ impl Coordinator {
             return false;
         };
         let Some((round, plans)) =
-            l.plan_eval_round(world, gen_id, job.rec.step, &sampling, now_ms)
+            l.plan_eval_round(world, gen_id, job.rec.step, &sampling, self.now)
         else {
             return false;
         };
-        self.send_round(job_id, round, plans, fx);
+        self.send_round(round, plans);
         true
     }
 
-    fn send_round(
-        &mut self,
-        job_id: &str,
-        round: super::rounds::Round,
-        plans: Vec<super::rounds::RoundPlan>,
-        fx: &mut Effects,
-    ) {
-        let job = self.jobs.get_mut(job_id).expect("known job");
+    fn send_round(&mut self, round: super::rounds::Round, plans: Vec<super::rounds::RoundPlan>) {
+        let job = &mut *self.job;
         info!(
-            job = job_id,
+            job = %self.id,
             round = round.id,
             kind = ?round.kind,
             prompts = round.positions.end - round.positions.start,
@@ -134,10 +122,10 @@ impl Coordinator {
         let gen_id = round.generation;
         let active = job.active_mut().expect("a round within a generation");
         for (rank, (m, plan)) in active.gen.members.iter().zip(plans).enumerate() {
-            fx.push(Effect::Send {
+            self.fx.push(Effect::Send {
                 worker: m.clone(),
                 msg: ToWorker::Generate {
-                    job: job_id.to_string(),
+                    job: self.id.clone(),
                     generation: gen_id,
                     rank: rank as u32,
                     plan: Arc::new(plan),
@@ -155,16 +143,11 @@ impl Coordinator {
     pub(crate) fn on_generated(
         &mut self,
         worker: &str,
-        job_id: &str,
         generation: u64,
         round: u64,
         answer: (Vec<GenCompletion>, f64),
-        now_ms: i64,
-        fx: &mut Effects,
     ) {
-        let Some(job) = self.jobs.get_mut(job_id) else {
-            return;
-        };
+        let job = &mut *self.job;
         let Some(active) = job.active_mut() else {
             return;
         };
@@ -175,15 +158,14 @@ impl Coordinator {
             .rank_of(worker)
             .filter(|_| active.gen.id == generation)
         {
-            let (w, j) = (worker.to_string(), job_id.to_string());
-            self.on_generator_answer(&w, &j, g, generation, round, answer, now_ms, fx);
+            self.on_generator_answer(worker, g, generation, round, answer);
             return;
         }
         let rank = active.gen.rank_of(worker);
         let Work::Generating(r) = &mut active.work else {
             warn!(
                 worker,
-                job = job_id,
+                job = %self.id,
                 round,
                 "completions for no round, ignored"
             );
@@ -192,7 +174,7 @@ impl Coordinator {
         let Some(rank) = rank.filter(|_| r.generation == generation && r.id == round) else {
             warn!(
                 worker,
-                job = job_id,
+                job = %self.id,
                 generation,
                 round,
                 "completions for a stale round, ignored"
@@ -206,11 +188,11 @@ impl Coordinator {
                     unreachable!("matched above")
                 };
                 let l = job.data.rollout_loop.as_mut().expect("a generating job");
-                hand_to_scorer(job_id, &mut job.rec.reason, l, *r, fx);
+                hand_to_scorer(self.id.as_str(), &mut job.rec.reason, l, *r, self.fx);
             }
             Err(e) => {
                 let why = wrong_answer("worker", worker, rank, round, &e);
-                self.lose_worker_because(worker, why, now_ms, fx);
+                self.lose_member(worker, why);
             }
         }
     }
@@ -220,14 +202,11 @@ impl Coordinator {
     /// (already admitted, or of a job that restarted) and ignored.
     pub(crate) fn on_scored(
         &mut self,
-        job_id: &str,
         round: u64,
         rollouts: Vec<Rollout>,
         stats: RoundStats,
-        now_ms: i64,
-        fx: &mut Effects,
     ) -> Result<()> {
-        let job = self.job_mut(job_id)?;
+        let job = &mut *self.job;
         let pg = job.spec.objective.pg();
         let next = job.rec.step + 1;
         let docs = job.settings().at(next).docs_per_step.unwrap_or(1);
@@ -238,7 +217,7 @@ impl Coordinator {
             job.data.rollouts.as_mut(),
             pg,
         ) else {
-            return Err(CoreError::NotStreamed(job_id.to_string()));
+            return Err(CoreError::NotStreamed(self.id.clone()));
         };
         let (prompts_done, kind) = match l.scoring {
             Some(sc) if sc.round == round && !job.rec.state.is_terminal() => {
@@ -246,7 +225,7 @@ impl Coordinator {
             }
             _ => {
                 warn!(
-                    job = job_id,
+                    job = %self.id,
                     round, "scored round is not the one being scored, ignored"
                 );
                 return Ok(());
@@ -264,16 +243,16 @@ impl Coordinator {
                 docs: stats.completions,
                 extra: stats.metrics(),
                 sources: Default::default(),
-                unix_ms: now_ms,
+                unix_ms: self.now,
             };
-            info!(job = job_id, step, accuracy = ?metrics.extra.get("rl/accuracy"), "eval prompts answered");
-            fx.push(Effect::AppendEval {
-                job: job_id.to_string(),
+            info!(job = %self.id, step, accuracy = ?metrics.extra.get("rl/accuracy"), "eval prompts answered");
+            self.fx.push(Effect::AppendEval {
+                job: self.id.clone(),
                 path: job.spec.job.output_dir.join("metrics.jsonl"),
                 eval: Box::new(metrics.clone()),
             });
-            fx.push(Effect::Publish {
-                job: job_id.to_string(),
+            self.fx.push(Effect::Publish {
+                job: self.id.clone(),
                 item: WatchItem::Eval(metrics),
             });
             return Ok(());
@@ -285,7 +264,7 @@ impl Coordinator {
             engine && crate::rl::pg::admit(r.policy_version, step, max_staleness).is_err()
         }) {
             warn!(
-                job = job_id,
+                job = %self.id,
                 round,
                 policy = r.policy_version,
                 step,
@@ -294,7 +273,7 @@ impl Coordinator {
             return Ok(());
         }
         let at = Admission {
-            job: job_id,
+            job: self.id.as_str(),
             pg: &pg,
             step,
             max_staleness,
@@ -310,7 +289,7 @@ impl Coordinator {
         }
         let (groups, rounds) = l.barren;
         job.data.loop_stats.add(&stats);
-        fx.persist(Persist::Rollouts(Box::new(write)));
+        self.fx.persist(Persist::Rollouts(Box::new(write)));
         if groups >= MAX_BARREN_GROUPS {
             let why = Why::new(
                 AbortReason::JobFailed,
@@ -320,26 +299,17 @@ impl Coordinator {
                 ),
             );
             warn!(
-                job = job_id,
+                job = %self.id,
                 groups, rounds, "no group admitted, failing the job"
             );
-            self.finish(job_id, End::Failed(why), now_ms, fx);
+            self.finish(End::Failed(why));
         }
         Ok(())
     }
 
     /// The shell could not score round `round`: the job fails with why.
-    pub(crate) fn on_score_failed(
-        &mut self,
-        job_id: &str,
-        round: u64,
-        error: String,
-        now_ms: i64,
-        fx: &mut Effects,
-    ) {
-        let Some(job) = self.jobs.get(job_id) else {
-            return;
-        };
+    pub(crate) fn on_score_failed(&mut self, round: u64, error: String) {
+        let job = &*self.job;
         let ours = job
             .data
             .rollout_loop
@@ -352,6 +322,6 @@ impl Coordinator {
             AbortReason::JobFailed,
             format!("scoring generation round {round} failed: {error}"),
         );
-        self.finish(job_id, End::Failed(why), now_ms, fx);
+        self.finish(End::Failed(why));
     }
 }

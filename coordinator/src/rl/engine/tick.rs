@@ -32,9 +32,9 @@ use std::sync::Arc;
 
 use tracing::{info, warn};
 
+use crate::core::ctx::JobCtx;
 use crate::core::effects::{Effect, Effects, ToWorker};
-use crate::core::jobs::Work;
-use crate::core::machine::Coordinator;
+use crate::core::phase::Work;
 use crate::core::publish::{self, policy_dir};
 use crate::core::types::{AbortReason, End, EventKind, JobState, PlanKind, Why};
 use crate::rl::rounds::{EngineRound, GenCompletion, LoopState, Round, Scoring};
@@ -80,12 +80,12 @@ enum Backend {
     Workers,
 }
 
-impl Coordinator {
+impl JobCtx<'_> {
     /// Starts the next thing the job's engine (or its generator workers)
     /// should do, if any: load a newer published policy, ask for one when
     /// its version is unknown, or generate the rounds the queue lacks.
-    pub(crate) fn engine_tick(&mut self, job_id: &str, now_ms: i64, fx: &mut Effects) {
-        let job = self.jobs.get_mut(job_id).expect("known job");
+    pub(crate) fn engine_tick(&mut self) {
+        let job = &mut *self.job;
         let backend = match (&job.spec.rl.engine, job.spec.rl.generators) {
             (Some(e), _) => Backend::External(e.clone()),
             (None, Some(_)) => Backend::Workers,
@@ -112,7 +112,7 @@ impl Coordinator {
         }
         // A publication of this step that members of this generation are
         // writing (one whose writer was lost never completes).
-        let publishing = match (job.publish_acks.get(&step), job.gen()) {
+        let publishing = match (job.acks.policies.owed(&step), job.gen()) {
             (Some(waiting), Some(g)) => waiting.iter().all(|m| g.members.contains(m)),
             _ => false,
         };
@@ -134,7 +134,7 @@ impl Coordinator {
         };
         // An answered round waited for the scorer: its turn now.
         if let Some(r) = e.answered.take() {
-            hand_to_scorer(job_id, &mut job.rec.reason, l, *r, fx);
+            hand_to_scorer(self.id.as_str(), &mut job.rec.reason, l, *r, self.fx);
             return;
         }
         if e.round.is_some() || e.reloading.is_some() || workers_generating {
@@ -146,10 +146,10 @@ impl Coordinator {
             match backend {
                 Backend::External(spec) => {
                     let dir = policy_dir(job, p);
-                    info!(job = job_id, step = p, dir = %dir.display(), url = %spec.url, "engine told to load a policy");
+                    info!(job = %self.id, step = p, dir = %dir.display(), url = %spec.url, "engine told to load a policy");
                     job.rec.reason = format!("engine loading the policy of step {p}");
-                    fx.push(Effect::EngineReload {
-                        job: job_id.to_string(),
+                    self.fx.push(Effect::EngineReload {
+                        job: self.id.clone(),
                         step: p,
                         dir,
                         engine: spec,
@@ -157,7 +157,7 @@ impl Coordinator {
                 }
                 Backend::Workers => {
                     info!(
-                        job = job_id,
+                        job = %self.id,
                         step = p,
                         generators = generators.len(),
                         "weights sent to the generators"
@@ -165,10 +165,10 @@ impl Coordinator {
                     job.rec.reason = format!("sending the policy of step {p} to the generators");
                     e.awaiting = generators.iter().cloned().collect();
                     for w in sender.iter().chain(&generators) {
-                        fx.push(Effect::Send {
+                        self.fx.push(Effect::Send {
                             worker: w.clone(),
                             msg: ToWorker::SyncWeights {
-                                job: job_id.to_string(),
+                                job: self.id.clone(),
                                 generation: gen_id,
                                 version: p,
                             },
@@ -202,7 +202,7 @@ impl Coordinator {
                         format!("taking step {step}'s policy for the generators")
                     }
                 };
-                publish::request(job, fx);
+                publish::request(job, self.fx);
             }
             return;
         }
@@ -249,13 +249,13 @@ impl Coordinator {
         };
         let l = job.data.rollout_loop.as_mut().expect("checked above");
         let Some((round, mut plans)) = l.plan_round(
-            done, prompts, group, ranks, gen_id, loaded, &sampling, now_ms,
+            done, prompts, group, ranks, gen_id, loaded, &sampling, self.now,
         ) else {
             job.rec.reason = "waiting for the prompts to load".into();
             return;
         };
         info!(
-            job = job_id,
+            job = %self.id,
             round = round.id,
             prompts = round.positions.end - round.positions.start,
             from = round.positions.start,
@@ -265,8 +265,8 @@ impl Coordinator {
         match backend {
             Backend::External(spec) => {
                 job.rec.reason = format!("engine generating round {}", round.id);
-                fx.push(Effect::EngineGenerate(Box::new(EngineRound {
-                    job: job_id.to_string(),
+                self.fx.push(Effect::EngineGenerate(Box::new(EngineRound {
+                    job: self.id.clone(),
                     round: round.id,
                     group,
                     plan: plans.pop().expect("one rank"),
@@ -276,10 +276,10 @@ impl Coordinator {
             Backend::Workers => {
                 job.rec.reason = format!("generators generating round {}", round.id);
                 for (rank, (w, plan)) in generators.iter().zip(plans).enumerate() {
-                    fx.push(Effect::Send {
+                    self.fx.push(Effect::Send {
                         worker: w.clone(),
                         msg: ToWorker::Generate {
-                            job: job_id.to_string(),
+                            job: self.id.clone(),
                             generation: gen_id,
                             rank: rank as u32,
                             plan: Arc::new(plan),
@@ -299,15 +299,12 @@ impl Coordinator {
     pub(crate) fn on_generator_answer(
         &mut self,
         worker: &str,
-        job_id: &str,
         rank: u32,
         generation: u64,
         round: u64,
         answer: (Vec<GenCompletion>, f64),
-        now_ms: i64,
-        fx: &mut Effects,
     ) {
-        let job = self.jobs.get_mut(job_id).expect("known job");
+        let job = &mut *self.job;
         let Some(l) = job.data.rollout_loop.as_mut() else {
             return;
         };
@@ -321,7 +318,7 @@ impl Coordinator {
         else {
             warn!(
                 worker,
-                job = job_id,
+                job = %self.id,
                 generation,
                 round,
                 "completions for a stale round, ignored"
@@ -336,33 +333,23 @@ impl Coordinator {
                     l.engine.as_mut().expect("matched above").answered = Some(Box::new(r));
                     return;
                 }
-                hand_to_scorer(job_id, &mut job.rec.reason, l, r, fx);
+                hand_to_scorer(self.id.as_str(), &mut job.rec.reason, l, r, self.fx);
             }
             Err(err) => {
                 let why = wrong_answer("generator", worker, rank, round, &err);
-                self.lose_worker_because(worker, why, now_ms, fx);
+                self.lose_member(worker, why);
             }
         }
     }
 
     /// A generator loaded the policy of step `version` from the weight
     /// ring; once every generator did, rounds are tagged with it.
-    pub(crate) fn on_weights_synced(
-        &mut self,
-        worker: &str,
-        job_id: &str,
-        generation: u64,
-        version: u64,
-        now_ms: i64,
-        fx: &mut Effects,
-    ) {
-        let Some(job) = self.jobs.get_mut(job_id) else {
-            return;
-        };
+    pub(crate) fn on_weights_synced(&mut self, worker: &str, generation: u64, version: u64) {
+        let job = &mut *self.job;
         if job.gen().is_none_or(|g| g.id != generation) {
             warn!(
                 worker,
-                job = job_id,
+                job = %self.id,
                 generation,
                 "weight sync of a stale generation, ignored"
             );
@@ -382,7 +369,7 @@ impl Coordinator {
                     "generator {worker} loaded the policy of step {version}, step {asked} was sent"
                 ),
             );
-            self.lose_worker_because(worker, why, now_ms, fx);
+            self.lose_member(worker, why);
             return;
         }
         if !e.awaiting.remove(worker) || !e.awaiting.is_empty() {
@@ -391,13 +378,13 @@ impl Coordinator {
         e.reloading = None;
         e.loaded = e.loaded.max(Some(version));
         info!(
-            job = job_id,
+            job = %self.id,
             step = version,
             "the generators loaded the policy"
         );
         job.rec.reason.clear();
         let msg = format!("the generators loaded the policy of step {version} from trainer rank 0");
-        fx.push(job.event(EventKind::Policy, msg, now_ms));
+        self.fx.push(job.event(EventKind::Policy, msg, self.now));
     }
 
     /// The engine answered round `round`: its completions go to the shell
@@ -406,15 +393,10 @@ impl Coordinator {
     /// for another round is ignored.
     pub(crate) fn on_engine_generated(
         &mut self,
-        job_id: &str,
         round: u64,
         result: Result<(Vec<GenCompletion>, f64), String>,
-        now_ms: i64,
-        fx: &mut Effects,
     ) {
-        let Some(job) = self.jobs.get_mut(job_id) else {
-            return;
-        };
+        let job = &mut *self.job;
         let url = job.spec.rl.engine.as_ref().map(|e| e.url.clone());
         let Some(l) = job.data.rollout_loop.as_mut() else {
             return;
@@ -425,7 +407,7 @@ impl Coordinator {
             .and_then(|e| e.round.take_if(|r| r.id == round))
         else {
             warn!(
-                job = job_id,
+                job = %self.id,
                 round, "engine completions for no pending round, ignored"
             );
             return;
@@ -449,7 +431,7 @@ impl Coordinator {
                     url.unwrap_or_default()
                 ),
             );
-            self.finish(job_id, End::Failed(why), now_ms, fx);
+            self.finish(End::Failed(why));
             return;
         }
         if l.scoring.is_some() {
@@ -457,22 +439,13 @@ impl Coordinator {
             e.answered = Some(Box::new(r));
             return;
         }
-        hand_to_scorer(job_id, &mut job.rec.reason, l, r, fx);
+        hand_to_scorer(self.id.as_str(), &mut job.rec.reason, l, r, self.fx);
     }
 
     /// The engine answered the reload of step `step`'s policy: from now
     /// on rounds are tagged with it. A failed reload fails the job.
-    pub(crate) fn on_engine_reloaded(
-        &mut self,
-        job_id: &str,
-        step: u64,
-        result: Result<(), String>,
-        now_ms: i64,
-        fx: &mut Effects,
-    ) {
-        let Some(job) = self.jobs.get_mut(job_id) else {
-            return;
-        };
+    pub(crate) fn on_engine_reloaded(&mut self, step: u64, result: Result<(), String>) {
+        let job = &mut *self.job;
         let Some(e) = job.data.engine_mut().filter(|e| e.reloading == Some(step)) else {
             return;
         };
@@ -483,10 +456,10 @@ impl Coordinator {
         match result {
             Ok(()) => {
                 e.loaded = e.loaded.max(Some(step));
-                info!(job = job_id, step, "engine loaded the policy");
+                info!(job = %self.id, step, "engine loaded the policy");
                 job.rec.reason.clear();
                 let msg = format!("the generation engine loaded the policy of step {step}");
-                fx.push(job.event(EventKind::Policy, msg, now_ms));
+                self.fx.push(job.event(EventKind::Policy, msg, self.now));
             }
             Err(error) => {
                 let dir = policy_dir(job, step);
@@ -497,7 +470,7 @@ impl Coordinator {
                         dir.display()
                     ),
                 );
-                self.finish(job_id, End::Failed(why), now_ms, fx);
+                self.finish(End::Failed(why));
             }
         }
     }

@@ -186,10 +186,10 @@ impl Exporter {
                 .set(j.rec.step as i64);
             self.sent_ahead
                 .with_label_values(&[id])
-                .set(j.sent_ahead as i64);
+                .set(j.ahead.sent as i64);
             self.checkpoints_pending
                 .with_label_values(&[id])
-                .set(j.pending_checkpoints.len() as i64);
+                .set(j.acks.checkpoints.len() as i64);
             self.quarantined
                 .with_label_values(&[id])
                 .set(j.rec.quarantine.len() as i64);
