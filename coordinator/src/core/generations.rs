@@ -4,19 +4,16 @@
 //! steps after a restore, the checkpoint index (asynchronous acks, `keep`,
 //! fallback when a checkpoint fails to restore), and what each worker holds.
 
-use std::sync::Arc;
-
 use tracing::{info, warn};
 
 use super::ctx::JobCtx;
-use super::effects::{Effect, Persist, ToWorker};
-use super::generation::Generation;
+use super::effects::{Effect, Persist};
+use super::formation::{self, Chosen};
 use super::membership::{compose, Composition};
 use super::phase::{Active, AfterCheckpoint, Phase, Work};
 use super::recovery::{self, Source};
 use super::types::{
-    AbortReason, CheckpointEntry, CommittedStep, End, EventKind, HeldState, JobState, PlanKind,
-    Role, WeightRing, Why, WorkerId,
+    AbortReason, CheckpointEntry, CommittedStep, End, EventKind, HeldState, JobState, PlanKind, Why,
 };
 use super::workers::WorkerState;
 use crate::job::spec::Sharding;
@@ -232,181 +229,78 @@ impl JobCtx<'_> {
         self.end_generation(why, false);
     }
 
-    /// Forms a generation for a waiting job as [`compose`] decides, and
-    /// configures its members.
+    /// Forms a generation for a waiting job as [`compose`] decides and
+    /// [`formation::plan`] lays out, and configures its members.
     pub(crate) fn form_generation(&mut self) {
-        let (members, generators, decision, disk_only) =
-            match compose(self.now, self.job, self.workers) {
-                Composition::Form {
-                    members,
-                    generators,
-                    decision,
-                    disk_only,
-                } => (members, generators, decision, disk_only),
-                Composition::Wait(reason) => {
-                    self.job.rec.reason = reason;
-                    return;
-                }
-                Composition::Fail(e) => {
-                    let detail = match &self.job.faults.last_restore_failure {
-                        Some(cause) => format!("{e}; the last restore failed on {cause}"),
-                        None => e.to_string(),
-                    };
-                    let why = Why::new(AbortReason::JobFailed, detail);
-                    self.finish(End::Failed(why));
-                    return;
-                }
-            };
-        let addr = |m: &WorkerId| (m.clone(), self.workers[m].reg.collective_addr.clone());
-        let peers: Arc<[(WorkerId, String)]> = members.iter().map(addr).collect();
-        let world = members.len();
-        let priors: Arc<[Option<HeldState>]> =
-            (0..world).map(|i| decision.prior(i).cloned()).collect();
-        let prior_runs: Arc<[recovery::PriorRun]> = recovery::prior_runs(&priors).into();
-        // The weight ring of a disaggregated generation: trainer rank 0,
-        // then the generators; each member dials the next.
-        let ring: Vec<(WorkerId, String)> = members
-            .iter()
-            .take(1)
-            .chain(&generators)
-            .map(addr)
-            .collect();
-        let weight_ring = |i: usize| {
-            (!generators.is_empty()).then(|| WeightRing {
-                rank: i as u32,
-                world: ring.len() as u32,
-                next: ring[(i + 1) % ring.len()].clone(),
-            })
+        let chosen = match compose(self.now, self.job, self.workers) {
+            Composition::Form {
+                members,
+                generators,
+                decision,
+                disk_only,
+            } => Chosen {
+                members,
+                generators,
+                decision,
+                disk_only,
+            },
+            Composition::Wait(reason) => {
+                self.job.rec.reason = reason;
+                return;
+            }
+            Composition::Fail(e) => {
+                let detail = match &self.job.faults.last_restore_failure {
+                    Some(cause) => format!("{e}; the last restore failed on {cause}"),
+                    None => e.to_string(),
+                };
+                self.fail(AbortReason::JobFailed, detail);
+                return;
+            }
         };
-        let generator_peers: Arc<[(WorkerId, String)]> = generators.iter().map(addr).collect();
-        let relay_addrs: Vec<&str> = members
-            .iter()
-            .map(|m| self.workers[m].reg.relay_addr.as_str())
-            .collect();
-        let relaying = super::relay::Relaying::decide(&relay_addrs, self.opts.relay_min_world);
-        let relay_addr = |rank: u32| relay_addrs[rank as usize].to_string();
-        let roles: Vec<Option<super::relay::RelayRole>> = (0..world as u32)
-            .map(|r| relaying.as_ref()?.role(r, world as u32, relay_addr))
-            .collect();
-        drop(relay_addrs);
-        // Memory a Configure does not overwrite: a ddp holder's (it only
-        // sends), or a sharded layout that stays exactly as it was.
-        let unchanged_layout = priors.iter().enumerate().all(|(i, p)| {
-            p.as_ref()
-                .is_some_and(|p| p.rank as usize == i && p.world_size as usize == world)
-        });
-        let job = &mut *self.job;
-        let ddp = job.spec.parallel.sharding == Sharding::Ddp;
-        job.rec.generation += 1;
-        job.rec.state = JobState::Running;
-        job.rec.reason = String::new();
-        job.rec.members = members.clone();
-        let gen = Generation::new(
-            job.rec.generation,
-            members.clone(),
-            decision.clone(),
-            disk_only,
-        )
-        .with_generators(generators.clone());
-        for (rank, m) in members.iter().enumerate() {
-            self.fx.push(Effect::Send {
-                worker: m.clone(),
-                msg: ToWorker::Configure {
-                    job: self.id.clone(),
-                    generation: gen.id,
-                    rank: rank as u32,
-                    peers: peers.clone(),
-                    priors: priors.clone(),
-                    prior_runs: prior_runs.clone(),
-                    spec: job.spec.clone(),
-                    step: decision.step,
-                    restore_from: decision.restore_from(),
-                    role: Role::Trainer,
-                    weights: if rank == 0 { weight_ring(0) } else { None },
-                    relay: roles[rank].clone(),
-                },
-            });
-            let w = self.workers.get_mut(m).expect("member is registered");
-            // A hub's own messages come in its relays too.
-            w.follows = match (&relaying, &roles[rank]) {
-                (Some(r), Some(_)) => Some(super::relay::Follows {
-                    job: self.id.clone(),
-                    generation: gen.id,
-                    hub: members[r.hub_of(rank as u32) as usize].clone(),
-                    rank: rank as u32,
-                }),
-                _ => None,
-            };
+        let f = formation::plan(self.job, self.workers, self.opts.relay_min_world, chosen);
+        for (worker, msg) in f.configures {
+            self.fx.push(Effect::Send { worker, msg });
+        }
+        for a in f.assignments {
+            let w = self
+                .workers
+                .get_mut(&a.worker)
+                .expect("chosen workers are registered");
+            w.follows = a.follows;
             w.job = Some(self.id.clone());
-            w.rank = Some(rank as u32);
+            w.rank = a.rank;
             w.state = WorkerState::Configuring;
-            let kept = priors[rank].is_some() && (ddp || unchanged_layout);
-            if !kept {
+            if !a.keeps_held {
                 w.held = None;
             }
         }
-        for (i, m) in generators.iter().enumerate() {
-            self.fx.push(Effect::Send {
-                worker: m.clone(),
-                msg: ToWorker::Configure {
-                    job: self.id.clone(),
-                    generation: gen.id,
-                    rank: i as u32,
-                    peers: generator_peers.clone(),
-                    priors: Arc::new([]),
-                    prior_runs: Arc::new([]),
-                    spec: job.spec.clone(),
-                    step: decision.step,
-                    restore_from: None,
-                    role: Role::Generator,
-                    weights: weight_ring(i + 1),
-                    relay: None,
-                },
-            });
-            let w = self.workers.get_mut(m).expect("generator is registered");
-            w.follows = None;
-            w.job = Some(self.id.clone());
-            w.rank = None;
-            w.state = WorkerState::Configuring;
-            // A generator holds no training state.
-            w.held = None;
-        }
+        let job = &mut *self.job;
         // New generators hold no known policy, and trainer rank 0's
         // snapshot went with the old weight ring: the current step is
         // published and synced before any round.
-        if !generators.is_empty() {
+        if !f.gen.generators.is_empty() {
             if let Some(e) = job.data.engine_mut() {
                 e.new_generators();
             }
         }
-        let source = decision.describe();
+        job.rec.generation = f.gen.id;
+        job.rec.state = JobState::Running;
+        job.rec.reason = String::new();
+        job.rec.members = f.gen.members.clone();
         info!(
             job = %self.id,
-            generation = gen.id,
-            world_size = world,
-            generators = generators.len(),
-            %source,
+            generation = f.gen.id,
+            world_size = f.gen.world_size(),
+            generators = f.gen.generators.len(),
+            source = %f.gen.decision.describe(),
             "generation formed"
         );
-        self.fx.persist(Persist::Job(Box::new(job.rec.clone())));
-        let msg = if generators.is_empty() {
-            format!(
-                "generation {} formed with {world} workers; {source}",
-                gen.id
-            )
-        } else {
-            format!(
-                "generation {} formed with {world} training and {} generating workers; {source}",
-                gen.id,
-                generators.len()
-            )
-        };
         job.phase = Phase::Active(Box::new(Active {
-            gen,
+            gen: f.gen,
             work: Work::Idle,
         }));
-        self.fx
-            .push(job.event(EventKind::Generation, msg, self.now));
+        self.persist_job();
+        self.event(EventKind::Generation, f.message);
     }
 
     pub(crate) fn on_ready(&mut self, worker: &str, generation: u64, step: u64) {

@@ -30,6 +30,7 @@ pub mod deadline;
 pub(crate) mod effects;
 pub(crate) mod error;
 pub mod eval;
+pub(crate) mod formation;
 pub(crate) mod generation;
 pub(crate) mod generations;
 pub(crate) mod job;
