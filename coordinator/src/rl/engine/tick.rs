@@ -34,6 +34,7 @@ use tracing::{info, warn};
 
 use crate::core::ctx::JobCtx;
 use crate::core::effects::{Effect, Effects, ToWorker};
+use crate::core::job::Job;
 use crate::core::phase::Work;
 use crate::core::publish::{self, policy_dir};
 use crate::core::types::{AbortReason, End, EventKind, JobState, PlanKind, Why};
@@ -73,183 +74,250 @@ pub(crate) fn wrong_answer(
 }
 
 /// Where a job's rounds go when they run apart from the trainers.
-enum Backend {
+pub(crate) enum Backend {
     /// An inference server (`rl.engine`).
     External(crate::job::engine::EngineSection),
     /// The job's own generator workers (`rl.generators`).
     Workers,
 }
 
+/// What a job's engine should do next, as [`next`] decides.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Next {
+    /// Nothing now (it is busy, or nothing is owed).
+    Nothing,
+    /// An answered round waited for the scorer: its turn now.
+    Score,
+    /// Load the newest published policy, of this step.
+    Reload(u64),
+    /// Ask the members to publish the committed step's policy for it (its
+    /// version is unknown, or too old with no newer one coming).
+    Publish,
+    /// Wait, for the reason given (the job's status).
+    Wait(String),
+    /// Generate a round of this many prompts with the loaded policy.
+    Round { prompts: u64 },
+}
+
+/// The engine's next move for `job` (pure: the tick applies it). One
+/// thing at a time: a newer published policy is loaded before any round;
+/// an unknown or too old policy is published first; then a round when the
+/// queue lacks the step after the one in flight and its rollouts could
+/// still be admitted.
+pub(crate) fn next(job: &Job, backend: &Backend) -> Next {
+    // (A finished job's last policy is of no use to the engine.)
+    if job.rec.state != JobState::Running || job.replaying() || job.finished() {
+        return Next::Nothing;
+    }
+    let Some(gen) = job.gen() else {
+        return Next::Nothing;
+    };
+    let step = job.rec.step;
+    // Generator workers take part in a sync or a round only once
+    // configured (and trainer rank 0, their sender, too).
+    let generators_ready =
+        gen.all_ready() && gen.generators.all_ready() && !gen.generators.is_empty();
+    if matches!(backend, Backend::Workers) && !generators_ready {
+        return Next::Nothing;
+    }
+    let (inflight_steps, inflight_docs) = job
+        .inflight()
+        .filter(|f| f.planned.kind == PlanKind::Train)
+        .map_or((0, 0), |f| (1, f.planned.docs.len() as u64));
+    // The workers answering eval prompts share the one scoring slot.
+    let workers_generating = matches!(job.active().map(|a| &a.work), Some(Work::Generating(_)));
+    let Some(l) = job
+        .data
+        .rollout_loop
+        .as_ref()
+        .filter(|l| l.scoring.is_none())
+    else {
+        return Next::Nothing;
+    };
+    let Some(e) = l.engine.as_ref() else {
+        return Next::Nothing;
+    };
+    if e.answered.is_some() {
+        return Next::Score;
+    }
+    if e.round.is_some() || e.reloading.is_some() || workers_generating {
+        return Next::Nothing;
+    }
+    if let Some(p) = e.published.filter(|&p| e.loaded.is_none_or(|v| p > v)) {
+        return Next::Reload(p);
+    }
+    let max_staleness = job.spec.rl.max_staleness;
+    let too_old = |v: u64| max_staleness.is_some_and(|max| step.saturating_sub(v) > max);
+    let loaded = match e.loaded {
+        Some(v) if !(inflight_steps == 0 && too_old(v) && e.published.is_none_or(|p| p < step)) => {
+            v
+        }
+        _ => {
+            // A publication of this step that members of this generation
+            // are writing (one whose writer was lost never completes).
+            let publishing = job
+                .acks
+                .policies
+                .owed(&step)
+                .is_some_and(|waiting| waiting.iter().all(|m| gen.members.contains(m)));
+            // Only between steps: the members hold the committed step's
+            // weights then; asked while a step is in flight, they would
+            // take the policy after it, the next step's weights under this
+            // step's number (the commit publishes that one, in order).
+            let ask = gen.all_ready()
+                && inflight_steps == 0
+                && !publishing
+                && e.asked_publish != Some((step, gen.id));
+            return if ask { Next::Publish } else { Next::Nothing };
+        }
+    };
+    if job
+        .spec
+        .job
+        .steps
+        .is_some_and(|n| step + inflight_steps >= n)
+    {
+        return Next::Nothing;
+    }
+    let Some(s) = job.data.stream.as_ref() else {
+        return Next::Nothing;
+    };
+    let docs = job
+        .settings()
+        .at(step + inflight_steps + 1)
+        .docs_per_step
+        .unwrap_or(1);
+    let need = s.step_rollouts(docs);
+    let have = s.queued_rollouts().saturating_sub(inflight_docs);
+    if have >= need {
+        return Next::Nothing;
+    }
+    let age = (step + inflight_steps).saturating_sub(loaded);
+    if max_staleness.is_some_and(|max| age > max) {
+        return Next::Wait(format!(
+            "waiting for {} to load a newer policy (they serve step {loaded}'s; rl.max_staleness {})",
+            backend.who(),
+            max_staleness.unwrap_or_default()
+        ));
+    }
+    let per_round = job.spec.rl.prompts_per_round;
+    let prompts = per_round.unwrap_or_else(|| (need - have).div_ceil(u64::from(s.group_size)));
+    Next::Round { prompts }
+}
+
+impl Backend {
+    /// The job's engine: an external server, or its generator workers.
+    fn of(job: &Job) -> Option<Backend> {
+        match (&job.spec.rl.engine, job.spec.rl.generators) {
+            (Some(e), _) => Some(Backend::External(e.clone())),
+            (None, Some(_)) => Some(Backend::Workers),
+            (None, None) => None,
+        }
+    }
+
+    fn who(&self) -> &'static str {
+        match self {
+            Backend::External(_) => "the engine",
+            Backend::Workers => "the generators",
+        }
+    }
+}
+
 impl JobCtx<'_> {
     /// Starts the next thing the job's engine (or its generator workers)
-    /// should do, if any: load a newer published policy, ask for one when
-    /// its version is unknown, or generate the rounds the queue lacks.
+    /// should do, as [`next`] decides.
     pub(crate) fn engine_tick(&mut self) {
-        let job = &mut *self.job;
-        let backend = match (&job.spec.rl.engine, job.spec.rl.generators) {
-            (Some(e), _) => Backend::External(e.clone()),
-            (None, Some(_)) => Backend::Workers,
-            (None, None) => return,
-        };
-        // (A finished job's last policy is of no use to the engine.)
-        if job.rec.state != JobState::Running || job.replaying() || job.finished() {
-            return;
-        }
-        let step = job.rec.step;
-        let ready = job.gen().is_some_and(|g| g.all_ready());
-        let gen_id = job.gen().map_or(0, |g| g.id);
-        // Generator workers take part in a sync or a round only once
-        // configured (and trainer rank 0, their sender, too).
-        let generators: Vec<String> = job
-            .gen()
-            .map(|g| g.generators.members.clone())
-            .unwrap_or_default();
-        let generators_ready =
-            ready && job.gen().is_some_and(|g| g.generators.all_ready()) && !generators.is_empty();
-        let sender = job.gen().and_then(|g| g.members.first().cloned());
-        if matches!(backend, Backend::Workers) && !generators_ready {
-            return;
-        }
-        // A publication of this step that members of this generation are
-        // writing (one whose writer was lost never completes).
-        let publishing = match (job.acks.policies.owed(&step), job.gen()) {
-            (Some(waiting), Some(g)) => waiting.iter().all(|m| g.members.contains(m)),
-            _ => false,
-        };
-        let (inflight_steps, inflight_docs) = job
-            .inflight()
-            .filter(|f| f.planned.kind == PlanKind::Train)
-            .map_or((0, 0), |f| (1, f.planned.docs.len() as u64));
-        let max_staleness = job.spec.rl.max_staleness;
-        // The workers answering eval prompts share the one scoring slot.
-        let workers_generating = matches!(job.active().map(|a| &a.work), Some(Work::Generating(_)));
-        let Some(l) = job.data.rollout_loop.as_mut() else {
+        let Some(backend) = Backend::of(self.job) else {
             return;
         };
-        if l.scoring.is_some() {
-            return;
-        }
-        let Some(e) = l.engine.as_mut() else {
-            return;
-        };
-        // An answered round waited for the scorer: its turn now.
-        if let Some(r) = e.answered.take() {
-            hand_to_scorer(self.id.as_str(), &mut job.rec.reason, l, *r, self.fx);
-            return;
-        }
-        if e.round.is_some() || e.reloading.is_some() || workers_generating {
-            return;
-        }
-        // Phase 1: a newer published policy is loaded before any round.
-        if let Some(p) = e.published.filter(|&p| e.loaded.is_none_or(|v| p > v)) {
-            e.reloading = Some(p);
-            match backend {
-                Backend::External(spec) => {
-                    let dir = policy_dir(job, p);
-                    info!(job = %self.id, step = p, dir = %dir.display(), url = %spec.url, "engine told to load a policy");
-                    job.rec.reason = format!("engine loading the policy of step {p}");
-                    self.fx.push(Effect::EngineReload {
-                        job: self.id.clone(),
-                        step: p,
-                        dir,
-                        engine: spec,
-                    });
-                }
-                Backend::Workers => {
-                    info!(
-                        job = %self.id,
-                        step = p,
-                        generators = generators.len(),
-                        "weights sent to the generators"
-                    );
-                    job.rec.reason = format!("sending the policy of step {p} to the generators");
-                    e.awaiting = generators.iter().cloned().collect();
-                    for w in sender.iter().chain(&generators) {
-                        self.fx.push(Effect::Send {
-                            worker: w.clone(),
-                            msg: ToWorker::SyncWeights {
-                                job: self.id.clone(),
-                                generation: gen_id,
-                                version: p,
-                            },
-                        });
-                    }
-                }
+        match next(self.job, &backend) {
+            Next::Nothing => {}
+            Next::Score => {
+                let job = &mut *self.job;
+                let l = job.data.rollout_loop.as_mut().expect("decided on it");
+                let r = l.engine.as_mut().and_then(|e| e.answered.take());
+                let r = r.expect("an answered round");
+                hand_to_scorer(&self.id, &mut job.rec.reason, l, *r, self.fx);
             }
-            return;
-        }
-        // Phase 2: the current weights are published for the engine when
-        // its version is unknown, or too old while no newer one is coming
-        // (the step's publication was lost with a worker, or none is due).
-        let too_old = |v: u64| max_staleness.is_some_and(|max| step.saturating_sub(v) > max);
-        let want_current = match e.loaded {
-            None => true,
-            Some(v) => inflight_steps == 0 && too_old(v) && e.published.is_none_or(|p| p < step),
-        };
-        if want_current {
-            // Only between steps: the members hold the committed step's
-            // weights then; asked while a step is in flight, they would take
-            // the policy after it, the next step's weights under this
-            // step's number (the commit publishes that one, in order).
-            let between_steps = inflight_steps == 0;
-            if ready && between_steps && !publishing && e.asked_publish != Some((step, gen_id)) {
-                e.asked_publish = Some((step, gen_id));
-                job.rec.reason = match backend {
+            Next::Reload(step) => self.reload(backend, step),
+            Next::Publish => {
+                let (step, gen) = (self.job.rec.step, self.job.gen().map_or(0, |g| g.id));
+                if let Some(e) = self.job.data.engine_mut() {
+                    e.asked_publish = Some((step, gen));
+                }
+                self.job.rec.reason = match backend {
                     Backend::External(_) => {
                         format!("publishing step {step}'s policy for the engine")
                     }
-                    Backend::Workers => {
-                        format!("taking step {step}'s policy for the generators")
-                    }
+                    Backend::Workers => format!("taking step {step}'s policy for the generators"),
                 };
-                publish::request(job, self.fx);
+                publish::request(self.job, self.fx);
             }
-            return;
+            Next::Wait(reason) => self.job.rec.reason = reason,
+            Next::Round { prompts } => self.start_round(backend, prompts),
         }
-        let loaded = e.loaded.expect("known when not wanted");
-        // Phase 3: a round, when the queue lacks the step after the one
-        // in flight and its rollouts could be admitted.
-        if job
-            .spec
-            .job
-            .steps
-            .is_some_and(|n| step + inflight_steps >= n)
-        {
-            return;
+    }
+
+    /// Has the engine load the policy of `step`: the external one from
+    /// its published directory, the generator workers over the weight ring.
+    fn reload(&mut self, backend: Backend, step: u64) {
+        let job = &mut *self.job;
+        let gen = job.gen().expect("decided within a generation");
+        let (gen_id, generators) = (gen.id, gen.generators.members.clone());
+        let sender = gen.members.first().cloned();
+        let dir = policy_dir(job, step);
+        let e = job.data.engine_mut().expect("decided on it");
+        e.reloading = Some(step);
+        match backend {
+            Backend::External(spec) => {
+                info!(job = %self.id, step, dir = %dir.display(), url = %spec.url, "engine told to load a policy");
+                job.rec.reason = format!("engine loading the policy of step {step}");
+                self.fx.push(Effect::EngineReload {
+                    job: self.id.clone(),
+                    step,
+                    dir,
+                    engine: spec,
+                });
+            }
+            Backend::Workers => {
+                info!(job = %self.id, step, generators = generators.len(), "weights sent to the generators");
+                job.rec.reason = format!("sending the policy of step {step} to the generators");
+                e.awaiting = generators.iter().cloned().collect();
+                for w in sender.iter().chain(&generators) {
+                    self.fx.push(Effect::Send {
+                        worker: w.clone(),
+                        msg: ToWorker::SyncWeights {
+                            job: self.id.clone(),
+                            generation: gen_id,
+                            version: step,
+                        },
+                    });
+                }
+            }
         }
-        let next = step + inflight_steps + 1;
-        let docs = job.settings().at(next).docs_per_step.unwrap_or(1);
+    }
+
+    /// Plans a round of `prompts` prompts with the loaded policy and hands
+    /// it to the engine (or deals it to the generators).
+    fn start_round(&mut self, backend: Backend, prompts: u64) {
+        let job = &mut *self.job;
+        let gen = job.gen().expect("decided within a generation");
+        let (gen_id, generators) = (gen.id, gen.generators.members.clone());
         let sampling = job.spec.rl.sampling.clone().unwrap_or_default();
-        let per_round = job.spec.rl.prompts_per_round;
-        let Some(s) = job.data.stream.as_ref() else {
-            return;
-        };
-        let need = s.step_rollouts(docs);
-        let have = s.queued_rollouts().saturating_sub(inflight_docs);
-        if have >= need {
-            return;
-        }
-        let age = (step + inflight_steps).saturating_sub(loaded);
-        if max_staleness.is_some_and(|max| age > max) {
-            let who = match backend {
-                Backend::External(_) => "the engine",
-                Backend::Workers => "the generators",
-            };
-            job.rec.reason = format!(
-                "waiting for {who} to load a newer policy (they serve step {loaded}'s; rl.max_staleness {})",
-                max_staleness.unwrap_or_default()
-            );
-            return;
-        }
+        let s = job.data.stream.as_ref().expect("decided on it");
         let (group, done) = (s.group_size, s.prompts_done);
-        let prompts = per_round.unwrap_or_else(|| (need - have).div_ceil(u64::from(group)));
         let ranks = match backend {
             Backend::External(_) => 1,
             Backend::Workers => generators.len() as u32,
         };
-        let l = job.data.rollout_loop.as_mut().expect("checked above");
+        let l = job.data.rollout_loop.as_mut().expect("decided on it");
+        let policy = l
+            .engine
+            .as_ref()
+            .and_then(|e| e.loaded)
+            .expect("decided on it");
         let Some((round, mut plans)) = l.plan_round(
-            done, prompts, group, ranks, gen_id, loaded, &sampling, self.now,
+            done, prompts, group, ranks, gen_id, policy, &sampling, self.now,
         ) else {
             job.rec.reason = "waiting for the prompts to load".into();
             return;
@@ -259,7 +327,7 @@ impl JobCtx<'_> {
             round = round.id,
             prompts = round.positions.end - round.positions.start,
             from = round.positions.start,
-            policy = loaded,
+            policy,
             "engine round planned"
         );
         match backend {
@@ -288,7 +356,7 @@ impl JobCtx<'_> {
                 }
             }
         }
-        l.engine.as_mut().expect("checked above").round = Some(Box::new(round));
+        l.engine.as_mut().expect("decided on it").round = Some(Box::new(round));
     }
 
     /// A generator's completions of the job's current generators' round:
