@@ -128,7 +128,7 @@ pub fn prepare(args: &crate::args::PrepareArgs) -> anyhow::Result<ExitCode> {
                 if args.json {
                     let row = serde_json::json!({
                         "source": s.name, "path": path, "store": store.dir(),
-                        "found": format!("{found:?}").to_lowercase(),
+                        "found": found.name(),
                         "rows": m.rows_read, "docs": m.docs, "tokens": m.tokens,
                         "skipped": m.bad, "seconds": secs, "rows_per_s": rows_per_s,
                         "skipped_rows": store.bad.iter().map(|b| format!("{}:{}: {}", path.display(), b.line, b.reason)).collect::<Vec<_>>(),

@@ -166,8 +166,8 @@ pub fn summary(spec: &JobSpec, base_dir: &Path) -> String {
         .iter()
         .map(|f| f.strip_prefix(base_dir).unwrap_or(f).display().to_string())
         .collect();
-    let objective = format!("{:?}", spec.objective.kind).to_lowercase();
-    let sharding = format!("{:?}", spec.parallel.sharding).to_lowercase();
+    let objective = spec.objective.kind.to_string();
+    let sharding = spec.parallel.sharding.to_string();
     format!(
         "{objective} · {step} · {length} · {sharding}, {}-{} workers · data: {}",
         spec.parallel.min_workers,

@@ -8,6 +8,7 @@ pub mod engine;
 pub mod input;
 pub mod limits;
 pub mod locate;
+pub mod names;
 pub mod objective;
 pub mod settings;
 pub mod sources;

@@ -177,7 +177,7 @@ impl ObjectiveSection {
             ("off_policy", self.off_policy.is_some()),
             ("tis_cap", self.tis_cap.is_some()),
         ];
-        let kind = format!("{:?}", self.kind).to_lowercase();
+        let kind = self.kind.to_string();
         let mut wrong_kind = |fields: &[(&str, bool)], for_kind: &str| {
             for (f, given) in fields {
                 if *given {

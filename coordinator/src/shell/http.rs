@@ -249,8 +249,8 @@ pub fn status_view(core: &Coordinator, totals: &HashMap<JobId, Totals>, now_ms: 
             JobView {
                 id: j.rec.id.clone(),
                 name: j.rec.name.clone(),
-                kind: lower(j.spec.objective.kind),
-                state: lower(j.rec.state),
+                kind: j.spec.objective.kind.to_string(),
+                state: j.rec.state.name().to_string(),
                 reason: redact_paths(&j.rec.reason),
                 step: j.rec.step,
                 total_steps: j.rec.total_steps,
@@ -332,10 +332,6 @@ pub fn exposure_warning(addr: std::net::SocketAddr) -> Option<String> {
              --metrics-listen on 127.0.0.1 or a cluster-internal address"
         )
     })
-}
-
-fn lower(v: impl std::fmt::Debug) -> String {
-    format!("{v:?}").to_lowercase()
 }
 
 fn worker_state(s: WorkerState) -> &'static str {

@@ -111,6 +111,16 @@ pub enum Found {
     Built,
 }
 
+impl Found {
+    /// `hit` or `built` (what `accrue data prepare --json` reports).
+    pub fn name(self) -> &'static str {
+        match self {
+            Found::Hit => "hit",
+            Found::Built => "built",
+        }
+    }
+}
+
 /// Opens the store of `path` under `key` in `root`, building it when it is
 /// absent or damaged.
 pub fn open_or_build(

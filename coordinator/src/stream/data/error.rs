@@ -58,7 +58,7 @@ pub enum DataError {
     #[error("chat template {}: {message}", path.display())]
     Template { path: PathBuf, message: String },
     /// `data.format` is not the document kind the objective trains on.
-    #[error("objective.kind = {} trains on data.format = {}, but data.format is {}", lower(objective), lower(&super::format_for(*objective)), lower(format))]
+    #[error("objective.kind = {} trains on data.format = {}, but data.format is {}", objective, super::format_for(*objective), format)]
     FormatMismatch {
         objective: crate::job::spec::ObjectiveKind,
         format: crate::job::spec::DataFormat,
@@ -66,10 +66,6 @@ pub enum DataError {
     /// Every row was skipped or the files were empty.
     #[error("no documents in data.train ({rows} rows read, {bad} bad lines skipped, {overlong} overlong skipped)")]
     NoDocuments { rows: u64, bad: u64, overlong: u64 },
-}
-
-fn lower(v: &impl fmt::Debug) -> String {
-    format!("{v:?}").to_lowercase()
 }
 
 pub type Result<T, E = DataError> = std::result::Result<T, E>;
