@@ -2,12 +2,9 @@
 //! false success (issue 14): the final checkpoint before "completed",
 //! checkpoint write failures, the step deadline and the attempt cap.
 
-use std::collections::BTreeMap;
-
 use super::*;
-use crate::job::spec::Sharding;
 
-fn checkpoints_of(s: &Sim) -> Vec<u64> {
+pub(super) fn checkpoints_of(s: &Sim) -> Vec<u64> {
     s.c.job("job")
         .unwrap()
         .rec
@@ -18,7 +15,7 @@ fn checkpoints_of(s: &Sim) -> Vec<u64> {
 }
 
 /// Answers the held checkpoint messages (every rank durable).
-fn release_checkpoints(s: &mut Sim) {
+pub(super) fn release_checkpoints(s: &mut Sim) {
     let held = s.held_checkpoints.replace(Vec::new()).unwrap_or_default();
     for (worker, msg) in held {
         if let ToWorker::Checkpoint { job, step, .. } = msg {
@@ -200,18 +197,18 @@ fn a_step_that_never_commits_fails_the_job_after_max_step_attempts() {
     assert!(rec.reason.contains("lost"), "{}", rec.reason);
 }
 
-fn bisecting(sp: JobSpec) -> JobSpec {
+pub(super) fn bisecting(sp: JobSpec) -> JobSpec {
     let mut sp = sp;
     sp.faults.on_nonfinite = crate::job::spec::OnNonFinite::Bisect;
     sp
 }
 
-fn id(line: u64) -> DocId {
+pub(super) fn id(line: u64) -> DocId {
     DocId { file: 0, line }
 }
 
 /// Quarantined ids of the job, in the order found.
-fn quarantine(s: &Sim) -> Vec<DocId> {
+pub(super) fn quarantine(s: &Sim) -> Vec<DocId> {
     s.c.job("job")
         .unwrap()
         .rec

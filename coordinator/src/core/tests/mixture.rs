@@ -3,12 +3,10 @@
 //! per its own epochs whatever fails, microbatches hold one source each,
 //! and `accrue set` changes the weights from the next step.
 
-use std::collections::BTreeSet;
-
 use super::*;
 
 /// 12, 8 and 4 documents in files 0, 1, 2 (one source each).
-fn mix_docs() -> Arc<[Document]> {
+pub(super) fn mix_docs() -> Arc<[Document]> {
     let mut out = Vec::new();
     for (file, n) in [(0u32, 12u64), (1, 8), (2, 4)] {
         for line in 1..=n {
@@ -24,7 +22,7 @@ fn mix_docs() -> Arc<[Document]> {
 
 /// Sources a, b, c over the three files, 3, 2 and 1 documents per step,
 /// a for 1 epoch, b for 2, c for 3: all end at step 4... then b and c go on.
-fn mix_spec(sources: &str) -> JobSpec {
+pub(super) fn mix_spec(sources: &str) -> JobSpec {
     let text = format!(
         r#"
 [job]
@@ -68,7 +66,7 @@ docs = 1
 epochs = 3
 "#;
 
-fn per_file(docs: &[DocId]) -> [usize; 3] {
+pub(super) fn per_file(docs: &[DocId]) -> [usize; 3] {
     let mut n = [0; 3];
     for d in docs {
         n[d.file as usize] += 1;

@@ -4,13 +4,9 @@
 //! prompt is trained once per epoch within `rl.max_staleness`; a failed
 //! round fails the job naming the engine, and a late answer is ignored.
 
-use std::collections::BTreeMap;
-
-use super::loop_tests::{assert_prompts_once_per_epoch, generated, loop_spec};
 use super::*;
-use crate::rl::rounds::{EngineRound, GenCompletion};
 
-fn engine_spec(steps: u64, publish_every: u64, max_staleness: u64) -> JobSpec {
+pub(super) fn engine_spec(steps: u64, publish_every: u64, max_staleness: u64) -> JobSpec {
     let mut sp = loop_spec(steps, 4, 2, 2);
     sp.rl.publish_every = Some(publish_every);
     sp.rl.max_staleness = Some(max_staleness);
@@ -22,7 +18,7 @@ fn engine_spec(steps: u64, publish_every: u64, max_staleness: u64) -> JobSpec {
 }
 
 /// The engine's answer to a round: what a worker would have answered.
-fn completions(r: &EngineRound) -> Vec<GenCompletion> {
+pub(super) fn completions(r: &EngineRound) -> Vec<GenCompletion> {
     match generated("engine".into(), r.job.clone(), 0, &r.plan) {
         Event::GenerateResult { completions, .. } => completions,
         _ => unreachable!(),
@@ -32,12 +28,12 @@ fn completions(r: &EngineRound) -> Vec<GenCompletion> {
 impl Sim {
     /// Runs the workers and the engine (every reload succeeds) until
     /// nothing is left to answer.
-    fn run_with_engine(&mut self) {
+    pub(super) fn run_with_engine(&mut self) {
         self.run_with_engine_until(|_| false);
     }
 
     /// [`Self::run_with_engine`] until `done` holds.
-    fn run_with_engine_until(&mut self, done: impl Fn(&Sim) -> bool) {
+    pub(super) fn run_with_engine_until(&mut self, done: impl Fn(&Sim) -> bool) {
         loop {
             while !done(self) && self.step_once() {}
             if done(self) {
@@ -207,7 +203,7 @@ fn eval_prompts_stay_on_the_workers_and_share_the_scorer_with_engine_rounds() {
     let mut sp = engine_spec(4, 1, 1);
     sp.rl.eval_every = Some(2);
     s.submit(sp, Vec::new().into());
-    let mut i = super::loop_tests::inputs(6);
+    let mut i = super::rl_loop::inputs(6);
     let held_out = (1..=3)
         .map(|line| crate::rl::prompts::Prompt {
             id: DocId { file: 1, line },
@@ -254,7 +250,7 @@ fn after_a_restart_the_engine_loads_the_current_policy_before_any_round() {
     let mut r = Sim::restored_stream(rec, engine_spec(4, 1, 1), stored);
     r.handle(Event::LoadPrompts {
         job: "job".into(),
-        inputs: super::loop_tests::inputs(6),
+        inputs: super::rl_loop::inputs(6),
     })
     .unwrap();
     let held = HeldState {
@@ -297,7 +293,7 @@ fn an_engine_round_too_stale_to_admit_is_dropped_and_its_prompts_planned_again()
         .seed;
     r.policy_version = 0;
     let writes = s.rollout_writes.len();
-    s.handle(super::loop_tests::scored(&r)).unwrap();
+    s.handle(super::rl_loop::scored(&r)).unwrap();
     assert_eq!(
         s.rollout_writes.len(),
         writes,

@@ -5,12 +5,9 @@
 //! or a trainer re-forms the generation with every prompt trained once
 //! per epoch and no rollout counted twice.
 
-use std::collections::BTreeMap;
-
-use super::loop_tests::{assert_prompts_once_per_epoch, loop_spec};
 use super::*;
 
-fn disagg_spec(steps: u64, generators: u32, every: u64, max_staleness: u64) -> JobSpec {
+pub(super) fn disagg_spec(steps: u64, generators: u32, every: u64, max_staleness: u64) -> JobSpec {
     let mut sp = loop_spec(steps, 4, 2, 3);
     sp.rl.generators = Some(generators);
     sp.rl.publish_every = Some(every);
@@ -19,7 +16,7 @@ fn disagg_spec(steps: u64, generators: u32, every: u64, max_staleness: u64) -> J
 }
 
 /// The policy version every trained rollout was generated with, by id.
-fn versions(s: &Sim) -> BTreeMap<DocId, u64> {
+pub(super) fn versions(s: &Sim) -> BTreeMap<DocId, u64> {
     s.rollout_writes
         .iter()
         .flat_map(|w| &w.admit)
@@ -32,7 +29,7 @@ fn versions(s: &Sim) -> BTreeMap<DocId, u64> {
 
 /// Every trained rollout is within `max` versions of the step it trained
 /// in (step i + 1 trains on the weights of step i).
-fn assert_staleness(s: &Sim, max: u64) {
+pub(super) fn assert_staleness(s: &Sim, max: u64) {
     let version = versions(s);
     for (i, (_, docs)) in s.committed.iter().enumerate() {
         for d in docs {
@@ -48,7 +45,10 @@ fn assert_staleness(s: &Sim, max: u64) {
 }
 
 /// (rank, role, weight ring) of each Configure of `generation`, by worker.
-fn roles(s: &Sim, generation: u64) -> BTreeMap<WorkerId, (u32, Role, Option<WeightRing>)> {
+pub(super) fn roles(
+    s: &Sim,
+    generation: u64,
+) -> BTreeMap<WorkerId, (u32, Role, Option<WeightRing>)> {
     s.configures
         .iter()
         .filter_map(|(w, m)| match m {

@@ -2,13 +2,9 @@
 //! "stream"`): rollouts pushed as events, groups trained exactly once,
 //! backpressure, aborts and restarts.
 
-use std::collections::BTreeMap;
-
 use super::*;
-use crate::rl::stream::{AdmitCounts, RolloutStream, StoredStream, StreamMeta};
-use crate::stream::doc::Rollout;
 
-fn stream_spec(steps: &str, docs_per_step: u64, group: u32, capacity: u64) -> JobSpec {
+pub(super) fn stream_spec(steps: &str, docs_per_step: u64, group: u32, capacity: u64) -> JobSpec {
     let mut sp = spec(steps, &format!("docs_per_step = {docs_per_step}"), 1, 4);
     sp.data.train.clear();
     sp.data.source = crate::job::spec::DataSource::Stream;
@@ -19,7 +15,7 @@ fn stream_spec(steps: &str, docs_per_step: u64, group: u32, capacity: u64) -> Jo
     sp
 }
 
-fn rollout(group: &str, reward: f64, version: u64) -> Rollout {
+pub(super) fn rollout(group: &str, reward: f64, version: u64) -> Rollout {
     let len = 6 + group.len() * 3;
     Rollout {
         seq: Sequence::new(vec![7; len], vec![7; len]),
@@ -31,7 +27,7 @@ fn rollout(group: &str, reward: f64, version: u64) -> Rollout {
 }
 
 /// `n` complete groups of 2 with a reward spread, named `{tag}{i}`.
-fn groups(tag: &str, n: usize, version: u64) -> Vec<Rollout> {
+pub(super) fn groups(tag: &str, n: usize, version: u64) -> Vec<Rollout> {
     (0..n)
         .flat_map(|i| {
             let g = format!("{tag}{i}");
@@ -65,7 +61,7 @@ impl Sim {
         r
     }
 
-    fn push(&mut self, rollouts: Vec<Rollout>) -> Result<AdmitCounts> {
+    pub(super) fn push(&mut self, rollouts: Vec<Rollout>) -> Result<AdmitCounts> {
         let before = self.rollout_writes.len();
         self.handle(Event::PushRollouts {
             job: "job".into(),
@@ -77,18 +73,18 @@ impl Sim {
             .expect("an admitted push is persisted with its counts"))
     }
 
-    fn stream(&self) -> &RolloutStream {
+    pub(super) fn stream(&self) -> &RolloutStream {
         self.c.job("job").unwrap().data.stream.as_ref().unwrap()
     }
 
     /// Rollouts the job's next step takes.
-    fn need(&self) -> u64 {
+    pub(super) fn need(&self) -> u64 {
         let j = self.c.job("job").unwrap();
         let docs = j.settings().at(j.rec.step + 1).docs_per_step.unwrap();
         self.stream().step_rollouts(docs)
     }
 
-    fn submit_stream(&mut self, spec: JobSpec) {
+    pub(super) fn submit_stream(&mut self, spec: JobSpec) {
         self.submit(spec, Vec::new().into());
     }
 
@@ -116,7 +112,7 @@ impl Sim {
     }
 }
 
-fn group_of(s: &Sim, id: &DocId) -> String {
+pub(super) fn group_of(s: &Sim, id: &DocId) -> String {
     // Every admitted rollout is in some write's `admit`.
     s.rollout_writes
         .iter()

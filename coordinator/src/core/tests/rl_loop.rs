@@ -3,14 +3,10 @@
 //! admitted; every prompt once per epoch and no rollout counted twice,
 //! also when a generator is lost mid-round or a round is scored late.
 
-use std::collections::BTreeMap;
-
 use super::*;
-use crate::rl::prompts::{Prompt, PromptSet};
 use crate::rl::rounds::{
     Finish, GenCompletion, LoopInputs, RoundPlan, RoundStats, RoundToScore, MAX_BARREN_GROUPS,
 };
-use crate::stream::doc::Rollout;
 
 pub(crate) fn loop_spec(steps: u64, docs_per_step: u64, group: u32, max_workers: u32) -> JobSpec {
     let mut sp = spec(
@@ -74,7 +70,7 @@ pub(crate) fn scored(r: &RoundToScore) -> Event {
 }
 
 /// [`scored`] with the reward a function of the sample number.
-fn scored_by(r: &RoundToScore, reward_of: impl Fn(u32) -> f64) -> Event {
+pub(super) fn scored_by(r: &RoundToScore, reward_of: impl Fn(u32) -> f64) -> Event {
     let mut stats = RoundStats {
         gen_seconds: r.seconds,
         ..Default::default()
