@@ -2,7 +2,7 @@
 //! time and the effects being collected, looked up once per event. What
 //! every handler needs (an event on the watch stream, losing a member,
 //! ending the generation, ending the job) lives here; the handlers
-//! themselves live beside it by concern (`lifecycle`, `generations`,
+//! themselves live beside it by concern (`results`, `commit`, `dispatch`, `generations`,
 //! `control`, `publish`, `quarantine`, and the RL loop's in `crate::rl`).
 
 use tracing::info;

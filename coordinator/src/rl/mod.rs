@@ -13,4 +13,5 @@ pub mod rollouts;
 pub mod rounds;
 pub mod scorer;
 pub mod stream;
+pub mod streamed;
 pub mod verify;
