@@ -4,6 +4,7 @@
 //! is never held across an `.await` ([`shared`]).
 
 mod admin;
+mod carry_out;
 pub mod convert;
 mod engine;
 mod generate;
