@@ -14,9 +14,9 @@ impl Exporter {
     /// Records a committed step of `job`.
     pub fn observe_step(&self, job: &str, m: &StepMetrics) {
         let l = &[job];
-        self.steps.with_label_values(l).inc();
-        self.tokens.with_label_values(l).inc_by(m.tokens);
-        self.documents.with_label_values(l).inc_by(m.docs);
+        self.steps.steps.with_label_values(l).inc();
+        self.steps.tokens.with_label_values(l).inc_by(m.tokens);
+        self.steps.documents.with_label_values(l).inc_by(m.docs);
         for (phase, s) in [
             ("compute", m.compute_s),
             ("collective", m.collective_s),
@@ -26,49 +26,74 @@ impl Exporter {
             // Counters only go up: a clock step back on a worker is not a
             // reason to poison the series.
             if s.is_finite() && s > 0.0 {
-                self.rank_seconds.with_label_values(&[job, phase]).inc_by(s);
+                self.steps
+                    .rank_seconds
+                    .with_label_values(&[job, phase])
+                    .inc_by(s);
             }
         }
-        self.step_duration
+        self.steps
+            .step_duration
             .with_label_values(l)
             .observe(m.step_time_s);
-        self.step_time.with_label_values(l).set(m.step_time_s);
-        self.tokens_per_s.with_label_values(l).set(m.tokens_per_s);
-        self.mfu.with_label_values(l).set(m.mfu);
+        self.steps.step_time.with_label_values(l).set(m.step_time_s);
+        self.steps
+            .tokens_per_s
+            .with_label_values(l)
+            .set(m.tokens_per_s);
+        self.steps.mfu.with_label_values(l).set(m.mfu);
         for (kind, bytes) in [
             ("allocated", m.gpu_memory_peak_allocated_bytes),
             ("reserved", m.gpu_memory_peak_reserved_bytes),
         ] {
             if bytes > 0 {
-                self.gpu_memory
+                self.steps
+                    .gpu_memory
                     .with_label_values(&[job, kind])
                     .set(bytes as f64);
             }
         }
-        self.padding.with_label_values(l).set(m.padding_fraction);
-        self.loss.with_label_values(l).set(m.loss);
+        self.steps
+            .padding
+            .with_label_values(l)
+            .set(m.padding_fraction);
+        self.steps.loss.with_label_values(l).set(m.loss);
         for (source, s) in &m.sources {
             let l = &[job, source.as_str()];
-            self.source_loss.with_label_values(l).set(s.loss);
-            self.source_tokens.with_label_values(l).inc_by(s.tokens);
-            self.source_documents.with_label_values(l).inc_by(s.docs);
+            self.sources.source_loss.with_label_values(l).set(s.loss);
+            self.sources
+                .source_tokens
+                .with_label_values(l)
+                .inc_by(s.tokens);
+            self.sources
+                .source_documents
+                .with_label_values(l)
+                .inc_by(s.docs);
         }
-        self.grad_norm.with_label_values(l).set(m.grad_norm);
-        self.lr.with_label_values(l).set(m.lr);
-        self.job_step.with_label_values(l).set(m.step as i64);
-        self.world_size
+        self.steps.grad_norm.with_label_values(l).set(m.grad_norm);
+        self.steps.lr.with_label_values(l).set(m.lr);
+        self.steps.job_step.with_label_values(l).set(m.step as i64);
+        self.steps
+            .world_size
             .with_label_values(l)
             .set(i64::from(m.world_size));
-        self.generation
+        self.state
+            .generation
             .with_label_values(l)
             .set(m.generation as i64);
     }
 
     /// Records an evaluation of `job`: its loss over all and per source.
     pub fn observe_eval(&self, job: &str, e: &crate::core::EvalMetrics) {
-        self.eval_loss.with_label_values(&[job, "all"]).set(e.loss);
+        self.sources
+            .eval_loss
+            .with_label_values(&[job, "all"])
+            .set(e.loss);
         for (source, s) in &e.sources {
-            self.eval_loss.with_label_values(&[job, source]).set(s.loss);
+            self.sources
+                .eval_loss
+                .with_label_values(&[job, source])
+                .set(s.loss);
         }
     }
 
@@ -76,11 +101,13 @@ impl Exporter {
     /// the state-machine call that made it, `dispatch` the time from then
     /// until the last rank's plan was queued.
     pub fn observe_plan(&self, job: &str, plan: Duration, dispatch: Duration) {
-        self.plans.with_label_values(&[job]).inc();
-        self.plan_duration
+        self.dispatch.plans.with_label_values(&[job]).inc();
+        self.dispatch
+            .plan_duration
             .with_label_values(&[job])
             .observe(plan.as_secs_f64());
-        self.dispatch_duration
+        self.dispatch
+            .dispatch_duration
             .with_label_values(&[job])
             .observe(dispatch.as_secs_f64());
     }
@@ -88,7 +115,8 @@ impl Exporter {
     /// Records the call that planned `job`'s next step while one ran
     /// (`core::ahead`): planning time, though no plan went out.
     pub fn observe_plan_ahead(&self, job: &str, plan: Duration) {
-        self.plan_ahead_duration
+        self.dispatch
+            .plan_ahead_duration
             .with_label_values(&[job])
             .observe(plan.as_secs_f64());
     }
@@ -98,8 +126,8 @@ impl Exporter {
     /// dispatched: what the control-plane benchmark reports as planning
     /// time per step.
     pub fn plan_seconds(&self, job: &str) -> (f64, u64) {
-        let h = self.plan_duration.with_label_values(&[job]);
-        let ahead = self.plan_ahead_duration.with_label_values(&[job]);
+        let h = self.dispatch.plan_duration.with_label_values(&[job]);
+        let ahead = self.dispatch.plan_ahead_duration.with_label_values(&[job]);
         (
             h.get_sample_sum() + ahead.get_sample_sum(),
             h.get_sample_count(),
@@ -109,13 +137,16 @@ impl Exporter {
     /// Records an aborted in-flight step of `job` (the `reason` label is
     /// the typed reason's name: a bounded set).
     pub fn observe_abort(&self, job: &str, reason: AbortReason) {
-        self.aborts.with_label_values(&[job, reason.name()]).inc();
+        self.dispatch
+            .aborts
+            .with_label_values(&[job, reason.name()])
+            .inc();
     }
 
     /// Records a complete checkpoint of `job` (its newest is `step`) at
     /// `unix_ms`.
     pub fn observe_checkpoint(&self, job: &str, step: Option<u64>, unix_ms: i64) {
-        self.checkpoints.with_label_values(&[job]).inc();
+        self.checkpoints.checkpoints.with_label_values(&[job]).inc();
         if let Some(step) = step {
             lock(&self.checkpoint_times).insert(job.to_string(), (step, Some(unix_ms)));
         }
@@ -123,20 +154,23 @@ impl Exporter {
 
     /// Records what one rollout push to `job` did.
     pub fn observe_rollouts(&self, job: &str, c: &AdmitCounts) {
-        self.rollouts_admitted
+        self.rollouts
+            .rollouts_admitted
             .with_label_values(&[job])
             .inc_by(c.accepted);
-        self.rollouts_rejected
+        self.rollouts
+            .rollouts_rejected
             .with_label_values(&[job, "stale"])
             .inc_by(c.rejected_stale);
-        self.rollouts_rejected
+        self.rollouts
+            .rollouts_rejected
             .with_label_values(&[job, "zero_variance"])
             .inc_by(c.zero_variance_dropped);
     }
 
     /// Sets how many rollout pushes wait for queue room right now.
     pub fn observe_push_waiters(&self, n: usize) {
-        self.push_waiters.set(n as f64);
+        self.rollouts.push_waiters.set(n as f64);
     }
 
     /// Refreshes the gauges read from the state machine at `now_ms`.
@@ -144,20 +178,26 @@ impl Exporter {
         let mut oldest_heartbeat = 0i64;
         for state in WORKER_STATES {
             let n = core.workers().filter(|w| w.state == state).count();
-            self.workers
+            self.state
+                .workers
                 .with_label_values(&[worker_state_name(state)])
                 .set(n as i64);
         }
         for w in core.workers().filter(|w| w.connected()) {
             oldest_heartbeat = oldest_heartbeat.max(now_ms - w.last_seen_ms());
         }
-        self.heartbeat_age
+        self.state
+            .heartbeat_age
             .set(oldest_heartbeat.max(0) as f64 / 1000.0);
-        self.heartbeat_backlog
+        self.state
+            .heartbeat_backlog
             .set(core.heartbeat_backlog_ms() as f64 / 1000.0);
         for state in JOB_STATES {
             let n = core.jobs().filter(|j| j.rec.state == state).count();
-            self.jobs.with_label_values(&[state.name()]).set(n as i64);
+            self.state
+                .jobs
+                .with_label_values(&[state.name()])
+                .set(n as i64);
         }
         let mut times = lock(&self.checkpoint_times);
         let mut progress = lock(&self.progress_times);
@@ -172,42 +212,51 @@ impl Exporter {
                 *seen = (j.rec.step, now_ms);
             }
             if j.rec.state == JobState::Running {
-                self.progress_age
+                self.checkpoints
+                    .progress_age
                     .with_label_values(&[id])
                     .set((now_ms - seen.1).max(0) as f64 / 1000.0);
             } else {
-                drop(self.progress_age.remove_label_values(&[id]));
+                drop(self.checkpoints.progress_age.remove_label_values(&[id]));
             }
-            self.generation
+            self.state
+                .generation
                 .with_label_values(&[id])
                 .set(j.rec.generation as i64);
-            self.job_step
+            self.steps
+                .job_step
                 .with_label_values(&[id])
                 .set(j.rec.step as i64);
-            self.sent_ahead
+            self.dispatch
+                .sent_ahead
                 .with_label_values(&[id])
                 .set(j.ahead.sent as i64);
-            self.checkpoints_pending
+            self.checkpoints
+                .checkpoints_pending
                 .with_label_values(&[id])
                 .set(j.acks.checkpoints.len() as i64);
-            self.quarantined
+            self.state
+                .quarantined
                 .with_label_values(&[id])
                 .set(j.rec.quarantine.len() as i64);
             if let Some(s) = &j.data.stream {
-                self.rollouts_queued
+                self.rollouts
+                    .rollouts_queued
                     .with_label_values(&[id])
                     .set(s.buffered() as i64);
-                self.rollouts_capacity
+                self.rollouts
+                    .rollouts_capacity
                     .with_label_values(&[id])
                     .set(s.capacity as i64);
             }
             let newest = j.rec.checkpoints.last();
             match newest {
                 Some(c) => self
+                    .checkpoints
                     .checkpoint_step
                     .with_label_values(&[id])
                     .set(c.step as i64),
-                None => drop(self.checkpoint_step.remove_label_values(&[id])),
+                None => drop(self.checkpoints.checkpoint_step.remove_label_values(&[id])),
             }
             // Completed when this process saw it, else (after a restart)
             // when its directory was last written; looked up once.
@@ -220,10 +269,11 @@ impl Exporter {
             });
             match completed {
                 Some(ms) if !j.rec.state.is_terminal() => self
+                    .checkpoints
                     .checkpoint_age
                     .with_label_values(&[id])
                     .set((now_ms - ms).max(0) as f64 / 1000.0),
-                _ => drop(self.checkpoint_age.remove_label_values(&[id])),
+                _ => drop(self.checkpoints.checkpoint_age.remove_label_values(&[id])),
             }
         }
     }

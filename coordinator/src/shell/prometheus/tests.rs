@@ -46,18 +46,27 @@ fn populated() -> Exporter {
     e.observe_push_waiters(1);
     e.observe_core(&Coordinator::default(), 5_000);
     for g in [
-        &e.checkpoints_pending,
-        &e.rollouts_queued,
-        &e.rollouts_capacity,
-        &e.checkpoint_step,
-        &e.quarantined,
-        &e.sent_ahead,
+        &e.checkpoints.checkpoints_pending,
+        &e.rollouts.rollouts_queued,
+        &e.rollouts.rollouts_capacity,
+        &e.checkpoints.checkpoint_step,
+        &e.state.quarantined,
+        &e.dispatch.sent_ahead,
     ] {
         g.with_label_values(&["j"]).set(1);
     }
-    e.checkpoint_age.with_label_values(&["j"]).set(4.0);
-    e.progress_age.with_label_values(&["j"]).set(4.0);
-    e.gpu_memory.with_label_values(&["j", "allocated"]).set(1.0);
+    e.checkpoints
+        .checkpoint_age
+        .with_label_values(&["j"])
+        .set(4.0);
+    e.checkpoints
+        .progress_age
+        .with_label_values(&["j"])
+        .set(4.0);
+    e.steps
+        .gpu_memory
+        .with_label_values(&["j", "allocated"])
+        .set(1.0);
     e
 }
 
