@@ -3,8 +3,8 @@
 //! the effects it carried out.
 
 use super::ctx::JobCtx;
-use super::effects::{Event, RankResult};
 use super::error::Result;
+use super::events::{Event, RankResult};
 use super::types::AbortReason;
 
 impl JobCtx<'_> {

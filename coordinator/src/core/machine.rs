@@ -7,8 +7,9 @@
 use std::collections::BTreeMap;
 
 use super::ctx::JobCtx;
-use super::effects::{Effects, Event};
+use super::effects::Effects;
 use super::error::{CoreError, Result};
+use super::events::Event;
 use super::job::Job;
 use super::options::CoordinatorOptions;
 use super::phase::Work;

@@ -32,6 +32,7 @@ pub(crate) mod dispatch;
 pub(crate) mod effects;
 pub(crate) mod error;
 pub mod eval;
+pub(crate) mod events;
 pub(crate) mod formation;
 pub(crate) mod generation;
 pub(crate) mod generations;
@@ -63,11 +64,10 @@ pub(crate) mod workers;
 #[cfg(test)]
 mod tests;
 
-pub use effects::{
-    Beat, Effect, Effects, Event, JobStart, Persist, RankResult, ToWorker, WatchItem,
-};
+pub use effects::{Effect, Effects, Persist, ToWorker, WatchItem};
 pub use error::{CoreError, Result};
 pub use eval::EvalMetrics;
+pub use events::{Beat, Event, JobStart, RankResult};
 pub use generation::{Generation, GeneratorSet};
 pub use job::{BoundaryRequests, Job};
 pub use job_data::JobData;

@@ -6,7 +6,7 @@
 use tracing::warn;
 
 use super::ctx::JobCtx;
-use super::effects::RankResult;
+use super::events::RankResult;
 use super::phase::Work;
 use super::types::{AbortReason, End, PlanKind, Why, WorkerErrorKind};
 

@@ -6,8 +6,9 @@ use std::sync::Arc;
 
 use tracing::info;
 
-use super::effects::{Effects, JobStart};
+use super::effects::Effects;
 use super::error::{CoreError, Result};
+use super::events::JobStart;
 use super::job::Job;
 use super::job_data::JobData;
 use super::machine::Coordinator;
