@@ -1,25 +1,19 @@
 //! `accrue.v1.Admin`: decode, call the core, encode.
 
 use std::path::PathBuf;
-use std::pin::Pin;
 use std::sync::Arc;
 
 use accrue_proto::v1 as wire;
 use accrue_proto::v1::admin_server::Admin;
-use futures::Stream;
-use tokio::sync::broadcast::error::RecvError;
-use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use tracing::instrument;
 
 use super::convert;
 use super::shared::{now_ms, Shared};
-use crate::core::manifest::StepManifest;
-use crate::core::{Event, EventKind, JobStart, WatchItem};
+use crate::core::{Event, JobStart};
 use crate::job::settings::JobUpdate;
 use crate::job::spec::{JobSpec, SpecProblem};
 use crate::shell::admission;
-use crate::shell::store::StepRecord;
 use crate::stream::doc::DocId;
 
 pub struct AdminService {
@@ -109,70 +103,7 @@ pub(super) fn resume_point(spec: &JobSpec) -> Result<Option<JobStart>, String> {
     }))
 }
 
-/// The wire form of a step record: its manifest, or what its metrics hold
-/// for steps committed before manifests were kept.
-fn step_manifest(r: &StepRecord, detail: bool) -> wire::StepManifest {
-    let m = &r.metrics;
-    let mut out = wire::StepManifest {
-        step: m.step,
-        generation: m.generation,
-        world_size: m.world_size,
-        lr: m.lr,
-        documents: m.docs,
-        tokens: m.tokens,
-        rank_microbatches: m.microbatches.checked_div(m.world_size).unwrap_or(0),
-        epoch: m.cursor.epoch,
-        ..Default::default()
-    };
-    if detail {
-        out.docs = r.docs.iter().map(ToString::to_string).collect();
-    }
-    let Some(man) = &r.manifest else {
-        return out;
-    };
-    let s = &man.settings;
-    out.base_lr = s.base_lr;
-    out.docs_per_step = s.docs_per_step;
-    out.tokens_per_step = s.tokens_per_step;
-    out.microbatches_per_rank = s.microbatches_per_rank;
-    out.max_tokens = s.max_tokens;
-    out.tokens = man.tokens;
-    out.rank_microbatches = man.microbatches_per_rank();
-    out.attempts = man.attempts;
-    out.replayed = man.replayed;
-    out.epoch = man.epoch;
-    out.complete = true;
-    if detail {
-        out.docs = man.docs().iter().map(ToString::to_string).collect();
-        out.ranks = rank_layouts(man);
-    }
-    out
-}
-
-fn rank_layouts(man: &StepManifest) -> Vec<wire::StepRankLayout> {
-    man.ranks
-        .iter()
-        .map(|mbs| wire::StepRankLayout {
-            microbatches: mbs
-                .iter()
-                .map(|mb| wire::StepMicrobatch {
-                    tokens: mb.tokens,
-                    sequences: mb
-                        .seqs
-                        .iter()
-                        .map(|q| wire::StepSequence {
-                            doc: q.0.to_string(),
-                            role: q.1,
-                            tokens: q.2,
-                        })
-                        .collect(),
-                })
-                .collect(),
-        })
-        .collect()
-}
-
-type WatchStream = Pin<Box<dyn Stream<Item = Result<wire::WatchJobResponse, Status>> + Send>>;
+use super::watch::WatchStream;
 
 #[tonic::async_trait]
 impl Admin for AdminService {
@@ -425,7 +356,7 @@ impl Admin for AdminService {
             .map_err(|e| Status::internal(e.to_string()))?
             .iter()
             .take_while(|r| r.metrics.step <= to)
-            .map(|r| step_manifest(r, req.detail))
+            .map(|r| convert::step_manifest(r, req.detail))
             .collect();
         Ok(Response::new(wire::ListStepsResponse { steps }))
     }
@@ -532,75 +463,8 @@ impl Admin for AdminService {
     ) -> Result<Response<WatchStream>, Status> {
         let mut req = req.into_inner();
         req.job_id = self.job_id(&req.job_id)?;
-        let job = req.job_id.clone();
-        // Subscribe before reading history so nothing falls in between.
-        let mut live = self.shared.subscribe();
-        let (history, state, last_step) = {
-            let inner = self.shared.lock();
-            let j = inner.core.job(&job).map_err(super::shared::core_status)?;
-            let history = if req.from_step > 0 {
-                inner
-                    .store
-                    .steps(&job, req.from_step)
-                    .map_err(|e| Status::internal(e.to_string()))?
-            } else {
-                Vec::new()
-            };
-            (history, j.rec.state, j.rec.step)
-        };
-        let (tx, rx) = tokio::sync::mpsc::channel(256);
-        tokio::spawn(async move {
-            let mut sent_up_to = 0;
-            for r in &history {
-                sent_up_to = r.metrics.step;
-                if tx
-                    .send(Ok(convert::watch_item(&WatchItem::Step(Box::new(
-                        r.metrics.clone(),
-                    )))))
-                    .await
-                    .is_err()
-                {
-                    return;
-                }
-            }
-            if state.is_terminal() {
-                let end = WatchItem::Event {
-                    kind: EventKind::State,
-                    message: format!("job is {} at step {last_step}", state.name()),
-                    state,
-                    unix_ms: now_ms(),
-                    reason: None,
-                    aborted_step: None,
-                };
-                let _ = tx.send(Ok(convert::watch_item(&end))).await;
-                return;
-            }
-            loop {
-                match live.recv().await {
-                    Ok((j, item)) if j == job => {
-                        if matches!(&item, WatchItem::Step(m) if m.step <= sent_up_to) {
-                            continue;
-                        }
-                        let terminal =
-                            matches!(&item, WatchItem::Event { state, .. } if state.is_terminal());
-                        if tx.send(Ok(convert::watch_item(&item))).await.is_err() || terminal {
-                            return;
-                        }
-                    }
-                    Ok(_) => {}
-                    Err(RecvError::Lagged(n)) => {
-                        let _ = tx
-                            .send(Err(Status::data_loss(format!(
-                                "watcher fell {n} items behind"
-                            ))))
-                            .await;
-                        return;
-                    }
-                    Err(RecvError::Closed) => return,
-                }
-            }
-        });
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        let stream = super::watch::watch(&self.shared, req.job_id, req.from_step)?;
+        Ok(Response::new(stream))
     }
 }
 

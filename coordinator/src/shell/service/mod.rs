@@ -14,6 +14,7 @@ mod rollouts;
 mod shared;
 mod tracking;
 mod validate;
+mod watch;
 mod worker;
 
 pub use admin::AdminService;

@@ -4,6 +4,7 @@
 mod job;
 mod messages;
 mod metrics;
+mod steps;
 mod worker;
 
 pub use job::{cursor, job_definition, job_state, job_summary, quarantined};
@@ -12,6 +13,7 @@ pub use metrics::{
     abort_reason, eval_metrics, event_kind, metric_sums, seq_logp, source_metrics, step_metrics,
     watch_item,
 };
+pub use steps::step_manifest;
 pub use worker::{error_kind, held_from_wire, held_state, worker_info};
 
 #[cfg(test)]
