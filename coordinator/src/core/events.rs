@@ -336,3 +336,22 @@ pub struct JobStart {
     pub cursor: Cursor,
     pub dir: PathBuf,
 }
+
+/// A job being submitted.
+pub(crate) struct Submission {
+    pub id: JobId,
+    pub spec: Arc<JobSpec>,
+    pub spec_toml: String,
+    pub docs: Arc<[Document]>,
+    /// Resume from a checkpoint of ours instead of step 0.
+    pub start: Option<JobStart>,
+}
+
+/// A job read back from the store after a restart.
+pub(crate) struct Restored {
+    pub rec: super::record::JobRecord,
+    pub spec: Arc<JobSpec>,
+    pub docs: Arc<[Document]>,
+    pub reference: ReferenceLogps,
+    pub history: Vec<CommittedStep>,
+}

@@ -10,10 +10,10 @@ use super::ctx::JobCtx;
 use super::effects::Effects;
 use super::error::{CoreError, Result};
 use super::events::Event;
+use super::events::{Restored, Submission};
 use super::job::Job;
 use super::options::CoordinatorOptions;
 use super::phase::Work;
-use super::submit::{Restored, Submission};
 use super::types::{AbortReason, JobId, Why, WorkerId};
 use super::workers::{Worker, WorkerState, Workers};
 

@@ -2,42 +2,20 @@
 //! of ours) and restored after a restart; and finding a job by what an
 //! operator calls it.
 
-use std::sync::Arc;
-
 use tracing::info;
 
 use super::effects::Effects;
 use super::error::{CoreError, Result};
-use super::events::JobStart;
+use super::events::{JobStart, Restored, Submission};
 use super::job::Job;
 use super::job_data::JobData;
 use super::machine::Coordinator;
 use super::phase::Phase;
 use super::planner;
 use super::record::JobRecord;
-use super::reference::ReferenceLogps;
-use super::types::{CheckpointEntry, CommittedStep, JobId, JobState, PlanKind};
+use super::types::{CheckpointEntry, JobId, JobState, PlanKind};
 use crate::job::spec::JobSpec;
 use crate::stream::doc::Document;
-
-/// A job being submitted.
-pub(crate) struct Submission {
-    pub id: JobId,
-    pub spec: Arc<JobSpec>,
-    pub spec_toml: String,
-    pub docs: Arc<[Document]>,
-    /// Resume from a checkpoint of ours instead of step 0.
-    pub start: Option<JobStart>,
-}
-
-/// A job read back from the store after a restart.
-pub(crate) struct Restored {
-    pub rec: JobRecord,
-    pub spec: Arc<JobSpec>,
-    pub docs: Arc<[Document]>,
-    pub reference: ReferenceLogps,
-    pub history: Vec<CommittedStep>,
-}
 
 impl Coordinator {
     /// Admits a new job (its record persisted before anything else).

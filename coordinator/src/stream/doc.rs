@@ -153,7 +153,7 @@ fn take_varint(bytes: &[u8], at: &mut usize) -> u64 {
 
 /// One token row with labels aligned to `input_ids` (the shift to next-token
 /// targets happens in the loss, as in `transformers`). Its tokens are owned,
-/// or a row of a mapped token store (`crate::stream::data::store`), of which only
+/// or a row of a mapped token store (`crate::stream::data::token_store`), of which only
 /// the place and the counts the planner needs are resident.
 #[derive(Clone)]
 pub struct Sequence {

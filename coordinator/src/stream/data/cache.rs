@@ -25,7 +25,7 @@ use super::build::build_doc;
 use super::error::{DataError, Result};
 use super::format::Encoder;
 use super::row::RawRow;
-use super::store::{self, BadRow, Store, StoreError, Writer};
+use super::token_store::{self, BadRow, TokenStore, TokenStoreError, Writer};
 use crate::job::spec::DataFormat;
 
 /// Rows tokenized per parallel batch while building.
@@ -47,7 +47,7 @@ impl EncoderKey {
     ) -> Result<EncoderKey> {
         let mut h = Xxh3::new();
         h.update(b"accrue-token-cache");
-        h.update(&store::LAYOUT_VERSION.to_le_bytes());
+        h.update(&token_store::LAYOUT_VERSION.to_le_bytes());
         h.update(format!("{format:?}").as_bytes());
         h.update(&model_vocab.to_le_bytes());
         match tokenizer {
@@ -130,10 +130,10 @@ pub fn open_or_build(
     enc: &Encoder,
     format: DataFormat,
     progress: &(dyn Fn(Progress) + Sync),
-) -> Result<(Arc<Store>, Found)> {
+) -> Result<(Arc<TokenStore>, Found)> {
     let dir = root.join(key);
     if dir.exists() {
-        match Store::open(&dir) {
+        match TokenStore::open(&dir) {
             Ok(s) => return Ok((Arc::new(s), Found::Hit)),
             Err(e) => {
                 // Stores appear only by a rename of a finished one, so this
@@ -144,11 +144,11 @@ pub fn open_or_build(
         }
     }
     build(&dir, path, enc, format, progress)?;
-    let s = Store::open(&dir).map_err(|e| store_error(path, e))?;
+    let s = TokenStore::open(&dir).map_err(|e| store_error(path, e))?;
     Ok((Arc::new(s), Found::Built))
 }
 
-fn store_error(path: &Path, e: StoreError) -> DataError {
+fn store_error(path: &Path, e: TokenStoreError) -> DataError {
     DataError::Io {
         path: path.to_path_buf(),
         source: std::io::Error::other(e.to_string()),
@@ -162,7 +162,7 @@ pub fn build(
     enc: &Encoder,
     format: DataFormat,
     progress: &(dyn Fn(Progress) + Sync),
-) -> Result<store::Meta> {
+) -> Result<token_store::Meta> {
     if let Some(parent) = dest.parent() {
         std::fs::create_dir_all(parent).map_err(|source| DataError::Io {
             path: parent.to_path_buf(),

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::cache::{self, Found};
-use super::store::{Store, Writer};
+use super::token_store::{TokenStore, Writer};
 use super::*;
 use crate::job::spec::{DataFormat, DataSection, ObjectiveKind, OnBad};
 use crate::stream::doc::Document;
@@ -228,7 +228,7 @@ fn a_crash_mid_build_leaves_nothing_usable() {
     // not match it) is never opened: it is rebuilt.
     std::fs::create_dir_all(&dest).unwrap();
     std::fs::write(dest.join("ids.bin"), [1u8, 2, 3]).unwrap();
-    assert!(Store::open(&dest).is_err());
+    assert!(TokenStore::open(&dest).is_err());
     // A dead builder's directory (pid above Linux's pid_max) is swept by
     // the next build of the key; this process's own is kept.
     let dead = root.join(format!(".{key}.tmp-4194305-1"));
@@ -256,7 +256,7 @@ fn a_crash_mid_build_leaves_nothing_usable() {
         .unwrap()
         .set_len(len - 4)
         .unwrap();
-    let e = Store::open(&dest).unwrap_err();
+    let e = TokenStore::open(&dest).unwrap_err();
     assert!(e.to_string().contains("ids.bin holds"), "{e}");
     let (_, found) =
         cache::open_or_build(&root, &key, &file, &enc, DataFormat::Sft, &none).unwrap();

@@ -39,9 +39,9 @@ pub mod read;
 pub mod rollout;
 pub mod row;
 pub mod sft;
-pub mod store;
 pub mod synth;
 pub mod template;
+pub mod token_store;
 pub mod tokenize;
 
 use std::path::{Path, PathBuf};
