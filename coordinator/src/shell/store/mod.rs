@@ -15,16 +15,22 @@
 //! history, never the store.
 
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use redb::{Database, ReadableTable, TableDefinition};
-use serde::{Deserialize, Serialize};
 
-use crate::core::{CommittedStep, JobRecord, RefEntry, ReferenceLogps, StepMetrics};
+mod error;
+mod records;
+
+pub use error::{Result, StoreError};
+pub use records::StepRecord;
+
+use crate::core::{CommittedStep, JobRecord, RefEntry, ReferenceLogps};
 use crate::stream::doc::DocId;
+use error::{decode, json};
+use records::{compact, read_cold, step_record, write_cold};
 
 const JOBS: TableDefinition<&str, &[u8]> = TableDefinition::new("jobs");
 /// Key: (job id, step).
@@ -39,56 +45,6 @@ const REFERENCE_TOKENS: TableDefinition<(&str, u32, u64), &[u8]> =
 const ROLLOUTS: TableDefinition<(&str, u64), &[u8]> = TableDefinition::new("rollouts");
 /// Key: job id → its stream's `StreamMeta` (JSON).
 const STREAMS: TableDefinition<&str, &[u8]> = TableDefinition::new("streams");
-
-#[derive(Debug, thiserror::Error)]
-pub enum StoreError {
-    #[error("state store {path}: {source}")]
-    Open {
-        path: String,
-        source: redb::DatabaseError,
-    },
-    #[error("state store: {0}")]
-    Db(String),
-    #[error("state store record {key}: {source}")]
-    Decode {
-        key: String,
-        source: serde_json::Error,
-    },
-    #[error("state store record {what}: {message}")]
-    Corrupt { what: String, message: String },
-}
-
-macro_rules! db_err {
-    ($($t:ty),*) => {$(
-        impl From<$t> for StoreError {
-            fn from(e: $t) -> Self {
-                StoreError::Db(e.to_string())
-            }
-        }
-    )*};
-}
-db_err!(
-    redb::TransactionError,
-    redb::TableError,
-    redb::StorageError,
-    redb::CommitError
-);
-
-pub type Result<T> = std::result::Result<T, StoreError>;
-
-/// What the store keeps per committed step.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct StepRecord {
-    pub metrics: StepMetrics,
-    /// The step manifest: the documents it trained on (stored only when
-    /// the full manifest does not already list them).
-    #[serde(default)]
-    pub docs: Vec<DocId>,
-    /// The full manifest (settings, layout per rank and microbatch,
-    /// attempts); absent on records written before it existed.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub manifest: Option<crate::core::manifest::StepManifest>,
-}
 
 /// Step records a job keeps in redb at least; at twice as many, all but
 /// the newest this many move to a cold file.
@@ -501,155 +457,11 @@ pub fn committed_steps_between(
         .collect())
 }
 
-/// Tags a step record compressed with zstd; a plain JSON one (written
-/// before, or by hand) starts with `{`.
-const ZSTD: u8 = 1;
-
-/// Tags a step record whose documents and layout are binary
-/// ([`crate::core::manifest::compact`]): zstd over the length of the rest's JSON
-/// (a varint), that JSON, the documents, then the layout if it has one.
-const ZSTD_BINARY: u8 = 2;
-
-/// A step record as stored (issue 19, bounded state): the documents (none
-/// when the layout lists the same, in the same order) and the layout in
-/// binary, the rest as JSON, zstd-compressed. No id is formatted as text:
-/// that, and compressing the text, was most of a 16k-document commit.
-fn compact(step: StepRecord) -> Vec<u8> {
-    use crate::core::manifest::compact;
-    let StepRecord {
-        metrics,
-        docs,
-        mut manifest,
-    } = step;
-    let ranks = manifest.as_mut().map(|m| std::mem::take(&mut m.ranks));
-    let listed = ranks
-        .as_ref()
-        .is_some_and(|ranks| crate::core::manifest::layout_docs(ranks).eq(docs.iter().copied()));
-    let head = json(&StepRecord {
-        metrics,
-        docs: Vec::new(),
-        manifest,
-    });
-    let mut body = Vec::new();
-    prost::encoding::encode_varint(head.len() as u64, &mut body);
-    body.extend_from_slice(&head);
-    compact::encode_docs(if listed { &[] } else { &docs }, &mut body);
-    if let Some(ranks) = &ranks {
-        compact::encode(ranks, &mut body);
-    }
-    let mut out = vec![ZSTD_BINARY];
-    // Level 1: the write is on the commit path; the ratio barely improves above.
-    out.extend(zstd::bulk::compress(&body, 1).expect("compressing into memory cannot fail"));
-    out
-}
-
-/// Reads a step record in any form written, its document list restored.
-fn step_record(key: &str, bytes: &[u8]) -> Result<StepRecord> {
-    use crate::core::manifest::compact;
-    let corrupt = |message: String| StoreError::Corrupt {
-        what: key.to_string(),
-        message,
-    };
-    let unzip = |bytes: &[u8]| {
-        zstd::stream::decode_all(bytes).map_err(|e| corrupt(format!("decompressing: {e}")))
-    };
-    let mut rec: StepRecord = match bytes.first() {
-        Some(&ZSTD) => decode(key, &unzip(&bytes[1..])?)?,
-        Some(&ZSTD_BINARY) => {
-            let body = unzip(&bytes[1..])?;
-            let mut rest = body.as_slice();
-            let len = prost::encoding::decode_varint(&mut rest)
-                .map_err(|e| corrupt(format!("the head's length: {e}")))?;
-            let Some(head) = usize::try_from(len).ok().and_then(|n| rest.get(..n)) else {
-                return Err(corrupt(format!("a head of {len} bytes cut short")));
-            };
-            rest = &rest[head.len()..];
-            let mut rec: StepRecord = decode(key, head)?;
-            rec.docs = compact::decode_docs(&mut rest)
-                .map_err(|e| corrupt(format!("the documents: {e}")))?;
-            match &mut rec.manifest {
-                Some(m) => {
-                    m.ranks =
-                        compact::decode(rest).map_err(|e| corrupt(format!("the layout: {e}")))?;
-                }
-                None if !rest.is_empty() => {
-                    return Err(corrupt(format!(
-                        "{} bytes after the documents and no layout",
-                        rest.len()
-                    )));
-                }
-                None => {}
-            }
-            rec
-        }
-        _ => decode(key, bytes)?,
-    };
-    if rec.docs.is_empty() {
-        if let Some(m) = &rec.manifest {
-            rec.docs = m.docs();
-        }
-    }
-    Ok(rec)
-}
-
-/// Writes a cold file: per record its step (u64) and length (u32), little
-/// endian, then its compact bytes; aside, synced, then renamed into place.
-fn write_cold(dir: &Path, path: &Path, rows: &[(u64, Vec<u8>)]) -> std::io::Result<()> {
-    std::fs::create_dir_all(dir)?;
-    let tmp = path.with_extension("tmp");
-    let mut f = std::io::BufWriter::new(std::fs::File::create(&tmp)?);
-    for (step, bytes) in rows {
-        f.write_all(&step.to_le_bytes())?;
-        f.write_all(&(bytes.len() as u32).to_le_bytes())?;
-        f.write_all(bytes)?;
-    }
-    f.into_inner()?.sync_all()?;
-    std::fs::rename(&tmp, path)?;
-    std::fs::File::open(dir)?.sync_all()
-}
-
-/// A cold file's records (see [`write_cold`]).
-fn read_cold(path: &Path) -> Result<Vec<(u64, Vec<u8>)>> {
-    let corrupt = |message: String| StoreError::Corrupt {
-        what: path.display().to_string(),
-        message,
-    };
-    let data = std::fs::read(path).map_err(|e| corrupt(format!("reading: {e}")))?;
-    let mut rows = Vec::new();
-    let mut rest = data.as_slice();
-    while !rest.is_empty() {
-        let (Some(step), Some(len)) = (rest.get(..8), rest.get(8..12)) else {
-            return Err(corrupt(format!(
-                "a record header cut short after {} records",
-                rows.len()
-            )));
-        };
-        let step = u64::from_le_bytes(step.try_into().expect("8 bytes"));
-        let len = u32::from_le_bytes(len.try_into().expect("4 bytes")) as usize;
-        let Some(bytes) = rest.get(12..12 + len) else {
-            return Err(corrupt(format!("step {step}'s record cut short")));
-        };
-        rows.push((step, bytes.to_vec()));
-        rest = &rest[12 + len..];
-    }
-    Ok(rows)
-}
-
-fn json<T: Serialize>(v: &T) -> Vec<u8> {
-    serde_json::to_vec(v).expect("store records always serialise")
-}
-
-fn decode<T: for<'de> Deserialize<'de>>(key: &str, bytes: &[u8]) -> Result<T> {
-    serde_json::from_slice(bytes).map_err(|source| StoreError::Decode {
-        key: key.to_string(),
-        source,
-    })
-}
-
 #[cfg(test)]
 mod tests {
+    use super::records::{ZSTD, ZSTD_BINARY};
     use super::*;
-    use crate::core::JobState;
+    use crate::core::{JobState, StepMetrics};
     use crate::stream::cursor::Cursor;
 
     fn rec(id: &str, t: i64) -> JobRecord {
