@@ -75,6 +75,20 @@ pub struct Worker {
     pub follows: Option<super::relay::Follows>,
 }
 
+impl WorkerState {
+    /// Lower-case name, as the status page and metrics show it.
+    pub fn name(self) -> &'static str {
+        match self {
+            WorkerState::Registered => "registered",
+            WorkerState::Idle => "idle",
+            WorkerState::Configuring => "configuring",
+            WorkerState::Active => "active",
+            WorkerState::Draining => "draining",
+            WorkerState::Lost => "lost",
+        }
+    }
+}
+
 impl Worker {
     /// Free to join a generation.
     pub fn available(&self) -> bool {

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use tracing::{info, warn};
 
-use super::engine::tick::{hand_to_scorer, wrong_answer};
+use super::engine::tick::hand_to_scorer;
 use super::rounds::{GenCompletion, LoopInputs, RoundKind, RoundStats, MAX_BARREN_GROUPS};
 use super::stream::Admission;
 use crate::core::ctx::JobCtx;
@@ -171,30 +171,23 @@ impl JobCtx<'_> {
             );
             return;
         };
-        let Some(rank) = rank.filter(|_| r.generation == generation && r.id == round) else {
-            warn!(
-                worker,
-                job = %self.id,
-                generation,
-                round,
-                "completions for a stale round, ignored"
-            );
-            return;
+        let Some(rank) = rank.filter(|_| r.is(generation, round)) else {
+            return self.stale_answer(worker, generation, round);
         };
-        match r.answer(rank, answer.0, answer.1) {
-            Ok(false) => {}
-            Ok(true) => {
-                let Work::Generating(r) = std::mem::replace(&mut active.work, Work::Idle) else {
-                    unreachable!("matched above")
-                };
-                let l = job.data.rollout_loop.as_mut().expect("a generating job");
-                hand_to_scorer(self.id.as_str(), &mut job.rec.reason, l, *r, self.fx);
+        let Work::Generating(mut r) = std::mem::replace(&mut active.work, Work::Idle) else {
+            unreachable!("matched above")
+        };
+        if !self.take_answer(&mut r, "worker", (worker, rank), answer) {
+            // Not whole yet (or its worker was dropped: the generation
+            // ended, and the round is planned again with the next).
+            if let Some(a) = self.job.active_mut() {
+                a.work = Work::Generating(r);
             }
-            Err(e) => {
-                let why = wrong_answer("worker", worker, rank, round, &e);
-                self.lose_member(worker, why);
-            }
+            return;
         }
+        let job = &mut *self.job;
+        let l = job.data.rollout_loop.as_mut().expect("a generating job");
+        hand_to_scorer(&self.id, &mut job.rec.reason, l, *r, self.fx);
     }
 
     /// The shell scored round `round`: its rollouts join the stream and

@@ -442,6 +442,12 @@ pub fn seed_of(job_seed: u64, pos: u64, sample: u32) -> u64 {
 }
 
 impl Round {
+    /// Whether this is round `round` of generation `generation` (an answer
+    /// to any other is stale).
+    pub fn is(&self, generation: u64, round: u64) -> bool {
+        self.generation == generation && self.id == round
+    }
+
     /// Records rank `rank`'s answer after checking it answers exactly what
     /// the rank was asked; true once every rank answered.
     pub fn answer(

@@ -24,7 +24,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
-use crate::core::{Coordinator, JobId, StepMetrics, WorkerState};
+use crate::core::{Coordinator, JobId, StepMetrics};
 use crate::shell::service::{now_ms, Shared};
 use crate::shell::store::Store;
 
@@ -273,7 +273,7 @@ pub fn status_view(core: &Coordinator, totals: &HashMap<JobId, Totals>, now_ms: 
             } else {
                 format!("{} ({})", w.reg.device, w.reg.gpu_name)
             },
-            state: worker_state(w.state).to_string(),
+            state: w.state.name().to_string(),
             job: w.job.clone(),
             rank: w.rank.or(generator),
             generator: generator.is_some(),
@@ -332,17 +332,6 @@ pub fn exposure_warning(addr: std::net::SocketAddr) -> Option<String> {
              --metrics-listen on 127.0.0.1 or a cluster-internal address"
         )
     })
-}
-
-fn worker_state(s: WorkerState) -> &'static str {
-    match s {
-        WorkerState::Registered => "registered",
-        WorkerState::Idle => "idle",
-        WorkerState::Configuring => "configuring",
-        WorkerState::Active => "active",
-        WorkerState::Draining => "draining",
-        WorkerState::Lost => "lost",
-    }
 }
 
 /// A JSON error reply: `{"error": "..."}`.

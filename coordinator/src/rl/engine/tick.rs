@@ -58,19 +58,34 @@ pub(crate) fn hand_to_scorer(
     fx.push(Effect::ScoreRound(Box::new(to_score)));
 }
 
-/// Why a worker whose answer does not fit its round is dropped (its
-/// round is planned again).
-pub(crate) fn wrong_answer(
-    who: &str,
-    worker: &str,
-    rank: u32,
-    round: u64,
-    e: &crate::rl::rounds::BadAnswer,
-) -> Why {
-    Why::new(
-        AbortReason::WorkerError,
-        format!("{who} {worker} (rank {rank}) answered generation round {round} wrongly: {e}"),
-    )
+impl JobCtx<'_> {
+    /// Takes rank `rank`'s answer to `round`: true once every rank
+    /// answered. A worker whose answer does not fit its plan (`who` says
+    /// what it is) is dropped, and its round planned again.
+    pub(crate) fn take_answer(
+        &mut self,
+        round: &mut Round,
+        who: &str,
+        (worker, rank): (&str, u32),
+        (completions, seconds): (Vec<GenCompletion>, f64),
+    ) -> bool {
+        match round.answer(rank, completions, seconds) {
+            Ok(done) => done,
+            Err(e) => {
+                let detail = format!(
+                    "{who} {worker} (rank {rank}) answered generation round {} wrongly: {e}",
+                    round.id
+                );
+                self.lose_member(worker, Why::new(AbortReason::WorkerError, detail));
+                false
+            }
+        }
+    }
+
+    /// An answer to a round that is not the job's current one.
+    pub(crate) fn stale_answer(&self, worker: &str, generation: u64, round: u64) {
+        warn!(worker, job = %self.id, generation, round, "completions for a stale round, ignored");
+    }
 }
 
 /// Where a job's rounds go when they run apart from the trainers.
@@ -372,42 +387,27 @@ impl JobCtx<'_> {
         round: u64,
         answer: (Vec<GenCompletion>, f64),
     ) {
-        let job = &mut *self.job;
-        let Some(l) = job.data.rollout_loop.as_mut() else {
+        let Some(e) = self.job.data.engine_mut() else {
             return;
         };
-        let Some(e) = l.engine.as_mut() else {
-            return;
+        let Some(mut r) = e.round.take_if(|r| r.is(generation, round)) else {
+            return self.stale_answer(worker, generation, round);
         };
-        let Some(r) = e
-            .round
-            .as_mut()
-            .filter(|r| r.generation == generation && r.id == round)
-        else {
-            warn!(
-                worker,
-                job = %self.id,
-                generation,
-                round,
-                "completions for a stale round, ignored"
-            );
-            return;
-        };
-        match r.answer(rank, answer.0, answer.1) {
-            Ok(false) => {}
-            Ok(true) => {
-                let r = *e.round.take().expect("matched above");
-                if l.scoring.is_some() {
-                    l.engine.as_mut().expect("matched above").answered = Some(Box::new(r));
-                    return;
-                }
-                hand_to_scorer(self.id.as_str(), &mut job.rec.reason, l, r, self.fx);
+        if !self.take_answer(&mut r, "generator", (worker, rank), answer) {
+            // Not whole yet (or its generator was dropped: the generation
+            // re-forms and the round is planned again).
+            if let Some(e) = self.job.data.engine_mut() {
+                e.round = Some(r);
             }
-            Err(err) => {
-                let why = wrong_answer("generator", worker, rank, round, &err);
-                self.lose_member(worker, why);
-            }
+            return;
         }
+        let job = &mut *self.job;
+        let l = job.data.rollout_loop.as_mut().expect("a generating job");
+        if l.scoring.is_some() {
+            l.engine.as_mut().expect("matched above").answered = Some(r);
+            return;
+        }
+        hand_to_scorer(&self.id, &mut job.rec.reason, l, *r, self.fx);
     }
 
     /// A generator loaded the policy of step `version` from the weight

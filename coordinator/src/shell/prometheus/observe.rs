@@ -180,7 +180,7 @@ impl Exporter {
             let n = core.workers().filter(|w| w.state == state).count();
             self.state
                 .workers
-                .with_label_values(&[worker_state_name(state)])
+                .with_label_values(&[state.name()])
                 .set(n as i64);
         }
         for w in core.workers().filter(|w| w.connected()) {
@@ -306,17 +306,6 @@ const WORKER_STATES: [WorkerState; 6] = [
     WorkerState::Draining,
     WorkerState::Lost,
 ];
-
-fn worker_state_name(s: WorkerState) -> &'static str {
-    match s {
-        WorkerState::Registered => "registered",
-        WorkerState::Idle => "idle",
-        WorkerState::Configuring => "configuring",
-        WorkerState::Active => "active",
-        WorkerState::Draining => "draining",
-        WorkerState::Lost => "lost",
-    }
-}
 
 const JOB_STATES: [JobState; 6] = [
     JobState::Pending,

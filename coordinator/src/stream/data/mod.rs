@@ -74,6 +74,18 @@ pub struct Dataset {
 }
 
 impl Dataset {
+    /// No documents (a generating or streamed job reads none up front).
+    fn empty(enc: &Encoder) -> Dataset {
+        Dataset {
+            docs: Vec::new(),
+            files: Vec::new(),
+            report: LoadReport::default(),
+            tokenizer_vocab: enc.tok.vocab_size(),
+            sources: Vec::new(),
+            eval: None,
+        }
+    }
+
     /// The documents a job holds: training, then eval.
     pub fn into_job_docs(self) -> Vec<Document> {
         let mut docs = self.docs;
@@ -230,14 +242,7 @@ pub fn load_sources(
 ) -> Result<Dataset> {
     if data.is_generate() {
         // Prompts are read by `prompts::load`; rollouts come from the loop.
-        return Ok(Dataset {
-            docs: Vec::new(),
-            files: Vec::new(),
-            report: LoadReport::default(),
-            tokenizer_vocab: enc.tok.vocab_size(),
-            sources: Vec::new(),
-            eval: None,
-        });
+        return Ok(Dataset::empty(enc));
     }
     if format_for(objective) != data.format {
         return Err(DataError::FormatMismatch {
@@ -247,14 +252,7 @@ pub fn load_sources(
     }
     if data.is_stream() {
         // Rollouts are pushed while the job runs (`core::stream`).
-        return Ok(Dataset {
-            docs: Vec::new(),
-            files: Vec::new(),
-            report: LoadReport::default(),
-            tokenizer_vocab: enc.tok.vocab_size(),
-            sources: Vec::new(),
-            eval: None,
-        });
+        return Ok(Dataset::empty(enc));
     }
     let mut report = LoadReport::default();
     let mut docs = Vec::new();
