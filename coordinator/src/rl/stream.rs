@@ -22,7 +22,7 @@
 //!
 //! Backpressure: the queue holds at most `rl.queue_capacity` rollouts
 //! (complete and filling groups). A push that does not fit is refused with
-//! [`CoreError::QueueFull`], leaving the state unchanged; the shell waits for
+//! [`QueueFull`] (the core answers `CoreError::QueueFull`), leaving the state unchanged; the shell waits for
 //! room and retries. A push is let through over capacity only when the
 //! queued complete groups cannot make a step (no commit could ever free
 //! room, e.g. the capacity is taken by filling groups).
@@ -33,7 +33,6 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use super::rollouts::RolloutPlan;
-use crate::core::error::{CoreError, Result};
 use crate::job::objective::PgParams;
 use crate::job::spec::JobSpec;
 use crate::rl::pg;
@@ -270,6 +269,14 @@ fn reward(d: &Document) -> f64 {
     }
 }
 
+/// A push refused for want of room: the queue holds `buffered` of its
+/// `capacity` rollouts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueueFull {
+    pub buffered: u64,
+    pub capacity: u64,
+}
+
 /// What a push is admitted against.
 #[derive(Debug, Clone, Copy)]
 pub struct Admission<'a> {
@@ -292,13 +299,12 @@ impl RolloutStream {
         plan: &mut RolloutPlan,
         at: Admission<'_>,
         batch: Vec<Rollout>,
-    ) -> Result<RolloutWrite> {
+    ) -> Result<RolloutWrite, QueueFull> {
         let (fresh, stale): (Vec<Rollout>, Vec<Rollout>) = batch
             .into_iter()
             .partition(|r| pg::admit(r.policy_version, at.step, at.max_staleness).is_ok());
         if !self.has_room(fresh.len() as u64, at.need) {
-            return Err(CoreError::QueueFull {
-                job: at.job.to_string(),
+            return Err(QueueFull {
                 buffered: self.buffered(),
                 capacity: self.capacity,
             });

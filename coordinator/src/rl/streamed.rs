@@ -62,8 +62,13 @@ impl JobCtx<'_> {
             max_staleness,
             need: s.step_rollouts(docs),
         };
-        self.fx
-            .persist(Persist::Rollouts(Box::new(s.push(plan, at, batch)?)));
+        self.fx.persist(Persist::Rollouts(Box::new(
+            s.push(plan, at, batch).map_err(|f| CoreError::QueueFull {
+                job: self.id.clone(),
+                buffered: f.buffered,
+                capacity: f.capacity,
+            })?,
+        )));
         Ok(())
     }
 }
