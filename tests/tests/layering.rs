@@ -68,6 +68,13 @@ struct Cycle {
 
 /// How many module files `dir` holds, and the import cycles among them.
 fn check(root: &Path, dir: &str) -> (usize, Vec<Cycle>) {
+    let (files, edges) = imports(root, dir);
+    (files.len(), cycles(&files, &edges))
+}
+
+/// The module files under `dir` (relative to the root, sorted) and the
+/// imports among them.
+fn imports(root: &Path, dir: &str) -> (Vec<String>, Edges) {
     let dir = root.join(dir);
     let src = dir.ancestors().find(|p| p.ends_with("src"));
     let modules = module_files(src.expect("a checked directory is in a crate's src/"));
@@ -89,7 +96,72 @@ fn check(root: &Path, dir: &str) -> (usize, Vec<Cycle>) {
     let in_dir = modules.values().filter(|(f, _)| f.starts_with(&dir));
     let mut files: Vec<String> = in_dir.map(|(f, _)| name(f)).collect();
     files.sort();
-    (files.len(), cycles(&files, &edges))
+    (files, edges)
+}
+
+/// The coordinator's layers, bottom first (its `src/` folders; the RL
+/// loop's folder holds two: its state, scoring and engine calls below the
+/// core, and the core's handlers of its events above it). A file imports
+/// only files of its own layer or of layers below.
+const COORDINATOR_LAYERS: &[(&str, &[&str])] = &[
+    ("job", &["job/"]),
+    ("stream", &["stream/"]),
+    ("model", &["model/"]),
+    (
+        "rl: state, scoring, engine calls",
+        &[
+            "rl/mod.rs",
+            "rl/pg.rs",
+            "rl/prompts.rs",
+            "rl/rollouts.rs",
+            "rl/rounds.rs",
+            "rl/stream.rs",
+            "rl/scorer/",
+            "rl/verify/",
+            "rl/engine/mod.rs",
+            "rl/engine/client.rs",
+            "rl/engine/wire.rs",
+        ],
+    ),
+    ("core", &["core/"]),
+    (
+        "rl: the core's handlers",
+        &["rl/rollout_loop.rs", "rl/streamed.rs", "rl/engine/tick.rs"],
+    ),
+    ("shell", &["shell/"]),
+    ("lib", &["lib.rs"]),
+];
+
+/// The layer of a coordinator file (relative to `coordinator/src/`).
+fn layer_of(file: &str) -> Option<usize> {
+    COORDINATOR_LAYERS
+        .iter()
+        .position(|(_, parts)| parts.iter().any(|p| file.starts_with(p)))
+}
+
+#[test]
+fn the_coordinators_layers_point_down() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let (files, edges) = imports(&root, "coordinator/src");
+    let rel = |f: &str| f.strip_prefix("coordinator/src/").unwrap_or(f).to_string();
+    let unplaced: Vec<String> = files
+        .iter()
+        .map(|f| rel(f))
+        .filter(|f| layer_of(f).is_none())
+        .collect();
+    assert!(unplaced.is_empty(), "files in no layer: {unplaced:?}");
+    let mut upward = String::new();
+    for ((from, to), path) in &edges {
+        let (a, b) = (layer_of(&rel(from)).unwrap(), layer_of(&rel(to)).unwrap());
+        if b > a {
+            let (la, lb) = (COORDINATOR_LAYERS[a].0, COORDINATOR_LAYERS[b].0);
+            writeln!(upward, "  {from} ({la}) -> {to} ({lb}) via `{path}`").unwrap();
+        }
+    }
+    assert!(
+        upward.is_empty(),
+        "imports from a lower layer up:\n{upward}"
+    );
 }
 
 fn report(dir: &str, files: usize, cycles: &[Cycle]) -> String {

@@ -131,7 +131,7 @@ fn update_context(job: &Job) -> UpdateContext {
         .iter()
         .chain(queued)
         .max_by_key(|d| d.tokens())
-        .map(|d| (d.id, d.tokens()));
+        .map(|d| (d.id.to_string(), d.tokens()));
     let files = job.data.stream.is_none();
     UpdateContext {
         longest,

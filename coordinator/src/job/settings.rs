@@ -15,7 +15,6 @@ use serde::{Deserialize, Serialize};
 
 use crate::job::limits::{self, DatasetSize, StepShape};
 use crate::job::spec::{JobSpec, OptimizerSection, Schedule, SpecProblem, StepSize};
-use crate::stream::doc::DocId;
 
 /// The step settings an operator may change on a running job. `None`
 /// leaves a setting as it is.
@@ -137,11 +136,11 @@ impl StepSettings {
 }
 
 /// What an update is checked against besides the spec.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct UpdateContext {
-    /// The longest document the job may still train (id, tokens): a new
+    /// The longest document the job may still train (its id, tokens): a new
     /// `max_tokens` must hold it, since documents are never cut.
-    pub longest: Option<(DocId, u64)>,
+    pub longest: Option<(String, u64)>,
     /// A streamed job: (queue capacity, group size). A step must fit the
     /// queue, in whole groups.
     pub stream: Option<(u64, u32)>,
@@ -307,7 +306,8 @@ impl<'a> Settings<'a> {
         match update.max_tokens {
             Some(0) => bad("data.max_tokens", "must be at least 1".into()),
             Some(m) => {
-                if let Some((doc, tokens)) = ctx.longest.filter(|&(_, t)| t > u64::from(m)) {
+                if let Some((doc, tokens)) = ctx.longest.as_ref().filter(|(_, t)| *t > u64::from(m))
+                {
                     bad(
                         "data.max_tokens",
                         format!(
@@ -410,8 +410,8 @@ mod tests {
         .unwrap()
     }
 
-    fn id(line: u64) -> DocId {
-        DocId { file: 0, line }
+    fn id(line: u64) -> crate::stream::doc::DocId {
+        crate::stream::doc::DocId { file: 0, line }
     }
 
     #[test]
@@ -462,7 +462,7 @@ mod tests {
     fn bad_updates_name_every_field_at_fault() {
         let s = spec("docs_per_step = 4");
         let ctx = UpdateContext {
-            longest: Some((id(2), 40)),
+            longest: Some((id(2).to_string(), 40)),
             stream: None,
             dataset: None,
         };
