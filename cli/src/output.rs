@@ -1,10 +1,10 @@
 //! Where the CLI prints. `println!` panics when stdout is a pipe whose
 //! reader has gone (`accrue steps JOB --detail --json | head -1`: Rust
 //! ignores SIGPIPE, so the write fails with EPIPE instead of killing the
-//! process). Every command prints through [`outln!`] and [`out!`], which
+//! process). Every command prints through `outln!` and `out!`, which
 //! return the write error; `main` ends quietly with
 //! [`BROKEN_PIPE_EXIT`] when [`is_broken_pipe`] says the reader has gone.
-//! Diagnostics go through [`errln!`], which drops what it cannot write
+//! Diagnostics go through `errln!`, which drops what it cannot write
 //! (there is nowhere left to say so).
 
 /// The exit status of a command whose reader stopped reading: 128 +

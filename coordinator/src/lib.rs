@@ -1,8 +1,18 @@
 //! Accrue coordinator: owns the data stream, plans steps, tracks jobs and
 //! workers, and serves the admin and worker gRPC APIs.
 //!
-//! Pure domain modules (`doc`, `cursor`, `spec`, `data`, `plan`, `core`) do
-//! no network I/O; `service` and `server` adapt them to tonic.
+//! One folder per layer, bottom first; a layer imports only those below it
+//! (`tests/tests/layering.rs` checks it):
+//! - [`job`]: the job spec, its sections and their validation, live
+//!   settings, sources, limits;
+//! - [`stream`]: documents, the data readers and token cache, the cursor,
+//!   mixtures, and the packer;
+//! - [`model`]: Hugging Face model folders (config, export);
+//! - [`rl`]: the RL loop's state, scoring and engine calls (below the
+//!   core) and the core's handlers of its events (above it);
+//! - [`core`]: the pure state machine;
+//! - [`shell`]: the server, its services, HTTP, the store, auth, TLS,
+//!   metrics and tracking, and admission.
 
 pub mod core;
 pub mod job;

@@ -201,7 +201,7 @@ impl Effects {
 pub enum Effect {
     /// A replay needs steps `from..=to` of `job`'s history, which only the
     /// store holds: read their records (off the state lock) and answer
-    /// with [`Event::HistoryLoaded`].
+    /// with [`super::events::Event::HistoryLoaded`].
     LoadHistory {
         job: JobId,
         from: u64,

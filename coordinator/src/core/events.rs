@@ -43,7 +43,7 @@ pub enum Event {
     Heartbeats {
         beats: Vec<Beat>,
     },
-    /// The answer to [`Effect::LoadHistory`]: the steps read, or why the
+    /// The answer to [`super::effects::Effect::LoadHistory`]: the steps read, or why the
     /// store could not give them.
     HistoryLoaded {
         job: JobId,

@@ -197,7 +197,7 @@ impl Job {
     }
 
     /// The first step of the replay history kept in memory: the newest
-    /// [`HISTORY_WINDOW`] committed steps after `rec.history_from` (older
+    /// `HISTORY_WINDOW` committed steps after `rec.history_from` (older
     /// ones are read back from the store when a replay reaches them).
     pub fn history_window_start(rec: &JobRecord) -> u64 {
         rec.history_from

@@ -41,7 +41,7 @@ pub struct JobData {
     /// The loop's rounds scored since the last commit (step metrics).
     pub loop_stats: crate::rl::rounds::RoundStats,
     /// Committed steps after `rec.history_from` held in memory for replay:
-    /// the newest [`HISTORY_WINDOW`], and those a replay in progress loaded
+    /// the newest `HISTORY_WINDOW`, and those a replay in progress loaded
     /// back from the store (issue 19: a job that never checkpoints would
     /// otherwise hold every step's documents for its whole run).
     pub history: BTreeMap<u64, CommittedStep>,
@@ -59,7 +59,7 @@ pub struct JobData {
     /// The source of each file of the job (`DocId::file` indexes it).
     pub file_source: Vec<u32>,
     /// How the file stream is served (the spec's weights; see
-    /// [`Self::order_at`] for a step's).
+    /// `Job::order_at` for a step's).
     pub order: Order,
     /// `[eval]`: the eval documents (never in the training stream).
     pub eval: Option<EvalSet>,

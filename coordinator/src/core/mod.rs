@@ -1,25 +1,29 @@
-//! The coordinator as a pure state machine: `Coordinator::handle(event,
-//! now_ms) -> Effects`. No sockets, no clock, no disk: the server shell
-//! feeds events in and carries the effects out. [`Effects`] holds the
-//! durable writes apart from what may follow them, and the shell carries
-//! out the rest only once every write succeeded (raft-rs
-//! `ready()/advance()` is the model). Multi-worker scenarios are
-//! tested as loops over `handle`.
+//! The coordinator as a pure state machine: [`Coordinator::handle`]`(event,
+//! now_ms) -> `[`Effects`]. No sockets, no clock, no disk: the shell feeds
+//! events in and carries the effects out, the durable writes first and
+//! the rest only once they succeeded (raft-rs `ready()/advance()` is the
+//! model). Multi-worker scenarios are tested as loops over `handle`
+//! (`tests/`).
 //!
-//! Layers point down; no file imports one above it:
-//! - `types` (ids, states, reasons), `error`, `metrics`, `deadline`, `record` (the
-//!   persisted job), `liveness` (silence net of the coordinator's delays), `workers`, `recovery` (where state comes from),
-//!   `reference`, `rollouts`, `stream`, `generate` (the RL loop's rounds), `step` (a planned step), `bisect`
-//!   (finding poison documents), `eval` (evaluation passes and their
-//!   metrics);
-//! - `effects` (what goes in and comes out), `jobs` (a job and its
-//!   [`Phase`]), `planner` (the one planner), `membership` (who forms a
-//!   generation);
-//! - `machine` (the [`Coordinator`] and `handle`), then its handlers by
-//!   concern: `lifecycle`, `generations`, `control`, `publish`, `rollout_loop`,
-//!   `quarantine`.
+//! What lives here, bottom up (no file imports one above it):
+//! - the vocabulary: `types` (ids, states, reasons), `error`, `options`,
+//!   `metrics` (sums to means), `nonfinite`, `manifest` (what a committed
+//!   step trained), `record` (the persisted job), `liveness`, `deadline`;
+//! - the parts of a job: `workers` (the registry), `generation`, `phase`,
+//!   `job_data`, `acks`, `job`; `recovery` (where state comes from),
+//!   `reference`, `eval`, `bisect`, `step` (a planned step), `ahead`;
+//! - the deciders, pure functions of a job and the workers: `planner` (the
+//!   one planner), `membership` (who forms a generation), `formation`
+//!   (their Configures), `relay`/`routing` (relayed generations);
+//! - `events` and `effects` (what goes in and comes out), `ctx` (a job's
+//!   handlers run on its `JobCtx`), and the handlers by concern:
+//!   `results`, `commit`, `dispatch`, `generations`, `control`, `publish`,
+//!   `quarantine` (and the RL loop's in `crate::rl`);
+//! - `machine` (the [`Coordinator`]: events to their job's context, the
+//!   registry's own), `submit`, `job_events`.
 //!
-//! This file only declares and re-exports.
+//! It imports `crate::job`, `crate::stream`, `crate::model` and the RL
+//! loop's state (`crate::rl`), never the shell.
 
 pub(crate) mod acks;
 pub(crate) mod ahead;

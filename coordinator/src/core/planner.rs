@@ -1,6 +1,6 @@
 //! The one planner (issue 13): every plan a job runs comes from a
 //! [`Source`] and the step's settings (`crate::job::settings`), and is packed
-//! and built in one place ([`plan`]):
+//! and built in one place (`plan`):
 //! - **files**: the next documents (PG: whole groups) of the job's seeded
 //!   stream from its cursor, sized by the step's settings;
 //! - **stream**: whole groups from the head of a streamed job's queue;

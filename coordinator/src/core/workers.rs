@@ -59,7 +59,7 @@ pub struct Worker {
     pub reg: Registration,
     pub state: WorkerState,
     /// When it was last heard from (silence is judged from this by
-    /// [`super::liveness::Liveness`]).
+    /// `Liveness`).
     pub heard: Heard,
     pub job: Option<JobId>,
     pub rank: Option<u32>,

@@ -1,9 +1,14 @@
-//! The RL loop, pure half and shell half side by side: policy-gradient
-//! groups and advantages ([`pg`], [`rollouts`]), a streamed job's rollout
-//! queue ([`stream`]), the loop's prompts and generation rounds
-//! ([`prompts`], [`rounds`]), the core's handlers for rounds on the
-//! workers ([`rollout_loop`]) and apart from them ([`engine`]), and the
-//! shell's scoring ([`scorer`], [`verify`]).
+//! The RL loop, its parts side by side in three layers:
+//! - its state, below the core (imports `crate::job` and `crate::stream`
+//!   only): policy-gradient groups and advantages ([`pg`], [`rollouts`]), a
+//!   streamed job's rollout queue ([`stream`]), the loop's prompts and
+//!   generation rounds ([`prompts`], [`rounds`]); and what the shell runs
+//!   off the state lock: scoring a round ([`scorer`], [`verify`]) and the
+//!   external engine's wire and HTTP calls ([`engine::wire`],
+//!   [`engine::client`]);
+//! - the core's handlers of its events (import `crate::core`, run on a
+//!   job's context): rounds on the workers ([`rollout_loop`]), apart from
+//!   them ([`engine::tick`]), a streamed queue's pushes ([`streamed`]).
 
 pub mod engine;
 pub mod pg;

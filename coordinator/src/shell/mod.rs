@@ -2,7 +2,7 @@
 //! page and Prometheus metrics), the embedded store, authentication and
 //! TLS, the job's output files and tracking, and admission (reading what
 //! a spec points at). Everything that touches a socket, a clock or the
-//! disk on the running server lives here.
+//! disk on the running server lives here. It may import every layer below.
 
 pub mod admission;
 pub mod auth;

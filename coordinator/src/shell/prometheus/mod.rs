@@ -1,5 +1,5 @@
 //! Prometheus metrics of the coordinator, served as text on `GET /metrics`:
-//! the families and their registration here, their updates in [`observe`].
+//! the families and their registration here, their updates in `observe`.
 //!
 //! Names follow the Prometheus conventions
 //! (<https://prometheus.io/docs/practices/naming/>): base units

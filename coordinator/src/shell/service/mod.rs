@@ -1,7 +1,7 @@
 //! The gRPC shell around the pure coordinator: decode a request, feed the
 //! state machine, carry out its effects (persist first, then send and
 //! publish), encode the reply. One `std::sync::Mutex` guards the state and
-//! is never held across an `.await` ([`shared`]).
+//! is never held across an `.await` (`shared`).
 
 mod admin;
 mod carry_out;

@@ -57,7 +57,7 @@ pub(super) struct HeldTime {
     max_ns: AtomicU64,
 }
 
-/// A snapshot of [`HeldTime`].
+/// A snapshot of the state lock's hold times.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct LockStats {
     pub total_ns: u64,
@@ -186,7 +186,7 @@ impl Shared {
     }
 
     /// Queues a heartbeat read now for the next tick (never the state
-    /// lock: see [`Shared::apply_heartbeats`]).
+    /// lock: the tick applies them).
     pub fn heartbeat(&self, worker: WorkerId, lag_ms: Option<i64>) {
         let beat = crate::core::Beat {
             worker,

@@ -1,5 +1,5 @@
 //! The token cache: every dataset file is tokenized once into a token store
-//! ([`super::store`]) under a key that hashes everything its documents
+//! ([`super::token_store`]) under a key that hashes everything its documents
 //! depend on — the file's bytes, the tokenizer (`tokenizer.json` and the
 //! `tokenizer_config.json` beside it), the chat template, the document
 //! kind, the model's vocabulary bound for pre-tokenized ids and the store

@@ -4,17 +4,17 @@
 //! `crate::stream::cursor`.)
 //!
 //! - [`read`], [`parquet`]: JSONL / JSON array / gzip / parquet readers.
-//! - [`locate`]: directories, globs, HF snapshots and model ids → files.
-//! - [`cache`], [`store`]: the token cache and its mapped stores.
+//! - `crate::job::locate`: directories, globs, HF snapshots and model ids → files.
+//! - [`cache`], [`token_store`]: the token cache and its mapped stores.
 //! - [`tokenize`]: the built-in byte tokenizer and HF `tokenizer.json`.
 //! - [`template`]: chat templates (HF Jinja through minijinja, or built in).
-//! - [`format`], [`sft`], [`dpo`], [`rollout`]: row shapes → documents.
-//! - [`prompts`]: the RL loop's prompt files (`data.format = "prompts"`).
+//! - [`format`](mod@format), [`sft`], [`dpo`], [`rollout`]: row shapes → documents.
+//! - `crate::rl::prompts`: the RL loop's prompt files (`data.format = "prompts"`).
 //! - [`synth`]: a seeded arithmetic demo dataset in all three formats.
 //!
 //! A job's documents are indexed in memory (the planner needs every
 //! document's length up front); their tokens stay in the token cache's
-//! mapped stores ([`cache`], [`store`]) unless loaded [`Via::Memory`].
+//! mapped stores ([`cache`], [`token_store`]) unless loaded [`Via::Memory`].
 //! Rows are tokenized on all cores (tokenizing is the cost), in batches
 //! whose results are then taken in file order, so errors and ids do not
 //! depend on the thread count. Files stream ([`read::for_each_batch`]):
