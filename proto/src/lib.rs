@@ -15,7 +15,10 @@
 /// 2: a plan's sequences name their document by number
 /// (`PackedSequence.doc_file`, `doc_line`), `doc_id` left empty, which
 /// workers of revision 1 read as every sequence of the same document.
-pub const PROTOCOL: u32 = 2;
+/// 3: a rank's preference pairs travel in `MetricSums.pairs` (and
+/// `SourceSums.pairs`), no longer as `extra["pairs"]`, which a coordinator
+/// of revision 3 would average like any other extra.
+pub const PROTOCOL: u32 = 3;
 
 /// A packed sequence's document id as text (`file:line`): its `doc_id`
 /// when one is set, else its `doc_file` and `doc_line`.

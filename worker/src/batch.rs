@@ -163,7 +163,10 @@ pub struct MicrobatchOutcome {
     pub loss_tokens: u64,
     /// Real tokens in the row.
     pub tokens: u64,
-    /// Objective-specific sums (`pairs`, `rewards/chosen`, …).
+    /// Preference pairs trained (DPO): the step's per-pair denominator.
+    pub pairs: u64,
+    /// Objective-specific sums (`rewards/chosen`, …), each a mean over the
+    /// step's denominator once summed.
     pub extra: BTreeMap<String, f64>,
 }
 

@@ -181,9 +181,10 @@ fn run_microbatches(
             ..Default::default()
         };
         let o = t.train_microbatch(i, mb, meta, &norms).unwrap();
-        let (e, s) = (o.extra.clone(), o);
-        loss += s.loss_sum;
-        for (k, v) in e {
+        loss += o.loss_sum;
+        // The pairs counted beside the objective's sums, compared alike.
+        *extra.entry("pairs".to_string()).or_insert(0.0) += o.pairs as f64;
+        for (k, v) in o.extra {
             *extra.entry(k).or_insert(0.0) += v;
         }
     }

@@ -120,8 +120,8 @@ impl EvalRun {
                 DocBody::Rollout(r) => {
                     s.loss_sum -= got(d.id, 0)?;
                     s.loss_tokens += r.seq.loss_tokens();
-                    *s.extra.entry("reward".into()).or_default() += r.reward;
-                    *s.extra.entry("count/rollouts".into()).or_default() += 1.0;
+                    s.reward_sum += r.reward;
+                    s.rollouts += 1;
                 }
                 DocBody::Pair { chosen, rejected } => {
                     let beta = set.dpo_beta.unwrap_or(0.1);
@@ -144,7 +144,7 @@ impl EvalRun {
                     s.loss_sum += loss;
                     s.loss_tokens += chosen.loss_tokens() + rejected.loss_tokens();
                     let mut add = |k: &str, v: f64| *s.extra.entry(k.into()).or_default() += v;
-                    add("pairs", 1.0);
+                    s.pairs += 1;
                     add("rewards/chosen", chosen_r);
                     add("rewards/rejected", rejected_r);
                     add("rewards/margin", margin);
@@ -165,20 +165,14 @@ impl EvalRun {
         let mut total = SourceSums::default();
         let mut sources = BTreeMap::new();
         for (s, sums) in &self.sums {
-            total.loss_sum += sums.loss_sum;
-            total.loss_tokens += sums.loss_tokens;
-            total.tokens += sums.tokens;
-            total.documents += sums.documents;
-            for (k, v) in &sums.extra {
-                *total.extra.entry(k.clone()).or_default() += v;
-            }
+            total.add(sums);
             let name = set
                 .sources
                 .get(*s as usize)
                 .map_or_else(|| format!("source-{s}"), |x| x.name.clone());
-            sources.insert(name, rollout_means(sums.means(), sums));
+            sources.insert(name, sums.means());
         }
-        let all = rollout_means(total.means(), &total);
+        let all = total.means();
         EvalMetrics {
             step: self.step,
             loss: all.loss,
@@ -190,16 +184,6 @@ impl EvalRun {
             unix_ms,
         }
     }
-}
-
-/// PG: the mean reward is per rollout, not per loss token.
-fn rollout_means(mut m: SourceMetrics, sums: &SourceSums) -> SourceMetrics {
-    if let (Some(r), Some(n)) = (sums.extra.get("reward"), sums.extra.get("count/rollouts")) {
-        if *n > 0.0 {
-            m.extra.insert("reward".into(), r / n);
-        }
-    }
-    m
 }
 
 #[cfg(test)]

@@ -22,6 +22,12 @@ pub struct MetricSums {
     pub optimizer_s: f64,
     pub idle_s: f64,
     pub grad_norm: f64,
+    /// Preference pairs trained (DPO): when any rank reports some, the
+    /// step's loss and extras are means per pair, else per loss token.
+    #[serde(default)]
+    pub pairs: u64,
+    /// Objective metrics as sums, each a mean over the step's denominator
+    /// once every rank's are added (`rewards/chosen`, `kl`, …).
     pub extra: BTreeMap<String, f64>,
     /// Training FLOPs of the tokens this rank processed.
     #[serde(default)]
@@ -44,25 +50,44 @@ pub struct SourceSums {
     pub loss_tokens: u64,
     pub tokens: u64,
     pub documents: u64,
+    /// Preference pairs among them (see [`MetricSums::pairs`]).
+    #[serde(default)]
+    pub pairs: u64,
+    /// Objective metrics as sums over the same denominator as the loss.
     #[serde(default)]
     pub extra: BTreeMap<String, f64>,
+    /// Evaluations of rollouts: their rewards' sum and how many, the mean
+    /// reward being per rollout (not per loss token).
+    #[serde(default)]
+    pub reward_sum: f64,
+    #[serde(default)]
+    pub rollouts: u64,
 }
 
 impl SourceSums {
-    fn add(&mut self, o: &SourceSums) {
+    /// Adds `o`'s sums to these.
+    pub fn add(&mut self, o: &SourceSums) {
         self.loss_sum += o.loss_sum;
         self.loss_tokens += o.loss_tokens;
         self.tokens += o.tokens;
         self.documents += o.documents;
+        self.pairs += o.pairs;
+        self.reward_sum += o.reward_sum;
+        self.rollouts += o.rollouts;
         for (k, v) in &o.extra {
             *self.extra.entry(k.clone()).or_default() += v;
         }
     }
 
     /// The source's means, formed as the step's are (per loss token, or
-    /// per pair when the objective reports `pairs`).
+    /// per pair when it holds pairs); an evaluation of rollouts adds their
+    /// mean `reward` and `count/rollouts`.
     pub fn means(&self) -> SourceMetrics {
-        let (loss, extra) = means(self.loss_sum, self.loss_tokens, &self.extra);
+        let (loss, mut extra) = means(self.loss_sum, self.loss_tokens, self.pairs, &self.extra);
+        if self.rollouts > 0 {
+            extra.insert("reward".into(), self.reward_sum / self.rollouts as f64);
+            extra.insert("count/rollouts".into(), self.rollouts as f64);
+        }
         SourceMetrics {
             loss,
             loss_tokens: self.loss_tokens,
@@ -85,35 +110,25 @@ pub struct SourceMetrics {
     pub extra: BTreeMap<String, f64>,
 }
 
-/// The weighted means of `loss_sum` and `extra` (sums over loss tokens,
-/// or over pairs when `extra["pairs"]` is there); `pairs` and `count/*`
-/// stay sums.
+/// The weighted means of `loss_sum` and of each of `extra`'s sums: per
+/// pair when there are `pairs`, else per loss token. The pairs themselves
+/// are reported as a count (`pairs`).
 pub fn means(
     loss_sum: f64,
     loss_tokens: u64,
+    pairs: u64,
     extra: &BTreeMap<String, f64>,
 ) -> (f64, BTreeMap<String, f64>) {
-    let denom = match extra.get("pairs") {
-        Some(&p) if p > 0.0 => p,
-        _ => loss_tokens as f64,
+    let denom = match pairs {
+        0 => loss_tokens as f64,
+        p => p as f64,
     };
-    let loss = if denom > 0.0 { loss_sum / denom } else { 0.0 };
-    let extra = extra
-        .iter()
-        .map(|(k, &v)| {
-            let v = if k != "pairs" && !k.starts_with("count/") {
-                if denom > 0.0 {
-                    v / denom
-                } else {
-                    0.0
-                }
-            } else {
-                v
-            };
-            (k.clone(), v)
-        })
-        .collect();
-    (loss, extra)
+    let mean = |v: f64| if denom > 0.0 { v / denom } else { 0.0 };
+    let mut out: BTreeMap<String, f64> = extra.iter().map(|(k, &v)| (k.clone(), mean(v))).collect();
+    if pairs > 0 {
+        out.insert("pairs".into(), pairs as f64);
+    }
+    (mean(loss_sum), out)
 }
 
 impl MetricSums {
@@ -161,7 +176,8 @@ pub struct StepMetrics {
     pub idle_s: f64,
     pub cursor: Cursor,
     /// Objective-specific metrics: means over pairs (DPO) or loss tokens
-    /// (PG), except `pairs` and `count/*`, which are sums.
+    /// (PG); `pairs` and the counts the coordinator adds (`count/*`) are
+    /// sums.
     #[serde(deserialize_with = "crate::core::nonfinite::map")]
     pub extra: BTreeMap<String, f64>,
     pub unix_ms: i64,
@@ -208,7 +224,7 @@ pub struct StepFacts<'a> {
 
 /// Combines the ranks' sums into the step's metrics. `loss` is Σ loss /
 /// Σ loss tokens (a token-weighted mean); objectives whose loss is per pair
-/// report `extra["pairs"]` and are normalised by that instead.
+/// report their `pairs` and are normalised by that instead.
 pub fn aggregate(facts: StepFacts<'_>, cursor: Cursor, ranks: &[MetricSums]) -> StepMetrics {
     let mut total = MetricSums::default();
     for r in ranks {
@@ -232,6 +248,7 @@ pub fn aggregate(facts: StepFacts<'_>, cursor: Cursor, ranks: &[MetricSums]) -> 
         total.gpu_memory_peak_reserved_bytes = total
             .gpu_memory_peak_reserved_bytes
             .max(r.gpu_memory_peak_reserved_bytes);
+        total.pairs += r.pairs;
         for (k, v) in &r.extra {
             *total.extra.entry(k.clone()).or_default() += v;
         }
@@ -245,22 +262,8 @@ pub fn aggregate(facts: StepFacts<'_>, cursor: Cursor, ranks: &[MetricSums]) -> 
             a.max(b)
         }
     });
-    let denom = match total.extra.get("pairs") {
-        Some(&p) if p > 0.0 => p,
-        _ => total.loss_tokens as f64,
-    };
-    let loss = if denom > 0.0 {
-        total.loss_sum / denom
-    } else {
-        0.0
-    };
-    // Objective extras become means over the same denominator as the loss
-    // (pairs for DPO, loss tokens for PG); `pairs` and `count/*` stay sums.
-    for (k, v) in total.extra.iter_mut() {
-        if k != "pairs" && !k.starts_with("count/") {
-            *v = if denom > 0.0 { *v / denom } else { 0.0 };
-        }
-    }
+    // Means over the step's one denominator: pairs (DPO), else loss tokens.
+    let (loss, extra) = means(total.loss_sum, total.loss_tokens, total.pairs, &total.extra);
     let tokens_per_s = if facts.step_time_s > 0.0 {
         total.tokens as f64 / facts.step_time_s
     } else {
@@ -296,7 +299,7 @@ pub fn aggregate(facts: StepFacts<'_>, cursor: Cursor, ranks: &[MetricSums]) -> 
         optimizer_s: total.optimizer_s,
         idle_s: total.idle_s,
         cursor,
-        extra: total.extra,
+        extra,
         unix_ms: facts.unix_ms,
         model_flops: total.model_flops,
         mfu,
@@ -389,10 +392,10 @@ mod tests {
             loss_tokens: 100,
             ..Default::default()
         };
-        a.extra.insert("pairs".into(), 2.0);
+        a.pairs = 2;
         let mut b = a.clone();
         b.loss_sum = 1.0;
-        b.extra.insert("pairs".into(), 2.0);
+        b.pairs = 2;
         let m = aggregate(facts(), Cursor::default(), &[a, b]);
         assert!((m.loss - 1.0).abs() < 1e-12);
         assert_eq!(m.extra["pairs"], 4.0);
@@ -404,16 +407,14 @@ mod tests {
             loss_sum: 2.0,
             ..Default::default()
         };
-        a.extra.insert("pairs".into(), 3.0);
+        a.pairs = 3;
         a.extra.insert("rewards/accuracy".into(), 3.0);
-        a.extra.insert("count/zero_variance_groups".into(), 2.0);
         let mut b = MetricSums::default();
-        b.extra.insert("pairs".into(), 1.0);
+        b.pairs = 1;
         b.extra.insert("rewards/accuracy".into(), 0.0);
         let m = aggregate(facts(), Cursor::default(), &[a, b]);
         assert_eq!(m.extra["rewards/accuracy"], 0.75);
         assert_eq!(m.extra["pairs"], 4.0);
-        assert_eq!(m.extra["count/zero_variance_groups"], 2.0);
     }
 
     /// Issue 16: the per-source sums add up to the step's, and the step's
@@ -425,7 +426,7 @@ mod tests {
             loss_tokens,
             tokens: loss_tokens + 3,
             documents: docs,
-            extra: BTreeMap::new(),
+            ..Default::default()
         };
         let rank = |parts: Vec<(u32, SourceSums)>| {
             let mut m = MetricSums::default();

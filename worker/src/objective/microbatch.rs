@@ -25,6 +25,8 @@ pub struct ObjectiveOut {
     /// Σ pair losses (DPO) or Σ token losses (PG), unnormalised.
     pub loss_sum: f64,
     pub loss_tokens: u64,
+    /// Preference pairs (DPO; 0 otherwise).
+    pub pairs: u64,
     pub extra: BTreeMap<String, f64>,
 }
 
@@ -106,6 +108,7 @@ pub fn dpo(
     let mut loss_sum = 0.0;
     let mut loss_tokens = 0;
     let scale = 1.0 / pairs_total as f64;
+    let mb_pairs = pairs.len() as u64;
     for (c, r) in pairs {
         let out = dpo::pair(
             &PairLogps {
@@ -132,7 +135,6 @@ pub fn dpo(
         }
         loss_sum += out.loss;
         loss_tokens += sums[c].1 + sums[r].1;
-        add("pairs", 1.0);
         add("rewards/chosen", out.reward_chosen);
         add("rewards/rejected", out.reward_rejected);
         add("rewards/margin", out.margin());
@@ -145,6 +147,7 @@ pub fn dpo(
         grads,
         loss_sum,
         loss_tokens,
+        pairs: mb_pairs,
         extra,
     })
 }
@@ -271,6 +274,7 @@ pub fn policy_gradient(
         grads,
         loss_sum,
         loss_tokens,
+        pairs: 0,
         extra,
     })
 }

@@ -97,6 +97,7 @@ pub fn run_step(
         }
         match result {
             Ok((o, cu_seq_lens)) => {
+                sums.pairs += o.pairs;
                 for (k, v) in &o.extra {
                     *sums.extra.entry(k.clone()).or_insert(0.0) += v;
                 }
@@ -114,6 +115,7 @@ pub fn run_step(
                     src.loss_sum += o.loss_sum;
                     src.loss_tokens += o.loss_tokens;
                     src.tokens += o.tokens;
+                    src.pairs += o.pairs;
                     for (k, v) in &o.extra {
                         *src.extra.entry(k.clone()).or_insert(0.0) += v;
                     }

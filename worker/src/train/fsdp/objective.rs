@@ -65,10 +65,12 @@ impl FsdpTrainer {
         let HeadSums {
             loss_sum,
             loss_tokens,
+            pairs,
             extra,
         } = loss.unwrap_or_default();
         sums.loss_sum = loss_sum;
         sums.loss_tokens = loss_tokens;
+        sums.pairs = pairs;
         sums.extra = extra;
         self.backward(prep.as_ref(), &saved, grad_x)?;
         Ok(sums)

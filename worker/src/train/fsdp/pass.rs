@@ -78,6 +78,8 @@ pub(super) struct Prepared {
 pub(super) struct HeadSums {
     pub(super) loss_sum: f64,
     pub(super) loss_tokens: u64,
+    /// Preference pairs (DPO; 0 otherwise).
+    pub(super) pairs: u64,
     /// The objective's extra metric sums (empty for SFT).
     pub(super) extra: BTreeMap<String, f64>,
 }
@@ -247,7 +249,7 @@ impl FsdpTrainer {
         self.norm.weight = norm_w.shallow_clone();
         let hidden = self.norm.forward(&x);
         self.norm.weight = Tensor::empty([0], (self.kind, self.device));
-        let (chunked, extra) = match obj {
+        let (chunked, pairs, extra) = match obj {
             None => loss::chunked_nll(
                 &hidden,
                 &head_w,
@@ -255,12 +257,12 @@ impl FsdpTrainer {
                 self.loss_chunk_tokens,
                 p.scale,
             )
-            .map(|c| (c, BTreeMap::new())),
+            .map(|c| (c, 0, BTreeMap::new())),
             Some(o) => o.run(&hidden, &head_w, self.loss_chunk_tokens).map(|out| {
                 let mut c = out.grads;
                 // The objective's own sums, not Σ w·nll.
                 (c.loss_sum, c.loss_tokens) = (out.loss_sum, out.loss_tokens);
-                (c, out.extra)
+                (c, out.pairs, out.extra)
             }),
         }
         .with_context(|| format!("microbatch {index}"))?;
@@ -290,6 +292,7 @@ impl FsdpTrainer {
             sums: HeadSums {
                 loss_sum: chunked.loss_sum,
                 loss_tokens: chunked.loss_tokens,
+                pairs,
                 extra,
             },
         })

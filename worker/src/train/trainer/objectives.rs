@@ -95,6 +95,7 @@ impl Trainer {
         );
         sums.loss_sum = out.loss_sum;
         sums.loss_tokens = out.loss_tokens;
+        sums.pairs = out.pairs;
         sums.extra = out.extra;
         Ok((sums, grads))
     }

@@ -132,6 +132,7 @@ pub fn metric_sums(s: wire::MetricSums) -> MetricSums {
         optimizer_s: s.optimizer_s,
         idle_s: s.idle_s,
         grad_norm: s.grad_norm,
+        pairs: s.pairs,
         extra: s.extra.into_iter().collect(),
         model_flops: s.model_flops,
         sources: s
@@ -143,7 +144,9 @@ pub fn metric_sums(s: wire::MetricSums) -> MetricSums {
                     loss_tokens: v.loss_tokens,
                     tokens: v.tokens,
                     documents: v.documents,
+                    pairs: v.pairs,
                     extra: v.extra.into_iter().collect(),
+                    ..Default::default()
                 };
                 (k, sums)
             })
