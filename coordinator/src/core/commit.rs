@@ -154,10 +154,8 @@ impl JobCtx<'_> {
         if let (Some(s), Some(r)) = (&planned.staleness, &job.data.rollouts) {
             m.extra.insert("staleness/mean".into(), s.mean());
             m.extra.insert("staleness/max".into(), s.max as f64);
-            let zv = r.zero_variance_groups as f64;
-            m.extra.insert("count/zero_variance_groups".into(), zv);
-            let stale = r.rejected_stale as f64;
-            m.extra.insert("count/rejected_stale".into(), stale);
+            m.count("zero_variance_groups", r.zero_variance_groups);
+            m.count("rejected_stale", r.rejected_stale);
         }
         // The RL loop's rounds since the last commit (reward, accuracy,
         // response length, generation speed).

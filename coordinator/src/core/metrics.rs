@@ -86,7 +86,7 @@ impl SourceSums {
         let (loss, mut extra) = means(self.loss_sum, self.loss_tokens, self.pairs, &self.extra);
         if self.rollouts > 0 {
             extra.insert("reward".into(), self.reward_sum / self.rollouts as f64);
-            extra.insert("count/rollouts".into(), self.rollouts as f64);
+            extra.insert(count_name("rollouts"), self.rollouts as f64);
         }
         SourceMetrics {
             loss,
@@ -203,6 +203,19 @@ pub struct StepMetrics {
 
 fn is_zero(v: &u64) -> bool {
     *v == 0
+}
+
+/// A count's name among a step's metrics (`count/...`): a sum, never a
+/// mean, whatever the step's denominator.
+pub fn count_name(what: &str) -> String {
+    format!("count/{what}")
+}
+
+impl StepMetrics {
+    /// Records a count the coordinator keeps (not the workers' sums).
+    pub fn count(&mut self, what: &str, n: u64) {
+        self.extra.insert(count_name(what), n as f64);
+    }
 }
 
 /// What the plan says about a step, independent of the workers' reports.
@@ -405,12 +418,14 @@ mod tests {
     fn objective_extras_are_means_over_pairs_counts_stay_sums() {
         let mut a = MetricSums {
             loss_sum: 2.0,
+            pairs: 3,
             ..Default::default()
         };
-        a.pairs = 3;
         a.extra.insert("rewards/accuracy".into(), 3.0);
-        let mut b = MetricSums::default();
-        b.pairs = 1;
+        let mut b = MetricSums {
+            pairs: 1,
+            ..Default::default()
+        };
         b.extra.insert("rewards/accuracy".into(), 0.0);
         let m = aggregate(facts(), Cursor::default(), &[a, b]);
         assert_eq!(m.extra["rewards/accuracy"], 0.75);
