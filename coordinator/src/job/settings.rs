@@ -13,8 +13,11 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use crate::job::batch::StepSize;
 use crate::job::limits::{self, DatasetSize, StepShape};
-use crate::job::spec::{JobSpec, OptimizerSection, Schedule, SpecProblem, StepSize};
+use crate::job::optimizer::{OptimizerSection, Schedule};
+use crate::job::section::SpecProblem;
+use crate::job::spec::JobSpec;
 use crate::stream::doc::DocId;
 
 /// The step settings an operator may change on a running job. `None`
@@ -293,7 +296,7 @@ impl<'a> Settings<'a> {
             }
         }
         if let (Some(n), Some((capacity, group))) = (update.docs_per_step, ctx.stream) {
-            let step = crate::job::objective::step_rollouts(n, group);
+            let step = crate::job::rl::step_rollouts(n, group);
             if n > 0 && step > capacity {
                 bad(
                     "batch.docs_per_step",
