@@ -18,7 +18,7 @@ pub enum DataFormat {
     Dpo,
     Rollouts,
     /// Prompts and reference answers for the RL loop (`data.source =
-    /// "generate"`; see `data::prompts`).
+    /// "generate"`; see `crate::rl::prompts`).
     Prompts,
 }
 
@@ -30,12 +30,12 @@ pub enum DataSource {
     #[default]
     Files,
     /// Rollouts pushed through the `Rollouts.PushRollouts` RPC while the
-    /// job runs (policy gradient only; see `core::stream`).
+    /// job runs (policy gradient only; see `crate::rl::stream`).
     Stream,
     /// The RL loop: the coordinator reads prompts from `data.train`, has
     /// the job's workers sample `rl.group_size` completions of each,
     /// scores them with `[rl.verifier]` and trains on them as a stream
-    /// (see `core::generate`).
+    /// (see `crate::rl`).
     Generate,
 }
 

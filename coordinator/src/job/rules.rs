@@ -31,7 +31,7 @@ pub fn length_given(job: &JobSection, data: &DataSection, bad: &mut impl FnMut(&
 }
 
 /// A policy-gradient job reads one source: its stream's unit is a group
-/// of rollouts, which a mixture would split.
+/// of rollouts, not a document (prompts are mixed upstream).
 pub fn one_source_for_pg(
     data: &DataSection,
     objective: &ObjectiveSection,
@@ -55,8 +55,8 @@ pub fn source_docs_fill_step(
 }
 
 /// `[eval]` against the training job: a streamed job has no held-out
-/// files, a DPO eval needs the cached reference pass, and an eval source
-/// is not named like a training source (their metrics would mix).
+/// files, a DPO eval takes its reference log-probs from the cached pass,
+/// and no eval source is named like one of a mixture's training sources.
 pub fn eval_fits_training(
     eval: &EvalSection,
     data: &DataSection,

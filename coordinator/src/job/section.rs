@@ -35,7 +35,7 @@ impl fmt::Display for SpecProblem {
 
 /// A named input file: not empty, and a regular file (not a directory, a
 /// FIFO or a device; see [`crate::job::input`]).
-pub fn check_file(bad: &mut impl FnMut(&str, String), field: &str, path: &Path) {
+pub(crate) fn check_file(bad: &mut impl FnMut(&str, String), field: &str, path: &Path) {
     if path.as_os_str().is_empty() {
         bad(field, "must not be empty".into());
     } else if let Err(e) = input::check(path) {
@@ -44,13 +44,19 @@ pub fn check_file(bad: &mut impl FnMut(&str, String), field: &str, path: &Path) 
 }
 
 /// `value` must not exceed `max` (see [`crate::job::limits`]).
-pub fn bound(bad: &mut impl FnMut(&str, String), field: &str, value: u64, max: u64, what: &str) {
+pub(crate) fn bound(
+    bad: &mut impl FnMut(&str, String),
+    field: &str,
+    value: u64,
+    max: u64,
+    what: &str,
+) {
     if let Some(message) = limits::over(value, max, what) {
         bad(field, message);
     }
 }
 
 /// For `skip_serializing_if`: a value at its default is left out.
-pub fn is_default<T: Default + PartialEq>(v: &T) -> bool {
+pub(crate) fn is_default<T: Default + PartialEq>(v: &T) -> bool {
     *v == T::default()
 }

@@ -16,8 +16,9 @@ use crate::job::rules;
 use crate::job::section::is_default;
 use crate::job::sources::{self, EvalSection, SourceSpec};
 
-// The sections had no files of their own before; their types stay
+// The sections had no files of their own before: their types stay
 // reachable here for the paths written then (`crate::job::spec::DataSection`).
+// New code imports them from the section's file.
 pub use crate::job::batch::{BatchSection, StepSize};
 pub use crate::job::checkpoint::CheckpointSection;
 pub use crate::job::data::{DataFormat, DataSection, DataSource, OnBad};
@@ -32,6 +33,8 @@ pub use crate::job::runtime::{PrecisionSection, RuntimeSection};
 pub use crate::job::section::SpecProblem;
 pub use crate::job::tracking::TrackingSection;
 
+/// A whole job spec, one field per section of the TOML (`[job]` is
+/// [`JobSection`]); what the coordinator stores and workers receive.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct JobSpec {
