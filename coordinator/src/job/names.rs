@@ -25,15 +25,15 @@ macro_rules! display_as_spelled {
 }
 
 display_as_spelled!(
-    crate::job::spec::CollectiveChoice,
-    crate::job::spec::DataFormat,
-    crate::job::spec::DataSource,
-    crate::job::spec::Dtype,
-    crate::job::spec::OnBad,
-    crate::job::spec::OnNonFinite,
-    crate::job::spec::OptimizerKind,
-    crate::job::spec::Schedule,
-    crate::job::spec::Sharding,
+    crate::job::parallel::CollectiveChoice,
+    crate::job::data::DataFormat,
+    crate::job::data::DataSource,
+    crate::job::model::Dtype,
+    crate::job::data::OnBad,
+    crate::job::faults::OnNonFinite,
+    crate::job::optimizer::OptimizerKind,
+    crate::job::optimizer::Schedule,
+    crate::job::parallel::Sharding,
     crate::job::objective::DpoLoss,
     crate::job::objective::LossNormalization,
     crate::job::objective::ObjectiveKind,
@@ -46,8 +46,9 @@ display_as_spelled!(
 
 #[cfg(test)]
 mod tests {
+    use crate::job::data::DataFormat;
     use crate::job::objective::{ObjectiveKind, Reference};
-    use crate::job::spec::{DataFormat, Sharding};
+    use crate::job::parallel::Sharding;
 
     #[test]
     fn enums_print_as_the_spec_spells_them() {

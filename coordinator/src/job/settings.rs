@@ -13,8 +13,11 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use crate::job::batch::StepSize;
 use crate::job::limits::{self, DatasetSize, StepShape};
-use crate::job::spec::{JobSpec, OptimizerSection, Schedule, SpecProblem, StepSize};
+use crate::job::optimizer::{OptimizerSection, Schedule};
+use crate::job::section::SpecProblem;
+use crate::job::spec::JobSpec;
 
 /// The step settings an operator may change on a running job. `None`
 /// leaves a setting as it is.
@@ -292,7 +295,7 @@ impl<'a> Settings<'a> {
             }
         }
         if let (Some(n), Some((capacity, group))) = (update.docs_per_step, ctx.stream) {
-            let step = crate::job::objective::step_rollouts(n, group);
+            let step = crate::job::rl::step_rollouts(n, group);
             if n > 0 && step > capacity {
                 bad(
                     "batch.docs_per_step",
@@ -319,34 +322,7 @@ impl<'a> Settings<'a> {
             None => {}
         }
         if let Some(named) = &update.weights {
-            let sources = spec.data.train_sources(spec.job.epochs);
-            if sources.len() < 2 {
-                bad(
-                    "data.sources",
-                    "the job reads one source: there are no mixture weights to change".into(),
-                );
-            } else {
-                for (name, &w) in named {
-                    match sources.iter().position(|s| &s.name == name) {
-                        None => bad(
-                            "data.sources",
-                            format!(
-                                "no source named {name:?} (the job's sources: {})",
-                                sources
-                                    .iter()
-                                    .map(|s| s.name.as_str())
-                                    .collect::<Vec<_>>()
-                                    .join(", ")
-                            ),
-                        ),
-                        Some(i) if !(w.is_finite() && w > 0.0) => bad(
-                            &format!("data.sources[{i}].weight"),
-                            format!("must be a positive number, got {w}"),
-                        ),
-                        Some(_) => {}
-                    }
-                }
-            }
+            check_weights(spec, named, &mut bad);
         }
         if let Some(lr) = update.lr {
             if !(lr.is_finite() && lr > 0.0) {
@@ -376,6 +352,43 @@ impl<'a> Settings<'a> {
         }
         p.extend(over);
         p
+    }
+}
+
+/// New mixture weights by source name: the job mixes sources, each name
+/// is one of them, each weight positive.
+fn check_weights(
+    spec: &JobSpec,
+    named: &BTreeMap<String, f64>,
+    bad: &mut impl FnMut(&str, String),
+) {
+    let sources = spec.data.train_sources(spec.job.epochs);
+    if sources.len() < 2 {
+        bad(
+            "data.sources",
+            "the job reads one source: there are no mixture weights to change".into(),
+        );
+        return;
+    }
+    for (name, &w) in named {
+        match sources.iter().position(|s| &s.name == name) {
+            None => bad(
+                "data.sources",
+                format!(
+                    "no source named {name:?} (the job's sources: {})",
+                    sources
+                        .iter()
+                        .map(|s| s.name.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            ),
+            Some(i) if !(w.is_finite() && w > 0.0) => bad(
+                &format!("data.sources[{i}].weight"),
+                format!("must be a positive number, got {w}"),
+            ),
+            Some(_) => {}
+        }
     }
 }
 

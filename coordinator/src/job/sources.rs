@@ -14,6 +14,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 use crate::job::limits;
+use crate::job::section::check_file;
 
 /// One `[[data.sources]]` (or `[[eval.sources]]`) entry as written.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
@@ -73,6 +74,33 @@ pub struct EvalSection {
     /// Run after every N-th committed step (and after the last).
     pub every_steps: u64,
     pub sources: Vec<SourceSpec>,
+}
+
+impl EvalSection {
+    /// The checks of `[eval]` alone (paths already resolved); how it fits
+    /// the training job is `rules::eval_fits_training`.
+    pub fn validate(&self, bad: &mut impl FnMut(&str, String)) {
+        if self.every_steps == 0 {
+            bad("eval.every_steps", "must be at least 1".into());
+        }
+        if self.sources.is_empty() {
+            bad("eval.sources", "list at least one eval source".into());
+        }
+        validate(&self.sources, "eval.sources", true, bad);
+        // Eval sources fill no step (None): docs given to one are refused here too.
+        validate_docs(&self.sources, "eval.sources", None, bad);
+        for (i, s) in self.sources.iter().enumerate() {
+            for (j, f) in s.entries().enumerate() {
+                check_file(bad, &format!("eval.sources[{i}].paths[{j}]"), f);
+            }
+            if s.epochs.is_some() {
+                bad(
+                    &format!("eval.sources[{i}].epochs"),
+                    "an eval source is read once per evaluation".into(),
+                );
+            }
+        }
+    }
 }
 
 /// A source resolved against the job: its files in the job's file list
@@ -142,14 +170,9 @@ pub fn file_sources(sources: &[Source]) -> Vec<u32> {
 }
 
 /// Checks a list of source specs (`field` = `data.sources` or
-/// `eval.sources`), every problem with its path.
-pub fn validate(
-    specs: &[SourceSpec],
-    field: &str,
-    eval: bool,
-    docs_per_step: Option<u64>,
-    bad: &mut impl FnMut(&str, String),
-) {
+/// `eval.sources`), every problem with its path; their docs per step
+/// against the step's are [`validate_docs`].
+pub fn validate(specs: &[SourceSpec], field: &str, eval: bool, bad: &mut impl FnMut(&str, String)) {
     let mut names = std::collections::BTreeSet::new();
     for (i, s) in specs.iter().enumerate() {
         let at = |f: &str| format!("{field}[{i}].{f}");
@@ -244,6 +267,17 @@ pub fn validate(
             bad(field, format!("the fractions sum to {sum}, not 1"));
         }
     }
+}
+
+/// Sources mixed by `docs` per step: every source gives them, and they sum
+/// to `batch.docs_per_step`.
+pub fn validate_docs(
+    specs: &[SourceSpec],
+    field: &str,
+    docs_per_step: Option<u64>,
+    bad: &mut impl FnMut(&str, String),
+) {
+    let docs = specs.iter().filter(|s| s.docs.is_some()).count();
     if docs > 0 {
         if docs < specs.len() {
             bad(field, "give every source its docs per step, or none".into());
