@@ -267,7 +267,7 @@ mod tests {
             .iter()
             .map(|s| serde_json::from_str(&step_json(s).to_string()).unwrap())
             .collect();
-        assert_eq!(parsed[0].settings.docs_per_step, Some(2));
+        assert_eq!(parsed[0].settings.docs_per_step(), Some(2));
         assert_eq!(parsed[0].attempts, 2);
         assert_eq!(parsed[0].ranks[0][0].seqs[1].1, 1, "role of the rejected");
         let offenders = check_exactly_once(

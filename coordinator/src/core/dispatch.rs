@@ -66,8 +66,7 @@ impl JobCtx<'_> {
             Ok(Source::Stream) => {
                 // A streamed job waits until its queue holds a whole step.
                 let s = job.data.stream.as_ref().expect("a streamed job");
-                let docs = job.settings().at(next).docs_per_step.unwrap_or(1);
-                let need = s.step_rollouts(docs);
+                let need = job.settings().rollouts_needed(next);
                 if let Some(reason) = s.waiting_reason(need) {
                     // The RL loop makes the rollouts itself.
                     // (An external engine's rounds are planned apart.)

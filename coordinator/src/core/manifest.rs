@@ -298,10 +298,9 @@ mod tests {
     fn manifests_round_trip_through_json_with_compact_doc_ids() {
         let mut x = m(7, &[3, 11]);
         x.settings = StepSettings {
-            docs_per_step: Some(2),
+            size: crate::job::batch::StepSize::Docs(2),
             max_tokens: 64,
             base_lr: 0.5,
-            ..Default::default()
         };
         x.replayed = true;
         let text = serde_json::to_string(&x).unwrap();

@@ -190,7 +190,7 @@ pub fn plan(
     let Some(c) = chosen else {
         return Ok(None);
     };
-    let target = StepTarget::new(c.settings.step_size(), world_size, c.settings.max_tokens);
+    let target = StepTarget::new(c.settings.size, world_size, c.settings.max_tokens);
     let min_microbatches = match c.kind {
         PlanKind::Train => target.min_microbatches_per_rank(),
         PlanKind::Reference | PlanKind::Probe | PlanKind::Eval => 1,
@@ -228,7 +228,7 @@ fn files(job: &Job, world_size: u32) -> Option<Chosen> {
     let rollouts = job.data.rollouts.as_ref();
     let order = job.order_at(step);
     let cursor = &job.rec.cursor;
-    let target = StepTarget::new(settings.step_size(), world_size, settings.max_tokens);
+    let target = StepTarget::new(settings.size, world_size, settings.max_tokens);
     // Quarantined documents are passed over as if not in the dataset (a
     // PG group is passed over once all its rollouts are).
     let quarantined: HashSet<DocId> = job.rec.quarantine.iter().map(|q| q.doc).collect();
@@ -368,10 +368,10 @@ fn stream(job: &Job, world_size: u32) -> Option<Chosen> {
     let s = job.data.stream.as_ref()?;
     let step = job.rec.step + 1;
     let settings = job.settings().at(step);
-    if !s.step_ready(s.step_rollouts(settings.docs_per_step.unwrap_or(1))) {
+    if !s.step_ready(job.settings().rollouts_needed(step)) {
         return None;
     }
-    let target = StepTarget::new(settings.step_size(), world_size, settings.max_tokens);
+    let target = StepTarget::new(settings.size, world_size, settings.max_tokens);
     let selection = rollouts::select_groups(
         target,
         s.groups()
@@ -434,7 +434,7 @@ fn replay(job: &Job, entry: &CommittedStep) -> Result<Chosen, PlanFailure> {
 fn reference(job: &Job) -> Option<Chosen> {
     let cache = job.data.reference.as_ref()?;
     let settings = job.settings().latest();
-    let chunk = match settings.step_size() {
+    let chunk = match settings.size {
         StepSize::Docs(n) => n.max(64) as usize,
         _ => 64,
     };
@@ -468,7 +468,7 @@ fn reference(job: &Job) -> Option<Chosen> {
 fn eval(job: &Job, run: &EvalRun) -> Option<Chosen> {
     let set = job.data.eval.as_ref()?;
     let settings = job.settings().latest();
-    let chunk = match settings.step_size() {
+    let chunk = match settings.size {
         StepSize::Docs(n) => n.max(64) as usize,
         _ => 64,
     };
@@ -541,7 +541,7 @@ pub fn estimated_total_steps(job: &Job, from: u64) -> u64 {
     let order = job.order_at(from);
     let units = order.candidates(cursor).map(|c| c.index as usize);
     let docs = &job.data.docs;
-    let (remaining, per_step) = match settings.step_size() {
+    let (remaining, per_step) = match settings.size {
         StepSize::Docs(n) => {
             let rem: u64 = match &job.data.rollouts {
                 Some(r) => units.map(|u| r.units[u].len() as u64).sum(),

@@ -77,4 +77,34 @@ impl StepSize {
             _ => StepSize::Docs(1),
         }
     }
+
+    /// `[batch]`'s three fields for this size (one set).
+    pub fn fields(self) -> (Option<u64>, Option<u64>, Option<u32>) {
+        match self {
+            StepSize::Docs(n) => (Some(n), None, None),
+            StepSize::Tokens(t) => (None, Some(t), None),
+            StepSize::MicrobatchesPerRank(k) => (None, None, Some(k)),
+        }
+    }
+
+    /// The documents a step takes, when counted in documents.
+    pub fn docs(self) -> Option<u64> {
+        match self {
+            StepSize::Docs(n) => Some(n),
+            _ => None,
+        }
+    }
+
+    /// The rollouts a streamed or generated step takes: its documents
+    /// rounded up to whole groups of `group_size` (such a job's steps are
+    /// counted in documents: validation refuses any other mode).
+    pub fn rollouts_needed(self, group_size: u32) -> u64 {
+        crate::job::rl::step_rollouts(self.docs().unwrap_or(1), group_size)
+    }
+}
+
+impl Default for StepSize {
+    fn default() -> Self {
+        StepSize::Docs(1)
+    }
 }

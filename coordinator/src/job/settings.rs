@@ -114,13 +114,11 @@ pub fn record_change(changes: &mut Vec<ConfigChange>, from_step: u64, update: Jo
 
 /// The settings one step is planned with (recorded in its manifest).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
+#[serde(from = "StoredSettings", into = "StoredSettings")]
 pub struct StepSettings {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub docs_per_step: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tokens_per_step: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub microbatches_per_rank: Option<u32>,
+    /// How big the step is: the one owner of "docs per step" and what it
+    /// implies (rollouts in whole groups).
+    pub size: StepSize,
     /// Token budget of one microbatch.
     pub max_tokens: u32,
     /// The schedule's peak learning rate.
@@ -128,13 +126,52 @@ pub struct StepSettings {
 }
 
 impl StepSettings {
-    /// How the step's size is defined (exactly one mode per job).
-    pub fn step_size(&self) -> StepSize {
-        StepSize::of(
-            self.docs_per_step,
-            self.tokens_per_step,
-            self.microbatches_per_rank,
-        )
+    pub fn docs_per_step(&self) -> Option<u64> {
+        self.size.fields().0
+    }
+
+    pub fn tokens_per_step(&self) -> Option<u64> {
+        self.size.fields().1
+    }
+
+    pub fn microbatches_per_rank(&self) -> Option<u32> {
+        self.size.fields().2
+    }
+}
+
+/// [`StepSettings`] as manifests store it (`[batch]`'s field names).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+struct StoredSettings {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    docs_per_step: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    tokens_per_step: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    microbatches_per_rank: Option<u32>,
+    max_tokens: u32,
+    base_lr: f64,
+}
+
+impl From<StoredSettings> for StepSettings {
+    fn from(s: StoredSettings) -> Self {
+        StepSettings {
+            size: StepSize::of(s.docs_per_step, s.tokens_per_step, s.microbatches_per_rank),
+            max_tokens: s.max_tokens,
+            base_lr: s.base_lr,
+        }
+    }
+}
+
+impl From<StepSettings> for StoredSettings {
+    fn from(s: StepSettings) -> Self {
+        let (docs_per_step, tokens_per_step, microbatches_per_rank) = s.size.fields();
+        StoredSettings {
+            docs_per_step,
+            tokens_per_step,
+            microbatches_per_rank,
+            max_tokens: s.max_tokens,
+            base_lr: s.base_lr,
+        }
     }
 }
 
@@ -167,22 +204,31 @@ impl<'a> Settings<'a> {
     /// The settings of `step`: the spec with every change whose
     /// `from_step ≤ step` applied in order.
     pub fn at(&self, step: u64) -> StepSettings {
-        let b = &self.spec.batch;
         let mut s = StepSettings {
-            docs_per_step: b.docs_per_step,
-            tokens_per_step: b.tokens_per_step,
-            microbatches_per_rank: b.microbatches_per_rank,
+            size: self.spec.batch.step_size(),
             max_tokens: self.spec.data.max_tokens,
             base_lr: self.spec.optimizer.lr,
         };
+        // A running job keeps its step mode (`check`): a change resizes it.
         for c in self.changes.iter().filter(|c| c.from_step <= step) {
             let u = &c.update;
-            s.docs_per_step = u.docs_per_step.or(s.docs_per_step);
-            s.tokens_per_step = u.tokens_per_step.or(s.tokens_per_step);
+            if let Some(n) = u.docs_per_step {
+                s.size = StepSize::Docs(n);
+            }
+            if let Some(t) = u.tokens_per_step {
+                s.size = StepSize::Tokens(t);
+            }
             s.max_tokens = u.max_tokens.unwrap_or(s.max_tokens);
             s.base_lr = u.lr.unwrap_or(s.base_lr);
         }
         s
+    }
+
+    /// The rollouts a streamed or generated job's step `step` takes: its
+    /// documents in whole groups (`rl.group_size`).
+    pub fn rollouts_needed(&self, step: u64) -> u64 {
+        let group = self.spec.rl.group_size.unwrap_or(1);
+        self.at(step).size.rollouts_needed(group)
     }
 
     /// The mixture weights of `step` (the sources' own, then every
@@ -218,10 +264,11 @@ impl<'a> Settings<'a> {
     /// The step shape of the next new step, for [`crate::job::limits`].
     pub fn latest_shape(&self) -> StepShape {
         let s = self.latest();
+        let (docs_per_step, tokens_per_step, microbatches_per_rank) = s.size.fields();
         StepShape {
-            docs_per_step: s.docs_per_step,
-            tokens_per_step: s.tokens_per_step,
-            microbatches_per_rank: s.microbatches_per_rank,
+            docs_per_step,
+            tokens_per_step,
+            microbatches_per_rank,
             max_tokens: s.max_tokens,
             max_workers: self.spec.parallel.max_workers,
         }
@@ -339,7 +386,7 @@ impl<'a> Settings<'a> {
             docs_per_step: update.docs_per_step,
             tokens_per_step: update.tokens_per_step,
             microbatches_per_rank: next
-                .microbatches_per_rank
+                .microbatches_per_rank()
                 .filter(|_| update.max_tokens.is_some()),
             max_tokens: update.max_tokens.unwrap_or(next.max_tokens),
             max_workers: spec.parallel.max_workers,
@@ -442,11 +489,11 @@ mod tests {
         assert_eq!(changes.len(), 2, "{changes:?}");
         let settings = Settings::new(&s, &changes);
         let at = |step| settings.at(step);
-        assert_eq!((at(2).docs_per_step, at(2).base_lr), (Some(4), 0.001));
-        assert_eq!((at(3).docs_per_step, at(3).base_lr), (Some(8), 0.5));
-        assert_eq!((at(9).docs_per_step, at(9).base_lr), (Some(2), 0.5));
+        assert_eq!((at(2).docs_per_step(), at(2).base_lr), (Some(4), 0.001));
+        assert_eq!((at(3).docs_per_step(), at(3).base_lr), (Some(8), 0.5));
+        assert_eq!((at(9).docs_per_step(), at(9).base_lr), (Some(2), 0.5));
         assert_eq!(at(9).max_tokens, 64);
-        assert_eq!(at(4).step_size(), StepSize::Docs(8));
+        assert_eq!(at(4).size, StepSize::Docs(8));
         assert_eq!(settings.latest(), at(9));
     }
 

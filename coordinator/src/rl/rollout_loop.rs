@@ -202,7 +202,7 @@ impl JobCtx<'_> {
         let job = &mut *self.job;
         let pg = job.spec.objective.pg();
         let next = job.rec.step + 1;
-        let docs = job.settings().at(next).docs_per_step.unwrap_or(1);
+        let need = job.settings().rollouts_needed(next);
         let (step, max_staleness) = (job.rec.step, job.spec.rl.max_staleness);
         let (Some(l), Some(s), Some(plan), Some(pg)) = (
             job.data.rollout_loop.as_mut(),
@@ -270,7 +270,7 @@ impl JobCtx<'_> {
             pg: &pg,
             step,
             max_staleness,
-            need: s.step_rollouts(docs),
+            need,
         };
         let queued = s.queued_rollouts();
         let write = s.push_generated(plan, at, rollouts, prompts_done);

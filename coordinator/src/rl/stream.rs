@@ -127,7 +127,7 @@ impl RolloutStream {
         if !spec.data.is_stream() {
             return None;
         }
-        let docs = spec.batch.docs_per_step.unwrap_or(1);
+        let docs = spec.batch.step_size().docs().unwrap_or(1);
         let group_size = spec.rl.group_size.unwrap_or(1).max(1);
         Some(RolloutStream {
             group_size,
@@ -170,11 +170,6 @@ impl RolloutStream {
     /// The complete groups as shared tables (what plans hold handles into).
     pub fn group_tables(&self) -> impl Iterator<Item = &Arc<[Document]>> {
         self.queue.iter()
-    }
-
-    /// Rollouts a step of `docs_per_step` takes (whole groups).
-    pub fn step_rollouts(&self, docs_per_step: u64) -> u64 {
-        crate::job::objective::step_rollouts(docs_per_step, self.group_size)
     }
 
     /// True when the queue holds a whole step of `need` rollouts.

@@ -47,7 +47,7 @@ impl JobCtx<'_> {
                 max_tokens: settings.max_tokens,
             });
         }
-        let docs = settings.docs_per_step.unwrap_or(1);
+        let need = job.settings().rollouts_needed(next);
         let (step, max_staleness) = (job.rec.step, job.spec.rl.max_staleness);
         let pg = job.spec.objective.pg();
         let (Some(s), Some(plan), Some(pg)) =
@@ -60,7 +60,7 @@ impl JobCtx<'_> {
             pg: &pg,
             step,
             max_staleness,
-            need: s.step_rollouts(docs),
+            need,
         };
         self.fx.persist(Persist::Rollouts(Box::new(
             s.push(plan, at, batch).map_err(|f| CoreError::QueueFull {

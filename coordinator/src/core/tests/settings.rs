@@ -182,14 +182,14 @@ fn a_settings_change_applies_from_the_next_step_and_is_in_its_manifest() {
     let sizes: Vec<u64> = s.committed.iter().map(|(m, _)| m.docs).collect();
     assert_eq!(sizes, vec![4, 6, 6, 6, 6, 6, 6]);
     let first = &s.manifests[0];
-    assert_eq!(first.settings.docs_per_step, Some(4));
+    assert_eq!(first.settings.docs_per_step(), Some(4));
     assert_eq!(
         (first.settings.max_tokens, first.settings.base_lr),
         (128, 1e-4)
     );
     assert_eq!(first.lr, 1e-4);
     for m in &s.manifests[1..] {
-        assert_eq!(m.settings.docs_per_step, Some(6));
+        assert_eq!(m.settings.docs_per_step(), Some(6));
         assert_eq!(
             (m.settings.max_tokens, m.settings.base_lr, m.lr),
             (100, 0.5, 0.5)
@@ -232,7 +232,7 @@ fn an_aborted_step_replanned_after_a_change_keeps_its_documents() {
         (m.step, m.attempts, m.world_size, m.generation),
         (1, 2, 1, 2)
     );
-    assert_eq!(m.settings.docs_per_step, Some(4));
+    assert_eq!(m.settings.docs_per_step(), Some(4));
     assert!(s.manifests[1..].iter().all(|m| m.attempts == 1));
     assert_eq!(s.committed[1].0.docs, 6);
     assert_eq!(check_exactly_once(&s.manifests, 1, &universe(&d)), vec![]);
@@ -345,7 +345,7 @@ fn settings_changes_survive_a_coordinator_restart() {
     assert!(r
         .manifests
         .iter()
-        .all(|m| m.settings.docs_per_step == Some(5) && m.lr == 0.25));
+        .all(|m| m.settings.docs_per_step() == Some(5) && m.lr == 0.25));
 }
 
 #[test]

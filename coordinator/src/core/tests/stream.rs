@@ -80,8 +80,7 @@ impl Sim {
     /// Rollouts the job's next step takes.
     pub(super) fn need(&self) -> u64 {
         let j = self.c.job("job").unwrap();
-        let docs = j.settings().at(j.rec.step + 1).docs_per_step.unwrap();
-        self.stream().step_rollouts(docs)
+        j.settings().rollouts_needed(j.rec.step + 1)
     }
 
     pub(super) fn submit_stream(&mut self, spec: JobSpec) {
@@ -420,7 +419,7 @@ fn a_streamed_job_honours_a_docs_per_step_change_and_its_manifest_says_so() {
     let recorded: Vec<Option<u64>> = s
         .manifests
         .iter()
-        .map(|m| m.settings.docs_per_step)
+        .map(|m| m.settings.docs_per_step())
         .collect();
     assert_eq!(recorded, vec![Some(2), Some(4), Some(4)]);
     for (m, (metrics, _)) in s.manifests.iter().zip(&s.committed) {

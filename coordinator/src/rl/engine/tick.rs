@@ -197,12 +197,7 @@ pub(crate) fn next(job: &Job, backend: &Backend) -> Next {
     let Some(s) = job.data.stream.as_ref() else {
         return Next::Nothing;
     };
-    let docs = job
-        .settings()
-        .at(step + inflight_steps + 1)
-        .docs_per_step
-        .unwrap_or(1);
-    let need = s.step_rollouts(docs);
+    let need = job.settings().rollouts_needed(step + inflight_steps + 1);
     let have = s.queued_rollouts().saturating_sub(inflight_docs);
     if have >= need {
         return Next::Nothing;

@@ -795,10 +795,9 @@ mod tests {
             world_size: 2,
             lr: 1e-4,
             settings: StepSettings {
-                docs_per_step: Some(2),
+                size: crate::job::batch::StepSize::Docs(2),
                 max_tokens: 64,
                 base_lr: 1e-4,
-                ..Default::default()
             },
             epoch: 0,
             tokens: 30,

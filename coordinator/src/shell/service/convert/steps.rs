@@ -29,9 +29,9 @@ pub fn step_manifest(r: &StepRecord, detail: bool) -> wire::StepManifest {
     };
     let s = &man.settings;
     out.base_lr = s.base_lr;
-    out.docs_per_step = s.docs_per_step;
-    out.tokens_per_step = s.tokens_per_step;
-    out.microbatches_per_rank = s.microbatches_per_rank;
+    out.docs_per_step = s.docs_per_step();
+    out.tokens_per_step = s.tokens_per_step();
+    out.microbatches_per_rank = s.microbatches_per_rank();
     out.max_tokens = s.max_tokens;
     out.tokens = man.tokens;
     out.rank_microbatches = man.microbatches_per_rank();
