@@ -159,7 +159,7 @@ pub fn prepare(args: &crate::args::PrepareArgs) -> anyhow::Result<ExitCode> {
         }
     }
     if skipped_total > 0
-        && spec.data.on_bad_line == accrue_coordinator::job::spec::OnBad::Error
+        && spec.data.on_bad_line == accrue_coordinator::job::data::OnBad::Error
         && !args.json
     {
         outln!("note: {skipped_total} rows are not documents; the job fails on them unless data.on_bad_line = \"skip\"")?;

@@ -15,8 +15,10 @@ use std::io::Write;
 use std::path::Path;
 use std::process::ExitCode;
 
+use accrue_coordinator::job::batch::StepSize;
 use accrue_coordinator::job::input::{self, MAX_CONFIG_BYTES};
-use accrue_coordinator::job::spec::{JobSpec, SpecProblem, StepSize};
+use accrue_coordinator::job::section::SpecProblem;
+use accrue_coordinator::job::spec::JobSpec;
 use accrue_coordinator::shell::admission::{self, Admitted};
 
 /// `data.train` files up to this many bytes in all are read by default.

@@ -6,8 +6,10 @@
 
 use std::path::Path;
 
+use accrue_coordinator::job::model::Dtype;
 use accrue_coordinator::job::objective::{DpoLoss as SpecDpoLoss, LossNormalization, Reference};
-use accrue_coordinator::job::spec::{Dtype, JobSpec, Sharding as SpecSharding};
+use accrue_coordinator::job::parallel::Sharding as SpecSharding;
+use accrue_coordinator::job::spec::JobSpec;
 use accrue_coordinator::shell::service::convert::job_definition;
 use accrue_worker::config::{ModelSource, Sharding};
 use accrue_worker::convert::job_config;
@@ -159,7 +161,7 @@ fn defaults_reach_the_worker_from_the_coordinator_only() {
     spec.optimizer = Default::default();
     spec.runtime = Default::default();
     let cfg = job_config(&job_definition(&spec)).unwrap();
-    let defaults = accrue_coordinator::job::spec::OptimizerSection::default();
+    let defaults = accrue_coordinator::job::optimizer::OptimizerSection::default();
     assert_eq!(
         (cfg.optimizer.beta1, cfg.optimizer.beta2),
         (defaults.betas[0], defaults.betas[1])
@@ -170,6 +172,6 @@ fn defaults_reach_the_worker_from_the_coordinator_only() {
     );
     assert_eq!(
         cfg.loss_chunk_tokens as u64,
-        accrue_coordinator::job::spec::RuntimeSection::default().loss_chunk_tokens
+        accrue_coordinator::job::runtime::RuntimeSection::default().loss_chunk_tokens
     );
 }

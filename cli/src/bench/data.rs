@@ -289,7 +289,7 @@ pub fn data(opts: &DataBenchOpts, out: &mut dyn Write) -> anyhow::Result<Vec<Dat
 /// Builds a store of `file` in a fresh cache; (rows, seconds).
 fn tokenize_ours(file: &Path, tokenizer: &str) -> anyhow::Result<(u64, f64)> {
     let dir = tempfile::tempdir()?;
-    let section: accrue_coordinator::job::spec::DataSection = toml::from_str(&format!(
+    let section: accrue_coordinator::job::data::DataSection = toml::from_str(&format!(
         "train = [{:?}]\nformat = \"sft\"\ntokenizer = {tokenizer:?}\n",
         file.display().to_string()
     ))?;
@@ -441,7 +441,7 @@ pub fn planner(sources: u32, docs: u64, docs_per_step: u64) -> anyhow::Result<Da
     let order = Order::mixture(1, true, parts, weights);
     let max_tokens = 8192;
     let target = StepTarget::new(
-        accrue_coordinator::job::spec::StepSize::Docs(docs_per_step),
+        accrue_coordinator::job::batch::StepSize::Docs(docs_per_step),
         8,
         max_tokens,
     );

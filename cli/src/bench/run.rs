@@ -8,7 +8,8 @@ use anyhow::Context;
 use crate::args::{CollectiveArgs, CollectiveRankArgs, DataArgs, PackingArgs};
 use crate::bench::{CollectiveBenchOpts, CollectiveRow, PackingBenchOpts, PackingRow};
 use crate::output::{errln, outln};
-use accrue_coordinator::job::spec::{DataFormat, DataSection, ObjectiveKind, OnBad};
+use accrue_coordinator::job::data::{DataFormat, DataSection, OnBad};
+use accrue_coordinator::job::objective::ObjectiveKind;
 
 /// The load-imbalance target where a step holds ≥ 2 microbatches per rank.
 const MAX_IMBALANCE: f64 = 1.10;

@@ -58,7 +58,7 @@ pub enum CoreError {
     #[error("invalid update of job {job}: {}", .problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
     InvalidUpdate {
         job: String,
-        problems: Vec<crate::job::spec::SpecProblem>,
+        problems: Vec<crate::job::section::SpecProblem>,
     },
 }
 

@@ -13,7 +13,7 @@ use super::recovery::{self, Decision};
 use super::relay::{Follows, RelayRole, Relaying};
 use super::types::{HeldState, Role, WeightRing, WorkerId};
 use super::workers::Workers;
-use crate::job::spec::Sharding;
+use crate::job::parallel::Sharding;
 
 /// Who forms the generation, as `membership::compose` chose.
 pub struct Chosen {

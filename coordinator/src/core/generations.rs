@@ -16,7 +16,7 @@ use super::types::{
     AbortReason, CheckpointEntry, CommittedStep, End, EventKind, HeldState, JobState, PlanKind, Why,
 };
 use super::workers::WorkerState;
-use crate::job::spec::Sharding;
+use crate::job::parallel::Sharding;
 
 impl JobCtx<'_> {
     /// Every rank re-ran a committed step: the generation moves on, nothing

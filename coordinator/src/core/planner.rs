@@ -18,8 +18,10 @@
 
 use std::collections::HashSet;
 
+use crate::job::batch::StepSize;
+use crate::job::parallel::Sharding;
 use crate::job::settings::StepSettings;
-use crate::job::spec::{JobSpec, Sharding, StepSize};
+use crate::job::spec::JobSpec;
 use crate::rl::pg::{self, StalenessStats};
 use crate::stream::cursor::Cursor;
 use crate::stream::doc::{DocBody, DocId, Document};

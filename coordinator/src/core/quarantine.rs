@@ -14,7 +14,8 @@ use super::effects::Persist;
 use super::error::{CoreError, Result};
 use super::phase::InFlight;
 use super::types::{AbortReason, End, EventKind, PlanKind, Quarantined, Why};
-use crate::job::spec::{OnNonFinite, Sharding};
+use crate::job::faults::OnNonFinite;
+use crate::job::parallel::Sharding;
 use crate::stream::doc::DocId;
 
 impl JobCtx<'_> {

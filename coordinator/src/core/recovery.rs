@@ -29,7 +29,7 @@ use std::ops::RangeInclusive;
 use std::path::PathBuf;
 
 use super::types::{CheckpointEntry, HeldState};
-use crate::job::spec::Sharding;
+use crate::job::parallel::Sharding;
 
 /// Where a generation's state comes from.
 #[derive(Debug, Clone, PartialEq)]

@@ -7,8 +7,7 @@
 use serde::{Deserialize, Serialize};
 
 // `[rl]` had no file of its own before; its items stay reachable here for
-// the paths written then (`crate::job::objective::SamplingSection`).
-pub use crate::job::rl::{step_rollouts, RlSection, SamplingSection};
+// the paths written then (`crate::job::rl::SamplingSection`).
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]

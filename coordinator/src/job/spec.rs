@@ -16,22 +16,19 @@ use crate::job::rules;
 use crate::job::section::is_default;
 use crate::job::sources::{self, EvalSection, SourceSpec};
 
-// The sections had no files of their own before: their types stay
-// reachable here for the paths written then (`crate::job::spec::DataSection`).
-// New code imports them from the section's file.
-pub use crate::job::batch::{BatchSection, StepSize};
-pub use crate::job::checkpoint::CheckpointSection;
-pub use crate::job::data::{DataFormat, DataSection, DataSource, OnBad};
-pub use crate::job::faults::{FaultsSection, OnNonFinite};
-pub use crate::job::header::JobSection;
-pub use crate::job::model::{Dtype, ModelSection};
-pub use crate::job::objective::{ObjectiveKind, ObjectiveSection};
-pub use crate::job::optimizer::{OptimizerKind, OptimizerSection, Schedule};
-pub use crate::job::parallel::{CollectiveChoice, ParallelSection, Sharding};
-pub use crate::job::rl::RlSection;
-pub use crate::job::runtime::{PrecisionSection, RuntimeSection};
-pub use crate::job::section::SpecProblem;
-pub use crate::job::tracking::TrackingSection;
+use crate::job::batch::{BatchSection, StepSize};
+use crate::job::checkpoint::CheckpointSection;
+use crate::job::data::DataSection;
+use crate::job::faults::FaultsSection;
+use crate::job::header::JobSection;
+use crate::job::model::{Dtype, ModelSection};
+use crate::job::objective::ObjectiveSection;
+use crate::job::optimizer::OptimizerSection;
+use crate::job::parallel::ParallelSection;
+use crate::job::rl::RlSection;
+use crate::job::runtime::{PrecisionSection, RuntimeSection};
+use crate::job::section::SpecProblem;
+use crate::job::tracking::TrackingSection;
 
 /// A whole job spec, one field per section of the TOML (`[job]` is
 /// [`JobSection`]); what the coordinator stores and workers receive.

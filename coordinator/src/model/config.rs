@@ -21,7 +21,8 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 
 use crate::job::input::{self, InputError, MAX_CONFIG_BYTES};
-use crate::job::spec::{ModelSection, SpecProblem};
+use crate::job::model::ModelSection;
+use crate::job::section::SpecProblem;
 
 /// The largest safetensors header the format allows.
 const MAX_SAFETENSORS_HEADER: u64 = 100 << 20;

@@ -144,7 +144,7 @@ mod tests {
     use serde_json::json;
 
     fn enc() -> Encoder {
-        let data: crate::job::spec::DataSection =
+        let data: crate::job::data::DataSection =
             toml::from_str("format = \"prompts\"\ntrain = []").unwrap();
         crate::stream::data::encoder(&data, 300).unwrap()
     }

@@ -19,7 +19,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 use std::sync::Arc;
 
-use crate::job::objective::SamplingSection;
+use crate::job::rl::SamplingSection;
 use crate::rl::prompts::{Prompt, PromptSet};
 use crate::stream::cursor::Order;
 use crate::stream::doc::DocId;

@@ -15,7 +15,8 @@
 use std::path::Path;
 
 use crate::job::limits::{self, DatasetSize};
-use crate::job::spec::{JobSpec, SpecProblem};
+use crate::job::section::SpecProblem;
+use crate::job::spec::JobSpec;
 use crate::model::config::{self, ModelConfig};
 use crate::stream::data::{self, DataError, Dataset};
 

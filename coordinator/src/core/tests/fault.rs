@@ -199,7 +199,7 @@ fn a_step_that_never_commits_fails_the_job_after_max_step_attempts() {
 
 pub(super) fn bisecting(sp: JobSpec) -> JobSpec {
     let mut sp = sp;
-    sp.faults.on_nonfinite = crate::job::spec::OnNonFinite::Bisect;
+    sp.faults.on_nonfinite = crate::job::faults::OnNonFinite::Bisect;
     sp
 }
 

@@ -14,9 +14,9 @@ use self::{
 use super::job_data::{HISTORY_LOAD_STEPS, HISTORY_WINDOW};
 use super::*;
 use crate::core::manifest::{check_exactly_once, Expectation};
+use crate::job::parallel::Sharding;
 use crate::job::settings::JobUpdate;
 use crate::job::spec::JobSpec;
-use crate::job::spec::Sharding;
 use crate::rl::prompts::{Prompt, PromptSet};
 use crate::rl::rounds as generate;
 use crate::rl::rounds::{EngineRound, GenCompletion};

@@ -21,7 +21,7 @@ pub(super) fn pairs(n: usize) -> Arc<[Document]> {
 
 pub(super) fn dpo_spec(extra_job: &str) -> JobSpec {
     let mut s = spec(extra_job, "docs_per_step = 8", 1, 4);
-    s.data.format = crate::job::spec::DataFormat::Dpo;
+    s.data.format = crate::job::data::DataFormat::Dpo;
     s.objective.kind = crate::job::objective::ObjectiveKind::Dpo;
     s
 }
@@ -157,7 +157,7 @@ fn pg_steps_take_whole_groups_and_train_every_kept_rollout_once() {
     let mut s = Sim::new();
     let d = rollouts(9, 4);
     let mut sp = spec("epochs = 1", "docs_per_step = 6", 1, 4);
-    sp.data.format = crate::job::spec::DataFormat::Rollouts;
+    sp.data.format = crate::job::data::DataFormat::Rollouts;
     sp.objective.kind = crate::job::objective::ObjectiveKind::Pg;
     s.submit(sp, d.clone());
     s.worker("a");
@@ -204,7 +204,7 @@ fn pg_kl_with_a_cached_reference_runs_a_per_token_pass_first_and_plans_carry_it(
     let mut s = Sim::new();
     let d = rollouts(9, 4);
     let mut sp = spec("epochs = 1", "docs_per_step = 8", 1, 4);
-    sp.data.format = crate::job::spec::DataFormat::Rollouts;
+    sp.data.format = crate::job::data::DataFormat::Rollouts;
     sp.objective.kind = crate::job::objective::ObjectiveKind::Pg;
     sp.objective.kl_coef = Some(0.05);
     s.submit(sp, d.clone());
@@ -255,7 +255,7 @@ fn pg_without_kl_or_with_a_live_reference_needs_no_pass() {
     ] {
         let mut s = Sim::new();
         let mut sp = spec("epochs = 1", "docs_per_step = 8", 1, 4);
-        sp.data.format = crate::job::spec::DataFormat::Rollouts;
+        sp.data.format = crate::job::data::DataFormat::Rollouts;
         sp.objective.kind = crate::job::objective::ObjectiveKind::Pg;
         sp.objective.kl_coef = Some(kl);
         sp.objective.reference = reference;

@@ -76,7 +76,11 @@ impl Sim {
     }
 }
 
-pub(super) fn with(mut sp: JobSpec, sharding: crate::job::spec::Sharding, every: u64) -> JobSpec {
+pub(super) fn with(
+    mut sp: JobSpec,
+    sharding: crate::job::parallel::Sharding,
+    every: u64,
+) -> JobSpec {
     sp.parallel.sharding = sharding;
     sp.checkpoint.every_steps = every;
     sp

@@ -15,8 +15,8 @@ pub(crate) fn loop_spec(steps: u64, docs_per_step: u64, group: u32, max_workers:
         1,
         max_workers,
     );
-    sp.data.source = crate::job::spec::DataSource::Generate;
-    sp.data.format = crate::job::spec::DataFormat::Prompts;
+    sp.data.source = crate::job::data::DataSource::Generate;
+    sp.data.format = crate::job::data::DataFormat::Prompts;
     sp.objective.kind = crate::job::objective::ObjectiveKind::Pg;
     sp.rl.group_size = Some(group);
     sp.rl.queue_capacity = Some(1000);

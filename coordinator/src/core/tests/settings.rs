@@ -34,7 +34,7 @@ fn replayed_dpo_and_pg_steps_carry_the_same_annotations() {
         Sharding::Fsdp,
         2,
     );
-    pg.data.format = crate::job::spec::DataFormat::Rollouts;
+    pg.data.format = crate::job::data::DataFormat::Rollouts;
     pg.objective.kind = crate::job::objective::ObjectiveKind::Pg;
     let mut dpo = dpo_spec("steps = 6");
     dpo.parallel.sharding = Sharding::Fsdp;
@@ -76,7 +76,7 @@ fn pg_publishes_the_policy_every_n_steps_once_all_ranks_wrote_it() {
     // 15 groups, every third flat: 10 kept groups of 4, 2 groups a step.
     let d = rollouts(15, 4);
     let mut sp = spec("epochs = 1", "docs_per_step = 6", 1, 4);
-    sp.data.format = crate::job::spec::DataFormat::Rollouts;
+    sp.data.format = crate::job::data::DataFormat::Rollouts;
     sp.objective.kind = crate::job::objective::ObjectiveKind::Pg;
     sp.rl.publish_every = Some(2);
     s.submit(sp, d);

@@ -7,8 +7,8 @@ use super::*;
 pub(super) fn stream_spec(steps: &str, docs_per_step: u64, group: u32, capacity: u64) -> JobSpec {
     let mut sp = spec(steps, &format!("docs_per_step = {docs_per_step}"), 1, 4);
     sp.data.train.clear();
-    sp.data.source = crate::job::spec::DataSource::Stream;
-    sp.data.format = crate::job::spec::DataFormat::Rollouts;
+    sp.data.source = crate::job::data::DataSource::Stream;
+    sp.data.format = crate::job::data::DataFormat::Rollouts;
     sp.objective.kind = crate::job::objective::ObjectiveKind::Pg;
     sp.rl.group_size = Some(group);
     sp.rl.queue_capacity = Some(capacity);

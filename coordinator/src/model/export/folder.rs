@@ -5,7 +5,7 @@ use std::path::Path;
 
 use serde_json::{json, Value};
 
-use crate::job::spec::DataSection;
+use crate::job::data::DataSection;
 use crate::stream::data::{self, DataError};
 
 /// The files [`tokenizer_files`] makes, in the order written.

@@ -244,7 +244,7 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::job::objective::SamplingSection;
+    use crate::job::rl::SamplingSection;
     use crate::rl::rounds::RoundPlan;
 
     fn round() -> EngineRound {

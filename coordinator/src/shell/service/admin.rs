@@ -11,8 +11,9 @@ use tracing::instrument;
 use super::convert;
 use super::shared::{now_ms, Shared};
 use crate::core::{Event, JobStart};
+use crate::job::section::SpecProblem;
 use crate::job::settings::JobUpdate;
-use crate::job::spec::{JobSpec, SpecProblem};
+use crate::job::spec::JobSpec;
 use crate::shell::admission;
 use crate::stream::doc::DocId;
 

@@ -14,7 +14,7 @@ use std::sync::Mutex;
 use tracing::{debug, error};
 
 use crate::core::JobId;
-use crate::job::spec::DataSection;
+use crate::job::data::DataSection;
 use crate::model::export::{tokenizer_files, write_tokenizer_files};
 
 #[derive(Default)]

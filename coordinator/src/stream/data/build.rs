@@ -4,7 +4,7 @@ use serde_json::Value as Json;
 
 use super::format::Encoder;
 use super::{dpo, rollout, sft};
-use crate::job::spec::DataFormat;
+use crate::job::data::DataFormat;
 use crate::stream::doc::DocBody;
 
 /// Builds the body of one row for a format; the error is the reason.

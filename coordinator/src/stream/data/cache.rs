@@ -26,7 +26,7 @@ use super::error::{DataError, Result};
 use super::format::Encoder;
 use super::row::RawRow;
 use super::token_store::{self, BadRow, TokenStore, TokenStoreError, Writer};
-use crate::job::spec::DataFormat;
+use crate::job::data::DataFormat;
 
 /// Rows tokenized per parallel batch while building.
 const BATCH_ROWS: usize = 8192;

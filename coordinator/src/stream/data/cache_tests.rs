@@ -9,7 +9,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use super::cache::{self, Found};
 use super::token_store::{TokenStore, Writer};
 use super::*;
-use crate::job::spec::{DataFormat, DataSection, ObjectiveKind, OnBad};
+use crate::job::data::{DataFormat, DataSection, OnBad};
+use crate::job::objective::ObjectiveKind;
 use crate::stream::doc::Document;
 
 fn section(train: Vec<PathBuf>, tokenizer: &str) -> DataSection {

@@ -60,8 +60,8 @@ pub enum DataError {
     /// `data.format` is not the document kind the objective trains on.
     #[error("objective.kind = {} trains on data.format = {}, but data.format is {}", objective, super::format_for(*objective), format)]
     FormatMismatch {
-        objective: crate::job::spec::ObjectiveKind,
-        format: crate::job::spec::DataFormat,
+        objective: crate::job::objective::ObjectiveKind,
+        format: crate::job::data::DataFormat,
     },
     /// Every row was skipped or the files were empty.
     #[error("no documents in data.train ({rows} rows read, {bad} bad lines skipped, {overlong} overlong skipped)")]

@@ -48,8 +48,9 @@ use std::path::{Path, PathBuf};
 
 use tracing::{debug, info, warn};
 
+use crate::job::data::{DataFormat, DataSection, OnBad};
+use crate::job::objective::ObjectiveKind;
 use crate::job::sources::Source;
-use crate::job::spec::{DataFormat, DataSection, ObjectiveKind, OnBad};
 use crate::stream::doc::{DocBody, DocId, Document};
 
 pub use build::build_doc;

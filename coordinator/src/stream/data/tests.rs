@@ -7,7 +7,8 @@ use std::time::Instant;
 use serde_json::json;
 
 use super::*;
-use crate::job::spec::{DataFormat, DataSection, ObjectiveKind, OnBad};
+use crate::job::data::{DataFormat, DataSection, OnBad};
+use crate::job::objective::ObjectiveKind;
 use crate::stream::doc::{Sequence, IGNORE_INDEX};
 
 /// `../shared/data` (or `$ACCRUE_SHARED_DATA`), or `None` (the test

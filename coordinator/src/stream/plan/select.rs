@@ -6,7 +6,7 @@
 //! overflow queue. Nothing is ever dropped or cut here: a document longer
 //! than a microbatch is taken so that [`super::solve`] reports it by name.
 
-use crate::job::spec::StepSize;
+use crate::job::batch::StepSize;
 use crate::stream::cursor::Selection;
 
 use super::pack::BestFit;

@@ -427,7 +427,7 @@ fn static_mode_skips_misfits_and_leaves_trailing_ones() {
 
 #[test]
 fn step_target_from_spec() {
-    use crate::job::spec::StepSize;
+    use crate::job::batch::StepSize;
     let t = StepTarget::new(StepSize::MicrobatchesPerRank(4), 8, 2048);
     assert_eq!(
         t,

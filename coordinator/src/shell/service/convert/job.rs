@@ -3,8 +3,10 @@
 use accrue_proto::v1 as wire;
 
 use crate::core::{Job, JobState, Quarantined};
+use crate::job::model::Dtype;
 use crate::job::objective::{DpoLoss, LossNormalization, OffPolicy, Reference};
-use crate::job::spec::{CollectiveChoice, Dtype, JobSpec, Sharding};
+use crate::job::parallel::{CollectiveChoice, Sharding};
+use crate::job::spec::JobSpec;
 use crate::stream::cursor::Cursor;
 
 /// The resolved job workers train (`Configure.job`), from a validated spec:
