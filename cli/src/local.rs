@@ -102,6 +102,16 @@ pub async fn run(spec_path: &Path, workers: u32, devices: Devices) -> anyhow::Re
             return Ok(ExitCode::FAILURE);
         }
     };
+    // What `submit` checks against the model and tokenizer, before a
+    // worker starts: a spec the coordinator would refuse is refused now,
+    // in the words submit uses (the data is read once, at submit).
+    if let Err(problems) = accrue_coordinator::shell::admission::admit(&spec, false) {
+        errln!("error: {} cannot run:", spec_path.display());
+        for p in problems {
+            errln!("  {p}");
+        }
+        return Ok(ExitCode::FAILURE);
+    }
     let worker_bin = worker_binary()?;
     let out = spec.job.output_dir.clone();
     let logs = out.join("logs");
@@ -174,23 +184,27 @@ pub async fn run(spec_path: &Path, workers: u32, devices: Devices) -> anyhow::Re
 
     // All N workers join before the job starts, so it runs at world N from
     // step 1 rather than growing mid-run.
+    let mut submitted = false;
     let result = match wait_for_workers(&shared, workers, &mut children).await {
         Ok(()) => {
             let conn = Conn {
                 token: tokens.admin.as_ref().map(|t| t.expose().to_string()),
                 ..Conn::new(&url)
             };
-            follow(&conn, &spec_toml, &base, &mut children).await
+            follow(&conn, &spec_toml, &base, &mut children, &mut submitted).await
         }
         Err(e) => Err(e),
     };
-    // Released workers finish their final checkpoint and exit by themselves.
-    let _ = tokio::time::timeout(WORKER_GRACE, async {
-        for (c, _) in children.iter_mut() {
-            let _ = c.wait().await;
-        }
-    })
-    .await;
+    // Released workers finish their final checkpoint and exit by
+    // themselves; workers that never got the job have nothing to finish.
+    if submitted {
+        let _ = tokio::time::timeout(WORKER_GRACE, async {
+            for (c, _) in children.iter_mut() {
+                let _ = c.wait().await;
+            }
+        })
+        .await;
+    }
     for (c, _) in children.iter_mut() {
         let _ = c.kill().await;
     }
@@ -251,6 +265,7 @@ async fn follow(
     spec_toml: &str,
     base: &Path,
     children: &mut [(Child, PathBuf)],
+    submitted: &mut bool,
 ) -> anyhow::Result<ExitCode> {
     let url = conn.coordinator.as_str();
     let mut client = connect(conn).await?;
@@ -265,6 +280,7 @@ async fn follow(
         .context("submit")?
         .into_inner()
         .job_id;
+    *submitted = true;
     errln!("submitted job {job}");
     let interrupted = accrue_coordinator::shutdown_on_signal();
     let code = tokio::select! {

@@ -757,3 +757,46 @@ fn pg_demo_trains_every_kept_rollout_once_and_reports_its_counters() {
     let v: serde_json::Value = serde_json::from_str(line.lines().last().unwrap()).unwrap();
     assert_eq!(v["finite"], true, "{v}");
 }
+
+/// Regression (issue 32, bug 3): `accrue local` reported a spec the
+/// coordinator refuses at submit (here a model vocabulary smaller than the
+/// byte tokenizer's 259 ids) only after two minutes: its workers, never
+/// given a job, were waited for as if finishing one. The same admission as
+/// `submit` runs first, so the error comes at once, before any worker.
+#[test]
+fn accrue_local_reports_an_inadmissible_spec_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    write_tiny_config(d);
+    let tiny = std::fs::read_to_string(d.join("tiny.json")).unwrap();
+    std::fs::write(
+        d.join("tiny.json"),
+        tiny.replace("\"vocab_size\":320", "\"vocab_size\":100"),
+    )
+    .unwrap();
+    std::fs::create_dir(d.join("data")).unwrap();
+    std::fs::write(
+        d.join("data/arith-sft.jsonl"),
+        "{\"prompt\": \"1+1=\", \"completion\": \"2\"}\n",
+    )
+    .unwrap();
+    let spec = job(d, "small-vocab", "random");
+    let accrue = real::bin_dir().join("accrue");
+    let started = std::time::Instant::now();
+    let out = Command::new(accrue)
+        .args(["local", spec.to_str().unwrap(), "--workers", "1"])
+        .current_dir(d)
+        .output()
+        .unwrap();
+    let took = started.elapsed();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("vocab_size"), "{stderr}");
+    // Well under the 2 s the issue asks, with room for a loaded machine;
+    // it took over 120 s before.
+    assert!(took.as_secs_f64() < 10.0, "took {took:?}: {stderr}");
+    assert!(
+        !d.join("out/small-vocab/logs").exists(),
+        "no worker was started for a spec that cannot run"
+    );
+}
