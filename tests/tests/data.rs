@@ -146,3 +146,48 @@ fn a_prepare_killed_mid_build_leaves_no_usable_store_and_the_next_builds_it() {
         "{stdout}"
     );
 }
+
+/// Regression (issue 32, bug 4): `accrue bench data` run from the project
+/// root handed the default `../shared/data` to a child process working in
+/// another directory (`file not found: /../shared/data/...`). Paths are
+/// made absolute before they cross a process or directory boundary.
+#[test]
+fn bench_data_from_the_project_root_finds_the_shared_data() {
+    let root = common::workspace_root();
+    let shared = root.join("../shared/data");
+    if !shared.join("tokenizers").is_dir() {
+        assert!(
+            std::env::var("ACCRUE_REQUIRE_SHARED_DATA").as_deref() != Ok("1"),
+            "shared data required but {} is missing",
+            shared.display()
+        );
+        eprintln!("skipping: no shared data at {}", shared.display());
+        return;
+    }
+    let out = Command::new(common::bin_dir().join("accrue"))
+        .args([
+            "bench",
+            "data",
+            "--json",
+            "--no-reference",
+            "--synthetic-rows",
+            "1000",
+        ])
+        .env_remove("ACCRUE_SHARED_DATA")
+        .current_dir(&root)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    // The shared datasets were measured, not only the synthetic one.
+    let rows: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(
+        rows.iter()
+            .any(|r| r["bench"] == "submit" && r["dataset"] != "synthetic"),
+        "{stdout}"
+    );
+}

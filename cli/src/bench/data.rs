@@ -349,9 +349,9 @@ pub fn submit_child(spec_path: &Path) -> anyhow::Result<DataRow> {
     let t0 = Instant::now();
     let text = std::fs::read_to_string(spec_path)?;
     let spec = accrue_coordinator::job::spec::JobSpec::parse(&text, Path::new("/"))
-        .map_err(|p| anyhow::anyhow!("{p:?}"))?;
+        .map_err(|p| anyhow::anyhow!("{}", problems(&p)))?;
     let admitted = accrue_coordinator::shell::admission::admit(&spec, true)
-        .map_err(|p| anyhow::anyhow!("{p:?}"))?;
+        .map_err(|p| anyhow::anyhow!("{}", problems(&p)))?;
     let ds = admitted.dataset.context("no dataset")?;
     let mapped = ds.report.tokens * 5;
     let docs: Arc<[accrue_coordinator::stream::doc::Document]> = ds.into_job_docs().into();
@@ -493,6 +493,14 @@ pub fn planner(sources: u32, docs: u64, docs_per_step: u64) -> anyhow::Result<Da
         docs_per_s: Some(planned as f64 / secs),
         ..Default::default()
     })
+}
+
+/// Spec problems, one per line, as `accrue validate` prints them.
+fn problems(p: &[accrue_coordinator::job::section::SpecProblem]) -> String {
+    p.iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 #[cfg(test)]

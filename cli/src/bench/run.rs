@@ -56,14 +56,18 @@ pub fn packing(args: &PackingArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// The shared data directory: `arg`, else `$ACCRUE_SHARED_DATA`, else
+/// `../shared/data` if it exists; absolute, since the benchmarks hand it to
+/// child processes working elsewhere.
 fn data_dir(arg: Option<&Path>) -> Option<PathBuf> {
-    if let Some(d) = arg {
-        return Some(d.to_path_buf());
-    }
-    let candidate = std::env::var_os("ACCRUE_SHARED_DATA")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("../shared/data"));
-    candidate.is_dir().then_some(candidate)
+    let candidate = match arg {
+        Some(d) => d.to_path_buf(),
+        None => std::env::var_os("ACCRUE_SHARED_DATA")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("../shared/data")),
+    };
+    let exists = arg.is_some() || candidate.is_dir();
+    exists.then(|| std::path::absolute(&candidate).unwrap_or(candidate))
 }
 
 /// Every dataset file under `dir`, tokenized with the phi-3-mini tokenizer
@@ -298,14 +302,14 @@ fn collective_table(rows: &[CollectiveRow]) -> String {
 /// `accrue bench data`.
 pub fn data(args: &DataArgs) -> anyhow::Result<ExitCode> {
     let tmp = tempfile::tempdir()?;
-    let work = args
-        .work
-        .clone()
-        .unwrap_or_else(|| tmp.path().to_path_buf());
+    // Every path absolute: the submit measurements run in child processes
+    // with their own working directories.
+    let work = std::path::absolute(args.work.as_deref().unwrap_or(tmp.path()))?;
+    let python = std::path::absolute(&args.python)?;
     let opts = crate::bench::data::DataBenchOpts {
         shared: data_dir(args.data.as_deref()),
         synthetic_rows: args.synthetic_rows,
-        python: (!args.no_reference && args.python.is_file()).then(|| args.python.clone()),
+        python: (!args.no_reference && python.is_file()).then_some(python),
         work,
         exe: std::env::current_exe()?,
     };
