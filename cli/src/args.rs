@@ -429,6 +429,11 @@ pub enum Command {
         /// GPU count; the CPU when none is visible) or cpu.
         #[arg(long, value_name = "gpu|cpu", default_value = "gpu")]
         devices: Devices,
+        /// Serve the status page (GET /) and Prometheus metrics
+        /// (GET /metrics) here; port 0 lets the OS pick, "off" disables.
+        /// Default 127.0.0.1:9090, skipped with a warning when taken.
+        #[arg(long, value_name = "ADDR")]
+        metrics_listen: Option<String>,
     },
 }
 

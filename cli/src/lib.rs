@@ -205,7 +205,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             spec,
             workers,
             devices,
-        } => local::run(&spec, workers, devices).await,
+            metrics_listen,
+        } => local::run(&spec, workers, devices, metrics_listen.as_deref()).await,
     }
 }
 

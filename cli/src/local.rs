@@ -85,7 +85,12 @@ fn probe_gpus() -> usize {
 }
 
 /// Runs `accrue local`.
-pub async fn run(spec_path: &Path, workers: u32, devices: Devices) -> anyhow::Result<ExitCode> {
+pub async fn run(
+    spec_path: &Path,
+    workers: u32,
+    devices: Devices,
+    metrics_listen: Option<&str>,
+) -> anyhow::Result<ExitCode> {
     anyhow::ensure!(workers >= 1, "--workers must be at least 1");
     let spec_toml = accrue_coordinator::job::input::read_spec(
         spec_path,
@@ -118,6 +123,8 @@ pub async fn run(spec_path: &Path, workers: u32, devices: Devices) -> anyhow::Re
     std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
 
     let mut config = ServerConfig::new(SocketAddr::from(([127, 0, 0, 1], 0)), out.join("state"));
+    config.metrics_from_flag(metrics_listen)?;
+    let config_metrics = config.metrics_listen;
     // Local runs are authenticated too: fresh tokens for this run only,
     // handed to the workers through their environment (not argv, which
     // other users can read).
@@ -129,6 +136,7 @@ pub async fn run(spec_path: &Path, workers: u32, devices: Devices) -> anyhow::Re
     let server = Server::bind(config).await?;
     cancel_leftover_jobs(&server);
     let addr = server.local_addr();
+    let metrics = server.metrics_addr();
     let shared = server.shared();
     let url = format!("http://{addr}");
     let stop = CancellationToken::new();
@@ -137,6 +145,14 @@ pub async fn run(spec_path: &Path, workers: u32, devices: Devices) -> anyhow::Re
         "coordinator on {url} (state in {})",
         out.join("state").display()
     );
+    match metrics {
+        Some(addr) => errln!("status page on http://{addr}/ (Prometheus: http://{addr}/metrics)"),
+        None if metrics_listen != Some("off") => errln!(
+            "no status page: {} is taken (pass --metrics-listen ADDR)",
+            config_metrics.map_or_else(String::new, |a| a.to_string())
+        ),
+        None => {}
+    }
 
     let gpus = if devices == Devices::Gpu {
         probe_gpus()
@@ -184,20 +200,21 @@ pub async fn run(spec_path: &Path, workers: u32, devices: Devices) -> anyhow::Re
 
     // All N workers join before the job starts, so it runs at world N from
     // step 1 rather than growing mid-run.
-    let mut submitted = false;
+    let mut released = false;
     let result = match wait_for_workers(&shared, workers, &mut children).await {
         Ok(()) => {
             let conn = Conn {
                 token: tokens.admin.as_ref().map(|t| t.expose().to_string()),
                 ..Conn::new(&url)
             };
-            follow(&conn, &spec_toml, &base, &mut children, &mut submitted).await
+            follow(&conn, &spec_toml, &base, &mut children, &mut released).await
         }
         Err(e) => Err(e),
     };
-    // Released workers finish their final checkpoint and exit by
-    // themselves; workers that never got the job have nothing to finish.
-    if submitted {
+    // Workers released by the job's end finish their final checkpoint and
+    // exit by themselves; after Ctrl-C, or when the job never ran, there
+    // is nothing to wait for.
+    if released {
         let _ = tokio::time::timeout(WORKER_GRACE, async {
             for (c, _) in children.iter_mut() {
                 let _ = c.wait().await;
@@ -259,13 +276,15 @@ fn cancel_leftover_jobs(server: &Server) {
     }
 }
 
-/// Submits the job and watches it, racing Ctrl-C and the workers' deaths.
+/// Submits the job and watches it, racing Ctrl-C and the workers' deaths;
+/// sets `released` when the job ended and its workers are writing their
+/// final checkpoint.
 async fn follow(
     conn: &Conn,
     spec_toml: &str,
     base: &Path,
     children: &mut [(Child, PathBuf)],
-    submitted: &mut bool,
+    released: &mut bool,
 ) -> anyhow::Result<ExitCode> {
     let url = conn.coordinator.as_str();
     let mut client = connect(conn).await?;
@@ -280,12 +299,14 @@ async fn follow(
         .context("submit")?
         .into_inner()
         .job_id;
-    *submitted = true;
     errln!("submitted job {job}");
     let interrupted = accrue_coordinator::shutdown_on_signal();
     let code = tokio::select! {
         biased;
-        r = watch::run(conn, &job, 0, false) => r?,
+        r = watch::run(conn, &job, 0, false) => {
+            *released = true;
+            r?
+        }
         _ = interrupted.cancelled() => {
             errln!("interrupted: stopping the workers and the coordinator");
             return Ok(ExitCode::from(130));

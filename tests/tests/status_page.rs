@@ -238,14 +238,37 @@ fn status_page_in_chromium_shows_the_running_job_workers_and_a_chart() {
         (j["step"].as_u64()? >= 3).then_some(())
     });
 
+    check_page_in_chromium(&chromium, d, &page, &job, &workers);
+
+    // `accrue plot JOB` finds the job's metrics.jsonl through the coordinator.
+    let png_out = d.join("curves.png");
+    let out = accrue(d, &url, &["plot", &job, "--out", png_out.to_str().unwrap()]);
+    assert!(
+        out.lines().last().is_some_and(|l| l.starts_with("wrote ")),
+        "{out}"
+    );
+    assert!(out.contains(" steps, 1.."), "{out}");
+    let reader = png::Decoder::new(std::fs::File::open(&png_out).unwrap())
+        .read_info()
+        .unwrap();
+    assert_eq!((reader.info().width, reader.info().height), (1280, 960));
+
+    accrue(d, &url, &["cancel", &job]);
+}
+
+/// Loads the status page at `page` in headless Chromium while `job` runs
+/// on `workers`: its DOM shows the running job, each worker and a loss
+/// chart with plotted points, and a screenshot shows the loss line in the
+/// chart's box.
+fn check_page_in_chromium(chromium: &Path, d: &Path, page: &str, job: &str, workers: &[String]) {
     let profile = tempfile::tempdir().unwrap();
-    let dom = run_chromium(&chromium, profile.path(), &page, &["--dump-dom"]);
+    let dom = run_chromium(chromium, profile.path(), page, &["--dump-dom"]);
     let dom = String::from_utf8(dom).unwrap();
     assert!(
         dom.contains(&format!("data-job-id=\"{job}\" data-state=\"running\"")),
         "running job {job} not on the page:\n{dom}"
     );
-    for w in &workers {
+    for w in workers {
         assert!(
             dom.contains(&format!("data-worker-id=\"{w}\"")),
             "worker {w} missing:\n{dom}"
@@ -270,9 +293,9 @@ fn status_page_in_chromium_shows_the_running_job_workers_and_a_chart() {
 
     let shot = d.join("status.png");
     run_chromium(
-        &chromium,
+        chromium,
         profile.path(),
-        &page,
+        page,
         &[&format!("--screenshot={}", shot.display())],
     );
     // For a human to look at: ACCRUE_STATUS_PAGE_SHOT=/tmp/status.png.
@@ -306,19 +329,126 @@ fn status_page_in_chromium_shows_the_running_job_workers_and_a_chart() {
         "{in_chart} loss-coloured pixels in the chart box {bx:?}"
     );
     assert!(colours.len() > 3, "the chart box is blank: {colours:?}");
+}
 
-    // `accrue plot JOB` finds the job's metrics.jsonl through the coordinator.
-    let png_out = d.join("curves.png");
-    let out = accrue(d, &url, &["plot", &job, "--out", png_out.to_str().unwrap()]);
-    assert!(
-        out.lines().last().is_some_and(|l| l.starts_with("wrote ")),
-        "{out}"
-    );
-    assert!(out.contains(" steps, 1.."), "{out}");
-    let reader = png::Decoder::new(std::fs::File::open(&png_out).unwrap())
-        .read_info()
+/// One HTTP/1.0 GET on 127.0.0.1: the body, or None while nothing answers.
+fn http_get(addr: &str, path: &str) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut conn = std::net::TcpStream::connect(addr).ok()?;
+    conn.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    write!(conn, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
+    let mut reply = String::new();
+    conn.read_to_string(&mut reply).ok()?;
+    let (head, body) = reply.split_once("\r\n\r\n")?;
+    head.starts_with("HTTP/1.0 200")
+        .then(|| body.to_string())
+        .or_else(|| head.starts_with("HTTP/1.1 200").then(|| body.to_string()))
+}
+
+/// Issue 32, bug 6: `accrue local`, what users run first, serves the same
+/// status page and Prometheus metrics as the standalone coordinator, and
+/// prints where.
+#[test]
+fn accrue_local_serves_the_status_page_and_metrics() {
+    let Some(chromium) = chromium() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    std::fs::create_dir_all(d.join("logs")).unwrap();
+    write_tiny_config(d);
+    let synth = Command::new(bin_dir().join("accrue"))
+        .args(["data", "synth", "--task", "arithmetic", "--out", "data"])
+        .args(["--rows", "64"])
+        .current_dir(d)
+        .output()
         .unwrap();
-    assert_eq!((reader.info().width, reader.info().height), (1280, 960));
+    assert!(synth.status.success(), "data synth: {synth:?}");
+    // Long enough to stay running while Chromium looks; interrupted at the end.
+    let spec = "[job]\nname = \"local-page\"\nseed = 3\nsteps = 100000\noutput_dir = \"out\"\n\
+                [model]\ninit = \"random\"\nconfig = \"tiny.json\"\n\
+                [data]\ntrain = [\"data/arith-sft.jsonl\"]\nformat = \"sft\"\nmax_tokens = 256\n\
+                [batch]\ndocs_per_step = 8\n[optimizer]\nlr = 3e-3\n\
+                [parallel]\nmin_workers = 2\nmax_workers = 2\n";
+    std::fs::write(d.join("job.toml"), spec).unwrap();
+    let mut local = Command::new(bin_dir().join("accrue"))
+        .args(["local", "job.toml", "--workers", "2", "--devices", "cpu"])
+        .args(["--metrics-listen", "127.0.0.1:0"])
+        .env("ACCRUE_WORKER_BIN", bin_dir().join("accrue-worker"))
+        .current_dir(d)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting accrue local");
+    let stderr = local.stderr.take().unwrap();
+    let mut procs = Procs(vec![local]);
+    // The URL is printed before the workers start; the rest of stderr
+    // (the progress bar) is drained so that the run never blocks on it.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let mut seen = Vec::new();
+    let addr = loop {
+        let line = rx
+            .recv_timeout(Duration::from_secs(60))
+            .unwrap_or_else(|e| panic!("no status page URL ({e}); stderr so far: {seen:#?}"));
+        if let Some(rest) = line.strip_prefix("status page on http://") {
+            break rest.split('/').next().unwrap().to_string();
+        }
+        seen.push(line);
+    };
+    std::thread::spawn(move || for _ in rx {});
 
-    accrue(d, &url, &["cancel", &job]);
+    // Where accrue local writes the worker logs, for failure messages.
+    let out = d.join("out");
+    let status = |out: &Path| -> serde_json::Value {
+        let body = wait_for("GET /api/status", Duration::from_secs(30), out, || {
+            http_get(&addr, "/api/status")
+        });
+        serde_json::from_str(&body).unwrap()
+    };
+    let (job, workers) = wait_for("3 committed steps", Duration::from_secs(240), &out, || {
+        let s = status(&out);
+        let j = s["jobs"].as_array()?.first()?.clone();
+        assert!(
+            j["state"] == "running" || j["state"] == "pending",
+            "{j}\n{}",
+            logs(&out)
+        );
+        let workers: Vec<String> = s["workers"]
+            .as_array()?
+            .iter()
+            .map(|w| w["id"].as_str().unwrap().to_string())
+            .collect();
+        (j["step"].as_u64()? >= 3 && workers.len() == 2)
+            .then(|| (j["id"].as_str().unwrap().to_string(), workers))
+    });
+    let metrics = http_get(&addr, "/metrics").expect("GET /metrics");
+    assert!(
+        metrics.contains(&format!("job_id=\"{job}\"")),
+        "no series of job {job} in /metrics:\n{metrics}"
+    );
+    check_page_in_chromium(&chromium, d, &format!("http://{addr}/"), &job, &workers);
+
+    // Ctrl-C stops the run, its workers and the page at once (the workers
+    // of an unfinished job have no final checkpoint to wait for).
+    let local = &mut procs.0[0];
+    let int = Command::new("kill")
+        .args(["-INT", &local.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(int.success());
+    let t0 = Instant::now();
+    while local.try_wait().unwrap().is_none() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(150),
+            "accrue local still runs after Ctrl-C"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        http_get(&addr, "/api/status").is_none(),
+        "the page outlived the run"
+    );
 }

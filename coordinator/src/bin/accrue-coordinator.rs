@@ -6,7 +6,6 @@ use std::path::PathBuf;
 use accrue_coordinator::shell::auth;
 use accrue_coordinator::shell::server::{Server, ServerConfig};
 use accrue_coordinator::shell::tls::ServerTls;
-use anyhow::Context as _;
 use clap::Parser;
 
 /// Accrue coordinator: owns the data stream, plans steps, serves workers and admins.
@@ -106,14 +105,7 @@ async fn main() -> anyhow::Result<()> {
     config.heartbeat_timeout_ms = args.heartbeat_timeout_ms;
     config.relay_min_world = args.relay_min_world;
     config.security = args.security.into_security()?;
-    match args.metrics_listen.as_deref() {
-        Some("off") => {}
-        Some(a) => config.metrics_listen = Some(a.parse().context("--metrics-listen")?),
-        None => {
-            config.metrics_listen = Some(SocketAddr::from(([127, 0, 0, 1], 9090)));
-            config.metrics_optional = true;
-        }
-    }
+    config.metrics_from_flag(args.metrics_listen.as_deref())?;
     let server = Server::bind(config).await?;
     // Machine-readable for scripts and tests that pass port 0. Not
     // println!: stdout may be closed or a pipe whose reader has gone (a

@@ -71,7 +71,29 @@ impl ServerConfig {
             relay_min_world: crate::core::RELAY_MIN_WORLD,
         }
     }
+
+    /// Sets where the status page and `GET /metrics` are served from a
+    /// `--metrics-listen` flag: an address (port 0 lets the OS pick), `off`,
+    /// or nothing for [`DEFAULT_METRICS_LISTEN`], which only warns when taken
+    /// (another coordinator on the machine may hold it).
+    pub fn metrics_from_flag(&mut self, flag: Option<&str>) -> anyhow::Result<()> {
+        (self.metrics_listen, self.metrics_optional) = match flag {
+            Some("off") => (None, false),
+            Some(a) => (
+                Some(a.parse().with_context(|| {
+                    format!("--metrics-listen {a:?}: expected HOST:PORT or off")
+                })?),
+                false,
+            ),
+            None => (Some(DEFAULT_METRICS_LISTEN), true),
+        };
+        Ok(())
+    }
 }
+
+/// The status page's and Prometheus's address unless told otherwise.
+pub const DEFAULT_METRICS_LISTEN: SocketAddr =
+    SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 9090);
 
 pub struct Server {
     listener: TcpListener,
