@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use crate::error::{RingError, RingResult};
+use crate::error::{CollectiveError, CollectiveResult};
 
 /// Where this rank sits in a generation's ring.
 #[derive(Debug, Clone)]
@@ -22,7 +22,7 @@ pub struct RingConfig {
 
 impl RingConfig {
     /// Every problem with the configuration, if any.
-    pub fn validate(&self) -> RingResult<()> {
+    pub fn validate(&self) -> CollectiveResult<()> {
         let mut problems = Vec::new();
         if self.world == 0 {
             problems.push("world size is 0".to_string());
@@ -42,10 +42,7 @@ impl RingConfig {
         if problems.is_empty() {
             Ok(())
         } else {
-            Err(RingError::Invalid {
-                op: "connect",
-                detail: problems.join("; "),
-            })
+            Err(CollectiveError::Setup(problems.join("; ")))
         }
     }
 }

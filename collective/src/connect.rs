@@ -16,7 +16,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use crate::config::RingConfig;
-use crate::error::{RingError, RingResult};
+use crate::error::{CollectiveError, CollectiveResult};
 use crate::wire::{Hello, HELLO_LEN, HELLO_MAGIC, VERSION};
 
 /// The two connections of one rank.
@@ -32,7 +32,7 @@ pub(crate) fn connect(
     listener: &TcpListener,
     cfg: &RingConfig,
     deadline: Instant,
-) -> RingResult<Links> {
+) -> CollectiveResult<Links> {
     thread::scope(|s| {
         let dialer = s.spawn(|| dial_next(cfg, deadline));
         let accepted = accept_prev(listener, cfg, deadline);
@@ -84,19 +84,19 @@ fn exchange(s: &TcpStream, send: &Hello, deadline: Instant) -> io::Result<Hello>
     Ok(Hello::decode(&b))
 }
 
-fn dial_next(cfg: &RingConfig, deadline: Instant) -> RingResult<TcpStream> {
+fn dial_next(cfg: &RingConfig, deadline: Instant) -> CollectiveResult<TcpStream> {
     let next = (cfg.rank + 1) % cfg.world;
     let addr = &cfg.peers[next];
-    let lost = |detail: String| RingError::PeerLost {
+    let lost = |detail: String| CollectiveError::PeerLost {
         op: OP,
         seq: 0,
         peer: next,
         detail,
     };
-    let mut last: Option<RingError> = None;
+    let mut last: Option<CollectiveError> = None;
     loop {
         let Some(left) = remaining(deadline) else {
-            return Err(last.unwrap_or(RingError::Timeout {
+            return Err(last.unwrap_or(CollectiveError::Timeout {
                 op: OP,
                 seq: 0,
                 peer: next,
@@ -112,7 +112,7 @@ fn dial_next(cfg: &RingConfig, deadline: Instant) -> RingResult<TcpStream> {
         match attempt {
             Ok((s, h)) if h.magic == HELLO_MAGIC && h.to_or_accepted == 1 => return Ok(s),
             Ok((_, h)) => {
-                let mismatch = RingError::Mismatch {
+                let mismatch = CollectiveError::Mismatch {
                     op: OP,
                     peer: next,
                     expected: format!(
@@ -134,7 +134,7 @@ fn dial_next(cfg: &RingConfig, deadline: Instant) -> RingResult<TcpStream> {
             // A peer seen at an older generation that never caught up is the
             // better explanation than the transport error its listener
             // closing (as it gives up) causes at the end.
-            Err(_) if matches!(last, Some(RingError::Mismatch { .. })) => {}
+            Err(_) if matches!(last, Some(CollectiveError::Mismatch { .. })) => {}
             Err(e) => last = Some(lost(format!("dialing {addr}: {e}"))),
         }
         thread::sleep(Duration::from_millis(20));
@@ -145,14 +145,11 @@ fn accept_prev(
     listener: &TcpListener,
     cfg: &RingConfig,
     deadline: Instant,
-) -> RingResult<TcpStream> {
+) -> CollectiveResult<TcpStream> {
     let prev = (cfg.rank + cfg.world - 1) % cfg.world;
     listener
         .set_nonblocking(true)
-        .map_err(|e| RingError::Invalid {
-            op: OP,
-            detail: format!("listener: {e}"),
-        })?;
+        .map_err(|e| CollectiveError::Setup(format!("{OP}: listener: {e}")))?;
     let result = loop {
         let (s, from) = match listener.accept() {
             Ok(x) => x,
@@ -161,7 +158,7 @@ fn accept_prev(
                     || e.kind() == io::ErrorKind::Interrupted =>
             {
                 if remaining(deadline).is_none() {
-                    break Err(RingError::Timeout {
+                    break Err(CollectiveError::Timeout {
                         op: OP,
                         seq: 0,
                         peer: prev,
@@ -205,7 +202,7 @@ fn accept_prev(
                     generation = cfg.generation, "refused a ring connection");
                 if h.magic == HELLO_MAGIC && h.generation == cfg.generation {
                     // Same generation, wrong rank or world: the peer lists differ.
-                    break Err(RingError::Mismatch {
+                    break Err(CollectiveError::Mismatch {
                         op: OP,
                         peer: h.rank as usize,
                         expected: format!(

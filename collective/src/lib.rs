@@ -26,7 +26,7 @@ mod shard;
 mod wire;
 
 pub use config::RingConfig;
-pub use error::{RingError, RingResult};
+pub use error::{CollectiveError, CollectiveResult};
 pub use ring::{RingAbort, TcpRing};
 pub use shard::shard_range;
 pub use wire::Op;

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use crate::config::RingConfig;
 use crate::connect::{connect, Links};
-use crate::error::{RingError, RingResult};
+use crate::error::{CollectiveError, CollectiveResult};
 use crate::plan::{self, Apply, Piece, Ring, Schedule};
 use crate::wire::{Header, Op, HEADER_LEN, MAGIC};
 
@@ -35,14 +35,14 @@ pub struct TcpRing {
     seq: u64,
     chunk_bytes: usize,
     links: Option<Links>,
-    broken: Option<RingError>,
+    broken: Option<CollectiveError>,
     scratch: Vec<f32>,
     /// Set by a [`RingAbort`] from another thread.
     aborted: Arc<AtomicBool>,
 }
 
 /// Interrupts a [`TcpRing`] from another thread ([`TcpRing::abort_handle`]):
-/// an operation blocked on a frozen peer returns [`RingError::Aborted`] at
+/// an operation blocked on a frozen peer returns [`CollectiveError::Aborted`] at
 /// once instead of at its deadline, and the ring is broken from then on.
 #[derive(Debug, Clone)]
 pub struct RingAbort {
@@ -83,7 +83,7 @@ impl TcpRing {
     /// Forms the ring: dials the next rank and accepts the previous one on
     /// `listener` (bound once per process, reused by every generation), both
     /// within `cfg.timeout`.
-    pub fn connect(listener: &TcpListener, cfg: RingConfig) -> RingResult<TcpRing> {
+    pub fn connect(listener: &TcpListener, cfg: RingConfig) -> CollectiveResult<TcpRing> {
         cfg.validate()?;
         let links = if cfg.world > 1 {
             Some(connect(listener, &cfg, Instant::now() + cfg.timeout)?)
@@ -147,27 +147,27 @@ impl TcpRing {
     }
 
     /// Every rank ends with the element-wise sum over ranks.
-    pub fn all_reduce_sum(&mut self, buf: &mut [f32]) -> RingResult<()> {
+    pub fn all_reduce_sum(&mut self, buf: &mut [f32]) -> CollectiveResult<()> {
         let s = plan::all_reduce(self.geometry(), buf.len());
         self.run(Op::AllReduce, f32_bytes(buf), &s)
     }
 
     /// Afterwards this rank's `shard_range` of `buf` holds the sum over
     /// ranks; the rest of `buf` holds partial sums.
-    pub fn reduce_scatter_sum(&mut self, buf: &mut [f32]) -> RingResult<()> {
+    pub fn reduce_scatter_sum(&mut self, buf: &mut [f32]) -> CollectiveResult<()> {
         let s = plan::reduce_scatter(self.geometry(), buf.len());
         self.run(Op::ReduceScatter, f32_bytes(buf), &s)
     }
 
     /// Each rank contributes its `shard_range` of `buf`; afterwards every
     /// rank holds all shards.
-    pub fn all_gather(&mut self, buf: &mut [f32]) -> RingResult<()> {
+    pub fn all_gather(&mut self, buf: &mut [f32]) -> CollectiveResult<()> {
         let s = plan::all_gather(self.geometry(), buf.len(), 4);
         self.run(Op::AllGather, f32_bytes(buf), &s)
     }
 
     /// Every rank ends with `root`'s `buf` (same length on every rank).
-    pub fn broadcast(&mut self, buf: &mut [f32], root: usize) -> RingResult<()> {
+    pub fn broadcast(&mut self, buf: &mut [f32], root: usize) -> CollectiveResult<()> {
         self.check_root("broadcast", root)?;
         let s = plan::broadcast(self.geometry(), buf.len() * 4, root);
         self.run(Op::Broadcast, f32_bytes(buf), &s)
@@ -175,13 +175,13 @@ impl TcpRing {
 
     /// Every rank ends with `root`'s bytes; other ranks' `buf` may have any
     /// length (it is resized), e.g. to hand out an NCCL unique id.
-    pub fn broadcast_bytes(&mut self, buf: &mut Vec<u8>, root: usize) -> RingResult<()> {
+    pub fn broadcast_bytes(&mut self, buf: &mut Vec<u8>, root: usize) -> CollectiveResult<()> {
         self.check_root("broadcast_bytes", root)?;
         let mut len = (buf.len() as u64).to_le_bytes();
         let s = plan::broadcast(self.geometry(), len.len(), root);
         self.run(Op::BroadcastLen, &mut len, &s)?;
         let len = u64::from_le_bytes(len);
-        let len = usize::try_from(len).map_err(|_| RingError::Invalid {
+        let len = usize::try_from(len).map_err(|_| CollectiveError::Invalid {
             op: "broadcast_bytes",
             detail: format!("rank {root} broadcasts {len} bytes"),
         })?;
@@ -192,7 +192,7 @@ impl TcpRing {
     }
 
     /// Returns once every rank has entered the barrier.
-    pub fn barrier(&mut self) -> RingResult<()> {
+    pub fn barrier(&mut self) -> CollectiveResult<()> {
         let s = plan::all_gather(self.geometry(), 0, 1);
         self.run(Op::Barrier, &mut [], &s)
     }
@@ -205,27 +205,27 @@ impl TcpRing {
         }
     }
 
-    fn check_root(&self, op: &'static str, root: usize) -> RingResult<()> {
+    fn check_root(&self, op: &'static str, root: usize) -> CollectiveResult<()> {
         if root < self.world {
             return Ok(());
         }
-        Err(RingError::Invalid {
+        Err(CollectiveError::Invalid {
             op,
             detail: format!("root {root} outside world {}", self.world),
         })
     }
 
     /// Runs one schedule on `buf`, under one deadline.
-    fn run(&mut self, op: Op, buf: &mut [u8], sched: &Schedule) -> RingResult<()> {
+    fn run(&mut self, op: Op, buf: &mut [u8], sched: &Schedule) -> CollectiveResult<()> {
         self.seq += 1;
         if self.broken.is_none() && self.aborted.load(Ordering::SeqCst) {
-            self.broken = Some(RingError::Aborted {
+            self.broken = Some(CollectiveError::Aborted {
                 op: op.name(),
                 seq: self.seq,
             });
         }
         if let Some(first) = &self.broken {
-            return Err(RingError::Broken {
+            return Err(CollectiveError::Broken {
                 op: op.name(),
                 seq: self.seq,
                 first: Box::new(first.clone()),
@@ -328,7 +328,7 @@ impl RawBuf {
 struct Progress {
     sent: usize,
     recvd: usize,
-    first: Option<RingError>,
+    first: Option<CollectiveError>,
 }
 
 /// One operation in flight.
@@ -356,8 +356,8 @@ impl Ctx<'_> {
         self.aborted.load(Ordering::SeqCst)
     }
 
-    fn aborted_error(&self) -> RingError {
-        RingError::Aborted {
+    fn aborted_error(&self) -> CollectiveError {
+        CollectiveError::Aborted {
             op: self.op.name(),
             seq: self.seq,
         }
@@ -369,7 +369,7 @@ impl Ctx<'_> {
 
     /// Records the first error, and wakes the other thread (sockets shut
     /// down, condvar notified) so it stops too.
-    fn finish(&self, r: RingResult<()>) {
+    fn finish(&self, r: CollectiveResult<()>) {
         if let Err(e) = r {
             let mut p = self.lock();
             if p.first.is_none() {
@@ -394,8 +394,8 @@ impl Ctx<'_> {
         }
     }
 
-    fn timeout(&self, peer: usize) -> RingError {
-        RingError::Timeout {
+    fn timeout(&self, peer: usize) -> CollectiveError {
+        CollectiveError::Timeout {
             op: self.op.name(),
             seq: self.seq,
             peer,
@@ -403,7 +403,7 @@ impl Ctx<'_> {
         }
     }
 
-    fn io_error(&self, peer: usize, e: io::Error) -> RingError {
+    fn io_error(&self, peer: usize, e: io::Error) -> CollectiveError {
         if self.is_aborted() {
             // The error is the abort's socket shutdown, not the peer's fault.
             return self.aborted_error();
@@ -415,8 +415,8 @@ impl Ctx<'_> {
         }
     }
 
-    fn lost(&self, peer: usize, detail: String) -> RingError {
-        RingError::PeerLost {
+    fn lost(&self, peer: usize, detail: String) -> CollectiveError {
+        CollectiveError::PeerLost {
             op: self.op.name(),
             seq: self.seq,
             peer,
@@ -429,7 +429,7 @@ impl Ctx<'_> {
         &self,
         ready: impl Fn(&Progress) -> bool,
         blame: usize,
-    ) -> Result<(), Option<RingError>> {
+    ) -> Result<(), Option<CollectiveError>> {
         let mut p = self.lock();
         loop {
             if p.first.is_some() {
@@ -453,7 +453,7 @@ impl Ctx<'_> {
         }
     }
 
-    fn left(&self, peer: usize) -> RingResult<Duration> {
+    fn left(&self, peer: usize) -> CollectiveResult<Duration> {
         let left = self.deadline.saturating_duration_since(Instant::now());
         if left < Duration::from_millis(1) {
             return Err(self.timeout(peer));
@@ -461,7 +461,7 @@ impl Ctx<'_> {
         Ok(left)
     }
 
-    fn send_all(&self, pieces: &[Piece]) -> RingResult<()> {
+    fn send_all(&self, pieces: &[Piece]) -> CollectiveResult<()> {
         let s = &self.links.to_next;
         for (i, p) in pieces.iter().enumerate() {
             match self.wait(|g| g.recvd >= p.after, self.prev) {
@@ -483,7 +483,7 @@ impl Ctx<'_> {
         Ok(())
     }
 
-    fn recv_all(&self, pieces: &[Piece], scratch: &mut [f32]) -> RingResult<()> {
+    fn recv_all(&self, pieces: &[Piece], scratch: &mut [f32]) -> CollectiveResult<()> {
         let s = &self.links.from_prev;
         for (i, p) in pieces.iter().enumerate() {
             match self.wait(|g| g.sent >= p.after, self.next) {
@@ -499,7 +499,7 @@ impl Ctx<'_> {
                 .map_err(|e| self.io_error(self.prev, e))?;
             let (got, want) = (Header::decode(&h), self.header(p));
             if got != want {
-                return Err(RingError::Mismatch {
+                return Err(CollectiveError::Mismatch {
                     op: self.op.name(),
                     peer: self.prev,
                     expected: want.to_string(),

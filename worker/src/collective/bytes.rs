@@ -23,7 +23,7 @@ pub fn all_gather_bytes(
         return Ok(vec![mine.to_vec()]);
     }
     if mine.len() >= MAX_LEN {
-        return Err(CollectiveError::BadTensor {
+        return Err(CollectiveError::Invalid {
             op: "all_gather_bytes",
             detail: format!("{} bytes, at most {} travel", mine.len(), MAX_LEN - 1),
         });
@@ -58,7 +58,7 @@ pub fn all_gather_bytes(
 }
 
 fn bad(detail: String) -> CollectiveError {
-    CollectiveError::BadTensor {
+    CollectiveError::Invalid {
         op: "all_gather_bytes",
         detail,
     }

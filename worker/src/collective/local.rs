@@ -144,7 +144,7 @@ impl Collective for LocalRank {
 
     fn broadcast(&mut self, t: &mut Tensor, root: usize) -> Result<(), CollectiveError> {
         if root >= self.world {
-            return Err(CollectiveError::BadTensor {
+            return Err(CollectiveError::Invalid {
                 op: "broadcast",
                 detail: format!("root {root} outside world {}", self.world),
             });

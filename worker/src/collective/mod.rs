@@ -44,52 +44,9 @@ use std::sync::Arc;
 
 use tch::Tensor;
 
-/// A failed collective. Every variant names what went wrong so the worker
-/// can report it to the coordinator (and which peer, where known).
-#[derive(Debug, thiserror::Error)]
-pub enum CollectiveError {
-    #[error("{op} #{seq}: timed out after {secs:.1}s waiting for rank {peer}")]
-    Timeout {
-        op: &'static str,
-        seq: u64,
-        peer: usize,
-        secs: f64,
-    },
-    #[error("{op} #{seq}: rank {peer} closed the connection: {detail}")]
-    PeerLost {
-        op: &'static str,
-        seq: u64,
-        peer: usize,
-        detail: String,
-    },
-    #[error("{op}: ranks diverged: expected {expected}, rank {peer} sent {got}")]
-    Mismatch {
-        op: &'static str,
-        peer: usize,
-        expected: String,
-        got: String,
-    },
-    #[error("{op}: bad tensor: {detail}")]
-    BadTensor { op: &'static str, detail: String },
-    #[error("collective setup: {0}")]
-    Setup(String),
-    /// Interrupted from another thread ([`Collective::abort_handle`]): the
-    /// step was aborted; no peer is blamed.
-    #[error("{op} #{seq}: aborted")]
-    Aborted { op: &'static str, seq: u64 },
-}
-
-impl CollectiveError {
-    /// The peer this error blames, if any (reported as `peer_rank`).
-    pub fn peer(&self) -> Option<usize> {
-        match self {
-            CollectiveError::Timeout { peer, .. }
-            | CollectiveError::PeerLost { peer, .. }
-            | CollectiveError::Mismatch { peer, .. } => Some(*peer),
-            _ => None,
-        }
-    }
-}
+/// A failed collective: one error for the ring and every backend here,
+/// owned by `accrue-collective`.
+pub use accrue_collective::CollectiveError;
 
 /// The operations sharded data parallelism needs. All are in place on a
 /// flat, contiguous float32 tensor of the same length on every rank, and
@@ -172,7 +129,7 @@ pub fn count_failures(coll: &mut dyn Collective, ok: bool) -> Result<usize, Coll
 /// Checks that `t` is a flat contiguous float32 CPU tensor (what the CPU
 /// backends read and write through raw slices).
 pub fn check_flat_f32_cpu(op: &'static str, t: &Tensor) -> Result<usize, CollectiveError> {
-    let bad = |detail: String| CollectiveError::BadTensor { op, detail };
+    let bad = |detail: String| CollectiveError::Invalid { op, detail };
     if t.kind() != tch::Kind::Float {
         return Err(bad(format!("expected float32, got {:?}", t.kind())));
     }

@@ -41,7 +41,6 @@ use cudarc::driver::{sys as cu, CudaContext};
 use cudarc::nccl::{result as nccl, sys};
 use tch::{Device, Kind, Tensor};
 
-use super::tcp::from_ring;
 use super::{shard_range, AbortHandle, Collective, CollectiveError};
 
 /// Whether this process can build an NCCL communicator: libcuda and
@@ -94,7 +93,7 @@ pub fn connect_nccl(
     } else {
         Vec::new()
     };
-    ring.broadcast_bytes(&mut id, 0).map_err(from_ring)?;
+    ring.broadcast_bytes(&mut id, 0)?;
     let mut unique = sys::ncclUniqueId { internal: [0; 128] };
     if id.len() != unique.internal.len() {
         return Err(setup(
@@ -162,7 +161,7 @@ fn ptr(t: &Tensor, elems: usize) -> *mut c_void {
 
 impl NcclComm {
     fn check(&mut self, op: &'static str, t: &Tensor) -> Result<usize, CollectiveError> {
-        let bad = |detail: String| CollectiveError::BadTensor { op, detail };
+        let bad = |detail: String| CollectiveError::Invalid { op, detail };
         if self.abort.load(Ordering::Relaxed) {
             return Err(CollectiveError::Aborted { op, seq: self.seq });
         }
@@ -337,7 +336,7 @@ impl Collective for NcclComm {
     fn broadcast(&mut self, t: &mut Tensor, root: usize) -> Result<(), CollectiveError> {
         let n = self.check("broadcast", t)?;
         if root >= self.world {
-            return Err(CollectiveError::BadTensor {
+            return Err(CollectiveError::Invalid {
                 op: "broadcast",
                 detail: format!("root {root} outside world {}", self.world),
             });

@@ -42,7 +42,7 @@ impl Staged {
     }
 
     fn check(&self, op: &'static str, t: &Tensor) -> Result<usize, CollectiveError> {
-        let bad = |detail: String| CollectiveError::BadTensor { op, detail };
+        let bad = |detail: String| CollectiveError::Invalid { op, detail };
         if t.kind() != Kind::Float || t.device() != self.device {
             return Err(bad(format!(
                 "expected float32 on {:?}, got {:?} on {:?}",
@@ -235,7 +235,7 @@ mod tests {
         assert!(
             matches!(
                 e,
-                CollectiveError::BadTensor {
+                CollectiveError::Invalid {
                     op: "all_reduce",
                     ..
                 }

@@ -12,7 +12,7 @@
 use std::net::TcpListener;
 use std::time::Duration;
 
-use accrue_collective::{RingConfig, RingError, TcpRing};
+use accrue_collective::{RingConfig, TcpRing};
 use tch::Tensor;
 
 use super::{as_f32_slice_mut, check_flat_f32_cpu, Collective, CollectiveError};
@@ -41,7 +41,7 @@ pub fn connect_cpu(
         generation,
         timeout,
     };
-    let ring = TcpRing::connect(listener, cfg).map_err(from_ring)?;
+    let ring = TcpRing::connect(listener, cfg)?;
     Ok(CpuRing { ring })
 }
 
@@ -55,73 +55,13 @@ impl CpuRing {
         &mut self,
         op: &'static str,
         t: &mut Tensor,
-        f: impl FnOnce(&mut TcpRing, &mut [f32]) -> Result<(), RingError>,
+        f: impl FnOnce(&mut TcpRing, &mut [f32]) -> Result<(), CollectiveError>,
     ) -> Result<(), CollectiveError> {
         check_flat_f32_cpu(op, t)?;
         // SAFETY: checked flat contiguous f32 on the CPU; `t` is borrowed
         // mutably for the whole call, so nothing else touches its storage.
         let s = unsafe { as_f32_slice_mut(t) };
-        f(&mut self.ring, s).map_err(from_ring)
-    }
-}
-
-/// Maps a ring error to the trait's error, keeping the blamed peer.
-pub fn from_ring(e: RingError) -> CollectiveError {
-    match e {
-        RingError::Timeout {
-            op,
-            seq,
-            peer,
-            secs,
-        } => CollectiveError::Timeout {
-            op,
-            seq,
-            peer,
-            secs,
-        },
-        RingError::PeerLost {
-            op,
-            seq,
-            peer,
-            detail,
-        } => CollectiveError::PeerLost {
-            op,
-            seq,
-            peer,
-            detail,
-        },
-        RingError::Mismatch {
-            op,
-            peer,
-            expected,
-            got,
-        } => CollectiveError::Mismatch {
-            op,
-            peer,
-            expected,
-            got,
-        },
-        RingError::Invalid {
-            op: "connect",
-            detail,
-        } => CollectiveError::Setup(detail),
-        RingError::Invalid { op, detail } => CollectiveError::BadTensor { op, detail },
-        RingError::Aborted { op, seq } => CollectiveError::Aborted { op, seq },
-        RingError::Broken { op, seq, first } => {
-            let detail = format!("ring unusable after an earlier error: {first}");
-            if let RingError::Aborted { .. } = *first {
-                return CollectiveError::Aborted { op, seq };
-            }
-            match first.peer() {
-                Some(peer) => CollectiveError::PeerLost {
-                    op,
-                    seq,
-                    peer,
-                    detail,
-                },
-                None => CollectiveError::Setup(format!("{op} #{seq}: {detail}")),
-            }
-        }
+        f(&mut self.ring, s)
     }
 }
 
@@ -151,7 +91,7 @@ impl Collective for CpuRing {
     }
 
     fn barrier(&mut self) -> Result<(), CollectiveError> {
-        self.ring.barrier().map_err(from_ring)
+        self.ring.barrier()
     }
 
     fn abort_handle(&self) -> Option<super::AbortHandle> {
@@ -251,18 +191,7 @@ mod tests {
     }
 
     #[test]
-    fn ring_errors_keep_the_blamed_peer_and_bad_tensors_are_refused() {
-        let e = from_ring(RingError::Broken {
-            op: "all_gather",
-            seq: 9,
-            first: Box::new(RingError::Timeout {
-                op: "all_reduce",
-                seq: 8,
-                peer: 2,
-                secs: 1.0,
-            }),
-        });
-        assert_eq!(e.peer(), Some(2));
+    fn bad_tensors_and_bad_setups_are_refused() {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let peers = vec![l.local_addr().unwrap().to_string()];
         let mut c = connect_cpu(&l, 0, 1, &peers, 1, Duration::from_secs(1)).unwrap();
@@ -271,7 +200,7 @@ mod tests {
         assert!(
             matches!(
                 e,
-                CollectiveError::BadTensor {
+                CollectiveError::Invalid {
                     op: "all_reduce",
                     ..
                 }
