@@ -9,7 +9,7 @@
 mod common;
 
 use accrue_worker::batch::PackedBatch;
-use accrue_worker::train::{Engine, Trainer};
+use accrue_worker::train::{Passes, ReplicatedTrainer, Trainer};
 use tch::Tensor;
 
 const TOL: f64 = 1e-5;
@@ -31,13 +31,13 @@ fn split(docs: &[(Vec<i64>, Vec<i64>)], cuts: &[usize]) -> Vec<PackedBatch> {
 /// fp32 reassociation noise of gradient elements near eps in size into
 /// parameter noise (measured: 1.0e-5 with eps = 1e-8 on the varying-k run,
 /// 1.8e-7 with eps = 1e-6, while the gradients agree to 2e-7 either way).
-fn trainer(dir: &std::path::Path) -> Trainer {
+fn trainer(dir: &std::path::Path) -> ReplicatedTrainer {
     tch::set_num_threads(2);
     let cfg = common::random_job(
         dir,
         "[optimizer]\nweight_decay = 0.1\ngrad_clip = 1.0\neps = 1e-6\n[runtime]\nloss_chunk_tokens = 32\n",
     );
-    Trainer::single(&cfg, None).unwrap()
+    ReplicatedTrainer::single(&cfg, None).unwrap()
 }
 
 /// How a (possibly wrong) accumulation treats a step's microbatches.
@@ -51,7 +51,11 @@ enum Accumulate {
     MeanOfMeans,
 }
 
-fn run_step(t: &mut Trainer, mbs: &[PackedBatch], how: Accumulate) -> Vec<(String, Tensor)> {
+fn run_step(
+    t: &mut ReplicatedTrainer,
+    mbs: &[PackedBatch],
+    how: Accumulate,
+) -> Vec<(String, Tensor)> {
     let total: u64 = mbs.iter().map(|m| m.loss_tokens()).sum();
     for (i, mb) in mbs.iter().enumerate() {
         let norm = match how {

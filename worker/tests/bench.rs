@@ -20,7 +20,7 @@ use std::time::Instant;
 
 use accrue_worker::batch::PackedBatch;
 use accrue_worker::model::{loss, PackedAttention};
-use accrue_worker::train::{Engine, Trainer};
+use accrue_worker::train::{Passes, ReplicatedTrainer, Trainer};
 use tch::{Device, Kind, Tensor};
 
 fn bench_dir() -> PathBuf {
@@ -72,10 +72,10 @@ fn bench_train_step() {
         [PackedAttention::PerDocument, PackedAttention::BlockMask]
     };
     for mode in modes {
-        let mut t = Trainer::single(&cfg, None).unwrap();
+        let mut t = ReplicatedTrainer::single(&cfg, None).unwrap();
         t.set_attention(mode);
         let total = batch.loss_tokens();
-        let step = |t: &mut Trainer| {
+        let step = |t: &mut ReplicatedTrainer| {
             t.microbatch(0, &batch, total).unwrap();
             t.optimizer_step(1e-4).unwrap();
         };
@@ -132,7 +132,7 @@ fn bench_profile_step() {
         "random",
         &format!("config = \"{}\"\n", dir.join("config.json").display()),
     );
-    let mut t = Trainer::single(&cfg, None).unwrap();
+    let mut t = ReplicatedTrainer::single(&cfg, None).unwrap();
     let total = batch.loss_tokens();
     let targets = loss::shifted_targets(&batch.labels, &batch.cu_seq_lens);
     let mut split = [0.0f64; 4];
@@ -299,7 +299,7 @@ fn bench_optimizer_phase() {
             dir.join("config.json").display()
         ),
     );
-    let mut t = Trainer::single(&cfg, None).unwrap();
+    let mut t = ReplicatedTrainer::single(&cfg, None).unwrap();
     let total = batch.loss_tokens();
     let params: Vec<Tensor> = t.named_parameters().iter().map(|(_, p)| p.copy()).collect();
     let zeros = || -> Vec<Tensor> {

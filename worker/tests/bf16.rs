@@ -5,7 +5,7 @@
 mod common;
 
 use accrue_worker::batch::PackedBatch;
-use accrue_worker::train::{Engine, Trainer};
+use accrue_worker::train::{Checkpointing, ReplicatedTrainer, Trainer};
 
 fn batch() -> PackedBatch {
     let docs: Vec<(Vec<i64>, Vec<i64>)> = [(19usize, 3usize), (7, 0), (30, 8)]
@@ -34,7 +34,7 @@ fn a_bf16_step_tracks_fp32_and_its_checkpoint_restores() {
             model.to_str().unwrap(),
             &format!("dtype = \"{dtype}\"\n[optimizer]\neps = 1e-6\n"),
         );
-        let mut t = Trainer::single(&cfg, None).unwrap();
+        let mut t = ReplicatedTrainer::single(&cfg, None).unwrap();
         let s = t.microbatch(0, &b, total).unwrap();
         let norm = t.optimizer_step(1e-3).unwrap().grad_norm;
         (t, s.loss_sum / total as f64, norm)
@@ -61,7 +61,7 @@ fn a_bf16_step_tracks_fp32_and_its_checkpoint_restores() {
         model.to_str().unwrap(),
         "dtype = \"bfloat16\"\n[optimizer]\neps = 1e-6\n",
     );
-    let back = Trainer::single(&cfg, Some(&ck)).unwrap();
+    let back = ReplicatedTrainer::single(&cfg, Some(&ck)).unwrap();
     let (a, b) = (t16.named_parameters(), back.named_parameters());
     assert_eq!(a.len(), b.len());
     for ((na, ta), (nb, tb)) in a.iter().zip(&b) {

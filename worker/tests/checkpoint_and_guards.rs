@@ -3,7 +3,7 @@
 
 mod common;
 
-use accrue_worker::train::{Engine, Trainer};
+use accrue_worker::train::{Checkpointing, ReplicatedTrainer, Trainer};
 
 fn job(dir: &std::path::Path) -> accrue_worker::config::JobConfig {
     common::random_job(dir, "[optimizer]\nweight_decay = 0.01\n")
@@ -18,7 +18,7 @@ fn checkpoint_round_trip_transformers_and_resume() {
     let batch = common::batch(&docs);
     let total = batch.loss_tokens();
 
-    let mut a = Trainer::single(&cfg, None).unwrap();
+    let mut a = ReplicatedTrainer::single(&cfg, None).unwrap();
     a.microbatch(0, &batch, total).unwrap();
     a.optimizer_step(1e-3).unwrap();
     let ckpt = dir.path().join("ckpt");
@@ -28,7 +28,7 @@ fn checkpoint_round_trip_transformers_and_resume() {
     common::assert_transformers_logits(dir.path(), &ckpt, a.model(), &docs);
 
     // Restored trainer: same parameters and optimizer state, same next step.
-    let mut b = Trainer::single(&cfg, Some(&ckpt)).unwrap();
+    let mut b = ReplicatedTrainer::single(&cfg, Some(&ckpt)).unwrap();
     let (wp, np) = common::worst_rel(
         &b.named_parameters(),
         &common::snapshot(&a.named_parameters()),
@@ -58,7 +58,7 @@ fn checkpoint_round_trip_transformers_and_resume() {
 #[test]
 fn nan_parameter_fails_the_microbatch_and_leaves_gradients_alone() {
     let dir = tempfile::tempdir().unwrap();
-    let mut t = Trainer::single(&job(dir.path()), None).unwrap();
+    let mut t = ReplicatedTrainer::single(&job(dir.path()), None).unwrap();
     let batch = common::batch(&common::synthetic_documents(&[20, 10], 3));
     let total = batch.loss_tokens();
     t.microbatch(0, &batch, total).unwrap();
@@ -83,7 +83,7 @@ fn nan_parameter_fails_the_microbatch_and_leaves_gradients_alone() {
 #[test]
 fn nan_gradient_fails_the_optimizer_step_and_leaves_parameters_unchanged() {
     let dir = tempfile::tempdir().unwrap();
-    let mut t = Trainer::single(&job(dir.path()), None).unwrap();
+    let mut t = ReplicatedTrainer::single(&job(dir.path()), None).unwrap();
     let batch = common::batch(&common::synthetic_documents(&[20, 10], 4));
     t.microbatch(0, &batch, batch.loss_tokens()).unwrap();
     let before = common::snapshot(&t.named_parameters());

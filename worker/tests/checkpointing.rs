@@ -13,7 +13,7 @@ use std::process::Command;
 
 use accrue_worker::collective::local::LocalGroup;
 use accrue_worker::collective::Collective;
-use accrue_worker::train::{Engine, Trainer};
+use accrue_worker::train::{ReplicatedTrainer, Trainer};
 
 /// Two steps of uneven microbatches on `world` ranks; rank 0's parameters.
 fn train(sharding: &str, world: usize, checkpointing: bool) -> Vec<(String, tch::Tensor)> {
@@ -37,7 +37,7 @@ fn train(sharding: &str, world: usize, checkpointing: bool) -> Vec<(String, tch:
             std::thread::spawn(move || {
                 tch::set_num_threads(1);
                 let rank = coll.rank();
-                let mut t = Trainer::new(&cfg, None, Box::new(coll)).unwrap();
+                let mut t = ReplicatedTrainer::new(&cfg, None, Box::new(coll)).unwrap();
                 for docs in &steps {
                     let total = common::batch(docs).loss_tokens();
                     let mine: Vec<_> = docs
@@ -121,7 +121,7 @@ fn checkpointing_memory_child() {
             mode == "on"
         ),
     );
-    let mut t = Trainer::single(&cfg, None).unwrap();
+    let mut t = ReplicatedTrainer::single(&cfg, None).unwrap();
     let docs = common::synthetic_documents(&[1024, 1024, 1024, 1024], 3);
     let b = common::batch(&docs);
     let (base, _) = rss();

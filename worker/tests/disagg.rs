@@ -203,7 +203,7 @@ fn weights_follow_the_trainer(sharding: &str, extra: &str) {
             matches!(&m, Msg::WeightsSynced(w) if w.version == step && w.rank == 0),
             "step {step}: {m:?}"
         );
-        // Trainer rank 0 (and, under fsdp, rank 1 for the gather) and the
+        // ReplicatedTrainer rank 0 (and, under fsdp, rank 1 for the gather) and the
         // generator decode the same prompts greedily.
         for (rank, r) in trainers.iter().enumerate() {
             r.submit(Work::Generate(Box::new(round(

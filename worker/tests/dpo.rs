@@ -1,4 +1,4 @@
-//! DPO (issue 5 "Done means"): packed pairs through `Engine::train_microbatch`
+//! DPO (issue 5 "Done means"): packed pairs through `Passes::train_microbatch`
 //! against TRL 1.16's own `DPOTrainer._compute_loss`
 //! (`scripts/reference/dpo_trl.py`), per-sequence log-probs of packed pairs
 //! against each sequence alone (the packing offset regression), and the same
@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use accrue_worker::batch::PackedBatch;
 use accrue_worker::batch::{MicrobatchMeta, SeqMeta, StepNorms};
 use accrue_worker::collective::local::LocalGroup;
-use accrue_worker::train::{Engine, Trainer};
+use accrue_worker::train::{Passes, ReplicatedTrainer, Trainer};
 use tch::Tensor;
 
 type Doc = (Vec<i64>, Vec<i64>);
@@ -85,8 +85,8 @@ fn job(dir: &std::path::Path, loss: &str, beta: f64) -> accrue_worker::config::J
     )
 }
 
-fn trainer(dir: &std::path::Path, loss: &str, beta: f64) -> Trainer {
-    Trainer::single(&job(dir, loss, beta), None).unwrap()
+fn trainer(dir: &std::path::Path, loss: &str, beta: f64) -> ReplicatedTrainer {
+    ReplicatedTrainer::single(&job(dir, loss, beta), None).unwrap()
 }
 
 /// Packs pairs into one microbatch: `order` lists `(pair, role)`, so a
@@ -133,7 +133,7 @@ fn adjacent(idx: &[usize]) -> Vec<(usize, u32)> {
 }
 
 /// Each sequence's log-prob run alone (one document per microbatch).
-fn alone_logps(t: &mut Trainer, pairs: &[Pair]) -> Vec<[f64; 2]> {
+fn alone_logps(t: &mut ReplicatedTrainer, pairs: &[Pair]) -> Vec<[f64; 2]> {
     pairs
         .iter()
         .map(|p| {
@@ -169,7 +169,7 @@ fn pairs_with_reference(dir: &std::path::Path) -> Vec<Pair> {
 /// pairs (the step's P, unless a bug is simulated); returns
 /// `(Σ loss, Σ extra metrics)`.
 fn run_microbatches(
-    t: &mut Trainer,
+    t: &mut ReplicatedTrainer,
     mbs: &[(PackedBatch, MicrobatchMeta)],
     p_norm: &[u64],
 ) -> (f64, BTreeMap<String, f64>) {
@@ -208,7 +208,7 @@ fn pairs_json(pairs: &[Pair], loss_type: &str, beta: f64) -> String {
 /// Runs `dpo_trl.py` on the trainer's current weights.
 fn trl_reference(
     dir: &std::path::Path,
-    t: &Trainer,
+    t: &ReplicatedTrainer,
     pairs: &[Pair],
     loss_type: &str,
     beta: f64,
@@ -527,7 +527,7 @@ fn train_pairs(loss: &str, pairs: &[Pair], layout: &Layout, norm: Norm) -> Outco
                 .collect();
             std::thread::spawn(move || {
                 tch::set_num_threads(1);
-                let mut t = Trainer::new(&cfg, None, Box::new(coll)).unwrap();
+                let mut t = ReplicatedTrainer::new(&cfg, None, Box::new(coll)).unwrap();
                 let mut per_step = Vec::new();
                 for (global, local, mbs) in &mine {
                     let p: Vec<u64> = mbs

@@ -1,5 +1,5 @@
 //! FSDP full-shard equivalence (issue 4, DESIGN.md "The math"): the same
-//! documents for 3 steps as (a) the single-process `Trainer`, one
+//! documents for 3 steps as (a) the single-process `ReplicatedTrainer`, one
 //! microbatch per step, (c) 2 FSDP ranks with uneven microbatches, (d) 3
 //! FSDP ranks with a step where one rank has only padding microbatches —
 //! the same parameters (per tensor ‖a−b‖ ≤ 1e-5·‖b‖), loss sums and
@@ -19,7 +19,7 @@ use accrue_worker::config::JobConfig;
 use accrue_worker::generate::{generate, Completion, Request, SamplingParams};
 use accrue_worker::model::Llama;
 use accrue_worker::train::fsdp::FsdpTrainer;
-use accrue_worker::train::{Engine, Trainer};
+use accrue_worker::train::{Checkpointing, ReplicatedTrainer, Trainer};
 use tch::Tensor;
 
 const TOL: f64 = 1e-5;
@@ -111,7 +111,7 @@ fn plan_3(steps: &[Docs]) -> Plan {
 type Stats = Vec<(f64, u64, f64)>;
 
 fn run_reference(cfg: &JobConfig, steps: &[Docs]) -> (Stats, Params) {
-    let mut t = Trainer::single(cfg, None).unwrap();
+    let mut t = ReplicatedTrainer::single(cfg, None).unwrap();
     let mut stats = Vec::new();
     for docs in steps {
         let b = batch(docs);
@@ -305,7 +305,7 @@ fn fsdp_checkpoint_loads_in_transformers_and_restores_at_another_world_size() {
     }
 
     // transformers loads it and gives the single-process trainer's logits.
-    let mut reference = Trainer::single(&cfg, None).unwrap();
+    let mut reference = ReplicatedTrainer::single(&cfg, None).unwrap();
     let b = batch(&docs);
     reference.microbatch(0, &b, b.loss_tokens()).unwrap();
     reference.optimizer_step(LR).unwrap();
@@ -465,7 +465,7 @@ fn fsdp_generation_gathers_the_full_model_and_decodes_as_one_process() {
     let cfg = job(dir.path(), false);
     let steps = steps();
     let reqs = prompts();
-    let mut single = Trainer::single(&cfg, None).unwrap();
+    let mut single = ReplicatedTrainer::single(&cfg, None).unwrap();
     let init = params_of(single.compute_model());
     let want_init = generate(single.compute_model(), &greedy(), &reqs).unwrap();
     for docs in &steps {
@@ -534,7 +534,7 @@ fn fsdp_policy_is_the_compute_copy_and_a_refusing_rank_fails_all_ranks() {
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = job(dir.path(), true);
     cfg.precision.compute = tch::Kind::BFloat16;
-    let single = Trainer::single(&cfg, None).unwrap();
+    let single = ReplicatedTrainer::single(&cfg, None).unwrap();
     let want_params = params_of(single.compute_model());
     let reqs = prompts();
     let want = generate(single.compute_model(), &greedy(), &reqs).unwrap();

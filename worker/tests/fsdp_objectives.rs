@@ -1,12 +1,12 @@
 //! FSDP under the log-prob objectives: DPO and policy gradient with a
 //! cached KL reference, two steps on 2 FSDP ranks (uneven microbatches, a
 //! padding microbatch on one rank) against the 1-rank data-parallel
-//! `Trainer` on the same microbatches — the same loss sums, extra metric
+//! `ReplicatedTrainer` on the same microbatches — the same loss sums, extra metric
 //! sums, gradient norms and parameters (per tensor ‖a−b‖ ≤ 1e-5·‖b‖).
 //!
 //! The cached reference log-probs come from a reference pass; the FSDP
 //! pass (2 ranks, one with an empty microbatch, so lockstep is exercised)
-//! must give the `Trainer`'s. A reference plan after a step and a live
+//! must give the `ReplicatedTrainer`'s. A reference plan after a step and a live
 //! reference are refused under FSDP.
 
 mod common;
@@ -19,7 +19,7 @@ use accrue_worker::collective::local::LocalGroup;
 use accrue_worker::collective::Collective;
 use accrue_worker::config::JobConfig;
 use accrue_worker::train::fsdp::FsdpTrainer;
-use accrue_worker::train::{Engine, Trainer};
+use accrue_worker::train::{Passes, ReplicatedTrainer, Trainer};
 use tch::Tensor;
 
 const TOL: f64 = 1e-5;
@@ -172,10 +172,10 @@ fn norms(step: &Step) -> StepNorms {
 }
 
 /// Reference log-probs of every sequence of `steps` from the 1-rank
-/// `Trainer`, keyed `doc/role`.
+/// `ReplicatedTrainer`, keyed `doc/role`.
 fn trainer_refs(cfg: &JobConfig, steps: &[Step]) -> BTreeMap<String, SequenceLogp> {
     let coll = LocalGroup::new(1).pop().unwrap();
-    let mut t = Trainer::new(cfg, None, Box::new(coll)).unwrap();
+    let mut t = ReplicatedTrainer::new(cfg, None, Box::new(coll)).unwrap();
     let all: Vec<&Seq> = steps.iter().flat_map(|s| &s.seqs).collect();
     let got = t.reference_logps(0, &common::batch(&docs(&all))).unwrap();
     all.iter()
@@ -204,7 +204,7 @@ fn on_2_ranks<R: Send + 'static>(
 
 /// The FSDP reference pass on 2 ranks: rank 0 gets the first step's
 /// sequences in two microbatches, rank 1 the second step's in one
-/// microbatch and a padding one; matches the `Trainer`'s.
+/// microbatch and a padding one; matches the `ReplicatedTrainer`'s.
 fn check_fsdp_refs(cfg: &JobConfig, steps: &[Step], want: &BTreeMap<String, SequenceLogp>) {
     let per_rank: Vec<Vec<Vec<Seq>>> = vec![
         vec![steps[0].seqs[..3].to_vec(), steps[0].seqs[3..].to_vec()],
@@ -259,14 +259,14 @@ fn add_extra(into: &mut BTreeMap<String, f64>, e: BTreeMap<String, f64>) {
     }
 }
 
-/// The 1-rank `Trainer` over every microbatch of both ranks, in order.
+/// The 1-rank `ReplicatedTrainer` over every microbatch of both ranks, in order.
 fn run_ddp(cfg: &JobConfig, steps: &[Step], refs: &BTreeMap<String, SequenceLogp>) -> Outcome {
     let pg = matches!(
         cfg.objective,
         accrue_worker::objective::Objective::Pg { .. }
     );
     let coll = LocalGroup::new(1).pop().unwrap();
-    let mut t = Trainer::new(cfg, None, Box::new(coll)).unwrap();
+    let mut t = ReplicatedTrainer::new(cfg, None, Box::new(coll)).unwrap();
     let mut stats = Vec::new();
     for step in steps {
         let n = norms(step);

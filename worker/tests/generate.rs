@@ -407,7 +407,7 @@ fn the_runner_answers_a_generate_plan_with_the_replicas_completions() {
     assert!(r.seconds > 0.0);
     // The same weights (the job's seeded init) decoded directly.
     let cfg = common::random_job(dir.path(), "");
-    let trainer = accrue_worker::train::Trainer::single(&cfg, None).unwrap();
+    let trainer = accrue_worker::train::ReplicatedTrainer::single(&cfg, None).unwrap();
     let params = SamplingParams {
         max_new_tokens: 6,
         max_batch: 2,
@@ -452,7 +452,7 @@ fn fsdp_and_zero2_runners_answer_a_generate_plan() {
             panic!("{sharding}: expected a generate result");
         };
         let cfg = common::random_job(dir.path(), "");
-        let trainer = accrue_worker::train::Trainer::single(&cfg, None).unwrap();
+        let trainer = accrue_worker::train::ReplicatedTrainer::single(&cfg, None).unwrap();
         let params = SamplingParams {
             max_new_tokens: 6,
             max_batch: 2,

@@ -11,7 +11,7 @@
 
 mod common;
 
-use accrue_worker::train::{Engine, Trainer};
+use accrue_worker::train::{ReplicatedTrainer, Trainer};
 use tch::Device;
 
 fn gpu(test: &str) -> Option<Device> {
@@ -33,7 +33,7 @@ fn parity_on(device: Device, variant: &str) {
         "[runtime]\nloss_chunk_tokens = 16\n",
     );
     cfg.device = device;
-    let mut t = Trainer::single(&cfg, None).unwrap();
+    let mut t = ReplicatedTrainer::single(&cfg, None).unwrap();
     let batch = common::batch(&docs);
     let logits = tch::no_grad(|| t.model().logits(&batch.input_ids, &batch.cu_seq_lens))
         .to_device(Device::Cpu);
@@ -93,7 +93,7 @@ fn gpu_bf16_mixed_tracks_fp32() {
             &format!("[optimizer]\neps = 1e-6\n[runtime]\nloss_chunk_tokens = 64\n{extra}"),
         );
         cfg.device = device;
-        let mut t = Trainer::single(&cfg, None).unwrap();
+        let mut t = ReplicatedTrainer::single(&cfg, None).unwrap();
         let losses: Vec<f64> = (0..20)
             .map(|s| {
                 let docs = common::synthetic_documents(&[37, 5, 61, 12, 50, 3], 100 + s);
@@ -127,7 +127,7 @@ fn gpu_memory_is_reported() {
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = common::random_job(dir.path(), "");
     cfg.device = device;
-    let mut t = Trainer::single(&cfg, None).unwrap();
+    let mut t = ReplicatedTrainer::single(&cfg, None).unwrap();
     accrue_worker::gpu_memory::reset_peak(device);
     let b = common::batch(&common::synthetic_documents(&[200, 100], 3));
     t.microbatch(0, &b, b.loss_tokens()).unwrap();
@@ -172,7 +172,7 @@ fn gpu_two_ranks_on_nccl_match_one_rank() {
     // One rank, ddp, GPU 0: the reference.
     let mut one_cfg = cfg_for("ddp");
     one_cfg.device = Device::Cuda(0);
-    let mut one = Trainer::single(&one_cfg, None).unwrap();
+    let mut one = ReplicatedTrainer::single(&one_cfg, None).unwrap();
     for docs in &steps {
         let b = common::batch(docs);
         one.microbatch(0, &b, b.loss_tokens()).unwrap();
@@ -217,10 +217,10 @@ fn gpu_two_ranks_on_nccl_match_one_rank() {
                         choice,
                     };
                     let (coll, got) = join(&l, &j).unwrap();
-                    let mut t: Box<dyn Engine> = if cfg.sharding == Sharding::Fsdp {
+                    let mut t: Box<dyn Trainer> = if cfg.sharding == Sharding::Fsdp {
                         Box::new(FsdpTrainer::new(&cfg, None, coll).unwrap())
                     } else {
-                        Box::new(Trainer::new(&cfg, None, coll).unwrap())
+                        Box::new(ReplicatedTrainer::new(&cfg, None, coll).unwrap())
                     };
                     for docs in &steps {
                         let total = common::batch(docs).loss_tokens();

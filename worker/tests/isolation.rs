@@ -12,7 +12,7 @@ mod common;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use accrue_worker::train::{Engine, Trainer};
+use accrue_worker::train::{Checkpointing, Passes, ReplicatedTrainer};
 use tch::{Device, Kind, Tensor};
 
 #[test]
@@ -20,12 +20,16 @@ fn a_seeded_init_does_not_depend_on_what_other_threads_draw() {
     tch::set_num_threads(1);
     let dir = tempfile::tempdir().unwrap();
     let cfg = common::random_job(dir.path(), "");
-    let want = common::snapshot(&Trainer::single(&cfg, None).unwrap().named_parameters());
+    let want = common::snapshot(
+        &ReplicatedTrainer::single(&cfg, None)
+            .unwrap()
+            .named_parameters(),
+    );
     // A checkpoint for the loader thread (a different seed: other weights).
     let mut other_cfg = cfg.clone();
     other_cfg.seed = 99;
     let ckpt = dir.path().join("other");
-    Trainer::single(&other_cfg, None)
+    ReplicatedTrainer::single(&other_cfg, None)
         .unwrap()
         .save_checkpoint(&ckpt)
         .unwrap();
@@ -48,7 +52,7 @@ fn a_seeded_init_does_not_depend_on_what_other_threads_draw() {
         noise.push(std::thread::spawn(move || {
             let mut loads = 0u64;
             while !stop.load(Ordering::Relaxed) {
-                Trainer::single(&cfg, Some(&ckpt)).unwrap();
+                ReplicatedTrainer::single(&cfg, Some(&ckpt)).unwrap();
                 loads += 1;
             }
             loads
@@ -60,7 +64,11 @@ fn a_seeded_init_does_not_depend_on_what_other_threads_draw() {
             std::thread::spawn(move || {
                 (0..4)
                     .map(|_| {
-                        common::snapshot(&Trainer::single(&cfg, None).unwrap().named_parameters())
+                        common::snapshot(
+                            &ReplicatedTrainer::single(&cfg, None)
+                                .unwrap()
+                                .named_parameters(),
+                        )
                     })
                     .collect::<Vec<_>>()
             })
@@ -94,7 +102,7 @@ fn a_nan_embedding_row_poisons_only_the_documents_that_use_it() {
     use accrue_worker::batch::{MicrobatchMeta, PackedBatch, StepNorms};
     let dir = tempfile::tempdir().unwrap();
     let cfg = common::random_job(dir.path(), "");
-    let mut t = Trainer::single(&cfg, None).unwrap();
+    let mut t = ReplicatedTrainer::single(&cfg, None).unwrap();
     for (name, p) in t.named_parameters() {
         if name.ends_with("embed_tokens.weight") {
             tch::no_grad(|| {

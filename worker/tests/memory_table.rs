@@ -8,7 +8,7 @@
 mod common;
 
 use accrue_worker::collective::local::LocalGroup;
-use accrue_worker::train::{StateBytes, Trainer};
+use accrue_worker::train::{ReplicatedTrainer, StateBytes};
 
 const CONFIG: &str = r#"{
   "architectures": ["LlamaForCausalLM"], "model_type": "llama",
@@ -40,7 +40,7 @@ fn measure(sharding: &str, world: usize) -> Vec<StateBytes> {
             let cfg = cfg.clone();
             std::thread::spawn(move || {
                 tch::set_num_threads(1);
-                Trainer::new(&cfg, None, Box::new(coll))
+                ReplicatedTrainer::new(&cfg, None, Box::new(coll))
                     .unwrap()
                     .state_bytes()
             })

@@ -24,7 +24,7 @@ mod common;
 use std::collections::HashMap;
 use std::path::Path;
 
-use accrue_worker::train::{Engine, Trainer};
+use accrue_worker::train::{ReplicatedTrainer, Trainer};
 use tch::Tensor;
 
 const TOL: f64 = 2e-5;
@@ -87,7 +87,7 @@ fn ours_vs_torch(
              no_decay = {no_decay}\n[runtime]\nloss_chunk_tokens = 16\n"
         ),
     );
-    let mut t = Trainer::single(&cfg, None).unwrap();
+    let mut t = ReplicatedTrainer::single(&cfg, None).unwrap();
     let batch = common::batch(&docs);
     let total = batch.loss_tokens();
     (1..=STEPS)

@@ -6,7 +6,7 @@
 
 mod common;
 
-use accrue_worker::train::Trainer;
+use accrue_worker::train::ReplicatedTrainer;
 use tch::Tensor;
 
 fn check_parity(variant: &str) {
@@ -33,7 +33,7 @@ fn check_parity(variant: &str) {
         model_dir.to_str().unwrap(),
         "[runtime]\nloss_chunk_tokens = 16\n",
     );
-    let mut trainer = Trainer::single(&cfg, None).unwrap();
+    let mut trainer = ReplicatedTrainer::single(&cfg, None).unwrap();
     let batch = common::batch(&docs);
     assert_eq!(batch.loss_tokens(), total);
 

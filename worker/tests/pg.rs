@@ -1,5 +1,5 @@
 //! Policy gradient (issue 5 "Done means"): packed rollouts through
-//! `Engine::train_microbatch` for two optimizer steps against an
+//! `Passes::train_microbatch` for two optimizer steps against an
 //! independent PyTorch reference (`scripts/reference/pg_reference.py`:
 //! transformers, each rollout unpacked, GRPO group advantages, clipped
 //! ratio, k3 KL against a frozen copy of the initial weights, AdamW), and
@@ -19,7 +19,7 @@ use std::collections::BTreeMap;
 use accrue_worker::batch::PackedBatch;
 use accrue_worker::batch::{MicrobatchMeta, SeqMeta, StepNorms};
 use accrue_worker::collective::local::LocalGroup;
-use accrue_worker::train::{Engine, Trainer};
+use accrue_worker::train::{Passes, ReplicatedTrainer, Trainer};
 use tch::Tensor;
 
 const LR: f64 = 5e-3;
@@ -251,7 +251,7 @@ fn reference_pass(case: &Case, all: &[Rollout]) -> Refs {
     let dir = tempfile::tempdir().unwrap();
     let cfg = job(dir.path(), case);
     let coll = LocalGroup::new(1).pop().unwrap();
-    let mut t = Trainer::new(&cfg, None, Box::new(coll)).unwrap();
+    let mut t = ReplicatedTrainer::new(&cfg, None, Box::new(coll)).unwrap();
     let docs: Vec<(Vec<i64>, Vec<i64>)> = all
         .iter()
         .map(|r| (r.ids.clone(), r.labels.clone()))
@@ -328,7 +328,7 @@ fn train(case: &Case, all: &[Rollout], layout: &Layout, norm: Norm) -> Outcome {
                 .collect();
             std::thread::spawn(move || {
                 tch::set_num_threads(1);
-                let mut t = Trainer::new(&cfg, None, Box::new(coll)).unwrap();
+                let mut t = ReplicatedTrainer::new(&cfg, None, Box::new(coll)).unwrap();
                 let mut per_step = Vec::new();
                 for (global, mbs) in &mine {
                     let (mut loss, mut extra) = (0.0, BTreeMap::new());
@@ -439,7 +439,7 @@ fn python_reference(
     case: &Case,
     all: &[Rollout],
 ) -> (serde_json::Value, std::collections::HashMap<String, Tensor>) {
-    let t = Trainer::single(&job(dir, case), None).unwrap();
+    let t = ReplicatedTrainer::single(&job(dir, case), None).unwrap();
     let model = dir.join("hf");
     std::fs::create_dir_all(&model).unwrap();
     std::fs::write(model.join("config.json"), common::TINY_CONFIG).unwrap();

@@ -17,7 +17,7 @@ mod common;
 
 use accrue_worker::collective::local::LocalGroup;
 use accrue_worker::collective::Collective;
-use accrue_worker::train::{Engine, FsdpTrainer, Trainer};
+use accrue_worker::train::{FsdpTrainer, ReplicatedTrainer, Trainer};
 use tch::{Kind, Tensor};
 
 const STEPS: usize = 20;
@@ -42,7 +42,7 @@ fn config(dir: &std::path::Path, extra: &str) -> accrue_worker::config::JobConfi
     )
 }
 
-fn train(t: &mut dyn Engine, norms: impl Fn(u64) -> accrue_worker::batch::StepNorms) -> Vec<f64> {
+fn train(t: &mut dyn Trainer, norms: impl Fn(u64) -> accrue_worker::batch::StepNorms) -> Vec<f64> {
     (0..STEPS)
         .map(|s| {
             let b = common::batch(&docs(s));
@@ -63,7 +63,7 @@ fn norms(loss_tokens: u64) -> accrue_worker::batch::StepNorms {
 
 fn run(dir: &std::path::Path, extra: &str) -> Run {
     let cfg = config(dir, extra);
-    let mut t = Trainer::single(&cfg, None).unwrap();
+    let mut t = ReplicatedTrainer::single(&cfg, None).unwrap();
     let losses = train(&mut t, norms);
     let params = t
         .named_parameters()
@@ -94,7 +94,7 @@ fn distance(a: &Run, reference: &Run, init: &[(String, Tensor)]) -> (f64, f64) {
 fn bf16_mixed_tracks_fp32_and_pure_bf16_is_further_off() {
     tch::set_num_threads(2);
     let dir = tempfile::tempdir().unwrap();
-    let init: Vec<(String, Tensor)> = Trainer::single(&config(dir.path(), ""), None)
+    let init: Vec<(String, Tensor)> = ReplicatedTrainer::single(&config(dir.path(), ""), None)
         .unwrap()
         .named_parameters()
         .into_iter()
@@ -142,7 +142,7 @@ fn bf16_mixed_at_zero2_and_fsdp_matches_ddp() {
                 std::thread::spawn(move || {
                     tch::set_num_threads(1);
                     let rank = coll.rank();
-                    let step = |t: &mut dyn Engine, s: usize| {
+                    let step = |t: &mut dyn Trainer, s: usize| {
                         let all = common::batch(&docs(s));
                         let mine = if rank == 0 {
                             all.clone()
@@ -163,7 +163,7 @@ fn bf16_mixed_at_zero2_and_fsdp_matches_ddp() {
                         (0..STEPS).for_each(|s| step(&mut t, s));
                         t.named_full_parameters().unwrap()
                     } else {
-                        let mut t = Trainer::new(&cfg, None, Box::new(coll)).unwrap();
+                        let mut t = ReplicatedTrainer::new(&cfg, None, Box::new(coll)).unwrap();
                         (0..STEPS).for_each(|s| step(&mut t, s));
                         t.named_full_parameters().unwrap()
                     }

@@ -14,7 +14,9 @@ use accrue_worker::batch::{MicrobatchMeta, MicrobatchOutcome, PackedBatch, StepN
 use accrue_worker::collective::{Collective, Solo};
 use accrue_worker::runner::{Factory, RunnerConfig};
 use accrue_worker::session::{self, SessionConfig};
-use accrue_worker::train::{CheckpointWrite, Engine, StepStats};
+use accrue_worker::train::{
+    CheckpointWrite, Checkpointing, Membership, Passes, StepStats, Trainer,
+};
 
 use tokio_util::sync::CancellationToken;
 
@@ -25,7 +27,7 @@ struct Fake {
     solo: Solo,
 }
 
-impl Engine for Fake {
+impl Passes for Fake {
     fn train_microbatch(
         &mut self,
         _index: usize,
@@ -45,17 +47,14 @@ impl Engine for Fake {
         })
     }
 
-    fn optimizer_step(&mut self, _lr: f64) -> anyhow::Result<StepStats> {
-        self.steps += 1;
-        Ok(StepStats { grad_norm: 1.0 })
-    }
-
     fn zero_grad(&mut self) {}
 
     fn grads_finite(&self) -> bool {
         true
     }
+}
 
+impl Membership for Fake {
     fn set_collective(&mut self, _: Box<dyn Collective>) -> anyhow::Result<()> {
         Ok(())
     }
@@ -63,7 +62,9 @@ impl Engine for Fake {
     fn group(&mut self) -> &mut dyn Collective {
         &mut self.solo
     }
+}
 
+impl Checkpointing for Fake {
     fn checkpoint_snapshot(&mut self) -> anyhow::Result<CheckpointWrite> {
         let steps = self.steps;
         Ok(Box::new(move |dir: &Path| {
@@ -73,6 +74,13 @@ impl Engine for Fake {
             std::fs::write(dir.join("model.safetensors"), fake_weights(steps))?;
             Ok(vec!["config.json".into(), "model.safetensors".into()])
         }))
+    }
+}
+
+impl Trainer for Fake {
+    fn optimizer_step(&mut self, _lr: f64) -> anyhow::Result<StepStats> {
+        self.steps += 1;
+        Ok(StepStats { grad_norm: 1.0 })
     }
 }
 
@@ -106,7 +114,7 @@ fn factory(restores: Arc<Mutex<Vec<Option<PathBuf>>>>, slow_first: Option<Durati
             steps,
             slow_first,
             solo: Solo,
-        }) as Box<dyn Engine>)
+        }) as Box<dyn Trainer>)
     })
 }
 

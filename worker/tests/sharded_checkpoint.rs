@@ -10,7 +10,7 @@ use std::path::Path;
 
 use accrue_worker::collective::local::LocalGroup;
 use accrue_worker::config::JobConfig;
-use accrue_worker::train::{Engine, Trainer};
+use accrue_worker::train::{Checkpointing, ReplicatedTrainer, Trainer};
 use tch::Tensor;
 
 type Named = Vec<(String, Tensor)>;
@@ -31,7 +31,7 @@ fn config(dir: &Path, sharding: &str) -> JobConfig {
 fn on_ranks<R, F>(world: usize, cfg: &JobConfig, restore: Option<&Path>, f: F) -> Vec<R>
 where
     R: Send + 'static,
-    F: Fn(usize, &mut Trainer) -> R + Send + Clone + 'static,
+    F: Fn(usize, &mut ReplicatedTrainer) -> R + Send + Clone + 'static,
 {
     let handles: Vec<_> = LocalGroup::new(world)
         .into_iter()
@@ -42,7 +42,8 @@ where
             let f = f.clone();
             std::thread::spawn(move || {
                 tch::set_num_threads(1);
-                let mut t = Trainer::new(&cfg, restore.as_deref(), Box::new(coll)).unwrap();
+                let mut t =
+                    ReplicatedTrainer::new(&cfg, restore.as_deref(), Box::new(coll)).unwrap();
                 f(rank, &mut t)
             })
         })
@@ -50,7 +51,7 @@ where
     handles.into_iter().map(|h| h.join().unwrap()).collect()
 }
 
-fn state(t: &mut Trainer) -> (Named, Moments) {
+fn state(t: &mut ReplicatedTrainer) -> (Named, Moments) {
     let params = common::snapshot(&t.named_parameters());
     let (step, m) = t.optimizer_state().unwrap();
     let m = m
@@ -76,7 +77,7 @@ fn assert_same(what: &str, a: &(Named, Moments), b: &(Named, Moments)) {
 }
 
 /// Two steps on both ranks, then a parallel checkpoint to `dir`.
-fn train_and_save(rank: usize, t: &mut Trainer, dir: &Path) -> (Named, Moments) {
+fn train_and_save(rank: usize, t: &mut ReplicatedTrainer, dir: &Path) -> (Named, Moments) {
     let docs = common::synthetic_documents(&[23, 9, 31, 14], 11 + rank as u64);
     let total = 2 * common::batch(&docs).loss_tokens();
     for _ in 0..2 {
@@ -113,7 +114,7 @@ fn two_rank_checkpoint_restores_at_world_1_and_2_and_loads_in_transformers() {
         }
         assert!(!ckpt.join("model.safetensors").exists());
 
-        let mut one = Trainer::single(&cfg, Some(&ckpt)).unwrap();
+        let mut one = ReplicatedTrainer::single(&cfg, Some(&ckpt)).unwrap();
         assert_same(&format!("{sharding}: world 1"), &state(&mut one), &saved[0]);
         let two = on_ranks(2, &cfg, Some(&ckpt), |_, t| state(t));
         for (r, s) in two.iter().enumerate() {

@@ -11,7 +11,7 @@ mod common;
 
 use accrue_worker::batch::PackedBatch;
 use accrue_worker::collective::local::LocalGroup;
-use accrue_worker::train::{Engine, Trainer};
+use accrue_worker::train::{Passes, ReplicatedTrainer, Trainer};
 use tch::Tensor;
 
 const TOL: f64 = 1e-5;
@@ -137,7 +137,7 @@ fn train(sharding: &str, layout: &Layout, bug: Bug) -> Outcome {
                 .collect();
             std::thread::spawn(move || {
                 tch::set_num_threads(1);
-                let mut t = Trainer::new(&cfg, None, Box::new(coll)).unwrap();
+                let mut t = ReplicatedTrainer::new(&cfg, None, Box::new(coll)).unwrap();
                 let mut per_step = Vec::new();
                 for (s, mbs) in mine.iter().enumerate() {
                     let local: u64 = mbs.iter().map(PackedBatch::loss_tokens).sum();

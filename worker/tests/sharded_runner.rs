@@ -18,7 +18,7 @@ use accrue_worker::batch::PackedBatch;
 use accrue_worker::collective::local::{LocalGroup, LocalRank};
 use accrue_worker::collective::{Collective, CollectiveError};
 use accrue_worker::runner::{default_factory, Connector, Runner, RunnerConfig, Work};
-use accrue_worker::train::{Engine, Trainer};
+use accrue_worker::train::{ReplicatedTrainer, Trainer};
 use accrue_worker::wire;
 use accrue_worker::wire::worker_message::Msg;
 
@@ -143,7 +143,7 @@ fn two_runners_train_checkpoint_and_rejoin_a_new_generation() {
 
     // One rank, all documents in one microbatch: the same loss and norm.
     let cfg = accrue_worker::convert::job_config(&job).unwrap();
-    let mut single = Trainer::single(&cfg, None).unwrap();
+    let mut single = ReplicatedTrainer::single(&cfg, None).unwrap();
     let s = single
         .microbatch(0, &PackedBatch::from_documents(&docs), total)
         .unwrap();
@@ -183,7 +183,7 @@ fn two_runners_train_checkpoint_and_rejoin_a_new_generation() {
     ] {
         assert!(ckpt.join(f).is_file(), "{f} missing");
     }
-    let restored = Trainer::single(&cfg, Some(&ckpt)).unwrap();
+    let restored = ReplicatedTrainer::single(&cfg, Some(&ckpt)).unwrap();
     let (w, n) = common::worst_rel(
         &restored.named_parameters(),
         &common::snapshot(&single.named_parameters()),
@@ -301,7 +301,7 @@ fn two_runners_train_checkpoint_and_rejoin_a_new_generation() {
         assert!(matches!(recv(&mut rx), Msg::CheckpointDone(c) if c.step == 2));
     }
     accrue_worker::train::checkpoint::marker::verify(&ckpt2).unwrap();
-    let restored = Trainer::single(&cfg, Some(&ckpt2)).unwrap();
+    let restored = ReplicatedTrainer::single(&cfg, Some(&ckpt2)).unwrap();
     let (w, n) = common::worst_rel(
         &restored.named_parameters(),
         &common::snapshot(&single.named_parameters()),
@@ -399,7 +399,7 @@ fn two_fsdp_runners_gather_the_policy_for_a_round_and_fail_together() {
     };
     assert!(r1.completions.is_empty());
     let cfg = common::random_job(dir.path(), "");
-    let single = Trainer::single(&cfg, None).unwrap();
+    let single = ReplicatedTrainer::single(&cfg, None).unwrap();
     let reqs: Vec<Request> = prompts
         .iter()
         .enumerate()

@@ -19,7 +19,7 @@ use accrue_worker::collective::reshard::SyncPlan;
 use accrue_worker::collective::Collective;
 use accrue_worker::config::JobConfig;
 use accrue_worker::runner::{default_factory, run_step, StepOutcome};
-use accrue_worker::train::{Engine, Trainer};
+use accrue_worker::train::{ReplicatedTrainer, Trainer};
 use accrue_worker::wire;
 
 /// Relative per-tensor tolerance: parameters (measured ≤ 2e-7).
@@ -85,7 +85,7 @@ impl Worker {
         std::thread::spawn(move || {
             tch::set_num_threads(1);
             let factory = default_factory();
-            let mut exec: Option<Box<dyn Engine>> = None;
+            let mut exec: Option<Box<dyn Trainer>> = None;
             for cmd in rx {
                 let r: anyhow::Result<()> = (|| {
                     match cmd {
@@ -184,8 +184,8 @@ fn run(cfg: &JobConfig, gens: &[Generation], dir: &Path, sync: bool) -> PathBuf 
 }
 
 /// One process, each step's documents in one microbatch.
-fn reference(cfg: &JobConfig) -> Trainer {
-    let mut t = Trainer::single(cfg, None).unwrap();
+fn reference(cfg: &JobConfig) -> ReplicatedTrainer {
+    let mut t = ReplicatedTrainer::single(cfg, None).unwrap();
     for docs in steps() {
         let b = PackedBatch::from_documents(&docs);
         t.microbatch(0, &b, b.loss_tokens()).unwrap();
@@ -194,8 +194,8 @@ fn reference(cfg: &JobConfig) -> Trainer {
     t
 }
 
-fn check(label: &str, ddp_cfg: &JobConfig, out: &Path, want: &mut Trainer) {
-    let mut got = Trainer::single(ddp_cfg, Some(out)).unwrap();
+fn check(label: &str, ddp_cfg: &JobConfig, out: &Path, want: &mut ReplicatedTrainer) {
+    let mut got = ReplicatedTrainer::single(ddp_cfg, Some(out)).unwrap();
     let (pw, pn) = common::worst_rel(&got.named_parameters(), &want.named_parameters());
     println!("{label}: worst parameter difference {pw:e} ({pn})");
     assert!(pw <= TOL, "{label}: parameter {pn} differs by {pw:e}");
@@ -340,7 +340,7 @@ fn a_joiner_without_state_sync_fails_the_check() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = common::random_job(dir.path(), "");
     let out = run(&cfg, &grow(), dir.path(), false);
-    let got = Trainer::single(&cfg, Some(&out)).unwrap();
+    let got = ReplicatedTrainer::single(&cfg, Some(&out)).unwrap();
     let want = reference(&cfg);
     let (pw, pn) = common::worst_rel(&got.named_parameters(), &want.named_parameters());
     println!("no sync: worst parameter difference {pw:e} ({pn})");

@@ -1,7 +1,7 @@
 //! A training forward and its backward, with activation checkpointing per
 //! decoder layer as an option (`runtime.activation_checkpointing`,
 //! Chen et al. 2016, "Training deep nets with sublinear memory cost"; the
-//! per-block policy of `torch.utils.checkpoint` in HF Trainer and
+//! per-block policy of `torch.utils.checkpoint` in HF ReplicatedTrainer and
 //! OLMo-core).
 //!
 //! Without checkpointing the forward is taped whole and the backward is

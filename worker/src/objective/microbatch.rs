@@ -279,7 +279,7 @@ pub fn policy_gradient(
     })
 }
 
-/// The job's log-prob objective on one microbatch: [`dpo`] or
+/// The job's log-prob objective on one microbatch: [`dpo()`] or
 /// [`policy_gradient`] with the step's normalisers (both trainers call
 /// this; SFT goes through the plain chunked loss instead).
 #[allow(clippy::too_many_arguments)]

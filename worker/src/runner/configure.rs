@@ -138,7 +138,7 @@ impl Thread {
                 return self.error(&c.job_id, c.generation, c.step, kind, msg, peer);
             }
         };
-        // Trainer rank 0 of a disaggregated generation serves the policy.
+        // ReplicatedTrainer rank 0 of a disaggregated generation serves the policy.
         self.serve_weights(&c);
         let h = self.job.as_mut().expect("configured above");
         h.generation = c.generation;

@@ -5,7 +5,7 @@
 //! always tagged with the weights that drew them. Errors carry the round
 //! in `WorkerError.step`.
 //!
-//! Under fsdp the model is gathered for the round (`Engine::policy`, a
+//! Under fsdp the model is gathered for the round (`Trainer::policy`, a
 //! collective): every rank of the generation takes part, an empty share
 //! included, and a rank that refuses its plan tells the others before the
 //! gather. While the round runs, a newer generation's configure interrupts

@@ -26,7 +26,7 @@ pub struct Runner {
     pending: Arc<AtomicUsize>,
     /// Why the thread died (a panic outside a plan), if it did.
     died: Arc<Mutex<Option<String>>>,
-    /// Trainer rank 0's weight server, when it serves one.
+    /// ReplicatedTrainer rank 0's weight server, when it serves one.
     weight_tx: Arc<Mutex<Option<std::sync::mpsc::Sender<Cmd>>>>,
     thread: Option<JoinHandle<()>>,
 }
@@ -51,7 +51,7 @@ impl Runner {
         let weight_tx = Arc::new(Mutex::new(None));
         let wtx = weight_tx.clone();
         let writes = pending.clone();
-        // The engine is built and lives on the thread: libtorch state
+        // The trainer is built and lives on the thread: libtorch state
         // need not be Send.
         let thread = std::thread::Builder::new()
             .name("accrue-runner".into())
@@ -113,7 +113,7 @@ impl Runner {
     /// interrupting its collective (a peer may be frozen). A configure of a
     /// newer generation aborts a step of an older one still running.
     pub fn submit(&self, work: Work) {
-        // Trainer rank 0 sends the policy from its weight server, never
+        // ReplicatedTrainer rank 0 sends the policy from its weight server, never
         // behind the steps queued here.
         let work = match work {
             Work::Sync(s) => match lock(&self.weight_tx).as_ref() {

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use crate::convert;
 use crate::error::classify;
-use crate::train::Engine;
+use crate::train::Trainer;
 use crate::wire;
 
 /// A probe's answer: this rank's sums and its non-finite microbatches;
@@ -18,7 +18,7 @@ pub type ProbeResult = Option<(wire::MetricSums, Vec<u32>)>;
 /// Runs a probe plan. A microbatch whose loss or gradient is not finite is
 /// flagged, not an error; any other failure is the plan's error.
 pub fn run_probe(
-    exec: &mut dyn Engine,
+    exec: &mut dyn Trainer,
     plan: &wire::StepPlan,
     aborted: &dyn Fn() -> bool,
 ) -> Result<ProbeResult, wire::WorkerError> {

@@ -17,7 +17,7 @@ use tracing::info;
 use super::thread::Thread;
 use crate::error::classify;
 use crate::train::checkpoint::{marker, optimizer_file};
-use crate::train::Engine;
+use crate::train::Trainer;
 use crate::wire;
 use crate::wire::worker_message::Msg;
 
@@ -34,7 +34,7 @@ pub struct PolicyMarker {
 /// Writes this rank's part of the policy in `dir`; rank 0 adds the
 /// markers once every rank's files are written.
 pub fn write_policy(
-    exec: &mut dyn Engine,
+    exec: &mut dyn Trainer,
     rank: u32,
     world: u32,
     dir: &Path,

@@ -1,4 +1,4 @@
-//! Runner tests of recovery (issue 6) with fake engines: restore
+//! Runner tests of recovery (issue 6) with fake trainers: restore
 //! verification (RESTORE_FAILED naming the file), checkpoints written in
 //! the background while training goes on, an abort interrupting a step
 //! blocked in a ring collective on a frozen peer, held-state mismatch.
@@ -13,8 +13,8 @@ use super::*;
 use crate::batch::{MicrobatchMeta, MicrobatchOutcome, PackedBatch, StepNorms};
 use crate::collective::Collective;
 use crate::train::checkpoint::marker;
-use crate::train::Engine;
 use crate::train::{CheckpointWrite, StepStats};
+use crate::train::{Checkpointing, Membership, Passes, Trainer};
 use crate::wire;
 use crate::wire::worker_message::Msg;
 
@@ -47,7 +47,7 @@ struct Slow {
     panic_on_checkpoint: bool,
 }
 
-impl Engine for Slow {
+impl Passes for Slow {
     fn train_microbatch(
         &mut self,
         _: usize,
@@ -68,16 +68,28 @@ impl Engine for Slow {
             ..Default::default()
         })
     }
-    fn optimizer_step(&mut self, _: f64) -> anyhow::Result<StepStats> {
-        self.steps.fetch_add(1, Ordering::SeqCst);
-        Ok(StepStats { grad_norm: 1.0 })
-    }
+
     fn zero_grad(&mut self) {
         self.zero_grads.fetch_add(1, Ordering::SeqCst);
     }
+
     fn grads_finite(&self) -> bool {
         true
     }
+}
+
+impl Membership for Slow {
+    fn set_collective(&mut self, coll: Box<dyn Collective>) -> anyhow::Result<()> {
+        self.coll = Some(coll);
+        Ok(())
+    }
+
+    fn group(&mut self) -> &mut dyn Collective {
+        self.coll.as_deref_mut().expect("a collective")
+    }
+}
+
+impl Checkpointing for Slow {
     fn checkpoint_snapshot(&mut self) -> anyhow::Result<CheckpointWrite> {
         assert!(
             !self.panic_on_checkpoint,
@@ -90,12 +102,12 @@ impl Engine for Slow {
             Ok(vec!["model.safetensors".into()])
         }))
     }
-    fn set_collective(&mut self, coll: Box<dyn Collective>) -> anyhow::Result<()> {
-        self.coll = Some(coll);
-        Ok(())
-    }
-    fn group(&mut self) -> &mut dyn Collective {
-        self.coll.as_deref_mut().expect("a collective")
+}
+
+impl Trainer for Slow {
+    fn optimizer_step(&mut self, _: f64) -> anyhow::Result<StepStats> {
+        self.steps.fetch_add(1, Ordering::SeqCst);
+        Ok(StepStats { grad_norm: 1.0 })
     }
 }
 
@@ -126,7 +138,7 @@ fn factory_of(
             zero_grads: z.clone(),
             steps: s.clone(),
             panic_on_checkpoint,
-        }) as Box<dyn Engine>)
+        }) as Box<dyn Trainer>)
     });
     (f, c)
 }

@@ -8,12 +8,12 @@ use std::time::Instant;
 
 use crate::convert;
 use crate::error::classify;
-use crate::train::Engine;
+use crate::train::Trainer;
 use crate::wire;
 
 /// Runs a reference plan's microbatches; an error names the microbatch.
 pub fn run_reference(
-    exec: &mut dyn Engine,
+    exec: &mut dyn Trainer,
     plan: &wire::StepPlan,
 ) -> Result<(wire::MetricSums, Vec<wire::SequenceLogp>), wire::WorkerError> {
     run_logps(
@@ -27,20 +27,20 @@ pub fn run_reference(
 /// Runs an eval plan's microbatches: the same report as a reference plan,
 /// under the current weights (the coordinator forms the eval metrics).
 pub fn run_eval(
-    exec: &mut dyn Engine,
+    exec: &mut dyn Trainer,
     plan: &wire::StepPlan,
 ) -> Result<(wire::MetricSums, Vec<wire::SequenceLogp>), wire::WorkerError> {
     run_logps(exec, plan, |e, i, b| e.eval_logps(i, b), "eval chunk")
 }
 
 type LogpsFn = fn(
-    &mut dyn Engine,
+    &mut dyn Trainer,
     usize,
     &crate::batch::PackedBatch,
 ) -> anyhow::Result<Vec<crate::batch::SequenceLogp>>;
 
 fn run_logps(
-    exec: &mut dyn Engine,
+    exec: &mut dyn Trainer,
     plan: &wire::StepPlan,
     logps_of: LogpsFn,
     what: &str,
@@ -52,7 +52,7 @@ fn run_logps(
     };
     let mut logps = Vec::new();
     for (i, mb) in plan.microbatches.iter().enumerate() {
-        // An engine with collectives per microbatch (fsdp) runs empty
+        // A trainer with collectives per microbatch (fsdp) runs empty
         // ones too, so every rank issues the same collectives.
         if mb.token_ids.is_empty() && !exec.collective_per_microbatch() {
             continue;

@@ -1,5 +1,5 @@
 //! Running one step plan ([`run_step`]): the part of the runner that is a
-//! plain function of an engine and a plan, tested with fakes. Failures
+//! plain function of a trainer and a plan, tested with fakes. Failures
 //! carry their kind (`crate::error::classify`).
 
 use std::time::Instant;
@@ -7,7 +7,7 @@ use std::time::Instant;
 use super::fault;
 use crate::convert;
 use crate::error::classify;
-use crate::train::Engine;
+use crate::train::Trainer;
 use crate::wire;
 
 /// How a step ended.
@@ -43,7 +43,7 @@ pub(super) fn plan_error(
 /// gives the padding a padded layout would have wasted; `idle_s` is the
 /// time since the previous plan finished.
 pub fn run_step(
-    exec: &mut dyn Engine,
+    exec: &mut dyn Trainer,
     plan: &wire::StepPlan,
     idle_s: f64,
     aborted: &dyn Fn() -> bool,

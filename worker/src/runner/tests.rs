@@ -1,4 +1,4 @@
-//! Runner tests with a fake engine: sums, padding, error kinds, aborts,
+//! Runner tests with a fake trainer: sums, padding, error kinds, aborts,
 //! and the thread protocol (configure → ready, plan → result, checkpoint).
 
 use std::sync::atomic::AtomicBool;
@@ -15,8 +15,8 @@ use crate::batch::{MicrobatchMeta, MicrobatchOutcome, PackedBatch, SequenceLogp,
 use crate::collective::Solo;
 use crate::collective::{Collective, CollectiveError};
 use crate::error::StepError;
-use crate::train::Engine;
 use crate::train::{CheckpointWrite, StepStats};
+use crate::train::{Checkpointing, Membership, Passes, Trainer};
 use crate::wire;
 use crate::wire::worker_message::Msg;
 
@@ -56,7 +56,7 @@ impl Fake {
     }
 }
 
-impl Engine for Fake {
+impl Passes for Fake {
     fn train_microbatch(
         &mut self,
         index: usize,
@@ -85,14 +85,6 @@ impl Engine for Fake {
         })
     }
 
-    fn optimizer_step(&mut self, lr: f64) -> anyhow::Result<StepStats> {
-        if self.fail_optimizer {
-            return Err(StepError::non_finite("gradient norm NaN"));
-        }
-        self.calls.lock().unwrap().steps.push(lr);
-        Ok(StepStats { grad_norm: 0.75 })
-    }
-
     fn zero_grad(&mut self) {
         self.calls.lock().unwrap().zero_grads += 1;
     }
@@ -100,7 +92,9 @@ impl Engine for Fake {
     fn grads_finite(&self) -> bool {
         true
     }
+}
 
+impl Membership for Fake {
     fn set_collective(&mut self, coll: Box<dyn Collective>) -> anyhow::Result<()> {
         self.coll = Some(coll);
         Ok(())
@@ -112,12 +106,24 @@ impl Engine for Fake {
             None => &mut self.solo,
         }
     }
+}
 
+impl Checkpointing for Fake {
     fn checkpoint_snapshot(&mut self) -> anyhow::Result<CheckpointWrite> {
         Ok(Box::new(|dir: &Path| {
             std::fs::write(dir.join("model.safetensors"), b"fake")?;
             Ok(vec!["model.safetensors".to_string()])
         }))
+    }
+}
+
+impl Trainer for Fake {
+    fn optimizer_step(&mut self, lr: f64) -> anyhow::Result<StepStats> {
+        if self.fail_optimizer {
+            return Err(StepError::non_finite("gradient norm NaN"));
+        }
+        self.calls.lock().unwrap().steps.push(lr);
+        Ok(StepStats { grad_norm: 0.75 })
     }
 }
 
@@ -249,7 +255,7 @@ fn failures_carry_their_typed_kind_and_optimizer_failures_name_the_step() {
         kind_of(|| StepError::data("token 900 outside the vocabulary")),
         wire::ErrorKind::Data
     );
-    // A microbatch the plan got wrong is refused before the engine runs.
+    // A microbatch the plan got wrong is refused before the trainer runs.
     let (mut fake, calls) = Fake::new();
     let mut bad = plan(2, vec![mb(&[("a:1", 3)])]);
     bad.microbatches[0].cu_seq_lens = vec![0, 2];
@@ -344,7 +350,7 @@ fn the_thread_configures_runs_checkpoints_and_drains_on_shutdown() {
             delay: Duration::from_millis(50),
             coll: None,
             solo: Solo,
-        }) as Box<dyn Engine>)
+        }) as Box<dyn Trainer>)
     });
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let runner = Runner::spawn(factory, tx);
@@ -413,7 +419,7 @@ fn reconfiguring_at_the_held_step_keeps_the_replica() {
     let b2 = builds.clone();
     let factory: Factory = Arc::new(move |_, _, _| {
         b2.fetch_add(1, Ordering::SeqCst);
-        Ok(Box::new(Fake::new().0) as Box<dyn Engine>)
+        Ok(Box::new(Fake::new().0) as Box<dyn Trainer>)
     });
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let runner = Runner::spawn(factory, tx);
@@ -520,7 +526,7 @@ fn each_rank_gets_its_collective_and_a_failed_collective_blames_the_peer() {
     let seen = Arc::new(Mutex::new(Vec::new()));
     let s2 = seen.clone();
     struct Failing(Solo);
-    impl Engine for Failing {
+    impl Passes for Failing {
         fn train_microbatch(
             &mut self,
             _: usize,
@@ -530,6 +536,31 @@ fn each_rank_gets_its_collective_and_a_failed_collective_blames_the_peer() {
         ) -> anyhow::Result<MicrobatchOutcome> {
             Ok(MicrobatchOutcome::default())
         }
+
+        fn zero_grad(&mut self) {}
+
+        fn grads_finite(&self) -> bool {
+            true
+        }
+    }
+
+    impl Membership for Failing {
+        fn set_collective(&mut self, _: Box<dyn Collective>) -> anyhow::Result<()> {
+            Ok(())
+        }
+
+        fn group(&mut self) -> &mut dyn Collective {
+            &mut self.0
+        }
+    }
+
+    impl Checkpointing for Failing {
+        fn checkpoint_snapshot(&mut self) -> anyhow::Result<CheckpointWrite> {
+            Ok(Box::new(|_: &Path| Ok(Vec::new())))
+        }
+    }
+
+    impl Trainer for Failing {
         fn optimizer_step(&mut self, _: f64) -> anyhow::Result<StepStats> {
             Err(anyhow::Error::new(CollectiveError::Timeout {
                 op: "all_reduce",
@@ -539,23 +570,10 @@ fn each_rank_gets_its_collective_and_a_failed_collective_blames_the_peer() {
             })
             .context("reducing gradients"))
         }
-        fn zero_grad(&mut self) {}
-        fn grads_finite(&self) -> bool {
-            true
-        }
-        fn checkpoint_snapshot(&mut self) -> anyhow::Result<CheckpointWrite> {
-            Ok(Box::new(|_: &Path| Ok(Vec::new())))
-        }
-        fn set_collective(&mut self, _: Box<dyn Collective>) -> anyhow::Result<()> {
-            Ok(())
-        }
-        fn group(&mut self) -> &mut dyn Collective {
-            &mut self.0
-        }
     }
     let factory: Factory = Arc::new(move |_, _, coll| {
         s2.lock().unwrap().push((coll.rank(), coll.world_size()));
-        Ok(Box::new(Failing(Solo)) as Box<dyn Engine>)
+        Ok(Box::new(Failing(Solo)) as Box<dyn Trainer>)
     });
     let connector = local_connector(2);
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
@@ -599,17 +617,17 @@ fn each_rank_gets_its_collective_and_a_failed_collective_blames_the_peer() {
     }
 }
 
-/// An engine with collectives per microbatch (fsdp) runs a reference
+/// A trainer with collectives per microbatch (fsdp) runs a reference
 /// plan's empty microbatches too (its ranks stay in lockstep); another
-/// engine skips them. Both report the same sums.
+/// trainer skips them. Both report the same sums.
 #[test]
-fn reference_plans_run_empty_microbatches_for_lockstep_engines() {
+fn reference_plans_run_empty_microbatches_for_lockstep_trainers() {
     struct Ref {
         lockstep: bool,
         seen: Vec<usize>,
         solo: Solo,
     }
-    impl Engine for Ref {
+    impl Passes for Ref {
         fn train_microbatch(
             &mut self,
             _: usize,
@@ -619,6 +637,7 @@ fn reference_plans_run_empty_microbatches_for_lockstep_engines() {
         ) -> anyhow::Result<MicrobatchOutcome> {
             anyhow::bail!("a reference plan trains nothing")
         }
+
         fn reference_logps(
             &mut self,
             index: usize,
@@ -632,24 +651,37 @@ fn reference_plans_run_empty_microbatches_for_lockstep_engines() {
             };
             Ok(vec![one; mb.documents()])
         }
-        fn optimizer_step(&mut self, _: f64) -> anyhow::Result<StepStats> {
-            anyhow::bail!("a reference plan steps nothing")
-        }
+
         fn zero_grad(&mut self) {}
+
         fn grads_finite(&self) -> bool {
             true
         }
+
+        fn collective_per_microbatch(&self) -> bool {
+            self.lockstep
+        }
+    }
+
+    impl Membership for Ref {
         fn set_collective(&mut self, _: Box<dyn Collective>) -> anyhow::Result<()> {
             Ok(())
         }
+
         fn group(&mut self) -> &mut dyn Collective {
             &mut self.solo
         }
+    }
+
+    impl Checkpointing for Ref {
         fn checkpoint_snapshot(&mut self) -> anyhow::Result<CheckpointWrite> {
             anyhow::bail!("no checkpoint")
         }
-        fn collective_per_microbatch(&self) -> bool {
-            self.lockstep
+    }
+
+    impl Trainer for Ref {
+        fn optimizer_step(&mut self, _: f64) -> anyhow::Result<StepStats> {
+            anyhow::bail!("a reference plan steps nothing")
         }
     }
     let mut p = plan(
@@ -742,7 +774,7 @@ fn gathering_pair() -> (
     let factory: Factory = Arc::new(|_, _, coll| {
         let (mut f, _) = Fake::new();
         f.coll = Some(coll);
-        Ok(Box::new(f) as Box<dyn Engine>)
+        Ok(Box::new(f) as Box<dyn Trainer>)
     });
     let listeners: Vec<TcpListener> = (0..2)
         .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())

@@ -1,4 +1,4 @@
-//! The runner thread's state and its work loop: it owns the engine,
+//! The runner thread's state and its work loop: it owns the trainer,
 //! takes [`Work`] in order and answers with ready-made `WorkerMessage`s.
 //! Configure, checkpoint and publish are implemented beside this file.
 
@@ -18,7 +18,7 @@ use super::weight_server::{Cmd, WeightServer};
 use super::work::{Connector, Factory, Progress, Work};
 use super::writer::Writer;
 use crate::collective::{AbortHandle, Collective};
-use crate::train::Engine;
+use crate::train::Trainer;
 use crate::wire;
 use crate::wire::worker_message::Msg;
 
@@ -64,10 +64,10 @@ pub(super) struct Held {
     /// Train-step results go to rank 0 over the collective, which sends
     /// them all (`Configure.gather_results`).
     pub(super) gather_results: bool,
-    /// Last step whose update the engine holds.
+    /// Last step whose update the trainer holds.
     pub(super) step: u64,
     pub(super) name: String,
-    pub(super) exec: Box<dyn Engine>,
+    pub(super) exec: Box<dyn Trainer>,
 }
 
 impl Held {
@@ -87,7 +87,7 @@ pub(super) struct Thread {
     pub(super) factory: Factory,
     pub(super) connector: Connector,
     pub(super) listener: Option<TcpListener>,
-    /// Where engines are built (`--device`).
+    /// Where trainers are built (`--device`).
     pub(super) device: tch::Device,
     pub(super) out: UnboundedSender<wire::WorkerMessage>,
     pub(super) aborted: Arc<Mutex<Option<PlanKey>>>,
@@ -97,7 +97,7 @@ pub(super) struct Thread {
     pub(super) last_done: Instant,
     /// The background checkpoint writer (one write at a time).
     pub(super) writer: Writer,
-    /// Trainer rank 0 of a disaggregated generation: its weight server
+    /// ReplicatedTrainer rank 0 of a disaggregated generation: its weight server
     /// (`super::weights`), and the server's inbox as the runner's handle
     /// sees it (`SyncWeights` skips the work queue).
     pub(super) weights: Option<WeightServer>,

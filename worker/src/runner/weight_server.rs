@@ -1,4 +1,4 @@
-//! Trainer rank 0's weight server (disaggregated RL, issue 17; see
+//! ReplicatedTrainer rank 0's weight server (disaggregated RL, issue 17; see
 //! `super::weights`): a thread of its own that keeps the newest policy
 //! snapshot and broadcasts it over the weight ring when told, so a sync
 //! never waits behind the steps queued on the runner thread.
@@ -29,7 +29,7 @@ pub enum Cmd {
     Sync(wire::SyncWeights),
 }
 
-/// Trainer rank 0's sender of published policies over the weight ring.
+/// ReplicatedTrainer rank 0's sender of published policies over the weight ring.
 pub struct WeightServer {
     tx: mpsc::Sender<Cmd>,
     /// The inbox as the runner's handle sees it: set while this server

@@ -8,7 +8,7 @@
 //! generator dialling early is refused as "a newer generation, wait" by
 //! the training ring's accept and retries until the weight ring's turn.
 //!
-//! Trainer rank 0 keeps the newest policy snapshot (`PublishPolicy` with
+//! ReplicatedTrainer rank 0 keeps the newest policy snapshot (`PublishPolicy` with
 //! the generators as target, taken on the runner thread in step order)
 //! in its weight server (`super::weight_server`): a thread of its own that
 //! broadcasts it when the coordinator says so (`SyncWeights`), so a sync
@@ -71,7 +71,7 @@ impl Thread {
         Ok((Box::new(crate::collective::timed::Timed(coll)), abort))
     }
 
-    /// Trainer rank 0 of a disaggregated generation: starts its weight
+    /// ReplicatedTrainer rank 0 of a disaggregated generation: starts its weight
     /// server on the ring joined at configure; any other member ends the
     /// one it had.
     pub(super) fn serve_weights(&mut self, c: &wire::Configure) {

@@ -1,5 +1,5 @@
 //! What the runner is given and what it shares with the session: the
-//! engine factory and collective connector, the work it takes, and the
+//! trainer factory and collective connector, the work it takes, and the
 //! progress the heartbeat reads.
 
 use std::net::TcpListener;
@@ -13,13 +13,13 @@ use tracing::info;
 use crate::collective::join::{join, Join};
 use crate::collective::{Collective, CollectiveError};
 use crate::config::JobConfig;
-use crate::train::Engine;
+use crate::train::Trainer;
 use crate::wire;
 
-/// Builds an engine for a job and this rank's collective, restoring from
+/// Builds a trainer for a job and this rank's collective, restoring from
 /// a checkpoint directory if given.
 pub type Factory = Arc<
-    dyn Fn(&JobConfig, Option<&Path>, Box<dyn Collective>) -> anyhow::Result<Box<dyn Engine>>
+    dyn Fn(&JobConfig, Option<&Path>, Box<dyn Collective>) -> anyhow::Result<Box<dyn Trainer>>
         + Send
         + Sync,
 >;
@@ -33,7 +33,7 @@ pub type Connector = Arc<
         + Sync,
 >;
 
-/// The libtorch engines, by the job's sharding (`train::build`).
+/// The libtorch trainers, by the job's sharding (`train::build`).
 pub fn default_factory() -> Factory {
     Arc::new(crate::train::build)
 }
@@ -121,14 +121,14 @@ pub fn default_connector(device: Device) -> Connector {
     })
 }
 
-/// What a [`Runner`] is built from.
+/// What a [`Runner`](super::Runner) is built from.
 pub struct RunnerConfig {
     pub factory: Factory,
     pub connector: Connector,
     /// This worker's collective endpoint (peers connect to it); needed for
     /// world sizes above 1.
     pub listener: Option<TcpListener>,
-    /// Where the engines are built (`--device`).
+    /// Where the trainers are built (`--device`).
     pub device: Device,
 }
 

@@ -1,6 +1,6 @@
 //! Asynchronous, atomic checkpoints (issue 6). A `CheckpointRequest` is
 //! split in two:
-//! 1. on the runner thread, [`Engine::checkpoint_snapshot`] copies
+//! 1. on the runner thread, [`Checkpointing::checkpoint_snapshot`](crate::train::Checkpointing::checkpoint_snapshot) copies
 //!    what this rank writes into CPU memory (it may run collectives: FSDP
 //!    gathers whole tensors, zero2 its moments), in step order with the
 //!    plans around it;
@@ -28,7 +28,7 @@ use tracing::{info, warn};
 
 use super::fault;
 use crate::train::checkpoint::marker;
-use crate::train::{CheckpointWrite, Engine};
+use crate::train::{CheckpointWrite, Trainer};
 use crate::wire;
 use crate::wire::worker_message::Msg;
 
@@ -99,7 +99,7 @@ fn write_part(
 /// Snapshots and writes a checkpoint part at once, on this thread (every
 /// rank calls it; see the module docs for the files).
 pub fn write_checkpoint(
-    exec: &mut dyn Engine,
+    exec: &mut dyn Trainer,
     rank: u32,
     dir: &Path,
     manifest: &CheckpointManifest,

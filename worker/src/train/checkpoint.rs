@@ -153,7 +153,7 @@ impl Snapshot {
 /// Writes this rank's part of a sharded checkpoint: its assigned tensors
 /// (see [`assign_tensors`] over `all_sizes`, `(name, bytes)` of every
 /// parameter) and their moments. Rank 0 also writes `config.json`, the
-/// index and `trainer.json`. With `world == 1` this is [`save`]'s layout.
+/// index and `trainer.json`. With `world == 1` this is `save`'s layout.
 /// Returns the names of the files written.
 #[allow(clippy::too_many_arguments)]
 pub fn save_shard(

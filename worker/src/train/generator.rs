@@ -6,8 +6,10 @@
 
 use anyhow::{anyhow, bail};
 
-use super::engine::{CheckpointWrite, Engine, Policy};
 use super::source::frozen;
+use super::trainer::{
+    CheckpointWrite, Checkpointing, Membership, Passes, Policy, StepStats, Trainer,
+};
 use crate::batch::{MicrobatchMeta, MicrobatchOutcome, PackedBatch, StepNorms};
 use crate::collective::Collective;
 use crate::config::{JobConfig, ModelSource};
@@ -50,7 +52,7 @@ fn no_training() -> anyhow::Error {
     anyhow!("a generator worker does not train (it only generates, with the trainers' weights)")
 }
 
-impl Engine for Generator {
+impl Passes for Generator {
     fn train_microbatch(
         &mut self,
         _index: usize,
@@ -61,20 +63,14 @@ impl Engine for Generator {
         Err(no_training())
     }
 
-    fn optimizer_step(&mut self, _lr: f64) -> anyhow::Result<super::trainer::StepStats> {
-        Err(no_training())
-    }
-
     fn zero_grad(&mut self) {}
 
     fn grads_finite(&self) -> bool {
         true
     }
+}
 
-    fn checkpoint_snapshot(&mut self) -> anyhow::Result<CheckpointWrite> {
-        Err(no_training())
-    }
-
+impl Membership for Generator {
     /// A generator never serves as a training replica (a worker that
     /// generated and now trains is rebuilt or synced like a new member).
     fn fits(&self, _rank: usize, _world: usize) -> bool {
@@ -88,6 +84,18 @@ impl Engine for Generator {
 
     fn group(&mut self) -> &mut dyn Collective {
         self.ring.as_mut()
+    }
+}
+
+impl Checkpointing for Generator {
+    fn checkpoint_snapshot(&mut self) -> anyhow::Result<CheckpointWrite> {
+        Err(no_training())
+    }
+}
+
+impl Trainer for Generator {
+    fn optimizer_step(&mut self, _lr: f64) -> anyhow::Result<StepStats> {
+        Err(no_training())
     }
 
     fn policy(&mut self, _ready: bool) -> anyhow::Result<Policy<'_>> {

@@ -1,9 +1,9 @@
-//! Training on packed microbatches: the [`Engine`] interface and its two
-//! implementations (the replicated [`Trainer`] for ddp and zero2, the
-//! sharded [`FsdpTrainer`]), AdamW, and checkpoints.
+//! Training on packed microbatches: the [`Trainer`] interface and its two
+//! implementations ([`ReplicatedTrainer`] for ddp and zero2,
+//! [`FsdpTrainer`] for fsdp), AdamW, and checkpoints.
 
+mod build;
 pub mod checkpoint;
-pub mod engine;
 pub mod finite;
 pub mod flat;
 pub mod fsdp;
@@ -11,11 +11,13 @@ pub mod generator;
 pub mod memory;
 pub mod optim;
 pub mod policy_sync;
+pub mod replicated;
 pub mod source;
 pub mod trainer;
 
-pub use engine::{build, CheckpointWrite, Engine, Policy};
+pub use build::build;
 pub use fsdp::FsdpTrainer;
 pub use generator::Generator;
 pub use memory::StateBytes;
-pub use trainer::{Sharding, StepStats, Trainer};
+pub use replicated::{ReplicatedTrainer, Sharding};
+pub use trainer::{CheckpointWrite, Checkpointing, Membership, Passes, Policy, StepStats, Trainer};

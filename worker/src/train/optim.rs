@@ -2,13 +2,13 @@
 //! `torch.nn.utils.clip_grad_norm_`, over flat buffers.
 //!
 //! Per element, at step t (the optimizer's own count, from 1), for a
-//! parameter whose group decays (weight decay groups: HF Trainer and
+//! parameter whose group decays (weight decay groups: HF ReplicatedTrainer and
 //! open-instruct leave biases and norm weights out, see [`Segment`]):
 //! `p ← p·(1 − lr·wd)`; `m ← lerp(m, g, 1−β1)`; `v ← β2·v + (1−β2)·g²`;
 //! `p ← p − lr/(1−β1ᵗ) · m / (√v / √(1−β2ᵗ) + ε)`.
 //! Moments are float32 whatever the parameter dtype.
 //!
-//! The engines keep parameters, gradients and moments as a few flat
+//! The trainers keep parameters, gradients and moments as a few flat
 //! tensors (ddp: one of each; zero2: this rank's shard; fsdp: one per unit
 //! shard), so the update is one call per contiguous run of one decay group
 //! ([`Segment`]). On float32 CPU buffers it is one pass
@@ -166,7 +166,7 @@ pub fn sum_of_squares(grads: &[Tensor]) -> f64 {
 
 /// The factor `clip_grad_norm_` scales the gradients by for a global
 /// `norm` (it multiplies even when the factor is 1), or `None` when
-/// clipping is off (`max_norm` 0). Both engines clip with it.
+/// clipping is off (`max_norm` 0). Both trainers clip with it.
 pub fn clip_coefficient(norm: f64, max_norm: f64) -> Option<f64> {
     (max_norm > 0.0).then(|| (max_norm / (norm + 1e-6)).min(1.0))
 }

@@ -2,7 +2,7 @@
 //! broadcast from trainer rank 0 to the generators over the weight ring.
 //!
 //! The payload is every parameter of the model generation runs on (the
-//! trainer's compute copy: `Engine::policy`), in HF name order, each
+//! trainer's compute copy: `Trainer::policy`), in HF name order, each
 //! tensor's bytes in its own dtype, back to back: the generators load
 //! exactly the bits the trainer holds (bf16 stays bf16), so their weights
 //! equal the trainer's. Collectives move float32, so the bytes travel as
@@ -126,7 +126,7 @@ fn read_header(t: &Tensor) -> anyhow::Result<(u64, u64, u64)> {
     Ok((w[1] | w[2] << 32, w[3] | w[4] << 32, w[5] | w[6] << 32))
 }
 
-/// Trainer rank 0 (weight ring rank 0): sends `payload` to every generator.
+/// ReplicatedTrainer rank 0 (weight ring rank 0): sends `payload` to every generator.
 pub fn send(coll: &mut dyn Collective, payload: &PolicyPayload) -> anyhow::Result<()> {
     ensure!(coll.rank() == 0, "only weight ring rank 0 sends the policy");
     let device = coll.device();

@@ -1,7 +1,7 @@
 //! Where a replica's model comes from: the job's init (a seeded random
 //! init, or a Hugging Face directory) or a checkpoint of ours; and the
 //! frozen copy of the initial model that reference log-probs are taken on.
-//! Both engines build from here.
+//! Both trainers build from here.
 
 use std::path::Path;
 

@@ -1,54 +1,36 @@
-//! The data-parallel trainer: forward + backward of packed microbatches
-//! with exact accumulation, then one AdamW step, replicated (`ddp`) or with
-//! gradients and optimizer state sharded over ranks (`zero2`).
+//! The trainer interface (issue 13): what the runner needs from one rank's
+//! model replica and optimizer, whatever the sharding level. Two trainers
+//! implement it — [`ReplicatedTrainer`](super::ReplicatedTrainer) (ddp, zero2) and
+//! [`FsdpTrainer`](super::FsdpTrainer)
+//! (fsdp) — and [`build`](super::build()) picks one by the job's sharding; a generator
+//! worker's [`Generator`](super::Generator) implements it to take part in a
+//! generation without training.
 //!
-//! The math (DESIGN.md, "The math"): each microbatch backpropagates
-//! `(1/T) Σ_{t∈mb} ℓ_t` with T the step's global loss-token count from the
-//! plan, identical on every rank; gradients are summed across microbatches
-//! and across ranks. Never divide by the number of microbatches or ranks:
-//! a short microbatch must weigh less than a long one.
-//!
-//! State, all in one flat layout ([`FlatLayout`], the weight-decay group
-//! first): the master weights (`model.dtype`; the model's variables are
-//! views of one flat buffer), the float32 gradient accumulator (see
-//! [`grads`]) and the AdamW moments. With mixed precision
-//! (`precision.compute` ≠ `model.dtype`) forward and backward run on a
-//! compute-dtype copy of the model, refreshed from the masters after every
-//! update; its gradients are summed in float32.
-//! - `ddp`: gradients accumulate whole and are all-reduced at the
-//!   boundary; every rank clips with the global norm and updates its full
-//!   replica.
-//! - `zero2`: gradients are reduce-scattered into each rank's float32
-//!   shard after every microbatch; at the boundary each rank takes the
-//!   global norm as `sqrt(Σ_ranks Σ_shard g²)`, updates its shard of the
-//!   master weights with its shard of the moments, and all-gathers them.
-
-mod engine;
-mod grads;
-mod objectives;
-mod state;
-mod sync;
+//! [`Trainer`] is four traits, so that each trainer implements each part in
+//! the file that does the work, not through a layer of forwarding methods:
+//! [`Passes`] (forward and backward over microbatches: the objectives),
+//! [`Membership`] (the generation's collective and the state layout:
+//! resharding), [`Checkpointing`] (snapshot and write) and [`Trainer`]
+//! itself (the optimizer step and the policy for generation). What the
+//! trainers share is written once: the global-norm clip
+//! (`optim::clip_coefficient`), agreement between ranks
+//! (`collective::count_failures`, and [`Checkpointing::save_checkpoint`]),
+//! the collective swap ([`swap_collective`]) and the objective dispatch
+//! (`objective::microbatch::objective`).
 
 use std::path::Path;
 
-use anyhow::{bail, Context};
-use tch::{Device, Kind, Tensor};
+use anyhow::bail;
 
-use crate::batch::{MicrobatchOutcome, PackedBatch};
-use crate::collective::{shard_range, Collective, CollectiveError, Solo};
-use crate::config::{self, JobConfig};
-use crate::error::StepError;
-use crate::model::recompute::VarGroups;
-use crate::model::{loss, Init, Llama, PackedAttention};
-use crate::objective::Objective;
+use crate::batch::{MicrobatchMeta, MicrobatchOutcome, PackedBatch, SequenceLogp, StepNorms};
+use crate::collective::reshard::SyncPlan;
+use crate::collective::{count_failures, Collective};
+use crate::model::Llama;
 
-use super::checkpoint;
-use super::flat::FlatLayout;
-use super::optim::{self, AdamW};
-use super::source::{build_model, frozen};
-use grads::Grads;
-
-pub use grads::BUCKET_ELEMENTS;
+/// Writes a rank's snapshotted part of a checkpoint into a directory (on a
+/// background thread, no collectives); returns the names of the files
+/// written.
+pub type CheckpointWrite = Box<dyn FnOnce(&Path) -> anyhow::Result<Vec<String>> + Send>;
 
 /// What an optimizer step reports.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -57,437 +39,215 @@ pub struct StepStats {
     pub grad_norm: f64,
 }
 
-/// This trainer's two sharding levels (fsdp is another engine,
-/// `train::fsdp`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Sharding {
-    /// Replicated parameters and optimizer state; gradients all-reduced.
-    Ddp,
-    /// Replicated parameters; gradients reduce-scattered during the step,
-    /// optimizer state sharded by flat element range.
-    Zero2,
-}
-
-impl Sharding {
-    fn of(s: config::Sharding) -> anyhow::Result<Sharding> {
-        match s {
-            config::Sharding::Ddp => Ok(Sharding::Ddp),
-            config::Sharding::Zero2 => Ok(Sharding::Zero2),
-            config::Sharding::Fsdp => {
-                bail!("parallel.sharding = \"fsdp\" runs on the fsdp engine, not this trainer")
-            }
-        }
-    }
-}
-
-/// Model + optimizer of one rank.
-pub struct Trainer {
-    /// The master weights (`model.dtype`); its variables are views of
-    /// `flat_params`.
-    model: Llama,
-    /// Mixed precision: the compute-dtype copy forward/backward run on.
-    compute: Option<Llama>,
-    /// HF names, sorted.
-    names: Vec<String>,
-    /// The master variables, in `names` order.
-    params: Vec<Tensor>,
-    /// The variables the backward differentiates (the compute copy's, or
-    /// `params`), in `names` order.
-    compute_params: Vec<Tensor>,
-    groups: VarGroups,
-    layout: FlatLayout,
-    flat_params: Tensor,
-    sharding: Sharding,
-    coll: Box<dyn Collective>,
-    grads: Grads,
-    /// One flat moment pair: the whole layout at ddp, this rank's shard at
-    /// zero2.
-    opt: AdamW,
-    grad_clip: f64,
-    loss_chunk_tokens: usize,
-    checkpointing: bool,
-    /// Gradient reduction dtype.
-    reduce: Kind,
-    objective: Objective,
-    /// A frozen copy of the initial model: `reference = "live"`, or built
-    /// on demand for a reference plan once this replica has trained.
-    reference: Option<Llama>,
-    /// Whether `model` still holds the job's initial weights.
-    pristine: bool,
-    /// The job config, to rebuild the initial model for a reference plan.
-    init: JobConfig,
-}
-
-/// The collective operations the trainer runs on flat buffers.
-#[derive(Clone, Copy)]
-enum Op {
-    AllReduce,
-    AllGather,
-}
-
-/// Points each variable at its place in `flat` (PyTorch's
-/// `param.data = view`): the optimizer then updates the model in place.
-fn bind(params: &[Tensor], layout: &FlatLayout, flat: &Tensor) {
-    for (p, v) in params.iter().zip(layout.views(flat)) {
-        p.shallow_clone().set_data(&v);
-    }
-}
-
-impl Trainer {
-    /// Builds the model from `cfg.model` (`init = "random"` with the HF
-    /// config.json at `cfg.model.config`, seeded by `cfg.job.seed`; or a HF
-    /// checkpoint dir), or restores model + optimizer from a checkpoint dir
-    /// written by [`Trainer::save_checkpoint`] at any world size, on
-    /// `cfg.device`. `coll` is this rank's membership in the generation
-    /// (`Solo` for one rank).
-    pub fn new(
-        cfg: &JobConfig,
-        restore_from: Option<&Path>,
-        coll: Box<dyn Collective>,
-    ) -> anyhow::Result<Trainer> {
-        let sharding = Sharding::of(cfg.sharding)?;
-        let model = build_model(cfg, restore_from)?;
-        let mut vars: Vec<(String, Tensor)> = model.vs.variables().into_iter().collect();
-        vars.sort_by(|a, b| a.0.cmp(&b.0));
-        let (names, params): (Vec<String>, Vec<Tensor>) = vars.into_iter().unzip();
-        let decay: Vec<bool> = names
-            .iter()
-            .map(|n| optim::decays(n, &cfg.no_decay))
-            .collect();
-        let layout = FlatLayout::grouped(&params, &decay);
-        let device = model.vs.device();
-        let flat_params = tch::no_grad(|| layout.flatten(&params, device).to_kind(cfg.dtype));
-        bind(&params, &layout, &flat_params);
-        let groups = VarGroups::new(&names, model.cfg.num_hidden_layers)?;
-        let compute = if cfg.mixed() {
-            let m = Llama::new(
-                model.cfg.clone(),
-                model.raw_config.clone(),
-                cfg.precision.compute,
-                device,
-                Init::Empty,
-            )?;
-            Some(m)
-        } else {
-            None
-        };
-        let compute_params = match &compute {
-            Some(m) => {
-                let mut v: Vec<(String, Tensor)> = m.vs.variables().into_iter().collect();
-                v.sort_by(|a, b| a.0.cmp(&b.0));
-                v.into_iter().map(|(_, t)| t).collect()
-            }
-            None => params.iter().map(Tensor::shallow_clone).collect(),
-        };
-        let shard = shard_range(layout.total, coll.world_size(), coll.rank());
-        let opt_range = match sharding {
-            Sharding::Ddp => 0..layout.total,
-            Sharding::Zero2 => shard,
-        };
-        let mut opt = AdamW::new(cfg.optimizer, &[opt_range.len()], device);
-        if let Some(dir) = restore_from {
-            let (step, mut saved) = checkpoint::load_optimizer_tensors(dir)
-                .with_context(|| format!("restoring optimizer from {}", dir.display()))?;
-            let (avg, avg_sq) = checkpoint::take_moments(&mut saved, &names, &params, dir)?;
-            layout.copy_range_into(&opt.exp_avg[0], &avg, opt_range.clone());
-            layout.copy_range_into(&opt.exp_avg_sq[0], &avg_sq, opt_range);
-            opt.step = step;
-        }
-        let grads = Grads::new(&layout, sharding == Sharding::Zero2, coll.as_ref(), device);
-        let objective = cfg.objective;
-        let reference = if objective.live_reference() {
-            Some(reference_model(cfg)?)
-        } else {
-            None
-        };
-        let mut t = Trainer {
-            model,
-            compute,
-            names,
-            params,
-            compute_params,
-            groups,
-            layout,
-            flat_params,
-            sharding,
-            coll,
-            grads,
-            opt,
-            grad_clip: cfg.grad_clip,
-            loss_chunk_tokens: cfg.loss_chunk_tokens,
-            checkpointing: cfg.activation_checkpointing,
-            reduce: cfg.precision.reduce,
-            objective,
-            reference,
-            pristine: restore_from.is_none(),
-            init: cfg.clone(),
-        };
-        t.refresh_compute();
-        Ok(t)
-    }
-
-    /// A single-rank trainer ([`Solo`] collective).
-    pub fn single(cfg: &JobConfig, restore_from: Option<&Path>) -> anyhow::Result<Trainer> {
-        Trainer::new(cfg, restore_from, Box::new(Solo))
-    }
-
-    /// The model forward/backward run on (the compute copy, or the masters).
-    fn net(&self) -> &Llama {
-        self.compute.as_ref().unwrap_or(&self.model)
-    }
-
-    /// Copies the master weights into the compute copy (mixed precision).
-    fn refresh_compute(&mut self) {
-        if self.compute.is_none() {
-            return;
-        }
-        tch::no_grad(|| {
-            for (c, p) in self.compute_params.iter().zip(&self.params) {
-                c.shallow_clone().copy_(p);
-            }
-        });
-    }
-
-    /// Forward + backward of one microbatch; the loss is scaled by
-    /// `1/global_loss_tokens` and gradients ACCUMULATE (never zeroed here).
-    /// A non-finite loss is an error naming the microbatch; nothing is
-    /// applied to the gradients then. An empty (padding) microbatch adds
-    /// nothing; at zero2 every rank calls this for every microbatch index
-    /// (the gradient reduce-scatter is a collective).
-    pub fn microbatch(
+/// Forward and backward passes over packed microbatches under the job's
+/// objective. Gradients accumulate across `train_microbatch` calls and are
+/// consumed once by [`Trainer::optimizer_step`].
+pub trait Passes {
+    /// Forward/backward of one microbatch under the job's objective,
+    /// normalised by the step's global `norms` from the plan (SFT: each
+    /// loss token scaled by `1 / norms.loss_tokens`); gradients accumulate.
+    fn train_microbatch(
         &mut self,
         index: usize,
-        mb: &PackedBatch,
-        global_loss_tokens: u64,
-    ) -> anyhow::Result<MicrobatchOutcome> {
-        let (sums, grads) = self.sft_grads(index, mb, global_loss_tokens)?;
-        self.absorb(&grads)?;
-        Ok(sums)
-    }
+        batch: &PackedBatch,
+        meta: &MicrobatchMeta,
+        norms: &StepNorms,
+    ) -> anyhow::Result<MicrobatchOutcome>;
 
-    /// The SFT loss sums and gradients of one microbatch (nothing applied).
-    fn sft_grads(
-        &self,
-        index: usize,
-        mb: &PackedBatch,
-        global_loss_tokens: u64,
-    ) -> anyhow::Result<(MicrobatchOutcome, Vec<Tensor>)> {
-        let mut sums = MicrobatchOutcome {
-            tokens: mb.tokens() as u64,
-            ..Default::default()
-        };
-        if mb.is_empty() {
-            return Ok((sums, Vec::new()));
-        }
-        mb.validate()
-            .with_context(|| format!("microbatch {index}"))?;
-        self.check_vocabulary(index, mb)?;
-        let targets = loss::shifted_targets(&mb.labels, &mb.cu_seq_lens);
-        if targets.iter().all(|&t| t == -100) {
-            // No loss token: zero gradient, skip the forward.
-            return Ok((sums, Vec::new()));
-        }
-        if global_loss_tokens == 0 {
-            return Err(StepError::invalid(format!(
-                "microbatch {index}: has loss tokens but the step's global loss-token count is 0"
-            )));
-        }
-        let net = self.net();
-        let fwd = net.forward_train(&mb.input_ids, &mb.cu_seq_lens, self.checkpointing);
-        let head = net.lm_head_weight();
-        let chunked = loss::chunked_nll(
-            &fwd.hidden,
-            head,
-            &targets,
-            self.loss_chunk_tokens,
-            1.0 / global_loss_tokens as f64,
-        )
-        .with_context(|| format!("microbatch {index}"))?;
-        let grads = net.backward_train(
-            fwd,
-            &chunked.grad_hidden,
-            &chunked.grad_weight,
-            &self.compute_params,
-            &self.groups,
-        );
-        sums.loss_sum = chunked.loss_sum;
-        sums.loss_tokens = chunked.loss_tokens;
-        Ok((sums, grads))
-    }
-
-    /// Adds one microbatch's gradients to the accumulator (zero2: a
-    /// reduce-scatter into this rank's shard, every rank joins).
-    fn absorb(&mut self, grads: &[Tensor]) -> anyhow::Result<()> {
-        self.grads
-            .absorb(&self.layout, grads, self.coll.as_mut(), self.reduce)
-    }
-
-    /// The accumulation boundary (see [`Engine::optimizer_step`]): reduce
-    /// the gradient (all-reduce at ddp; zero2 reduced it per microbatch),
-    /// clip with the global norm, AdamW at `lr` (one pass over the flat
-    /// buffers, the clip factor applied inside), all-gather the master
-    /// shards at zero2. A non-finite norm is an error; every rank sees the
-    /// same global norm, so all of them refuse together and leave their
-    /// parameters untouched.
-    ///
-    /// [`Engine::optimizer_step`]: crate::train::Engine::optimizer_step
-    fn boundary(&mut self, lr: f64) -> anyhow::Result<StepStats> {
-        let mut flat = self.grads.take_flat(&self.layout);
-        let norm = match self.sharding {
-            Sharding::Ddp => {
-                if self.coll.world_size() > 1 {
-                    grads::round_to(&mut flat, self.reduce);
-                    self.collective(Op::AllReduce, &mut flat)?;
-                    grads::round_to(&mut flat, self.reduce);
-                }
-                optim::sum_of_squares(std::slice::from_ref(&flat)).sqrt()
-            }
-            Sharding::Zero2 => {
-                // Σg² over this rank's shard, summed over ranks: the norm of
-                // the whole gradient, not of the shard.
-                let mine = optim::sum_of_squares(std::slice::from_ref(&flat)) as f32;
-                let mut sq = Tensor::from_slice(&[mine]).to_device(self.coll.device());
-                self.collective(Op::AllReduce, &mut sq)?;
-                (f32::try_from(&sq.to_device(Device::Cpu))? as f64).sqrt()
-            }
-        };
-        if !norm.is_finite() {
-            return Err(StepError::non_finite(format!(
-                "gradient norm {norm}; parameters left unchanged"
-            )));
-        }
-        let scale = optim::clip_coefficient(norm, self.grad_clip).unwrap_or(1.0);
-        let range = match self.sharding {
-            Sharding::Ddp => 0..self.layout.total,
-            Sharding::Zero2 => self.shard(),
-        };
-        let mine = self
-            .flat_params
-            .narrow(0, range.start as i64, range.len() as i64);
-        let segments = self.layout.segments(range);
-        self.opt.update(&[mine], &[flat], &[segments], lr, scale);
-        if self.sharding == Sharding::Zero2 {
-            self.gather_params()?;
-        }
-        self.refresh_compute();
-        Ok(StepStats { grad_norm: norm })
-    }
-
-    /// All-gathers the master weights' shards (zero2).
-    fn gather_params(&mut self) -> anyhow::Result<()> {
-        if self.flat_params.kind() == Kind::Float {
-            let mut flat = self.flat_params.shallow_clone();
-            return Ok(self.collective(Op::AllGather, &mut flat)?);
-        }
-        // The collectives move float32.
-        let mut full = self.flat_params.to_kind(Kind::Float);
-        self.collective(Op::AllGather, &mut full)?;
-        tch::no_grad(|| self.flat_params.copy_(&full));
-        Ok(())
-    }
-
-    /// This rank's element range of the flat layout.
-    fn shard(&self) -> std::ops::Range<usize> {
-        shard_range(self.layout.total, self.coll.world_size(), self.coll.rank())
-    }
-
-    /// Runs `op` on a flat f32 buffer, through the collective's device when
-    /// the buffer lives elsewhere. A no-op at world 1.
-    fn collective(&mut self, op: Op, t: &mut Tensor) -> Result<(), CollectiveError> {
-        if self.coll.world_size() == 1 {
-            return Ok(());
-        }
-        let device = self.coll.device();
-        let coll = self.coll.as_mut();
-        let mut run = |t: &mut Tensor| match op {
-            Op::AllReduce => coll.all_reduce_sum(t),
-            Op::AllGather => coll.all_gather(t),
-        };
-        if t.device() == device {
-            return run(t);
-        }
-        let mut moved = t.to_device(device);
-        run(&mut moved)?;
-        tch::no_grad(|| t.copy_(&moved));
-        Ok(())
-    }
-
-    pub fn sharding(&self) -> Sharding {
-        self.sharding
-    }
-
-    /// (rank, world size) of this trainer's collective.
-    pub fn rank_world(&self) -> (usize, usize) {
-        (self.coll.rank(), self.coll.world_size())
-    }
-
-    /// The master model (its variables are the trained parameters).
-    pub fn model(&self) -> &Llama {
-        &self.model
-    }
-
-    /// The model forward and backward run on (the compute copy under mixed
-    /// precision): benchmarks time the phases of a microbatch with it.
-    pub fn compute_model(&self) -> &Llama {
-        self.net()
-    }
-
-    /// The backward of a training forward of [`Self::compute_model`] from
-    /// its loss's gradients, accumulated like a microbatch's (benchmarks;
-    /// zero2: a collective).
-    pub fn backward(
+    /// Reference plans: each sequence's log-prob summed over its loss
+    /// tokens (and, for policy gradient, per token) under the job's
+    /// initial weights, forward only.
+    fn reference_logps(
         &mut self,
-        fwd: crate::model::recompute::Forward,
-        grad_hidden: &Tensor,
-        grad_head: &Tensor,
+        _index: usize,
+        _batch: &PackedBatch,
+    ) -> anyhow::Result<Vec<SequenceLogp>> {
+        bail!("this worker cannot run reference plans")
+    }
+
+    /// Eval plans: each sequence's log-prob summed over its loss tokens
+    /// under the CURRENT weights, forward only (no gradient, nothing
+    /// changes); every rank calls it for every microbatch index.
+    fn eval_logps(
+        &mut self,
+        _index: usize,
+        _batch: &PackedBatch,
+    ) -> anyhow::Result<Vec<SequenceLogp>> {
+        bail!("this worker cannot run eval plans")
+    }
+
+    /// Drops the accumulated gradients (abort, failed step).
+    fn zero_grad(&mut self);
+
+    /// Whether the gradients this rank accumulated (its shards, under
+    /// fsdp) are all finite; no collective. Probe plans ask it after each
+    /// microbatch.
+    fn grads_finite(&self) -> bool;
+
+    /// Probe plans: forward and backward of one microbatch on its own,
+    /// from zero gradients; its sums and whether its loss and this rank's
+    /// gradients are finite. Nothing is reduced across ranks where the
+    /// trainer can avoid it (fsdp cannot: its units are gathered).
+    fn probe_microbatch(
+        &mut self,
+        index: usize,
+        batch: &PackedBatch,
+        meta: &MicrobatchMeta,
+        norms: &StepNorms,
+    ) -> anyhow::Result<(MicrobatchOutcome, bool)> {
+        self.zero_grad();
+        let o = self.train_microbatch(index, batch, meta, norms)?;
+        let finite = o.loss_sum.is_finite() && self.grads_finite();
+        Ok((o, finite))
+    }
+
+    /// True when every microbatch, padding included, runs collectives
+    /// (FSDP gathers per unit): empty microbatches must then be run too,
+    /// or ranks would diverge.
+    fn collective_per_microbatch(&self) -> bool {
+        false
+    }
+
+    /// Training FLOPs of a microbatch with these sequence boundaries run
+    /// with `loss_tokens` targets (for MFU; `model::flops`).
+    /// 0 when the trainer cannot tell.
+    fn model_flops(&self, _cu_seq_lens: &[i64], _loss_tokens: u64) -> f64 {
+        0.0
+    }
+}
+
+/// A rank's place in its generation: the collective it runs on and the
+/// layout of the state it holds (DESIGN.md "Elasticity": a new generation
+/// keeps a replica that fits, else syncs or rebuilds it).
+pub trait Membership {
+    /// This replica's collective.
+    fn group(&mut self) -> &mut dyn Collective;
+
+    /// Joins a new generation's collective, keeping the replica (see
+    /// [`swap_collective`]).
+    fn set_collective(&mut self, coll: Box<dyn Collective>) -> anyhow::Result<()>;
+
+    /// The shard layout `(rank, world)` of the state this replica holds;
+    /// `None` when it is whole (ddp: a replica serves any rank).
+    fn state_layout(&self) -> Option<(usize, usize)> {
+        None
+    }
+
+    /// Whether the replica's state stays valid as `rank` of `world` (a new
+    /// generation at the same step); false makes the runner rebuild it.
+    fn fits(&self, _rank: usize, _world: usize) -> bool {
+        true
+    }
+
+    /// Joins a new generation taking the training state from the members
+    /// that hold it (see `collective::reshard`): `coll` is the new
+    /// collective, or `None` when the trainer was just built with it (a
+    /// member without state). Every rank calls it with the same `plan`.
+    fn sync_state(
+        &mut self,
+        _coll: Option<Box<dyn Collective>>,
+        _plan: &SyncPlan,
     ) -> anyhow::Result<()> {
-        let grads = self.net().backward_train(
-            fwd,
-            grad_hidden,
-            grad_head,
-            &self.compute_params,
-            &self.groups,
-        );
-        self.absorb(&grads)
+        bail!("this worker cannot take its state from peers")
     }
 
-    /// Sets the packed-attention implementation of the model(s) run.
-    pub fn set_attention(&mut self, mode: PackedAttention) {
-        self.model.attention = mode;
-        if let Some(c) = &mut self.compute {
-            c.attention = mode;
-        }
-    }
-
-    /// A token id outside the model's vocabulary is the plan's document's
-    /// fault, refused before the embedding would panic on it.
-    fn check_vocabulary(&self, index: usize, mb: &PackedBatch) -> anyhow::Result<()> {
-        let vocab = self.model.cfg.vocab_size;
-        match mb.input_ids.iter().find(|&&t| t as usize >= vocab) {
-            Some(bad) => Err(StepError::data(format!(
-                "microbatch {index}: token {bad} outside the vocabulary ({vocab} tokens)"
-            ))),
-            None => Ok(()),
-        }
-    }
-
-    /// Overrides `runtime.loss_chunk_tokens`.
-    pub fn set_loss_chunk_tokens(&mut self, n: usize) {
-        self.loss_chunk_tokens = n;
-    }
-
-    /// Overrides `runtime.activation_checkpointing`.
-    pub fn set_activation_checkpointing(&mut self, on: bool) {
-        self.checkpointing = on;
+    /// Waits until every rank reached this point.
+    fn barrier(&mut self) -> anyhow::Result<()> {
+        Ok(self.group().barrier()?)
     }
 }
 
-/// The frozen initial model reference log-probs are taken on, in the
-/// compute dtype.
-fn reference_model(cfg: &JobConfig) -> anyhow::Result<Llama> {
-    let mut m = build_model(cfg, None)?;
-    if cfg.mixed() {
-        m.vs.set_kind(cfg.precision.compute);
+/// A rank's part of a checkpoint.
+pub trait Checkpointing: Membership {
+    /// Copies this rank's part of a checkpoint into memory (may run
+    /// collectives: every rank calls it at the same point) and returns the
+    /// writer that puts it into a directory later, without collectives.
+    fn checkpoint_snapshot(&mut self) -> anyhow::Result<CheckpointWrite>;
+
+    /// Snapshots and writes this rank's part of a checkpoint in `dir` at
+    /// once (every rank calls it); returns once every rank has written and
+    /// fails on every rank if any rank failed.
+    fn save_checkpoint(&mut self, dir: &Path) -> anyhow::Result<()> {
+        let written = self.checkpoint_snapshot().and_then(|w| w(dir));
+        let failed = count_failures(self.group(), written.is_ok())?;
+        written?;
+        if failed > 0 {
+            bail!(
+                "{failed} other rank(s) failed to write their part of {}",
+                dir.display()
+            );
+        }
+        Ok(())
     }
-    Ok(frozen(m))
+}
+
+/// One rank's model replica with its optimizer.
+pub trait Trainer: Passes + Membership + Checkpointing {
+    /// The accumulation boundary: reduce gradients across ranks, clip with
+    /// the global norm, step the optimizer at `lr`, zero the gradients. On
+    /// a non-finite norm it fails on every rank and leaves the parameters
+    /// untouched.
+    fn optimizer_step(&mut self, lr: f64) -> anyhow::Result<StepStats>;
+
+    /// The whole model for generation (issue 17): the weights forward runs
+    /// on, in the compute dtype. A replicated trainer lends its own; a
+    /// sharded one gathers a temporary copy, freed when the [`Policy`] is
+    /// dropped. Every rank of the generation calls it once per round,
+    /// `ready` saying whether its own plan can run: a sharded trainer first
+    /// agrees on it with the other ranks, so that one rank refusing its
+    /// plan fails every rank instead of leaving them waiting in the gather.
+    fn policy(&mut self, _ready: bool) -> anyhow::Result<Policy<'_>> {
+        bail!("this worker cannot generate")
+    }
+
+    /// A generator of a disaggregated RL job: loads the policy trainer
+    /// rank 0 broadcasts over the weight ring; returns its version.
+    fn receive_policy(&mut self) -> anyhow::Result<u64> {
+        bail!("only a generator worker takes its weights from trainer rank 0")
+    }
+
+    /// The device the replica lives on.
+    fn device(&self) -> tch::Device {
+        tch::Device::Cpu
+    }
+}
+
+/// The model a generation round decodes with: the trainer's own
+/// (ddp, zero2), or the full parameters gathered for the round (fsdp, as
+/// FSDP's `summon_full_params`), which exist only as long as this value.
+pub enum Policy<'a> {
+    Held(&'a Llama),
+    Gathered(Box<Llama>),
+}
+
+impl std::ops::Deref for Policy<'_> {
+    type Target = Llama;
+
+    fn deref(&self) -> &Llama {
+        match self {
+            Policy::Held(m) => m,
+            Policy::Gathered(m) => m,
+        }
+    }
+}
+
+/// Replaces `current` with a new generation's collective when the state
+/// fits the new rank and world; the error names both layouts.
+pub fn swap_collective(
+    current: &mut Box<dyn Collective>,
+    new: Box<dyn Collective>,
+    fits: bool,
+    what: &str,
+) -> anyhow::Result<()> {
+    if !fits {
+        bail!(
+            "{what} of rank {} of {} cannot serve rank {} of {}; restore from a checkpoint",
+            current.rank(),
+            current.world_size(),
+            new.rank(),
+            new.world_size()
+        );
+    }
+    *current = new;
+    Ok(())
 }

@@ -7,7 +7,7 @@
 //! float32 buffer of which this rank keeps only its [`shard_range`]
 //! (the master copy, whatever the compute dtype).
 //!
-//! A microbatch (the math of DESIGN.md "The math", as in [`Trainer`]):
+//! A microbatch (the math of DESIGN.md "The math", as in [`ReplicatedTrainer`](crate::train::ReplicatedTrainer)):
 //! 1. forward, unit by unit: all-gather the unit, run it without autograd,
 //!    keep only its input activation, free the gathered parameters;
 //! 2. head: all-gather, chunked LM head + cross-entropy scaled by `1/T`
@@ -29,18 +29,17 @@
 //! all-reduce after the loss makes every rank stop, before any gradient is
 //! applied, when one rank's loss is not finite.
 //!
-//! DPO and policy gradient (see [`objective`]) replace step 2's
+//! DPO and policy gradient (see `objective`) replace step 2's
 //! cross-entropy with the objective's per-token weights on the gathered
 //! head; reference plans run steps 1 and 2 forward only on the initial
 //! weights. A live reference (a frozen full copy per rank) is refused.
 //!
 //! Generation rounds gather the whole model for the round's duration
-//! ([`policy`]).
+//! (`policy`).
 //!
 //! Follows PyTorch FSDP (`FlatParameter` per wrapped module, reshard after
 //! forward, pre-backward all-gather) — Zhao et al., "PyTorch FSDP", 2023.
 
-mod engine;
 mod objective;
 mod pass;
 mod policy;
@@ -67,7 +66,7 @@ use super::checkpoint::{self, ShardEntry};
 use super::memory::StateBytes;
 use super::optim::{self, AdamW, Segment};
 use super::source::build_model;
-use super::trainer::StepStats;
+use super::trainer::{CheckpointWrite, Checkpointing, Passes as _, Policy, StepStats, Trainer};
 use shell::LayerShell;
 use units::UnitLayout;
 
@@ -120,7 +119,7 @@ fn read_hf_dir(
 
 impl FsdpTrainer {
     /// Builds this rank's shards: every rank builds the same model once
-    /// (seeded random init through [`Trainer::new`], a HF checkpoint at
+    /// (seeded random init through [`ReplicatedTrainer::new`](crate::train::ReplicatedTrainer::new), a HF checkpoint at
     /// `cfg.model.init`, or `restore` — a checkpoint written by any
     /// trainer at any world size, optimizer moments included), keeps its
     /// shards and drops the full copy. No collective is called.
@@ -250,83 +249,8 @@ impl FsdpTrainer {
         self.run_microbatch(index, mb, None, global_loss_tokens)
     }
 
-    /// The accumulation boundary (see `Engine::optimizer_step`): the
-    /// global norm over every rank's shards, clip, AdamW on this rank's
-    /// shards (a collective). A non-finite norm or learning rate is an
-    /// error on every rank; nothing is applied. The caller zeroes the
-    /// gradient shards.
-    fn boundary(&mut self, lr: f64) -> anyhow::Result<StepStats> {
-        let local = optim::sum_of_squares(&self.grads);
-        let [total] = self.agree_f32("gradient norm", [local as f32])?;
-        let norm = (total as f64).sqrt();
-        if !norm.is_finite() {
-            return Err(StepError::non_finite(format!(
-                "gradient norm {norm}; parameters left unchanged"
-            )));
-        }
-        if !lr.is_finite() {
-            return Err(StepError::invalid(format!(
-                "non-finite learning rate {lr}; parameters left unchanged"
-            )));
-        }
-        let scale = optim::clip_coefficient(norm, self.grad_clip).unwrap_or(1.0);
-        self.opt
-            .update(&self.params, &self.grads, &self.segments, lr, scale);
-        if self.param_kind != Kind::Float {
-            // Pure bfloat16: the replicated trainer keeps its parameters in
-            // that dtype; round the master shards the same way.
-            tch::no_grad(|| {
-                for p in &mut self.params {
-                    let rounded = p.to_kind(self.param_kind).to_kind(Kind::Float);
-                    p.copy_(&rounded);
-                }
-            });
-        }
-        Ok(StepStats { grad_norm: norm })
-    }
-
-    /// Copies what this rank writes of a checkpoint to CPU memory (a
-    /// collective): every unit and its moments are gathered, unit by unit,
-    /// and the whole tensors [`checkpoint::assign_tensors`] gives this rank
-    /// are kept. Nothing is written here.
-    fn snapshot(&mut self) -> anyhow::Result<checkpoint::Snapshot> {
-        let elt = self.param_kind.elt_size_in_bytes();
-        let sizes: Vec<(String, usize)> = self
-            .layouts
-            .iter()
-            .flat_map(|l| l.slots.iter().map(|s| (s.name.clone(), s.numel * elt)))
-            .collect();
-        let (rank, world) = (self.rank(), self.world_size());
-        let assignment = checkpoint::assign_tensors(&sizes, world);
-        let mut mine = Vec::new();
-        for u in 0..self.layouts.len() {
-            let p = self.gather_shard(u, &self.params[u].shallow_clone())?;
-            let m = self.gather_shard(u, &self.opt.exp_avg[u].shallow_clone())?;
-            let v = self.gather_shard(u, &self.opt.exp_avg_sq[u].shallow_clone())?;
-            for s in &self.layouts[u].slots {
-                if assignment.get(&s.name) == Some(&rank) {
-                    mine.push(ShardEntry {
-                        name: s.name.clone(),
-                        param: s.view(&p).to_kind(self.param_kind).copy(),
-                        exp_avg: s.view(&m).copy(),
-                        exp_avg_sq: s.view(&v).copy(),
-                    });
-                }
-            }
-        }
-        Ok(checkpoint::Snapshot::new(
-            rank,
-            world,
-            &self.raw_config,
-            self.param_kind,
-            self.opt.step,
-            sizes,
-            mine,
-        ))
-    }
-
     /// The full parameters, gathered, in the compute dtype, with HF names
-    /// sorted by name (as [`Trainer::named_parameters`]; a collective).
+    /// sorted by name (as [`ReplicatedTrainer::named_parameters`](crate::train::ReplicatedTrainer::named_parameters); a collective).
     pub fn named_full_parameters(&mut self) -> anyhow::Result<Vec<(String, Tensor)>> {
         let mut out = Vec::new();
         for u in 0..self.layouts.len() {
@@ -449,5 +373,102 @@ impl FsdpTrainer {
         } else {
             flat.to_kind(self.kind)
         }
+    }
+}
+
+impl Checkpointing for FsdpTrainer {
+    /// Copies what this rank writes of a checkpoint to CPU memory (a
+    /// collective): every unit and its moments are gathered, unit by unit,
+    /// and the whole tensors [`checkpoint::assign_tensors`] gives this rank
+    /// are kept. Nothing is written here.
+    fn checkpoint_snapshot(&mut self) -> anyhow::Result<CheckpointWrite> {
+        let elt = self.param_kind.elt_size_in_bytes();
+        let sizes: Vec<(String, usize)> = self
+            .layouts
+            .iter()
+            .flat_map(|l| l.slots.iter().map(|s| (s.name.clone(), s.numel * elt)))
+            .collect();
+        let (rank, world) = (self.rank(), self.world_size());
+        let assignment = checkpoint::assign_tensors(&sizes, world);
+        let mut mine = Vec::new();
+        for u in 0..self.layouts.len() {
+            let p = self.gather_shard(u, &self.params[u].shallow_clone())?;
+            let m = self.gather_shard(u, &self.opt.exp_avg[u].shallow_clone())?;
+            let v = self.gather_shard(u, &self.opt.exp_avg_sq[u].shallow_clone())?;
+            for s in &self.layouts[u].slots {
+                if assignment.get(&s.name) == Some(&rank) {
+                    mine.push(ShardEntry {
+                        name: s.name.clone(),
+                        param: s.view(&p).to_kind(self.param_kind).copy(),
+                        exp_avg: s.view(&m).copy(),
+                        exp_avg_sq: s.view(&v).copy(),
+                    });
+                }
+            }
+        }
+        let snap = checkpoint::Snapshot::new(
+            rank,
+            world,
+            &self.raw_config,
+            self.param_kind,
+            self.opt.step,
+            sizes,
+            mine,
+        );
+        Ok(Box::new(move |dir| snap.write(dir)))
+    }
+}
+
+impl Trainer for FsdpTrainer {
+    /// A collective; the gradient shards are zeroed whatever the outcome.
+    fn optimizer_step(&mut self, lr: f64) -> anyhow::Result<StepStats> {
+        let result = self.boundary(lr);
+        self.zero_grad();
+        result
+    }
+
+    /// A collective: the full parameters are gathered for the round.
+    fn policy(&mut self, ready: bool) -> anyhow::Result<Policy<'_>> {
+        Ok(Policy::Gathered(Box::new(self.gather_policy(ready)?)))
+    }
+
+    fn device(&self) -> tch::Device {
+        self.device
+    }
+}
+
+impl FsdpTrainer {
+    /// The accumulation boundary (see `Trainer::optimizer_step`): the
+    /// global norm over every rank's shards, clip, AdamW on this rank's
+    /// shards (a collective). A non-finite norm or learning rate is an
+    /// error on every rank; nothing is applied.
+    fn boundary(&mut self, lr: f64) -> anyhow::Result<StepStats> {
+        let local = optim::sum_of_squares(&self.grads);
+        let [total] = self.agree_f32("gradient norm", [local as f32])?;
+        let norm = (total as f64).sqrt();
+        if !norm.is_finite() {
+            return Err(StepError::non_finite(format!(
+                "gradient norm {norm}; parameters left unchanged"
+            )));
+        }
+        if !lr.is_finite() {
+            return Err(StepError::invalid(format!(
+                "non-finite learning rate {lr}; parameters left unchanged"
+            )));
+        }
+        let scale = optim::clip_coefficient(norm, self.grad_clip).unwrap_or(1.0);
+        self.opt
+            .update(&self.params, &self.grads, &self.segments, lr, scale);
+        if self.param_kind != Kind::Float {
+            // Pure bfloat16: the replicated trainer keeps its parameters in
+            // that dtype; round the master shards the same way.
+            tch::no_grad(|| {
+                for p in &mut self.params {
+                    let rounded = p.to_kind(self.param_kind).to_kind(Kind::Float);
+                    p.copy_(&rounded);
+                }
+            });
+        }
+        Ok(StepStats { grad_norm: norm })
     }
 }

@@ -1,4 +1,4 @@
-//! The FSDP engine under the job's objective: one microbatch of any
+//! The FSDP trainer under the job's objective: one microbatch of any
 //! objective (SFT's cross-entropy, or DPO / policy gradient through the
 //! log-prob head of `crate::objective`, with cached reference log-probs
 //! from the plan), and the forward-only reference plans.
@@ -21,27 +21,9 @@ use crate::error::StepError;
 use crate::model::loss;
 use crate::objective::head;
 use crate::objective::Objective;
+use crate::train::trainer::Passes;
 
 impl FsdpTrainer {
-    /// Forward + backward of one microbatch under the job's objective with
-    /// the step's global normalisers (see `Engine::train_microbatch`; a
-    /// collective: every rank calls it for every microbatch index, padding
-    /// ones included). Gradient shards accumulate.
-    pub(super) fn objective_microbatch(
-        &mut self,
-        index: usize,
-        mb: &PackedBatch,
-        meta: &MicrobatchMeta,
-        norms: &StepNorms,
-    ) -> anyhow::Result<MicrobatchOutcome> {
-        let objective = self.objective;
-        if objective == Objective::Sft {
-            return self.run_microbatch(index, mb, None, norms.loss_tokens);
-        }
-        let obj = ObjectiveIn::new(objective, mb, meta, norms);
-        self.run_microbatch(index, mb, Some(&obj), norms.loss_tokens)
-    }
-
     /// One microbatch: SFT when `obj` is `None` (scaled by
     /// `1/global_loss_tokens`), else the objective's weighted head.
     pub(super) fn run_microbatch(
@@ -110,46 +92,6 @@ impl FsdpTrainer {
             )));
         }
         Ok((working > 0.0).then_some(prep))
-    }
-
-    /// Each sequence's log-prob (Σ over its loss tokens), loss-token count
-    /// and, for a policy-gradient job, per-token log-probs
-    /// (`head::token_aligned`) under the job's initial weights, forward
-    /// only (a collective: every rank calls it for every microbatch index
-    /// of the reference plan, empty ones included). Refused on every rank
-    /// once any rank has trained or was restored from a checkpoint.
-    pub(super) fn initial_logps(
-        &mut self,
-        index: usize,
-        mb: &PackedBatch,
-    ) -> anyhow::Result<Vec<SequenceLogp>> {
-        let per_token = matches!(self.objective, Objective::Pg { .. });
-        let allowed = if self.restored || self.opt.step > 0 {
-            Err(anyhow!(
-                "fsdp reference plan after training started (optimizer step {}{}): fsdp keeps no \
-                 copy of the initial weights, so the cached reference pass must complete before \
-                 step 1 (a coordinator restart with an incomplete reference cache leads here)",
-                self.opt.step,
-                if self.restored {
-                    ", restored from a checkpoint"
-                } else {
-                    ""
-                }
-            ))
-        } else {
-            Ok(())
-        };
-        self.sharded_logps(index, mb, allowed, per_token)
-    }
-
-    /// Each sequence's log-prob under the current (sharded) weights,
-    /// forward only: eval plans (a collective, like the reference's).
-    pub(super) fn current_logps(
-        &mut self,
-        index: usize,
-        mb: &PackedBatch,
-    ) -> anyhow::Result<Vec<SequenceLogp>> {
-        self.sharded_logps(index, mb, Ok(()), false)
     }
 
     fn sharded_logps(
@@ -226,5 +168,80 @@ impl FsdpTrainer {
         self.norm.weight = Tensor::empty([0], (self.kind, self.device));
         let lp = head::token_logps(&hidden, &head_w, &p.targets, self.loss_chunk_tokens)?;
         Ok(Some(lp))
+    }
+}
+
+impl Passes for FsdpTrainer {
+    /// Forward + backward of one microbatch under the job's objective with
+    /// the step's global normalisers (a
+    /// collective: every rank calls it for every microbatch index, padding
+    /// ones included). Gradient shards accumulate.
+    fn train_microbatch(
+        &mut self,
+        index: usize,
+        mb: &PackedBatch,
+        meta: &MicrobatchMeta,
+        norms: &StepNorms,
+    ) -> anyhow::Result<MicrobatchOutcome> {
+        let objective = self.objective;
+        if objective == Objective::Sft {
+            return self.run_microbatch(index, mb, None, norms.loss_tokens);
+        }
+        let obj = ObjectiveIn::new(objective, mb, meta, norms);
+        self.run_microbatch(index, mb, Some(&obj), norms.loss_tokens)
+    }
+
+    /// Each sequence's log-prob (Σ over its loss tokens), loss-token count
+    /// and, for a policy-gradient job, per-token log-probs
+    /// (`head::token_aligned`) under the job's initial weights, forward
+    /// only (a collective: every rank calls it for every microbatch index
+    /// of the reference plan, empty ones included). Refused on every rank
+    /// once any rank has trained or was restored from a checkpoint.
+    fn reference_logps(
+        &mut self,
+        index: usize,
+        mb: &PackedBatch,
+    ) -> anyhow::Result<Vec<SequenceLogp>> {
+        let per_token = matches!(self.objective, Objective::Pg { .. });
+        let allowed = if self.restored || self.opt.step > 0 {
+            Err(anyhow!(
+                "fsdp reference plan after training started (optimizer step {}{}): fsdp keeps no \
+                 copy of the initial weights, so the cached reference pass must complete before \
+                 step 1 (a coordinator restart with an incomplete reference cache leads here)",
+                self.opt.step,
+                if self.restored {
+                    ", restored from a checkpoint"
+                } else {
+                    ""
+                }
+            ))
+        } else {
+            Ok(())
+        };
+        self.sharded_logps(index, mb, allowed, per_token)
+    }
+
+    /// Each sequence's log-prob under the current (sharded) weights,
+    /// forward only: eval plans (a collective, like the reference's).
+    fn eval_logps(&mut self, index: usize, mb: &PackedBatch) -> anyhow::Result<Vec<SequenceLogp>> {
+        self.sharded_logps(index, mb, Ok(()), false)
+    }
+
+    fn zero_grad(&mut self) {
+        for g in &mut self.grads {
+            let _ = g.zero_();
+        }
+    }
+
+    fn grads_finite(&self) -> bool {
+        crate::train::finite::all_finite(&self.grads)
+    }
+
+    fn collective_per_microbatch(&self) -> bool {
+        true
+    }
+
+    fn model_flops(&self, cu_seq_lens: &[i64], loss_tokens: u64) -> f64 {
+        crate::model::flops::training_flops(self.model_config(), cu_seq_lens, loss_tokens)
     }
 }

@@ -1,4 +1,4 @@
-//! State sync of the FSDP engine (issue 6): every unit's parameter shard
+//! State sync of the FSDP trainer (issue 6): every unit's parameter shard
 //! and its two AdamW moment shards are flat buffers sharded by
 //! [`shard_range`] over the unit, resharded unit by unit through
 //! [`reshard::sync`] (all-reduce of zeros plus the old owner's elements,
@@ -13,6 +13,8 @@ use tch::{Kind, Tensor};
 use super::FsdpTrainer;
 use crate::collective::reshard::{self, FlatBuffer, StateAccess, SyncPlan};
 use crate::collective::{shard_range, Collective, Solo};
+use crate::train::trainer::swap_collective;
+use crate::train::trainer::Membership;
 
 struct Access<'a> {
     /// Per buffer (unit u: 3u params, 3u+1 exp_avg, 3u+2 exp_avg_sq): the
@@ -35,13 +37,32 @@ impl StateAccess for Access<'_> {
     }
 }
 
-impl FsdpTrainer {
+impl Membership for FsdpTrainer {
+    fn group(&mut self) -> &mut dyn Collective {
+        self.coll.as_mut()
+    }
+
+    fn set_collective(&mut self, coll: Box<dyn Collective>) -> anyhow::Result<()> {
+        let fits = self.fits(coll.rank(), coll.world_size());
+        swap_collective(&mut self.coll, coll, fits, "fsdp shards")
+    }
+
+    /// Every shard belongs to one (rank, world).
+    fn state_layout(&self) -> Option<(usize, usize)> {
+        Some((self.rank(), self.world_size()))
+    }
+
+    /// Shards belong to one (rank, world): anything else is rebuilt.
+    fn fits(&self, rank: usize, world: usize) -> bool {
+        (rank, world) == (self.rank(), self.world_size())
+    }
+
     /// Joins a new generation taking the training state from the members
-    /// that hold it (see `Trainer::sync_state`): `coll` is the new
-    /// generation's collective, or `None` when this engine was just built
+    /// that hold it (see `Membership::sync_state`): `coll` is the new
+    /// generation's collective, or `None` when this trainer was just built
     /// with it (a member without state). Every rank of the new collective
     /// calls it with the same `plan`; gradients are zeroed.
-    pub(super) fn sync_with(
+    fn sync_state(
         &mut self,
         coll: Option<Box<dyn Collective>>,
         plan: &SyncPlan,

@@ -56,7 +56,7 @@ unsafe fn slice_mut<'a>(t: &Tensor) -> &'a mut [f32] {
 /// (moments), all flat and equally long; `decay`: apply weight decay.
 pub fn adamw(p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, s: &StepScalars, decay: bool) {
     if [p, g, m, v].iter().all(|t| is_cpu_f32(t)) {
-        // SAFETY: checked contiguous f32 CPU tensors; the engines pass four
+        // SAFETY: checked contiguous f32 CPU tensors; the trainers pass four
         // distinct buffers, and no other thread uses them during the call.
         let (ps, gs, ms, vs) = unsafe { (slice_mut(p), slice_mut(g), slice_mut(m), slice_mut(v)) };
         adamw_f32(ps, gs, ms, vs, s, decay);

@@ -5,21 +5,22 @@
 use tch::{Kind, Tensor};
 
 use super::grads::{Grads, BUCKET_ELEMENTS};
-use super::{Op, Sharding, Trainer};
+use super::{Op, ReplicatedTrainer, Sharding};
 use crate::train::checkpoint::{self, ShardEntry};
 use crate::train::memory::StateBytes;
+use crate::train::trainer::{CheckpointWrite, Checkpointing};
 
 /// A parameter's HF name and its AdamW `(exp_avg, exp_avg_sq)`.
 pub type NamedMoments = (String, Tensor, Tensor);
 
-impl Trainer {
+impl Checkpointing for ReplicatedTrainer {
     /// Copies what this rank writes of a checkpoint to CPU memory (see
     /// `checkpoint::save_shard` for the layout): the whole parameters
     /// [`checkpoint::assign_tensors`] gives it and their AdamW moments, per
     /// whole parameter so that they restore at any world size. At zero2
     /// the moment shards are all-gathered first (a collective every rank
     /// joins); nothing is written here.
-    pub(super) fn snapshot(&mut self) -> anyhow::Result<checkpoint::Snapshot> {
+    fn checkpoint_snapshot(&mut self) -> anyhow::Result<CheckpointWrite> {
         let (rank, world) = (self.coll.rank(), self.coll.world_size());
         let elt = self.model.kind().elt_size_in_bytes();
         let sizes: Vec<(String, usize)> = self
@@ -42,7 +43,7 @@ impl Trainer {
                 exp_avg_sq: avg_sq[i].shallow_clone(),
             })
             .collect();
-        Ok(checkpoint::Snapshot::new(
+        let snap = checkpoint::Snapshot::new(
             rank,
             world,
             &self.model.raw_config,
@@ -50,9 +51,12 @@ impl Trainer {
             self.opt.step,
             sizes,
             mine,
-        ))
+        );
+        Ok(Box::new(move |dir| snap.write(dir)))
     }
+}
 
+impl ReplicatedTrainer {
     /// AdamW moments per whole parameter (views of the flat moments at
     /// ddp; zero2: all-gathered from the ranks' shards, a collective every
     /// rank must join).
@@ -93,7 +97,7 @@ impl Trainer {
     }
 
     /// HF names → full parameters (every rank holds them at ddp and zero2;
-    /// the same method on the FSDP engine gathers them).
+    /// the same method on the FSDP trainer gathers them).
     pub fn named_full_parameters(&mut self) -> anyhow::Result<Vec<(String, Tensor)>> {
         Ok(self.named_parameters())
     }

@@ -16,10 +16,11 @@ use std::ops::Range;
 use tch::{Kind, Tensor};
 
 use super::grads::Grads;
-use super::{Sharding, Trainer};
+use super::{ReplicatedTrainer, Sharding};
 use crate::collective::reshard::{self, FlatBuffer, StateAccess, SyncPlan};
 use crate::collective::{shard_range, Collective, Solo};
-use crate::train::Engine;
+use crate::train::trainer::swap_collective;
+use crate::train::trainer::{Membership, Passes as _};
 
 struct Access<'a> {
     /// The master weights, flat (any dtype).
@@ -63,7 +64,33 @@ impl StateAccess for Access<'_> {
     }
 }
 
-impl Trainer {
+impl Membership for ReplicatedTrainer {
+    fn group(&mut self) -> &mut dyn Collective {
+        self.coll.as_mut()
+    }
+
+    fn set_collective(&mut self, coll: Box<dyn Collective>) -> anyhow::Result<()> {
+        let fits = self.fits(coll.rank(), coll.world_size());
+        swap_collective(&mut self.coll, coll, fits, "zero2: the optimizer shard")
+    }
+
+    /// `None` at ddp (a replica serves any rank); zero2's optimizer state
+    /// is sharded.
+    fn state_layout(&self) -> Option<(usize, usize)> {
+        match self.sharding {
+            Sharding::Ddp => None,
+            Sharding::Zero2 => Some(self.rank_world()),
+        }
+    }
+
+    /// Always at ddp; at zero2 only for the same shard.
+    fn fits(&self, rank: usize, world: usize) -> bool {
+        match self.sharding {
+            Sharding::Ddp => true,
+            Sharding::Zero2 => (rank, world) == self.rank_world(),
+        }
+    }
+
     /// Joins a new generation taking the training state from the members
     /// that hold it (issue 6, state sync; see [`reshard`]): `coll` is the
     /// new generation's collective, or `None` when this trainer was just
@@ -71,7 +98,7 @@ impl Trainer {
     /// out as its current collective says (the runner checks that against
     /// the coordinator's `prior`). Every rank of `coll` must call it with
     /// the same `plan`. Gradients are zeroed.
-    pub(super) fn sync_with(
+    fn sync_state(
         &mut self,
         coll: Option<Box<dyn Collective>>,
         plan: &SyncPlan,

@@ -1,5 +1,5 @@
 //! The trainer under the job's objective: SFT goes through the plain
-//! chunked loss (`Trainer::microbatch`); DPO and policy gradient through the
+//! chunked loss (`ReplicatedTrainer::microbatch`); DPO and policy gradient through the
 //! log-prob head (`crate::objective`), with reference log-probs from the
 //! plan (cached pass) or a frozen copy of the initial model (live). Also
 //! the forward-only reference plans.
@@ -7,12 +7,13 @@
 use anyhow::Context;
 use tch::Tensor;
 
-use super::{reference_model, Trainer};
+use super::{reference_model, ReplicatedTrainer, Sharding};
 use crate::batch::{MicrobatchMeta, MicrobatchOutcome, PackedBatch, SequenceLogp, StepNorms};
 use crate::model::{loss, Llama};
 use crate::objective::head;
 use crate::objective::microbatch;
 use crate::objective::Objective;
+use crate::train::trainer::Passes;
 
 /// Per-token reference log-probs of `mb` under `model`, without autograd.
 fn reference_token_logps(
@@ -27,22 +28,7 @@ fn reference_token_logps(
     })
 }
 
-impl Trainer {
-    /// Forward/backward of one microbatch under the job's objective, with
-    /// the step's global normalisers (see `Engine::train_microbatch`).
-    /// Gradients accumulate.
-    pub(super) fn objective_microbatch(
-        &mut self,
-        index: usize,
-        mb: &PackedBatch,
-        meta: &MicrobatchMeta,
-        norms: &StepNorms,
-    ) -> anyhow::Result<MicrobatchOutcome> {
-        let (sums, grads) = self.objective_grads(index, mb, meta, norms)?;
-        self.absorb(&grads)?;
-        Ok(sums)
-    }
-
+impl ReplicatedTrainer {
     /// The sums and gradients of one microbatch under the job's objective
     /// (nothing applied).
     pub(super) fn objective_grads(
@@ -110,35 +96,31 @@ impl Trainer {
         mb: &PackedBatch,
     ) -> anyhow::Result<Vec<(f64, u64)>> {
         Ok(self
-            .initial_logps(index, mb)?
+            .reference_logps(index, mb)?
             .into_iter()
             .map(|s| (s.logp, s.loss_tokens))
             .collect())
     }
+}
 
-    /// Each sequence's log-prob and loss-token count under the model as it
-    /// is now, forward only (eval plans).
-    pub(super) fn current_logps(
+impl Passes for ReplicatedTrainer {
+    /// Gradients accumulate (zero2: reduce-scattered into this rank's
+    /// shard, every rank joins).
+    fn train_microbatch(
         &mut self,
         index: usize,
         mb: &PackedBatch,
-    ) -> anyhow::Result<Vec<SequenceLogp>> {
-        if mb.is_empty() {
-            return Ok(Vec::new());
-        }
-        mb.validate()
-            .with_context(|| format!("microbatch {index}"))?;
-        self.check_vocabulary(index, mb)?;
-        let targets = loss::shifted_targets(&mb.labels, &mb.cu_seq_lens);
-        let lp = reference_token_logps(&self.model, mb, &targets, self.loss_chunk_tokens)
-            .with_context(|| format!("microbatch {index}"))?;
-        head::reference_sequences(&lp, &targets, &mb.cu_seq_lens, false)
-            .with_context(|| format!("microbatch {index}"))
+        meta: &MicrobatchMeta,
+        norms: &StepNorms,
+    ) -> anyhow::Result<MicrobatchOutcome> {
+        let (sums, grads) = self.objective_grads(index, mb, meta, norms)?;
+        self.absorb(&grads)?;
+        Ok(sums)
     }
 
     /// [`Self::sequence_logps`] with, for a policy-gradient job, every
     /// token's log-prob too (the cached reference of its KL penalty).
-    pub(super) fn initial_logps(
+    fn reference_logps(
         &mut self,
         index: usize,
         mb: &PackedBatch,
@@ -162,5 +144,53 @@ impl Trainer {
         let per_token = matches!(self.objective, Objective::Pg { .. });
         head::reference_sequences(&lp, &targets, &mb.cu_seq_lens, per_token)
             .with_context(|| format!("microbatch {index}"))
+    }
+
+    /// Each sequence's log-prob and loss-token count under the model as it
+    /// is now, forward only (eval plans).
+    fn eval_logps(&mut self, index: usize, mb: &PackedBatch) -> anyhow::Result<Vec<SequenceLogp>> {
+        if mb.is_empty() {
+            return Ok(Vec::new());
+        }
+        mb.validate()
+            .with_context(|| format!("microbatch {index}"))?;
+        self.check_vocabulary(index, mb)?;
+        let targets = loss::shifted_targets(&mb.labels, &mb.cu_seq_lens);
+        let lp = reference_token_logps(&self.model, mb, &targets, self.loss_chunk_tokens)
+            .with_context(|| format!("microbatch {index}"))?;
+        head::reference_sequences(&lp, &targets, &mb.cu_seq_lens, false)
+            .with_context(|| format!("microbatch {index}"))
+    }
+
+    fn zero_grad(&mut self) {
+        self.grads.zero();
+    }
+
+    fn grads_finite(&self) -> bool {
+        self.grads.finite(&self.layout)
+    }
+
+    /// The microbatch's own gradients, checked and dropped: nothing is
+    /// reduced (a zero2 rank would otherwise sum other ranks' probes in).
+    fn probe_microbatch(
+        &mut self,
+        index: usize,
+        batch: &PackedBatch,
+        meta: &MicrobatchMeta,
+        norms: &StepNorms,
+    ) -> anyhow::Result<(MicrobatchOutcome, bool)> {
+        self.zero_grad();
+        let (o, grads) = self.objective_grads(index, batch, meta, norms)?;
+        let finite = o.loss_sum.is_finite() && crate::train::finite::all_finite(&grads);
+        Ok((o, finite))
+    }
+
+    /// zero2 reduce-scatters every microbatch's gradient.
+    fn collective_per_microbatch(&self) -> bool {
+        self.sharding == Sharding::Zero2 && self.coll.world_size() > 1
+    }
+
+    fn model_flops(&self, cu_seq_lens: &[i64], loss_tokens: u64) -> f64 {
+        crate::model::flops::training_flops(&self.model.cfg, cu_seq_lens, loss_tokens)
     }
 }

@@ -18,7 +18,7 @@
 //!   transient buffer is one bucket while the shards stay the flat
 //!   layout's [`shard_range`]s (what optimizer state, checkpoints and state
 //!   sync use). Every rank must hand over every microbatch, padding ones
-//!   included (`Engine::collective_per_microbatch`).
+//!   included (`Passes::collective_per_microbatch`).
 //!
 //! Sums are float32 whatever the compute dtype; `precision.reduce =
 //! "bfloat16"` rounds each rank's contribution and the reduced sum to
