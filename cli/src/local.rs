@@ -134,7 +134,7 @@ pub async fn run(
     };
     config.security.tokens = tokens.clone();
     let server = Server::bind(config).await?;
-    cancel_leftover_jobs(&server);
+    settle_leftover_jobs(&server, &spec);
     let addr = server.local_addr();
     let metrics = server.metrics_addr();
     let shared = server.shared();
@@ -258,19 +258,27 @@ pub(super) async fn wait_for_workers(
     }
 }
 
-/// Jobs restored from an earlier run in the same state dir would take the
-/// workers: cancel the ones that did not end.
-fn cancel_leftover_jobs(server: &Server) {
+/// Jobs restored from an earlier run in the same state dir: the one with
+/// this spec's name and spec resumes (the submit below finds it, and the
+/// workers restore its latest checkpoint and replay what came after); any
+/// other would take the workers, and is cancelled.
+fn settle_leftover_jobs(server: &Server, spec: &JobSpec) {
     let shared = server.shared();
-    let open: Vec<String> = {
-        shared.read(|c| {
-            c.jobs()
-                .filter(|j| !j.rec.state.is_terminal())
-                .map(|j| j.rec.id.clone())
-                .collect()
-        })
-    };
-    for job in open {
+    let spec_toml = spec.to_toml();
+    let open: Vec<(String, bool, u64)> = shared.read(|c| {
+        c.jobs()
+            .filter(|j| !j.rec.state.is_terminal())
+            .map(|j| {
+                let same = j.rec.name == spec.job.name && j.rec.spec_toml == spec_toml;
+                (j.rec.id.clone(), same, j.rec.step)
+            })
+            .collect()
+    });
+    for (job, same, step) in open {
+        if same {
+            errln!("resuming job {job} (left unfinished by an earlier run at step {step})");
+            continue;
+        }
         errln!("cancelling job {job} left unfinished by an earlier run");
         let _ = shared.apply(Event::CancelJob { job });
     }

@@ -800,3 +800,114 @@ fn accrue_local_reports_an_inadmissible_spec_at_once() {
         "no worker was started for a spec that cannot run"
     );
 }
+
+/// The README's promise (issue 32): Ctrl-C stops `accrue local`, and running
+/// the same command again resumes the job where its state says, rather than
+/// cancelling it and training from step 1. Before, a leftover job was always
+/// cancelled and the re-run refused by name.
+#[test]
+fn accrue_local_interrupted_then_run_again_resumes_the_job() {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    use std::time::{Duration, Instant};
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    accrue(
+        d,
+        &[
+            "data",
+            "synth",
+            "--task",
+            "arithmetic",
+            "--out",
+            "data",
+            "--rows",
+            "200",
+        ],
+    );
+    write_tiny_config(d);
+    let spec = job(d, "again", "random");
+    let std_spec = std::fs::read_to_string(&spec).unwrap();
+    std::fs::write(
+        &spec,
+        std_spec
+            .replace("steps = 20", "steps = 60")
+            .replace("docs_per_step = 16", "docs_per_step = 4")
+            .replace("every_steps = 10", "every_steps = 2"),
+    )
+    .unwrap();
+    let run = || {
+        Command::new(real::bin_dir().join("accrue"))
+            .args(["local", spec.to_str().unwrap(), "--workers", "1"])
+            .args(["--metrics-listen", "off"])
+            .current_dir(d)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("starting accrue local")
+    };
+    let out = d.join("out/again");
+    let mut first = run();
+    let stderr = first.stderr.take().unwrap();
+    let drained = std::thread::spawn(move || {
+        BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+            .collect::<Vec<_>>()
+    });
+    let t0 = Instant::now();
+    // Checkpoints are pruned to the last few: any at step 4 or later.
+    let checkpointed = || {
+        std::fs::read_dir(out.join("checkpoints")).is_ok_and(|dir| {
+            dir.filter_map(Result::ok).any(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                let step = name
+                    .strip_prefix("step-")
+                    .and_then(|s| s.parse::<u64>().ok());
+                step.is_some_and(|s| s >= 4) && e.path().join("manifest.json").is_file()
+            })
+        })
+    };
+    while !checkpointed() {
+        assert!(
+            first.try_wait().unwrap().is_none(),
+            "the first run ended early: {:?}",
+            drained.join().unwrap()
+        );
+        assert!(
+            t0.elapsed() < Duration::from_secs(240),
+            "no checkpoint at step 4"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let int = Command::new("kill")
+        .args(["-INT", &first.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(int.success());
+    let status = first.wait().unwrap();
+    let first_err = drained.join().unwrap().join("\n");
+    let before = metrics(&out.join("metrics.jsonl"));
+    let reached = before.last().unwrap()["step"].as_u64().unwrap();
+    assert!(
+        (4..60).contains(&reached),
+        "{status:?}: step {reached}\n{first_err}"
+    );
+
+    let second = run().wait_with_output().unwrap();
+    let second_err = String::from_utf8_lossy(&second.stderr);
+    assert!(second.status.success(), "{second_err}");
+    assert!(
+        second_err.contains("resuming job"),
+        "the re-run did not resume:\n{second_err}"
+    );
+    assert!(!second_err.contains("cancelling job"), "{second_err}");
+    // One step sequence across both runs: none trained twice into the
+    // metrics, none skipped, the last the job's.
+    let steps: Vec<u64> = metrics(&out.join("metrics.jsonl"))
+        .iter()
+        .map(|m| m["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, (1..=60).collect::<Vec<_>>(), "{second_err}");
+    assert!(out.join("checkpoints/step-60/manifest.json").is_file());
+}

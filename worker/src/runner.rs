@@ -48,7 +48,7 @@ pub use work::{
     collective_timeout, default_connector, default_factory, Connector, Factory, Progress,
     RunnerConfig, Work,
 };
-pub use writer::{write_checkpoint, CheckpointManifest, ManifestCursor};
+pub use writer::write_checkpoint;
 
 #[cfg(test)]
 mod recovery_tests;

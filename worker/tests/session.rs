@@ -253,7 +253,7 @@ async fn a_worker_trains_checkpoints_and_a_resumed_job_continues_at_the_same_ste
         );
         assert!(ck.join("model.safetensors").is_file());
         assert!(ck.join("rank-0.json").is_file(), "the rank's marker");
-        accrue_worker::train::checkpoint::marker::verify(&ck).unwrap();
+        accrue_checkpoint::verify(&ck).unwrap();
     }
 
     // Job b resumes from a's step-2 checkpoint: it trains step 3 only, on

@@ -171,7 +171,7 @@ fn two_runners_train_checkpoint_and_rejoin_a_new_generation() {
     for _ in 0..2 {
         assert!(matches!(recv(&mut rx), Msg::CheckpointDone(c) if c.step == 1));
     }
-    accrue_worker::train::checkpoint::marker::verify(&ckpt).unwrap();
+    accrue_checkpoint::verify(&ckpt).unwrap();
     for f in [
         "manifest.json",
         "rank-0.json",
@@ -300,7 +300,7 @@ fn two_runners_train_checkpoint_and_rejoin_a_new_generation() {
     for _ in 0..3 {
         assert!(matches!(recv(&mut rx), Msg::CheckpointDone(c) if c.step == 2));
     }
-    accrue_worker::train::checkpoint::marker::verify(&ckpt2).unwrap();
+    accrue_checkpoint::verify(&ckpt2).unwrap();
     let restored = ReplicatedTrainer::single(&cfg, Some(&ckpt2)).unwrap();
     let (w, n) = common::worst_rel(
         &restored.named_parameters(),

@@ -1,7 +1,7 @@
 //! What the spec's section files share: [`SpecProblem`], one thing wrong
 //! with a spec named by its field path, the two checks many sections make
 //! through their `bad(field, message)` callback (a named input file, a
-//! size bound), and [`is_default`], which keeps a section or field left at
+//! size bound), and `is_default`, which keeps a section or field left at
 //! its default out of the stored TOML.
 
 use std::fmt;

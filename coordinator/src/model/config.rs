@@ -12,13 +12,11 @@
 //! weights (`model.safetensors`, or the shards of
 //! `model.safetensors.index.json`) have well-formed headers whose tensors
 //! fill the file exactly (the safetensors format), and a checkpoint of ours
-//! (with `manifest.json`) has the `rank-R.json` marker of every rank, and
-//! every file a marker lists has the listed size and CRC-32.
+//! (with `manifest.json`) is complete and intact as `accrue_checkpoint`
+//! defines it (the workers run the same check).
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
-
-use serde::Deserialize;
 
 use crate::job::input::{self, InputError, MAX_CONFIG_BYTES};
 use crate::job::model::ModelSection;
@@ -61,6 +59,16 @@ impl ModelError {
         ModelError::Corrupt {
             path: path.to_path_buf(),
             what: what.into(),
+        }
+    }
+
+    /// What the checkpoint's own check found, in this error's words.
+    fn of_checkpoint(e: accrue_checkpoint::VerifyError) -> ModelError {
+        use accrue_checkpoint::VerifyError as V;
+        match e {
+            V::Missing(path) => ModelError::Missing(path),
+            V::Json { path, message } => ModelError::Json { path, message },
+            V::Bad { path, what } => ModelError::Corrupt { path, what },
         }
     }
 
@@ -123,21 +131,10 @@ pub fn verify_checkpoint(dir: &Path) -> Result<(), ModelError> {
     for file in weight_files(dir)? {
         check_safetensors(&file)?;
     }
-    let manifest = dir.join("manifest.json");
-    if !manifest.exists() {
+    if !dir.join(accrue_checkpoint::MANIFEST).exists() {
         return Ok(());
     }
-    let world = manifest_world_size(&manifest)?;
-    let markers: Vec<PathBuf> = (0..world)
-        .map(|r| dir.join(format!("rank-{r}.json")))
-        .collect();
-    if !markers.iter().any(|m| m.exists()) {
-        // Written before markers existed: workers accept it unverified.
-        return Ok(());
-    }
-    for (rank, path) in markers.iter().enumerate() {
-        verify_marker(dir, path, rank as u32, world)?;
-    }
+    accrue_checkpoint::verify(dir).map_err(ModelError::of_checkpoint)?;
     Ok(())
 }
 
@@ -226,84 +223,6 @@ fn check_safetensors(path: &Path) -> Result<(), ModelError> {
         ));
     }
     Ok(())
-}
-
-fn manifest_world_size(path: &Path) -> Result<u32, ModelError> {
-    read_json(path)?
-        .get("world_size")
-        .and_then(serde_json::Value::as_u64)
-        .filter(|&w| w > 0)
-        .and_then(|w| u32::try_from(w).ok())
-        .ok_or_else(|| ModelError::corrupt(path, "no positive world_size"))
-}
-
-/// `rank-R.json`, as workers write it (`worker/src/train/checkpoint/marker.rs`).
-#[derive(Deserialize)]
-struct RankMarker {
-    rank: u32,
-    world_size: u32,
-    files: Vec<MarkedFile>,
-}
-
-#[derive(Deserialize)]
-struct MarkedFile {
-    name: String,
-    bytes: u64,
-    crc32: u32,
-}
-
-fn verify_marker(dir: &Path, path: &Path, rank: u32, world: u32) -> Result<(), ModelError> {
-    let marker: RankMarker = serde_json::from_value(read_json(path)?)
-        .map_err(|e| ModelError::corrupt(path, e.to_string()))?;
-    if (marker.rank, marker.world_size) != (rank, world) {
-        return Err(ModelError::corrupt(
-            path,
-            format!(
-                "marks rank {} of {}, the manifest expects rank {rank} of {world}",
-                marker.rank, marker.world_size
-            ),
-        ));
-    }
-    for f in &marker.files {
-        let file = dir.join(&f.name);
-        let bytes = input::check(&file).map_err(ModelError::of_checkpoint_file)?;
-        if bytes != f.bytes {
-            return Err(ModelError::corrupt(
-                &file,
-                format!("{bytes} bytes, rank {rank}'s marker says {}", f.bytes),
-            ));
-        }
-        let crc = crc32(&file)?;
-        if crc != f.crc32 {
-            return Err(ModelError::corrupt(
-                &file,
-                format!(
-                    "checksum {crc:08x}, rank {rank}'s marker says {:08x}: the file is corrupt",
-                    f.crc32
-                ),
-            ));
-        }
-    }
-    Ok(())
-}
-
-fn crc32(path: &Path) -> Result<u32, ModelError> {
-    let io = |source| {
-        ModelError::Input(InputError::Io {
-            path: path.to_path_buf(),
-            source,
-        })
-    };
-    let mut f = std::fs::File::open(path).map_err(io)?;
-    let mut crc = crc32fast::Hasher::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = f.read(&mut buf).map_err(io)?;
-        if n == 0 {
-            return Ok(crc.finalize());
-        }
-        crc.update(&buf[..n]);
-    }
 }
 
 /// The model's config, checked, and its checkpoint when `model.init` is

@@ -52,6 +52,28 @@ pub struct SourcePos {
     pub position: u64,
 }
 
+/// A checkpoint's cursor (`accrue_checkpoint`, the same fields) is where
+/// a job resumed from it continues.
+impl From<accrue_checkpoint::Cursor> for Cursor {
+    fn from(c: accrue_checkpoint::Cursor) -> Cursor {
+        Cursor {
+            epoch: c.epoch,
+            position: c.position,
+            overflow: c.overflow,
+            sources: c
+                .sources
+                .into_iter()
+                .map(|p| SourcePos {
+                    epoch: p.epoch,
+                    position: p.position,
+                })
+                .collect(),
+            mixed: c.mixed,
+            mix_rev: c.mix_rev,
+        }
+    }
+}
+
 impl Cursor {
     /// Where source `s` stands.
     pub fn source(&self, s: usize) -> SourcePos {

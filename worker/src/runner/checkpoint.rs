@@ -7,37 +7,35 @@ use std::path::PathBuf;
 use tracing::info;
 
 use super::thread::Thread;
-use super::writer::{Answer, CheckpointManifest, ManifestCursor, ManifestSourcePos};
+use super::writer::Answer;
 use crate::error::classify;
 use crate::wire;
+use accrue_checkpoint::{Cursor, Manifest, SourcePos};
 
 impl Thread {
     pub(super) fn checkpoint(&mut self, c: &wire::CheckpointRequest) {
         let Some(h) = self.replica(&c.job_id, c.step, "checkpoint") else {
             return;
         };
-        let manifest = CheckpointManifest {
+        let manifest = Manifest {
             job: c.job_id.clone(),
             name: h.name.clone(),
             step: c.step,
-            cursor: c
-                .cursor
-                .as_ref()
-                .map_or_else(Default::default, |k| ManifestCursor {
-                    epoch: k.epoch,
-                    position: k.position,
-                    overflow: k.overflow.clone(),
-                    sources: k
-                        .sources
-                        .iter()
-                        .map(|p| ManifestSourcePos {
-                            epoch: p.epoch,
-                            position: p.position,
-                        })
-                        .collect(),
-                    mixed: k.mixed.clone(),
-                    mix_rev: k.mix_rev,
-                }),
+            cursor: c.cursor.as_ref().map_or_else(Default::default, |k| Cursor {
+                epoch: k.epoch,
+                position: k.position,
+                overflow: k.overflow.clone(),
+                sources: k
+                    .sources
+                    .iter()
+                    .map(|p| SourcePos {
+                        epoch: p.epoch,
+                        position: p.position,
+                    })
+                    .collect(),
+                mixed: k.mixed.clone(),
+                mix_rev: k.mix_rev,
+            }),
             world_size: h.world_size.max(1),
             generation: h.generation,
         };

@@ -24,7 +24,6 @@ use crate::collective::reshard::{SyncPlan, DEFAULT_CHUNK};
 use crate::collective::{Collective, CollectiveError, Solo};
 use crate::config::{JobConfig, Sharding};
 use crate::error::classify;
-use crate::train::checkpoint::marker;
 use crate::wire;
 use crate::wire::worker_message::Msg;
 
@@ -216,13 +215,16 @@ impl Thread {
         dir: &Path,
     ) -> Result<(), ConfigureError> {
         let restore_failed = |msg: String| (wire::ErrorKind::RestoreFailed, msg, None);
-        marker::verify(dir).map_err(|e| {
+        let verified = accrue_checkpoint::verify(dir).map_err(|e| {
             restore_failed(format!(
                 "configure: restoring step {} from {}: {e}",
                 c.step,
                 dir.display()
             ))
         })?;
+        if !verified.marked {
+            tracing::warn!(dir = %dir.display(), "checkpoint without rank markers (written before markers existed): not verified");
+        }
         check_restore_step(dir, c.step).map_err(restore_failed)?;
         let coll = self.connect(c)?;
         let h = self
@@ -390,15 +392,12 @@ impl Thread {
 /// training on from an older checkpoint while reporting a newer step would
 /// silently diverge from the other ranks.
 fn check_restore_step(dir: &Path, step: u64) -> Result<(), String> {
-    let path = dir.join("manifest.json");
-    let bytes = std::fs::read(&path).map_err(|e| format!("configure: {}: {e}", path.display()))?;
-    let m: super::writer::CheckpointManifest = serde_json::from_slice(&bytes)
-        .map_err(|e| format!("configure: {}: {e}", path.display()))?;
+    let m = accrue_checkpoint::read_manifest(dir).map_err(|e| format!("configure: {e}"))?;
     if m.step != step {
         return Err(format!(
             "configure: {} holds step {}, but this replica is configured at step {step}; \
              refusing to train from mismatched state",
-            path.display(),
+            dir.join(accrue_checkpoint::MANIFEST).display(),
             m.step
         ));
     }

@@ -16,7 +16,7 @@ use tracing::info;
 
 use super::thread::Thread;
 use crate::error::classify;
-use crate::train::checkpoint::{marker, optimizer_file};
+use crate::train::checkpoint::optimizer_file;
 use crate::train::Trainer;
 use crate::wire;
 use crate::wire::worker_message::Msg;
@@ -55,13 +55,13 @@ pub fn write_policy(
         }
     }
     files.retain(|f| !dropped.contains(&f.as_str()));
-    marker::write_marker(dir, rank, world, &files)?;
+    accrue_checkpoint::write_marker(dir, rank, world, &files)?;
     // Every rank's part is durable before rank 0 marks the policy complete.
     exec.barrier()?;
     if rank != 0 {
         return Ok(());
     }
-    write_atomic(
+    accrue_checkpoint::write_durable(
         &dir.join("policy.json"),
         &serde_json::to_vec_pretty(marker)?,
     )?;
@@ -70,7 +70,7 @@ pub fn write_policy(
             path: dir.display().to_string(),
             ..marker.clone()
         };
-        write_atomic(
+        accrue_checkpoint::write_durable(
             &parent.join("policy.json"),
             &serde_json::to_vec_pretty(&latest)?,
         )?;
@@ -83,12 +83,6 @@ fn remove_if_present(path: &Path) -> std::io::Result<()> {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
         _ => Ok(()),
     }
-}
-
-fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let tmp = path.with_extension("json.tmp");
-    std::fs::write(&tmp, bytes)?;
-    std::fs::rename(&tmp, path)
 }
 
 impl Thread {

@@ -12,7 +12,6 @@ use std::time::{Duration, Instant};
 use super::*;
 use crate::batch::{MicrobatchMeta, MicrobatchOutcome, PackedBatch, StepNorms};
 use crate::collective::Collective;
-use crate::train::checkpoint::marker;
 use crate::train::{CheckpointWrite, StepStats};
 use crate::train::{Checkpointing, Membership, Passes, Trainer};
 use crate::wire;
@@ -23,12 +22,12 @@ use crate::wire::worker_message::Msg;
 pub(super) fn complete_checkpoint(dir: &Path, step: u64) {
     std::fs::create_dir_all(dir).unwrap();
     std::fs::write(dir.join("model.safetensors"), b"weights").unwrap();
-    marker::write_marker(dir, 0, 1, &["model.safetensors".into()]).unwrap();
-    let m = CheckpointManifest {
+    accrue_checkpoint::write_marker(dir, 0, 1, &["model.safetensors".into()]).unwrap();
+    let m = accrue_checkpoint::Manifest {
         job: "j".into(),
         name: "t".into(),
         step,
-        cursor: ManifestCursor::default(),
+        cursor: accrue_checkpoint::Cursor::default(),
         world_size: 1,
         generation: 1,
     };
@@ -285,7 +284,7 @@ fn training_goes_on_while_a_checkpoint_is_written_and_shutdown_waits_for_it() {
     assert!(runner.pending() > 0, "a write in flight counts as pending");
     runner.shutdown();
     assert!(matches!(next(&mut rx), Msg::CheckpointDone(c) if c.step == 0));
-    marker::verify(&ck).unwrap();
+    accrue_checkpoint::verify(&ck).unwrap();
     assert_eq!(counters.steps.load(Ordering::SeqCst), 3);
 }
 

@@ -391,15 +391,15 @@ fn the_thread_configures_runs_checkpoints_and_drains_on_shutdown() {
     let s = r.sums.unwrap();
     assert_eq!((r.step, s.padding_tokens), (6, 28));
     assert!(matches!(msg(&mut rx), Msg::CheckpointDone(c) if c.step == 6));
-    let m: CheckpointManifest =
+    let m: accrue_checkpoint::Manifest =
         serde_json::from_slice(&std::fs::read(ckpt.join("manifest.json")).unwrap()).unwrap();
     assert_eq!(
         m,
-        CheckpointManifest {
+        accrue_checkpoint::Manifest {
             job: "j".into(),
             name: "t".into(),
             step: 6,
-            cursor: ManifestCursor {
+            cursor: accrue_checkpoint::Cursor {
                 epoch: 1,
                 position: 8,
                 overflow: vec![3],
@@ -410,7 +410,7 @@ fn the_thread_configures_runs_checkpoints_and_drains_on_shutdown() {
         }
     );
     assert!(ckpt.join("model.safetensors").is_file());
-    crate::train::checkpoint::marker::verify(&ckpt).expect("a complete checkpoint");
+    accrue_checkpoint::verify(&ckpt).expect("a complete checkpoint");
 }
 
 #[test]

@@ -12,7 +12,7 @@
 //!    rank's part is durable.
 //!
 //! A crash mid-write leaves a directory without its markers or manifest,
-//! which `train::checkpoint::marker::verify` rejects at restore, while
+//! which `accrue_checkpoint::verify` rejects at restore, while
 //! older checkpoints (other directories) stay valid. One background write
 //! runs at a time: a new request, a `Configure` and the thread's end wait
 //! for the previous one.
@@ -22,58 +22,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use serde::Serialize;
 use tokio::sync::mpsc::UnboundedSender;
 use tracing::{info, warn};
 
 use super::fault;
-use crate::train::checkpoint::marker;
 use crate::train::{CheckpointWrite, Trainer};
 use crate::wire;
 use crate::wire::worker_message::Msg;
-
-/// The data of `manifest.json` beside a checkpoint (rank 0 writes it after
-/// its own marker; with every rank's marker it makes the checkpoint
-/// complete).
-#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
-pub struct CheckpointManifest {
-    pub job: String,
-    /// The job's name (`job.name`): a job of the same name whose
-    /// `model.init` is this directory resumes from it; any other job only
-    /// takes its weights.
-    #[serde(default)]
-    pub name: String,
-    pub step: u64,
-    pub cursor: ManifestCursor,
-    pub world_size: u32,
-    pub generation: u64,
-}
-
-/// The data cursor as the coordinator's `cursor::Cursor` serialises it.
-#[derive(Debug, Clone, PartialEq, Default, Serialize, serde::Deserialize)]
-pub struct ManifestCursor {
-    pub epoch: u64,
-    pub position: u64,
-    pub overflow: Vec<u64>,
-    /// A mixture's other sources, and its interleave state.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub sources: Vec<ManifestSourcePos>,
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub mixed: Vec<u64>,
-    #[serde(default, skip_serializing_if = "is_zero")]
-    pub mix_rev: u32,
-}
-
-fn is_zero(v: &u32) -> bool {
-    *v == 0
-}
-
-/// Where one source of a mixture stands.
-#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, serde::Deserialize)]
-pub struct ManifestSourcePos {
-    pub epoch: u64,
-    pub position: u64,
-}
+use accrue_checkpoint::{write_durable, write_marker, Manifest, MANIFEST};
 
 /// Writes a snapshotted part into `dir`: the files, then this rank's
 /// marker, then (rank 0) the manifest.
@@ -81,17 +37,14 @@ fn write_part(
     write: CheckpointWrite,
     dir: &Path,
     rank: u32,
-    manifest: &CheckpointManifest,
+    manifest: &Manifest,
 ) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir)?;
     let files = write(dir)?;
     fault::point(fault::Point::InCheckpointWrite, manifest.step, rank);
-    marker::write_marker(dir, rank, manifest.world_size, &files)?;
+    write_marker(dir, rank, manifest.world_size, &files)?;
     if rank == 0 {
-        marker::write_durable(
-            &dir.join("manifest.json"),
-            &serde_json::to_vec_pretty(manifest)?,
-        )?;
+        write_durable(&dir.join(MANIFEST), &serde_json::to_vec_pretty(manifest)?)?;
     }
     Ok(())
 }
@@ -102,7 +55,7 @@ pub fn write_checkpoint(
     exec: &mut dyn Trainer,
     rank: u32,
     dir: &Path,
-    manifest: &CheckpointManifest,
+    manifest: &Manifest,
 ) -> anyhow::Result<()> {
     let write = exec.checkpoint_snapshot()?;
     write_part(write, dir, rank, manifest)
@@ -143,7 +96,7 @@ impl Writer {
         write: CheckpointWrite,
         dir: PathBuf,
         rank: u32,
-        manifest: CheckpointManifest,
+        manifest: Manifest,
         answer: Answer,
     ) {
         self.wait();

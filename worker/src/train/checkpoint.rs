@@ -17,9 +17,7 @@
 //! `checkpoint_snapshot` copies what its rank writes into CPU memory (a
 //! [`Snapshot`], gathering through collectives where needed), and
 //! [`Snapshot::write`] writes it later on a background thread, without
-//! collectives. [`marker`] makes a directory's completeness checkable.
-
-pub mod marker;
+//! collectives. `accrue_checkpoint` makes a directory's completeness checkable.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;

@@ -68,40 +68,25 @@ fn base_dir(s: &str) -> Result<PathBuf, Status> {
     Ok(p)
 }
 
-/// The `manifest.json` fields a resumed job starts from (a checkpoint's
-/// manifest, not a step's).
-#[derive(serde::Deserialize)]
-struct CheckpointManifest {
-    step: u64,
-    cursor: crate::stream::cursor::Cursor,
-}
-
-/// A job whose `model.init` is a checkpoint of ours (it holds the
-/// `manifest.json` workers write) resumes at the manifest's step and data
-/// cursor, restoring model and optimizer state from that directory.
+/// Where a job whose `model.init` is a checkpoint of ours (it holds the
+/// `manifest.json` workers write) starts: `accrue_checkpoint`'s resume rule
+/// ([`accrue_checkpoint::Manifest::resume_point`]), restoring model and
+/// optimizer state from that directory.
 pub(super) fn resume_point(spec: &JobSpec) -> Result<Option<JobStart>, String> {
     if spec.model.is_random() {
         return Ok(None);
     }
     let dir = PathBuf::from(&spec.model.init);
-    let path = dir.join("manifest.json");
-    if !path.is_file() {
+    if !dir.join(accrue_checkpoint::MANIFEST).is_file() {
         return Ok(None);
     }
-    let m: CheckpointManifest = std::fs::read(&path)
-        .map_err(|e| e.to_string())
-        .and_then(|b| serde_json::from_slice(&b).map_err(|e| e.to_string()))
-        .map_err(|e| format!("model.init: {}: {e}", path.display()))?;
-    if !spec.model.resume {
-        // Weights only (e.g. DPO from an SFT checkpoint): step 0, a fresh
-        // optimizer, this job's own data stream.
-        return Ok(None);
-    }
-    Ok(Some(JobStart {
-        step: m.step,
-        cursor: m.cursor,
-        dir,
-    }))
+    let m = accrue_checkpoint::read_manifest(&dir).map_err(|e| format!("model.init: {e}"))?;
+    Ok(m.resume_point(spec.model.resume)
+        .map(|(step, cursor)| JobStart {
+            step,
+            cursor: cursor.into(),
+            dir,
+        }))
 }
 
 use super::watch::WatchStream;
