@@ -36,8 +36,9 @@ impl Manifest {
     }
 }
 
-/// Position of the job's data stream, as the coordinator's cursor
-/// serialises it.
+/// Position of the job's data stream (the coordinator's data cursor, whose
+/// meaning its `stream::cursor` module gives; persisted with the job and
+/// recorded in every checkpoint).
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct Cursor {
     /// 0-based epoch of the next document (of the first source, in a
@@ -58,6 +59,20 @@ pub struct Cursor {
     /// Which weights `mixed` counts under.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub mix_rev: u32,
+}
+
+impl Cursor {
+    /// Where source `s` of a mixture stands (source 0 is the cursor's own
+    /// epoch and position).
+    pub fn source(&self, s: usize) -> SourcePos {
+        match s {
+            0 => SourcePos {
+                epoch: self.epoch,
+                position: self.position,
+            },
+            _ => self.sources.get(s - 1).copied().unwrap_or_default(),
+        }
+    }
 }
 
 fn is_zero(v: &u32) -> bool {

@@ -480,7 +480,7 @@ pub fn planner(sources: u32, docs: u64, docs_per_step: u64) -> anyhow::Result<Da
         };
         let solution = plan::solve(&problem)?;
         planned += solution.normalizers.documents;
-        cursor = cursor.advance(&order, &sel);
+        cursor = order.advance(&cursor, &sel);
     }
     let secs = t0.elapsed().as_secs_f64();
     Ok(DataRow {

@@ -282,7 +282,7 @@ fn files(job: &Job, world_size: u32) -> Option<Chosen> {
         settings,
         lr: job.settings().lr(step, job.rec.total_steps),
         staleness: rollouts.map(|_| staleness(&chosen, step)),
-        cursor_after: cursor.advance_skipping(&order, &selection, skip),
+        cursor_after: order.advance_skipping(cursor, &selection, skip),
         docs: chosen,
         replay: false,
     })

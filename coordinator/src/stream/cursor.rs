@@ -12,80 +12,14 @@ use std::sync::{Arc, Mutex};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use serde::{Deserialize, Serialize};
 
 use crate::stream::mix::Weights;
 
-/// Position of a job's data stream.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
-pub struct Cursor {
-    /// 0-based epoch of the next document (of the first source, in a
-    /// mixture).
-    pub epoch: u64,
-    /// Index into the epoch's permutation of the next document.
-    pub position: u64,
-    /// Dataset indices taken out of order and carried to the next step; they
-    /// are served before the permutation continues.
-    pub overflow: Vec<u64>,
-    /// A mixture's other sources (source `i + 1` at index `i`): each has
-    /// its own epochs and permutation.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub sources: Vec<SourcePos>,
-    /// A mixture: documents each source served since its weights last
-    /// changed (the interleave's state, `crate::stream::mix`).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub mixed: Vec<u64>,
-    /// Which weights `mixed` counts under: the number of weight changes
-    /// in force (a change restarts the counts).
-    #[serde(default, skip_serializing_if = "is_zero")]
-    pub mix_rev: u32,
-}
-
-fn is_zero(v: &u32) -> bool {
-    *v == 0
-}
-
-/// Where one source's permutation stands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-pub struct SourcePos {
-    pub epoch: u64,
-    pub position: u64,
-}
-
-/// A checkpoint's cursor (`accrue_checkpoint`, the same fields) is where
-/// a job resumed from it continues.
-impl From<accrue_checkpoint::Cursor> for Cursor {
-    fn from(c: accrue_checkpoint::Cursor) -> Cursor {
-        Cursor {
-            epoch: c.epoch,
-            position: c.position,
-            overflow: c.overflow,
-            sources: c
-                .sources
-                .into_iter()
-                .map(|p| SourcePos {
-                    epoch: p.epoch,
-                    position: p.position,
-                })
-                .collect(),
-            mixed: c.mixed,
-            mix_rev: c.mix_rev,
-        }
-    }
-}
-
-impl Cursor {
-    /// Where source `s` stands.
-    pub fn source(&self, s: usize) -> SourcePos {
-        match s {
-            0 => SourcePos {
-                epoch: self.epoch,
-                position: self.position,
-            },
-            _ => self.sources.get(s - 1).copied().unwrap_or_default(),
-        }
-    }
-}
+/// Position of a job's data stream: the checkpoint contract's type (a
+/// checkpoint records it, a job resumed from one continues there); what it
+/// means — epochs of a seeded permutation, the overflow queue, a mixture's
+/// other sources and interleave — is this module's.
+pub use accrue_checkpoint::{Cursor, SourcePos};
 
 /// One source of a mixture: its units (a range of the dataset) and epochs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -382,11 +316,11 @@ pub struct Selection {
     pub consumed: usize,
 }
 
-impl Cursor {
+impl Order {
     /// The cursor after a step that made `selection` from the candidates
-    /// `order.candidates(self)` offered.
-    pub fn advance(&self, order: &Order, selection: &Selection) -> Cursor {
-        self.advance_skipping(order, selection, |_| false)
+    /// `self.candidates(cursor)` offered.
+    pub fn advance(&self, cursor: &Cursor, selection: &Selection) -> Cursor {
+        self.advance_skipping(cursor, selection, |_| false)
     }
 
     /// [`Self::advance`] when the selector was offered the candidates
@@ -394,13 +328,14 @@ impl Cursor {
     /// candidate the step passed over is dropped, never carried over.
     pub fn advance_skipping(
         &self,
-        order: &Order,
+        cursor: &Cursor,
         selection: &Selection,
         skip: impl Fn(u64) -> bool,
     ) -> Cursor {
+        let order = self;
         let mut taken = selection.taken.clone();
         taken.sort_unstable();
-        let mut next = self.clone();
+        let mut next = cursor.clone();
         next.overflow = Vec::new();
         let mut overflow_consumed = 0;
         let mut untaken_from_stream = Vec::new();
@@ -408,7 +343,7 @@ impl Cursor {
         // `taken` is sorted and offers are counted up: a pointer into it
         // answers "taken?" for each in turn, no search per candidate.
         let mut next_taken = taken.iter().copied().peekable();
-        let mut it = order.candidates(self);
+        let mut it = order.candidates(cursor);
         // Stop before pulling past the last consumed candidate: the
         // iterator's state is then where the stream stands after the step.
         while offered < selection.consumed {
@@ -434,7 +369,7 @@ impl Cursor {
         // Overflow the selector never looked at stays queued, ahead of this
         // step's new carry-overs: nothing is lost, older documents go first.
         next.overflow
-            .extend_from_slice(&self.overflow[overflow_consumed..]);
+            .extend_from_slice(&cursor.overflow[overflow_consumed..]);
         next.overflow.extend(untaken_from_stream);
         it.write_state(&mut next);
         next
@@ -490,7 +425,7 @@ mod tests {
             taken: vec![0, 2],
             consumed: 4,
         };
-        let c1 = c0.advance(&o, &sel);
+        let c1 = o.advance(&c0, &sel);
         assert_eq!(
             c1,
             Cursor {
@@ -504,8 +439,8 @@ mod tests {
         let next: Vec<u64> = o.candidates(&c1).take(4).map(|c| c.index).collect();
         assert_eq!(next, vec![1, 3, 4, 0]);
         // Taking only overflow leaves the position where it was.
-        let c2 = c1.advance(
-            &o,
+        let c2 = o.advance(
+            &c1,
             &Selection {
                 taken: vec![0, 1],
                 consumed: 2,
@@ -532,8 +467,8 @@ mod tests {
             overflow: vec![1, 3, 4],
             ..Default::default()
         };
-        let n = c.advance(
-            &o,
+        let n = o.advance(
+            &c,
             &Selection {
                 taken: vec![0],
                 consumed: 1,
@@ -549,8 +484,8 @@ mod tests {
             }
         );
         // Consumed past the queue: old untaken first, then new misfits.
-        let n = c.advance(
-            &o,
+        let n = o.advance(
+            &c,
             &Selection {
                 taken: vec![0, 3],
                 consumed: 5,
@@ -576,8 +511,8 @@ mod tests {
             overflow: vec![],
             ..Default::default()
         };
-        let n = c.advance(
-            &o,
+        let n = o.advance(
+            &c,
             &Selection {
                 taken: vec![0, 1, 2],
                 consumed: 3,
@@ -604,8 +539,8 @@ mod tests {
             // Take every other candidate; the rest overflow.
             let taken: Vec<usize> = (0..offered.len()).step_by(2).collect();
             seen.extend(taken.iter().map(|&i| offered[i]));
-            cursor = cursor.advance(
-                &o,
+            cursor = o.advance(
+                &cursor,
                 &Selection {
                     taken,
                     consumed: offered.len(),
@@ -661,7 +596,7 @@ mod tests {
                 taken,
                 consumed: offered.len(),
             };
-            cursor = cursor.advance(&o, &sel);
+            cursor = o.advance(&cursor, &sel);
             // The cursor survives a round trip through its stored form.
             cursor = serde_json::from_str(&serde_json::to_string(&cursor).unwrap()).unwrap();
             steps += 1;
@@ -684,7 +619,7 @@ mod tests {
             taken: (0..3).collect(),
             consumed: 3,
         };
-        let c = c.advance(&o, &sel);
+        let c = o.advance(&c, &sel);
         assert_eq!(c.mixed.iter().sum::<u64>(), 3);
         // Only source 2 from now on: its weight dominates every count.
         let only = o.with_weights(vec![1e-9, 1e-9, 1.0], 1);
@@ -694,8 +629,8 @@ mod tests {
             .map(|x| only.source_of(x.index))
             .collect();
         assert_eq!(next, vec![2; 5]);
-        let c2 = c.advance(
-            &only,
+        let c2 = only.advance(
+            &c,
             &Selection {
                 taken: (0..5).collect(),
                 consumed: 5,

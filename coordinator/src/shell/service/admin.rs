@@ -82,11 +82,7 @@ pub(super) fn resume_point(spec: &JobSpec) -> Result<Option<JobStart>, String> {
     }
     let m = accrue_checkpoint::read_manifest(&dir).map_err(|e| format!("model.init: {e}"))?;
     Ok(m.resume_point(spec.model.resume)
-        .map(|(step, cursor)| JobStart {
-            step,
-            cursor: cursor.into(),
-            dir,
-        }))
+        .map(|(step, cursor)| JobStart { step, cursor, dir }))
 }
 
 use super::watch::WatchStream;
