@@ -571,6 +571,9 @@ pub struct CollectiveArgs {
     /// Ring message piece size in bytes (default: the library's).
     #[arg(long, value_name = "BYTES")]
     pub chunk_bytes: Option<usize>,
+    /// Seal every piece (AES-256-GCM), as a coordinator with TLS asks.
+    #[arg(long)]
+    pub seal: bool,
 }
 
 /// Arguments of the hidden `accrue bench collective-rank`.
@@ -584,6 +587,8 @@ pub struct CollectiveRankArgs {
     pub sizes_mib: Vec<f64>,
     #[arg(long)]
     pub chunk_bytes: Option<usize>,
+    #[arg(long)]
+    pub seal: bool,
 }
 
 /// Arguments of `accrue bench recovery`.

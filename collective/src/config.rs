@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use crate::error::{CollectiveError, CollectiveResult};
+use crate::link::LinkKey;
 
 /// Where this rank sits in a generation's ring.
 #[derive(Debug, Clone)]
@@ -18,6 +19,8 @@ pub struct RingConfig {
     pub generation: u64,
     /// Deadline of `connect` and of every operation.
     pub timeout: Duration,
+    /// The generation's link secret: only peers holding it connect.
+    pub link: LinkKey,
 }
 
 impl RingConfig {

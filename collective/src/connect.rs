@@ -1,6 +1,10 @@
 //! Forming the ring: every rank dials its next rank and accepts a
 //! connection from its previous one, each with a handshake carrying magic,
-//! version, generation, ranks and world size.
+//! version, generation, ranks and world size, a nonce from each side and a
+//! MAC under the generation's link key (`crate::link`). A hello whose MAC
+//! does not verify is refused and changes nothing: the acceptor goes on
+//! waiting for its real previous rank, so a stranger can neither take the
+//! link nor fail the generation and blame an honest peer.
 //!
 //! The listener is bound once per worker process and reused by every
 //! generation, so its backlog may hold connections meant for an older (or a
@@ -17,12 +21,74 @@ use std::time::{Duration, Instant};
 
 use crate::config::RingConfig;
 use crate::error::{CollectiveError, CollectiveResult};
-use crate::wire::{Hello, HELLO_LEN, HELLO_MAGIC, VERSION};
+use crate::link::{rand_bytes, Sealing, NONCE_LEN};
+use crate::wire::{Hello, HELLO_FRAME_LEN, HELLO_LEN, HELLO_MAGIC, VERSION};
 
 /// The two connections of one rank.
 pub(crate) struct Links {
     pub to_next: TcpStream,
     pub from_prev: TcpStream,
+}
+
+/// The sealing of what a rank sends and of what it receives, when the
+/// link key seals.
+pub(crate) struct Seals {
+    pub out: Option<Sealing>,
+    pub inward: Option<Sealing>,
+}
+
+const HELLO_LABEL: &[u8] = b"accrue ring hello";
+const ANSWER_LABEL: &[u8] = b"accrue ring answer";
+
+/// A hello frame: the hello, a nonce and a MAC.
+struct Frame {
+    hello: Hello,
+    raw: [u8; HELLO_FRAME_LEN],
+}
+
+impl Frame {
+    fn new(hello: Hello, nonce: &[u8; NONCE_LEN], mac: Option<[u8; 32]>) -> Frame {
+        let mut raw = [0u8; HELLO_FRAME_LEN];
+        raw[..HELLO_LEN].copy_from_slice(&hello.encode());
+        raw[HELLO_LEN..HELLO_LEN + NONCE_LEN].copy_from_slice(nonce);
+        if let Some(mac) = mac {
+            raw[HELLO_LEN + NONCE_LEN..].copy_from_slice(&mac);
+        }
+        Frame { hello, raw }
+    }
+
+    fn decode(raw: [u8; HELLO_FRAME_LEN]) -> Frame {
+        let hello = Hello::decode(raw[..HELLO_LEN].try_into().expect("hello bytes"));
+        Frame { hello, raw }
+    }
+
+    fn base(&self) -> &[u8] {
+        &self.raw[..HELLO_LEN]
+    }
+
+    fn nonce(&self) -> &[u8] {
+        &self.raw[HELLO_LEN..HELLO_LEN + NONCE_LEN]
+    }
+
+    fn mac(&self) -> &[u8] {
+        &self.raw[HELLO_LEN + NONCE_LEN..]
+    }
+}
+
+/// A dialer's signed hello.
+fn signed_hello(cfg: &RingConfig, to: u32) -> Frame {
+    let nonce = rand_bytes::<NONCE_LEN>();
+    let h = hello(cfg, to);
+    let mac = cfg.link.mac(HELLO_LABEL, &[&h.encode(), &nonce]);
+    Frame::new(h, &nonce, Some(mac))
+}
+
+/// An acceptor's answer taking the connection, bound to the hello.
+fn signed_answer(cfg: &RingConfig, to: &Frame) -> Frame {
+    let nonce = rand_bytes::<NONCE_LEN>();
+    let h = hello(cfg, 1);
+    let mac = cfg.link.mac(ANSWER_LABEL, &[&to.raw, &h.encode(), &nonce]);
+    Frame::new(h, &nonce, Some(mac))
 }
 
 const OP: &str = "connect";
@@ -32,15 +98,13 @@ pub(crate) fn connect(
     listener: &TcpListener,
     cfg: &RingConfig,
     deadline: Instant,
-) -> CollectiveResult<Links> {
+) -> CollectiveResult<(Links, Seals)> {
     thread::scope(|s| {
         let dialer = s.spawn(|| dial_next(cfg, deadline));
         let accepted = accept_prev(listener, cfg, deadline);
         let dialed = dialer.join().expect("ring dialer panicked");
-        Ok(Links {
-            to_next: dialed?,
-            from_prev: accepted?,
-        })
+        let ((to_next, out), (from_prev, inward)) = (dialed?, accepted?);
+        Ok((Links { to_next, from_prev }, Seals { out, inward }))
     })
 }
 
@@ -72,19 +136,21 @@ fn describe(h: &Hello) -> String {
     )
 }
 
-fn exchange(s: &TcpStream, send: &Hello, deadline: Instant) -> io::Result<Hello> {
+fn exchange(s: &TcpStream, send: &Frame, deadline: Instant) -> io::Result<Frame> {
     // Wait for the answer until the deadline: a dialer that gave up early
     // could leave behind a connection the peer later accepts as its ring link.
     let left = remaining(deadline).ok_or(io::ErrorKind::TimedOut)?;
     s.set_write_timeout(Some(left))?;
     s.set_read_timeout(Some(left))?;
-    (&*s).write_all(&send.encode())?;
-    let mut b = [0u8; HELLO_LEN];
+    (&*s).write_all(&send.raw)?;
+    let mut b = [0u8; HELLO_FRAME_LEN];
     (&*s).read_exact(&mut b)?;
-    Ok(Hello::decode(&b))
+    Ok(Frame::decode(b))
 }
 
-fn dial_next(cfg: &RingConfig, deadline: Instant) -> CollectiveResult<TcpStream> {
+type Link = (TcpStream, Option<Sealing>);
+
+fn dial_next(cfg: &RingConfig, deadline: Instant) -> CollectiveResult<Link> {
     let next = (cfg.rank + 1) % cfg.world;
     let addr = &cfg.peers[next];
     let lost = |detail: String| CollectiveError::PeerLost {
@@ -108,10 +174,28 @@ fn dial_next(cfg: &RingConfig, deadline: Instant) -> CollectiveResult<TcpStream>
             .and_then(|mut a| a.next().ok_or_else(|| io::ErrorKind::NotFound.into()))
             .and_then(|a| TcpStream::connect_timeout(&a, left.min(Duration::from_secs(1))))
             .and_then(|s| tune(&s).map(|()| s))
-            .and_then(|s| exchange(&s, &hello(cfg, next as u32), deadline).map(|h| (s, h)));
+            .and_then(|s| {
+                let sent = signed_hello(cfg, next as u32);
+                exchange(&s, &sent, deadline).map(|got| (s, sent, got))
+            });
         match attempt {
-            Ok((s, h)) if h.magic == HELLO_MAGIC && h.to_or_accepted == 1 => return Ok(s),
-            Ok((_, h)) => {
+            Ok((s, sent, got))
+                if got.hello.magic == HELLO_MAGIC && got.hello.to_or_accepted == 1 =>
+            {
+                // Taken: by a peer holding the key, or by nobody we know.
+                let parts: [&[u8]; 3] = [&sent.raw, got.base(), got.nonce()];
+                if !cfg.link.verify(ANSWER_LABEL, &parts, got.mac()) {
+                    return Err(CollectiveError::Mismatch {
+                        op: OP,
+                        peer: next,
+                        expected: "an answer authenticated with this generation's link key".into(),
+                        got: format!("an unauthenticated answer from {addr}"),
+                    });
+                }
+                return Ok((s, cfg.link.sealing(sent.nonce(), got.nonce())));
+            }
+            Ok((_, _, got)) => {
+                let h = got.hello;
                 let mismatch = CollectiveError::Mismatch {
                     op: OP,
                     peer: next,
@@ -145,7 +229,7 @@ fn accept_prev(
     listener: &TcpListener,
     cfg: &RingConfig,
     deadline: Instant,
-) -> CollectiveResult<TcpStream> {
+) -> CollectiveResult<Link> {
     let prev = (cfg.rank + cfg.world - 1) % cfg.world;
     listener
         .set_nonblocking(true)
@@ -187,17 +271,35 @@ fn accept_prev(
             // Real dialers send their hello at once; do not let a silent
             // stranger hold up the peer queued behind it.
             s.set_read_timeout(Some(left.min(Duration::from_millis(500))))?;
-            let mut b = [0u8; HELLO_LEN];
+            let mut b = [0u8; HELLO_FRAME_LEN];
             (&s).read_exact(&mut b)?;
-            Ok(Hello::decode(&b))
+            Ok(Frame::decode(b))
         });
+        let authentic = |f: &Frame| {
+            cfg.link
+                .verify(HELLO_LABEL, &[f.base(), f.nonce()], f.mac())
+        };
         match got {
-            Ok(h) if expected(&h) => match (&s).write_all(&hello(cfg, 1).encode()) {
-                Ok(()) => break Ok(s),
-                Err(e) => tracing::warn!(%from, error = %e, "ring peer vanished during handshake"),
-            },
-            Ok(h) => {
-                let _ = (&s).write_all(&hello(cfg, 0).encode());
+            Ok(f) if expected(&f.hello) && authentic(&f) => {
+                let answer = signed_answer(cfg, &f);
+                match (&s).write_all(&answer.raw) {
+                    Ok(()) => break Ok((s, cfg.link.sealing(f.nonce(), answer.nonce()))),
+                    Err(e) => {
+                        tracing::warn!(%from, error = %e, "ring peer vanished during handshake")
+                    }
+                }
+            }
+            Ok(f) => {
+                let h = f.hello;
+                let refusal = Frame::new(hello(cfg, 0), &[0; NONCE_LEN], None);
+                let _ = (&s).write_all(&refusal.raw);
+                if h.magic == HELLO_MAGIC && h.generation == cfg.generation && !authentic(&f) {
+                    // Not from a holder of this generation's key: nobody
+                    // to blame, nothing changes; the real rank may follow.
+                    tracing::warn!(%from, got = %describe(&h), rank = cfg.rank,
+                        generation = cfg.generation, "refused an unauthenticated ring connection");
+                    continue;
+                }
                 tracing::warn!(%from, got = %describe(&h), rank = cfg.rank,
                     generation = cfg.generation, "refused a ring connection");
                 if h.magic == HELLO_MAGIC && h.generation == cfg.generation {

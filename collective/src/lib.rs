@@ -11,6 +11,8 @@
 //!   (to the next rank, from the previous one) with a sender thread so that
 //!   sending and receiving overlap, per-message generation/sequence checks,
 //!   and a deadline on every operation.
+//! - [`LinkKey`]: the generation's secret that authenticates the ring's
+//!   connections and, with TLS, seals every piece (`link`).
 //!
 //! The algorithm is the ring all-reduce of Patarasuk & Yuan, "Bandwidth
 //! optimal all-reduce algorithms for clusters of workstations" (2009), as
@@ -20,6 +22,7 @@
 mod config;
 mod connect;
 mod error;
+pub mod link;
 pub mod plan;
 mod ring;
 mod shard;
@@ -27,6 +30,7 @@ mod wire;
 
 pub use config::RingConfig;
 pub use error::{CollectiveError, CollectiveResult};
+pub use link::{LinkKey, Sealing};
 pub use ring::{RingAbort, TcpRing};
 pub use shard::shard_range;
 pub use wire::Op;

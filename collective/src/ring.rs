@@ -17,8 +17,9 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::config::RingConfig;
-use crate::connect::{connect, Links};
+use crate::connect::{connect, Links, Seals};
 use crate::error::{CollectiveError, CollectiveResult};
+use crate::link::{Sealing, TAG_LEN};
 use crate::plan::{self, Apply, Piece, Ring, Schedule};
 use crate::wire::{Header, Op, HEADER_LEN, MAGIC};
 
@@ -35,6 +36,10 @@ pub struct TcpRing {
     seq: u64,
     chunk_bytes: usize,
     links: Option<Links>,
+    /// What this rank sends to the next, and receives from the previous,
+    /// is sealed with these when the link key seals (`crate::link`).
+    seal_out: Option<Sealing>,
+    seal_in: Option<Sealing>,
     broken: Option<CollectiveError>,
     scratch: Vec<f32>,
     /// Set by a [`RingAbort`] from another thread.
@@ -85,10 +90,15 @@ impl TcpRing {
     /// within `cfg.timeout`.
     pub fn connect(listener: &TcpListener, cfg: RingConfig) -> CollectiveResult<TcpRing> {
         cfg.validate()?;
-        let links = if cfg.world > 1 {
-            Some(connect(listener, &cfg, Instant::now() + cfg.timeout)?)
+        let (links, seals) = if cfg.world > 1 {
+            let (links, seals) = connect(listener, &cfg, Instant::now() + cfg.timeout)?;
+            (Some(links), seals)
         } else {
-            None
+            let none = Seals {
+                out: None,
+                inward: None,
+            };
+            (None, none)
         };
         tracing::debug!(
             rank = cfg.rank,
@@ -104,6 +114,8 @@ impl TcpRing {
             seq: 0,
             chunk_bytes: DEFAULT_CHUNK_BYTES,
             links,
+            seal_out: seals.out,
+            seal_in: seals.inward,
             broken: None,
             scratch: Vec::new(),
             aborted: Arc::new(AtomicBool::new(false)),
@@ -234,7 +246,14 @@ impl TcpRing {
         let Some(links) = &self.links else {
             return Ok(()); // world size 1
         };
-        let max_recv = sched.recvs.iter().map(|p| p.bytes.len()).max().unwrap_or(0);
+        // A sealed piece comes with its tag, read into the scratch too.
+        let tag = if self.seal_in.is_some() { TAG_LEN } else { 0 };
+        let max_recv = sched
+            .recvs
+            .iter()
+            .map(|p| p.bytes.len() + tag)
+            .max()
+            .unwrap_or(0);
         if self.scratch.len() * 4 < max_recv {
             self.scratch.resize(max_recv.div_ceil(4), 0.0);
         }
@@ -257,10 +276,11 @@ impl TcpRing {
             aborted: &self.aborted,
         };
         let scratch = &mut self.scratch;
+        let (seal_out, seal_in) = (self.seal_out.as_mut(), self.seal_in.as_mut());
         std::thread::scope(|s| {
             let ctx = &ctx;
-            let sender = s.spawn(move || ctx.finish(ctx.send_all(&sched.sends)));
-            ctx.finish(ctx.recv_all(&sched.recvs, scratch));
+            let sender = s.spawn(move || ctx.finish(ctx.send_all(&sched.sends, seal_out)));
+            ctx.finish(ctx.recv_all(&sched.recvs, scratch, seal_in));
             sender.join().expect("ring sender panicked");
         });
         let result = ctx
@@ -461,7 +481,7 @@ impl Ctx<'_> {
         Ok(left)
     }
 
-    fn send_all(&self, pieces: &[Piece]) -> CollectiveResult<()> {
+    fn send_all(&self, pieces: &[Piece], mut seal: Option<&mut Sealing>) -> CollectiveResult<()> {
         let s = &self.links.to_next;
         for (i, p) in pieces.iter().enumerate() {
             match self.wait(|g| g.recvd >= p.after, self.prev) {
@@ -475,15 +495,24 @@ impl Ctx<'_> {
             // is counted as sent (its `after`), and wrote them before it
             // counted the pieces this one waits for.
             let payload = unsafe { self.buf.get(p.bytes.clone()) };
-            write_both(s, &self.header(p).encode(), payload)
-                .map_err(|e| self.io_error(self.next, e))?;
+            let header = self.header(p).encode();
+            let payload = match seal.as_deref_mut() {
+                Some(seal) => seal.seal(&header, payload),
+                None => payload,
+            };
+            write_both(s, &header, payload).map_err(|e| self.io_error(self.next, e))?;
             self.lock().sent = i + 1;
             self.changed.notify_all();
         }
         Ok(())
     }
 
-    fn recv_all(&self, pieces: &[Piece], scratch: &mut [f32]) -> CollectiveResult<()> {
+    fn recv_all(
+        &self,
+        pieces: &[Piece],
+        scratch: &mut [f32],
+        mut seal: Option<&mut Sealing>,
+    ) -> CollectiveResult<()> {
         let s = &self.links.from_prev;
         for (i, p) in pieces.iter().enumerate() {
             match self.wait(|g| g.sent >= p.after, self.next) {
@@ -509,6 +538,12 @@ impl Ctx<'_> {
             // SAFETY: the sender reads these bytes only in pieces that wait
             // for this one, and finished the pieces this one waits for.
             let dst = unsafe { self.buf.get_mut(p.bytes.clone()) };
+            if let Some(seal) = seal.as_deref_mut() {
+                self.recv_sealed(s, &h, p, dst, scratch, seal)?;
+                self.lock().recvd = i + 1;
+                self.changed.notify_all();
+                continue;
+            }
             match p.apply {
                 Apply::Copy => (&*s).read_exact(dst),
                 Apply::SumF32 => {
@@ -522,6 +557,46 @@ impl Ctx<'_> {
             .map_err(|e| self.io_error(self.prev, e))?;
             self.lock().recvd = i + 1;
             self.changed.notify_all();
+        }
+        Ok(())
+    }
+}
+
+impl Ctx<'_> {
+    /// Reads piece `p` sealed (payload and tag) into the scratch, opens it
+    /// with its `header` as associated data, and applies it to `dst`.
+    fn recv_sealed(
+        &self,
+        s: &TcpStream,
+        header: &[u8],
+        p: &Piece,
+        dst: &mut [u8],
+        scratch: &mut [f32],
+        seal: &mut Sealing,
+    ) -> CollectiveResult<()> {
+        let n = p.bytes.len();
+        let bytes = f32_bytes(scratch);
+        let sealed = &mut bytes[..n + TAG_LEN];
+        (&*s)
+            .read_exact(sealed)
+            .map_err(|e| self.io_error(self.prev, e))?;
+        let Some(plain) = seal.open(header, sealed) else {
+            return Err(CollectiveError::Mismatch {
+                op: self.op.name(),
+                peer: self.prev,
+                expected: "a piece sealed with this generation's link key".into(),
+                got: "one that does not open (changed on the way, or not from the ring)".into(),
+            });
+        };
+        match p.apply {
+            Apply::Copy => dst.copy_from_slice(plain),
+            Apply::SumF32 => {
+                // SAFETY: the payload is opened in place at the start of
+                // the f32 scratch, so it is 4-aligned, and `n` is a multiple of 4.
+                let src =
+                    unsafe { std::slice::from_raw_parts(plain.as_ptr().cast::<f32>(), n / 4) };
+                add_into(dst, src);
+            }
         }
         Ok(())
     }

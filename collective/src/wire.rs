@@ -15,8 +15,9 @@ compile_error!(
 pub(crate) const MAGIC: u32 = 0x4143_524c;
 /// First bytes of a connection handshake ("ACRH"), and of its answer.
 pub(crate) const HELLO_MAGIC: u32 = 0x4143_5248;
-/// Wire format version, checked at the handshake.
-pub(crate) const VERSION: u32 = 1;
+/// Wire format version, checked at the handshake (2: hellos carry a nonce
+/// and a MAC, see `crate::link`).
+pub(crate) const VERSION: u32 = 2;
 
 /// The ring operations, as numbered on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -139,6 +140,9 @@ pub(crate) struct Hello {
 }
 
 pub(crate) const HELLO_LEN: usize = 28;
+/// A hello on the wire: the hello, the sender's nonce and its MAC
+/// (`crate::link`; zeros in a refusal, which proves nothing).
+pub(crate) const HELLO_FRAME_LEN: usize = HELLO_LEN + crate::link::NONCE_LEN + crate::link::MAC_LEN;
 
 impl Hello {
     pub fn encode(&self) -> [u8; HELLO_LEN] {

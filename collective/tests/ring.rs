@@ -8,7 +8,7 @@ use std::net::TcpListener;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use accrue_collective::{shard_range, CollectiveError, RingConfig, TcpRing};
+use accrue_collective::{shard_range, CollectiveError, LinkKey, RingConfig, TcpRing};
 use std::sync::mpsc;
 
 fn listeners(world: usize) -> (Vec<TcpListener>, Vec<String>) {
@@ -22,6 +22,14 @@ fn listeners(world: usize) -> (Vec<TcpListener>, Vec<String>) {
     (ls, addrs)
 }
 
+/// A generation's link secret, as the coordinator would hand it out (the
+/// same on every rank of the generation, another for every generation).
+fn secret(generation: u64) -> [u8; 32] {
+    let mut s = [0x5a; 32];
+    s[..8].copy_from_slice(&generation.to_le_bytes());
+    s
+}
+
 fn config(rank: usize, peers: &[String], generation: u64, timeout: Duration) -> RingConfig {
     RingConfig {
         rank,
@@ -29,7 +37,13 @@ fn config(rank: usize, peers: &[String], generation: u64, timeout: Duration) -> 
         peers: peers.to_vec(),
         generation,
         timeout,
+        link: LinkKey::new(&secret(generation), false).unwrap(),
     }
+}
+
+fn sealed(mut cfg: RingConfig) -> RingConfig {
+    cfg.link = LinkKey::new(&secret(cfg.generation), true).unwrap();
+    cfg
 }
 
 /// Runs `f` on every rank of a fresh ring (one thread per rank); returns the
@@ -246,6 +260,113 @@ fn a_reused_listener_refuses_stale_generations_and_strangers() {
     }
 }
 
+/// Issue 33: the ring's sockets accept anyone on the network. A stranger
+/// who read the current generation off the status page sends rank 0's
+/// hello first, MAC'd with the wrong key: before, it took the link (or
+/// failed the generation blaming rank 0); now it is refused, nothing
+/// changes, and the real rank 0 forms the ring.
+#[test]
+fn a_forged_hello_with_the_current_generation_takes_nothing_and_blames_nobody() {
+    let (ls, peers) = listeners(2);
+    // The forger's hello: rank 0 of 2 at generation 4, to rank 1, signed
+    // with another key; it waits for the answer.
+    let forged = {
+        let mut cfg = config(0, &peers, 4, T);
+        cfg.link = LinkKey::new(&[0x11; 32], false).unwrap();
+        cfg
+    };
+    let forger = {
+        let peers = peers.clone();
+        std::thread::spawn(move || {
+            // It dials rank 1 as rank 0 would, alone: without rank 1's
+            // acceptance it cannot form anything.
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            let mut cfg = forged;
+            cfg.peers = vec![l.local_addr().unwrap().to_string(), peers[1].clone()];
+            cfg.timeout = Duration::from_secs(2);
+            TcpRing::connect(&l, cfg).map(|_| ())
+        })
+    };
+    // Rank 1 starts at once and accepts; the real rank 0 comes late.
+    let (l0, l1) = {
+        let mut it = ls.into_iter();
+        (it.next().unwrap(), it.next().unwrap())
+    };
+    let p1 = peers.clone();
+    let rank1 = std::thread::spawn(move || {
+        let mut ring = TcpRing::connect(&l1, config(1, &p1, 4, T)).unwrap();
+        let mut v = vec![2.0f32; 3];
+        ring.all_reduce_sum(&mut v).unwrap();
+        v
+    });
+    let refused = forger.join().unwrap().unwrap_err();
+    assert!(
+        matches!(
+            refused,
+            CollectiveError::Mismatch { .. }
+                | CollectiveError::Timeout { .. }
+                | CollectiveError::PeerLost { .. }
+        ),
+        "{refused}"
+    );
+    let mut ring = TcpRing::connect(&l0, config(0, &peers, 4, T)).unwrap();
+    let mut v = vec![1.0f32; 3];
+    ring.all_reduce_sum(&mut v).unwrap();
+    assert_eq!(v, vec![3.0; 3]);
+    assert_eq!(rank1.join().unwrap(), vec![3.0; 3]);
+}
+
+/// With the link key sealing (a coordinator with TLS), every piece is
+/// AES-GCM sealed: the sums are the plain ring's, bit for bit, at every
+/// length and piece size.
+#[test]
+fn a_sealed_ring_sums_bit_identically_to_the_plain_one() {
+    for (seal, chunk) in [(false, None), (true, None), (true, Some(4096usize))] {
+        let (ls, peers) = listeners(3);
+        let handles: Vec<_> = ls
+            .into_iter()
+            .enumerate()
+            .map(|(rank, l)| {
+                let peers = peers.clone();
+                std::thread::spawn(move || {
+                    let mut cfg = config(rank, &peers, 9, T);
+                    if seal {
+                        cfg = sealed(cfg);
+                    }
+                    let mut ring = TcpRing::connect(&l, cfg).unwrap();
+                    if let Some(c) = chunk {
+                        ring.set_chunk_bytes(c);
+                    }
+                    let mut out = Vec::new();
+                    for len in [1usize, 7, 1001, 65_537, 300_001] {
+                        let mut v: Vec<f32> = (0..len)
+                            .map(|i| ((i * 31 + rank * 17) as f32).sin() * 1e3)
+                            .collect();
+                        ring.all_reduce_sum(&mut v).unwrap();
+                        out.push(v);
+                    }
+                    let mut b = if rank == 2 {
+                        b"weights".to_vec()
+                    } else {
+                        Vec::new()
+                    };
+                    ring.broadcast_bytes(&mut b, 2).unwrap();
+                    assert_eq!(b, b"weights");
+                    out
+                })
+            })
+            .collect();
+        let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        for r in &results[1..] {
+            assert_eq!(r, &results[0], "seal {seal}: ranks differ");
+        }
+        // The plain ring's bits (the first run) are every run's.
+        static FIRST: std::sync::OnceLock<Vec<Vec<f32>>> = std::sync::OnceLock::new();
+        let first = FIRST.get_or_init(|| results[0].clone());
+        assert_eq!(first, &results[0], "seal {seal}, chunk {chunk:?}");
+    }
+}
+
 #[test]
 fn generation_mismatch_fails_on_both_sides_naming_both() {
     let (ls, peers) = listeners(2);
@@ -268,8 +389,8 @@ fn generation_mismatch_fails_on_both_sides_naming_both() {
     assert!(start.elapsed() < timeout + Duration::from_secs(2));
     assert_eq!(
         errs[0].to_string(),
-        "connect: ranks diverged: expected rank 1 of 2 at generation 5 (wire version 1), \
-         rank 1 sent rank 1 of 2 at generation 6 (wire version 1)"
+        "connect: ranks diverged: expected rank 1 of 2 at generation 5 (wire version 2), \
+         rank 1 sent rank 1 of 2 at generation 6 (wire version 2)"
     );
     assert!(
         matches!(errs[1], CollectiveError::Mismatch { peer: 0, .. }),

@@ -18,7 +18,9 @@
 /// 3: a rank's preference pairs travel in `MetricSums.pairs` (and
 /// `SourceSums.pairs`), no longer as `extra["pairs"]`, which a coordinator
 /// of revision 3 would average like any other extra.
-pub const PROTOCOL: u32 = 3;
+/// 4: worker-to-worker links authenticate (`Configure.link_key`, relay
+/// hellos MAC'd with the group key), which older workers would not do.
+pub const PROTOCOL: u32 = 4;
 
 /// A packed sequence's document id as text (`file:line`): its `doc_id`
 /// when one is set, else its `doc_file` and `doc_line`.

@@ -5,15 +5,22 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use accrue_collective::link::{rand_bytes, LinkKey, NONCE_LEN};
 use accrue_proto::v1 as wire;
 use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
 use prost::Message;
-use subtle::ConstantTimeEq;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, Notify};
+use tokio::sync::{mpsc, Notify, Semaphore};
 use tokio_util::codec::{FramedRead, FramedWrite};
 use tracing::{debug, warn};
+
+use crate::secure;
+
+/// Connections not yet admitted (authenticated and matched to an open
+/// generation's follower) that a hub holds at once; more are closed at
+/// accept. Each holds at most a 4 KiB hello.
+pub const MAX_PENDING: usize = 1024;
 
 /// A follower the hub could not serve: the rank to blame and why. The
 /// worker reports it as a step error naming that rank (the generation
@@ -53,6 +60,8 @@ pub struct Hub {
     opened: Arc<Notify>,
     faults: mpsc::UnboundedSender<Fault>,
     opts: HubOptions,
+    /// Permits of connections not yet admitted ([`MAX_PENDING`]).
+    pending: Arc<Semaphore>,
 }
 
 #[derive(Default)]
@@ -72,7 +81,7 @@ impl State {
 }
 
 enum Admit {
-    Yes,
+    Yes(LinkKey),
     No(String),
     NotYet,
 }
@@ -80,7 +89,8 @@ enum Admit {
 struct Generation {
     job: String,
     generation: u64,
-    token: Vec<u8>,
+    /// Each follower's group key (hubs sharing a listener have their own).
+    keys: HashMap<u32, LinkKey>,
     followers: HashMap<u32, Follower>,
 }
 
@@ -103,6 +113,7 @@ impl Hub {
             opened: Arc::default(),
             faults,
             opts,
+            pending: Arc::new(Semaphore::new(MAX_PENDING)),
         };
         let accepting = hub.clone();
         tokio::spawn(async move {
@@ -110,8 +121,12 @@ impl Hub {
                 match listener.accept().await {
                     Ok((sock, peer)) => {
                         let hub = accepting.clone();
+                        let Ok(permit) = hub.pending.clone().try_acquire_owned() else {
+                            warn!(%peer, "relay listener: {MAX_PENDING} connections pending; closed");
+                            continue;
+                        };
                         tokio::spawn(async move {
-                            if let Err(why) = hub.serve(sock).await {
+                            if let Err(why) = hub.serve(sock, permit).await {
                                 debug!(%peer, %why, "relay connection refused");
                             }
                         });
@@ -128,24 +143,36 @@ impl Hub {
     }
 
     /// Makes this listener the hub of `followers` in `generation` of
-    /// `job`, whose connections prove themselves with `token`. Ends
-    /// whatever it relayed for another generation (those connections
-    /// close); for the same one it adds them (several hubs of a generation
-    /// may share a listener: the benchmark's simulated workers do).
-    pub fn open(&self, job: &str, generation: u64, token: &[u8], followers: &[u32]) {
+    /// `job`, who prove themselves with their group's `key`
+    /// (`RelayRoute.token`). Ends whatever it relayed for another
+    /// generation (those connections close); for the same one it adds them
+    /// (several hubs of a generation may share a listener: the benchmark's
+    /// simulated workers do). A key that is no key relays nothing: its
+    /// followers' connections are refused and they report the hub.
+    pub fn open(&self, job: &str, generation: u64, key: &[u8], followers: &[u32]) {
+        let key = match secure::group_key(key) {
+            Ok(k) => Some(k),
+            Err(why) => {
+                warn!(job, generation, %why, "relay hub opened without a key");
+                None
+            }
+        };
         {
             let mut state = self.lock();
             let open = match state.open.take() {
-                Some(g) if g.job == job && g.generation == generation && g.token == token => g,
+                Some(g) if g.job == job && g.generation == generation => g,
                 _ => Generation {
                     job: job.to_string(),
                     generation,
-                    token: token.to_vec(),
+                    keys: HashMap::new(),
                     followers: HashMap::new(),
                 },
             };
             let open = state.open.insert(open);
             for &r in followers {
+                if let Some(k) = &key {
+                    open.keys.insert(r, k.clone());
+                }
                 open.followers
                     .entry(r)
                     .or_insert_with(|| Follower::Waiting(Vec::new()));
@@ -239,29 +266,43 @@ impl Hub {
         }
     }
 
-    /// One follower's connection: its hello, then its messages until the
-    /// generation ends or writing fails.
-    async fn serve(&self, sock: TcpStream) -> Result<(), String> {
+    /// One follower's connection: the challenge, its hello (bounded,
+    /// within [`secure::HELLO_TIMEOUT`]), admission once its generation
+    /// is open here and its MAC verifies, the answer, then its messages,
+    /// sealed, until the generation ends or writing fails.
+    async fn serve(
+        &self,
+        sock: TcpStream,
+        permit: tokio::sync::OwnedSemaphorePermit,
+    ) -> Result<(), String> {
         let _ = sock.set_nodelay(true);
         let (read, write) = sock.into_split();
-        let mut frames = FramedRead::new(read, crate::codec::codec(self.opts.max_frame));
-        let hello = match tokio::time::timeout(self.opts.connect_timeout, frames.next()).await {
+        let mut out = FramedWrite::new(write, crate::codec::codec(self.opts.max_frame + 16));
+        let challenge = rand_bytes::<NONCE_LEN>();
+        out.send(Bytes::copy_from_slice(&challenge))
+            .await
+            .map_err(|e| format!("challenge: {e}"))?;
+        // A hello is small: a stranger's length prefix cannot make this
+        // reserve more than 4 KiB.
+        let mut frames = FramedRead::new(read, crate::codec::codec(secure::HELLO_MAX));
+        let hello = match tokio::time::timeout(secure::HELLO_TIMEOUT, frames.next()).await {
             Ok(Some(Ok(b))) => wire::RelayHello::decode(b).map_err(|e| format!("hello: {e}"))?,
             Ok(Some(Err(e))) => return Err(format!("hello: {e}")),
             Ok(None) => return Err("closed before its hello".into()),
             Err(_) => return Err("no hello in time".into()),
         };
+        drop(frames);
         let (tx, mut rx) = mpsc::unbounded_channel::<Bytes>();
         // A follower may dial before its hub read the Configure that opens
         // their generation: it waits for that, as long as a follower may
         // take to connect.
         let deadline = tokio::time::Instant::now() + self.opts.connect_timeout;
-        loop {
+        let key = loop {
             let opened = self.opened.notified();
             tokio::pin!(opened);
             opened.as_mut().enable();
-            match self.admit(&hello, &tx) {
-                Admit::Yes => break,
+            match self.admit(&hello, &challenge, &tx) {
+                Admit::Yes(key) => break key,
                 Admit::No(why) => return Err(why),
                 Admit::NotYet => {}
             }
@@ -271,30 +312,46 @@ impl Hub {
                     hello.rank, hello.generation, hello.job_id
                 ));
             }
-        }
-        drop(tx);
-        let mut out = FramedWrite::new(write, crate::codec::codec(self.opts.max_frame));
+        };
+        drop((tx, permit));
+        let answer = secure::accept(&key, &challenge, &hello);
+        let mut sealing = secure::sealing(&key, &challenge, &hello);
+        let mut sent = out.send(Bytes::copy_from_slice(&answer)).await;
         // Ends when the generation's state (the last sender) is dropped.
-        while let Some(first) = rx.recv().await {
+        while sent.is_ok() {
+            let Some(first) = rx.recv().await else { break };
             // Everything queued goes in one flush.
-            let mut sent = out.feed(first).await;
+            sent = out
+                .feed(Bytes::copy_from_slice(sealing.seal(&[], &first)))
+                .await;
             while sent.is_ok() {
                 match rx.try_recv() {
-                    Ok(b) => sent = out.feed(b).await,
+                    Ok(b) => {
+                        sent = out
+                            .feed(Bytes::copy_from_slice(sealing.seal(&[], &b)))
+                            .await
+                    }
                     Err(_) => break,
                 }
             }
-            if let Err(e) = sent.and(SinkExt::<Bytes>::flush(&mut out).await) {
-                self.failed(&hello, format!("writing to it: {e}"));
-                return Ok(());
-            }
+            sent = sent.and(SinkExt::<Bytes>::flush(&mut out).await);
+        }
+        if let Err(e) = sent {
+            self.failed(&hello, format!("writing to it: {e}"));
         }
         Ok(())
     }
 
     /// Whether `hello`'s connection joins the open generation (its queued
-    /// messages go to `tx`), is refused, or may belong to one not open yet.
-    fn admit(&self, hello: &wire::RelayHello, tx: &mpsc::UnboundedSender<Bytes>) -> Admit {
+    /// messages go to `tx`; the follower's key returned), is refused (not
+    /// authentic, or its generation is over), or may belong to one not
+    /// open yet.
+    fn admit(
+        &self,
+        hello: &wire::RelayHello,
+        challenge: &[u8],
+        tx: &mpsc::UnboundedSender<Bytes>,
+    ) -> Admit {
         let mut state = self.lock();
         let open = match state.open.as_mut() {
             Some(g) if g.job == hello.job_id && g.generation == hello.generation => g,
@@ -306,11 +363,17 @@ impl Hub {
             }
             _ => return Admit::NotYet,
         };
-        if !bool::from(open.token.ct_eq(&hello.token)) {
-            return Admit::No(format!("rank {}: wrong token", hello.rank));
-        }
         // Not (yet) a follower: another hub sharing this listener may still
         // open it (the benchmark's simulated workers share listeners).
+        let Some(key) = open.keys.get(&hello.rank).cloned() else {
+            return Admit::NotYet;
+        };
+        if !secure::hello_is_authentic(&key, challenge, hello) {
+            return Admit::No(format!(
+                "rank {}: its hello is not authenticated with the group's key",
+                hello.rank
+            ));
+        }
         let Some(f) = open.followers.get_mut(&hello.rank) else {
             return Admit::NotYet;
         };
@@ -319,7 +382,7 @@ impl Hub {
                 for b in queued {
                     let _ = tx.send(b);
                 }
-                Admit::Yes
+                Admit::Yes(key)
             }
             other => {
                 *f = other;

@@ -13,19 +13,22 @@
 //! - [`dial`]: the follower's side: one connection to its hub, read into a
 //!   channel the session merges with its stream.
 //!
-//! Frames are length-delimited protobuf (`tokio_util`'s codec: a 4-byte
-//! big-endian length): the follower's `wire::RelayHello`, then encoded
-//! `wire::CoordinatorMessage`s, hub to follower. Nothing here decides what
-//! is relayed or when; the coordinator does (Configure, Abort and Release
-//! never are). A failure is a [`Fault`] naming the rank to blame, which
-//! the worker reports like a collective's.
+//! Frames are length-delimited (`tokio_util`'s codec: a 4-byte big-endian
+//! length): the hub's challenge, the follower's `wire::RelayHello` MAC'd
+//! with its group's key, the hub's proof, then `wire::CoordinatorMessage`s
+//! hub to follower, each sealed (`secure`, issue 33). A follower takes
+//! only the kinds the coordinator relays, of its own job and generation.
+//! Nothing here decides what is relayed or when; the coordinator does
+//! (Configure, Abort and Release never are). A failure is a [`Fault`]
+//! naming the rank to blame, which the worker reports like a collective's.
 
 mod codec;
 mod hub;
 mod link;
+mod secure;
 
-pub use hub::{Fault, Hub, HubOptions};
-pub use link::{dial, LinkError};
+pub use hub::{Fault, Hub, HubOptions, MAX_PENDING};
+pub use link::{dial, Follower, LinkError};
 
 #[cfg(test)]
 mod tests;

@@ -109,6 +109,7 @@ fn weights_follow_the_trainer(sharding: &str, extra: &str) {
     // The generator first: it waits in the weight ring's accept while the
     // trainers form theirs (its dial is refused until trainer 0's turn).
     gen_runner.submit(Work::Configure(Box::new(wire::Configure {
+        link_key: vec![9; 32],
         job_id: "j".into(),
         generation: 1,
         rank: 0,
@@ -124,6 +125,7 @@ fn weights_follow_the_trainer(sharding: &str, extra: &str) {
     })));
     for (rank, r) in trainers.iter().enumerate() {
         r.submit(Work::Configure(Box::new(wire::Configure {
+            link_key: vec![9; 32],
             job_id: "j".into(),
             generation: 1,
             rank: rank as u32,
@@ -271,6 +273,7 @@ fn roles_switch(
 ) {
     let (t0, new_gen, new_t1) = (&runners[0], &runners[1], &runners[2]);
     new_gen.submit(Work::Configure(Box::new(wire::Configure {
+        link_key: vec![9; 32],
         job_id: "j".into(),
         generation: 2,
         rank: 0,
@@ -296,6 +299,7 @@ fn roles_switch(
         .enumerate()
     {
         r.submit(Work::Configure(Box::new(wire::Configure {
+            link_key: vec![9; 32],
             job_id: "j".into(),
             generation: 2,
             rank: rank as u32,

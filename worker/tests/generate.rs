@@ -346,6 +346,7 @@ fn configured(
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let runner = Runner::spawn(default_factory(), tx);
     runner.submit(Work::Configure(Box::new(wire::Configure {
+        link_key: vec![9; 32],
         job_id: "j".into(),
         generation: 1,
         world_size: 1,

@@ -215,6 +215,7 @@ fn gpu_two_ranks_on_nccl_match_one_rank() {
                         timeout: Duration::from_secs(60),
                         device: cfg.device,
                         choice,
+                        link: accrue_collective::LinkKey::new(&[5; 32], false).unwrap(),
                     };
                     let (coll, got) = join(&l, &j).unwrap();
                     let mut t: Box<dyn Trainer> = if cfg.sharding == Sharding::Fsdp {

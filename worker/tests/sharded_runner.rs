@@ -90,6 +90,7 @@ fn two_runners_train_checkpoint_and_rejoin_a_new_generation() {
     let configure = |generation: u64, step: u64| {
         for (rank, r) in runners.iter().enumerate() {
             r.submit(Work::Configure(Box::new(wire::Configure {
+                link_key: vec![9; 32],
                 job_id: "j".into(),
                 generation,
                 rank: rank as u32,
@@ -234,6 +235,7 @@ fn two_runners_train_checkpoint_and_rejoin_a_new_generation() {
         .collect();
     for (rank, r) in all.iter().enumerate() {
         r.submit(Work::Configure(Box::new(wire::Configure {
+            link_key: vec![9; 32],
             job_id: "j".into(),
             generation: 3,
             rank: rank as u32,
@@ -347,6 +349,7 @@ fn two_fsdp_runners_gather_the_policy_for_a_round_and_fail_together() {
         .collect();
     for (rank, r) in runners.iter().enumerate() {
         r.submit(Work::Configure(Box::new(wire::Configure {
+            link_key: vec![9; 32],
             job_id: "j".into(),
             generation: 1,
             rank: rank as u32,

@@ -10,9 +10,11 @@
 //! numbers compare across world sizes and against the link speed.
 //!
 //! Ranks are this binary re-executed with the hidden `bench collective-rank`
-//! subcommand: each binds 127.0.0.1:0, prints `ADDR host:port`, reads every
-//! rank's address on one stdin line, forms the ring and prints one JSON
-//! [`RankTiming`] per (op, size).
+//! subcommand: each binds 127.0.0.1:0, prints `ADDR host:port`, reads the
+//! ring's link secret and every rank's address on one stdin line, forms the
+//! ring and prints one JSON [`RankTiming`] per (op, size). `--seal` seals
+//! every piece (AES-256-GCM, as a coordinator with TLS asks): run with and
+//! without it to see what sealing costs.
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpListener;
@@ -20,7 +22,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use accrue_collective::{RingConfig, TcpRing};
+use accrue_collective::{LinkKey, RingConfig, TcpRing};
 use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
 
@@ -90,6 +92,8 @@ pub struct CollectiveBenchOpts {
     pub python: Option<PathBuf>,
     /// Ring piece size; `None` for the default.
     pub chunk_bytes: Option<usize>,
+    /// Seal every piece (`accrue_collective::LinkKey`).
+    pub seal: bool,
 }
 
 /// The body of one rank process (`accrue bench collective-rank`).
@@ -98,6 +102,7 @@ pub fn run_rank(
     world: usize,
     sizes_mib: &[f64],
     chunk_bytes: Option<usize>,
+    seal: bool,
     input: &mut impl BufRead,
     out: &mut impl Write,
 ) -> anyhow::Result<()> {
@@ -106,13 +111,16 @@ pub fn run_rank(
     out.flush()?;
     let mut line = String::new();
     input.read_line(&mut line)?;
-    let peers: Vec<String> = line.split_whitespace().map(String::from).collect();
+    let mut words = line.split_whitespace();
+    let secret = words.next().context("no link secret on stdin")?;
+    let peers: Vec<String> = words.map(String::from).collect();
     let cfg = RingConfig {
         rank,
         world,
         peers,
         generation: 1,
         timeout: Duration::from_secs(60),
+        link: LinkKey::new(secret.as_bytes(), seal)?,
     };
     let mut ring = TcpRing::connect(&listener, cfg)?;
     if let Some(c) = chunk_bytes {
@@ -223,6 +231,9 @@ fn run_ring(
         if let Some(c) = opts.chunk_bytes {
             cmd.args(["--chunk-bytes", &c.to_string()]);
         }
+        if opts.seal {
+            cmd.arg("--seal");
+        }
         children.push(spawn(cmd, &format!("ring rank {rank}"))?);
     }
     let mut addrs = Vec::new();
@@ -237,9 +248,14 @@ fn run_ring(
         addrs.push(addr.to_string());
         readers.push(r);
     }
+    // The ranks' shared secret, as the coordinator hands one to each
+    // generation (here over their stdin).
+    let secret: String = (0..32)
+        .map(|_| char::from(b'a' + rand::random_range(0..26u8)))
+        .collect();
     for child in &mut children {
         let mut stdin = child.stdin.take().expect("piped");
-        writeln!(stdin, "{}", addrs.join(" "))?;
+        writeln!(stdin, "{secret} {}", addrs.join(" "))?;
     }
     collect(children, readers, "ring")
 }

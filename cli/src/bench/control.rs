@@ -826,15 +826,15 @@ impl Fake {
                                 hub.open(&c.job_id, c.generation, &r.token, &r.followers)
                             }
                             Some(r) if !r.hub_addr.is_empty() => {
-                                let hello = wire::RelayHello {
-                                    job_id: c.job_id.clone(),
+                                let me = accrue_relay::Follower {
+                                    job: c.job_id.clone(),
                                     generation: c.generation,
                                     rank: c.rank,
-                                    token: r.token.clone(),
+                                    key: r.token.clone(),
                                 };
                                 link = Some(accrue_relay::dial(
                                     r.hub_addr.clone(),
-                                    hello,
+                                    me,
                                     Duration::from_secs(10),
                                     RELAY_MAX_FRAME,
                                 ));

@@ -233,6 +233,7 @@ pub fn collective(args: &CollectiveArgs) -> anyhow::Result<ExitCode> {
         exe: std::env::current_exe().context("locating the accrue binary")?,
         python,
         chunk_bytes: args.chunk_bytes,
+        seal: args.seal,
     };
     let rows = crate::bench::collective(&opts)?;
     if args.json {
@@ -261,6 +262,7 @@ pub fn collective_rank(args: &CollectiveRankArgs) -> anyhow::Result<ExitCode> {
         args.world,
         &args.sizes_mib,
         args.chunk_bytes,
+        args.seal,
         &mut std::io::stdin().lock(),
         &mut std::io::stdout().lock(),
     )?;

@@ -44,6 +44,8 @@ pub enum ToWorker {
         weights: Option<WeightRing>,
         /// A relayed generation's hubs and followers (`super::relay`).
         relay: Option<super::relay::RelayRole>,
+        /// The generation's ring secret (`super::links`).
+        link: super::links::LinkSecret,
     },
     Plan {
         job: JobId,

@@ -9,6 +9,8 @@ use std::sync::Arc;
 use super::effects::ToWorker;
 use super::generation::Generation;
 use super::job::Job;
+use super::links::LinkSecret;
+use super::options::CoordinatorOptions;
 use super::recovery::{self, Decision};
 use super::relay::{Follows, RelayRole, Relaying};
 use super::types::{HeldState, Role, WeightRing, WorkerId};
@@ -49,7 +51,7 @@ pub struct Assignment {
 /// The generation after `job`'s current one, of the `chosen` workers
 /// (registered in `workers`); relayed when at least `relay_min_world`
 /// members can all relay.
-pub fn plan(job: &Job, workers: &Workers, relay_min_world: u32, chosen: Chosen) -> Formation {
+pub fn plan(job: &Job, workers: &Workers, opts: &CoordinatorOptions, chosen: Chosen) -> Formation {
     let Chosen {
         members,
         generators,
@@ -82,7 +84,9 @@ pub fn plan(job: &Job, workers: &Workers, relay_min_world: u32, chosen: Chosen) 
         .iter()
         .map(|m| workers[m].reg.relay_addr.as_str())
         .collect();
-    let relaying = Relaying::decide(&relay_addrs, relay_min_world);
+    let relaying = Relaying::decide(&relay_addrs, opts.relay_min_world);
+    // One ring secret for the generation's training and weight rings.
+    let link = LinkSecret::generate(opts.seal_links);
     let relay_addr = |rank: u32| relay_addrs[rank as usize].to_string();
     let roles: Vec<Option<RelayRole>> = (0..world as u32)
         .map(|r| relaying.as_ref()?.role(r, world as u32, relay_addr))
@@ -112,6 +116,7 @@ pub fn plan(job: &Job, workers: &Workers, relay_min_world: u32, chosen: Chosen) 
                 role: Role::Trainer,
                 weights: if rank == 0 { weight_ring(0) } else { None },
                 relay: roles[rank].clone(),
+                link: link.clone(),
             },
         ));
         // A hub's own messages come in its relays too.
@@ -148,6 +153,7 @@ pub fn plan(job: &Job, workers: &Workers, relay_min_world: u32, chosen: Chosen) 
                 role: Role::Generator,
                 weights: weight_ring(i + 1),
                 relay: None,
+                link: link.clone(),
             },
         ));
         // A generator holds no training state.

@@ -257,7 +257,7 @@ impl JobCtx<'_> {
                 return;
             }
         };
-        let f = formation::plan(self.job, self.workers, self.opts.relay_min_world, chosen);
+        let f = formation::plan(self.job, self.workers, self.opts, chosen);
         for (worker, msg) in f.configures {
             self.fx.push(Effect::Send { worker, msg });
         }

@@ -43,6 +43,7 @@ pub(crate) mod generations;
 pub(crate) mod job;
 pub(crate) mod job_data;
 pub(crate) mod job_events;
+pub(crate) mod links;
 pub(crate) mod liveness;
 pub(crate) mod machine;
 pub mod manifest;

@@ -12,6 +12,9 @@ pub struct CoordinatorOptions {
     /// Generations of at least this many ranks relay their messages
     /// through hubs (`super::relay`) when every member can; 0: never.
     pub relay_min_world: u32,
+    /// Workers seal their ring links' bytes (`super::links`): set when
+    /// the coordinator serves TLS, so the link secrets reach them privately.
+    pub seal_links: bool,
 }
 
 impl Default for CoordinatorOptions {
@@ -20,6 +23,7 @@ impl Default for CoordinatorOptions {
             heartbeat_timeout_ms: 2_000,
             rejoin_grace_ms: 10_000,
             relay_min_world: RELAY_MIN_WORLD,
+            seal_links: false,
         }
     }
 }

@@ -19,28 +19,45 @@ use std::sync::Arc;
 use super::types::{JobId, WorkerId};
 
 /// A relayed generation's layout, decided when it forms.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Clone, PartialEq)]
 pub struct Relaying {
-    /// Proves a follower's connection to its hub (random per generation).
-    pub token: Arc<[u8]>,
+    /// The secret each group's key derives from (random per generation,
+    /// never sent: a member gets its own group's key only).
+    secret: Arc<[u8]>,
     /// Ranks per group (its hub and ⌈√W⌉ − 1 followers).
     pub group: u32,
 }
 
-/// What one member's Configure says about the relay.
-#[derive(Debug, Clone, PartialEq)]
+impl std::fmt::Debug for Relaying {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Relaying {{ group: {} }}", self.group)
+    }
+}
+
+/// What one member's Configure says about the relay. `key` is its
+/// group's key (`super::links::group_key`): the hub and its followers
+/// authenticate each other and seal their frames with it.
+#[derive(Clone, PartialEq)]
 pub enum RelayRole {
-    /// It relays for `followers` (ranks), who dial it with `token`.
-    Hub {
-        token: Arc<[u8]>,
-        followers: Vec<u32>,
-    },
+    /// It relays for `followers` (ranks).
+    Hub { key: Arc<[u8]>, followers: Vec<u32> },
     /// Its messages come through its hub, rank `hub` at `hub_addr`.
     Follower {
-        token: Arc<[u8]>,
+        key: Arc<[u8]>,
         hub: u32,
         hub_addr: String,
     },
+}
+
+impl std::fmt::Debug for RelayRole {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RelayRole::Hub { followers, .. } => write!(f, "Hub {{ followers: {followers:?} }}"),
+            RelayRole::Follower { hub, hub_addr, .. } => {
+                write!(f, "Follower {{ hub: {hub}, hub_addr: {hub_addr:?} }}")
+            }
+        }
+    }
 }
 
 /// Where a group member's messages go while its generation runs (set with
@@ -63,7 +80,7 @@ impl Relaying {
             return None;
         }
         Some(Relaying {
-            token: rand::random::<[u8; 16]>().to_vec().into(),
+            secret: super::links::random_secret(),
             group: (world as f64).sqrt().ceil() as u32,
         })
     }
@@ -77,17 +94,15 @@ impl Relaying {
     /// None for a hub with no followers (the last group of one).
     pub fn role(&self, rank: u32, world: u32, addr: impl Fn(u32) -> String) -> Option<RelayRole> {
         let hub = self.hub_of(rank);
+        let key = super::links::group_key(&self.secret, hub);
         if hub != rank {
             return Some(RelayRole::Follower {
-                token: self.token.clone(),
+                key,
                 hub,
                 hub_addr: addr(hub),
             });
         }
         let followers: Vec<u32> = (rank + 1..(rank + self.group).min(world)).collect();
-        (!followers.is_empty()).then(|| RelayRole::Hub {
-            token: self.token.clone(),
-            followers,
-        })
+        (!followers.is_empty()).then_some(RelayRole::Hub { key, followers })
     }
 }

@@ -119,6 +119,7 @@ impl Server {
         let mut core = Coordinator::new(CoordinatorOptions {
             heartbeat_timeout_ms: config.heartbeat_timeout_ms,
             relay_min_world: config.relay_min_world,
+            seal_links: tls.is_some(),
             ..Default::default()
         });
         let records = store.jobs()?;

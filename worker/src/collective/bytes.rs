@@ -70,7 +70,7 @@ mod tests {
 
     use super::*;
     use crate::collective::local::LocalGroup;
-    use crate::collective::tcp::connect_cpu;
+    use crate::collective::tcp::{connect_cpu, test_link};
 
     /// What rank `r` contributes: lengths 0, 1, 5, 8 and 1003 bytes, with
     /// the bits of a signalling NaN among them.
@@ -103,7 +103,7 @@ mod tests {
                     let peers = peers.clone();
                     std::thread::spawn(move || {
                         let t = Duration::from_secs(30);
-                        let mut c = connect_cpu(&l, r, world, &peers, 1, t).unwrap();
+                        let mut c = connect_cpu(&l, r, world, &peers, 1, t, test_link()).unwrap();
                         // Twice: the second call reuses the ring in order.
                         let first = all_gather_bytes(&mut c, &payload(r)).unwrap();
                         let second = all_gather_bytes(&mut c, &payload(r + 1)).unwrap();

@@ -30,6 +30,8 @@ pub struct Join<'a> {
     pub device: Device,
     /// The job's `parallel.collective`.
     pub choice: CollectiveChoice,
+    /// The generation's link key (from the Configure).
+    pub link: accrue_collective::LinkKey,
 }
 
 /// Whether this process could run NCCL on `device`.
@@ -51,7 +53,15 @@ pub fn join(
     listener: &TcpListener,
     j: &Join<'_>,
 ) -> Result<(Box<dyn Collective>, Backend), CollectiveError> {
-    let mut ring = connect_cpu(listener, j.rank, j.world, j.peers, j.generation, j.timeout)?;
+    let mut ring = connect_cpu(
+        listener,
+        j.rank,
+        j.world,
+        j.peers,
+        j.generation,
+        j.timeout,
+        j.link.clone(),
+    )?;
     let me = Member {
         cuda: j.device.is_cuda(),
         nccl: nccl_capable(j.device),
@@ -136,6 +146,7 @@ mod tests {
                         timeout: Duration::from_secs(30),
                         device: Device::Cpu,
                         choice: CollectiveChoice::Auto,
+                        link: crate::collective::tcp::test_link(),
                     };
                     let (mut c, backend) = join(&l, &j).unwrap();
                     let mut t = Tensor::from_slice(&[rank as f32 + 1.0]);

@@ -163,7 +163,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::collective::tcp::connect_cpu;
+    use crate::collective::tcp::{connect_cpu, test_link};
 
     /// Runs `ops` on every rank of a TCP ring, plain and staged, on the same
     /// inputs; returns (plain, staged) bits per rank.
@@ -175,8 +175,16 @@ mod tests {
             .map(|(rank, l)| {
                 let peers = peers.clone();
                 std::thread::spawn(move || {
-                    let ring =
-                        connect_cpu(&l, rank, world, &peers, 1, Duration::from_secs(30)).unwrap();
+                    let ring = connect_cpu(
+                        &l,
+                        rank,
+                        world,
+                        &peers,
+                        1,
+                        Duration::from_secs(30),
+                        test_link(),
+                    )
+                    .unwrap();
                     let mut c: Box<dyn Collective> = if staged {
                         Box::new(Staged::new(Box::new(ring), Device::Cpu))
                     } else {

@@ -12,7 +12,7 @@
 use std::net::TcpListener;
 use std::time::Duration;
 
-use accrue_collective::{RingConfig, TcpRing};
+use accrue_collective::{LinkKey, RingConfig, TcpRing};
 use tch::Tensor;
 
 use super::{as_f32_slice_mut, check_flat_f32_cpu, Collective, CollectiveError};
@@ -25,7 +25,8 @@ pub struct CpuRing {
 
 /// Forms the ring of generation `generation` (see [`TcpRing::connect`]):
 /// `peers` are the collective addresses of every rank, by rank, and
-/// `timeout` bounds the connection and every later operation.
+/// `timeout` bounds the connection and every later operation, and `link`
+/// (from the Configure) admits only the generation's members.
 pub fn connect_cpu(
     listener: &TcpListener,
     rank: usize,
@@ -33,6 +34,7 @@ pub fn connect_cpu(
     peers: &[String],
     generation: u64,
     timeout: Duration,
+    link: LinkKey,
 ) -> Result<CpuRing, CollectiveError> {
     let cfg = RingConfig {
         rank,
@@ -40,9 +42,17 @@ pub fn connect_cpu(
         peers: peers.to_vec(),
         generation,
         timeout,
+        link,
     };
     let ring = TcpRing::connect(listener, cfg)?;
     Ok(CpuRing { ring })
+}
+
+/// The link key the tests' rings share (every rank of a test ring must
+/// hold the same one, as a generation's members do).
+#[cfg(test)]
+pub fn test_link() -> LinkKey {
+    LinkKey::new(&[7u8; 32], false).expect("32 bytes")
 }
 
 impl CpuRing {
@@ -134,7 +144,8 @@ mod tests {
                 let peers = peers.clone();
                 std::thread::spawn(move || {
                     let timeout = Duration::from_secs(30);
-                    let mut c = connect_cpu(&l, rank, world, &peers, 1, timeout).unwrap();
+                    let mut c =
+                        connect_cpu(&l, rank, world, &peers, 1, timeout, test_link()).unwrap();
                     let mut t = input(rank);
                     f(&mut c, &mut t);
                     Vec::<f32>::try_from(&t).unwrap()
@@ -194,7 +205,7 @@ mod tests {
     fn bad_tensors_and_bad_setups_are_refused() {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let peers = vec![l.local_addr().unwrap().to_string()];
-        let mut c = connect_cpu(&l, 0, 1, &peers, 1, Duration::from_secs(1)).unwrap();
+        let mut c = connect_cpu(&l, 0, 1, &peers, 1, Duration::from_secs(1), test_link()).unwrap();
         let mut t = Tensor::zeros([2, 3], (Kind::Float, Device::Cpu));
         let e = c.all_reduce_sum(&mut t).unwrap_err();
         assert!(
@@ -207,7 +218,7 @@ mod tests {
             ),
             "{e}"
         );
-        let e = connect_cpu(&l, 3, 2, &peers, 1, Duration::from_secs(1)).unwrap_err();
+        let e = connect_cpu(&l, 3, 2, &peers, 1, Duration::from_secs(1), test_link()).unwrap_err();
         assert!(matches!(e, CollectiveError::Setup(_)), "{e}");
     }
 }

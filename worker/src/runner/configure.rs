@@ -413,6 +413,7 @@ mod tests {
     #[test]
     fn runs_and_next_read_as_the_full_peer_list_did() {
         let c = wire::Configure {
+            link_key: vec![9; 32],
             rank: 1,
             world_size: 4,
             next: Some(wire::Peer {
@@ -443,11 +444,13 @@ mod tests {
         let addrs = super::super::work::ring_addrs(&c).unwrap();
         assert_eq!(addrs, vec!["", "", "h:2", ""]);
         let wrong = wire::Configure {
+            link_key: vec![9; 32],
             rank: 2,
             ..c.clone()
         };
         assert!(super::super::work::ring_addrs(&wrong).is_err());
         let none = wire::Configure {
+            link_key: vec![9; 32],
             priors: Vec::new(),
             ..c
         };

@@ -181,6 +181,7 @@ fn one_mb_plan(generation: u64, step: u64) -> wire::StepPlan {
 
 fn configure(step: u64, restore_from: &str) -> Work {
     Work::Configure(Box::new(wire::Configure {
+        link_key: vec![9; 32],
         job_id: "j".into(),
         generation: 1,
         world_size: 1,
@@ -309,6 +310,11 @@ fn an_abort_interrupts_a_collective_blocked_on_a_frozen_peer() {
             timeout: Duration::from_secs(60),
             device: tch::Device::Cpu,
             choice: crate::config::CollectiveChoice::Auto,
+            link: crate::runner::work::link_key(&wire::Configure {
+                link_key: vec![9; 32],
+                ..Default::default()
+            })
+            .unwrap(),
         };
         let ring = crate::collective::join::join(&l1, &join).unwrap();
         let _ = release_rx.recv();
@@ -320,6 +326,7 @@ fn an_abort_interrupts_a_collective_blocked_on_a_frozen_peer() {
     cfg.listener = Some(l0);
     let runner = Runner::start(cfg, tx);
     runner.submit(Work::Configure(Box::new(wire::Configure {
+        link_key: vec![9; 32],
         job_id: "j".into(),
         generation: 7,
         world_size: 2,
@@ -383,6 +390,7 @@ fn a_holder_whose_state_does_not_match_its_prior_is_a_state_sync_error() {
     assert!(matches!(next(&mut rx), Msg::StepResult(_)));
     // The coordinator believes this worker holds step 2.
     runner.submit(Work::Configure(Box::new(wire::Configure {
+        link_key: vec![9; 32],
         job_id: "j".into(),
         generation: 2,
         world_size: 1,
@@ -424,6 +432,7 @@ fn an_abort_of_one_jobs_step_does_not_abort_the_same_step_of_the_next_job() {
     let runner = Runner::spawn(f, tx);
     let configure_job = |job: &str| {
         Work::Configure(Box::new(wire::Configure {
+            link_key: vec![9; 32],
             job_id: job.into(),
             generation: 1,
             world_size: 1,

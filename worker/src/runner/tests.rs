@@ -357,6 +357,7 @@ fn the_thread_configures_runs_checkpoints_and_drains_on_shutdown() {
     let ckpt5 = dir.path().join("step-5");
     super::recovery_tests::complete_checkpoint(&ckpt5, 5);
     runner.submit(Work::Configure(Box::new(wire::Configure {
+        link_key: vec![9; 32],
         job_id: "j".into(),
         generation: 1,
         world_size: 1,
@@ -425,6 +426,7 @@ fn reconfiguring_at_the_held_step_keeps_the_replica() {
     let runner = Runner::spawn(factory, tx);
     let configure = |generation, step| {
         Work::Configure(Box::new(wire::Configure {
+            link_key: vec![9; 32],
             job_id: "j".into(),
             generation,
             world_size: 1,
@@ -456,6 +458,7 @@ fn a_missing_or_incomplete_job_is_an_invalid_plan_error() {
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let runner = Runner::spawn(default_factory(), tx);
     runner.submit(Work::Configure(Box::new(wire::Configure {
+        link_key: vec![9; 32],
         job_id: "j".into(),
         ..Default::default()
     })));
@@ -467,6 +470,7 @@ fn a_missing_or_incomplete_job_is_an_invalid_plan_error() {
     let mut job = crate::convert::testing::definition();
     job.sharding = wire::Sharding::Unspecified as i32;
     runner.submit(Work::Configure(Box::new(wire::Configure {
+        link_key: vec![9; 32],
         job_id: "j".into(),
         job: Some(job),
         ..Default::default()
@@ -486,6 +490,7 @@ fn more_than_one_rank_with_bad_peers_fails_configure_naming_the_collective() {
     cfg.listener = Some(TcpListener::bind("127.0.0.1:0").unwrap());
     let runner = Runner::start(cfg, tx);
     runner.submit(Work::Configure(Box::new(wire::Configure {
+        link_key: vec![9; 32],
         job_id: "j".into(),
         generation: 4,
         world_size: 2,
@@ -591,6 +596,7 @@ fn each_rank_gets_its_collective_and_a_failed_collective_blames_the_peer() {
     let runners = [start(tx.clone()), start(tx)];
     for (rank, r) in runners.iter().enumerate() {
         r.submit(Work::Configure(Box::new(wire::Configure {
+            link_key: vec![9; 32],
             job_id: "j".into(),
             generation: 1,
             world_size: 2,
@@ -802,6 +808,7 @@ fn gathering_pair() -> (
     for (rank, r) in runners.iter().enumerate() {
         let next = (rank + 1) % 2;
         r.submit(Work::Configure(Box::new(wire::Configure {
+            link_key: vec![9; 32],
             job_id: "j".into(),
             generation: 1,
             world_size: 2,

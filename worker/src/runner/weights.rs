@@ -45,6 +45,8 @@ fn weight_ring_configure(c: &wire::Configure) -> Option<wire::Configure> {
         world_size: w.world_size,
         next: w.next.clone(),
         job: c.job.clone(),
+        link_key: c.link_key.clone(),
+        seal_links: c.seal_links,
         ..Default::default()
     })
 }

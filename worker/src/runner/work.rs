@@ -86,6 +86,14 @@ pub(super) fn ring_addrs(c: &wire::Configure) -> Result<Vec<String>, CollectiveE
     Ok(peers.iter().map(|p| p.collective_addr.clone()).collect())
 }
 
+/// The generation's link key from its Configure (refused when missing:
+/// rings admit only holders of the generation's key).
+pub fn link_key(c: &wire::Configure) -> Result<accrue_collective::LinkKey, CollectiveError> {
+    accrue_collective::LinkKey::new(&c.link_key, c.seal_links).map_err(|e| {
+        CollectiveError::Setup(format!("configure of generation {}: {e}", c.generation))
+    })
+}
+
 /// The collective between worker processes on `device`: the generation's
 /// TCP ring (peers' addresses in rank order from the configure message),
 /// and over it NCCL or host staging as `collective::select` decides.
@@ -109,6 +117,7 @@ pub fn default_connector(device: Device) -> Connector {
                 timeout: collective_timeout(),
                 device,
                 choice,
+                link: link_key(c)?,
             },
         )?;
         info!(

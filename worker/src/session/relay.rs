@@ -95,13 +95,13 @@ impl Relay {
             self.hub
                 .open(&c.job_id, c.generation, &r.token, &r.followers);
         } else if !r.hub_addr.is_empty() {
-            let hello = wire::RelayHello {
-                job_id: c.job_id.clone(),
+            let me = accrue_relay::Follower {
+                job: c.job_id.clone(),
                 generation: c.generation,
                 rank: c.rank,
-                token: r.token.clone(),
+                key: r.token.clone(),
             };
-            let rx = accrue_relay::dial(r.hub_addr.clone(), hello, CONNECT_TIMEOUT, self.max_frame);
+            let rx = accrue_relay::dial(r.hub_addr.clone(), me, CONNECT_TIMEOUT, self.max_frame);
             self.link = Some(Link {
                 rx,
                 job: c.job_id.clone(),

@@ -268,17 +268,26 @@ fn a_relayed_generations_followers_get_their_messages_through_their_hubs() {
     assert_eq!(s.committed.len(), 5);
     // Four ranks: groups of ⌈√4⌉ = 2, hubs 0 and 2.
     let roles = relay_roles(&s, 1);
-    let token = match &roles[0] {
-        Some(RelayRole::Hub { token, followers }) => {
-            assert_eq!(followers, &[1]);
-            token.clone()
-        }
-        other => panic!("rank 0: {other:?}"),
+    let key = |r: usize| match &roles[r] {
+        Some(RelayRole::Hub { key, .. } | RelayRole::Follower { key, .. }) => key.clone(),
+        other => panic!("rank {r}: {other:?}"),
     };
+    // Each group has its own key (issue 33): a hub and its followers share
+    // it, the other group's differs.
+    assert_eq!(key(0), key(1));
+    assert_eq!(key(2), key(3));
+    assert_ne!(key(0), key(2));
+    assert_eq!(
+        roles[0],
+        Some(RelayRole::Hub {
+            key: key(0),
+            followers: vec![1]
+        })
+    );
     assert_eq!(
         roles[2],
         Some(RelayRole::Hub {
-            token: token.clone(),
+            key: key(2),
             followers: vec![3]
         })
     );
@@ -287,7 +296,7 @@ fn a_relayed_generations_followers_get_their_messages_through_their_hubs() {
     assert_eq!(
         roles[1],
         Some(RelayRole::Follower {
-            token: token.clone(),
+            key: key(0),
             hub: 0,
             hub_addr: addr(0)
         })
@@ -295,7 +304,7 @@ fn a_relayed_generations_followers_get_their_messages_through_their_hubs() {
     assert_eq!(
         roles[3],
         Some(RelayRole::Follower {
-            token,
+            key: key(2),
             hub: 2,
             hub_addr: addr(2)
         })

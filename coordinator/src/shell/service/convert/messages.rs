@@ -174,6 +174,7 @@ fn configure(msg: &ToWorker) -> wire::Configure {
         role,
         weights,
         relay,
+        link,
     } = msg
     else {
         unreachable!("to_worker hands over Configures only")
@@ -219,6 +220,8 @@ fn configure(msg: &ToWorker) -> wire::Configure {
             })
             .collect(),
         job: Some(job_definition(spec)),
+        link_key: link.key.to_vec(),
+        seal_links: link.seal,
         step: *step,
         restore_from: restore_from
             .as_ref()
@@ -228,18 +231,14 @@ fn configure(msg: &ToWorker) -> wire::Configure {
         // rank 0 (`Event::StepResults`); generators run no steps.
         gather_results: matches!(role, Role::Trainer),
         relay: relay.as_ref().map(|r| match r {
-            RelayRole::Hub { token, followers } => wire::RelayRoute {
-                token: token.to_vec(),
+            RelayRole::Hub { key, followers } => wire::RelayRoute {
+                token: key.to_vec(),
                 hub_addr: String::new(),
                 followers: followers.clone(),
                 hub_rank: *rank,
             },
-            RelayRole::Follower {
-                token,
-                hub,
-                hub_addr,
-            } => wire::RelayRoute {
-                token: token.to_vec(),
+            RelayRole::Follower { key, hub, hub_addr } => wire::RelayRoute {
+                token: key.to_vec(),
                 hub_addr: hub_addr.clone(),
                 followers: Vec::new(),
                 hub_rank: *hub,

@@ -63,9 +63,9 @@ mod tests {
             )
             .unwrap(),
         );
-        let relaying = |w: usize| crate::core::relay::Relaying {
-            token: vec![7; 16].into(),
-            group: (w as f64).sqrt().ceil() as u32,
+        let relaying = |w: usize| {
+            let addrs = vec!["10.0.0.1:7072"; w];
+            crate::core::relay::Relaying::decide(&addrs, 2).expect("relayed")
         };
         let total = |w: usize| -> usize {
             let peers: Arc<[(WorkerId, String)]> = (0..w)
@@ -92,6 +92,7 @@ mod tests {
             (0..w)
                 .map(|r| {
                     to_worker(&ToWorker::Configure {
+                        link: crate::core::links::LinkSecret::generate(false),
                         job: "j".into(),
                         generation: 2,
                         rank: r as u32,
@@ -129,6 +130,7 @@ mod tests {
         )
         .unwrap();
         let msg = to_worker(&ToWorker::Configure {
+            link: crate::core::links::LinkSecret::generate(false),
             job: "j".into(),
             generation: 4,
             rank: 1,
