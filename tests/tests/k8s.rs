@@ -642,7 +642,10 @@ fn metric_names(expr: &str) -> BTreeSet<String> {
 /// The names the exporters register (string literals in their code).
 fn exported_names() -> BTreeSet<String> {
     let mut out = BTreeSet::new();
-    for file in ["coordinator/src/metrics/mod.rs", "worker/src/metrics.rs"] {
+    for file in [
+        "coordinator/src/shell/prometheus/families.rs",
+        "worker/src/metrics.rs",
+    ] {
         let text = std::fs::read_to_string(root().join(file)).unwrap();
         for part in text.split('"').skip(1).step_by(2) {
             if part.starts_with("accrue_") && !part.contains(['{', ' ']) {
@@ -674,7 +677,8 @@ fn monitoring_scrapes_every_pod_and_alerts_on_real_metrics_by_job_id() {
         exported.contains("accrue_steps_committed_total"),
         "{exported:?}"
     );
-    let code = std::fs::read_to_string(root().join("coordinator/src/metrics/mod.rs")).unwrap();
+    let code = std::fs::read_to_string(root().join("coordinator/src/shell/prometheus/families.rs"))
+        .unwrap();
     assert!(
         !code.contains("&[\"job\"") && !code.contains("[\"job\","),
         "a coordinator metric is labelled `job`"
