@@ -9,7 +9,11 @@
 //! specs or data: job reasons are shown with their file paths redacted
 //! ([`redact_paths`]). Views are built by pure functions from the state
 //! machine; the lock is held only to copy what a reply needs, never across
-//! an `.await`.
+//! an `.await` and never while the store is read: step history is read
+//! after, metrics only (never a step's documents or layout), at most
+//! [`MAX_STEPS_PER_REPLY`] / [`MAX_STEPS_PER_STATUS`] steps a request and
+//! [`MAX_READERS`] requests at a time (issue 33: one GET decoded a long
+//! job's whole history under the global lock).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -35,6 +39,13 @@ const STATUS_PAGE: &str = include_str!("status_page.html");
 /// Most steps one `/api/jobs/{id}/metrics` reply holds; `more` says when a
 /// client should ask again from the last step it got.
 pub const MAX_STEPS_PER_REPLY: usize = 2_000;
+
+/// Most steps one `/api/status` adds to a job's cached totals; a longer
+/// history is caught up over the next polls.
+pub const MAX_STEPS_PER_STATUS: usize = 20_000;
+
+/// Requests reading step history at once; more wait their turn.
+pub const MAX_READERS: usize = 4;
 
 /// One job as the status API shows it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -113,6 +124,7 @@ pub struct Totals {
 struct AppState {
     shared: Arc<Shared>,
     totals: Arc<Mutex<HashMap<JobId, Totals>>>,
+    readers: Arc<tokio::sync::Semaphore>,
 }
 
 /// The HTTP routes over `shared`.
@@ -120,6 +132,7 @@ pub fn router(shared: Arc<Shared>) -> Router {
     let state = AppState {
         shared,
         totals: Arc::default(),
+        readers: Arc::new(tokio::sync::Semaphore::new(MAX_READERS)),
     };
     Router::new()
         .route("/", get(status_page))
@@ -170,18 +183,48 @@ async fn not_found() -> impl IntoResponse {
 }
 
 async fn status(State(s): State<AppState>) -> Result<Json<StatusView>, ApiError> {
-    let inner = s.shared.lock();
-    let mut totals = s.totals.lock().unwrap_or_else(|p| p.into_inner());
-    for j in inner.core.jobs() {
-        let t = totals.entry(j.rec.id.clone()).or_default();
-        if j.rec.step > t.through {
-            let steps = inner
-                .store
-                .steps(&j.rec.id, t.through + 1)
-                .map_err(ApiError::internal)?;
-            *t = add_steps(*t, steps.iter().map(|r| &r.metrics));
+    // Under the lock: what is behind, and the store's handle.
+    let (store, behind) = {
+        let inner = s.shared.lock();
+        let totals = s.totals.lock().unwrap_or_else(|p| p.into_inner());
+        let behind: Vec<(JobId, Totals)> = inner
+            .core
+            .jobs()
+            .map(|j| (j, totals.get(&j.rec.id).copied().unwrap_or_default()))
+            .filter(|(j, t)| j.rec.step > t.through)
+            .map(|(j, t)| (j.rec.id.clone(), t))
+            .collect();
+        (inner.store.clone(), behind)
+    };
+    if !behind.is_empty() {
+        let _turn = s.readers.acquire().await.map_err(ApiError::internal)?;
+        let added = tokio::task::spawn_blocking(move || {
+            behind
+                .into_iter()
+                .map(|(id, t)| {
+                    let mut t2 = t;
+                    store.step_metrics(&id, t.through + 1, MAX_STEPS_PER_STATUS, |m| {
+                        t2 = add_steps(t2, [&m]);
+                    })?;
+                    Ok((id, t, t2))
+                })
+                .collect::<crate::shell::store::Result<Vec<_>>>()
+        })
+        .await
+        .map_err(ApiError::internal)?
+        .map_err(ApiError::internal)?;
+        let mut totals = s.totals.lock().unwrap_or_else(|p| p.into_inner());
+        for (id, was, now) in added {
+            // Another request may have caught up meanwhile: keep the
+            // furthest.
+            let t = totals.entry(id).or_default();
+            if t.through == was.through || now.through > t.through {
+                *t = now;
+            }
         }
     }
+    let inner = s.shared.lock();
+    let totals = s.totals.lock().unwrap_or_else(|p| p.into_inner());
     Ok(Json(status_view(&inner.core, &totals, now_ms())))
 }
 
@@ -198,27 +241,34 @@ async fn job_metrics(
     Path(id): Path<String>,
     Query(q): Query<Since>,
 ) -> Result<Json<MetricsView>, ApiError> {
-    let inner = s.shared.lock();
-    if inner.core.job(&id).is_err() {
-        return Err(ApiError {
-            status: StatusCode::NOT_FOUND,
-            message: format!("job {id} not found"),
-        });
-    }
-    Ok(Json(metrics_view(&inner.store, &id, q.since)?))
+    let store = {
+        let inner = s.shared.lock();
+        if inner.core.job(&id).is_err() {
+            return Err(ApiError {
+                status: StatusCode::NOT_FOUND,
+                message: format!("job {id} not found"),
+            });
+        }
+        inner.store.clone()
+    };
+    let _turn = s.readers.acquire().await.map_err(ApiError::internal)?;
+    let view = tokio::task::spawn_blocking(move || metrics_view(&store, &id, q.since))
+        .await
+        .map_err(ApiError::internal)??;
+    Ok(Json(view))
 }
 
-/// Committed steps of `job` after `since`, at most [`MAX_STEPS_PER_REPLY`].
+/// Committed steps of `job` after `since`, at most [`MAX_STEPS_PER_REPLY`]
+/// (their metrics only).
 fn metrics_view(store: &Store, job: &str, since: u64) -> Result<MetricsView, ApiError> {
-    let records = store
-        .steps(job, since.saturating_add(1))
+    let mut steps = Vec::new();
+    store
+        .step_metrics(job, since.saturating_add(1), MAX_STEPS_PER_REPLY + 1, |m| {
+            steps.push(m)
+        })
         .map_err(ApiError::internal)?;
-    let more = records.len() > MAX_STEPS_PER_REPLY;
-    let steps = records
-        .into_iter()
-        .take(MAX_STEPS_PER_REPLY)
-        .map(|r| r.metrics)
-        .collect();
+    let more = steps.len() > MAX_STEPS_PER_REPLY;
+    steps.truncate(MAX_STEPS_PER_REPLY);
     Ok(MetricsView {
         job: job.to_string(),
         steps,
@@ -356,6 +406,10 @@ impl IntoResponse for ApiError {
         (self.status, Json(body)).into_response()
     }
 }
+
+#[cfg(test)]
+#[path = "http_tests.rs"]
+mod http_tests;
 
 #[cfg(test)]
 mod tests {

@@ -27,7 +27,7 @@ mod records;
 pub use error::{Result, StoreError};
 pub use records::StepRecord;
 
-use crate::core::{CommittedStep, JobRecord, RefEntry, ReferenceLogps};
+use crate::core::{CommittedStep, JobRecord, RefEntry, ReferenceLogps, StepMetrics};
 use crate::stream::doc::DocId;
 use error::{decode, json};
 use records::{compact, read_cold, step_record, write_cold};
@@ -360,6 +360,47 @@ impl Store {
                 .len();
         }
         Ok(total)
+    }
+
+    /// The metrics of `job`'s steps ≥ `from`, in step order, at most
+    /// `limit`, each handed to `f` as it is read (nothing else of a record
+    /// is decoded, nothing is collected): what the status page reads, off
+    /// the coordinator's lock.
+    pub fn step_metrics(
+        &self,
+        job: &str,
+        from: u64,
+        limit: usize,
+        mut f: impl FnMut(StepMetrics),
+    ) -> Result<()> {
+        let mut left = limit;
+        let mut last = None::<u64>;
+        let tx = self.db.begin_read()?;
+        for file in self.cold_files(job, from, u64::MAX)? {
+            for (step, bytes) in read_cold(&file)? {
+                if left == 0 {
+                    return Ok(());
+                }
+                if step >= from && last.is_none_or(|l| step > l) {
+                    let key = format!("{}#{step}", file.display());
+                    f(records::step_metrics(&key, &bytes)?);
+                    last = Some(step);
+                    left -= 1;
+                }
+            }
+        }
+        let start = last.map_or(from, |l| l + 1).max(from);
+        let table = tx.open_table(STEPS)?;
+        for row in table.range((job, start)..=(job, u64::MAX))? {
+            if left == 0 {
+                break;
+            }
+            let (k, v) = row?;
+            let (_, step) = k.value();
+            f(records::step_metrics(&format!("{job}/{step}"), v.value())?);
+            left -= 1;
+        }
+        Ok(())
     }
 
     /// Step records of `job` with step ≥ `from`, in step order: the cold

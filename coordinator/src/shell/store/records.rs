@@ -116,6 +116,57 @@ pub(super) fn step_record(key: &str, bytes: &[u8]) -> Result<StepRecord> {
     Ok(rec)
 }
 
+/// The largest head (a record's JSON part) [`step_metrics`] reads; a
+/// longer one is corrupt.
+const MAX_HEAD: u64 = 64 << 20;
+
+/// A record's metrics alone: of the compact form only the head is
+/// decompressed and parsed (its documents and layout, most of a large
+/// step's bytes, are neither), for readers that show curves (issue 33:
+/// the status page decoded every step's documents).
+pub(super) fn step_metrics(key: &str, bytes: &[u8]) -> Result<StepMetrics> {
+    use std::io::Read;
+    #[derive(serde::Deserialize)]
+    struct Head {
+        metrics: StepMetrics,
+    }
+    let corrupt = |message: String| StoreError::Corrupt {
+        what: key.to_string(),
+        message,
+    };
+    let head: Head = match bytes.first() {
+        Some(&ZSTD_BINARY) => {
+            let mut z = zstd::stream::read::Decoder::new(&bytes[1..])
+                .map_err(|e| corrupt(format!("decompressing: {e}")))?;
+            // The head's length: a varint, a byte at a time.
+            let mut len = 0u64;
+            for shift in (0..64).step_by(7) {
+                let mut b = [0u8; 1];
+                z.read_exact(&mut b)
+                    .map_err(|e| corrupt(format!("the head's length: {e}")))?;
+                len |= u64::from(b[0] & 0x7f) << shift;
+                if b[0] < 0x80 {
+                    break;
+                }
+            }
+            if len > MAX_HEAD {
+                return Err(corrupt(format!("a head of {len} bytes")));
+            }
+            let mut head = vec![0u8; len as usize];
+            z.read_exact(&mut head)
+                .map_err(|e| corrupt(format!("a head of {len} bytes cut short: {e}")))?;
+            decode(key, &head)?
+        }
+        Some(&ZSTD) => {
+            let body = zstd::stream::decode_all(&bytes[1..])
+                .map_err(|e| corrupt(format!("decompressing: {e}")))?;
+            decode(key, &body)?
+        }
+        _ => decode(key, bytes)?,
+    };
+    Ok(head.metrics)
+}
+
 /// Writes a cold file: per record its step (u64) and length (u32), little
 /// endian, then its compact bytes; aside, synced, then renamed into place.
 pub(super) fn write_cold(dir: &Path, path: &Path, rows: &[(u64, Vec<u8>)]) -> std::io::Result<()> {
