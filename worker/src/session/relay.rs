@@ -141,16 +141,78 @@ impl Relay {
                     Some(Err(e)) => {
                         let l = self.link.take().expect("read from it");
                         warn!(hub = l.hub_rank, generation = l.generation, error = %e, "relay: the hub connection failed");
+                        let peer_rank = blamed(&e, l.hub_rank, self.rank);
                         return RelayEvent::Failed {
                             job: l.job,
                             generation: l.generation,
-                            peer_rank: l.hub_rank,
+                            peer_rank,
                             message: format!("relay from rank {}: {e}", l.hub_rank),
                         };
                     }
                     None => self.link = None,
                 },
             }
+        }
+    }
+}
+
+/// Whom a follower's link failure blames (issue 33): a hub that cannot be
+/// reached, or whose handshake does not complete, may be healthy (the
+/// follower's own network, a partition, a stale address): the follower
+/// blames itself, as the hub does when the follower never connects, so a
+/// generation re-forms without the follower rather than evicting a hub
+/// every other member reaches. A link that was up and then broke, or
+/// carried what a hub must not send, blames the hub.
+fn blamed(e: &LinkError, hub: u32, own: u32) -> u32 {
+    match e {
+        LinkError::Connect { .. } => own,
+        LinkError::Closed
+        | LinkError::Read(_)
+        | LinkError::Unauthenticated { .. }
+        | LinkError::Refused(_) => hub,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_follower_that_cannot_reach_its_hub_blames_itself_not_the_hub() {
+        let connect = LinkError::Connect {
+            addr: "10.0.0.1:7072".into(),
+            why: "connection refused".into(),
+        };
+        assert_eq!(blamed(&connect, 0, 5), 5);
+        assert_eq!(blamed(&LinkError::Closed, 0, 5), 0);
+        assert_eq!(blamed(&LinkError::Refused("a Release".into()), 0, 5), 0);
+    }
+
+    /// With a real hub address nobody listens on: the failure reaches the
+    /// session blaming the follower's own rank.
+    #[tokio::test]
+    async fn an_unreachable_hub_is_reported_against_the_follower() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let dead_addr = dead.local_addr().unwrap().to_string();
+        drop(dead);
+        let mut relay = Relay::start(l, "127.0.0.1:1".into(), 1 << 20).unwrap();
+        relay.configure(&wire::Configure {
+            job_id: "j".into(),
+            generation: 3,
+            rank: 5,
+            relay: Some(wire::RelayRoute {
+                token: vec![1; 32],
+                hub_addr: dead_addr,
+                followers: Vec::new(),
+                hub_rank: 4,
+            }),
+            ..Default::default()
+        });
+        match tokio::time::timeout(std::time::Duration::from_secs(20), relay.next()).await {
+            Ok(RelayEvent::Failed { peer_rank, .. }) => assert_eq!(peer_rank, 5),
+            Ok(RelayEvent::Message(m)) => panic!("{m:?}"),
+            Err(_) => panic!("no failure reported"),
         }
     }
 }
