@@ -12,7 +12,7 @@
 //! gets nothing of the coordinator's it was not given:
 //! - its environment is [`BASE_ENV`] plus the names in `rl.verifier.env`
 //!   (never `ACCRUE_*`: the coordinator's tokens live there), nothing else;
-//! - it runs in a process group of its own ([`super::process`]), killed
+//! - it runs in a process group of its own (`super::process`), killed
 //!   whole when the batch ends, so neither a timeout nor a grandchild that
 //!   keeps the output pipe open can hang the scoring thread, and nothing it
 //!   started outlives its batch;
