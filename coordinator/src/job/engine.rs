@@ -7,6 +7,10 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::job::env_names;
+use crate::job::limits::MAX_ENGINE_RETRIES;
+use crate::job::section::{bound, check_seconds};
+
 /// Which HTTP API the engine serves completions on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
@@ -42,18 +46,21 @@ pub struct EngineSection {
     #[serde(default)]
     pub api: EngineApi,
     pub reload: EngineReload,
-    /// Seconds one HTTP request may take (a whole group's completions).
+    /// Seconds one HTTP request may take (a whole group's completions; at
+    /// most a day).
     #[serde(default = "default_timeout_s")]
     pub timeout_s: f64,
     /// HTTP requests in flight at once (one per prompt of a round).
     #[serde(default = "default_max_concurrency")]
     pub max_concurrency: u32,
     /// Attempts after the first for a request that found the engine
-    /// unreachable or got a 5xx/429 (exponential backoff from 0.2 s).
+    /// unreachable or got a 5xx/429 (exponential backoff from 0.2 s; at
+    /// most `crate::job::limits::MAX_ENGINE_RETRIES`, 10).
     #[serde(default = "default_retries")]
     pub retries: u32,
     /// Environment variable holding the bearer token (`--api-key`); the
-    /// token itself never appears in the spec or the logs.
+    /// token itself never appears in the spec or the logs. Never one of
+    /// Accrue's own (`ACCRUE_*`: see `crate::job::env_names`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub api_key_env: Option<String>,
 }
@@ -89,24 +96,28 @@ impl EngineSection {
                 "must name the served model (the engine's --served-model-name)".into(),
             );
         }
-        if !(self.timeout_s.is_finite() && self.timeout_s > 0.0) {
-            bad(
-                "rl.engine.timeout_s",
-                format!("must be a number of seconds > 0, got {}", self.timeout_s),
-            );
-        }
+        check_seconds(bad, "rl.engine.timeout_s", self.timeout_s);
         if self.max_concurrency == 0 {
             bad("rl.engine.max_concurrency", "must be at least 1".into());
         }
-        if self
-            .api_key_env
-            .as_deref()
-            .is_some_and(|v| v.trim().is_empty())
-        {
-            bad(
+        bound(
+            bad,
+            "rl.engine.retries",
+            u64::from(self.retries),
+            u64::from(MAX_ENGINE_RETRIES),
+            "retries",
+        );
+        match self.api_key_env.as_deref() {
+            Some(v) if v.trim().is_empty() => bad(
                 "rl.engine.api_key_env",
                 "must name an environment variable".into(),
-            );
+            ),
+            Some(v) => {
+                if let Some(message) = env_names::refused(v) {
+                    bad("rl.engine.api_key_env", message);
+                }
+            }
+            None => {}
         }
     }
 
@@ -200,6 +211,36 @@ mod tests {
             "{out:?}"
         );
         assert!(out[0].contains("https is not supported"), "{out:?}");
+    }
+
+    #[test]
+    fn huge_timeouts_endless_retries_and_accrue_secrets_are_refused() {
+        let base = "url = \"http://e:1\"\nmodel = \"m\"\nreload = \"none\"\n";
+        for (extra, field) in [
+            ("timeout_s = 1e300", "rl.engine.timeout_s"),
+            ("timeout_s = inf", "rl.engine.timeout_s"),
+            ("timeout_s = 86401", "rl.engine.timeout_s"),
+            ("retries = 1000000", "rl.engine.retries"),
+            ("retries = 11", "rl.engine.retries"),
+            (
+                "api_key_env = \"ACCRUE_ADMIN_TOKEN\"",
+                "rl.engine.api_key_env",
+            ),
+            (
+                "api_key_env = \"ACCRUE_WORKER_TOKEN\"",
+                "rl.engine.api_key_env",
+            ),
+            ("api_key_env = \"NOT-A-NAME\"", "rl.engine.api_key_env"),
+        ] {
+            let out = problems(&section(&format!("{base}{extra}\n")), None, None);
+            assert_eq!(out.len(), 1, "{extra}: {out:?}");
+            assert!(
+                out[0].starts_with(&format!("{field}: ")),
+                "{extra}: {out:?}"
+            );
+        }
+        let ok = format!("{base}timeout_s = 86400\nretries = 10\napi_key_env = \"ENGINE_KEY\"\n");
+        assert!(problems(&section(&ok), None, None).is_empty());
     }
 
     #[test]

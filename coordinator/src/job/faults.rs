@@ -4,6 +4,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::job::section::check_seconds;
+
 /// What a non-finite step does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
@@ -57,7 +59,7 @@ impl Default for FaultsSection {
 
 impl FaultsSection {
     /// The checks of `[faults]`: at least one round, one attempt and one
-    /// second.
+    /// second, at most a day.
     pub fn validate(&self, bad: &mut impl FnMut(&str, String)) {
         if self.max_bisect_rounds == 0 {
             bad("faults.max_bisect_rounds", "must be at least 1".into());
@@ -66,12 +68,38 @@ impl FaultsSection {
             bad("faults.max_step_attempts", "must be at least 1".into());
         }
         if let Some(t) = self.step_timeout_s {
-            if !(t.is_finite() && t >= 1.0) {
+            if t.is_finite() && t < 1.0 {
                 bad(
                     "faults.step_timeout_s",
                     format!("must be at least 1 second, got {t}"),
                 );
+            } else {
+                check_seconds(bad, "faults.step_timeout_s", t);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_step_timeout_is_at_least_a_second_and_at_most_a_day() {
+        let problems = |t: f64| {
+            let f = FaultsSection {
+                step_timeout_s: Some(t),
+                ..Default::default()
+            };
+            let mut out = Vec::new();
+            f.validate(&mut |field: &str, m: String| out.push(format!("{field}: {m}")));
+            out
+        };
+        for t in [0.5, 1e300, f64::INFINITY, f64::NAN, 86_401.0] {
+            let out = problems(t);
+            assert_eq!(out.len(), 1, "{t}: {out:?}");
+            assert!(out[0].starts_with("faults.step_timeout_s: "), "{out:?}");
+        }
+        assert!(problems(1.0).is_empty() && problems(86_400.0).is_empty());
     }
 }

@@ -35,6 +35,15 @@ pub const MAX_GROUP_SIZE: u32 = 1 << 16;
 /// largest steps.
 pub const MAX_QUEUE_ROLLOUTS: u64 = 4 * MAX_DOCS_PER_STEP;
 
+/// Any timeout of the spec (`*_timeout_s`, `timeout_s`), in seconds: one
+/// day. Far above any real wait, and small enough that every clock sum and
+/// `Duration` built from it is exact (1e300 used to panic the thread that
+/// turned it into a `Duration`).
+pub const MAX_TIMEOUT_S: f64 = 86_400.0;
+/// `rl.engine.retries`: attempts after the first. Backoff doubles per
+/// attempt, so more would only keep a dead engine's job waiting.
+pub const MAX_ENGINE_RETRIES: u32 = 10;
+
 /// The step-size settings of one step, as far as the bounds care.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct StepShape {

@@ -13,6 +13,7 @@ pub mod batch;
 pub mod checkpoint;
 pub mod data;
 pub mod engine;
+pub mod env_names;
 pub mod faults;
 pub mod header;
 pub mod input;

@@ -56,6 +56,25 @@ pub(crate) fn bound(
     }
 }
 
+/// A timeout: a finite number of seconds, more than 0 and at most
+/// [`limits::MAX_TIMEOUT_S`].
+pub(crate) fn check_seconds(bad: &mut impl FnMut(&str, String), field: &str, value: f64) {
+    if !(value.is_finite() && value > 0.0) {
+        bad(
+            field,
+            format!("must be a number of seconds > 0, got {value}"),
+        );
+    } else if value > limits::MAX_TIMEOUT_S {
+        bad(
+            field,
+            format!(
+                "{value} is more than the limit of {} seconds (one day)",
+                limits::MAX_TIMEOUT_S
+            ),
+        );
+    }
+}
+
 /// For `skip_serializing_if`: a value at its default is left out.
 pub(crate) fn is_default<T: Default + PartialEq>(v: &T) -> bool {
     *v == T::default()

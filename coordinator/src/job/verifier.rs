@@ -3,6 +3,9 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::job::env_names;
+use crate::job::section::check_seconds;
+
 /// What kind of verifier scores a job's completions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
@@ -33,9 +36,14 @@ pub struct VerifierSection {
     /// `command`: the program and its arguments.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub command: Vec<String>,
-    /// `command`: seconds a batch may take (default 60).
+    /// `command`: seconds a batch may take (default 60, at most a day).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_s: Option<f64>,
+    /// `command`: the coordinator's environment variables the program
+    /// sees besides the fixed few (`crate::rl::verify::command::BASE_ENV`);
+    /// never Accrue's own (`ACCRUE_*`). Unset ones are left out.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub env: Vec<String>,
 }
 
 impl VerifierSection {
@@ -67,13 +75,19 @@ impl VerifierSection {
                 "only applies to kind = \"command\"".into(),
             );
         }
-        if let Some(t) = self.timeout_s {
-            if !(t.is_finite() && t > 0.0) {
-                bad(
-                    "rl.verifier.timeout_s",
-                    format!("must be positive, got {t}"),
-                );
+        if self.kind != VerifierKind::Command && !self.env.is_empty() {
+            bad(
+                "rl.verifier.env",
+                "only applies to kind = \"command\"".into(),
+            );
+        }
+        for (i, name) in self.env.iter().enumerate() {
+            if let Some(message) = env_names::refused(name) {
+                bad(&format!("rl.verifier.env[{i}]"), message);
             }
+        }
+        if let Some(t) = self.timeout_s {
+            check_seconds(bad, "rl.verifier.timeout_s", t);
         }
         if let Some(w) = self.format_weight {
             if !w.is_finite() {

@@ -112,7 +112,7 @@ fn loop_problem(spec: &JobSpec, e: &crate::rl::scorer::LoopError) -> SpecProblem
         LoopError::Stop { index, .. } => {
             SpecProblem::new(format!("rl.sampling.stop[{index}]"), e.to_string())
         }
-        LoopError::Verify(_) | LoopError::Round { .. } => {
+        LoopError::Verify(_) | LoopError::Round { .. } | LoopError::Scoring { .. } => {
             SpecProblem::new("rl.verifier", e.to_string())
         }
     }

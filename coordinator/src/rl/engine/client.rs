@@ -6,6 +6,9 @@
 //! attempts the round fails naming the URL and the last status. A request
 //! re-sent after a lost answer asks for the same samples (same seed), and
 //! only the one answer that arrives counts: the round is answered once.
+//! An answer is read up to a limit ([`answer_limit`]): a larger one fails
+//! the round at once, naming the limit (an engine that answers too much
+//! once will again).
 
 use std::time::{Duration, Instant};
 
@@ -18,7 +21,8 @@ use tracing::warn;
 
 use crate::job::engine::EngineSection;
 use crate::rl::engine::wire::{
-    completion_request, parse_completions, prompts_of, reload_refused, reload_requests,
+    answer_limit, completion_request, parse_completions, prompts_of, reload_refused,
+    reload_requests, ANSWER_FLOOR_BYTES,
 };
 use crate::rl::rounds::{EngineRound, GenCompletion};
 
@@ -50,8 +54,20 @@ pub enum EngineError {
         dir: String,
         message: String,
     },
+    #[error("{url}: the answer is over its limit of {limit} bytes")]
+    TooLarge { url: String, limit: usize },
     #[error("rl.engine.api_key_env: environment variable {0} is not set")]
     NoKey(String),
+    #[error("rl.engine.timeout_s: {0}")]
+    Timeout(std::time::TryFromFloatSecsError),
+}
+
+/// Why one attempt got no answer to hand back.
+enum Failed {
+    /// Unreachable, or the answer broke off: worth another attempt.
+    Transport(String),
+    /// The answer went past the limit: not worth another.
+    TooLarge,
 }
 
 /// A pooled HTTP/1 client shared by every job's engine calls.
@@ -72,13 +88,26 @@ impl Default for EngineClient {
 const BACKOFF: Duration = Duration::from_millis(200);
 
 impl EngineClient {
-    /// POSTs `body` to `engine`'s `path`, retrying what may pass; the
-    /// answer's body on a 2xx.
+    /// [`Self::post_limited`] for an answer of any kind (at most
+    /// [`ANSWER_FLOOR_BYTES`]).
     async fn post(
         &self,
         engine: &EngineSection,
         path: &str,
         body: &serde_json::Value,
+    ) -> Result<Bytes, EngineError> {
+        self.post_limited(engine, path, body, ANSWER_FLOOR_BYTES)
+            .await
+    }
+
+    /// POSTs `body` to `engine`'s `path`, retrying what may pass; the
+    /// answer's body on a 2xx, at most `limit` bytes of it.
+    async fn post_limited(
+        &self,
+        engine: &EngineSection,
+        path: &str,
+        body: &serde_json::Value,
+        limit: usize,
     ) -> Result<Bytes, EngineError> {
         let url = format!("{}{path}", engine.base());
         let key = match &engine.api_key_env {
@@ -86,7 +115,9 @@ impl EngineClient {
             None => None,
         };
         let bytes = Bytes::from(serde_json::to_vec(body).expect("JSON values serialize"));
-        let timeout = Duration::from_secs_f64(engine.timeout_s);
+        // Bounded at submit; a stored spec from before must not panic.
+        let timeout =
+            Duration::try_from_secs_f64(engine.timeout_s).map_err(EngineError::Timeout)?;
         let attempts = engine.retries + 1;
         let mut last = None;
         for attempt in 1..=attempts {
@@ -105,14 +136,20 @@ impl EngineClient {
                     attempts: attempt,
                 })?;
             let sent = tokio::time::timeout(timeout, async {
-                let resp = self.http.request(req).await.map_err(|e| chain(&e))?;
+                let resp = self
+                    .http
+                    .request(req)
+                    .await
+                    .map_err(|e| Failed::Transport(chain(&e)))?;
                 let status = resp.status().as_u16();
-                let body = resp
-                    .into_body()
+                let body = http_body_util::Limited::new(resp.into_body(), limit)
                     .collect()
                     .await
-                    .map_err(|e| format!("reading the answer: {e}"))?;
-                Ok::<_, String>((status, body.to_bytes()))
+                    .map_err(|e| match e.downcast::<http_body_util::LengthLimitError>() {
+                        Ok(_) => Failed::TooLarge,
+                        Err(e) => Failed::Transport(format!("reading the answer: {e}")),
+                    })?;
+                Ok::<_, Failed>((status, body.to_bytes()))
             })
             .await;
             let error = match sent {
@@ -130,7 +167,13 @@ impl EngineClient {
                     }
                     e
                 }
-                Ok(Err(message)) => EngineError::Unreachable {
+                Ok(Err(Failed::TooLarge)) => {
+                    return Err(EngineError::TooLarge {
+                        url: url.clone(),
+                        limit,
+                    })
+                }
+                Ok(Err(Failed::Transport(message))) => EngineError::Unreachable {
                     url: url.clone(),
                     message,
                     attempts: attempt,
@@ -161,8 +204,9 @@ impl EngineClient {
             .map(|q| {
                 let (client, engine, url) = (self.clone(), r.engine.clone(), url.clone());
                 let (prompt, body, group) = (q.prompt, completion_request(r, q), r.group);
+                let limit = answer_limit(group, r.plan.sampling.max_new_tokens);
                 async move {
-                    let answer = client.post(&engine, path, &body).await?;
+                    let answer = client.post_limited(&engine, path, &body, limit).await?;
                     parse_completions(&answer, prompt, group, vocab)
                         .map_err(|error| EngineError::Malformed { url, prompt, error })
                 }
@@ -315,7 +359,7 @@ mod tests {
             .unwrap_err();
         assert!(e.to_string().contains("answered HTTP 401"), "{e}");
         assert_eq!(hits.load(Ordering::SeqCst), 1, "a 4xx is not asked again");
-        let var = "ACCRUE_TEST_ENGINE_KEY_7f3a";
+        let var = "TEST_ENGINE_KEY_7f3a";
         let missing = c
             .post(&engine(&url, Some(var)), "/x", &serde_json::json!({}))
             .await;
@@ -326,6 +370,31 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(&body[..], b"{\"ok\": true}");
+    }
+
+    #[tokio::test]
+    async fn an_answer_over_the_body_limit_is_refused_naming_it() {
+        // 70 MiB: over the floor every request may answer with.
+        let big = bytes::Bytes::from(vec![b' '; 70 << 20]);
+        let app = axum::Router::new().route("/big", post(move || async move { big.clone() }));
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", l.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(l, app).await.unwrap() });
+        let c = EngineClient::default();
+        let answer = c
+            .post(&engine(&url, None), "/big", &serde_json::json!({}))
+            .await;
+        // Not unwrap_err: it would print the 70 MiB.
+        let Err(e) = answer else {
+            panic!("a 70 MiB answer was accepted")
+        };
+        let text = e.to_string();
+        assert!(
+            text.starts_with(&format!(
+                "{url}/big: the answer is over its limit of 67108864 bytes"
+            )),
+            "{text}"
+        );
     }
 
     #[tokio::test]

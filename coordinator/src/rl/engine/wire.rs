@@ -36,6 +36,23 @@ fn malformed(field: impl Into<String>, message: impl Into<String>) -> Malformed 
     }
 }
 
+/// Bytes any answer may have, whatever it answers: a reload's, or a
+/// completion request's for few tokens.
+pub const ANSWER_FLOOR_BYTES: usize = 64 << 20;
+/// Bytes an answer may spend per token it was asked for: a token's id,
+/// text, log-prob and top log-prob entry take ~100 bytes of JSON.
+pub const ANSWER_BYTES_PER_TOKEN: usize = 1024;
+
+/// The most bytes the answer to a completion request for `n` samples of
+/// up to `max_tokens` each may have: [`ANSWER_BYTES_PER_TOKEN`] per token
+/// asked for, and never less than [`ANSWER_FLOOR_BYTES`].
+pub fn answer_limit(n: u32, max_tokens: u32) -> usize {
+    (n as usize)
+        .saturating_mul(max_tokens as usize)
+        .saturating_mul(ANSWER_BYTES_PER_TOKEN)
+        .max(ANSWER_FLOOR_BYTES)
+}
+
 /// The round's requests by prompt: the first request of each prompt's
 /// run of `group` samples.
 pub fn prompts_of(r: &EngineRound) -> impl Iterator<Item = &GenRequest> {
@@ -273,6 +290,14 @@ mod tests {
             engine: toml::from_str("url = \"http://e:1\"\nmodel = \"policy\"\nreload = \"vllm\"\n")
                 .unwrap(),
         }
+    }
+
+    #[test]
+    fn an_answer_may_grow_with_the_tokens_asked_for_above_a_floor() {
+        assert_eq!(answer_limit(1, 16), ANSWER_FLOOR_BYTES);
+        assert_eq!(answer_limit(0, 0), ANSWER_FLOOR_BYTES);
+        assert_eq!(answer_limit(64, 8192), 64 * 8192 * ANSWER_BYTES_PER_TOKEN);
+        assert_eq!(answer_limit(u32::MAX, u32::MAX), usize::MAX);
     }
 
     #[test]

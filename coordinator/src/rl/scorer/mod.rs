@@ -31,6 +31,20 @@ pub enum LoopError {
         prompt: DocId,
         message: String,
     },
+    /// The verifier failed on a round; `rollout` names the completion it
+    /// failed on when it names one (`<prompt>@<position> sample <k>`).
+    #[error("round {round}: {}{error}", at_rollout(.rollout))]
+    Scoring {
+        round: u64,
+        rollout: Option<String>,
+        error: verify::VerifyError,
+    },
+}
+
+fn at_rollout(rollout: &Option<String>) -> String {
+    rollout
+        .as_ref()
+        .map_or_else(String::new, |r| format!("rollout {r}: "))
 }
 
 /// A generating job's tokenizer, prompts and verifier.
@@ -144,7 +158,21 @@ impl Scorer {
                 reference: &p.reference,
             })
             .collect();
-        let scores = self.verifier.score(&batch)?;
+        let scores = self.verifier.score(&batch).map_err(|error| {
+            // The batch is the round's completions in order.
+            let rollout = error.sample().and_then(|i| {
+                r.groups
+                    .iter()
+                    .flat_map(|g| g.completions.iter().map(move |c| (g, c)))
+                    .nth(i)
+                    .map(|(g, c)| format!("{}@{} sample {}", g.prompt, g.position, c.sample))
+            });
+            LoopError::Scoring {
+                round: r.round,
+                rollout,
+                error,
+            }
+        })?;
         let mut stats = RoundStats {
             gen_seconds: r.seconds,
             ..Default::default()

@@ -118,6 +118,42 @@ fn gsm8k_rows_score_by_their_final_number_and_unknown_prompts_are_named() {
 }
 
 #[test]
+fn a_failing_command_verifier_is_named_by_rollout_never_by_its_output() {
+    let d = tempfile::tempdir().unwrap();
+    let prog = d.path().join("v.sh");
+    std::fs::write(
+        &prog,
+        "#!/bin/sh\ncat >/dev/null\necho 'MARKER-33-7 traceback' >&2\necho 1\necho 'MARKER-33-7'\n",
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&prog, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let verifier = format!("kind = \"command\"\ncommand = [\"{}\"]", prog.display());
+    let s = Scorer::load(&spec(d.path(), &verifier), 300, None).unwrap();
+    let p1 = DocId { file: 0, line: 1 };
+    let round = RoundToScore {
+        job: "j".into(),
+        round: 7,
+        kind: RoundKind::Train,
+        policy_version: 3,
+        groups: vec![GroupToScore {
+            position: 12,
+            prompt: p1,
+            completions: vec![completion(p1, 0, "3"), completion(p1, 1, "4")],
+        }],
+        seconds: 2.0,
+    };
+    // What a failed round's reason (shown on the status page) says.
+    let e = s.score(&round).unwrap_err().to_string();
+    assert!(!e.contains("MARKER"), "{e}");
+    assert!(
+        e.starts_with("round 7: rollout 0:1@12 sample 1: verifier command"),
+        "{e}"
+    );
+    assert!(e.contains("stdout line 2: not JSON"), "{e}");
+}
+
+#[test]
 fn generating_specs_are_validated_field_by_field() {
     let d = tempfile::tempdir().unwrap();
     std::fs::write(

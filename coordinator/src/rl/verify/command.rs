@@ -4,126 +4,328 @@
 //! reward) or an object `{"reward": x, "correct": true|false, <name>: x …}`
 //! whose other numeric fields are reward components. The batch fails, with
 //! the program and the line named, when the program exits non-zero, runs
-//! past its timeout (it is killed), or writes a line that is not a finite
-//! reward, or too few or too many lines.
+//! past its timeout, writes more than [`MAX_OUTPUT_BYTES`] on stdout or
+//! stderr, or writes a line that is not a finite reward, or too few or too
+//! many lines.
+//!
+//! The program is whatever the spec names, run by the coordinator, so it
+//! gets nothing of the coordinator's it was not given:
+//! - its environment is [`BASE_ENV`] plus the names in `rl.verifier.env`
+//!   (never `ACCRUE_*`: the coordinator's tokens live there), nothing else;
+//! - it runs in a process group of its own (`super::process`), killed
+//!   whole when the batch ends, so neither a timeout nor a grandchild that
+//!   keeps the output pipe open can hang the scoring thread, and nothing it
+//!   started outlives its batch;
+//! - the timeout covers everything: the program's exit and reading its
+//!   output to the end;
+//! - what it writes never goes into an error (errors become job reasons,
+//!   shown on the unauthenticated status page): errors name the line, the
+//!   exit status and byte counts; stderr and bad lines go to the
+//!   coordinator log, cut short.
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::{Command, ExitStatus, Stdio};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use serde_json::Value as Json;
+use tracing::{debug, warn};
 
-use super::sample::{Sample, Score, VerifyError};
+use super::process::{self, Group};
+use super::sample::{Sample, Score};
+use crate::job::env_names;
 
-/// Runs `argv` over `batch` (see the module doc).
-pub fn run(
-    argv: &[String],
-    base_dir: Option<&Path>,
-    timeout: Duration,
-    batch: &[Sample<'_>],
-) -> Result<Vec<Score>, VerifyError> {
-    let program = argv.first().cloned().unwrap_or_default();
-    let err = |message: String| VerifyError::Command {
-        program: program.clone(),
-        message,
-    };
-    let mut cmd = Command::new(&program);
-    cmd.args(&argv[1.min(argv.len())..])
+/// Variables every program sees, when the coordinator has them: where
+/// programs are found and how text is decoded, nothing that holds a
+/// secret. Anything else (`PYTHONPATH`, `CUDA_VISIBLE_DEVICES`, a key) is
+/// named in `rl.verifier.env`.
+pub const BASE_ENV: [&str; 7] = ["PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR", "TZ"];
+
+/// Bytes a program may write on stdout, and on stderr, per batch: scores
+/// are a line each, so this is thousands of lines of room.
+pub const MAX_OUTPUT_BYTES: usize = 1 << 20;
+
+/// Bytes of stderr (its end) and of a bad stdout line the log keeps.
+const LOG_EXCERPT_BYTES: usize = 4096;
+
+/// How to run the program.
+#[derive(Debug, Clone, Copy)]
+pub struct Invocation<'a> {
+    /// The program and its arguments.
+    pub argv: &'a [String],
+    /// Variables passed through besides [`BASE_ENV`] (`rl.verifier.env`).
+    pub env: &'a [String],
+    /// Where a relative program is found (the spec's directory).
+    pub base_dir: Option<&'a Path>,
+    /// How long a batch may take, output read to its end.
+    pub timeout: Duration,
+}
+
+/// One of the program's output streams.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stream {
+    Stdout,
+    Stderr,
+}
+
+impl std::fmt::Display for Stream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Stream::Stdout => "stdout",
+            Stream::Stderr => "stderr",
+        })
+    }
+}
+
+/// Why the program did not score a batch. Never holds what it wrote (see
+/// the module doc): that is in the coordinator log.
+#[derive(Debug, thiserror::Error)]
+pub enum CommandError {
+    #[error("cannot start: {0}")]
+    Start(std::io::Error),
+    #[error("waiting for it: {0}")]
+    Wait(std::io::Error),
+    #[error("reading its {stream}: {error}")]
+    Read {
+        stream: Stream,
+        error: std::io::Error,
+    },
+    #[error("exited with {status} ({stderr_bytes} bytes on stderr, in the coordinator log)")]
+    Exit {
+        status: ExitStatus,
+        stderr_bytes: usize,
+    },
+    #[error(
+        "timed out after {:.1}s scoring {completions} completions (rl.verifier.timeout_s)",
+        timeout.as_secs_f64()
+    )]
+    TimedOut {
+        timeout: Duration,
+        completions: usize,
+    },
+    #[error("wrote more than {limit} bytes on {stream}, the limit per batch")]
+    TooMuchOutput { stream: Stream, limit: usize },
+    #[error("wrote {got} score lines for {want} completions (one line per input line expected)")]
+    LineCount { got: usize, want: usize },
+    #[error("stdout line {line}: {problem} (the line, {bytes} bytes, is in the coordinator log)")]
+    BadLine {
+        /// 1-based, counting non-blank lines: line n scores sample n - 1.
+        line: usize,
+        bytes: usize,
+        problem: LineProblem,
+    },
+}
+
+impl CommandError {
+    /// The sample (index in the batch) the error is about, if one.
+    pub fn sample(&self) -> Option<usize> {
+        match self {
+            CommandError::BadLine { line, .. } => Some(line - 1),
+            _ => None,
+        }
+    }
+}
+
+/// What is wrong with a score line.
+#[derive(Debug, thiserror::Error)]
+pub enum LineProblem {
+    /// serde_json's syntax errors name a position, never the text.
+    #[error("not JSON ({0})")]
+    NotJson(serde_json::Error),
+    #[error("expected a number or an object with \"reward\"")]
+    Shape,
+    #[error("the reward is not a finite number")]
+    Reward,
+    #[error("\"correct\" must be true or false")]
+    Correct,
+    /// The component is not named: its name is the program's output too.
+    #[error("a reward component is not a finite number")]
+    Component,
+}
+
+/// Runs the program over `batch` (see the module doc).
+pub fn run(inv: &Invocation<'_>, batch: &[Sample<'_>]) -> Result<Vec<Score>, CommandError> {
+    let program = inv.argv.first().map_or("", String::as_str);
+    let mut cmd = Command::new(program);
+    cmd.args(inv.argv.get(1..).unwrap_or_default())
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    if let Some(d) = base_dir {
+        .stderr(Stdio::piped())
+        .env_clear();
+    // Refused names are checked at submit too; a stored spec from before
+    // that check must not reach them either.
+    let names = BASE_ENV
+        .iter()
+        .copied()
+        .chain(inv.env.iter().map(String::as_str));
+    for name in names.filter(|n| env_names::refused(n).is_none()) {
+        if let Some(v) = std::env::var_os(name) {
+            cmd.env(name, v);
+        }
+    }
+    if let Some(d) = inv.base_dir {
         cmd.current_dir(d);
     }
-    let mut child = cmd.spawn().map_err(|e| err(format!("cannot start: {e}")))?;
+    process::isolate(&mut cmd);
+    let start = Instant::now();
+    let mut child = cmd.spawn().map_err(CommandError::Start)?;
+    let timed_out = CommandError::TimedOut {
+        timeout: inv.timeout,
+        completions: batch.len(),
+    };
+    // A deadline past what an Instant holds is never reached.
+    let deadline = start.checked_add(inv.timeout);
     let mut input = Vec::new();
     for s in batch {
         serde_json::to_writer(&mut input, s).expect("samples serialise");
         input.push(b'\n');
     }
     // Feed stdin and drain stdout/stderr on threads: a program that writes
-    // before it has read everything must not deadlock against us.
+    // before it has read everything must not deadlock against us. They are
+    // never joined: one blocked on a pipe that something outside the group
+    // holds open must not block us; killing the group closes the rest.
     let mut stdin = child.stdin.take().expect("piped");
-    let writer = std::thread::spawn(move || {
+    std::thread::spawn(move || {
         let _ = stdin.write_all(&input);
     });
-    let mut stdout = child.stdout.take().expect("piped");
-    let out = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = stdout.read_to_string(&mut s);
-        s
-    });
-    let mut stderr = child.stderr.take().expect("piped");
-    let errs = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = stderr.read_to_string(&mut s);
-        s
-    });
-    let start = Instant::now();
-    let status = loop {
-        match child.try_wait().map_err(|e| err(e.to_string()))? {
-            Some(st) => break st,
-            None if start.elapsed() > timeout => {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(err(format!(
-                    "timed out after {:.1}s scoring {} completions (rl.verifier.timeout_s)",
-                    timeout.as_secs_f64(),
-                    batch.len()
-                )));
-            }
-            None => std::thread::sleep(Duration::from_millis(5)),
-        }
+    let (tx, rx) = mpsc::channel();
+    drain(
+        child.stdout.take().expect("piped"),
+        Stream::Stdout,
+        tx.clone(),
+    );
+    drain(child.stderr.take().expect("piped"), Stream::Stderr, tx);
+    let mut group = Group::new(child);
+    let left = || {
+        deadline.map_or(Duration::MAX, |d| {
+            d.saturating_duration_since(Instant::now())
+        })
     };
-    let _ = writer.join();
-    let stdout = out.join().unwrap_or_default();
-    let stderr = errs.join().unwrap_or_default();
-    if !status.success() {
-        let tail: String = stderr.lines().rev().take(5).collect::<Vec<_>>().join(" | ");
-        return Err(err(format!("exited with {status}; stderr: {tail}")));
+    // Both streams to their end, then the exit, all before the deadline;
+    // any early return drops `group`, which kills it.
+    let (mut stdout, mut stderr) = (None, None);
+    while stdout.is_none() || stderr.is_none() {
+        let (stream, read) = match rx.recv_timeout(left()) {
+            Ok(got) => got,
+            Err(_) => return Err(timed_out),
+        };
+        let bytes = read.map_err(|error| CommandError::Read { stream, error })?;
+        if bytes.len() > MAX_OUTPUT_BYTES {
+            return Err(CommandError::TooMuchOutput {
+                stream,
+                limit: MAX_OUTPUT_BYTES,
+            });
+        }
+        match stream {
+            Stream::Stdout => stdout = Some(bytes),
+            Stream::Stderr => stderr = Some(bytes),
+        }
     }
-    parse(&stdout, batch.len()).map_err(err)
+    while !group.exited().map_err(CommandError::Wait)? {
+        if left().is_zero() {
+            return Err(timed_out);
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let status = group.end().map_err(CommandError::Wait)?;
+    let (stdout, stderr) = (stdout.unwrap_or_default(), stderr.unwrap_or_default());
+    if !status.success() {
+        warn!(program, %status, stderr = %excerpt(&stderr, true), "verifier command failed");
+        return Err(CommandError::Exit {
+            status,
+            stderr_bytes: stderr.len(),
+        });
+    }
+    if !stderr.is_empty() {
+        debug!(program, stderr = %excerpt(&stderr, true), "verifier command wrote on stderr");
+    }
+    let stdout = String::from_utf8_lossy(&stdout);
+    parse(&stdout, batch.len()).inspect_err(|e| {
+        if let CommandError::BadLine { line, .. } = e {
+            let text = stdout
+                .lines()
+                .filter(|l| !l.trim().is_empty())
+                .nth(line - 1);
+            let text = excerpt(text.unwrap_or_default().as_bytes(), false);
+            warn!(program, line, %text, error = %e, "verifier command wrote a bad score line");
+        }
+    })
+}
+
+/// Reads `r` to its end on a thread, at most one byte over the limit (so
+/// that going over shows), and sends what it read.
+fn drain(
+    r: impl Read + Send + 'static,
+    stream: Stream,
+    tx: mpsc::Sender<(Stream, std::io::Result<Vec<u8>>)>,
+) {
+    std::thread::spawn(move || {
+        let mut buf = Vec::new();
+        let read = r
+            .take(MAX_OUTPUT_BYTES as u64 + 1)
+            .read_to_end(&mut buf)
+            .map(|_| buf);
+        let _ = tx.send((stream, read));
+    });
+}
+
+/// At most [`LOG_EXCERPT_BYTES`] of `bytes` for the log: the end (where
+/// a traceback's error is) or the start.
+fn excerpt(bytes: &[u8], end: bool) -> String {
+    let n = bytes.len().min(LOG_EXCERPT_BYTES);
+    let cut = if end {
+        &bytes[bytes.len() - n..]
+    } else {
+        &bytes[..n]
+    };
+    String::from_utf8_lossy(cut).into_owned()
 }
 
 /// Parses the program's stdout: exactly `n` score lines.
-pub fn parse(stdout: &str, n: usize) -> Result<Vec<Score>, String> {
+pub fn parse(stdout: &str, n: usize) -> Result<Vec<Score>, CommandError> {
     let lines: Vec<&str> = stdout.lines().filter(|l| !l.trim().is_empty()).collect();
     if lines.len() != n {
-        return Err(format!(
-            "wrote {} score lines for {n} completions (one line per input line expected)",
-            lines.len()
-        ));
+        return Err(CommandError::LineCount {
+            got: lines.len(),
+            want: n,
+        });
     }
     lines
         .iter()
         .enumerate()
-        .map(|(i, l)| line(l).map_err(|m| format!("stdout line {}: {m}: {l:?}", i + 1)))
+        .map(|(i, l)| {
+            line(l).map_err(|problem| CommandError::BadLine {
+                line: i + 1,
+                bytes: l.len(),
+                problem,
+            })
+        })
         .collect()
 }
 
-fn line(l: &str) -> Result<Score, String> {
-    let v: Json = serde_json::from_str(l.trim()).map_err(|e| format!("not JSON ({e})"))?;
-    let finite = |x: Option<f64>, what: &str| match x {
+fn line(l: &str) -> Result<Score, LineProblem> {
+    let v: Json = serde_json::from_str(l.trim()).map_err(LineProblem::NotJson)?;
+    let finite = |x: Option<f64>, problem: LineProblem| match x {
         Some(x) if x.is_finite() => Ok(x),
-        _ => Err(format!("{what} is not a finite number")),
+        _ => Err(problem),
     };
     match &v {
         Json::Number(n) => Ok(Score {
-            reward: finite(n.as_f64(), "the reward")?,
+            reward: finite(n.as_f64(), LineProblem::Reward)?,
             ..Default::default()
         }),
         Json::Object(o) => {
-            let reward = finite(o.get("reward").and_then(Json::as_f64), "\"reward\"")?;
+            let reward = finite(o.get("reward").and_then(Json::as_f64), LineProblem::Reward)?;
             let correct = match o.get("correct") {
                 None | Some(Json::Null) => None,
                 Some(Json::Bool(b)) => Some(*b),
-                Some(_) => return Err("\"correct\" must be true or false".into()),
+                Some(_) => return Err(LineProblem::Correct),
             };
             let mut components = BTreeMap::new();
             for (k, x) in o.iter().filter(|(k, _)| *k != "reward" && *k != "correct") {
-                components.insert(k.clone(), finite(x.as_f64(), &format!("\"{k}\""))?);
+                components.insert(k.clone(), finite(x.as_f64(), LineProblem::Component)?);
             }
             Ok(Score {
                 reward,
@@ -131,6 +333,6 @@ fn line(l: &str) -> Result<Score, String> {
                 correct,
             })
         }
-        _ => Err("expected a number or an object with \"reward\"".into()),
+        _ => Err(LineProblem::Shape),
     }
 }

@@ -11,10 +11,13 @@
 //! (`format_pattern`, weighted by `format_weight`). `command` runs a user
 //! program (see [`command`]).
 //!
-//! Pure apart from `command`, which the shell runs off the state lock.
+//! Pure apart from `command`, which the shell runs off the state lock (in
+//! a process group of its own, `process`, with a cleared environment and
+//! bounded output: see [`command`]).
 
 mod builtin;
 pub mod command;
+mod process;
 mod sample;
 mod verifier;
 

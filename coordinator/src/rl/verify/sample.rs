@@ -27,6 +27,19 @@ pub struct Score {
 pub enum VerifyError {
     #[error("rl.verifier: {0}")]
     Config(String),
-    #[error("verifier command {program:?}: {message}")]
-    Command { program: String, message: String },
+    #[error("verifier command {program:?}: {error}")]
+    Command {
+        program: String,
+        error: super::command::CommandError,
+    },
+}
+
+impl VerifyError {
+    /// The sample (index in the batch) the error is about, if one.
+    pub fn sample(&self) -> Option<usize> {
+        match self {
+            VerifyError::Command { error, .. } => error.sample(),
+            VerifyError::Config(_) => None,
+        }
+    }
 }

@@ -194,11 +194,14 @@ fn command_verifier_errors_name_the_problem() {
     assert!(e.contains("wrote 1 score lines for 2 completions"), "{e}");
     let e = run("cat >/dev/null; echo '{\"reward\": null}'; echo 1", "5");
     assert!(
-        e.contains("line 1: \"reward\" is not a finite number"),
+        e.contains("line 1: the reward is not a finite number"),
         "{e}"
     );
     let e = run("cat >/dev/null; echo oops >&2; exit 4", "5");
-    assert!(e.contains("exit status: 4") && e.contains("oops"), "{e}");
+    assert!(
+        e.contains("exit status: 4") && e.contains("5 bytes on stderr"),
+        "{e}"
+    );
     let started = std::time::Instant::now();
     let e = run("sleep 5", "0.3");
     assert!(e.contains("timed out after 0.3s"), "{e}");
@@ -206,6 +209,178 @@ fn command_verifier_errors_name_the_problem() {
     let v = verifier("kind = \"command\"\ncommand = [\"/nonexistent/verifier\"]");
     let e = v.score(&batch).unwrap_err().to_string();
     assert!(e.contains("\"/nonexistent/verifier\": cannot start"), "{e}");
+}
+
+/// Whether process `pid` is gone (or a zombie), waiting up to 5 s.
+fn gone(pid: u32) -> bool {
+    let stat = format!("/proc/{pid}/stat");
+    for _ in 0..500 {
+        match std::fs::read_to_string(&stat) {
+            Err(_) => return true,
+            // The state is the field after the command's closing paren.
+            Ok(s)
+                if s.rsplit(')')
+                    .next()
+                    .unwrap_or("")
+                    .trim_start()
+                    .starts_with('Z') =>
+            {
+                return true
+            }
+            Ok(_) => std::thread::sleep(std::time::Duration::from_millis(10)),
+        }
+    }
+    false
+}
+
+/// The pid a script wrote to `file`.
+fn pid_in(file: &std::path::Path) -> u32 {
+    std::fs::read_to_string(file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn command_verifier_sees_only_its_allow_listed_environment() {
+    // Set for the whole test binary; nothing else in it reads them.
+    std::env::set_var("ACCRUE_ADMIN_TOKEN", "admin-secret-33-7");
+    std::env::set_var("VERIFY_TEST_OTHER_SECRET", "other-secret-33-7");
+    std::env::set_var("VERIFY_TEST_PASSED", "passed-33-7");
+    let d = tempfile::tempdir().unwrap();
+    let seen = d.path().join("env.txt");
+    let prog = script(
+        d.path(),
+        "env.sh",
+        &format!("env > '{}'; cat >/dev/null; echo 1", seen.display()),
+    );
+    let batch = [sample("p", "c", "r")];
+    let v = verifier(&format!("kind = \"command\"\ncommand = [\"{prog}\"]"));
+    v.score(&batch).unwrap();
+    let env = std::fs::read_to_string(&seen).unwrap();
+    assert!(!env.contains("admin-secret-33-7"), "{env}");
+    assert!(!env.contains("ACCRUE_"), "{env}");
+    assert!(!env.contains("other-secret-33-7"), "{env}");
+    assert!(
+        !env.contains("VERIFY_TEST_PASSED"),
+        "only when listed: {env}"
+    );
+    assert!(env.lines().any(|l| l.starts_with("PATH=")), "{env}");
+    let v = verifier(&format!(
+        "kind = \"command\"\ncommand = [\"{prog}\"]\nenv = [\"VERIFY_TEST_PASSED\", \"VERIFY_TEST_UNSET\"]"
+    ));
+    v.score(&batch).unwrap();
+    let env = std::fs::read_to_string(&seen).unwrap();
+    assert!(
+        env.lines().any(|l| l == "VERIFY_TEST_PASSED=passed-33-7"),
+        "{env}"
+    );
+    assert!(!env.contains("VERIFY_TEST_UNSET"), "{env}");
+    assert!(!env.contains("secret-33-7"), "{env}");
+}
+
+#[test]
+fn command_verifier_deadline_covers_its_grandchildren_and_kills_them() {
+    let d = tempfile::tempdir().unwrap();
+    let batch = [sample("p", "c", "r")];
+    let pid = d.path().join("pid");
+    for (name, body) in [
+        // Exits at once, leaving a grandchild that holds stdout open.
+        (
+            "exits.sh",
+            "sleep 20 & echo $! > '{pid}'; cat >/dev/null; echo 1",
+        ),
+        // Hangs, with a grandchild.
+        (
+            "hangs.sh",
+            "sleep 20 & echo $! > '{pid}'; cat >/dev/null; sleep 20",
+        ),
+    ] {
+        let prog = script(
+            d.path(),
+            name,
+            &body.replace("{pid}", &pid.display().to_string()),
+        );
+        let v = verifier(&format!(
+            "kind = \"command\"\ncommand = [\"{prog}\"]\ntimeout_s = 0.5"
+        ));
+        let started = std::time::Instant::now();
+        let e = v.score(&batch).unwrap_err().to_string();
+        let took = started.elapsed();
+        assert!(e.contains("timed out after 0.5s"), "{name}: {e}");
+        assert!(took < std::time::Duration::from_secs(3), "{name}: {took:?}");
+        assert!(
+            gone(pid_in(&pid)),
+            "{name}: the grandchild outlived the batch"
+        );
+    }
+    // A batch that succeeds takes whatever it started with it.
+    let prog = script(
+        d.path(),
+        "leaves.sh",
+        &format!(
+            "sleep 20 </dev/null >/dev/null 2>&1 & echo $! > '{}'; cat >/dev/null; echo 1",
+            pid.display()
+        ),
+    );
+    let v = verifier(&format!("kind = \"command\"\ncommand = [\"{prog}\"]"));
+    assert_eq!(v.score(&batch).unwrap()[0].reward, 1.0);
+    assert!(
+        gone(pid_in(&pid)),
+        "the leftover process outlived the batch"
+    );
+}
+
+#[test]
+fn command_verifier_output_is_capped() {
+    let d = tempfile::tempdir().unwrap();
+    let batch = [sample("p", "c", "r"), sample("p2", "c2", "r2")];
+    for (name, body, stream) in [
+        (
+            "out.sh",
+            "cat >/dev/null; yes 1 | head -n 5000000",
+            "stdout",
+        ),
+        (
+            "err.sh",
+            "cat >/dev/null; yes x | head -n 5000000 >&2; echo 1; echo 1",
+            "stderr",
+        ),
+    ] {
+        let prog = script(d.path(), name, body);
+        let v = verifier(&format!(
+            "kind = \"command\"\ncommand = [\"{prog}\"]\ntimeout_s = 30"
+        ));
+        let started = std::time::Instant::now();
+        let e = v.score(&batch).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("wrote more than 1048576 bytes on {stream}")),
+            "{name}: {e}"
+        );
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(10),
+            "{name}"
+        );
+    }
+}
+
+#[test]
+fn command_verifier_output_is_never_echoed_in_its_errors() {
+    let d = tempfile::tempdir().unwrap();
+    let batch = [sample("p", "c", "r"), sample("p2", "c2", "r2")];
+    let marker = "MARKER-33-7-secret";
+    for body in [
+        format!("cat >/dev/null; echo {marker} >&2; exit 3"),
+        format!("cat >/dev/null; echo 1; echo '{marker}'"),
+        format!("cat >/dev/null; echo 1; echo '{{\"reward\": 1, \"{marker}\": \"x\"}}'"),
+        format!("cat >/dev/null; echo {marker}"),
+    ] {
+        let prog = script(d.path(), &format!("m{}.sh", body.len()), &body);
+        let v = verifier(&format!("kind = \"command\"\ncommand = [\"{prog}\"]"));
+        let e = v.score(&batch).unwrap_err().to_string();
+        assert!(!e.contains("MARKER"), "{body}: {e}");
+    }
 }
 
 #[test]
@@ -224,6 +399,27 @@ fn config_problems_are_named() {
         problems("kind = \"command\"\ncommand = [\"x\"]\ntimeout_s = 0")
             .contains("rl.verifier.timeout_s")
     );
+    for timeout in ["1e300", "inf", "nan", "-1", "86401"] {
+        let p = problems(&format!(
+            "kind = \"command\"\ncommand = [\"x\"]\ntimeout_s = {timeout}"
+        ));
+        assert!(p.starts_with("rl.verifier.timeout_s: "), "{timeout}: {p}");
+    }
+    assert!(problems("kind = \"command\"\ncommand = [\"x\"]\ntimeout_s = 86400").is_empty());
+    for name in [
+        "ACCRUE_ADMIN_TOKEN",
+        "accrue_worker_token",
+        "A-B",
+        "1X",
+        "",
+        "A B",
+    ] {
+        let p = problems(&format!(
+            "kind = \"command\"\ncommand = [\"x\"]\nenv = [\"{name}\"]"
+        ));
+        assert!(p.starts_with("rl.verifier.env[0]: "), "{name:?}: {p}");
+    }
+    assert!(problems("kind = \"exact\"\nenv = [\"X\"]").contains("rl.verifier.env: only applies"));
     assert!(toml::from_str::<VerifierSection>("kind = \"fuzzy\"").is_err());
     assert!(toml::from_str::<VerifierSection>("kin = \"exact\"").is_err());
 }

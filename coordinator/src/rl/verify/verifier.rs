@@ -15,6 +15,7 @@ pub struct Verifier {
     pattern: Option<regex::Regex>,
     format: Option<(regex::Regex, f64)>,
     command: Vec<String>,
+    env: Vec<String>,
     timeout_s: f64,
     /// Where a relative `command` program is found (the spec's directory).
     pub base_dir: Option<PathBuf>,
@@ -31,6 +32,7 @@ impl Verifier {
                 None => None,
             },
             command: s.command.clone(),
+            env: s.env.clone(),
             timeout_s: s.timeout_s.unwrap_or(60.0),
             base_dir: None,
         })
@@ -39,12 +41,22 @@ impl Verifier {
     /// Scores a batch, one score per sample in order.
     pub fn score(&self, batch: &[Sample<'_>]) -> Result<Vec<Score>, VerifyError> {
         let mut scores = match self.kind {
-            VerifierKind::Command => command::run(
-                &self.command,
-                self.base_dir.as_deref(),
-                std::time::Duration::from_secs_f64(self.timeout_s),
-                batch,
-            )?,
+            VerifierKind::Command => {
+                // Checked at submit; a stored spec from before the bound
+                // must not panic the scoring thread.
+                let timeout = std::time::Duration::try_from_secs_f64(self.timeout_s)
+                    .map_err(|e| VerifyError::Config(format!("timeout_s: {e}")))?;
+                let inv = command::Invocation {
+                    argv: &self.command,
+                    env: &self.env,
+                    base_dir: self.base_dir.as_deref(),
+                    timeout,
+                };
+                command::run(&inv, batch).map_err(|error| VerifyError::Command {
+                    program: self.command.first().cloned().unwrap_or_default(),
+                    error,
+                })?
+            }
             _ => batch.iter().map(|s| self.builtin(s)).collect(),
         };
         if let Some((re, w)) = &self.format {
