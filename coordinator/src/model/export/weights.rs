@@ -168,9 +168,26 @@ fn weight_files(ckpt: &Path) -> Result<Vec<PathBuf>, ExportError> {
     let mut files: Vec<String> = map
         .values()
         .map(|f| {
-            f.as_str()
-                .map(str::to_string)
-                .ok_or_else(|| bad(&index, "a weight_map value is not a file name"))
+            let name = f
+                .as_str()
+                .ok_or_else(|| bad(&index, "a weight_map value is not a file name"))?;
+            // A file of this checkpoint, never a path out of it (issue 33:
+            // `../../etc/x` or `/abs` would be read, and its bytes exported).
+            let plain = std::path::Path::new(name)
+                .components()
+                .all(|c| matches!(c, std::path::Component::Normal(_)))
+                && !name.is_empty()
+                && !name.contains('/')
+                && !name.contains('\\');
+            if !plain || !name.ends_with(".safetensors") {
+                return Err(bad(
+                    &index,
+                    format!(
+                        "weight_map names {name:?}, not a .safetensors file of this checkpoint"
+                    ),
+                ));
+            }
+            Ok(name.to_string())
         })
         .collect::<Result<_, _>>()?;
     files.sort();
@@ -404,6 +421,40 @@ mod tests {
         }
         std::fs::write(dir.join("optimizer.safetensors"), b"not exported").unwrap();
         std::fs::write(dir.join("tokenizer.json"), b"{}").unwrap();
+    }
+
+    /// Issue 33 (11): `accrue export` trusted the index's file names; one
+    /// naming a path out of the checkpoint is refused, naming it.
+    #[test]
+    fn an_index_naming_files_outside_the_checkpoint_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        std::fs::write(tmp.path().join("secret.safetensors"), b"x").unwrap();
+        let ck = tmp.path().join("ck");
+        std::fs::create_dir(&ck).unwrap();
+        for name in [
+            "../secret.safetensors",
+            "/etc/passwd",
+            "sub/x.safetensors",
+            "notes.txt",
+            "",
+        ] {
+            std::fs::write(
+                ck.join("model.safetensors.index.json"),
+                json!({"metadata": {}, "weight_map": {"a.weight": name}}).to_string(),
+            )
+            .unwrap();
+            let e = weight_files(&ck).unwrap_err().to_string();
+            assert!(e.contains("weight_map names"), "{name}: {e}");
+        }
+        std::fs::write(
+            ck.join("model.safetensors.index.json"),
+            json!({"metadata": {}, "weight_map": {"a.weight": "model-1.safetensors"}}).to_string(),
+        )
+        .unwrap();
+        assert_eq!(
+            weight_files(&ck).unwrap(),
+            vec![ck.join("model-1.safetensors")]
+        );
     }
 
     #[test]
