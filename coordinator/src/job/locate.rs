@@ -188,8 +188,14 @@ pub fn model_snapshot(id: &str, what: &'static str) -> Result<PathBuf, LocateErr
         looked.push(root.clone());
         let snaps = root.join("snapshots");
         if let Ok(rev) = std::fs::read_to_string(root.join("refs/main")) {
-            let s = snaps.join(rev.trim());
-            if s.is_dir() {
+            // A revision names a snapshot of this repository, never a path
+            // (issue 33: `../../models--other/snapshots/x` was joined as is).
+            let rev = rev.trim();
+            let one_name = std::path::Path::new(rev)
+                .components()
+                .eq([std::path::Component::Normal(rev.as_ref())]);
+            let s = snaps.join(rev);
+            if one_name && s.is_dir() {
                 return Ok(s);
             }
         }
@@ -279,6 +285,18 @@ mod tests {
         std::env::set_var("HF_HUB_CACHE", d.path().join("hub"));
         let got = model_snapshot("org/tiny", "model.init").unwrap();
         assert_eq!(got, repo.join("snapshots/abc123"));
+        // A `refs/main` that is a path out of its repository is not
+        // followed: the repository's only snapshot is taken instead.
+        let evil = d.path().join("hub/models--org--evil");
+        std::fs::create_dir_all(evil.join("snapshots/def456")).unwrap();
+        std::fs::create_dir_all(evil.join("refs")).unwrap();
+        std::fs::write(
+            evil.join("refs/main"),
+            "../../models--org--tiny/snapshots/abc123\n",
+        )
+        .unwrap();
+        let got = model_snapshot("org/evil", "model.init").unwrap();
+        assert_eq!(got, evil.join("snapshots/def456"));
         let e = model_snapshot("org/absent", "data.tokenizer").unwrap_err();
         let msg = e.to_string();
         assert!(msg.starts_with("data.tokenizer \"org/absent\" is not a path, and no Hugging Face cache holds it: looked in "), "{msg}");
