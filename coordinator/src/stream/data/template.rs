@@ -59,6 +59,12 @@ pub struct ChatTemplate {
     unk_token: Option<String>,
 }
 
+/// Instructions one render may run (issue 33): a chat template comes with
+/// the model, from the Hub, and one that loops for ever would hang
+/// admission. Real templates use thousands per message; this stops a
+/// runaway one within about a second.
+pub const TEMPLATE_FUEL: u64 = 20_000_000;
+
 /// The special tokens the data stream appends itself.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Specials {
@@ -66,9 +72,11 @@ pub struct Specials {
 }
 
 impl ChatTemplate {
-    /// Compiles `text` with HF's Jinja settings.
+    /// Compiles `text` with HF's Jinja settings, each render bounded by
+    /// [`TEMPLATE_FUEL`].
     pub fn new(text: &str, source: impl Into<String>) -> Result<Self, String> {
         let mut env = Environment::new();
+        env.set_fuel(Some(TEMPLATE_FUEL));
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
@@ -284,6 +292,27 @@ mod tests {
         );
         let gen = t.render(&msgs()[..2], None, true).unwrap();
         assert!(out.starts_with(&gen), "{gen:?}");
+    }
+
+    /// Issue 33 (11): chat templates ran without a fuel limit; one that
+    /// loops (here 10^8 iterations) hung admission. It now fails, naming
+    /// its source, within a few seconds.
+    #[test]
+    fn a_runaway_template_runs_out_of_fuel() {
+        let text =
+            "{% for a in range(10000) %}{% for b in range(10000) %}{% endfor %}{% endfor %}x";
+        let t = ChatTemplate::new(text, "models--org--loop").unwrap();
+        let started = std::time::Instant::now();
+        let e = t.render(&msgs(), None, false).unwrap_err();
+        assert!(e.contains("models--org--loop"), "{e}");
+        assert!(e.contains("fuel"), "{e}");
+        assert!(started.elapsed() < std::time::Duration::from_secs(20));
+        // A real template's conversation is far from the limit.
+        let long: Vec<Json> = (0..2000)
+            .map(|i| json!({"role": if i % 2 == 0 { "user" } else { "assistant" }, "content": "x"}))
+            .collect();
+        let (builtin, _) = resolve(&Tokenizer::Bytes, None, None).unwrap();
+        assert!(builtin.render(&long, None, false).is_ok());
     }
 
     #[test]
