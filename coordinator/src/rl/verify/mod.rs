@@ -17,6 +17,7 @@
 
 mod builtin;
 pub mod command;
+mod command_error;
 mod process;
 mod sample;
 mod verifier;

@@ -30,7 +30,7 @@ pub enum VerifyError {
     #[error("verifier command {program:?}: {error}")]
     Command {
         program: String,
-        error: super::command::CommandError,
+        error: super::command_error::CommandError,
     },
 }
 
