@@ -47,6 +47,10 @@ pub struct Shared {
     /// never waits for the state lock (at 4,096 workers, ~8,000 a second
     /// each blocked a runtime thread behind planning).
     pub(super) beats: Mutex<Vec<crate::core::Beat>>,
+    /// This coordinator as its jobs' output markers name it.
+    pub(super) holder: crate::shell::output::Holder,
+    /// The markers it keeps true (`markers.rs`).
+    pub(super) markers: Mutex<super::markers::Markers>,
 }
 
 /// Time the state lock was held: in total, how often, and the longest.
@@ -109,7 +113,12 @@ pub fn now_ms() -> i64 {
 }
 
 impl Shared {
-    pub fn new(core: Coordinator, store: Store) -> Arc<Shared> {
+    /// The shared state of the coordinator `holder` names.
+    pub fn new(
+        core: Coordinator,
+        store: Store,
+        holder: crate::shell::output::Holder,
+    ) -> Arc<Shared> {
         let (watch, _) = broadcast::channel(1024);
         Arc::new_cyclic(|me| Shared {
             inner: Mutex::new(Inner {
@@ -129,6 +138,8 @@ impl Shared {
             me: me.clone(),
             held: HeldTime::default(),
             beats: Mutex::new(Vec::new()),
+            holder,
+            markers: Mutex::default(),
         })
     }
 
@@ -306,7 +317,7 @@ pub fn core_status(e: CoreError) -> Status {
         | CoreError::AmbiguousJob { .. }
         | CoreError::RolloutTooLong { .. } => Status::invalid_argument(e.to_string()),
         CoreError::NotQuarantined { .. } => Status::not_found(e.to_string()),
-        CoreError::OutputInUse { .. } => Status::failed_precondition(e.to_string()),
+        CoreError::OutputInUse(_) => Status::failed_precondition(e.to_string()),
     }
 }
 
