@@ -148,7 +148,7 @@ impl Admin for AdminService {
             .check_output_free(&spec.job.name, &dir, output::real_path)
             .map_err(super::shared::core_status)?;
         let now = now_ms();
-        let owner = output::Owner::new(&id, &spec.job.name, &self.shared.holder, now);
+        let owner = output::Owner::new(&id, &spec.job.name, self.shared.markers.holder(), now);
         output::claim(&dir, &owner, now).map_err(|e| Status::failed_precondition(e.to_string()))?;
         self.shared.apply_locked(
             &mut inner,

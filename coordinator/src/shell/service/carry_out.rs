@@ -119,7 +119,8 @@ impl Shared {
                 // at once, not only once its marker goes stale.
                 if written.is_ok() && rec.state.is_terminal() {
                     if let Ok(j) = inner.core.job(&job) {
-                        self.release_marker(&job, &j.spec.job.output_dir);
+                        self.markers
+                            .release(&job, &j.spec.job.output_dir, super::now_ms());
                     }
                 }
                 written

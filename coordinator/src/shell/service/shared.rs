@@ -10,6 +10,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::{broadcast, mpsc};
 use tonic::Status;
 
+use super::markers::Markers;
 use super::model_folder::TokenizerWriter;
 use super::push_room::Signals;
 use super::tracking::TensorBoard;
@@ -47,10 +48,8 @@ pub struct Shared {
     /// never waits for the state lock (at 4,096 workers, ~8,000 a second
     /// each blocked a runtime thread behind planning).
     pub(super) beats: Mutex<Vec<crate::core::Beat>>,
-    /// This coordinator as its jobs' output markers name it.
-    pub(super) holder: crate::shell::output::Holder,
-    /// The markers it keeps true (`markers.rs`).
-    pub(super) markers: Mutex<super::markers::Markers>,
+    /// The output markers of its jobs, which it keeps true.
+    pub(super) markers: Markers,
 }
 
 /// Time the state lock was held: in total, how often, and the longest.
@@ -138,9 +137,31 @@ impl Shared {
             me: me.clone(),
             held: HeldTime::default(),
             beats: Mutex::new(Vec::new()),
-            holder,
-            markers: Mutex::default(),
+            markers: Markers::new(holder),
         })
+    }
+
+    /// Rewrites the output markers of the live jobs with `now_ms` as
+    /// their liveness: the jobs are read under the state lock, the files
+    /// written after it is released.
+    pub fn refresh_markers(&self, now_ms: i64) {
+        let holder = self.markers.holder();
+        let live: Vec<_> = {
+            let inner = self.lock();
+            inner
+                .core
+                .jobs()
+                .filter(|j| !j.rec.state.is_terminal())
+                .map(|j| {
+                    let owner = crate::shell::output::Owner {
+                        submitted_unix_ms: j.rec.submitted_unix_ms,
+                        ..crate::shell::output::Owner::new(&j.rec.id, &j.rec.name, holder, now_ms)
+                    };
+                    (owner, j.spec.job.output_dir.clone())
+                })
+                .collect()
+        };
+        self.markers.refresh(&live, now_ms);
     }
 
     /// The Prometheus text exposition (scrape-time gauges refreshed).
