@@ -36,14 +36,10 @@ pub enum CoreError {
         tokens: u64,
         max_tokens: u32,
     },
-    /// Two live jobs would write the same checkpoints and metrics.
-    #[error("job.output_dir {dir} belongs to job {owner} ({name}), which is {state}: give this job another output_dir, or cancel {owner} first")]
-    OutputInUse {
-        dir: std::path::PathBuf,
-        owner: String,
-        name: String,
-        state: String,
-    },
+    /// Two live jobs would mix their checkpoints and metrics (and one's
+    /// pruning delete the other's files).
+    #[error("{0}")]
+    OutputInUse(Box<OutputOverlap>),
     /// A job named by a name or id prefix that fits several.
     #[error("{arg:?} names {} jobs ({}): give the id or a longer prefix", .candidates.len(), .candidates.join(", "))]
     AmbiguousJob {
@@ -74,3 +70,19 @@ impl CoreError {
 }
 
 pub type Result<T> = std::result::Result<T, CoreError>;
+
+/// A job's output directory that is, lies inside or contains a live job's,
+/// wherever links and `..` lead.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("job.output_dir {} of job {job:?} is {nesting} {}, the output_dir of job {owner} ({name}), which is {state}: give this job another output_dir, or cancel {owner} first", .dir.display(), .owner_dir.display())]
+pub struct OutputOverlap {
+    /// The name of the job asking.
+    pub job: String,
+    pub dir: std::path::PathBuf,
+    pub nesting: super::types::Nesting,
+    pub owner_dir: std::path::PathBuf,
+    /// The live job's id.
+    pub owner: String,
+    pub name: String,
+    pub state: String,
+}

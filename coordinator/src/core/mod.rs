@@ -70,7 +70,7 @@ pub(crate) mod workers;
 mod tests;
 
 pub use effects::{Effect, Effects, Persist, ToWorker, WatchItem};
-pub use error::{CoreError, Result};
+pub use error::{CoreError, OutputOverlap, Result};
 pub use eval::EvalMetrics;
 pub use events::{Beat, Event, JobStart, RankResult};
 pub use generation::{Generation, GeneratorSet};
@@ -85,6 +85,6 @@ pub use reference::{RefEntry, ReferenceLogps, SeqLogp};
 pub use step::PlannedStep;
 pub use types::{
     AbortReason, CheckpointEntry, CommittedStep, End, EventKind, HeldState, JobId, JobState,
-    PlanKind, Quarantined, Role, WeightRing, Why, WorkerErrorKind, WorkerId,
+    Nesting, PlanKind, Quarantined, Role, WeightRing, Why, WorkerErrorKind, WorkerId,
 };
 pub use workers::{Registration, Worker, WorkerState};

@@ -5,7 +5,7 @@
 use tracing::info;
 
 use super::effects::Effects;
-use super::error::{CoreError, Result};
+use super::error::{CoreError, OutputOverlap, Result};
 use super::events::{JobStart, Restored, Submission};
 use super::job::Job;
 use super::job_data::JobData;
@@ -13,12 +13,15 @@ use super::machine::Coordinator;
 use super::phase::Phase;
 use super::planner;
 use super::record::JobRecord;
-use super::types::{CheckpointEntry, JobId, JobState, PlanKind};
+use super::types::{CheckpointEntry, JobId, JobState, Nesting, PlanKind};
 use crate::job::spec::JobSpec;
 use crate::stream::doc::Document;
 
 impl Coordinator {
-    /// Admits a new job (its record persisted before anything else).
+    /// Admits a new job (its record persisted before anything else). Its
+    /// output directory was checked by the shell
+    /// ([`Coordinator::check_output_free`], under the same lock): only it
+    /// can tell where a directory really is.
     pub(crate) fn submit(&mut self, s: Submission, now_ms: i64, fx: &mut Effects) -> Result<()> {
         let Submission {
             id,
@@ -30,7 +33,6 @@ impl Coordinator {
         if self.jobs.contains_key(&id) {
             return Err(CoreError::DuplicateJob(id));
         }
-        self.check_output_free(&spec.job.output_dir)?;
         let rec = new_record(&id, &spec, spec_toml, &docs, start, now_ms);
         info!(job = %id, name = %rec.name, docs = docs.len(), "job submitted");
         let data = JobData::new(&id, &spec, docs, None, rec.step);
@@ -117,21 +119,33 @@ impl Coordinator {
             .find(|j| !j.rec.state.is_terminal() && j.rec.name == name)
     }
 
-    /// Refuses an output directory a live job writes to.
-    pub fn check_output_free(&self, dir: &std::path::Path) -> Result<()> {
-        let owner = self
-            .jobs
-            .values()
-            .find(|j| !j.rec.state.is_terminal() && j.spec.job.output_dir == dir);
-        match owner {
-            Some(j) => Err(CoreError::OutputInUse {
-                dir: dir.to_path_buf(),
-                owner: j.rec.id.clone(),
-                name: j.rec.name.clone(),
-                state: j.rec.state.name().to_string(),
-            }),
-            None => Ok(()),
+    /// Refuses `dir` for job `name` when it is, lies inside or contains
+    /// the output directory of a live job. Directories are compared by
+    /// where they really are: `real` resolves a path (the shell's
+    /// canonicalizes; links and `..` count), so `runs/x/../a` or a link to
+    /// `runs/a` is `runs/a`.
+    pub fn check_output_free(
+        &self,
+        name: &str,
+        dir: &std::path::Path,
+        real: impl Fn(&std::path::Path) -> std::path::PathBuf,
+    ) -> Result<()> {
+        let wanted = real(dir);
+        for j in self.jobs().filter(|j| !j.rec.state.is_terminal()) {
+            let held = &j.spec.job.output_dir;
+            if let Some(nesting) = Nesting::of(&wanted, &real(held)) {
+                return Err(CoreError::OutputInUse(Box::new(OutputOverlap {
+                    job: name.to_string(),
+                    dir: dir.to_path_buf(),
+                    nesting,
+                    owner_dir: held.clone(),
+                    owner: j.rec.id.clone(),
+                    name: j.rec.name.clone(),
+                    state: j.rec.state.name().to_string(),
+                })));
+            }
         }
+        Ok(())
     }
 
     /// The step at whose boundary a triggered checkpoint lands.

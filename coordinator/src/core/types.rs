@@ -318,3 +318,38 @@ impl End {
         }
     }
 }
+
+/// How one output directory lies relative to another (a submit's to a
+/// live job's): any of them means the two jobs' files would mix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Nesting {
+    Same,
+    Inside,
+    Contains,
+}
+
+impl Nesting {
+    /// How `dir` lies relative to `other`, compared by whole components
+    /// (`runs/ab` is not inside `runs/a`); `None` when they are apart.
+    pub fn of(dir: &std::path::Path, other: &std::path::Path) -> Option<Nesting> {
+        if dir == other {
+            Some(Nesting::Same)
+        } else if dir.starts_with(other) {
+            Some(Nesting::Inside)
+        } else if other.starts_with(dir) {
+            Some(Nesting::Contains)
+        } else {
+            None
+        }
+    }
+}
+
+impl fmt::Display for Nesting {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Nesting::Same => "the same directory as",
+            Nesting::Inside => "inside",
+            Nesting::Contains => "a parent of",
+        })
+    }
+}

@@ -9,6 +9,7 @@
 //! Entries are expanded once, at submit, and the job keeps the file list,
 //! so a document's `file` index means the same file after a restart.
 
+use std::collections::hash_map::{Entry, HashMap};
 use std::path::{Path, PathBuf};
 
 /// The environment variable naming the cache directory.
@@ -57,8 +58,7 @@ pub enum LocateError {
 pub fn expand(entry: &Path, split: &str) -> Result<Vec<PathBuf>, LocateError> {
     let text = entry.to_string_lossy();
     if entry.is_dir() {
-        let mut all = Vec::new();
-        walk(entry, &mut all);
+        let mut all = walk(entry);
         all.sort();
         let named: Vec<&PathBuf> = all
             .iter()
@@ -101,20 +101,111 @@ pub fn expand(entry: &Path, split: &str) -> Result<Vec<PathBuf>, LocateError> {
     Ok(files)
 }
 
-fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for e in entries.flatten() {
-        let p = e.path();
-        let name = e.file_name().to_string_lossy().into_owned();
-        if name.starts_with('.') {
+/// A file's identity, however it is reached: (device, inode).
+type FileId = (u64, u64);
+
+fn file_id(meta: &std::fs::Metadata) -> FileId {
+    use std::os::unix::fs::MetadataExt as _;
+    (meta.dev(), meta.ino())
+}
+
+/// Every dataset file under `root`, each once (issue 33, finding 9).
+/// Links are followed, but every directory is read once, by identity: the
+/// tree as it is first, then the directories links name (in order, each
+/// one skipped when already read: a `latest -> v2` beside `v2`, a link to
+/// a parent, which once read the same files again and again). A file
+/// reached under two names counts once, under its name in the tree as it
+/// is when it has one (a name that stays when a link is moved), else the
+/// first in order. Every second name is logged: nothing is read twice,
+/// and nothing silently left out.
+fn walk(root: &Path) -> Vec<PathBuf> {
+    let mut w = Walk::default();
+    if let Ok(meta) = std::fs::metadata(root) {
+        w.dirs.insert(file_id(&meta), root.to_path_buf());
+    }
+    w.read(root, false);
+    let mut next = 0;
+    while let Some(link) = w.links.get(next).cloned() {
+        next += 1;
+        let Ok(meta) = std::fs::metadata(&link) else {
+            continue;
+        };
+        if let Some(first) = w.dirs.get(&file_id(&meta)) {
+            tracing::warn!(link = %link.display(), dir = %first.display(), "data: a link names a directory already read; its files count once");
             continue;
         }
-        if p.is_dir() {
-            walk(&p, out);
-        } else if SUFFIXES.iter().any(|s| name.ends_with(s)) {
-            out.push(p);
+        w.dirs.insert(file_id(&meta), link.clone());
+        w.read(&link, true);
+    }
+    // The tree's own names first, then by name; the first of an identity
+    // is kept.
+    w.found
+        .sort_by(|a, b| (a.linked, &a.path).cmp(&(b.linked, &b.path)));
+    let mut kept: HashMap<FileId, PathBuf> = HashMap::new();
+    let mut out = Vec::new();
+    for f in w.found {
+        if let Some(first) = kept.get(&f.id) {
+            tracing::warn!(file = %f.path.display(), same_as = %first.display(), "data: a file reached under a second name counts once");
+            continue;
+        }
+        kept.insert(f.id, f.path.clone());
+        out.push(f.path);
+    }
+    out
+}
+
+/// A dataset file a walk found.
+struct Found {
+    path: PathBuf,
+    id: FileId,
+    /// Reached through a link (to it, or to a directory above it).
+    linked: bool,
+}
+
+/// A walk under way: the directories read (by identity, with the name
+/// each was read under), the links to directories still to read, and the
+/// files found.
+#[derive(Default)]
+struct Walk {
+    dirs: HashMap<FileId, PathBuf>,
+    links: Vec<PathBuf>,
+    found: Vec<Found>,
+}
+
+impl Walk {
+    /// Reads `dir` and the directories in it (not those behind links:
+    /// they wait in `links`), in name order.
+    fn read(&mut self, dir: &Path, linked: bool) {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        let mut entries: Vec<_> = entries.flatten().collect();
+        entries.sort_by_key(|e| e.file_name());
+        for e in entries {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.starts_with('.') {
+                continue;
+            }
+            let p = e.path();
+            let is_link = e.file_type().is_ok_and(|t| t.is_symlink());
+            // Follows a link; a dangling one is nothing.
+            let Ok(meta) = std::fs::metadata(&p) else {
+                continue;
+            };
+            if meta.is_dir() {
+                if is_link {
+                    self.links.push(p);
+                } else if let Entry::Vacant(v) = self.dirs.entry(file_id(&meta)) {
+                    v.insert(p.clone());
+                    self.read(&p, linked);
+                }
+            } else if SUFFIXES.iter().any(|s| name.ends_with(s)) {
+                self.found.push(Found {
+                    path: p,
+                    id: file_id(&meta),
+                    linked: linked || is_link,
+                });
+            }
         }
     }
 }
@@ -268,6 +359,37 @@ mod tests {
         assert_eq!(g.len(), 3);
         let e = expand(&r.join("data/*.csv"), "train").unwrap_err();
         assert!(e.to_string().contains("matches no dataset file"), "{e}");
+    }
+
+    /// Issue 33 (9): a directory reached twice (`latest -> v2`), a link to
+    /// its own parent and a file linked under a second name: the walk
+    /// ends, and lists each file once, by its real path.
+    #[test]
+    fn a_linked_directory_or_file_is_listed_once_and_a_link_cycle_ends() {
+        let d = tempfile::tempdir().unwrap();
+        let r = d.path();
+        touch(&r.join("v1/a.jsonl"));
+        touch(&r.join("v2/b.jsonl"));
+        std::os::unix::fs::symlink("v2", r.join("latest")).unwrap();
+        std::os::unix::fs::symlink(".", r.join("loop")).unwrap();
+        std::os::unix::fs::symlink("..", r.join("v1/up")).unwrap();
+        std::os::unix::fs::symlink("v1/a.jsonl", r.join("alias.jsonl")).unwrap();
+        assert_eq!(
+            expand(r, "train").unwrap(),
+            vec![r.join("v1/a.jsonl"), r.join("v2/b.jsonl")]
+        );
+        // A link to a directory outside the entry is read like one inside.
+        let outside = tempfile::tempdir().unwrap();
+        touch(&outside.path().join("c.jsonl"));
+        std::os::unix::fs::symlink(outside.path(), r.join("more")).unwrap();
+        assert_eq!(
+            expand(r, "train").unwrap(),
+            vec![
+                r.join("more/c.jsonl"),
+                r.join("v1/a.jsonl"),
+                r.join("v2/b.jsonl")
+            ]
+        );
     }
 
     #[test]

@@ -156,18 +156,12 @@ impl JobSpec {
     /// files only.
     pub fn expand_entries(&mut self) -> Vec<SpecProblem> {
         let mut p = Vec::new();
-        // In data.train a directory is read only when written with a
-        // trailing '/' (a directory named where a file was meant is an
-        // error); a source's entries may always be directories.
-        let mut expand_list = |list: &mut Vec<PathBuf>, field: &str, split: &str, dirs: bool| {
+        // A directory is read whether or not a '/' ends its name (issue
+        // 33: `["ds"]` was refused as "not a file" while `["ds/"]` was
+        // read); a file stays itself.
+        let mut expand_list = |list: &mut Vec<PathBuf>, field: &str, split: &str| {
             let mut out = Vec::new();
             for (i, e) in list.iter().enumerate() {
-                let text = e.to_string_lossy();
-                let wanted = dirs || text.ends_with('/') || text.contains(['*', '?', '[']);
-                if !wanted {
-                    out.push(e.clone());
-                    continue;
-                }
                 match locate::expand(e, split) {
                     Ok(files) => out.extend(files),
                     Err(err) => p.push(SpecProblem::new(format!("{field}[{i}]"), err.to_string())),
@@ -175,12 +169,12 @@ impl JobSpec {
             }
             *list = out;
         };
-        expand_list(&mut self.data.train, "data.train", "train", false);
+        expand_list(&mut self.data.train, "data.train", "train");
         let mut expand_sources = |specs: &mut Vec<SourceSpec>, field: &str, split: &str| {
             for (i, s) in specs.iter_mut().enumerate() {
                 let split = s.split.clone().unwrap_or_else(|| split.to_string());
                 let mut list: Vec<PathBuf> = s.entries().cloned().collect();
-                expand_list(&mut list, &format!("{field}[{i}].paths"), &split, true);
+                expand_list(&mut list, &format!("{field}[{i}].paths"), &split);
                 if s.name.is_none() {
                     s.name = Some(sources::name_of(s, i));
                 }
@@ -565,9 +559,11 @@ loss_chunk_tokens = 512
         );
     }
 
-    /// Issue 14 item 10: a directory as a named file was "file not found".
+    /// Issue 14 item 10: a directory as a named file was "file not found";
+    /// since issue 33 a directory is read, and one holding no dataset file
+    /// says so.
     #[test]
-    fn a_directory_as_a_file_says_what_it_is() {
+    fn a_directory_without_dataset_files_says_what_it_is() {
         let (d, base) = fixture();
         std::fs::create_dir(d.path().join("dir.jsonl")).unwrap();
         let problems =
@@ -575,10 +571,36 @@ loss_chunk_tokens = 512
         assert_eq!(
             problems[0].to_string(),
             format!(
-                "data.train[0]: not a file: {} is a directory",
+                "data.train[0]: directory {} holds no dataset file (*.jsonl, *.json, *.gz, *.parquet) of split \"train\"",
                 base.join("dir.jsonl").display()
             )
         );
+    }
+
+    /// Issue 33 (9): `data.train = ["ds"]` was refused as "not a file"
+    /// while `["ds/"]` was read; the README promises directories. Both
+    /// read the same files, each once (a `latest` link to a version read
+    /// beside it does not read it twice).
+    #[test]
+    fn a_data_directory_with_or_without_a_trailing_slash_reads_the_same_files() {
+        let (d, base) = fixture();
+        for f in ["ds/v1/a.jsonl", "ds/v2/b.jsonl"] {
+            std::fs::create_dir_all(d.path().join(f).parent().unwrap()).unwrap();
+            std::fs::write(d.path().join(f), "").unwrap();
+        }
+        std::os::unix::fs::symlink("v2", d.path().join("ds/latest")).unwrap();
+        let train = |entry: &str| {
+            JobSpec::parse(
+                &GOOD.replace("\"train.jsonl\"", &format!("\"{entry}\"")),
+                &base,
+            )
+            .unwrap()
+            .data
+            .train
+        };
+        let files = vec![base.join("ds/v1/a.jsonl"), base.join("ds/v2/b.jsonl")];
+        assert_eq!(train("ds/"), files);
+        assert_eq!(train("ds"), files);
     }
 
     #[test]

@@ -22,6 +22,10 @@ async fn a_history_request_holds_the_state_lock_only_to_copy() {
     let shared = Shared::new(
         Coordinator::new(CoordinatorOptions::default()),
         store.clone(),
+        crate::shell::output::Holder {
+            id: "c".into(),
+            state_dir: dir.path().into(),
+        },
     );
     let spec: crate::job::spec::JobSpec = toml::from_str(&format!(
         "[job]\nname = \"t\"\nsteps = 1000\noutput_dir = \"{}\"\n\

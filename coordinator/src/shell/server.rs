@@ -169,7 +169,13 @@ impl Server {
         if let Some(warning) = exposed.and_then(crate::shell::http::exposure_warning) {
             tracing::warn!("{warning}");
         }
-        let shared = Shared::new(core, store);
+        // The id its jobs' output markers name (state_dir shown absolute).
+        let holder = crate::shell::output::Holder {
+            id: store.coordinator_id()?,
+            state_dir: std::fs::canonicalize(&config.state_dir)
+                .unwrap_or_else(|_| config.state_dir.clone()),
+        };
+        let shared = Shared::new(core, store, holder);
         for (id, s) in scorers {
             shared.install_scorer(&id, s);
         }
@@ -241,6 +247,7 @@ impl Server {
                 }
             }
         });
+        let markers = tokio::spawn(keep_markers(self.shared.clone(), shutdown.clone()));
         if let Some(l) = self.metrics {
             tokio::spawn(crate::shell::http::serve(
                 l,
@@ -291,9 +298,32 @@ impl Server {
             }
         }
         ticker.abort();
+        markers.abort();
         let jobs = self.shared.lock().core.jobs().count();
         info!(jobs, state_dir = %self.config.state_dir.display(), "coordinator stopped; state is on disk");
         Ok(())
+    }
+}
+
+/// Keeps the output markers of the live jobs fresh (and so this
+/// coordinator's claim on their directories) until `stop`; the first pass
+/// runs at once, for the jobs just restored.
+async fn keep_markers(shared: Arc<Shared>, stop: CancellationToken) {
+    let every = Duration::from_millis(crate::shell::output::REFRESH_MS as u64);
+    let mut interval = tokio::time::interval(every);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = interval.tick() => {
+                // File writes, and the state lock: off the runtime.
+                let shared = shared.clone();
+                let now = crate::shell::service::now_ms();
+                if let Err(e) = tokio::task::spawn_blocking(move || shared.refresh_markers(now)).await {
+                    error!(%e, "the output markers' thread failed");
+                }
+            }
+        }
     }
 }
 

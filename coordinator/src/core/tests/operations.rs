@@ -1,6 +1,7 @@
 //! Operations: max_tokens at run time, the checkpoint index, resolving a job by name or prefix.
 
 use super::*;
+use std::path::Path;
 
 /// Regression (issue 13): after `accrue set --max-tokens` the workers
 /// still computed padding against the submitted value, because a plan did
@@ -194,4 +195,48 @@ fn jobs_resolve_by_id_name_or_unique_prefix() {
         s.c.resolve_job("dpo"),
         Err(CoreError::AmbiguousJob { .. })
     ));
+}
+
+/// Issue 33 (8): output directories were compared by spelling; a nested
+/// one, or another name for the same, passed while the first was live
+/// (and checkpoint pruning could then delete the other job's files).
+/// Compared by where they really are (the resolver is the shell's; here
+/// `/link` leads to `/o/a`), each is refused naming the live job and both
+/// directories; an ended job's directory, or a sibling, is free.
+#[test]
+fn an_output_dir_nested_in_or_resolving_to_a_live_jobs_is_refused() {
+    let mut s = Sim::new();
+    let mut sp = spec("steps = 2", "docs_per_step = 4", 1, 1);
+    sp.job.output_dir = "/o/a".into();
+    s.submit(sp, docs(10));
+    let real = |p: &Path| -> PathBuf {
+        match p.strip_prefix("/link") {
+            Ok(rest) => Path::new("/o/a").join(rest),
+            Err(_) => p.to_path_buf(),
+        }
+    };
+    for (dir, nesting) in [
+        ("/o/a", Nesting::Same),
+        ("/link", Nesting::Same),
+        ("/o/a/checkpoints", Nesting::Inside),
+        ("/link/x", Nesting::Inside),
+        ("/o", Nesting::Contains),
+    ] {
+        let e =
+            s.c.check_output_free("second", Path::new(dir), real)
+                .unwrap_err();
+        let CoreError::OutputInUse(ref o) = e else {
+            panic!("{dir}: {e}");
+        };
+        let (got, owner, owner_dir) = (o.nesting, &o.owner, &o.owner_dir);
+        assert_eq!((got, owner.as_str()), (nesting, "job"), "{dir}");
+        assert_eq!(owner_dir, Path::new("/o/a"));
+        let msg = e.to_string();
+        assert!(msg.contains(dir) && msg.contains("\"second\""), "{msg}");
+    }
+    s.c.check_output_free("second", Path::new("/o/ab"), real)
+        .unwrap();
+    s.handle(Event::CancelJob { job: "job".into() }).unwrap();
+    s.c.check_output_free("second", Path::new("/o/a/checkpoints"), real)
+        .unwrap();
 }

@@ -14,7 +14,7 @@ use crate::core::{Event, JobStart};
 use crate::job::section::SpecProblem;
 use crate::job::settings::JobUpdate;
 use crate::job::spec::JobSpec;
-use crate::shell::admission;
+use crate::shell::{admission, output};
 use crate::stream::doc::DocId;
 
 pub struct AdminService {
@@ -139,22 +139,17 @@ impl Admin for AdminService {
             return Ok(Response::new(existing));
         }
         // The output directory is claimed (and proven writable) before the
-        // job exists; a live job already writing there is refused.
+        // job exists; one a live job writes to, here or on another
+        // coordinator, is refused (by where it really is: links and `..`
+        // followed, nesting counted).
         let dir = spec.job.output_dir.clone();
         inner
             .core
-            .check_output_free(&dir)
+            .check_output_free(&spec.job.name, &dir, output::real_path)
             .map_err(super::shared::core_status)?;
-        let owner = crate::shell::output::Owner {
-            job: id.clone(),
-            name: spec.job.name.clone(),
-            submitted_unix_ms: now_ms(),
-        };
-        if let Some(previous) = crate::shell::output::owner(&dir) {
-            tracing::info!(job = %id, previous = %previous.job, dir = %dir.display(), "output_dir taken over from an ended or unknown job");
-        }
-        crate::shell::output::claim(&dir, &owner)
-            .map_err(|e| Status::failed_precondition(e.to_string()))?;
+        let now = now_ms();
+        let owner = output::Owner::new(&id, &spec.job.name, self.shared.markers.holder(), now);
+        output::claim(&dir, &owner, now).map_err(|e| Status::failed_precondition(e.to_string()))?;
         self.shared.apply_locked(
             &mut inner,
             Event::SubmitJob {

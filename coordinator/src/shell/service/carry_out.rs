@@ -111,10 +111,19 @@ impl Shared {
             Persist::Job(rec) => {
                 // A state change may end a waiting push (cancelled job).
                 self.rollouts.wake();
-                inner
+                let written = inner
                     .store
                     .put_job(&rec)
-                    .map_err(|e| format!("persisting job {job}: {e}"))
+                    .map_err(|e| format!("persisting job {job}: {e}"));
+                // An ended job's directory is free to another coordinator
+                // at once, not only once its marker goes stale.
+                if written.is_ok() && rec.state.is_terminal() {
+                    if let Ok(j) = inner.core.job(&job) {
+                        self.markers
+                            .release(&job, &j.spec.job.output_dir, super::now_ms());
+                    }
+                }
+                written
             }
             Persist::Step {
                 rec,

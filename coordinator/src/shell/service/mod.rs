@@ -8,6 +8,7 @@ mod carry_out;
 pub mod convert;
 mod engine;
 mod generate;
+mod markers;
 mod model_folder;
 mod push_room;
 mod rollouts;

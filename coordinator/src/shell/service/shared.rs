@@ -10,6 +10,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::{broadcast, mpsc};
 use tonic::Status;
 
+use super::markers::Markers;
 use super::model_folder::TokenizerWriter;
 use super::push_room::Signals;
 use super::tracking::TensorBoard;
@@ -47,6 +48,8 @@ pub struct Shared {
     /// never waits for the state lock (at 4,096 workers, ~8,000 a second
     /// each blocked a runtime thread behind planning).
     pub(super) beats: Mutex<Vec<crate::core::Beat>>,
+    /// The output markers of its jobs, which it keeps true.
+    pub(super) markers: Markers,
 }
 
 /// Time the state lock was held: in total, how often, and the longest.
@@ -109,7 +112,12 @@ pub fn now_ms() -> i64 {
 }
 
 impl Shared {
-    pub fn new(core: Coordinator, store: Store) -> Arc<Shared> {
+    /// The shared state of the coordinator `holder` names.
+    pub fn new(
+        core: Coordinator,
+        store: Store,
+        holder: crate::shell::output::Holder,
+    ) -> Arc<Shared> {
         let (watch, _) = broadcast::channel(1024);
         Arc::new_cyclic(|me| Shared {
             inner: Mutex::new(Inner {
@@ -129,7 +137,31 @@ impl Shared {
             me: me.clone(),
             held: HeldTime::default(),
             beats: Mutex::new(Vec::new()),
+            markers: Markers::new(holder),
         })
+    }
+
+    /// Rewrites the output markers of the live jobs with `now_ms` as
+    /// their liveness: the jobs are read under the state lock, the files
+    /// written after it is released.
+    pub fn refresh_markers(&self, now_ms: i64) {
+        let holder = self.markers.holder();
+        let live: Vec<_> = {
+            let inner = self.lock();
+            inner
+                .core
+                .jobs()
+                .filter(|j| !j.rec.state.is_terminal())
+                .map(|j| {
+                    let owner = crate::shell::output::Owner {
+                        submitted_unix_ms: j.rec.submitted_unix_ms,
+                        ..crate::shell::output::Owner::new(&j.rec.id, &j.rec.name, holder, now_ms)
+                    };
+                    (owner, j.spec.job.output_dir.clone())
+                })
+                .collect()
+        };
+        self.markers.refresh(&live, now_ms);
     }
 
     /// The Prometheus text exposition (scrape-time gauges refreshed).
@@ -306,7 +338,7 @@ pub fn core_status(e: CoreError) -> Status {
         | CoreError::AmbiguousJob { .. }
         | CoreError::RolloutTooLong { .. } => Status::invalid_argument(e.to_string()),
         CoreError::NotQuarantined { .. } => Status::not_found(e.to_string()),
-        CoreError::OutputInUse { .. } => Status::failed_precondition(e.to_string()),
+        CoreError::OutputInUse(_) => Status::failed_precondition(e.to_string()),
     }
 }
 

@@ -43,6 +43,10 @@ fn a_failed_persist_sends_nothing_it_guarded() {
     let shared = Shared::new(
         Coordinator::new(CoordinatorOptions::default()),
         store.clone(),
+        crate::shell::output::Holder {
+            id: "c".into(),
+            state_dir: dir.path().into(),
+        },
     );
     shared
         .apply(Event::RegisterWorker {

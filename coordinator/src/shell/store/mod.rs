@@ -45,6 +45,10 @@ const REFERENCE_TOKENS: TableDefinition<(&str, u32, u64), &[u8]> =
 const ROLLOUTS: TableDefinition<(&str, u64), &[u8]> = TableDefinition::new("rollouts");
 /// Key: job id → its stream's `StreamMeta` (JSON).
 const STREAMS: TableDefinition<&str, &[u8]> = TableDefinition::new("streams");
+/// Facts about the coordinator itself; key [`COORDINATOR_ID`].
+const META: TableDefinition<&str, &str> = TableDefinition::new("meta");
+/// The key of the coordinator's id in [`META`].
+const COORDINATOR_ID: &str = "coordinator_id";
 
 /// Step records a job keeps in redb at least; at twice as many, all but
 /// the newest this many move to a cold file.
@@ -108,6 +112,7 @@ impl Store {
         tx.open_table(REFERENCE_TOKENS)?;
         tx.open_table(ROLLOUTS)?;
         tx.open_table(STREAMS)?;
+        tx.open_table(META)?;
         tx.commit()?;
         Ok(Store {
             db: Arc::new(db),
@@ -318,6 +323,28 @@ impl Store {
     }
 
     /// Every job, in submission order.
+    /// This coordinator's id, generated the first time its state dir is
+    /// used and kept there: the output markers of its jobs name it, so a
+    /// second coordinator on the same volume (another state dir) can tell
+    /// the jobs apart from its own.
+    pub fn coordinator_id(&self) -> Result<String> {
+        let tx = self.begin_write()?;
+        let id = {
+            let mut meta = tx.open_table(META)?;
+            let stored = meta.get(COORDINATOR_ID)?.map(|v| v.value().to_string());
+            match stored {
+                Some(id) => id,
+                None => {
+                    let id = uuid::Uuid::new_v4().to_string();
+                    meta.insert(COORDINATOR_ID, id.as_str())?;
+                    id
+                }
+            }
+        };
+        tx.commit()?;
+        Ok(id)
+    }
+
     pub fn jobs(&self) -> Result<Vec<JobRecord>> {
         let tx = self.db.begin_read()?;
         let table = tx.open_table(JOBS)?;
@@ -528,6 +555,15 @@ mod tests {
             members: Vec::new(),
             quarantine: Vec::new(),
         }
+    }
+
+    /// Issue 33 (8): one id per state dir, kept across restarts.
+    #[test]
+    fn the_coordinator_id_is_made_once_per_state_dir() {
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let id = Store::open(a.path()).unwrap().coordinator_id().unwrap();
+        assert_eq!(id, Store::open(a.path()).unwrap().coordinator_id().unwrap());
+        assert_ne!(id, Store::open(b.path()).unwrap().coordinator_id().unwrap());
     }
 
     #[test]

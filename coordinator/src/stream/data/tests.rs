@@ -608,6 +608,32 @@ fn pretokenized_ids_are_bounded_by_the_models_vocab_not_the_tokenizers() {
     assert_eq!(ds.docs.len(), 1);
 }
 
+/// Issue 33 (9): a dataset directory whose `latest` link names a version
+/// beside it, and which links to itself, loads each document once.
+#[test]
+fn a_directory_reached_twice_through_links_loads_each_document_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = dir.path().join("ds");
+    std::fs::create_dir_all(ds.join("v1")).unwrap();
+    std::fs::create_dir_all(ds.join("v2")).unwrap();
+    let row = |i: usize| format!("{{\"prompt\": \"{i}\", \"completion\": \"x\"}}\n");
+    file(
+        &ds.join("v1"),
+        "a.jsonl",
+        &(0..2).map(row).collect::<String>(),
+    );
+    file(
+        &ds.join("v2"),
+        "b.jsonl",
+        &(2..5).map(row).collect::<String>(),
+    );
+    std::os::unix::fs::symlink("v2", ds.join("latest")).unwrap();
+    std::os::unix::fs::symlink(".", ds.join("self")).unwrap();
+    let files = crate::job::locate::expand(&ds, "train").unwrap();
+    let ds = load_as(&section(files, DataFormat::Sft, "bytes")).unwrap();
+    assert_eq!(ds.docs.len(), 5, "each of the 5 rows once");
+}
+
 /// Issue 14 item 10: a directory, a FIFO or a device in `data.train` says
 /// what it is (it was "file not found", and a FIFO blocked the reader).
 #[test]
