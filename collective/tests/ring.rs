@@ -321,6 +321,7 @@ fn a_forged_hello_with_the_current_generation_takes_nothing_and_blames_nobody() 
 /// length and piece size.
 #[test]
 fn a_sealed_ring_sums_bit_identically_to_the_plain_one() {
+    let mut plain: Option<Vec<Vec<f32>>> = None;
     for (seal, chunk) in [(false, None), (true, None), (true, Some(4096usize))] {
         let (ls, peers) = listeners(3);
         let handles: Vec<_> = ls
@@ -361,8 +362,7 @@ fn a_sealed_ring_sums_bit_identically_to_the_plain_one() {
             assert_eq!(r, &results[0], "seal {seal}: ranks differ");
         }
         // The plain ring's bits (the first run) are every run's.
-        static FIRST: std::sync::OnceLock<Vec<Vec<f32>>> = std::sync::OnceLock::new();
-        let first = FIRST.get_or_init(|| results[0].clone());
+        let first = plain.get_or_insert_with(|| results[0].clone());
         assert_eq!(first, &results[0], "seal {seal}, chunk {chunk:?}");
     }
 }
