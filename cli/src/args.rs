@@ -167,6 +167,7 @@ pub enum Command {
     /// job's own readers when its files hold at most 16 MiB, or with
     /// --data). Relative paths in the spec resolve against the current
     /// directory, as they do on submit.
+    #[command(after_help = accrue_coordinator::job::locate::CACHE_ENV_HELP)]
     Validate {
         /// The job spec.
         #[arg(value_name = "JOB.toml")]
@@ -218,6 +219,7 @@ pub enum Command {
     /// Submitting is safe to retry: while a job of the same name and spec
     /// is live, its id is printed and nothing new starts; a live job of the
     /// same name with another spec is refused.
+    #[command(after_help = accrue_coordinator::job::locate::CACHE_ENV_HELP)]
     Submit {
         /// The job spec.
         #[arg(value_name = "JOB.toml")]
@@ -418,6 +420,7 @@ pub enum Command {
         rollouts: RolloutsCommand,
     },
     /// Run a coordinator and N workers on this machine for one job.
+    #[command(after_help = accrue_coordinator::job::locate::CACHE_ENV_HELP)]
     Local {
         /// The job spec.
         #[arg(value_name = "JOB.toml")]
@@ -654,6 +657,7 @@ pub enum DataCommand {
     Synth(SynthArgs),
     /// Tokenize a job's sources into the token cache ahead of submit
     /// (progress, rows/s, skipped rows with file:line).
+    #[command(after_help = accrue_coordinator::job::locate::CACHE_ENV_HELP)]
     Prepare(PrepareArgs),
 }
 

@@ -80,7 +80,7 @@ fn all_cached(spec: &JobSpec, files: &[std::path::PathBuf]) -> bool {
     let root = spec.data.cache_root();
     files.iter().all(|f| {
         accrue_coordinator::stream::data::cache::file_key(f, enc)
-            .is_ok_and(|k| root.join(k).join("meta.json").is_file())
+            .is_ok_and(|k| root.join(k.key).join("meta.json").is_file())
     })
 }
 

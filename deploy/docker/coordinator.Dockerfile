@@ -23,10 +23,13 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/* \
  && groupadd --gid 65532 accrue \
  && useradd --uid 65532 --gid 65532 --no-create-home --shell /usr/sbin/nologin accrue \
- && mkdir -p /var/lib/accrue \
- && chown 65532:65532 /var/lib/accrue
+ && mkdir -p /var/lib/accrue/cache/tokens \
+ && chown -R 65532:65532 /var/lib/accrue
 COPY --from=build /out/accrue-coordinator /out/accrue /usr/local/bin/
 USER 65532:65532
+# The token cache (the user has no home, and / is not writable): a
+# Kubernetes pod points it at the shared volume instead (deploy/k8s).
+ENV ACCRUE_CACHE_DIR=/var/lib/accrue/cache/tokens
 # 7070: gRPC (admin, worker, grpc.health.v1); 9090: HTTP metrics and status page.
 EXPOSE 7070 9090
 ENTRYPOINT ["/usr/local/bin/accrue-coordinator"]

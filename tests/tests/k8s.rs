@@ -551,6 +551,82 @@ fn every_pod_passes_pod_security_restricted() {
     assert!(bad.is_empty(), "{}", bad.join("\n"));
 }
 
+/// Issue 33 (10): the coordinator image's user has no home and `/` is not
+/// writable, so the token cache's default root could not be created and
+/// every chat or tokenized job failed at admission. Every container of the
+/// coordinator image points `ACCRUE_CACHE_DIR` into a writable mount (the
+/// shared volume), and the image itself sets a root it owns.
+#[test]
+fn every_coordinator_image_container_has_a_writable_token_cache() {
+    let mut bad = Vec::new();
+    let mut seen = 0;
+    for (overlay, docs) in rendered_everything() {
+        for d in docs
+            .iter()
+            .filter(|d| !d["spec"]["template"]["spec"].is_null())
+        {
+            let pod = &d["spec"]["template"]["spec"];
+            for c in array(&pod["initContainers"]).chain(array(&pod["containers"])) {
+                // The commands that tokenize or look into the cache.
+                let command: Vec<&str> = array(&c["command"])
+                    .chain(array(&c["args"]))
+                    .filter_map(|a| a.as_str())
+                    .collect();
+                let tokenizes = match command.as_slice() {
+                    [bin, ..] if bin.ends_with("/accrue-coordinator") => true,
+                    [bin, sub, rest @ ..] if bin.ends_with("/accrue") => {
+                        matches!(*sub, "submit" | "validate" | "local")
+                            || (*sub == "data" && rest.first() == Some(&"prepare"))
+                    }
+                    _ => false,
+                };
+                if !tokenizes {
+                    continue;
+                }
+                seen += 1;
+                let at = format!("{overlay}: {}/{}", object_name(d), c["name"]);
+                let Some(dir) = array(&c["env"])
+                    .find(|e| e["name"] == "ACCRUE_CACHE_DIR")
+                    .and_then(|e| e["value"].as_str())
+                else {
+                    bad.push(format!("{at}: no ACCRUE_CACHE_DIR"));
+                    continue;
+                };
+                let writable = array(&c["volumeMounts"]).any(|m| {
+                    m["readOnly"] != true
+                        && m["mountPath"]
+                            .as_str()
+                            .is_some_and(|p| Path::new(dir).starts_with(p))
+                });
+                if !writable {
+                    bad.push(format!(
+                        "{at}: ACCRUE_CACHE_DIR={dir} is in no writable mount"
+                    ));
+                }
+            }
+        }
+    }
+    assert!(
+        seen > 0,
+        "no container of the coordinator image was checked"
+    );
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+    let text =
+        std::fs::read_to_string(root().join("deploy/docker/coordinator.Dockerfile")).unwrap();
+    let env = text
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("ENV ACCRUE_CACHE_DIR="))
+        .expect("the coordinator image sets ACCRUE_CACHE_DIR");
+    let owned = text
+        .lines()
+        .filter_map(|l| l.split("chown -R 65532:65532 ").nth(1))
+        .any(|d| Path::new(env).starts_with(d.trim()));
+    assert!(
+        owned,
+        "ACCRUE_CACHE_DIR={env} is not under a directory the image's user owns"
+    );
+}
+
 /// OpenShift's restricted SCC gives each pod a random uid from the
 /// namespace's range and refuses fixed ones: the openshift overlay has
 /// none, and keeps the rest of the gpu overlay.

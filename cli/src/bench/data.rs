@@ -294,9 +294,12 @@ fn tokenize_ours(file: &Path, tokenizer: &str) -> anyhow::Result<(u64, f64)> {
         file.display().to_string()
     ))?;
     let enc = accrue_coordinator::stream::data::encoder(&section, u32::MAX)?;
+    let ekey = accrue_coordinator::stream::data::encoder_key(&section, u32::MAX, None)?;
+    let key = accrue_coordinator::stream::data::cache::file_key(file, ekey)?;
     let t0 = Instant::now();
     let meta = accrue_coordinator::stream::data::cache::build(
         &dir.path().join("store"),
+        &key,
         file,
         &enc,
         section.format,

@@ -10,7 +10,7 @@ use clap::Parser;
 
 /// Accrue coordinator: owns the data stream, plans steps, serves workers and admins.
 #[derive(Parser)]
-#[command(version)]
+#[command(version, after_help = accrue_coordinator::job::locate::CACHE_ENV_HELP)]
 struct Args {
     /// Address to listen on (gRPC: admin and worker services).
     #[arg(long, default_value = "127.0.0.1:7070", env = "ACCRUE_LISTEN")]

@@ -15,6 +15,11 @@ use std::path::{Path, PathBuf};
 /// The environment variable naming the cache directory.
 pub const CACHE_DIR_ENV: &str = "ACCRUE_CACHE_DIR";
 
+/// The `--help` text of every command that tokenizes or looks into the
+/// token cache.
+pub const CACHE_ENV_HELP: &str = "Environment:\n  ACCRUE_CACHE_DIR  where token stores are kept when a spec sets no data.cache_dir \
+     (else $XDG_CACHE_HOME/accrue/tokens, else ~/.cache/accrue/tokens)";
+
 /// Where token stores live (the default of `data.cache_dir`): `$ACCRUE_CACHE_DIR`, else `$XDG_CACHE_HOME/accrue/tokens`,
 /// else `~/.cache/accrue/tokens`, else the temporary directory.
 pub fn default_cache_root() -> PathBuf {

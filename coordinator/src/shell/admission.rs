@@ -126,7 +126,7 @@ fn data_problem(spec: &JobSpec, e: &DataError) -> SpecProblem {
         DataError::Template { .. } => "data.chat_template".to_string(),
         DataError::FormatMismatch { .. } => "data.format".to_string(),
         DataError::Input(i) => field_of_path(spec, i.path()),
-        DataError::Io { path, .. } => field_of_path(spec, path),
+        DataError::Io { path, .. } | DataError::Changed { path } => field_of_path(spec, path),
         DataError::Json { at, .. } | DataError::Row { at, .. } | DataError::Overlong { at, .. } => {
             field_of_path(spec, &at.path)
         }

@@ -70,12 +70,78 @@ impl EncoderKey {
     }
 }
 
-/// The key of one file under one encoder.
-pub fn file_key(path: &Path, enc: EncoderKey) -> Result<String> {
+/// The key of one file under one encoder, with what the file was when its
+/// bytes were hashed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileKey {
+    /// The store's directory name under the cache root.
+    pub key: String,
+    stamp: Stamp,
+}
+
+/// A file's identity and last change (device, inode, length, modification
+/// and status-change times): a write to it changes one of them, so a build
+/// that sees the same stamp before and after reading read the bytes the
+/// key hashed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Stamp(Vec<i128>);
+
+impl Stamp {
+    fn of(path: &Path) -> Result<Stamp> {
+        let m = std::fs::metadata(path).map_err(|source| DataError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::MetadataExt;
+            Ok(Stamp(vec![
+                m.dev().into(),
+                m.ino().into(),
+                m.size().into(),
+                m.mtime().into(),
+                m.mtime_nsec().into(),
+                m.ctime().into(),
+                m.ctime_nsec().into(),
+            ]))
+        }
+        #[cfg(not(unix))]
+        {
+            let t = m
+                .modified()
+                .ok()
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                .map_or(0, |d| d.as_nanos() as i128);
+            Ok(Stamp(vec![m.len().into(), t]))
+        }
+    }
+
+    /// Fails with [`DataError::Changed`] when `path` is no longer `self`.
+    fn check(&self, path: &Path) -> Result<()> {
+        if Stamp::of(path)? == *self {
+            Ok(())
+        } else {
+            Err(DataError::Changed {
+                path: path.to_path_buf(),
+            })
+        }
+    }
+}
+
+/// The key of one file under one encoder. A file written to while it is
+/// hashed is refused ([`DataError::Changed`]) rather than filed under a key
+/// of bytes it no longer holds.
+pub fn file_key(path: &Path, enc: EncoderKey) -> Result<FileKey> {
+    crate::job::input::check(path)?;
+    let stamp = Stamp::of(path)?;
     let mut h = Xxh3::new();
     h.update(&enc.0.to_le_bytes());
     hash_file(&mut h, path)?;
-    Ok(format!("{:032x}", h.digest128()))
+    stamp.check(path)?;
+    Ok(FileKey {
+        key: format!("{:032x}", h.digest128()),
+        stamp,
+    })
 }
 
 fn hash_file(h: &mut Xxh3, path: &Path) -> Result<()> {
@@ -125,13 +191,13 @@ impl Found {
 /// absent or damaged.
 pub fn open_or_build(
     root: &Path,
-    key: &str,
+    key: &FileKey,
     path: &Path,
     enc: &Encoder,
     format: DataFormat,
     progress: &(dyn Fn(Progress) + Sync),
 ) -> Result<(Arc<TokenStore>, Found)> {
-    let dir = root.join(key);
+    let dir = root.join(&key.key);
     if dir.exists() {
         match TokenStore::open(&dir) {
             Ok(s) => return Ok((Arc::new(s), Found::Hit)),
@@ -143,7 +209,7 @@ pub fn open_or_build(
             }
         }
     }
-    build(&dir, path, enc, format, progress)?;
+    build(&dir, key, path, enc, format, progress)?;
     let s = TokenStore::open(&dir).map_err(|e| store_error(path, e))?;
     Ok((Arc::new(s), Found::Built))
 }
@@ -155,9 +221,13 @@ fn store_error(path: &Path, e: TokenStoreError) -> DataError {
     }
 }
 
-/// Tokenizes `path` into a new store at `dest` (atomically).
+/// Tokenizes `path` into a new store at `dest` (atomically). The store is
+/// made visible only when `path` is still what `key` hashed after every row
+/// was read: a file rewritten in between is refused, never filed under the
+/// old bytes' key.
 pub fn build(
     dest: &Path,
+    key: &FileKey,
     path: &Path,
     enc: &Encoder,
     format: DataFormat,
@@ -198,8 +268,8 @@ pub fn build(
         progress(seen);
         Ok(())
     });
-    match result {
-        Ok(_) => w.finish(dest).map_err(|e| store_error(path, e)),
+    match result.and_then(|_| key.stamp.check(path)) {
+        Ok(()) => w.finish(dest).map_err(|e| store_error(path, e)),
         Err(e) => {
             w.abandon();
             Err(e)

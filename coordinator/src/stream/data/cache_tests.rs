@@ -210,7 +210,8 @@ fn a_crash_mid_build_leaves_nothing_usable() {
     let root = dir.path().join("cache");
     std::fs::create_dir_all(&root).unwrap();
     let data = section(vec![file.clone()], "bytes");
-    let key = cache::file_key(&file, encoder_key(&data, u32::MAX, None).unwrap()).unwrap();
+    let fkey = cache::file_key(&file, encoder_key(&data, u32::MAX, None).unwrap()).unwrap();
+    let key = fkey.key.clone();
     let dest = root.join(&key);
     // A writer that dies before finishing (the process killed mid-prepare):
     // its rows are in a temporary directory, nothing under the key.
@@ -234,11 +235,19 @@ fn a_crash_mid_build_leaves_nothing_usable() {
     // the next build of the key; this process's own is kept.
     let dead = root.join(format!(".{key}.tmp-4194305-1"));
     std::fs::create_dir_all(&dead).unwrap();
+    // Issue 33 (10): a live builder in another PID namespace (its pid means
+    // nothing here) holds its directory's lock: it is kept.
+    let elsewhere = root.join(format!(".{key}.tmp-4194306-1"));
+    std::fs::create_dir_all(&elsewhere).unwrap();
+    let held = std::fs::File::open(&elsewhere).unwrap();
+    held.lock().unwrap();
     let none = |_: cache::Progress| {};
     let (s, found) =
-        cache::open_or_build(&root, &key, &file, &enc, DataFormat::Sft, &none).unwrap();
+        cache::open_or_build(&root, &fkey, &file, &enc, DataFormat::Sft, &none).unwrap();
     assert_eq!((found, s.meta.docs), (Found::Built, 3));
     assert!(!dead.exists(), "a dead builder's directory is swept");
+    assert!(elsewhere.is_dir(), "a live builder's directory is kept");
+    drop(held);
     let ours = std::fs::read_dir(&root)
         .unwrap()
         .flatten()
@@ -260,10 +269,10 @@ fn a_crash_mid_build_leaves_nothing_usable() {
     let e = TokenStore::open(&dest).unwrap_err();
     assert!(e.to_string().contains("ids.bin holds"), "{e}");
     let (_, found) =
-        cache::open_or_build(&root, &key, &file, &enc, DataFormat::Sft, &none).unwrap();
+        cache::open_or_build(&root, &fkey, &file, &enc, DataFormat::Sft, &none).unwrap();
     assert_eq!(found, Found::Built);
     let (_, found) =
-        cache::open_or_build(&root, &key, &file, &enc, DataFormat::Sft, &none).unwrap();
+        cache::open_or_build(&root, &fkey, &file, &enc, DataFormat::Sft, &none).unwrap();
     assert_eq!(found, Found::Hit);
 }
 
@@ -360,4 +369,45 @@ fn the_shared_dolly_file_caches_to_the_same_documents() {
         .all(|(a, b): (&Document, &Document)| a == b);
     assert!(same, "cached documents equal the in-memory ones");
     assert_eq!(c.report.tokens, m.report.tokens);
+}
+
+/// Issue 33 (10): the key hashed the file in one read and the build read it
+/// again, so a file rewritten in between was tokenized from its new bytes
+/// and filed under the old bytes' key (a later job with the old file would
+/// train on the new tokens). The build now refuses a file that changed
+/// since it was hashed, and nothing is filed.
+#[test]
+fn a_file_rewritten_between_hashing_and_building_is_refused_not_misfiled() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("a.jsonl");
+    std::fs::write(&file, ROWS).unwrap();
+    let root = dir.path().join("cache");
+    let data = section(vec![file.clone()], "bytes");
+    let enc = encoder(&data, u32::MAX).unwrap();
+    let ekey = encoder_key(&data, u32::MAX, None).unwrap();
+    let old = cache::file_key(&file, ekey).unwrap();
+    // Same length, other bytes: only the file's change time tells.
+    std::fs::write(&file, ROWS.replace("1+1=", "3+3=")).unwrap();
+    let none = |_: cache::Progress| {};
+    let e = cache::open_or_build(&root, &old, &file, &enc, DataFormat::Sft, &none).unwrap_err();
+    assert!(
+        matches!(&e, DataError::Changed { path } if path == &file),
+        "{e}"
+    );
+    assert!(
+        e.to_string().contains("changed while it was being read"),
+        "{e}"
+    );
+    assert!(
+        !root.join(&old.key).exists(),
+        "nothing filed under the old key"
+    );
+    let leftovers = std::fs::read_dir(&root).unwrap().count();
+    assert_eq!(leftovers, 0, "the refused build leaves no directory");
+    // Hashed again, the new bytes get their own key and build.
+    let new = cache::file_key(&file, ekey).unwrap();
+    assert_ne!(new.key, old.key);
+    let (s, found) =
+        cache::open_or_build(&root, &new, &file, &enc, DataFormat::Sft, &none).unwrap();
+    assert_eq!((found, s.meta.docs), (Found::Built, 3));
 }

@@ -41,6 +41,10 @@ pub enum DataError {
     /// A line (JSONL) or the whole file (JSON array) is not valid JSON.
     #[error("{at}: invalid json: {message}")]
     Json { at: Location, message: String },
+    /// A dataset file was written to while it was hashed or tokenized (the
+    /// token cache files a store under its bytes' hash).
+    #[error("{} changed while it was being read: tokenize it again once nothing writes to it", path.display())]
+    Changed { path: PathBuf },
     /// A row parsed as JSON but is not a usable document.
     #[error("{at}: {reason}")]
     Row { at: Location, reason: String },

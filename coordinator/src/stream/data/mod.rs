@@ -344,7 +344,7 @@ fn load_cached_file(
     let key = cache::file_key(path, encoder_key(data, enc.model_vocab, c.template)?)?;
     let report = |p: cache::Progress| progress(path, p);
     let (store, found) = cache::open_or_build(root, &key, path, enc, data.format, &report)?;
-    debug!(path = %path.display(), key, ?found, "token store");
+    debug!(path = %path.display(), key = key.key, ?found, "token store");
     let mut fr = FileReport {
         path: path.to_path_buf(),
         rows: store.meta.rows_read,

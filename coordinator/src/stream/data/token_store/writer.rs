@@ -1,5 +1,8 @@
 //! Writing a token store: into a temporary directory beside its final
-//! name, every file synced, then renamed into place.
+//! name, every file synced, then renamed into place. The builder holds an
+//! exclusive lock on its temporary directory while it writes, so another
+//! process (in any PID namespace on the host) removes a leftover directory
+//! only when nobody holds it.
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -22,6 +25,9 @@ pub struct Writer {
     extra: BufWriter<File>,
     bad: BufWriter<File>,
     meta: Meta,
+    /// The temporary directory opened and locked (`flock`) for the build's
+    /// lifetime; released when the writer is dropped.
+    _lock: File,
 }
 
 impl Writer {
@@ -36,12 +42,22 @@ impl Writer {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos());
         let tmp = parent.join(format!(".{name}.tmp-{}-{nonce}", std::process::id()));
-        sweep_dead_builds(parent, &name);
+        sweep_abandoned_builds(parent, &name);
         let io = |what| {
             let dir = tmp.clone();
             move |source| TokenStoreError::Io { dir, what, source }
         };
         std::fs::create_dir_all(&tmp).map_err(io("cannot create it"))?;
+        let lock = File::open(&tmp).map_err(io("cannot open it"))?;
+        lock.lock().map_err(io("cannot lock it"))?;
+        // A sweeper may have taken the lock between the mkdir and ours and
+        // removed the directory: then it is gone and this build fails
+        // cleanly rather than writing into an unlinked directory.
+        if !tmp.is_dir() {
+            return Err(io("removed while it was being created")(
+                std::io::ErrorKind::NotFound.into(),
+            ));
+        }
         let file = |n: &str| -> Result<BufWriter<File>> {
             let f = File::create(tmp.join(n)).map_err(io("cannot create a file"))?;
             Ok(BufWriter::with_capacity(1 << 20, f))
@@ -67,6 +83,7 @@ impl Writer {
                 rollouts: false,
             },
             tmp,
+            _lock: lock,
         })
     }
 
@@ -192,6 +209,7 @@ impl Writer {
             extra,
             bad,
             meta,
+            _lock,
         } = self;
         let io = |what| {
             let dir = tmp.clone();
@@ -231,25 +249,24 @@ impl Writer {
 
 /// Removes the unfinished directories of `name` left by builders that are
 /// gone (a prepare killed mid-build): never used, but they hold disk. A
-/// builder is gone when `/proc/PID` is; without `/proc` nothing is removed.
-fn sweep_dead_builds(parent: &Path, name: &str) {
-    let proc = Path::new("/proc/self");
-    if !proc.exists() {
-        return;
-    }
+/// builder holds its directory's lock until it finishes or abandons it, so
+/// a directory whose lock can be taken has no builder. The lock is kept
+/// while removing, so a builder that races its own creation sees its
+/// directory gone (see [`Writer::create`]).
+fn sweep_abandoned_builds(parent: &Path, name: &str) {
     let prefix = format!(".{name}.tmp-");
     let Ok(entries) = std::fs::read_dir(parent) else {
         return;
     };
     for e in entries.flatten() {
         let file = e.file_name();
-        let Some(rest) = file.to_str().and_then(|f| f.strip_prefix(&prefix)) else {
+        if !file.to_str().is_some_and(|f| f.starts_with(&prefix)) {
+            continue;
+        }
+        let Ok(dir) = File::open(e.path()) else {
             continue;
         };
-        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
-            continue;
-        };
-        if !Path::new(&format!("/proc/{pid}")).exists() {
+        if dir.try_lock().is_ok() {
             let _ = std::fs::remove_dir_all(e.path());
         }
     }
