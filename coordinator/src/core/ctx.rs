@@ -49,6 +49,34 @@ impl JobCtx<'_> {
         }
     }
 
+    /// Refuses `worker`'s answer: the worker is dropped like a failed one
+    /// and its work planned again, unless `faults.max_step_attempts`
+    /// answers in a row were refused without any work completing: then
+    /// the job fails, naming the last refusal.
+    pub fn refuse(&mut self, worker: &str, why: Why) {
+        self.job.faults.refusals += 1;
+        let (n, max) = (
+            self.job.faults.refusals,
+            self.job.spec.faults.max_step_attempts,
+        );
+        let detail = why.detail.clone();
+        self.lose_member(worker, why);
+        if n >= max && !self.job.rec.state.is_terminal() {
+            let why = Why::new(
+                AbortReason::TooManyAttempts,
+                format!(
+                    "{n} answers in a row were refused without any work completing (faults.max_step_attempts = {max}); the last: {detail}"
+                ),
+            );
+            self.finish(End::Failed(why));
+        }
+    }
+
+    /// Work completed: the refusals in a row start over.
+    pub fn progressed(&mut self) {
+        self.job.faults.refusals = 0;
+    }
+
     /// [`Self::lose_member`] for a plain loss (`why` says how).
     pub fn lose_member_for(&mut self, worker: &str, why: &str) {
         let why = Why::new(

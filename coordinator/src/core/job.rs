@@ -79,6 +79,13 @@ pub struct Faults {
     /// when one is ready): a source that keeps failing ends the job at
     /// `faults.max_step_attempts` instead of being retried forever.
     pub restore_failures: u32,
+    /// Answers refused in a row (a result, gathered results, a round's
+    /// completions or a weight sync that do not fit what was asked), reset
+    /// when any work completes. Each refusal drops its worker and plans the
+    /// work again; a worker that keeps answering wrongly (confused or
+    /// hostile) would otherwise loop the job for ever, for every kind of
+    /// work: at `faults.max_step_attempts` the job fails.
+    pub refusals: u32,
     /// How fast its plans ran: the step deadline's basis.
     pub pace: Pace,
     /// A non-finite step's documents being bisected.

@@ -65,7 +65,7 @@ impl JobCtx<'_> {
                     flight.planned.kind.noun()
                 ),
             );
-            return self.lose_member(worker, why);
+            return self.refuse(worker, why);
         }
         flight.results.insert(rank, result.sums);
         flight.logps.extend(result.logps);
@@ -76,6 +76,7 @@ impl JobCtx<'_> {
         let Work::InFlight(flight) = std::mem::replace(&mut active.work, Work::Idle) else {
             unreachable!("matched above")
         };
+        self.progressed();
         let job = &mut *self.job;
         job.faults.pace.observe(
             self.now - flight.started_ms,
@@ -132,7 +133,7 @@ impl JobCtx<'_> {
                 AbortReason::WorkerError,
                 format!("worker {worker} sent gathered results for step {step} of generation {generation}, refused: {why}"),
             );
-            return self.lose_member(worker, why);
+            return self.refuse(worker, why);
         }
         let members: Vec<(String, RankResult)> = results
             .into_iter()

@@ -349,3 +349,85 @@ fn a_relayed_generation_that_loses_a_follower_re_forms_and_relays_again() {
     assert_eq!(roles[2], None);
     assert_every_document_once(&s, 36);
 }
+
+/// Issue 33 (11): only training plans counted their attempts, so a worker
+/// that answers every reference (eval, probe, generation round) wrongly —
+/// dropped, rejoining, dropped again — looped the job for ever. Refusals
+/// in a row now fail the job at `faults.max_step_attempts`, naming the
+/// last one; honest work in between starts the count over.
+#[test]
+fn answers_refused_again_and_again_fail_the_job_instead_of_looping() {
+    let mut s = Sim::new();
+    let mut sp = dpo_spec("steps = 2");
+    sp.faults.max_step_attempts = 3;
+    // "a" never trains alone: every generation has a hostile member.
+    sp.parallel.min_workers = 2;
+    s.submit(sp, pairs(150));
+    s.worker("a");
+    for i in 0..3 {
+        let bad = format!("bad{i}");
+        s.worker(&bad);
+        let (generation, rank, planned) = take_plan(&mut s, &bad, PlanKind::Reference);
+        let mbs = &planned.ranks[rank as usize];
+        let mut sums = forward_sums(mbs);
+        sums.tokens += 1;
+        let result = RankResult {
+            sums,
+            logps: honest_logps(mbs),
+            nonfinite: Vec::new(),
+        };
+        assert_ne!(s.state(), JobState::Failed, "refusal {i} of 3");
+        assert_refused(
+            &mut s,
+            &bad,
+            generation,
+            planned.step,
+            result,
+            "reference chunk",
+            "tokens",
+        );
+    }
+    assert_eq!(s.state(), JobState::Failed);
+    let reason = &s.c.job("job").unwrap().rec.reason;
+    assert!(
+        reason.contains("3 answers in a row were refused")
+            && reason.contains("faults.max_step_attempts = 3")
+            && reason.contains("worker bad2"),
+        "{reason}"
+    );
+
+    // An honest answer between refusals starts the count over.
+    let mut s = Sim::new();
+    let mut sp = dpo_spec("steps = 2");
+    sp.faults.max_step_attempts = 2;
+    s.submit(sp, pairs(2000));
+    s.worker("a");
+    for i in 0..2 {
+        let bad = format!("bad{i}");
+        s.worker(&bad);
+        let (generation, rank, planned) = take_plan(&mut s, &bad, PlanKind::Reference);
+        let mbs = &planned.ranks[rank as usize];
+        let mut sums = forward_sums(mbs);
+        sums.tokens += 1;
+        let result = RankResult {
+            sums,
+            logps: honest_logps(mbs),
+            nonfinite: Vec::new(),
+        };
+        assert_refused(
+            &mut s,
+            &bad,
+            generation,
+            planned.step,
+            result,
+            "reference chunk",
+            "tokens",
+        );
+        // "a" alone completes a chunk before the next hostile worker joins.
+        let before = s.stored_ref.len();
+        while s.stored_ref.len() == before {
+            assert!(s.step_once(), "a alone makes progress");
+        }
+    }
+    assert_ne!(s.state(), JobState::Failed);
+}

@@ -70,13 +70,18 @@ impl JobCtx<'_> {
         (completions, seconds): (Vec<GenCompletion>, f64),
     ) -> bool {
         match round.answer(rank, completions, seconds) {
-            Ok(done) => done,
+            Ok(done) => {
+                if done {
+                    self.progressed();
+                }
+                done
+            }
             Err(e) => {
                 let detail = format!(
                     "{who} {worker} (rank {rank}) answered generation round {} wrongly: {e}",
                     round.id
                 );
-                self.lose_member(worker, Why::new(AbortReason::WorkerError, detail));
+                self.refuse(worker, Why::new(AbortReason::WorkerError, detail));
                 false
             }
         }
@@ -432,7 +437,7 @@ impl JobCtx<'_> {
                     "generator {worker} loaded the policy of step {version}, step {asked} was sent"
                 ),
             );
-            self.lose_member(worker, why);
+            self.refuse(worker, why);
             return;
         }
         if !e.awaiting.remove(worker) || !e.awaiting.is_empty() {
