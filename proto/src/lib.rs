@@ -20,7 +20,12 @@
 /// of revision 3 would average like any other extra.
 /// 4: worker-to-worker links authenticate (`Configure.link_key`, relay
 /// hellos MAC'd with the group key), which older workers would not do.
-pub const PROTOCOL: u32 = 4;
+/// 5: a worker error may blame a rank of the weight ring
+/// (`WorkerError.weight_ring`), and published-policy acknowledgements name
+/// their generation (`PolicyPublished.generation`): an older coordinator
+/// would blame the training rank of the same number, or count an older
+/// generation's acknowledgement.
+pub const PROTOCOL: u32 = 5;
 
 /// A packed sequence's document id as text (`file:line`): its `doc_id`
 /// when one is set, else its `doc_file` and `doc_line`.

@@ -118,6 +118,8 @@ pub enum Event {
     PolicyPublished {
         worker: WorkerId,
         job: JobId,
+        /// The generation whose request it answers.
+        generation: u64,
         step: u64,
     },
     /// A generator loaded the policy of step `version` from the weight

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::recovery::Decision;
-use super::types::WorkerId;
+use super::types::{Peer, WorkerId};
 
 /// A fixed membership of a job: ranks 0..W-1.
 #[derive(Debug, Clone, PartialEq)]
@@ -143,6 +143,16 @@ impl Generation {
 
     pub fn rank_of(&self, worker: &str) -> Option<u32> {
         self.ranks.get(worker).copied()
+    }
+
+    /// The worker at `peer`: a training rank, or a weight-ring rank
+    /// (trainer rank 0, then the generators in order, as formed).
+    pub fn member_of(&self, peer: Peer) -> Option<&WorkerId> {
+        match peer {
+            Peer::Rank(r) => self.members.get(r as usize),
+            Peer::WeightRing(0) => self.members.first(),
+            Peer::WeightRing(r) => self.generators.members.get(r as usize - 1),
+        }
     }
 }
 

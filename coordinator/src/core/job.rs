@@ -60,7 +60,9 @@ pub struct JobAcks {
     /// counts once all have.
     pub checkpoints: Acks<u64>,
     /// Published policies (`rl.publish_every`): members yet to answer.
-    pub policies: Acks<u64>,
+    /// By (generation, step): a late answer to an older generation's
+    /// request is not counted for a newer one's.
+    pub policies: Acks<(u64, u64)>,
 }
 
 /// A job's failures so far (live only: a restarted coordinator starts

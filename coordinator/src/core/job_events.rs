@@ -50,7 +50,12 @@ impl JobCtx<'_> {
                 ..
             } => self.on_worker_error(&worker, generation, step, kind, message),
             Event::CheckpointDone { worker, step, .. } => self.on_checkpoint_done(&worker, step),
-            Event::PolicyPublished { worker, step, .. } => self.on_policy_published(&worker, step),
+            Event::PolicyPublished {
+                worker,
+                generation,
+                step,
+                ..
+            } => self.on_policy_published(&worker, generation, step),
             Event::HistoryLoaded { from, steps, .. } => self.history_loaded(from, steps),
             Event::CancelJob { .. } => self.cancel()?,
             Event::PauseJob { .. } => self.pause()?,

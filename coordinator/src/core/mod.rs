@@ -85,6 +85,6 @@ pub use reference::{RefEntry, ReferenceLogps, SeqLogp};
 pub use step::PlannedStep;
 pub use types::{
     AbortReason, CheckpointEntry, CommittedStep, End, EventKind, HeldState, JobId, JobState,
-    Nesting, PlanKind, Quarantined, Role, WeightRing, Why, WorkerErrorKind, WorkerId,
+    Nesting, Peer, PlanKind, Quarantined, Role, WeightRing, Why, WorkerErrorKind, WorkerId,
 };
 pub use workers::{Registration, Worker, WorkerState};

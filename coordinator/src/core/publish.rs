@@ -44,7 +44,7 @@ pub(crate) fn request_if_due(job: &mut Job, fx: &mut Effects) {
 /// rank 0 broadcasts over the weight ring (never through disk).
 pub(crate) fn request(job: &mut Job, fx: &mut Effects) {
     let step = job.rec.step;
-    let Some(members) = job.gen().map(|g| g.members.clone()) else {
+    let Some((generation, members)) = job.gen().map(|g| (g.id, g.members.clone())) else {
         return;
     };
     let dir = job
@@ -70,15 +70,18 @@ pub(crate) fn request(job: &mut Job, fx: &mut Effects) {
             },
         });
     }
-    job.acks.policies.expect(step, members);
+    job.acks.policies.expect((generation, step), members);
 }
 
 impl JobCtx<'_> {
-    /// A worker wrote its part of step `step`'s policy; the last one
-    /// announces it on the watch stream.
-    pub(crate) fn on_policy_published(&mut self, worker: &str, step: u64) {
+    /// A worker of generation `generation` wrote its part of step `step`'s
+    /// policy; the last one announces it on the watch stream. Answers to
+    /// another generation's request count for nothing: a generator told
+    /// to load a snapshot the current trainer rank 0 has not taken would
+    /// fail the job.
+    pub(crate) fn on_policy_published(&mut self, worker: &str, generation: u64, step: u64) {
         let job = &mut *self.job;
-        if !job.acks.policies.ack(&step, worker) {
+        if !job.acks.policies.ack(&(generation, step), worker) {
             return;
         }
         if job.spec.rl.generators.is_some() {

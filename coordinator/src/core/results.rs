@@ -178,16 +178,20 @@ impl JobCtx<'_> {
             return;
         };
         match kind {
-            WorkerErrorKind::CollectiveTimeout {
-                peer_rank: Some(peer),
-            } => {
-                // The silent peer is the suspect, not the reporter.
-                if let Some(peer_id) = gen.members.get(peer as usize).cloned() {
-                    let why = format!("collective timeout reported by {worker}: {message}");
-                    self.lose_member_for(&peer_id, &why);
-                }
+            WorkerErrorKind::CollectiveTimeout { peer: Some(peer) }
+                if gen.member_of(peer).is_some() =>
+            {
+                // The silent peer is the suspect, not the reporter: in the
+                // training ring or the weight ring (a join or weight sync
+                // that fails names its peer, so the same membership is
+                // not formed again and again).
+                let peer_id = gen.member_of(peer).expect("checked above").clone();
+                let why = format!("collective timeout reported by {worker}: {message}");
+                self.lose_member_for(&peer_id, &why);
             }
-            WorkerErrorKind::CollectiveTimeout { peer_rank: None } => {
+            // No peer, or one outside the generation's rings: nobody to
+            // blame, the generation ends.
+            WorkerErrorKind::CollectiveTimeout { .. } => {
                 let why = Why::new(
                     AbortReason::CollectiveTimeout,
                     format!("collective timeout at step {step} on {worker}: {message}"),

@@ -133,13 +133,22 @@ impl PlanKind {
     }
 }
 
+/// The peer a worker's collective error blames: a rank of its generation's
+/// training ring, or of its weight ring (trainer rank 0, then the
+/// generators, in order).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Peer {
+    Rank(u32),
+    WeightRing(u32),
+}
+
 /// Kinds of worker-reported failure (mirror of `accrue.v1.ErrorKind`): the
 /// coordinator decides on the kind, never on the message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WorkerErrorKind {
     NonFinite,
     CollectiveTimeout {
-        peer_rank: Option<u32>,
+        peer: Option<Peer>,
     },
     InvalidPlan,
     Internal,

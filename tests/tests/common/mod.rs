@@ -193,11 +193,13 @@ pub async fn fake_generator(
     });
     let mut report = FakeReport::default();
     let mut rank = 0;
+    let mut generation = 0;
     while let Some(msg) = inbound.next().await {
         let Some(msg) = msg?.msg else { continue };
         match msg {
             In::Configure(c) => {
                 rank = c.rank;
+                generation = c.generation;
                 if c.role() == wire::Role::Generator {
                     report.generator_in.push(c.generation);
                 }
@@ -316,6 +318,7 @@ pub async fn fake_generator(
                     step: p.step,
                     rank,
                     path: p.dir,
+                    generation,
                 })))
                 .await?;
             }

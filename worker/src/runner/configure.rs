@@ -19,7 +19,7 @@ use std::sync::atomic::Ordering;
 use tch::Tensor;
 use tracing::info;
 
-use super::thread::{lock, ConfigureError, Held, Thread};
+use super::thread::{lock, ConfigureError, Held, Peer, Thread};
 use crate::collective::reshard::{SyncPlan, DEFAULT_CHUNK};
 use crate::collective::{Collective, CollectiveError, Solo};
 use crate::config::{JobConfig, Sharding};
@@ -134,7 +134,7 @@ impl Thread {
                 ) {
                     self.drop_replica();
                 }
-                return self.error(&c.job_id, c.generation, c.step, kind, msg, peer);
+                return self.error_blaming(&c.job_id, c.generation, c.step, kind, msg, peer);
             }
         };
         // ReplicatedTrainer rank 0 of a disaggregated generation serves the policy.
@@ -252,7 +252,11 @@ impl Thread {
                 "configure: state sync of step {} into generation {}: {what}: {e:#}",
                 c.step, c.generation
             );
-            (wire::ErrorKind::StateSync, msg, classify(e).1)
+            (
+                wire::ErrorKind::StateSync,
+                msg,
+                classify(e).1.map(Peer::Rank),
+            )
         };
         // Every member says whether it can take part.
         let mut flag = Tensor::from_slice(&[if check.is_ok() { 0f32 } else { 1f32 }]);
@@ -342,7 +346,7 @@ impl Thread {
                 "configure: joining the collective of generation {} as rank {} of {}: {e}",
                 c.generation, c.rank, c.world_size
             );
-            let peer = e.peer().map(|p| p as u32);
+            let peer = e.peer().map(|p| Peer::Rank(p as u32));
             (wire::ErrorKind::CollectiveTimeout, msg, peer)
         };
         let coll = self.join_ring(c).map_err(failed)?;

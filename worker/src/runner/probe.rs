@@ -31,6 +31,7 @@ pub fn run_probe(
             kind: kind as i32,
             message: format!("probe of step {}, microbatch {i}: {e:#}", plan.step),
             peer_rank,
+            weight_ring: false,
         }
     };
     let norms = convert::norms(plan.normalizers.as_ref()).map_err(|e| fail(&e.into(), 0))?;

@@ -98,7 +98,7 @@ impl Thread {
             step: p.step,
             path: String::new(),
         };
-        let rank = h.rank;
+        let (rank, generation) = (h.rank, h.generation);
         if let Err(e) = write_policy(h.exec.as_mut(), h.rank, h.world_size, dir, &marker) {
             let msg = format!("policy of step {} to {}: {e:#}", p.step, dir.display());
             let (job, generation) = (h.job.clone(), h.generation);
@@ -111,6 +111,7 @@ impl Thread {
             step: p.step,
             rank,
             path: p.dir.clone(),
+            generation,
         }));
     }
 }

@@ -69,6 +69,7 @@ fn run_logps(
                     kind: kind as i32,
                     message: format!("{what} {}, microbatch {i}: {e:#}", plan.step),
                     peer_rank,
+                    weight_ring: false,
                 }
             })?;
         if got.len() != mb.sequences.len() {
@@ -84,6 +85,7 @@ fn run_logps(
                     mb.sequences.len()
                 ),
                 peer_rank: None,
+                weight_ring: false,
             });
         }
         sums.tokens += accrue_proto::unpack_u32(&mb.token_ids).map_or(0, |t| t.len() as u64);

@@ -34,6 +34,7 @@ pub(super) fn plan_error(
         kind: kind as i32,
         message,
         peer_rank,
+        weight_ring: false,
     }
 }
 

@@ -134,7 +134,26 @@ impl Thread {
         message: String,
         peer_rank: Option<u32>,
     ) {
-        warn!(job, step, %message, ?peer_rank, "worker error");
+        let peer = peer_rank.map(Peer::Rank);
+        self.error_blaming(job, generation, step, kind, message, peer);
+    }
+
+    /// [`Self::error`] naming a peer of either ring.
+    pub(super) fn error_blaming(
+        &self,
+        job: &str,
+        generation: u64,
+        step: u64,
+        kind: wire::ErrorKind,
+        message: String,
+        peer: Option<Peer>,
+    ) {
+        warn!(job, step, %message, ?peer, "worker error");
+        let (peer_rank, weight_ring) = match peer {
+            None => (None, false),
+            Some(Peer::Rank(r)) => (Some(r), false),
+            Some(Peer::WeightRing(r)) => (Some(r), true),
+        };
         self.send(Msg::Error(wire::WorkerError {
             job_id: job.into(),
             generation,
@@ -142,6 +161,7 @@ impl Thread {
             kind: kind as i32,
             message,
             peer_rank,
+            weight_ring,
         }));
     }
 
@@ -432,4 +452,12 @@ fn guarded<T>(
 }
 
 /// A configure failure: kind, message, blamed peer.
-pub(super) type ConfigureError = (wire::ErrorKind, String, Option<u32>);
+pub(super) type ConfigureError = (wire::ErrorKind, String, Option<Peer>);
+
+/// The peer a worker error blames: a rank of the generation's training
+/// ring, or of its weight ring (trainer rank 0, then the generators).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Peer {
+    Rank(u32),
+    WeightRing(u32),
+}

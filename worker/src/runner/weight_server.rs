@@ -79,9 +79,8 @@ impl WeightServer {
                     match sent {
                         Ok(v) => info!(step = v, bytes = held.as_ref().map_or(0, |p| p.len()), "policy sent to the generators"),
                         Err(e) => {
-                            // The peer in a weight-ring error is a ring
-                            // rank, not a training rank: blame nobody.
-                            let (kind, _) = classify(&e);
+                            // The peer is a rank of the weight ring.
+                            let (kind, peer) = classify(&e);
                             let message = format!("weight sync of step {}: {e:#}", s.version);
                             warn!(%message, "weight sync failed");
                             let _ = out.send(wire::WorkerMessage {
@@ -91,7 +90,8 @@ impl WeightServer {
                                     step: s.version,
                                     kind: kind as i32,
                                     message,
-                                    peer_rank: None,
+                                    peer_rank: peer,
+                                    weight_ring: peer.is_some(),
                                 })),
                             });
                         }

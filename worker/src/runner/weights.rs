@@ -17,7 +17,7 @@
 
 use tracing::info;
 
-use super::thread::{lock, ConfigureError, Held, PlanKey, Thread};
+use super::thread::{lock, ConfigureError, Held, Peer, PlanKey, Thread};
 use super::weight_server::WeightServer;
 use crate::collective::{AbortHandle, Collective, CollectiveError};
 use crate::config::JobConfig;
@@ -63,7 +63,10 @@ impl Thread {
                 "configure: joining the weight ring of generation {}: {e}",
                 c.generation
             );
-            (wire::ErrorKind::CollectiveTimeout, msg, None)
+            // The ring's peer is a weight-ring rank: the coordinator maps
+            // it to trainer rank 0 or a generator.
+            let peer = e.peer().map(|p| Peer::WeightRing(p as u32));
+            (wire::ErrorKind::CollectiveTimeout, msg, peer)
         };
         let Some(ring) = weight_ring_configure(c) else {
             return Err(failed(CollectiveError::Setup("no weight ring".into())));
@@ -114,7 +117,7 @@ impl Thread {
         let generator = match built {
             Ok(g) => g,
             Err((kind, msg, peer)) => {
-                return self.error(&c.job_id, c.generation, c.step, kind, msg, peer)
+                return self.error_blaming(&c.job_id, c.generation, c.step, kind, msg, peer)
             }
         };
         self.job = Some(Held {
@@ -190,9 +193,10 @@ impl Thread {
                 }));
             }
             Err(e) => {
-                let (kind, _) = classify(&e);
+                let (kind, peer) = classify(&e);
                 let msg = format!("weight sync of step {}: {e:#}", s.version);
-                self.error(&s.job_id, s.generation, s.version, kind, msg, None);
+                let peer = peer.map(Peer::WeightRing);
+                self.error_blaming(&s.job_id, s.generation, s.version, kind, msg, peer);
             }
         }
     }
@@ -246,6 +250,7 @@ impl Thread {
             step: p.step,
             rank,
             path: String::new(),
+            generation,
         }));
     }
 }

@@ -133,6 +133,7 @@ impl Writer {
                             kind: wire::ErrorKind::CheckpointWrite as i32,
                             message,
                             peer_rank: None,
+                            weight_ring: false,
                         })
                     }
                 };
@@ -154,6 +155,7 @@ impl Writer {
                         "checkpoint of step {step}: cannot start the writer thread: {e}"
                     ),
                     peer_rank: None,
+                    weight_ring: false,
                 });
                 let _ = out.send(wire::WorkerMessage { msg: Some(msg) });
             }

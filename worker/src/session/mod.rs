@@ -435,6 +435,7 @@ async fn session(
                         kind: wire::ErrorKind::CollectiveTimeout as i32,
                         message,
                         peer_rank: Some(peer_rank),
+                        weight_ring: false,
                     };
                     if tx.send(send(Out::Error(error))).await.is_err() {
                         break Ended::Lost("the outbound stream closed".into());

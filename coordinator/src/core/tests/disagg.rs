@@ -246,3 +246,112 @@ fn one_worker_cannot_form_a_disaggregated_generation() {
     s.run();
     assert_eq!(s.state(), JobState::Completed);
 }
+
+/// Issue 33 (12): a weight-ring join or weight sync that failed blamed
+/// nobody (the peer was a weight-ring rank, which the coordinator would
+/// have read as a training rank), so the same membership formed again and
+/// again. The worker now names the weight-ring rank and the coordinator
+/// maps it: rank 0 is trainer rank 0, rank i the i-th generator.
+#[test]
+fn a_weight_ring_failure_blames_the_weight_ring_peer() {
+    for (ring_rank, blamed_role) in [(1u32, Role::Generator), (0, Role::Trainer)] {
+        let mut s = Sim::new();
+        for w in ["a", "b", "c", "d"] {
+            s.worker(w);
+        }
+        s.submit_loop(disagg_spec(6, 2, 1, 1), 6);
+        s.run_until(|s| s.last_generation() == 1 && !s.configures.is_empty());
+        let r = roles(&s, 1);
+        let by_ring: BTreeMap<u32, WorkerId> = r
+            .iter()
+            .filter_map(|(w, (_, _, ring))| Some((ring.as_ref()?.rank, w.clone())))
+            .collect();
+        assert_eq!(by_ring.len(), 3, "trainer rank 0 and two generators: {r:?}");
+        let blamed = by_ring[&ring_rank].clone();
+        assert_eq!(r[&blamed].1, blamed_role);
+        // The reporter is the weight ring's other generator.
+        let reporter = by_ring[&if ring_rank == 2 { 1 } else { 2 }].clone();
+        assert_ne!(reporter, blamed);
+        s.handle(Event::WorkerError {
+            worker: reporter.clone(),
+            job: "job".into(),
+            generation: 1,
+            step: 0,
+            kind: WorkerErrorKind::CollectiveTimeout {
+                peer: Some(Peer::WeightRing(ring_rank)),
+            },
+            message: "configure: joining the weight ring of generation 1: timed out".into(),
+        })
+        .unwrap();
+        assert_eq!(
+            s.c.worker(&blamed).unwrap().state,
+            WorkerState::Lost,
+            "weight-ring rank {ring_rank} ({blamed}) is blamed"
+        );
+        assert_ne!(s.c.worker(&reporter).unwrap().state, WorkerState::Lost);
+        // A training rank of the same number is not.
+        let training = r
+            .iter()
+            .find(|(_, (rank, role, _))| *role == Role::Trainer && *rank == ring_rank)
+            .map(|(w, _)| w.clone());
+        if let Some(t) = training.filter(|t| *t != blamed) {
+            assert_ne!(s.c.worker(&t).unwrap().state, WorkerState::Lost);
+        }
+    }
+}
+
+/// Issue 33 (12): published-policy acknowledgements were keyed by step
+/// only, so a late answer from a member of an older generation counted
+/// toward the same step's request of the current one; the engine could
+/// then ask generators for a snapshot trainer rank 0 had not taken (a job
+/// failure). Acknowledgements are keyed by generation now.
+#[test]
+fn a_late_publish_ack_of_an_older_generation_counts_for_nothing() {
+    let mut s = Sim::new();
+    s.worker("a");
+    s.worker("b");
+    s.submit_loop(disagg_spec(6, 1, 1, 1), 6);
+    s.run_until(|s| s.c.job("job").unwrap().gen().is_some_and(|g| g.all_ready()));
+    let job = s.c.job("job").unwrap();
+    let (generation, step, members) = {
+        let g = job.gen().unwrap();
+        (g.id, job.rec.step, g.members.clone())
+    };
+    // The current generation asks its members to publish.
+    let mut fx = Effects::default();
+    crate::core::publish::request(s.c.jobs.get_mut("job").unwrap(), &mut fx);
+    assert!(s
+        .c
+        .job("job")
+        .unwrap()
+        .acks
+        .policies
+        .waits_for(&(generation, step)));
+    let late = Event::PolicyPublished {
+        worker: members[0].clone(),
+        job: "job".into(),
+        generation: generation - 1,
+        step,
+    };
+    s.handle(late).unwrap();
+    let acks = &s.c.job("job").unwrap().acks.policies;
+    assert!(
+        acks.owed(&(generation, step))
+            .is_some_and(|o| o.contains(&members[0])),
+        "the older generation's answer is not this generation's"
+    );
+    s.handle(Event::PolicyPublished {
+        worker: members[0].clone(),
+        job: "job".into(),
+        generation,
+        step,
+    })
+    .unwrap();
+    assert!(!s
+        .c
+        .job("job")
+        .unwrap()
+        .acks
+        .policies
+        .waits_for(&(generation, step)));
+}

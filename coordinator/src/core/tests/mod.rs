@@ -596,6 +596,12 @@ impl Sim {
             },
             ToWorker::PublishPolicy { job, step, .. } => Event::PolicyPublished {
                 worker: w,
+                generation: self
+                    .c
+                    .job(&job)
+                    .ok()
+                    .and_then(|j| j.gen())
+                    .map_or(0, |g| g.id),
                 job,
                 step,
             },

@@ -89,9 +89,11 @@ fn pg_publishes_the_policy_every_n_steps_once_all_ranks_wrote_it() {
     }
     let (first, step, _) = s.publish_requests[0].clone();
     assert_eq!(step, 2);
+    let generation = s.c.job("job").unwrap().gen().unwrap().id;
     s.handle(Event::PolicyPublished {
         worker: first.clone(),
         job: "job".into(),
+        generation,
         step: 2,
     })
     .unwrap();

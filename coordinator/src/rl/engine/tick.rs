@@ -173,13 +173,9 @@ pub(crate) fn next(job: &Job, backend: &Backend) -> Next {
             v
         }
         _ => {
-            // A publication of this step that members of this generation
-            // are writing (one whose writer was lost never completes).
-            let publishing = job
-                .acks
-                .policies
-                .owed(&step)
-                .is_some_and(|waiting| waiting.iter().all(|m| gen.members.contains(m)));
+            // A publication of this step that this generation's members
+            // are writing (an older generation's never completes).
+            let publishing = job.acks.policies.waits_for(&(gen.id, step));
             // Only between steps: the members hold the committed step's
             // weights then; asked while a step is in flight, they would
             // take the policy after it, the next step's weights under this

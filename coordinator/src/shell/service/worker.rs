@@ -135,7 +135,7 @@ fn event_of(worker: &str, msg: Msg, delay: &mut InboundDelay) -> Result<Option<E
             job: e.job_id,
             generation: e.generation,
             step: e.step,
-            kind: convert::error_kind(e.kind, e.peer_rank),
+            kind: convert::error_kind(e.kind, e.peer_rank, e.weight_ring),
             message: e.message,
         },
         Msg::CheckpointDone(c) => Event::CheckpointDone {
@@ -146,6 +146,7 @@ fn event_of(worker: &str, msg: Msg, delay: &mut InboundDelay) -> Result<Option<E
         Msg::PolicyPublished(p) => Event::PolicyPublished {
             worker,
             job: p.job_id,
+            generation: p.generation,
             step: p.step,
         },
         // A worker that got SIGTERM leaves like an admin drain.

@@ -2,7 +2,7 @@
 
 use accrue_proto::v1 as wire;
 
-use crate::core::{HeldState, Worker, WorkerErrorKind, WorkerState};
+use crate::core::{HeldState, Peer, Worker, WorkerErrorKind, WorkerState};
 
 /// `generator`: the worker's rank among its generation's generators, if it
 /// is one (`Coordinator::generator_rank`).
@@ -30,10 +30,14 @@ pub fn worker_info(w: &Worker, generator: Option<u32>, now_ms: i64) -> wire::Wor
     }
 }
 
-pub fn error_kind(kind: i32, peer_rank: Option<u32>) -> WorkerErrorKind {
+pub fn error_kind(kind: i32, peer_rank: Option<u32>, weight_ring: bool) -> WorkerErrorKind {
+    let peer = peer_rank.map(|r| match weight_ring {
+        true => Peer::WeightRing(r),
+        false => Peer::Rank(r),
+    });
     match wire::ErrorKind::try_from(kind).unwrap_or(wire::ErrorKind::Unspecified) {
         wire::ErrorKind::NonFinite => WorkerErrorKind::NonFinite,
-        wire::ErrorKind::CollectiveTimeout => WorkerErrorKind::CollectiveTimeout { peer_rank },
+        wire::ErrorKind::CollectiveTimeout => WorkerErrorKind::CollectiveTimeout { peer },
         wire::ErrorKind::InvalidPlan => WorkerErrorKind::InvalidPlan,
         wire::ErrorKind::RestoreFailed => WorkerErrorKind::RestoreFailed,
         wire::ErrorKind::StateSync => WorkerErrorKind::StateSync,
