@@ -146,7 +146,12 @@ pub async fn run(
         out.join("state").display()
     );
     match metrics {
-        Some(addr) => errln!("status page on http://{addr}/ (Prometheus: http://{addr}/metrics)"),
+        // The page shows workers and reasons with this run's admin token:
+        // in the fragment, which the browser keeps and never sends.
+        Some(addr) => errln!(
+            "status page on http://{addr}/#token={} (Prometheus: http://{addr}/metrics)",
+            tokens.admin.as_ref().map_or("", |t| t.expose())
+        ),
         None if metrics_listen != Some("off") => errln!(
             "no status page: {} is taken (pass --metrics-listen ADDR)",
             config_metrics.map_or_else(String::new, |a| a.to_string())

@@ -185,7 +185,7 @@ fn serving_metrics_off_loopback_warns_at_startup() {
         drop(child);
         let text = std::fs::read_to_string(&log).unwrap();
         let warning = format!(
-            "the status page and /metrics on {} take no token and are not on loopback",
+            "the status page and /metrics on {} are not on loopback",
             http.unwrap()
         );
         assert_eq!(text.contains(&warning), warns, "{metrics}: {text}");

@@ -333,10 +333,16 @@ fn check_page_in_chromium(chromium: &Path, d: &Path, page: &str, job: &str, work
 
 /// One HTTP/1.0 GET on 127.0.0.1: the body, or None while nothing answers.
 fn http_get(addr: &str, path: &str) -> Option<String> {
+    http_get_as(addr, path, None)
+}
+
+/// [`http_get`] with `token` as a bearer token.
+fn http_get_as(addr: &str, path: &str, token: Option<&str>) -> Option<String> {
     use std::io::{Read, Write};
     let mut conn = std::net::TcpStream::connect(addr).ok()?;
     conn.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
-    write!(conn, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
+    let auth = token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
+    write!(conn, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n{auth}\r\n").ok()?;
     let mut reply = String::new();
     conn.read_to_string(&mut reply).ok()?;
     let (head, body) = reply.split_once("\r\n\r\n")?;
@@ -389,12 +395,15 @@ fn accrue_local_serves_the_status_page_and_metrics() {
         }
     });
     let mut seen = Vec::new();
-    let addr = loop {
+    // The URL carries the run's admin token in its fragment.
+    let (addr, token) = loop {
         let line = rx
             .recv_timeout(Duration::from_secs(60))
             .unwrap_or_else(|e| panic!("no status page URL ({e}); stderr so far: {seen:#?}"));
         if let Some(rest) = line.strip_prefix("status page on http://") {
-            break rest.split('/').next().unwrap().to_string();
+            let url = rest.split(' ').next().unwrap();
+            let (addr, token) = url.split_once("/#token=").expect("a #token= fragment");
+            break (addr.to_string(), token.to_string());
         }
         seen.push(line);
     };
@@ -404,7 +413,7 @@ fn accrue_local_serves_the_status_page_and_metrics() {
     let out = d.join("out");
     let status = |out: &Path| -> serde_json::Value {
         let body = wait_for("GET /api/status", Duration::from_secs(30), out, || {
-            http_get(&addr, "/api/status")
+            http_get_as(&addr, "/api/status", Some(&token))
         });
         serde_json::from_str(&body).unwrap()
     };
@@ -424,12 +433,23 @@ fn accrue_local_serves_the_status_page_and_metrics() {
         (j["step"].as_u64()? >= 3 && workers.len() == 2)
             .then(|| (j["id"].as_str().unwrap().to_string(), workers))
     });
+    // Without the token: the public view (issue 33), no workers named.
+    let public: serde_json::Value =
+        serde_json::from_str(&http_get(&addr, "/api/status").expect("GET /api/status")).unwrap();
+    assert_eq!(public["detail"], "public", "{public}");
+    assert_eq!(public["worker_count"], 2, "{public}");
+    assert!(
+        public["workers"].as_array().unwrap().is_empty() && public["jobs"][0]["reason"].is_null(),
+        "{public}"
+    );
     let metrics = http_get(&addr, "/metrics").expect("GET /metrics");
     assert!(
         metrics.contains(&format!("job_id=\"{job}\"")),
         "no series of job {job} in /metrics:\n{metrics}"
     );
-    check_page_in_chromium(&chromium, d, &format!("http://{addr}/"), &job, &workers);
+    // The page as printed: it takes the token from the fragment.
+    let page = format!("http://{addr}/#token={token}");
+    check_page_in_chromium(&chromium, d, &page, &job, &workers);
 
     // Ctrl-C stops the run, its workers and the page at once (the workers
     // of an unfinished job have no final checkpoint to wait for).

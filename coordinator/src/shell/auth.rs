@@ -124,7 +124,7 @@ impl Token {
         &self.0
     }
 
-    fn matches(&self, presented: &[u8]) -> bool {
+    pub fn matches(&self, presented: &[u8]) -> bool {
         // Constant-time in the content; only the length can leak.
         self.0.as_bytes().ct_eq(presented).into()
     }

@@ -2,12 +2,19 @@
 //! `GET /metrics`, the status page `GET /`, and the read-only JSON API the
 //! page polls (`GET /api/status`, `GET /api/jobs/{id}/metrics?since=N`).
 //!
-//! Everything here is read-only and carries no token, as Prometheus scrapes
-//! expect: bind it to a private address (the default is 127.0.0.1:9090) or a
-//! cluster-internal Service, never to the public internet (the server warns
-//! at startup when it is bound elsewhere, [`exposure_warning`]). It shows no
-//! specs or data: job reasons are shown with their file paths redacted
-//! ([`redact_paths`]). Views are built by pure functions from the state
+//! Everything here is read-only. `/metrics` and the page itself need no
+//! token, as Prometheus scrapes expect (its labels are job ids, sources and
+//! enum values: no hosts, ranks or free text). The JSON API shows two
+//! levels of [`Detail`] (issue 33): with the admin token as `authorization:
+//! Bearer <token>` (or on a coordinator without one: loopback development)
+//! everything — job reasons (file paths redacted, [`redact_paths`]),
+//! generations, the workers with their hosts and ranks, reward components;
+//! without it only what an operator outside the cluster may see: jobs,
+//! their states, progress and losses, and how many workers there are. A
+//! wrong token is refused (401), never answered as if none were sent. Bind
+//! it to a private address (the default is 127.0.0.1:9090) or a
+//! cluster-internal Service (the server warns at startup when it is bound
+//! elsewhere, [`exposure_warning`]). Views are built by pure functions from the state
 //! machine; the lock is held only to copy what a reply needs, never across
 //! an `.await` and never while the store is read: step history is read
 //! after, metrics only (never a step's documents or layout), at most
@@ -19,7 +26,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use axum::extract::{Path, Query, State};
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
@@ -29,6 +36,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 use crate::core::{Coordinator, JobId, StepMetrics};
+use crate::shell::auth::Token;
 use crate::shell::service::{now_ms, Shared};
 use crate::shell::store::Store;
 
@@ -47,6 +55,21 @@ pub const MAX_STEPS_PER_STATUS: usize = 20_000;
 /// Requests reading step history at once; more wait their turn.
 pub const MAX_READERS: usize = 4;
 
+/// How much a reply of the JSON API shows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Detail {
+    /// Everything (the admin token was sent, or the coordinator has none).
+    Full,
+    /// What an operator outside the cluster may see: no reasons,
+    /// generations, hosts, ranks or reward components.
+    Public,
+}
+
+/// Metric keys of a step the public view leaves out: reward components
+/// are named by the verifier's output.
+const PRIVATE_EXTRA_PREFIX: &str = "rl/reward/";
+
 /// One job as the status API shows it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct JobView {
@@ -57,13 +80,17 @@ pub struct JobView {
     /// `pending`, `running`, `paused`, `completed`, `failed` or `cancelled`.
     pub state: String,
     /// Why the job is pending, paused or failed (empty otherwise), file
-    /// paths shown as `<path>`.
-    pub reason: String,
+    /// paths shown as `<path>`; absent from the public view (reasons name
+    /// workers, ranks and what verifiers said).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
     /// Last committed step.
     pub step: u64,
     /// Total steps when known, else 0.
     pub total_steps: u64,
-    pub generation: u64,
+    /// The current generation; absent from the public view.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<u64>,
     /// Workers in the current generation (0 when none is formed).
     pub world_size: u32,
     /// Documents trained on in committed steps.
@@ -95,8 +122,12 @@ pub struct WorkerView {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StatusView {
     pub unix_ms: i64,
+    pub detail: Detail,
     pub jobs: Vec<JobView>,
+    /// Each worker (empty in the public view).
     pub workers: Vec<WorkerView>,
+    /// How many workers are registered (either view).
+    pub worker_count: usize,
 }
 
 /// The reply of `GET /api/jobs/{id}/metrics`: committed steps after `since`,
@@ -104,7 +135,9 @@ pub struct StatusView {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MetricsView {
     pub job: String,
-    pub steps: Vec<StepMetrics>,
+    pub detail: Detail,
+    /// In the public view without `generation` and reward components.
+    pub steps: Vec<serde_json::Value>,
     /// More steps follow the last one here (the reply was capped at
     /// [`MAX_STEPS_PER_REPLY`]).
     pub more: bool,
@@ -123,14 +156,17 @@ pub struct Totals {
 #[derive(Clone)]
 struct AppState {
     shared: Arc<Shared>,
+    /// The admin token the full views need (None: everything is shown).
+    admin: Option<Token>,
     totals: Arc<Mutex<HashMap<JobId, Totals>>>,
     readers: Arc<tokio::sync::Semaphore>,
 }
 
-/// The HTTP routes over `shared`.
-pub fn router(shared: Arc<Shared>) -> Router {
+/// The HTTP routes over `shared`; `admin` opens the full views.
+pub fn router(shared: Arc<Shared>, admin: Option<Token>) -> Router {
     let state = AppState {
         shared,
+        admin,
         totals: Arc::default(),
         readers: Arc::new(tokio::sync::Semaphore::new(MAX_READERS)),
     };
@@ -153,8 +189,13 @@ pub fn router(shared: Arc<Shared>) -> Router {
 }
 
 /// Serves [`router`] on `listener` until `shutdown` fires.
-pub async fn serve(listener: TcpListener, shared: Arc<Shared>, shutdown: CancellationToken) {
-    let app = router(shared);
+pub async fn serve(
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    admin: Option<Token>,
+    shutdown: CancellationToken,
+) {
+    let app = router(shared, admin);
     if let Err(e) = axum::serve(listener, app)
         .with_graceful_shutdown(shutdown.cancelled_owned())
         .await
@@ -182,7 +223,31 @@ async fn not_found() -> impl IntoResponse {
     )
 }
 
-async fn status(State(s): State<AppState>) -> Result<Json<StatusView>, ApiError> {
+/// The detail a request may see: full with the admin token (or when the
+/// coordinator has none), public without one; a wrong token is an error.
+pub fn detail_for(admin: Option<&Token>, headers: &HeaderMap) -> Result<Detail, ApiError> {
+    let Some(admin) = admin else {
+        return Ok(Detail::Full);
+    };
+    let Some(h) = headers.get(header::AUTHORIZATION) else {
+        return Ok(Detail::Public);
+    };
+    let h = h.as_bytes();
+    let (scheme, rest) = h.split_at(h.len().min(7));
+    if scheme.eq_ignore_ascii_case(b"bearer ") && admin.matches(rest) {
+        return Ok(Detail::Full);
+    }
+    Err(ApiError {
+        status: StatusCode::UNAUTHORIZED,
+        message: "the token sent is not the admin token (ACCRUE_ADMIN_TOKEN): send none for the public view".into(),
+    })
+}
+
+async fn status(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+) -> Result<Json<StatusView>, ApiError> {
+    let detail = detail_for(s.admin.as_ref(), &headers)?;
     // Under the lock: what is behind, and the store's handle.
     let (store, behind) = {
         let inner = s.shared.lock();
@@ -225,7 +290,7 @@ async fn status(State(s): State<AppState>) -> Result<Json<StatusView>, ApiError>
     }
     let inner = s.shared.lock();
     let totals = s.totals.lock().unwrap_or_else(|p| p.into_inner());
-    Ok(Json(status_view(&inner.core, &totals, now_ms())))
+    Ok(Json(status_view(&inner.core, &totals, now_ms(), detail)))
 }
 
 /// Query of `GET /api/jobs/{id}/metrics`.
@@ -240,7 +305,9 @@ async fn job_metrics(
     State(s): State<AppState>,
     Path(id): Path<String>,
     Query(q): Query<Since>,
+    headers: HeaderMap,
 ) -> Result<Json<MetricsView>, ApiError> {
+    let detail = detail_for(s.admin.as_ref(), &headers)?;
     let store = {
         let inner = s.shared.lock();
         if inner.core.job(&id).is_err() {
@@ -252,15 +319,20 @@ async fn job_metrics(
         inner.store.clone()
     };
     let _turn = s.readers.acquire().await.map_err(ApiError::internal)?;
-    let view = tokio::task::spawn_blocking(move || metrics_view(&store, &id, q.since))
+    let view = tokio::task::spawn_blocking(move || metrics_view(&store, &id, q.since, detail))
         .await
         .map_err(ApiError::internal)??;
     Ok(Json(view))
 }
 
 /// Committed steps of `job` after `since`, at most [`MAX_STEPS_PER_REPLY`]
-/// (their metrics only).
-fn metrics_view(store: &Store, job: &str, since: u64) -> Result<MetricsView, ApiError> {
+/// (their metrics only), as `detail` may see them.
+fn metrics_view(
+    store: &Store,
+    job: &str,
+    since: u64,
+    detail: Detail,
+) -> Result<MetricsView, ApiError> {
     let mut steps = Vec::new();
     store
         .step_metrics(job, since.saturating_add(1), MAX_STEPS_PER_REPLY + 1, |m| {
@@ -269,11 +341,29 @@ fn metrics_view(store: &Store, job: &str, since: u64) -> Result<MetricsView, Api
         .map_err(ApiError::internal)?;
     let more = steps.len() > MAX_STEPS_PER_REPLY;
     steps.truncate(MAX_STEPS_PER_REPLY);
+    let steps = steps
+        .into_iter()
+        .map(|m| step_view(m, detail))
+        .collect::<Result<_, _>>()
+        .map_err(ApiError::internal)?;
     Ok(MetricsView {
         job: job.to_string(),
+        detail,
         steps,
         more,
     })
+}
+
+/// One step's metrics as `detail` may see them.
+pub fn step_view(mut m: StepMetrics, detail: Detail) -> serde_json::Result<serde_json::Value> {
+    if detail == Detail::Public {
+        m.extra.retain(|k, _| !k.starts_with(PRIVATE_EXTRA_PREFIX));
+    }
+    let mut v = serde_json::to_value(m)?;
+    if let (Detail::Public, Some(o)) = (detail, v.as_object_mut()) {
+        o.remove("generation");
+    }
+    Ok(v)
 }
 
 /// `t` plus the given committed steps (those after `t.through`; a replayed
@@ -291,7 +381,13 @@ pub fn add_steps<'a>(mut t: Totals, steps: impl IntoIterator<Item = &'a StepMetr
 
 /// The status view of `core` at `now_ms`, with documents and tokens from
 /// `totals` (0 for a job missing there).
-pub fn status_view(core: &Coordinator, totals: &HashMap<JobId, Totals>, now_ms: i64) -> StatusView {
+pub fn status_view(
+    core: &Coordinator,
+    totals: &HashMap<JobId, Totals>,
+    now_ms: i64,
+    detail: Detail,
+) -> StatusView {
+    let full = detail == Detail::Full;
     let jobs = core
         .jobs()
         .map(|j| {
@@ -301,10 +397,10 @@ pub fn status_view(core: &Coordinator, totals: &HashMap<JobId, Totals>, now_ms: 
                 name: j.rec.name.clone(),
                 kind: j.spec.objective.kind.to_string(),
                 state: j.rec.state.name().to_string(),
-                reason: redact_paths(&j.rec.reason),
+                reason: full.then(|| redact_paths(&j.rec.reason)),
                 step: j.rec.step,
                 total_steps: j.rec.total_steps,
-                generation: j.rec.generation,
+                generation: full.then_some(j.rec.generation),
                 world_size: j.gen().map_or(0, |g| g.world_size()),
                 docs_seen: t.docs,
                 tokens_seen: t.tokens,
@@ -312,8 +408,10 @@ pub fn status_view(core: &Coordinator, totals: &HashMap<JobId, Totals>, now_ms: 
             }
         })
         .collect();
+    let worker_count = core.workers().count();
     let workers = core
         .workers()
+        .filter(|_| full)
         .map(|w| (w, core.generator_rank(w)))
         .map(|(w, generator)| WorkerView {
             id: w.id.clone(),
@@ -332,8 +430,10 @@ pub fn status_view(core: &Coordinator, totals: &HashMap<JobId, Totals>, now_ms: 
         .collect();
     StatusView {
         unix_ms: now_ms,
+        detail,
         jobs,
         workers,
+        worker_count,
     }
 }
 
@@ -377,16 +477,17 @@ pub fn redact_paths(text: &str) -> String {
 pub fn exposure_warning(addr: std::net::SocketAddr) -> Option<String> {
     (!addr.ip().is_loopback()).then(|| {
         format!(
-            "the status page and /metrics on {addr} take no token and are not on loopback: \
-             whoever can reach {addr} sees job names, states, hosts and losses; keep \
-             --metrics-listen on 127.0.0.1 or a cluster-internal address"
+            "the status page and /metrics on {addr} are not on loopback: whoever can reach \
+             {addr} sees job names, states, progress and losses without a token (with no \
+             admin token configured, also reasons, hosts and ranks); keep --metrics-listen \
+             on 127.0.0.1 or a cluster-internal address"
         )
     })
 }
 
 /// A JSON error reply: `{"error": "..."}`.
 #[derive(Debug)]
-struct ApiError {
+pub struct ApiError {
     status: StatusCode,
     message: String,
 }
@@ -477,14 +578,17 @@ mod tests {
         assert_eq!(exposure_warning("127.0.0.1:9090".parse().unwrap()), None);
         assert_eq!(exposure_warning("[::1]:9090".parse().unwrap()), None);
         let w = exposure_warning("0.0.0.0:9090".parse().unwrap()).unwrap();
-        assert!(w.contains("0.0.0.0:9090") && w.contains("no token"), "{w}");
+        assert!(
+            w.contains("0.0.0.0:9090") && w.contains("without a token"),
+            "{w}"
+        );
     }
 
     #[test]
     fn an_empty_coordinator_has_an_empty_status() {
         let core = Coordinator::new(Default::default());
-        let v = status_view(&core, &HashMap::new(), 5_000);
+        let v = status_view(&core, &HashMap::new(), 5_000, Detail::Full);
         assert_eq!(v.unix_ms, 5_000);
-        assert!(v.jobs.is_empty() && v.workers.is_empty());
+        assert!(v.jobs.is_empty() && v.workers.is_empty() && v.worker_count == 0);
     }
 }

@@ -252,6 +252,7 @@ impl Server {
             tokio::spawn(crate::shell::http::serve(
                 l,
                 self.shared.clone(),
+                self.config.security.tokens.admin.clone(),
                 shutdown.clone(),
             ));
         }
