@@ -263,6 +263,7 @@ impl Server {
         let worker = WorkerServiceServer::new(WorkerServiceImpl::new(
             self.shared.clone(),
             self.config.heartbeat_interval_ms,
+            max,
         ))
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);

@@ -18,13 +18,16 @@ use crate::core::{Event, RankResult, Registration};
 pub struct WorkerServiceImpl {
     shared: Arc<Shared>,
     heartbeat_interval_ms: u32,
+    /// The largest message a session sends (the gRPC encoding limit).
+    max_message_bytes: usize,
 }
 
 impl WorkerServiceImpl {
-    pub fn new(shared: Arc<Shared>, heartbeat_interval_ms: u32) -> Self {
+    pub fn new(shared: Arc<Shared>, heartbeat_interval_ms: u32, max_message_bytes: usize) -> Self {
         Self {
             shared,
             heartbeat_interval_ms,
+            max_message_bytes,
         }
     }
 }
@@ -259,8 +262,19 @@ impl WorkerService for WorkerServiceImpl {
             }
             shared.close_session(&worker, serial);
         });
-        // Encoded here, per session: the lock only queues Arc-shared messages.
-        let encoded = UnboundedReceiverStream::new(rx).map(|m| m.map(|m| convert::to_worker(&m)));
+        // Encoded here, per session: the lock only queues Arc-shared
+        // messages. A hub's Relay is cut to fit the message limit.
+        let limit = self.max_message_bytes;
+        let encoded = UnboundedReceiverStream::new(rx).flat_map(move |m| {
+            let each: Vec<Result<wire::CoordinatorMessage, Status>> = match m {
+                Ok(m) => convert::to_worker_within(&m, limit)
+                    .into_iter()
+                    .map(Ok)
+                    .collect(),
+                Err(e) => vec![Err(e)],
+            };
+            futures::stream::iter(each)
+        });
         Ok(Response::new(Box::pin(encoded)))
     }
 }

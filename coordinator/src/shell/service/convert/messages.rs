@@ -158,6 +158,61 @@ pub fn to_worker(msg: &ToWorker) -> wire::CoordinatorMessage {
     wire::CoordinatorMessage { msg: Some(msg) }
 }
 
+/// `msg` on the wire as messages of at most `limit` encoded bytes: a Relay
+/// whose members' messages do not fit in one is cut into several, in
+/// order (issue 33 (2): one Relay held ⌈√W⌉ ranks' plans and went over the
+/// gRPC limit, which ended the hub's session, so the generation re-formed
+/// for ever). One member's message that alone exceeds the limit goes in a
+/// Relay of its own: it would not fit sent directly either.
+pub fn to_worker_within(msg: &ToWorker, limit: usize) -> Vec<wire::CoordinatorMessage> {
+    let ToWorker::Relay {
+        job,
+        generation,
+        messages,
+    } = msg
+    else {
+        return vec![to_worker(msg)];
+    };
+    let relay = |messages: Vec<wire::Relayed>| wire::CoordinatorMessage {
+        msg: Some(wire::coordinator_message::Msg::Relay(wire::Relay {
+            job_id: job.clone(),
+            generation: *generation,
+            messages,
+        })),
+    };
+    // Exact sizes: a Relay of entries costing `sum` bytes encodes to its
+    // base, plus `sum`, plus the outer tag and the length's varint.
+    let varint = |n: usize| prost::encoding::encoded_len_varint(n as u64);
+    let base = wire::Relay {
+        job_id: job.clone(),
+        generation: *generation,
+        messages: Vec::new(),
+    }
+    .encoded_len();
+    let tag = relay(Vec::new()).encoded_len() - varint(base) - base;
+    let size = |sum: usize| tag + varint(base + sum) + base + sum;
+    let cost = |r: &wire::Relayed| 1 + varint(r.encoded_len()) + r.encoded_len();
+    let mut out = Vec::new();
+    let (mut batch, mut sum) = (Vec::new(), 0);
+    for (rank, m) in messages {
+        let r = wire::Relayed {
+            rank: *rank,
+            message: to_worker(m).encode_to_vec(),
+        };
+        let c = cost(&r);
+        if !batch.is_empty() && size(sum + c) > limit {
+            out.push(relay(std::mem::take(&mut batch)));
+            sum = 0;
+        }
+        sum += c;
+        batch.push(r);
+    }
+    if !batch.is_empty() || out.is_empty() {
+        out.push(relay(batch));
+    }
+    out
+}
+
 /// A `ToWorker::Configure` on the wire: O(1) in the world size (this
 /// rank's neighbour and prior, and the priors as runs).
 fn configure(msg: &ToWorker) -> wire::Configure {

@@ -8,7 +8,7 @@ mod steps;
 mod worker;
 
 pub use job::{cursor, job_definition, job_state, job_summary, quarantined};
-pub use messages::{packed_rows, to_worker, PackedRows};
+pub use messages::{packed_rows, to_worker, to_worker_within, PackedRows};
 pub use metrics::{
     abort_reason, eval_metrics, event_kind, metric_sums, seq_logp, source_metrics, step_metrics,
     watch_item,
@@ -33,6 +33,64 @@ mod tests {
             rank,
             generation: 3,
         }
+    }
+
+    /// Issue 33 (2): a hub's Relay held every follower's message in one
+    /// gRPC message, which at ⌈√W⌉ plans went over the limit. It is cut
+    /// into Relays that each fit, the members' messages whole and in order.
+    #[test]
+    fn a_relay_over_the_message_limit_is_cut_into_relays_that_fit() {
+        let msgs: Vec<(u32, ToWorker)> = (0..500u32)
+            .map(|i| {
+                let m = ToWorker::SyncWeights {
+                    job: "job-with-a-long-id".into(),
+                    generation: 9,
+                    version: u64::from(i) * 1_000_003,
+                };
+                (1 + i % 31, m)
+            })
+            .collect();
+        let relay = ToWorker::Relay {
+            job: "job-with-a-long-id".into(),
+            generation: 9,
+            messages: msgs.clone(),
+        };
+        let whole = to_worker(&relay);
+        // Under a limit it fits: one message, as before.
+        assert_eq!(
+            to_worker_within(&relay, whole.encoded_len()),
+            vec![whole.clone()]
+        );
+        for limit in [whole.encoded_len() - 1, 4096, 1000, 200, 60] {
+            let parts = to_worker_within(&relay, limit);
+            assert!(parts.len() > 1, "limit {limit}");
+            let mut entries = Vec::new();
+            for p in &parts {
+                let Some(wire::coordinator_message::Msg::Relay(r)) = &p.msg else {
+                    panic!("not a relay: {p:?}")
+                };
+                assert_eq!((r.job_id.as_str(), r.generation), ("job-with-a-long-id", 9));
+                assert!(!r.messages.is_empty());
+                // Each fits, unless it is one entry that alone does not.
+                assert!(
+                    p.encoded_len() <= limit || r.messages.len() == 1,
+                    "limit {limit}: {} bytes, {} entries",
+                    p.encoded_len(),
+                    r.messages.len()
+                );
+                entries.extend(r.messages.iter().cloned());
+            }
+            let Some(wire::coordinator_message::Msg::Relay(all)) = &whole.msg else {
+                unreachable!()
+            };
+            assert_eq!(
+                entries, all.messages,
+                "limit {limit}: every message, in order"
+            );
+        }
+        // Other messages pass as they are.
+        let m = &msgs[0].1;
+        assert_eq!(to_worker_within(m, 10), vec![to_worker(m)]);
     }
 
     #[test]
