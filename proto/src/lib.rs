@@ -21,10 +21,11 @@
 /// 4: worker-to-worker links authenticate (`Configure.link_key`, relay
 /// hellos MAC'd with the group key), which older workers would not do.
 /// 5: a worker error may blame a rank of the weight ring
-/// (`WorkerError.weight_ring`), and published-policy acknowledgements name
+/// (`WorkerError.weight_ring`), relay link failures have their own kind
+/// (`ERROR_KIND_RELAY_LINK`), and published-policy acknowledgements name
 /// their generation (`PolicyPublished.generation`): an older coordinator
-/// would blame the training rank of the same number, or count an older
-/// generation's acknowledgement.
+/// would blame the training rank of the same number, read a relay failure
+/// as an internal error, or count an older generation's acknowledgement.
 pub const PROTOCOL: u32 = 5;
 
 /// A packed sequence's document id as text (`file:line`): its `doc_id`

@@ -84,7 +84,10 @@ pub fn plan(job: &Job, workers: &Workers, opts: &CoordinatorOptions, chosen: Cho
         .iter()
         .map(|m| workers[m].reg.relay_addr.as_str())
         .collect();
-    let relaying = Relaying::decide(&relay_addrs, opts.relay_min_world);
+    // A job whose relay links kept failing sends directly (issue 33 (6)).
+    let relaying = (job.faults.relay_failures < super::job::RELAY_FAILURES_BEFORE_DIRECT)
+        .then(|| Relaying::decide(&relay_addrs, opts.relay_min_world))
+        .flatten();
     // One ring secret for the generation's training and weight rings.
     let link = LinkSecret::generate(opts.seal_links);
     let relay_addr = |rank: u32| relay_addrs[rank as usize].to_string();

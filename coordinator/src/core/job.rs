@@ -65,6 +65,9 @@ pub struct JobAcks {
     pub policies: Acks<(u64, u64)>,
 }
 
+/// Relay link failures after which a job's messages go directly.
+pub const RELAY_FAILURES_BEFORE_DIRECT: u32 = 2;
+
 /// A job's failures so far (live only: a restarted coordinator starts
 /// them over).
 #[derive(Debug, Clone, Default)]
@@ -88,6 +91,10 @@ pub struct Faults {
     /// hostile) would otherwise loop the job for ever, for every kind of
     /// work: at `faults.max_step_attempts` the job fails.
     pub refusals: u32,
+    /// Relay links that failed (issue 33 (6)): at
+    /// [`RELAY_FAILURES_BEFORE_DIRECT`] the job's generations stop relaying
+    /// and every message goes on its worker's own session.
+    pub relay_failures: u32,
     /// How fast its plans ran: the step deadline's basis.
     pub pace: Pace,
     /// A non-finite step's documents being bisected.

@@ -7,6 +7,7 @@ use tracing::warn;
 
 use super::ctx::JobCtx;
 use super::events::RankResult;
+use super::job::RELAY_FAILURES_BEFORE_DIRECT;
 use super::phase::Work;
 use super::types::{AbortReason, End, PlanKind, Why, WorkerErrorKind};
 
@@ -198,6 +199,9 @@ impl JobCtx<'_> {
                 );
                 self.end_generation(why, false);
             }
+            WorkerErrorKind::RelayLink { peer_rank } => {
+                self.on_relay_failed(worker, peer_rank, &message)
+            }
             WorkerErrorKind::RestoreFailed => self.on_restore_failed(worker, &message),
             WorkerErrorKind::StateSync => {
                 let why = Why::new(
@@ -229,6 +233,43 @@ impl JobCtx<'_> {
                     ),
                 );
                 self.finish(End::Failed(why));
+            }
+        }
+    }
+
+    /// A relay link of the current generation failed: the blamed rank is
+    /// dropped (the hub, or a follower that could not reach its hub), and
+    /// after [`RELAY_FAILURES_BEFORE_DIRECT`] such failures the job stops
+    /// relaying: its next generations send every message directly, so a
+    /// link that keeps failing (a network policy between pods, a hub that
+    /// keeps being chosen) costs a few re-formations, not the job.
+    fn on_relay_failed(&mut self, worker: &str, peer_rank: u32, message: &str) {
+        let job = &mut *self.job;
+        job.faults.relay_failures += 1;
+        let n = job.faults.relay_failures;
+        if n == RELAY_FAILURES_BEFORE_DIRECT {
+            let msg = format!(
+                "relaying stopped after {n} relay link failures (the last: {message}): the job's messages now go directly to each worker"
+            );
+            warn!(job = %self.id, "{msg}");
+            self.fx
+                .push(job.event(super::types::EventKind::Generation, msg, self.now));
+        }
+        let peer = job
+            .gen()
+            .and_then(|g| g.members.get(peer_rank as usize))
+            .cloned();
+        match peer {
+            Some(p) => {
+                let why = format!("relay link failure reported by {worker}: {message}");
+                self.lose_member_for(&p, &why);
+            }
+            None => {
+                let why = Why::new(
+                    AbortReason::CollectiveTimeout,
+                    format!("relay link failure on {worker}: {message}"),
+                );
+                self.end_generation(why, false);
             }
         }
     }

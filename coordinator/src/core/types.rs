@@ -161,6 +161,11 @@ pub enum WorkerErrorKind {
     Data,
     /// A checkpoint part could not be written.
     CheckpointWrite,
+    /// A relay link failed; `peer_rank` is the rank blamed (the hub, or
+    /// the reporting follower itself when it could not reach its hub).
+    RelayLink {
+        peer_rank: u32,
+    },
 }
 
 impl WorkerErrorKind {
@@ -175,6 +180,7 @@ impl WorkerErrorKind {
             WorkerErrorKind::OutOfMemory => "out of memory",
             WorkerErrorKind::Data => "data",
             WorkerErrorKind::CheckpointWrite => "checkpoint write",
+            WorkerErrorKind::RelayLink { .. } => "relay link",
         }
     }
 }

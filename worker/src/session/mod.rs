@@ -432,7 +432,7 @@ async fn session(
                         job_id: job,
                         generation,
                         step: progress.step.load(std::sync::atomic::Ordering::Relaxed),
-                        kind: wire::ErrorKind::CollectiveTimeout as i32,
+                        kind: wire::ErrorKind::RelayLink as i32,
                         message,
                         peer_rank: Some(peer_rank),
                         weight_ring: false,

@@ -431,3 +431,61 @@ fn answers_refused_again_and_again_fail_the_job_instead_of_looping() {
     }
     assert_ne!(s.state(), JobState::Failed);
 }
+
+/// Issue 33 (6): a relay link that kept failing (a network policy between
+/// pods, say) re-formed relayed generation after relayed generation. Each
+/// failure blames the rank the worker names, and after two the job's next
+/// generations send every message directly, and the job completes.
+#[test]
+fn relay_link_failures_twice_make_the_job_send_directly() {
+    let mut s = Sim::new();
+    s.submit(spec("epochs = 1", "docs_per_step = 8", 3, 4), docs(40));
+    for w in ["a", "b", "c", "d", "e", "f"] {
+        s.worker(w);
+    }
+    for failure in 1..=2u32 {
+        until_plans(&mut s, 1);
+        let job = s.c.job("job").unwrap();
+        let generation = job.rec.generation;
+        let members = job.rec.members.clone();
+        let roles = relay_roles(&s, generation);
+        use crate::core::relay::RelayRole;
+        assert!(
+            matches!(roles[1], Some(RelayRole::Follower { hub: 0, .. })),
+            "relayed: {roles:?}"
+        );
+        // Rank 1 follows rank 0 and reports its link broken.
+        s.handle(Event::WorkerError {
+            worker: members[1].clone(),
+            job: "job".into(),
+            generation,
+            step: 1,
+            kind: WorkerErrorKind::RelayLink { peer_rank: 0 },
+            message: format!("relay from rank 0: connection reset ({failure})"),
+        })
+        .unwrap();
+        assert_eq!(
+            s.c.worker(&members[0]).unwrap().state,
+            WorkerState::Lost,
+            "the hub is blamed"
+        );
+        s.dead.push(members[0].clone());
+        s.inbox.retain(|(w, _)| *w != members[0]);
+    }
+    assert!(
+        s.events
+            .iter()
+            .any(|(_, m)| m.contains("relaying stopped after 2 relay link failures")),
+        "{:?}",
+        s.events
+    );
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    let last = s.c.job("job").unwrap().rec.generation;
+    let roles = relay_roles(&s, last);
+    assert!(
+        !roles.is_empty() && roles.iter().all(Option::is_none),
+        "direct: {roles:?}"
+    );
+    assert_every_document_once(&s, 40);
+}
