@@ -37,8 +37,9 @@ const BATCH_ROWS: usize = 8192;
 pub struct EncoderKey(u128);
 
 impl EncoderKey {
-    /// Hashes the tokenizer (with its `tokenizer_config.json`), the chat
-    /// template file, the document kind and the model's vocabulary bound.
+    /// Hashes the tokenizer (with its `tokenizer_config.json` and
+    /// `chat_template.jinja`), the chat template file, the document kind
+    /// and the model's vocabulary bound.
     pub fn new(
         tokenizer: Option<&Path>,
         chat_template: Option<&Path>,
@@ -59,6 +60,11 @@ impl EncoderKey {
                 if cfg.is_file() {
                     h.update(b"config=");
                     hash_file(&mut h, &cfg)?;
+                }
+                let jinja = p.with_file_name(super::template::CHAT_TEMPLATE_FILE);
+                if jinja.is_file() {
+                    h.update(b"chat_template.jinja=");
+                    hash_file(&mut h, &jinja)?;
                 }
             }
         }

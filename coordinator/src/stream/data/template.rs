@@ -8,10 +8,13 @@
 //! Which template (first found wins):
 //! 1. `data.chat_template`: a file holding the Jinja text, or a
 //!    `tokenizer_config.json`-style JSON file whose `chat_template` is used;
-//! 2. `chat_template` in `tokenizer_config.json` next to the `tokenizer.json`
+//! 2. `chat_template.jinja` next to the `tokenizer.json` (where
+//!    `transformers`' `save_pretrained` has written it since mid-2025; it
+//!    overrides the config's, as `AutoTokenizer` reads it);
+//! 3. `chat_template` in `tokenizer_config.json` next to the `tokenizer.json`
 //!    (a string, or a list of `{name, template}` from which "default" is
 //!    taken);
-//! 3. the built-in template [`BUILTIN_TEMPLATE`]:
+//! 4. the built-in template [`BUILTIN_TEMPLATE`]:
 //!    `{bos}<|user|>\n{text}\n<|assistant|>\n{text}{eos}<|user|>\n...`, i.e.
 //!    every turn is `<|role|>\n` + content, followed by `\n` for non-assistant
 //!    turns and by the EOS token for assistant turns (so the model learns to
@@ -36,6 +39,10 @@ use crate::job::input::{self, MAX_CONFIG_BYTES};
 
 /// The built-in chat template (see the module docs).
 pub const BUILTIN_TEMPLATE: &str = r#"{{ bos_token }}{% for message in messages %}{{ '<|' + message.role + '|>\n' + message.content }}{% if message.role == 'assistant' %}{{ eos_token }}{% else %}{{ '\n' }}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"#;
+
+/// The file `transformers` writes a tokenizer's chat template to, beside
+/// `tokenizer.json`.
+pub const CHAT_TEMPLATE_FILE: &str = "chat_template.jinja";
 
 /// EOS token names tried, in order, when no `tokenizer_config.json` names one.
 pub const EOS_FALLBACKS: &[&str] = &[
@@ -216,7 +223,10 @@ pub fn resolve(
         ChatTemplate::new(text, source).map_err(|message| DataError::Template { path, message })
     };
     let is_bytes = matches!(tokenizer, Tokenizer::Bytes);
-    let (mut tmpl, builtin) = if let Some(f) = template_file {
+    let jinja = tokenizer_path
+        .map(|p| p.with_file_name(CHAT_TEMPLATE_FILE))
+        .filter(|p| p.is_file());
+    let (mut tmpl, builtin) = if let Some(f) = template_file.or(jinja.as_deref()) {
         let text = read_template_file(f)?;
         (
             compile(&text, f.display().to_string(), f.to_path_buf())?,

@@ -935,3 +935,67 @@ mod props {
         }
     }
 }
+
+/// Issue 34, first part: since mid-2025 `transformers`' `save_pretrained`
+/// writes the chat template to `chat_template.jinja` beside
+/// `tokenizer.json`, and `AutoTokenizer` prefers it to the config's. The
+/// data stream read only `tokenizer_config.json`, so such a model's chats
+/// were rendered with another template without a word. It is read now, it
+/// wins over the config's, and it is part of the token cache's key.
+#[test]
+fn chat_template_jinja_beside_the_tokenizer_is_the_models_template() {
+    let Some(dir) = shared_data() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let tokdir = tmp.path().join("model");
+    std::fs::create_dir_all(&tokdir).unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(dir.join("tokenizers/phi-3-mini").join(f), tokdir.join(f)).unwrap();
+    }
+    let tok = tokdir.join("tokenizer.json").display().to_string();
+    let chat = file(
+        tmp.path(),
+        "chat.jsonl",
+        &format!(
+            "{}\n",
+            json!({"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]})
+        ),
+    );
+    let data = section(vec![chat], DataFormat::Sft, &tok);
+    // The rendered ids and their text (special tokens left out).
+    let decoded = |data: &DataSection| {
+        let ds = load_as(data).unwrap();
+        let enc = encoder(data, u32::MAX).unwrap();
+        let ids = sft(&ds.docs[0]).input_ids().to_vec();
+        let text = enc.tok.decode(&ids).unwrap();
+        (ids, text)
+    };
+    // The config's template (phi-3's own): `<|assistant|>` is id 32001.
+    let (ids, _) = decoded(&data);
+    assert!(ids.contains(&32001), "{ids:?}");
+    let key = |data: &DataSection| encoder_key(data, u32::MAX, None).unwrap();
+    let before = key(&data);
+    std::fs::write(
+        tokdir.join("chat_template.jinja"),
+        "{% for m in messages %}[{{ m.role }}] {{ m.content }}{% if m.role == 'assistant' %}{{ eos_token }}{% endif %}\n{% endfor %}",
+    )
+    .unwrap();
+    let (ids, from_jinja) = decoded(&data);
+    assert!(
+        from_jinja.contains("[user] 2+2?") && from_jinja.contains("[assistant] 4"),
+        "{from_jinja}"
+    );
+    assert!(!ids.contains(&32001), "{ids:?}");
+    assert_ne!(key(&data), before, "the template file is in the cache key");
+    // data.chat_template still wins over both.
+    let own = file(
+        tmp.path(),
+        "own.jinja",
+        "{% for m in messages %}<{{ m.content }}>{% endfor %}",
+    );
+    let with_own = DataSection {
+        chat_template: Some(own),
+        ..data.clone()
+    };
+    let (_, text) = decoded(&with_own);
+    assert!(text.contains("<2+2?><4>"), "{text}");
+}
