@@ -14,5 +14,7 @@ mod folder;
 mod weights;
 
 pub use byte_tokenizer::tokenizer_json as byte_tokenizer_json;
-pub use folder::{tokenizer_files, write_tokenizer_files, TOKENIZER_FILES};
+pub use folder::{
+    tokenizer_files, write_tokenizer_files, OPTIONAL_TOKENIZER_FILES, TOKENIZER_FILES,
+};
 pub use weights::{export, parse_size, Dtype, ExportError, ExportOptions, ExportReport};

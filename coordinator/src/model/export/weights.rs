@@ -16,7 +16,7 @@ use safetensors::tensor::TensorView;
 use safetensors::{Dtype as StDtype, SafeTensors};
 use serde_json::{json, Value};
 
-use super::folder::TOKENIZER_FILES;
+use super::folder::{OPTIONAL_TOKENIZER_FILES, TOKENIZER_FILES};
 
 /// A floating-point dtype of exported weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -328,6 +328,13 @@ pub fn export(ckpt: &Path, out: &Path, opts: &ExportOptions) -> Result<ExportRep
             std::fs::copy(&from, out.join(f)).map_err(io(&from))?;
         } else {
             missing.push(f.to_string());
+        }
+    }
+    // The model's chat template file, where the checkpoint has one.
+    for f in OPTIONAL_TOKENIZER_FILES {
+        let from = ckpt.join(f);
+        if from.is_file() {
+            std::fs::copy(&from, out.join(f)).map_err(io(&from))?;
         }
     }
     Ok(ExportReport {
