@@ -59,8 +59,13 @@ pub fn load(enc: &Encoder, files: &[impl AsRef<Path>], first_file: u32) -> Resul
                 at: at.clone(),
                 message: message.clone(),
             })?;
-            let (ids, text, reference) =
-                prompt_row(enc, value).map_err(|reason| DataError::Row { at, reason })?;
+            let (ids, text, reference) = prompt_row(enc, value).map_err(|reason| {
+                // A tokenizer without a chat template is the job's error.
+                match enc.template.check_needed() {
+                    Err(e) => e,
+                    Ok(()) => DataError::Row { at, reason },
+                }
+            })?;
             prompts.push(Prompt {
                 id: DocId {
                     file: first_file + f as u32,

@@ -123,7 +123,9 @@ fn loop_problem(spec: &JobSpec, e: &crate::rl::scorer::LoopError) -> SpecProblem
 fn data_problem(spec: &JobSpec, e: &DataError) -> SpecProblem {
     let field = match e {
         DataError::Tokenizer { .. } => "data.tokenizer".to_string(),
-        DataError::Template { .. } => "data.chat_template".to_string(),
+        DataError::Template { .. } | DataError::NoChatTemplate { .. } => {
+            "data.chat_template".to_string()
+        }
         DataError::FormatMismatch { .. } => "data.format".to_string(),
         DataError::Input(i) => field_of_path(spec, i.path()),
         DataError::Io { path, .. } | DataError::Changed { path } => field_of_path(spec, path),

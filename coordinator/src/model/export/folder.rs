@@ -6,9 +6,8 @@
 //! `special_tokens_map.json` and `chat_template.jinja` where the source
 //! folder has them, so its `bos_token`, `add_bos_token` and template survive
 //! a checkpoint and an export. Only a template the model does not have — one
-//! given as `data.chat_template`, or the built-in one the job fell back to —
-//! is written, as `chat_template.jinja` (which `AutoTokenizer` prefers to the
-//! config's). Files the source lacks are made (a minimal config, the special
+//! given as `data.chat_template` — is written, as `chat_template.jinja`
+//! (which `AutoTokenizer` prefers to the config's). Files the source lacks are made (a minimal config, the special
 //! tokens); `generation_config.json` is always made (the eos/bos ids).
 
 use std::path::Path;
@@ -127,7 +126,9 @@ pub fn tokenizer_files(data: &DataSection) -> Result<Vec<(String, Vec<u8>)>, Dat
     let jinja = match (&data.chat_template, own_jinja) {
         (Some(_), _) => Some(t.text.clone().into_bytes()),
         (None, Some(own)) => Some(own),
-        (None, None) if config_template => None,
+        // The model's config carries its template; a tokenizer with none
+        // trained no chat, so no template is made up for it.
+        (None, None) if config_template || t.is_missing() => None,
         (None, None) => Some(t.text.clone().into_bytes()),
     };
     if let Some(j) = jinja {

@@ -255,6 +255,9 @@ pub fn build(
                 Err(e) => Err((true, e.clone())),
             })
             .collect();
+        // A chat row without the model's template fails the build (the
+        // store is not kept), never a bad row.
+        enc.template.check_needed()?;
         for (row, body) in rows.iter().zip(bodies) {
             let pushed = match body {
                 Ok(b) => w.push(row.line, row.element, &b),

@@ -411,3 +411,66 @@ fn a_file_rewritten_between_hashing_and_building_is_refused_not_misfiled() {
         cache::open_or_build(&root, &new, &file, &enc, DataFormat::Sft, &none).unwrap();
     assert_eq!((found, s.meta.docs), (Found::Built, 3));
 }
+
+/// Issue 34: a Hugging Face tokenizer without a chat template rendered
+/// chats with the byte tokenizer's built-in template, without a word. A
+/// chat row now fails the load (in memory and through the token cache,
+/// which keeps no store) naming the tokenizer and where the template was
+/// looked for; rows that need no template still load.
+#[test]
+fn chats_with_a_tokenizer_that_has_no_template_are_refused_naming_where_it_looked() {
+    let Some(shared) = super::tests::shared_data() else {
+        return;
+    };
+    let tok = shared.join("tokenizers/phi-2/tokenizer.json");
+    let dir = tempfile::tempdir().unwrap();
+    let chat = dir.path().join("chat.jsonl");
+    std::fs::write(
+        &chat,
+        "{\"prompt\": \"1+1=\", \"completion\": \"2\"}\n\
+         {\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}, {\"role\": \"assistant\", \"content\": \"hello\"}]}\n",
+    )
+    .unwrap();
+    let plain = dir.path().join("plain.jsonl");
+    std::fs::write(&plain, "{\"prompt\": \"1+1=\", \"completion\": \"2\"}\n").unwrap();
+    let root = dir.path().join("cache");
+    let data = section(vec![chat.clone()], &tok.display().to_string());
+    let enc = encoder(&data, u32::MAX).unwrap();
+    let sources = data.train_sources(None);
+    let progress = |_: &Path, _: cache::Progress| {};
+    for via in [
+        Via::Memory,
+        Via::Cache {
+            root: &root,
+            progress: &progress,
+        },
+    ] {
+        let Err(e) = load_sources(
+            &enc,
+            &data,
+            ObjectiveKind::Sft,
+            &sources,
+            &data.files(),
+            via,
+        ) else {
+            panic!("the chat row was not refused")
+        };
+        let DataError::NoChatTemplate { tokenizer, looked } = &e else {
+            panic!("{e}")
+        };
+        assert_eq!(tokenizer, &tok);
+        assert!(
+            looked.contains("chat_template.jinja")
+                && looked.contains("no chat_template in")
+                && looked.contains("data.chat_template"),
+            "{looked}"
+        );
+        assert!(e.to_string().contains("set data.chat_template"), "{e}");
+    }
+    let kept = std::fs::read_dir(&root).map_or(0, |d| d.count());
+    assert_eq!(kept, 0, "no store, finished or not, is kept");
+    // Rows that need no template load with the same tokenizer.
+    let data = section(vec![plain], &tok.display().to_string());
+    let builds = AtomicU64::new(0);
+    assert_eq!(cached(&data, &root, &builds).docs.len(), 1);
+}

@@ -58,6 +58,10 @@ pub enum DataError {
     /// The tokenizer file could not be loaded or is unusable.
     #[error("tokenizer {}: {message}", path.display())]
     Tokenizer { path: PathBuf, message: String },
+    /// A chat row met a Hugging Face tokenizer without a chat template (the
+    /// built-in one is only the byte tokenizer's).
+    #[error("tokenizer {}: chat rows need the model's chat template and it has none ({looked}): set data.chat_template to the template file", tokenizer.display())]
+    NoChatTemplate { tokenizer: PathBuf, looked: String },
     /// The chat template could not be found, read or compiled.
     #[error("chat template {}: {message}", path.display())]
     Template { path: PathBuf, message: String },

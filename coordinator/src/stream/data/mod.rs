@@ -427,6 +427,7 @@ fn load_file(
     };
     read::for_each_batch(path, 8192, |rows| {
         let bodies = build_all(enc, data.format, &rows);
+        enc.template.check_needed()?;
         for (row, body) in rows.iter().zip(bodies) {
             fr.rows += 1;
             let at = || row.location(path);

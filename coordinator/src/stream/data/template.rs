@@ -14,14 +14,15 @@
 //! 3. `chat_template` in `tokenizer_config.json` next to the `tokenizer.json`
 //!    (a string, or a list of `{name, template}` from which "default" is
 //!    taken);
-//! 4. the built-in template [`BUILTIN_TEMPLATE`]:
+//! 4. for the byte tokenizer only, the built-in template [`BUILTIN_TEMPLATE`]:
 //!    `{bos}<|user|>\n{text}\n<|assistant|>\n{text}{eos}<|user|>\n...`, i.e.
 //!    every turn is `<|role|>\n` + content, followed by `\n` for non-assistant
 //!    turns and by the EOS token for assistant turns (so the model learns to
 //!    stop, and the loss span of a turn is its content plus EOS).
-//!    `bos_token` there is `<|bos|>` for the byte tokenizer; for a HF
-//!    tokenizer it is the config's `bos_token` only if the config says
-//!    `add_bos_token: true`, else empty.
+//!    `bos_token` there is `<|bos|>`. A Hugging Face tokenizer with no
+//!    template gets none: a chat row fails the job
+//!    ([`DataError::NoChatTemplate`], naming where it looked); rows that
+//!    need no template (prompt/completion, pre-tokenized) still load.
 //!
 //! BOS/EOS: from `tokenizer_config.json` (`bos_token`, `eos_token`, each a
 //! string or `{content}`); without one, EOS is the first of
@@ -54,6 +55,10 @@ pub const EOS_FALLBACKS: &[&str] = &[
 ];
 
 /// A compiled chat template with the special-token strings it renders.
+/// For a Hugging Face tokenizer without a template it is [`Self::is_missing`]:
+/// rendering fails, and the loaders turn the first such failure into a job
+/// error naming where the template was looked for
+/// ([`DataError::NoChatTemplate`]), never a skipped row.
 pub struct ChatTemplate {
     env: Environment<'static>,
     /// The Jinja text (written into exported model folders).
@@ -64,6 +69,10 @@ pub struct ChatTemplate {
     pub eos_token: String,
     pub pad_token: Option<String>,
     unk_token: Option<String>,
+    /// Where a template was looked for in vain (a tokenizer without one).
+    missing: Option<(PathBuf, String)>,
+    /// A chat row asked a missing template to render.
+    needed: std::sync::atomic::AtomicBool,
 }
 
 /// Instructions one render may run (issue 33): a chat template comes with
@@ -100,6 +109,8 @@ impl ChatTemplate {
             eos_token: String::new(),
             pad_token: None,
             unk_token: None,
+            missing: None,
+            needed: Default::default(),
         })
     }
 
@@ -110,6 +121,11 @@ impl ChatTemplate {
         tools: Option<&Json>,
         add_generation_prompt: bool,
     ) -> Result<String, String> {
+        if let Some((_, looked)) = &self.missing {
+            self.needed
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            return Err(format!("no chat template ({looked})"));
+        }
         let tmpl = self.env.get_template("chat").expect("added in new()");
         let ctx = minijinja::context! {
             messages => Value::from_serialize(messages),
@@ -122,6 +138,26 @@ impl ChatTemplate {
         };
         tmpl.render(ctx)
             .map_err(|e| format!("chat template ({}) failed: {e}", self.source))
+    }
+}
+
+impl ChatTemplate {
+    /// Whether the tokenizer has no template (see the type's docs).
+    pub fn is_missing(&self) -> bool {
+        self.missing.is_some()
+    }
+
+    /// The job error once a chat row needed the missing template.
+    pub fn check_needed(&self) -> Result<()> {
+        match &self.missing {
+            Some((tokenizer, looked)) if self.needed.load(std::sync::atomic::Ordering::Relaxed) => {
+                Err(DataError::NoChatTemplate {
+                    tokenizer: tokenizer.clone(),
+                    looked: looked.clone(),
+                })
+            }
+            _ => Ok(()),
+        }
     }
 }
 
@@ -248,6 +284,22 @@ pub fn resolve(
         return Ok((tmpl, Specials { eos_id: BYTE_EOS }));
     }
     let tok_path = tokenizer_path.map_or_else(PathBuf::new, Path::to_path_buf);
+    if builtin {
+        // The built-in template is the byte tokenizer's: a model's chats
+        // rendered with it would train another format than the model's.
+        let cfg_where = match &cfg_path {
+            Some(p) => format!("no chat_template in {}", p.display()),
+            None => format!(
+                "no {} beside it",
+                tok_path.with_file_name("tokenizer_config.json").display()
+            ),
+        };
+        let looked = format!(
+            "no {} beside the tokenizer, {cfg_where}, and no data.chat_template",
+            tok_path.with_file_name(CHAT_TEMPLATE_FILE).display()
+        );
+        tmpl.missing = Some((tok_path.clone(), looked));
+    }
     let eos_token = match &cfg.eos_token {
         Some(e) => e.clone(),
         None => EOS_FALLBACKS

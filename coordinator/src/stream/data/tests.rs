@@ -217,12 +217,24 @@ fn glaive_assistant_turns(path: &Path) -> Vec<usize> {
 #[test]
 fn every_shared_file_loads_with_every_tokenizer_and_no_row_is_dropped() {
     let Some(dir) = shared_data() else { return };
+    let mut refused = Vec::new();
     for (name, tok) in tokenizers(&dir) {
         for s in SHARED {
             let path = dir.join(s.file);
             let data = section(vec![path.clone()], s.format, &tok);
             let t0 = Instant::now();
-            let ds = load_as(&data).unwrap_or_else(|e| panic!("{name} {}: {e}", s.file));
+            let ds = match load_as(&data) {
+                Ok(ds) => ds,
+                // phi-2 has no chat template: its chat files are refused
+                // (issue 34), naming the tokenizer, never trained with the
+                // byte tokenizer's built-in template.
+                Err(DataError::NoChatTemplate { tokenizer, .. }) if name == "phi-2" => {
+                    assert_eq!(tokenizer.display().to_string(), tok);
+                    refused.push(s.file);
+                    continue;
+                }
+                Err(e) => panic!("{name} {}: {e}", s.file),
+            };
             let secs = t0.elapsed().as_secs_f64();
             eprintln!(
                 "{name:10} {:45} {:5} docs {:9} tokens {:8.0} rows/s",
@@ -255,7 +267,11 @@ fn every_shared_file_loads_with_every_tokenizer_and_no_row_is_dropped() {
             check_masks(&name, s, &path, &ds, eos);
         }
     }
+    assert_eq!(refused, CHAT_FILES, "the chat files, refused with phi-2");
 }
+
+/// The shared files whose rows are chats (rendered by a chat template).
+const CHAT_FILES: &[&str] = &["sft/glaive_toolcall_en_demo.json", "dpo/dpo_en_demo.json"];
 
 fn check_masks(name: &str, s: &Shared, path: &Path, ds: &Dataset, eos: u32) {
     let what = format!("{name} {}", s.file);
