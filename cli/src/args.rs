@@ -659,6 +659,30 @@ pub enum DataCommand {
     /// (progress, rows/s, skipped rows with file:line).
     #[command(after_help = accrue_coordinator::job::locate::CACHE_ENV_HELP)]
     Prepare(PrepareArgs),
+    /// Show documents as the job will train them: the rendered text with
+    /// the tokens that carry loss marked, the token ids and the counts (the
+    /// first --count rows of a source, or row --doc).
+    Show(ShowArgs),
+}
+
+/// Arguments of `accrue data show`.
+#[derive(Debug, Clone, Args)]
+pub struct ShowArgs {
+    /// The job spec whose data to show.
+    #[arg(value_name = "SPEC.toml")]
+    pub spec: PathBuf,
+    /// Only row N (1-based, counted over the source's files in order).
+    #[arg(long, value_name = "N")]
+    pub doc: Option<u64>,
+    /// The source (`data.sources[].name`); default: the first.
+    #[arg(long, value_name = "NAME")]
+    pub source: Option<String>,
+    /// Rows shown without --doc.
+    #[arg(long, value_name = "N", default_value_t = 3)]
+    pub count: u64,
+    /// One JSON object per row: text, ids, loss_mask (1 = carries loss), counts.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Arguments of `accrue data prepare`.

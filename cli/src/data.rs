@@ -44,30 +44,10 @@ pub fn synth(args: &SynthArgs) -> anyhow::Result<ExitCode> {
 /// skipped (`file:line: reason`).
 pub fn prepare(args: &crate::args::PrepareArgs) -> anyhow::Result<ExitCode> {
     use accrue_coordinator::stream::data::{self, cache};
-    let text = accrue_coordinator::job::input::read_spec(
-        &args.spec,
-        accrue_coordinator::job::input::MAX_CONFIG_BYTES,
-    )?;
-    let base = std::env::current_dir().context("cannot determine the current directory")?;
-    let spec = accrue_coordinator::job::spec::JobSpec::parse(&text, &base).map_err(|p| {
-        let lines: Vec<String> = p.iter().map(ToString::to_string).collect();
-        anyhow::anyhow!(
-            "{}: invalid spec:\n  {}",
-            args.spec.display(),
-            lines.join("\n  ")
-        )
-    })?;
     // The model's vocabulary bounds pre-tokenized ids, so it is part of a
     // store's key: without it the stores would be built under a key submit
     // never looks up.
-    let vocab = accrue_coordinator::model::config::read_config(&spec.model)
-        .map_err(|e| {
-            anyhow::anyhow!(
-                "{}: cannot read the model's vocab_size (part of the token cache key): {e}",
-                args.spec.display()
-            )
-        })?
-        .vocab_size;
+    let (spec, vocab) = spec_and_vocab(&args.spec)?;
     let root = spec.data.cache_root();
     let base_enc = data::encoder(&spec.data, vocab)?;
     let train_files = spec.data.files();
@@ -165,4 +145,184 @@ pub fn prepare(args: &crate::args::PrepareArgs) -> anyhow::Result<ExitCode> {
         outln!("note: {skipped_total} rows are not documents; the job fails on them unless data.on_bad_line = \"skip\"")?;
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The spec at `path` (relative paths against the current directory, as
+/// submit resolves them) and its model's vocabulary size.
+fn spec_and_vocab(
+    path: &std::path::Path,
+) -> anyhow::Result<(accrue_coordinator::job::spec::JobSpec, u32)> {
+    let text = accrue_coordinator::job::input::read_spec(
+        path,
+        accrue_coordinator::job::input::MAX_CONFIG_BYTES,
+    )?;
+    let base = std::env::current_dir().context("cannot determine the current directory")?;
+    let spec = accrue_coordinator::job::spec::JobSpec::parse(&text, &base).map_err(|p| {
+        let lines: Vec<String> = p.iter().map(ToString::to_string).collect();
+        anyhow::anyhow!(
+            "{}: invalid spec:\n  {}",
+            path.display(),
+            lines.join("\n  ")
+        )
+    })?;
+    let vocab = accrue_coordinator::model::config::read_config(&spec.model)
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "{}: cannot read the model's vocab_size: {e}",
+                path.display()
+            )
+        })?
+        .vocab_size;
+    Ok((spec, vocab))
+}
+
+/// `accrue data show SPEC.toml`: rows of a source as the job will train
+/// them (see [`crate::args::ShowArgs`]). A row that is not a document is
+/// shown with its reason; a chat row without the model's template fails
+/// as the job would.
+pub fn show(args: &crate::args::ShowArgs) -> anyhow::Result<ExitCode> {
+    use accrue_coordinator::stream::data::{self, read};
+    use accrue_coordinator::stream::doc::DocBody;
+    let (spec, vocab) = spec_and_vocab(&args.spec)?;
+    let sources = spec.data.train_sources(spec.job.epochs);
+    let source = match &args.source {
+        None => sources.first(),
+        Some(name) => sources.iter().find(|s| &s.name == name),
+    }
+    .ok_or_else(|| {
+        let names: Vec<&str> = sources.iter().map(|s| s.name.as_str()).collect();
+        anyhow::anyhow!(
+            "--source {}: no such source in {} (its sources: {})",
+            args.source.as_deref().unwrap_or(""),
+            args.spec.display(),
+            names.join(", ")
+        )
+    })?;
+    let enc = data::encoder_with_template(&spec.data, vocab, source.chat_template.as_deref())?;
+    let files = spec.data.files();
+    let want = |n: u64| match args.doc {
+        Some(d) => n == d,
+        None => n <= args.count,
+    };
+    let last = args.doc.unwrap_or(args.count);
+    let mut n = 0u64;
+    let mut out = Vec::new();
+    for f in source.files.clone() {
+        let path = &files[f as usize];
+        read::for_each_batch(path, 256, |rows| {
+            for row in rows {
+                n += 1;
+                if !want(n) {
+                    continue;
+                }
+                let at = row.location(path);
+                let body = match &row.value {
+                    Err(message) => Err(format!("invalid json: {message}")),
+                    Ok(v) => data::build_doc(&enc, spec.data.format, v),
+                };
+                enc.template.check_needed()?;
+                out.push((n, at, body));
+            }
+            Ok(())
+        })?;
+        if n >= last {
+            break;
+        }
+    }
+    if out.is_empty() {
+        anyhow::bail!(
+            "{}: source {} has {n} rows{}",
+            args.spec.display(),
+            source.name,
+            args.doc.map_or(String::new(), |d| format!(", no row {d}"))
+        );
+    }
+    for (n, at, body) in out {
+        let seqs: Vec<(&str, &accrue_coordinator::stream::doc::Sequence)> = match &body {
+            Ok(DocBody::Sft(s)) => vec![("sft", s)],
+            Ok(DocBody::Pair { chosen, rejected }) => {
+                vec![("chosen", chosen), ("rejected", rejected)]
+            }
+            Ok(DocBody::Rollout(r)) => vec![("rollout", &r.seq)],
+            Err(_) => Vec::new(),
+        };
+        let shown: Vec<serde_json::Value> = seqs
+            .iter()
+            .map(|(kind, s)| sequence_json(&enc.tok, kind, s))
+            .collect::<anyhow::Result<_>>()?;
+        if args.json {
+            let mut v = serde_json::json!({
+                "row": n,
+                "file": at.path.display().to_string(),
+                "line": at.line,
+                "element": at.element,
+            });
+            match &body {
+                Ok(_) => v["sequences"] = shown.into(),
+                Err(reason) => v["error"] = reason.clone().into(),
+            }
+            outln!("{v}")?;
+            continue;
+        }
+        match &body {
+            Err(reason) => outln!("row {n} ({at}): not a document: {reason}")?,
+            Ok(_) => {
+                outln!("row {n} ({at})")?;
+                for s in &shown {
+                    outln!(
+                        "  {}: {} tokens, {} carry loss",
+                        s["kind"].as_str().unwrap_or(""),
+                        s["tokens"],
+                        s["loss_tokens"]
+                    )?;
+                    outln!("  text: {}", s["marked"].as_str().unwrap_or(""))?;
+                    outln!("  ids:  {}", s["ids"])?;
+                }
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// One sequence for `data show`: its text, ids and loss mask, and the text
+/// with every span of loss-carrying tokens between `[[` and `]]`.
+fn sequence_json(
+    tok: &accrue_coordinator::stream::data::Tokenizer,
+    kind: &str,
+    s: &accrue_coordinator::stream::doc::Sequence,
+) -> anyhow::Result<serde_json::Value> {
+    use accrue_coordinator::stream::doc::IGNORE_INDEX;
+    let ids = s.input_ids();
+    let mask: Vec<u8> = s
+        .labels()
+        .iter()
+        .map(|&l| u8::from(l != IGNORE_INDEX))
+        .collect();
+    let decode = |ids: &[u32]| {
+        tok.decode_all(ids)
+            .map_err(|e| anyhow::anyhow!("decoding: {e}"))
+    };
+    let mut marked = String::new();
+    let mut start = 0;
+    while start < ids.len() {
+        let end = (start..ids.len())
+            .find(|&i| mask[i] != mask[start])
+            .unwrap_or(ids.len());
+        let text = decode(&ids[start..end])?;
+        if mask[start] == 1 {
+            marked.push_str(&format!("[[{text}]]"));
+        } else {
+            marked.push_str(&text);
+        }
+        start = end;
+    }
+    Ok(serde_json::json!({
+        "kind": kind,
+        "text": decode(ids)?,
+        "marked": marked,
+        "ids": ids,
+        "loss_mask": mask,
+        "tokens": ids.len(),
+        "loss_tokens": s.loss_tokens(),
+    }))
 }

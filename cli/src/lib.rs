@@ -198,6 +198,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Data {
             data: DataCommand::Prepare(args),
         } => data::prepare(&args),
+        Command::Data {
+            data: DataCommand::Show(args),
+        } => data::show(&args),
         Command::Rollouts {
             rollouts: RolloutsCommand::Push { job, file, batch },
         } => rollouts::push(conn, &job, &file, batch).await,

@@ -191,3 +191,100 @@ fn bench_data_from_the_project_root_finds_the_shared_data() {
         "{stdout}"
     );
 }
+
+/// `accrue data show` (issue 34): a document as the job will train it. The
+/// byte tokenizer makes the expectations exact: `<|bos|>` (256), the
+/// prompt's bytes without loss, the completion's bytes and `<|eos|>` (257)
+/// with loss; `[[…]]` marks the loss spans in the text.
+#[test]
+fn data_show_prints_documents_as_the_job_trains_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let rows = [("1+1=", "2"), ("20+22=", "42"), ("3+4=", "7")];
+    let mut text = String::new();
+    for (p, c) in rows {
+        text.push_str(&format!(
+            "{}\n",
+            serde_json::json!({"prompt": p, "completion": c})
+        ));
+    }
+    text.push_str("{\"prompt\": \"no completion\"}\n");
+    std::fs::write(d.join("rows.jsonl"), text).unwrap();
+    std::fs::copy(
+        common::workspace_root().join("deploy/examples/tiny-llama.json"),
+        d.join("tiny.json"),
+    )
+    .unwrap();
+    std::fs::write(
+        d.join("job.toml"),
+        "[job]\nname = \"show\"\nsteps = 1\noutput_dir = \"out\"\n\
+         [model]\ninit = \"random\"\nconfig = \"tiny.json\"\n\
+         [data]\ntrain = [\"rows.jsonl\"]\nformat = \"sft\"\non_bad_line = \"skip\"\n\
+         [batch]\ndocs_per_step = 2\n",
+    )
+    .unwrap();
+    let show = |args: &[&str]| {
+        let out = Command::new(common::bin_dir().join("accrue"))
+            .args(["data", "show", "job.toml"])
+            .args(args)
+            .current_dir(d)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        (out.status.code(), text)
+    };
+    let (code, out) = show(&["--json", "--count", "2"]);
+    assert_eq!(code, Some(0), "{out}");
+    let lines: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2, "{out}");
+    for (v, (p, c)) in lines.iter().zip(rows) {
+        let s = &v["sequences"][0];
+        let mut ids = vec![256u64];
+        ids.extend(format!("{p}{c}").bytes().map(u64::from));
+        ids.push(257);
+        let got: Vec<u64> = s["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .collect();
+        assert_eq!(got, ids);
+        let mask: Vec<u64> = s["loss_mask"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .collect();
+        let want: Vec<u64> = (0..ids.len()).map(|i| u64::from(i > p.len())).collect();
+        assert_eq!(mask, want, "{p}{c}");
+        assert_eq!(s["loss_tokens"], c.len() + 1);
+        assert_eq!(s["marked"], format!("<|bos|>{p}[[{c}<|eos|>]]"));
+    }
+    // One row by number, in text; a row that is not a document says why.
+    let (code, out) = show(&["--doc", "2"]);
+    assert_eq!(code, Some(0), "{out}");
+    assert!(
+        out.contains("rows.jsonl:2") && out.contains("<|bos|>20+22=[[42<|eos|>]]"),
+        "{out}"
+    );
+    assert!(
+        out.contains("3 carry loss") && !out.contains("rows.jsonl:1"),
+        "{out}"
+    );
+    let (code, out) = show(&["--doc", "4"]);
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("rows.jsonl:4): not a document:"), "{out}");
+    let (code, out) = show(&["--doc", "9"]);
+    assert_eq!(code, Some(1), "{out}");
+    assert!(out.contains("has 4 rows, no row 9"), "{out}");
+    let (code, out) = show(&["--source", "nope"]);
+    assert_eq!(code, Some(1), "{out}");
+    assert!(
+        out.contains("--source nope: no such source") && out.contains("train"),
+        "{out}"
+    );
+}

@@ -109,6 +109,28 @@ impl Tokenizer {
         }
     }
 
+    /// The text of `ids` with their special tokens spelled out (what a
+    /// document shows as trained: `accrue data show`).
+    pub fn decode_all(&self, ids: &[u32]) -> Result<String, String> {
+        match self {
+            Tokenizer::Bytes => {
+                let mut bytes = Vec::new();
+                for &t in ids {
+                    match t {
+                        0..=255 => bytes.push(t as u8),
+                        BYTE_BOS => bytes.extend_from_slice(b"<|bos|>"),
+                        BYTE_EOS => bytes.extend_from_slice(b"<|eos|>"),
+                        _ => bytes.extend_from_slice(format!("<|{t}|>").as_bytes()),
+                    }
+                }
+                Ok(String::from_utf8_lossy(&bytes).into_owned())
+            }
+            Tokenizer::Hf(t) => t
+                .decode(ids, false)
+                .map_err(|e| format!("tokenizer failed to decode: {e}")),
+        }
+    }
+
     /// Token ids of `text` with each token's byte range in `text`.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Encoded, String> {
         match self {
