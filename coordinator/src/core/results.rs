@@ -9,7 +9,7 @@ use super::ctx::JobCtx;
 use super::events::RankResult;
 use super::job::RELAY_FAILURES_BEFORE_DIRECT;
 use super::phase::Work;
-use super::types::{AbortReason, End, PlanKind, Why, WorkerErrorKind};
+use super::types::{AbortReason, End, Peer, PlanKind, Why, WorkerErrorKind};
 
 impl JobCtx<'_> {
     #[allow(clippy::too_many_arguments)]
@@ -243,7 +243,7 @@ impl JobCtx<'_> {
     /// relaying: its next generations send every message directly, so a
     /// link that keeps failing (a network policy between pods, a hub that
     /// keeps being chosen) costs a few re-formations, not the job.
-    fn on_relay_failed(&mut self, worker: &str, peer_rank: u32, message: &str) {
+    fn on_relay_failed(&mut self, worker: &str, peer_rank: Option<u32>, message: &str) {
         let job = &mut *self.job;
         job.faults.relay_failures += 1;
         let n = job.faults.relay_failures;
@@ -257,7 +257,8 @@ impl JobCtx<'_> {
         }
         let peer = job
             .gen()
-            .and_then(|g| g.members.get(peer_rank as usize))
+            .zip(peer_rank)
+            .and_then(|(g, r)| g.member_of(Peer::Rank(r)))
             .cloned();
         match peer {
             Some(p) => {

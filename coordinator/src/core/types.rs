@@ -164,7 +164,7 @@ pub enum WorkerErrorKind {
     /// A relay link failed; `peer_rank` is the rank blamed (the hub, or
     /// the reporting follower itself when it could not reach its hub).
     RelayLink {
-        peer_rank: u32,
+        peer_rank: Option<u32>,
     },
 }
 

@@ -256,6 +256,13 @@ pub fn check_policy(
     })
 }
 
+/// The token of an `authorization: Bearer <token>` header value (the
+/// scheme in any case), None for any other scheme.
+pub fn bearer(header: &[u8]) -> Option<&[u8]> {
+    let (scheme, rest) = header.split_at(header.len().min(7));
+    scheme.eq_ignore_ascii_case(b"bearer ").then_some(rest)
+}
+
 /// Checks one request's `authorization` header against the token its path
 /// needs. `Err` is the status to answer with. The health service needs
 /// none (probes carry no credentials).
@@ -267,10 +274,7 @@ pub fn authorize(tokens: &Tokens, path: &str, header: Option<&[u8]>) -> Result<(
     let Some(expected) = tokens.for_role(role) else {
         return Ok(());
     };
-    let presented = header.and_then(|h| {
-        let (scheme, rest) = h.split_at(h.len().min(7));
-        scheme.eq_ignore_ascii_case(b"bearer ").then_some(rest)
-    });
+    let presented = header.and_then(bearer);
     let what = format!("the {} token ({})", role.name(), role.env());
     match presented {
         None => Err(Status::unauthenticated(format!(

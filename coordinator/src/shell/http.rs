@@ -232,9 +232,7 @@ pub fn detail_for(admin: Option<&Token>, headers: &HeaderMap) -> Result<Detail, 
     let Some(h) = headers.get(header::AUTHORIZATION) else {
         return Ok(Detail::Public);
     };
-    let h = h.as_bytes();
-    let (scheme, rest) = h.split_at(h.len().min(7));
-    if scheme.eq_ignore_ascii_case(b"bearer ") && admin.matches(rest) {
+    if crate::shell::auth::bearer(h.as_bytes()).is_some_and(|t| admin.matches(t)) {
         return Ok(Detail::Full);
     }
     Err(ApiError {

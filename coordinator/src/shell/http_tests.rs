@@ -73,16 +73,7 @@ async fn a_history_request_holds_the_state_lock_only_to_copy() {
             tokens: 10 * step,
             ..Default::default()
         };
-        store
-            .commit_step(
-                &rec,
-                StepRecord {
-                    metrics,
-                    docs,
-                    manifest: None,
-                },
-            )
-            .unwrap();
+        commit(&store, &rec, metrics, docs);
     }
     // What the old handler did under the lock.
     let t0 = std::time::Instant::now();
@@ -91,19 +82,9 @@ async fn a_history_request_holds_the_state_lock_only_to_copy() {
 
     shared.lock_stats(true);
     let app = router(shared.clone(), None);
-    let reply = app
-        .oneshot(
-            axum::http::Request::get("/api/jobs/job/metrics?since=0")
-                .body(axum::body::Body::empty())
-                .unwrap(),
-        )
-        .await
-        .unwrap();
-    assert_eq!(reply.status(), StatusCode::OK);
-    let body = axum::body::to_bytes(reply.into_body(), 1 << 26)
-        .await
-        .unwrap();
-    let view: MetricsView = serde_json::from_slice(&body).unwrap();
+    let (status, body) = get(&app, "/api/jobs/job/metrics?since=0", None).await;
+    assert_eq!(status, StatusCode::OK);
+    let view: MetricsView = serde_json::from_str(&body).unwrap();
     assert_eq!(view.steps.len(), 200);
     assert_eq!(view.steps[199]["tokens"], 2000);
     assert!(!view.more);
@@ -112,6 +93,16 @@ async fn a_history_request_holds_the_state_lock_only_to_copy() {
         held * 10 < full_decode,
         "the lock was held {held:?}; decoding the history takes {full_decode:?}"
     );
+}
+
+/// Commits a step of `rec` with `metrics` over `docs` to `store`.
+fn commit(store: &Store, rec: &crate::core::JobRecord, metrics: StepMetrics, docs: Vec<DocId>) {
+    let step = StepRecord {
+        metrics,
+        docs,
+        manifest: None,
+    };
+    store.commit_step(rec, step).unwrap();
 }
 
 /// `GET path` on `app` with `token` as a bearer token: (status, body).
@@ -169,16 +160,8 @@ async fn without_the_admin_token_the_api_shows_only_the_public_view() {
         .into(),
         ..Default::default()
     };
-    store
-        .commit_step(
-            &rec,
-            StepRecord {
-                metrics,
-                docs: vec![DocId { file: 0, line: 1 }, DocId { file: 0, line: 2 }],
-                manifest: None,
-            },
-        )
-        .unwrap();
+    let docs = vec![DocId { file: 0, line: 1 }, DocId { file: 0, line: 2 }];
+    commit(&store, &rec, metrics, docs);
     shared.lock().core.jobs.get_mut("job").unwrap().rec = rec;
 
     let admin = crate::shell::auth::Token::new("admintok", "test").unwrap();

@@ -350,6 +350,22 @@ fn a_relayed_generation_that_loses_a_follower_re_forms_and_relays_again() {
     assert_every_document_once(&s, 36);
 }
 
+/// `bad` joins and answers its reference plan with one token too many:
+/// (generation, step, the wrong result), not yet sent.
+fn joins_with_a_wrong_reference_answer(s: &mut Sim, bad: &str) -> (u64, u64, RankResult) {
+    s.worker(bad);
+    let (generation, rank, planned) = take_plan(s, bad, PlanKind::Reference);
+    let mbs = &planned.ranks[rank as usize];
+    let mut sums = forward_sums(mbs);
+    sums.tokens += 1;
+    let result = RankResult {
+        sums,
+        logps: honest_logps(mbs),
+        nonfinite: Vec::new(),
+    };
+    (generation, planned.step, result)
+}
+
 /// Issue 33 (11): only training plans counted their attempts, so a worker
 /// that answers every reference (eval, probe, generation round) wrongly —
 /// dropped, rejoining, dropped again — looped the job for ever. Refusals
@@ -366,22 +382,13 @@ fn answers_refused_again_and_again_fail_the_job_instead_of_looping() {
     s.worker("a");
     for i in 0..3 {
         let bad = format!("bad{i}");
-        s.worker(&bad);
-        let (generation, rank, planned) = take_plan(&mut s, &bad, PlanKind::Reference);
-        let mbs = &planned.ranks[rank as usize];
-        let mut sums = forward_sums(mbs);
-        sums.tokens += 1;
-        let result = RankResult {
-            sums,
-            logps: honest_logps(mbs),
-            nonfinite: Vec::new(),
-        };
+        let (generation, step, result) = joins_with_a_wrong_reference_answer(&mut s, &bad);
         assert_ne!(s.state(), JobState::Failed, "refusal {i} of 3");
         assert_refused(
             &mut s,
             &bad,
             generation,
-            planned.step,
+            step,
             result,
             "reference chunk",
             "tokens",
@@ -404,21 +411,12 @@ fn answers_refused_again_and_again_fail_the_job_instead_of_looping() {
     s.worker("a");
     for i in 0..2 {
         let bad = format!("bad{i}");
-        s.worker(&bad);
-        let (generation, rank, planned) = take_plan(&mut s, &bad, PlanKind::Reference);
-        let mbs = &planned.ranks[rank as usize];
-        let mut sums = forward_sums(mbs);
-        sums.tokens += 1;
-        let result = RankResult {
-            sums,
-            logps: honest_logps(mbs),
-            nonfinite: Vec::new(),
-        };
+        let (generation, step, result) = joins_with_a_wrong_reference_answer(&mut s, &bad);
         assert_refused(
             &mut s,
             &bad,
             generation,
-            planned.step,
+            step,
             result,
             "reference chunk",
             "tokens",
@@ -460,7 +458,7 @@ fn relay_link_failures_twice_make_the_job_send_directly() {
             job: "job".into(),
             generation,
             step: 1,
-            kind: WorkerErrorKind::RelayLink { peer_rank: 0 },
+            kind: WorkerErrorKind::RelayLink { peer_rank: Some(0) },
             message: format!("relay from rank 0: connection reset ({failure})"),
         })
         .unwrap();

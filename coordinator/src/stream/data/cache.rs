@@ -138,6 +138,7 @@ impl Stamp {
 /// hashed is refused ([`DataError::Changed`]) rather than filed under a key
 /// of bytes it no longer holds.
 pub fn file_key(path: &Path, enc: EncoderKey) -> Result<FileKey> {
+    // Checked first (a FIFO or directory named as such), then stamped.
     crate::job::input::check(path)?;
     let stamp = Stamp::of(path)?;
     let mut h = Xxh3::new();

@@ -200,6 +200,16 @@ pub fn to_worker_within(msg: &ToWorker, limit: usize) -> Vec<wire::CoordinatorMe
             message: to_worker(m).encode_to_vec(),
         };
         let c = cost(&r);
+        if size(c) > limit {
+            // It cannot be sent directly either: the session will refuse it.
+            tracing::warn!(
+                job = %job,
+                rank = *rank,
+                bytes = c,
+                limit,
+                "a relayed message alone exceeds the message limit"
+            );
+        }
         if !batch.is_empty() && size(sum + c) > limit {
             out.push(relay(std::mem::take(&mut batch)));
             sum = 0;

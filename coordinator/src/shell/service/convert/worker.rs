@@ -44,9 +44,7 @@ pub fn error_kind(kind: i32, peer_rank: Option<u32>, weight_ring: bool) -> Worke
         wire::ErrorKind::OutOfMemory => WorkerErrorKind::OutOfMemory,
         wire::ErrorKind::Data => WorkerErrorKind::Data,
         wire::ErrorKind::CheckpointWrite => WorkerErrorKind::CheckpointWrite,
-        wire::ErrorKind::RelayLink => WorkerErrorKind::RelayLink {
-            peer_rank: peer_rank.unwrap_or(u32::MAX),
-        },
+        wire::ErrorKind::RelayLink => WorkerErrorKind::RelayLink { peer_rank },
         wire::ErrorKind::Internal | wire::ErrorKind::Unspecified => WorkerErrorKind::Internal,
     }
 }
