@@ -288,3 +288,128 @@ fn data_show_prints_documents_as_the_job_trains_them() {
         "{out}"
     );
 }
+
+/// The shared data folder (`../shared/data` or `$ACCRUE_SHARED_DATA`), or
+/// `None` when it is absent and not required.
+fn shared_data() -> Option<std::path::PathBuf> {
+    let dir = std::env::var("ACCRUE_SHARED_DATA").map_or_else(
+        |_| common::workspace_root().join("../shared/data"),
+        std::path::PathBuf::from,
+    );
+    if dir.join("tokenizers").is_dir() {
+        return Some(dir);
+    }
+    assert!(
+        std::env::var("ACCRUE_REQUIRE_SHARED_DATA").as_deref() != Ok("1"),
+        "shared data required but {} is missing",
+        dir.display()
+    );
+    eprintln!("skipping: no shared data at {}", dir.display());
+    None
+}
+
+/// Issue 34 (1): the ids Accrue trains a chat on are transformers'
+/// `apply_chat_template` ids, token for token, for the tokenizer folders
+/// models come in (scripts/reference/chat_template_ids.py): the shared
+/// phi-3 files as published (a legacy SentencePiece conversion that
+/// transformers 5 runs through LlamaTokenizer's pipeline: 33 ids read as
+/// written, 31 as transformers reads the two-turn chat); save_pretrained's
+/// `chat_template.jinja` and in-config layouts; a byte-level BPE (phi-2);
+/// named templates (`tool_use` for rows with tools); system prompts,
+/// multi-turn chats, tool calls (arguments through `tojson`), tool results
+/// and reasoning; and a `{% generation %}` template's assistant masks.
+#[test]
+fn chats_tokenize_as_transformers_apply_chat_template() {
+    let Some(shared) = shared_data() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let root = common::workspace_root();
+    let out = Command::new(root.join(".venv/bin/python"))
+        .arg(root.join("scripts/reference/chat_template_ids.py"))
+        .arg(shared.join("tokenizers"))
+        .arg(d)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let expected: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(d.join("expected.json")).unwrap()).unwrap();
+    // A model config whose vocabulary holds both tokenizers' ids.
+    std::fs::write(
+        d.join("model.json"),
+        r#"{"model_type":"llama","vocab_size":51200,"hidden_size":64,"intermediate_size":128,
+            "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2}"#,
+    )
+    .unwrap();
+    let chats = std::fs::read_to_string(d.join("chats.jsonl")).unwrap();
+    let chats: Vec<&str> = chats.lines().collect();
+    let as_ids = |v: &serde_json::Value| -> Vec<u64> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .collect()
+    };
+    for (folder, want) in expected.as_object().unwrap() {
+        let used: Vec<usize> = as_ids(&want["rows"])
+            .into_iter()
+            .map(|r| r as usize)
+            .collect();
+        let file = d.join(format!("{folder}.jsonl"));
+        let text: String = used.iter().map(|&r| format!("{}\n", chats[r])).collect();
+        std::fs::write(&file, text).unwrap();
+        let spec = d.join(format!("{folder}.toml"));
+        std::fs::write(
+            &spec,
+            format!(
+                "[job]\nname = \"ct\"\nsteps = 1\noutput_dir = \"out\"\n\
+                 [model]\ninit = \"random\"\nconfig = \"model.json\"\n\
+                 [data]\ntrain = [\"{folder}.jsonl\"]\nformat = \"sft\"\n\
+                 tokenizer = \"{folder}/tokenizer.json\"\n\
+                 [batch]\ndocs_per_step = 1\n"
+            ),
+        )
+        .unwrap();
+        let out = Command::new(common::bin_dir().join("accrue"))
+            .args(["data", "show"])
+            .arg(&spec)
+            .args(["--json", "--count", "100"])
+            .current_dir(d)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{folder}: {stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let shown: Vec<serde_json::Value> = stdout
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(shown.len(), used.len(), "{folder}: {stdout}");
+        for (i, (doc, row)) in shown.iter().zip(&used).enumerate() {
+            let seq = &doc["sequences"][0];
+            let ours = as_ids(&seq["ids"]);
+            let theirs = as_ids(&want["ids"][i]);
+            assert_eq!(
+                ours, theirs,
+                "{folder}, chat {row}: ids differ from apply_chat_template\n{}",
+                seq["text"]
+            );
+            if let Some(masks) = want["masks"].as_array() {
+                assert_eq!(
+                    as_ids(&seq["loss_mask"]),
+                    as_ids(&masks[i]),
+                    "{folder}, chat {row}: loss mask differs from return_assistant_tokens_mask\n{}",
+                    seq["marked"]
+                );
+            }
+        }
+    }
+}

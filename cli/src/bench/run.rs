@@ -103,6 +103,7 @@ fn real_datasets(dir: &Path) -> anyhow::Result<Vec<(String, Vec<Vec<u32>>)>> {
                 format,
                 tokenizer: tokenizer.clone(),
                 chat_template: None,
+                chat_template_name: None,
                 // Nothing is excluded at load: the bench reports overlong
                 // documents per max_tokens itself.
                 max_tokens: u32::MAX,

@@ -64,6 +64,13 @@ pub struct DataSection {
     /// tokenizer (tokenizer_config.json) and the built-in template.
     #[serde(default)]
     pub chat_template: Option<PathBuf>,
+    /// Which of the model's named chat templates renders the chats (a
+    /// `chat_template` list in tokenizer_config.json, or
+    /// `additional_chat_templates/NAME.jinja`); by default `tool_use` for a
+    /// row with tools when the model has one, else `default`, as
+    /// transformers' `apply_chat_template` chooses.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chat_template_name: Option<String>,
     /// Tokens per microbatch.
     #[serde(default = "default_max_tokens")]
     pub max_tokens: u32,

@@ -87,7 +87,7 @@ impl InputError {
         }
     }
 
-    fn io(path: &Path, source: std::io::Error) -> InputError {
+    pub fn io(path: &Path, source: std::io::Error) -> InputError {
         match source.kind() {
             std::io::ErrorKind::NotFound => InputError::NotFound {
                 path: path.to_path_buf(),

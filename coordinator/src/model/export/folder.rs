@@ -5,7 +5,8 @@
 //! for byte (issue 34): `tokenizer.json`, `tokenizer_config.json`,
 //! `special_tokens_map.json` and `chat_template.jinja` where the source
 //! folder has them, so its `bos_token`, `add_bos_token` and template survive
-//! a checkpoint and an export. Only a template the model does not have — one
+//! a checkpoint and an export, and its named templates
+//! (`additional_chat_templates/NAME.jinja`). Only a template the model does not have — one
 //! given as `data.chat_template` — is written, as `chat_template.jinja`
 //! (which `AutoTokenizer` prefers to the config's). Files the source lacks are made (a minimal config, the special
 //! tokens); `generation_config.json` is always made (the eos/bos ids).
@@ -15,7 +16,7 @@ use std::path::Path;
 use serde_json::{json, Value};
 
 use crate::job::data::DataSection;
-use crate::stream::data::template::CHAT_TEMPLATE_FILE;
+use crate::stream::data::template::{CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILE};
 use crate::stream::data::{self, DataError};
 
 /// The files [`tokenizer_files`] always makes, in the order written.
@@ -134,6 +135,21 @@ pub fn tokenizer_files(data: &DataSection) -> Result<Vec<(String, Vec<u8>)>, Dat
     if let Some(j) = jinja {
         files.push((CHAT_TEMPLATE_FILE.to_string(), j));
     }
+    // The model's named templates, as its folder has them.
+    let dir = path.with_file_name(CHAT_TEMPLATE_DIR);
+    if data.chat_template.is_none() && dir.is_dir() {
+        let mut named: Vec<_> = std::fs::read_dir(&dir)
+            .map_err(|e| crate::job::input::InputError::io(&dir, e))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.is_file() && p.extension().is_some_and(|x| x == "jinja"))
+            .collect();
+        named.sort();
+        for p in named {
+            let name = p.file_name().unwrap_or_default().to_string_lossy();
+            let bytes = crate::job::input::read(&p, limit, "chat template")?;
+            files.push((format!("{CHAT_TEMPLATE_DIR}/{name}"), bytes));
+        }
+    }
     Ok(files)
 }
 
@@ -142,9 +158,13 @@ pub fn tokenizer_files(data: &DataSection) -> Result<Vec<(String, Vec<u8>)>, Dat
 pub fn write_tokenizer_files(dir: &Path, files: &[(String, Vec<u8>)]) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)?;
     for (name, bytes) in files {
-        let tmp = dir.join(format!(".{name}.tmp"));
+        let path = dir.join(name);
+        let parent = path.parent().unwrap_or(dir);
+        std::fs::create_dir_all(parent)?;
+        let file = path.file_name().unwrap_or_default().to_string_lossy();
+        let tmp = parent.join(format!(".{file}.tmp"));
         std::fs::write(&tmp, bytes)?;
-        std::fs::rename(&tmp, dir.join(name))?;
+        std::fs::rename(&tmp, &path)?;
     }
     Ok(())
 }
@@ -267,6 +287,13 @@ mod tests {
         std::fs::write(model.join(CHAT_TEMPLATE_FILE), &template).unwrap();
         let special = br#"{"bos_token": "<s>", "eos_token": "<|endoftext|>"}"#;
         std::fs::write(model.join("special_tokens_map.json"), special).unwrap();
+        std::fs::create_dir_all(model.join(CHAT_TEMPLATE_DIR)).unwrap();
+        let tool_use = "{{ tools | tojson }}";
+        std::fs::write(
+            model.join(CHAT_TEMPLATE_DIR).join("tool_use.jinja"),
+            tool_use,
+        )
+        .unwrap();
         let d = data(&format!(
             "train = [\"x.jsonl\"]\nformat = \"sft\"\ntokenizer = {:?}\n",
             model.join("tokenizer.json")
@@ -275,6 +302,14 @@ mod tests {
         assert_eq!(file(&files, "tokenizer_config.json"), Some(&cfg_bytes[..]));
         assert_eq!(file(&files, CHAT_TEMPLATE_FILE), Some(template.as_bytes()));
         assert_eq!(file(&files, "special_tokens_map.json"), Some(&special[..]));
+        let named = format!("{CHAT_TEMPLATE_DIR}/tool_use.jinja");
+        assert_eq!(file(&files, &named), Some(tool_use.as_bytes()));
+        let out = tmp.path().join("ckpt");
+        write_tokenizer_files(&out, &files).unwrap();
+        assert_eq!(
+            std::fs::read(out.join(&named)).unwrap(),
+            tool_use.as_bytes()
+        );
         // The config's own template (the older layout) is carried in the
         // config, not doubled into a file.
         let d = data(&format!(

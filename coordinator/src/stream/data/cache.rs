@@ -43,12 +43,17 @@ impl EncoderKey {
     pub fn new(
         tokenizer: Option<&Path>,
         chat_template: Option<&Path>,
+        template_name: Option<&str>,
         format: DataFormat,
         model_vocab: u32,
     ) -> Result<EncoderKey> {
         let mut h = Xxh3::new();
         h.update(b"accrue-token-cache");
         h.update(&token_store::LAYOUT_VERSION.to_le_bytes());
+        // How a tokenizer.json is run (its class's pipeline) and how a
+        // template is rendered: stores built before that changed are
+        // other ids.
+        h.update(b"pipeline=transformers-5");
         h.update(format!("{format:?}").as_bytes());
         h.update(&model_vocab.to_le_bytes());
         match tokenizer {
@@ -66,11 +71,27 @@ impl EncoderKey {
                     h.update(b"chat_template.jinja=");
                     hash_file(&mut h, &jinja)?;
                 }
+                let dir = p.with_file_name(super::template::CHAT_TEMPLATE_DIR);
+                if dir.is_dir() {
+                    let mut files: Vec<_> = std::fs::read_dir(&dir)
+                        .map_err(|e| crate::job::input::InputError::io(&dir, e))?
+                        .filter_map(|e| e.ok().map(|e| e.path()))
+                        .collect();
+                    files.sort();
+                    for f in files {
+                        h.update(f.file_name().unwrap_or_default().as_encoded_bytes());
+                        hash_file(&mut h, &f)?;
+                    }
+                }
             }
         }
         if let Some(t) = chat_template {
             h.update(b"template=");
             hash_file(&mut h, t)?;
+        }
+        if let Some(n) = template_name {
+            h.update(b"template_name=");
+            h.update(n.as_bytes());
         }
         Ok(EncoderKey(h.digest128()))
     }

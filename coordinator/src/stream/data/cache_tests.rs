@@ -19,6 +19,7 @@ fn section(train: Vec<PathBuf>, tokenizer: &str) -> DataSection {
         format: DataFormat::Sft,
         tokenizer: tokenizer.to_string(),
         chat_template: None,
+        chat_template_name: None,
         max_tokens: 1 << 20,
         on_overlong: OnBad::Error,
         on_bad_line: OnBad::Skip,
@@ -178,25 +179,25 @@ fn a_changed_file_tokenizer_or_template_is_a_new_key() {
     std::fs::write(&tok, "{}").unwrap();
     let a = cache::file_key(
         &file,
-        cache::EncoderKey::new(Some(&tok), None, DataFormat::Sft, 9).unwrap(),
+        cache::EncoderKey::new(Some(&tok), None, None, DataFormat::Sft, 9).unwrap(),
     )
     .unwrap();
     std::fs::write(&tok, "{\"x\": 1}").unwrap();
     let b = cache::file_key(
         &file,
-        cache::EncoderKey::new(Some(&tok), None, DataFormat::Sft, 9).unwrap(),
+        cache::EncoderKey::new(Some(&tok), None, None, DataFormat::Sft, 9).unwrap(),
     )
     .unwrap();
     assert_ne!(a, b);
     // A different document kind over the same file.
     let dpo = cache::file_key(
         &file,
-        cache::EncoderKey::new(None, None, DataFormat::Dpo, 9).unwrap(),
+        cache::EncoderKey::new(None, None, None, DataFormat::Dpo, 9).unwrap(),
     )
     .unwrap();
     let sft = cache::file_key(
         &file,
-        cache::EncoderKey::new(None, None, DataFormat::Sft, 9).unwrap(),
+        cache::EncoderKey::new(None, None, None, DataFormat::Sft, 9).unwrap(),
     )
     .unwrap();
     assert_ne!(dpo, sft);

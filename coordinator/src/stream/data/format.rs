@@ -7,7 +7,10 @@
 //!   `ids(completion)` + EOS, tokenized separately (TRL's "standard" format,
 //!   no chat template); the loss covers the completion and EOS.
 //! - a chat (SFT): the whole conversation is rendered once and tokenized once
-//!   with byte offsets. Assistant turn `i` spans from the end of
+//!   with byte offsets. A template that marks its assistant text with
+//!   `{% generation %}` blocks sets the loss tokens exactly as transformers'
+//!   `return_assistant_tokens_mask` does ([`generation_mask`]). Otherwise
+//!   assistant turn `i` spans from the end of
 //!   `render(messages[..i], add_generation_prompt)` to where
 //!   `render(messages[..=i])` stops agreeing with the full render (so a
 //!   turn-closing `<|end|>` is inside, an end-of-conversation EOS only for the
@@ -76,7 +79,42 @@ impl Encoder {
     /// A whole conversation with the loss on its assistant turns.
     pub fn chat(&self, msgs: &[Json], tools: Option<&Json>) -> RowResult<Sequence> {
         let t = &self.template;
-        let full = t.render(msgs, tools, false)?;
+        let full = t.render_marked(msgs, tools, false)?;
+        let enc = self.tok.encode(&full.text, false)?;
+        let loss = match &full.generation {
+            Some(blocks) => generation_mask(&enc.offsets, blocks),
+            None => {
+                let spans = self.assistant_spans(msgs, tools, &full.text)?;
+                enc.offsets
+                    .iter()
+                    .map(|o| {
+                        spans
+                            .iter()
+                            .any(|s| o.start >= s.start && o.end <= s.end && o.start < s.end)
+                    })
+                    .collect()
+            }
+        };
+        let labels = enc
+            .ids
+            .iter()
+            .zip(loss)
+            .map(|(&id, l)| if l { id as i32 } else { IGNORE_INDEX })
+            .collect();
+        Ok(Sequence::new(enc.ids, labels))
+    }
+
+    /// Byte ranges of the assistant turns of a template that does not
+    /// mark them: from the end of `render(messages[..i],
+    /// add_generation_prompt)` to where `render(messages[..=i])` stops
+    /// agreeing with the whole render.
+    fn assistant_spans(
+        &self,
+        msgs: &[Json],
+        tools: Option<&Json>,
+        full: &str,
+    ) -> RowResult<Vec<std::ops::Range<usize>>> {
+        let t = &self.template;
         let mut spans = Vec::new();
         for (i, m) in msgs.iter().enumerate() {
             if m["role"] != "assistant" {
@@ -90,26 +128,10 @@ impl Encoder {
                 ));
             }
             let upto = t.render(&msgs[..=i], tools, false)?;
-            let end = common_prefix_len(&upto, &full);
+            let end = common_prefix_len(&upto, full);
             spans.push(pre.len()..end.max(pre.len()));
         }
-        let enc = self.tok.encode(&full, false)?;
-        let labels = enc
-            .ids
-            .iter()
-            .zip(&enc.offsets)
-            .map(|(&id, o)| {
-                let inside = spans
-                    .iter()
-                    .any(|s| o.start >= s.start && o.end <= s.end && o.start < s.end);
-                if inside {
-                    id as i32
-                } else {
-                    IGNORE_INDEX
-                }
-            })
-            .collect();
-        Ok(Sequence::new(enc.ids, labels))
+        Ok(spans)
     }
 
     /// Prompt ids and answer ids of a conversational prompt and answer.
@@ -179,6 +201,29 @@ impl Encoder {
             None => Ok(()),
         }
     }
+}
+
+/// Which tokens a template's `{% generation %}` blocks mark, as
+/// transformers' `return_assistant_tokens_mask` does: for each block, the
+/// token holding its first byte through the token holding its last (to the
+/// end of the row when no token holds the last); none once a block's first
+/// byte is in no token.
+pub fn generation_mask(
+    offsets: &[std::ops::Range<usize>],
+    blocks: &[std::ops::Range<usize>],
+) -> Vec<bool> {
+    let token_at = |b: usize| offsets.iter().position(|o| o.start <= b && b < o.end);
+    let mut mask = vec![false; offsets.len()];
+    for block in blocks {
+        let Some(first) = token_at(block.start) else {
+            break;
+        };
+        let last = token_at(block.end - 1).unwrap_or(offsets.len() - 1);
+        for m in mask.iter_mut().take(last + 1).skip(first) {
+            *m = true;
+        }
+    }
+    mask
 }
 
 /// Byte length of the common prefix, on a char boundary.

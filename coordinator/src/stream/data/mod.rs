@@ -43,6 +43,7 @@ pub mod synth;
 pub mod template;
 pub mod token_store;
 pub mod tokenize;
+pub mod tokenizer_class;
 
 use std::path::{Path, PathBuf};
 
@@ -164,7 +165,12 @@ pub fn encoder_with_template(
         (Tokenizer::from_file(p)?, Some(p))
     };
     let template_file = template.or(data.chat_template.as_deref());
-    let (template, specials) = template::resolve(&tok, tok_path, template_file)?;
+    let (template, specials) = template::resolve(
+        &tok,
+        tok_path,
+        template_file,
+        data.chat_template_name.as_deref(),
+    )?;
     Ok(Encoder {
         tok,
         template,
@@ -411,7 +417,13 @@ pub fn encoder_key(
 ) -> Result<cache::EncoderKey> {
     let tok = (!data.is_byte_tokenizer()).then(|| Path::new(&data.tokenizer));
     let template = template.or(data.chat_template.as_deref());
-    cache::EncoderKey::new(tok, template, data.format, model_vocab)
+    cache::EncoderKey::new(
+        tok,
+        template,
+        data.chat_template_name.as_deref(),
+        data.format,
+        model_vocab,
+    )
 }
 
 fn load_file(

@@ -59,12 +59,23 @@ pub const EOS_FALLBACKS: &[&str] = &[
 /// rendering fails, and the loaders turn the first such failure into a job
 /// error naming where the template was looked for
 /// ([`DataError::NoChatTemplate`]), never a skipped row.
+///
+/// A model may carry several named templates (a `chat_template` list in
+/// `tokenizer_config.json`, `additional_chat_templates/NAME.jinja`); the one
+/// rendered is chosen as `apply_chat_template` chooses it: the name the job
+/// asks for (`data.chat_template_name`), else `tool_use` for a row with
+/// tools when there is one, else `default`.
 pub struct ChatTemplate {
     env: Environment<'static>,
-    /// The Jinja text (written into exported model folders).
+    /// The default template's Jinja text (written into exported model
+    /// folders when the model does not carry it).
     pub text: String,
     /// Where the template came from, for messages.
     pub source: String,
+    /// The templates' names (`default` for a single one).
+    names: Vec<String>,
+    /// The name the job asked for.
+    chosen: Option<String>,
     pub bos_token: String,
     pub eos_token: String,
     pub pad_token: Option<String>,
@@ -87,10 +98,223 @@ pub struct Specials {
     pub eos_id: u32,
 }
 
+/// Where `{% generation %}` starts and ends in a render (private-use
+/// characters: the blocks' text is cut out at them, see [`Rendered`]).
+const GENERATION_START: char = '\u{10FFFD}';
+const GENERATION_END: char = '\u{10FFFC}';
+
+/// A rendered conversation, with the byte ranges of its `{% generation %}`
+/// blocks (what `return_assistant_tokens_mask` marks).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rendered {
+    pub text: String,
+    /// `None` when the template marks no generation blocks.
+    pub generation: Option<Vec<std::ops::Range<usize>>>,
+}
+
+/// `{% generation %}` / `{% endgeneration %}` (transformers' assistant
+/// tracker, a jinja2 extension minijinja does not have) as blocks that
+/// print a marker character, with the tags' own whitespace control:
+/// `{%- generation %}` strips before, `{% endgeneration -%}` after, and
+/// `trim_blocks`/`lstrip_blocks` apply as to any block tag.
+fn rewrite_generation_tags(text: &str) -> (String, bool) {
+    let re = regex::Regex::new(r"\{%(-?)\s*(end)?generation\s*(-?)%\}").expect("valid regex");
+    let mut marked = false;
+    let out = re.replace_all(text, |c: &regex::Captures<'_>| {
+        marked = true;
+        let marker = if c.get(2).is_some() {
+            GENERATION_END
+        } else {
+            GENERATION_START
+        };
+        format!(
+            "{{%{} if true %}}{{{{ '{marker}' }}}}{{% endif {}%}}",
+            &c[1], &c[3]
+        )
+    });
+    (out.into_owned(), marked)
+}
+
+/// `tojson` as transformers defines it for templates: Python's
+/// `json.dumps(x, ensure_ascii=False, indent=…, separators=…,
+/// sort_keys=…)`, not minijinja's (compact, HTML-escaped): a tool schema
+/// renders byte for byte as the model saw it.
+fn py_tojson(value: &Value, kwargs: minijinja::value::Kwargs) -> Result<Value, Error> {
+    let indent: Option<Value> = kwargs.get("indent")?;
+    let separators: Option<Vec<String>> = kwargs.get("separators")?;
+    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+    let _: Option<bool> = kwargs.get("ensure_ascii")?;
+    kwargs.assert_all_used()?;
+    let mut json: Json = serde_json::to_value(value)
+        .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    if sort_keys == Some(true) {
+        json = sorted(json);
+    }
+    let indent = match indent {
+        None => None,
+        Some(v) if v.is_none() => None,
+        Some(v) => match v.as_i64() {
+            Some(n) => Some(" ".repeat(n.max(0) as usize)),
+            None => Some(v.as_str().unwrap_or("").to_string()),
+        },
+    };
+    let (item, key) = match (&separators, &indent) {
+        (Some(s), _) if s.len() == 2 => (s[0].clone(), s[1].clone()),
+        (_, Some(_)) => (",".to_string(), ": ".to_string()),
+        (_, None) => (", ".to_string(), ": ".to_string()),
+    };
+    let mut out = Vec::new();
+    let fmt = PyFormatter {
+        item,
+        key,
+        indent,
+        open: Vec::new(),
+    };
+    let mut ser = serde_json::Serializer::with_formatter(&mut out, fmt);
+    serde::Serialize::serialize(&json, &mut ser)
+        .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    Ok(Value::from(
+        String::from_utf8(out).expect("serde_json writes utf-8"),
+    ))
+}
+
+fn sorted(v: Json) -> Json {
+    match v {
+        Json::Object(m) => {
+            let mut entries: Vec<(String, Json)> = m.into_iter().collect();
+            entries.sort_by(|a, b| a.0.cmp(&b.0));
+            Json::Object(entries.into_iter().map(|(k, v)| (k, sorted(v))).collect())
+        }
+        Json::Array(a) => Json::Array(a.into_iter().map(sorted).collect()),
+        other => other,
+    }
+}
+
+/// Python `json.dumps` layout: `item` between elements, `key` after a key,
+/// and with `indent` each element on its own line.
+struct PyFormatter {
+    item: String,
+    key: String,
+    indent: Option<String>,
+    /// Whether each open container has an element yet.
+    open: Vec<bool>,
+}
+
+impl PyFormatter {
+    fn newline<W: ?Sized + std::io::Write>(&self, w: &mut W) -> std::io::Result<()> {
+        if let Some(ind) = &self.indent {
+            w.write_all(b"\n")?;
+            for _ in 0..self.open.len() {
+                w.write_all(ind.as_bytes())?;
+            }
+        }
+        Ok(())
+    }
+
+    fn element<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if !first {
+            w.write_all(self.item.as_bytes())?;
+        }
+        if let Some(top) = self.open.last_mut() {
+            *top = true;
+        }
+        self.newline(w)
+    }
+
+    fn close<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        bracket: &[u8],
+    ) -> std::io::Result<()> {
+        if self.open.pop() == Some(true) {
+            self.newline(w)?;
+        }
+        w.write_all(bracket)
+    }
+}
+
+impl serde_json::ser::Formatter for PyFormatter {
+    fn begin_array<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.open.push(false);
+        w.write_all(b"[")
+    }
+    fn end_array<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.close(w, b"]")
+    }
+    fn begin_array_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        self.element(w, first)
+    }
+    fn end_array_value<W: ?Sized + std::io::Write>(&mut self, _: &mut W) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn begin_object<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.open.push(false);
+        w.write_all(b"{")
+    }
+    fn end_object<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.close(w, b"}")
+    }
+    fn begin_object_key<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        self.element(w, first)
+    }
+    fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        w.write_all(self.key.as_bytes())
+    }
+}
+
+/// transformers' `_alias_reasoning_fields`: a message's reasoning under any
+/// of its names is also passed as `thinking` (first) and
+/// `reasoning_content` (last), the names templates read.
+fn alias_reasoning(messages: &[Json]) -> Vec<Json> {
+    const FIELDS: [&str; 3] = ["reasoning_content", "thinking", "reasoning"];
+    messages
+        .iter()
+        .map(|m| {
+            let Some(obj) = m.as_object() else {
+                return m.clone();
+            };
+            let Some(r) = FIELDS
+                .iter()
+                .find_map(|k| obj.get(*k).filter(|v| !v.is_null()))
+            else {
+                return m.clone();
+            };
+            let mut out = serde_json::Map::new();
+            out.insert("thinking".into(), r.clone());
+            for (k, v) in obj {
+                out.insert(k.clone(), v.clone());
+            }
+            out.insert("reasoning_content".into(), r.clone());
+            Json::Object(out)
+        })
+        .collect()
+}
+
 impl ChatTemplate {
     /// Compiles `text` with HF's Jinja settings, each render bounded by
     /// [`TEMPLATE_FUEL`].
     pub fn new(text: &str, source: impl Into<String>) -> Result<Self, String> {
+        Self::named(vec![("default".to_string(), text.to_string())], source)
+    }
+
+    /// Compiles named templates (one of them `default` unless the job
+    /// names the one to use).
+    pub fn named(
+        templates: Vec<(String, String)>,
+        source: impl Into<String>,
+    ) -> Result<Self, String> {
         let mut env = Environment::new();
         env.set_fuel(Some(TEMPLATE_FUEL));
         env.set_trim_blocks(true);
@@ -99,12 +323,29 @@ impl ChatTemplate {
         env.add_function("raise_exception", |msg: String| -> Result<Value, Error> {
             Err(Error::new(ErrorKind::InvalidOperation, msg))
         });
-        env.add_template_owned("chat", text.to_string())
-            .map_err(|e| format!("does not compile: {e:#}"))?;
+        env.add_function("strftime_now", |format: String| -> Result<Value, Error> {
+            Ok(Value::from(
+                chrono::Local::now().format(&format).to_string(),
+            ))
+        });
+        env.add_filter("tojson", py_tojson);
+        let mut names = Vec::new();
+        let mut text = String::new();
+        for (name, body) in templates {
+            let (rewritten, _) = rewrite_generation_tags(&body);
+            env.add_template_owned(name.clone(), rewritten)
+                .map_err(|e| format!("template {name:?} does not compile: {e:#}"))?;
+            if name == "default" {
+                text = body;
+            }
+            names.push(name);
+        }
         Ok(Self {
             env,
-            text: text.to_string(),
+            text,
             source: source.into(),
+            names,
+            chosen: None,
             bos_token: String::new(),
             eos_token: String::new(),
             pad_token: None,
@@ -114,6 +355,37 @@ impl ChatTemplate {
         })
     }
 
+    /// Uses the template named `name` for every row; an error names the
+    /// templates there are.
+    pub fn choose(&mut self, name: &str) -> Result<(), String> {
+        if !self.names.iter().any(|n| n == name) {
+            return Err(format!(
+                "no chat template named {name:?} (the model has {:?})",
+                self.names
+            ));
+        }
+        self.chosen = Some(name.to_string());
+        Ok(())
+    }
+
+    /// The template a row renders with (see the type's docs).
+    fn pick(&self, tools: Option<&Json>) -> Result<&str, String> {
+        if let Some(c) = &self.chosen {
+            return Ok(c);
+        }
+        let has = |n: &str| self.names.iter().any(|x| x == n);
+        if tools.is_some() && has("tool_use") {
+            Ok("tool_use")
+        } else if has("default") {
+            Ok("default")
+        } else {
+            Err(format!(
+                "chat template ({}): several templates and no default: name one with data.chat_template_name (there are {:?})",
+                self.source, self.names
+            ))
+        }
+    }
+
     /// Renders `messages` (JSON objects with at least `role` and `content`).
     pub fn render(
         &self,
@@ -121,14 +393,28 @@ impl ChatTemplate {
         tools: Option<&Json>,
         add_generation_prompt: bool,
     ) -> Result<String, String> {
+        Ok(self
+            .render_marked(messages, tools, add_generation_prompt)?
+            .text)
+    }
+
+    /// [`Self::render`] with where the `{% generation %}` blocks are.
+    pub fn render_marked(
+        &self,
+        messages: &[Json],
+        tools: Option<&Json>,
+        add_generation_prompt: bool,
+    ) -> Result<Rendered, String> {
         if let Some((_, looked)) = &self.missing {
             self.needed
                 .store(true, std::sync::atomic::Ordering::Relaxed);
             return Err(format!("no chat template ({looked})"));
         }
-        let tmpl = self.env.get_template("chat").expect("added in new()");
+        let name = self.pick(tools)?;
+        let tmpl = self.env.get_template(name).expect("added in named()");
+        let messages = alias_reasoning(messages);
         let ctx = minijinja::context! {
-            messages => Value::from_serialize(messages),
+            messages => Value::from_serialize(&messages),
             tools => tools.map(Value::from_serialize).unwrap_or(Value::from(())),
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token.as_str(),
@@ -136,9 +422,50 @@ impl ChatTemplate {
             pad_token => self.pad_token.as_deref(),
             unk_token => self.unk_token.as_deref(),
         };
-        tmpl.render(ctx)
-            .map_err(|e| format!("chat template ({}) failed: {e}", self.source))
+        let raw = tmpl
+            .render(ctx)
+            .map_err(|e| format!("chat template ({}) failed: {e}", self.source))?;
+        split_generation(raw, &self.source)
     }
+}
+
+/// Cuts the generation markers out of a render, keeping their ranges.
+fn split_generation(raw: String, source: &str) -> Result<Rendered, String> {
+    if !raw.contains([GENERATION_START, GENERATION_END]) {
+        return Ok(Rendered {
+            text: raw,
+            generation: None,
+        });
+    }
+    let mut text = String::with_capacity(raw.len());
+    let mut spans = Vec::new();
+    let mut open: Option<usize> = None;
+    for c in raw.chars() {
+        match c {
+            GENERATION_START if open.is_none() => open = Some(text.len()),
+            GENERATION_END if open.is_some() => {
+                let s = open.take().expect("checked");
+                if text.len() > s {
+                    spans.push(s..text.len());
+                }
+            }
+            GENERATION_START | GENERATION_END => {
+                return Err(format!(
+                    "chat template ({source}): unbalanced {{% generation %}} blocks, or a message holds U+10FFFC/U+10FFFD"
+                ))
+            }
+            c => text.push(c),
+        }
+    }
+    if open.is_some() {
+        return Err(format!(
+            "chat template ({source}): a {{% generation %}} block is not closed"
+        ));
+    }
+    Ok(Rendered {
+        text,
+        generation: Some(spans),
+    })
 }
 
 impl ChatTemplate {
@@ -164,7 +491,8 @@ impl ChatTemplate {
 /// What `tokenizer_config.json` says, as far as the data stream cares.
 #[derive(Debug, Default)]
 struct TokenizerConfig {
-    chat_template: Option<String>,
+    /// `(name, template)`: one `default` for a string, every entry of a list.
+    chat_templates: Vec<(String, String)>,
     bos_token: Option<String>,
     eos_token: Option<String>,
     pad_token: Option<String>,
@@ -204,7 +532,19 @@ fn read_config(path: &Path) -> Result<TokenizerConfig> {
     let v: Json = serde_json::from_str(&text).map_err(|e| err(format!("invalid json: {e}")))?;
     let field = |k: &str| v.get(k).and_then(token_field);
     Ok(TokenizerConfig {
-        chat_template: v.get("chat_template").and_then(template_field),
+        chat_templates: match v.get("chat_template") {
+            Some(Json::String(t)) => vec![("default".into(), t.clone())],
+            Some(Json::Array(list)) => list
+                .iter()
+                .filter_map(|t| {
+                    Some((
+                        t.get("name")?.as_str()?.to_string(),
+                        t.get("template")?.as_str()?.to_string(),
+                    ))
+                })
+                .collect(),
+            _ => Vec::new(),
+        },
         bos_token: field("bos_token"),
         eos_token: field("eos_token"),
         pad_token: field("pad_token"),
@@ -233,12 +573,70 @@ fn read_template_file(path: &Path) -> Result<String> {
     Ok(text)
 }
 
+/// The folder `transformers` keeps a model's named templates in, beside
+/// `tokenizer.json` (`NAME.jinja`).
+pub const CHAT_TEMPLATE_DIR: &str = "additional_chat_templates";
+
+/// Templates a model carries beside its tokenizer, by name, as
+/// `AutoTokenizer` assembles them: the config's (a string is `default`),
+/// `chat_template.jinja` as `default` over it, and every
+/// `additional_chat_templates/NAME.jinja`; and where they came from.
+fn model_templates(
+    tokenizer_path: Option<&Path>,
+    from_config: Vec<(String, String)>,
+    cfg_path: &Option<PathBuf>,
+) -> Result<(Vec<(String, String)>, String)> {
+    let mut named = from_config;
+    let mut source = cfg_path
+        .as_ref()
+        .map(|p| p.display().to_string())
+        .unwrap_or_default();
+    let Some(tok) = tokenizer_path else {
+        return Ok((named, source));
+    };
+    let set = |named: &mut Vec<(String, String)>, name: String, text: String| match named
+        .iter_mut()
+        .find(|(n, _)| *n == name)
+    {
+        Some(slot) => slot.1 = text,
+        None => named.push((name, text)),
+    };
+    let jinja = tok.with_file_name(CHAT_TEMPLATE_FILE);
+    if jinja.is_file() {
+        let text = input::read_to_string(&jinja, MAX_CONFIG_BYTES, "chat template")?;
+        set(&mut named, "default".into(), text);
+        source = jinja.display().to_string();
+    }
+    let dir = tok.with_file_name(CHAT_TEMPLATE_DIR);
+    if dir.is_dir() {
+        let entries = std::fs::read_dir(&dir).map_err(|e| input::InputError::io(&dir, e))?;
+        let mut files: Vec<PathBuf> = entries
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "jinja"))
+            .collect();
+        files.sort();
+        for f in files {
+            let name = f
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            let text = input::read_to_string(&f, MAX_CONFIG_BYTES, "chat template")?;
+            set(&mut named, name, text);
+        }
+        if source.is_empty() {
+            source = dir.display().to_string();
+        }
+    }
+    Ok((named, source))
+}
+
 /// Finds and compiles the chat template for a dataset and the special
 /// tokens the data stream appends (see the module docs for the order).
 pub fn resolve(
     tokenizer: &Tokenizer,
     tokenizer_path: Option<&Path>,
     template_file: Option<&Path>,
+    template_name: Option<&str>,
 ) -> Result<(ChatTemplate, Specials)> {
     let config = match tokenizer_path {
         Some(p) => {
@@ -259,25 +657,35 @@ pub fn resolve(
         ChatTemplate::new(text, source).map_err(|message| DataError::Template { path, message })
     };
     let is_bytes = matches!(tokenizer, Tokenizer::Bytes);
-    let jinja = tokenizer_path
-        .map(|p| p.with_file_name(CHAT_TEMPLATE_FILE))
-        .filter(|p| p.is_file());
-    let (mut tmpl, builtin) = if let Some(f) = template_file.or(jinja.as_deref()) {
+    let (mut tmpl, builtin) = if let Some(f) = template_file {
         let text = read_template_file(f)?;
         (
             compile(&text, f.display().to_string(), f.to_path_buf())?,
             false,
         )
-    } else if let (Some(text), Some(p)) = (&cfg.chat_template, &cfg_path) {
-        (compile(text, p.display().to_string(), p.clone())?, false)
     } else {
-        let t = compile(
-            BUILTIN_TEMPLATE,
-            "built-in".into(),
-            PathBuf::from("<built-in>"),
-        )?;
-        (t, true)
+        let (named, source) =
+            model_templates(tokenizer_path, cfg.chat_templates.clone(), &cfg_path)?;
+        if named.is_empty() {
+            let t = compile(
+                BUILTIN_TEMPLATE,
+                "built-in".into(),
+                PathBuf::from("<built-in>"),
+            )?;
+            (t, true)
+        } else {
+            let path = PathBuf::from(&source);
+            let t = ChatTemplate::named(named, source)
+                .map_err(|message| DataError::Template { path, message })?;
+            (t, false)
+        }
     };
+    if let Some(name) = template_name {
+        tmpl.choose(name).map_err(|message| DataError::Template {
+            path: PathBuf::from(&tmpl.source),
+            message,
+        })?;
+    }
     if is_bytes {
         tmpl.bos_token = "<|bos|>".into();
         tmpl.eos_token = "<|eos|>".into();
@@ -345,7 +753,7 @@ mod tests {
 
     #[test]
     fn builtin_template_renders_turns_and_eos() {
-        let (t, s) = resolve(&Tokenizer::Bytes, None, None).unwrap();
+        let (t, s) = resolve(&Tokenizer::Bytes, None, None, None).unwrap();
         assert_eq!(s.eos_id, BYTE_EOS);
         let out = t.render(&msgs(), None, false).unwrap();
         assert_eq!(
@@ -373,7 +781,7 @@ mod tests {
         let long: Vec<Json> = (0..2000)
             .map(|i| json!({"role": if i % 2 == 0 { "user" } else { "assistant" }, "content": "x"}))
             .collect();
-        let (builtin, _) = resolve(&Tokenizer::Bytes, None, None).unwrap();
+        let (builtin, _) = resolve(&Tokenizer::Bytes, None, None, None).unwrap();
         assert!(builtin.render(&long, None, false).is_ok());
     }
 
@@ -398,5 +806,85 @@ mod tests {
             token_field(&json!({"content": "<s>"})).as_deref(),
             Some("<s>")
         );
+    }
+
+    /// `tojson` writes what Python's `json.dumps` writes (transformers'
+    /// filter): `", "`/`": "` separators, key order kept, no HTML escaping,
+    /// non-ASCII as is; with `indent`, one element per line.
+    #[test]
+    fn tojson_is_pythons_json_dumps() {
+        let t = ChatTemplate::new(
+            "{{ messages[0].x | tojson }}|{{ messages[0].x | tojson(indent=2) }}|{{ messages[0].x | tojson(sort_keys=true, separators=(',', ':')) }}",
+            "test",
+        )
+        .unwrap();
+        let m =
+            vec![json!({"role": "user", "x": {"z": [1, 2.5, "<é>"], "a": {}, "b": [], "c": null}})];
+        assert_eq!(
+            t.render(&m, None, false).unwrap(),
+            "{\"z\": [1, 2.5, \"<é>\"], \"a\": {}, \"b\": [], \"c\": null}|{\n  \"z\": [\n    1,\n    2.5,\n    \"<é>\"\n  ],\n  \"a\": {},\n  \"b\": [],\n  \"c\": null\n}|{\"a\":{},\"b\":[],\"c\":null,\"z\":[1,2.5,\"<é>\"]}"
+        );
+    }
+
+    /// `{% generation %}` blocks render as transformers renders them (their
+    /// tags' whitespace control and trim_blocks included) and give the
+    /// blocks' byte ranges.
+    #[test]
+    fn generation_blocks_render_and_mark_their_text() {
+        let t = ChatTemplate::new(
+            "{% for m in messages %}<{{ m.role }}>\n{% if m.role == 'assistant' %}  {%- generation %}\n{{ m.content }}!{% endgeneration -%}\n\n{% else %}{{ m.content }};{% endif %}{% endfor %}",
+            "test",
+        )
+        .unwrap();
+        let r = t.render_marked(&msgs()[1..], None, false).unwrap();
+        assert_eq!(r.text, "<user>\n2+2?;<assistant>\n4!");
+        let want: Vec<std::ops::Range<usize>> = std::iter::once(24..26).collect();
+        assert_eq!(r.generation, Some(want));
+        assert_eq!(&r.text[24..26], "4!");
+        let plain = ChatTemplate::new("{{ messages[0].content }}", "t").unwrap();
+        assert_eq!(
+            plain
+                .render_marked(&msgs(), None, false)
+                .unwrap()
+                .generation,
+            None
+        );
+    }
+
+    /// Named templates: `tool_use` for a row with tools, `default`
+    /// otherwise, or the one the job names; an unknown name lists the
+    /// names there are.
+    #[test]
+    fn named_templates_are_chosen_as_transformers_chooses() {
+        let mut t = ChatTemplate::named(
+            vec![
+                ("default".into(), "D".into()),
+                ("tool_use".into(), "T".into()),
+            ],
+            "test",
+        )
+        .unwrap();
+        assert_eq!(t.render(&msgs(), None, false).unwrap(), "D");
+        assert_eq!(t.render(&msgs(), Some(&json!([])), false).unwrap(), "T");
+        t.choose("default").unwrap();
+        assert_eq!(t.render(&msgs(), Some(&json!([])), false).unwrap(), "D");
+        let e = t.choose("rag").unwrap_err();
+        assert!(e.contains("\"rag\"") && e.contains("tool_use"), "{e}");
+        let only = ChatTemplate::named(vec![("rag".into(), "R".into())], "test").unwrap();
+        let e = only.render(&msgs(), None, false).unwrap_err();
+        assert!(e.contains("data.chat_template_name"), "{e}");
+    }
+
+    /// A message's reasoning reaches the template under `thinking` and
+    /// `reasoning_content`, whichever name the row used.
+    #[test]
+    fn reasoning_is_aliased_as_transformers_does() {
+        let t = ChatTemplate::new(
+            "{% for m in messages %}{{ m.thinking }}/{{ m.reasoning_content }}{% endfor %}",
+            "t",
+        )
+        .unwrap();
+        let m = vec![json!({"role": "assistant", "content": "6", "reasoning": "r"})];
+        assert_eq!(t.render(&m, None, false).unwrap(), "r/r");
     }
 }

@@ -8,7 +8,9 @@
 //! how the built-in chat template places BOS and EOS). With
 //! `add_special_tokens` it prepends BOS, the way Llama's post-processor does.
 //!
-//! HF tokenizers: loaded with truncation and padding switched off (a
+//! HF tokenizers: run as transformers 5 runs them (the pipeline of the
+//! config's `tokenizer_class`, [`super::tokenizer_class`]), loaded with
+//! truncation and padding switched off (a
 //! `tokenizer.json` may carry either, and the data stream never truncates).
 //! `add_special_tokens` runs the file's own post-processor; BOS and EOS ids
 //! come from `tokenizer_config.json` (see [`super::template`]).
@@ -17,6 +19,7 @@ use std::ops::Range;
 use std::path::Path;
 
 use super::error::{DataError, Result};
+use super::tokenizer_class::{self, ClassConfig, Rebuild};
 
 pub const BYTE_BOS: u32 = 256;
 pub const BYTE_EOS: u32 = 257;
@@ -42,7 +45,9 @@ pub struct Encoded {
 }
 
 impl Tokenizer {
-    /// Loads a HF `tokenizer.json`.
+    /// Loads a HF `tokenizer.json` as transformers runs it: with the
+    /// pipeline of the `tokenizer_class` named in `tokenizer_config.json`
+    /// beside it (see [`super::tokenizer_class`]).
     pub fn from_file(path: &Path) -> Result<Self> {
         let err = |message: String| DataError::Tokenizer {
             path: path.to_path_buf(),
@@ -50,6 +55,38 @@ impl Tokenizer {
         };
         let bytes =
             crate::job::input::read(path, crate::job::input::MAX_TOKENIZER_BYTES, "tokenizer")?;
+        let config = path.with_file_name("tokenizer_config.json");
+        let class = if config.is_file() {
+            let text = crate::job::input::read(
+                &config,
+                crate::job::input::MAX_CONFIG_BYTES,
+                "tokenizer config",
+            )?;
+            let v: serde_json::Value =
+                serde_json::from_slice(&text).map_err(|e| DataError::Tokenizer {
+                    path: config.clone(),
+                    message: format!("invalid json: {e}"),
+                })?;
+            ClassConfig::from_config(&v)
+        } else {
+            ClassConfig::default()
+        };
+        let bytes = match tokenizer_class::rebuild(&class) {
+            Rebuild::AsWritten => bytes,
+            Rebuild::Replace(parts) => {
+                let mut file: serde_json::Value = serde_json::from_slice(&bytes)
+                    .map_err(|e| err(format!("invalid json: {e}")))?;
+                tokenizer_class::apply(&mut file, &parts);
+                serde_json::to_vec(&file).map_err(|e| err(e.to_string()))?
+            }
+            Rebuild::Unknown(name) => {
+                tracing::warn!(
+                    tokenizer = %path.display(),
+                    "tokenizer_class {name}: transformers rebuilds this class's pipeline and Accrue runs tokenizer.json as written; its ids may differ from transformers' (check with `accrue data show`)"
+                );
+                bytes
+            }
+        };
         let mut tok = tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| err(e.to_string()))?;
         tok.with_truncation(None)
             .map_err(|e| err(format!("cannot disable truncation: {e}")))?;
