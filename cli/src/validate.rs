@@ -250,7 +250,11 @@ max_workers = 8
 
     fn fixture(spec: &str) -> (tempfile::TempDir, std::path::PathBuf) {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("tiny.json"), r#"{"vocab_size": 320}"#).unwrap();
+        std::fs::write(
+            dir.path().join("tiny.json"),
+            r#"{"model_type": "llama", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}"#,
+        )
+        .unwrap();
         std::fs::write(dir.path().join("train.jsonl"), rows()).unwrap();
         let path = dir.path().join("job.toml");
         std::fs::write(&path, spec).unwrap();
@@ -297,7 +301,11 @@ max_workers = 8
     #[test]
     fn a_model_vocab_below_the_tokenizer_fails_validate_naming_field_and_numbers() {
         let (dir, path) = fixture(GOOD);
-        std::fs::write(dir.path().join("tiny.json"), r#"{"vocab_size": 100}"#).unwrap();
+        std::fs::write(
+            dir.path().join("tiny.json"),
+            r#"{"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}"#,
+        )
+        .unwrap();
         let (code, out, err) = run_scan(&path, dir.path(), DataScan::Never);
         assert_eq!(code, ExitCode::FAILURE, "{out}");
         let want = format!(
@@ -523,7 +531,7 @@ max_workers = 8
     fn a_mixture_is_reported_per_source() {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
-        std::fs::write(d.join("tiny.json"), r#"{"vocab_size": 320}"#).unwrap();
+        std::fs::write(d.join("tiny.json"), r#"{"model_type": "llama", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}"#).unwrap();
         let row =
             |p: &str, c: &str| format!("{}\n", serde_json::json!({"prompt": p, "completion": c}));
         std::fs::write(

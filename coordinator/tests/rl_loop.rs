@@ -19,7 +19,7 @@ fn write_prompts(dir: &Path) {
         .map(|i| format!("{{\"prompt\": \"{i}*0=\", \"answer\": \"0\"}}\n"))
         .collect();
     std::fs::write(dir.join("prompts.jsonl"), rows).unwrap();
-    std::fs::write(dir.join("tiny.json"), r#"{"vocab_size": 320}"#).unwrap();
+    std::fs::write(dir.join("tiny.json"), r#"{"model_type": "llama", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}"#).unwrap();
 }
 
 fn spec(steps: u64, min_workers: u32) -> String {

@@ -17,7 +17,7 @@ use common::{fake_worker, start, FakeWorker};
 use tonic::Code;
 
 async fn submit(url: &str, dir: &Path, steps: u64) -> String {
-    std::fs::write(dir.join("tiny.json"), r#"{"vocab_size": 320}"#).unwrap();
+    std::fs::write(dir.join("tiny.json"), r#"{"model_type": "llama", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}"#).unwrap();
     let spec = format!(
         "[job]\nname = \"stream\"\nsteps = {steps}\noutput_dir = \"out\"\n\
          [model]\ninit = \"random\"\nconfig = \"tiny.json\"\n\

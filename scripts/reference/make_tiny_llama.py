@@ -3,7 +3,7 @@ saves it with save_pretrained, and writes per-document logits, summed NLL
 (HF label semantics) and the gradients of (sum of NLL over documents) /
 (total loss tokens), each document run separately through transformers.
 
-usage: make_tiny_llama.py OUT_DIR [--variant llama|qwen2|tied|sharded] [--seed N]
+usage: make_tiny_llama.py OUT_DIR [--variant llama|qwen2|tied|sharded|qwen3|olmo2|mistral|gemma3] [--seed N]
 (`sharded`: the llama variant saved as several model-0000i-of-0000n.safetensors
 files plus model.safetensors.index.json)
 writes OUT_DIR/model/{config.json,model.safetensors} and OUT_DIR/reference.safetensors
@@ -50,8 +50,30 @@ def build(variant, seed):
             for name, p in model.named_parameters():
                 if name.endswith(".bias"):
                     p.normal_(0.0, 0.05)
+    elif variant == "qwen3":
+        cfg = transformers.Qwen3Config(tie_word_embeddings=False, head_dim=24, **common)
+        model = transformers.Qwen3ForCausalLM(cfg)
+    elif variant == "olmo2":
+        cfg = transformers.Olmo2Config(tie_word_embeddings=False, **common)
+        model = transformers.Olmo2ForCausalLM(cfg)
+    elif variant == "mistral":
+        cfg = transformers.MistralConfig(tie_word_embeddings=False, sliding_window=8, **common)
+        model = transformers.MistralForCausalLM(cfg)
+    elif variant == "gemma3":
+        cfg = transformers.Gemma3TextConfig(
+            head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}},
+            pad_token_id=0, **common)
+        model = transformers.Gemma3ForCausalLM(cfg)
     else:
         raise SystemExit(f"unknown variant {variant}")
+    if variant in ("qwen3", "olmo2", "mistral", "gemma3"):
+        with torch.no_grad():  # norms away from their init so each is checked
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.add_(torch.randn_like(p) * 0.1)
     return model.float()
 
 

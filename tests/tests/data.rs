@@ -62,7 +62,7 @@ fn a_prepare_killed_mid_build_leaves_no_usable_store_and_the_next_builds_it() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     write_rows(&d.join("rows.jsonl"));
-    std::fs::write(d.join("tiny.json"), r#"{"vocab_size": 320}"#).unwrap();
+    std::fs::write(d.join("tiny.json"), r#"{"model_type": "llama", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}"#).unwrap();
     let cache = d.join("cache");
     std::fs::write(
         d.join("job.toml"),

@@ -135,7 +135,7 @@ fn write_spec(dir: &std::path::Path, url: &str) -> std::path::PathBuf {
         .map(|i| format!("{{\"question\": \"{i} times 0?\", \"answer\": \"#### 0\"}}\n"))
         .collect();
     std::fs::write(dir.join("prompts.jsonl"), rows).unwrap();
-    std::fs::write(dir.join("tiny.json"), r#"{"vocab_size": 320}"#).unwrap();
+    std::fs::write(dir.join("tiny.json"), r#"{"model_type": "llama", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}"#).unwrap();
     let spec = dir.join("engine.toml");
     std::fs::write(
         &spec,

@@ -18,7 +18,7 @@ fn loop_job(dir: &std::path::Path, name: &str, parallel: &str, rl: &str) -> std:
         .map(|i| format!("{{\"question\": \"{i} times 0?\", \"answer\": \"#### 0\"}}\n"))
         .collect();
     std::fs::write(dir.join("prompts.jsonl"), rows).unwrap();
-    std::fs::write(dir.join("tiny.json"), r#"{"vocab_size": 320}"#).unwrap();
+    std::fs::write(dir.join("tiny.json"), r#"{"model_type": "llama", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}"#).unwrap();
     let spec = dir.join("loop.toml");
     std::fs::write(
         &spec,

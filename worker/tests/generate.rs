@@ -10,7 +10,7 @@ use accrue_worker::batch::PackedBatch;
 use accrue_worker::generate::sampler::{log_sum_exp, Sampler};
 use accrue_worker::generate::stop::finished;
 use accrue_worker::generate::{generate, Completion, Finish, Request, SamplingParams};
-use accrue_worker::model::{Init, Llama, LlamaConfig};
+use accrue_worker::model::{Init, Llama, ModelConfig};
 use accrue_worker::objective::head::token_logps;
 use accrue_worker::runner::{default_factory, Runner, Work};
 use accrue_worker::wire;
@@ -19,7 +19,7 @@ use tch::{Device, Kind, Tensor};
 
 fn tiny_model(seed: u64) -> Llama {
     let raw: serde_json::Value = serde_json::from_str(common::TINY_CONFIG).unwrap();
-    let cfg: LlamaConfig = serde_json::from_value(raw.clone()).unwrap();
+    let cfg: ModelConfig = serde_json::from_value(raw.clone()).unwrap();
     Llama::new(cfg, raw, Kind::Float, Device::Cpu, Init::Seeded(seed)).unwrap()
 }
 
@@ -585,7 +585,7 @@ fn bench_shared_prompt_prefill() {
             ),
     )
     .unwrap();
-    let cfg: LlamaConfig = serde_json::from_value(raw.clone()).unwrap();
+    let cfg: ModelConfig = serde_json::from_value(raw.clone()).unwrap();
     let model = Llama::new(cfg, raw, Kind::Float, Device::Cpu, Init::Seeded(1)).unwrap();
     let reqs: Vec<Request> = (0..8)
         .flat_map(|g| {

@@ -280,12 +280,12 @@ fn gpu_two_ranks_on_nccl_match_one_rank() {
 #[ignore = "needs a GPU: scripts/gpu-check.sh"]
 fn gpu_generation_matches_the_cpu() {
     use accrue_worker::generate::{generate, Request, SamplingParams};
-    use accrue_worker::model::{Init, Llama, LlamaConfig};
+    use accrue_worker::model::{Init, Llama, ModelConfig};
     let Some(device) = gpu("gpu_generation_matches_the_cpu") else {
         return;
     };
     let raw: serde_json::Value = serde_json::from_str(common::TINY_CONFIG).unwrap();
-    let cfg: LlamaConfig = serde_json::from_value(raw.clone()).unwrap();
+    let cfg: ModelConfig = serde_json::from_value(raw.clone()).unwrap();
     let kind = tch::Kind::Float;
     let cpu = Llama::new(cfg.clone(), raw.clone(), kind, Device::Cpu, Init::Seeded(3)).unwrap();
     let mut cuda = Llama::new(cfg, raw, kind, device, Init::Empty).unwrap();

@@ -116,3 +116,31 @@ fn parity_llama_tied_embeddings() {
 fn parity_llama_from_a_sharded_hf_checkpoint() {
     check_parity("sharded");
 }
+
+/// Qwen3: per-head q/k RMSNorm before RoPE, head_dim (24) apart from
+/// hidden_size / heads (16).
+#[test]
+fn parity_qwen3_qk_norm_and_head_dim() {
+    check_parity("qwen3");
+}
+
+/// OLMo 2: post-norm blocks, q/k RMSNorm over the whole projection.
+#[test]
+fn parity_olmo2_post_norm() {
+    check_parity("olmo2");
+}
+
+/// Mistral with its sliding window (8 tokens; documents up to 33).
+#[test]
+fn parity_mistral_sliding_window() {
+    check_parity("mistral");
+}
+
+/// Gemma 3 text: a sliding (window 8, local RoPE) and a global layer
+/// (linear-scaled RoPE), (1 + w) norms before and after attention and
+/// MLP, per-head q/k norm, √hidden embedding scale, GELU-tanh,
+/// query_pre_attn_scalar 24 ≠ head_dim 16, tied embeddings.
+#[test]
+fn parity_gemma3_text() {
+    check_parity("gemma3");
+}

@@ -70,7 +70,10 @@ impl Checkpointing for Fake {
         Ok(Box::new(move |dir: &Path| {
             // A real (if tiny) model folder: submit checks what a
             // `model.init` checkpoint holds.
-            std::fs::write(dir.join("config.json"), r#"{"vocab_size": 300}"#)?;
+            std::fs::write(
+                dir.join("config.json"),
+                r#"{"model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}"#,
+            )?;
             std::fs::write(dir.join("model.safetensors"), fake_weights(steps))?;
             Ok(vec!["config.json".into(), "model.safetensors".into()])
         }))
@@ -190,7 +193,7 @@ async fn a_worker_trains_checkpoints_and_a_resumed_job_continues_at_the_same_ste
         ));
     }
     std::fs::write(dir.path().join("train.jsonl"), rows).unwrap();
-    std::fs::write(dir.path().join("tiny.json"), r#"{"vocab_size": 300}"#).unwrap();
+    std::fs::write(dir.path().join("tiny.json"), r#"{"model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}"#).unwrap();
 
     let mut cfg = ServerConfig::new("127.0.0.1:0".parse().unwrap(), dir.path().join("state"));
     cfg.heartbeat_interval_ms = 100;

@@ -599,7 +599,10 @@ fn write_dataset(dir: &Path, docs: u64) -> anyhow::Result<()> {
         ));
     }
     std::fs::write(dir.join("train.jsonl"), rows)?;
-    std::fs::write(dir.join("tiny.json"), r#"{"vocab_size": 320}"#)?;
+    std::fs::write(
+        dir.join("tiny.json"),
+        r#"{"model_type": "llama", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}"#,
+    )?;
     for old in std::fs::read_dir(dir)?.flatten() {
         if old.file_name().to_string_lossy().ends_with(".done") {
             let _ = std::fs::remove_file(old.path());

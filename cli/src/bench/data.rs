@@ -259,7 +259,10 @@ pub fn data(opts: &DataBenchOpts, out: &mut dyn Write) -> anyhow::Result<Vec<Dat
     let _ = std::fs::remove_dir_all(&cache);
     let runs = opts.work.join("runs");
     std::fs::create_dir_all(&runs)?;
-    std::fs::write(runs.join("job.config.json"), r#"{"vocab_size": 32064}"#)?;
+    std::fs::write(
+        runs.join("job.config.json"),
+        r#"{"model_type": "llama", "vocab_size": 32064, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}"#,
+    )?;
     let spec = runs.join("job.toml");
     std::fs::write(
         &spec,
@@ -528,7 +531,7 @@ mod tests {
         synthetic_chat(&synth, 500, 0).unwrap();
         let text = std::fs::read_to_string(&synth).unwrap();
         assert_eq!(text.lines().count(), 500);
-        std::fs::write(d.join("job.config.json"), r#"{"vocab_size": 320}"#).unwrap();
+        std::fs::write(d.join("job.config.json"), r#"{"model_type": "llama", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}"#).unwrap();
         let spec = d.join("job.toml");
         std::fs::write(
             &spec,

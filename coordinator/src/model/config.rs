@@ -3,6 +3,10 @@
 //! token id the data stream produces must be below it), and, when
 //! `model.init` is a checkpoint directory, that the directory is whole.
 //!
+//! The architecture is checked as the workers will build it
+//! (`accrue_arch`: the family and its variants), so a config Accrue cannot
+//! train exactly is refused naming the field.
+//!
 //! Workers load the weights; a job whose model cannot start used to be
 //! admitted and fail on the workers with a cause only their logs named.
 //! Checking here makes `accrue validate` and `submit` refuse it naming the
@@ -46,6 +50,9 @@ pub enum ModelError {
     Json { path: PathBuf, message: String },
     #[error("{}: vocab_size {problem}", path.display())]
     VocabSize { path: PathBuf, problem: String },
+    /// An architecture the workers cannot build exactly (the field named).
+    #[error("{}: {problem}", path.display())]
+    Arch { path: PathBuf, problem: String },
     #[error("{}: missing, the checkpoint is incomplete", .0.display())]
     Missing(PathBuf),
     #[error("{}: neither model.safetensors nor model.safetensors.index.json", .0.display())]
@@ -113,7 +120,7 @@ fn read_vocab_size(path: &Path) -> Result<u32, ModelError> {
         path: path.to_path_buf(),
         problem,
     };
-    match json.get("vocab_size") {
+    let vocab = match json.get("vocab_size") {
         None => Err(problem(
             "is missing: the model's vocabulary size is required".into(),
         )),
@@ -122,7 +129,14 @@ fn read_vocab_size(path: &Path) -> Result<u32, ModelError> {
             .filter(|&n| n > 0)
             .and_then(|n| u32::try_from(n).ok())
             .ok_or_else(|| problem(format!("must be a positive integer below 2^32, got {v}"))),
-    }
+    }?;
+    // The architecture, as the workers will build it: an unsupported
+    // family or layer variant is refused here, naming the field.
+    accrue_arch::ModelConfig::from_json(&json).map_err(|e| ModelError::Arch {
+        path: path.to_path_buf(),
+        problem: format!("{e:#}"),
+    })?;
+    Ok(vocab)
 }
 
 /// Checks that `dir` holds usable weights and, for a checkpoint of ours,
@@ -249,7 +263,7 @@ pub fn check(model: &ModelSection) -> Result<ModelConfig, Vec<SpecProblem>> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// A valid safetensors file of one f32 tensor of `n` elements.
@@ -273,13 +287,26 @@ mod tests {
         }
     }
 
+    /// A tiny Llama config with `vocab` rows.
+    pub(crate) fn tiny(vocab: u32) -> String {
+        format!(
+            r#"{{"model_type": "llama", "vocab_size": {vocab}, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}}"#
+        )
+    }
+
     #[test]
     fn vocab_size_is_read_and_checked() {
         let dir = tempfile::tempdir().unwrap();
         let c = dir.path().join("c.json");
-        std::fs::write(&c, r#"{"vocab_size": 320}"#).unwrap();
+        std::fs::write(&c, tiny(320)).unwrap();
         let cfg = read_config(&section("random", Some(&c))).unwrap();
         assert_eq!((cfg.field, cfg.vocab_size), ("model.config", 320));
+        // An architecture the workers cannot build is refused, naming the
+        // field.
+        let phi = tiny(320).replace("\"llama\"", "\"phi3\"");
+        std::fs::write(&c, phi).unwrap();
+        let e = read_config(&section("random", Some(&c))).unwrap_err();
+        assert!(e.to_string().contains("model_type: phi3"), "{e}");
         for (text, want) in [
             ("{}", "vocab_size is missing"),
             (
@@ -301,7 +328,7 @@ mod tests {
 
     /// A checkpoint of ours: weights, manifest and a rank marker.
     fn checkpoint(dir: &Path) {
-        std::fs::write(dir.join("config.json"), r#"{"vocab_size": 320}"#).unwrap();
+        std::fs::write(dir.join("config.json"), tiny(320)).unwrap();
         let weights = safetensors(4);
         std::fs::write(dir.join("model.safetensors"), &weights).unwrap();
         std::fs::write(

@@ -169,7 +169,7 @@ mod tests {
     fn spec(dir: &Path, vocab: u32, batch: &str, rows: &str) -> JobSpec {
         std::fs::write(
             dir.join("tiny.json"),
-            format!(r#"{{"vocab_size": {vocab}}}"#),
+            crate::model::config::tests::tiny(vocab),
         )
         .unwrap();
         std::fs::write(dir.join("train.jsonl"), rows).unwrap();

@@ -89,7 +89,7 @@ pub fn write_sft_fixture(dir: &Path, rows: usize, completion: impl Fn(usize) -> 
         })
         .collect();
     std::fs::write(dir.join("train.jsonl"), rows).unwrap();
-    std::fs::write(dir.join("tiny.json"), r#"{"vocab_size": 320}"#).unwrap();
+    std::fs::write(dir.join("tiny.json"), r#"{"model_type": "llama", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}"#).unwrap();
 }
 
 /// Submits `spec` with `dir` as its base; returns the job id.

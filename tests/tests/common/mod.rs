@@ -309,7 +309,10 @@ pub async fn fake_generator(
                 if p.target() == wire::PolicyTarget::Disk {
                     let dir = std::path::Path::new(&p.dir);
                     std::fs::create_dir_all(dir)?;
-                    std::fs::write(dir.join("config.json"), r#"{"vocab_size": 320}"#)?;
+                    std::fs::write(
+                        dir.join("config.json"),
+                        r#"{"model_type": "llama", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}"#,
+                    )?;
                     std::fs::write(dir.join("model.safetensors"), b"weights")?;
                 }
                 report.published.push(p.step);

@@ -29,14 +29,20 @@
 //! over the whole row 9.7 s (the masked kernel computes all T² scores).
 //! PerDocument is the default; BlockMask is kept for the benchmark and tests.
 //!
+//! Family variants ([`crate::model::config::Arch`]): q/k RMSNorm before
+//! RoPE (per head or over the projection), a softmax scale other than
+//! `1/√d`, and a sliding window (a boolean mask on the documents longer
+//! than the window; shorter ones stay on the causal fast path).
+//!
 //! q, k and v come from one matmul over the concatenated weights, and RoPE
 //! runs once over the q and k heads together; the stored parameters keep
 //! HF's names and shapes.
 
 use tch::{nn, Kind, Tensor};
 
-use super::config::LlamaConfig;
+use super::config::{Arch, LayerSpec, ModelConfig, QkNorm};
 use super::linear::{fused_linear, linear};
+use super::norm::RmsNorm;
 use super::rope;
 
 /// How the packed row's block-diagonal causal attention is computed.
@@ -67,26 +73,58 @@ pub struct Attention {
     k_proj: nn::Linear,
     v_proj: nn::Linear,
     o_proj: nn::Linear,
+    /// `q_norm`, `k_norm` (Qwen3, Gemma 3 per head; OLMo 2 over the
+    /// projection), before RoPE.
+    qk_norm: Option<(QkNorm, RmsNorm, RmsNorm)>,
     heads: i64,
     kv_heads: i64,
     head_dim: i64,
+    /// The softmax scale when not `1/√head_dim`.
+    scale: Option<f64>,
+    /// A query sees at most this many keys, itself included.
+    window: Option<i64>,
 }
 
 impl Attention {
-    pub fn new(p: nn::Path, cfg: &LlamaConfig) -> Attention {
+    pub fn new(p: nn::Path, cfg: &ModelConfig, arch: &Arch, layer: &LayerSpec) -> Attention {
         let h = cfg.hidden_size;
         let hd = cfg.head_dim();
         let (nh, nkv) = (cfg.num_attention_heads, cfg.kv_heads());
-        let bias = cfg.attn_bias();
+        let bias = arch.bias;
+        let eps = cfg.rms_norm_eps;
+        let norm =
+            |name: &str, size: usize| RmsNorm::with(&p / name, size, eps, arch.norm_plus_one);
+        let qk_norm = match arch.qk_norm {
+            QkNorm::None => None,
+            QkNorm::PerHead => Some((QkNorm::PerHead, norm("q_norm", hd), norm("k_norm", hd))),
+            QkNorm::Full => Some((
+                QkNorm::Full,
+                norm("q_norm", nh * hd),
+                norm("k_norm", nkv * hd),
+            )),
+        };
         Attention {
             q_proj: linear(&p / "q_proj", h, nh * hd, bias.qkv),
             k_proj: linear(&p / "k_proj", h, nkv * hd, bias.qkv),
             v_proj: linear(&p / "v_proj", h, nkv * hd, bias.qkv),
             o_proj: linear(&p / "o_proj", nh * hd, h, bias.o),
+            qk_norm,
             heads: nh as i64,
             kv_heads: nkv as i64,
             head_dim: hd as i64,
+            scale: arch.attn_scale,
+            window: layer.window.map(|w| w as i64),
         }
+    }
+
+    /// The softmax scale when not `1/√head_dim`.
+    pub fn scale(&self) -> Option<f64> {
+        self.scale
+    }
+
+    /// The sliding window, if this layer has one.
+    pub fn window(&self) -> Option<i64> {
+        self.window
     }
 
     /// `x: [T, H]`, `cos/sin: [T, head_dim]`, `cu_seq_lens` the document
@@ -127,8 +165,21 @@ impl Attention {
         } else {
             (k.shallow_clone(), v.shallow_clone())
         };
-        match mode.on(q.device()) {
-            PackedAttention::Bucketed => bucketed(q, &k, &v, cu_seq_lens),
+        let scale = self.scale;
+        let longest = cu_seq_lens
+            .windows(2)
+            .map(|w| w[1] - w[0])
+            .max()
+            .unwrap_or(0);
+        // A window shorter than a document needs a mask; the padded
+        // buckets are causal only, so such a row runs per document.
+        let windowed = self.window.filter(|&w| w < longest);
+        let mode = match (mode.on(q.device()), windowed) {
+            (PackedAttention::Bucketed, Some(_)) => PackedAttention::PerDocument,
+            (m, _) => m,
+        };
+        match mode {
+            PackedAttention::Bucketed => bucketed(q, &k, &v, cu_seq_lens, scale),
             PackedAttention::Auto | PackedAttention::PerDocument => {
                 // `split` rather than one `narrow` per document: its backward
                 // is one concatenation, not a zero-filled full-size gradient
@@ -142,14 +193,18 @@ impl Attention {
                 let docs: Vec<Tensor> = (0..lens.len())
                     .filter(|&d| lens[d] > 0)
                     .map(|d| {
-                        Tensor::scaled_dot_product_attention::<Tensor>(
+                        let mask = windowed
+                            .filter(|&w| w < lens[d])
+                            .map(|w| window_mask(lens[d], w, q.device()));
+                        let causal = mask.is_none();
+                        Tensor::scaled_dot_product_attention(
                             &qs[d].unsqueeze(0),
                             &ks[d].unsqueeze(0),
                             &vs[d].unsqueeze(0),
-                            None,
+                            mask,
                             0.0,
-                            true,
-                            None,
+                            causal,
+                            scale,
                             false,
                         )
                         .squeeze_dim(0)
@@ -158,7 +213,11 @@ impl Attention {
                 Tensor::cat(&docs, 1)
             }
             PackedAttention::BlockMask => {
-                let mask = block_causal_mask(cu_seq_lens, q.device());
+                let mut mask = block_causal_mask(cu_seq_lens, q.device());
+                if let Some(w) = windowed {
+                    let t = *cu_seq_lens.last().unwrap_or(&0);
+                    mask = mask.logical_and(&window_mask(t, w, q.device()));
+                }
                 Tensor::scaled_dot_product_attention(
                     &q.unsqueeze(0),
                     &k.unsqueeze(0),
@@ -166,7 +225,7 @@ impl Attention {
                     Some(mask),
                     0.0,
                     false,
-                    None,
+                    scale,
                     false,
                 )
                 .squeeze_dim(0)
@@ -183,10 +242,26 @@ impl Attention {
         // One matmul for q/k/v (weights concatenated at run time; the stored
         // parameters keep HF's names and shapes), and one RoPE for q and k.
         let qkv = fused_linear(x, &[&self.q_proj, &self.k_proj, &self.v_proj]);
-        let qk = qkv
-            .narrow(1, 0, nq + nkv)
-            .view([t, self.heads + self.kv_heads, self.head_dim])
-            .transpose(0, 1);
+        let (h, kv, d) = (self.heads, self.kv_heads, self.head_dim);
+        let qk = match &self.qk_norm {
+            None => qkv.narrow(1, 0, nq + nkv).view([t, h + kv, d]),
+            Some((QkNorm::Full, qn, kn)) => Tensor::cat(
+                &[
+                    qn.forward(&qkv.narrow(1, 0, nq)),
+                    kn.forward(&qkv.narrow(1, nq, nkv)),
+                ],
+                1,
+            )
+            .view([t, h + kv, d]),
+            Some((_, qn, kn)) => Tensor::cat(
+                &[
+                    qn.forward(&qkv.narrow(1, 0, nq).view([t, h, d])),
+                    kn.forward(&qkv.narrow(1, nq, nkv).view([t, kv, d])),
+                ],
+                1,
+            ),
+        }
+        .transpose(0, 1);
         let qk = rope::apply(&qk, cos, sin);
         let q = qk.narrow(0, 0, self.heads);
         let k = qk.narrow(0, self.heads, self.kv_heads);
@@ -211,7 +286,7 @@ impl Attention {
 
 /// Causal attention of `q, k, v: [heads, T, d]` within documents, one SDPA
 /// call per bucket of documents padded to the same power-of-two length.
-fn bucketed(q: &Tensor, k: &Tensor, v: &Tensor, cu_seq_lens: &[i64]) -> Tensor {
+fn bucketed(q: &Tensor, k: &Tensor, v: &Tensor, cu_seq_lens: &[i64], scale: Option<f64>) -> Tensor {
     let device = q.device();
     let (heads, t, d) = (q.size()[0], q.size()[1], q.size()[2]);
     let plan = buckets(cu_seq_lens);
@@ -247,7 +322,7 @@ fn bucketed(q: &Tensor, k: &Tensor, v: &Tensor, cu_seq_lens: &[i64]) -> Tensor {
             None,
             0.0,
             true,
-            None,
+            scale,
             false,
         );
         outs.push(out.transpose(0, 1).reshape([heads, n * len, d]));
@@ -279,6 +354,15 @@ fn buckets(cu_seq_lens: &[i64]) -> Vec<Bucket> {
         .into_iter()
         .map(|(len, docs)| Bucket { len, docs })
         .collect()
+}
+
+/// `[L, L]` boolean mask of a sliding window: true where key j is one of
+/// query i's `window` latest positions (`i - window < j ≤ i`, HF's
+/// `sliding_window_overlay` on the causal mask).
+pub fn window_mask(len: i64, window: i64, device: tch::Device) -> Tensor {
+    let pos = Tensor::arange(len, (Kind::Int64, device));
+    let back = pos.unsqueeze(1) - pos.unsqueeze(0);
+    back.ge(0).logical_and(&back.lt(window))
 }
 
 /// `[T, T]` boolean mask: true where query i may attend key j (same
@@ -325,7 +409,7 @@ mod tests {
         let grad_out = make(0.05).detach();
         let run = |mode: PackedAttention| {
             let out = match mode {
-                PackedAttention::Bucketed => bucketed(&q, &k, &v, &cu),
+                PackedAttention::Bucketed => bucketed(&q, &k, &v, &cu, None),
                 _ => {
                     let lens: Vec<i64> = cu.windows(2).map(|w| w[1] - w[0]).collect();
                     let docs: Vec<Tensor> = q

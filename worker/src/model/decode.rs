@@ -150,29 +150,24 @@ impl Llama {
             cu.push(ids.len() as i64);
         }
         let device = self.vs.device();
-        let (cos, sin) = self.rope.cos_sin(&positions(&cu), self.kind(), device);
+        let tables = self.rope_tables(&positions(&cu));
         let tokens = Tensor::from_slice(&ids).to_device(device);
-        let mut x = Tensor::embedding(&self.embed_tokens, &tokens, -1, false, false);
+        let mut x = self.embed(&tokens);
         let t = ids.len() as i64;
         for (l, layer) in self.layers.iter().enumerate() {
-            let attn = &layer.self_attn;
-            let (q, k, v) = attn.project(&layer.input_layernorm.forward(&x), &cos, &sin);
-            for (&(slot, _), w) in prompts.iter().zip(cu.windows(2)) {
-                let (s, n) = (w[0], w[1] - w[0]);
-                let at = |c: &Tensor| c.get(slot as i64).narrow(1, 0, n);
-                at(&cache.keys[l]).copy_(&k.narrow(1, s, n));
-                at(&cache.values[l]).copy_(&v.narrow(1, s, n));
-            }
-            let (heads, _, head_dim) = attn.shape();
-            let out = attn
-                .attend(&q, &k, &v, &cu, self.attention)
-                .transpose(0, 1)
-                .reshape([t, heads * head_dim]);
-            let h = &x + attn.output(&out);
-            x = &h
-                + layer
-                    .mlp
-                    .forward(&layer.post_attention_layernorm.forward(&h));
+            let (cos, sin) = &tables[layer.rope];
+            x = layer.forward_with(&x, cos, sin, |attn, q, k, v| {
+                for (&(slot, _), w) in prompts.iter().zip(cu.windows(2)) {
+                    let (s, n) = (w[0], w[1] - w[0]);
+                    let at = |c: &Tensor| c.get(slot as i64).narrow(1, 0, n);
+                    at(&cache.keys[l]).copy_(&k.narrow(1, s, n));
+                    at(&cache.values[l]).copy_(&v.narrow(1, s, n));
+                }
+                let (heads, _, head_dim) = attn.shape();
+                attn.attend(q, k, v, &cu, self.attention)
+                    .transpose(0, 1)
+                    .reshape([t, heads * head_dim])
+            });
         }
         for &(slot, p) in prompts {
             cache.lens[slot] = p.len() as i64;
@@ -201,61 +196,66 @@ impl Llama {
         let slots: Vec<i64> = tokens.iter().map(|&(s, _)| s as i64).collect();
         // Only the cache up to the longest sequence is attended.
         let span = pos.iter().max().map_or(0, |m| m + 1);
-        let mask: Vec<bool> = pos
-            .iter()
-            .flat_map(|&p| (0..span).map(move |j| j <= p))
-            .collect();
-        let mask = Tensor::from_slice(&mask)
-            .view([b, 1, 1, span])
-            .to_device(device);
+        // Per layer window (sliding layers see their latest `w` keys).
+        let mask_for = |window: Option<i64>| {
+            let mask: Vec<bool> = pos
+                .iter()
+                .flat_map(|&p| (0..span).map(move |j| j <= p && window.is_none_or(|w| p - j < w)))
+                .collect();
+            Tensor::from_slice(&mask)
+                .view([b, 1, 1, span])
+                .to_device(device)
+        };
+        let full_mask = mask_for(None);
         // Contiguous slots from 0 (the common case) are a view, not a copy.
         let in_order = slots.iter().enumerate().all(|(i, &s)| i as i64 == s);
         let slot_idx = Tensor::from_slice(&slots).to_device(device);
         let pos_idx = Tensor::from_slice(&pos).to_device(device);
-        let (cos, sin) = self.rope.cos_sin(&pos, self.kind(), device);
+        let tables = self.rope_tables(&pos);
         let ids: Vec<i64> = tokens.iter().map(|&(_, t)| t).collect();
         let ids = Tensor::from_slice(&ids).to_device(device);
-        let mut x = Tensor::embedding(&self.embed_tokens, &ids, -1, false, false);
+        let mut x = self.embed(&ids);
         for (l, layer) in self.layers.iter().enumerate() {
-            let attn = &layer.self_attn;
-            let (heads, kv_heads, head_dim) = attn.shape();
-            let (q, k, v) = attn.project(&layer.input_layernorm.forward(&x), &cos, &sin);
-            // k, v: [kv_heads, B, d] → [B, kv_heads, d] at (slot, :, pos).
-            let index = [
-                Some(slot_idx.shallow_clone()),
-                None,
-                Some(pos_idx.shallow_clone()),
-            ];
-            let _ = cache.keys[l].index_put_(&index, &k.transpose(0, 1), false);
-            let _ = cache.values[l].index_put_(&index, &v.transpose(0, 1), false);
-            let window = |c: &Tensor| {
-                let c = c.narrow(2, 0, span);
-                match in_order {
-                    true => c.narrow(0, 0, b),
-                    false => c.index_select(0, &slot_idx),
-                }
-            };
-            // GQA without repeating the cache: the `heads / kv_heads` query
-            // heads of a kv head (HF `repeat_kv` order) are its queries.
-            let q = q
-                .transpose(0, 1)
-                .reshape([b, kv_heads, heads / kv_heads, head_dim]);
-            let out = Tensor::scaled_dot_product_attention(
-                &q,
-                &window(&cache.keys[l]),
-                &window(&cache.values[l]),
-                Some(mask.shallow_clone()),
-                0.0,
-                false,
-                None,
-                false,
-            )
-            .reshape([b, heads * head_dim]);
-            let h = &x + attn.output(&out);
-            x = &h
-                + layer
-                    .mlp
-                    .forward(&layer.post_attention_layernorm.forward(&h));
+            let (cos, sin) = &tables[layer.rope];
+            x = layer.forward_with(&x, cos, sin, |attn, q, k, v| {
+                let (heads, kv_heads, head_dim) = attn.shape();
+                // k, v: [kv_heads, B, d] → [B, kv_heads, d] at (slot, :, pos).
+                let index = [
+                    Some(slot_idx.shallow_clone()),
+                    None,
+                    Some(pos_idx.shallow_clone()),
+                ];
+                let _ = cache.keys[l].index_put_(&index, &k.transpose(0, 1), false);
+                let _ = cache.values[l].index_put_(&index, &v.transpose(0, 1), false);
+                let window = |c: &Tensor| {
+                    let c = c.narrow(2, 0, span);
+                    match in_order {
+                        true => c.narrow(0, 0, b),
+                        false => c.index_select(0, &slot_idx),
+                    }
+                };
+                // GQA without repeating the cache: the `heads / kv_heads`
+                // query heads of a kv head (HF `repeat_kv` order) are its
+                // queries.
+                let q = q
+                    .transpose(0, 1)
+                    .reshape([b, kv_heads, heads / kv_heads, head_dim]);
+                let mask = match attn.window() {
+                    Some(w) => mask_for(Some(w)),
+                    None => full_mask.shallow_clone(),
+                };
+                Tensor::scaled_dot_product_attention(
+                    &q,
+                    &window(&cache.keys[l]),
+                    &window(&cache.values[l]),
+                    Some(mask),
+                    0.0,
+                    false,
+                    attn.scale(),
+                    false,
+                )
+                .reshape([b, heads * head_dim])
+            });
         }
         for &(s, _) in tokens {
             cache.lens[s] += 1;

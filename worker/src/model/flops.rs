@@ -15,10 +15,10 @@
 //!   `d = heads · head_dim`: `3 · 4 · d · Σ l(l+1)/2 = 6 · d · Σ l(l+1)` per
 //!   layer for training.
 
-use super::config::LlamaConfig;
+use super::config::ModelConfig;
 
 /// Weights of one decoder layer that go through matmuls.
-pub fn layer_matmul_params(cfg: &LlamaConfig) -> f64 {
+pub fn layer_matmul_params(cfg: &ModelConfig) -> f64 {
     let h = cfg.hidden_size as f64;
     let q = (cfg.num_attention_heads * cfg.head_dim()) as f64;
     let kv = (cfg.kv_heads() * cfg.head_dim()) as f64;
@@ -29,7 +29,7 @@ pub fn layer_matmul_params(cfg: &LlamaConfig) -> f64 {
 /// Training FLOPs (forward + backward) of one packed microbatch with
 /// document boundaries `cu_seq_lens` of which `head_rows` tokens have a
 /// target (go through the LM head).
-pub fn training_flops(cfg: &LlamaConfig, cu_seq_lens: &[i64], head_rows: u64) -> f64 {
+pub fn training_flops(cfg: &ModelConfig, cu_seq_lens: &[i64], head_rows: u64) -> f64 {
     let tokens = cu_seq_lens.last().copied().unwrap_or(0).max(0) as f64;
     let layers = cfg.num_hidden_layers as f64;
     let d = (cfg.num_attention_heads * cfg.head_dim()) as f64;
@@ -50,7 +50,7 @@ pub fn training_flops(cfg: &LlamaConfig, cu_seq_lens: &[i64], head_rows: u64) ->
 mod tests {
     use super::*;
 
-    fn cfg() -> LlamaConfig {
+    fn cfg() -> ModelConfig {
         serde_json::from_value(serde_json::json!({
             "vocab_size": 100, "hidden_size": 8, "intermediate_size": 16,
             "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,

@@ -1,4 +1,5 @@
-//! The Llama-family decoder (Llama 2/3, Qwen2) over one packed row, built
+//! The decoder of every family Accrue trains (Llama 2/3, Mistral, Qwen2,
+//! Qwen3, OLMo 2, Gemma 3: [`super::config::Arch`]) over one packed row, built
 //! from a HF `config.json` with parameter paths equal to the HF checkpoint
 //! keys (`model.layers.{i}.self_attn.q_proj.weight`, …). Follows
 //! transformers' `modeling_llama.py` and tch-rs `examples/llama`.
@@ -9,39 +10,58 @@
 use tch::{nn, Device, Kind, Tensor};
 
 use super::attention::{Attention, PackedAttention};
-use super::config::LlamaConfig;
+use super::config::{Arch, LayerSpec, ModelConfig};
 use super::init::{fill_weights, Init};
 use super::mlp::Mlp;
 use super::norm::RmsNorm;
 use super::rope::Rope;
 
-/// One transformer block: pre-norm attention and pre-norm MLP, residuals.
+/// One transformer block: attention and MLP with residuals, each with the
+/// family's norms around it (before: Llama; after: OLMo 2; both: Gemma 3).
 #[derive(Debug)]
 pub struct DecoderLayer {
-    pub(super) input_layernorm: RmsNorm,
+    pub(super) attn_in: Option<RmsNorm>,
     pub(super) self_attn: Attention,
-    pub(super) post_attention_layernorm: RmsNorm,
+    pub(super) attn_out: Option<RmsNorm>,
+    pub(super) mlp_in: Option<RmsNorm>,
     pub(super) mlp: Mlp,
+    pub(super) mlp_out: Option<RmsNorm>,
+    /// Index of this layer's RoPE table (see [`Llama::rope_tables`]).
+    pub rope: usize,
+}
+
+fn norm_opt(n: &Option<RmsNorm>, x: &Tensor) -> Tensor {
+    match n {
+        Some(n) => n.forward(x),
+        None => x.shallow_clone(),
+    }
 }
 
 impl DecoderLayer {
-    pub fn new(p: nn::Path, cfg: &LlamaConfig) -> DecoderLayer {
+    pub fn new(p: nn::Path, cfg: &ModelConfig, arch: &Arch, spec: &LayerSpec) -> DecoderLayer {
+        let norm = |name: Option<&str>| {
+            name.map(|n| {
+                RmsNorm::with(
+                    &p / n,
+                    cfg.hidden_size,
+                    cfg.rms_norm_eps,
+                    arch.norm_plus_one,
+                )
+            })
+        };
         DecoderLayer {
-            input_layernorm: RmsNorm::new(
-                &p / "input_layernorm",
-                cfg.hidden_size,
-                cfg.rms_norm_eps,
-            ),
-            self_attn: Attention::new(&p / "self_attn", cfg),
-            post_attention_layernorm: RmsNorm::new(
-                &p / "post_attention_layernorm",
-                cfg.hidden_size,
-                cfg.rms_norm_eps,
-            ),
-            mlp: Mlp::new(&p / "mlp", cfg),
+            attn_in: norm(arch.norms.attn_in),
+            self_attn: Attention::new(&p / "self_attn", cfg, arch, spec),
+            attn_out: norm(arch.norms.attn_out),
+            mlp_in: norm(arch.norms.mlp_in),
+            mlp: Mlp::new(&p / "mlp", cfg, arch.act),
+            mlp_out: norm(arch.norms.mlp_out),
+            rope: spec.rope,
         }
     }
 
+    /// The block over a packed row (`cu_seq_lens`), attention causal within
+    /// each document.
     pub fn forward(
         &self,
         x: &Tensor,
@@ -50,14 +70,33 @@ impl DecoderLayer {
         cu_seq_lens: &[i64],
         mode: PackedAttention,
     ) -> Tensor {
-        let h = x + self.self_attn.forward(
-            &self.input_layernorm.forward(x),
-            cos,
-            sin,
-            cu_seq_lens,
-            mode,
-        );
-        &h + self.mlp.forward(&self.post_attention_layernorm.forward(&h))
+        let t = x.size()[0];
+        self.forward_with(x, cos, sin, |attn, q, k, v| {
+            let (heads, _, d) = attn.shape();
+            attn.attend(q, k, v, cu_seq_lens, mode)
+                .transpose(0, 1)
+                .reshape([t, heads * d])
+        })
+    }
+
+    /// The block with the attention core supplied: `core(attention, q, k,
+    /// v)` gets q `[heads, T, d]`, k and v `[kv_heads, T, d]` (RoPE
+    /// applied) and returns the heads' outputs `[T, heads · d]` — the
+    /// packed attention in training, the KV cache in generation. Every
+    /// engine runs this one definition of the block.
+    pub fn forward_with(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        core: impl FnOnce(&Attention, &Tensor, &Tensor, &Tensor) -> Tensor,
+    ) -> Tensor {
+        let attn = &self.self_attn;
+        let (q, k, v) = attn.project(&norm_opt(&self.attn_in, x), cos, sin);
+        let a = attn.output(&core(attn, &q, &k, &v));
+        let h = x + norm_opt(&self.attn_out, &a);
+        let m = self.mlp.forward(&norm_opt(&self.mlp_in, &h));
+        &h + norm_opt(&self.mlp_out, &m)
     }
 }
 
@@ -65,7 +104,7 @@ impl DecoderLayer {
 /// are the HF keys).
 pub struct Llama {
     pub vs: nn::VarStore,
-    pub cfg: LlamaConfig,
+    pub cfg: ModelConfig,
     /// The `config.json` as read, written back on save.
     pub raw_config: serde_json::Value,
     pub(super) embed_tokens: Tensor,
@@ -73,7 +112,9 @@ pub struct Llama {
     pub(super) norm: RmsNorm,
     /// `None` when tied to `embed_tokens`.
     pub(super) lm_head: Option<Tensor>,
-    pub(super) rope: Rope,
+    /// RoPE tables (one, or Gemma 3's global and sliding).
+    pub(super) ropes: Vec<Rope>,
+    pub arch: Arch,
     pub attention: PackedAttention,
 }
 
@@ -90,13 +131,14 @@ impl Llama {
     /// a seed, drawn in float32 then cast to `kind`; or empty for loading,
     /// made in `kind`).
     pub fn new(
-        cfg: LlamaConfig,
+        cfg: ModelConfig,
         raw_config: serde_json::Value,
         kind: Kind,
         device: Device,
         init: Init,
     ) -> anyhow::Result<Llama> {
         cfg.validate()?;
+        let arch = cfg.arch()?;
         let mut vs = nn::VarStore::new(device);
         if matches!(init, Init::Empty) {
             // Nothing is drawn: the variables are made in `kind` at once,
@@ -110,10 +152,18 @@ impl Llama {
             &[cfg.vocab_size as i64, cfg.hidden_size as i64],
             nn::Init::Const(0.0),
         );
-        let layers = (0..cfg.num_hidden_layers)
-            .map(|i| DecoderLayer::new(&model / "layers" / i, &cfg))
+        let layers = arch
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(i, spec)| DecoderLayer::new(&model / "layers" / i, &cfg, &arch, spec))
             .collect();
-        let norm = RmsNorm::new(&model / "norm", cfg.hidden_size, cfg.rms_norm_eps);
+        let norm = RmsNorm::with(
+            &model / "norm",
+            cfg.hidden_size,
+            cfg.rms_norm_eps,
+            arch.norm_plus_one,
+        );
         let lm_head = (!cfg.tie_word_embeddings).then(|| {
             (&root / "lm_head").var(
                 "weight",
@@ -134,8 +184,11 @@ impl Llama {
                 });
             }
         }
-        let (theta, scaling) = cfg.rope()?;
-        let rope = Rope::new(cfg.head_dim(), theta, &scaling);
+        let ropes = arch
+            .ropes
+            .iter()
+            .map(|r| Rope::new(cfg.head_dim(), r.theta, &r.scaling))
+            .collect();
         if kind != Kind::Float {
             vs.set_kind(kind);
         }
@@ -147,7 +200,8 @@ impl Llama {
             layers,
             norm,
             lm_head,
-            rope,
+            ropes,
+            arch,
             attention: PackedAttention::default(),
         })
     }
@@ -162,16 +216,27 @@ impl Llama {
         self.lm_head.as_ref().unwrap_or(&self.embed_tokens)
     }
 
+    /// The `(cos, sin)` tables of every RoPE the layers use, for these
+    /// per-token positions (a layer takes `tables[layer.rope]`).
+    pub fn rope_tables(&self, positions: &[i64]) -> Vec<(Tensor, Tensor)> {
+        rope_tables(&self.ropes, positions, self.kind(), self.vs.device())
+    }
+
+    /// The embeddings of `ids` (Gemma's scaled by √hidden).
+    pub fn embed(&self, ids: &Tensor) -> Tensor {
+        embed(&self.embed_tokens, ids, self.arch.embed_scale)
+    }
+
     /// Final hidden states `[T, H]` of a packed row. Positions restart at 0
     /// in every document; attention never crosses `cu_seq_lens` boundaries.
     pub fn hidden(&self, input_ids: &[i64], cu_seq_lens: &[i64]) -> Tensor {
         let device = self.vs.device();
-        let positions = positions(cu_seq_lens);
-        let (cos, sin) = self.rope.cos_sin(&positions, self.kind(), device);
+        let tables = self.rope_tables(&positions(cu_seq_lens));
         let ids = Tensor::from_slice(input_ids).to_device(device);
-        let mut x = Tensor::embedding(&self.embed_tokens, &ids, -1, false, false);
+        let mut x = self.embed(&ids);
         for layer in &self.layers {
-            x = layer.forward(&x, &cos, &sin, cu_seq_lens, self.attention);
+            let (cos, sin) = &tables[layer.rope];
+            x = layer.forward(&x, cos, sin, cu_seq_lens, self.attention);
         }
         self.norm.forward(&x)
     }
@@ -182,6 +247,47 @@ impl Llama {
         let h = self.hidden(input_ids, cu_seq_lens);
         h.matmul(&self.lm_head_weight().tr()).to_kind(Kind::Float)
     }
+}
+
+/// The `(cos, sin)` tables of `ropes` at `positions`.
+pub fn rope_tables(
+    ropes: &[Rope],
+    positions: &[i64],
+    kind: Kind,
+    device: Device,
+) -> Vec<(Tensor, Tensor)> {
+    ropes
+        .iter()
+        .map(|r| r.cos_sin(positions, kind, device))
+        .collect()
+}
+
+/// Rows `ids` of the embedding `weight`, times `scale` rounded to the
+/// weight's dtype first (HF `Gemma3TextScaledWordEmbedding`).
+pub fn embed(weight: &Tensor, ids: &Tensor, scale: Option<f64>) -> Tensor {
+    let x = Tensor::embedding(weight, ids, -1, false, false);
+    match scale {
+        Some(s) => {
+            x * Tensor::from(s as f32)
+                .to_kind(weight.kind())
+                .to_device(weight.device())
+        }
+        None => x,
+    }
+}
+
+/// The embedding's gradient from the gradient of its output `grad` (what
+/// autograd's embedding backward computes, with the scale).
+pub fn embed_backward(grad: &Tensor, ids: &Tensor, vocab: i64, scale: Option<f64>) -> Tensor {
+    let grad = match scale {
+        Some(s) => {
+            grad * Tensor::from(s as f32)
+                .to_kind(grad.kind())
+                .to_device(grad.device())
+        }
+        None => grad.shallow_clone(),
+    };
+    Tensor::embedding_dense_backward(&grad, ids, vocab, -1, false)
 }
 
 /// Per-token positions, restarting at 0 at every document boundary.

@@ -1,8 +1,9 @@
-//! SwiGLU feed-forward: `down(silu(gate(x)) * up(x))` (HF `LlamaMLP`).
+//! Gated feed-forward: `down(act(gate(x)) * up(x))` with SiLU (HF
+//! `LlamaMLP`) or GELU-tanh (Gemma).
 
 use tch::{nn, Tensor};
 
-use super::config::LlamaConfig;
+use super::config::{Act, ModelConfig};
 use super::linear::{fused_linear, linear};
 
 #[derive(Debug)]
@@ -10,15 +11,17 @@ pub struct Mlp {
     gate_proj: nn::Linear,
     up_proj: nn::Linear,
     down_proj: nn::Linear,
+    act: Act,
 }
 
 impl Mlp {
-    pub fn new(p: nn::Path, cfg: &LlamaConfig) -> Mlp {
+    pub fn new(p: nn::Path, cfg: &ModelConfig, act: Act) -> Mlp {
         let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
         Mlp {
             gate_proj: linear(&p / "gate_proj", h, i, cfg.mlp_bias),
             up_proj: linear(&p / "up_proj", h, i, cfg.mlp_bias),
             down_proj: linear(&p / "down_proj", i, h, cfg.mlp_bias),
+            act,
         }
     }
 
@@ -27,7 +30,11 @@ impl Mlp {
         // gate and up as one matmul (weights concatenated at run time).
         let gu = fused_linear(x, &[&self.gate_proj, &self.up_proj]);
         let i = self.gate_proj.ws.size()[0];
-        let gated = gu.narrow(1, 0, i).silu() * gu.narrow(1, i, i);
-        self.down_proj.forward(&gated)
+        let gate = gu.narrow(1, 0, i);
+        let gate = match self.act {
+            Act::Silu => gate.silu(),
+            Act::GeluTanh => gate.gelu("tanh"),
+        };
+        self.down_proj.forward(&(gate * gu.narrow(1, i, i)))
     }
 }

@@ -17,7 +17,7 @@ pub mod rope;
 pub mod weights;
 
 pub use attention::PackedAttention;
-pub use config::LlamaConfig;
+pub use config::ModelConfig;
 pub use decode::{KvCache, Prefix};
 pub use init::Init;
 pub use llama::Llama;

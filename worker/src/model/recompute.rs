@@ -72,8 +72,8 @@ enum Tape {
     /// Per-layer recomputation.
     Layers {
         ids: Tensor,
-        cos: Tensor,
-        sin: Tensor,
+        /// The RoPE tables (see `Llama::rope_tables`).
+        tables: Vec<(Tensor, Tensor)>,
         cu_seq_lens: Vec<i64>,
         /// Each layer's input (no graph).
         inputs: Vec<Tensor>,
@@ -97,15 +97,14 @@ impl Llama {
             };
         }
         let device = self.vs.device();
-        let (cos, sin) = self
-            .rope
-            .cos_sin(&positions(cu_seq_lens), self.kind(), device);
+        let tables = self.rope_tables(&positions(cu_seq_lens));
         let ids = Tensor::from_slice(input_ids).to_device(device);
         let mut inputs = Vec::with_capacity(self.layers.len());
         let x = tch::no_grad(|| {
-            let mut x = Tensor::embedding(&self.embed_tokens, &ids, -1, false, false);
+            let mut x = self.embed(&ids);
             for layer in &self.layers {
-                let y = layer.forward(&x, &cos, &sin, cu_seq_lens, self.attention);
+                let (cos, sin) = &tables[layer.rope];
+                let y = layer.forward(&x, cos, sin, cu_seq_lens, self.attention);
                 inputs.push(x);
                 x = y;
             }
@@ -116,8 +115,7 @@ impl Llama {
             hidden: self.norm.forward(&last),
             tape: Tape::Layers {
                 ids,
-                cos,
-                sin,
+                tables,
                 cu_seq_lens: cu_seq_lens.to_vec(),
                 inputs,
                 last,
@@ -146,8 +144,7 @@ impl Llama {
             (&fwd.hidden * grad_hidden).sum(Kind::Float) + (head * grad_head).sum(Kind::Float);
         let Tape::Layers {
             ids,
-            cos,
-            sin,
+            tables,
             cu_seq_lens,
             inputs,
             last,
@@ -176,7 +173,8 @@ impl Llama {
         let mut upstream = g[0].shallow_clone();
         for (l, layer) in self.layers.iter().enumerate().rev() {
             let x = inputs[l].detach().set_requires_grad(true);
-            let y = layer.forward(&x, &cos, &sin, &cu_seq_lens, self.attention);
+            let (cos, sin) = &tables[layer.rope];
+            let y = layer.forward(&x, cos, sin, &cu_seq_lens, self.attention);
             let surrogate = (&y * &upstream).sum(Kind::Float);
             let mut wrt = vec![x.shallow_clone()];
             wrt.extend(groups.layers[l].iter().map(|&i| vars[i].shallow_clone()));
@@ -189,7 +187,7 @@ impl Llama {
         // The embedding's gradient needs only the ids and the upstream
         // gradient (what autograd's embedding backward computes).
         let vocab = self.cfg.vocab_size as i64;
-        let embed = Tensor::embedding_dense_backward(&upstream, &ids, vocab, -1, false);
+        let embed = super::llama::embed_backward(&upstream, &ids, vocab, self.arch.embed_scale);
         add(groups.embed, &embed);
         out
     }

@@ -13,7 +13,7 @@ use super::trainer::{
 use crate::batch::{MicrobatchMeta, MicrobatchOutcome, PackedBatch, StepNorms};
 use crate::collective::Collective;
 use crate::config::{JobConfig, ModelSource};
-use crate::model::{Init, Llama, LlamaConfig};
+use crate::model::{Init, Llama, ModelConfig};
 
 pub struct Generator {
     model: Llama,
@@ -33,7 +33,7 @@ impl Generator {
             ModelSource::Random { config } => config.clone(),
             ModelSource::Checkpoint(dir) => dir.join("config.json"),
         };
-        let (mcfg, raw) = LlamaConfig::from_file(&config)?;
+        let (mcfg, raw) = ModelConfig::from_file(&config)?;
         let model = Llama::new(mcfg, raw, cfg.precision.compute, cfg.device, Init::Empty)?;
         Ok(Generator {
             model: frozen(model),

@@ -180,10 +180,10 @@ pub fn receive(coll: &mut dyn Collective, model: &Llama) -> anyhow::Result<u64> 
 mod tests {
     use super::*;
     use crate::collective::local::LocalGroup;
-    use crate::model::{Init, LlamaConfig};
+    use crate::model::{Init, ModelConfig};
 
     fn tiny(kind: Kind, init: Init) -> Llama {
-        let cfg: LlamaConfig = serde_json::from_value(serde_json::json!({
+        let cfg: ModelConfig = serde_json::from_value(serde_json::json!({
             "vocab_size": 37, "hidden_size": 16, "intermediate_size": 24,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
             "max_position_embeddings": 64, "tie_word_embeddings": false

@@ -9,11 +9,11 @@ use anyhow::Context;
 use tch::{Device, Kind};
 
 use crate::config::{JobConfig, ModelSource};
-use crate::model::{weights, Init, Llama, LlamaConfig};
+use crate::model::{weights, Init, Llama, ModelConfig};
 
 /// Builds the model from a HF checkpoint directory (config.json + safetensors).
 pub fn load_model(dir: &Path, kind: Kind, device: Device) -> anyhow::Result<Llama> {
-    let (cfg, raw) = LlamaConfig::from_file(&dir.join("config.json"))?;
+    let (cfg, raw) = ModelConfig::from_file(&dir.join("config.json"))?;
     let model = Llama::new(cfg, raw, kind, device, Init::Empty)?;
     let files = weights::checkpoint_files(dir)?;
     let tensors = weights::read_tensors(&files)?;
@@ -30,7 +30,7 @@ pub fn build_model(cfg: &JobConfig, restore_from: Option<&Path>) -> anyhow::Resu
         (Some(dir), _) => load_model(dir, kind, device)
             .with_context(|| format!("restoring model from {}", dir.display())),
         (None, ModelSource::Random { config }) => {
-            let (mcfg, raw) = LlamaConfig::from_file(config)?;
+            let (mcfg, raw) = ModelConfig::from_file(config)?;
             // Every rank draws the same init from the same seed, from its
             // own generator (see `model::init`).
             Llama::new(mcfg, raw, kind, device, Init::Seeded(cfg.seed))

@@ -59,7 +59,7 @@ use crate::config::{JobConfig, ModelSource};
 use crate::error::StepError;
 use crate::model::norm::RmsNorm;
 use crate::model::rope::Rope;
-use crate::model::{weights, LlamaConfig, PackedAttention};
+use crate::model::{weights, ModelConfig, PackedAttention};
 use crate::objective::Objective;
 
 use super::checkpoint::{self, ShardEntry};
@@ -74,7 +74,7 @@ use units::UnitLayout;
 /// that run a unit on gathered parameters.
 pub struct FsdpTrainer {
     coll: Box<dyn Collective>,
-    cfg: LlamaConfig,
+    cfg: ModelConfig,
     raw_config: serde_json::Value,
     /// Compute dtype (the shards are float32).
     kind: Kind,
@@ -96,7 +96,10 @@ pub struct FsdpTrainer {
     shells: Vec<LayerShell>,
     _norm_vs: nn::VarStore,
     norm: RmsNorm,
-    rope: Rope,
+    /// RoPE tables (one, or Gemma 3's global and sliding).
+    ropes: Vec<Rope>,
+    /// Embeddings × this (Gemma).
+    embed_scale: Option<f64>,
     grad_clip: f64,
     loss_chunk_tokens: usize,
     /// The job's objective (a live reference is refused in [`Self::new`]).
@@ -111,8 +114,8 @@ pub struct FsdpTrainer {
 /// Config and full tensors of a HF checkpoint directory.
 fn read_hf_dir(
     dir: &Path,
-) -> anyhow::Result<(LlamaConfig, serde_json::Value, HashMap<String, Tensor>)> {
-    let (cfg, raw) = LlamaConfig::from_file(&dir.join("config.json"))?;
+) -> anyhow::Result<(ModelConfig, serde_json::Value, HashMap<String, Tensor>)> {
+    let (cfg, raw) = ModelConfig::from_file(&dir.join("config.json"))?;
     let tensors = weights::read_tensors(&weights::checkpoint_files(dir)?)?;
     Ok((cfg, raw, tensors))
 }
@@ -195,8 +198,12 @@ impl FsdpTrainer {
             }
             opt.step = step;
         }
-        let (theta, scaling) = mcfg.rope()?;
-        let rope = Rope::new(mcfg.head_dim(), theta, &scaling);
+        let arch = mcfg.arch()?;
+        let ropes = arch
+            .ropes
+            .iter()
+            .map(|r| Rope::new(mcfg.head_dim(), r.theta, &r.scaling))
+            .collect();
         let (norm_vs, norm) = shell::norm_shell(&mcfg, device);
         Ok(FsdpTrainer {
             coll,
@@ -214,7 +221,8 @@ impl FsdpTrainer {
             shells,
             _norm_vs: norm_vs,
             norm,
-            rope,
+            ropes,
+            embed_scale: arch.embed_scale,
             grad_clip: cfg.grad_clip,
             loss_chunk_tokens: cfg.loss_chunk_tokens,
             objective,
@@ -228,7 +236,7 @@ impl FsdpTrainer {
     }
 
     /// The model's architecture.
-    pub fn model_config(&self) -> &LlamaConfig {
+    pub fn model_config(&self) -> &ModelConfig {
         &self.cfg
     }
 

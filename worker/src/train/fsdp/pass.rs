@@ -65,8 +65,8 @@ impl<'a> ObjectiveIn<'a> {
 pub(super) struct Prepared {
     pub(super) ids: Tensor,
     pub(super) cu_seq_lens: Vec<i64>,
-    pub(super) cos: Tensor,
-    pub(super) sin: Tensor,
+    /// The RoPE tables (a layer takes `tables[layer.rope]`).
+    pub(super) tables: Vec<(Tensor, Tensor)>,
     pub(super) targets: Vec<i64>,
     /// `1/T` of the SFT loss (0 for the other objectives, which take
     /// their normalisers from [`ObjectiveIn`]).
@@ -130,12 +130,11 @@ impl FsdpTrainer {
             )));
         }
         let positions = llama::positions(&mb.cu_seq_lens);
-        let (cos, sin) = self.rope.cos_sin(&positions, self.kind, self.device);
+        let tables = llama::rope_tables(&self.ropes, &positions, self.kind, self.device);
         Ok(Some(Prepared {
             ids: Tensor::from_slice(&mb.input_ids).to_device(self.device),
             cu_seq_lens: mb.cu_seq_lens.clone(),
-            cos,
-            sin,
+            tables,
             targets,
             scale: sft_loss_tokens.map_or(0.0, |t| 1.0 / t as f64),
         }))
@@ -147,7 +146,7 @@ impl FsdpTrainer {
         let embed = self.gather(EMBED)?;
         let mut x = p.map(|p| {
             let w = self.layouts[EMBED].slots[0].view(&self.compute(&embed));
-            tch::no_grad(|| Tensor::embedding(&w, &p.ids, -1, false, false))
+            tch::no_grad(|| llama::embed(&w, &p.ids, self.embed_scale))
         });
         drop(embed);
         let mut saved = Vec::with_capacity(self.shells.len() + 1);
@@ -157,10 +156,11 @@ impl FsdpTrainer {
             if let (Some(p), Some(input)) = (p, x.take()) {
                 let shell = &self.shells[l];
                 let _bound = shell.bind(&self.compute(&flat), &self.layouts[u]);
+                let (cos, sin) = &p.tables[shell.layer.rope];
                 let out = tch::no_grad(|| {
                     shell
                         .layer
-                        .forward(&input, &p.cos, &p.sin, &p.cu_seq_lens, self.attention)
+                        .forward(&input, cos, sin, &p.cu_seq_lens, self.attention)
                 });
                 saved.push(input);
                 x = Some(out);
@@ -314,9 +314,10 @@ impl FsdpTrainer {
                     let shell = &self.shells[l];
                     let _bound = shell.bind(&self.compute(&flat), &self.layouts[u]);
                     let x = saved[l].detach().set_requires_grad(true);
+                    let (cos, sin) = &p.tables[shell.layer.rope];
                     let y = shell
                         .layer
-                        .forward(&x, &p.cos, &p.sin, &p.cu_seq_lens, self.attention);
+                        .forward(&x, cos, sin, &p.cu_seq_lens, self.attention);
                     let surrogate = (&y * &gy).sum(Kind::Float);
                     let mut inputs = vec![x];
                     inputs.extend(shell.vars());
@@ -333,7 +334,7 @@ impl FsdpTrainer {
         let embed_grad = match (p, grad) {
             (Some(p), Some(g0)) => {
                 let vocab = self.cfg.vocab_size as i64;
-                Tensor::embedding_dense_backward(&g0, &p.ids, vocab, -1, false)
+                llama::embed_backward(&g0, &p.ids, vocab, self.embed_scale)
                     .reshape([-1])
                     .to_kind(Kind::Float)
             }

@@ -14,12 +14,12 @@ use tch::{nn, Device, Kind, Tensor};
 
 use crate::model::llama::DecoderLayer;
 use crate::model::norm::RmsNorm;
-use crate::model::LlamaConfig;
+use crate::model::ModelConfig;
 
 use super::units::UnitLayout;
 
 /// `cfg` with zero-sized hidden and intermediate dimensions.
-fn zero_config(cfg: &LlamaConfig) -> LlamaConfig {
+fn zero_config(cfg: &ModelConfig) -> ModelConfig {
     let mut z = cfg.clone();
     z.head_dim = Some(cfg.head_dim());
     z.hidden_size = 0;
@@ -39,9 +39,16 @@ pub struct LayerShell {
 impl LayerShell {
     /// The shell of decoder layer `index` (variables named
     /// `model.layers.{index}.…`).
-    pub fn new(cfg: &LlamaConfig, index: usize, kind: Kind, device: Device) -> LayerShell {
+    pub fn new(cfg: &ModelConfig, index: usize, kind: Kind, device: Device) -> LayerShell {
         let mut vs = nn::VarStore::new(device);
-        let layer = DecoderLayer::new(vs.root() / "model" / "layers" / index, &zero_config(cfg));
+        let zero = zero_config(cfg);
+        let arch = cfg.arch().expect("a validated config");
+        let layer = DecoderLayer::new(
+            vs.root() / "model" / "layers" / index,
+            &zero,
+            &arch,
+            &arch.layers[index],
+        );
         if kind != Kind::Float {
             vs.set_kind(kind);
         }
@@ -92,8 +99,9 @@ impl Drop for Bound {
 }
 
 /// The final RMSNorm, with its weight supplied per use.
-pub fn norm_shell(cfg: &LlamaConfig, device: Device) -> (nn::VarStore, RmsNorm) {
+pub fn norm_shell(cfg: &ModelConfig, device: Device) -> (nn::VarStore, RmsNorm) {
     let vs = nn::VarStore::new(device);
-    let norm = RmsNorm::new(vs.root() / "model" / "norm", 0, cfg.rms_norm_eps);
+    let plus_one = cfg.arch().expect("a validated config").norm_plus_one;
+    let norm = RmsNorm::with(vs.root() / "model" / "norm", 0, cfg.rms_norm_eps, plus_one);
     (vs, norm)
 }

@@ -15,7 +15,7 @@ use anyhow::{bail, Context};
 use tch::{Device, Kind, Tensor};
 
 use crate::collective::shard_range;
-use crate::model::LlamaConfig;
+use crate::model::ModelConfig;
 use crate::train::optim::{self, Segment};
 
 /// One parameter inside a unit's flat buffer.
@@ -168,7 +168,7 @@ pub const LM_HEAD_NAME: &str = "lm_head.weight";
 /// must be used, except those HF itself skips (`rotary_emb.inv_freq`, and
 /// `lm_head.weight` of a tied model).
 pub fn build_layouts(
-    cfg: &LlamaConfig,
+    cfg: &ModelConfig,
     layer_names: &[Vec<String>],
     tensors: &HashMap<String, Tensor>,
     source: &str,
@@ -228,7 +228,7 @@ pub fn build_layouts(
 
 /// The shape `cfg` implies for a HF parameter name (`None`: not known here,
 /// the checkpoint's shape is taken as is).
-pub fn expected_shape(name: &str, cfg: &LlamaConfig) -> Option<Vec<i64>> {
+pub fn expected_shape(name: &str, cfg: &ModelConfig) -> Option<Vec<i64>> {
     let h = cfg.hidden_size as i64;
     let v = cfg.vocab_size as i64;
     let i = cfg.intermediate_size as i64;
@@ -238,7 +238,20 @@ pub fn expected_shape(name: &str, cfg: &LlamaConfig) -> Option<Vec<i64>> {
     let proj = module.rsplit('.').next()?;
     let (out, inp) = match proj {
         "embed_tokens" | "lm_head" => (v, h),
-        "norm" | "input_layernorm" | "post_attention_layernorm" => return Some(vec![h]),
+        "norm"
+        | "input_layernorm"
+        | "post_attention_layernorm"
+        | "pre_feedforward_layernorm"
+        | "post_feedforward_layernorm" => return Some(vec![h]),
+        "q_norm" | "k_norm" => {
+            let full = cfg.arch().ok()?.qk_norm == crate::model::config::QkNorm::Full;
+            let hd = cfg.head_dim() as i64;
+            return Some(vec![match (proj, full) {
+                (_, false) => hd,
+                ("q_norm", true) => q,
+                _ => kv,
+            }]);
+        }
         "q_proj" => (q, h),
         "k_proj" | "v_proj" => (kv, h),
         "o_proj" => (h, q),
