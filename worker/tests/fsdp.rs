@@ -32,11 +32,16 @@ type Plan = Vec<Vec<Vec<PackedBatch>>>;
 
 /// A tiny GQA Llama (hidden 64, 2 layers), optionally with tied embeddings.
 fn job(dir: &Path, tied: bool) -> JobConfig {
-    tch::set_num_threads(2);
     let config = common::TINY_CONFIG.replace(
         "\"tie_word_embeddings\": false",
         &format!("\"tie_word_embeddings\": {tied}"),
     );
+    job_of(dir, &config)
+}
+
+/// A job over the model `config`.
+fn job_of(dir: &Path, config: &str) -> JobConfig {
+    tch::set_num_threads(2);
     let path = dir.join("config.json");
     std::fs::write(&path, config).unwrap();
     // eps = 1e-6: see tests/accumulation.rs (AdamW amplifies fp32 noise in
@@ -252,6 +257,21 @@ fn equivalence(tied: bool) {
         pw > 100.0 * TOL,
         "a per-rank normaliser should differ, got {pw}"
     );
+}
+
+/// Every family (issue 34): fsdp on 2 ranks (q/k norms, post-norms,
+/// Gemma's scaled embedding and (1 + w) final norm sharded like any
+/// parameter) equals one process.
+#[test]
+fn fsdp_matches_single_process_for_every_family() {
+    for (family, model) in common::FAMILY_CONFIGS {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = job_of(dir.path(), model);
+        let steps = steps();
+        let reference = run_reference(&cfg, &steps);
+        let two = run_fsdp(&cfg, &plan_2(&steps), Norm::Global);
+        assert_equivalent(&format!("{family}: fsdp 2 ranks"), &two, &reference);
+    }
 }
 
 #[test]

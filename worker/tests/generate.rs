@@ -235,8 +235,36 @@ fn bad_prompts_are_data_errors() {
 /// KV cache on the same checkpoint, token for token.
 #[test]
 fn greedy_equals_transformers_generate() {
+    greedy_equals_generate("llama");
+}
+
+/// Per family: prefill and KV-cache decode run the family's block (q/k
+/// norms, post-norms, Gemma's scales and two RoPE tables); the sliding
+/// window (8) is shorter than the sequences (up to 24 tokens), so decode's
+/// windowed mask is exercised.
+#[test]
+fn greedy_equals_transformers_generate_qwen3() {
+    greedy_equals_generate("qwen3");
+}
+
+#[test]
+fn greedy_equals_transformers_generate_olmo2() {
+    greedy_equals_generate("olmo2");
+}
+
+#[test]
+fn greedy_equals_transformers_generate_mistral_sliding_window() {
+    greedy_equals_generate("mistral");
+}
+
+#[test]
+fn greedy_equals_transformers_generate_gemma3() {
+    greedy_equals_generate("gemma3");
+}
+
+fn greedy_equals_generate(variant: &str) {
     let dir = tempfile::tempdir().unwrap();
-    common::make_reference(dir.path(), "llama");
+    common::make_reference(dir.path(), variant);
     let model_dir = dir.path().join("model");
     let model =
         accrue_worker::train::source::load_model(&model_dir, Kind::Float, Device::Cpu).unwrap();
@@ -268,7 +296,7 @@ fn greedy_equals_transformers_generate() {
     let theirs = common::read(&out);
     for (i, c) in ours.iter().enumerate() {
         let want = Vec::<i64>::try_from(&theirs[&format!("completion{i}")]).unwrap();
-        assert_eq!(c.tokens, want, "request {i}");
+        assert_eq!(c.tokens, want, "{variant}: request {i}");
     }
 }
 

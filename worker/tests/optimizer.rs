@@ -139,3 +139,24 @@ fn adamw_decay_groups_match_torch_llama() {
 fn adamw_decay_groups_match_torch_foreach_qwen2_biases() {
     check("qwen2", true);
 }
+
+/// The families (issue 34): 3 steps of transformers + torch AdamW.
+#[test]
+fn adamw_matches_torch_qwen3() {
+    check("qwen3", false);
+}
+
+#[test]
+fn adamw_matches_torch_olmo2() {
+    check("olmo2", false);
+}
+
+#[test]
+fn adamw_matches_torch_mistral_sliding_window() {
+    check("mistral", true);
+}
+
+#[test]
+fn adamw_matches_torch_gemma3() {
+    check("gemma3", false);
+}

@@ -91,9 +91,14 @@ struct Outcome {
     grad_norms: Vec<f64>,
 }
 
-fn config(dir: &std::path::Path, sharding: &str) -> accrue_worker::config::JobConfig {
-    common::random_job(
+fn config_of(
+    dir: &std::path::Path,
+    model: &str,
+    sharding: &str,
+) -> accrue_worker::config::JobConfig {
+    common::random_job_of(
         dir,
+        model,
         &format!(
             "[optimizer]\nweight_decay = 0.1\ngrad_clip = 1.0\neps = 1e-6\n\
              [runtime]\nloss_chunk_tokens = 32\n[parallel]\nsharding = \"{sharding}\"\n"
@@ -102,8 +107,12 @@ fn config(dir: &std::path::Path, sharding: &str) -> accrue_worker::config::JobCo
 }
 
 fn train(sharding: &str, layout: &Layout, bug: Bug) -> Outcome {
+    train_model(common::TINY_CONFIG, sharding, layout, bug)
+}
+
+fn train_model(model: &str, sharding: &str, layout: &Layout, bug: Bug) -> Outcome {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = config(dir.path(), sharding);
+    let cfg = config_of(dir.path(), model, sharding);
     let docs = steps();
     let world = layout[0].len();
     // Every document of every step exactly once; equal microbatch counts.
@@ -218,6 +227,23 @@ fn ddp_same_update_for_any_split_and_world_size() {
 #[test]
 fn zero2_same_update_for_any_split_and_world_size() {
     equivalence("zero2");
+}
+
+/// Every family (issue 34): 3 AdamW steps on 2 ranks with uneven
+/// microbatches, at ddp and zero2, equal 1 rank with one microbatch per
+/// step (and that equals transformers + torch AdamW: tests/optimizer.rs).
+#[test]
+fn families_same_update_on_two_ranks_at_ddp_and_zero2() {
+    let layouts = layouts();
+    for (family, model) in common::FAMILY_CONFIGS {
+        let reference = train_model(model, "ddp", &layouts[0].1, Bug::None);
+        for sharding in ["ddp", "zero2"] {
+            let got = train_model(model, sharding, &layouts[2].1, Bug::None);
+            let (w, what) = compare(&got, &reference);
+            println!("{family} {sharding}, 2 ranks: worst relative difference {w:e} ({what})");
+            assert!(w <= TOL, "{family} {sharding}: {what} differs by {w:e}");
+        }
+    }
 }
 
 #[test]

@@ -178,13 +178,53 @@ pub const TINY_CONFIG: &str = r#"{
 
 /// A job config with `init = "random"` and [`TINY_CONFIG`] written in `dir`.
 pub fn random_job(dir: &Path, extra: &str) -> JobConfig {
+    random_job_of(dir, TINY_CONFIG, extra)
+}
+
+/// A job config with `init = "random"` and `config` written in `dir`.
+pub fn random_job_of(dir: &Path, config: &str, extra: &str) -> JobConfig {
     let path = dir.join("config.json");
-    std::fs::write(&path, TINY_CONFIG).unwrap();
+    std::fs::write(&path, config).unwrap();
     job_config(
         "random",
         &format!("config = \"{}\"\n{extra}", path.display()),
     )
 }
+
+/// The families beside Llama, as tiny configs of the same size as
+/// [`TINY_CONFIG`] (Mistral and Gemma 3 with windows shorter than the
+/// test documents; Gemma 3 with a sliding and a global layer).
+pub const FAMILY_CONFIGS: [(&str, &str); 4] = [
+    (
+        "qwen3",
+        r#"{"model_type": "qwen3", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24,
+            "rms_norm_eps": 1e-6, "initializer_range": 0.05, "tie_word_embeddings": false}"#,
+    ),
+    (
+        "olmo2",
+        r#"{"model_type": "olmo2", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-6, "initializer_range": 0.05, "tie_word_embeddings": false}"#,
+    ),
+    (
+        "mistral",
+        r#"{"model_type": "mistral", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": 8,
+            "rms_norm_eps": 1e-6, "initializer_range": 0.05, "tie_word_embeddings": false}"#,
+    ),
+    (
+        "gemma3",
+        r#"{"model_type": "gemma3_text", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "query_pre_attn_scalar": 24, "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+            "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6, "initializer_range": 0.05,
+            "tie_word_embeddings": true, "pad_token_id": 0}"#,
+    ),
+];
 
 /// Deterministic pseudo-random documents `(ids, labels)` of the given
 /// lengths; the first `len / 4` labels of each are masked (a prompt).
