@@ -8,6 +8,7 @@
 #   scripts/chaos.sh 5          five fresh random seeds
 #   ACCRUE_CHAOS_SEEDS=1,2,3 scripts/chaos.sh    these seeds
 #   ACCRUE_CHAOS_SHARDING=ddp scripts/chaos.sh   one sharding only
+#   ACCRUE_TEST_FAMILY=qwen3 scripts/chaos.sh    a tiny Qwen3 instead of Llama
 #
 # Prints each seed's schedule first (a failure reproduces with
 # ACCRUE_CHAOS_SEEDS=<seed>), then a summary: per seed and sharding, pass or

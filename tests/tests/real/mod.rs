@@ -50,8 +50,22 @@ pub fn bin_dir() -> PathBuf {
     exe.parent().unwrap().parent().unwrap().to_path_buf()
 }
 
-/// A tiny Llama (hidden 64, 2 layers, GQA) for the byte tokenizer.
+/// A tiny Llama (hidden 64, 2 layers, GQA) for the byte tokenizer; a tiny
+/// Qwen3 of the same size with `ACCRUE_TEST_FAMILY=qwen3` (the chaos soak
+/// with another family: `ACCRUE_TEST_FAMILY=qwen3 scripts/chaos.sh`).
 pub fn write_tiny_config(d: &Path) {
+    if std::env::var("ACCRUE_TEST_FAMILY").as_deref() == Ok("qwen3") {
+        std::fs::write(
+            d.join("tiny.json"),
+            r#"{"architectures":["Qwen3ForCausalLM"],"model_type":"qwen3","hidden_size":64,
+"intermediate_size":128,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":24,
+"num_hidden_layers":2,"vocab_size":320,"max_position_embeddings":512,"rms_norm_eps":1e-6,
+"rope_parameters":{"rope_type":"default","rope_theta":1000000.0},"initializer_range":0.02,
+"tie_word_embeddings":true,"bos_token_id":256,"eos_token_id":257}"#,
+        )
+        .unwrap();
+        return;
+    }
     std::fs::write(
         d.join("tiny.json"),
         r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":64,
