@@ -9,7 +9,10 @@
 # then prints the medians, the fastest rounds and the ratios, and exits 1
 # when accrue's phase is more than 1.5x torch's by either. CPU timings here vary 10-25 % from run to run,
 # hence the interleaving and the medians. Model: the worker benchmark's
-# (hidden 256, 4 layers, vocab 32000, ~24M parameters), 2 threads.
+# (hidden 256, 4 layers, vocab 32000, ~24M parameters; ACCRUE_BENCH_LARGE=1:
+# hidden 576, 30 layers, vocab 49152, ~135M, a SmolLM2-135M shape), 2 threads.
+# ACCRUE_BENCH_PROFILE=dev measures the dev build the README's first command
+# makes (release by default).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
@@ -20,9 +23,11 @@ export ACCRUE_BENCH_DIR="$work"
 export ACCRUE_BENCH_ROUNDS="${ACCRUE_BENCH_ROUNDS:-5}"
 py=.venv/bin/python
 $py scripts/reference/bench_hf_step.py make-batch "$work/batch.safetensors"
-cargo test --release -q -p accrue-worker --test bench --no-run 2>/dev/null
+profile=(--release)
+[ "${ACCRUE_BENCH_PROFILE:-release}" = dev ] && profile=()
+cargo test "${profile[@]}" -q -p accrue-worker --test bench --no-run 2>/dev/null
 for _ in 1 2 3; do
-  cargo test --release -q -p accrue-worker --test bench -- --ignored --exact --nocapture \
+  cargo test "${profile[@]}" -q -p accrue-worker --test bench -- --ignored --exact --nocapture \
     bench_optimizer_phase 2>/dev/null | grep '^{' >> "$work/results.jsonl"
   $py scripts/reference/bench_hf_step.py optimizer "$work/batch.safetensors" \
     --rounds "$ACCRUE_BENCH_ROUNDS" >> "$work/results.jsonl"

@@ -29,6 +29,11 @@ import transformers  # noqa: E402
 CONFIG = dict(vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=4096,
               rms_norm_eps=1e-6, tie_word_embeddings=False)
+if os.environ.get("ACCRUE_BENCH_LARGE") == "1":
+    # A SmolLM2-135M shape (~135M parameters, tied embeddings).
+    CONFIG = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                  num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=4096,
+                  rms_norm_eps=1e-5, tie_word_embeddings=True)
 # 16 documents, 4096 tokens, uneven lengths.
 LENGTHS = [512, 128, 384, 256, 64, 448, 192, 320, 256, 128, 384, 96, 224, 352, 160, 192]
 assert sum(LENGTHS) == 4096

@@ -12,7 +12,7 @@
 //! tensors (ddp: one of each; zero2: this rank's shard; fsdp: one per unit
 //! shard), so the update is one call per contiguous run of one decay group
 //! ([`Segment`]). On float32 CPU buffers it is one pass
-//! ([`kernel::adamw_f32`]): each element of the parameter, gradient and
+//! (`accrue_kernels::adamw_f32`): each element of the parameter, gradient and
 //! moments is read once and written once, with the clip factor applied on
 //! the fly; elsewhere (CUDA, bfloat16 parameters) it is the same sequence of
 //! in-place ATen operations torch's foreach implementation runs.

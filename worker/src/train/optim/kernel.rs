@@ -1,37 +1,19 @@
 //! The AdamW update and the squared gradient norm on one flat run.
 //!
-//! [`adamw_f32`] is the one-pass CPU kernel: every element of the
-//! parameter, gradient and both moments is read once and written once
-//! (28 bytes of traffic per parameter), split over libtorch's intra-op
-//! thread count. It computes exactly the float32 operations of torch's
-//! single-tensor and foreach AdamW, in their order (`mul_`, `lerp_`,
-//! `mul_`/`addcmul_`, `sqrt`/`div_`/`add_`, `addcdiv_`), without fused
-//! multiply-adds, so it matches `torch.optim.AdamW` to the last bit or
-//! one ulp (torch's vectorised `lerp` fuses). [`adamw_ops`] is that
+//! On contiguous f32 CPU tensors the one-pass kernel of `accrue-kernels`
+//! (`adamw_f32`, optimised even in the dev build) runs over libtorch's
+//! intra-op thread count. [`adamw_ops`] is the same update as a
 //! sequence of ATen operations, for buffers the kernel does not take
 //! (CUDA, a bfloat16 parameter).
 
 use tch::{Device, Kind, Tensor};
 
-/// The scalars of one step, shared by every buffer it updates.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct StepScalars {
-    pub lr: f64,
-    pub beta1: f64,
-    pub beta2: f64,
-    pub eps: f64,
-    /// `1 − lr·wd` for decaying elements.
-    pub decay_factor: f64,
-    /// `lr / (1 − β1ᵗ)`.
-    pub step_size: f64,
-    /// `√(1 − β2ᵗ)`.
-    pub bias2_sqrt: f64,
-    /// The gradient clip factor (1: none).
-    pub grad_scale: f64,
-}
+pub use accrue_kernels::StepScalars;
 
-/// Below this many elements a run is updated on the calling thread.
-const PARALLEL_MIN: usize = 1 << 16;
+/// libtorch's intra-op thread count, which the kernels split over.
+fn threads() -> usize {
+    tch::get_num_threads().max(1) as usize
+}
 
 fn is_cpu_f32(t: &Tensor) -> bool {
     t.device() == Device::Cpu && t.kind() == Kind::Float && t.is_contiguous()
@@ -59,79 +41,9 @@ pub fn adamw(p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, s: &StepScalars, de
         // SAFETY: checked contiguous f32 CPU tensors; the trainers pass four
         // distinct buffers, and no other thread uses them during the call.
         let (ps, gs, ms, vs) = unsafe { (slice_mut(p), slice_mut(g), slice_mut(m), slice_mut(v)) };
-        adamw_f32(ps, gs, ms, vs, s, decay);
+        accrue_kernels::adamw_f32(ps, gs, ms, vs, s, decay, threads());
     } else {
         adamw_ops(p, g, m, v, s, decay);
-    }
-}
-
-/// The one-pass kernel on slices (see the module docs).
-pub fn adamw_f32(
-    p: &mut [f32],
-    g: &[f32],
-    m: &mut [f32],
-    v: &mut [f32],
-    s: &StepScalars,
-    decay: bool,
-) {
-    let n = p.len();
-    assert!(
-        g.len() == n && m.len() == n && v.len() == n,
-        "runs differ in length"
-    );
-    let threads = (tch::get_num_threads().max(1) as usize)
-        .min(n / PARALLEL_MIN)
-        .max(1);
-    if threads == 1 {
-        return adamw_chunk(p, g, m, v, s, decay);
-    }
-    let chunk = n.div_ceil(threads);
-    std::thread::scope(|scope| {
-        let parts = p
-            .chunks_mut(chunk)
-            .zip(g.chunks(chunk))
-            .zip(m.chunks_mut(chunk))
-            .zip(v.chunks_mut(chunk));
-        for (((p, g), m), v) in parts {
-            scope.spawn(move || adamw_chunk(p, g, m, v, s, decay));
-        }
-    });
-}
-
-fn adamw_chunk(
-    p: &mut [f32],
-    g: &[f32],
-    m: &mut [f32],
-    v: &mut [f32],
-    s: &StepScalars,
-    decay: bool,
-) {
-    // ATen casts every scalar to the float32 op math of float32 tensors.
-    let scale = s.grad_scale as f32;
-    let decay_factor = s.decay_factor as f32;
-    let w = (1.0 - s.beta1) as f32;
-    let one_minus_w = 1.0 - w;
-    let beta2 = s.beta2 as f32;
-    let one_minus_beta2 = (1.0 - s.beta2) as f32;
-    let bias2_sqrt = s.bias2_sqrt as f32;
-    let eps = s.eps as f32;
-    let neg_step = (-s.step_size) as f32;
-    let small = w.abs() < 0.5;
-    for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-        let g = g * scale;
-        if decay {
-            *p *= decay_factor;
-        }
-        // torch's `lerp`: from the nearer end.
-        let diff = g - *m;
-        *m = if small {
-            *m + w * diff
-        } else {
-            g - diff * one_minus_w
-        };
-        *v = *v * beta2 + one_minus_beta2 * g * g;
-        let denom = v.sqrt() / bias2_sqrt + eps;
-        *p += neg_step * *m / denom;
     }
 }
 
@@ -171,33 +83,11 @@ pub fn sum_sq(g: &Tensor) -> f64 {
     if is_cpu_f32(g) {
         // SAFETY: checked contiguous f32 CPU tensor; only read here.
         let s: &[f32] = unsafe { slice_mut(g) };
-        return sum_sq_f32(s);
+        return accrue_kernels::sum_sq_f32(s, threads());
     }
     // Accumulated in f64 by the reduction itself, no f64 copy of `g`.
     let norm = g.norm_scalaropt_dtype(2.0, Kind::Double);
     f64::try_from(norm.square()).unwrap_or(f64::NAN)
-}
-
-/// Σ x² in f64, split over libtorch's intra-op threads.
-pub fn sum_sq_f32(x: &[f32]) -> f64 {
-    let part = |x: &[f32]| x.iter().map(|&a| f64::from(a) * f64::from(a)).sum::<f64>();
-    let threads = (tch::get_num_threads().max(1) as usize)
-        .min(x.len() / PARALLEL_MIN)
-        .max(1);
-    if threads == 1 {
-        return part(x);
-    }
-    let chunk = x.len().div_ceil(threads);
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = x
-            .chunks(chunk)
-            .map(|c| scope.spawn(move || part(c)))
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap_or(f64::NAN))
-            .sum()
-    })
 }
 
 #[cfg(test)]
