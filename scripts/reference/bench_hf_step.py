@@ -34,6 +34,28 @@ if os.environ.get("ACCRUE_BENCH_LARGE") == "1":
     CONFIG = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                   num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=4096,
                   rms_norm_eps=1e-5, tie_word_embeddings=True)
+# ACCRUE_BENCH_FAMILY: llama (default), qwen3 (per-head q/k norm, head_dim 64)
+# or gemma3 (the same shape as gemma3_text, all global layers).
+FAMILY = os.environ.get("ACCRUE_BENCH_FAMILY", "llama")
+FAMILY_EXTRA = {
+    "llama": ("llama", "LlamaForCausalLM", {"hidden_act": "silu"}),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM", {"hidden_act": "silu", "head_dim": 64}),
+    "olmo2": ("olmo2", "Olmo2ForCausalLM", {"hidden_act": "silu"}),
+}
+if FAMILY not in FAMILY_EXTRA:
+    raise SystemExit(f"ACCRUE_BENCH_FAMILY: {FAMILY} (one of {sorted(FAMILY_EXTRA)})")
+
+
+def hf_config(**kw):
+    model_type, _, extra = FAMILY_EXTRA[FAMILY]
+    return transformers.AutoConfig.for_model(model_type, **CONFIG, **extra,
+                                             rope_parameters={"rope_theta": 10000.0, "rope_type": "default"}, **kw)
+
+
+def hf_model(**kw):
+    return transformers.AutoModelForCausalLM.from_config(hf_config(**kw))
+
+
 # 16 documents, 4096 tokens, uneven lengths.
 LENGTHS = [512, 128, 384, 256, 64, 448, 192, 320, 256, 128, 384, 96, 224, 352, 160, 192]
 assert sum(LENGTHS) == 4096
@@ -46,8 +68,9 @@ def make_batch(out):
     save_file({"input_ids": ids, "labels": ids.clone(), "cu_seq_lens": cu}, out)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(os.path.join(os.path.dirname(os.path.abspath(out)), "config.json"), "w") as f:
-        json.dump({**CONFIG, "model_type": "llama", "architectures": ["LlamaForCausalLM"],
-                   "hidden_act": "silu", "initializer_range": 0.02,
+        model_type, arch, extra = FAMILY_EXTRA[FAMILY]
+        json.dump({**CONFIG, **extra, "model_type": model_type, "architectures": [arch],
+                   "initializer_range": 0.02,
                    "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}}, f, indent=1)
 
 
@@ -59,7 +82,7 @@ def sync(device):
 def run(batch, mode, steps, device="cpu", attn="sdpa", dtype="fp32"):
     torch.set_num_threads(2)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG, attn_implementation=attn)).float()
+    model = hf_model(attn_implementation=attn).float()
     model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
     b = {k: v.to(device) for k, v in load_file(batch).items()}
@@ -92,7 +115,8 @@ def run(batch, mode, steps, device="cpu", attn="sdpa", dtype="fp32"):
     sync(device)
     dt = (time.perf_counter() - t0) / steps
     name = f"pytorch-hf-{mode}" if device == "cpu" else f"pytorch-hf-{mode}-{attn}-{dtype}-{device}"
-    print(json.dumps({"impl": name, "tokens": len(ids), "step_s": dt,
+    print(json.dumps({"impl": name, "family": FAMILY, "params": sum(p.numel() for p in model.parameters()),
+                      "tokens": len(ids), "step_s": dt,
                       "tokens_per_s": len(ids) / dt}))
 
 
@@ -101,7 +125,7 @@ def optimizer(rounds, device="cpu"):
     AdamW, both foreach, on gradients of the model's shapes."""
     torch.set_num_threads(2)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).float().to(device)
+    model = hf_model().float().to(device)
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, foreach=True)
     numel = sum(p.numel() for p in params)
