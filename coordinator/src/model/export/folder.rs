@@ -130,6 +130,9 @@ pub fn tokenizer_files(data: &DataSection) -> Result<Vec<(String, Vec<u8>)>, Dat
         // The model's config carries its template; a tokenizer with none
         // trained no chat, so no template is made up for it.
         (None, None) if config_template || t.is_missing() => None,
+        // Only named templates (additional_chat_templates/): no default
+        // to write.
+        (None, None) if t.text.is_empty() => None,
         (None, None) => Some(t.text.clone().into_bytes()),
     };
     if let Some(j) = jinja {
@@ -320,5 +323,34 @@ mod tests {
         assert_eq!(file(&files, CHAT_TEMPLATE_FILE), None);
         let original = std::fs::read(shared.join("tokenizer_config.json")).unwrap();
         assert!(file(&files, "tokenizer_config.json") == Some(&original[..]));
+    }
+
+    /// A model with only named templates (no default) gets no made-up
+    /// `chat_template.jinja`; its named ones are carried.
+    #[test]
+    fn only_named_templates_are_carried_and_no_default_is_made_up() {
+        let Some(shared) = shared_tokenizer("phi-3-mini") else {
+            return;
+        };
+        let tmp = tempfile::tempdir().unwrap();
+        let model = tmp.path().join("model");
+        std::fs::create_dir_all(model.join(CHAT_TEMPLATE_DIR)).unwrap();
+        std::fs::copy(shared.join("tokenizer.json"), model.join("tokenizer.json")).unwrap();
+        std::fs::write(
+            model.join("tokenizer_config.json"),
+            r#"{"eos_token": "<|endoftext|>", "tokenizer_class": "LlamaTokenizer"}"#,
+        )
+        .unwrap();
+        std::fs::write(model.join(CHAT_TEMPLATE_DIR).join("rag.jinja"), "R").unwrap();
+        let d = data(&format!(
+            "train = [\"x.jsonl\"]\nformat = \"sft\"\ntokenizer = {:?}\n",
+            model.join("tokenizer.json")
+        ));
+        let files = tokenizer_files(&d).unwrap();
+        assert_eq!(file(&files, CHAT_TEMPLATE_FILE), None);
+        assert_eq!(
+            file(&files, &format!("{CHAT_TEMPLATE_DIR}/rag.jinja")),
+            Some(&b"R"[..])
+        );
     }
 }
