@@ -17,6 +17,13 @@
 /// Below this many elements a run is updated on the calling thread.
 pub const PARALLEL_MIN: usize = 1 << 16;
 
+/// The per-thread chunk of `n` elements over at most `threads` threads,
+/// each with at least [`PARALLEL_MIN`]; `None`: one thread does it all.
+fn chunk_len(n: usize, threads: usize) -> Option<usize> {
+    let threads = threads.max(1).min(n / PARALLEL_MIN).max(1);
+    (threads > 1).then(|| n.div_ceil(threads))
+}
+
 /// The scalars of one step, shared by every buffer it updates.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepScalars {
@@ -50,11 +57,9 @@ pub fn adamw_f32(
         g.len() == n && m.len() == n && v.len() == n,
         "runs differ in length"
     );
-    let threads = threads.max(1).min(n / PARALLEL_MIN).max(1);
-    if threads == 1 {
+    let Some(chunk) = chunk_len(n, threads) else {
         return adamw_chunk(p, g, m, v, s, decay);
-    }
-    let chunk = n.div_ceil(threads);
+    };
     std::thread::scope(|scope| {
         let parts = p
             .chunks_mut(chunk)
@@ -107,11 +112,9 @@ fn adamw_chunk(
 /// Σ x² in f64, over at most `threads` threads.
 pub fn sum_sq_f32(x: &[f32], threads: usize) -> f64 {
     let part = |x: &[f32]| x.iter().map(|&a| f64::from(a) * f64::from(a)).sum::<f64>();
-    let threads = threads.max(1).min(x.len() / PARALLEL_MIN).max(1);
-    if threads == 1 {
+    let Some(chunk) = chunk_len(x.len(), threads) else {
         return part(x);
-    }
-    let chunk = x.len().div_ceil(threads);
+    };
     std::thread::scope(|scope| {
         let handles: Vec<_> = x
             .chunks(chunk)

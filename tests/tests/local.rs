@@ -958,7 +958,6 @@ fn every_family_example_trains_and_its_checkpoint_loads_in_transformers() {
         accrue(d, &["validate", &toml]);
         accrue(d, &["local", &toml, "--workers", "1"]);
         let m = metrics(&d.join(format!("runs/sft-{family}/metrics.jsonl")));
-        let loss = |v: &serde_json::Value| v["loss"].as_f64().unwrap();
         let (first, last) = (loss(&m[0]), loss(m.last().unwrap()));
         println!(
             "{family}: loss {first:.3} -> {last:.3} over {} steps",

@@ -206,7 +206,14 @@ impl Llama {
                 .view([b, 1, 1, span])
                 .to_device(device)
         };
-        let full_mask = mask_for(None);
+        // One mask per distinct window, built once per step, not per layer.
+        let mut masks: Vec<(Option<i64>, Tensor)> = Vec::new();
+        for layer in &self.layers {
+            let w = layer.self_attn.window();
+            if !masks.iter().any(|(x, _)| *x == w) {
+                masks.push((w, mask_for(w)));
+            }
+        }
         // Contiguous slots from 0 (the common case) are a view, not a copy.
         let in_order = slots.iter().enumerate().all(|(i, &s)| i as i64 == s);
         let slot_idx = Tensor::from_slice(&slots).to_device(device);
@@ -240,10 +247,11 @@ impl Llama {
                 let q = q
                     .transpose(0, 1)
                     .reshape([b, kv_heads, heads / kv_heads, head_dim]);
-                let mask = match attn.window() {
-                    Some(w) => mask_for(Some(w)),
-                    None => full_mask.shallow_clone(),
-                };
+                let mask = masks
+                    .iter()
+                    .find(|(w, _)| *w == attn.window())
+                    .map(|(_, m)| m.shallow_clone())
+                    .expect("a mask per window");
                 Tensor::scaled_dot_product_attention(
                     &q,
                     &window(&cache.keys[l]),

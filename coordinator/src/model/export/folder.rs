@@ -16,7 +16,7 @@ use std::path::Path;
 use serde_json::{json, Value};
 
 use crate::job::data::DataSection;
-use crate::stream::data::template::{CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILE};
+use crate::stream::data::template::{named_template_files, CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILE};
 use crate::stream::data::{self, DataError};
 
 /// The files [`tokenizer_files`] always makes, in the order written.
@@ -139,14 +139,11 @@ pub fn tokenizer_files(data: &DataSection) -> Result<Vec<(String, Vec<u8>)>, Dat
         files.push((CHAT_TEMPLATE_FILE.to_string(), j));
     }
     // The model's named templates, as its folder has them.
-    let dir = path.with_file_name(CHAT_TEMPLATE_DIR);
-    if data.chat_template.is_none() && dir.is_dir() {
-        let mut named: Vec<_> = std::fs::read_dir(&dir)
-            .map_err(|e| crate::job::input::InputError::io(&dir, e))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.is_file() && p.extension().is_some_and(|x| x == "jinja"))
-            .collect();
-        named.sort();
+    if data.chat_template.is_none() {
+        let folder = path.parent().unwrap_or(Path::new("."));
+        let named = named_template_files(folder).map_err(|e| {
+            crate::job::input::InputError::io(&path.with_file_name(CHAT_TEMPLATE_DIR), e)
+        })?;
         for p in named {
             let name = p.file_name().unwrap_or_default().to_string_lossy();
             let bytes = crate::job::input::read(&p, limit, "chat template")?;

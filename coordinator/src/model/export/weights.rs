@@ -17,7 +17,7 @@ use safetensors::{Dtype as StDtype, SafeTensors};
 use serde_json::{json, Value};
 
 use super::folder::{OPTIONAL_TOKENIZER_FILES, TOKENIZER_FILES};
-use crate::stream::data::template::CHAT_TEMPLATE_DIR;
+use crate::stream::data::template::{named_template_files, CHAT_TEMPLATE_DIR};
 
 /// A floating-point dtype of exported weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -339,16 +339,13 @@ pub fn export(ckpt: &Path, out: &Path, opts: &ExportOptions) -> Result<ExportRep
             std::fs::copy(&from, out.join(f)).map_err(io(&from))?;
         }
     }
-    let named = ckpt.join(CHAT_TEMPLATE_DIR);
-    if named.is_dir() {
+    let named = named_template_files(ckpt).map_err(io(&ckpt.join(CHAT_TEMPLATE_DIR)))?;
+    if !named.is_empty() {
         let to = out.join(CHAT_TEMPLATE_DIR);
         std::fs::create_dir_all(&to).map_err(io(&to))?;
-        for e in std::fs::read_dir(&named).map_err(io(&named))? {
-            let from = e.map_err(io(&named))?.path();
-            if from.is_file() {
-                std::fs::copy(&from, to.join(from.file_name().unwrap_or_default()))
-                    .map_err(io(&from))?;
-            }
+        for from in named {
+            std::fs::copy(&from, to.join(from.file_name().unwrap_or_default()))
+                .map_err(io(&from))?;
         }
     }
     Ok(ExportReport {

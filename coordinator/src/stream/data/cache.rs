@@ -71,17 +71,16 @@ impl EncoderKey {
                     h.update(b"chat_template.jinja=");
                     hash_file(&mut h, &jinja)?;
                 }
-                let dir = p.with_file_name(super::template::CHAT_TEMPLATE_DIR);
-                if dir.is_dir() {
-                    let mut files: Vec<_> = std::fs::read_dir(&dir)
-                        .map_err(|e| crate::job::input::InputError::io(&dir, e))?
-                        .filter_map(|e| e.ok().map(|e| e.path()))
-                        .collect();
-                    files.sort();
-                    for f in files {
-                        h.update(f.file_name().unwrap_or_default().as_encoded_bytes());
-                        hash_file(&mut h, &f)?;
-                    }
+                let folder = p.parent().unwrap_or(Path::new("."));
+                let named = super::template::named_template_files(folder).map_err(|e| {
+                    crate::job::input::InputError::io(
+                        &p.with_file_name(super::template::CHAT_TEMPLATE_DIR),
+                        e,
+                    )
+                })?;
+                for f in named {
+                    h.update(f.file_name().unwrap_or_default().as_encoded_bytes());
+                    hash_file(&mut h, &f)?;
                 }
             }
         }

@@ -118,7 +118,10 @@ pub struct Rendered {
 /// `{%- generation %}` strips before, `{% endgeneration -%}` after, and
 /// `trim_blocks`/`lstrip_blocks` apply as to any block tag.
 fn rewrite_generation_tags(text: &str) -> (String, bool) {
-    let re = regex::Regex::new(r"\{%(-?)\s*(end)?generation\s*(-?)%\}").expect("valid regex");
+    static TAG: std::sync::LazyLock<regex::Regex> = std::sync::LazyLock::new(|| {
+        regex::Regex::new(r"\{%(-?)\s*(end)?generation\s*(-?)%\}").expect("valid regex")
+    });
+    let re = &*TAG;
     let mut marked = false;
     let out = re.replace_all(text, |c: &regex::Captures<'_>| {
         marked = true;
@@ -577,6 +580,31 @@ fn read_template_file(path: &Path) -> Result<String> {
 /// `tokenizer.json` (`NAME.jinja`).
 pub const CHAT_TEMPLATE_DIR: &str = "additional_chat_templates";
 
+/// The named template files of the model folder `folder`
+/// (`additional_chat_templates/NAME.jinja`), sorted; none without the
+/// directory. The one listing the data stream, the token cache's key, the
+/// checkpoint's tokenizer files and `accrue export` share.
+pub fn named_template_files(folder: &Path) -> std::io::Result<Vec<PathBuf>> {
+    let dir = folder.join(CHAT_TEMPLATE_DIR);
+    if !dir.is_dir() {
+        return Ok(Vec::new());
+    }
+    let mut files = Vec::new();
+    for e in std::fs::read_dir(&dir)? {
+        let p = e?.path();
+        if p.is_file() && p.extension().is_some_and(|x| x == "jinja") {
+            files.push(p);
+        }
+    }
+    files.sort();
+    Ok(files)
+}
+
+/// The folder a tokenizer file sits in.
+fn folder_of(tokenizer: &Path) -> &Path {
+    tokenizer.parent().unwrap_or(Path::new("."))
+}
+
 /// Templates a model carries beside its tokenizer, by name, as
 /// `AutoTokenizer` assembles them: the config's (a string is `default`),
 /// `chat_template.jinja` as `default` over it, and every
@@ -608,24 +636,17 @@ fn model_templates(
         source = jinja.display().to_string();
     }
     let dir = tok.with_file_name(CHAT_TEMPLATE_DIR);
-    if dir.is_dir() {
-        let entries = std::fs::read_dir(&dir).map_err(|e| input::InputError::io(&dir, e))?;
-        let mut files: Vec<PathBuf> = entries
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|x| x == "jinja"))
-            .collect();
-        files.sort();
-        for f in files {
-            let name = f
-                .file_stem()
-                .map(|s| s.to_string_lossy().into_owned())
-                .unwrap_or_default();
-            let text = input::read_to_string(&f, MAX_CONFIG_BYTES, "chat template")?;
-            set(&mut named, name, text);
-        }
-        if source.is_empty() {
-            source = dir.display().to_string();
-        }
+    let files = named_template_files(folder_of(tok)).map_err(|e| input::InputError::io(&dir, e))?;
+    for f in &files {
+        let name = f
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let text = input::read_to_string(f, MAX_CONFIG_BYTES, "chat template")?;
+        set(&mut named, name, text);
+    }
+    if source.is_empty() && !files.is_empty() {
+        source = dir.display().to_string();
     }
     Ok((named, source))
 }
