@@ -10,6 +10,7 @@
 //! |---|---|
 //! | `llama`, `mistral`, `qwen2` | pre-norm; q/k/v biases for Qwen2; Mistral's `sliding_window` on every layer, Qwen2's from `max_window_layers` when `use_sliding_window` |
 //! | `qwen3` | + per-head q/k RMSNorm before RoPE, `head_dim` apart from `hidden_size` |
+//! | `qwen3_moe` | Qwen3's attention; a sparse MLP (softmax top-k router, `norm_topk_prob`, experts) on the layers `decoder_sparse_step`/`mlp_only_layers` pick ([`MoeSpec`]) |
 //! | `olmo2` | post-norm blocks (norm of the attention and MLP outputs), q/k RMSNorm over the whole projection |
 //! | `gemma3_text` | norms before and after attention and MLP, `(1 + w)` RMSNorm in float32, per-head q/k norm, embeddings × √hidden, GELU-tanh, `query_pre_attn_scalar`, sliding and global layers (`layer_types`) with their own RoPE bases |
 //!
@@ -85,6 +86,25 @@ pub struct ModelConfig {
     pub attn_logit_softcapping: Option<f64>,
     #[serde(default)]
     pub use_bidirectional_attention: Option<bool>,
+    /// Qwen3-MoE: experts per sparse layer (transformers 5 writes
+    /// `num_local_experts`, earlier versions `num_experts`).
+    #[serde(default, alias = "num_local_experts")]
+    pub num_experts: Option<usize>,
+    #[serde(default)]
+    pub num_experts_per_tok: Option<usize>,
+    #[serde(default)]
+    pub moe_intermediate_size: Option<usize>,
+    #[serde(default)]
+    pub norm_topk_prob: Option<bool>,
+    #[serde(default)]
+    pub decoder_sparse_step: Option<usize>,
+    #[serde(default)]
+    pub mlp_only_layers: Option<Vec<usize>>,
+    #[serde(default)]
+    pub router_aux_loss_coef: Option<f64>,
+    /// transformers adds the auxiliary loss only when this is true.
+    #[serde(default)]
+    pub output_router_logits: Option<bool>,
 }
 
 fn default_model_type() -> String {
@@ -98,7 +118,15 @@ fn default_init_range() -> f64 {
 }
 
 /// The model families Accrue trains (`model_type`).
-pub const FAMILIES: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma3_text"];
+pub const FAMILIES: &[&str] = &[
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "olmo2",
+    "gemma3_text",
+];
 
 /// A model family.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -107,6 +135,7 @@ pub enum Family {
     Mistral,
     Qwen2,
     Qwen3,
+    Qwen3Moe,
     Olmo2,
     Gemma3,
 }
@@ -180,6 +209,24 @@ pub struct LayerSpec {
     pub window: Option<usize>,
     /// Index into [`Arch::ropes`].
     pub rope: usize,
+    /// The layer's MLP is the sparse one ([`Arch::moe`]).
+    pub sparse: bool,
+}
+
+/// A mixture-of-experts MLP (Qwen3-MoE's `Qwen3MoeSparseMoeBlock`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MoeSpec {
+    pub experts: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Each expert's intermediate size.
+    pub intermediate: usize,
+    /// The chosen experts' probabilities renormalised to sum to 1.
+    pub norm_topk_prob: bool,
+    /// The load-balancing loss's weight: `router_aux_loss_coef` when
+    /// `output_router_logits` is set (transformers adds it only then),
+    /// else 0.
+    pub aux_loss_coef: f64,
 }
 
 /// Everything that tells a family's decoder from Llama's.
@@ -198,6 +245,8 @@ pub struct Arch {
     pub attn_scale: Option<f64>,
     pub layers: Vec<LayerSpec>,
     pub ropes: Vec<RopeSpec>,
+    /// The sparse layers' MLP (Qwen3-MoE).
+    pub moe: Option<MoeSpec>,
 }
 
 const PRE_NORM: BlockNorms = BlockNorms {
@@ -232,6 +281,7 @@ impl ModelConfig {
             "mistral" => Family::Mistral,
             "qwen2" => Family::Qwen2,
             "qwen3" => Family::Qwen3,
+            "qwen3_moe" => Family::Qwen3Moe,
             "olmo2" => Family::Olmo2,
             "gemma3_text" => Family::Gemma3,
             "gemma3" => bail!(
@@ -321,6 +371,11 @@ impl ModelConfig {
                 ));
             }
         }
+        if family == Some(Family::Qwen3Moe) {
+            if let Err(e) = self.moe_spec() {
+                problems.push(format!("{e:#}"));
+            }
+        }
         if family.is_some() {
             if let Err(e) = self.layer_windows() {
                 problems.push(format!("{e:#}"));
@@ -361,7 +416,7 @@ impl ModelConfig {
         };
         let (qk_norm, norms) = match family {
             Family::Llama | Family::Mistral | Family::Qwen2 => (QkNorm::None, PRE_NORM),
-            Family::Qwen3 => (QkNorm::PerHead, PRE_NORM),
+            Family::Qwen3 | Family::Qwen3Moe => (QkNorm::PerHead, PRE_NORM),
             Family::Olmo2 => (
                 QkNorm::Full,
                 BlockNorms {
@@ -383,11 +438,20 @@ impl ModelConfig {
         };
         let gemma = family == Family::Gemma3;
         let (ropes, rope_of) = self.rope_specs()?;
+        let moe = match family {
+            Family::Qwen3Moe => self.moe_spec()?,
+            _ => None,
+        };
         let layers = self
             .layer_windows()?
             .into_iter()
             .zip(rope_of)
-            .map(|(window, rope)| LayerSpec { window, rope })
+            .enumerate()
+            .map(|(i, (window, rope))| LayerSpec {
+                window,
+                rope,
+                sparse: moe.is_some() && self.is_sparse(i),
+            })
             .collect();
         Ok(Arch {
             family,
@@ -408,7 +472,55 @@ impl ModelConfig {
             },
             layers,
             ropes,
+            moe,
         })
+    }
+
+    /// Whether layer `i` has the sparse MLP, as transformers decides:
+    /// not listed in `mlp_only_layers`, and `(i + 1)` a multiple of
+    /// `decoder_sparse_step`.
+    fn is_sparse(&self, i: usize) -> bool {
+        let step = self.decoder_sparse_step.unwrap_or(1).max(1);
+        !self
+            .mlp_only_layers
+            .as_ref()
+            .is_some_and(|l| l.contains(&i))
+            && (i + 1).is_multiple_of(step)
+    }
+
+    /// Qwen3-MoE's sparse MLP (transformers' defaults for absent fields);
+    /// `None` with no experts (every layer dense).
+    fn moe_spec(&self) -> anyhow::Result<Option<MoeSpec>> {
+        let experts = self.num_experts.unwrap_or(128);
+        if experts == 0 {
+            return Ok(None);
+        }
+        let top_k = self.num_experts_per_tok.unwrap_or(8);
+        if top_k == 0 || top_k > experts {
+            bail!("num_experts_per_tok: {top_k} must be between 1 and num_experts ({experts})");
+        }
+        let intermediate = self.moe_intermediate_size.unwrap_or(768);
+        if intermediate == 0 {
+            bail!("moe_intermediate_size: must be at least 1");
+        }
+        if self.decoder_sparse_step == Some(0) {
+            bail!("decoder_sparse_step: must be at least 1");
+        }
+        let coef = self.router_aux_loss_coef.unwrap_or(0.001);
+        if !coef.is_finite() || coef < 0.0 {
+            bail!("router_aux_loss_coef: {coef} must be a finite number >= 0");
+        }
+        Ok(Some(MoeSpec {
+            experts,
+            top_k,
+            intermediate,
+            norm_topk_prob: self.norm_topk_prob.unwrap_or(false),
+            aux_loss_coef: if self.output_router_logits == Some(true) {
+                coef
+            } else {
+                0.0
+            },
+        }))
     }
 
     /// Whether layer `i` is a sliding-window layer, as transformers decides.
@@ -422,6 +534,9 @@ impl ModelConfig {
                 self.use_sliding_window == Some(true)
                     && i >= self.max_window_layers.unwrap_or(self.num_hidden_layers)
             }
+            // Every layer slides when the config has a window (its
+            // attention takes `config.sliding_window` as it is).
+            Family::Qwen3Moe => self.use_sliding_window == Some(true),
             Family::Gemma3 => {
                 let pattern = self.sliding_window_pattern.unwrap_or(6).max(1);
                 !(i + 1).is_multiple_of(pattern)

@@ -3,9 +3,14 @@ saves it with save_pretrained, and writes per-document logits, summed NLL
 (HF label semantics) and the gradients of (sum of NLL over documents) /
 (total loss tokens), each document run separately through transformers.
 
-usage: make_tiny_llama.py OUT_DIR [--variant llama|qwen2|tied|sharded|qwen3|olmo2|mistral|gemma3] [--seed N]
+usage: make_tiny_llama.py OUT_DIR [--variant llama|qwen2|tied|sharded|qwen3|qwen3_moe|qwen3_moe_aux|olmo2|mistral|gemma3] [--seed N]
 (`sharded`: the llama variant saved as several model-0000i-of-0000n.safetensors
-files plus model.safetensors.index.json)
+files plus model.safetensors.index.json; `qwen3_moe_aux`: Qwen3-MoE with the
+load-balancing loss on (`output_router_logits`), whose gradients are those
+of HF's own loss over ONE padded batch of every document: the cross-entropy
+mean over the batch's loss tokens plus router_aux_loss_coef times the
+auxiliary loss over every token of the batch. Experts' gradients are
+written under the hub names, `experts.{e}.{gate,up,down}_proj.weight`.)
 writes OUT_DIR/model/{config.json,model.safetensors} and OUT_DIR/reference.safetensors
 """
 import argparse
@@ -53,6 +58,13 @@ def build(variant, seed):
     elif variant == "qwen3":
         cfg = transformers.Qwen3Config(tie_word_embeddings=False, head_dim=24, **common)
         model = transformers.Qwen3ForCausalLM(cfg)
+    elif variant in ("qwen3_moe", "qwen3_moe_aux"):
+        # Layer 0 dense (mlp_only_layers), layer 1 sparse: both kinds checked.
+        cfg = transformers.Qwen3MoeConfig(
+            tie_word_embeddings=False, head_dim=24, num_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=32, mlp_only_layers=[0], norm_topk_prob=True,
+            output_router_logits=variant == "qwen3_moe_aux", router_aux_loss_coef=0.25, **common)
+        model = transformers.Qwen3MoeForCausalLM(cfg)
     elif variant == "olmo2":
         cfg = transformers.Olmo2Config(tie_word_embeddings=False, **common)
         model = transformers.Olmo2ForCausalLM(cfg)
@@ -69,12 +81,52 @@ def build(variant, seed):
         model = transformers.Gemma3ForCausalLM(cfg)
     else:
         raise SystemExit(f"unknown variant {variant}")
-    if variant in ("qwen3", "olmo2", "mistral", "gemma3"):
+    if variant in ("qwen3", "qwen3_moe", "qwen3_moe_aux", "olmo2", "mistral", "gemma3"):
         with torch.no_grad():  # norms away from their init so each is checked
             for name, p in model.named_parameters():
                 if "norm" in name:
                     p.add_(torch.randn_like(p) * 0.1)
     return model.float()
+
+
+def grads_out(model, out):
+    """Every parameter's gradient under its checkpoint name (fused experts
+    split into the hub's per-expert linears)."""
+    for name, p in model.named_parameters():
+        g = p.grad.detach()
+        if name.endswith("mlp.experts.gate_up_proj"):
+            inter = g.shape[1] // 2
+            for e in range(g.shape[0]):
+                base = name[: -len("gate_up_proj")] + f"{e}."
+                out[f"grad.{base}gate_proj.weight"] = g[e, :inter].clone().contiguous()
+                out[f"grad.{base}up_proj.weight"] = g[e, inter:].clone().contiguous()
+        elif name.endswith("mlp.experts.down_proj"):
+            for e in range(g.shape[0]):
+                base = name[: -len("down_proj")] + f"{e}."
+                out[f"grad.{base}down_proj.weight"] = g[e].clone().contiguous()
+        else:
+            out[f"grad.{name}"] = g.clone().contiguous()
+
+
+def batch_reference(model, docs, out, total):
+    """HF's own loss over one right-padded batch of every document."""
+    n = max(len(ids) for ids, _ in docs)
+    ids = torch.zeros(len(docs), n, dtype=torch.long)
+    labels = torch.full((len(docs), n), -100, dtype=torch.long)
+    mask = torch.zeros(len(docs), n, dtype=torch.long)
+    for i, (d, l) in enumerate(docs):
+        ids[i, : len(d)] = d
+        labels[i, : len(d)] = l
+        mask[i, : len(d)] = 1
+    model.zero_grad()
+    res = model(input_ids=ids, attention_mask=mask, labels=labels)
+    res.loss.backward()
+    grads_out(model, out)
+    out["loss"] = res.loss.detach().reshape(1).double()
+    out["aux_loss"] = res.aux_loss.detach().reshape(1).double()
+    out["total_loss_tokens"] = torch.tensor([total], dtype=torch.int64)
+    print(json.dumps({"docs": len(docs), "loss_tokens": total, "loss": res.loss.item(),
+                      "aux_loss": res.aux_loss.item()}))
 
 
 def main():
@@ -98,6 +150,10 @@ def main():
         out[f"doc{i}.input_ids"] = ids
         out[f"doc{i}.labels"] = labels
     total = sum(int((l[1:] != -100).sum()) for _, l in docs)
+    if args.variant == "qwen3_moe_aux":
+        batch_reference(model, docs, out, total)
+        save_file(out, os.path.join(args.out, "reference.safetensors"))
+        return
     model.zero_grad()
     objective = 0.0
     for i, (ids, labels) in enumerate(docs):
@@ -111,8 +167,7 @@ def main():
         out[f"doc{i}.loss_sum"] = nll.detach().reshape(1).double()
         (nll / total).backward()
         objective += nll.item()
-    for name, p in model.named_parameters():
-        out[f"grad.{name}"] = p.grad.detach().clone().contiguous()
+    grads_out(model, out)
     out["total_loss_tokens"] = torch.tensor([total], dtype=torch.int64)
     save_file(out, os.path.join(args.out, "reference.safetensors"))
     print(json.dumps({"docs": len(docs), "loss_tokens": total, "loss_mean": objective / total}))

@@ -144,3 +144,12 @@ fn parity_mistral_sliding_window() {
 fn parity_gemma3_text() {
     check_parity("gemma3");
 }
+
+/// Qwen3-MoE: a dense layer (`mlp_only_layers`) and a sparse one (8
+/// experts, top-2, `norm_topk_prob`), loaded from the hub layout
+/// `save_pretrained` writes (one linear per expert); every expert's
+/// gradient checked.
+#[test]
+fn parity_qwen3_moe() {
+    check_parity("qwen3_moe");
+}

@@ -2,5 +2,6 @@
 //! `accrue-arch` crate, shared with the coordinator's admission check.
 
 pub use accrue_arch::{
-    Act, Arch, AttnBias, BlockNorms, Family, LayerSpec, ModelConfig, QkNorm, RopeScaling, RopeSpec,
+    Act, Arch, AttnBias, BlockNorms, Family, LayerSpec, ModelConfig, MoeSpec, QkNorm, RopeScaling,
+    RopeSpec,
 };

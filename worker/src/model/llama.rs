@@ -13,6 +13,7 @@ use super::attention::{Attention, PackedAttention};
 use super::config::{Arch, LayerSpec, ModelConfig};
 use super::init::{fill_weights, Init};
 use super::mlp::Mlp;
+use super::moe::{Route, Routed, SparseMoe};
 use super::norm::RmsNorm;
 use super::rope::Rope;
 
@@ -24,10 +25,26 @@ pub struct DecoderLayer {
     pub(super) self_attn: Attention,
     pub(super) attn_out: Option<RmsNorm>,
     pub(super) mlp_in: Option<RmsNorm>,
-    pub(super) mlp: Mlp,
+    pub(super) mlp: FeedForward,
     pub(super) mlp_out: Option<RmsNorm>,
     /// Index of this layer's RoPE table (see [`Llama::rope_tables`]).
     pub rope: usize,
+}
+
+/// A block's MLP: dense, or Qwen3-MoE's sparse one.
+#[derive(Debug)]
+pub enum FeedForward {
+    Dense(Mlp),
+    Sparse(SparseMoe),
+}
+
+impl FeedForward {
+    fn forward(&self, x: &Tensor, route: Route<'_>) -> (Tensor, Routed) {
+        match self {
+            FeedForward::Dense(m) => (m.forward(x), Routed::default()),
+            FeedForward::Sparse(m) => m.forward(x, route),
+        }
+    }
 }
 
 fn norm_opt(n: &Option<RmsNorm>, x: &Tensor) -> Tensor {
@@ -54,7 +71,12 @@ impl DecoderLayer {
             self_attn: Attention::new(&p / "self_attn", cfg, arch, spec),
             attn_out: norm(arch.norms.attn_out),
             mlp_in: norm(arch.norms.mlp_in),
-            mlp: Mlp::new(&p / "mlp", cfg, arch.act),
+            mlp: match (&arch.moe, spec.sparse) {
+                (Some(moe), true) => {
+                    FeedForward::Sparse(SparseMoe::new(&p / "mlp", cfg, moe, arch.act))
+                }
+                _ => FeedForward::Dense(Mlp::new(&p / "mlp", cfg, arch.act)),
+            },
             mlp_out: norm(arch.norms.mlp_out),
             rope: spec.rope,
         }
@@ -70,13 +92,33 @@ impl DecoderLayer {
         cu_seq_lens: &[i64],
         mode: PackedAttention,
     ) -> Tensor {
+        self.forward_routed(x, cos, sin, cu_seq_lens, mode, Route::default())
+            .0
+    }
+
+    /// [`Self::forward`] with the sparse MLP routed by `route`, and what it
+    /// routed.
+    pub fn forward_routed(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        cu_seq_lens: &[i64],
+        mode: PackedAttention,
+        route: Route<'_>,
+    ) -> (Tensor, Routed) {
         let t = x.size()[0];
-        self.forward_with(x, cos, sin, |attn, q, k, v| {
+        self.forward_with_route(x, cos, sin, route, |attn, q, k, v| {
             let (heads, _, d) = attn.shape();
             attn.attend(q, k, v, cu_seq_lens, mode)
                 .transpose(0, 1)
                 .reshape([t, heads * d])
         })
+    }
+
+    /// Whether the MLP is the sparse one.
+    pub fn is_sparse(&self) -> bool {
+        matches!(self.mlp, FeedForward::Sparse(_))
     }
 
     /// The block with the attention core supplied: `core(attention, q, k,
@@ -91,12 +133,26 @@ impl DecoderLayer {
         sin: &Tensor,
         core: impl FnOnce(&Attention, &Tensor, &Tensor, &Tensor) -> Tensor,
     ) -> Tensor {
+        self.forward_with_route(x, cos, sin, Route::default(), core)
+            .0
+    }
+
+    /// [`Self::forward_with`] with the sparse MLP routed by `route`, and
+    /// what it routed.
+    pub fn forward_with_route(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        route: Route<'_>,
+        core: impl FnOnce(&Attention, &Tensor, &Tensor, &Tensor) -> Tensor,
+    ) -> (Tensor, Routed) {
         let attn = &self.self_attn;
         let (q, k, v) = attn.project(&norm_opt(&self.attn_in, x), cos, sin);
         let a = attn.output(&core(attn, &q, &k, &v));
         let h = x + norm_opt(&self.attn_out, &a);
-        let m = self.mlp.forward(&norm_opt(&self.mlp_in, &h));
-        &h + norm_opt(&self.mlp_out, &m)
+        let (m, routed) = self.mlp.forward(&norm_opt(&self.mlp_in, &h), route);
+        (&h + norm_opt(&self.mlp_out, &m), routed)
     }
 }
 

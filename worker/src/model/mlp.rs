@@ -16,11 +16,15 @@ pub struct Mlp {
 
 impl Mlp {
     pub fn new(p: nn::Path, cfg: &ModelConfig, act: Act) -> Mlp {
-        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        Self::sized(p, cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, act)
+    }
+
+    /// Hidden size `h`, intermediate size `i` (a MoE expert's own).
+    pub fn sized(p: nn::Path, h: usize, i: usize, bias: bool, act: Act) -> Mlp {
         Mlp {
-            gate_proj: linear(&p / "gate_proj", h, i, cfg.mlp_bias),
-            up_proj: linear(&p / "up_proj", h, i, cfg.mlp_bias),
-            down_proj: linear(&p / "down_proj", i, h, cfg.mlp_bias),
+            gate_proj: linear(&p / "gate_proj", h, i, bias),
+            up_proj: linear(&p / "up_proj", h, i, bias),
+            down_proj: linear(&p / "down_proj", i, h, bias),
             act,
         }
     }

@@ -1,4 +1,4 @@
-//! The Llama-family model (Llama 2/3, Qwen2) in tch: HF config and
+//! The decoder of every family Accrue trains, in tch: HF config and
 //! safetensors compatible, padding-free packed forward, chunked LM head +
 //! cross-entropy.
 
@@ -11,6 +11,7 @@ pub mod linear;
 pub mod llama;
 pub mod loss;
 pub mod mlp;
+pub mod moe;
 pub mod norm;
 pub mod recompute;
 pub mod rope;
@@ -21,3 +22,4 @@ pub use config::ModelConfig;
 pub use decode::{KvCache, Prefix};
 pub use init::Init;
 pub use llama::Llama;
+pub use moe::{Route, Routed};
