@@ -26,6 +26,24 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 
+def hub_names(name, t):
+    """A parameter under its checkpoint name(s): transformers 5 holds a
+    MoE layer's experts fused (`experts.gate_up_proj` [E, 2I, H],
+    `experts.down_proj` [E, H, I]); checkpoints name one linear per expert."""
+    if name.endswith("mlp.experts.gate_up_proj"):
+        inter = t.shape[1] // 2
+        base = name[: -len("gate_up_proj")]
+        for e in range(t.shape[0]):
+            yield f"{base}{e}.gate_proj.weight", t[e, :inter]
+            yield f"{base}{e}.up_proj.weight", t[e, inter:]
+    elif name.endswith("mlp.experts.down_proj"):
+        base = name[: -len("down_proj")]
+        for e in range(t.shape[0]):
+            yield f"{base}{e}.down_proj.weight", t[e]
+    else:
+        yield name, t
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -71,7 +89,8 @@ def main():
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
         for name, p in model.named_parameters():
-            out[f"step{step}.{name}"] = p.detach().clone().contiguous()
+            for key, t in hub_names(name, p.detach()):
+                out[f"step{step}.{key}"] = t.clone().contiguous()
     save_file(out, args.out)
     print(json.dumps({"steps": args.steps, "decay": len(decay), "no_decay": len(no_decay)}))
 

@@ -648,3 +648,10 @@ fn bench_shared_prompt_prefill() {
         }
     }
 }
+
+/// Qwen3-MoE: prefill and decode route every token through the sparse
+/// layer's top-2 experts as transformers does.
+#[test]
+fn greedy_equals_transformers_generate_qwen3_moe() {
+    greedy_equals_generate("qwen3_moe");
+}

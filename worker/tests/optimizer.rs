@@ -33,7 +33,20 @@ const LR: f64 = 1e-2;
 /// AdamW's eps on both sides (see the module docs).
 const EPS: &str = "1e-6";
 
-fn torch_steps(dir: &Path, foreach: bool) -> HashMap<String, Tensor> {
+/// Qwen3-MoE's eps: the router's share of layer 0's gradient leaves a few
+/// k_proj elements near 1e-7, where step 1's update follows the last bits
+/// of the gradient (torch alone, float32 against float64, already moves
+/// that tensor by 6.4e-6 of its norm; ours against torch 2.07e-5 with
+/// 1e-6). With 1e-5 the slope of the update in g is 10× smaller.
+fn eps(variant: &str) -> &'static str {
+    if variant.starts_with("qwen3_moe") {
+        "1e-5"
+    } else {
+        EPS
+    }
+}
+
+fn torch_steps(dir: &Path, foreach: bool, eps: &str) -> HashMap<String, Tensor> {
     let out = dir.join("torch_adamw.safetensors");
     let model = dir.join("model");
     let reference = dir.join("reference.safetensors");
@@ -53,7 +66,7 @@ fn torch_steps(dir: &Path, foreach: bool) -> HashMap<String, Tensor> {
         "--clip",
         "1.0",
         "--eps",
-        EPS,
+        eps,
     ];
     if foreach {
         args.push("--foreach");
@@ -77,13 +90,14 @@ fn ours_vs_torch(
     dir: &Path,
     torch: &HashMap<String, Tensor>,
     no_decay: &str,
+    eps: &str,
 ) -> Vec<(f64, String)> {
     let reference = common::read(&dir.join("reference.safetensors"));
     let docs = common::documents(&reference);
     let cfg = common::job_config(
         dir.join("model").to_str().unwrap(),
         &format!(
-            "[optimizer]\nweight_decay = 0.1\nbetas = [0.9, 0.95]\neps = {EPS}\ngrad_clip = 1.0\n\
+            "[optimizer]\nweight_decay = 0.1\nbetas = [0.9, 0.95]\neps = {eps}\ngrad_clip = 1.0\n\
              no_decay = {no_decay}\n[runtime]\nloss_chunk_tokens = 16\n"
         ),
     );
@@ -109,8 +123,9 @@ fn check(variant: &str, foreach: bool) {
     tch::set_num_threads(2);
     let dir = tempfile::tempdir().unwrap();
     common::make_reference(dir.path(), variant);
-    let torch = torch_steps(dir.path(), foreach);
-    let groups = ours_vs_torch(dir.path(), &torch, "[\"bias\", \"norm\"]");
+    let eps = eps(variant);
+    let torch = torch_steps(dir.path(), foreach, eps);
+    let groups = ours_vs_torch(dir.path(), &torch, "[\"bias\", \"norm\"]", eps);
     println!("{variant} (foreach {foreach}): worst per-step diff / tolerance {groups:?}");
     for (step, (w, n)) in groups.iter().enumerate() {
         assert!(
@@ -120,7 +135,7 @@ fn check(variant: &str, foreach: bool) {
         );
     }
     // Decay on every parameter is a different optimizer: the check sees it.
-    let all = ours_vs_torch(dir.path(), &torch, "[]");
+    let all = ours_vs_torch(dir.path(), &torch, "[]", eps);
     let (w, n) = all.last().unwrap();
     println!("{variant}: decaying every parameter misses by {w:.1} × the tolerance ({n})");
     assert!(
@@ -159,4 +174,12 @@ fn adamw_matches_torch_mistral_sliding_window() {
 #[test]
 fn adamw_matches_torch_gemma3() {
     check("gemma3", false);
+}
+
+/// Qwen3-MoE (a dense and a sparse layer): transformers holds the experts
+/// fused, one AdamW parameter per layer; ours are one per expert —
+/// elementwise the same optimizer.
+#[test]
+fn adamw_matches_torch_qwen3_moe() {
+    check("qwen3_moe", false);
 }

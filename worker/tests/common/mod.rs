@@ -194,11 +194,19 @@ pub fn random_job_of(dir: &Path, config: &str, extra: &str) -> JobConfig {
 /// The families beside Llama, as tiny configs of the same size as
 /// [`TINY_CONFIG`] (Mistral and Gemma 3 with windows shorter than the
 /// test documents; Gemma 3 with a sliding and a global layer).
-pub const FAMILY_CONFIGS: [(&str, &str); 4] = [
+pub const FAMILY_CONFIGS: [(&str, &str); 5] = [
     (
         "qwen3",
         r#"{"model_type": "qwen3", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24,
+            "rms_norm_eps": 1e-6, "initializer_range": 0.05, "tie_word_embeddings": false}"#,
+    ),
+    (
+        "qwen3_moe",
+        r#"{"model_type": "qwen3_moe", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24,
+            "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "norm_topk_prob": true, "mlp_only_layers": [0],
             "rms_norm_eps": 1e-6, "initializer_range": 0.05, "tie_word_embeddings": false}"#,
     ),
     (

@@ -82,9 +82,22 @@ impl UnitLayout {
     /// float32 buffer in slot order.
     pub fn flatten(&self, parts: &[Tensor]) -> Tensor {
         assert_eq!(parts.len(), self.slots.len(), "one tensor per slot");
+        // Undefined: a parameter the loss did not reach (an expert no
+        // token chose), whose gradient is zero.
+        let device = parts
+            .iter()
+            .find(|t| t.defined())
+            .map_or(Device::Cpu, |t| t.device());
         let flat: Vec<Tensor> = parts
             .iter()
-            .map(|t| t.reshape([-1]).to_kind(Kind::Float))
+            .zip(&self.slots)
+            .map(|(t, s)| {
+                if t.defined() {
+                    t.reshape([-1]).to_kind(Kind::Float)
+                } else {
+                    Tensor::zeros([s.numel as i64], (Kind::Float, device))
+                }
+            })
             .collect();
         Tensor::cat(&flat, 0)
     }
@@ -231,7 +244,12 @@ pub fn build_layouts(
 pub fn expected_shape(name: &str, cfg: &ModelConfig) -> Option<Vec<i64>> {
     let h = cfg.hidden_size as i64;
     let v = cfg.vocab_size as i64;
-    let i = cfg.intermediate_size as i64;
+    let moe = cfg.arch().ok().and_then(|a| a.moe);
+    // A MoE expert's own intermediate size.
+    let i = match moe {
+        Some(m) if name.contains(".mlp.experts.") => m.intermediate as i64,
+        _ => cfg.intermediate_size as i64,
+    };
     let q = (cfg.num_attention_heads * cfg.head_dim()) as i64;
     let kv = (cfg.kv_heads() * cfg.head_dim()) as i64;
     let (module, kind) = name.rsplit_once('.')?;
@@ -256,6 +274,8 @@ pub fn expected_shape(name: &str, cfg: &ModelConfig) -> Option<Vec<i64>> {
         "k_proj" | "v_proj" => (kv, h),
         "o_proj" => (h, q),
         "gate_proj" | "up_proj" => (i, h),
+        // The MoE router.
+        "gate" => (moe?.experts as i64, h),
         "down_proj" => (h, i),
         _ => return None,
     };
