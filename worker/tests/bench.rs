@@ -148,7 +148,12 @@ fn bench_profile_step() {
             *lap = Instant::now();
         };
         let model = t.compute_model();
-        let fwd = model.forward_train(&batch.input_ids, &batch.cu_seq_lens, false);
+        let fwd = model.forward_train(
+            &batch.input_ids,
+            &batch.cu_seq_lens,
+            false,
+            &accrue_worker::model::Routes::default(),
+        );
         mark(0, &mut lap);
         let head = model.lm_head_weight();
         let out =

@@ -13,7 +13,7 @@ use super::attention::{Attention, PackedAttention};
 use super::config::{Arch, LayerSpec, ModelConfig};
 use super::init::{fill_weights, Init};
 use super::mlp::Mlp;
-use super::moe::{Route, Routed, SparseMoe};
+use super::moe::{expert_counts, Route, Routed, Routes, SparseMoe};
 use super::norm::RmsNorm;
 use super::rope::Rope;
 
@@ -286,15 +286,40 @@ impl Llama {
     /// Final hidden states `[T, H]` of a packed row. Positions restart at 0
     /// in every document; attention never crosses `cu_seq_lens` boundaries.
     pub fn hidden(&self, input_ids: &[i64], cu_seq_lens: &[i64]) -> Tensor {
+        self.hidden_routed(input_ids, cu_seq_lens, &Routes::default())
+            .hidden
+    }
+
+    /// [`Self::hidden`] with the sparse layers routed by `routes`.
+    pub fn hidden_routed(
+        &self,
+        input_ids: &[i64],
+        cu_seq_lens: &[i64],
+        routes: &Routes,
+    ) -> RoutedForward {
         let device = self.vs.device();
         let tables = self.rope_tables(&positions(cu_seq_lens));
         let ids = Tensor::from_slice(input_ids).to_device(device);
         let mut x = self.embed(&ids);
-        for layer in &self.layers {
+        let mut out = RoutedForward::default();
+        for (l, layer) in self.layers.iter().enumerate() {
             let (cos, sin) = &tables[layer.rope];
-            x = layer.forward(&x, cos, sin, cu_seq_lens, self.attention);
+            let route = routes.layer(self.sparse_index(l));
+            let (y, routed) =
+                layer.forward_routed(&x, cos, sin, cu_seq_lens, self.attention, route);
+            out.absorb(routed, self.arch.moe.map(|m| m.experts));
+            x = y;
         }
-        self.norm.forward(&x)
+        out.hidden = self.norm.forward(&x);
+        out
+    }
+
+    /// Which sparse layer layer `l` is (its index among the sparse ones),
+    /// `None` for a dense layer.
+    pub fn sparse_index(&self, l: usize) -> Option<usize> {
+        self.arch.layers[l]
+            .sparse
+            .then(|| self.arch.layers[..l].iter().filter(|s| s.sparse).count())
     }
 
     /// Full logits `[T, V]` in float32 (evaluation and tests only: the
@@ -302,6 +327,52 @@ impl Llama {
     pub fn logits(&self, input_ids: &[i64], cu_seq_lens: &[i64]) -> Tensor {
         let h = self.hidden(input_ids, cu_seq_lens);
         h.matmul(&self.lm_head_weight().tr()).to_kind(Kind::Float)
+    }
+}
+
+/// A forward's hidden states with what its sparse layers routed.
+#[derive(Debug)]
+pub struct RoutedForward {
+    /// After the final norm, `[T, H]`.
+    pub hidden: Tensor,
+    /// The experts' choice counts summed over the sparse layers, `[E]`
+    /// int64 (`None`: a dense model).
+    pub counts: Option<Tensor>,
+    /// The load-balancing loss's part (`Route::aux`) summed over the
+    /// sparse layers, in the graph.
+    pub aux: Option<Tensor>,
+    /// Per sparse layer, the experts each token used `[T, top_k]`.
+    pub chosen: Vec<Tensor>,
+}
+
+impl Default for RoutedForward {
+    fn default() -> Self {
+        RoutedForward {
+            hidden: Tensor::new(),
+            counts: None,
+            aux: None,
+            chosen: Vec::new(),
+        }
+    }
+}
+
+impl RoutedForward {
+    /// Adds one layer's routing (`experts`: the model's, if sparse).
+    pub fn absorb(&mut self, routed: Routed, experts: Option<usize>) {
+        if let (Some(chosen), Some(e)) = (routed.chosen, experts) {
+            let c = expert_counts(&chosen, e);
+            self.counts = Some(match self.counts.take() {
+                Some(sum) => sum + c,
+                None => c,
+            });
+            self.chosen.push(chosen);
+        }
+        if let Some(a) = routed.aux {
+            self.aux = Some(match self.aux.take() {
+                Some(sum) => sum + a,
+                None => a,
+            });
+        }
     }
 }
 

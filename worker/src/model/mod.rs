@@ -22,4 +22,4 @@ pub use config::ModelConfig;
 pub use decode::{KvCache, Prefix};
 pub use init::Init;
 pub use llama::Llama;
-pub use moe::{Route, Routed};
+pub use moe::{Route, Routed, Routes};

@@ -137,3 +137,42 @@ impl SparseMoe {
         self.spec.experts
     }
 }
+
+/// A forward's routing over every sparse layer: [`Route`] per layer.
+#[derive(Debug, Default)]
+pub struct Routes {
+    /// Per sparse layer (in layer order), the experts to replay `[T, top_k]`
+    /// int64; empty: the router decides everywhere.
+    pub replay: Vec<Tensor>,
+    /// The load-balancing loss's per-expert weights `[E]` (float32).
+    pub aux: Option<Tensor>,
+}
+
+impl Routes {
+    /// The route of the `sparse`-th sparse layer (`None`: a dense layer).
+    pub fn layer(&self, sparse: Option<usize>) -> Route<'_> {
+        match sparse {
+            None => Route::default(),
+            Some(s) => Route {
+                replay: self.replay.get(s),
+                aux: self.aux.as_ref(),
+            },
+        }
+    }
+
+    /// A copy sharing the tensors.
+    pub fn shallow_clone(&self) -> Routes {
+        Routes {
+            replay: self.replay.iter().map(Tensor::shallow_clone).collect(),
+            aux: self.aux.as_ref().map(Tensor::shallow_clone),
+        }
+    }
+}
+
+/// How often each expert was chosen, `[E]` int64, from a sparse layer's
+/// `chosen` `[T, top_k]`.
+pub fn expert_counts(chosen: &Tensor, experts: usize) -> Tensor {
+    chosen
+        .reshape([-1])
+        .bincount::<Tensor>(None, experts as i64)
+}

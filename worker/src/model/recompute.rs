@@ -20,6 +20,7 @@
 use tch::{Kind, Tensor};
 
 use super::llama::{positions, Llama};
+use super::moe::Routes;
 
 /// Which of a model's variables (by index into a name-sorted list) belong
 /// to each part the checkpointed backward visits.
@@ -63,12 +64,16 @@ impl VarGroups {
 pub struct Forward {
     /// The final hidden states after the norm, `[T, H]`, in the graph.
     pub hidden: Tensor,
+    /// The load-balancing loss's share of this forward (`Route::aux`
+    /// summed over the sparse layers) when routed with one.
+    pub aux_share: Option<f64>,
     tape: Tape,
 }
 
 enum Tape {
-    /// The whole forward is in the autograd graph.
-    Full,
+    /// The whole forward is in the autograd graph, with the
+    /// load-balancing loss's part when routed with one.
+    Full { aux: Option<Tensor> },
     /// Per-layer recomputation.
     Layers {
         ids: Tensor,
@@ -79,32 +84,43 @@ enum Tape {
         inputs: Vec<Tensor>,
         /// The last layer's output, a leaf that requires grad.
         last: Tensor,
+        routes: Routes,
     },
 }
 
 impl Llama {
-    /// The forward of a packed row for training (see the module docs).
+    /// The forward of a packed row for training (see the module docs),
+    /// its sparse layers routed by `routes`.
     pub fn forward_train(
         &self,
         input_ids: &[i64],
         cu_seq_lens: &[i64],
         checkpoint: bool,
+        routes: &Routes,
     ) -> Forward {
         if !checkpoint {
+            let f = self.hidden_routed(input_ids, cu_seq_lens, routes);
             return Forward {
-                hidden: self.hidden(input_ids, cu_seq_lens),
-                tape: Tape::Full,
+                hidden: f.hidden,
+                aux_share: f.aux.as_ref().map(|a| a.double_value(&[])),
+                tape: Tape::Full { aux: f.aux },
             };
         }
         let device = self.vs.device();
         let tables = self.rope_tables(&positions(cu_seq_lens));
         let ids = Tensor::from_slice(input_ids).to_device(device);
         let mut inputs = Vec::with_capacity(self.layers.len());
+        let mut aux_share: Option<f64> = None;
         let x = tch::no_grad(|| {
             let mut x = self.embed(&ids);
-            for layer in &self.layers {
+            for (l, layer) in self.layers.iter().enumerate() {
                 let (cos, sin) = &tables[layer.rope];
-                let y = layer.forward(&x, cos, sin, cu_seq_lens, self.attention);
+                let route = routes.layer(self.sparse_index(l));
+                let (y, routed) =
+                    layer.forward_routed(&x, cos, sin, cu_seq_lens, self.attention, route);
+                if let Some(a) = routed.aux {
+                    *aux_share.get_or_insert(0.0) += a.double_value(&[]);
+                }
                 inputs.push(x);
                 x = y;
             }
@@ -113,20 +129,24 @@ impl Llama {
         let last = x.detach().set_requires_grad(true);
         Forward {
             hidden: self.norm.forward(&last),
+            aux_share,
             tape: Tape::Layers {
                 ids,
                 tables,
                 cu_seq_lens: cu_seq_lens.to_vec(),
                 inputs,
                 last,
+                routes: routes.shallow_clone(),
             },
         }
     }
 
     /// The gradients of `⟨hidden, grad_hidden⟩ + ⟨head, grad_head⟩` (the
-    /// chunked loss's, see `loss`) with respect to `vars`, the model's
-    /// variables as grouped by `groups`; undefined for a variable the loss
-    /// does not reach. `grad_hidden` undefined: no loss token, no gradient.
+    /// chunked loss's, see `loss`), plus the load-balancing loss's part
+    /// when the forward was routed with one, with respect to `vars`, the
+    /// model's variables as grouped by `groups`; undefined for a variable
+    /// the loss does not reach. `grad_hidden` undefined: no loss token, no
+    /// gradient.
     pub fn backward_train(
         &self,
         fwd: Forward,
@@ -142,15 +162,22 @@ impl Llama {
         let head = self.lm_head_weight();
         let surrogate =
             (&fwd.hidden * grad_hidden).sum(Kind::Float) + (head * grad_head).sum(Kind::Float);
-        let Tape::Layers {
-            ids,
-            tables,
-            cu_seq_lens,
-            inputs,
-            last,
-        } = fwd.tape
-        else {
-            return Tensor::run_backward(&[surrogate], vars, false, false);
+        let (ids, tables, cu_seq_lens, inputs, last, routes) = match fwd.tape {
+            Tape::Full { aux } => {
+                let surrogate = match aux {
+                    Some(a) => surrogate + a,
+                    None => surrogate,
+                };
+                return Tensor::run_backward(&[surrogate], vars, false, false);
+            }
+            Tape::Layers {
+                ids,
+                tables,
+                cu_seq_lens,
+                inputs,
+                last,
+                routes,
+            } => (ids, tables, cu_seq_lens, inputs, last, routes),
         };
         let head_index = groups.head.unwrap_or(groups.embed);
         let g = Tensor::run_backward(
@@ -174,8 +201,14 @@ impl Llama {
         for (l, layer) in self.layers.iter().enumerate().rev() {
             let x = inputs[l].detach().set_requires_grad(true);
             let (cos, sin) = &tables[layer.rope];
-            let y = layer.forward(&x, cos, sin, &cu_seq_lens, self.attention);
+            let route = routes.layer(self.sparse_index(l));
+            let (y, routed) =
+                layer.forward_routed(&x, cos, sin, &cu_seq_lens, self.attention, route);
             let surrogate = (&y * &upstream).sum(Kind::Float);
+            let surrogate = match routed.aux {
+                Some(a) => surrogate + a,
+                None => surrogate,
+            };
             let mut wrt = vec![x.shallow_clone()];
             wrt.extend(groups.layers[l].iter().map(|&i| vars[i].shallow_clone()));
             let g = Tensor::run_backward(&[surrogate], &wrt, false, false);

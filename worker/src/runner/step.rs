@@ -5,6 +5,7 @@
 use std::time::Instant;
 
 use super::fault;
+use crate::batch::{MicrobatchMeta, PackedBatch};
 use crate::convert;
 use crate::error::classify;
 use crate::train::Trainer;
@@ -76,6 +77,31 @@ pub fn run_step(
     let device = exec.device();
     crate::gpu_memory::reset_peak(device);
     let compute = Instant::now();
+    // What needs the whole step first (Qwen3-MoE's load-balancing loss)
+    // gets every microbatch before the first one runs.
+    let mut whole: Vec<PackedBatch> = Vec::new();
+    let mut metas: Vec<MicrobatchMeta> = Vec::new();
+    if exec.needs_whole_step() {
+        for (i, mb) in plan.microbatches.iter().enumerate() {
+            match convert::microbatch(mb) {
+                Ok((b, m)) => {
+                    whole.push(b);
+                    metas.push(m);
+                }
+                Err(e) => {
+                    let e = anyhow::Error::from(e);
+                    return fail(&e, format!("step {}, microbatch {i}: {e:#}", plan.step));
+                }
+            }
+        }
+        if let Err(e) = exec.begin_step(&whole) {
+            exec.zero_grad();
+            if aborted() {
+                return StepOutcome::Aborted;
+            }
+            return fail(&e, format!("step {}: {e:#}", plan.step));
+        }
+    }
     for (i, mb) in plan.microbatches.iter().enumerate() {
         if aborted() {
             exec.zero_grad();
@@ -86,7 +112,11 @@ pub fn run_step(
         }
         // A row the plan got wrong is refused before anything runs on it;
         // the error names the microbatch and keeps its kind.
-        let result = convert::microbatch(mb)
+        let converted = match (whole.get_mut(i), metas.get_mut(i)) {
+            (Some(b), Some(m)) => Ok((std::mem::take(b), std::mem::take(m))),
+            _ => convert::microbatch(mb),
+        };
+        let result = converted
             .map_err(anyhow::Error::from)
             .and_then(|(batch, meta)| {
                 let o = exec.train_microbatch(i, &batch, &meta, &norms)?;

@@ -12,6 +12,7 @@ pub mod memory;
 pub mod optim;
 pub mod policy_sync;
 pub mod replicated;
+pub mod routing;
 pub mod source;
 pub mod trainer;
 

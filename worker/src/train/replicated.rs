@@ -38,7 +38,7 @@ use crate::collective::{shard_range, Collective, CollectiveError, Solo};
 use crate::config::{self, JobConfig};
 use crate::error::StepError;
 use crate::model::recompute::VarGroups;
-use crate::model::{loss, Init, Llama, PackedAttention};
+use crate::model::{loss, Init, Llama, PackedAttention, Routes};
 use crate::objective::Objective;
 
 use super::checkpoint;
@@ -109,6 +109,9 @@ pub struct ReplicatedTrainer {
     pristine: bool,
     /// The job config, to rebuild the initial model for a reference plan.
     init: JobConfig,
+    /// The step's load-balancing weights (`train::routing`), from
+    /// `begin_step` to the optimizer step.
+    step_aux: Option<Tensor>,
 }
 
 /// The collective operations the trainer runs on flat buffers.
@@ -214,6 +217,7 @@ impl ReplicatedTrainer {
             reference,
             pristine: restore_from.is_none(),
             init: cfg.clone(),
+            step_aux: None,
         };
         t.refresh_compute();
         Ok(t)
@@ -289,7 +293,9 @@ impl ReplicatedTrainer {
             )));
         }
         let net = self.net();
-        let fwd = net.forward_train(&mb.input_ids, &mb.cu_seq_lens, self.checkpointing);
+        let routes = self.routes(mb);
+        let fwd = net.forward_train(&mb.input_ids, &mb.cu_seq_lens, self.checkpointing, &routes);
+        let aux_share = fwd.aux_share;
         let head = net.lm_head_weight();
         let chunked = loss::chunked_nll(
             &fwd.hidden,
@@ -308,7 +314,73 @@ impl ReplicatedTrainer {
         );
         sums.loss_sum = chunked.loss_sum;
         sums.loss_tokens = chunked.loss_tokens;
+        let norms = crate::batch::StepNorms {
+            loss_tokens: global_loss_tokens,
+            pairs: 0,
+            sequences: 0,
+        };
+        self.report_aux(aux_share, &norms, &mut sums);
         Ok((sums, grads))
+    }
+
+    /// How a training forward of `mb` routes: with the step's
+    /// load-balancing weights when the loss is on. A microbatch run
+    /// outside a step (probes, tests) takes them from its own counts.
+    fn routes(&self, mb: &PackedBatch) -> Routes {
+        let Some(spec) = self.aux_spec() else {
+            return Routes::default();
+        };
+        let aux = match &self.step_aux {
+            Some(a) => Some(a.shallow_clone()),
+            None => {
+                let counts = self.local_counts(std::slice::from_ref(mb));
+                super::routing::aux_weights(&counts, &spec, self.net().vs.device())
+            }
+        };
+        Routes {
+            replay: Vec::new(),
+            aux,
+        }
+    }
+
+    /// The MoE spec when the load-balancing loss is on.
+    fn aux_spec(&self) -> Option<crate::model::config::MoeSpec> {
+        self.model.arch.moe.filter(|m| m.aux_loss_coef > 0.0)
+    }
+
+    /// The expert counts of `batches` on this rank (forward only).
+    fn local_counts(&self, batches: &[PackedBatch]) -> Vec<i64> {
+        let net = self.net();
+        let experts = net.arch.moe.map_or(0, |m| m.experts);
+        let mut total = vec![0i64; experts];
+        for mb in batches.iter().filter(|b| !b.is_empty()) {
+            let counts = tch::no_grad(|| {
+                net.hidden_routed(&mb.input_ids, &mb.cu_seq_lens, &Routes::default())
+                    .counts
+            });
+            if let Some(c) = counts {
+                for (t, v) in total
+                    .iter_mut()
+                    .zip(Vec::<i64>::try_from(&c).unwrap_or_default())
+                {
+                    *t += v;
+                }
+            }
+        }
+        total
+    }
+
+    /// Adds the load-balancing loss's metric sum to `sums`.
+    fn report_aux(
+        &self,
+        share: Option<f64>,
+        norms: &crate::batch::StepNorms,
+        sums: &mut MicrobatchOutcome,
+    ) {
+        if let (Some(share), Some(spec)) = (share, self.aux_spec()) {
+            let (k, v) = super::routing::aux_metric(share, &spec, norms);
+            *sums.extra.entry(k).or_insert(0.0) += v;
+        }
     }
 
     /// Adds one microbatch's gradients to the accumulator (zero2: a

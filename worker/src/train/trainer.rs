@@ -76,6 +76,21 @@ pub trait Passes {
         bail!("this worker cannot run eval plans")
     }
 
+    /// Whether [`Self::begin_step`] has work; the runner then converts a
+    /// plan's microbatches before the first one runs.
+    fn needs_whole_step(&self) -> bool {
+        false
+    }
+
+    /// Before a step's microbatches, with all of them (this rank's, in plan
+    /// order, padding ones empty): what needs the whole step first.
+    /// Qwen3-MoE's load-balancing loss counts the step's routing here (a
+    /// forward-only pass and one all-reduce, every rank joins; see
+    /// `train::routing`).
+    fn begin_step(&mut self, _batches: &[PackedBatch]) -> anyhow::Result<()> {
+        Ok(())
+    }
+
     /// Drops the accumulated gradients (abort, failed step).
     fn zero_grad(&mut self);
 

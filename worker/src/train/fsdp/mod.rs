@@ -57,6 +57,7 @@ use crate::batch::{MicrobatchOutcome, PackedBatch};
 use crate::collective::{shard_range, Collective};
 use crate::config::{JobConfig, ModelSource};
 use crate::error::StepError;
+use crate::model::config::MoeSpec;
 use crate::model::norm::RmsNorm;
 use crate::model::rope::Rope;
 use crate::model::{weights, ModelConfig, PackedAttention};
@@ -109,6 +110,11 @@ pub struct FsdpTrainer {
     restored: bool,
     /// Packed-attention implementation (as `Llama::attention`).
     pub attention: PackedAttention,
+    /// Qwen3-MoE's sparse MLP.
+    moe: Option<MoeSpec>,
+    /// The step's load-balancing weights (`train::routing`), from
+    /// `begin_step` to the optimizer step.
+    step_aux: Option<Tensor>,
 }
 
 /// Config and full tensors of a HF checkpoint directory.
@@ -228,6 +234,8 @@ impl FsdpTrainer {
             objective,
             restored: restore.is_some(),
             attention: PackedAttention::default(),
+            moe: arch.moe,
+            step_aux: None,
         })
     }
 

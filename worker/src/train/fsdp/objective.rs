@@ -21,6 +21,7 @@ use crate::error::StepError;
 use crate::model::loss;
 use crate::objective::head;
 use crate::objective::Objective;
+use crate::train::routing;
 use crate::train::trainer::Passes;
 
 impl FsdpTrainer {
@@ -33,16 +34,44 @@ impl FsdpTrainer {
         obj: Option<&ObjectiveIn<'_>>,
         global_loss_tokens: u64,
     ) -> anyhow::Result<MicrobatchOutcome> {
-        let mut sums = MicrobatchOutcome {
+        let sums = MicrobatchOutcome {
             tokens: mb.tokens() as u64,
             ..Default::default()
         };
         let sft_tokens = obj.is_none().then_some(global_loss_tokens);
+        // Outside a step (probes, tests) the loss takes this microbatch
+        // index's counts over the ranks.
+        let lone = self.aux_spec().is_some() && self.step_aux.is_none();
+        if lone {
+            self.begin_step(std::slice::from_ref(mb))?;
+        }
+        let result = self.run_prepared(index, mb, obj, sft_tokens, sums);
+        if lone {
+            self.step_aux = None;
+        }
+        result
+    }
+
+    fn run_prepared(
+        &mut self,
+        index: usize,
+        mb: &PackedBatch,
+        obj: Option<&ObjectiveIn<'_>>,
+        sft_tokens: Option<u64>,
+        mut sums: MicrobatchOutcome,
+    ) -> anyhow::Result<MicrobatchOutcome> {
         let prep = self.prepare_agreed(index, mb, sft_tokens)?;
         let Some(prep) = prep else {
             return Ok(sums);
         };
-        let saved = self.forward(prep.as_ref())?;
+        let (saved, routing) = self.forward(prep.as_ref())?;
+        let obj_norms = match obj {
+            Some(o) => Some(*o.norms()),
+            None => sft_tokens.map(|t| StepNorms {
+                loss_tokens: t,
+                ..StepNorms::default()
+            }),
+        };
         let (grad_x, loss) = self.head(index, prep.as_ref(), saved.last(), obj)?;
         let HeadSums {
             loss_sum,
@@ -54,6 +83,10 @@ impl FsdpTrainer {
         sums.loss_tokens = loss_tokens;
         sums.pairs = pairs;
         sums.extra = extra;
+        if let (Some(spec), Some(a), Some(norms)) = (self.aux_spec(), routing.aux, obj_norms) {
+            let (k, v) = routing::aux_metric(a.double_value(&[]), &spec, &norms);
+            *sums.extra.entry(k).or_insert(0.0) += v;
+        }
         self.backward(prep.as_ref(), &saved, grad_x)?;
         Ok(sums)
     }
@@ -110,7 +143,7 @@ impl FsdpTrainer {
         // Rows without a target have log-prob 0 (as `head::token_logps`).
         let mut lp = vec![0.0; targets.len()];
         if let Some(prep) = prep {
-            let saved = self.forward(prep.as_ref())?;
+            let (saved, _) = self.forward(prep.as_ref())?;
             let got = self.head_logps(prep.as_ref(), saved.last());
             let bad = match &got {
                 Ok(Some(l)) => !l.iter().all(|x| x.is_finite()),
@@ -231,6 +264,35 @@ impl Passes for FsdpTrainer {
         for g in &mut self.grads {
             let _ = g.zero_();
         }
+        self.step_aux = None;
+    }
+
+    fn needs_whole_step(&self) -> bool {
+        self.aux_spec().is_some()
+    }
+
+    /// Counts the step's routing (a forward per microbatch index, every
+    /// rank joins) and sums it over the ranks (`train::routing`).
+    fn begin_step(&mut self, batches: &[PackedBatch]) -> anyhow::Result<()> {
+        self.step_aux = None;
+        let Some(spec) = self.aux_spec() else {
+            return Ok(());
+        };
+        let mut local = vec![0i64; spec.experts];
+        for (i, mb) in batches.iter().enumerate() {
+            let Some(prep) = self.prepare_agreed(i, mb, None)? else {
+                continue;
+            };
+            let (_, routing) = self.forward(prep.as_ref())?;
+            if let Some(c) = routing.counts {
+                for (t, v) in local.iter_mut().zip(Vec::<i64>::try_from(&c)?) {
+                    *t += v;
+                }
+            }
+        }
+        let counts = routing::reduce_counts(self.coll.as_mut(), &local)?;
+        self.step_aux = routing::aux_weights(&counts, &spec, self.device);
+        Ok(())
     }
 
     fn grads_finite(&self) -> bool {

@@ -10,7 +10,9 @@ use tch::{Kind, Tensor};
 
 use crate::batch::{MicrobatchMeta, PackedBatch, StepNorms};
 use crate::error::StepError;
-use crate::model::{llama, loss};
+use crate::model::config::MoeSpec;
+use crate::model::llama::RoutedForward;
+use crate::model::{llama, loss, Routes};
 use crate::objective::microbatch::{self, ObjectiveOut};
 use crate::objective::Objective;
 
@@ -38,6 +40,11 @@ impl<'a> ObjectiveIn<'a> {
             meta,
             norms,
         }
+    }
+
+    /// The step's normalisers.
+    pub(super) fn norms(&self) -> &StepNorms {
+        self.norms
     }
 
     /// The objective's gradients of the final hidden state and the head
@@ -68,6 +75,8 @@ pub(super) struct Prepared {
     /// The RoPE tables (a layer takes `tables[layer.rope]`).
     pub(super) tables: Vec<(Tensor, Tensor)>,
     pub(super) targets: Vec<i64>,
+    /// How the sparse layers route (the step's load-balancing weights).
+    pub(super) routes: Routes,
     /// `1/T` of the SFT loss (0 for the other objectives, which take
     /// their normalisers from [`ObjectiveIn`]).
     scale: f64,
@@ -136,13 +145,21 @@ impl FsdpTrainer {
             cu_seq_lens: mb.cu_seq_lens.clone(),
             tables,
             targets,
+            routes: Routes {
+                replay: Vec::new(),
+                aux: self.step_aux.as_ref().map(Tensor::shallow_clone),
+            },
             scale: sft_loss_tokens.map_or(0.0, |t| 1.0 / t as f64),
         }))
     }
 
     /// Runs the embedding and every layer without autograd; returns each
-    /// layer's input and the final hidden state (empty without work).
-    pub(super) fn forward(&mut self, p: Option<&Prepared>) -> anyhow::Result<Vec<Tensor>> {
+    /// layer's input and the final hidden state (empty without work), and
+    /// what the sparse layers routed.
+    pub(super) fn forward(
+        &mut self,
+        p: Option<&Prepared>,
+    ) -> anyhow::Result<(Vec<Tensor>, RoutedForward)> {
         let embed = self.gather(EMBED)?;
         let mut x = p.map(|p| {
             let w = self.layouts[EMBED].slots[0].view(&self.compute(&embed));
@@ -150,6 +167,8 @@ impl FsdpTrainer {
         });
         drop(embed);
         let mut saved = Vec::with_capacity(self.shells.len() + 1);
+        let mut routing = RoutedForward::default();
+        let experts = self.moe.map(|m| m.experts);
         for l in 0..self.shells.len() {
             let u = layer_unit(l);
             let flat = self.gather(u)?;
@@ -157,17 +176,39 @@ impl FsdpTrainer {
                 let shell = &self.shells[l];
                 let _bound = shell.bind(&self.compute(&flat), &self.layouts[u]);
                 let (cos, sin) = &p.tables[shell.layer.rope];
-                let out = tch::no_grad(|| {
-                    shell
-                        .layer
-                        .forward(&input, cos, sin, &p.cu_seq_lens, self.attention)
+                let route = p.routes.layer(self.sparse_index(l));
+                let (out, routed) = tch::no_grad(|| {
+                    shell.layer.forward_routed(
+                        &input,
+                        cos,
+                        sin,
+                        &p.cu_seq_lens,
+                        self.attention,
+                        route,
+                    )
                 });
+                routing.absorb(routed, experts);
                 saved.push(input);
                 x = Some(out);
             }
         }
         saved.extend(x);
-        Ok(saved)
+        Ok((saved, routing))
+    }
+
+    /// The MoE spec when the load-balancing loss is on.
+    pub(super) fn aux_spec(&self) -> Option<MoeSpec> {
+        self.moe.filter(|m| m.aux_loss_coef > 0.0)
+    }
+
+    /// Which sparse layer layer `l` is (`None`: a dense layer).
+    pub(super) fn sparse_index(&self, l: usize) -> Option<usize> {
+        self.shells[l].layer.is_sparse().then(|| {
+            self.shells[..l]
+                .iter()
+                .filter(|s| s.layer.is_sparse())
+                .count()
+        })
     }
 
     /// Final norm, chunked LM head + loss (the SFT cross-entropy, or the
@@ -315,10 +356,20 @@ impl FsdpTrainer {
                     let _bound = shell.bind(&self.compute(&flat), &self.layouts[u]);
                     let x = saved[l].detach().set_requires_grad(true);
                     let (cos, sin) = &p.tables[shell.layer.rope];
-                    let y = shell
-                        .layer
-                        .forward(&x, cos, sin, &p.cu_seq_lens, self.attention);
+                    let route = p.routes.layer(self.sparse_index(l));
+                    let (y, routed) = shell.layer.forward_routed(
+                        &x,
+                        cos,
+                        sin,
+                        &p.cu_seq_lens,
+                        self.attention,
+                        route,
+                    );
                     let surrogate = (&y * &gy).sum(Kind::Float);
+                    let surrogate = match routed.aux {
+                        Some(a) => surrogate + a,
+                        None => surrogate,
+                    };
                     let mut inputs = vec![x];
                     inputs.extend(shell.vars());
                     let mut grads = Tensor::run_backward(&[surrogate], &inputs, false, false);

@@ -59,7 +59,9 @@ impl ReplicatedTrainer {
             None => None,
         };
         let net = self.net();
-        let fwd = net.forward_train(&mb.input_ids, &mb.cu_seq_lens, self.checkpointing);
+        let routes = self.routes(mb);
+        let fwd = net.forward_train(&mb.input_ids, &mb.cu_seq_lens, self.checkpointing, &routes);
+        let aux_share = fwd.aux_share;
         let head_w = net.lm_head_weight();
         let out = microbatch::objective(
             &objective,
@@ -83,6 +85,7 @@ impl ReplicatedTrainer {
         sums.loss_tokens = out.loss_tokens;
         sums.pairs = out.pairs;
         sums.extra = out.extra;
+        self.report_aux(aux_share, norms, &mut sums);
         Ok((sums, grads))
     }
 
@@ -162,8 +165,30 @@ impl Passes for ReplicatedTrainer {
             .with_context(|| format!("microbatch {index}"))
     }
 
+    fn needs_whole_step(&self) -> bool {
+        self.aux_spec().is_some()
+    }
+
+    /// Counts the step's routing on this rank and sums it over the ranks
+    /// (`train::routing`).
+    fn begin_step(&mut self, batches: &[PackedBatch]) -> anyhow::Result<()> {
+        self.step_aux = None;
+        let Some(spec) = self.aux_spec() else {
+            return Ok(());
+        };
+        for (i, mb) in batches.iter().enumerate().filter(|(_, b)| !b.is_empty()) {
+            mb.validate().with_context(|| format!("microbatch {i}"))?;
+            self.check_vocabulary(i, mb)?;
+        }
+        let local = self.local_counts(batches);
+        let counts = crate::train::routing::reduce_counts(self.coll.as_mut(), &local)?;
+        self.step_aux = crate::train::routing::aux_weights(&counts, &spec, self.net().vs.device());
+        Ok(())
+    }
+
     fn zero_grad(&mut self) {
         self.grads.zero();
+        self.step_aux = None;
     }
 
     fn grads_finite(&self) -> bool {
