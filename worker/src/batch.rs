@@ -21,6 +21,10 @@ pub struct PackedBatch {
     pub labels: Vec<i64>,
     /// `0, l0, l0+l1, …, total`.
     pub cu_seq_lens: Vec<i64>,
+    /// Routing replay (Qwen3-MoE): per token, the experts its generation
+    /// used, `sparse layers × top_k` ids, flat; `-1` rows leave a token
+    /// to the router. Empty: the router decides everywhere.
+    pub routing: Vec<i64>,
 }
 
 impl PackedBatch {

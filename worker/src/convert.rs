@@ -71,6 +71,7 @@ pub fn microbatch(mb: &wire::Microbatch) -> Result<(PackedBatch, MicrobatchMeta)
         input_ids: ids.into_iter().map(i64::from).collect(),
         labels: labels.into_iter().map(i64::from).collect(),
         cu_seq_lens: mb.cu_seq_lens.iter().map(|&c| i64::from(c)).collect(),
+        routing: Vec::new(),
     };
     batch.validate()?;
     let meta = MicrobatchMeta {
@@ -291,6 +292,9 @@ pub fn generate_plan(
             n => n as usize,
         },
         share_prompts: true,
+        // Routing replay is not on the wire yet (a Completion carries no
+        // routing): only in-process generation records it.
+        record_routing: false,
     };
     let requests = p
         .requests

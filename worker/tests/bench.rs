@@ -39,6 +39,7 @@ fn bench_train_step() {
         input_ids: Vec::<i64>::try_from(&b["input_ids"]).unwrap(),
         labels: Vec::<i64>::try_from(&b["labels"]).unwrap(),
         cu_seq_lens: Vec::<i64>::try_from(&b["cu_seq_lens"]).unwrap(),
+        ..Default::default()
     };
     batch.validate().unwrap();
     let steps: usize = std::env::var("ACCRUE_BENCH_STEPS")
@@ -122,6 +123,7 @@ fn bench_profile_step() {
         input_ids: Vec::<i64>::try_from(&b["input_ids"]).unwrap(),
         labels: Vec::<i64>::try_from(&b["labels"]).unwrap(),
         cu_seq_lens: Vec::<i64>::try_from(&b["cu_seq_lens"]).unwrap(),
+        ..Default::default()
     };
     let steps: usize = std::env::var("ACCRUE_BENCH_STEPS")
         .ok()
@@ -295,6 +297,7 @@ fn bench_optimizer_phase() {
         input_ids: Vec::<i64>::try_from(&b["input_ids"]).unwrap(),
         labels: Vec::<i64>::try_from(&b["labels"]).unwrap(),
         cu_seq_lens: Vec::<i64>::try_from(&b["cu_seq_lens"]).unwrap(),
+        ..Default::default()
     };
     let rounds: usize = std::env::var("ACCRUE_BENCH_ROUNDS")
         .ok()

@@ -54,6 +54,7 @@ fn recompute(model: &Llama, params: &SamplingParams, r: &Request) -> Completion 
                 tokens,
                 logprobs,
                 finish,
+                routing: Vec::new(),
             };
         }
     }

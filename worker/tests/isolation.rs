@@ -114,6 +114,7 @@ fn a_nan_embedding_row_poisons_only_the_documents_that_use_it() {
         cu_seq_lens: vec![0, ids.len() as i64],
         labels: ids.clone(),
         input_ids: ids,
+        ..Default::default()
     };
     let norms = StepNorms {
         loss_tokens: 8,

@@ -216,3 +216,125 @@ fn aux_loss_same_update_for_any_split_world_size_and_sharding() {
     println!("per-microbatch counts: {w:e} ({what})");
     assert!(w > 2e-3, "a per-microbatch loss should differ, got {w:e}");
 }
+
+/// Top-1 routing with renormalised weights: a token's MLP output is its
+/// one expert's, weight exactly 1, so the policy is a function of which
+/// expert each token went through — what replay carries.
+const MOE_TOP1: &str = r#"{"model_type": "qwen3_moe", "vocab_size": 300, "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 24, "num_experts": 8, "num_experts_per_tok": 1,
+    "moe_intermediate_size": 32, "norm_topk_prob": true, "mlp_only_layers": [0],
+    "rms_norm_eps": 1e-6, "initializer_range": 0.2, "tie_word_embeddings": false}"#;
+
+/// Each target's log-prob under `model`'s training forward of `b`,
+/// replaying `b.routing` when `replay`.
+fn token_logps(model: &accrue_worker::model::Llama, b: &PackedBatch, replay: bool) -> Vec<f64> {
+    use accrue_worker::model::Routes;
+    let spec = model.arch.moe.unwrap();
+    let replay = if replay {
+        accrue_worker::model::moe::replay_tensors(
+            &b.routing,
+            b.tokens(),
+            1,
+            &spec,
+            model.vs.device(),
+        )
+        .unwrap()
+    } else {
+        Vec::new()
+    };
+    let routes = Routes { replay, aux: None };
+    tch::no_grad(|| {
+        let h = model
+            .hidden_routed(&b.input_ids, &b.cu_seq_lens, &routes)
+            .hidden;
+        let lp = h
+            .matmul(&model.lm_head_weight().tr())
+            .log_softmax(-1, tch::Kind::Double);
+        (0..b.tokens() - 1)
+            .map(|t| lp.double_value(&[t as i64, b.input_ids[t + 1]]))
+            .collect()
+    })
+}
+
+/// Routing replay: a generator whose router picks other experts than the
+/// trainer's (here: another router weight, as an inference engine's
+/// numerics or an older policy would) records each token's experts; the
+/// trainer replaying them recomputes the generation's log-probs, its own
+/// routing does not.
+#[test]
+fn routing_replay_recomputes_the_generations_log_probs() {
+    use accrue_worker::generate::{generate, Request, SamplingParams};
+    tch::set_num_threads(2);
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = common::random_job_of(dir.path(), MOE_TOP1, "");
+    let trainer = ReplicatedTrainer::single(&cfg, None).unwrap();
+    let generator = ReplicatedTrainer::single(&cfg, None).unwrap();
+    let gate = "model.layers.1.mlp.gate.weight";
+    tch::no_grad(|| {
+        let w = &generator.model().vs.variables()[gate];
+        let other = Tensor::randn(w.size(), (w.kind(), w.device())) * 0.2;
+        w.shallow_clone().copy_(&other);
+    });
+    let requests: Vec<Request> = [vec![5, 17, 42, 99], vec![3, 1, 4, 1, 5, 9], vec![250]]
+        .into_iter()
+        .enumerate()
+        .map(|(i, prompt)| Request {
+            prompt,
+            seed: i as u64,
+        })
+        .collect();
+    let params = SamplingParams {
+        temperature: 1.0,
+        max_new_tokens: 12,
+        record_routing: true,
+        ..SamplingParams::default()
+    };
+    let done = generate(generator.model(), &params, &requests).unwrap();
+    let (mut worst_replayed, mut worst_own) = (0.0f64, 0.0f64);
+    for (r, c) in requests.iter().zip(&done) {
+        let seq: Vec<i64> = r.prompt.iter().chain(&c.tokens).copied().collect();
+        // Every token the generator ran, then the last one, never run.
+        assert_eq!(c.routing.len(), seq.len() - 1, "one expert per token run");
+        let mut routing = c.routing.clone();
+        routing.push(-1);
+        let b = PackedBatch {
+            cu_seq_lens: vec![0, seq.len() as i64],
+            labels: seq.clone(),
+            input_ids: seq,
+            routing,
+        };
+        let p = r.prompt.len();
+        let replayed = token_logps(trainer.model(), &b, true);
+        let own = token_logps(trainer.model(), &b, false);
+        for (j, &lp) in c.logprobs.iter().enumerate() {
+            worst_replayed = worst_replayed.max((replayed[p - 1 + j] - lp as f64).abs());
+            worst_own = worst_own.max((own[p - 1 + j] - lp as f64).abs());
+        }
+    }
+    // A routing that does not fit the model is the plan's error.
+    let mut t = trainer;
+    let bad = PackedBatch {
+        input_ids: vec![1, 2, 3],
+        labels: vec![1, 2, 3],
+        cu_seq_lens: vec![0, 3],
+        routing: vec![0, 1],
+    };
+    let norms = StepNorms {
+        loss_tokens: 2,
+        ..Default::default()
+    };
+    let e = t
+        .train_microbatch(0, &bad, &MicrobatchMeta::default(), &norms)
+        .unwrap_err();
+    assert!(
+        format!("{e:#}").contains("microbatch 0: routing: 2 expert ids for 3 tokens"),
+        "{e:#}"
+    );
+    println!("log-prob vs generation: replayed {worst_replayed:e}, own routing {worst_own:e}");
+    assert!(worst_replayed <= 1e-4, "replayed routing: {worst_replayed}");
+    assert!(
+        worst_own > 1e-2,
+        "own routing should differ, got {worst_own}"
+    );
+}

@@ -61,11 +61,15 @@ pub fn generate(
                 tokens: Vec::new(),
                 logprobs: Vec::new(),
                 finish: Finish::Length,
+                routing: Vec::new(),
             })
             .collect());
     }
     tch::no_grad(|| {
         let mut cache = KvCache::new(model, slots, capacity);
+        if params.record_routing {
+            cache = cache.record_routing();
+        }
         let mut active: Vec<Option<Active>> = (0..slots).map(|_| None).collect();
         let mut waiting = 0..requests.len();
         let mut shared = params.share_prompts.then(|| Shared::new(requests));
@@ -92,7 +96,7 @@ pub fn generate(
                         tokens: Vec::new(),
                         logprobs: Vec::new(),
                     };
-                    active[slot] = advance(params, a, &row, &mut done);
+                    active[slot] = advance(params, a, &row, &mut done, &cache, slot);
                     if active[slot].is_none() {
                         cache.clear(slot);
                     }
@@ -109,7 +113,7 @@ pub fn generate(
             let logits = rows(&model.decode(&mut cache, &step)?)?;
             for (&(slot, _), row) in step.iter().zip(logits) {
                 let a = active[slot].take().expect("stepped slots are active");
-                active[slot] = advance(params, a, &row, &mut done);
+                active[slot] = advance(params, a, &row, &mut done, &cache, slot);
                 if active[slot].is_none() {
                     cache.clear(slot);
                 }
@@ -207,12 +211,15 @@ fn prefill<'a>(
 type Row = (Vec<f32>, f32);
 
 /// Samples `a`'s next token from a logits row and its log-sum-exp; returns it still active, or
-/// `None` after storing its completion in `done`.
+/// `None` after storing its completion in `done` (with the routing its
+/// `slot` of `cache` recorded).
 fn advance(
     params: &SamplingParams,
     mut a: Active,
     (logits, lse): &Row,
     done: &mut [Option<Completion>],
+    cache: &KvCache,
+    slot: usize,
 ) -> Option<Active> {
     let (token, logprob) = a.sampler.sample(params, logits, *lse);
     a.tokens.push(token as i64);
@@ -224,6 +231,7 @@ fn advance(
                 tokens: a.tokens,
                 logprobs: a.logprobs,
                 finish,
+                routing: cache.routing(slot).to_vec(),
             });
             None
         }

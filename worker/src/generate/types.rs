@@ -21,6 +21,9 @@ pub struct SamplingParams {
     /// `rl.group_size` samples) once and start their slots from its cached
     /// keys and values; false prefills each request's prompt.
     pub share_prompts: bool,
+    /// Record the experts every token went through (Qwen3-MoE routing
+    /// replay: [`Completion::routing`]).
+    pub record_routing: bool,
 }
 
 impl Default for SamplingParams {
@@ -34,6 +37,7 @@ impl Default for SamplingParams {
             stop_sequences: Vec::new(),
             max_batch: DEFAULT_MAX_BATCH,
             share_prompts: true,
+            record_routing: false,
         }
     }
 }
@@ -66,4 +70,9 @@ pub struct Completion {
     /// One per token: `log_softmax` of the raw logits at it.
     pub logprobs: Vec<f32>,
     pub finish: Finish,
+    /// With `record_routing` on a sparse model: the experts each token
+    /// the model ran went through — the prompt's, then every completion
+    /// token but the last (never fed) — `sparse layers × top_k` ids per
+    /// token, flat, in layer order. Empty otherwise.
+    pub routing: Vec<i64>,
 }

@@ -17,6 +17,7 @@ use anyhow::bail;
 use tch::{Kind, Tensor};
 
 use super::llama::{positions, Llama};
+use super::moe::Route;
 
 /// Keys and values of up to `slots` sequences of at most `capacity` tokens.
 pub struct KvCache {
@@ -26,6 +27,10 @@ pub struct KvCache {
     /// Tokens held per slot.
     lens: Vec<i64>,
     capacity: i64,
+    /// With routing recorded (Qwen3-MoE, routing replay): per slot, the
+    /// experts each cached token went through, `sparse layers × top_k`
+    /// ids per token, flat.
+    routing: Option<Vec<Vec<i64>>>,
 }
 
 impl std::fmt::Debug for KvCache {
@@ -53,6 +58,41 @@ impl KvCache {
             values: make(),
             lens: vec![0; slots],
             capacity: capacity as i64,
+            routing: None,
+        }
+    }
+
+    /// Records the experts every cached token is routed through (see
+    /// [`Self::routing`]); nothing for a dense model.
+    pub fn record_routing(mut self) -> KvCache {
+        self.routing = Some(vec![Vec::new(); self.lens.len()]);
+        self
+    }
+
+    /// The experts `slot`'s cached tokens went through, `sparse layers ×
+    /// top_k` ids per token in layer order (empty for a dense model or
+    /// without [`Self::record_routing`]).
+    pub fn routing(&self, slot: usize) -> &[i64] {
+        self.routing.as_ref().map_or(&[], |r| r[slot].as_slice())
+    }
+
+    /// Appends per-token routing rows `[N, S, k]` (S = 0: dense) to the
+    /// slots they belong to, `spans` giving each slot's row count.
+    fn push_routing(&mut self, chosen: &[Tensor], spans: &[(usize, i64)]) {
+        let Some(routing) = &mut self.routing else {
+            return;
+        };
+        if chosen.is_empty() {
+            return;
+        }
+        let rows = Tensor::stack(chosen, 1).to_device(tch::Device::Cpu);
+        let per_token = (rows.size()[1] * rows.size()[2]) as usize;
+        let flat = Vec::<i64>::try_from(rows.contiguous().view([-1])).unwrap_or_default();
+        let mut at = 0;
+        for &(slot, n) in spans {
+            let len = n as usize * per_token;
+            routing[slot].extend_from_slice(&flat[at..at + len]);
+            at += len;
         }
     }
 
@@ -72,6 +112,9 @@ impl KvCache {
     /// Frees `slot` for a new sequence (its stale entries are masked out).
     pub fn clear(&mut self, slot: usize) {
         self.lens[slot] = 0;
+        if let Some(r) = &mut self.routing {
+            r[slot].clear();
+        }
     }
 
     /// A copy of the keys and values of `slot`'s first `n` tokens (a
@@ -88,10 +131,15 @@ impl KvCache {
                 .map(|t| t.get(slot as i64).narrow(1, 0, n as i64).copy())
                 .collect()
         };
+        let routing = self.routing.as_ref().map(|r| {
+            let per_token = r[slot].len() / (self.lens[slot] as usize).max(1);
+            r[slot][..n * per_token].to_vec()
+        });
         Ok(Prefix {
             keys: take(&self.keys),
             values: take(&self.values),
             len: n as i64,
+            routing,
         })
     }
 
@@ -114,6 +162,9 @@ impl KvCache {
             c.get(slot as i64).narrow(1, 0, prefix.len).copy_(p);
         }
         self.lens[slot] = prefix.len;
+        if let (Some(r), Some(p)) = (&mut self.routing, &prefix.routing) {
+            r[slot] = p.clone();
+        }
         Ok(())
     }
 }
@@ -124,6 +175,7 @@ pub struct Prefix {
     keys: Vec<Tensor>,
     values: Vec<Tensor>,
     len: i64,
+    routing: Option<Vec<i64>>,
 }
 
 impl Llama {
@@ -154,24 +206,30 @@ impl Llama {
         let tokens = Tensor::from_slice(&ids).to_device(device);
         let mut x = self.embed(&tokens);
         let t = ids.len() as i64;
+        let mut chosen = Vec::new();
         for (l, layer) in self.layers.iter().enumerate() {
             let (cos, sin) = &tables[layer.rope];
-            x = layer.forward_with(&x, cos, sin, |attn, q, k, v| {
-                for (&(slot, _), w) in prompts.iter().zip(cu.windows(2)) {
-                    let (s, n) = (w[0], w[1] - w[0]);
-                    let at = |c: &Tensor| c.get(slot as i64).narrow(1, 0, n);
-                    at(&cache.keys[l]).copy_(&k.narrow(1, s, n));
-                    at(&cache.values[l]).copy_(&v.narrow(1, s, n));
-                }
-                let (heads, _, head_dim) = attn.shape();
-                attn.attend(q, k, v, &cu, self.attention)
-                    .transpose(0, 1)
-                    .reshape([t, heads * head_dim])
-            });
+            let (y, routed) =
+                layer.forward_with_route(&x, cos, sin, Route::default(), |attn, q, k, v| {
+                    for (&(slot, _), w) in prompts.iter().zip(cu.windows(2)) {
+                        let (s, n) = (w[0], w[1] - w[0]);
+                        let at = |c: &Tensor| c.get(slot as i64).narrow(1, 0, n);
+                        at(&cache.keys[l]).copy_(&k.narrow(1, s, n));
+                        at(&cache.values[l]).copy_(&v.narrow(1, s, n));
+                    }
+                    let (heads, _, head_dim) = attn.shape();
+                    attn.attend(q, k, v, &cu, self.attention)
+                        .transpose(0, 1)
+                        .reshape([t, heads * head_dim])
+                });
+            x = y;
+            chosen.extend(routed.chosen);
         }
         for &(slot, p) in prompts {
             cache.lens[slot] = p.len() as i64;
         }
+        let spans: Vec<(usize, i64)> = prompts.iter().map(|&(s, p)| (s, p.len() as i64)).collect();
+        cache.push_routing(&chosen, &spans);
         let last: Vec<i64> = cu[1..].iter().map(|&e| e - 1).collect();
         let last = Tensor::from_slice(&last).to_device(device);
         Ok(self.head_logits(&x.index_select(0, &last)))
@@ -222,52 +280,58 @@ impl Llama {
         let ids: Vec<i64> = tokens.iter().map(|&(_, t)| t).collect();
         let ids = Tensor::from_slice(&ids).to_device(device);
         let mut x = self.embed(&ids);
+        let mut chosen = Vec::new();
         for (l, layer) in self.layers.iter().enumerate() {
             let (cos, sin) = &tables[layer.rope];
-            x = layer.forward_with(&x, cos, sin, |attn, q, k, v| {
-                let (heads, kv_heads, head_dim) = attn.shape();
-                // k, v: [kv_heads, B, d] → [B, kv_heads, d] at (slot, :, pos).
-                let index = [
-                    Some(slot_idx.shallow_clone()),
-                    None,
-                    Some(pos_idx.shallow_clone()),
-                ];
-                let _ = cache.keys[l].index_put_(&index, &k.transpose(0, 1), false);
-                let _ = cache.values[l].index_put_(&index, &v.transpose(0, 1), false);
-                let window = |c: &Tensor| {
-                    let c = c.narrow(2, 0, span);
-                    match in_order {
-                        true => c.narrow(0, 0, b),
-                        false => c.index_select(0, &slot_idx),
-                    }
-                };
-                // GQA without repeating the cache: the `heads / kv_heads`
-                // query heads of a kv head (HF `repeat_kv` order) are its
-                // queries.
-                let q = q
-                    .transpose(0, 1)
-                    .reshape([b, kv_heads, heads / kv_heads, head_dim]);
-                let mask = masks
-                    .iter()
-                    .find(|(w, _)| *w == attn.window())
-                    .map(|(_, m)| m.shallow_clone())
-                    .expect("a mask per window");
-                Tensor::scaled_dot_product_attention(
-                    &q,
-                    &window(&cache.keys[l]),
-                    &window(&cache.values[l]),
-                    Some(mask),
-                    0.0,
-                    false,
-                    attn.scale(),
-                    false,
-                )
-                .reshape([b, heads * head_dim])
-            });
+            let (y, routed) =
+                layer.forward_with_route(&x, cos, sin, Route::default(), |attn, q, k, v| {
+                    let (heads, kv_heads, head_dim) = attn.shape();
+                    // k, v: [kv_heads, B, d] → [B, kv_heads, d] at (slot, :, pos).
+                    let index = [
+                        Some(slot_idx.shallow_clone()),
+                        None,
+                        Some(pos_idx.shallow_clone()),
+                    ];
+                    let _ = cache.keys[l].index_put_(&index, &k.transpose(0, 1), false);
+                    let _ = cache.values[l].index_put_(&index, &v.transpose(0, 1), false);
+                    let window = |c: &Tensor| {
+                        let c = c.narrow(2, 0, span);
+                        match in_order {
+                            true => c.narrow(0, 0, b),
+                            false => c.index_select(0, &slot_idx),
+                        }
+                    };
+                    // GQA without repeating the cache: the `heads / kv_heads`
+                    // query heads of a kv head (HF `repeat_kv` order) are its
+                    // queries.
+                    let q = q
+                        .transpose(0, 1)
+                        .reshape([b, kv_heads, heads / kv_heads, head_dim]);
+                    let mask = masks
+                        .iter()
+                        .find(|(w, _)| *w == attn.window())
+                        .map(|(_, m)| m.shallow_clone())
+                        .expect("a mask per window");
+                    Tensor::scaled_dot_product_attention(
+                        &q,
+                        &window(&cache.keys[l]),
+                        &window(&cache.values[l]),
+                        Some(mask),
+                        0.0,
+                        false,
+                        attn.scale(),
+                        false,
+                    )
+                    .reshape([b, heads * head_dim])
+                });
+            x = y;
+            chosen.extend(routed.chosen);
         }
         for &(s, _) in tokens {
             cache.lens[s] += 1;
         }
+        let spans: Vec<(usize, i64)> = tokens.iter().map(|&(s, _)| (s, 1)).collect();
+        cache.push_routing(&chosen, &spans);
         Ok(self.head_logits(&x))
     }
 

@@ -176,3 +176,41 @@ pub fn expert_counts(chosen: &Tensor, experts: usize) -> Tensor {
         .reshape([-1])
         .bincount::<Tensor>(None, experts as i64)
 }
+
+/// Per sparse layer, the experts to replay `[T, top_k]` (int64, on
+/// `device`) from a microbatch's flat routing (`sparse × top_k` ids per
+/// token); empty routing: none. Checks the length and every id (an
+/// expert of the model, or `-1`).
+pub fn replay_tensors(
+    routing: &[i64],
+    tokens: usize,
+    sparse: usize,
+    spec: &MoeSpec,
+    device: tch::Device,
+) -> Result<Vec<Tensor>, String> {
+    if routing.is_empty() {
+        return Ok(Vec::new());
+    }
+    let k = spec.top_k;
+    if routing.len() != tokens * sparse * k {
+        return Err(format!(
+            "routing: {} expert ids for {tokens} tokens, the model routes {sparse} sparse layers × top {k} per token",
+            routing.len()
+        ));
+    }
+    if let Some(bad) = routing
+        .iter()
+        .find(|&&e| e < -1 || e >= spec.experts as i64)
+    {
+        return Err(format!(
+            "routing: expert {bad} outside 0..{} (or -1)",
+            spec.experts
+        ));
+    }
+    let all = Tensor::from_slice(routing)
+        .view([tokens as i64, sparse as i64, k as i64])
+        .to_device(device);
+    Ok((0..sparse as i64)
+        .map(|s| all.select(1, s).contiguous())
+        .collect())
+}

@@ -114,6 +114,27 @@ pub struct ReplicatedTrainer {
     step_aux: Option<Tensor>,
 }
 
+/// The experts `mb` replays on `model`'s sparse layers (none for a dense
+/// model or a microbatch without routing); a routing that does not fit
+/// the model is the plan's error, naming the microbatch.
+pub(crate) fn replay_of(
+    model: &Llama,
+    index: usize,
+    mb: &PackedBatch,
+) -> anyhow::Result<Vec<Tensor>> {
+    let Some(spec) = model.arch.moe else {
+        if mb.routing.is_empty() {
+            return Ok(Vec::new());
+        }
+        return Err(StepError::invalid(format!(
+            "microbatch {index}: routing given for a model without experts"
+        )));
+    };
+    let sparse = model.arch.layers.iter().filter(|l| l.sparse).count();
+    crate::model::moe::replay_tensors(&mb.routing, mb.tokens(), sparse, &spec, model.vs.device())
+        .map_err(|e| StepError::invalid(format!("microbatch {index}: {e}")))
+}
+
 /// The collective operations the trainer runs on flat buffers.
 #[derive(Clone, Copy)]
 enum Op {
@@ -293,7 +314,7 @@ impl ReplicatedTrainer {
             )));
         }
         let net = self.net();
-        let routes = self.routes(mb);
+        let routes = self.routes(index, mb)?;
         let fwd = net.forward_train(&mb.input_ids, &mb.cu_seq_lens, self.checkpointing, &routes);
         let aux_share = fwd.aux_share;
         let head = net.lm_head_weight();
@@ -323,24 +344,23 @@ impl ReplicatedTrainer {
         Ok((sums, grads))
     }
 
-    /// How a training forward of `mb` routes: with the step's
+    /// How a training forward of `mb` routes: the experts its generation
+    /// used where it carries them (routing replay), and the step's
     /// load-balancing weights when the loss is on. A microbatch run
     /// outside a step (probes, tests) takes them from its own counts.
-    fn routes(&self, mb: &PackedBatch) -> Routes {
+    fn routes(&self, index: usize, mb: &PackedBatch) -> anyhow::Result<Routes> {
+        let replay = replay_of(self.net(), index, mb)?;
         let Some(spec) = self.aux_spec() else {
-            return Routes::default();
+            return Ok(Routes { replay, aux: None });
         };
         let aux = match &self.step_aux {
             Some(a) => Some(a.shallow_clone()),
             None => {
-                let counts = self.local_counts(std::slice::from_ref(mb));
+                let counts = self.local_counts(std::slice::from_ref(mb))?;
                 super::routing::aux_weights(&counts, &spec, self.net().vs.device())
             }
         };
-        Routes {
-            replay: Vec::new(),
-            aux,
-        }
+        Ok(Routes { replay, aux })
     }
 
     /// The MoE spec when the load-balancing loss is on.
@@ -348,26 +368,28 @@ impl ReplicatedTrainer {
         self.model.arch.moe.filter(|m| m.aux_loss_coef > 0.0)
     }
 
-    /// The expert counts of `batches` on this rank (forward only).
-    fn local_counts(&self, batches: &[PackedBatch]) -> Vec<i64> {
+    /// The expert counts of `batches` on this rank (forward only, routed
+    /// as their training forward will be).
+    fn local_counts(&self, batches: &[PackedBatch]) -> anyhow::Result<Vec<i64>> {
         let net = self.net();
         let experts = net.arch.moe.map_or(0, |m| m.experts);
         let mut total = vec![0i64; experts];
-        for mb in batches.iter().filter(|b| !b.is_empty()) {
+        for (i, mb) in batches.iter().enumerate().filter(|(_, b)| !b.is_empty()) {
+            let routes = Routes {
+                replay: replay_of(net, i, mb)?,
+                aux: None,
+            };
             let counts = tch::no_grad(|| {
-                net.hidden_routed(&mb.input_ids, &mb.cu_seq_lens, &Routes::default())
+                net.hidden_routed(&mb.input_ids, &mb.cu_seq_lens, &routes)
                     .counts
             });
             if let Some(c) = counts {
-                for (t, v) in total
-                    .iter_mut()
-                    .zip(Vec::<i64>::try_from(&c).unwrap_or_default())
-                {
+                for (t, v) in total.iter_mut().zip(Vec::<i64>::try_from(&c)?) {
                     *t += v;
                 }
             }
         }
-        total
+        Ok(total)
     }
 
     /// Adds the load-balancing loss's metric sum to `sums`.

@@ -138,6 +138,25 @@ impl FsdpTrainer {
                 "microbatch {index}: has loss tokens but the step's global loss-token count is 0"
             )));
         }
+        let replay = match self.moe {
+            Some(spec) => {
+                let sparse = self.shells.iter().filter(|s| s.layer.is_sparse()).count();
+                crate::model::moe::replay_tensors(
+                    &mb.routing,
+                    mb.tokens(),
+                    sparse,
+                    &spec,
+                    self.device,
+                )
+                .map_err(|e| StepError::invalid(format!("microbatch {index}: {e}")))?
+            }
+            None if mb.routing.is_empty() => Vec::new(),
+            None => {
+                return Err(StepError::invalid(format!(
+                    "microbatch {index}: routing given for a model without experts"
+                )))
+            }
+        };
         let positions = llama::positions(&mb.cu_seq_lens);
         let tables = llama::rope_tables(&self.ropes, &positions, self.kind, self.device);
         Ok(Some(Prepared {
@@ -146,7 +165,7 @@ impl FsdpTrainer {
             tables,
             targets,
             routes: Routes {
-                replay: Vec::new(),
+                replay,
                 aux: self.step_aux.as_ref().map(Tensor::shallow_clone),
             },
             scale: sft_loss_tokens.map_or(0.0, |t| 1.0 / t as f64),

@@ -59,7 +59,7 @@ impl ReplicatedTrainer {
             None => None,
         };
         let net = self.net();
-        let routes = self.routes(mb);
+        let routes = self.routes(index, mb)?;
         let fwd = net.forward_train(&mb.input_ids, &mb.cu_seq_lens, self.checkpointing, &routes);
         let aux_share = fwd.aux_share;
         let head_w = net.lm_head_weight();
@@ -180,7 +180,7 @@ impl Passes for ReplicatedTrainer {
             mb.validate().with_context(|| format!("microbatch {i}"))?;
             self.check_vocabulary(i, mb)?;
         }
-        let local = self.local_counts(batches);
+        let local = self.local_counts(batches)?;
         let counts = crate::train::routing::reduce_counts(self.coll.as_mut(), &local)?;
         self.step_aux = crate::train::routing::aux_weights(&counts, &spec, self.net().vs.device());
         Ok(())
