@@ -690,6 +690,37 @@ mod tests {
         )
         .contains("sliding_window"));
         assert!(e(json!({"layer_types": ["full_attention"]})).contains("layer_types: 1 entries"));
+        assert!(
+            e(json!({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 5}))
+                .contains("num_experts_per_tok: 5")
+        );
+    }
+
+    /// Sparse layers and the load-balancing loss as transformers decides
+    /// them; both spellings of the expert count.
+    #[test]
+    fn qwen3_moe_sparse_layers_and_aux_loss() {
+        let m = cfg(json!({"model_type": "qwen3_moe", "num_local_experts": 16,
+            "num_experts_per_tok": 4, "moe_intermediate_size": 8, "decoder_sparse_step": 2,
+            "mlp_only_layers": [3], "router_aux_loss_coef": 0.5, "output_router_logits": true}))
+        .unwrap()
+        .arch()
+        .unwrap();
+        let sparse: Vec<bool> = m.layers.iter().map(|l| l.sparse).collect();
+        assert_eq!(sparse, [false, true, false, false]);
+        let spec = m.moe.unwrap();
+        assert_eq!((spec.experts, spec.top_k, spec.intermediate), (16, 4, 8));
+        assert_eq!(spec.aux_loss_coef, 0.5);
+        assert_eq!(m.qk_norm, QkNorm::PerHead);
+        // Without output_router_logits transformers adds no aux loss.
+        let q = cfg(json!({"model_type": "qwen3_moe", "num_experts": 8}))
+            .unwrap()
+            .arch()
+            .unwrap();
+        assert_eq!(q.moe.unwrap().aux_loss_coef, 0.0);
+        assert!(q.layers.iter().all(|l| l.sparse));
+        let dense = cfg(json!({"model_type": "qwen3"})).unwrap().arch().unwrap();
+        assert!(dense.moe.is_none() && dense.layers.iter().all(|l| !l.sparse));
     }
 
     #[test]

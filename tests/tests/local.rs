@@ -935,7 +935,7 @@ fn every_family_example_trains_and_its_checkpoint_loads_in_transformers() {
             "256",
         ],
     );
-    for family in ["qwen3", "olmo2", "gemma3", "mistral"] {
+    for family in ["qwen3", "qwen3-moe", "olmo2", "gemma3", "mistral"] {
         let spec =
             std::fs::read_to_string(root().join(format!("deploy/examples/sft-{family}.toml")))
                 .unwrap()
@@ -965,6 +965,11 @@ fn every_family_example_trains_and_its_checkpoint_loads_in_transformers() {
         );
         assert_eq!(m.len(), 8, "{family}");
         assert!(last < first, "{family}: loss {first} -> {last}");
+        if family == "qwen3-moe" {
+            // The load-balancing loss ran (top 2 of 8: 2 when balanced).
+            let line = m.last().unwrap().to_string();
+            assert!(line.contains("router_aux_loss"), "{line}");
+        }
         let ckpt = d.join(format!("runs/sft-{family}/checkpoints/step-8"));
         let out = Command::new(root().join(".venv/bin/python"))
             .arg("-c")
