@@ -495,6 +495,9 @@ impl ModelConfig {
         if experts == 0 {
             return Ok(None);
         }
+        if experts >= usize::from(u16::MAX) {
+            bail!("num_experts: {experts} is more than Accrue routes (at most 65534)");
+        }
         let top_k = self.num_experts_per_tok.unwrap_or(8);
         if top_k == 0 || top_k > experts {
             bail!("num_experts_per_tok: {top_k} must be between 1 and num_experts ({experts})");

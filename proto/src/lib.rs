@@ -85,27 +85,59 @@ pub fn pack_f32(values: &[f32]) -> Vec<u8> {
     out
 }
 
-/// Error for a packed field whose length is not a multiple of 4.
+/// Error for a packed field whose length is not a multiple of its
+/// element size.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PackedLenError {
     pub len: usize,
+    /// Bytes per element (4, or 2 for [`unpack_u16`]).
+    pub size: usize,
 }
 
 impl std::fmt::Display for PackedLenError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "packed field has {} bytes, not a multiple of 4",
-            self.len
+            "packed field has {} bytes, not a multiple of {}",
+            self.len, self.size
         )
     }
 }
+
+/// Packs small ids (routing's expert ids) as little-endian `u16` bytes.
+pub fn pack_u16(values: &[u16]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(values.len() * 2);
+    for v in values {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    out
+}
+
+/// Inverse of [`pack_u16`].
+pub fn unpack_u16(bytes: &[u8]) -> Result<Vec<u16>, PackedLenError> {
+    if !bytes.len().is_multiple_of(2) {
+        return Err(PackedLenError {
+            len: bytes.len(),
+            size: 2,
+        });
+    }
+    Ok(bytes
+        .chunks_exact(2)
+        .map(|c| u16::from_le_bytes([c[0], c[1]]))
+        .collect())
+}
+
+/// A routing entry that leaves its token to the router (routing replay).
+pub const NO_EXPERT: u16 = u16::MAX;
 
 impl std::error::Error for PackedLenError {}
 
 fn chunks4(bytes: &[u8]) -> Result<impl Iterator<Item = [u8; 4]> + '_, PackedLenError> {
     if !bytes.len().is_multiple_of(4) {
-        return Err(PackedLenError { len: bytes.len() });
+        return Err(PackedLenError {
+            len: bytes.len(),
+            size: 4,
+        });
     }
     Ok(bytes.chunks_exact(4).map(|c| [c[0], c[1], c[2], c[3]]))
 }
@@ -382,7 +414,7 @@ mod tests {
     fn packed_rejects_ragged_bytes() {
         assert_eq!(
             unpack_u32(&[1, 2, 3]).unwrap_err(),
-            PackedLenError { len: 3 }
+            PackedLenError { len: 3, size: 4 }
         );
     }
 }

@@ -622,6 +622,75 @@ fn rl_loop_disaggregated_on_policy_trains_as_colocated() {
     real::cluster::assert_same_params(&apart_params, &params, "disaggregated");
 }
 
+/// Routing replay (`rl.routing_replay`, issue 34) with a tiny Qwen3-MoE on
+/// two real worker processes, colocated and disaggregated: the generators
+/// record every token's experts, the coordinator keeps them with the
+/// rollout and packs them with its tokens, the trainers replay them (a
+/// routing that did not line up with the tokens would fail the step). On
+/// policy the trainer's log-probs then equal the sampler's; the rollouts
+/// are those of the same job without replay.
+#[test]
+fn rl_loop_with_routing_replay_trains_a_moe_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let rows = [
+        "--task",
+        "arithmetic-small",
+        "--out",
+        "data",
+        "--rows",
+        "64",
+    ];
+    accrue(d, &[&["data", "synth"][..], &rows[..]].concat());
+    std::fs::write(
+        d.join("tiny.json"),
+        r#"{"model_type":"qwen3_moe","hidden_size":64,"intermediate_size":128,
+"moe_intermediate_size":32,"num_local_experts":8,"num_experts_per_tok":2,"norm_topk_prob":true,
+"num_attention_heads":4,"num_key_value_heads":2,"head_dim":24,"num_hidden_layers":2,
+"vocab_size":320,"rms_norm_eps":1e-6,"initializer_range":0.02,"tie_word_embeddings":false,
+"bos_token_id":256,"eos_token_id":257}"#,
+    )
+    .unwrap();
+    let body = |rl: &str| {
+        format!("steps = 3\n[data]\nsource = \"generate\"\nformat = \"prompts\"\ntrain = [\"data/arith-sft.jsonl\"]\ntokenizer = \"bytes\"\nmax_tokens = 512\n[batch]\ndocs_per_step = 16\n[objective]\nkind = \"pg\"\n[rl]\ngroup_size = 4\nmax_staleness = 0\n{rl}[rl.sampling]\ntemperature = 1.0\nmax_new_tokens = 6\n[rl.verifier]\nkind = \"regex\"\npattern = \"[0-9]\"")
+    };
+    let run = |name: &str, rl: &str| {
+        let spec = small_job(d, name, "ddp", &body(rl));
+        accrue(d, &["validate", spec.to_str().unwrap()]);
+        accrue(d, &["local", spec.to_str().unwrap(), "--workers", "2"]);
+        metrics(&d.join(format!("out/{name}/metrics.jsonl")))
+    };
+    let plain = run("plain", "");
+    for (name, rl) in [
+        ("replay", "routing_replay = true\n"),
+        ("replay-apart", "routing_replay = true\ngenerators = 1\n"),
+    ] {
+        let m = run(name, rl);
+        assert_eq!(m.len(), 3, "{name}");
+        for (a, b) in m.iter().zip(&plain) {
+            let step = &a["step"];
+            let diff = a["extra"]["logprob_diff"].as_f64().unwrap();
+            // Every token but each rollout's last trained on the
+            // generator's experts (reported per loss token: > 1 here, the
+            // prompts are longer than the completions).
+            let replayed = a["extra"]["routing_replayed"].as_f64().unwrap();
+            assert!(replayed > 1.0, "{name} step {step}: {replayed}");
+            assert!(b["extra"].get("routing_replayed").is_none(), "plain: {b}");
+            println!("{name} step {step}: mean |trainer - sampler| log-prob {diff:e}");
+            assert!(diff <= 1e-4, "{name} step {step}: log-prob diff {diff}");
+            if name == "replay" {
+                for k in ["docs", "tokens", "loss_tokens"] {
+                    assert_eq!(a[k], b[k], "{name} step {step}: {k}");
+                }
+                assert_eq!(
+                    a["extra"]["rl/reward_mean"], b["extra"]["rl/reward_mean"],
+                    "{name} step {step}: the same rollouts"
+                );
+            }
+        }
+    }
+}
+
 /// The PG demo as shipped (deploy/examples/pg-demo.toml, run from a copy of
 /// its directory layout) on two workers: every kept rollout trained exactly
 /// once in its one epoch, flat groups dropped and refused groups counted,

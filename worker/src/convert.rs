@@ -71,7 +71,14 @@ pub fn microbatch(mb: &wire::Microbatch) -> Result<(PackedBatch, MicrobatchMeta)
         input_ids: ids.into_iter().map(i64::from).collect(),
         labels: labels.into_iter().map(i64::from).collect(),
         cu_seq_lens: mb.cu_seq_lens.iter().map(|&c| i64::from(c)).collect(),
-        routing: Vec::new(),
+        routing: accrue_proto::unpack_u16(&mb.routing)
+            .map_err(|e| bad("routing", e))?
+            .into_iter()
+            .map(|e| match e {
+                accrue_proto::NO_EXPERT => -1,
+                e => i64::from(e),
+            })
+            .collect(),
     };
     batch.validate()?;
     let meta = MicrobatchMeta {
@@ -292,9 +299,7 @@ pub fn generate_plan(
             n => n as usize,
         },
         share_prompts: true,
-        // Routing replay is not on the wire yet (a Completion carries no
-        // routing): only in-process generation records it.
-        record_routing: false,
+        record_routing: s.record_routing,
     };
     let requests = p
         .requests
@@ -322,6 +327,8 @@ pub fn completion(r: &wire::GenerateRequest, c: &generate::Completion) -> wire::
             generate::Finish::Stop => wire::FinishReason::Stop,
             generate::Finish::Length => wire::FinishReason::Length,
         } as i32,
+        // Expert ids fit u16: accrue-arch refuses more experts.
+        routing: accrue_proto::pack_u16(&c.routing.iter().map(|&e| e as u16).collect::<Vec<_>>()),
     }
 }
 

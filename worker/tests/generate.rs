@@ -395,6 +395,7 @@ fn plan(reqs: &[Request], policy_version: u64) -> wire::GeneratePlan {
         rank: 0,
         policy_version,
         sampling: Some(wire::SamplingParams {
+            record_routing: Default::default(),
             temperature: 0.0,
             top_p: 1.0,
             top_k: 0,

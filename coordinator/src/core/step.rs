@@ -149,6 +149,39 @@ impl MicrobatchPayload {
         aligned(&old)
     }
 
+    /// Rollouts' routing (routing replay) aligned with the row, the same
+    /// number of expert ids per token: `NO_EXPERT` on a sequence without
+    /// (the worker's router decides there), empty when no sequence has any.
+    pub fn routing(&self) -> Vec<u16> {
+        fn routing_of(d: &DocHandle) -> Option<&[u16]> {
+            match &d.body {
+                DocBody::Rollout(r) => r.routing.as_deref(),
+                _ => None,
+            }
+        }
+        let Some((first, seq)) = self.docs.iter().find_map(|d| {
+            let r = routing_of(d)?;
+            Some((r, d.sequences().next()?))
+        }) else {
+            return Vec::new();
+        };
+        let width = first.len() / seq.len().max(1);
+        let mut out = Vec::with_capacity(self.tokens() as usize * width);
+        for d in &self.docs {
+            let r = routing_of(d);
+            for s in d.sequences() {
+                match r {
+                    Some(r) => out.extend_from_slice(r),
+                    None => out.extend(std::iter::repeat_n(
+                        accrue_proto::NO_EXPERT,
+                        s.len() * width,
+                    )),
+                }
+            }
+        }
+        out
+    }
+
     /// The cached reference log-probs aligned with the row like the old
     /// ones: NaN on a sequence with none (the worker refuses a KL term
     /// there), empty when no sequence has any.
@@ -633,7 +666,11 @@ mod tests {
                         refs.insert(id, RefEntry::Tokens(vec![-0.25 * k as f32; n].into()));
                     }
                     advantage.insert(id, k as f64 - 20.0);
+                    // Two expert ids per token on some rollouts.
+                    let routing =
+                        (k % 4 == 1).then(|| (0..2 * n).map(|j| (j % 8) as u16).collect());
                     DocBody::Rollout(Rollout {
+                        routing,
                         seq,
                         reward: 1.0,
                         group: format!("g{}", k / 4),
@@ -652,6 +689,55 @@ mod tests {
             rejected_stale: 0,
         };
         (docs, ReferenceCache::new(refs), plan)
+    }
+
+    /// Routing replay: a microbatch's routing is its rollouts' routing in
+    /// row order, `NO_EXPERT` rows for sequences without, the same number
+    /// of ids per token; none when no document has any.
+    #[test]
+    fn routing_is_aligned_with_the_row() {
+        let (docs, cache, rollouts) = mixed();
+        let table: Arc<[Document]> = docs.into();
+        let notes = Annotations {
+            reference: Some(&cache),
+            rollouts: Some(&rollouts),
+            file_source: None,
+        };
+        let chosen: Vec<DocHandle> = (0..table.len())
+            .map(|i| DocHandle::new(&table, i))
+            .collect();
+        let (ranks, _) = pack_documents(&chosen, 40, 3, 2, notes).unwrap();
+        let (mut with, mut without) = (0, 0);
+        for mb in ranks.iter().flatten() {
+            let mut want = Vec::new();
+            let mut any = false;
+            for d in &mb.docs {
+                for s in d.sequences() {
+                    match &d.body {
+                        DocBody::Rollout(Rollout {
+                            routing: Some(r), ..
+                        }) => {
+                            any = true;
+                            want.extend_from_slice(r);
+                        }
+                        _ => want.extend(std::iter::repeat_n(accrue_proto::NO_EXPERT, 2 * s.len())),
+                    }
+                }
+            }
+            let got = mb.routing();
+            if any {
+                with += 1;
+                assert_eq!(got.len(), 2 * mb.tokens() as usize);
+                assert_eq!(got, want);
+            } else {
+                without += 1;
+                assert!(got.is_empty());
+            }
+        }
+        assert!(
+            with > 0 && without > 0,
+            "{with} with routing, {without} without"
+        );
     }
 
     /// Issue 19: the layout decided under the lock, materialised later by

@@ -57,6 +57,11 @@ pub struct RlSection {
     /// collective. Unset: colocated (the same workers generate, then train).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub generators: Option<u32>,
+    /// The RL loop with a mixture-of-experts model: the generators record
+    /// the experts every token went through and training replays them,
+    /// so the trainer's log-probs are those of the policy that sampled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub routing_replay: Option<bool>,
 }
 
 /// `[rl.sampling]`: how the RL loop's workers sample completions.
@@ -164,6 +169,12 @@ impl RlSection {
             e.validate(bad);
             engine::validate_with_rl(e, self.publish_every, self.max_staleness, bad);
         }
+        if self.routing_replay == Some(true) && self.engine.is_some() {
+            bad(
+                "rl.routing_replay",
+                "an external engine ([rl.engine]) does not return the experts it routed tokens through; replay needs the job's own workers to generate".into(),
+            );
+        }
         match (self.generators, &self.engine) {
             (Some(0), _) => bad(
                 "rl.generators",
@@ -223,6 +234,22 @@ mod tests {
         let mut out = Vec::new();
         rl.validate(&mut |f: &str, m: String| out.push(format!("{f}: {m}")));
         assert_eq!(out, ["rl.publish_every: must be at least 1"]);
+    }
+
+    /// Replay needs the generator's routing: an external engine has none.
+    #[test]
+    fn routing_replay_is_refused_with_an_external_engine() {
+        let rl: RlSection = toml::from_str(
+            "routing_replay = true\n[engine]\nurl = \"http://127.0.0.1:8000\"\nmodel = \"m\"\nreload = \"none\"\n",
+        )
+        .unwrap();
+        let mut out = Vec::new();
+        rl.validate(&mut |f: &str, m: String| out.push(format!("{f}: {m}")));
+        assert!(
+            out.iter()
+                .any(|p| p.starts_with("rl.routing_replay: an external engine")),
+            "{out:?}"
+        );
     }
 
     #[test]

@@ -37,6 +37,9 @@ pub struct ModelConfig {
     pub path: PathBuf,
     /// Rows of the embedding: every token id must be below it.
     pub vocab_size: u32,
+    /// A mixture-of-experts model: expert ids per token its routing
+    /// records (sparse layers × top_k); `None` for a dense model.
+    pub routing_width: Option<u32>,
 }
 
 /// Why a model config or checkpoint cannot be used.
@@ -102,15 +105,17 @@ pub fn config_path(model: &ModelSection) -> Option<(&'static str, PathBuf)> {
 /// Reads the model's config (see [`config_path`]).
 pub fn read_config(model: &ModelSection) -> Result<ModelConfig, ModelError> {
     let (field, path) = config_path(model).ok_or(ModelError::NoConfig)?;
-    let vocab_size = read_vocab_size(&path)?;
+    let (vocab_size, routing_width) = read_vocab_size(&path)?;
     Ok(ModelConfig {
         field,
         path,
         vocab_size,
+        routing_width,
     })
 }
 
-fn read_vocab_size(path: &Path) -> Result<u32, ModelError> {
+/// The config's `vocab_size` and routing width (see [`ModelConfig`]).
+fn read_vocab_size(path: &Path) -> Result<(u32, Option<u32>), ModelError> {
     let bytes = input::read(path, MAX_CONFIG_BYTES, "model config")?;
     let json: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| ModelError::Json {
         path: path.to_path_buf(),
@@ -132,11 +137,18 @@ fn read_vocab_size(path: &Path) -> Result<u32, ModelError> {
     }?;
     // The architecture, as the workers will build it: an unsupported
     // family or layer variant is refused here, naming the field.
-    accrue_arch::ModelConfig::from_json(&json).map_err(|e| ModelError::Arch {
-        path: path.to_path_buf(),
-        problem: format!("{e:#}"),
-    })?;
-    Ok(vocab)
+    let arch = accrue_arch::ModelConfig::from_json(&json)
+        .and_then(|c| c.arch())
+        .map_err(|e| ModelError::Arch {
+            path: path.to_path_buf(),
+            problem: format!("{e:#}"),
+        })?;
+    let sparse = arch.layers.iter().filter(|l| l.sparse).count();
+    let width = arch
+        .moe
+        .filter(|_| sparse > 0)
+        .map(|m| (sparse * m.top_k) as u32);
+    Ok((vocab, width))
 }
 
 /// Checks that `dir` holds usable weights and, for a checkpoint of ours,
@@ -292,6 +304,32 @@ pub(crate) mod tests {
         format!(
             r#"{{"model_type": "llama", "vocab_size": {vocab}, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}}"#
         )
+    }
+
+    /// A mixture-of-experts config's routing width (sparse layers ×
+    /// top_k), what `rl.routing_replay` needs; none for a dense model.
+    #[test]
+    fn routing_width_of_a_sparse_model() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = dir.path().join("c.json");
+        std::fs::write(&c, tiny(320)).unwrap();
+        assert_eq!(
+            read_config(&section("random", Some(&c)))
+                .unwrap()
+                .routing_width,
+            None
+        );
+        std::fs::write(
+            &c,
+            r#"{"model_type": "qwen3_moe", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4, "num_experts": 8, "num_experts_per_tok": 2, "mlp_only_layers": [1]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            read_config(&section("random", Some(&c)))
+                .unwrap()
+                .routing_width,
+            Some(4)
+        );
     }
 
     #[test]

@@ -119,6 +119,7 @@ mod tests {
         Document {
             id: DocId { file: 0, line },
             body: DocBody::Rollout(Rollout {
+                routing: Default::default(),
                 seq: Sequence::new(vec![1; 4], vec![1; 4]),
                 reward,
                 group: group.into(),

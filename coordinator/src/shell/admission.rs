@@ -71,6 +71,18 @@ pub fn admit(spec: &JobSpec, scan_data: bool) -> Result<Admitted, Vec<SpecProble
             }
         }
     };
+    if let Some(m) = model.as_ref() {
+        let replay = spec.rl.routing_replay == Some(true);
+        if replay && m.routing_width.is_none() {
+            problems.push(SpecProblem::new(
+                "rl.routing_replay",
+                format!(
+                    "the model ({}) has no experts: routing replay is for mixture-of-experts models",
+                    m.path.display()
+                ),
+            ));
+        }
+    }
     if let Some(ds) = &dataset {
         let size = DatasetSize {
             docs: ds.docs.len() as u64,

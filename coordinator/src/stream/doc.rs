@@ -412,6 +412,11 @@ pub struct Rollout {
     /// Per-token log-probs under the generating policy, aligned with
     /// `seq.input_ids`, when the generator reported them.
     pub old_logprobs: Option<Vec<f32>>,
+    /// Routing replay: the experts the generator routed each token
+    /// through, a fixed number per token aligned with `seq.input_ids`
+    /// (`accrue_proto::NO_EXPERT` for the last token, never run).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub routing: Option<Vec<u16>>,
 }
 
 /// What a document holds, by objective family.

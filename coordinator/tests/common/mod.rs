@@ -315,6 +315,7 @@ pub fn generated(g: &wire::GeneratePlan) -> wire::GenerateResult {
                 logprobs: accrue_proto::pack_f32(&vec![-0.1; ids.len()]),
                 token_ids: accrue_proto::pack_u32(&ids),
                 finish: wire::FinishReason::Stop as i32,
+                routing: Vec::new(),
             }
         })
         .collect();

@@ -283,6 +283,7 @@ pub async fn fake_generator(
                             q.sample.to_string().bytes().map(u32::from).collect();
                         ids.push(257);
                         wire::Completion {
+                            routing: Default::default(),
                             prompt_id: q.prompt_id.clone(),
                             sample: q.sample,
                             logprobs: accrue_proto::pack_f32(&vec![-0.1; ids.len()]),

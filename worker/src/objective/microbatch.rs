@@ -200,6 +200,9 @@ pub fn policy_gradient(
     let mut extra = BTreeMap::new();
     let (mut loss_sum, mut loss_tokens) = (0.0, 0u64);
     let (mut clipped, mut kl_sum) = (0.0, 0.0);
+    // Σ |trainer − sampler| log-prob over tokens with a sampler log-prob:
+    // the train/inference mismatch (routing replay closes it for MoE).
+    let (mut mismatch, mut with_old) = (0.0, false);
     for (i, s) in meta.seqs.iter().enumerate() {
         let a = s.advantage.ok_or_else(|| {
             StepError::data(format!(
@@ -248,6 +251,10 @@ pub fn policy_gradient(
                 }
                 None => None,
             };
+            if let Some(o) = old_logp {
+                mismatch += (lp[t] - o).abs();
+                with_old = true;
+            }
             let out = pg::token(
                 &TokenIn {
                     logp: lp[t],
@@ -266,6 +273,9 @@ pub fn policy_gradient(
         *extra.entry("advantage".to_string()).or_insert(0.0) += a * n_seq;
     }
     extra.insert("clip_fraction".into(), clipped);
+    if with_old {
+        extra.insert("logprob_diff".into(), mismatch);
+    }
     if live_ref.is_some() || cached_ref {
         extra.insert("kl".into(), kl_sum);
     }

@@ -150,6 +150,7 @@ fn mb(docs: &[(&str, usize)]) -> wire::Microbatch {
         });
     }
     wire::Microbatch {
+        routing: Default::default(),
         ref_logprobs: Vec::new(),
         token_ids: accrue_proto::pack_u32(&ids),
         labels: accrue_proto::pack_i32(&labels),

@@ -340,7 +340,7 @@ impl ReplicatedTrainer {
             pairs: 0,
             sequences: 0,
         };
-        self.report_aux(aux_share, &norms, &mut sums);
+        self.report_routing(aux_share, &norms, mb, &mut sums);
         Ok((sums, grads))
     }
 
@@ -392,15 +392,20 @@ impl ReplicatedTrainer {
         Ok(total)
     }
 
-    /// Adds the load-balancing loss's metric sum to `sums`.
-    fn report_aux(
+    /// Adds the load-balancing loss's and routing replay's metric sums to
+    /// `sums`.
+    fn report_routing(
         &self,
         share: Option<f64>,
         norms: &crate::batch::StepNorms,
+        mb: &PackedBatch,
         sums: &mut MicrobatchOutcome,
     ) {
         if let (Some(share), Some(spec)) = (share, self.aux_spec()) {
             let (k, v) = super::routing::aux_metric(share, &spec, norms);
+            *sums.extra.entry(k).or_insert(0.0) += v;
+        }
+        if let Some((k, v)) = super::routing::replayed_metric(mb) {
             *sums.extra.entry(k).or_insert(0.0) += v;
         }
     }

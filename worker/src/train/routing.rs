@@ -30,7 +30,7 @@
 use anyhow::Context;
 use tch::{Device, Tensor};
 
-use crate::batch::StepNorms;
+use crate::batch::{PackedBatch, StepNorms};
 use crate::collective::Collective;
 use crate::model::config::MoeSpec;
 
@@ -70,6 +70,25 @@ pub fn aux_weights(counts: &[i64], spec: &MoeSpec, device: Device) -> Option<Ten
     let scale = spec.aux_loss_coef * spec.experts as f64 / (rows * rows);
     let a: Vec<f32> = counts.iter().map(|&c| (c as f64 * scale) as f32).collect();
     Some(Tensor::from_slice(&a).to_device(device))
+}
+
+/// The metric of routing replay: tokens a microbatch trained with the
+/// generator's experts (the coordinator reports it per loss token).
+pub const REPLAYED_METRIC: &str = "routing_replayed";
+
+/// How many of `mb`'s tokens replay a routing (`None`: it carries none).
+pub fn replayed_metric(mb: &PackedBatch) -> Option<(String, f64)> {
+    let tokens = mb.tokens();
+    if mb.routing.is_empty() || tokens == 0 {
+        return None;
+    }
+    let width = mb.routing.len() / tokens;
+    let replayed = mb
+        .routing
+        .chunks(width.max(1))
+        .filter(|row| row.first().is_some_and(|&e| e >= 0))
+        .count();
+    Some((REPLAYED_METRIC.to_string(), replayed as f64))
 }
 
 /// A microbatch's share of the loss (`⟨Σ_t p_t, a⟩` summed over its

@@ -137,6 +137,7 @@ pub(super) fn rollouts(groups: usize, size: usize) -> Arc<[Document]> {
             out.push(Document {
                 id: DocId { file: 0, line },
                 body: DocBody::Rollout(crate::stream::doc::Rollout {
+                    routing: Default::default(),
                     seq: Sequence::new(
                         vec![7; 6 + (line as usize * 7) % 30],
                         vec![7; 6 + (line as usize * 7) % 30],

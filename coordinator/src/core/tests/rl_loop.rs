@@ -33,6 +33,7 @@ pub(crate) fn inputs(n: u64) -> LoopInputs {
         })
         .collect();
     LoopInputs {
+        record_routing: Default::default(),
         prompts: Arc::new(PromptSet { prompts }),
         stop_ids: vec![258],
         stop_sequences: Vec::new(),
@@ -52,6 +53,7 @@ pub(crate) fn generated(worker: WorkerId, job: JobId, generation: u64, plan: &Ro
             .requests
             .iter()
             .map(|q| GenCompletion {
+                routing: Default::default(),
                 prompt: q.prompt,
                 sample: q.sample,
                 token_ids: vec![q.prompt.line as u32 % 256, q.sample],
@@ -92,6 +94,7 @@ pub(super) fn scored_by(r: &RoundToScore, reward_of: impl Fn(u32) -> f64) -> Eve
                 .chain(c.token_ids.iter().map(|&t| t as i32))
                 .collect();
             rollouts.push(Rollout {
+                routing: Default::default(),
                 seq: Sequence::new(ids, labels),
                 reward,
                 group: format!("{}@{}", g.prompt, g.position),

@@ -18,6 +18,7 @@ pub(super) fn stream_spec(steps: &str, docs_per_step: u64, group: u32, capacity:
 pub(super) fn rollout(group: &str, reward: f64, version: u64) -> Rollout {
     let len = 6 + group.len() * 3;
     Rollout {
+        routing: Default::default(),
         seq: Sequence::new(vec![7; len], vec![7; len]),
         reward,
         group: group.into(),

@@ -165,6 +165,8 @@ pub fn parse_completions(
             }
         };
         *slot = Some(GenCompletion {
+            // An engine returns no routing (rl.routing_replay refuses it).
+            routing: Vec::new(),
             prompt,
             sample: index as u32,
             token_ids,
@@ -276,6 +278,7 @@ mod tests {
             round: 3,
             group: 2,
             plan: RoundPlan {
+                record_routing: Default::default(),
                 round: 3,
                 policy_version: 4,
                 sampling: Arc::new(SamplingSection {

@@ -96,6 +96,7 @@ impl Scorer {
             stop_ids: vec![enc.eos_id],
             stop_sequences,
             eval: eval.clone(),
+            record_routing: spec.rl.routing_replay == Some(true),
         };
         let by_id = prompts
             .prompts
@@ -198,6 +199,14 @@ impl Scorer {
             }
             let mut old = vec![0.0f32; p.ids.len()];
             old.extend(&c.logprobs);
+            let routing =
+                replay_rows(&c.routing, p.ids.len(), c.token_ids.len()).map_err(|message| {
+                    LoopError::Round {
+                        round: r.round,
+                        prompt: g.prompt,
+                        message: format!("sample {}: routing: {message}", c.sample),
+                    }
+                })?;
             rollouts.push(Rollout {
                 seq: join(p.ids.clone(), c.token_ids.clone()),
                 reward: sc.reward,
@@ -206,11 +215,56 @@ impl Scorer {
                 group: format!("{}@{}", g.prompt, g.position),
                 policy_version: r.policy_version,
                 old_logprobs: Some(old),
+                routing,
             });
         }
         Ok((rollouts, stats))
     }
 }
 
+/// A completion's routing as its rollout keeps it: aligned with the
+/// rollout's tokens (`prompt + completion`), the last one — never run —
+/// left to the router; `None` without routing.
+fn replay_rows(
+    routing: &[u16],
+    prompt: usize,
+    completion: usize,
+) -> Result<Option<Vec<u16>>, String> {
+    if routing.is_empty() {
+        return Ok(None);
+    }
+    let ran = prompt + completion - 1;
+    if ran == 0 || !routing.len().is_multiple_of(ran) {
+        return Err(format!(
+            "{} expert ids for the {ran} tokens the generator ran (the same number for each)",
+            routing.len()
+        ));
+    }
+    let width = routing.len() / ran;
+    let mut rows = routing.to_vec();
+    rows.extend(std::iter::repeat_n(accrue_proto::NO_EXPERT, width));
+    Ok(Some(rows))
+}
+
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod replay_tests {
+    use super::replay_rows;
+
+    /// A completion's routing covers the tokens the generator ran; the
+    /// rollout's gets a router-decided row for the last token.
+    #[test]
+    fn routing_rows_cover_every_token() {
+        assert_eq!(replay_rows(&[], 3, 2), Ok(None));
+        // 3 prompt + 2 completion tokens: 4 ran, 2 ids each.
+        let r: Vec<u16> = (0..8).collect();
+        let rows = replay_rows(&r, 3, 2).unwrap().unwrap();
+        assert_eq!(rows.len(), 10);
+        assert_eq!(&rows[..8], &r[..]);
+        assert_eq!(&rows[8..], [accrue_proto::NO_EXPERT; 2]);
+        let e = replay_rows(&r[..7], 3, 2).unwrap_err();
+        assert!(e.contains("7 expert ids for the 4 tokens"), "{e}");
+    }
+}

@@ -44,6 +44,7 @@ fn completion(prompt: DocId, sample: u32, text: &str) -> GenCompletion {
     let mut token_ids: Vec<u32> = text.bytes().map(u32::from).collect();
     token_ids.push(257); // the byte tokenizer's EOS
     GenCompletion {
+        routing: Default::default(),
         prompt,
         sample,
         logprobs: (0..token_ids.len()).map(|i| -(i as f32) - 1.0).collect(),

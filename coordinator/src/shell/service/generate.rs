@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use accrue_proto::{pack_u32, unpack_f32, unpack_u32, v1 as wire};
+use accrue_proto::{pack_u32, unpack_f32, unpack_u16, unpack_u32, v1 as wire};
 use tonic::Status;
 use tracing::{error, info};
 
@@ -32,6 +32,7 @@ pub fn generate_plan(job: &str, generation: u64, rank: u32, p: &RoundPlan) -> wi
             stop_ids: p.stop_ids.to_vec(),
             stop_sequences: p.stop_sequences.iter().map(|q| pack_u32(q)).collect(),
             max_batch: s.max_batch,
+            record_routing: p.record_routing,
         }),
         requests: p
             .requests
@@ -72,6 +73,7 @@ pub fn generate_result(worker: &str, g: wire::GenerateResult) -> Result<Event, S
             if let Some(j) = logprobs.iter().position(|x| !x.is_finite()) {
                 return Err(bad("logprobs", format!("[{j}] is not finite")));
             }
+            let routing = unpack_u16(&c.routing).map_err(|e| bad("routing", e.to_string()))?;
             let finish = match wire::FinishReason::try_from(c.finish) {
                 Ok(wire::FinishReason::Stop) => Finish::Stop,
                 Ok(wire::FinishReason::Length) => Finish::Length,
@@ -88,6 +90,7 @@ pub fn generate_result(worker: &str, g: wire::GenerateResult) -> Result<Event, S
                 token_ids,
                 logprobs,
                 finish,
+                routing,
             })
         })
         .collect::<Result<Vec<_>, Status>>()?;

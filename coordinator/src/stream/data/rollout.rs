@@ -81,6 +81,7 @@ pub fn rollout_row(enc: &Encoder, row: &Json) -> RowResult<Rollout> {
     let old_logprobs = logprobs(obj, prompt.len(), completion.len())?;
     let seq = require_loss(format::join(prompt, completion), "the rollout")?;
     Ok(Rollout {
+        routing: None,
         seq,
         reward,
         group,

@@ -87,6 +87,9 @@ impl FsdpTrainer {
             let (k, v) = routing::aux_metric(a.double_value(&[]), &spec, &norms);
             *sums.extra.entry(k).or_insert(0.0) += v;
         }
+        if let Some((k, v)) = routing::replayed_metric(mb) {
+            *sums.extra.entry(k).or_insert(0.0) += v;
+        }
         self.backward(prep.as_ref(), &saved, grad_x)?;
         Ok(sums)
     }

@@ -85,7 +85,7 @@ impl ReplicatedTrainer {
         sums.loss_tokens = out.loss_tokens;
         sums.pairs = out.pairs;
         sums.extra = out.extra;
-        self.report_aux(aux_share, norms, &mut sums);
+        self.report_routing(aux_share, norms, mb, &mut sums);
         Ok((sums, grads))
     }
 

@@ -358,6 +358,7 @@ fn step_plan(msg: &ToWorker) -> wire::StepPlan {
                     old_logprobs: pack_f32(&mb.old_logprobs()),
                     ref_logprobs: pack_f32(&mb.ref_logprobs()),
                     source: mb.source,
+                    routing: accrue_proto::pack_u16(&mb.routing()),
                 }
             })
             .collect(),

@@ -201,6 +201,7 @@ impl TokenStore {
                 group: x.group.clone(),
                 policy_version: x.policy_version,
                 old_logprobs: x.old_logprobs.clone(),
+                routing: None,
             });
         }
         match d.rows {
