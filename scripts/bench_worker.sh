@@ -3,7 +3,7 @@
 #  (a) tokens/s of a training step, accrue's Trainer (both packed-attention
 #      implementations) vs HF LlamaForCausalLM eager (packed via position_ids,
 #      and a per-document loop), same config and tokens, and the ratio;
-#      ACCRUE_BENCH_FAMILY=qwen3|olmo2 for another family, ACCRUE_BENCH_LARGE=1
+#      ACCRUE_BENCH_FAMILY=qwen3|olmo2|qwen3_moe for another family, ACCRUE_BENCH_LARGE=1
 #      for a ~135M-parameter shape (SmolLM2-135M's), ACCRUE_BENCH_PROFILE=dev
 #      for the dev build the README's first command makes;
 #  (b) peak memory of the chunked vs naive LM head + cross-entropy at

@@ -34,13 +34,18 @@ if os.environ.get("ACCRUE_BENCH_LARGE") == "1":
     CONFIG = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                   num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=4096,
                   rms_norm_eps=1e-5, tie_word_embeddings=True)
-# ACCRUE_BENCH_FAMILY: llama (default), qwen3 (per-head q/k norm, head_dim 64)
-# or gemma3 (the same shape as gemma3_text, all global layers).
+# ACCRUE_BENCH_FAMILY: llama (default), qwen3 (per-head q/k norm, head_dim 64),
+# olmo2, or qwen3_moe (Qwen3 attention, sparse MLPs on every layer).
 FAMILY = os.environ.get("ACCRUE_BENCH_FAMILY", "llama")
 FAMILY_EXTRA = {
     "llama": ("llama", "LlamaForCausalLM", {"hidden_act": "silu"}),
     "qwen3": ("qwen3", "Qwen3ForCausalLM", {"hidden_act": "silu", "head_dim": 64}),
     "olmo2": ("olmo2", "Olmo2ForCausalLM", {"hidden_act": "silu"}),
+    # Every layer sparse: 8 experts of 384, top 2 (the 135M shape: ~214M
+    # parameters, ~70M active per token).
+    "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM",
+                  {"hidden_act": "silu", "head_dim": 64, "num_experts": 8, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 384, "norm_topk_prob": True}),
 }
 if FAMILY not in FAMILY_EXTRA:
     raise SystemExit(f"ACCRUE_BENCH_FAMILY: {FAMILY} (one of {sorted(FAMILY_EXTRA)})")
