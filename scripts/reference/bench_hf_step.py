@@ -42,7 +42,7 @@ FAMILY_EXTRA = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM", {"hidden_act": "silu", "head_dim": 64}),
     "olmo2": ("olmo2", "Olmo2ForCausalLM", {"hidden_act": "silu"}),
     # Every layer sparse: 8 experts of 384, top 2 (the 135M shape: ~214M
-    # parameters, ~70M active per token).
+    # parameters, ~95M active per token).
     "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM",
                   {"hidden_act": "silu", "head_dim": 64, "num_experts": 8, "num_experts_per_tok": 2,
                    "moe_intermediate_size": 384, "norm_topk_prob": True}),

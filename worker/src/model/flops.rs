@@ -6,7 +6,9 @@
 //! softmax) is not counted. Per microbatch:
 //!
 //! - decoder matmuls: `6 · N_layer · tokens`, with `N_layer` the q/k/v/o and
-//!   gate/up/down weights of every layer (GQA shrinks k/v);
+//!   gate/up/down weights of every layer (GQA shrinks k/v); a sparse
+//!   (mixture-of-experts) layer counts the weights a token goes through:
+//!   its `top_k` experts and the router;
 //! - LM head: `6 · V · H · head_rows`, only the rows that have a target go
 //!   through the head (see `loss`);
 //! - attention scores and the weighted sum of values: causal and per
@@ -17,13 +19,35 @@
 
 use super::config::ModelConfig;
 
-/// Weights of one decoder layer that go through matmuls.
+/// Weights of one dense decoder layer that go through matmuls.
 pub fn layer_matmul_params(cfg: &ModelConfig) -> f64 {
     let h = cfg.hidden_size as f64;
     let q = (cfg.num_attention_heads * cfg.head_dim()) as f64;
     let kv = (cfg.kv_heads() * cfg.head_dim()) as f64;
     let i = cfg.intermediate_size as f64;
     h * q + 2.0 * h * kv + q * h + 3.0 * h * i
+}
+
+/// Weights every token goes through in matmuls, over all the decoder's
+/// layers (a sparse layer: its `top_k` experts and the router, not every
+/// expert).
+pub fn decoder_matmul_params(cfg: &ModelConfig) -> f64 {
+    let dense = layer_matmul_params(cfg);
+    let Ok(arch) = cfg.arch() else {
+        return cfg.num_hidden_layers as f64 * dense;
+    };
+    let h = cfg.hidden_size as f64;
+    let mlp = 3.0 * h * cfg.intermediate_size as f64;
+    arch.layers
+        .iter()
+        .map(|l| match arch.moe {
+            Some(m) if l.sparse => {
+                let experts = 3.0 * h * (m.intermediate * m.top_k) as f64;
+                dense - mlp + experts + h * m.experts as f64
+            }
+            _ => dense,
+        })
+        .sum()
 }
 
 /// Training FLOPs (forward + backward) of one packed microbatch with
@@ -40,7 +64,7 @@ pub fn training_flops(cfg: &ModelConfig, cu_seq_lens: &[i64], head_rows: u64) ->
             l * (l + 1.0)
         })
         .sum();
-    let dense = 6.0 * layers * layer_matmul_params(cfg) * tokens;
+    let dense = 6.0 * decoder_matmul_params(cfg) * tokens;
     let head = 6.0 * (cfg.vocab_size * cfg.hidden_size) as f64 * head_rows as f64;
     let attention = 6.0 * layers * d * pairs2;
     dense + head + attention
@@ -73,5 +97,20 @@ mod tests {
         // costs more than 3 + 1.
         assert!(training_flops(&c, &[0, 4], 2) > f);
         assert_eq!(training_flops(&c, &[0], 0), 0.0);
+    }
+
+    /// A sparse layer counts the experts a token goes through (top_k of
+    /// them) and the router, not all of them.
+    #[test]
+    fn a_sparse_layer_counts_its_active_experts() {
+        let c: ModelConfig = serde_json::from_value(serde_json::json!({
+            "model_type": "qwen3_moe", "vocab_size": 100, "hidden_size": 8,
+            "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "num_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 4, "mlp_only_layers": [0],
+        }))
+        .unwrap();
+        // Layer 0 dense (576); layer 1: attention 192, experts 2·3·8·4, router 8·4.
+        assert_eq!(decoder_matmul_params(&c), 576.0 + 192.0 + 192.0 + 32.0);
     }
 }
