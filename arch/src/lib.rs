@@ -12,7 +12,7 @@
 //! | `qwen3` | + per-head q/k RMSNorm before RoPE, `head_dim` apart from `hidden_size` |
 //! | `qwen3_moe` | Qwen3's attention; a sparse MLP (softmax top-k router, `norm_topk_prob`, experts) on the layers `decoder_sparse_step`/`mlp_only_layers` pick ([`MoeSpec`]) |
 //! | `olmo2` | post-norm blocks (norm of the attention and MLP outputs), q/k RMSNorm over the whole projection |
-//! | `gemma3_text` | norms before and after attention and MLP, `(1 + w)` RMSNorm in float32, per-head q/k norm, embeddings × √hidden, GELU-tanh, `query_pre_attn_scalar`, sliding and global layers (`layer_types`) with their own RoPE bases |
+//! | `gemma3_text` | norms before and after attention and MLP, `(1 + w)` RMSNorm in float32, per-head q/k norm, embeddings × √hidden, GELU-tanh, `query_pre_attn_scalar`, sliding and global layers (`layer_types`) with their own RoPE bases, `final_logit_softcapping` where set |
 //!
 //! Unknown fields are ignored on purpose (configs carry many generation
 //! and tokenizer fields); the raw JSON is kept so a checkpoint writes back
@@ -247,6 +247,8 @@ pub struct Arch {
     pub ropes: Vec<RopeSpec>,
     /// The sparse layers' MLP (Qwen3-MoE).
     pub moe: Option<MoeSpec>,
+    /// Gemma's `final_logit_softcapping`: logits become `c·tanh(z/c)`.
+    pub final_softcap: Option<f64>,
 }
 
 const PRE_NORM: BlockNorms = BlockNorms {
@@ -345,10 +347,21 @@ impl ModelConfig {
             ("final_logit_softcapping", self.final_logit_softcapping),
             ("attn_logit_softcapping", self.attn_logit_softcapping),
         ] {
-            if let Some(v) = v {
-                problems.push(format!(
-                    "{field}: {v} is not supported (soft-capping is not implemented; Gemma 3 configs set it to null)"
-                ));
+            match v {
+                Some(v) if !(v.is_finite() && v > 0.0) => {
+                    problems.push(format!("{field}: {v} must be a positive number (or null)"))
+                }
+                Some(_) if family.is_some_and(|f| f != Family::Gemma3) => problems.push(format!(
+                    "{field}: soft-capping is Gemma's; {} does not take it",
+                    self.model_type
+                )),
+                // transformers' Gemma 3 attention takes no soft-cap: the
+                // field would change nothing there, so a model trained
+                // with it here would not be the model transformers runs.
+                Some(v) if field == "attn_logit_softcapping" => problems.push(format!(
+                    "{field}: {v} is ignored by transformers' Gemma 3 (its attention has no soft-cap; Gemma 3 uses q/k norms instead): set it to null"
+                )),
+                _ => {}
             }
         }
         if self.use_bidirectional_attention == Some(true) {
@@ -473,6 +486,7 @@ impl ModelConfig {
             layers,
             ropes,
             moe,
+            final_softcap: self.final_logit_softcapping.filter(|_| gemma),
         })
     }
 
@@ -684,9 +698,25 @@ mod tests {
                 .contains("rope_type yarn")
         );
         assert!(
-            e(json!({"model_type": "gemma3_text", "final_logit_softcapping": 30.0}))
-                .contains("final_logit_softcapping")
+            e(json!({"model_type": "llama", "final_logit_softcapping": 30.0}))
+                .contains("final_logit_softcapping: soft-capping is Gemma's")
         );
+        assert!(
+            e(json!({"model_type": "gemma3_text", "attn_logit_softcapping": -1.0}))
+                .contains("attn_logit_softcapping: -1 must be a positive number")
+        );
+        assert!(
+            e(json!({"model_type": "gemma3_text", "attn_logit_softcapping": 50.0}))
+                .contains("ignored by transformers' Gemma 3")
+        );
+        let g = cfg(
+            json!({"model_type": "gemma3_text", "final_logit_softcapping": 30.0,
+            "sliding_window": 4}),
+        )
+        .unwrap()
+        .arch()
+        .unwrap();
+        assert_eq!(g.final_softcap, Some(30.0));
         assert!(e(json!({"hidden_act": "gelu"})).contains("hidden_act: gelu"));
         assert!(e(
             json!({"model_type": "qwen2", "use_sliding_window": true, "max_window_layers": 2})

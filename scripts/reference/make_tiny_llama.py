@@ -3,7 +3,7 @@ saves it with save_pretrained, and writes per-document logits, summed NLL
 (HF label semantics) and the gradients of (sum of NLL over documents) /
 (total loss tokens), each document run separately through transformers.
 
-usage: make_tiny_llama.py OUT_DIR [--variant llama|qwen2|tied|sharded|qwen3|qwen3_moe|qwen3_moe_aux|olmo2|mistral|gemma3] [--seed N]
+usage: make_tiny_llama.py OUT_DIR [--variant llama|qwen2|tied|sharded|qwen3|qwen3_moe|qwen3_moe_aux|olmo2|mistral|gemma3|gemma3_softcap] [--seed N]
 (`sharded`: the llama variant saved as several model-0000i-of-0000n.safetensors
 files plus model.safetensors.index.json; `qwen3_moe_aux`: Qwen3-MoE with the
 load-balancing loss on (`output_router_logits`), whose gradients are those
@@ -58,6 +58,16 @@ def build(variant, seed):
     elif variant == "qwen3":
         cfg = transformers.Qwen3Config(tie_word_embeddings=False, head_dim=24, **common)
         model = transformers.Qwen3ForCausalLM(cfg)
+    elif variant == "gemma3_softcap":
+        # The final-logit soft-cap configured (Gemma 3 releases leave it
+        # null), small enough to bend every logit. (transformers' Gemma 3
+        # attention takes no soft-cap, so attn_logit_softcapping is not set.)
+        cfg = transformers.Gemma3TextConfig(
+            head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            final_logit_softcapping=1.0, attn_logit_softcapping=None,
+            pad_token_id=0, **common)
+        model = transformers.Gemma3ForCausalLM(cfg)
     elif variant in ("qwen3_moe", "qwen3_moe_aux"):
         # Layer 0 dense (mlp_only_layers), layer 1 sparse: both kinds checked.
         cfg = transformers.Qwen3MoeConfig(
@@ -81,7 +91,7 @@ def build(variant, seed):
         model = transformers.Gemma3ForCausalLM(cfg)
     else:
         raise SystemExit(f"unknown variant {variant}")
-    if variant in ("qwen3", "qwen3_moe", "qwen3_moe_aux", "olmo2", "mistral", "gemma3"):
+    if variant in ("qwen3", "qwen3_moe", "qwen3_moe_aux", "olmo2", "mistral", "gemma3", "gemma3_softcap"):
         with torch.no_grad():  # norms away from their init so each is checked
             for name, p in model.named_parameters():
                 if "norm" in name:

@@ -158,8 +158,8 @@ fn bench_profile_step() {
         );
         mark(0, &mut lap);
         let head = model.lm_head_weight();
-        let out =
-            loss::chunked_nll(&fwd.hidden, head, &targets, chunk, 1.0 / total as f64).unwrap();
+        let out = loss::chunked_nll(&fwd.hidden, head, &targets, chunk, 1.0 / total as f64, None)
+            .unwrap();
         mark(1, &mut lap);
         t.backward(fwd, &out.grad_hidden, &out.grad_weight).unwrap();
         mark(2, &mut lap);
@@ -209,7 +209,8 @@ fn loss_memory(chunked: bool) {
     let (base, _) = rss();
     let start = Instant::now();
     let loss_sum = if chunked {
-        let out = loss::chunked_nll(&hidden, &weight, &targets, chunk, 1.0 / t as f64).unwrap();
+        let out =
+            loss::chunked_nll(&hidden, &weight, &targets, chunk, 1.0 / t as f64, None).unwrap();
         loss::backward_into_model(&hidden, &weight, &out);
         out.loss_sum
     } else {

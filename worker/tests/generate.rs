@@ -141,7 +141,7 @@ fn returned_logprobs_equal_a_training_forward() {
     let targets = accrue_worker::model::loss::shifted_targets(&b.labels, &b.cu_seq_lens);
     let lp = tch::no_grad(|| {
         let hidden = model.hidden(&b.input_ids, &b.cu_seq_lens);
-        token_logps(&hidden, model.lm_head_weight(), &targets, 64).unwrap()
+        token_logps(&hidden, model.lm_head_weight(), &targets, 64, None).unwrap()
     });
     let train: Vec<f64> = lp
         .iter()
@@ -656,4 +656,11 @@ fn bench_shared_prompt_prefill() {
 #[test]
 fn greedy_equals_transformers_generate_qwen3_moe() {
     greedy_equals_generate("qwen3_moe");
+}
+
+/// Gemma 3 with the final-logit soft-cap: generation's logits are capped
+/// as transformers caps them.
+#[test]
+fn greedy_equals_transformers_generate_gemma3_soft_capping() {
+    greedy_equals_generate("gemma3_softcap");
 }

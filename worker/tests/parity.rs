@@ -153,3 +153,10 @@ fn parity_gemma3_text() {
 fn parity_qwen3_moe() {
     check_parity("qwen3_moe");
 }
+
+/// Gemma 3 with the final-logit soft-cap configured (1: every logit
+/// bent), through the chunked loss's hand-written gradient.
+#[test]
+fn parity_gemma3_soft_capping() {
+    check_parity("gemma3_softcap");
+}

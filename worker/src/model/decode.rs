@@ -335,11 +335,14 @@ impl Llama {
         Ok(self.head_logits(&x))
     }
 
-    /// Final norm and LM head of hidden states `[N, H]`, float32.
+    /// Final norm and LM head of hidden states `[N, H]`, float32
+    /// (soft-capped where the model caps them).
     fn head_logits(&self, x: &Tensor) -> Tensor {
-        self.norm
+        let z = self
+            .norm
             .forward(x)
             .matmul(&self.lm_head_weight().tr())
-            .to_kind(Kind::Float)
+            .to_kind(Kind::Float);
+        super::loss::cap_logits(z, self.arch.final_softcap)
     }
 }

@@ -326,7 +326,8 @@ impl Llama {
     /// trainer never materialises them, see `loss`).
     pub fn logits(&self, input_ids: &[i64], cu_seq_lens: &[i64]) -> Tensor {
         let h = self.hidden(input_ids, cu_seq_lens);
-        h.matmul(&self.lm_head_weight().tr()).to_kind(Kind::Float)
+        let z = h.matmul(&self.lm_head_weight().tr()).to_kind(Kind::Float);
+        super::loss::cap_logits(z, self.arch.final_softcap)
     }
 }
 

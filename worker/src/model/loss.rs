@@ -21,6 +21,10 @@
 //! whose gradient is exactly `(g_h, g_W)` — this also handles a head tied to
 //! the embedding. A chunk whose loss is not finite stops before anything
 //! reaches the model's parameters.
+//!
+//! A soft-capped head (Gemma's `final_logit_softcapping`: `c·tanh(z/c)`)
+//! caps the logits in the buffer, keeps `tanh(z/c)`, and multiplies the
+//! gradient by its derivative `1 − tanh²(z/c)` before the two matmuls.
 
 use anyhow::bail;
 use tch::{Kind, Tensor};
@@ -92,11 +96,21 @@ pub fn chunked_nll(
     targets: &[i64],
     chunk_tokens: usize,
     scale: f64,
+    softcap: Option<f64>,
 ) -> anyhow::Result<ChunkedLoss> {
     if chunk_tokens == 0 {
         bail!("loss_chunk_tokens must be positive");
     }
-    tch::no_grad(|| chunked_nll_untaped(hidden, weight, targets, chunk_tokens, scale))
+    tch::no_grad(|| chunked_nll_untaped(hidden, weight, targets, chunk_tokens, scale, softcap))
+}
+
+/// Logits soft-capped as `cap · tanh(z / cap)` (Gemma's
+/// `final_logit_softcapping`), or as they are.
+pub fn cap_logits(z: Tensor, softcap: Option<f64>) -> Tensor {
+    match softcap {
+        Some(c) => (z / c).tanh() * c,
+        None => z,
+    }
 }
 
 fn chunked_nll_untaped(
@@ -105,6 +119,7 @@ fn chunked_nll_untaped(
     targets: &[i64],
     chunk_tokens: usize,
     scale: f64,
+    softcap: Option<f64>,
 ) -> anyhow::Result<ChunkedLoss> {
     let device = hidden.device();
     let kind = hidden.kind();
@@ -138,6 +153,12 @@ fn chunked_nll_untaped(
         } else {
             z.shallow_clone().copy_(&h_c.mm(&w.tr()));
         }
+        // Soft-capped: z ← c·tanh(z/c), keeping tanh for the gradient.
+        let tanh = softcap.map(|c| {
+            let t = (&z / c).tanh();
+            z.shallow_clone().copy_(&(&t * c));
+            t
+        });
         // In place: each row is fully read (max, Σexp) before it is written.
         let _ = z.internal_log_softmax_out(&z, 1, false);
         let nll = z.gather(1, &tgt, false).sum(Kind::Double).neg();
@@ -148,6 +169,10 @@ fn chunked_nll_untaped(
         let _ = z.shallow_clone().exp_();
         let minus_one = Tensor::full([c, 1], -1.0, (Kind::Float, device));
         let _ = z.shallow_clone().scatter_add_(1, &tgt, &minus_one);
+        if let Some(t) = tanh {
+            // ∂/∂z_raw = ∂/∂z_capped · (1 − tanh²).
+            let _ = z.shallow_clone().g_mul_(&(t.square().neg() + 1.0));
+        }
         let g = if kind == Kind::Float {
             z.shallow_clone()
         } else {

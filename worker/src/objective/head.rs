@@ -13,7 +13,7 @@
 use anyhow::bail;
 use tch::{Kind, Reduction, Tensor};
 
-use crate::model::loss::{target_rows, ChunkedLoss, NonFiniteLoss};
+use crate::model::loss::{cap_logits, target_rows, ChunkedLoss, NonFiniteLoss};
 
 /// The log-prob of every row's target (`0.0` where the row has none), in
 /// chunks of `chunk_tokens` target rows, without autograd.
@@ -22,6 +22,7 @@ pub fn token_logps(
     weight: &Tensor,
     targets: &[i64],
     chunk_tokens: usize,
+    softcap: Option<f64>,
 ) -> anyhow::Result<Vec<f64>> {
     if chunk_tokens == 0 {
         bail!("loss_chunk_tokens must be positive");
@@ -38,7 +39,7 @@ pub fn token_logps(
                 .index_select(0, &idx)
                 .matmul(&weight.tr())
                 .to_kind(Kind::Float);
-            let lp = logits
+            let lp = cap_logits(logits, softcap)
                 .log_softmax(-1, Kind::Float)
                 .gather(1, &tgt, false)
                 .squeeze_dim(1)
@@ -130,6 +131,7 @@ pub fn weighted_nll(
     targets: &[i64],
     weights: &[f64],
     chunk_tokens: usize,
+    softcap: Option<f64>,
 ) -> anyhow::Result<ChunkedLoss> {
     if chunk_tokens == 0 {
         bail!("loss_chunk_tokens must be positive");
@@ -153,6 +155,7 @@ pub fn weighted_nll(
         let wt: Vec<f32> = chunk.iter().map(|&r| weights[r as usize] as f32).collect();
         let wt = Tensor::from_slice(&wt).to_device(device);
         let logits = h.index_select(0, &idx).matmul(&w.tr()).to_kind(Kind::Float);
+        let logits = cap_logits(logits, softcap);
         let nll = logits.cross_entropy_loss::<Tensor>(&tgt, None, Reduction::None, -100, 0.0);
         let loss = (nll * wt).sum(Kind::Float);
         let value = f64::try_from(&loss)?;
@@ -211,7 +214,7 @@ mod tests {
         let (h, w, targets) = setup();
         let full = h.matmul(&w.tr()).log_softmax(-1, Kind::Double);
         for chunk in [1, 2, 5, 100] {
-            let lp = token_logps(&h, &w, &targets, chunk).unwrap();
+            let lp = token_logps(&h, &w, &targets, chunk, None).unwrap();
             for (t, &tg) in targets.iter().enumerate() {
                 let want = if tg == -100 {
                     0.0
@@ -222,7 +225,7 @@ mod tests {
             }
         }
         let sums = sequence_sums(
-            &token_logps(&h, &w, &targets, 3).unwrap(),
+            &token_logps(&h, &w, &targets, 3, None).unwrap(),
             &targets,
             &[0, 4, 9],
         );
@@ -235,9 +238,9 @@ mod tests {
     fn uniform_weights_reproduce_the_sft_loss() {
         let (h, w, targets) = setup();
         let scale = 0.25;
-        let sft = loss::chunked_nll(&h, &w, &targets, 3, scale).unwrap();
+        let sft = loss::chunked_nll(&h, &w, &targets, 3, scale, None).unwrap();
         let ws = vec![scale; targets.len()];
-        let weighted = weighted_nll(&h, &w, &targets, &ws, 2).unwrap();
+        let weighted = weighted_nll(&h, &w, &targets, &ws, 2, None).unwrap();
         assert!((weighted.loss_sum - scale * sft.loss_sum).abs() < 1e-4);
         let d = (&weighted.grad_hidden - &sft.grad_hidden).abs().max();
         assert!(d.double_value(&[]) < 1e-6);

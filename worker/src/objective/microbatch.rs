@@ -44,6 +44,7 @@ pub fn dpo(
     pairs_total: u64,
     chunk_tokens: usize,
     live_ref: Option<&[f64]>,
+    softcap: Option<f64>,
 ) -> anyhow::Result<ObjectiveOut> {
     let targets = loss::shifted_targets(&batch.labels, &batch.cu_seq_lens);
     let docs = batch.documents();
@@ -58,7 +59,7 @@ pub fn dpo(
             "the step's pair count is 0 but this microbatch holds pairs",
         ));
     }
-    let lp = head::token_logps(hidden, weight, &targets, chunk_tokens)?;
+    let lp = head::token_logps(hidden, weight, &targets, chunk_tokens, softcap)?;
     let sums = head::sequence_sums(&lp, &targets, &batch.cu_seq_lens);
     let ref_sums = live_ref.map(|r| head::sequence_sums(r, &targets, &batch.cu_seq_lens));
     let ref_of = |i: usize| -> anyhow::Result<f64> {
@@ -142,7 +143,7 @@ pub fn dpo(
         add("logps/chosen", out.logp_chosen);
         add("logps/rejected", out.logp_rejected);
     }
-    let grads = head::weighted_nll(hidden, weight, &targets, &weights, chunk_tokens)?;
+    let grads = head::weighted_nll(hidden, weight, &targets, &weights, chunk_tokens, softcap)?;
     Ok(ObjectiveOut {
         grads,
         loss_sum,
@@ -168,6 +169,7 @@ pub fn policy_gradient(
     norms: &StepNorms,
     chunk_tokens: usize,
     live_ref: Option<&[f64]>,
+    softcap: Option<f64>,
 ) -> anyhow::Result<ObjectiveOut> {
     let targets = loss::shifted_targets(&batch.labels, &batch.cu_seq_lens);
     let docs = batch.documents();
@@ -195,7 +197,7 @@ pub fn policy_gradient(
             "kl_coef > 0 with a cached reference, but the plan carries no ref_logprobs",
         ));
     }
-    let lp = head::token_logps(hidden, weight, &targets, chunk_tokens)?;
+    let lp = head::token_logps(hidden, weight, &targets, chunk_tokens, softcap)?;
     let mut weights = vec![0.0; targets.len()];
     let mut extra = BTreeMap::new();
     let (mut loss_sum, mut loss_tokens) = (0.0, 0u64);
@@ -279,7 +281,7 @@ pub fn policy_gradient(
     if live_ref.is_some() || cached_ref {
         extra.insert("kl".into(), kl_sum);
     }
-    let grads = head::weighted_nll(hidden, weight, &targets, &weights, chunk_tokens)?;
+    let grads = head::weighted_nll(hidden, weight, &targets, &weights, chunk_tokens, softcap)?;
     Ok(ObjectiveOut {
         grads,
         loss_sum,
@@ -302,6 +304,7 @@ pub fn objective(
     norms: &StepNorms,
     chunk_tokens: usize,
     live_ref: Option<&[f64]>,
+    softcap: Option<f64>,
 ) -> anyhow::Result<ObjectiveOut> {
     match objective {
         Objective::Dpo { params, .. } => dpo(
@@ -313,6 +316,7 @@ pub fn objective(
             norms.pairs,
             chunk_tokens,
             live_ref,
+            softcap,
         ),
         Objective::Pg { params, norm, .. } => policy_gradient(
             hidden,
@@ -324,6 +328,7 @@ pub fn objective(
             norms,
             chunk_tokens,
             live_ref,
+            softcap,
         ),
         Objective::Sft => bail!("the sft objective has no log-prob head"),
     }

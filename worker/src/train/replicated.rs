@@ -324,6 +324,7 @@ impl ReplicatedTrainer {
             &targets,
             self.loss_chunk_tokens,
             1.0 / global_loss_tokens as f64,
+            net.arch.final_softcap,
         )
         .with_context(|| format!("microbatch {index}"))?;
         let grads = net.backward_train(

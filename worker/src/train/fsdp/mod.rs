@@ -112,6 +112,8 @@ pub struct FsdpTrainer {
     pub attention: PackedAttention,
     /// Qwen3-MoE's sparse MLP.
     moe: Option<MoeSpec>,
+    /// Gemma's final-logit soft-cap.
+    final_softcap: Option<f64>,
     /// The step's load-balancing weights (`train::routing`), from
     /// `begin_step` to the optimizer step.
     step_aux: Option<Tensor>,
@@ -235,6 +237,7 @@ impl FsdpTrainer {
             restored: restore.is_some(),
             attention: PackedAttention::default(),
             moe: arch.moe,
+            final_softcap: arch.final_softcap,
             step_aux: None,
         })
     }

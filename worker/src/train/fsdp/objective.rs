@@ -202,7 +202,13 @@ impl FsdpTrainer {
         self.norm.weight = norm_w;
         let hidden = tch::no_grad(|| self.norm.forward(x));
         self.norm.weight = Tensor::empty([0], (self.kind, self.device));
-        let lp = head::token_logps(&hidden, &head_w, &p.targets, self.loss_chunk_tokens)?;
+        let lp = head::token_logps(
+            &hidden,
+            &head_w,
+            &p.targets,
+            self.loss_chunk_tokens,
+            self.final_softcap,
+        )?;
         Ok(Some(lp))
     }
 }

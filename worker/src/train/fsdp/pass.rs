@@ -54,6 +54,7 @@ impl<'a> ObjectiveIn<'a> {
         hidden: &Tensor,
         head_w: &Tensor,
         chunk: usize,
+        softcap: Option<f64>,
     ) -> anyhow::Result<ObjectiveOut> {
         microbatch::objective(
             &self.objective,
@@ -64,6 +65,7 @@ impl<'a> ObjectiveIn<'a> {
             self.norms,
             chunk,
             None,
+            softcap,
         )
     }
 }
@@ -316,14 +318,17 @@ impl FsdpTrainer {
                 &p.targets,
                 self.loss_chunk_tokens,
                 p.scale,
+                self.final_softcap,
             )
             .map(|c| (c, 0, BTreeMap::new())),
-            Some(o) => o.run(&hidden, &head_w, self.loss_chunk_tokens).map(|out| {
-                let mut c = out.grads;
-                // The objective's own sums, not Σ w·nll.
-                (c.loss_sum, c.loss_tokens) = (out.loss_sum, out.loss_tokens);
-                (c, out.pairs, out.extra)
-            }),
+            Some(o) => o
+                .run(&hidden, &head_w, self.loss_chunk_tokens, self.final_softcap)
+                .map(|out| {
+                    let mut c = out.grads;
+                    // The objective's own sums, not Σ w·nll.
+                    (c.loss_sum, c.loss_tokens) = (out.loss_sum, out.loss_tokens);
+                    (c, out.pairs, out.extra)
+                }),
         }
         .with_context(|| format!("microbatch {index}"))?;
         if !chunked.grad_hidden.defined() {

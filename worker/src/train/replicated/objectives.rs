@@ -24,7 +24,13 @@ fn reference_token_logps(
 ) -> anyhow::Result<Vec<f64>> {
     tch::no_grad(|| {
         let hidden = model.hidden(&mb.input_ids, &mb.cu_seq_lens);
-        head::token_logps(&hidden, model.lm_head_weight(), targets, chunk)
+        head::token_logps(
+            &hidden,
+            model.lm_head_weight(),
+            targets,
+            chunk,
+            model.arch.final_softcap,
+        )
     })
 }
 
@@ -72,6 +78,7 @@ impl ReplicatedTrainer {
             norms,
             chunk,
             live.as_deref(),
+            net.arch.final_softcap,
         )
         .with_context(|| format!("microbatch {index}"))?;
         let grads = net.backward_train(
