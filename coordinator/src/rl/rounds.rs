@@ -359,7 +359,11 @@ impl LoopState {
             temperature: 0.0,
             ..sampling.clone()
         };
-        let plans = plans_of(id, policy_version, &greedy, inputs, requests);
+        let mut plans = plans_of(id, policy_version, &greedy, inputs, requests);
+        // Eval answers are scored, never trained: no routing to replay.
+        for p in &mut plans {
+            p.record_routing = false;
+        }
         let round = Round {
             id,
             kind: RoundKind::Eval,
