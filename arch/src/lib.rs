@@ -209,8 +209,9 @@ pub struct LayerSpec {
     pub window: Option<usize>,
     /// Index into [`Arch::ropes`].
     pub rope: usize,
-    /// The layer's MLP is the sparse one ([`Arch::moe`]).
-    pub sparse: bool,
+    /// The layer's MLP is the sparse one ([`Arch::moe`]): its index among
+    /// the sparse layers (what a routing row is ordered by).
+    pub sparse: Option<usize>,
 }
 
 /// A mixture-of-experts MLP (Qwen3-MoE's `Qwen3MoeSparseMoeBlock`).
@@ -249,6 +250,15 @@ pub struct Arch {
     pub moe: Option<MoeSpec>,
     /// Gemma's `final_logit_softcapping`: logits become `c·tanh(z/c)`.
     pub final_softcap: Option<f64>,
+}
+
+impl Arch {
+    /// Expert ids a token's routing holds (sparse layers × `top_k`):
+    /// `None` for a dense model.
+    pub fn routing_width(&self) -> Option<usize> {
+        let sparse = self.layers.iter().filter(|l| l.sparse.is_some()).count();
+        self.moe.filter(|_| sparse > 0).map(|m| sparse * m.top_k)
+    }
 }
 
 const PRE_NORM: BlockNorms = BlockNorms {
@@ -455,15 +465,22 @@ impl ModelConfig {
             Family::Qwen3Moe => self.moe_spec()?,
             _ => None,
         };
+        let mut sparse_seen = 0;
         let layers = self
             .layer_windows()?
             .into_iter()
             .zip(rope_of)
             .enumerate()
-            .map(|(i, (window, rope))| LayerSpec {
-                window,
-                rope,
-                sparse: moe.is_some() && self.is_sparse(i),
+            .map(|(i, (window, rope))| {
+                let sparse = (moe.is_some() && self.is_sparse(i)).then(|| {
+                    sparse_seen += 1;
+                    sparse_seen - 1
+                });
+                LayerSpec {
+                    window,
+                    rope,
+                    sparse,
+                }
             })
             .collect();
         Ok(Arch {
@@ -739,8 +756,9 @@ mod tests {
         .unwrap()
         .arch()
         .unwrap();
-        let sparse: Vec<bool> = m.layers.iter().map(|l| l.sparse).collect();
-        assert_eq!(sparse, [false, true, false, false]);
+        let sparse: Vec<Option<usize>> = m.layers.iter().map(|l| l.sparse).collect();
+        assert_eq!(sparse, [None, Some(0), None, None]);
+        assert_eq!(m.routing_width(), Some(4));
         let spec = m.moe.unwrap();
         assert_eq!((spec.experts, spec.top_k, spec.intermediate), (16, 4, 8));
         assert_eq!(spec.aux_loss_coef, 0.5);
@@ -751,9 +769,10 @@ mod tests {
             .arch()
             .unwrap();
         assert_eq!(q.moe.unwrap().aux_loss_coef, 0.0);
-        assert!(q.layers.iter().all(|l| l.sparse));
+        assert!(q.layers.iter().all(|l| l.sparse.is_some()));
         let dense = cfg(json!({"model_type": "qwen3"})).unwrap().arch().unwrap();
-        assert!(dense.moe.is_none() && dense.layers.iter().all(|l| !l.sparse));
+        assert!(dense.moe.is_none() && dense.layers.iter().all(|l| l.sparse.is_none()));
+        assert_eq!(dense.routing_width(), None);
     }
 
     #[test]

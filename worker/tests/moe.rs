@@ -230,13 +230,11 @@ const MOE_TOP1: &str = r#"{"model_type": "qwen3_moe", "vocab_size": 300, "hidden
 /// replaying `b.routing` when `replay`.
 fn token_logps(model: &accrue_worker::model::Llama, b: &PackedBatch, replay: bool) -> Vec<f64> {
     use accrue_worker::model::Routes;
-    let spec = model.arch.moe.unwrap();
     let replay = if replay {
         accrue_worker::model::moe::replay_tensors(
             &b.routing,
             b.tokens(),
-            1,
-            &spec,
+            &model.arch,
             model.vs.device(),
         )
         .unwrap()

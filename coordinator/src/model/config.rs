@@ -143,12 +143,7 @@ fn read_vocab_size(path: &Path) -> Result<(u32, Option<u32>), ModelError> {
             path: path.to_path_buf(),
             problem: format!("{e:#}"),
         })?;
-    let sparse = arch.layers.iter().filter(|l| l.sparse).count();
-    let width = arch
-        .moe
-        .filter(|_| sparse > 0)
-        .map(|m| (sparse * m.top_k) as u32);
-    Ok((vocab, width))
+    Ok((vocab, arch.routing_width().map(|w| w as u32)))
 }
 
 /// Checks that `dir` holds usable weights and, for a checkpoint of ours,

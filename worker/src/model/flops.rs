@@ -41,7 +41,7 @@ pub fn decoder_matmul_params(cfg: &ModelConfig) -> f64 {
     arch.layers
         .iter()
         .map(|l| match arch.moe {
-            Some(m) if l.sparse => {
+            Some(m) if l.sparse.is_some() => {
                 let experts = 3.0 * h * (m.intermediate * m.top_k) as f64;
                 dense - mlp + experts + h * m.experts as f64
             }

@@ -29,6 +29,8 @@ pub struct DecoderLayer {
     pub(super) mlp_out: Option<RmsNorm>,
     /// Index of this layer's RoPE table (see [`Llama::rope_tables`]).
     pub rope: usize,
+    /// Its index among the sparse layers (`LayerSpec::sparse`).
+    pub sparse: Option<usize>,
 }
 
 /// A block's MLP: dense, or Qwen3-MoE's sparse one.
@@ -72,13 +74,14 @@ impl DecoderLayer {
             attn_out: norm(arch.norms.attn_out),
             mlp_in: norm(arch.norms.mlp_in),
             mlp: match (&arch.moe, spec.sparse) {
-                (Some(moe), true) => {
+                (Some(moe), Some(_)) => {
                     FeedForward::Sparse(SparseMoe::new(&p / "mlp", cfg, moe, arch.act))
                 }
                 _ => FeedForward::Dense(Mlp::new(&p / "mlp", cfg, arch.act)),
             },
             mlp_out: norm(arch.norms.mlp_out),
             rope: spec.rope,
+            sparse: spec.sparse,
         }
     }
 
@@ -114,11 +117,6 @@ impl DecoderLayer {
                 .transpose(0, 1)
                 .reshape([t, heads * d])
         })
-    }
-
-    /// Whether the MLP is the sparse one.
-    pub fn is_sparse(&self) -> bool {
-        matches!(self.mlp, FeedForward::Sparse(_))
     }
 
     /// The block with the attention core supplied: `core(attention, q, k,
@@ -302,24 +300,16 @@ impl Llama {
         let ids = Tensor::from_slice(input_ids).to_device(device);
         let mut x = self.embed(&ids);
         let mut out = RoutedForward::default();
-        for (l, layer) in self.layers.iter().enumerate() {
+        for layer in &self.layers {
             let (cos, sin) = &tables[layer.rope];
-            let route = routes.layer(self.sparse_index(l));
+            let route = routes.layer(layer.sparse);
             let (y, routed) =
                 layer.forward_routed(&x, cos, sin, cu_seq_lens, self.attention, route);
-            out.absorb(routed, self.arch.moe.map(|m| m.experts));
+            out.absorb(routed);
             x = y;
         }
         out.hidden = self.norm.forward(&x);
         out
-    }
-
-    /// Which sparse layer layer `l` is (its index among the sparse ones),
-    /// `None` for a dense layer.
-    pub fn sparse_index(&self, l: usize) -> Option<usize> {
-        self.arch.layers[l]
-            .sparse
-            .then(|| self.arch.layers[..l].iter().filter(|s| s.sparse).count())
     }
 
     /// Full logits `[T, V]` in float32 (evaluation and tests only: the
@@ -336,9 +326,6 @@ impl Llama {
 pub struct RoutedForward {
     /// After the final norm, `[T, H]`.
     pub hidden: Tensor,
-    /// The experts' choice counts summed over the sparse layers, `[E]`
-    /// int64 (`None`: a dense model).
-    pub counts: Option<Tensor>,
     /// The load-balancing loss's part (`Route::aux`) summed over the
     /// sparse layers, in the graph.
     pub aux: Option<Tensor>,
@@ -350,7 +337,6 @@ impl Default for RoutedForward {
     fn default() -> Self {
         RoutedForward {
             hidden: Tensor::new(),
-            counts: None,
             aux: None,
             chosen: Vec::new(),
         }
@@ -358,22 +344,28 @@ impl Default for RoutedForward {
 }
 
 impl RoutedForward {
-    /// Adds one layer's routing (`experts`: the model's, if sparse).
-    pub fn absorb(&mut self, routed: Routed, experts: Option<usize>) {
-        if let (Some(chosen), Some(e)) = (routed.chosen, experts) {
-            let c = expert_counts(&chosen, e);
-            self.counts = Some(match self.counts.take() {
-                Some(sum) => sum + c,
-                None => c,
-            });
-            self.chosen.push(chosen);
-        }
+    /// Adds one layer's routing.
+    pub fn absorb(&mut self, routed: Routed) {
+        self.chosen.extend(routed.chosen);
         if let Some(a) = routed.aux {
             self.aux = Some(match self.aux.take() {
                 Some(sum) => sum + a,
                 None => a,
             });
         }
+    }
+
+    /// Adds how often each expert was chosen, over the sparse layers, to
+    /// `counts` (one entry per expert). Counted only when asked: the
+    /// load-balancing loss's pre-pass needs it, a training forward not.
+    pub fn add_counts(&self, counts: &mut [i64]) -> anyhow::Result<()> {
+        for chosen in &self.chosen {
+            let c = expert_counts(chosen, counts.len());
+            for (t, v) in counts.iter_mut().zip(Vec::<i64>::try_from(&c)?) {
+                *t += v;
+            }
+        }
+        Ok(())
     }
 }
 

@@ -21,7 +21,7 @@
 
 use tch::{nn, Kind, Tensor};
 
-use super::config::{Act, ModelConfig, MoeSpec};
+use super::config::{Act, Arch, ModelConfig, MoeSpec};
 use super::mlp::Mlp;
 
 /// How a forward routes a sparse layer's tokens.
@@ -131,11 +131,6 @@ impl SparseMoe {
         };
         (out, routed)
     }
-
-    /// Experts in the layer.
-    pub fn experts(&self) -> usize {
-        self.spec.experts
-    }
 }
 
 /// A forward's routing over every sparse layer: [`Route`] per layer.
@@ -177,22 +172,25 @@ pub fn expert_counts(chosen: &Tensor, experts: usize) -> Tensor {
         .bincount::<Tensor>(None, experts as i64)
 }
 
-/// Per sparse layer, the experts to replay `[T, top_k]` (int64, on
-/// `device`) from a microbatch's flat routing (`sparse × top_k` ids per
-/// token); empty routing: none. Checks the length and every id (an
-/// expert of the model, or `-1`).
+/// Per sparse layer of `arch`, the experts to replay `[T, top_k]`
+/// (int64, on `device`) from a microbatch's flat routing (`sparse × top_k`
+/// ids per token); empty routing: none. Checks the length and every id
+/// (an expert of the model, or `-1`), and that the model has experts.
 pub fn replay_tensors(
     routing: &[i64],
     tokens: usize,
-    sparse: usize,
-    spec: &MoeSpec,
+    arch: &Arch,
     device: tch::Device,
 ) -> Result<Vec<Tensor>, String> {
     if routing.is_empty() {
         return Ok(Vec::new());
     }
+    let (Some(spec), Some(width)) = (arch.moe, arch.routing_width()) else {
+        return Err("routing given for a model without experts".into());
+    };
     let k = spec.top_k;
-    if routing.len() != tokens * sparse * k {
+    let sparse = width / k;
+    if routing.len() != tokens * width {
         return Err(format!(
             "routing: {} expert ids for {tokens} tokens, the model routes {sparse} sparse layers × top {k} per token",
             routing.len()

@@ -110,16 +110,19 @@ impl Llama {
         let tables = self.rope_tables(&positions(cu_seq_lens));
         let ids = Tensor::from_slice(input_ids).to_device(device);
         let mut inputs = Vec::with_capacity(self.layers.len());
-        let mut aux_share: Option<f64> = None;
+        let mut aux: Option<Tensor> = None;
         let x = tch::no_grad(|| {
             let mut x = self.embed(&ids);
-            for (l, layer) in self.layers.iter().enumerate() {
+            for layer in &self.layers {
                 let (cos, sin) = &tables[layer.rope];
-                let route = routes.layer(self.sparse_index(l));
+                let route = routes.layer(layer.sparse);
                 let (y, routed) =
                     layer.forward_routed(&x, cos, sin, cu_seq_lens, self.attention, route);
                 if let Some(a) = routed.aux {
-                    *aux_share.get_or_insert(0.0) += a.double_value(&[]);
+                    aux = Some(match aux.take() {
+                        Some(sum) => sum + a,
+                        None => a,
+                    });
                 }
                 inputs.push(x);
                 x = y;
@@ -129,7 +132,8 @@ impl Llama {
         let last = x.detach().set_requires_grad(true);
         Forward {
             hidden: self.norm.forward(&last),
-            aux_share,
+            // One read of the summed share, not one per layer.
+            aux_share: aux.map(|a| a.double_value(&[])),
             tape: Tape::Layers {
                 ids,
                 tables,
@@ -201,7 +205,7 @@ impl Llama {
         for (l, layer) in self.layers.iter().enumerate().rev() {
             let x = inputs[l].detach().set_requires_grad(true);
             let (cos, sin) = &tables[layer.rope];
-            let route = routes.layer(self.sparse_index(l));
+            let route = routes.layer(layer.sparse);
             let (y, routed) =
                 layer.forward_routed(&x, cos, sin, &cu_seq_lens, self.attention, route);
             let surrogate = (&y * &upstream).sum(Kind::Float);

@@ -122,16 +122,7 @@ pub(crate) fn replay_of(
     index: usize,
     mb: &PackedBatch,
 ) -> anyhow::Result<Vec<Tensor>> {
-    let Some(spec) = model.arch.moe else {
-        if mb.routing.is_empty() {
-            return Ok(Vec::new());
-        }
-        return Err(StepError::invalid(format!(
-            "microbatch {index}: routing given for a model without experts"
-        )));
-    };
-    let sparse = model.arch.layers.iter().filter(|l| l.sparse).count();
-    crate::model::moe::replay_tensors(&mb.routing, mb.tokens(), sparse, &spec, model.vs.device())
+    crate::model::moe::replay_tensors(&mb.routing, mb.tokens(), &model.arch, model.vs.device())
         .map_err(|e| StepError::invalid(format!("microbatch {index}: {e}")))
 }
 
@@ -380,15 +371,8 @@ impl ReplicatedTrainer {
                 replay: replay_of(net, i, mb)?,
                 aux: None,
             };
-            let counts = tch::no_grad(|| {
-                net.hidden_routed(&mb.input_ids, &mb.cu_seq_lens, &routes)
-                    .counts
-            });
-            if let Some(c) = counts {
-                for (t, v) in total.iter_mut().zip(Vec::<i64>::try_from(&c)?) {
-                    *t += v;
-                }
-            }
+            tch::no_grad(|| net.hidden_routed(&mb.input_ids, &mb.cu_seq_lens, &routes))
+                .add_counts(&mut total)?;
         }
         Ok(total)
     }
@@ -402,13 +386,7 @@ impl ReplicatedTrainer {
         mb: &PackedBatch,
         sums: &mut MicrobatchOutcome,
     ) {
-        if let (Some(share), Some(spec)) = (share, self.aux_spec()) {
-            let (k, v) = super::routing::aux_metric(share, &spec, norms);
-            *sums.extra.entry(k).or_insert(0.0) += v;
-        }
-        if let Some((k, v)) = super::routing::replayed_metric(mb) {
-            *sums.extra.entry(k).or_insert(0.0) += v;
-        }
+        super::routing::report(&mut sums.extra, share, self.aux_spec(), norms, mb);
     }
 
     /// Adds one microbatch's gradients to the accumulator (zero2: a

@@ -91,6 +91,25 @@ pub fn replayed_metric(mb: &PackedBatch) -> Option<(String, f64)> {
     Some((REPLAYED_METRIC.to_string(), replayed as f64))
 }
 
+/// Adds a microbatch's routing metrics to its `extra` sums: the
+/// load-balancing loss's (its `share`, with the loss on: `aux` is the
+/// model's spec then) and routing replay's.
+pub fn report(
+    extra: &mut std::collections::BTreeMap<String, f64>,
+    share: Option<f64>,
+    aux: Option<MoeSpec>,
+    norms: &StepNorms,
+    mb: &PackedBatch,
+) {
+    if let (Some(share), Some(spec)) = (share, aux) {
+        let (k, v) = aux_metric(share, &spec, norms);
+        *extra.entry(k).or_insert(0.0) += v;
+    }
+    if let Some((k, v)) = replayed_metric(mb) {
+        *extra.entry(k).or_insert(0.0) += v;
+    }
+}
+
 /// A microbatch's share of the loss (`⟨Σ_t p_t, a⟩` summed over its
 /// sparse layers) as the metric sum the coordinator divides by the step's
 /// loss tokens (or pairs) into the step's `aux`.

@@ -57,7 +57,7 @@ use crate::batch::{MicrobatchOutcome, PackedBatch};
 use crate::collective::{shard_range, Collective};
 use crate::config::{JobConfig, ModelSource};
 use crate::error::StepError;
-use crate::model::config::MoeSpec;
+use crate::model::config::Arch;
 use crate::model::norm::RmsNorm;
 use crate::model::rope::Rope;
 use crate::model::{weights, ModelConfig, PackedAttention};
@@ -110,10 +110,8 @@ pub struct FsdpTrainer {
     restored: bool,
     /// Packed-attention implementation (as `Llama::attention`).
     pub attention: PackedAttention,
-    /// Qwen3-MoE's sparse MLP.
-    moe: Option<MoeSpec>,
-    /// Gemma's final-logit soft-cap.
-    final_softcap: Option<f64>,
+    /// The family's variants (its sparse layers, the final-logit soft-cap).
+    arch: Arch,
     /// The step's load-balancing weights (`train::routing`), from
     /// `begin_step` to the optimizer step.
     step_aux: Option<Tensor>,
@@ -236,8 +234,7 @@ impl FsdpTrainer {
             objective,
             restored: restore.is_some(),
             attention: PackedAttention::default(),
-            moe: arch.moe,
-            final_softcap: arch.final_softcap,
+            arch: arch.clone(),
             step_aux: None,
         })
     }

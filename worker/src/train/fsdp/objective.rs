@@ -83,12 +83,9 @@ impl FsdpTrainer {
         sums.loss_tokens = loss_tokens;
         sums.pairs = pairs;
         sums.extra = extra;
-        if let (Some(spec), Some(a), Some(norms)) = (self.aux_spec(), routing.aux, obj_norms) {
-            let (k, v) = routing::aux_metric(a.double_value(&[]), &spec, &norms);
-            *sums.extra.entry(k).or_insert(0.0) += v;
-        }
-        if let Some((k, v)) = routing::replayed_metric(mb) {
-            *sums.extra.entry(k).or_insert(0.0) += v;
+        if let Some(norms) = obj_norms {
+            let share = routing.aux.map(|a| a.double_value(&[]));
+            routing::report(&mut sums.extra, share, self.aux_spec(), &norms, mb);
         }
         self.backward(prep.as_ref(), &saved, grad_x)?;
         Ok(sums)
@@ -207,7 +204,7 @@ impl FsdpTrainer {
             &head_w,
             &p.targets,
             self.loss_chunk_tokens,
-            self.final_softcap,
+            self.arch.final_softcap,
         )?;
         Ok(Some(lp))
     }
@@ -293,11 +290,7 @@ impl Passes for FsdpTrainer {
                 continue;
             };
             let (_, routing) = self.forward(prep.as_ref())?;
-            if let Some(c) = routing.counts {
-                for (t, v) in local.iter_mut().zip(Vec::<i64>::try_from(&c)?) {
-                    *t += v;
-                }
-            }
+            routing.add_counts(&mut local)?;
         }
         let counts = routing::reduce_counts(self.coll.as_mut(), &local)?;
         self.step_aux = routing::aux_weights(&counts, &spec, self.device);

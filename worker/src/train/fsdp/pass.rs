@@ -140,25 +140,9 @@ impl FsdpTrainer {
                 "microbatch {index}: has loss tokens but the step's global loss-token count is 0"
             )));
         }
-        let replay = match self.moe {
-            Some(spec) => {
-                let sparse = self.shells.iter().filter(|s| s.layer.is_sparse()).count();
-                crate::model::moe::replay_tensors(
-                    &mb.routing,
-                    mb.tokens(),
-                    sparse,
-                    &spec,
-                    self.device,
-                )
-                .map_err(|e| StepError::invalid(format!("microbatch {index}: {e}")))?
-            }
-            None if mb.routing.is_empty() => Vec::new(),
-            None => {
-                return Err(StepError::invalid(format!(
-                    "microbatch {index}: routing given for a model without experts"
-                )))
-            }
-        };
+        let replay =
+            crate::model::moe::replay_tensors(&mb.routing, mb.tokens(), &self.arch, self.device)
+                .map_err(|e| StepError::invalid(format!("microbatch {index}: {e}")))?;
         let positions = llama::positions(&mb.cu_seq_lens);
         let tables = llama::rope_tables(&self.ropes, &positions, self.kind, self.device);
         Ok(Some(Prepared {
@@ -189,7 +173,6 @@ impl FsdpTrainer {
         drop(embed);
         let mut saved = Vec::with_capacity(self.shells.len() + 1);
         let mut routing = RoutedForward::default();
-        let experts = self.moe.map(|m| m.experts);
         for l in 0..self.shells.len() {
             let u = layer_unit(l);
             let flat = self.gather(u)?;
@@ -197,7 +180,7 @@ impl FsdpTrainer {
                 let shell = &self.shells[l];
                 let _bound = shell.bind(&self.compute(&flat), &self.layouts[u]);
                 let (cos, sin) = &p.tables[shell.layer.rope];
-                let route = p.routes.layer(self.sparse_index(l));
+                let route = p.routes.layer(shell.layer.sparse);
                 let (out, routed) = tch::no_grad(|| {
                     shell.layer.forward_routed(
                         &input,
@@ -208,7 +191,7 @@ impl FsdpTrainer {
                         route,
                     )
                 });
-                routing.absorb(routed, experts);
+                routing.absorb(routed);
                 saved.push(input);
                 x = Some(out);
             }
@@ -219,17 +202,7 @@ impl FsdpTrainer {
 
     /// The MoE spec when the load-balancing loss is on.
     pub(super) fn aux_spec(&self) -> Option<MoeSpec> {
-        self.moe.filter(|m| m.aux_loss_coef > 0.0)
-    }
-
-    /// Which sparse layer layer `l` is (`None`: a dense layer).
-    pub(super) fn sparse_index(&self, l: usize) -> Option<usize> {
-        self.shells[l].layer.is_sparse().then(|| {
-            self.shells[..l]
-                .iter()
-                .filter(|s| s.layer.is_sparse())
-                .count()
-        })
+        self.arch.moe.filter(|m| m.aux_loss_coef > 0.0)
     }
 
     /// Final norm, chunked LM head + loss (the SFT cross-entropy, or the
@@ -318,11 +291,16 @@ impl FsdpTrainer {
                 &p.targets,
                 self.loss_chunk_tokens,
                 p.scale,
-                self.final_softcap,
+                self.arch.final_softcap,
             )
             .map(|c| (c, 0, BTreeMap::new())),
             Some(o) => o
-                .run(&hidden, &head_w, self.loss_chunk_tokens, self.final_softcap)
+                .run(
+                    &hidden,
+                    &head_w,
+                    self.loss_chunk_tokens,
+                    self.arch.final_softcap,
+                )
                 .map(|out| {
                     let mut c = out.grads;
                     // The objective's own sums, not Σ w·nll.
@@ -380,7 +358,7 @@ impl FsdpTrainer {
                     let _bound = shell.bind(&self.compute(&flat), &self.layouts[u]);
                     let x = saved[l].detach().set_requires_grad(true);
                     let (cos, sin) = &p.tables[shell.layer.rope];
-                    let route = p.routes.layer(self.sparse_index(l));
+                    let route = p.routes.layer(shell.layer.sparse);
                     let (y, routed) = shell.layer.forward_routed(
                         &x,
                         cos,
