@@ -20,6 +20,8 @@
 //! writes `rope_theta` + `rope_scaling` (Gemma 3: + `rope_local_base_freq`),
 //! transformers >= 5 `rope_parameters` (Gemma 3: one per layer type).
 
+pub mod lora;
+
 use std::path::Path;
 
 use anyhow::{bail, Context};

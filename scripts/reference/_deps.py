@@ -24,3 +24,15 @@ def ensure_datasets():
         importlib.import_module("datasets")
     except ImportError:
         subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", DATASETS])
+
+
+PEFT = "peft==0.21.2"  # LoRA reference (issue 35); works with transformers 5.23
+
+
+def ensure_peft():
+    """PEFT, pinned: the LoRA parity tests and export checks load it."""
+    ensure_transformers()
+    try:
+        importlib.import_module("peft")
+    except ImportError:
+        subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", PEFT])

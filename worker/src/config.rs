@@ -61,6 +61,26 @@ impl Precision {
     }
 }
 
+/// `[lora]` (see `proto/accrue/v1/job.proto`): PEFT LoRA adapters over a
+/// frozen base.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraConfig {
+    pub rank: usize,
+    pub alpha: f64,
+    pub dropout: f64,
+    pub targets: accrue_arch::lora::Targets,
+    pub use_rslora: bool,
+    /// A PEFT adapter folder to start from, else PEFT's initialisation.
+    pub init: Option<PathBuf>,
+}
+
+impl LoraConfig {
+    /// The adapters' output scale (`alpha / r`, or `/ √r` with rsLoRA).
+    pub fn scaling(&self) -> f64 {
+        accrue_arch::lora::scaling(self.rank, self.alpha, self.use_rslora)
+    }
+}
+
 /// The resolved job.
 #[derive(Debug, Clone, PartialEq)]
 pub struct JobConfig {
@@ -89,12 +109,16 @@ pub struct JobConfig {
     /// Where this worker runs the job. Not the coordinator's: the runner
     /// sets it from `--device` (see `crate::device`); the wire gives CPU.
     pub device: Device,
+    /// `[lora]`: only adapters train; `None`: every parameter does.
+    pub lora: Option<LoraConfig>,
 }
 
 impl JobConfig {
     /// Whether forward/backward run in a dtype other than the parameters'
-    /// (mixed precision: a compute copy beside float32 masters).
+    /// (mixed precision: a compute copy beside float32 masters). A LoRA
+    /// job has no compute copy: its frozen base is held in the compute
+    /// dtype and its adapters in float32.
     pub fn mixed(&self) -> bool {
-        self.precision.compute != self.dtype
+        self.precision.compute != self.dtype && self.lora.is_none()
     }
 }

@@ -233,6 +233,7 @@ pub fn job_config(job: &wire::JobDefinition) -> Result<JobConfig, FieldError> {
         ));
     }
     let collective = collective_choice(job)?;
+    let lora = job.lora.as_ref().map(lora_config).transpose()?;
     Ok(JobConfig {
         name: job.name.clone(),
         seed: job.seed,
@@ -253,6 +254,38 @@ pub fn job_config(job: &wire::JobDefinition) -> Result<JobConfig, FieldError> {
         loss_chunk_tokens: runtime.loss_chunk_tokens as usize,
         activation_checkpointing: runtime.activation_checkpointing,
         device: Device::Cpu,
+        lora,
+    })
+}
+
+/// `job.lora`, checked as the coordinator checks `[lora]`.
+fn lora_config(l: &wire::LoraDefinition) -> Result<crate::config::LoraConfig, FieldError> {
+    if l.rank == 0 {
+        return Err(invalid("job.lora.rank", "must be at least 1"));
+    }
+    if !(l.alpha.is_finite() && l.alpha > 0.0) {
+        return Err(invalid(
+            "job.lora.alpha",
+            format!("must be positive, got {}", l.alpha),
+        ));
+    }
+    if !(l.dropout.is_finite() && (0.0..1.0).contains(&l.dropout)) {
+        return Err(invalid(
+            "job.lora.dropout",
+            format!("must be in [0, 1), got {}", l.dropout),
+        ));
+    }
+    let targets = match l.target_modules.as_slice() {
+        [one] if one == "all-linear" => accrue_arch::lora::Targets::AllLinear,
+        names => accrue_arch::lora::Targets::Named(names.to_vec()),
+    };
+    Ok(crate::config::LoraConfig {
+        rank: l.rank as usize,
+        alpha: l.alpha,
+        dropout: l.dropout,
+        targets,
+        use_rslora: l.use_rslora,
+        init: (!l.init.is_empty()).then(|| PathBuf::from(&l.init)),
     })
 }
 
@@ -366,6 +399,7 @@ pub(crate) mod testing {
                 reduce: wire::Dtype::Float32 as i32,
             }),
             collective: wire::CollectiveChoice::Auto as i32,
+            lora: None,
         }
     }
 }

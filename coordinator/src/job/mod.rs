@@ -19,6 +19,7 @@ pub mod header;
 pub mod input;
 pub mod limits;
 pub mod locate;
+pub mod lora;
 pub mod model;
 pub mod names;
 pub mod objective;

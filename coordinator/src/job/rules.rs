@@ -329,9 +329,11 @@ pub fn stream_groups_fit_queue(
 pub fn fsdp_takes_cached_reference(
     parallel: &ParallelSection,
     objective: &ObjectiveSection,
+    lora: bool,
     bad: &mut impl FnMut(&str, String),
 ) {
-    if parallel.sharding != Sharding::Fsdp {
+    // A LoRA job's reference is its own base with the adapters off: no copy.
+    if parallel.sharding != Sharding::Fsdp || lora {
         return;
     }
     let live = objective.dpo().map(|d| d.reference) == Some(Reference::Live)
@@ -342,6 +344,24 @@ pub fn fsdp_takes_cached_reference(
         bad(
             "objective.reference",
             "parallel.sharding = \"fsdp\" needs reference = \"cached\" (a live reference keeps a full frozen copy of the model on every rank)".into(),
+        );
+    }
+}
+
+/// What a LoRA job cannot run yet: fsdp (its units shard the base and the
+/// adapters alike; the adapters' own reduction is not written) and an
+/// external engine (it would need the adapter folder handed over).
+pub fn lora_fits(parallel: &ParallelSection, rl: &RlSection, bad: &mut impl FnMut(&str, String)) {
+    if parallel.sharding == Sharding::Fsdp {
+        bad(
+            "parallel.sharding",
+            "[lora] runs at \"ddp\" or \"zero2\" (the base is frozen and held once per rank; fsdp with adapters is not built yet)".into(),
+        );
+    }
+    if rl.engine.is_some() {
+        bad(
+            "rl.engine",
+            "[lora] jobs generate with their own workers; an external engine would need the adapter folder after every step, which is not built yet".into(),
         );
     }
 }

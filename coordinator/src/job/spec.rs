@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::job::limits::{self, StepShape};
 use crate::job::locate;
+use crate::job::lora::LoraSection;
 use crate::job::rules;
 use crate::job::section::is_default;
 use crate::job::sources::{self, EvalSection, SourceSpec};
@@ -60,6 +61,9 @@ pub struct JobSpec {
     pub eval: Option<EvalSection>,
     #[serde(default, skip_serializing_if = "is_default")]
     pub tracking: TrackingSection,
+    /// `[lora]`: train low-rank adapters over a frozen base.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora: Option<LoraSection>,
 }
 
 const SECTIONS: &[&str] = &[
@@ -77,6 +81,7 @@ const SECTIONS: &[&str] = &[
     "faults",
     "eval",
     "tracking",
+    "lora",
 ];
 
 impl JobSpec {
@@ -240,6 +245,9 @@ impl JobSpec {
         if let Some(t) = self.data.chat_template.as_mut() {
             abs(t);
         }
+        if let Some(l) = self.lora.as_mut() {
+            l.resolve_paths(base);
+        }
     }
 
     /// The submitted step size mode (a running job's changes: see
@@ -301,7 +309,11 @@ impl JobSpec {
         rules::stream_fields_need_stream(data, objective, rl, bad);
         rules::stream_fits(job, data, batch, objective, bad);
         rules::stream_groups_fit_queue(data, batch, rl, bad);
-        rules::fsdp_takes_cached_reference(parallel, objective, bad);
+        rules::fsdp_takes_cached_reference(parallel, objective, self.lora.is_some(), bad);
+        if let Some(lora) = &self.lora {
+            lora.validate(bad);
+            rules::lora_fits(parallel, rl, bad);
+        }
         self.optimizer.validate(bad);
         rules::warmup_within_steps(&self.optimizer, job, bad);
         parallel.validate(bad);
@@ -330,6 +342,7 @@ fn check_section(section: &str, value: toml::Value) -> Result<(), SpecProblem> {
         "faults" => value.try_into::<FaultsSection>().map(drop),
         "eval" => value.try_into::<EvalSection>().map(drop),
         "tracking" => value.try_into::<TrackingSection>().map(drop),
+        "lora" => value.try_into::<LoraSection>().map(drop),
         _ => Ok(()),
     };
     result.map_err(|e| {

@@ -30,7 +30,7 @@ use crate::job::section::SpecProblem;
 const MAX_SAFETENSORS_HEADER: u64 = 100 << 20;
 
 /// The part of a model's `config.json` the coordinator uses.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
     /// The spec field it comes from: `model.config` or `model.init`.
     pub field: &'static str,
@@ -40,6 +40,9 @@ pub struct ModelConfig {
     /// A mixture-of-experts model: expert ids per token its routing
     /// records (sparse layers × top_k); `None` for a dense model.
     pub routing_width: Option<u32>,
+    /// The architecture the workers build (`[lora]` modules are checked
+    /// against it).
+    pub arch: accrue_arch::Arch,
 }
 
 /// Why a model config or checkpoint cannot be used.
@@ -105,17 +108,18 @@ pub fn config_path(model: &ModelSection) -> Option<(&'static str, PathBuf)> {
 /// Reads the model's config (see [`config_path`]).
 pub fn read_config(model: &ModelSection) -> Result<ModelConfig, ModelError> {
     let (field, path) = config_path(model).ok_or(ModelError::NoConfig)?;
-    let (vocab_size, routing_width) = read_vocab_size(&path)?;
+    let (vocab_size, arch) = read_vocab_size(&path)?;
     Ok(ModelConfig {
         field,
         path,
         vocab_size,
-        routing_width,
+        routing_width: arch.routing_width().map(|w| w as u32),
+        arch,
     })
 }
 
-/// The config's `vocab_size` and routing width (see [`ModelConfig`]).
-fn read_vocab_size(path: &Path) -> Result<(u32, Option<u32>), ModelError> {
+/// The config's `vocab_size` and architecture (see [`ModelConfig`]).
+fn read_vocab_size(path: &Path) -> Result<(u32, accrue_arch::Arch), ModelError> {
     let bytes = input::read(path, MAX_CONFIG_BYTES, "model config")?;
     let json: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| ModelError::Json {
         path: path.to_path_buf(),
@@ -143,7 +147,7 @@ fn read_vocab_size(path: &Path) -> Result<(u32, Option<u32>), ModelError> {
             path: path.to_path_buf(),
             problem: format!("{e:#}"),
         })?;
-    Ok((vocab, arch.routing_width().map(|w| w as u32)))
+    Ok((vocab, arch))
 }
 
 /// Checks that `dir` holds usable weights and, for a checkpoint of ours,

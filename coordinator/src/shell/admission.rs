@@ -83,6 +83,14 @@ pub fn admit(spec: &JobSpec, scan_data: bool) -> Result<Admitted, Vec<SpecProble
             ));
         }
     }
+    if let (Some(m), Some(lora)) = (model.as_ref(), spec.lora.as_ref()) {
+        if let Err(e) = accrue_arch::lora::resolve(&m.arch, &lora.target_modules.targets()) {
+            problems.push(SpecProblem::new(
+                "lora.target_modules",
+                format!("{e} ({})", m.path.display()),
+            ));
+        }
+    }
     if let Some(ds) = &dataset {
         let size = DatasetSize {
             docs: ds.docs.len() as u64,

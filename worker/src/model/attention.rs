@@ -41,7 +41,7 @@
 use tch::{nn, Kind, Tensor};
 
 use super::config::{Arch, LayerSpec, ModelConfig, QkNorm};
-use super::linear::{fused_linear, linear};
+use super::linear::{fused_linear, linear, Linear};
 use super::norm::RmsNorm;
 use super::rope;
 
@@ -69,10 +69,10 @@ impl PackedAttention {
 
 #[derive(Debug)]
 pub struct Attention {
-    q_proj: nn::Linear,
-    k_proj: nn::Linear,
-    v_proj: nn::Linear,
-    o_proj: nn::Linear,
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
     /// `q_norm`, `k_norm` (Qwen3, Gemma 3 per head; OLMo 2 over the
     /// projection), before RoPE.
     qk_norm: Option<(QkNorm, RmsNorm, RmsNorm)>,
@@ -274,8 +274,27 @@ impl Attention {
 
     /// The output projection of the heads' outputs `[T, heads · d]`.
     pub fn output(&self, heads: &Tensor) -> Tensor {
-        use tch::nn::Module;
         self.o_proj.forward(heads)
+    }
+
+    /// The projections by their HF names.
+    pub(super) fn linears(&self) -> [(&'static str, &Linear); 4] {
+        [
+            ("q_proj", &self.q_proj),
+            ("k_proj", &self.k_proj),
+            ("v_proj", &self.v_proj),
+            ("o_proj", &self.o_proj),
+        ]
+    }
+
+    /// The projections by their HF names (where LoRA adapters attach).
+    pub(super) fn linears_mut(&mut self) -> [(&'static str, &mut Linear); 4] {
+        [
+            ("q_proj", &mut self.q_proj),
+            ("k_proj", &mut self.k_proj),
+            ("v_proj", &mut self.v_proj),
+            ("o_proj", &mut self.o_proj),
+        ]
     }
 
     /// `(heads, kv_heads, head_dim)`.

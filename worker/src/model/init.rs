@@ -28,7 +28,7 @@ pub enum Init {
 
 /// The stream id of a parameter: FNV-1a of its name (stable across
 /// builds, platforms and Rust versions, unlike `DefaultHasher`).
-fn stream_of(name: &str) -> u64 {
+pub(crate) fn stream_of(name: &str) -> u64 {
     name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
         (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
     })

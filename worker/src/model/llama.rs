@@ -170,6 +170,9 @@ pub struct Llama {
     pub(super) ropes: Vec<Rope>,
     pub arch: Arch,
     pub attention: PackedAttention,
+    /// `[lora]`: the adapters `super::lora::attach` put on (every other
+    /// variable frozen).
+    pub adapters: Option<super::lora::Adapters>,
 }
 
 impl std::fmt::Debug for Llama {
@@ -257,6 +260,7 @@ impl Llama {
             ropes,
             arch,
             attention: PackedAttention::default(),
+            adapters: None,
         })
     }
 

@@ -98,10 +98,34 @@ pub fn chunked_nll(
     scale: f64,
     softcap: Option<f64>,
 ) -> anyhow::Result<ChunkedLoss> {
+    chunked_nll_with(hidden, weight, targets, chunk_tokens, scale, softcap, true)
+}
+
+/// [`chunked_nll`], the head's gradient computed only with `head_grad`
+/// (a frozen head, under LoRA, needs none: `grad_weight` is undefined).
+pub fn chunked_nll_with(
+    hidden: &Tensor,
+    weight: &Tensor,
+    targets: &[i64],
+    chunk_tokens: usize,
+    scale: f64,
+    softcap: Option<f64>,
+    head_grad: bool,
+) -> anyhow::Result<ChunkedLoss> {
     if chunk_tokens == 0 {
         bail!("loss_chunk_tokens must be positive");
     }
-    tch::no_grad(|| chunked_nll_untaped(hidden, weight, targets, chunk_tokens, scale, softcap))
+    tch::no_grad(|| {
+        chunked_nll_untaped(
+            hidden,
+            weight,
+            targets,
+            chunk_tokens,
+            scale,
+            softcap,
+            head_grad,
+        )
+    })
 }
 
 /// Logits soft-capped as `cap · tanh(z / cap)` (Gemma's
@@ -120,6 +144,7 @@ fn chunked_nll_untaped(
     chunk_tokens: usize,
     scale: f64,
     softcap: Option<f64>,
+    head_grad: bool,
 ) -> anyhow::Result<ChunkedLoss> {
     let device = hidden.device();
     let kind = hidden.kind();
@@ -137,7 +162,11 @@ fn chunked_nll_untaped(
         });
     }
     let grad_hidden = Tensor::zeros([t, hid], (kind, device));
-    let mut grad_weight = Tensor::zeros([vocab, hid], (kind, device));
+    let mut grad_weight = if head_grad {
+        Tensor::zeros([vocab, hid], (kind, device))
+    } else {
+        Tensor::new()
+    };
     let chunk_max = chunk_tokens.min(rows.len()) as i64;
     let buf = scratch(chunk_max * vocab, device);
     let mut loss_sum = 0.0;
@@ -180,7 +209,9 @@ fn chunked_nll_untaped(
         };
         let g_h = g.mm(&w) * scale;
         let _ = grad_hidden.shallow_clone().index_copy_(0, &idx, &g_h);
-        let _ = grad_weight.addmm_(&g.tr(), &(h_c * scale));
+        if head_grad {
+            let _ = grad_weight.addmm_(&g.tr(), &(h_c * scale));
+        }
     }
     Ok(ChunkedLoss {
         loss_sum,

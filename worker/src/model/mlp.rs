@@ -4,13 +4,13 @@
 use tch::{nn, Tensor};
 
 use super::config::{Act, ModelConfig};
-use super::linear::{fused_linear, linear};
+use super::linear::{fused_linear, linear, Linear};
 
 #[derive(Debug)]
 pub struct Mlp {
-    gate_proj: nn::Linear,
-    up_proj: nn::Linear,
-    down_proj: nn::Linear,
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
     act: Act,
 }
 
@@ -30,15 +30,32 @@ impl Mlp {
     }
 
     pub fn forward(&self, x: &Tensor) -> Tensor {
-        use tch::nn::Module;
         // gate and up as one matmul (weights concatenated at run time).
         let gu = fused_linear(x, &[&self.gate_proj, &self.up_proj]);
-        let i = self.gate_proj.ws.size()[0];
+        let i = self.gate_proj.weight().size()[0];
         let gate = gu.narrow(1, 0, i);
         let gate = match self.act {
             Act::Silu => gate.silu(),
             Act::GeluTanh => gate.gelu("tanh"),
         };
         self.down_proj.forward(&(gate * gu.narrow(1, i, i)))
+    }
+
+    /// The projections by their HF names.
+    pub(super) fn linears(&self) -> [(&'static str, &Linear); 3] {
+        [
+            ("gate_proj", &self.gate_proj),
+            ("up_proj", &self.up_proj),
+            ("down_proj", &self.down_proj),
+        ]
+    }
+
+    /// The projections by their HF names (where LoRA adapters attach).
+    pub(super) fn linears_mut(&mut self) -> [(&'static str, &mut Linear); 3] {
+        [
+            ("gate_proj", &mut self.gate_proj),
+            ("up_proj", &mut self.up_proj),
+            ("down_proj", &mut self.down_proj),
+        ]
     }
 }

@@ -9,6 +9,7 @@ pub mod flops;
 pub mod init;
 pub mod linear;
 pub mod llama;
+pub mod lora;
 pub mod loss;
 pub mod mlp;
 pub mod moe;

@@ -22,27 +22,26 @@ use tch::{Kind, Tensor};
 use super::llama::{positions, Llama};
 use super::moe::Routes;
 
-/// Which of a model's variables (by index into a name-sorted list) belong
-/// to each part the checkpointed backward visits.
+/// Which of a model's trained variables (by index into a name-sorted
+/// list) belong to each part the checkpointed backward visits; a part
+/// that does not train (a LoRA job's frozen base) has none.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VarGroups {
     /// Per decoder layer, the indices of `model.layers.{i}.*`.
     pub layers: Vec<Vec<usize>>,
-    pub embed: usize,
-    pub norm: usize,
-    /// `lm_head.weight` when untied.
+    pub embed: Option<usize>,
+    pub norm: Option<usize>,
+    /// The LM head's weight: `lm_head.weight`, or the embedding when tied.
     pub head: Option<usize>,
 }
 
 impl VarGroups {
-    /// Groups `names` (a model's variable names, any order) for a model of
-    /// `layers` decoder layers.
-    pub fn new(names: &[String], layers: usize) -> anyhow::Result<VarGroups> {
+    /// Groups `names` (the trained variables' names, any order) of a model
+    /// with `layers` decoder layers whose head is tied to the embedding
+    /// when `tied`.
+    pub fn new(names: &[String], layers: usize, tied: bool) -> VarGroups {
         let find = |n: &str| names.iter().position(|x| x == n);
-        let embed = find("model.embed_tokens.weight")
-            .ok_or_else(|| anyhow::anyhow!("model has no model.embed_tokens.weight"))?;
-        let norm = find("model.norm.weight")
-            .ok_or_else(|| anyhow::anyhow!("model has no model.norm.weight"))?;
+        let embed = find("model.embed_tokens.weight");
         let layers = (0..layers)
             .map(|l| {
                 let prefix = format!("model.layers.{l}.");
@@ -51,12 +50,12 @@ impl VarGroups {
                     .collect()
             })
             .collect();
-        Ok(VarGroups {
+        VarGroups {
             layers,
             embed,
-            norm,
-            head: find("lm_head.weight"),
-        })
+            norm: find("model.norm.weight"),
+            head: if tied { embed } else { find("lm_head.weight") },
+        }
     }
 }
 
@@ -163,9 +162,13 @@ impl Llama {
         if !grad_hidden.defined() {
             return out;
         }
-        let head = self.lm_head_weight();
-        let surrogate =
-            (&fwd.hidden * grad_hidden).sum(Kind::Float) + (head * grad_head).sum(Kind::Float);
+        let surrogate = (&fwd.hidden * grad_hidden).sum(Kind::Float);
+        // A frozen head (LoRA) has no gradient to pass on.
+        let surrogate = if grad_head.defined() {
+            surrogate + (self.lm_head_weight() * grad_head).sum(Kind::Float)
+        } else {
+            surrogate
+        };
         let (ids, tables, cu_seq_lens, inputs, last, routes) = match fwd.tape {
             Tape::Full { aux } => {
                 let surrogate = match aux {
@@ -183,13 +186,11 @@ impl Llama {
                 routes,
             } => (ids, tables, cu_seq_lens, inputs, last, routes),
         };
-        let head_index = groups.head.unwrap_or(groups.embed);
-        let g = Tensor::run_backward(
-            &[surrogate],
-            &[&last, &vars[groups.norm], &vars[head_index]],
-            false,
-            false,
-        );
+        // The final norm and the head, where they train.
+        let tail: Vec<usize> = [groups.norm, groups.head].into_iter().flatten().collect();
+        let mut wrt = vec![last.shallow_clone()];
+        wrt.extend(tail.iter().map(|&i| vars[i].shallow_clone()));
+        let g = Tensor::run_backward(&[surrogate], &wrt, false, false);
         let mut add = |i: usize, g: &Tensor| {
             if g.defined() {
                 out[i] = if out[i].defined() {
@@ -199,8 +200,9 @@ impl Llama {
                 };
             }
         };
-        add(groups.norm, &g[1]);
-        add(head_index, &g[2]);
+        for (k, &i) in tail.iter().enumerate() {
+            add(i, &g[k + 1]);
+        }
         let mut upstream = g[0].shallow_clone();
         for (l, layer) in self.layers.iter().enumerate().rev() {
             let x = inputs[l].detach().set_requires_grad(true);
@@ -223,9 +225,11 @@ impl Llama {
         }
         // The embedding's gradient needs only the ids and the upstream
         // gradient (what autograd's embedding backward computes).
-        let vocab = self.cfg.vocab_size as i64;
-        let embed = super::llama::embed_backward(&upstream, &ids, vocab, self.arch.embed_scale);
-        add(groups.embed, &embed);
+        if let Some(e) = groups.embed {
+            let vocab = self.cfg.vocab_size as i64;
+            let embed = super::llama::embed_backward(&upstream, &ids, vocab, self.arch.embed_scale);
+            add(e, &embed);
+        }
         out
     }
 }

@@ -148,6 +148,152 @@ impl Snapshot {
     }
 }
 
+/// A LoRA job's checkpoint, written whole by rank 0: the adapter folder
+/// PEFT loads (`adapter_model.safetensors`, `adapter_config.json`), the
+/// adapters' AdamW moments (`optimizer.safetensors`), `trainer.json`, the
+/// base's `config.json`, and — when the base is a random init, which
+/// exists nowhere else — the base weights (`model.safetensors`), so that
+/// the folder is both the base model transformers loads and its adapter.
+/// `adapter_config.json` names the base (`base_model_name_or_path`): the
+/// job's `model.init`, or this folder.
+pub struct AdapterSnapshot {
+    raw_config: serde_json::Value,
+    adapter_config: serde_json::Value,
+    /// `model.init` of a pretrained base; `None`: a random one, written here.
+    base_dir: Option<std::path::PathBuf>,
+    base: Vec<(String, Tensor)>,
+    optimizer_step: u64,
+    entries: Vec<ShardEntry>,
+}
+
+impl AdapterSnapshot {
+    /// Copies `entries` (the adapters and their moments) and, for a random
+    /// base, the base weights to the CPU.
+    pub fn new(
+        model: &crate::model::Llama,
+        cfg: &crate::config::JobConfig,
+        optimizer_step: u64,
+        entries: Vec<ShardEntry>,
+    ) -> anyhow::Result<AdapterSnapshot> {
+        let Some(adapters) = &model.adapters else {
+            bail!("an adapter checkpoint of a model without adapters");
+        };
+        let cpu = |t: &Tensor| t.detach().to_device(tch::Device::Cpu).copy();
+        let base_dir = match &cfg.model {
+            crate::config::ModelSource::Checkpoint(dir) => Some(dir.clone()),
+            crate::config::ModelSource::Random { .. } => None,
+        };
+        let base = if base_dir.is_none() {
+            let mut v: Vec<(String, Tensor)> = model
+                .vs
+                .variables()
+                .into_iter()
+                .filter(|(n, _)| !crate::model::lora::is_adapter(n))
+                .map(|(n, t)| (n, cpu(&t)))
+                .collect();
+            v.sort_by(|a, b| a.0.cmp(&b.0));
+            v
+        } else {
+            Vec::new()
+        };
+        Ok(AdapterSnapshot {
+            raw_config: model.raw_config.clone(),
+            adapter_config: crate::model::lora::adapter_config(adapters, ""),
+            base_dir,
+            base,
+            optimizer_step,
+            entries: entries
+                .into_iter()
+                .map(|e| ShardEntry {
+                    name: e.name,
+                    param: cpu(&e.param),
+                    exp_avg: cpu(&e.exp_avg),
+                    exp_avg_sq: cpu(&e.exp_avg_sq),
+                })
+                .collect(),
+        })
+    }
+
+    /// Writes the files (see the type's docs); returns their names.
+    pub fn write(&self, dir: &Path) -> anyhow::Result<Vec<String>> {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let mut config = self.adapter_config.clone();
+        let base = self.base_dir.as_deref().unwrap_or(dir);
+        config["base_model_name_or_path"] = base.display().to_string().into();
+        let adapters: Vec<(String, Tensor)> = self
+            .entries
+            .iter()
+            .map(|e| (e.name.clone(), e.param.shallow_clone()))
+            .collect();
+        let mut files = crate::model::lora::write_adapter_folder(dir, &adapters, &config)?;
+        files.extend(write_optimizer_and_state(
+            dir,
+            "optimizer.safetensors",
+            &self.entries,
+            self.optimizer_step,
+            Kind::Float,
+        )?);
+        let mut raw = self.raw_config.clone();
+        if !self.base.is_empty() {
+            weights::write_tensors(&dir.join("model.safetensors"), &self.base, BTreeMap::new())?;
+            files.push("model.safetensors".into());
+            if let (Some(obj), Some((_, t))) = (raw.as_object_mut(), self.base.first()) {
+                let dt = dtype_name(t.kind());
+                obj.insert("torch_dtype".into(), dt.into());
+                obj.insert("dtype".into(), dt.into());
+            }
+        }
+        write_atomic(
+            &dir.join("config.json"),
+            serde_json::to_string_pretty(&raw)?.as_bytes(),
+        )?;
+        files.push("config.json".into());
+        Ok(files)
+    }
+
+    /// Bytes of tensor data held.
+    pub fn bytes(&self) -> u64 {
+        let nbytes = |t: &Tensor| (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+        self.entries
+            .iter()
+            .flat_map(|e| [&e.param, &e.exp_avg, &e.exp_avg_sq])
+            .map(nbytes)
+            .sum::<u64>()
+            + self.base.iter().map(|(_, t)| nbytes(t)).sum::<u64>()
+    }
+}
+
+/// Writes `entries`' moments as `opt_name` and `trainer.json`; returns
+/// the names written.
+fn write_optimizer_and_state(
+    dir: &Path,
+    opt_name: &str,
+    entries: &[ShardEntry],
+    optimizer_step: u64,
+    kind: Kind,
+) -> anyhow::Result<Vec<String>> {
+    let mut state = Vec::with_capacity(2 * entries.len());
+    for e in entries {
+        state.push((format!("{}.exp_avg", e.name), e.exp_avg.shallow_clone()));
+        state.push((
+            format!("{}.exp_avg_sq", e.name),
+            e.exp_avg_sq.shallow_clone(),
+        ));
+    }
+    let meta = BTreeMap::from([("step".to_string(), optimizer_step.to_string())]);
+    weights::write_tensors(&dir.join(opt_name), &state, meta)?;
+    let ts = TrainerState {
+        format: 1,
+        optimizer_step,
+        dtype: dtype_name(kind).into(),
+    };
+    write_atomic(
+        &dir.join("trainer.json"),
+        serde_json::to_string_pretty(&ts)?.as_bytes(),
+    )?;
+    Ok(vec![opt_name.to_string(), "trainer.json".into()])
+}
+
 /// Writes this rank's part of a sharded checkpoint: its assigned tensors
 /// (see [`assign_tensors`] over `all_sizes`, `(name, bytes)` of every
 /// parameter) and their moments. Rank 0 also writes `config.json`, the

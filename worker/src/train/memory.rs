@@ -21,12 +21,15 @@ pub struct StateBytes {
     /// Transient, at the boundary or per reduction: the largest extra
     /// buffer a collective needs (zero2: one reduce-scatter round).
     pub boundary: u64,
+    /// Parameters held that do not train (a LoRA job's frozen base, in
+    /// the compute dtype).
+    pub frozen: u64,
 }
 
 impl StateBytes {
-    /// What a rank holds between steps: parameters + gradients + optimizer
-    /// state + the compute copy.
+    /// What a rank holds between steps: parameters (frozen ones too) +
+    /// gradients + optimizer state + the compute copy.
     pub fn total(&self) -> u64 {
-        self.params + self.grads + self.optimizer + self.compute_copy
+        self.params + self.frozen + self.grads + self.optimizer + self.compute_copy
     }
 }

@@ -155,18 +155,27 @@ impl ReplicatedTrainer {
     ) -> anyhow::Result<ReplicatedTrainer> {
         let sharding = Sharding::of(cfg.sharding)?;
         let model = build_model(cfg, restore_from)?;
-        let mut vars: Vec<(String, Tensor)> = model.vs.variables().into_iter().collect();
-        vars.sort_by(|a, b| a.0.cmp(&b.0));
-        let (names, params): (Vec<String>, Vec<Tensor>) = vars.into_iter().unzip();
+        // Every variable, or a LoRA job's adapters (its base is frozen).
+        let (names, params): (Vec<String>, Vec<Tensor>) = model.trainable().into_iter().unzip();
         let decay: Vec<bool> = names
             .iter()
             .map(|n| optim::decays(n, &cfg.no_decay))
             .collect();
         let layout = FlatLayout::grouped(&params, &decay);
         let device = model.vs.device();
-        let flat_params = tch::no_grad(|| layout.flatten(&params, device).to_kind(cfg.dtype));
+        // Adapters are float32 whatever the base's dtype.
+        let master = if cfg.lora.is_some() {
+            Kind::Float
+        } else {
+            cfg.dtype
+        };
+        let flat_params = tch::no_grad(|| layout.flatten(&params, device).to_kind(master));
         bind(&params, &layout, &flat_params);
-        let groups = VarGroups::new(&names, model.cfg.num_hidden_layers)?;
+        let groups = VarGroups::new(
+            &names,
+            model.cfg.num_hidden_layers,
+            model.cfg.tie_word_embeddings,
+        );
         let compute = if cfg.mixed() {
             let m = Llama::new(
                 model.cfg.clone(),
@@ -203,7 +212,8 @@ impl ReplicatedTrainer {
         }
         let grads = Grads::new(&layout, sharding == Sharding::Zero2, coll.as_ref(), device);
         let objective = cfg.objective;
-        let reference = if objective.live_reference() {
+        // A LoRA job's reference is its base with the adapters off.
+        let reference = if objective.live_reference() && cfg.lora.is_none() {
             Some(reference_model(cfg)?)
         } else {
             None
@@ -241,6 +251,11 @@ impl ReplicatedTrainer {
         restore_from: Option<&Path>,
     ) -> anyhow::Result<ReplicatedTrainer> {
         ReplicatedTrainer::new(cfg, restore_from, Box::new(Solo))
+    }
+
+    /// Whether only LoRA adapters train.
+    fn lora(&self) -> bool {
+        self.model.adapters.is_some()
     }
 
     /// The model forward/backward run on (the compute copy, or the masters).
@@ -309,13 +324,14 @@ impl ReplicatedTrainer {
         let fwd = net.forward_train(&mb.input_ids, &mb.cu_seq_lens, self.checkpointing, &routes);
         let aux_share = fwd.aux_share;
         let head = net.lm_head_weight();
-        let chunked = loss::chunked_nll(
+        let chunked = loss::chunked_nll_with(
             &fwd.hidden,
             head,
             &targets,
             self.loss_chunk_tokens,
             1.0 / global_loss_tokens as f64,
             net.arch.final_softcap,
+            self.groups.head.is_some(),
         )
         .with_context(|| format!("microbatch {index}"))?;
         let grads = net.backward_train(

@@ -22,20 +22,37 @@ pub fn load_model(dir: &Path, kind: Kind, device: Device) -> anyhow::Result<Llam
 }
 
 /// The model of `cfg.model` (seeded random init or a HF directory), or the
-/// one saved in `restore_from`.
+/// one saved in `restore_from`. A LoRA job's base always comes from
+/// `cfg.model`, in the compute dtype, with its adapters from
+/// `restore_from`, else `lora.init`, else PEFT's initialisation.
 pub fn build_model(cfg: &JobConfig, restore_from: Option<&Path>) -> anyhow::Result<Llama> {
-    let kind = cfg.dtype;
-    let device = cfg.device;
-    match (restore_from, &cfg.model) {
-        (Some(dir), _) => load_model(dir, kind, device)
+    if let Some(lora) = &cfg.lora {
+        let mut model = base_model(cfg, cfg.precision.compute)?;
+        crate::model::lora::attach(&mut model, lora, cfg.seed)?;
+        if let Some(dir) = restore_from {
+            crate::model::lora::load_adapter(&model, dir)
+                .with_context(|| format!("restoring adapters from {}", dir.display()))?;
+        }
+        return Ok(model);
+    }
+    match restore_from {
+        Some(dir) => load_model(dir, cfg.dtype, cfg.device)
             .with_context(|| format!("restoring model from {}", dir.display())),
-        (None, ModelSource::Random { config }) => {
+        None => base_model(cfg, cfg.dtype),
+    }
+}
+
+/// The job's initial model (`cfg.model`) in `kind`.
+fn base_model(cfg: &JobConfig, kind: Kind) -> anyhow::Result<Llama> {
+    let device = cfg.device;
+    match &cfg.model {
+        ModelSource::Random { config } => {
             let (mcfg, raw) = ModelConfig::from_file(config)?;
             // Every rank draws the same init from the same seed, from its
             // own generator (see `model::init`).
             Llama::new(mcfg, raw, kind, device, Init::Seeded(cfg.seed))
         }
-        (None, ModelSource::Checkpoint(dir)) => load_model(dir, kind, device)
+        ModelSource::Checkpoint(dir) => load_model(dir, kind, device)
             .with_context(|| format!("model.init: loading {}", dir.display())),
     }
 }

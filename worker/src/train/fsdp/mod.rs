@@ -301,6 +301,7 @@ impl FsdpTrainer {
             backward: self.largest_unit_bytes() / 4 * self.kind.elt_size_in_bytes() as u64,
             // The transient gather buffer of the largest unit.
             boundary: self.largest_unit_bytes(),
+            frozen: 0,
         }
     }
 

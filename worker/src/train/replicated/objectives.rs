@@ -62,6 +62,11 @@ impl ReplicatedTrainer {
         let chunk = self.loss_chunk_tokens;
         let live = match &self.reference {
             Some(r) => Some(reference_token_logps(r, mb, &targets, chunk)?),
+            // LoRA: the base with the adapters off, no copy.
+            None if self.lora() && self.objective.live_reference() => {
+                let net = self.net();
+                Some(net.without_adapters(|| reference_token_logps(net, mb, &targets, chunk))?)
+            }
             None => None,
         };
         let net = self.net();
@@ -141,7 +146,7 @@ impl Passes for ReplicatedTrainer {
         mb.validate()
             .with_context(|| format!("microbatch {index}"))?;
         self.check_vocabulary(index, mb)?;
-        if !self.pristine && self.reference.is_none() {
+        if !self.pristine && self.reference.is_none() && !self.lora() {
             self.reference = Some(reference_model(&self.init)?);
         }
         let model = match &self.reference {
@@ -149,7 +154,9 @@ impl Passes for ReplicatedTrainer {
             None => self.net(),
         };
         let targets = loss::shifted_targets(&mb.labels, &mb.cu_seq_lens);
-        let lp = reference_token_logps(model, mb, &targets, self.loss_chunk_tokens)
+        // A LoRA job's reference is its base: the adapters off.
+        let lp = model
+            .without_adapters(|| reference_token_logps(model, mb, &targets, self.loss_chunk_tokens))
             .with_context(|| format!("microbatch {index}"))?;
         let per_token = matches!(self.objective, Objective::Pg { .. });
         head::reference_sequences(&lp, &targets, &mb.cu_seq_lens, per_token)

@@ -21,6 +21,9 @@ impl Checkpointing for ReplicatedTrainer {
     /// the moment shards are all-gathered first (a collective every rank
     /// joins); nothing is written here.
     fn checkpoint_snapshot(&mut self) -> anyhow::Result<CheckpointWrite> {
+        if self.lora() {
+            return self.adapter_snapshot();
+        }
         let (rank, world) = (self.coll.rank(), self.coll.world_size());
         let elt = self.model.kind().elt_size_in_bytes();
         let sizes: Vec<(String, usize)> = self
@@ -57,6 +60,30 @@ impl Checkpointing for ReplicatedTrainer {
 }
 
 impl ReplicatedTrainer {
+    /// A LoRA job's checkpoint: the adapters are small, so rank 0 writes
+    /// it whole (`checkpoint::AdapterSnapshot`) and the other ranks only
+    /// join the moments' gather (zero2).
+    fn adapter_snapshot(&mut self) -> anyhow::Result<CheckpointWrite> {
+        let (avg, avg_sq) = self.full_moments()?;
+        if self.coll.rank() != 0 {
+            return Ok(Box::new(|_| Ok(Vec::new())));
+        }
+        let entries: Vec<ShardEntry> = self
+            .names
+            .iter()
+            .enumerate()
+            .map(|(i, n)| ShardEntry {
+                name: n.clone(),
+                param: self.params[i].shallow_clone(),
+                exp_avg: avg[i].shallow_clone(),
+                exp_avg_sq: avg_sq[i].shallow_clone(),
+            })
+            .collect();
+        let snap =
+            checkpoint::AdapterSnapshot::new(&self.model, &self.init, self.opt.step, entries)?;
+        Ok(Box::new(move |dir| snap.write(dir)))
+    }
+
     /// AdamW moments per whole parameter (views of the flat moments at
     /// ddp; zero2: all-gathered from the ranks' shards, a collective every
     /// rank must join).
@@ -145,7 +172,7 @@ impl ReplicatedTrainer {
     /// (see [`StateBytes`]).
     pub fn state_bytes(&self) -> StateBytes {
         let numel = self.layout.total as u64;
-        let master = self.model.kind().elt_size_in_bytes() as u64;
+        let master = self.flat_params.kind().elt_size_in_bytes() as u64;
         let compute = self.net().kind().elt_size_in_bytes() as u64;
         let moments: u64 = self
             .opt
@@ -173,6 +200,18 @@ impl ReplicatedTrainer {
             },
             backward: numel * compute,
             boundary,
+            frozen: self.frozen_bytes(),
         }
+    }
+
+    /// Bytes of the variables that do not train (a LoRA job's base).
+    fn frozen_bytes(&self) -> u64 {
+        self.model
+            .vs
+            .variables()
+            .iter()
+            .filter(|(n, _)| self.lora() && !crate::model::lora::is_adapter(n))
+            .map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
+            .sum()
     }
 }

@@ -96,6 +96,18 @@ pub fn job_definition(spec: &JobSpec) -> wire::JobDefinition {
             CollectiveChoice::Auto => wire::CollectiveChoice::Auto,
             CollectiveChoice::Ring => wire::CollectiveChoice::Ring,
         } as i32,
+        lora: spec.lora.as_ref().map(|l| wire::LoraDefinition {
+            rank: l.rank,
+            alpha: l.alpha,
+            dropout: l.dropout,
+            target_modules: l.target_modules.names(),
+            use_rslora: l.use_rslora,
+            init: l
+                .init
+                .as_ref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default(),
+        }),
     }
 }
 

@@ -1,0 +1,296 @@
+//! LoRA against PEFT (issue 35): the tiny transformers models of
+//! `make_tiny_llama.py` wrapped by `peft.get_peft_model` and trained with
+//! torch's AdamW (`scripts/reference/lora_peft.py`), starting from one
+//! PEFT adapter with a non-zero B (every LoRA weight gets a gradient at
+//! step 1), which the Accrue job loads as `lora.init`. Three steps of SFT
+//! and of DPO (reference: the base with the adapters off), on 1 rank and
+//! on 2 ranks at ddp and zero2 with uneven microbatches and padding:
+//! every adapter weight after every step equals PEFT's (per tensor
+//! ‖a−b‖ ≤ 1e-5·‖b‖), and the base weights stay bit-identical to the
+//! checkpoint they were loaded from.
+//!
+//! AdamW's eps is 1e-6 on both sides (see `optimizer.rs`: at step 1 an
+//! element's update follows the last bits of a near-zero gradient).
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use accrue_worker::batch::{MicrobatchMeta, PackedBatch, SeqMeta, StepNorms};
+use accrue_worker::collective::local::LocalGroup;
+use accrue_worker::model::lora::is_adapter;
+use accrue_worker::train::{Passes, ReplicatedTrainer, Trainer};
+use tch::Tensor;
+
+const TOL: f64 = 1e-5;
+const STEPS: usize = 3;
+const EPS: &str = "1e-6";
+const LR: &str = "1e-3";
+
+type Doc = (Vec<i64>, Vec<i64>);
+
+struct Reference {
+    model: PathBuf,
+    init: PathBuf,
+    docs: Vec<Doc>,
+    steps: HashMap<String, Tensor>,
+}
+
+fn reference(dir: &Path, variant: &str, objective: &str, targets: &str) -> Reference {
+    let tensors = common::make_reference(dir, variant);
+    let model = dir.join("model");
+    let out = dir.join("peft");
+    common::python(
+        "lora_peft.py",
+        &[
+            model.to_str().unwrap(),
+            dir.join("reference.safetensors").to_str().unwrap(),
+            out.to_str().unwrap(),
+            "--objective",
+            objective,
+            "--targets",
+            targets,
+            "--steps",
+            &STEPS.to_string(),
+            "--eps",
+            EPS,
+            "--lr",
+            LR,
+        ],
+    );
+    Reference {
+        model,
+        init: out.join("init"),
+        docs: common::documents(&tensors),
+        steps: common::read(&out.join("steps.safetensors")),
+    }
+}
+
+fn job(
+    r: &Reference,
+    sharding: &str,
+    objective: &str,
+    targets: &str,
+) -> accrue_worker::config::JobConfig {
+    let objective = match objective {
+        "dpo" => "[objective]\nkind = \"dpo\"\nbeta = 0.1\nreference = \"live\"\n",
+        _ => "",
+    };
+    let targets = if targets == "all-linear" {
+        "\"all-linear\"".to_string()
+    } else {
+        format!("{:?}", targets.split(',').collect::<Vec<_>>())
+    };
+    common::job_config(
+        r.model.to_str().unwrap(),
+        &format!(
+            "[optimizer]\nlr = {LR}\nweight_decay = 0.1\ngrad_clip = 1.0\neps = {EPS}\nbetas = [0.9, 0.95]\n\
+             [runtime]\nloss_chunk_tokens = 16\n[parallel]\nsharding = \"{sharding}\"\n{objective}\
+             [lora]\nrank = 4\nalpha = 8\ntarget_modules = {targets}\ninit = \"{}\"\n",
+            r.init.display(),
+        ),
+    )
+}
+
+/// One rank's microbatches of a step: SFT documents, or DPO pairs
+/// (documents 2i, 2i+1) with their roles.
+fn microbatches(
+    docs: &[Doc],
+    objective: &str,
+    groups: &[Vec<usize>],
+) -> Vec<(PackedBatch, MicrobatchMeta)> {
+    groups
+        .iter()
+        .map(|g| {
+            if g.is_empty() {
+                return (PackedBatch::default(), MicrobatchMeta::default());
+            }
+            if objective == "sft" {
+                let d: Vec<Doc> = g.iter().map(|&i| docs[i].clone()).collect();
+                return (common::batch(&d), MicrobatchMeta::default());
+            }
+            let mut d = Vec::new();
+            let mut seqs = Vec::new();
+            for &p in g {
+                for role in 0..2u32 {
+                    d.push(docs[2 * p + role as usize].clone());
+                    seqs.push(SeqMeta {
+                        doc_id: format!("pair-{p}"),
+                        role,
+                        advantage: None,
+                        ref_logp: None,
+                    });
+                }
+            }
+            (
+                common::batch(&d),
+                MicrobatchMeta {
+                    seqs,
+                    ..Default::default()
+                },
+            )
+        })
+        .collect()
+}
+
+/// Trains `STEPS` steps on `layout[rank]` (groups of documents or pairs
+/// per microbatch) and returns, per step, rank 0's adapters, and the base
+/// weights after training.
+fn train(
+    r: &Reference,
+    sharding: &str,
+    objective: &str,
+    targets: &str,
+    layout: &[Vec<Vec<usize>>],
+) -> Trained {
+    let cfg = job(r, sharding, objective, targets);
+    let world = layout.len();
+    let norms = StepNorms {
+        loss_tokens: common::batch(&r.docs).loss_tokens(),
+        pairs: (r.docs.len() / 2) as u64,
+        sequences: 0,
+    };
+    let handles: Vec<_> = LocalGroup::new(world)
+        .into_iter()
+        .enumerate()
+        .map(|(rank, coll)| {
+            let cfg = cfg.clone();
+            let mbs = microbatches(&r.docs, objective, &layout[rank]);
+            std::thread::spawn(move || {
+                tch::set_num_threads(1);
+                let mut t = ReplicatedTrainer::new(&cfg, None, Box::new(coll)).unwrap();
+                let mut per_step = Vec::new();
+                let mut grads = Vec::new();
+                for s in 0..STEPS {
+                    for (i, (mb, meta)) in mbs.iter().enumerate() {
+                        t.train_microbatch(i, mb, meta, &norms).unwrap();
+                    }
+                    if s == 0 && world == 1 {
+                        grads = common::snapshot(&t.named_grads());
+                    }
+                    t.optimizer_step(LR.parse().unwrap()).unwrap();
+                    per_step.push(common::snapshot(&t.named_parameters()));
+                }
+                let mut base: Vec<(String, Tensor)> = t
+                    .model()
+                    .vs
+                    .variables()
+                    .into_iter()
+                    .filter(|(n, _)| !is_adapter(n))
+                    .map(|(n, t)| (n, t.detach().copy()))
+                    .collect();
+                base.sort_by(|a, b| a.0.cmp(&b.0));
+                (per_step, base, grads)
+            })
+        })
+        .collect();
+    let mut results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    for (rank, (steps, _, _)) in results.iter().enumerate().skip(1) {
+        let (w, n) = common::worst_rel(&steps[STEPS - 1], &results[0].0[STEPS - 1]);
+        assert_eq!(
+            w, 0.0,
+            "rank {rank}'s adapters drifted from rank 0's at {n}"
+        );
+    }
+    let (steps, base, grads) = results.swap_remove(0);
+    Trained { steps, base, grads }
+}
+
+/// Rank 0's adapters after every step, its base weights after training,
+/// and (one rank) the gradients of step 1.
+struct Trained {
+    steps: Vec<Vec<(String, Tensor)>>,
+    base: Vec<(String, Tensor)>,
+    grads: Vec<(String, Tensor)>,
+}
+
+fn parity(variant: &str, objective: &str, targets: &str) {
+    tch::set_num_threads(2);
+    let dir = tempfile::tempdir().unwrap();
+    let r = reference(dir.path(), variant, objective, targets);
+    let units = if objective == "sft" {
+        r.docs.len()
+    } else {
+        r.docs.len() / 2
+    };
+    assert!(units >= 3, "{units} documents or pairs");
+    let all: Vec<usize> = (0..units).collect();
+    // 1 rank, uneven microbatches; 2 ranks, rank 1 with a padding one.
+    let one = vec![vec![all[..1].to_vec(), all[1..].to_vec()]];
+    let two = vec![
+        vec![all[..1].to_vec(), all[1..2].to_vec()],
+        vec![all[2..].to_vec(), vec![]],
+    ];
+    let stored = common::read(&r.model.join("model.safetensors"));
+    for (sharding, layout) in [("ddp", &one), ("ddp", &two), ("zero2", &two)] {
+        let Trained { steps, base, grads } = train(&r, sharding, objective, targets, layout);
+        let mut worst = (0.0f64, String::new());
+        for (name, g) in &grads {
+            let (d, n) = common::diff_norms(g, &r.steps[&format!("grad.{name}")]);
+            assert!(n > 0.0, "{name}: PEFT's gradient is zero");
+            if d / n > worst.0 {
+                worst = (d / n, format!("gradient of {name}"));
+            }
+        }
+        for (s, adapters) in steps.iter().enumerate() {
+            assert!(!adapters.is_empty());
+            for (name, got) in adapters {
+                assert!(is_adapter(name), "{name} trained");
+                let want = r
+                    .steps
+                    .get(&format!("step{}.{name}", s + 1))
+                    .unwrap_or_else(|| panic!("PEFT has no {name}"));
+                let (d, n) = common::diff_norms(got, want);
+                if d / n > worst.0 {
+                    worst = (d / n, format!("step {} {name}", s + 1));
+                }
+            }
+            let theirs = r
+                .steps
+                .keys()
+                .filter(|k| k.starts_with(&format!("step{}.", s + 1)))
+                .count();
+            assert_eq!(adapters.len(), theirs, "adapter count");
+        }
+        println!(
+            "{variant} {objective} {targets} {sharding} {} ranks: worst adapter ‖a−b‖/‖b‖ {:e} ({})",
+            layout.len(),
+            worst.0,
+            worst.1
+        );
+        assert!(worst.0 <= TOL, "{}: {:e}", worst.1, worst.0);
+        for (name, t) in &base {
+            let want = &stored[name];
+            assert!(
+                t.equal(want),
+                "{sharding}: base weight {name} changed while training adapters"
+            );
+        }
+        assert_eq!(base.len(), stored.len(), "base variables");
+    }
+}
+
+#[test]
+fn sft_llama_all_linear_equals_peft() {
+    parity("llama", "sft", "all-linear");
+}
+
+#[test]
+fn dpo_llama_equals_peft_with_the_base_as_reference() {
+    parity("llama", "dpo", "q_proj,v_proj,down_proj");
+}
+
+#[test]
+fn sft_qwen3_equals_peft() {
+    parity(
+        "qwen3",
+        "sft",
+        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+    );
+}
+
+#[test]
+fn dpo_qwen3_all_linear_equals_peft() {
+    parity("qwen3", "dpo", "all-linear");
+}
