@@ -198,6 +198,8 @@ pub enum Command {
     /// (in --dtype, sharded by --shard-size, with an index), config.json and
     /// the tokenizer files; no optimizer state. The folder loads with
     /// `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`.
+    /// A LoRA checkpoint exports its PEFT adapter folder
+    /// (`PeftModel.from_pretrained`), or with --merge the merged model.
     Export {
         /// The checkpoint directory (OUTPUT_DIR/checkpoints/step-N).
         #[arg(value_name = "CKPT")]
@@ -212,6 +214,11 @@ pub enum Command {
         /// `save_pretrained(max_shard_size=...)`.
         #[arg(long, value_name = "SIZE", default_value = "5GB", value_parser = accrue_coordinator::model::export::parse_size)]
         shard_size: u64,
+        /// A LoRA checkpoint: write the full model with the adapters merged
+        /// into its weights (PEFT's `merge_and_unload`), not the adapter
+        /// folder.
+        #[arg(long)]
+        merge: bool,
     },
     /// Submit a job; prints its id.
     ///

@@ -66,10 +66,12 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             out,
             dtype,
             shard_size,
+            merge,
         } => {
             let opts = accrue_coordinator::model::export::ExportOptions {
                 dtype,
                 shard_bytes: shard_size,
+                merge,
             };
             let r = accrue_coordinator::model::export::export(&checkpoint, &out, &opts)?;
             for f in &r.missing_tokenizer_files {

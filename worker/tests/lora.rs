@@ -294,3 +294,95 @@ fn sft_qwen3_equals_peft() {
 fn dpo_qwen3_all_linear_equals_peft() {
     parity("qwen3", "dpo", "all-linear");
 }
+
+/// A trained adapter's checkpoint exports (`accrue export`) as a folder
+/// `PeftModel.from_pretrained` loads with our logits, and `--merge` as
+/// the model PEFT's `merge_and_unload` makes.
+#[test]
+fn exported_adapter_loads_in_peft_and_merged_export_equals_merge_and_unload() {
+    use accrue_coordinator::model::export::{export, ExportOptions};
+    use accrue_worker::train::Checkpointing;
+    tch::set_num_threads(2);
+    let dir = tempfile::tempdir().unwrap();
+    let r = reference(dir.path(), "llama", "sft", "q_proj,o_proj,up_proj");
+    let cfg = job(&r, "ddp", "sft", "q_proj,o_proj,up_proj");
+    let mut t = ReplicatedTrainer::single(&cfg, None).unwrap();
+    let mb = common::batch(&r.docs);
+    let norms = StepNorms {
+        loss_tokens: mb.loss_tokens(),
+        ..Default::default()
+    };
+    t.train_microbatch(0, &mb, &MicrobatchMeta::default(), &norms)
+        .unwrap();
+    t.optimizer_step(1e-2).unwrap();
+    let ckpt = dir.path().join("ckpt");
+    t.save_checkpoint(&ckpt).unwrap();
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(ckpt.join("adapter_config.json")).unwrap()).unwrap();
+    assert_eq!(
+        config["base_model_name_or_path"].as_str(),
+        r.model.to_str(),
+        "the adapter names its base"
+    );
+    let (adapter, merged) = (dir.path().join("adapter"), dir.path().join("merged"));
+    for (out, merge) in [(&adapter, false), (&merged, true)] {
+        let opts = ExportOptions {
+            dtype: None,
+            shard_bytes: 5 << 30,
+            merge,
+        };
+        export(&ckpt, out, &opts).unwrap();
+    }
+    assert!(adapter.join("adapter_model.safetensors").is_file());
+    assert!(!adapter.join("model.safetensors").exists());
+    assert!(merged.join("model.safetensors").is_file());
+    // A checkpoint holding the whole model cannot be merged.
+    let whole = dir.path().join("whole");
+    let e = export(
+        &r.model,
+        &whole,
+        &ExportOptions {
+            dtype: None,
+            shard_bytes: 5 << 30,
+            merge: true,
+        },
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("LoRA"), "{e}");
+
+    let ids: Vec<i64> = r.docs[0].0.clone();
+    let ours = t.model().logits(&ids, &[0, ids.len() as i64]);
+    let out = dir.path().join("logits.safetensors");
+    let mut args: Vec<String> = [&r.model, &adapter, &merged, &out]
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect();
+    args.extend(ids.iter().map(i64::to_string));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let report: serde_json::Value = serde_json::from_str(
+        common::python_output("lora_export.py", &args)
+            .lines()
+            .last()
+            .unwrap(),
+    )
+    .unwrap();
+    let theirs = common::read(&out);
+    let peft = common::max_abs_diff(&ours, &theirs["peft.logits"]);
+    let merged_logits = common::max_abs_diff(&theirs["merged.logits"], &theirs["peft.logits"]);
+    let weights = report["worst_weight_diff"].as_f64().unwrap();
+    println!(
+        "logits vs PEFT {peft:e}; merged export vs PEFT {merged_logits:e}; merged weights vs merge_and_unload {weights:e} ({})",
+        report["worst"]
+    );
+    assert!(peft <= 1e-5, "our logits vs PEFT's: {peft}");
+    assert!(
+        merged_logits <= 1e-5,
+        "merged export's logits: {merged_logits}"
+    );
+    assert!(weights <= 1e-6, "merged weights: {weights}");
+    // The adapter is not a no-op: the base alone scores otherwise.
+    let base = t
+        .model()
+        .without_adapters(|| t.model().logits(&ids, &[0, ids.len() as i64]));
+    assert!(common::max_abs_diff(&ours, &base) > 1e-3);
+}

@@ -9,6 +9,7 @@
 //! checkpoint into the folder a user uploads: weights only (no optimizer
 //! state), in a chosen dtype, sharded by size with an index.
 
+mod adapter;
 mod byte_tokenizer;
 mod folder;
 mod weights;

@@ -48,7 +48,7 @@ impl Dtype {
         }
     }
 
-    fn st(self) -> StDtype {
+    pub(super) fn st(self) -> StDtype {
         match self {
             Dtype::Float32 => StDtype::F32,
             Dtype::BFloat16 => StDtype::BF16,
@@ -56,7 +56,7 @@ impl Dtype {
         }
     }
 
-    fn of(st: StDtype) -> Option<Self> {
+    pub(super) fn of(st: StDtype) -> Option<Self> {
         match st {
             StDtype::F32 => Some(Dtype::Float32),
             StDtype::BF16 => Some(Dtype::BFloat16),
@@ -110,6 +110,9 @@ pub struct ExportOptions {
     /// None: keep each tensor's dtype.
     pub dtype: Option<Dtype>,
     pub shard_bytes: u64,
+    /// A LoRA checkpoint: write the full model with the adapters merged
+    /// into its weights instead of the adapter folder.
+    pub merge: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -137,14 +140,14 @@ pub enum ExportError {
     OutNotEmpty(PathBuf),
 }
 
-fn io(path: &Path) -> impl FnOnce(std::io::Error) -> ExportError + '_ {
+pub(super) fn io(path: &Path) -> impl FnOnce(std::io::Error) -> ExportError + '_ {
     move |source| ExportError::Io {
         path: path.to_path_buf(),
         source,
     }
 }
 
-fn bad(path: &Path, message: impl Into<String>) -> ExportError {
+pub(super) fn bad(path: &Path, message: impl Into<String>) -> ExportError {
     ExportError::Bad {
         path: path.to_path_buf(),
         message: message.into(),
@@ -152,7 +155,7 @@ fn bad(path: &Path, message: impl Into<String>) -> ExportError {
 }
 
 /// The weight files of a checkpoint: one file, or those its index names.
-fn weight_files(ckpt: &Path) -> Result<Vec<PathBuf>, ExportError> {
+pub(super) fn weight_files(ckpt: &Path) -> Result<Vec<PathBuf>, ExportError> {
     let single = ckpt.join("model.safetensors");
     if single.is_file() {
         return Ok(vec![single]);
@@ -198,7 +201,7 @@ fn weight_files(ckpt: &Path) -> Result<Vec<PathBuf>, ExportError> {
 
 /// `bytes` (little-endian `from`) as little-endian `to`; floats round to
 /// nearest even, as torch's `.to(dtype)` does.
-fn convert(bytes: &[u8], from: Dtype, to: Dtype) -> Vec<u8> {
+pub(super) fn convert(bytes: &[u8], from: Dtype, to: Dtype) -> Vec<u8> {
     if from == to {
         return bytes.to_vec();
     }
@@ -218,33 +221,72 @@ fn convert(bytes: &[u8], from: Dtype, to: Dtype) -> Vec<u8> {
     out
 }
 
-struct Tensor {
-    name: String,
-    dtype: StDtype,
-    shape: Vec<usize>,
-    data: Vec<u8>,
+pub(super) struct Tensor {
+    pub(super) name: String,
+    pub(super) dtype: StDtype,
+    pub(super) shape: Vec<usize>,
+    pub(super) data: Vec<u8>,
 }
 
 /// Exports the checkpoint at `ckpt` into `out` (created; must be empty).
+/// A LoRA checkpoint (`adapter_model.safetensors`) exports its adapter
+/// folder, or with `opts.merge` the merged model (`super::adapter`).
 pub fn export(ckpt: &Path, out: &Path, opts: &ExportOptions) -> Result<ExportReport, ExportError> {
     let config_path = ckpt.join("config.json");
-    let mut config: Value =
+    let config: Value =
         serde_json::from_slice(&std::fs::read(&config_path).map_err(io(&config_path))?)
             .map_err(|e| bad(&config_path, format!("invalid json: {e}")))?;
-    let files = weight_files(ckpt)?;
     if out.exists() && std::fs::read_dir(out).map_err(io(out))?.next().is_some() {
         return Err(ExportError::OutNotEmpty(out.to_path_buf()));
     }
+    if super::adapter::is_adapter_checkpoint(ckpt) {
+        return if opts.merge {
+            let tensors = super::adapter::merged(ckpt, opts.dtype)?;
+            write_folder(ckpt, out, tensors, config, opts)
+        } else {
+            super::adapter::export_adapter(ckpt, out, opts.dtype)
+        };
+    }
+    if opts.merge {
+        return Err(bad(
+            ckpt,
+            "--merge needs a LoRA checkpoint (adapter_model.safetensors); this one holds the whole model",
+        ));
+    }
+    let tensors = read_weights(ckpt, opts.dtype)?;
+    write_folder(ckpt, out, tensors, config, opts)
+}
+
+/// Every tensor of the checkpoint's weight files, converted to `dtype`
+/// (kept when `None`), sorted by name; a name in two files is an error.
+pub(super) fn read_weights(ckpt: &Path, dtype: Option<Dtype>) -> Result<Vec<Tensor>, ExportError> {
+    let files = weight_files(ckpt)?;
     let mut tensors = Vec::new();
-    let mut out_dtype = None;
     for f in &files {
+        tensors.extend(read_file(f, dtype)?);
+    }
+    tensors.sort_by(|a, b| a.name.cmp(&b.name));
+    if let Some(w) = tensors.windows(2).find(|w| w[0].name == w[1].name) {
+        return Err(bad(
+            ckpt,
+            format!("tensor {} is in two weight files", w[0].name),
+        ));
+    }
+    Ok(tensors)
+}
+
+/// The tensors of one safetensors file, converted to `dtype` (kept when
+/// `None`).
+pub(super) fn read_file(f: &Path, dtype: Option<Dtype>) -> Result<Vec<Tensor>, ExportError> {
+    let mut tensors = Vec::new();
+    {
         let bytes = std::fs::read(f).map_err(io(f))?;
         let st = SafeTensors::deserialize(&bytes).map_err(|e| bad(f, e.to_string()))?;
         let mut names: Vec<String> = st.names().into_iter().map(str::to_string).collect();
         names.sort();
         for name in names {
             let view = st.tensor(&name).map_err(|e| bad(f, e.to_string()))?;
-            let (dtype, data) = match (Dtype::of(view.dtype()), opts.dtype) {
+            let (dtype, data) = match (Dtype::of(view.dtype()), dtype) {
                 (Some(from), Some(to)) => (to.st(), convert(view.data(), from, to)),
                 (_, None) => (view.dtype(), view.data().to_vec()),
                 (None, Some(_)) => {
@@ -254,7 +296,6 @@ pub fn export(ckpt: &Path, out: &Path, opts: &ExportOptions) -> Result<ExportRep
                     ))
                 }
             };
-            out_dtype = Dtype::of(dtype).or(out_dtype);
             tensors.push(Tensor {
                 name,
                 dtype,
@@ -263,13 +304,20 @@ pub fn export(ckpt: &Path, out: &Path, opts: &ExportOptions) -> Result<ExportRep
             });
         }
     }
-    tensors.sort_by(|a, b| a.name.cmp(&b.name));
-    if let Some(w) = tensors.windows(2).find(|w| w[0].name == w[1].name) {
-        return Err(bad(
-            ckpt,
-            format!("tensor {} is in two weight files", w[0].name),
-        ));
-    }
+    Ok(tensors)
+}
+
+/// Writes `tensors` as a Hugging Face model folder in `out` (shards of
+/// `opts.shard_bytes`, `config.json` with their dtype, the checkpoint's
+/// tokenizer files).
+fn write_folder(
+    ckpt: &Path,
+    out: &Path,
+    tensors: Vec<Tensor>,
+    mut config: Value,
+    opts: &ExportOptions,
+) -> Result<ExportReport, ExportError> {
+    let out_dtype = tensors.iter().rev().find_map(|t| Dtype::of(t.dtype));
     // Greedy shards in name order, as transformers' save_pretrained packs
     // them: a tensor larger than the limit gets a shard of its own.
     let mut shards: Vec<Vec<usize>> = vec![Vec::new()];
@@ -322,6 +370,18 @@ pub fn export(ckpt: &Path, out: &Path, opts: &ExportOptions) -> Result<ExportRep
     }
     let path = out.join("config.json");
     std::fs::write(&path, serde_json::to_vec_pretty(&config).expect("json")).map_err(io(&path))?;
+    let missing = copy_tokenizer_files(ckpt, out)?;
+    Ok(ExportReport {
+        tensors: tensors.len(),
+        bytes: total,
+        shards: names,
+        missing_tokenizer_files: missing,
+    })
+}
+
+/// Copies the checkpoint's tokenizer files into `out`; returns the
+/// required ones it lacks.
+pub(super) fn copy_tokenizer_files(ckpt: &Path, out: &Path) -> Result<Vec<String>, ExportError> {
     let mut missing = Vec::new();
     for f in TOKENIZER_FILES {
         let from = ckpt.join(f);
@@ -348,12 +408,7 @@ pub fn export(ckpt: &Path, out: &Path, opts: &ExportOptions) -> Result<ExportRep
                 .map_err(io(&from))?;
         }
     }
-    Ok(ExportReport {
-        tensors: tensors.len(),
-        bytes: total,
-        shards: names,
-        missing_tokenizer_files: missing,
-    })
+    Ok(missing)
 }
 
 #[cfg(test)]
@@ -492,6 +547,7 @@ mod tests {
             &ck,
             &out,
             &ExportOptions {
+                merge: false,
                 dtype: Some(Dtype::BFloat16),
                 shard_bytes: 400,
             },
@@ -534,6 +590,7 @@ mod tests {
             &ck,
             &out,
             &ExportOptions {
+                merge: false,
                 dtype: None,
                 shard_bytes: 1 << 30,
             },
@@ -552,6 +609,7 @@ mod tests {
             &ck,
             &out,
             &ExportOptions {
+                merge: false,
                 dtype: None,
                 shard_bytes: 1 << 20,
             },
@@ -572,6 +630,7 @@ mod tests {
             tmp.path(),
             &tmp.path().join("o"),
             &ExportOptions {
+                merge: false,
                 dtype: None,
                 shard_bytes: 1,
             },
