@@ -129,6 +129,9 @@ pub enum Event {
         job: JobId,
         generation: u64,
         version: u64,
+        /// Bytes the generator received and the seconds it took.
+        bytes: u64,
+        seconds: f64,
     },
     SubmitJob {
         id: JobId,

@@ -94,8 +94,10 @@ impl JobCtx<'_> {
                 worker,
                 generation,
                 version,
+                bytes,
+                seconds,
                 ..
-            } => self.on_weights_synced(&worker, generation, version),
+            } => self.on_weights_synced(&worker, generation, version, (bytes, seconds)),
             Event::EngineReloaded { step, result, .. } => self.on_engine_reloaded(step, result),
             // Not one job's: the coordinator handles them.
             Event::Heartbeats { .. }

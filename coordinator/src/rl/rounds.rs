@@ -196,6 +196,10 @@ pub struct EngineLoop {
     /// Generator workers: those that have not yet answered the weight
     /// sync in flight (`reloading`).
     pub awaiting: BTreeSet<String>,
+    /// The sync in flight so far: bytes each generator received (a LoRA
+    /// job's adapters only) and the slowest generator's seconds.
+    pub sync_bytes: u64,
+    pub sync_s: f64,
 }
 
 impl EngineLoop {
@@ -211,6 +215,8 @@ impl EngineLoop {
         self.asked_publish = None;
         self.round = None;
         self.awaiting.clear();
+        self.sync_bytes = 0;
+        self.sync_s = 0.0;
     }
 
     /// Whether a round of the engine's is out (generating or answered

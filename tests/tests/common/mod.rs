@@ -335,6 +335,8 @@ pub async fn fake_generator(
                     generation: w.generation,
                     version: w.version,
                     rank,
+                    bytes: 0,
+                    seconds: 0.0,
                 })))
                 .await?;
             }

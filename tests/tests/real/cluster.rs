@@ -539,7 +539,9 @@ pub fn final_params_at(out: &Path, step: u64) -> Params {
     for e in std::fs::read_dir(&ck).unwrap_or_else(|e| panic!("{}: {e}", ck.display())) {
         let p = e.unwrap().path();
         let name = p.file_name().unwrap().to_string_lossy().to_string();
-        if !(name.starts_with("model") && name.ends_with(".safetensors")) {
+        // A LoRA job's adapters are parameters too.
+        let weights = name.starts_with("model") || name.starts_with("adapter_model");
+        if !(weights && name.ends_with(".safetensors")) {
             continue;
         }
         let bytes = std::fs::read(&p).unwrap();

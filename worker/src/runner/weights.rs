@@ -169,12 +169,14 @@ impl Thread {
             generation: s.generation,
             step: SYNC_KEY_STEP,
         });
+        let start = std::time::Instant::now();
         let got =
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| h.exec.receive_policy()))
                 .unwrap_or_else(|payload| Err(crate::error::from_panic(payload.as_ref())));
+        let seconds = start.elapsed().as_secs_f64();
         lock(&self.in_flight).running = None;
         match got {
-            Ok(version) => {
+            Ok(policy_sync::Received { version, bytes }) => {
                 h.step = version;
                 let rank = h.rank;
                 self.progress
@@ -183,6 +185,8 @@ impl Thread {
                 info!(
                     step = version,
                     asked = s.version,
+                    bytes,
+                    seconds,
                     "policy received from trainer rank 0"
                 );
                 self.send(Msg::WeightsSynced(wire::WeightsSynced {
@@ -190,6 +194,8 @@ impl Thread {
                     generation: s.generation,
                     version,
                     rank,
+                    bytes,
+                    seconds,
                 }));
             }
             Err(e) => {

@@ -27,8 +27,18 @@ pub struct Generator {
 impl Generator {
     /// The job's model architecture, allocated empty in the compute dtype
     /// on `cfg.device`: nothing is read from disk (the weights come from
-    /// the trainer).
+    /// the trainer). A LoRA job's generator builds the frozen base as the
+    /// trainers do (it never changes) with its adapters, and receives only
+    /// the adapters.
     pub fn new(cfg: &JobConfig, ring: Box<dyn Collective>) -> anyhow::Result<Generator> {
+        if cfg.lora.is_some() {
+            let model = super::source::build_model(cfg, None)?;
+            return Ok(Generator {
+                model: frozen(model),
+                ring,
+                version: None,
+            });
+        }
         let config = match &cfg.model {
             ModelSource::Random { config } => config.clone(),
             ModelSource::Checkpoint(dir) => dir.join("config.json"),
@@ -109,11 +119,11 @@ impl Trainer for Generator {
         self.model.vs.device()
     }
 
-    fn receive_policy(&mut self) -> anyhow::Result<u64> {
+    fn receive_policy(&mut self) -> anyhow::Result<super::policy_sync::Received> {
         // A failed transfer leaves the model part old, part new.
         self.version = None;
-        let v = super::policy_sync::receive(self.ring.as_mut(), &self.model)?;
-        self.version = Some(v);
-        Ok(v)
+        let got = super::policy_sync::receive(self.ring.as_mut(), &self.model)?;
+        self.version = Some(got.version);
+        Ok(got)
     }
 }

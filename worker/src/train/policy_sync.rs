@@ -2,7 +2,8 @@
 //! broadcast from trainer rank 0 to the generators over the weight ring.
 //!
 //! The payload is every parameter of the model generation runs on (the
-//! trainer's compute copy: `Trainer::policy`), in HF name order, each
+//! trainer's compute copy: `Trainer::policy`) — of a LoRA job only the
+//! adapters, the generators holding the same frozen base — in HF name order, each
 //! tensor's bytes in its own dtype, back to back: the generators load
 //! exactly the bits the trainer holds (bf16 stays bf16), so their weights
 //! equal the trainer's. Collectives move float32, so the bytes travel as
@@ -43,11 +44,19 @@ impl PolicyPayload {
     }
 }
 
-/// The model's parameters in name order (the order both sides use).
+/// The parameters that change with training (a LoRA job's adapters, else
+/// every parameter) in name order (the order both sides use).
 fn named(model: &Llama) -> Vec<(String, Tensor)> {
-    let mut vars: Vec<(String, Tensor)> = model.vs.variables().into_iter().collect();
-    vars.sort_by(|a, b| a.0.cmp(&b.0));
-    vars
+    model.trainable()
+}
+
+/// What a generator received.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Received {
+    /// The committed step of the policy.
+    pub version: u64,
+    /// Bytes of parameters received.
+    pub bytes: u64,
 }
 
 /// FNV-1a over every parameter's name, shape and dtype, and the total
@@ -140,8 +149,8 @@ pub fn send(coll: &mut dyn Collective, payload: &PolicyPayload) -> anyhow::Resul
 }
 
 /// A generator: receives the policy trainer rank 0 sends into `model`'s
-/// parameters; returns its version.
-pub fn receive(coll: &mut dyn Collective, model: &Llama) -> anyhow::Result<u64> {
+/// parameters.
+pub fn receive(coll: &mut dyn Collective, model: &Llama) -> anyhow::Result<Received> {
     let vars = named(model);
     let (layout, len) = layout_of(&vars);
     let device = coll.device();
@@ -173,7 +182,10 @@ pub fn receive(coll: &mut dyn Collective, model: &Llama) -> anyhow::Result<u64> 
             at += n;
         }
     });
-    Ok(version)
+    Ok(Received {
+        version,
+        bytes: len,
+    })
 }
 
 #[cfg(test)]
@@ -212,7 +224,7 @@ mod tests {
                             return None;
                         }
                         let model = tiny(kind, Init::Empty);
-                        let v = receive(&mut g, &model).unwrap();
+                        let v = receive(&mut g, &model).unwrap().version;
                         Some((v, snapshot(&model, v).unwrap().bytes))
                     })
                 })

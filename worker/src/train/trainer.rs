@@ -216,8 +216,9 @@ pub trait Trainer: Passes + Membership + Checkpointing {
     }
 
     /// A generator of a disaggregated RL job: loads the policy trainer
-    /// rank 0 broadcasts over the weight ring; returns its version.
-    fn receive_policy(&mut self) -> anyhow::Result<u64> {
+    /// rank 0 broadcasts over the weight ring; returns its version and
+    /// size.
+    fn receive_policy(&mut self) -> anyhow::Result<super::policy_sync::Received> {
         bail!("only a generator worker takes its weights from trainer rank 0")
     }
 

@@ -631,6 +631,8 @@ impl Sim {
                     job,
                     generation,
                     version,
+                    bytes: 0,
+                    seconds: 0.0,
                 }
             }
             ToWorker::Abort { .. } | ToWorker::Release { .. } => return true,

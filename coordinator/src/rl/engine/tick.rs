@@ -407,8 +407,15 @@ impl JobCtx<'_> {
     }
 
     /// A generator loaded the policy of step `version` from the weight
-    /// ring; once every generator did, rounds are tagged with it.
-    pub(crate) fn on_weights_synced(&mut self, worker: &str, generation: u64, version: u64) {
+    /// ring (`transfer`: its bytes and seconds); once every generator
+    /// did, rounds are tagged with it.
+    pub(crate) fn on_weights_synced(
+        &mut self,
+        worker: &str,
+        generation: u64,
+        version: u64,
+        transfer: (u64, f64),
+    ) {
         let job = &mut *self.job;
         if job.gen().is_none_or(|g| g.id != generation) {
             warn!(
@@ -436,9 +443,17 @@ impl JobCtx<'_> {
             self.refuse(worker, why);
             return;
         }
-        if !e.awaiting.remove(worker) || !e.awaiting.is_empty() {
+        if !e.awaiting.remove(worker) {
             return;
         }
+        e.sync_bytes = e.sync_bytes.max(transfer.0);
+        e.sync_s = e.sync_s.max(transfer.1);
+        if !e.awaiting.is_empty() {
+            return;
+        }
+        let (bytes, seconds) = (e.sync_bytes, e.sync_s);
+        e.sync_bytes = 0;
+        e.sync_s = 0.0;
         e.reloading = None;
         e.loaded = e.loaded.max(Some(version));
         info!(
@@ -447,7 +462,9 @@ impl JobCtx<'_> {
             "the generators loaded the policy"
         );
         job.rec.reason.clear();
-        let msg = format!("the generators loaded the policy of step {version} from trainer rank 0");
+        let msg = format!(
+            "the generators loaded the policy of step {version} from trainer rank 0 ({bytes} bytes each, {seconds:.3} s)"
+        );
         self.fx.push(job.event(EventKind::Policy, msg, self.now));
     }
 

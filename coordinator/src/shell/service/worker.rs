@@ -160,6 +160,8 @@ fn event_of(worker: &str, msg: Msg, delay: &mut InboundDelay) -> Result<Option<E
             job: w.job_id,
             generation: w.generation,
             version: w.version,
+            bytes: w.bytes,
+            seconds: w.seconds,
         },
     }))
 }
