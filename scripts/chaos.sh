@@ -9,6 +9,8 @@
 #   ACCRUE_CHAOS_SEEDS=1,2,3 scripts/chaos.sh    these seeds
 #   ACCRUE_CHAOS_SHARDING=ddp scripts/chaos.sh   one sharding only
 #   ACCRUE_TEST_FAMILY=qwen3 scripts/chaos.sh    a tiny Qwen3 instead of Llama
+#   ACCRUE_CHAOS_LORA=1 ACCRUE_CHAOS_SHARDING=ddp scripts/chaos.sh
+#                                                LoRA adapters over a frozen base
 #
 # Prints each seed's schedule first (a failure reproduces with
 # ACCRUE_CHAOS_SEEDS=<seed>), then a summary: per seed and sharding, pass or

@@ -22,6 +22,11 @@
 # the workers only generate, weights from trainer rank 0 over the
 # collective after every step, rollouts at most MAX_STALENESS (default 1)
 # versions old; needs WORKERS > g).
+# LORA=1 runs the GRPO stage with LoRA adapters over the frozen SFT model
+# (issue 35): rank LORA_RANK (default 16), alpha 2×rank, every linear,
+# learning rate LORA_LR (default 1e-2: adapters start at zero and take a
+# larger step than full fine-tuning's 1e-3); disaggregated generators then
+# receive only the adapters.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
@@ -49,12 +54,20 @@ apart="s/^//"
 if [[ -n "${GENERATORS:-}" ]]; then
   apart="s/^max_staleness = .*/max_staleness = ${MAX_STALENESS:-1}\ngenerators = $GENERATORS/"
 fi
-sed -e "s#^init = .*#init = \"$ckpt\"\nresume = false#" -e "$steps" -e "$apart" \
+lora="s/^//"
+if [[ "${LORA:-}" == 1 ]]; then
+  lora="s/^lr = .*/lr = ${LORA_LR:-1e-2}/"
+fi
+sed -e "s#^init = .*#init = \"$ckpt\"\nresume = false#" -e "$steps" -e "$apart" -e "$lora" \
     deploy/examples/rl-demo.toml > runs/rl-demo.toml
+if [[ "${LORA:-}" == 1 ]]; then
+  rank="${LORA_RANK:-16}"
+  printf '\n[lora]\nrank = %s\nalpha = %s\ntarget_modules = "all-linear"\n' "$rank" "$((2 * rank))" >> runs/rl-demo.toml
+fi
 "$accrue" local runs/rl-demo.toml --workers "${WORKERS:-1}" >&2
 
 end=$(date +%s)
-python3 - "$((end - start))" <<'PY'
+python3 - "$((end - start))" "${LORA:-0}" <<'PY'
 import json, sys
 evals, steps = [], []
 for line in open("runs/rl-demo/metrics.jsonl"):
@@ -76,6 +89,7 @@ print(json.dumps({
     # (With generation running ahead, a step may carry no round's metrics.)
     "train_reward_first": rewards[0] if rewards else None,
     "train_reward_last": rewards[-1] if rewards else None,
+    "lora": sys.argv[2] == "1",
     "wall_s": int(sys.argv[1]),
 }))
 PY

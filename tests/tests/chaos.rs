@@ -14,7 +14,7 @@
 //! printed first. Seeds: `ACCRUE_CHAOS_SEED=N` (one) or
 //! `ACCRUE_CHAOS_SEEDS=a,b,c` (several), else a fresh random one. The soak
 //! takes minutes, so it is `#[ignore]`d: `scripts/chaos.sh [N]` runs it (N
-//! random seeds), or `cargo test -p accrue-tests --test chaos -- --ignored
+//! random seeds; `ACCRUE_CHAOS_LORA=1` trains LoRA adapters), or `cargo test -p accrue-tests --test chaos -- --ignored
 //! --nocapture`. A failure keeps the processes' logs in
 //! `$TMPDIR/accrue-chaos-seed-<seed>-<sharding>/`.
 
@@ -81,6 +81,13 @@ every_steps = {every}
         max = SHAPE.max_workers,
         every = SHAPE.checkpoint_every,
     );
+    // `ACCRUE_CHAOS_LORA=1`: the same job training LoRA adapters (issue
+    // 35): recovery, resharding and restores move only adapter state.
+    let spec = if std::env::var("ACCRUE_CHAOS_LORA").is_ok_and(|v| v == "1") {
+        format!("{spec}[lora]\nrank = 8\nalpha = 16\n")
+    } else {
+        spec
+    };
     let path = d.join(format!("{name}.toml"));
     std::fs::write(&path, spec).unwrap();
     path

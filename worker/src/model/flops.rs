@@ -70,6 +70,22 @@ pub fn training_flops(cfg: &ModelConfig, cu_seq_lens: &[i64], head_rows: u64) ->
     dense + head + attention
 }
 
+/// [`training_flops`] of a LoRA job: the frozen base's matmuls and head
+/// run forward and backward to their inputs only (4 FLOPs per weight and
+/// token, not 6: no weight gradient), and each adapter's `adapter_params`
+/// (`r · (in + out)` of every adapted linear, summed) train in full.
+pub fn lora_training_flops(
+    cfg: &ModelConfig,
+    cu_seq_lens: &[i64],
+    head_rows: u64,
+    adapter_params: f64,
+) -> f64 {
+    let tokens = cu_seq_lens.last().copied().unwrap_or(0).max(0) as f64;
+    let weight_grads = 2.0 * decoder_matmul_params(cfg) * tokens
+        + 2.0 * (cfg.vocab_size * cfg.hidden_size) as f64 * head_rows as f64;
+    training_flops(cfg, cu_seq_lens, head_rows) - weight_grads + 6.0 * adapter_params * tokens
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -101,6 +117,15 @@ mod tests {
 
     /// A sparse layer counts the experts a token goes through (top_k of
     /// them) and the router, not all of them.
+    #[test]
+    fn a_frozen_base_counts_no_weight_gradient() {
+        let c = cfg();
+        let full = training_flops(&c, &[0, 3, 4], 2);
+        let lora = lora_training_flops(&c, &[0, 3, 4], 2, 10.0);
+        let saved = 2.0 * 2.0 * 576.0 * 4.0 + 2.0 * 800.0 * 2.0;
+        assert_eq!(lora, full - saved + 6.0 * 10.0 * 4.0);
+    }
+
     #[test]
     fn a_sparse_layer_counts_its_active_experts() {
         let c: ModelConfig = serde_json::from_value(serde_json::json!({

@@ -230,6 +230,16 @@ impl Passes for ReplicatedTrainer {
     }
 
     fn model_flops(&self, cu_seq_lens: &[i64], loss_tokens: u64) -> f64 {
-        crate::model::flops::training_flops(&self.model.cfg, cu_seq_lens, loss_tokens)
+        let cfg = &self.model.cfg;
+        if self.lora() {
+            let adapters = self.layout.total as f64;
+            return crate::model::flops::lora_training_flops(
+                cfg,
+                cu_seq_lens,
+                loss_tokens,
+                adapters,
+            );
+        }
+        crate::model::flops::training_flops(cfg, cu_seq_lens, loss_tokens)
     }
 }
