@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use accrue_worker::batch::{MicrobatchMeta, PackedBatch, SeqMeta, StepNorms};
 use accrue_worker::collective::local::LocalGroup;
 use accrue_worker::model::lora::is_adapter;
-use accrue_worker::train::{Passes, ReplicatedTrainer, Trainer};
+use accrue_worker::train::{FsdpTrainer, Passes, ReplicatedTrainer, Trainer};
 use tch::Tensor;
 
 const TOL: f64 = 1e-5;
@@ -159,19 +159,36 @@ fn train(
             let mbs = microbatches(&r.docs, objective, &layout[rank]);
             std::thread::spawn(move || {
                 tch::set_num_threads(1);
-                let mut t = ReplicatedTrainer::new(&cfg, None, Box::new(coll)).unwrap();
-                let mut per_step = Vec::new();
-                let mut grads = Vec::new();
-                for s in 0..STEPS {
-                    for (i, (mb, meta)) in mbs.iter().enumerate() {
-                        t.train_microbatch(i, mb, meta, &norms).unwrap();
-                    }
-                    if s == 0 && world == 1 {
-                        grads = common::snapshot(&t.named_grads());
-                    }
-                    t.optimizer_step(LR.parse().unwrap()).unwrap();
-                    per_step.push(common::snapshot(&t.named_parameters()));
+                if cfg.sharding == accrue_worker::config::Sharding::Fsdp {
+                    let mut t = FsdpTrainer::new(&cfg, None, Box::new(coll)).unwrap();
+                    let split = |all: Vec<(String, Tensor)>| {
+                        let (a, b): (Vec<_>, Vec<_>) =
+                            all.into_iter().partition(|(n, _)| is_adapter(n));
+                        (a, b)
+                    };
+                    let per_step = run_steps(
+                        &mut t,
+                        &mbs,
+                        &norms,
+                        |_, _| {},
+                        |t| split(t.named_full_parameters().unwrap()).0,
+                    );
+                    let base = split(t.named_full_parameters().unwrap()).1;
+                    return (per_step, base, Vec::new());
                 }
+                let mut t = ReplicatedTrainer::new(&cfg, None, Box::new(coll)).unwrap();
+                let mut grads = Vec::new();
+                let per_step = run_steps(
+                    &mut t,
+                    &mbs,
+                    &norms,
+                    |t, s| {
+                        if s == 0 && world == 1 {
+                            grads = common::snapshot(&t.named_grads());
+                        }
+                    },
+                    |t| common::snapshot(&t.named_parameters()),
+                );
                 let mut base: Vec<(String, Tensor)> = t
                     .model()
                     .vs
@@ -195,6 +212,28 @@ fn train(
     }
     let (steps, base, grads) = results.swap_remove(0);
     Trained { steps, base, grads }
+}
+
+/// `STEPS` steps of `mbs`: `before(t, step)` runs after a step's
+/// microbatches (its gradients), `after(t)` after its optimizer step (what
+/// is kept of the step).
+fn run_steps<T: Trainer>(
+    t: &mut T,
+    mbs: &[(PackedBatch, MicrobatchMeta)],
+    norms: &StepNorms,
+    mut before: impl FnMut(&mut T, usize),
+    mut after: impl FnMut(&mut T) -> Vec<(String, Tensor)>,
+) -> Vec<Vec<(String, Tensor)>> {
+    let mut per_step = Vec::new();
+    for s in 0..STEPS {
+        for (i, (mb, meta)) in mbs.iter().enumerate() {
+            t.train_microbatch(i, mb, meta, norms).unwrap();
+        }
+        before(t, s);
+        t.optimizer_step(LR.parse().unwrap()).unwrap();
+        per_step.push(after(t));
+    }
+    per_step
 }
 
 /// Rank 0's adapters after every step, its base weights after training,
@@ -223,7 +262,12 @@ fn parity(variant: &str, objective: &str, targets: &str) {
         vec![all[2..].to_vec(), vec![]],
     ];
     let stored = common::read(&r.model.join("model.safetensors"));
-    for (sharding, layout) in [("ddp", &one), ("ddp", &two), ("zero2", &two)] {
+    for (sharding, layout) in [
+        ("ddp", &one),
+        ("ddp", &two),
+        ("zero2", &two),
+        ("fsdp", &two),
+    ] {
         let Trained { steps, base, grads } = train(&r, sharding, objective, targets, layout);
         let mut worst = (0.0f64, String::new());
         for (name, g) in &grads {
@@ -560,4 +604,83 @@ fn a_lora_checkpoint_resumes_at_another_world_size() {
     println!("resumed at 2 zero2 ranks vs uninterrupted: {w:e} ({name})");
     assert!(w <= 1e-6, "{name}: {w:e}");
     assert_eq!(common::worst_rel(&resumed[1], &resumed[0]).0, 0.0);
+}
+
+/// LoRA under fsdp with a bfloat16 compute dtype on 2 ranks: the frozen
+/// base's shards are held in bfloat16 (no gradient, no moments), the
+/// adapters' shards in float32; a step trains, the checkpoint (a
+/// collective, rank 0 writes the adapter folder) restores into new fsdp
+/// ranks with the same adapters, and the gathered policy generates with
+/// the adapters on.
+#[test]
+fn fsdp_lora_in_bf16_trains_checkpoints_restores_and_generates() {
+    use accrue_worker::generate::{generate, Request, SamplingParams};
+    use accrue_worker::train::Checkpointing;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = common::random_job(
+        dir.path(),
+        "[precision]\ncompute = \"bfloat16\"\n[parallel]\nsharding = \"fsdp\"\n[lora]\nrank = 4\nalpha = 8\n",
+    );
+    let ckpt = dir.path().join("ckpt");
+    let docs = common::synthetic_documents(&[17, 9, 30, 4], 3);
+    let norms = StepNorms {
+        loss_tokens: common::batch(&docs).loss_tokens(),
+        ..Default::default()
+    };
+    let halves = [docs[..2].to_vec(), docs[2..].to_vec()];
+    let run = |restore: bool| -> Vec<Vec<(String, Tensor)>> {
+        let handles: Vec<_> = LocalGroup::new(2)
+            .into_iter()
+            .zip(halves.clone())
+            .map(|(coll, mine)| {
+                let (cfg, ckpt) = (cfg.clone(), ckpt.clone());
+                std::thread::spawn(move || {
+                    tch::set_num_threads(1);
+                    let from = restore.then_some(ckpt.as_path());
+                    let mut t = FsdpTrainer::new(&cfg, from, Box::new(coll)).unwrap();
+                    let b = t.state_bytes();
+                    assert!(b.frozen > 0 && b.params < b.frozen / 4, "{b:?}");
+                    assert_eq!(b.grads, b.params, "gradients of the adapters only");
+                    assert_eq!(b.optimizer, 2 * b.params, "moments of the adapters only");
+                    if !restore {
+                        t.train_microbatch(
+                            0,
+                            &common::batch(&mine),
+                            &MicrobatchMeta::default(),
+                            &norms,
+                        )
+                        .unwrap();
+                        t.optimizer_step(1e-2).unwrap();
+                        t.save_checkpoint(&ckpt).unwrap();
+                    }
+                    let policy = t.policy(true).unwrap();
+                    assert_eq!(policy.kind(), tch::Kind::BFloat16);
+                    let reqs = [Request {
+                        prompt: vec![5, 6, 7],
+                        seed: 1,
+                    }];
+                    let params = SamplingParams {
+                        max_new_tokens: 4,
+                        ..SamplingParams::default()
+                    };
+                    let out = generate(&policy, &params, &reqs).unwrap();
+                    assert_eq!(out[0].tokens.len(), 4);
+                    drop(policy);
+                    let all = t.named_full_parameters().unwrap();
+                    all.into_iter().filter(|(n, _)| is_adapter(n)).collect()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    };
+    let trained = run(false);
+    assert!(ckpt.join("adapter_model.safetensors").is_file());
+    assert!(
+        ckpt.join("model.safetensors").is_file(),
+        "a random base is written"
+    );
+    let restored = run(true);
+    assert!(!trained[0].is_empty());
+    assert_eq!(common::worst_rel(&restored[0], &trained[0]).0, 0.0);
+    assert_eq!(common::worst_rel(&trained[1], &trained[0]).0, 0.0);
 }

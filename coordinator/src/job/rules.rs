@@ -348,16 +348,9 @@ pub fn fsdp_takes_cached_reference(
     }
 }
 
-/// What a LoRA job cannot run yet: fsdp (its units shard the base and the
-/// adapters alike; the adapters' own reduction is not written) and an
-/// external engine (it would need the adapter folder handed over).
-pub fn lora_fits(parallel: &ParallelSection, rl: &RlSection, bad: &mut impl FnMut(&str, String)) {
-    if parallel.sharding == Sharding::Fsdp {
-        bad(
-            "parallel.sharding",
-            "[lora] runs at \"ddp\" or \"zero2\" (the base is frozen and held once per rank; fsdp with adapters is not built yet)".into(),
-        );
-    }
+/// What a LoRA job cannot run yet: an external engine (it would need the
+/// adapter folder handed over after every step).
+pub fn lora_fits(rl: &RlSection, bad: &mut impl FnMut(&str, String)) {
     if rl.engine.is_some() {
         bad(
             "rl.engine",

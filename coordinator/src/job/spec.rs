@@ -312,7 +312,7 @@ impl JobSpec {
         rules::fsdp_takes_cached_reference(parallel, objective, self.lora.is_some(), bad);
         if let Some(lora) = &self.lora {
             lora.validate(bad);
-            rules::lora_fits(parallel, rl, bad);
+            rules::lora_fits(rl, bad);
         }
         self.optimizer.validate(bad);
         rules::warmup_within_steps(&self.optimizer, job, bad);

@@ -22,9 +22,9 @@ use std::sync::Arc;
 use anyhow::{bail, Context};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use tch::{Kind, Tensor};
+use tch::{nn, Kind, Tensor};
 
-use super::llama::{FeedForward, Llama};
+use super::llama::{DecoderLayer, FeedForward, Llama};
 use super::weights;
 use crate::config::LoraConfig;
 
@@ -46,8 +46,14 @@ pub fn is_adapter(name: &str) -> bool {
 #[derive(Debug, Clone)]
 pub struct Switch(Arc<AtomicBool>);
 
+impl Default for Switch {
+    fn default() -> Switch {
+        Switch::new()
+    }
+}
+
 impl Switch {
-    fn new() -> Switch {
+    pub fn new() -> Switch {
         Switch(Arc::new(AtomicBool::new(true)))
     }
 
@@ -55,7 +61,8 @@ impl Switch {
         self.0.load(Ordering::Relaxed)
     }
 
-    fn set(&self, on: bool) {
+    /// Turns the adapters on or off.
+    pub fn set(&self, on: bool) {
         self.0.store(on, Ordering::Relaxed);
     }
 }
@@ -162,52 +169,23 @@ pub fn attach(model: &mut Llama, lora: &LoraConfig, seed: u64) -> anyhow::Result
     if model.adapters.is_some() {
         bail!("the model already has adapters");
     }
-    let per_layer = accrue_arch::lora::resolve(&model.arch, &lora.targets)
-        .map_err(|e| anyhow::anyhow!("lora.target_modules: {e}"))?;
     for (_, t) in model.vs.variables() {
         let _ = t.set_requires_grad(false);
     }
+    let per_layer = targets_per_layer(&model.arch, lora)?;
     let switch = Switch::new();
-    let scale = lora.scaling();
-    let device = model.vs.device();
     let root = model.vs.root();
     let mut modules = Vec::new();
-    let r = lora.rank as i64;
     for (i, layer) in model.layers.iter_mut().enumerate() {
-        let targets = &per_layer[i];
-        let mut linears: Vec<(String, &mut super::linear::Linear)> = Vec::new();
-        for (name, l) in layer.self_attn.linears_mut() {
-            if targets.adapts(name) {
-                linears.push((format!("model.layers.{i}.self_attn.{name}"), l));
-            }
-        }
-        if let FeedForward::Dense(m) = &mut layer.mlp {
-            for (name, l) in m.linears_mut() {
-                if targets.mlp.contains(&name) {
-                    linears.push((format!("model.layers.{i}.mlp.{name}"), l));
-                }
-            }
-        }
-        for (path, l) in linears {
-            let size = l.base.ws.size();
-            let (out, inp) = (size[0], size[1]);
-            let mut p = root.clone();
-            for part in path.split('.') {
-                p = &p / part;
-            }
-            let a_name = format!("{path}.lora_A.weight");
-            let a = kaiming_uniform(seed, &a_name, r, inp).to_device(device);
-            let b = Tensor::zeros([out, r], (Kind::Float, device));
-            let a = (&p / "lora_A").add("weight", a, true);
-            let b = (&p / "lora_B").add("weight", b, true);
-            l.adapter = Some(Adapter {
-                a,
-                b,
-                scale,
-                switch: switch.clone(),
-            });
-            modules.push(path);
-        }
+        modules.extend(attach_layer(
+            layer,
+            &root,
+            i,
+            &per_layer[i],
+            lora,
+            seed,
+            &switch,
+        ));
     }
     model.adapters = Some(Adapters {
         config: lora.clone(),
@@ -218,6 +196,68 @@ pub fn attach(model: &mut Llama, lora: &LoraConfig, seed: u64) -> anyhow::Result
         load_adapter(model, dir).with_context(|| format!("lora.init: {}", dir.display()))?;
     }
     Ok(())
+}
+
+/// The modules `lora` adapts in each decoder layer of `arch`.
+pub fn targets_per_layer(
+    arch: &accrue_arch::Arch,
+    lora: &LoraConfig,
+) -> anyhow::Result<Vec<accrue_arch::lora::LayerTargets>> {
+    accrue_arch::lora::resolve(arch, &lora.targets)
+        .map_err(|e| anyhow::anyhow!("lora.target_modules: {e}"))
+}
+
+/// Puts adapters (PEFT's init from `seed`, float32 variables under
+/// `root`, switched by `switch`) on the modules of decoder layer `i` that
+/// `targets` names; returns their module paths. The fsdp trainer's layer
+/// shells take theirs from here too (zero-sized until bound).
+pub fn attach_layer(
+    layer: &mut DecoderLayer,
+    root: &nn::Path,
+    i: usize,
+    targets: &accrue_arch::lora::LayerTargets,
+    lora: &LoraConfig,
+    seed: u64,
+    switch: &Switch,
+) -> Vec<String> {
+    let scale = lora.scaling();
+    let r = lora.rank as i64;
+    let device = root.device();
+    let mut linears: Vec<(String, &mut super::linear::Linear)> = Vec::new();
+    for (name, l) in layer.self_attn.linears_mut() {
+        if targets.adapts(name) {
+            linears.push((format!("model.layers.{i}.self_attn.{name}"), l));
+        }
+    }
+    if let FeedForward::Dense(m) = &mut layer.mlp {
+        for (name, l) in m.linears_mut() {
+            if targets.mlp.contains(&name) {
+                linears.push((format!("model.layers.{i}.mlp.{name}"), l));
+            }
+        }
+    }
+    let mut modules = Vec::new();
+    for (path, l) in linears {
+        let size = l.base.ws.size();
+        let (out, inp) = (size[0], size[1]);
+        let mut p = root.clone();
+        for part in path.split('.') {
+            p = &p / part;
+        }
+        let a_name = format!("{path}.lora_A.weight");
+        let a = kaiming_uniform(seed, &a_name, r, inp).to_device(device);
+        let b = Tensor::zeros([out, r], (Kind::Float, device));
+        let a = (&p / "lora_A").add("weight", a, true);
+        let b = (&p / "lora_B").add("weight", b, true);
+        l.adapter = Some(Adapter {
+            a,
+            b,
+            scale,
+            switch: switch.clone(),
+        });
+        modules.push(path);
+    }
+    modules
 }
 
 /// PEFT's `kaiming_uniform_(a = √5)` of an `[r, in]` weight: uniform in
@@ -331,9 +371,13 @@ fn check_adapter_config(dir: &Path, lora: &LoraConfig) -> anyhow::Result<()> {
 /// The `adapter_config.json` PEFT reads for these adapters of a model
 /// whose base is `base` (`base_model_name_or_path`).
 pub fn adapter_config(adapters: &Adapters, base: &str) -> serde_json::Value {
-    let c = &adapters.config;
-    let mut targets: Vec<&str> = adapters
-        .modules
+    adapter_config_of(&adapters.config, &adapters.modules, base)
+}
+
+/// [`adapter_config`] of adapters `c` on the modules at `modules` (HF
+/// paths).
+pub fn adapter_config_of(c: &LoraConfig, modules: &[String], base: &str) -> serde_json::Value {
+    let mut targets: Vec<&str> = modules
         .iter()
         .filter_map(|m| m.rsplit('.').next())
         .collect();

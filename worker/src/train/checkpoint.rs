@@ -196,11 +196,34 @@ impl AdapterSnapshot {
         } else {
             Vec::new()
         };
-        Ok(AdapterSnapshot {
-            raw_config: model.raw_config.clone(),
-            adapter_config: crate::model::lora::adapter_config(adapters, ""),
+        Ok(AdapterSnapshot::from_parts(
+            &model.raw_config,
+            crate::model::lora::adapter_config(adapters, ""),
             base_dir,
             base,
+            optimizer_step,
+            entries,
+        ))
+    }
+
+    /// A snapshot of these parts (copied to the CPU): the base's config,
+    /// the adapter config, where the base lives (`None`: `base`, the
+    /// random init's weights, goes into the checkpoint), the adapters and
+    /// their moments.
+    pub fn from_parts(
+        raw_config: &serde_json::Value,
+        adapter_config: serde_json::Value,
+        base_dir: Option<std::path::PathBuf>,
+        base: Vec<(String, Tensor)>,
+        optimizer_step: u64,
+        entries: Vec<ShardEntry>,
+    ) -> AdapterSnapshot {
+        let cpu = |t: &Tensor| t.detach().to_device(tch::Device::Cpu).copy();
+        AdapterSnapshot {
+            raw_config: raw_config.clone(),
+            adapter_config,
+            base_dir,
+            base: base.into_iter().map(|(n, t)| (n, cpu(&t))).collect(),
             optimizer_step,
             entries: entries
                 .into_iter()
@@ -211,7 +234,7 @@ impl AdapterSnapshot {
                     exp_avg_sq: cpu(&e.exp_avg_sq),
                 })
                 .collect(),
-        })
+        }
     }
 
     /// Writes the files (see the type's docs); returns their names.

@@ -115,6 +115,25 @@ pub struct FsdpTrainer {
     /// The step's load-balancing weights (`train::routing`), from
     /// `begin_step` to the optimizer step.
     step_aux: Option<Tensor>,
+    /// A LoRA job (`lora`): the base's units are frozen, each layer's
+    /// adapters are a unit of their own.
+    lora: Option<FsdpLora>,
+}
+
+/// What a LoRA job adds to the FSDP trainer. The base's units are sharded
+/// like any unit but frozen: their shards are held in the compute dtype,
+/// with no gradient and no AdamW moments, and are never reduced. Each
+/// layer's adapters form one more unit (float32, sharded, gathered,
+/// reduce-scattered and updated as a full fine-tuning unit is).
+struct FsdpLora {
+    config: crate::config::LoraConfig,
+    /// Turns every shell's adapters off (the reference is the base).
+    switch: crate::model::lora::Switch,
+    /// Per decoder layer, its adapters' unit.
+    units: Vec<Option<usize>>,
+    /// The pretrained base's folder (`model.init`); `None`: a random init,
+    /// which checkpoints then carry.
+    base_dir: Option<std::path::PathBuf>,
 }
 
 /// Config and full tensors of a HF checkpoint directory.
@@ -124,6 +143,11 @@ fn read_hf_dir(
     let (cfg, raw) = ModelConfig::from_file(&dir.join("config.json"))?;
     let tensors = weights::read_tensors(&weights::checkpoint_files(dir)?)?;
     Ok((cfg, raw, tensors))
+}
+
+/// Whether unit `u` trains: every unit, or only a LoRA job's adapter units.
+fn trains_unit(lora: Option<&FsdpLora>, u: usize) -> bool {
+    lora.is_none_or(|l| l.units.contains(&Some(u)))
 }
 
 impl FsdpTrainer {
@@ -138,7 +162,8 @@ impl FsdpTrainer {
         coll: Box<dyn Collective>,
     ) -> anyhow::Result<FsdpTrainer> {
         let objective = cfg.objective;
-        if objective.live_reference() {
+        // A LoRA job's reference is its own base (adapters off): no copy.
+        if objective.live_reference() && cfg.lora.is_none() {
             bail!(
                 "objective.reference = \"live\" with parallel.sharding = \"fsdp\": \
                  fsdp supports reference = \"cached\" only (a live reference keeps a \
@@ -148,6 +173,15 @@ impl FsdpTrainer {
         let kind = cfg.precision.compute;
         let device = cfg.device;
         let (mcfg, raw, tensors, source) = match (restore, &cfg.model) {
+            // LoRA: the base from `model.init` with its adapters (from the
+            // checkpoint, `lora.init` or PEFT's init), built once.
+            _ if cfg.lora.is_some() => {
+                let m = build_model(cfg, restore)?;
+                let named = m.vs.variables().into_iter().collect();
+                let source =
+                    restore.map_or_else(|| "model.init".into(), |d| d.display().to_string());
+                (m.cfg.clone(), m.raw_config.clone(), named, source)
+            }
             (Some(dir), _) => {
                 let (c, r, t) = read_hf_dir(dir)
                     .with_context(|| format!("restoring model from {}", dir.display()))?;
@@ -169,31 +203,83 @@ impl FsdpTrainer {
                 (c, r, t, dir.display().to_string())
             }
         };
+        let targets = match &cfg.lora {
+            Some(l) => Some(crate::model::lora::targets_per_layer(&mcfg.arch()?, l)?),
+            None => None,
+        };
+        let switch = crate::model::lora::Switch::new();
+        let shell_adapters = match (&cfg.lora, &targets) {
+            (Some(lora), Some(targets)) => Some(shell::ShellAdapters {
+                lora,
+                targets,
+                switch: &switch,
+            }),
+            _ => None,
+        };
         let shells: Vec<LayerShell> = (0..mcfg.num_hidden_layers)
-            .map(|i| LayerShell::new(&mcfg, i, kind, device))
+            .map(|i| LayerShell::new(&mcfg, i, kind, device, shell_adapters.as_ref()))
             .collect();
         let layer_names: Vec<Vec<String>> = shells.iter().map(|s| s.names()).collect();
-        let layouts = units::build_layouts(&mcfg, &layer_names, &tensors, &source)?;
+        let adapter_names: Vec<Vec<String>> = shells.iter().map(|s| s.adapter_names()).collect();
+        let layouts = units::build_layouts(&mcfg, &layer_names, &adapter_names, &tensors, &source)?;
+        let lora = cfg.lora.as_ref().map(|config| FsdpLora {
+            config: config.clone(),
+            switch: switch.clone(),
+            units: units::adapter_units(&adapter_names),
+            base_dir: match &cfg.model {
+                ModelSource::Checkpoint(dir) => Some(dir.clone()),
+                ModelSource::Random { .. } => None,
+            },
+        });
+        let trains = |u: usize| trains_unit(lora.as_ref(), u);
         let (rank, world) = (coll.rank(), coll.world_size());
         let mut params = Vec::with_capacity(layouts.len());
-        for l in &layouts {
+        for (u, l) in layouts.iter().enumerate() {
             let flat = l.flatten_named(&tensors, "", &source)?;
-            params.push(l.take_shard(&flat, world, rank).to_device(device));
+            let shard = l.take_shard(&flat, world, rank).to_device(device);
+            // A frozen unit is held in the compute dtype only.
+            params.push(if trains(u) {
+                shard
+            } else {
+                shard.to_kind(kind)
+            });
         }
         drop(tensors);
-        let grads = params.iter().map(Tensor::zeros_like).collect();
+        let empty = || Tensor::zeros([0], (Kind::Float, device));
+        let grads = params
+            .iter()
+            .enumerate()
+            .map(|(u, p)| {
+                if trains(u) {
+                    Tensor::zeros_like(p)
+                } else {
+                    empty()
+                }
+            })
+            .collect();
         let segments = layouts
             .iter()
-            .map(|l| l.segments(world, rank, &cfg.no_decay))
+            .enumerate()
+            .map(|(u, l)| {
+                if trains(u) {
+                    l.segments(world, rank, &cfg.no_decay)
+                } else {
+                    Vec::new()
+                }
+            })
             .collect();
         let adam = cfg.optimizer;
-        let lens: Vec<usize> = params.iter().map(Tensor::numel).collect();
+        let lens: Vec<usize> = params
+            .iter()
+            .enumerate()
+            .map(|(u, p)| if trains(u) { p.numel() } else { 0 })
+            .collect();
         let mut opt = AdamW::new(adam, &lens, device);
         if let Some(dir) = restore {
             let (step, moments) = checkpoint::load_optimizer_tensors(dir)
                 .with_context(|| format!("restoring optimizer from {}", dir.display()))?;
             let source = format!("{} (optimizer state)", dir.display());
-            for (u, l) in layouts.iter().enumerate() {
+            for (u, l) in layouts.iter().enumerate().filter(|(u, _)| trains(*u)) {
                 for (suffix, dst) in [
                     (".exp_avg", &mut opt.exp_avg),
                     (".exp_avg_sq", &mut opt.exp_avg_sq),
@@ -236,7 +322,24 @@ impl FsdpTrainer {
             attention: PackedAttention::default(),
             arch: arch.clone(),
             step_aux: None,
+            lora,
         })
+    }
+
+    /// Whether unit `u` trains (every unit, or a LoRA job's adapters).
+    fn trains(&self, u: usize) -> bool {
+        trains_unit(self.lora.as_ref(), u)
+    }
+
+    /// Runs `f` with the adapters off (a LoRA job's reference: the base).
+    fn without_adapters<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R {
+        let Some(switch) = self.lora.as_ref().map(|l| l.switch.clone()) else {
+            return f(self);
+        };
+        switch.set(false);
+        let out = f(self);
+        switch.set(true);
+        out
     }
 
     pub fn rank(&self) -> usize {
@@ -291,8 +394,17 @@ impl FsdpTrainer {
                 .map(|t| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
                 .sum()
         };
+        let (mut trained, mut frozen) = (Vec::new(), Vec::new());
+        for (u, p) in self.params.iter().enumerate() {
+            let side = if self.trains(u) {
+                &mut trained
+            } else {
+                &mut frozen
+            };
+            side.push(p.shallow_clone());
+        }
         StateBytes {
-            params: bytes(&self.params),
+            params: bytes(&trained),
             grads: bytes(&self.grads),
             optimizer: bytes(&self.opt.exp_avg) + bytes(&self.opt.exp_avg_sq),
             // Units are cast to the compute dtype as they are gathered.
@@ -301,7 +413,7 @@ impl FsdpTrainer {
             backward: self.largest_unit_bytes() / 4 * self.kind.elt_size_in_bytes() as u64,
             // The transient gather buffer of the largest unit.
             boundary: self.largest_unit_bytes(),
-            frozen: 0,
+            frozen: bytes(&frozen),
         }
     }
 
@@ -399,6 +511,9 @@ impl Checkpointing for FsdpTrainer {
     /// and the whole tensors [`checkpoint::assign_tensors`] gives this rank
     /// are kept. Nothing is written here.
     fn checkpoint_snapshot(&mut self) -> anyhow::Result<CheckpointWrite> {
+        if self.lora.is_some() {
+            return self.adapter_snapshot();
+        }
         let elt = self.param_kind.elt_size_in_bytes();
         let sizes: Vec<(String, usize)> = self
             .layouts
@@ -455,6 +570,57 @@ impl Trainer for FsdpTrainer {
 }
 
 impl FsdpTrainer {
+    /// A LoRA job's checkpoint (a collective): every rank gathers the
+    /// adapter units with their moments (and a random base's units, which
+    /// exist nowhere else); rank 0 writes them as
+    /// `checkpoint::AdapterSnapshot`, the other ranks nothing.
+    fn adapter_snapshot(&mut self) -> anyhow::Result<CheckpointWrite> {
+        let Some(lora) = &self.lora else {
+            bail!("an adapter checkpoint of a job without [lora]");
+        };
+        let (config, base_dir) = (lora.config.clone(), lora.base_dir.clone());
+        let mut entries = Vec::new();
+        let mut base = Vec::new();
+        let mut modules = Vec::new();
+        for u in 0..self.layouts.len() {
+            if self.trains(u) {
+                let p = self.gather(u)?;
+                let m = self.gather_shard(u, &self.opt.exp_avg[u].shallow_clone())?;
+                let v = self.gather_shard(u, &self.opt.exp_avg_sq[u].shallow_clone())?;
+                for s in &self.layouts[u].slots {
+                    if let Some(module) = s.name.strip_suffix(".lora_A.weight") {
+                        modules.push(module.to_string());
+                    }
+                    entries.push(ShardEntry {
+                        name: s.name.clone(),
+                        param: s.view(&p).copy(),
+                        exp_avg: s.view(&m).copy(),
+                        exp_avg_sq: s.view(&v).copy(),
+                    });
+                }
+            } else if base_dir.is_none() {
+                let p = self.gather(u)?;
+                for s in &self.layouts[u].slots {
+                    base.push((s.name.clone(), s.view(&p).to_kind(self.kind).copy()));
+                }
+            }
+        }
+        if self.rank() != 0 {
+            return Ok(Box::new(|_| Ok(Vec::new())));
+        }
+        base.sort_by(|a, b| a.0.cmp(&b.0));
+        let adapter_config = crate::model::lora::adapter_config_of(&config, &modules, "");
+        let snap = checkpoint::AdapterSnapshot::from_parts(
+            &self.raw_config,
+            adapter_config,
+            base_dir,
+            base,
+            self.opt.step,
+            entries,
+        );
+        Ok(Box::new(move |dir| snap.write(dir)))
+    }
+
     /// The accumulation boundary (see `Trainer::optimizer_step`): the
     /// global norm over every rank's shards, clip, AdamW on this rank's
     /// shards (a collective). A non-finite norm or learning rate is an
@@ -476,7 +642,7 @@ impl FsdpTrainer {
         let scale = optim::clip_coefficient(norm, self.grad_clip).unwrap_or(1.0);
         self.opt
             .update(&self.params, &self.grads, &self.segments, lr, scale);
-        if self.param_kind != Kind::Float {
+        if self.param_kind != Kind::Float && self.lora.is_none() {
             // Pure bfloat16: the replicated trainer keeps its parameters in
             // that dtype; round the master shards the same way.
             tch::no_grad(|| {

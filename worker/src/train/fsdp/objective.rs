@@ -134,6 +134,22 @@ impl FsdpTrainer {
         allowed: anyhow::Result<()>,
         per_token: bool,
     ) -> anyhow::Result<Vec<SequenceLogp>> {
+        let (lp, targets) = self.sharded_token_logps(index, mb, allowed)?;
+        if mb.is_empty() {
+            return Ok(Vec::new());
+        }
+        head::reference_sequences(&lp, &targets, &mb.cu_seq_lens, per_token)
+            .with_context(|| format!("microbatch {index}"))
+    }
+
+    /// Every row's target log-prob (0 without a target) and the targets,
+    /// forward only under the sharded weights (a collective).
+    fn sharded_token_logps(
+        &mut self,
+        index: usize,
+        mb: &PackedBatch,
+        allowed: anyhow::Result<()>,
+    ) -> anyhow::Result<(Vec<f64>, Vec<i64>)> {
         let prep = self.prepare_checked(index, mb, None, allowed)?;
         let targets = if mb.is_empty() {
             Vec::new()
@@ -160,11 +176,7 @@ impl FsdpTrainer {
                 )));
             }
         }
-        if mb.is_empty() {
-            return Ok(Vec::new());
-        }
-        head::reference_sequences(&lp, &targets, &mb.cu_seq_lens, per_token)
-            .with_context(|| format!("microbatch {index}"))
+        Ok((lp, targets))
     }
 
     /// Gathers the head (and the tied embedding) and, on a rank with work,
@@ -226,7 +238,15 @@ impl Passes for FsdpTrainer {
         if objective == Objective::Sft {
             return self.run_microbatch(index, mb, None, norms.loss_tokens);
         }
-        let obj = ObjectiveIn::new(objective, mb, meta, norms);
+        // A LoRA job's live reference: the base (adapters off), forward
+        // only over the same shards before the training pass.
+        let live = if self.lora.is_some() && objective.live_reference() {
+            let (lp, _) = self.without_adapters(|t| t.sharded_token_logps(index, mb, Ok(())))?;
+            Some(lp)
+        } else {
+            None
+        };
+        let obj = ObjectiveIn::new(objective, mb, meta, norms).with_reference(live.as_deref());
         self.run_microbatch(index, mb, Some(&obj), norms.loss_tokens)
     }
 
@@ -242,6 +262,10 @@ impl Passes for FsdpTrainer {
         mb: &PackedBatch,
     ) -> anyhow::Result<Vec<SequenceLogp>> {
         let per_token = matches!(self.objective, Objective::Pg { .. });
+        if self.lora.is_some() {
+            // The base is frozen: its log-probs are the reference at any step.
+            return self.without_adapters(|t| t.sharded_logps(index, mb, Ok(()), per_token));
+        }
         let allowed = if self.restored || self.opt.step > 0 {
             Err(anyhow!(
                 "fsdp reference plan after training started (optimizer step {}{}): fsdp keeps no \
@@ -306,6 +330,19 @@ impl Passes for FsdpTrainer {
     }
 
     fn model_flops(&self, cu_seq_lens: &[i64], loss_tokens: u64) -> f64 {
-        crate::model::flops::training_flops(self.model_config(), cu_seq_lens, loss_tokens)
+        let cfg = self.model_config();
+        if self.lora.is_some() {
+            let adapters: usize = (0..self.layouts.len())
+                .filter(|&u| self.trains(u))
+                .map(|u| self.layouts[u].numel)
+                .sum();
+            return crate::model::flops::lora_training_flops(
+                cfg,
+                cu_seq_lens,
+                loss_tokens,
+                adapters as f64,
+            );
+        }
+        crate::model::flops::training_flops(cfg, cu_seq_lens, loss_tokens)
     }
 }

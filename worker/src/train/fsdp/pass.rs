@@ -25,6 +25,9 @@ pub(super) struct ObjectiveIn<'a> {
     mb: &'a PackedBatch,
     meta: &'a MicrobatchMeta,
     norms: &'a StepNorms,
+    /// Per-row reference log-probs computed here (a LoRA job's live
+    /// reference, the base); `None`: the plan's cached ones.
+    reference: Option<&'a [f64]>,
 }
 
 impl<'a> ObjectiveIn<'a> {
@@ -39,7 +42,14 @@ impl<'a> ObjectiveIn<'a> {
             mb,
             meta,
             norms,
+            reference: None,
         }
+    }
+
+    /// With per-row reference log-probs computed on this rank.
+    pub(super) fn with_reference(mut self, reference: Option<&'a [f64]>) -> Self {
+        self.reference = reference;
+        self
     }
 
     /// The step's normalisers.
@@ -64,7 +74,7 @@ impl<'a> ObjectiveIn<'a> {
             self.meta,
             self.norms,
             chunk,
-            None,
+            self.reference,
             softcap,
         )
     }
@@ -176,9 +186,13 @@ impl FsdpTrainer {
         for l in 0..self.shells.len() {
             let u = layer_unit(l);
             let flat = self.gather(u)?;
+            let adapters = self.gather_adapters(l)?;
             if let (Some(p), Some(input)) = (p, x.take()) {
                 let shell = &self.shells[l];
                 let _bound = shell.bind(&self.compute(&flat), &self.layouts[u]);
+                let _adapters = adapters
+                    .as_ref()
+                    .map(|(a, flat)| shell.bind_adapters(flat, &self.layouts[*a]));
                 let (cos, sin) = &p.tables[shell.layer.rope];
                 let route = p.routes.layer(shell.layer.sparse);
                 let (out, routed) = tch::no_grad(|| {
@@ -198,6 +212,15 @@ impl FsdpTrainer {
         }
         saved.extend(x);
         Ok((saved, routing))
+    }
+
+    /// Layer `l`'s adapter unit and its gathered float32 values (a
+    /// collective on every rank; `None` without adapters on the layer).
+    pub(super) fn gather_adapters(&mut self, l: usize) -> anyhow::Result<Option<(usize, Tensor)>> {
+        let Some(a) = self.lora.as_ref().and_then(|lora| lora.units[l]) else {
+            return Ok(None);
+        };
+        Ok(Some((a, self.gather(a)?)))
     }
 
     /// The MoE spec when the load-balancing loss is on.
@@ -248,8 +271,11 @@ impl FsdpTrainer {
                 None,
             ),
         };
-        self.scatter_grad(hu, head_grad)?;
-        if let Some(g) = tied_grad {
+        // A LoRA job's head is frozen: nothing to reduce.
+        if self.trains(hu) {
+            self.scatter_grad(hu, head_grad)?;
+        }
+        if let Some(g) = tied_grad.filter(|_| self.trains(EMBED)) {
             self.scatter_grad(EMBED, g)?;
         }
         Ok((grad_x, loss))
@@ -284,14 +310,16 @@ impl FsdpTrainer {
         self.norm.weight = norm_w.shallow_clone();
         let hidden = self.norm.forward(&x);
         self.norm.weight = Tensor::empty([0], (self.kind, self.device));
+        let head_trains = self.trains(hu);
         let (chunked, pairs, extra) = match obj {
-            None => loss::chunked_nll(
+            None => loss::chunked_nll_with(
                 &hidden,
                 &head_w,
                 &p.targets,
                 self.loss_chunk_tokens,
                 p.scale,
                 self.arch.final_softcap,
+                head_trains,
             )
             .map(|c| (c, 0, BTreeMap::new())),
             Some(o) => o
@@ -315,19 +343,25 @@ impl FsdpTrainer {
         let surrogate = (&hidden * &chunked.grad_hidden).sum(Kind::Float);
         let g = Tensor::run_backward(&[surrogate], &[&x, &norm_w], false, false);
         let layout = &self.layouts[hu];
-        let parts: Vec<Tensor> = layout
-            .slots
-            .iter()
-            .map(|s| {
-                if s.name == NORM_NAME {
-                    g[1].shallow_clone()
-                } else {
-                    chunked.grad_weight.shallow_clone()
-                }
-            })
-            .collect();
-        let head_grad = layout.flatten(&parts);
-        let tied_grad = embed_flat.map(|_| chunked.grad_weight.reshape([-1]).to_kind(Kind::Float));
+        let (head_grad, tied_grad) = if head_trains {
+            let parts: Vec<Tensor> = layout
+                .slots
+                .iter()
+                .map(|s| {
+                    if s.name == NORM_NAME {
+                        g[1].shallow_clone()
+                    } else {
+                        chunked.grad_weight.shallow_clone()
+                    }
+                })
+                .collect();
+            (
+                layout.flatten(&parts),
+                embed_flat.map(|_| chunked.grad_weight.reshape([-1]).to_kind(Kind::Float)),
+            )
+        } else {
+            (Tensor::new(), None)
+        };
         Ok(HeadOutcome {
             grad_x: g[0].shallow_clone(),
             head_grad,
@@ -352,10 +386,20 @@ impl FsdpTrainer {
         for l in (0..self.shells.len()).rev() {
             let u = layer_unit(l);
             let flat = self.gather(u)?;
+            let adapters = self.gather_adapters(l)?;
+            // The unit whose gradient this layer produces: its own, or a
+            // LoRA job's adapters (none when the layer has no adapter).
+            let target = match &self.lora {
+                Some(_) => adapters.as_ref().map(|(a, _)| *a),
+                None => Some(u),
+            };
             let flat_grad = match (p, grad.take()) {
                 (Some(p), Some(gy)) => {
                     let shell = &self.shells[l];
                     let _bound = shell.bind(&self.compute(&flat), &self.layouts[u]);
+                    let _adapters = adapters
+                        .as_ref()
+                        .map(|(a, flat)| shell.bind_adapters(flat, &self.layouts[*a]));
                     let x = saved[l].detach().set_requires_grad(true);
                     let (cos, sin) = &p.tables[shell.layer.rope];
                     let route = p.routes.layer(shell.layer.sparse);
@@ -373,16 +417,25 @@ impl FsdpTrainer {
                         None => surrogate,
                     };
                     let mut inputs = vec![x];
-                    inputs.extend(shell.vars());
+                    match target {
+                        Some(t) if t != u => inputs.extend(shell.adapter_vars()),
+                        Some(_) => inputs.extend(shell.vars()),
+                        None => {}
+                    }
                     let mut grads = Tensor::run_backward(&[surrogate], &inputs, false, false);
                     let gx = grads.remove(0);
                     grad = Some(gx);
-                    self.layouts[u].flatten(&grads)
+                    target.map(|t| self.layouts[t].flatten(&grads))
                 }
-                _ => self.layouts[u].zeros(self.device),
+                _ => target.map(|t| self.layouts[t].zeros(self.device)),
             };
-            drop(flat);
-            self.scatter_grad(u, flat_grad)?;
+            drop((flat, adapters));
+            if let (Some(t), Some(g)) = (target, flat_grad) {
+                self.scatter_grad(t, g)?;
+            }
+        }
+        if !self.trains(EMBED) {
+            return Ok(());
         }
         let embed_grad = match (p, grad) {
             (Some(p), Some(g0)) => {

@@ -35,6 +35,14 @@ impl FsdpTrainer {
             bail!("{failed} other rank(s) cannot run the round; nothing gathered");
         }
         model.attention = self.attention;
+        if let Some(lora) = &self.lora {
+            // The adapters' values come from their units below.
+            let config = crate::config::LoraConfig {
+                init: None,
+                ..lora.config.clone()
+            };
+            crate::model::lora::attach(&mut model, &config, 0)?;
+        }
         let vars = model.vs.variables();
         let mut filled = 0;
         for u in 0..self.layouts.len() {

@@ -32,18 +32,34 @@ pub struct LayerShell {
     /// Keeps the variables alive.
     _vs: nn::VarStore,
     pub layer: DecoderLayer,
-    /// The variables, sorted by HF name (the unit's slot order).
+    /// The base variables, sorted by HF name (the unit's slot order).
     vars: Vec<(String, Tensor)>,
+    /// A LoRA job's adapters of this layer, sorted (their unit's slots).
+    adapters: Vec<(String, Tensor)>,
+}
+
+/// What a LoRA job's shells attach: the job's config, each layer's
+/// targets, and the switch all of them share.
+pub struct ShellAdapters<'a> {
+    pub lora: &'a crate::config::LoraConfig,
+    pub targets: &'a [accrue_arch::lora::LayerTargets],
+    pub switch: &'a crate::model::lora::Switch,
 }
 
 impl LayerShell {
     /// The shell of decoder layer `index` (variables named
     /// `model.layers.{index}.…`).
-    pub fn new(cfg: &ModelConfig, index: usize, kind: Kind, device: Device) -> LayerShell {
+    pub fn new(
+        cfg: &ModelConfig,
+        index: usize,
+        kind: Kind,
+        device: Device,
+        adapters: Option<&ShellAdapters<'_>>,
+    ) -> LayerShell {
         let mut vs = nn::VarStore::new(device);
         let zero = zero_config(cfg);
         let arch = cfg.arch().expect("a validated config");
-        let layer = DecoderLayer::new(
+        let mut layer = DecoderLayer::new(
             vs.root() / "model" / "layers" / index,
             &zero,
             &arch,
@@ -52,18 +68,58 @@ impl LayerShell {
         if kind != Kind::Float {
             vs.set_kind(kind);
         }
-        let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        if let Some(a) = adapters {
+            // After the cast: adapters stay float32. The base is frozen.
+            for (_, t) in vs.variables() {
+                let _ = t.set_requires_grad(false);
+            }
+            let root = vs.root();
+            crate::model::lora::attach_layer(
+                &mut layer,
+                &root,
+                index,
+                &a.targets[index],
+                a.lora,
+                0,
+                a.switch,
+            );
+        }
+        let (mut adapters, mut vars): (Vec<(String, Tensor)>, Vec<(String, Tensor)>) = vs
+            .variables()
+            .into_iter()
+            .partition(|(n, _)| crate::model::lora::is_adapter(n));
         vars.sort_by(|a, b| a.0.cmp(&b.0));
+        adapters.sort_by(|a, b| a.0.cmp(&b.0));
         LayerShell {
             _vs: vs,
             layer,
             vars,
+            adapters,
         }
     }
 
-    /// The HF parameter names of this layer, sorted.
+    /// The HF parameter names of this layer's base, sorted.
     pub fn names(&self) -> Vec<String> {
         self.vars.iter().map(|(n, _)| n.clone()).collect()
+    }
+
+    /// The names of this layer's adapters, sorted (none without LoRA).
+    pub fn adapter_names(&self) -> Vec<String> {
+        self.adapters.iter().map(|(n, _)| n.clone()).collect()
+    }
+
+    /// The adapters' variables, in their unit's slot order.
+    pub fn adapter_vars(&self) -> Vec<Tensor> {
+        self.adapters
+            .iter()
+            .map(|(_, v)| v.shallow_clone())
+            .collect()
+    }
+
+    /// Points the adapters at views of `flat` (their unit's gathered
+    /// float32 values) until the guard drops; the views take gradients.
+    pub fn bind_adapters(&self, flat: &Tensor, layout: &UnitLayout) -> Bound {
+        bind_vars(&self.adapters, flat, layout)
     }
 
     /// The variables (leaves that require grad), in slot order.
@@ -74,14 +130,18 @@ impl LayerShell {
     /// Points the variables at views of `flat` (the unit's gathered
     /// parameters, already in the compute dtype) until the guard drops.
     pub fn bind(&self, flat: &Tensor, layout: &UnitLayout) -> Bound {
-        assert_eq!(layout.slots.len(), self.vars.len(), "{}", layout.name);
-        let vars = self.vars();
-        for ((slot, (name, _)), var) in layout.slots.iter().zip(&self.vars).zip(&vars) {
-            assert_eq!(&slot.name, name, "shell and layout disagree");
-            var.shallow_clone().set_data(&slot.view(flat).detach());
-        }
-        Bound { vars }
+        bind_vars(&self.vars, flat, layout)
     }
+}
+
+fn bind_vars(named: &[(String, Tensor)], flat: &Tensor, layout: &UnitLayout) -> Bound {
+    assert_eq!(layout.slots.len(), named.len(), "{}", layout.name);
+    let vars: Vec<Tensor> = named.iter().map(|(_, v)| v.shallow_clone()).collect();
+    for ((slot, (name, _)), var) in layout.slots.iter().zip(named).zip(&vars) {
+        assert_eq!(&slot.name, name, "shell and layout disagree");
+        var.shallow_clone().set_data(&slot.view(flat).detach());
+    }
+    Bound { vars }
 }
 
 /// Variables bound to a gathered buffer; unbinds on drop.

@@ -27,7 +27,9 @@ struct Access<'a> {
 impl StateAccess for Access<'_> {
     fn read(&mut self, buf: usize, range: Range<usize>) -> Tensor {
         let (t, held) = &self.old[buf];
+        // A frozen unit's shard is in the compute dtype; the sync moves f32.
         t.narrow(0, (range.start - held.start) as i64, range.len() as i64)
+            .to_kind(Kind::Float)
     }
 
     fn write(&mut self, buf: usize, range: Range<usize>, values: &Tensor) {
@@ -76,18 +78,20 @@ impl Membership for FsdpTrainer {
         for (u, l) in self.layouts.iter().enumerate() {
             let held = shard_range(l.numel, old_world, old_rank);
             let mine = shard_range(l.numel, world, rank);
-            for (what, t) in [
-                ("params", &self.params[u]),
-                ("exp_avg", &self.opt.exp_avg[u]),
-                ("exp_avg_sq", &self.opt.exp_avg_sq[u]),
-            ] {
+            let mut parts = vec![("params", &self.params[u])];
+            // A frozen unit (a LoRA job's base) has no moments.
+            if self.trains(u) {
+                parts.push(("exp_avg", &self.opt.exp_avg[u]));
+                parts.push(("exp_avg_sq", &self.opt.exp_avg_sq[u]));
+            }
+            for (what, t) in parts {
                 buffers.push(FlatBuffer {
                     name: format!("{} {what}", l.name),
                     len: l.numel,
                     sharded: true,
                 });
                 old.push((t, held.clone()));
-                let fresh = Tensor::zeros([mine.len() as i64], (Kind::Float, self.device));
+                let fresh = Tensor::zeros([mine.len() as i64], (t.kind(), self.device));
                 new.push((fresh, mine.clone()));
             }
         }
@@ -100,9 +104,15 @@ impl Membership for FsdpTrainer {
         self.coll = coll;
         synced?;
         for u in 0..self.layouts.len() {
-            let (p, m, v) = (fresh.next(), fresh.next(), fresh.next());
-            let (Some(p), Some(m), Some(v)) = (p, m, v) else {
+            let Some(p) = fresh.next() else {
                 anyhow::bail!("fsdp state sync: missing new shards of unit {u}");
+            };
+            if !self.trains(u) {
+                self.params[u] = p;
+                continue;
+            }
+            let (Some(m), Some(v)) = (fresh.next(), fresh.next()) else {
+                anyhow::bail!("fsdp state sync: missing new moments of unit {u}");
             };
             self.grads[u] = Tensor::zeros_like(&p);
             self.params[u] = p;

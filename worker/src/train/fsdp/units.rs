@@ -175,14 +175,32 @@ pub const EMBED_NAME: &str = "model.embed_tokens.weight";
 pub const NORM_NAME: &str = "model.norm.weight";
 pub const LM_HEAD_NAME: &str = "lm_head.weight";
 
+/// Per decoder layer, the unit of its LoRA adapters: after the head, one
+/// unit per layer that has adapters (`adapter_names[i]` non-empty).
+pub fn adapter_units(adapter_names: &[Vec<String>]) -> Vec<Option<usize>> {
+    let first = head_unit(adapter_names.len()) + 1;
+    let mut next = first;
+    adapter_names
+        .iter()
+        .map(|names| {
+            (!names.is_empty()).then(|| {
+                next += 1;
+                next - 1
+            })
+        })
+        .collect()
+}
+
 /// The unit layouts of a model: `layer_names[i]` are the parameter names of
-/// decoder layer i; shapes come from `tensors` (the full model, or a
-/// checkpoint) and are checked against `cfg`. Every tensor of `tensors`
-/// must be used, except those HF itself skips (`rotary_emb.inv_freq`, and
-/// `lm_head.weight` of a tied model).
+/// decoder layer i, `adapter_names[i]` its LoRA adapters' (their units
+/// follow the head, see [`adapter_units`]); shapes come from `tensors` (the
+/// full model, or a checkpoint) and are checked against `cfg`. Every
+/// tensor of `tensors` must be used, except those HF itself skips
+/// (`rotary_emb.inv_freq`, and `lm_head.weight` of a tied model).
 pub fn build_layouts(
     cfg: &ModelConfig,
     layer_names: &[Vec<String>],
+    adapter_names: &[Vec<String>],
     tensors: &HashMap<String, Tensor>,
     source: &str,
 ) -> anyhow::Result<Vec<UnitLayout>> {
@@ -196,6 +214,11 @@ pub fn build_layouts(
         head.push(LM_HEAD_NAME.into());
     }
     groups.push(("head".into(), head));
+    for (i, names) in adapter_names.iter().enumerate() {
+        if !names.is_empty() {
+            groups.push((format!("model.layers.{i} adapters"), names.clone()));
+        }
+    }
 
     let mut shapes = HashMap::new();
     let mut missing = Vec::new();
