@@ -84,7 +84,8 @@ impl LayerShell {
                 a.switch,
             );
         }
-        let (mut adapters, mut vars): (Vec<(String, Tensor)>, Vec<(String, Tensor)>) = vs
+        type Named = Vec<(String, Tensor)>;
+        let (mut adapters, mut vars): (Named, Named) = vs
             .variables()
             .into_iter()
             .partition(|(n, _)| crate::model::lora::is_adapter(n));
