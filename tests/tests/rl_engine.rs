@@ -32,6 +32,8 @@ enum Mode {
     /// generated) but the engine dies before answering: the connection
     /// drops mid-request.
     DieOn { from: usize, n: usize },
+    /// vLLM serving a LoRA job's adapter (`/v1/load_lora_adapter`).
+    Lora,
 }
 
 #[derive(Debug, Default)]
@@ -60,7 +62,13 @@ async fn completions(State(e): State<Shared>, Json(body): Json<Value>) -> Respon
     let n = body["n"].as_u64().expect("n");
     let stop = body["stop_token_ids"][0].as_u64().expect("a stop token id");
     assert_eq!(body["return_tokens_as_token_ids"], true);
-    assert_eq!(body["model"], "policy");
+    // A LoRA job asks for its adapter by the name it was loaded under.
+    let want = if matches!(e.lock().unwrap().mode, Mode::Lora) {
+        "accrue-policy"
+    } else {
+        "policy"
+    };
+    assert_eq!(body["model"], want);
     let (mode, i) = {
         let mut e = e.lock().unwrap();
         e.requests.push((prompt, seed));
@@ -110,6 +118,25 @@ async fn reload(State(e): State<Shared>, Json(body): Json<Value>) -> Json<Value>
     Json(json!({"success": true, "message": "Succeeded to update model weights."}))
 }
 
+/// vLLM's runtime LoRA loading: records the adapter folder and what it held.
+async fn load_lora(State(e): State<Shared>, Json(body): Json<Value>) -> Response {
+    assert_eq!(body["lora_name"], "accrue-policy");
+    assert_eq!(body["load_inplace"], true);
+    let dir = body["lora_path"].as_str().expect("lora_path").to_string();
+    let files = std::fs::read_dir(&dir)
+        .map(|d| {
+            d.map(|f| f.unwrap().file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    e.lock().unwrap().reloads.push((dir, files));
+    "Success: LoRA adapter 'accrue-policy' added successfully.".into_response()
+}
+
+async fn reset_prefix_cache() -> StatusCode {
+    StatusCode::OK
+}
+
 /// Starts the fake engine on 127.0.0.1; its base URL and state.
 async fn start_engine(mode: Mode) -> (String, Shared) {
     let state: Shared = Arc::new(Mutex::new(Engine {
@@ -119,6 +146,8 @@ async fn start_engine(mode: Mode) -> (String, Shared) {
     let app = Router::new()
         .route("/v1/completions", post(completions))
         .route("/update_weights_from_disk", post(reload))
+        .route("/v1/load_lora_adapter", post(load_lora))
+        .route("/reset_prefix_cache", post(reset_prefix_cache))
         .with_state(state.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
@@ -320,4 +349,62 @@ async fn a_malformed_engine_answer_fails_the_job_naming_the_field_and_prompt() {
         text.contains("choices[0].logprobs") && text.contains("prompt 0:") && text.contains(&url),
         "{text}"
     );
+}
+
+/// A LoRA job on the engine (issue 35), with two real workers
+/// (`accrue local`): every published policy is the adapter folder PEFT and
+/// vLLM load (`adapter_model.safetensors`, `adapter_config.json`), loaded
+/// with `/v1/load_lora_adapter` in place under one name, and the rounds ask
+/// for that name; the job trains to its end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lora_job_hands_the_engine_its_adapter_folder_every_publication() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (url, engine) = start_engine(Mode::Lora).await;
+    let spec = write_spec(d, &url);
+    let text = std::fs::read_to_string(&spec)
+        .unwrap()
+        .replace("reload = \"sglang\"", "reload = \"vllm\"")
+        + "[lora]\nrank = 4\nalpha = 8\n";
+    std::fs::write(&spec, text).unwrap();
+    let bin = bin_dir().join("accrue");
+    let spec_arg = spec.display().to_string();
+    let cwd = d.to_path_buf();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(bin)
+            .args(["local", &spec_arg, "--workers", "2"])
+            .current_dir(cwd)
+            .output()
+            .expect("running accrue local")
+    })
+    .await
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let e = engine.lock().unwrap();
+    let steps: Vec<&str> = e
+        .reloads
+        .iter()
+        .map(|(d, _)| d.rsplit('/').next().unwrap())
+        .collect();
+    assert_eq!(steps, ["step-0", "step-2", "step-4"], "{:?}", e.reloads);
+    for (d, files) in &e.reloads {
+        for f in [
+            "adapter_model.safetensors",
+            "adapter_config.json",
+            "tokenizer.json",
+        ] {
+            assert!(files.contains(f), "{d} lacked {f} when loaded: {files:?}");
+        }
+        assert!(
+            !files.iter().any(|f| f.starts_with("optimizer")),
+            "{d}: a published policy carries no optimizer state: {files:?}"
+        );
+    }
+    assert_prompts_once_per_epoch(&e);
+    steps_of(d);
 }

@@ -256,6 +256,8 @@ pub enum Effect {
         step: u64,
         dir: PathBuf,
         engine: crate::job::engine::EngineSection,
+        /// A LoRA job: `dir` is an adapter folder, loaded as one.
+        adapter: bool,
     },
     /// A checkpoint left the job's index (`checkpoint.keep`): delete its
     /// directory (after the record persisted before it).

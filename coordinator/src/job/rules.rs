@@ -348,14 +348,17 @@ pub fn fsdp_takes_cached_reference(
     }
 }
 
-/// What a LoRA job cannot run yet: an external engine (it would need the
-/// adapter folder handed over after every step).
+/// A LoRA job's engine must load each step's adapter folder: vLLM's
+/// runtime LoRA loading does (`rl::engine::wire::reload_requests`);
+/// SGLang's weight update and `reload = "none"` would serve the base.
 pub fn lora_fits(rl: &RlSection, bad: &mut impl FnMut(&str, String)) {
-    if rl.engine.is_some() {
-        bad(
-            "rl.engine",
-            "[lora] jobs generate with their own workers; an external engine would need the adapter folder after every step, which is not built yet".into(),
-        );
+    if let Some(engine) = &rl.engine {
+        if engine.reload != crate::job::engine::EngineReload::Vllm {
+            bad(
+                "rl.engine.reload",
+                "[lora] with an external engine needs reload = \"vllm\" (it loads each step's adapter with /v1/load_lora_adapter; start vLLM with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)".into(),
+            );
+        }
     }
 }
 

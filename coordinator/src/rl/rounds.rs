@@ -168,6 +168,9 @@ pub struct EngineRound {
     /// its sample 0 seeds the prompt's request).
     pub plan: RoundPlan,
     pub engine: crate::job::engine::EngineSection,
+    /// A LoRA job: the engine serves the policy as an adapter
+    /// (`rl::engine::wire::ADAPTER_NAME`) over its base.
+    pub adapter: bool,
 }
 
 /// What the core knows of the generation that runs apart from the

@@ -28,6 +28,9 @@ pub fn bin_dir() -> PathBuf {
                 "accrue-coordinator",
                 "-p",
                 "accrue-cli",
+                // Tests that run `accrue local` start real workers.
+                "-p",
+                "accrue-worker",
                 "--bins",
             ])
             .current_dir(workspace_root())

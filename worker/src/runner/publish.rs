@@ -48,9 +48,11 @@ pub fn write_policy(
     } else {
         optimizer_file(rank as usize, world as usize)
     };
-    let dropped = [opt.as_str(), "trainer.json"];
+    // A LoRA job's rank 0 writes the whole (small) adapter state as
+    // `optimizer.safetensors` whatever the world size.
+    let dropped = [opt.as_str(), "optimizer.safetensors", "trainer.json"];
     for f in dropped {
-        if f == "optimizer.safetensors" || f == opt || rank == 0 {
+        if f == opt || rank == 0 {
             remove_if_present(&dir.join(f))?;
         }
     }

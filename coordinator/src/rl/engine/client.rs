@@ -224,8 +224,9 @@ impl EngineClient {
         &self,
         engine: &EngineSection,
         dir: &std::path::Path,
+        adapter: bool,
     ) -> Result<(), EngineError> {
-        for (path, body) in reload_requests(engine, dir) {
+        for (path, body) in reload_requests(engine, dir, adapter) {
             let answer = self.post(engine, path, &body).await?;
             if let Some(message) = reload_refused(&answer) {
                 return Err(EngineError::Refused {

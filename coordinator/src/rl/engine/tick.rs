@@ -288,6 +288,7 @@ impl JobCtx<'_> {
                     step,
                     dir,
                     engine: spec,
+                    adapter: job.spec.lora.is_some(),
                 });
             }
             Backend::Workers => {
@@ -350,6 +351,7 @@ impl JobCtx<'_> {
                     group,
                     plan: plans.pop().expect("one rank"),
                     engine: spec,
+                    adapter: job.spec.lora.is_some(),
                 })));
             }
             Backend::Workers => {

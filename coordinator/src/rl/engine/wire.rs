@@ -60,11 +60,21 @@ pub fn prompts_of(r: &EngineRound) -> impl Iterator<Item = &GenRequest> {
     r.plan.requests.chunks(group).map(|c| &c[0])
 }
 
+/// The name a LoRA job's policy is served under: vLLM loads each step's
+/// adapter folder in place under this name (`/v1/load_lora_adapter`,
+/// `load_inplace`), and completions ask for it as their model.
+pub const ADAPTER_NAME: &str = "accrue-policy";
+
 /// The `/v1/completions` body for prompt `q` of round `r`.
 pub fn completion_request(r: &EngineRound, q: &GenRequest) -> Value {
     let s = &r.plan.sampling;
+    let model = if r.adapter {
+        ADAPTER_NAME
+    } else {
+        r.engine.model.as_str()
+    };
     json!({
-        "model": r.engine.model,
+        "model": model,
         "prompt": &q.prompt_ids[..],
         "n": r.group,
         // The engines take a signed 64-bit seed.
@@ -226,9 +236,26 @@ fn token_ids(c: &Value, lp: &Value, at: &impl Fn(&str) -> String) -> Result<Vec<
 }
 
 /// The requests that make the engine load the policy in `dir`: (path,
-/// body) in order; empty for `reload = "none"`.
-pub fn reload_requests(engine: &EngineSection, dir: &Path) -> Vec<(&'static str, Value)> {
+/// body) in order; empty for `reload = "none"`. A LoRA job's `dir` is an
+/// adapter folder: vLLM loads it in place under [`ADAPTER_NAME`] (its
+/// runtime LoRA updating: `--enable-lora`,
+/// `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`), the only engine admitted
+/// with `[lora]`.
+pub fn reload_requests(
+    engine: &EngineSection,
+    dir: &Path,
+    adapter: bool,
+) -> Vec<(&'static str, Value)> {
     let dir = dir.display().to_string();
+    if adapter {
+        return vec![
+            (
+                "/v1/load_lora_adapter",
+                json!({"lora_name": ADAPTER_NAME, "lora_path": dir, "load_inplace": true}),
+            ),
+            ("/reset_prefix_cache", json!({})),
+        ];
+    }
     match engine.reload {
         EngineReload::Sglang => vec![(
             "/update_weights_from_disk",
@@ -292,6 +319,7 @@ mod tests {
             },
             engine: toml::from_str("url = \"http://e:1\"\nmodel = \"policy\"\nreload = \"vllm\"\n")
                 .unwrap(),
+            adapter: false,
         }
     }
 
@@ -400,15 +428,26 @@ mod tests {
     fn reloads_per_engine() {
         let mut e = round().engine;
         let dir = Path::new("/shared/out/policy/step-4");
-        let v = reload_requests(&e, dir);
+        let v = reload_requests(&e, dir, false);
         assert_eq!(v[0].0, "/collective_rpc");
         assert_eq!(
             v[0].1["kwargs"]["weights_path"],
             "/shared/out/policy/step-4"
         );
         assert_eq!(v[1].0, "/reset_prefix_cache");
+        // A LoRA job's adapter folder, loaded in place under one name.
+        let v = reload_requests(&e, dir, true);
+        assert_eq!(v[0].0, "/v1/load_lora_adapter");
+        assert_eq!(v[0].1["lora_name"], ADAPTER_NAME);
+        assert_eq!(v[0].1["lora_path"], "/shared/out/policy/step-4");
+        assert_eq!(v[0].1["load_inplace"], true);
+        assert_eq!(v[1].0, "/reset_prefix_cache");
+        let mut r = round();
+        r.adapter = true;
+        let q = prompts_of(&r).next().unwrap().clone();
+        assert_eq!(completion_request(&r, &q)["model"], ADAPTER_NAME);
         e.reload = EngineReload::Sglang;
-        let v = reload_requests(&e, dir);
+        let v = reload_requests(&e, dir, false);
         assert_eq!((v.len(), v[0].0), (1, "/update_weights_from_disk"));
         assert_eq!(v[0].1["model_path"], "/shared/out/policy/step-4");
         assert_eq!(

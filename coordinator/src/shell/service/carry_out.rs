@@ -327,7 +327,8 @@ impl Shared {
                 step,
                 dir,
                 engine,
-            } => self.engine_reload(job, step, dir, engine),
+                adapter,
+            } => self.engine_reload(job, step, dir, engine, adapter),
         }
     }
 

@@ -69,6 +69,7 @@ impl Shared {
         step: u64,
         dir: PathBuf,
         engine: EngineSection,
+        adapter: bool,
     ) {
         let (client, me) = (self.engine.clone(), self.me.clone());
         self.spawn_engine_call(async move {
@@ -78,7 +79,7 @@ impl Shared {
                 let dir =
                     std::path::absolute(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
                 client
-                    .reload(&engine, &dir)
+                    .reload(&engine, &dir, adapter)
                     .await
                     .map_err(|e| e.to_string())
             }
