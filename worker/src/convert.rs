@@ -269,11 +269,10 @@ fn lora_config(l: &wire::LoraDefinition) -> Result<crate::config::LoraConfig, Fi
             format!("must be positive, got {}", l.alpha),
         ));
     }
-    if l.dropout != 0.0 {
-        // The coordinator refuses it: masks would depend on the split.
+    if !(l.dropout.is_finite() && (0.0..1.0).contains(&l.dropout)) {
         return Err(invalid(
             "job.lora.dropout",
-            format!("only 0 is supported, got {}", l.dropout),
+            format!("must be in [0, 1), got {}", l.dropout),
         ));
     }
     let targets = match l.target_modules.as_slice() {

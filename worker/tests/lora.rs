@@ -684,3 +684,86 @@ fn fsdp_lora_in_bf16_trains_checkpoints_restores_and_generates() {
     assert_eq!(common::worst_rel(&restored[0], &trained[0]).0, 0.0);
     assert_eq!(common::worst_rel(&trained[1], &trained[0]).0, 0.0);
 }
+
+/// LoRA dropout (`lora.dropout`): a document's mask is keyed by the seed,
+/// the step, the module and the document itself, so two steps of the same
+/// documents give the same adapters on 1 rank in one microbatch, on 1 rank
+/// with per-layer recomputation, and on 2 ranks in uneven microbatches at
+/// ddp, zero2 and fsdp; and the masks are really applied (the update
+/// differs from dropout 0's).
+#[test]
+fn dropout_gives_the_same_update_for_any_split_world_size_and_sharding() {
+    let docs = common::synthetic_documents(&[23, 5, 40, 11, 17, 8], 9);
+    let run = |dropout: f64, sharding: &str, layout: Vec<Vec<Vec<usize>>>, recompute: bool| {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = common::random_job(
+            dir.path(),
+            &format!(
+                "[optimizer]\nlr = 1e-2\neps = 1e-5\n[parallel]\nsharding = \"{sharding}\"\n\
+                 [runtime]\nactivation_checkpointing = {recompute}\n\
+                 [lora]\nrank = 4\nalpha = 8\ndropout = {dropout}\n"
+            ),
+        );
+        let norms = StepNorms {
+            loss_tokens: common::batch(&docs).loss_tokens(),
+            ..Default::default()
+        };
+        let handles: Vec<_> = LocalGroup::new(layout.len())
+            .into_iter()
+            .zip(layout)
+            .map(|(coll, groups)| {
+                let cfg = cfg.clone();
+                let mbs: Vec<PackedBatch> = groups
+                    .iter()
+                    .map(|g| {
+                        let d: Vec<Doc> = g.iter().map(|&i| docs[i].clone()).collect();
+                        if d.is_empty() {
+                            PackedBatch::default()
+                        } else {
+                            common::batch(&d)
+                        }
+                    })
+                    .collect();
+                std::thread::spawn(move || {
+                    tch::set_num_threads(1);
+                    let mut t = accrue_worker::train::build(&cfg, None, Box::new(coll)).unwrap();
+                    for _ in 0..2 {
+                        for (i, mb) in mbs.iter().enumerate() {
+                            t.train_microbatch(i, mb, &MicrobatchMeta::default(), &norms)
+                                .unwrap();
+                        }
+                        t.optimizer_step(1e-2).unwrap();
+                    }
+                    // Every rank's policy: the model with its adapters.
+                    let policy = t.policy(true).unwrap();
+                    let mut a: Vec<(String, Tensor)> = policy
+                        .vs
+                        .variables()
+                        .into_iter()
+                        .filter(|(n, _)| is_adapter(n))
+                        .map(|(n, t)| (n, t.detach().copy()))
+                        .collect();
+                    a.sort_by(|x, y| x.0.cmp(&y.0));
+                    a
+                })
+            })
+            .collect();
+        handles.into_iter().next().unwrap().join().unwrap()
+    };
+    let one = vec![vec![vec![0, 1, 2, 3, 4, 5]]];
+    let two = vec![vec![vec![0], vec![1, 2]], vec![vec![3, 4, 5], vec![]]];
+    let reference = run(0.3, "ddp", one.clone(), false);
+    for (what, got) in [
+        ("recomputed", run(0.3, "ddp", one.clone(), true)),
+        ("ddp 2 ranks", run(0.3, "ddp", two.clone(), false)),
+        ("zero2 2 ranks", run(0.3, "zero2", two.clone(), false)),
+        ("fsdp 2 ranks", run(0.3, "fsdp", two.clone(), false)),
+    ] {
+        let (w, name) = common::worst_rel(&got, &reference);
+        println!("dropout 0.3, {what}: {w:e} ({name})");
+        assert!(w <= 1e-5, "{what}: {name} differs by {w:e}");
+    }
+    let (w, _) = common::worst_rel(&run(0.0, "ddp", one, false), &reference);
+    println!("dropout 0.3 vs 0: {w:e}");
+    assert!(w > 1e-3, "the dropout masks changed nothing ({w:e})");
+}

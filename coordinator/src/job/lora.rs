@@ -59,8 +59,8 @@ pub struct LoraSection {
     /// with `use_rslora`).
     #[serde(default = "default_alpha")]
     pub alpha: f64,
-    /// `lora_dropout` on the adapter's input while training; only 0 for
-    /// now (see `validate`).
+    /// `lora_dropout` on the adapter's input in training forwards (masks
+    /// keyed by document, so the update does not depend on the split).
     #[serde(default)]
     pub dropout: f64,
     #[serde(default)]
@@ -102,16 +102,6 @@ impl LoraSection {
             bad(
                 "lora.dropout",
                 format!("must be in [0, 1), got {}", self.dropout),
-            );
-        } else if self.dropout > 0.0 {
-            // A mask drawn per microbatch would make the update depend on
-            // how documents were split into microbatches and ranks.
-            bad(
-                "lora.dropout",
-                format!(
-                    "{} is not supported yet: only 0 (dropout masks that do not depend on the microbatch split are not built)",
-                    self.dropout
-                ),
             );
         }
         if let TargetModules::One(s) = &self.target_modules {
@@ -162,7 +152,7 @@ mod tests {
         assert_eq!(s.target_modules, TargetModules::One("all-linear".into()));
         assert!(problems(&s).is_empty());
         let s: LoraSection = toml::from_str(
-            "rank = 0\nalpha = -1\ndropout = 0.1\ntarget_modules = \"linear\"\ninit = \"/nonexistent\"",
+            "rank = 0\nalpha = -1\ndropout = 1.0\ntarget_modules = \"linear\"\ninit = \"/nonexistent\"",
         )
         .unwrap();
         let p = problems(&s);

@@ -258,6 +258,18 @@ impl ReplicatedTrainer {
         self.model.adapters.is_some()
     }
 
+    /// The LoRA dropout masks' keys of a training forward of `mb` (none
+    /// without dropout).
+    fn dropout_keys(&self, mb: &PackedBatch) -> Option<crate::model::lora::DropoutKeys> {
+        self.init.lora.as_ref().filter(|l| l.dropout > 0.0)?;
+        Some(crate::model::lora::DropoutKeys::new(
+            self.init.seed,
+            self.opt.step,
+            &mb.input_ids,
+            &mb.cu_seq_lens,
+        ))
+    }
+
     /// The model forward/backward run on (the compute copy, or the masters).
     fn net(&self) -> &Llama {
         self.compute.as_ref().unwrap_or(&self.model)
@@ -321,7 +333,10 @@ impl ReplicatedTrainer {
         }
         let net = self.net();
         let routes = self.routes(index, mb)?;
-        let fwd = net.forward_train(&mb.input_ids, &mb.cu_seq_lens, self.checkpointing, &routes);
+        let keys = self.dropout_keys(mb);
+        let fwd = crate::model::lora::with_dropout(keys.clone(), || {
+            net.forward_train(&mb.input_ids, &mb.cu_seq_lens, self.checkpointing, &routes)
+        });
         let aux_share = fwd.aux_share;
         let head = net.lm_head_weight();
         let chunked = loss::chunked_nll_with(
@@ -334,13 +349,15 @@ impl ReplicatedTrainer {
             self.groups.head.is_some(),
         )
         .with_context(|| format!("microbatch {index}"))?;
-        let grads = net.backward_train(
-            fwd,
-            &chunked.grad_hidden,
-            &chunked.grad_weight,
-            &self.compute_params,
-            &self.groups,
-        );
+        let grads = crate::model::lora::with_dropout(keys, || {
+            net.backward_train(
+                fwd,
+                &chunked.grad_hidden,
+                &chunked.grad_weight,
+                &self.compute_params,
+                &self.groups,
+            )
+        });
         sums.loss_sum = chunked.loss_sum;
         sums.loss_tokens = chunked.loss_tokens;
         let norms = crate::batch::StepNorms {
@@ -387,8 +404,11 @@ impl ReplicatedTrainer {
                 replay: replay_of(net, i, mb)?,
                 aux: None,
             };
-            tch::no_grad(|| net.hidden_routed(&mb.input_ids, &mb.cu_seq_lens, &routes))
-                .add_counts(&mut total)?;
+            // Routed as the training forward will be, dropout included.
+            crate::model::lora::with_dropout(self.dropout_keys(mb), || {
+                tch::no_grad(|| net.hidden_routed(&mb.input_ids, &mb.cu_seq_lens, &routes))
+            })
+            .add_counts(&mut total)?;
         }
         Ok(total)
     }

@@ -118,6 +118,8 @@ pub struct FsdpTrainer {
     /// A LoRA job (`lora`): the base's units are frozen, each layer's
     /// adapters are a unit of their own.
     lora: Option<FsdpLora>,
+    /// `job.seed` (LoRA dropout masks).
+    seed: u64,
 }
 
 /// What a LoRA job adds to the FSDP trainer. The base's units are sharded
@@ -323,7 +325,20 @@ impl FsdpTrainer {
             arch: arch.clone(),
             step_aux: None,
             lora,
+            seed: cfg.seed,
         })
+    }
+
+    /// The LoRA dropout masks' keys of a training forward of `mb` (none
+    /// without dropout).
+    fn dropout_keys(&self, mb: &PackedBatch) -> Option<crate::model::lora::DropoutKeys> {
+        self.lora.as_ref().filter(|l| l.config.dropout > 0.0)?;
+        Some(crate::model::lora::DropoutKeys::new(
+            self.seed,
+            self.opt.step,
+            &mb.input_ids,
+            &mb.cu_seq_lens,
+        ))
     }
 
     /// Whether unit `u` trains (every unit, or a LoRA job's adapters).

@@ -64,7 +64,9 @@ impl FsdpTrainer {
         let Some(prep) = prep else {
             return Ok(sums);
         };
-        let (saved, routing) = self.forward(prep.as_ref())?;
+        let keys = self.dropout_keys(mb);
+        let (saved, routing) =
+            crate::model::lora::with_dropout(keys.clone(), || self.forward(prep.as_ref()))?;
         let obj_norms = match obj {
             Some(o) => Some(*o.norms()),
             None => sft_tokens.map(|t| StepNorms {
@@ -87,7 +89,7 @@ impl FsdpTrainer {
             let share = routing.aux.map(|a| a.double_value(&[]));
             routing::report(&mut sums.extra, share, self.aux_spec(), &norms, mb);
         }
-        self.backward(prep.as_ref(), &saved, grad_x)?;
+        crate::model::lora::with_dropout(keys, || self.backward(prep.as_ref(), &saved, grad_x))?;
         Ok(sums)
     }
 
@@ -313,7 +315,10 @@ impl Passes for FsdpTrainer {
             let Some(prep) = self.prepare_agreed(i, mb, None)? else {
                 continue;
             };
-            let (_, routing) = self.forward(prep.as_ref())?;
+            // Routed as the training forward will be, dropout included.
+            let keys = self.dropout_keys(mb);
+            let (_, routing) =
+                crate::model::lora::with_dropout(keys, || self.forward(prep.as_ref()))?;
             routing.add_counts(&mut local)?;
         }
         let counts = routing::reduce_counts(self.coll.as_mut(), &local)?;

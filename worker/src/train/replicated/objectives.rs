@@ -71,7 +71,10 @@ impl ReplicatedTrainer {
         };
         let net = self.net();
         let routes = self.routes(index, mb)?;
-        let fwd = net.forward_train(&mb.input_ids, &mb.cu_seq_lens, self.checkpointing, &routes);
+        let keys = self.dropout_keys(mb);
+        let fwd = crate::model::lora::with_dropout(keys.clone(), || {
+            net.forward_train(&mb.input_ids, &mb.cu_seq_lens, self.checkpointing, &routes)
+        });
         let aux_share = fwd.aux_share;
         let head_w = net.lm_head_weight();
         let out = microbatch::objective(
@@ -86,13 +89,15 @@ impl ReplicatedTrainer {
             net.arch.final_softcap,
         )
         .with_context(|| format!("microbatch {index}"))?;
-        let grads = net.backward_train(
-            fwd,
-            &out.grads.grad_hidden,
-            &out.grads.grad_weight,
-            &self.compute_params,
-            &self.groups,
-        );
+        let grads = crate::model::lora::with_dropout(keys, || {
+            net.backward_train(
+                fwd,
+                &out.grads.grad_hidden,
+                &out.grads.grad_weight,
+                &self.compute_params,
+                &self.groups,
+            )
+        });
         sums.loss_sum = out.loss_sum;
         sums.loss_tokens = out.loss_tokens;
         sums.pairs = out.pairs;
