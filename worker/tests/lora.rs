@@ -767,3 +767,30 @@ fn dropout_gives_the_same_update_for_any_split_world_size_and_sharding() {
     println!("dropout 0.3 vs 0: {w:e}");
     assert!(w > 1e-3, "the dropout masks changed nothing ({w:e})");
 }
+
+/// A `lora.init` folder that trains another adapter (another rank) is
+/// refused by the worker too, naming the file and both values.
+#[test]
+fn an_init_adapter_of_another_rank_is_refused_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let init = dir.path().join("adapter");
+    std::fs::create_dir_all(&init).unwrap();
+    std::fs::write(
+        init.join("adapter_config.json"),
+        r#"{"peft_type": "LORA", "r": 2, "lora_alpha": 8}"#,
+    )
+    .unwrap();
+    std::fs::write(init.join("adapter_model.safetensors"), b"").unwrap();
+    let cfg = common::random_job(
+        dir.path(),
+        &format!(
+            "[lora]\nrank = 4\nalpha = 8\ninit = \"{}\"\n",
+            init.display()
+        ),
+    );
+    let e = format!("{:#}", ReplicatedTrainer::single(&cfg, None).err().unwrap());
+    assert!(
+        e.contains("adapter_config.json: r = 2, the job's lora.rank is 4"),
+        "{e}"
+    );
+}

@@ -126,6 +126,68 @@ impl LoraSection {
         }
     }
 
+    /// The problems of `init`'s `adapter_config.json` against this
+    /// section: another rank, alpha or scaling, or another kind of adapter
+    /// than the plain LoRA the job trains (the workers check the same when
+    /// they load it).
+    pub fn check_init(&self, bad: &mut impl FnMut(&str, String)) {
+        let Some(dir) = &self.init else {
+            return;
+        };
+        let path = dir.join("adapter_config.json");
+        let json: serde_json::Value = match crate::job::input::read(
+            &path,
+            crate::job::input::MAX_CONFIG_BYTES,
+            "adapter config",
+        )
+        .map_err(|e| e.to_string())
+        .and_then(|b| serde_json::from_slice(&b).map_err(|e| format!("{}: {e}", path.display())))
+        {
+            Ok(j) => j,
+            Err(e) => return bad("lora.init", e),
+        };
+        let field = |k: &str| json.get(k).filter(|v| !v.is_null());
+        let mut differs = |what: &str, theirs: String, ours: String| {
+            bad(
+                "lora.init",
+                format!("{}: {what} = {theirs}, the job's is {ours}", path.display()),
+            )
+        };
+        if let Some(t) = field("peft_type")
+            .and_then(|v| v.as_str())
+            .filter(|t| *t != "LORA")
+        {
+            differs("peft_type", format!("{t:?}"), "\"LORA\"".into());
+        }
+        let r = field("r").and_then(|v| v.as_u64());
+        if r != Some(u64::from(self.rank)) {
+            differs("r", format!("{r:?}"), format!("lora.rank = {}", self.rank));
+        }
+        let alpha = field("lora_alpha").and_then(|v| v.as_f64());
+        if alpha != Some(self.alpha) {
+            differs(
+                "lora_alpha",
+                format!("{alpha:?}"),
+                format!("lora.alpha = {}", self.alpha),
+            );
+        }
+        let rs = field("use_rslora")
+            .and_then(|v| v.as_bool())
+            .unwrap_or(false);
+        if rs != self.use_rslora {
+            differs(
+                "use_rslora",
+                rs.to_string(),
+                format!("lora.use_rslora = {}", self.use_rslora),
+            );
+        }
+        for flag in ["use_dora", "lora_bias"] {
+            if field(flag).and_then(|v| v.as_bool()) == Some(true) {
+                differs(flag, "true".into(), "plain LoRA".into());
+            }
+        }
+    }
+
     pub fn resolve_paths(&mut self, base: &Path) {
         if let Some(p) = self.init.as_mut() {
             if p.is_relative() && !p.as_os_str().is_empty() {
@@ -171,5 +233,29 @@ mod tests {
             accrue_arch::lora::Targets::Named(vec!["q_proj".into(), "v_proj".into()])
         );
         assert!(toml::from_str::<LoraSection>("modules_to_save = [\"lm_head\"]").is_err());
+    }
+
+    #[test]
+    fn an_init_folder_of_another_rank_or_alpha_is_refused_naming_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("adapter_config.json"),
+            r#"{"peft_type": "LORA", "r": 4, "lora_alpha": 16, "use_rslora": false}"#,
+        )
+        .unwrap();
+        let mut s: LoraSection = toml::from_str("rank = 4\nalpha = 16").unwrap();
+        s.init = Some(dir.path().to_path_buf());
+        let mut p = Vec::new();
+        s.check_init(&mut |f: &str, m: String| p.push(format!("{f}: {m}")));
+        assert!(p.is_empty(), "{p:?}");
+        s.rank = 8;
+        s.alpha = 8.0;
+        s.check_init(&mut |f: &str, m: String| p.push(format!("{f}: {m}")));
+        assert_eq!(p.len(), 2, "{p:?}");
+        assert!(
+            p[0].contains("adapter_config.json: r = Some(4), the job's is lora.rank = 8"),
+            "{p:?}"
+        );
+        assert!(p[1].contains("lora_alpha"), "{p:?}");
     }
 }

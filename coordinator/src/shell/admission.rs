@@ -83,6 +83,9 @@ pub fn admit(spec: &JobSpec, scan_data: bool) -> Result<Admitted, Vec<SpecProble
             ));
         }
     }
+    if let Some(lora) = spec.lora.as_ref() {
+        lora.check_init(&mut |f, m| problems.push(SpecProblem::new(f, m)));
+    }
     if let (Some(m), Some(lora)) = (model.as_ref(), spec.lora.as_ref()) {
         if let Err(e) = accrue_arch::lora::resolve(&m.arch, &lora.target_modules.targets()) {
             problems.push(SpecProblem::new(
