@@ -5,7 +5,7 @@
 
 use tch::{nn, Tensor};
 
-use super::lora::Adapter;
+use super::adapter::Adapter;
 
 /// A linear layer, with a LoRA adapter when its module is targeted.
 #[derive(Debug)]

@@ -172,7 +172,7 @@ pub struct Llama {
     pub attention: PackedAttention,
     /// `[lora]`: the adapters `super::lora::attach` put on (every other
     /// variable frozen).
-    pub adapters: Option<super::lora::Adapters>,
+    pub adapters: Option<super::adapter::Adapters>,
 }
 
 impl std::fmt::Debug for Llama {

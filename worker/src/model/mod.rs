@@ -2,6 +2,7 @@
 //! safetensors compatible, padding-free packed forward, chunked LM head +
 //! cross-entropy.
 
+pub mod adapter;
 pub mod attention;
 pub mod config;
 pub mod decode;

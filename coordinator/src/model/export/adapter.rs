@@ -15,8 +15,10 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
-use super::weights::{bad, convert, copy_tokenizer_files, io, read_file, read_weights, Tensor};
-use super::{Dtype, ExportError, ExportReport};
+use super::weights::{
+    bad, convert, copy_tokenizer_files, io, read_file, read_weights, Dtype, ExportError,
+    ExportReport, Tensor,
+};
 
 pub const ADAPTER_FILE: &str = "adapter_model.safetensors";
 pub const ADAPTER_CONFIG: &str = "adapter_config.json";

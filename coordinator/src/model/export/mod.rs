@@ -12,10 +12,12 @@
 mod adapter;
 mod byte_tokenizer;
 mod folder;
+mod run;
 mod weights;
 
 pub use byte_tokenizer::tokenizer_json as byte_tokenizer_json;
 pub use folder::{
     tokenizer_files, write_tokenizer_files, OPTIONAL_TOKENIZER_FILES, TOKENIZER_FILES,
 };
-pub use weights::{export, parse_size, Dtype, ExportError, ExportOptions, ExportReport};
+pub use run::export;
+pub use weights::{parse_size, Dtype, ExportError, ExportOptions, ExportReport};
