@@ -32,7 +32,7 @@ from collections import defaultdict
 from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _deps import TRANSFORMERS, ensure_transformers  # noqa: E402
+from _deps import TRANSFORMERS, ensure_transformers, install_lock  # noqa: E402
 
 TRL = "trl==1.16.0"
 
@@ -46,7 +46,8 @@ def ensure_trl():
         pass
     # Pin torch and transformers too, so TRL's requirements cannot move them.
     pins = [TRL, "torch==2.13.0", TRANSFORMERS]
-    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", *pins])
+    with install_lock():
+        subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", *pins])
 
 
 ensure_transformers()
