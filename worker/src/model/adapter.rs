@@ -83,7 +83,7 @@ impl Adapter {
     }
 }
 
-/// What [`attach`] put on a model.
+/// What [`super::lora::attach`] put on a model.
 #[derive(Debug, Clone)]
 pub struct Adapters {
     pub config: LoraConfig,
