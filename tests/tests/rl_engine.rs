@@ -105,15 +105,20 @@ async fn completions(State(e): State<Shared>, Json(body): Json<Value>) -> Respon
     .into_response()
 }
 
-/// SGLang's reload: records the directory and what it held.
-async fn reload(State(e): State<Shared>, Json(body): Json<Value>) -> Json<Value> {
-    let dir = body["model_path"].as_str().expect("model_path").to_string();
-    let files = std::fs::read_dir(&dir)
+/// The file names in `dir` (none when it cannot be read).
+fn files_in(dir: &str) -> BTreeSet<String> {
+    std::fs::read_dir(dir)
         .map(|d| {
             d.map(|f| f.unwrap().file_name().to_string_lossy().into_owned())
                 .collect()
         })
-        .unwrap_or_default();
+        .unwrap_or_default()
+}
+
+/// SGLang's reload: records the directory and what it held.
+async fn reload(State(e): State<Shared>, Json(body): Json<Value>) -> Json<Value> {
+    let dir = body["model_path"].as_str().expect("model_path").to_string();
+    let files = files_in(&dir);
     e.lock().unwrap().reloads.push((dir, files));
     Json(json!({"success": true, "message": "Succeeded to update model weights."}))
 }
@@ -123,12 +128,7 @@ async fn load_lora(State(e): State<Shared>, Json(body): Json<Value>) -> Response
     assert_eq!(body["lora_name"], "accrue-policy");
     assert_eq!(body["load_inplace"], true);
     let dir = body["lora_path"].as_str().expect("lora_path").to_string();
-    let files = std::fs::read_dir(&dir)
-        .map(|d| {
-            d.map(|f| f.unwrap().file_name().to_string_lossy().into_owned())
-                .collect()
-        })
-        .unwrap_or_default();
+    let files = files_in(&dir);
     e.lock().unwrap().reloads.push((dir, files));
     "Success: LoRA adapter 'accrue-policy' added successfully.".into_response()
 }

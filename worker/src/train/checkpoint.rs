@@ -178,7 +178,6 @@ impl AdapterSnapshot {
         let Some(adapters) = &model.adapters else {
             bail!("an adapter checkpoint of a model without adapters");
         };
-        let cpu = |t: &Tensor| t.detach().to_device(tch::Device::Cpu).copy();
         let base_dir = match &cfg.model {
             crate::config::ModelSource::Checkpoint(dir) => Some(dir.clone()),
             crate::config::ModelSource::Random { .. } => None,
@@ -189,7 +188,6 @@ impl AdapterSnapshot {
                 .variables()
                 .into_iter()
                 .filter(|(n, _)| !crate::model::lora::is_adapter(n))
-                .map(|(n, t)| (n, cpu(&t)))
                 .collect();
             v.sort_by(|a, b| a.0.cmp(&b.0));
             v
@@ -249,26 +247,22 @@ impl AdapterSnapshot {
             .map(|e| (e.name.clone(), e.param.shallow_clone()))
             .collect();
         let mut files = crate::model::lora::write_adapter_folder(dir, &adapters, &config)?;
-        files.extend(write_optimizer_and_state(
+        write_moments(
             dir,
             "optimizer.safetensors",
             &self.entries,
             self.optimizer_step,
-            Kind::Float,
-        )?);
-        let mut raw = self.raw_config.clone();
+        )?;
+        write_trainer_state(dir, self.optimizer_step, Kind::Float)?;
+        files.extend(["optimizer.safetensors".into(), "trainer.json".into()]);
         if !self.base.is_empty() {
             weights::write_tensors(&dir.join("model.safetensors"), &self.base, BTreeMap::new())?;
             files.push("model.safetensors".into());
-            if let (Some(obj), Some((_, t))) = (raw.as_object_mut(), self.base.first()) {
-                let dt = dtype_name(t.kind());
-                obj.insert("torch_dtype".into(), dt.into());
-                obj.insert("dtype".into(), dt.into());
-            }
         }
-        write_atomic(
-            &dir.join("config.json"),
-            serde_json::to_string_pretty(&raw)?.as_bytes(),
+        write_config(
+            dir,
+            &self.raw_config,
+            self.base.first().map(|(_, t)| t.kind()),
         )?;
         files.push("config.json".into());
         Ok(files)
@@ -286,15 +280,14 @@ impl AdapterSnapshot {
     }
 }
 
-/// Writes `entries`' moments as `opt_name` and `trainer.json`; returns
-/// the names written.
-fn write_optimizer_and_state(
+/// Writes `entries`' AdamW moments (`{param}.exp_avg`, `.exp_avg_sq`) as
+/// `dir/opt_name`, the step in its metadata.
+fn write_moments(
     dir: &Path,
     opt_name: &str,
     entries: &[ShardEntry],
     optimizer_step: u64,
-    kind: Kind,
-) -> anyhow::Result<Vec<String>> {
+) -> anyhow::Result<()> {
     let mut state = Vec::with_capacity(2 * entries.len());
     for e in entries {
         state.push((format!("{}.exp_avg", e.name), e.exp_avg.shallow_clone()));
@@ -304,7 +297,11 @@ fn write_optimizer_and_state(
         ));
     }
     let meta = BTreeMap::from([("step".to_string(), optimizer_step.to_string())]);
-    weights::write_tensors(&dir.join(opt_name), &state, meta)?;
+    weights::write_tensors(&dir.join(opt_name), &state, meta)
+}
+
+/// Writes `trainer.json`.
+fn write_trainer_state(dir: &Path, optimizer_step: u64, kind: Kind) -> anyhow::Result<()> {
     let ts = TrainerState {
         format: 1,
         optimizer_step,
@@ -313,8 +310,22 @@ fn write_optimizer_and_state(
     write_atomic(
         &dir.join("trainer.json"),
         serde_json::to_string_pretty(&ts)?.as_bytes(),
-    )?;
-    Ok(vec![opt_name.to_string(), "trainer.json".into()])
+    )
+}
+
+/// Writes `config.json`: `raw`, its dtype fields set to `kind`'s when
+/// given.
+fn write_config(dir: &Path, raw: &serde_json::Value, kind: Option<Kind>) -> anyhow::Result<()> {
+    let mut config = raw.clone();
+    if let (Some(obj), Some(kind)) = (config.as_object_mut(), kind) {
+        let dt = dtype_name(kind);
+        obj.insert("torch_dtype".into(), dt.into());
+        obj.insert("dtype".into(), dt.into());
+    }
+    write_atomic(
+        &dir.join("config.json"),
+        serde_json::to_string_pretty(&config)?.as_bytes(),
+    )
 }
 
 /// Writes this rank's part of a sharded checkpoint: its assigned tensors
@@ -347,30 +358,12 @@ pub fn save_shard(
         .map(|e| (e.name.clone(), e.param.shallow_clone()))
         .collect();
     weights::write_tensors(&dir.join(&model_name), &named, BTreeMap::new())?;
-    let mut state = Vec::with_capacity(2 * mine.len());
-    for e in mine {
-        state.push((format!("{}.exp_avg", e.name), e.exp_avg.shallow_clone()));
-        state.push((
-            format!("{}.exp_avg_sq", e.name),
-            e.exp_avg_sq.shallow_clone(),
-        ));
-    }
-    let meta = BTreeMap::from([("step".to_string(), optimizer_step.to_string())]);
-    weights::write_tensors(&dir.join(&opt_name), &state, meta)?;
+    write_moments(dir, &opt_name, mine, optimizer_step)?;
     let mut files = vec![model_name, opt_name];
     if rank != 0 {
         return Ok(files);
     }
-    let mut config = raw_config.clone();
-    if let Some(obj) = config.as_object_mut() {
-        let dt = dtype_name(kind);
-        obj.insert("torch_dtype".into(), dt.into());
-        obj.insert("dtype".into(), dt.into());
-    }
-    write_atomic(
-        &dir.join("config.json"),
-        serde_json::to_string_pretty(&config)?.as_bytes(),
-    )?;
+    write_config(dir, raw_config, Some(kind))?;
     files.push("config.json".into());
     if world > 1 {
         let assignment = assign_tensors(all_sizes, world);
@@ -389,15 +382,7 @@ pub fn save_shard(
         )?;
         files.push("model.safetensors.index.json".into());
     }
-    let ts = TrainerState {
-        format: 1,
-        optimizer_step,
-        dtype: dtype_name(kind).into(),
-    };
-    write_atomic(
-        &dir.join("trainer.json"),
-        serde_json::to_string_pretty(&ts)?.as_bytes(),
-    )?;
+    write_trainer_state(dir, optimizer_step, kind)?;
     files.push("trainer.json".into());
     Ok(files)
 }

@@ -34,17 +34,9 @@ impl Checkpointing for ReplicatedTrainer {
             .collect();
         let (avg, avg_sq) = self.full_moments()?;
         let assigned = checkpoint::assign_tensors(&sizes, world);
-        let mine: Vec<ShardEntry> = self
-            .names
-            .iter()
-            .enumerate()
-            .filter(|(_, n)| assigned[*n] == rank)
-            .map(|(i, n)| ShardEntry {
-                name: n.clone(),
-                param: self.params[i].shallow_clone(),
-                exp_avg: avg[i].shallow_clone(),
-                exp_avg_sq: avg_sq[i].shallow_clone(),
-            })
+        let mine: Vec<ShardEntry> = (0..self.names.len())
+            .filter(|&i| assigned[&self.names[i]] == rank)
+            .map(|i| self.entry(i, &avg, &avg_sq))
             .collect();
         let snap = checkpoint::Snapshot::new(
             rank,
@@ -68,20 +60,22 @@ impl ReplicatedTrainer {
         if self.coll.rank() != 0 {
             return Ok(Box::new(|_| Ok(Vec::new())));
         }
-        let entries: Vec<ShardEntry> = self
-            .names
-            .iter()
-            .enumerate()
-            .map(|(i, n)| ShardEntry {
-                name: n.clone(),
-                param: self.params[i].shallow_clone(),
-                exp_avg: avg[i].shallow_clone(),
-                exp_avg_sq: avg_sq[i].shallow_clone(),
-            })
+        let entries: Vec<ShardEntry> = (0..self.names.len())
+            .map(|i| self.entry(i, &avg, &avg_sq))
             .collect();
         let snap =
             checkpoint::AdapterSnapshot::new(&self.model, &self.init, self.opt.step, entries)?;
         Ok(Box::new(move |dir| snap.write(dir)))
+    }
+
+    /// Parameter `i` with its moments, as a checkpoint writes it.
+    fn entry(&self, i: usize, avg: &[Tensor], avg_sq: &[Tensor]) -> ShardEntry {
+        ShardEntry {
+            name: self.names[i].clone(),
+            param: self.params[i].shallow_clone(),
+            exp_avg: avg[i].shallow_clone(),
+            exp_avg_sq: avg_sq[i].shallow_clone(),
+        }
     }
 
     /// AdamW moments per whole parameter (views of the flat moments at
