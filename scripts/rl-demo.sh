@@ -24,9 +24,11 @@
 # versions old; needs WORKERS > g).
 # LORA=1 runs the GRPO stage with LoRA adapters over the frozen SFT model
 # (issue 35): rank LORA_RANK (default 16), alpha 2×rank, every linear,
-# learning rate LORA_LR (default 1e-2: adapters start at zero and take a
-# larger step than full fine-tuning's 1e-3); disaggregated generators then
-# receive only the adapters.
+# learning rate LORA_LR (default 1e-3, as full fine-tuning: 3e-3 did no
+# better and 1e-2 collapsed) and 1000 GRPO steps unless RL_STEPS is set
+# (adapters over this barely trained 2-layer model learn more slowly than
+# full fine-tuning, which also moves the embedding and LM head); measured
+# 0.055 -> 0.41 in 216 s. Disaggregated generators receive only the adapters.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
@@ -56,7 +58,8 @@ if [[ -n "${GENERATORS:-}" ]]; then
 fi
 lora="s/^//"
 if [[ "${LORA:-}" == 1 ]]; then
-  lora="s/^lr = .*/lr = ${LORA_LR:-1e-2}/"
+  lora="s/^lr = .*/lr = ${LORA_LR:-1e-3}/"
+  [[ -n "${RL_STEPS:-}" ]] || steps="s/^steps = .*/steps = 1000/"
 fi
 sed -e "s#^init = .*#init = \"$ckpt\"\nresume = false#" -e "$steps" -e "$apart" -e "$lora" \
     deploy/examples/rl-demo.toml > runs/rl-demo.toml
