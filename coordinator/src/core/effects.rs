@@ -245,6 +245,9 @@ pub enum Effect {
     /// Decode and score a generated round off the state lock, then answer
     /// with `Event::RoundScored` or `Event::RoundFailed`.
     ScoreRound(Box<RoundToScore>),
+    /// Step the environments of a round's open episodes off the state
+    /// lock, then answer with `Event::EpisodesStepped`.
+    StepEpisodes(Box<crate::rl::episode::EpisodesToStep>),
     /// Generate a round on the job's external engine (`rl.engine`), off
     /// the state lock; answered with `Event::EngineGenerated`.
     EngineGenerate(Box<EngineRound>),

@@ -227,6 +227,14 @@ pub enum Event {
         round: u64,
         error: String,
     },
+    /// The shell stepped the environments of a round's open episodes
+    /// (`Effect::StepEpisodes`): one reply per episode, or why it could
+    /// not (the job fails, naming the episode).
+    EpisodesStepped {
+        job: JobId,
+        round: u64,
+        result: std::result::Result<Vec<crate::rl::episode::EnvReply>, String>,
+    },
     /// The engine's answer to `Effect::EngineGenerate` (after the shell's
     /// retries): every completion of the round, or why there are none.
     EngineGenerated {
@@ -297,6 +305,7 @@ impl Event {
             | Event::GenerateResult { job, .. }
             | Event::RoundScored { job, .. }
             | Event::RoundFailed { job, .. }
+            | Event::EpisodesStepped { job, .. }
             | Event::EngineGenerated { job, .. }
             | Event::EngineReloaded { job, .. }
             | Event::OutputFailed { job, .. } => Some(job),

@@ -89,6 +89,7 @@ impl JobCtx<'_> {
                 ..
             } => self.on_scored(round, rollouts, stats)?,
             Event::RoundFailed { round, error, .. } => self.on_score_failed(round, error),
+            Event::EpisodesStepped { round, result, .. } => self.on_episodes_stepped(round, result),
             Event::EngineGenerated { round, result, .. } => self.on_engine_generated(round, result),
             Event::WeightsSynced {
                 worker,

@@ -14,6 +14,7 @@ pub mod checkpoint;
 pub mod data;
 pub mod engine;
 pub mod env_names;
+pub mod environment;
 pub mod faults;
 pub mod header;
 pub mod input;

@@ -160,6 +160,7 @@ pub fn rl_loop_fields_need_generate(
         ("rl.engine", rl.engine.is_some()),
         ("rl.generators", rl.generators.is_some()),
         ("rl.routing_replay", rl.routing_replay.is_some()),
+        ("rl.env", rl.env.is_some()),
     ] {
         if given {
             bad(field, "only applies to data.source = \"generate\"".into());

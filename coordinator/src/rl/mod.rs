@@ -11,6 +11,7 @@
 //!   them ([`engine::tick`]), a streamed queue's pushes ([`streamed`]).
 
 pub mod engine;
+pub mod episode;
 pub mod pg;
 pub mod prompts;
 pub mod rollout_loop;
@@ -19,4 +20,5 @@ pub mod rounds;
 pub mod scorer;
 pub mod stream;
 pub mod streamed;
+pub mod tools;
 pub mod verify;

@@ -9,7 +9,8 @@ use std::sync::Arc;
 use tracing::{info, warn};
 
 use super::engine::tick::hand_to_scorer;
-use super::rounds::{GenCompletion, LoopInputs, RoundKind, RoundStats, MAX_BARREN_GROUPS};
+use super::episode::EnvReply;
+use super::rounds::{GenCompletion, LoopInputs, Round, RoundKind, RoundStats, MAX_BARREN_GROUPS};
 use super::stream::Admission;
 use crate::core::ctx::JobCtx;
 use crate::core::effects::{Effect, Persist, ToWorker, WatchItem};
@@ -171,7 +172,10 @@ impl JobCtx<'_> {
             );
             return;
         };
-        let Some(rank) = rank.filter(|_| r.is(generation, round)) else {
+        // A multi-turn round waiting on its environments has every answer
+        // of its turn: another is a repeat.
+        let stepping = r.episodes.as_ref().is_some_and(|e| e.stepping);
+        let Some(rank) = rank.filter(|_| r.is(generation, round) && !stepping) else {
             return self.stale_answer(worker, generation, round);
         };
         let Work::Generating(mut r) = std::mem::replace(&mut active.work, Work::Idle) else {
@@ -185,9 +189,79 @@ impl JobCtx<'_> {
             }
             return;
         }
+        self.round_answered(r);
+    }
+
+    /// A round every rank answered: the turn of a multi-turn round whose
+    /// episodes are not all over goes to the environments
+    /// (`Effect::StepEpisodes`); any other round to the scorer.
+    fn round_answered(&mut self, mut r: Box<Round>) {
+        if let Some(eps) = r.episodes.as_mut() {
+            eps.absorb(std::mem::take(&mut r.answers));
+            if !eps.over() {
+                eps.stepping = true;
+                let step = eps.to_step(&self.id, r.id);
+                self.job.rec.reason = format!(
+                    "round {}: stepping {} episodes' environments (turn {})",
+                    r.id,
+                    step.episodes.len(),
+                    eps.turn
+                );
+                self.fx.push(Effect::StepEpisodes(Box::new(step)));
+                if let Some(a) = self.job.active_mut() {
+                    a.work = Work::Generating(r);
+                }
+                return;
+            }
+        }
         let job = &mut *self.job;
         let l = job.data.rollout_loop.as_mut().expect("a generating job");
         hand_to_scorer(&self.id, &mut job.rec.reason, l, *r, self.fx);
+    }
+
+    /// The shell stepped the environments of round `round`'s open
+    /// episodes: their next turn is planned on the same ranks, or the
+    /// round is scored once every episode ended. A reply for any other
+    /// round (one forgotten with its generation) is ignored; one that
+    /// does not fit, or an environment that failed, fails the job.
+    pub(crate) fn on_episodes_stepped(
+        &mut self,
+        round: u64,
+        result: std::result::Result<Vec<EnvReply>, String>,
+    ) {
+        let job = &mut *self.job;
+        let terminal = job.rec.state.is_terminal();
+        let Some(active) = job.active_mut() else {
+            return;
+        };
+        let ours = matches!(&active.work, Work::Generating(r)
+            if r.id == round && r.episodes.as_ref().is_some_and(|e| e.stepping));
+        if !ours || terminal {
+            warn!(job = %self.id, round, "environment replies for no round being stepped, ignored");
+            return;
+        }
+        let world = active.gen.world_size();
+        let Work::Generating(mut r) = std::mem::replace(&mut active.work, Work::Idle) else {
+            unreachable!("matched above")
+        };
+        let eps = r.episodes.as_mut().expect("matched above");
+        eps.stepping = false;
+        let applied = result.and_then(|replies| eps.apply(replies).map_err(|e| e.to_string()));
+        if let Err(error) = applied {
+            let why = Why::new(
+                AbortReason::JobFailed,
+                format!("generation round {round}: environment: {error}"),
+            );
+            self.finish(End::Failed(why));
+            return;
+        }
+        if eps.over() {
+            return self.round_answered(r);
+        }
+        let sampling = job.spec.rl.sampling.clone().unwrap_or_default();
+        let l = job.data.rollout_loop.as_mut().expect("a generating job");
+        let plans = l.plan_turn(&mut r, world, &sampling);
+        self.send_round(*r, plans);
     }
 
     /// The shell scored round `round`: its rollouts join the stream and

@@ -20,6 +20,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use crate::job::rl::SamplingSection;
+use crate::rl::episode::{Episodes, Trace};
 use crate::rl::prompts::{Prompt, PromptSet};
 use crate::stream::cursor::Order;
 use crate::stream::doc::DocId;
@@ -38,6 +39,9 @@ pub struct LoopInputs {
     pub eval: Option<Arc<PromptSet>>,
     /// `rl.routing_replay`: generators record each token's experts.
     pub record_routing: bool,
+    /// `[rl.env]`: rollouts are multi-turn episodes
+    /// ([`crate::rl::episode`]).
+    pub episodes: bool,
 }
 
 /// What a round is for.
@@ -78,6 +82,10 @@ pub struct GenCompletion {
     /// ran (prompt, then the completion but its last token), a fixed
     /// number per token; empty otherwise.
     pub routing: Vec<u16>,
+    /// A finished multi-turn episode: its policy and environment turns
+    /// (the tokens are the whole episode after the prompt). `None`: one
+    /// policy turn, as a worker returns it.
+    pub trace: Option<Box<Trace>>,
 }
 
 /// Everything a rank is asked to generate in one round.
@@ -107,6 +115,9 @@ pub struct Round {
     pub asked: Vec<Vec<(DocId, u32)>>,
     /// Per rank that answered: its completions and seconds.
     pub answers: BTreeMap<u32, (Vec<GenCompletion>, f64)>,
+    /// A job with `[rl.env]`: the round's episodes, turn by turn (`id`
+    /// and `asked` are those of the turn being generated).
+    pub episodes: Option<Box<Episodes>>,
 }
 
 /// One prompt's group in a round to score: the prompt and its samples in
@@ -329,6 +340,7 @@ impl LoopState {
         let (asked, requests) = deal(&items, group, world, self.seed);
         let id = self.next_round;
         self.next_round += 1;
+        let episodes = inputs.episodes.then(|| Box::new(Episodes::new(&requests)));
         let plans = plans_of(id, policy_version, sampling, inputs, requests);
         let round = Round {
             id,
@@ -339,6 +351,7 @@ impl LoopState {
             started_ms: now_ms,
             asked,
             answers: BTreeMap::new(),
+            episodes,
         };
         Some((round, plans))
     }
@@ -364,6 +377,7 @@ impl LoopState {
         let (asked, requests) = deal(&items, 1, world, self.seed);
         let id = self.next_round;
         self.next_round += 1;
+        let episodes = inputs.episodes.then(|| Box::new(Episodes::new(&requests)));
         let greedy = SamplingSection {
             temperature: 0.0,
             ..sampling.clone()
@@ -382,8 +396,41 @@ impl LoopState {
             started_ms: now_ms,
             asked,
             answers: BTreeMap::new(),
+            episodes,
         };
         Some((round, plans))
+    }
+
+    /// The next turn of multi-turn round `r` whose environments replied:
+    /// a new round id (answers to the last turn are stale from here), its
+    /// open episodes asked of their ranks; greedy for an eval round.
+    pub fn plan_turn(
+        &mut self,
+        r: &mut Round,
+        world: u32,
+        sampling: &SamplingSection,
+    ) -> Vec<RoundPlan> {
+        let inputs = self.inputs.as_ref().expect("a round was planned");
+        let eps = r.episodes.as_mut().expect("a multi-turn round");
+        let (asked, requests) = eps.next_turn(world);
+        r.id = self.next_round;
+        self.next_round += 1;
+        r.asked = asked;
+        r.answers.clear();
+        let sampling = match r.kind {
+            RoundKind::Eval => SamplingSection {
+                temperature: 0.0,
+                ..sampling.clone()
+            },
+            RoundKind::Train => sampling.clone(),
+        };
+        let mut plans = plans_of(r.id, r.policy_version, &sampling, inputs, requests);
+        if r.kind == RoundKind::Eval {
+            for p in &mut plans {
+                p.record_routing = false;
+            }
+        }
+        plans
     }
 
     /// The prompt of stream position `pos` (its id).
@@ -510,7 +557,14 @@ impl Round {
     pub fn into_score(self, job: &str, state: &LoopState) -> RoundToScore {
         let mut by_prompt: BTreeMap<DocId, Vec<GenCompletion>> = BTreeMap::new();
         let mut seconds: f64 = 0.0;
-        for (cs, s) in self.answers.into_values() {
+        let answers = match self.episodes {
+            Some(e) => {
+                seconds = e.gen_seconds;
+                vec![(e.into_completions(), 0.0)]
+            }
+            None => self.answers.into_values().collect(),
+        };
+        for (cs, s) in answers {
             seconds = seconds.max(s);
             for c in cs {
                 by_prompt.entry(c.prompt).or_default().push(c);
@@ -560,6 +614,12 @@ pub struct RoundStats {
     pub truncated: u64,
     pub gen_seconds: f64,
     pub components: BTreeMap<String, f64>,
+    /// Multi-turn episodes: how many, their policy turns, tool calls and
+    /// environment tokens (`completion_tokens` counts policy tokens).
+    pub episodes: u64,
+    pub turns: u64,
+    pub tool_calls: u64,
+    pub env_tokens: u64,
 }
 
 impl RoundStats {
@@ -572,6 +632,10 @@ impl RoundStats {
         self.completion_tokens += o.completion_tokens;
         self.truncated += o.truncated;
         self.gen_seconds += o.gen_seconds;
+        self.episodes += o.episodes;
+        self.turns += o.turns;
+        self.tool_calls += o.tool_calls;
+        self.env_tokens += o.env_tokens;
         for (k, v) in &o.components {
             *self.components.entry(k.clone()).or_default() += v;
         }
@@ -607,6 +671,15 @@ impl RoundStats {
             );
         }
         m.insert("rl/gen_seconds".into(), self.gen_seconds);
+        if self.episodes > 0 {
+            let e = self.episodes as f64;
+            m.insert("rl/turns_mean".into(), self.turns as f64 / e);
+            m.insert(
+                "rl/tool_calls_per_episode".into(),
+                self.tool_calls as f64 / e,
+            );
+            m.insert("rl/env_tokens_mean".into(), self.env_tokens as f64 / e);
+        }
         for (k, v) in &self.components {
             m.insert(format!("rl/reward/{k}"), v / n);
         }

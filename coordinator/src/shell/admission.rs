@@ -138,6 +138,7 @@ fn loop_problem(spec: &JobSpec, e: &crate::rl::scorer::LoopError) -> SpecProblem
         LoopError::Verify(_) | LoopError::Round { .. } | LoopError::Scoring { .. } => {
             SpecProblem::new("rl.verifier", e.to_string())
         }
+        LoopError::Env { .. } => SpecProblem::new("rl.env", e.to_string()),
     }
 }
 

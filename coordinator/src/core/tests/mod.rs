@@ -157,6 +157,8 @@ struct Sim {
     rounds: Vec<(u32, Arc<generate::RoundPlan>)>,
     /// Rounds the core asked the shell to score, not yet answered.
     to_score: Vec<generate::RoundToScore>,
+    /// Multi-turn rounds whose environments the core asked to step.
+    to_step: Vec<crate::rl::episode::EpisodesToStep>,
     /// Whether `run` scores rounds itself (else a test answers them).
     auto_score: bool,
     /// Rounds for the external engine (`rl.engine`), not yet answered.
@@ -237,6 +239,7 @@ impl Sim {
             evals: Vec::new(),
             rounds: Vec::new(),
             to_score: Vec::new(),
+            to_step: Vec::new(),
             auto_score: true,
             engine_rounds: Vec::new(),
             engine_reloads: Vec::new(),
@@ -393,6 +396,7 @@ impl Sim {
                 Effect::EndSession { worker, .. } => self.ended_sessions.push(worker),
                 Effect::AppendEval { eval, .. } => self.evals.push(*eval),
                 Effect::ScoreRound(r) => self.to_score.push(*r),
+                Effect::StepEpisodes(s) => self.to_step.push(*s),
                 Effect::EngineGenerate(r) => {
                     let busy = self.c.job(&r.job).is_ok_and(|j| j.inflight().is_some());
                     self.engine_overlap.push(busy);

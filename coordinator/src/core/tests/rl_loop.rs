@@ -34,6 +34,7 @@ pub(crate) fn inputs(n: u64) -> LoopInputs {
         .collect();
     LoopInputs {
         record_routing: Default::default(),
+        episodes: false,
         prompts: Arc::new(PromptSet { prompts }),
         stop_ids: vec![258],
         stop_sequences: Vec::new(),
@@ -54,6 +55,7 @@ pub(crate) fn generated(worker: WorkerId, job: JobId, generation: u64, plan: &Ro
             .iter()
             .map(|q| GenCompletion {
                 routing: Default::default(),
+                trace: None,
                 prompt: q.prompt,
                 sample: q.sample,
                 token_ids: vec![q.prompt.line as u32 % 256, q.sample],

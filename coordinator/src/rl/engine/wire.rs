@@ -177,6 +177,7 @@ pub fn parse_completions(
         *slot = Some(GenCompletion {
             // An engine returns no routing (rl.routing_replay refuses it).
             routing: Vec::new(),
+            trace: None,
             prompt,
             sample: index as u32,
             token_ids,

@@ -9,12 +9,14 @@
 use std::collections::HashMap;
 use std::path::Path;
 
+use crate::job::environment::EnvSection;
 use crate::job::spec::JobSpec;
+use crate::rl::episode::Span;
 use crate::rl::prompts::{self, Prompt};
-use crate::rl::rounds::{Finish, LoopInputs, RoundStats, RoundToScore};
+use crate::rl::rounds::{Finish, GenCompletion, LoopInputs, RoundStats, RoundToScore};
 use crate::rl::verify::{self, Sample, Verifier};
 use crate::stream::data::format::{join, Encoder};
-use crate::stream::doc::{DocId, Rollout};
+use crate::stream::doc::{DocId, Rollout, Sequence, IGNORE_INDEX};
 
 /// Why a generating job could not be set up or a round scored.
 #[derive(Debug, thiserror::Error)]
@@ -29,6 +31,13 @@ pub enum LoopError {
     Round {
         round: u64,
         prompt: DocId,
+        message: String,
+    },
+    /// An episode's environment could not be stepped.
+    #[error("round {round}: episode {episode}: {message}")]
+    Env {
+        round: u64,
+        episode: String,
         message: String,
     },
     /// The verifier failed on a round; `rollout` names the completion it
@@ -55,6 +64,8 @@ pub struct Scorer {
     stop: Vec<String>,
     inputs: LoopInputs,
     vocab: u32,
+    /// `[rl.env]`: the rollouts are multi-turn episodes ([`turns`]).
+    env: Option<EnvSection>,
 }
 
 impl Scorer {
@@ -97,6 +108,7 @@ impl Scorer {
             stop_sequences,
             eval: eval.clone(),
             record_routing: spec.rl.routing_replay == Some(true),
+            episodes: spec.rl.env.is_some(),
         };
         let by_id = prompts
             .prompts
@@ -111,6 +123,7 @@ impl Scorer {
             stop,
             inputs,
             vocab: model_vocab,
+            env: spec.rl.env.clone(),
         })
     }
 
@@ -139,15 +152,17 @@ impl Scorer {
                 message: "not a prompt of this job".into(),
             })?;
             for c in &g.completions {
-                let text =
-                    self.enc
-                        .tok
-                        .decode(&c.token_ids)
-                        .map_err(|message| LoopError::Round {
-                            round: r.round,
-                            prompt: g.prompt,
-                            message,
-                        })?;
+                // An episode's answer is its last policy turn.
+                let from = c.trace.as_ref().map_or(0, |t| t.answer_from);
+                let text = self
+                    .enc
+                    .tok
+                    .decode(&c.token_ids[from..])
+                    .map_err(|message| LoopError::Round {
+                        round: r.round,
+                        prompt: g.prompt,
+                        message,
+                    })?;
                 texts.push((p, verify::truncate_at_stop(&text, &self.stop).to_string()));
             }
         }
@@ -188,7 +203,13 @@ impl Scorer {
             stats.completions += 1;
             stats.reward_sum += sc.reward;
             stats.reward_sq_sum += sc.reward * sc.reward;
-            stats.completion_tokens += c.token_ids.len() as u64;
+            stats.completion_tokens += policy_tokens(c) as u64;
+            if let Some(t) = &c.trace {
+                stats.episodes += 1;
+                stats.turns += u64::from(t.turns);
+                stats.tool_calls += u64::from(t.tool_calls);
+                stats.env_tokens += (c.token_ids.len() - policy_tokens(c)) as u64;
+            }
             stats.truncated += u64::from(c.finish == Finish::Length);
             if let Some(ok) = sc.correct {
                 stats.judged += 1;
@@ -207,8 +228,12 @@ impl Scorer {
                         message: format!("sample {}: routing: {message}", c.sample),
                     }
                 })?;
+            let seq = match &c.trace {
+                Some(t) => episode_seq(&p.ids, &c.token_ids, &t.spans),
+                None => join(p.ids.clone(), c.token_ids.clone()),
+            };
             rollouts.push(Rollout {
-                seq: join(p.ids.clone(), c.token_ids.clone()),
+                seq,
                 reward: sc.reward,
                 // Unique per position: a prompt seen again next epoch is a
                 // new group; the prompt id stays readable in it.
@@ -220,6 +245,39 @@ impl Scorer {
         }
         Ok((rollouts, stats))
     }
+}
+
+/// Tokens the policy sampled in a completion (all but an episode's
+/// environment turns).
+fn policy_tokens(c: &GenCompletion) -> usize {
+    match &c.trace {
+        Some(t) => t
+            .spans
+            .iter()
+            .filter(|s| s.policy)
+            .map(|s| s.len as usize)
+            .sum(),
+        None => c.token_ids.len(),
+    }
+}
+
+/// An episode as one sequence: the prompt, then its turns; loss on the
+/// policy's tokens only (the prompt and environment turns are context).
+fn episode_seq(prompt: &[u32], tokens: &[u32], spans: &[Span]) -> Sequence {
+    let mut input_ids = prompt.to_vec();
+    let mut labels = vec![IGNORE_INDEX; prompt.len()];
+    let mut at = 0;
+    for s in spans {
+        let run = &tokens[at..at + s.len as usize];
+        labels.extend(
+            run.iter()
+                .map(|&t| if s.policy { t as i32 } else { IGNORE_INDEX }),
+        );
+        at += s.len as usize;
+    }
+    debug_assert_eq!(at, tokens.len(), "spans cover the episode");
+    input_ids.extend(tokens);
+    Sequence::new(input_ids, labels)
 }
 
 /// A completion's routing as its rollout keeps it: aligned with the
@@ -248,6 +306,7 @@ fn replay_rows(
 
 #[cfg(test)]
 mod tests;
+mod turns;
 
 #[cfg(test)]
 mod replay_tests {

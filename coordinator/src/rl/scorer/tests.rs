@@ -45,6 +45,7 @@ fn completion(prompt: DocId, sample: u32, text: &str) -> GenCompletion {
     token_ids.push(257); // the byte tokenizer's EOS
     GenCompletion {
         routing: Default::default(),
+        trace: None,
         prompt,
         sample,
         logprobs: (0..token_ids.len()).map(|i| -(i as f32) - 1.0).collect(),

@@ -321,6 +321,7 @@ impl Shared {
                 }
             }
             Effect::ScoreRound(round) => self.score_round(*round),
+            Effect::StepEpisodes(step) => self.step_episodes(*step),
             Effect::EngineGenerate(round) => self.engine_generate(*round),
             Effect::EngineReload {
                 job,

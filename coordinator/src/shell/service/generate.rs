@@ -1,7 +1,8 @@
 //! The RL loop at the edge: `GeneratePlan` out, `GenerateResult` in (wire
 //! ↔ domain), and scoring a generated round off the state lock: the core
 //! asks (`Effect::ScoreRound`), a thread decodes and verifies with the
-//! job's [`Scorer`], and the answer comes back as an event.
+//! job's [`Scorer`], and the answer comes back as an event; stepping a
+//! multi-turn round's environments alike.
 
 use std::sync::Arc;
 
@@ -11,6 +12,7 @@ use tracing::{error, info};
 
 use super::shared::Shared;
 use crate::core::Event;
+use crate::rl::episode::EpisodesToStep;
 use crate::rl::rounds::{Finish, GenCompletion, RoundPlan, RoundToScore};
 use crate::rl::scorer::Scorer;
 use crate::stream::doc::DocId;
@@ -91,6 +93,7 @@ pub fn generate_result(worker: &str, g: wire::GenerateResult) -> Result<Event, S
                 logprobs,
                 finish,
                 routing,
+                trace: None,
             })
         })
         .collect::<Result<Vec<_>, Status>>()?;
@@ -149,6 +152,34 @@ impl Shared {
             if let Some(shared) = me.upgrade() {
                 if let Err(status) = shared.apply(event) {
                     error!(job = %round.job, round = round.round, %status, "admitting a scored round failed");
+                }
+            }
+        });
+    }
+
+    /// Steps the environments of a multi-turn round's open episodes on
+    /// a thread of their own, then tells the core.
+    pub(super) fn step_episodes(&self, step: EpisodesToStep) {
+        let scorer = self
+            .scorers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&step.job)
+            .cloned();
+        let me = self.me.clone();
+        std::thread::spawn(move || {
+            let result = match scorer {
+                None => Err("the job's prompts and environment could not be loaded (see the coordinator log)".into()),
+                Some(s) => s.step(&step).map_err(|e| e.to_string()),
+            };
+            let event = Event::EpisodesStepped {
+                job: step.job.clone(),
+                round: step.round,
+                result,
+            };
+            if let Some(shared) = me.upgrade() {
+                if let Err(status) = shared.apply(event) {
+                    error!(job = %step.job, round = step.round, %status, "taking an environment's replies failed");
                 }
             }
         });

@@ -1,0 +1,404 @@
+//! Multi-turn episodes (issue 36, `[rl.env]`): the pure state of a
+//! round whose rollouts are episodes. An episode is its prompt followed by
+//! turns: policy turns (sampled tokens with their log-probs, trained on)
+//! and environment turns (tool results rendered by the shell, never
+//! trained on). The coordinator drives the turns: every policy turn of a
+//! round is a generation request whose prompt is the episode so far; once
+//! every rank answered a turn, the shell steps the environment of each
+//! open episode (`EpisodesToStep`), and the core plans the next turn of
+//! those still open. A round is scored when its last episode ended.
+//!
+//! Exactly once: an episode lives in its round until the round is scored,
+//! and its prompt is consumed only when the round's rollouts are admitted.
+//! A round lost with a worker (or with the coordinator) is planned again
+//! from its prompts with the same seeds: episodes restart from the prompt,
+//! never from a half-recorded prefix, so an environment is always reset
+//! before it is stepped and never sees a turn twice within an episode.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use super::rounds::{seed_of, Finish, GenCompletion, GenRequest};
+use crate::stream::doc::DocId;
+
+/// A run of an episode's tokens after its prompt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Span {
+    /// Sampled by the policy (trained on) or inserted by the environment.
+    pub policy: bool,
+    pub len: u32,
+}
+
+/// What a finished episode tells the scorer beside its tokens.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Trace {
+    /// The runs of policy and environment tokens, in order, covering the
+    /// completion's tokens.
+    pub spans: Vec<Span>,
+    /// Where the last policy turn starts (the answer the verifier reads).
+    pub answer_from: usize,
+    pub turns: u32,
+    pub tool_calls: u32,
+}
+
+/// One episode of a round.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Episode {
+    pub prompt: DocId,
+    pub sample: u32,
+    /// The rank that generates its turns.
+    pub rank: u32,
+    pub prompt_ids: Arc<[u32]>,
+    /// The seed of its first turn (later turns derive theirs from it).
+    pub seed: u64,
+    /// Tokens after the prompt, and one log-prob per token (0 on the
+    /// environment's).
+    pub tokens: Vec<u32>,
+    pub logprobs: Vec<f32>,
+    pub trace: Trace,
+    /// Set when the episode ended.
+    pub finish: Option<Finish>,
+}
+
+/// One open episode's last policy turn, for the environment.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TurnToStep {
+    pub prompt: DocId,
+    pub sample: u32,
+    /// The policy turn just sampled.
+    pub turn: Vec<u32>,
+    /// Policy turns so far (this one included).
+    pub turns: u32,
+    /// Tokens of the episode after its prompt (this turn included).
+    pub episode_tokens: u32,
+}
+
+/// The open episodes of a round whose turn every rank answered: the
+/// shell steps their environments and answers `Event::EpisodesStepped`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EpisodesToStep {
+    pub job: String,
+    pub round: u64,
+    pub episodes: Vec<TurnToStep>,
+}
+
+/// The environment's answer to one policy turn.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EnvReply {
+    pub prompt: DocId,
+    pub sample: u32,
+    /// The environment turn's tokens (empty when the episode ends).
+    pub tokens: Vec<u32>,
+    /// Tool calls the policy turn made.
+    pub tool_calls: u32,
+    /// `Some` ends the episode: `Stop` when the policy answered, `Length`
+    /// when a limit (turns, episode tokens) cut it.
+    pub done: Option<Finish>,
+}
+
+/// Why a reply does not fit the episodes it answers.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BadReply {
+    #[error("environment reply for prompt {prompt} sample {sample}: no such open episode (or answered twice)")]
+    Unasked { prompt: DocId, sample: u32 },
+    #[error("environment replied for {got} episodes, {want} were stepped")]
+    Count { got: usize, want: usize },
+}
+
+/// A round's episodes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Episodes {
+    /// Policy turns planned so far (1 while the first is generated).
+    pub turn: u32,
+    /// Waiting for the environment's replies (`EpisodesToStep` out).
+    pub stepping: bool,
+    pub list: Vec<Episode>,
+    /// Sum over turns of the slowest rank's seconds.
+    pub gen_seconds: f64,
+}
+
+impl Episodes {
+    /// The episodes of a round's first turn, from its requests per rank.
+    pub fn new(requests: &[Vec<GenRequest>]) -> Episodes {
+        let list = requests
+            .iter()
+            .enumerate()
+            .flat_map(|(rank, rs)| {
+                rs.iter().map(move |q| Episode {
+                    prompt: q.prompt,
+                    sample: q.sample,
+                    rank: rank as u32,
+                    prompt_ids: q.prompt_ids.clone(),
+                    seed: q.seed,
+                    tokens: Vec::new(),
+                    logprobs: Vec::new(),
+                    trace: Trace::default(),
+                    finish: None,
+                })
+            })
+            .collect();
+        Episodes {
+            turn: 1,
+            stepping: false,
+            list,
+            gen_seconds: 0.0,
+        }
+    }
+
+    fn index(&self) -> BTreeMap<(DocId, u32), usize> {
+        self.list
+            .iter()
+            .enumerate()
+            .map(|(i, e)| ((e.prompt, e.sample), i))
+            .collect()
+    }
+
+    /// Appends a turn's completions (every rank's answers, checked by
+    /// `Round::answer` against what was asked) as policy turns; a turn
+    /// cut by `max_new_tokens` ends its episode.
+    pub fn absorb(&mut self, answers: BTreeMap<u32, (Vec<GenCompletion>, f64)>) {
+        let index = self.index();
+        let mut slowest: f64 = 0.0;
+        for (cs, s) in answers.into_values() {
+            slowest = slowest.max(s);
+            for c in cs {
+                let e = &mut self.list[index[&(c.prompt, c.sample)]];
+                e.trace.answer_from = e.tokens.len();
+                e.trace.turns += 1;
+                e.trace.spans.push(Span {
+                    policy: true,
+                    len: c.token_ids.len() as u32,
+                });
+                e.tokens.extend(&c.token_ids);
+                e.logprobs.extend(&c.logprobs);
+                if c.finish == Finish::Length {
+                    e.finish = Some(Finish::Length);
+                }
+            }
+        }
+        self.gen_seconds += slowest;
+    }
+
+    /// Whether every episode ended.
+    pub fn over(&self) -> bool {
+        self.list.iter().all(|e| e.finish.is_some())
+    }
+
+    /// The open episodes' last turns, for the environment.
+    pub fn to_step(&self, job: &str, round: u64) -> EpisodesToStep {
+        let episodes = self
+            .list
+            .iter()
+            .filter(|e| e.finish.is_none())
+            .map(|e| TurnToStep {
+                prompt: e.prompt,
+                sample: e.sample,
+                turn: e.tokens[e.trace.answer_from..].to_vec(),
+                turns: e.trace.turns,
+                episode_tokens: e.tokens.len() as u32,
+            })
+            .collect();
+        EpisodesToStep {
+            job: job.to_string(),
+            round,
+            episodes,
+        }
+    }
+
+    /// Applies the environment's replies: one for every open episode.
+    pub fn apply(&mut self, replies: Vec<EnvReply>) -> Result<(), BadReply> {
+        let open = self.list.iter().filter(|e| e.finish.is_none()).count();
+        if replies.len() != open {
+            return Err(BadReply::Count {
+                got: replies.len(),
+                want: open,
+            });
+        }
+        let index = self.index();
+        for r in &replies {
+            let ok = index
+                .get(&(r.prompt, r.sample))
+                .is_some_and(|&i| self.list[i].finish.is_none());
+            if !ok {
+                return Err(BadReply::Unasked {
+                    prompt: r.prompt,
+                    sample: r.sample,
+                });
+            }
+        }
+        for r in replies {
+            let e = &mut self.list[index[&(r.prompt, r.sample)]];
+            e.trace.tool_calls += r.tool_calls;
+            if let Some(f) = r.done {
+                e.finish = Some(f);
+                continue;
+            }
+            e.trace.spans.push(Span {
+                policy: false,
+                len: r.tokens.len() as u32,
+            });
+            e.logprobs.extend(std::iter::repeat_n(0.0, r.tokens.len()));
+            e.tokens.extend(r.tokens);
+        }
+        Ok(())
+    }
+
+    /// The next turn's requests per rank (`world` ranks): every open
+    /// episode continues on its rank from all its tokens so far, with a
+    /// seed of its own per turn (a re-planned round samples the same).
+    #[allow(clippy::type_complexity)]
+    pub fn next_turn(&mut self, world: u32) -> (Vec<Vec<(DocId, u32)>>, Vec<Vec<GenRequest>>) {
+        let turn = self.turn;
+        self.turn += 1;
+        let mut requests: Vec<Vec<GenRequest>> = vec![Vec::new(); world as usize];
+        for e in self.list.iter().filter(|e| e.finish.is_none()) {
+            let mut ids = e.prompt_ids.to_vec();
+            ids.extend(&e.tokens);
+            requests[e.rank as usize].push(GenRequest {
+                prompt: e.prompt,
+                sample: e.sample,
+                prompt_ids: ids.into(),
+                seed: seed_of(e.seed, u64::from(turn), 0),
+            });
+        }
+        let asked = requests
+            .iter()
+            .map(|rs| rs.iter().map(|q| (q.prompt, q.sample)).collect())
+            .collect();
+        (asked, requests)
+    }
+
+    /// The ended episodes as completions to score, in (prompt, sample)
+    /// order of the round.
+    pub fn into_completions(self) -> Vec<GenCompletion> {
+        self.list
+            .into_iter()
+            .map(|e| GenCompletion {
+                prompt: e.prompt,
+                sample: e.sample,
+                token_ids: e.tokens,
+                logprobs: e.logprobs,
+                finish: e.finish.unwrap_or(Finish::Length),
+                routing: Vec::new(),
+                trace: Some(Box::new(e.trace)),
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(line: u64) -> DocId {
+        DocId { file: 0, line }
+    }
+
+    fn completion(line: u64, sample: u32, tokens: &[u32], finish: Finish) -> GenCompletion {
+        GenCompletion {
+            prompt: id(line),
+            sample,
+            token_ids: tokens.to_vec(),
+            logprobs: tokens.iter().map(|&t| -(t as f32)).collect(),
+            finish,
+            routing: Vec::new(),
+            trace: None,
+        }
+    }
+
+    fn request(line: u64, sample: u32) -> GenRequest {
+        GenRequest {
+            prompt: id(line),
+            sample,
+            prompt_ids: vec![100, 101].into(),
+            seed: 7 + sample as u64,
+        }
+    }
+
+    /// Two ranks, three episodes: one answers at once, one calls a tool
+    /// once, one is cut by max_new_tokens; the spans, log-probs and the
+    /// second turn's prompts follow.
+    #[test]
+    fn turns_and_environment_replies_make_episodes() {
+        let mut eps = Episodes::new(&[vec![request(1, 0), request(1, 1)], vec![request(2, 0)]]);
+        let mut answers = BTreeMap::new();
+        answers.insert(
+            0,
+            (
+                vec![
+                    completion(1, 0, &[5, 6], Finish::Stop),
+                    completion(1, 1, &[7], Finish::Stop),
+                ],
+                1.0,
+            ),
+        );
+        answers.insert(1, (vec![completion(2, 0, &[8, 8, 8], Finish::Length)], 2.0));
+        eps.absorb(answers);
+        assert!(!eps.over());
+        let step = eps.to_step("j", 4);
+        assert_eq!(step.episodes.len(), 2, "the cut one ended");
+        assert_eq!(step.episodes[0].turn, [5, 6]);
+        let bad = eps.apply(vec![]);
+        assert_eq!(bad, Err(BadReply::Count { got: 0, want: 2 }));
+        let reply = |line, sample, tokens: Vec<u32>, done: Option<Finish>| EnvReply {
+            prompt: id(line),
+            sample,
+            tokens,
+            tool_calls: u32::from(done.is_none()),
+            done,
+        };
+        let wrong = vec![
+            reply(1, 0, vec![9], None),
+            reply(2, 0, vec![], Some(Finish::Stop)),
+        ];
+        assert_eq!(
+            eps.apply(wrong),
+            Err(BadReply::Unasked {
+                prompt: id(2),
+                sample: 0
+            })
+        );
+        eps.apply(vec![
+            reply(1, 0, vec![9, 9], None),
+            reply(1, 1, vec![], Some(Finish::Stop)),
+        ])
+        .unwrap();
+        let (asked, requests) = eps.next_turn(2);
+        assert_eq!(asked, vec![vec![(id(1), 0)], vec![]]);
+        assert_eq!(&*requests[0][0].prompt_ids, [100, 101, 5, 6, 9, 9]);
+        assert_ne!(requests[0][0].seed, 7, "each turn has its own seed");
+        let mut answers = BTreeMap::new();
+        answers.insert(0, (vec![completion(1, 0, &[3], Finish::Stop)], 0.5));
+        answers.insert(1, (vec![], 0.0));
+        eps.absorb(answers);
+        eps.apply(vec![reply(1, 0, vec![], Some(Finish::Stop))])
+            .unwrap();
+        assert!(eps.over());
+        assert_eq!(eps.gen_seconds, 2.5);
+        let cs = eps.into_completions();
+        let c = &cs[0];
+        assert_eq!(c.token_ids, [5, 6, 9, 9, 3]);
+        assert_eq!(c.logprobs, [-5.0, -6.0, 0.0, 0.0, -3.0]);
+        let t = c.trace.as_deref().unwrap();
+        assert_eq!(
+            t.spans,
+            [
+                Span {
+                    policy: true,
+                    len: 2
+                },
+                Span {
+                    policy: false,
+                    len: 2
+                },
+                Span {
+                    policy: true,
+                    len: 1
+                }
+            ]
+        );
+        assert_eq!((t.answer_from, t.turns, t.tool_calls), (4, 2, 1));
+        assert_eq!(cs[2].finish, Finish::Length);
+        assert_eq!(cs[1].trace.as_deref().unwrap().turns, 1);
+    }
+}
