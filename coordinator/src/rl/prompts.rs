@@ -29,6 +29,9 @@ pub struct Prompt {
     /// The prompt as text (what a `command` verifier is given).
     pub text: String,
     pub reference: String,
+    /// Rendered from chat messages by the chat template (a multi-turn
+    /// episode's environment turns are then rendered by it too).
+    pub chat: bool,
 }
 
 /// A job's prompts, in file order.
@@ -74,6 +77,7 @@ pub fn load(enc: &Encoder, files: &[impl AsRef<Path>], first_file: u32) -> Resul
                 ids,
                 text,
                 reference,
+                chat: is_chat_row(value),
             });
         }
     }
@@ -85,6 +89,13 @@ pub fn load(enc: &Encoder, files: &[impl AsRef<Path>], first_file: u32) -> Resul
         });
     }
     Ok(Arc::new(PromptSet { prompts }))
+}
+
+/// Whether a (valid) prompt row is chat messages, which the template
+/// renders, rather than text.
+fn is_chat_row(row: &Json) -> bool {
+    row.get("question").is_none()
+        && (row.get("messages").is_some() || row.get("prompt").is_some_and(|p| !p.is_string()))
 }
 
 const REFERENCE_FIELDS: [&str; 3] = ["reference", "answer", "completion"];

@@ -210,6 +210,7 @@ fn eval_prompts_stay_on_the_workers_and_share_the_scorer_with_engine_rounds() {
             ids: vec![99; 2],
             text: format!("e{line}"),
             reference: "r".into(),
+            chat: false,
         })
         .collect();
     i.eval = Some(Arc::new(crate::rl::prompts::PromptSet {

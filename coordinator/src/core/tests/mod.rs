@@ -467,6 +467,11 @@ impl Sim {
             return true;
         }
         let Some((w, msg)) = self.inbox.pop_front() else {
+            if self.auto_score && !self.to_step.is_empty() {
+                let st = self.to_step.remove(0);
+                self.handle(rl_loop::stepped(&st)).unwrap();
+                return true;
+            }
             if self.auto_score && !self.to_score.is_empty() {
                 let r = self.to_score.remove(0);
                 self.handle(rl_loop::scored(&r)).unwrap();

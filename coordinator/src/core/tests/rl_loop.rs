@@ -4,6 +4,7 @@
 //! also when a generator is lost mid-round or a round is scored late.
 
 use super::*;
+use crate::rl::episode::{EnvReply, EpisodesToStep};
 use crate::rl::rounds::{
     Finish, GenCompletion, LoopInputs, RoundPlan, RoundStats, RoundToScore, MAX_BARREN_GROUPS,
 };
@@ -30,6 +31,7 @@ pub(crate) fn inputs(n: u64) -> LoopInputs {
             ids: vec![10 + line as u32; 3],
             text: format!("p{line}"),
             reference: "r".into(),
+            chat: false,
         })
         .collect();
     LoopInputs {
@@ -113,12 +115,48 @@ pub(super) fn scored_by(r: &RoundToScore, reward_of: impl Fn(u32) -> f64) -> Eve
     }
 }
 
+/// The shell's answer to a multi-turn round's turn: a first policy turn
+/// gets a 2-token environment turn (one tool call), a later one ends its
+/// episode.
+pub(crate) fn stepped(st: &EpisodesToStep) -> Event {
+    let replies = st
+        .episodes
+        .iter()
+        .map(|t| EnvReply {
+            prompt: t.prompt,
+            sample: t.sample,
+            tokens: if t.turns == 1 { vec![200, 201] } else { Vec::new() },
+            tool_calls: u32::from(t.turns == 1),
+            done: (t.turns > 1).then_some(Finish::Stop),
+        })
+        .collect();
+    Event::EpisodesStepped {
+        job: st.job.clone(),
+        round: st.round,
+        result: Ok(replies),
+    }
+}
+
 impl Sim {
     pub(crate) fn submit_loop(&mut self, spec: JobSpec, prompts: u64) {
         self.submit(spec, Vec::new().into());
         self.handle(Event::LoadPrompts {
             job: "job".into(),
             inputs: inputs(prompts),
+        })
+        .unwrap();
+    }
+
+    /// [`Self::submit_loop`] of a job whose rollouts are episodes.
+    pub(crate) fn submit_episodes(&mut self, spec: JobSpec, prompts: u64) {
+        self.submit(spec, Vec::new().into());
+        let inputs = LoopInputs {
+            episodes: true,
+            ..inputs(prompts)
+        };
+        self.handle(Event::LoadPrompts {
+            job: "job".into(),
+            inputs,
         })
         .unwrap();
     }
@@ -440,6 +478,7 @@ fn eval_prompts_are_answered_greedily_before_the_first_step_and_after_the_last()
             ids: vec![99; 2],
             text: format!("e{line}"),
             reference: "r".into(),
+            chat: false,
         })
         .collect();
     i.eval = Some(Arc::new(PromptSet { prompts: held_out }));
@@ -520,5 +559,135 @@ fn a_hung_generator_is_lost_at_the_deadline_and_its_round_planned_again() {
         first.iter().collect::<std::collections::BTreeSet<_>>(),
         again.iter().collect(),
         "the overdue round's prompts are planned again"
+    );
+}
+
+/// Multi-turn episodes (issue 36): every episode's second turn continues
+/// from its first and the environment's tokens, with a seed of its own;
+/// every prompt is trained once per epoch.
+#[test]
+fn episodes_take_turns_and_train_every_prompt_once_per_epoch() {
+    let mut s = Sim::new();
+    let mut sp = loop_spec(3, 4, 2, 2);
+    sp.parallel.min_workers = 2;
+    s.worker("a");
+    s.worker("b");
+    s.submit_episodes(sp, 4);
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    assert_eq!(s.committed.len(), 3);
+    assert_prompts_once_per_epoch(&s, 4, 2);
+    // Rounds alternate first turns (3-token prompts) and second turns.
+    let firsts: Vec<&RoundPlan> = s
+        .rounds
+        .iter()
+        .map(|(_, p)| p.as_ref())
+        .filter(|p| p.requests.iter().all(|q| q.prompt_ids.len() == 3))
+        .collect();
+    let seconds: Vec<&RoundPlan> = s
+        .rounds
+        .iter()
+        .map(|(_, p)| p.as_ref())
+        .filter(|p| p.requests.iter().any(|q| q.prompt_ids.len() != 3))
+        .collect();
+    assert_eq!(firsts.len(), seconds.len());
+    for p in &seconds {
+        for q in &p.requests {
+            let line = q.prompt.line as u32;
+            assert_eq!(
+                &*q.prompt_ids,
+                [10 + line, 10 + line, 10 + line, line, q.sample, 200, 201],
+                "prompt, the policy's first turn, the environment's turn"
+            );
+        }
+    }
+    let first_seeds: std::collections::BTreeSet<u64> = firsts
+        .iter()
+        .flat_map(|p| p.requests.iter().map(|q| q.seed))
+        .collect();
+    assert!(seconds
+        .iter()
+        .flat_map(|p| &p.requests)
+        .all(|q| !first_seeds.contains(&q.seed)));
+    // A round's turns carry one policy version: no step between them.
+    for (a, b) in firsts.iter().zip(&seconds) {
+        assert_eq!(a.policy_version, b.policy_version);
+        assert!(b.round > a.round);
+    }
+}
+
+/// A worker lost while an episode waits for its second turn: the round
+/// starts again from its prompts with the first turn's seeds, nothing of
+/// the lost round is scored, and every prompt still trains once.
+#[test]
+fn an_episode_lost_with_its_generator_restarts_from_its_prompt() {
+    let mut s = Sim::new();
+    let mut sp = loop_spec(2, 4, 2, 2);
+    sp.parallel.min_workers = 1;
+    s.worker("a");
+    s.worker("b");
+    s.submit_episodes(sp, 4);
+    // Until the first round's second turn is out to both ranks.
+    s.run_until(|s| s.rounds.len() == 4);
+    let first_turn: Vec<(DocId, u32, u64)> = s.rounds[..2]
+        .iter()
+        .flat_map(|(_, p)| p.requests.iter().map(|q| (q.prompt, q.sample, q.seed)))
+        .collect();
+    assert!(s.rounds[2..]
+        .iter()
+        .flat_map(|(_, p)| &p.requests)
+        .all(|q| q.prompt_ids.len() == 7));
+    let old_gen = s.last_generation();
+    let old_second = s.rounds[3].1.clone();
+    s.kill("b");
+    assert!(s.to_score.is_empty(), "half an episode is never scored");
+    s.run_until(|s| s.rounds.len() >= 5);
+    let (_, again) = s.rounds[4].clone();
+    let mut got: Vec<(DocId, u32, u64)> = again
+        .requests
+        .iter()
+        .map(|q| (q.prompt, q.sample, q.seed))
+        .collect();
+    got.sort();
+    let mut want = first_turn;
+    want.sort();
+    assert_eq!(got, want, "the same prompts and seeds, from the start");
+    assert!(again.requests.iter().all(|q| q.prompt_ids.len() == 3));
+    // A late second turn of the old generation changes nothing.
+    s.handle(generated("b".into(), "job".into(), old_gen, &old_second))
+        .unwrap();
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    assert_prompts_once_per_epoch(&s, 4, 2);
+}
+
+/// An environment that fails fails the job naming the round and what
+/// the shell said; replies for a round not being stepped are ignored.
+#[test]
+fn a_failed_environment_fails_the_job_naming_the_episode() {
+    let mut s = Sim::new();
+    s.worker("a");
+    s.submit_episodes(loop_spec(2, 4, 2, 1), 4);
+    s.auto_score = false;
+    s.run_until(|s| !s.to_step.is_empty());
+    let st = s.to_step.remove(0);
+    s.handle(Event::EpisodesStepped {
+        job: "job".into(),
+        round: st.round + 7,
+        result: Ok(Vec::new()),
+    })
+    .unwrap();
+    assert_eq!(s.state(), JobState::Running, "a stale reply is ignored");
+    s.handle(Event::EpisodesStepped {
+        job: "job".into(),
+        round: st.round,
+        result: Err("episode 0:1 sample 1: tool server down".into()),
+    })
+    .unwrap();
+    assert_eq!(s.state(), JobState::Failed);
+    let reason = s.c.job("job").unwrap().rec.reason.clone();
+    assert!(
+        reason.contains(&format!("generation round {}: environment: episode 0:1 sample 1: tool server down", st.round)),
+        "{reason}"
     );
 }

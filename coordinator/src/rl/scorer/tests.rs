@@ -2,6 +2,7 @@
 //! rollouts aligned with their sampling log-probs.
 
 use super::*;
+use crate::rl::episode::{EpisodesToStep, Span, Trace, TurnToStep};
 use crate::rl::rounds::{GenCompletion, GroupToScore, RoundKind};
 
 fn spec(dir: &Path, verifier: &str) -> JobSpec {
@@ -253,4 +254,177 @@ fn generating_specs_are_validated_field_by_field() {
     // parallel.max_workers defaults to 8: 8 generators leave none to train.
     assert_eq!(fields(data, &apart("generators = 8")), ["rl.generators"]);
     assert_eq!(fields(files, "generators = 1"), ["rl.generators"]);
+}
+
+fn env_spec(dir: &Path, env: &str) -> JobSpec {
+    let mut s = spec(dir, "kind = \"exact\"");
+    s.rl.env = Some(toml::from_str(env).unwrap());
+    s
+}
+
+fn turn(prompt: DocId, sample: u32, text: &str, turns: u32, episode: u32) -> TurnToStep {
+    let mut ids: Vec<u32> = text.bytes().map(u32::from).collect();
+    ids.push(257);
+    TurnToStep {
+        prompt,
+        sample,
+        turn: ids,
+        turns,
+        episode_tokens: episode,
+    }
+}
+
+/// Issue 36: a turn with a calculator call gets its result as the next
+/// environment turn (Hermes tags, the byte tokenizer having no chat
+/// template); a turn without one ends the episode; the turn and episode
+/// limits end it as truncated; garbage in a call is answered, not fatal.
+#[test]
+fn the_tools_environment_answers_calls_and_ends_episodes() {
+    let d = tempfile::tempdir().unwrap();
+    let s = Scorer::load(&env_spec(d.path(), "max_turns = 2\nmax_episode_tokens = 200"), 300, None).unwrap();
+    assert!(s.inputs().episodes);
+    let p = DocId { file: 0, line: 1 };
+    let call = r#"<tool_call>{"name": "calculator", "arguments": {"expression": "17*23"}}</tool_call>"#;
+    let step = EpisodesToStep {
+        job: "j".into(),
+        round: 4,
+        episodes: vec![
+            turn(p, 0, call, 1, 80),
+            turn(p, 1, "391", 2, 90),
+            turn(p, 2, call, 2, 80),
+            turn(p, 3, call, 1, 180),
+            turn(p, 4, "<tool_call>{\"name\": \"calc\"}</tool_call>", 1, 40),
+        ],
+    };
+    let r = s.step(&step).unwrap();
+    let text = |t: &[u32]| String::from_utf8(t.iter().map(|&b| b as u8).collect()).unwrap();
+    assert_eq!(text(&r[0].tokens), "<tool_response>391</tool_response>");
+    assert_eq!((r[0].tool_calls, r[0].done), (1, None));
+    assert_eq!((r[1].tool_calls, r[1].done), (0, Some(Finish::Stop)));
+    assert_eq!(r[2].done, Some(Finish::Length), "max_turns");
+    assert_eq!(r[3].done, Some(Finish::Length), "max_episode_tokens");
+    assert_eq!(
+        text(&r[4].tokens),
+        "<tool_response>error: no tool named \"calc\" (tools: calculator)</tool_response>"
+    );
+    let no_env = Scorer::load(&spec(d.path(), "kind = \"exact\""), 300, None).unwrap();
+    let e = no_env.step(&step).unwrap_err().to_string();
+    assert!(e.contains("round 4") && e.contains("no [rl.env]"), "{e}");
+}
+
+/// An episode is scored on its last policy turn and trained on its policy
+/// turns only: the environment's tokens carry no loss.
+#[test]
+fn an_episode_trains_on_policy_tokens_and_is_judged_on_its_answer() {
+    let d = tempfile::tempdir().unwrap();
+    let s = Scorer::load(&env_spec(d.path(), ""), 300, None).unwrap();
+    let p1 = DocId { file: 0, line: 1 };
+    let mut c = completion(p1, 0, "CALL");
+    let env: Vec<u32> = b"<r>3</r>".iter().map(|&b| u32::from(b)).collect();
+    let answer = completion(p1, 0, "3");
+    c.token_ids.extend(&env);
+    c.logprobs.extend(vec![0.0; env.len()]);
+    c.token_ids.extend(&answer.token_ids);
+    c.logprobs.extend(&answer.logprobs);
+    c.trace = Some(Box::new(Trace {
+        spans: vec![
+            Span { policy: true, len: 5 },
+            Span { policy: false, len: env.len() as u32 },
+            Span { policy: true, len: 2 },
+        ],
+        answer_from: 5 + env.len(),
+        turns: 2,
+        tool_calls: 1,
+    }));
+    let round = RoundToScore {
+        job: "j".into(),
+        round: 9,
+        kind: RoundKind::Train,
+        policy_version: 2,
+        groups: vec![GroupToScore {
+            position: 0,
+            prompt: p1,
+            completions: vec![c.clone()],
+        }],
+        seconds: 1.0,
+    };
+    let (rollouts, stats) = s.score(&round).unwrap();
+    assert_eq!(rollouts[0].reward, 1.0, "the answer turn \"3\" is right");
+    let seq = &rollouts[0].seq;
+    let n = s.inputs().prompts.prompts[0].ids.len();
+    assert_eq!(seq.len(), n + c.token_ids.len());
+    assert_eq!(seq.loss_tokens(), 7, "5 + 2 policy tokens, no environment token");
+    let mask: Vec<bool> = seq.labels().iter().map(|&l| l != IGNORE_INDEX).collect();
+    assert!(mask[n..n + 5].iter().all(|&m| m));
+    assert!(mask[n + 5..n + 5 + env.len()].iter().all(|&m| !m));
+    assert!(mask[n + 5 + env.len()..].iter().all(|&m| m));
+    assert_eq!(stats.completion_tokens, 7);
+    assert_eq!((stats.episodes, stats.turns, stats.tool_calls), (1, 2, 1));
+    assert_eq!(stats.env_tokens, env.len() as u64);
+    let m = stats.metrics();
+    assert_eq!(m["rl/tool_calls_per_episode"], 1.0);
+    assert_eq!(m["rl/turns_mean"], 2.0);
+}
+
+/// With a chat template the tool results are the template's `tool` turn
+/// after the assistant's, with the generation prompt, less the end of
+/// turn the policy sampled.
+#[test]
+fn tool_results_are_rendered_by_the_chat_template() {
+    let Some(data) = crate::stream::data::tests::shared_data() else {
+        return;
+    };
+    let d = tempfile::tempdir().unwrap();
+    let tokdir = d.path().join("tok");
+    std::fs::create_dir_all(&tokdir).unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(data.join("tokenizers/phi-3-mini").join(f), tokdir.join(f)).unwrap();
+    }
+    std::fs::write(
+        tokdir.join("chat_template.jinja"),
+        "{% for m in messages %}[{{ m.role }}] {{ m.content }}{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}",
+    )
+    .unwrap();
+    let mut sp = env_spec(d.path(), "");
+    sp.data.tokenizer = tokdir.join("tokenizer.json").display().to_string();
+    let chat = d.path().join("chat.jsonl");
+    std::fs::write(
+        &chat,
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"2*21?\"}], \"reference\": \"42\"}\n",
+    )
+    .unwrap();
+    sp.data.train = vec![chat.into()];
+    let s = Scorer::load(&sp, 32064, None).unwrap();
+    let eos = s.enc.eos_id;
+    let call = r#"<tool_call>{"name": "calculator", "arguments": {"expression": "2*21"}}</tool_call>"#;
+    let mut ids = s.enc.tok.ids(call, false).unwrap();
+    let step = |ids: &[u32]| {
+        s.step(&EpisodesToStep {
+            job: "j".into(),
+            round: 1,
+            episodes: vec![TurnToStep {
+                prompt: DocId { file: 0, line: 1 },
+                sample: 0,
+                turn: ids.to_vec(),
+                turns: 1,
+                episode_tokens: 30,
+            }],
+        })
+        .unwrap()
+        .remove(0)
+    };
+    let cut = step(&ids);
+    ids.push(eos);
+    let ended = step(&ids);
+    let eos_text = s.enc.template.eos_token.clone();
+    assert_eq!(
+        s.enc.tok.decode_all(&ended.tokens).unwrap(),
+        format!("\n[tool] 42{eos_text}\n[assistant] "),
+        "the policy sampled the end of its turn"
+    );
+    assert_eq!(
+        s.enc.tok.decode_all(&cut.tokens).unwrap(),
+        format!("{eos_text}\n[tool] 42{eos_text}\n[assistant] "),
+        "the turn was cut before its end: the environment closes it"
+    );
 }

@@ -4,13 +4,15 @@
 //! environment turn and tokenized — or the end of the episode. Runs in the
 //! shell off the state lock, like scoring.
 //!
-//! Rendering: with a chat template, the tool results are `tool` messages
+//! Rendering: after a chat prompt (messages the template rendered), the
+//! tool results are `tool` messages
 //! rendered by the template after the assistant's turn, with the
 //! generation prompt (what the model would see in a chat): the text the
 //! template puts after the assistant's content, less the end-of-turn token
-//! the policy already sampled. Without one (a `bytes` or template-less
-//! tokenizer), each result is `<tool_response>RESULT</tool_response>`,
-//! the Hermes tags, with nothing around them.
+//! the policy already sampled. After a text prompt (`prompt` as a string,
+//! `question`), which no template rendered, each result is
+//! `<tool_response>RESULT</tool_response>`, the Hermes tags, with nothing
+//! around them.
 
 use super::{LoopError, Scorer};
 use crate::job::environment::EnvSection;
@@ -61,7 +63,8 @@ impl Scorer {
         }
         let results: Vec<String> = calls.iter().map(|c| tools::run(c, &env.tools)).collect();
         let ended = t.turn.last().is_some_and(|&id| id == self.enc.eos_id);
-        let text = self.render_results(&results, ended)?;
+        let chat = self.prompt(t.prompt).is_some_and(|p| p.chat);
+        let text = self.render_results(&results, chat, ended)?;
         let tokens = self.enc.tok.ids(&text, false)?;
         // The next policy turn needs room for at least one token.
         if u64::from(t.episode_tokens) + tokens.len() as u64 >= u64::from(env.max_episode_tokens) {
@@ -71,10 +74,11 @@ impl Scorer {
     }
 
     /// The environment turn's text carrying `results` (see the module
-    /// docs); `ended`: the policy's turn ended with the end-of-turn token.
-    fn render_results(&self, results: &[String], ended: bool) -> Result<String, String> {
+    /// docs): by the chat template when the prompt was `chat`; `ended`:
+    /// the policy's turn ended with the end-of-turn token.
+    fn render_results(&self, results: &[String], chat: bool, ended: bool) -> Result<String, String> {
         let t = &self.enc.template;
-        if t.is_missing() {
+        if !chat {
             return Ok(results
                 .iter()
                 .map(|r| format!("<tool_response>{r}</tool_response>"))
