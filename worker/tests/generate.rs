@@ -664,3 +664,80 @@ fn greedy_equals_transformers_generate_qwen3_moe() {
 fn greedy_equals_transformers_generate_gemma3_soft_capping() {
     greedy_equals_generate("gemma3_softcap");
 }
+
+/// Issue 36: a 3-turn episode — each policy turn generated from the
+/// episode so far (prompt, earlier turns, environment turns), as the
+/// coordinator drives them — is trained as one sequence: the trainer's
+/// log-probs of the policy tokens equal the ones each turn's generation
+/// returned, and the environment's tokens carry no loss and no gradient
+/// (labels -100: the final hidden states predicting them get none).
+#[test]
+fn a_three_turn_episode_recomputes_its_policy_logprobs() {
+    let model = tiny_model(11);
+    let params = sampled(4);
+    let prompt: Vec<i64> = vec![5, 17, 42, 99, 3];
+    let envs: [Vec<i64>; 2] = [vec![200, 201, 202], vec![210, 211]];
+    let (mut ids, mut labels) = (prompt.clone(), vec![-100i64; prompt.len()]);
+    let mut sampled_lp: Vec<f32> = Vec::new();
+    for turn in 0..3 {
+        let req = Request {
+            prompt: ids.clone(),
+            seed: 77 + turn as u64,
+        };
+        let c = generate(&model, &params, &[req]).unwrap().remove(0);
+        assert!(!c.tokens.is_empty());
+        ids.extend(&c.tokens);
+        labels.extend(&c.tokens);
+        sampled_lp.extend(&c.logprobs);
+        if let Some(env) = envs.get(turn) {
+            ids.extend(env);
+            labels.extend(vec![-100; env.len()]);
+        }
+    }
+    let b = PackedBatch::from_documents(&[(ids.clone(), labels.clone())]);
+    let targets = accrue_worker::model::loss::shifted_targets(&b.labels, &b.cu_seq_lens);
+    let hidden = tch::no_grad(|| model.hidden(&b.input_ids, &b.cu_seq_lens));
+    let lp = token_logps(&hidden, model.lm_head_weight(), &targets, 64, None).unwrap();
+    let train: Vec<f64> = lp
+        .iter()
+        .zip(&targets)
+        .filter(|(_, &t)| t != -100)
+        .map(|(l, _)| *l)
+        .collect();
+    assert_eq!(train.len(), sampled_lp.len(), "one log-prob per policy token");
+    let worst = train
+        .iter()
+        .zip(&sampled_lp)
+        .map(|(a, b)| (a - *b as f64).abs())
+        .fold(0.0, f64::max);
+    assert!(worst < 1e-4, "policy log-probs differ from generation by {worst}");
+    // The weighted NLL the policy-gradient objective backpropagates
+    // (`head::weighted_nll`, every token weighted 1 here): its gradient
+    // reaches no hidden state that predicts an environment token.
+    let weights = vec![1.0; targets.len()];
+    let out = accrue_worker::objective::head::weighted_nll(
+        &hidden,
+        model.lm_head_weight(),
+        &targets,
+        &weights,
+        64,
+        None,
+    )
+    .unwrap();
+    assert_eq!(out.loss_tokens as usize, sampled_lp.len());
+    let g = out.grad_hidden.abs().sum_dim_intlist(-1, false, Kind::Float);
+    let g = Vec::<f32>::try_from(g.reshape([-1])).unwrap();
+    for (i, &t) in targets.iter().enumerate() {
+        if t == -100 {
+            assert_eq!(g[i], 0.0, "position {i} predicts no policy token");
+        } else {
+            assert!(g[i] > 0.0, "position {i} predicts a policy token");
+        }
+    }
+    let env_targets = targets
+        .iter()
+        .enumerate()
+        .filter(|&(i, &t)| t == -100 && i >= prompt.len())
+        .count();
+    assert!(env_targets >= 5, "the environment's tokens were in the sequence");
+}
