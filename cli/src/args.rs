@@ -730,6 +730,10 @@ pub enum SynthTask {
     /// Rollout groups of arithmetic answers rewarded 1 (right) or 0 (wrong)
     /// for the policy-gradient demo (`--rows` rounded up to whole groups).
     ArithmeticRollouts,
+    /// Two-digit multiplication with a calculator tool (the tool demo):
+    /// chat traces calling the tool, training prompts, and held-out
+    /// prompts (`--rows` / 10 of them) from problems never in the others.
+    ToolArithmetic,
 }
 
 /// `accrue local --devices`.

@@ -35,6 +35,20 @@ pub fn synth(args: &SynthArgs) -> anyhow::Result<ExitCode> {
             outln!("wrote {} ({groups} groups)", file.display())?;
             Ok(ExitCode::SUCCESS)
         }
+        SynthTask::ToolArithmetic => {
+            let rows = args.rows as usize;
+            let files = accrue_coordinator::stream::data::synth_tools::synth_tool_arithmetic(
+                &args.out,
+                args.seed,
+                rows,
+                rows.div_ceil(10),
+            )
+            .with_context(|| format!("writing synthetic data to {}", args.out.display()))?;
+            for f in [&files.sft, &files.prompts, &files.eval] {
+                outln!("wrote {}", f.display())?;
+            }
+            Ok(ExitCode::SUCCESS)
+        }
     }
 }
 

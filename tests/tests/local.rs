@@ -518,6 +518,102 @@ fn rl_loop_generates_and_trains_alike_under_ddp_zero2_and_fsdp() {
     }
 }
 
+/// Multi-turn episodes (issue 36) on two real worker processes, against
+/// an environment program speaking the JSON-lines protocol: every
+/// episode's first turn gets a tool message, its second ends it with the
+/// environment's reward. The trainer sees each episode as one sequence and
+/// recomputes the sampler's log-probs of its policy tokens across the
+/// environment's (`logprob_diff`); the program resets, steps twice and
+/// closes every episode, each under a new id.
+#[test]
+fn multi_turn_episodes_against_an_environment_program_train_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    accrue(
+        d,
+        &[
+            "data",
+            "synth",
+            "--task",
+            "arithmetic-small",
+            "--out",
+            "data",
+            "--rows",
+            "32",
+        ],
+    );
+    write_tiny_config(d);
+    std::fs::write(
+        d.join("env.py"),
+        r#"import json, sys
+log = open("env.log", "a")
+for line in sys.stdin:
+    m = json.loads(line)
+    log.write(m["type"] + " " + m["episode"] + " " + str(m.get("turn", "")) + "\n"); log.flush()
+    if m["type"] != "step":
+        continue
+    if m["turn"] == 1:
+        out = {"episode": m["episode"], "messages": [{"role": "tool", "content": "result-1"}]}
+    else:
+        r = float(len(m["content"]) % 2)
+        out = {"episode": m["episode"], "done": True, "reward": r, "correct": r > 0}
+    print(json.dumps(out), flush=True)
+"#,
+    )
+    .unwrap();
+    let body = "steps = 3\n[data]\nsource = \"generate\"\nformat = \"prompts\"\ntrain = [\"data/arith-sft.jsonl\"]\ntokenizer = \"bytes\"\nmax_tokens = 512\n[batch]\ndocs_per_step = 16\n[objective]\nkind = \"pg\"\n[rl]\ngroup_size = 4\n[rl.sampling]\ntemperature = 1.0\nmax_new_tokens = 6\n[rl.env]\nkind = \"command\"\ncommand = [\"python3\", \"env.py\"]\nmax_turns = 4\n[rl.verifier]\nkind = \"exact\"";
+    let spec = small_job(d, "episodes", "ddp", body);
+    let out = accrue(d, &["local", spec.to_str().unwrap(), "--workers", "2"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let m = metrics(&d.join("out/episodes/metrics.jsonl"));
+    let steps: Vec<&serde_json::Value> = m
+        .iter()
+        .filter(|r| r.get("step").is_some() && r.get("eval").is_none())
+        .collect();
+    assert_eq!(steps.len(), 3);
+    let env_turn = "<tool_response>result-1</tool_response>".len() as f64;
+    let mut rewards = Vec::new();
+    for s in &steps {
+        let x = &s["extra"];
+        if x.get("rl/turns_mean").is_none() {
+            continue; // (a step whose rollouts were scored before it)
+        }
+        assert_eq!(x["rl/turns_mean"], 2.0, "{s}");
+        assert_eq!(x["rl/env_tokens_mean"].as_f64(), Some(env_turn), "{s}");
+        assert_eq!(
+            x["rl/tool_calls_per_episode"], 0.0,
+            "a program's messages are not tool calls: {s}"
+        );
+        rewards.push(x["rl/reward_mean"].as_f64().unwrap());
+        let diff = x["logprob_diff"].as_f64().unwrap();
+        assert!(
+            diff < 1e-5,
+            "trainer vs sampler log-probs across turns: {diff}"
+        );
+        assert!(s["loss_tokens"].as_u64().unwrap() > 0);
+    }
+    assert!(!rewards.is_empty());
+    assert!(rewards.iter().any(|&r| r > 0.0 && r < 1.0), "{rewards:?}");
+    // The program's view: reset, step 1, step 2, close, per episode id.
+    let log = std::fs::read_to_string(d.join("env.log")).unwrap();
+    let mut per: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+    for l in log.lines() {
+        let mut f = l.split(' ');
+        let (kind, id, turn) = (f.next().unwrap(), f.next().unwrap(), f.next().unwrap_or(""));
+        per.entry(id.to_string())
+            .or_default()
+            .push(format!("{kind}{turn}"));
+    }
+    assert!(per.len() >= 48, "3 steps of 16 episodes: {}", per.len());
+    for (id, seen) in &per {
+        assert_eq!(seen, &["reset", "step1", "step2", "close"], "episode {id}");
+    }
+}
+
 /// Disaggregated RL (`rl.generators = 1`, issue 17) on two real worker
 /// processes: one trains, one only generates, and trainer rank 0 sends
 /// every step's policy over the weight ring. On policy (`rl.max_staleness

@@ -704,13 +704,20 @@ fn a_three_turn_episode_recomputes_its_policy_logprobs() {
         .filter(|(_, &t)| t != -100)
         .map(|(l, _)| *l)
         .collect();
-    assert_eq!(train.len(), sampled_lp.len(), "one log-prob per policy token");
+    assert_eq!(
+        train.len(),
+        sampled_lp.len(),
+        "one log-prob per policy token"
+    );
     let worst = train
         .iter()
         .zip(&sampled_lp)
         .map(|(a, b)| (a - *b as f64).abs())
         .fold(0.0, f64::max);
-    assert!(worst < 1e-4, "policy log-probs differ from generation by {worst}");
+    assert!(
+        worst < 1e-4,
+        "policy log-probs differ from generation by {worst}"
+    );
     // The weighted NLL the policy-gradient objective backpropagates
     // (`head::weighted_nll`, every token weighted 1 here): its gradient
     // reaches no hidden state that predicts an environment token.
@@ -725,7 +732,10 @@ fn a_three_turn_episode_recomputes_its_policy_logprobs() {
     )
     .unwrap();
     assert_eq!(out.loss_tokens as usize, sampled_lp.len());
-    let g = out.grad_hidden.abs().sum_dim_intlist(-1, false, Kind::Float);
+    let g = out
+        .grad_hidden
+        .abs()
+        .sum_dim_intlist(-1, false, Kind::Float);
     let g = Vec::<f32>::try_from(g.reshape([-1])).unwrap();
     for (i, &t) in targets.iter().enumerate() {
         if t == -100 {
@@ -739,5 +749,8 @@ fn a_three_turn_episode_recomputes_its_policy_logprobs() {
         .enumerate()
         .filter(|&(i, &t)| t == -100 && i >= prompt.len())
         .count();
-    assert!(env_targets >= 5, "the environment's tokens were in the sequence");
+    assert!(
+        env_targets >= 5,
+        "the environment's tokens were in the sequence"
+    );
 }

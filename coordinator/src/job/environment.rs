@@ -4,6 +4,9 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::job::env_names;
+use crate::job::section::check_seconds;
+
 /// Which environment answers the policy's turns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
@@ -14,6 +17,10 @@ pub enum EnvKind {
     /// episode and is the answer the verifier scores.
     #[default]
     Tools,
+    /// A program of the user's speaking the JSON-lines episode protocol
+    /// (`crate::rl::env_command`): one process per job, its episodes
+    /// multiplexed by id.
+    Command,
 }
 
 /// `[rl.env]`.
@@ -35,6 +42,17 @@ pub struct EnvSection {
     /// Per-turn length is `rl.sampling.max_new_tokens`.
     #[serde(default = "default_max_episode_tokens")]
     pub max_episode_tokens: u32,
+    /// `command`: the program and its arguments.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub command: Vec<String>,
+    /// `command`: seconds the program has to answer a turn's steps (all
+    /// of the round's open episodes; default 60, at most a day).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_s: Option<f64>,
+    /// `command`: the coordinator's environment variables the program
+    /// sees besides the fixed few (as `rl.verifier.env`); never `ACCRUE_*`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub env: Vec<String>,
 }
 
 /// The built-in tools (`crate::rl::tools`).
@@ -59,6 +77,9 @@ impl Default for EnvSection {
             tools: default_tools(),
             max_turns: default_max_turns(),
             max_episode_tokens: default_max_episode_tokens(),
+            command: Vec::new(),
+            timeout_s: None,
+            env: Vec::new(),
         }
     }
 }
@@ -80,6 +101,32 @@ impl EnvSection {
                     TOOLS.join(", ")
                 ),
             );
+        }
+        match self.kind {
+            EnvKind::Command if self.command.is_empty() => bad(
+                "rl.env.command",
+                "required for kind = \"command\": the program and its arguments".into(),
+            ),
+            EnvKind::Tools => {
+                for (field, given) in [
+                    ("rl.env.command", !self.command.is_empty()),
+                    ("rl.env.timeout_s", self.timeout_s.is_some()),
+                    ("rl.env.env", !self.env.is_empty()),
+                ] {
+                    if given {
+                        bad(field, "only applies to kind = \"command\"".into());
+                    }
+                }
+            }
+            EnvKind::Command => {}
+        }
+        for (i, name) in self.env.iter().enumerate() {
+            if let Some(message) = env_names::refused(name) {
+                bad(&format!("rl.env.env[{i}]"), message);
+            }
+        }
+        if let Some(t) = self.timeout_s {
+            check_seconds(bad, "rl.env.timeout_s", t);
         }
         for (i, t) in self.tools.iter().enumerate() {
             if !TOOLS.contains(&t.as_str()) {
@@ -124,5 +171,12 @@ mod tests {
             ]
         );
         assert!(toml::from_str::<EnvSection>("kind = \"sandbox\"").is_err());
+        let out = problems("kind = \"command\"\nenv = [\"ACCRUE_ADMIN_TOKEN\"]\ntimeout_s = -1");
+        assert_eq!(out.len(), 3, "{out:?}");
+        assert!(out[0].starts_with("rl.env.command: required"));
+        assert!(out[1].starts_with("rl.env.env[0]:"));
+        assert!(out[2].starts_with("rl.env.timeout_s:"));
+        let out = problems("command = [\"x\"]");
+        assert_eq!(out, ["rl.env.command: only applies to kind = \"command\""]);
     }
 }

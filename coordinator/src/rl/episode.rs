@@ -19,6 +19,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::rounds::{seed_of, Finish, GenCompletion, GenRequest};
+use super::verify::Score;
 use crate::stream::doc::DocId;
 
 /// A run of an episode's tokens after its prompt.
@@ -39,6 +40,9 @@ pub struct Trace {
     pub answer_from: usize,
     pub turns: u32,
     pub tool_calls: u32,
+    /// The environment's score, when it gave one (it replaces the
+    /// verifier's).
+    pub score: Option<Score>,
 }
 
 /// One episode of a round.
@@ -58,6 +62,8 @@ pub struct Episode {
     pub trace: Trace,
     /// Set when the episode ended.
     pub finish: Option<Finish>,
+    /// Its last policy turn was cut by `max_new_tokens`.
+    pub truncated: bool,
 }
 
 /// One open episode's last policy turn, for the environment.
@@ -65,6 +71,9 @@ pub struct Episode {
 pub struct TurnToStep {
     pub prompt: DocId,
     pub sample: u32,
+    /// The episode's id for an environment program: new for every attempt
+    /// (`r<first round>-<prompt>-<sample>`).
+    pub episode: String,
     /// The policy turn just sampled.
     pub turn: Vec<u32>,
     /// Policy turns so far (this one included).
@@ -94,6 +103,8 @@ pub struct EnvReply {
     /// `Some` ends the episode: `Stop` when the policy answered, `Length`
     /// when a limit (turns, episode tokens) cut it.
     pub done: Option<Finish>,
+    /// The environment's score of an ended episode.
+    pub score: Option<Score>,
 }
 
 /// Why a reply does not fit the episodes it answers.
@@ -115,11 +126,14 @@ pub struct Episodes {
     pub list: Vec<Episode>,
     /// Sum over turns of the slowest rank's seconds.
     pub gen_seconds: f64,
+    /// The id of the round's first turn (episode ids are made from it).
+    pub origin: u64,
 }
 
 impl Episodes {
-    /// The episodes of a round's first turn, from its requests per rank.
-    pub fn new(requests: &[Vec<GenRequest>]) -> Episodes {
+    /// The episodes of round `origin`'s first turn, from its requests per
+    /// rank.
+    pub fn new(origin: u64, requests: &[Vec<GenRequest>]) -> Episodes {
         let list = requests
             .iter()
             .enumerate()
@@ -134,6 +148,7 @@ impl Episodes {
                     logprobs: Vec::new(),
                     trace: Trace::default(),
                     finish: None,
+                    truncated: false,
                 })
             })
             .collect();
@@ -142,6 +157,7 @@ impl Episodes {
             stepping: false,
             list,
             gen_seconds: 0.0,
+            origin,
         }
     }
 
@@ -154,8 +170,10 @@ impl Episodes {
     }
 
     /// Appends a turn's completions (every rank's answers, checked by
-    /// `Round::answer` against what was asked) as policy turns; a turn
-    /// cut by `max_new_tokens` ends its episode.
+    /// `Round::answer` against what was asked) as policy turns. A turn
+    /// cut by `max_new_tokens` still goes to the environment (as the
+    /// `verifiers` library's multi-turn environments do); an episode whose
+    /// last turn was cut counts as truncated.
     pub fn absorb(&mut self, answers: BTreeMap<u32, (Vec<GenCompletion>, f64)>) {
         let index = self.index();
         let mut slowest: f64 = 0.0;
@@ -171,9 +189,7 @@ impl Episodes {
                 });
                 e.tokens.extend(&c.token_ids);
                 e.logprobs.extend(&c.logprobs);
-                if c.finish == Finish::Length {
-                    e.finish = Some(Finish::Length);
-                }
+                e.truncated = c.finish == Finish::Length;
             }
         }
         self.gen_seconds += slowest;
@@ -193,6 +209,7 @@ impl Episodes {
             .map(|e| TurnToStep {
                 prompt: e.prompt,
                 sample: e.sample,
+                episode: format!("r{}-{}-{}", self.origin, e.prompt, e.sample),
                 turn: e.tokens[e.trace.answer_from..].to_vec(),
                 turns: e.trace.turns,
                 episode_tokens: e.tokens.len() as u32,
@@ -230,7 +247,8 @@ impl Episodes {
             let e = &mut self.list[index[&(r.prompt, r.sample)]];
             e.trace.tool_calls += r.tool_calls;
             if let Some(f) = r.done {
-                e.finish = Some(f);
+                e.finish = Some(if e.truncated { Finish::Length } else { f });
+                e.trace.score = r.score;
                 continue;
             }
             e.trace.spans.push(Span {
@@ -320,7 +338,10 @@ mod tests {
     /// second turn's prompts follow.
     #[test]
     fn turns_and_environment_replies_make_episodes() {
-        let mut eps = Episodes::new(&[vec![request(1, 0), request(1, 1)], vec![request(2, 0)]]);
+        let mut eps = Episodes::new(
+            4,
+            &[vec![request(1, 0), request(1, 1)], vec![request(2, 0)]],
+        );
         let mut answers = BTreeMap::new();
         answers.insert(
             0,
@@ -336,31 +357,35 @@ mod tests {
         eps.absorb(answers);
         assert!(!eps.over());
         let step = eps.to_step("j", 4);
-        assert_eq!(step.episodes.len(), 2, "the cut one ended");
+        assert_eq!(step.episodes.len(), 3, "a cut turn is stepped too");
         assert_eq!(step.episodes[0].turn, [5, 6]);
+        assert_eq!(step.episodes[0].episode, "r4-0:1-0");
         let bad = eps.apply(vec![]);
-        assert_eq!(bad, Err(BadReply::Count { got: 0, want: 2 }));
+        assert_eq!(bad, Err(BadReply::Count { got: 0, want: 3 }));
         let reply = |line, sample, tokens: Vec<u32>, done: Option<Finish>| EnvReply {
             prompt: id(line),
             sample,
             tokens,
             tool_calls: u32::from(done.is_none()),
             done,
+            score: None,
         };
         let wrong = vec![
             reply(1, 0, vec![9], None),
-            reply(2, 0, vec![], Some(Finish::Stop)),
+            reply(1, 1, vec![], Some(Finish::Stop)),
+            reply(9, 0, vec![], Some(Finish::Stop)),
         ];
         assert_eq!(
             eps.apply(wrong),
             Err(BadReply::Unasked {
-                prompt: id(2),
+                prompt: id(9),
                 sample: 0
             })
         );
         eps.apply(vec![
             reply(1, 0, vec![9, 9], None),
             reply(1, 1, vec![], Some(Finish::Stop)),
+            reply(2, 0, vec![], Some(Finish::Stop)),
         ])
         .unwrap();
         let (asked, requests) = eps.next_turn(2);
@@ -398,7 +423,8 @@ mod tests {
             ]
         );
         assert_eq!((t.answer_from, t.turns, t.tool_calls), (4, 2, 1));
-        assert_eq!(cs[2].finish, Finish::Length);
+        assert_eq!(cs[2].finish, Finish::Length, "its last turn was cut");
+        assert_eq!(cs[1].finish, Finish::Stop);
         assert_eq!(cs[1].trace.as_deref().unwrap().turns, 1);
     }
 }

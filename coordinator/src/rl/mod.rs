@@ -11,6 +11,7 @@
 //!   them ([`engine::tick`]), a streamed queue's pushes ([`streamed`]).
 
 pub mod engine;
+pub mod env_command;
 pub mod episode;
 pub mod pg;
 pub mod prompts;

@@ -340,7 +340,9 @@ impl LoopState {
         let (asked, requests) = deal(&items, group, world, self.seed);
         let id = self.next_round;
         self.next_round += 1;
-        let episodes = inputs.episodes.then(|| Box::new(Episodes::new(&requests)));
+        let episodes = inputs
+            .episodes
+            .then(|| Box::new(Episodes::new(id, &requests)));
         let plans = plans_of(id, policy_version, sampling, inputs, requests);
         let round = Round {
             id,
@@ -377,7 +379,9 @@ impl LoopState {
         let (asked, requests) = deal(&items, 1, world, self.seed);
         let id = self.next_round;
         self.next_round += 1;
-        let episodes = inputs.episodes.then(|| Box::new(Episodes::new(&requests)));
+        let episodes = inputs
+            .episodes
+            .then(|| Box::new(Episodes::new(id, &requests)));
         let greedy = SamplingSection {
             temperature: 0.0,
             ..sampling.clone()

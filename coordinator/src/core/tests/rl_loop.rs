@@ -125,9 +125,14 @@ pub(crate) fn stepped(st: &EpisodesToStep) -> Event {
         .map(|t| EnvReply {
             prompt: t.prompt,
             sample: t.sample,
-            tokens: if t.turns == 1 { vec![200, 201] } else { Vec::new() },
+            tokens: if t.turns == 1 {
+                vec![200, 201]
+            } else {
+                Vec::new()
+            },
             tool_calls: u32::from(t.turns == 1),
             done: (t.turns > 1).then_some(Finish::Stop),
+            score: None,
         })
         .collect();
     Event::EpisodesStepped {
@@ -687,7 +692,10 @@ fn a_failed_environment_fails_the_job_naming_the_episode() {
     assert_eq!(s.state(), JobState::Failed);
     let reason = s.c.job("job").unwrap().rec.reason.clone();
     assert!(
-        reason.contains(&format!("generation round {}: environment: episode 0:1 sample 1: tool server down", st.round)),
+        reason.contains(&format!(
+            "generation round {}: environment: episode 0:1 sample 1: tool server down",
+            st.round
+        )),
         "{reason}"
     );
 }

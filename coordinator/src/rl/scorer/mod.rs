@@ -9,12 +9,13 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use crate::job::environment::EnvSection;
+use crate::job::environment::{EnvKind, EnvSection};
 use crate::job::spec::JobSpec;
+use crate::rl::env_command::CommandEnv;
 use crate::rl::episode::Span;
 use crate::rl::prompts::{self, Prompt};
 use crate::rl::rounds::{Finish, GenCompletion, LoopInputs, RoundStats, RoundToScore};
-use crate::rl::verify::{self, Sample, Verifier};
+use crate::rl::verify::{self, Sample, Score, Verifier};
 use crate::stream::data::format::{join, Encoder};
 use crate::stream::doc::{DocId, Rollout, Sequence, IGNORE_INDEX};
 
@@ -66,6 +67,8 @@ pub struct Scorer {
     vocab: u32,
     /// `[rl.env]`: the rollouts are multi-turn episodes ([`turns`]).
     env: Option<EnvSection>,
+    /// `[rl.env] kind = "command"`: the job's environment program.
+    command_env: Option<CommandEnv>,
 }
 
 impl Scorer {
@@ -124,6 +127,12 @@ impl Scorer {
             inputs,
             vocab: model_vocab,
             env: spec.rl.env.clone(),
+            command_env: spec
+                .rl
+                .env
+                .as_ref()
+                .filter(|e| e.kind == EnvKind::Command)
+                .map(|e| CommandEnv::new(e, base.map(Path::to_path_buf))),
         })
     }
 
@@ -166,21 +175,41 @@ impl Scorer {
                 texts.push((p, verify::truncate_at_stop(&text, &self.stop).to_string()));
             }
         }
-        let batch: Vec<Sample> = texts
+        if let (Some(g), Some((_, answer))) = (r.groups.first(), texts.first()) {
+            // One whole rollout per round, to see what the policy writes.
+            if let Some(c) = g.completions.first() {
+                let whole = self.enc.tok.decode_all(&c.token_ids).unwrap_or_default();
+                tracing::debug!(round = r.round, prompt = %g.prompt, completion = ?whole, answer = ?answer, "a completion of the round");
+            }
+        }
+        // An episode its environment scored skips the verifier.
+        let env_scores: Vec<Option<Score>> = r
+            .groups
             .iter()
-            .map(|(p, t)| Sample {
-                prompt: &p.text,
-                completion: t,
-                reference: &p.reference,
+            .flat_map(|g| g.completions.iter())
+            .map(|c| c.trace.as_ref().and_then(|t| t.score.clone()))
+            .collect();
+        let judged: Vec<usize> = (0..texts.len())
+            .filter(|&i| env_scores[i].is_none())
+            .collect();
+        let batch: Vec<Sample> = judged
+            .iter()
+            .map(|&i| {
+                let (p, t) = &texts[i];
+                Sample {
+                    prompt: &p.text,
+                    completion: t,
+                    reference: &p.reference,
+                }
             })
             .collect();
-        let scores = self.verifier.score(&batch).map_err(|error| {
-            // The batch is the round's completions in order.
+        let verified = self.verifier.score(&batch).map_err(|error| {
+            // The batch is the round's unscored completions in order.
             let rollout = error.sample().and_then(|i| {
                 r.groups
                     .iter()
                     .flat_map(|g| g.completions.iter().map(move |c| (g, c)))
-                    .nth(i)
+                    .nth(judged[i])
                     .map(|(g, c)| format!("{}@{} sample {}", g.prompt, g.position, c.sample))
             });
             LoopError::Scoring {
@@ -189,6 +218,11 @@ impl Scorer {
                 error,
             }
         })?;
+        let mut verified = verified.into_iter();
+        let scores: Vec<Score> = env_scores
+            .into_iter()
+            .map(|s| s.unwrap_or_else(|| verified.next().expect("one per judged completion")))
+            .collect();
         let mut stats = RoundStats {
             gen_seconds: r.seconds,
             ..Default::default()

@@ -268,6 +268,7 @@ fn turn(prompt: DocId, sample: u32, text: &str, turns: u32, episode: u32) -> Tur
     TurnToStep {
         prompt,
         sample,
+        episode: format!("r1-{prompt}-{sample}"),
         turn: ids,
         turns,
         episode_tokens: episode,
@@ -281,10 +282,16 @@ fn turn(prompt: DocId, sample: u32, text: &str, turns: u32, episode: u32) -> Tur
 #[test]
 fn the_tools_environment_answers_calls_and_ends_episodes() {
     let d = tempfile::tempdir().unwrap();
-    let s = Scorer::load(&env_spec(d.path(), "max_turns = 2\nmax_episode_tokens = 200"), 300, None).unwrap();
+    let s = Scorer::load(
+        &env_spec(d.path(), "max_turns = 2\nmax_episode_tokens = 200"),
+        300,
+        None,
+    )
+    .unwrap();
     assert!(s.inputs().episodes);
     let p = DocId { file: 0, line: 1 };
-    let call = r#"<tool_call>{"name": "calculator", "arguments": {"expression": "17*23"}}</tool_call>"#;
+    let call =
+        r#"<tool_call>{"name": "calculator", "arguments": {"expression": "17*23"}}</tool_call>"#;
     let step = EpisodesToStep {
         job: "j".into(),
         round: 4,
@@ -328,13 +335,23 @@ fn an_episode_trains_on_policy_tokens_and_is_judged_on_its_answer() {
     c.logprobs.extend(&answer.logprobs);
     c.trace = Some(Box::new(Trace {
         spans: vec![
-            Span { policy: true, len: 5 },
-            Span { policy: false, len: env.len() as u32 },
-            Span { policy: true, len: 2 },
+            Span {
+                policy: true,
+                len: 5,
+            },
+            Span {
+                policy: false,
+                len: env.len() as u32,
+            },
+            Span {
+                policy: true,
+                len: 2,
+            },
         ],
         answer_from: 5 + env.len(),
         turns: 2,
         tool_calls: 1,
+        score: None,
     }));
     let round = RoundToScore {
         job: "j".into(),
@@ -353,7 +370,11 @@ fn an_episode_trains_on_policy_tokens_and_is_judged_on_its_answer() {
     let seq = &rollouts[0].seq;
     let n = s.inputs().prompts.prompts[0].ids.len();
     assert_eq!(seq.len(), n + c.token_ids.len());
-    assert_eq!(seq.loss_tokens(), 7, "5 + 2 policy tokens, no environment token");
+    assert_eq!(
+        seq.loss_tokens(),
+        7,
+        "5 + 2 policy tokens, no environment token"
+    );
     let mask: Vec<bool> = seq.labels().iter().map(|&l| l != IGNORE_INDEX).collect();
     assert!(mask[n..n + 5].iter().all(|&m| m));
     assert!(mask[n + 5..n + 5 + env.len()].iter().all(|&m| !m));
@@ -393,10 +414,11 @@ fn tool_results_are_rendered_by_the_chat_template() {
         "{\"messages\": [{\"role\": \"user\", \"content\": \"2*21?\"}], \"reference\": \"42\"}\n",
     )
     .unwrap();
-    sp.data.train = vec![chat.into()];
+    sp.data.train = vec![chat];
     let s = Scorer::load(&sp, 32064, None).unwrap();
     let eos = s.enc.eos_id;
-    let call = r#"<tool_call>{"name": "calculator", "arguments": {"expression": "2*21"}}</tool_call>"#;
+    let call =
+        r#"<tool_call>{"name": "calculator", "arguments": {"expression": "2*21"}}</tool_call>"#;
     let mut ids = s.enc.tok.ids(call, false).unwrap();
     let step = |ids: &[u32]| {
         s.step(&EpisodesToStep {
@@ -405,6 +427,7 @@ fn tool_results_are_rendered_by_the_chat_template() {
             episodes: vec![TurnToStep {
                 prompt: DocId { file: 0, line: 1 },
                 sample: 0,
+                episode: "r1-0:1-0".into(),
                 turn: ids.to_vec(),
                 turns: 1,
                 episode_tokens: 30,

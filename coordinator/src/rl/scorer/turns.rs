@@ -1,24 +1,28 @@
-//! The environment's half of a multi-turn round (issue 36, `[rl.env]`
-//! kind = "tools"): for each open episode, the policy turn's text, its
-//! tool calls ([`crate::rl::tools`]), their results rendered as the next
-//! environment turn and tokenized — or the end of the episode. Runs in the
-//! shell off the state lock, like scoring.
+//! The environment's half of a multi-turn round (issue 36, `[rl.env]`):
+//! for each open episode, the policy turn's text goes to the environment
+//! — the built-in tools ([`crate::rl::tools`]: a turn's tool calls, their
+//! results as `tool` messages) or the job's program
+//! ([`crate::rl::env_command`]) — and its messages come back rendered as
+//! the next environment turn and tokenized, or the episode ends. Runs in
+//! the shell off the state lock, like scoring.
 //!
 //! Rendering: after a chat prompt (messages the template rendered), the
-//! tool results are `tool` messages
-//! rendered by the template after the assistant's turn, with the
+//! environment's messages are rendered by the template after the
+//! assistant's turn, with the
 //! generation prompt (what the model would see in a chat): the text the
 //! template puts after the assistant's content, less the end-of-turn token
 //! the policy already sampled. After a text prompt (`prompt` as a string,
-//! `question`), which no template rendered, each result is
-//! `<tool_response>RESULT</tool_response>`, the Hermes tags, with nothing
-//! around them.
+//! `question`), which no template rendered, a `tool` message is
+//! `<tool_response>CONTENT</tool_response>`, the Hermes tags, with nothing
+//! around it, and another message its content as it is.
 
 use super::{LoopError, Scorer};
-use crate::job::environment::EnvSection;
+use crate::job::environment::{EnvKind, EnvSection};
+use crate::rl::env_command::{StepIn, StepOut};
 use crate::rl::episode::{EnvReply, EpisodesToStep, TurnToStep};
 use crate::rl::rounds::Finish;
 use crate::rl::tools;
+use crate::rl::verify::Score;
 
 /// Stands for the assistant's content in a render, to find where the
 /// template's text after it starts.
@@ -27,61 +31,136 @@ const SENTINEL: &str = "\u{10FFFE}accrue-turn\u{10FFFE}";
 impl Scorer {
     /// Steps the environment of every open episode of a round.
     pub fn step(&self, s: &EpisodesToStep) -> Result<Vec<EnvReply>, LoopError> {
-        let env = self.env.as_ref().ok_or_else(|| LoopError::Env {
+        let env_error = |episode: String, message: String| LoopError::Env {
             round: s.round,
-            episode: String::new(),
-            message: "the job has no [rl.env]".into(),
-        })?;
-        s.episodes
+            episode,
+            message,
+        };
+        let env = self
+            .env
+            .as_ref()
+            .ok_or_else(|| env_error(String::new(), "the job has no [rl.env]".into()))?;
+        let texts = s
+            .episodes
             .iter()
             .map(|t| {
-                self.step_one(env, t).map_err(|message| LoopError::Env {
-                    round: s.round,
-                    episode: format!("{} sample {}", t.prompt, t.sample),
-                    message,
-                })
+                self.enc
+                    .tok
+                    .decode(&t.turn)
+                    .map_err(|m| env_error(t.episode.clone(), m))
             })
-            .collect()
+            .collect::<Result<Vec<_>, _>>()?;
+        let outs: Vec<Result<Outcome, String>> = match env.kind {
+            EnvKind::Tools => texts
+                .iter()
+                .map(|text| Ok(tools_outcome(env, text)))
+                .collect(),
+            EnvKind::Command => self.command_outcomes(s, &texts)?,
+        };
+        let mut replies = Vec::with_capacity(outs.len());
+        let mut closed = Vec::new();
+        for (t, out) in s.episodes.iter().zip(outs) {
+            let reply = out
+                .and_then(|o| self.reply(env, t, o))
+                .map_err(|m| env_error(t.episode.clone(), m))?;
+            if reply.done.is_some() {
+                closed.push(t.episode.as_str());
+            }
+            replies.push(reply);
+        }
+        if let Some(c) = &self.command_env {
+            c.close(&closed);
+        }
+        Ok(replies)
     }
 
-    fn step_one(&self, env: &EnvSection, t: &TurnToStep) -> Result<EnvReply, String> {
-        let reply = |tokens, tool_calls, done| EnvReply {
+    /// What the job's environment program says of each turn.
+    fn command_outcomes(
+        &self,
+        s: &EpisodesToStep,
+        texts: &[String],
+    ) -> Result<Vec<Result<Outcome, String>>, LoopError> {
+        let env = self.command_env.as_ref().expect("built for kind = command");
+        let steps = s
+            .episodes
+            .iter()
+            .zip(texts)
+            .map(|(t, text)| {
+                let p = self.prompt(t.prompt);
+                StepIn {
+                    episode: &t.episode,
+                    turn: t.turns,
+                    content: text,
+                    prompt: p.map_or("", |p| p.text.as_str()),
+                    reference: p.map_or("", |p| p.reference.as_str()),
+                }
+            })
+            .collect::<Vec<_>>();
+        let outs = env.step(&steps).map_err(|e| LoopError::Env {
+            round: s.round,
+            episode: format!("{} episodes", steps.len()),
+            message: e.to_string(),
+        })?;
+        Ok(outs
+            .into_iter()
+            .map(|o| {
+                Ok(match o {
+                    StepOut::Messages(m) => Outcome::Messages {
+                        messages: m,
+                        calls: 0,
+                    },
+                    StepOut::Done(score) => Outcome::Done(score),
+                })
+            })
+            .collect())
+    }
+
+    /// The reply to one turn: the episode ends (the environment said so,
+    /// or a limit), or the environment's messages as its next turn.
+    fn reply(&self, env: &EnvSection, t: &TurnToStep, out: Outcome) -> Result<EnvReply, String> {
+        let reply = |tokens, tool_calls, done, score| EnvReply {
             prompt: t.prompt,
             sample: t.sample,
             tokens,
             tool_calls,
             done,
+            score,
         };
-        let text = self.enc.tok.decode(&t.turn)?;
-        let calls = tools::parse_calls(&text);
-        if calls.is_empty() {
-            return Ok(reply(Vec::new(), 0, Some(Finish::Stop)));
-        }
-        let n = calls.len() as u32;
+        let (messages, calls) = match out {
+            Outcome::Done(score) => return Ok(reply(Vec::new(), 0, Some(Finish::Stop), score)),
+            Outcome::Messages { messages, calls } => (messages, calls),
+        };
         if t.turns >= env.max_turns {
-            return Ok(reply(Vec::new(), n, Some(Finish::Length)));
+            return Ok(reply(Vec::new(), calls, Some(Finish::Length), None));
         }
-        let results: Vec<String> = calls.iter().map(|c| tools::run(c, &env.tools)).collect();
-        let ended = t.turn.last().is_some_and(|&id| id == self.enc.eos_id);
         let chat = self.prompt(t.prompt).is_some_and(|p| p.chat);
-        let text = self.render_results(&results, chat, ended)?;
+        let ended = t.turn.last().is_some_and(|&id| id == self.enc.eos_id);
+        let text = self.render_messages(&messages, chat, ended)?;
         let tokens = self.enc.tok.ids(&text, false)?;
         // The next policy turn needs room for at least one token.
         if u64::from(t.episode_tokens) + tokens.len() as u64 >= u64::from(env.max_episode_tokens) {
-            return Ok(reply(Vec::new(), n, Some(Finish::Length)));
+            return Ok(reply(Vec::new(), calls, Some(Finish::Length), None));
         }
-        Ok(reply(tokens, n, None))
+        Ok(reply(tokens, calls, None, None))
     }
 
-    /// The environment turn's text carrying `results` (see the module
-    /// docs): by the chat template when the prompt was `chat`; `ended`:
-    /// the policy's turn ended with the end-of-turn token.
-    fn render_results(&self, results: &[String], chat: bool, ended: bool) -> Result<String, String> {
+    /// The environment turn's text carrying `messages` (role, content;
+    /// see the module docs): by the chat template when the prompt was
+    /// `chat`; `ended`: the policy's turn ended with the end-of-turn token.
+    fn render_messages(
+        &self,
+        messages: &[(String, String)],
+        chat: bool,
+        ended: bool,
+    ) -> Result<String, String> {
         let t = &self.enc.template;
         if !chat {
-            return Ok(results
+            return Ok(messages
                 .iter()
-                .map(|r| format!("<tool_response>{r}</tool_response>"))
+                .map(|(role, c)| match role.as_str() {
+                    "tool" => format!("<tool_response>{c}</tool_response>"),
+                    _ => c.clone(),
+                })
                 .collect());
         }
         let mut msgs = vec![
@@ -89,14 +168,14 @@ impl Scorer {
             serde_json::json!({"role": "assistant", "content": SENTINEL}),
         ];
         msgs.extend(
-            results
+            messages
                 .iter()
-                .map(|r| serde_json::json!({"role": "tool", "content": r})),
+                .map(|(role, c)| serde_json::json!({"role": role, "content": c})),
         );
         let text = t.render(&msgs, None, true)?;
         let at = text.rfind(SENTINEL).ok_or_else(|| {
             format!(
-                "chat template ({}) does not render the assistant's content as given, so the tool results cannot follow the policy's turn",
+                "chat template ({}) does not render the assistant's content as given, so the environment's messages cannot follow the policy's turn",
                 t.source
             )
         })?;
@@ -105,5 +184,32 @@ impl Scorer {
             Some(rest) if ended && !t.eos_token.is_empty() => rest.to_string(),
             _ => tail.to_string(),
         })
+    }
+}
+
+/// What an environment made of one policy turn.
+enum Outcome {
+    /// The episode goes on with these messages; `calls` tool calls made.
+    Messages {
+        messages: Vec<(String, String)>,
+        calls: u32,
+    },
+    /// The episode ended (with the environment's score, if any).
+    Done(Option<Score>),
+}
+
+/// The built-in tools' answer: the calls' results as `tool` messages, or
+/// the end of the episode for a turn without a call.
+fn tools_outcome(env: &EnvSection, text: &str) -> Outcome {
+    let calls = tools::parse_calls(text);
+    if calls.is_empty() {
+        return Outcome::Done(None);
+    }
+    Outcome::Messages {
+        calls: calls.len() as u32,
+        messages: calls
+            .iter()
+            .map(|c| ("tool".to_string(), tools::run(c, &env.tools)))
+            .collect(),
     }
 }

@@ -18,7 +18,7 @@
 mod builtin;
 pub mod command;
 mod command_error;
-mod process;
+pub(crate) mod process;
 mod sample;
 mod verifier;
 

@@ -40,6 +40,7 @@ pub mod rollout;
 pub mod row;
 pub mod sft;
 pub mod synth;
+pub mod synth_tools;
 pub mod template;
 pub mod token_store;
 pub mod tokenize;

@@ -1,0 +1,456 @@
+//! `[rl.env] kind = "command"` (issue 36): a program of the user's is the
+//! environment of a job's episodes. One process per job, started when its
+//! first turn is stepped, its episodes multiplexed by id, speaking JSON
+//! lines on stdin/stdout:
+//!
+//! - `{"type": "reset", "episode": ID, "prompt": TEXT, "reference": REF}`
+//!   before an episode's first step (no answer): start episode ID afresh;
+//! - `{"type": "step", "episode": ID, "turn": N, "content": TEXT}`: the
+//!   policy's N-th turn; answered by one line
+//!   `{"episode": ID, "messages": [{"role": "tool"|"user", "content": S}, …]}`
+//!   to go on, or `{"episode": ID, "done": true}` to end it, with an
+//!   optional `"reward": x`, `"correct": bool` and `"components": {name: x}`
+//!   (a reward replaces the verifier's for that episode);
+//! - `{"type": "close", "episode": ID}` once an episode ended (no answer).
+//!
+//! The steps of a turn are written together and may be answered in any
+//! order. What the protocol guarantees: an episode is reset before its
+//! first step and stepped once per policy turn, in order; its ID is new
+//! for every attempt (a round lost with a worker or with the coordinator
+//! starts its episodes again under new IDs, from a reset — never from a
+//! half-recorded prefix), so an environment never has to replay anything;
+//! an episode abandoned that way is never closed, and a restarted
+//! coordinator starts a new process. State that must outlive the process
+//! (a sandbox) is the environment's to keep.
+//!
+//! Fenced like the `command` verifier (`crate::rl::verify::command`): a
+//! cleared environment but for [`BASE_ENV`] and `rl.env.env`, a process
+//! group of its own killed when the job's scorer goes, a deadline per
+//! turn (`rl.env.timeout_s`, default 60 s), lines of at most
+//! [`MAX_LINE_BYTES`], stderr logged (cut short) and never quoted in an
+//! error; an answer that is not JSON, names no open episode, or answers
+//! one twice fails the job naming the episode or the line.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::PathBuf;
+use std::process::{ChildStdin, Command, Stdio};
+use std::sync::{mpsc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value as Json};
+use tracing::{debug, warn};
+
+use crate::job::env_names;
+use crate::job::environment::EnvSection;
+use crate::rl::verify::command::BASE_ENV;
+use crate::rl::verify::process::{self, Group};
+use crate::rl::verify::Score;
+
+/// Longest line the program may write (a step's messages).
+pub const MAX_LINE_BYTES: usize = 1 << 20;
+/// Default seconds a turn's steps may take.
+pub const DEFAULT_TIMEOUT_S: f64 = 60.0;
+/// Lines of the program's stderr the log keeps (each cut to 4 KiB).
+const STDERR_LINES_LOGGED: usize = 64;
+
+/// One episode's step, as the environment is asked it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepIn<'a> {
+    pub episode: &'a str,
+    /// 1 for the first policy turn: the episode is reset first.
+    pub turn: u32,
+    pub content: &'a str,
+    pub prompt: &'a str,
+    pub reference: &'a str,
+}
+
+/// The environment's answer to a step.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StepOut {
+    /// Go on with these messages (role, content).
+    Messages(Vec<(String, String)>),
+    /// The episode ended, with the environment's score if it gave one.
+    Done(Option<Score>),
+}
+
+/// Why the environment program failed a turn.
+#[derive(Debug, thiserror::Error)]
+pub enum EnvError {
+    #[error("environment command {program:?} could not start: {error}")]
+    Start {
+        program: String,
+        error: std::io::Error,
+    },
+    #[error("environment command {program:?} exited (or closed its stdout) with {waiting} steps unanswered")]
+    Exited { program: String, waiting: usize },
+    #[error("environment command {program:?} did not answer {waiting} steps within {timeout:?}")]
+    TimedOut {
+        program: String,
+        waiting: usize,
+        timeout: Duration,
+    },
+    #[error("environment command {program:?}: writing to its stdin failed: {error}")]
+    Write {
+        program: String,
+        error: std::io::Error,
+    },
+    /// A bad answer; `line` counts the program's stdout lines from 1.
+    #[error("environment command {program:?}: stdout line {line}: {problem}")]
+    BadLine {
+        program: String,
+        line: u64,
+        problem: String,
+    },
+}
+
+/// A job's environment program.
+pub struct CommandEnv {
+    argv: Vec<String>,
+    env: Vec<String>,
+    base_dir: Option<PathBuf>,
+    timeout: Duration,
+    running: Mutex<Option<Running>>,
+}
+
+struct Running {
+    // Dropped (killed with its group) with the environment.
+    _group: Group,
+    stdin: ChildStdin,
+    lines: mpsc::Receiver<std::io::Result<Option<Vec<u8>>>>,
+    /// Lines read so far (for errors).
+    read: u64,
+}
+
+impl CommandEnv {
+    pub fn new(section: &EnvSection, base_dir: Option<PathBuf>) -> CommandEnv {
+        CommandEnv {
+            argv: section.command.clone(),
+            env: section.env.clone(),
+            base_dir,
+            timeout: Duration::from_secs_f64(section.timeout_s.unwrap_or(DEFAULT_TIMEOUT_S)),
+            running: Mutex::new(None),
+        }
+    }
+
+    fn program(&self) -> String {
+        self.argv.first().cloned().unwrap_or_default()
+    }
+
+    fn start(&self) -> Result<Running, EnvError> {
+        let program = self.program();
+        let mut cmd = Command::new(&program);
+        cmd.args(self.argv.get(1..).unwrap_or_default())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .env_clear();
+        let names = BASE_ENV
+            .iter()
+            .copied()
+            .chain(self.env.iter().map(String::as_str));
+        for name in names.filter(|n| env_names::refused(n).is_none()) {
+            if let Some(v) = std::env::var_os(name) {
+                cmd.env(name, v);
+            }
+        }
+        if let Some(d) = &self.base_dir {
+            cmd.current_dir(d);
+        }
+        process::isolate(&mut cmd);
+        let mut child = cmd.spawn().map_err(|error| EnvError::Start {
+            program: program.clone(),
+            error,
+        })?;
+        let stdin = child.stdin.take().expect("piped");
+        let stdout = child.stdout.take().expect("piped");
+        let stderr = child.stderr.take().expect("piped");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || read_lines(stdout, tx));
+        let name = program.clone();
+        std::thread::spawn(move || log_stderr(stderr, &name));
+        Ok(Running {
+            _group: Group::new(child),
+            stdin,
+            lines: rx,
+            read: 0,
+        })
+    }
+
+    /// Steps every episode of `steps` (one turn of a round); the answers
+    /// in the same order. Any failure kills the program (the job fails).
+    pub fn step(&self, steps: &[StepIn<'_>]) -> Result<Vec<StepOut>, EnvError> {
+        let mut guard = self.running.lock().unwrap_or_else(|p| p.into_inner());
+        if guard.is_none() {
+            *guard = Some(self.start()?);
+        }
+        let run = guard.as_mut().expect("started above");
+        let result = self.exchange(run, steps);
+        if result.is_err() {
+            *guard = None;
+        }
+        result
+    }
+
+    /// Tells the program these episodes ended (best effort: a program
+    /// that went away is found at the next step).
+    pub fn close(&self, episodes: &[&str]) {
+        let mut guard = self.running.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(run) = guard.as_mut() {
+            let mut out = Vec::new();
+            for e in episodes {
+                writeln!(out, "{}", json!({"type": "close", "episode": e})).expect("to memory");
+            }
+            let _ = run.stdin.write_all(&out).and_then(|()| run.stdin.flush());
+        }
+    }
+
+    fn exchange(&self, run: &mut Running, steps: &[StepIn<'_>]) -> Result<Vec<StepOut>, EnvError> {
+        let program = self.program();
+        let mut out = Vec::new();
+        for s in steps {
+            if s.turn == 1 {
+                let reset = json!({"type": "reset", "episode": s.episode, "prompt": s.prompt, "reference": s.reference});
+                writeln!(out, "{reset}").expect("to memory");
+            }
+            let step =
+                json!({"type": "step", "episode": s.episode, "turn": s.turn, "content": s.content});
+            writeln!(out, "{step}").expect("to memory");
+        }
+        // The program reads as we write; it may answer before the last
+        // step is in (a pipe is bounded): write on a thread of its own.
+        let mut stdin = run
+            .stdin
+            .try_clone_for_write()
+            .map_err(|error| EnvError::Write {
+                program: program.clone(),
+                error,
+            })?;
+        let writer = std::thread::spawn(move || {
+            stdin.write_all(&out)?;
+            stdin.flush()
+        });
+        let index: BTreeMap<&str, usize> = steps
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s.episode, i))
+            .collect();
+        let mut answers: Vec<Option<StepOut>> = vec![None; steps.len()];
+        let mut waiting = steps.len();
+        let deadline = Instant::now().checked_add(self.timeout);
+        while waiting > 0 {
+            let left = deadline.map_or(Duration::MAX, |d| {
+                d.saturating_duration_since(Instant::now())
+            });
+            let line = match run.lines.recv_timeout(left) {
+                Ok(Ok(Some(line))) => line,
+                Ok(Ok(None)) | Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(EnvError::Exited { program, waiting })
+                }
+                Ok(Err(e)) => {
+                    run.read += 1;
+                    return Err(EnvError::BadLine {
+                        program,
+                        line: run.read,
+                        problem: e.to_string(),
+                    });
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    return Err(EnvError::TimedOut {
+                        program,
+                        waiting,
+                        timeout: self.timeout,
+                    })
+                }
+            };
+            run.read += 1;
+            let bad = |problem: String| EnvError::BadLine {
+                program: program.clone(),
+                line: run.read,
+                problem,
+            };
+            if line.iter().all(u8::is_ascii_whitespace) {
+                continue;
+            }
+            let (episode, answer) = parse_answer(&line).map_err(bad)?;
+            let Some(&i) = index.get(episode.as_str()) else {
+                return Err(bad(format!(
+                    "answers episode {episode:?}, which was not stepped in this turn"
+                )));
+            };
+            if answers[i].is_some() {
+                return Err(bad(format!("answers episode {episode:?} twice")));
+            }
+            answers[i] = Some(answer);
+            waiting -= 1;
+        }
+        match writer.join() {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => return Err(EnvError::Write { program, error }),
+            Err(_) => {
+                return Err(EnvError::Write {
+                    program,
+                    error: std::io::Error::other("writer panicked"),
+                })
+            }
+        }
+        Ok(answers
+            .into_iter()
+            .map(|a| a.expect("all answered"))
+            .collect())
+    }
+}
+
+/// A `ChildStdin` the writer thread owns for one turn: a duplicate of
+/// the pipe's descriptor (the original stays for the next turn).
+trait CloneForWrite: Sized {
+    fn try_clone_for_write(&self) -> std::io::Result<std::fs::File>;
+}
+
+impl CloneForWrite for ChildStdin {
+    #[cfg(unix)]
+    fn try_clone_for_write(&self) -> std::io::Result<std::fs::File> {
+        use std::os::fd::AsFd;
+        Ok(std::fs::File::from(self.as_fd().try_clone_to_owned()?))
+    }
+    #[cfg(not(unix))]
+    fn try_clone_for_write(&self) -> std::io::Result<std::fs::File> {
+        Err(std::io::Error::other("environment commands need unix"))
+    }
+}
+
+/// One answer line: (episode, what it says).
+fn parse_answer(line: &[u8]) -> Result<(String, StepOut), String> {
+    let v: Json = serde_json::from_slice(line).map_err(|e| format!("not JSON ({e})"))?;
+    let o = v.as_object().ok_or("not a JSON object")?;
+    let episode = o
+        .get("episode")
+        .and_then(Json::as_str)
+        .ok_or("no \"episode\" string")?
+        .to_string();
+    let at = |m: String| format!("episode {episode:?}: {m}");
+    let done = match o.get("done") {
+        None | Some(Json::Null) => false,
+        Some(Json::Bool(b)) => *b,
+        Some(_) => return Err(at("\"done\" must be true or false".into())),
+    };
+    if done {
+        let reward = match o.get("reward") {
+            None | Some(Json::Null) => None,
+            Some(x) => Some(
+                x.as_f64()
+                    .filter(|r| r.is_finite())
+                    .ok_or_else(|| at("\"reward\" must be a finite number".into()))?,
+            ),
+        };
+        let correct = match o.get("correct") {
+            None | Some(Json::Null) => None,
+            Some(Json::Bool(b)) => Some(*b),
+            Some(_) => return Err(at("\"correct\" must be true or false".into())),
+        };
+        let mut components = BTreeMap::new();
+        if let Some(c) = o.get("components") {
+            let c = c
+                .as_object()
+                .ok_or_else(|| at("\"components\" must be an object of numbers".into()))?;
+            for (k, x) in c {
+                let x = x
+                    .as_f64()
+                    .filter(|x| x.is_finite())
+                    .ok_or_else(|| at(format!("component {k:?} must be a finite number")))?;
+                components.insert(k.clone(), x);
+            }
+        }
+        if reward.is_none() && (correct.is_some() || !components.is_empty()) {
+            return Err(at(
+                "\"correct\" and \"components\" come with a \"reward\"".into()
+            ));
+        }
+        let score = reward.map(|reward| Score {
+            reward,
+            components,
+            correct,
+        });
+        return Ok((episode, StepOut::Done(score)));
+    }
+    let msgs = o.get("messages").and_then(Json::as_array).ok_or_else(|| {
+        at(
+            "an episode that goes on needs \"messages\" (a list); send \"done\": true to end it"
+                .into(),
+        )
+    })?;
+    if msgs.is_empty() {
+        return Err(at(
+            "\"messages\" is empty: the policy would be asked again with nothing new".into(),
+        ));
+    }
+    let mut out = Vec::with_capacity(msgs.len());
+    for (i, m) in msgs.iter().enumerate() {
+        let role = m.get("role").and_then(Json::as_str);
+        let content = m.get("content").and_then(Json::as_str);
+        match (role, content) {
+            (Some(r @ ("tool" | "user" | "system")), Some(c)) => {
+                out.push((r.to_string(), c.to_string()))
+            }
+            _ => {
+                return Err(at(format!(
+                    "messages[{i}] must be {{\"role\": \"tool\" | \"user\" | \"system\", \"content\": string}}"
+                )))
+            }
+        }
+    }
+    Ok((episode, StepOut::Messages(out)))
+}
+
+/// Sends the program's stdout lines (each at most [`MAX_LINE_BYTES`]),
+/// then `None` at its end.
+fn read_lines(stdout: impl Read, tx: mpsc::Sender<std::io::Result<Option<Vec<u8>>>>) {
+    let mut r = BufReader::new(stdout);
+    loop {
+        let mut line = Vec::new();
+        let read = (&mut r)
+            .take(MAX_LINE_BYTES as u64 + 1)
+            .read_until(b'\n', &mut line);
+        let msg = match read {
+            Ok(0) => Ok(None),
+            Ok(_) if line.len() > MAX_LINE_BYTES => Err(std::io::Error::other(format!(
+                "a line longer than {MAX_LINE_BYTES} bytes"
+            ))),
+            Ok(_) => Ok(Some(line)),
+            Err(e) => Err(e),
+        };
+        let end = !matches!(msg, Ok(Some(_)));
+        if tx.send(msg).is_err() || end {
+            return;
+        }
+    }
+}
+
+/// Logs the first lines of the program's stderr (cut to 4 KiB each),
+/// counts the rest.
+fn log_stderr(stderr: impl Read, program: &str) {
+    let mut r = BufReader::new(stderr);
+    let (mut n, mut buf) = (0usize, Vec::new());
+    loop {
+        buf.clear();
+        match (&mut r).take(4096).read_until(b'\n', &mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {
+                n += 1;
+                if n <= STDERR_LINES_LOGGED {
+                    debug!(program, line = %String::from_utf8_lossy(&buf).trim_end(), "environment command stderr");
+                }
+            }
+        }
+    }
+    if n > STDERR_LINES_LOGGED {
+        warn!(
+            program,
+            lines = n,
+            "environment command wrote more on stderr than the log keeps"
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests;
