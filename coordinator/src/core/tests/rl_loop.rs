@@ -699,3 +699,65 @@ fn a_failed_environment_fails_the_job_naming_the_episode() {
         "{reason}"
     );
 }
+
+/// A coordinator restarted while a multi-turn round waits for its second
+/// turn: the round lived only in memory, so its prompts are unconsumed
+/// and the restarted coordinator starts their episodes again from the
+/// prompts (first-turn requests, the stored position's seeds).
+#[test]
+fn a_coordinator_restart_mid_episode_starts_the_episodes_again() {
+    let mut s = Sim::new();
+    s.submit_episodes(loop_spec(3, 4, 2, 1), 10);
+    s.worker("a");
+    s.run_until(|s| {
+        s.committed.len() == 1
+            && s.rounds.last().is_some_and(|(_, p)| {
+                p.policy_version == 1 && p.requests.iter().all(|q| q.prompt_ids.len() == 7)
+            })
+    });
+    assert!(s.to_score.is_empty());
+    let stored = s.stored(&[]);
+    let done = stored.meta.prompts_done;
+    assert_eq!(done, 2, "only the first step's episodes were admitted");
+    let rec = s.persisted.last().unwrap().clone();
+    let mut r = Sim::restored_stream(rec, loop_spec(3, 4, 2, 1), stored);
+    r.handle(Event::LoadPrompts {
+        job: "job".into(),
+        inputs: LoopInputs {
+            episodes: true,
+            ..inputs(10)
+        },
+    })
+    .unwrap();
+    let held = HeldState {
+        job: "job".into(),
+        step: 1,
+        world_size: 1,
+        rank: 0,
+        generation: s.last_generation(),
+    };
+    r.worker_holding("a", Some(held));
+    r.after_rejoin_grace();
+    r.run();
+    let j = r.c.job("job").unwrap();
+    assert_eq!(r.state(), JobState::Completed, "{}", j.rec.reason);
+    let (_, first) = r.rounds.first().expect("a round after the restart");
+    assert!(
+        first.requests.iter().all(|q| q.prompt_ids.len() == 3),
+        "from the prompts"
+    );
+    assert_eq!(
+        first.requests[0].seed,
+        crate::rl::rounds::seed_of(3, done, 0)
+    );
+    // Two more steps of 2 prompts each: positions 2..6, each once.
+    let positions: Vec<u64> = r
+        .trained_groups()
+        .into_iter()
+        .flatten()
+        .map(|g| g.split_once('@').unwrap().1.parse().unwrap())
+        .collect();
+    let mut uniq = positions.clone();
+    uniq.dedup();
+    assert_eq!(uniq, [2, 3, 4, 5], "{positions:?}");
+}
