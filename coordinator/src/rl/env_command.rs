@@ -24,7 +24,7 @@
 //! (a sandbox) is the environment's to keep.
 //!
 //! Fenced like the `command` verifier (`crate::rl::verify::command`): a
-//! cleared environment but for [`BASE_ENV`] and `rl.env.env`, a process
+//! cleared environment but for `command::BASE_ENV` and `rl.env.env`, a process
 //! group of its own killed when the job's scorer goes, a deadline per
 //! turn (`rl.env.timeout_s`, default 60 s), lines of at most
 //! [`MAX_LINE_BYTES`], stderr logged (cut short) and never quoted in an
@@ -34,17 +34,16 @@
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::PathBuf;
-use std::process::{ChildStdin, Command, Stdio};
+use std::process::ChildStdin;
 use std::sync::{mpsc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value as Json};
 use tracing::{debug, warn};
 
-use crate::job::env_names;
 use crate::job::environment::EnvSection;
-use crate::rl::verify::command::BASE_ENV;
-use crate::rl::verify::process::{self, Group};
+use crate::rl::verify::command;
+use crate::rl::verify::process::Group;
 use crate::rl::verify::Score;
 
 /// Longest line the program may write (a step's messages).
@@ -139,25 +138,7 @@ impl CommandEnv {
 
     fn start(&self) -> Result<Running, EnvError> {
         let program = self.program();
-        let mut cmd = Command::new(&program);
-        cmd.args(self.argv.get(1..).unwrap_or_default())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .env_clear();
-        let names = BASE_ENV
-            .iter()
-            .copied()
-            .chain(self.env.iter().map(String::as_str));
-        for name in names.filter(|n| env_names::refused(n).is_none()) {
-            if let Some(v) = std::env::var_os(name) {
-                cmd.env(name, v);
-            }
-        }
-        if let Some(d) = &self.base_dir {
-            cmd.current_dir(d);
-        }
-        process::isolate(&mut cmd);
+        let mut cmd = command::fenced(&self.argv, &self.env, self.base_dir.as_deref());
         let mut child = cmd.spawn().map_err(|error| EnvError::Start {
             program: program.clone(),
             error,

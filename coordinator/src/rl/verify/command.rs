@@ -67,27 +67,7 @@ pub struct Invocation<'a> {
 /// Runs the program over `batch` (see the module doc).
 pub fn run(inv: &Invocation<'_>, batch: &[Sample<'_>]) -> Result<Vec<Score>, CommandError> {
     let program = inv.argv.first().map_or("", String::as_str);
-    let mut cmd = Command::new(program);
-    cmd.args(inv.argv.get(1..).unwrap_or_default())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .env_clear();
-    // Refused names are checked at submit too; a stored spec from before
-    // that check must not reach them either.
-    let names = BASE_ENV
-        .iter()
-        .copied()
-        .chain(inv.env.iter().map(String::as_str));
-    for name in names.filter(|n| env_names::refused(n).is_none()) {
-        if let Some(v) = std::env::var_os(name) {
-            cmd.env(name, v);
-        }
-    }
-    if let Some(d) = inv.base_dir {
-        cmd.current_dir(d);
-    }
-    process::isolate(&mut cmd);
+    let mut cmd = fenced(inv.argv, inv.env, inv.base_dir);
     let start = Instant::now();
     let mut child = cmd.spawn().map_err(CommandError::Start)?;
     let timed_out = CommandError::TimedOut {
@@ -171,6 +151,36 @@ pub fn run(inv: &Invocation<'_>, batch: &[Sample<'_>]) -> Result<Vec<Score>, Com
             warn!(program, line, %text, error = %e, "verifier command wrote a bad score line");
         }
     })
+}
+
+/// A user program (`argv`) ready to spawn fenced: piped stdin, stdout
+/// and stderr, an environment of [`BASE_ENV`] and `env` alone (never
+/// `ACCRUE_*`), run from `base_dir`, in a process group of its own. The
+/// verifier and an environment program (`crate::rl::env_command`) start
+/// alike.
+pub fn fenced(argv: &[String], env: &[String], base_dir: Option<&Path>) -> Command {
+    let mut cmd = Command::new(argv.first().map_or("", String::as_str));
+    cmd.args(argv.get(1..).unwrap_or_default())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .env_clear();
+    // Refused names are checked at submit too; a stored spec from before
+    // that check must not reach them either.
+    let names = BASE_ENV
+        .iter()
+        .copied()
+        .chain(env.iter().map(String::as_str));
+    for name in names.filter(|n| env_names::refused(n).is_none()) {
+        if let Some(v) = std::env::var_os(name) {
+            cmd.env(name, v);
+        }
+    }
+    if let Some(d) = base_dir {
+        cmd.current_dir(d);
+    }
+    process::isolate(&mut cmd);
+    cmd
 }
 
 /// Reads `r` to its end on a thread, at most one byte over the limit (so
