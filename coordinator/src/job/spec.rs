@@ -348,14 +348,26 @@ fn check_section(section: &str, value: toml::Value) -> Result<(), SpecProblem> {
     result.map_err(|e| {
         let msg = one_line(&e.to_string());
         // serde names the field in the message; make the path explicit too.
-        let field = field_in_message(&msg)
-            .map_or_else(|| section.to_string(), |f| format!("{section}.{f}"));
+        // A nested table's field: toml ends the message with " in `rl.env`"-
+        // like paths below the section.
+        let table =
+            nested_table(&msg).map_or_else(|| section.to_string(), |t| format!("{section}.{t}"));
+        let field =
+            field_in_message(&msg).map_or_else(|| table.clone(), |f| format!("{table}.{f}"));
         SpecProblem::new(field, msg)
     })
 }
 
 fn one_line(s: &str) -> String {
     s.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// The table below the section a toml error names at its end (`… in
+/// \`env\``), if any.
+fn nested_table(msg: &str) -> Option<&str> {
+    let rest = msg.strip_suffix('`')?;
+    let start = rest.rfind(" in `")?;
+    Some(&rest[start + " in `".len()..]).filter(|t| !t.is_empty() && !t.contains('`'))
 }
 
 /// Pulls the field name out of serde messages such as
@@ -460,6 +472,18 @@ loss_chunk_tokens = 512
         ] {
             assert!(fields.contains(&f), "missing {f} in {problems:?}");
         }
+    }
+
+    /// A nested table's unknown field is named with its whole path.
+    #[test]
+    fn an_unknown_field_of_a_nested_table_is_named_with_its_path() {
+        let (_d, base) = fixture();
+        let text = format!("{GOOD}[rl.env]\nmax_turns = 2\nroutng = 1\n");
+        let problems = JobSpec::parse(&text, &base).unwrap_err();
+        assert!(
+            problems.iter().any(|p| p.field == "rl.env.routng"),
+            "{problems:?}"
+        );
     }
 
     #[test]
