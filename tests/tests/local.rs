@@ -612,6 +612,32 @@ for line in sys.stdin:
     for (id, seen) in &per {
         assert_eq!(seen, &["reset", "step1", "step2", "close"], "episode {id}");
     }
+    // A program that prints garbage fails the job at its first turn,
+    // naming the program and the line, never quoting it.
+    std::fs::write(
+        d.join("env.py"),
+        "import sys\nfor line in sys.stdin:\n    if '\"step\"' in line:\n        print('garbage-from-env', flush=True)\n",
+    )
+    .unwrap();
+    let spec = small_job(d, "garbage", "ddp", body);
+    let out = std::process::Command::new(real::bin_dir().join("accrue"))
+        .args(["local", spec.to_str().unwrap(), "--workers", "1"])
+        .current_dir(d)
+        .output()
+        .expect("running accrue");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("environment: round")
+            && err.contains("environment command \"python3\": stdout line 1: not JSON"),
+        "{err}"
+    );
+    assert!(!err.contains("garbage-from-env"), "{err}");
+    let trained = d.join("out/garbage/metrics.jsonl");
+    assert!(
+        !trained.exists() || metrics(&trained).iter().all(|r| r.get("eval").is_some()),
+        "nothing trained"
+    );
 }
 
 /// Disaggregated RL (`rl.generators = 1`, issue 17) on two real worker
