@@ -562,14 +562,55 @@ for line in sys.stdin:
     )
     .unwrap();
     let body = "steps = 3\n[data]\nsource = \"generate\"\nformat = \"prompts\"\ntrain = [\"data/arith-sft.jsonl\"]\ntokenizer = \"bytes\"\nmax_tokens = 512\n[batch]\ndocs_per_step = 16\n[objective]\nkind = \"pg\"\n[rl]\ngroup_size = 4\n[rl.sampling]\ntemperature = 1.0\nmax_new_tokens = 6\n[rl.env]\nkind = \"command\"\ncommand = [\"python3\", \"env.py\"]\nmax_turns = 4\n[rl.verifier]\nkind = \"exact\"";
-    let spec = small_job(d, "episodes", "ddp", body);
-    let out = accrue(d, &["local", spec.to_str().unwrap(), "--workers", "2"]);
+    // Colocated (both workers generate, then train), then disaggregated
+    // (one worker only generates, on policy).
+    for (name, rl) in [
+        ("episodes", ""),
+        ("episodes-apart", "generators = 1\nmax_staleness = 0\n"),
+    ] {
+        let _ = std::fs::remove_file(d.join("env.log"));
+        let body = body.replace("[rl]\n", &format!("[rl]\n{rl}"));
+        let spec = small_job(d, name, "ddp", &body);
+        let out = accrue(d, &["local", spec.to_str().unwrap(), "--workers", "2"]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        check_episodes(d, name);
+    }
+    // A program that prints garbage fails the job at its first turn,
+    // naming the program and the line, never quoting it.
+    std::fs::write(
+        d.join("env.py"),
+        "import sys\nfor line in sys.stdin:\n    if '\"step\"' in line:\n        print('garbage-from-env', flush=True)\n",
+    )
+    .unwrap();
+    let spec = small_job(d, "garbage", "ddp", body);
+    let out = std::process::Command::new(real::bin_dir().join("accrue"))
+        .args(["local", spec.to_str().unwrap(), "--workers", "1"])
+        .current_dir(d)
+        .output()
+        .expect("running accrue");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
     assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+        err.contains("environment: round")
+            && err.contains("environment command \"python3\": stdout line 1: not JSON"),
+        "{err}"
     );
-    let m = metrics(&d.join("out/episodes/metrics.jsonl"));
+    assert!(!err.contains("garbage-from-env"), "{err}");
+    let trained = d.join("out/garbage/metrics.jsonl");
+    assert!(
+        !trained.exists() || metrics(&trained).iter().all(|r| r.get("eval").is_some()),
+        "nothing trained"
+    );
+}
+
+/// The metrics and the environment program's log of a run of
+/// `multi_turn_episodes_against_an_environment_program_train_exactly`.
+fn check_episodes(d: &Path, name: &str) {
+    let m = metrics(&d.join(format!("out/{name}/metrics.jsonl")));
     let steps: Vec<&serde_json::Value> = m
         .iter()
         .filter(|r| r.get("step").is_some() && r.get("eval").is_none())
@@ -612,32 +653,6 @@ for line in sys.stdin:
     for (id, seen) in &per {
         assert_eq!(seen, &["reset", "step1", "step2", "close"], "episode {id}");
     }
-    // A program that prints garbage fails the job at its first turn,
-    // naming the program and the line, never quoting it.
-    std::fs::write(
-        d.join("env.py"),
-        "import sys\nfor line in sys.stdin:\n    if '\"step\"' in line:\n        print('garbage-from-env', flush=True)\n",
-    )
-    .unwrap();
-    let spec = small_job(d, "garbage", "ddp", body);
-    let out = std::process::Command::new(real::bin_dir().join("accrue"))
-        .args(["local", spec.to_str().unwrap(), "--workers", "1"])
-        .current_dir(d)
-        .output()
-        .expect("running accrue");
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{err}");
-    assert!(
-        err.contains("environment: round")
-            && err.contains("environment command \"python3\": stdout line 1: not JSON"),
-        "{err}"
-    );
-    assert!(!err.contains("garbage-from-env"), "{err}");
-    let trained = d.join("out/garbage/metrics.jsonl");
-    assert!(
-        !trained.exists() || metrics(&trained).iter().all(|r| r.get("eval").is_some()),
-        "nothing trained"
-    );
 }
 
 /// Disaggregated RL (`rl.generators = 1`, issue 17) on two real worker

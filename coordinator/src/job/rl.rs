@@ -184,8 +184,8 @@ impl RlSection {
         if let Some(env) = &self.env {
             env.validate(bad);
             // Turns are planned by the coordinator on the job's own
-            // workers; an engine or generator workers round-trip through
-            // paths that do not carry episodes yet.
+            // workers (colocated or generators); an engine's round trip
+            // does not carry episodes yet.
             if self.engine.is_some() {
                 bad(
                     "rl.env",
@@ -196,12 +196,6 @@ impl RlSection {
                 bad(
                     "rl.routing_replay",
                     "not carried through multi-turn episodes ([rl.env]) yet: each turn's routing would have to be stitched with the environment's tokens".into(),
-                );
-            }
-            if self.generators.is_some() {
-                bad(
-                    "rl.env",
-                    "multi-turn episodes are generated colocated (the job's workers in turn); rl.generators does not carry episodes yet".into(),
                 );
             }
         }

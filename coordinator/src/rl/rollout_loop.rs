@@ -9,7 +9,7 @@ use std::sync::Arc;
 use tracing::{info, warn};
 
 use super::engine::tick::hand_to_scorer;
-use super::episode::EnvReply;
+use super::episode::{EnvReply, EpisodesToStep};
 use super::rounds::{GenCompletion, LoopInputs, Round, RoundKind, RoundStats, MAX_BARREN_GROUPS};
 use super::stream::Admission;
 use crate::core::ctx::JobCtx;
@@ -174,7 +174,7 @@ impl JobCtx<'_> {
         };
         // A multi-turn round waiting on its environments has every answer
         // of its turn: another is a repeat.
-        let stepping = r.episodes.as_ref().is_some_and(|e| e.stepping);
+        let stepping = r.stepping();
         let Some(rank) = rank.filter(|_| r.is(generation, round) && !stepping) else {
             return self.stale_answer(worker, generation, round);
         };
@@ -196,55 +196,62 @@ impl JobCtx<'_> {
     /// episodes are not all over goes to the environments
     /// (`Effect::StepEpisodes`); any other round to the scorer.
     fn round_answered(&mut self, mut r: Box<Round>) {
-        if let Some(eps) = r.episodes.as_mut() {
-            eps.absorb(std::mem::take(&mut r.answers));
-            if !eps.over() {
-                eps.stepping = true;
-                let step = eps.to_step(&self.id, r.id);
-                self.job.rec.reason = format!(
-                    "round {}: stepping {} episodes' environments (turn {})",
-                    r.id,
-                    step.episodes.len(),
-                    eps.turn
-                );
-                self.fx.push(Effect::StepEpisodes(Box::new(step)));
-                if let Some(a) = self.job.active_mut() {
-                    a.work = Work::Generating(r);
-                }
-                return;
+        if let Some(step) = r.end_turn(&self.id) {
+            self.step_episodes(step);
+            if let Some(a) = self.job.active_mut() {
+                a.work = Work::Generating(r);
             }
+            return;
         }
         let job = &mut *self.job;
         let l = job.data.rollout_loop.as_mut().expect("a generating job");
         hand_to_scorer(&self.id, &mut job.rec.reason, l, *r, self.fx);
     }
 
+    /// Asks the shell to step a turn's environments.
+    pub(crate) fn step_episodes(&mut self, step: EpisodesToStep) {
+        self.job.rec.reason = format!(
+            "round {}: stepping {} episodes' environments",
+            step.round,
+            step.episodes.len()
+        );
+        self.fx.push(Effect::StepEpisodes(Box::new(step)));
+    }
+
     /// The shell stepped the environments of round `round`'s open
-    /// episodes: their next turn is planned on the same ranks, or the
-    /// round is scored once every episode ended. A reply for any other
-    /// round (one forgotten with its generation) is ignored; one that
-    /// does not fit, or an environment that failed, fails the job.
+    /// episodes (on the workers' round, or the generators'): their next
+    /// turn is planned on the same ranks, or the round is scored once
+    /// every episode ended. A reply for any other round (one forgotten
+    /// with its generation) is ignored; one that does not fit, or an
+    /// environment that failed, fails the job.
     pub(crate) fn on_episodes_stepped(
         &mut self,
         round: u64,
         result: std::result::Result<Vec<EnvReply>, String>,
     ) {
         let job = &mut *self.job;
-        let terminal = job.rec.state.is_terminal();
-        let Some(active) = job.active_mut() else {
-            return;
-        };
-        let ours = matches!(&active.work, Work::Generating(r)
-            if r.id == round && r.episodes.as_ref().is_some_and(|e| e.stepping));
-        if !ours || terminal {
-            warn!(job = %self.id, round, "environment replies for no round being stepped, ignored");
+        if job.rec.state.is_terminal() {
             return;
         }
-        let world = active.gen.world_size();
-        let Work::Generating(mut r) = std::mem::replace(&mut active.work, Work::Idle) else {
-            unreachable!("matched above")
+        let ours = |r: &Round| r.id == round && r.stepping();
+        let on_workers =
+            matches!(job.active().map(|a| &a.work), Some(Work::Generating(r)) if ours(r));
+        let taken = if on_workers {
+            let a = job.active_mut().expect("matched above");
+            match std::mem::replace(&mut a.work, Work::Idle) {
+                Work::Generating(r) => Some(r),
+                _ => unreachable!("matched above"),
+            }
+        } else {
+            job.data
+                .engine_mut()
+                .and_then(|e| e.round.take_if(|r| ours(r)))
         };
-        let eps = r.episodes.as_mut().expect("matched above");
+        let Some(mut r) = taken else {
+            warn!(job = %self.id, round, "environment replies for no round being stepped, ignored");
+            return;
+        };
+        let eps = r.episodes.as_mut().expect("a stepping round");
         eps.stepping = false;
         let applied = result.and_then(|replies| eps.apply(replies).map_err(|e| e.to_string()));
         if let Err(error) = applied {
@@ -255,13 +262,24 @@ impl JobCtx<'_> {
             self.finish(End::Failed(why));
             return;
         }
-        if eps.over() {
-            return self.round_answered(r);
+        let over = eps.over();
+        match (on_workers, over) {
+            (true, true) => self.round_answered(r),
+            (true, false) => {
+                let world = self.job.gen().map_or(1, |g| g.world_size());
+                let sampling = self.job.spec.rl.sampling.clone().unwrap_or_default();
+                let l = self
+                    .job
+                    .data
+                    .rollout_loop
+                    .as_mut()
+                    .expect("a generating job");
+                let plans = l.plan_turn(&mut r, world, &sampling);
+                self.send_round(*r, plans);
+            }
+            (false, true) => self.generators_round_over(r),
+            (false, false) => self.next_generators_turn(r),
         }
-        let sampling = job.spec.rl.sampling.clone().unwrap_or_default();
-        let l = job.data.rollout_loop.as_mut().expect("a generating job");
-        let plans = l.plan_turn(&mut r, world, &sampling);
-        self.send_round(*r, plans);
     }
 
     /// The shell scored round `round`: its rollouts join the stream and

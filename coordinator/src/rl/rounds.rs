@@ -20,7 +20,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use crate::job::rl::SamplingSection;
-use crate::rl::episode::{Episodes, Trace};
+use crate::rl::episode::{Episodes, EpisodesToStep, Trace};
 use crate::rl::prompts::{Prompt, PromptSet};
 use crate::stream::cursor::Order;
 use crate::stream::doc::DocId;
@@ -555,6 +555,26 @@ impl Round {
         }
         self.answers.insert(rank, (completions, seconds));
         Ok(self.answers.len() == self.asked.len())
+    }
+
+    /// A multi-turn round every rank answered: takes the turn's answers
+    /// into its episodes and, while some are open, marks it stepping and
+    /// returns their environments' step; `None` when the round is to be
+    /// scored (every episode ended, or a single-turn round).
+    pub fn end_turn(&mut self, job: &str) -> Option<EpisodesToStep> {
+        let eps = self.episodes.as_mut()?;
+        eps.absorb(std::mem::take(&mut self.answers));
+        if eps.over() {
+            return None;
+        }
+        eps.stepping = true;
+        Some(eps.to_step(job, self.id))
+    }
+
+    /// Whether this multi-turn round waits for its environments' replies
+    /// (every answer of its turn is in: another one is a repeat).
+    pub fn stepping(&self) -> bool {
+        self.episodes.as_ref().is_some_and(|e| e.stepping)
     }
 
     /// The answered round as groups in stream order (call once complete).

@@ -6,6 +6,7 @@
 //! per epoch and no rollout counted twice.
 
 use super::*;
+use crate::rl::rounds::RoundPlan;
 
 pub(super) fn disagg_spec(steps: u64, generators: u32, every: u64, max_staleness: u64) -> JobSpec {
     let mut sp = loop_spec(steps, 4, 2, 3);
@@ -354,4 +355,45 @@ fn a_late_publish_ack_of_an_older_generation_counts_for_nothing() {
         .acks
         .policies
         .waits_for(&(generation, step)));
+}
+
+/// Multi-turn episodes on generator workers (issue 36): a round's turns
+/// all go to the generators, with no weight sync between them (every turn
+/// samples the policy the round is tagged with), episodes within the
+/// staleness bound, every prompt once per epoch.
+#[test]
+fn generators_take_episodes_turn_by_turn_on_one_policy() {
+    let mut s = Sim::new();
+    s.worker("a");
+    s.worker("b");
+    s.worker("c");
+    s.submit_episodes(disagg_spec(4, 1, 1, 1), 6);
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    assert_eq!(s.committed.len(), 4);
+    assert_prompts_once_per_epoch(&s, 6, 2);
+    assert_staleness(&s, 1);
+    let mut last_first: Option<&RoundPlan> = None;
+    let mut seconds = 0;
+    for (_, p) in &s.rounds {
+        if p.requests.iter().all(|q| q.prompt_ids.len() == 3) {
+            last_first = Some(p);
+            continue;
+        }
+        seconds += 1;
+        let first = last_first.expect("a first turn before a second");
+        assert_eq!(
+            p.policy_version, first.policy_version,
+            "one policy per round"
+        );
+        let ids = |p: &RoundPlan| -> Vec<(DocId, u32)> {
+            p.requests.iter().map(|q| (q.prompt, q.sample)).collect()
+        };
+        assert_eq!(
+            ids(p),
+            ids(first),
+            "the same episodes, on the same generator"
+        );
+    }
+    assert!(seconds >= 4, "second turns: {seconds}");
 }

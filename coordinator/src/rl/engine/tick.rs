@@ -388,7 +388,10 @@ impl JobCtx<'_> {
         let Some(e) = self.job.data.engine_mut() else {
             return;
         };
-        let Some(mut r) = e.round.take_if(|r| r.is(generation, round)) else {
+        let Some(mut r) = e
+            .round
+            .take_if(|r| r.is(generation, round) && !r.stepping())
+        else {
             return self.stale_answer(worker, generation, round);
         };
         if !self.take_answer(&mut r, "generator", (worker, rank), answer) {
@@ -399,13 +402,57 @@ impl JobCtx<'_> {
             }
             return;
         }
+        if let Some(step) = r.end_turn(&self.id) {
+            // A multi-turn round stays out while its environments step.
+            self.step_episodes(step);
+            if let Some(e) = self.job.data.engine_mut() {
+                e.round = Some(r);
+            }
+            return;
+        }
+        self.generators_round_over(r);
+    }
+
+    /// The generators' round is whole: to the scorer, or waiting for it.
+    pub(crate) fn generators_round_over(&mut self, r: Box<Round>) {
         let job = &mut *self.job;
         let l = job.data.rollout_loop.as_mut().expect("a generating job");
         if l.scoring.is_some() {
-            l.engine.as_mut().expect("matched above").answered = Some(r);
+            if let Some(e) = l.engine.as_mut() {
+                e.answered = Some(r);
+            }
             return;
         }
         hand_to_scorer(&self.id, &mut job.rec.reason, l, *r, self.fx);
+    }
+
+    /// The next turn of the generators' multi-turn round, on the same
+    /// generators (no weight sync happens while a round is out, so every
+    /// turn samples the policy the round is tagged with).
+    pub(crate) fn next_generators_turn(&mut self, mut r: Box<Round>) {
+        let job = &mut *self.job;
+        let Some(gen) = job.gen() else {
+            return;
+        };
+        let (gen_id, generators) = (gen.id, gen.generators.members.clone());
+        let sampling = job.spec.rl.sampling.clone().unwrap_or_default();
+        let l = job.data.rollout_loop.as_mut().expect("a generating job");
+        let plans = l.plan_turn(&mut r, generators.len() as u32, &sampling);
+        job.rec.reason = format!("generators generating round {}", r.id);
+        for (rank, (w, plan)) in generators.iter().zip(plans).enumerate() {
+            self.fx.push(Effect::Send {
+                worker: w.clone(),
+                msg: ToWorker::Generate {
+                    job: self.id.clone(),
+                    generation: gen_id,
+                    rank: rank as u32,
+                    plan: Arc::new(plan),
+                },
+            });
+        }
+        if let Some(e) = job.data.engine_mut() {
+            e.round = Some(r);
+        }
     }
 
     /// A generator loaded the policy of step `version` from the weight
