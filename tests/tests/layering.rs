@@ -111,6 +111,10 @@ const COORDINATOR_LAYERS: &[(&str, &[&str])] = &[
         "rl: state, scoring, engine calls",
         &[
             "rl/mod.rs",
+            "rl/generation.rs",
+            "rl/episode.rs",
+            "rl/tools.rs",
+            "rl/env_command.rs",
             "rl/pg.rs",
             "rl/prompts.rs",
             "rl/rollouts.rs",

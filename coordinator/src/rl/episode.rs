@@ -18,32 +18,9 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use super::rounds::{seed_of, Finish, GenCompletion, GenRequest};
+use super::generation::{seed_of, Finish, GenCompletion, GenRequest, Span, Trace};
 use super::verify::Score;
 use crate::stream::doc::DocId;
-
-/// A run of an episode's tokens after its prompt.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Span {
-    /// Sampled by the policy (trained on) or inserted by the environment.
-    pub policy: bool,
-    pub len: u32,
-}
-
-/// What a finished episode tells the scorer beside its tokens.
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct Trace {
-    /// The runs of policy and environment tokens, in order, covering the
-    /// completion's tokens.
-    pub spans: Vec<Span>,
-    /// Where the last policy turn starts (the answer the verifier reads).
-    pub answer_from: usize,
-    pub turns: u32,
-    pub tool_calls: u32,
-    /// The environment's score, when it gave one (it replaces the
-    /// verifier's).
-    pub score: Option<Score>,
-}
 
 /// One episode of a round.
 #[derive(Debug, Clone, PartialEq)]

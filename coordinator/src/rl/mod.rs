@@ -13,6 +13,7 @@
 pub mod engine;
 pub mod env_command;
 pub mod episode;
+pub mod generation;
 pub mod pg;
 pub mod prompts;
 pub mod rollout_loop;

@@ -10,7 +10,8 @@ use tracing::{info, warn};
 
 use super::engine::tick::hand_to_scorer;
 use super::episode::{EnvReply, EpisodesToStep};
-use super::rounds::{GenCompletion, LoopInputs, Round, RoundKind, RoundStats, MAX_BARREN_GROUPS};
+use super::generation::GenCompletion;
+use super::rounds::{LoopInputs, Round, RoundKind, RoundStats, MAX_BARREN_GROUPS};
 use super::stream::Admission;
 use crate::core::ctx::JobCtx;
 use crate::core::effects::{Effect, Persist, ToWorker, WatchItem};

@@ -20,7 +20,8 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use crate::job::rl::SamplingSection;
-use crate::rl::episode::{Episodes, EpisodesToStep, Trace};
+use crate::rl::episode::{Episodes, EpisodesToStep};
+use crate::rl::generation::{seed_of, GenCompletion, GenRequest};
 use crate::rl::prompts::{Prompt, PromptSet};
 use crate::stream::cursor::Order;
 use crate::stream::doc::DocId;
@@ -51,41 +52,6 @@ pub enum RoundKind {
     Train,
     /// Greedy answers to the eval prompts: scored, reported, never trained.
     Eval,
-}
-
-/// One completion to sample.
-#[derive(Debug, Clone, PartialEq)]
-pub struct GenRequest {
-    pub prompt: DocId,
-    pub sample: u32,
-    pub prompt_ids: Arc<[u32]>,
-    pub seed: u64,
-}
-
-/// How a completion ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Finish {
-    Stop,
-    Length,
-}
-
-/// One sampled completion, as a worker returned it.
-#[derive(Debug, Clone, PartialEq)]
-pub struct GenCompletion {
-    pub prompt: DocId,
-    pub sample: u32,
-    pub token_ids: Vec<u32>,
-    /// One per completion token, under the sampling policy.
-    pub logprobs: Vec<f32>,
-    pub finish: Finish,
-    /// With routing recorded: the experts of every token the generator
-    /// ran (prompt, then the completion but its last token), a fixed
-    /// number per token; empty otherwise.
-    pub routing: Vec<u16>,
-    /// A finished multi-turn episode: its policy and environment turns
-    /// (the tokens are the whole episode after the prompt). `None`: one
-    /// policy turn, as a worker returns it.
-    pub trace: Option<Box<Trace>>,
 }
 
 /// Everything a rank is asked to generate in one round.
@@ -501,17 +467,6 @@ fn plans_of(
             record_routing: inputs.record_routing,
         })
         .collect()
-}
-
-/// The sampler seed of sample `sample` at stream position `pos`
-/// (SplitMix64 of the three: a re-planned round samples the same seeds).
-pub fn seed_of(job_seed: u64, pos: u64, sample: u32) -> u64 {
-    let mut z = job_seed
-        .wrapping_add(pos.wrapping_mul(0x9E37_79B9_7F4A_7C15))
-        .wrapping_add(u64::from(sample).wrapping_mul(0xD1B5_4A32_D192_ED03));
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 impl Round {

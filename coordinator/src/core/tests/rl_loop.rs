@@ -5,9 +5,8 @@
 
 use super::*;
 use crate::rl::episode::{EnvReply, EpisodesToStep};
-use crate::rl::rounds::{
-    Finish, GenCompletion, LoopInputs, RoundPlan, RoundStats, RoundToScore, MAX_BARREN_GROUPS,
-};
+use crate::rl::generation::{Finish, GenCompletion};
+use crate::rl::rounds::{LoopInputs, RoundPlan, RoundStats, RoundToScore, MAX_BARREN_GROUPS};
 
 pub(crate) fn loop_spec(steps: u64, docs_per_step: u64, group: u32, max_workers: u32) -> JobSpec {
     let mut sp = spec(
@@ -466,7 +465,7 @@ fn after_a_restart_the_prompt_stream_resumes_where_its_rollouts_were_written() {
         .expect("a round after the restart");
     // The first round after the restart starts at the stored position
     // (its seeds are those of that position).
-    let pos_seed = crate::rl::rounds::seed_of(3, done, 0);
+    let pos_seed = crate::rl::generation::seed_of(3, done, 0);
     assert_eq!(first, pos_seed);
 }
 
@@ -748,7 +747,7 @@ fn a_coordinator_restart_mid_episode_starts_the_episodes_again() {
     );
     assert_eq!(
         first.requests[0].seed,
-        crate::rl::rounds::seed_of(3, done, 0)
+        crate::rl::generation::seed_of(3, done, 0)
     );
     // Two more steps of 2 prompts each: positions 2..6, each once.
     let positions: Vec<u64> = r

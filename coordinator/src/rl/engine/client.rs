@@ -24,7 +24,8 @@ use crate::rl::engine::wire::{
     answer_limit, completion_request, parse_completions, prompts_of, reload_refused,
     reload_requests, ANSWER_FLOOR_BYTES,
 };
-use crate::rl::rounds::{EngineRound, GenCompletion};
+use crate::rl::generation::GenCompletion;
+use crate::rl::rounds::EngineRound;
 
 /// Why an engine call failed (after its retries).
 #[derive(Debug, thiserror::Error)]

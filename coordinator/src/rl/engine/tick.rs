@@ -38,7 +38,8 @@ use crate::core::job::Job;
 use crate::core::phase::Work;
 use crate::core::publish::{self, policy_dir};
 use crate::core::types::{AbortReason, End, EventKind, JobState, PlanKind, Why};
-use crate::rl::rounds::{EngineRound, GenCompletion, LoopState, Round, Scoring};
+use crate::rl::generation::GenCompletion;
+use crate::rl::rounds::{EngineRound, LoopState, Round, Scoring};
 
 /// Hands an answered round to the shell for scoring.
 pub(crate) fn hand_to_scorer(

@@ -18,7 +18,8 @@ use std::path::Path;
 use serde_json::{json, Value};
 
 use crate::job::engine::{EngineReload, EngineSection};
-use crate::rl::rounds::{EngineRound, Finish, GenCompletion, GenRequest};
+use crate::rl::generation::{Finish, GenCompletion, GenRequest};
+use crate::rl::rounds::EngineRound;
 use crate::stream::doc::DocId;
 
 /// What is wrong in an engine's answer: the field (a JSON path) and why.

@@ -2,8 +2,10 @@
 //! rollouts aligned with their sampling log-probs.
 
 use super::*;
-use crate::rl::episode::{EpisodesToStep, Span, Trace, TurnToStep};
-use crate::rl::rounds::{GenCompletion, GroupToScore, RoundKind};
+use crate::rl::episode::{EpisodesToStep, TurnToStep};
+use crate::rl::generation::GenCompletion;
+use crate::rl::generation::{Span, Trace};
+use crate::rl::rounds::{GroupToScore, RoundKind};
 
 fn spec(dir: &Path, verifier: &str) -> JobSpec {
     let prompts = dir.join("prompts.jsonl");

@@ -20,7 +20,7 @@ use super::{LoopError, Scorer};
 use crate::job::environment::{EnvKind, EnvSection};
 use crate::rl::env_command::{StepIn, StepOut};
 use crate::rl::episode::{EnvReply, EpisodesToStep, TurnToStep};
-use crate::rl::rounds::Finish;
+use crate::rl::generation::Finish;
 use crate::rl::tools;
 use crate::rl::verify::Score;
 

@@ -13,7 +13,8 @@ use tracing::{error, info};
 use super::shared::Shared;
 use crate::core::Event;
 use crate::rl::episode::EpisodesToStep;
-use crate::rl::rounds::{Finish, GenCompletion, RoundPlan, RoundToScore};
+use crate::rl::generation::{Finish, GenCompletion};
+use crate::rl::rounds::{RoundPlan, RoundToScore};
 use crate::rl::scorer::Scorer;
 use crate::stream::doc::DocId;
 
