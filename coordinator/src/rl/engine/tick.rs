@@ -39,7 +39,7 @@ use crate::core::phase::Work;
 use crate::core::publish::{self, policy_dir};
 use crate::core::types::{AbortReason, End, EventKind, JobState, PlanKind, Why};
 use crate::rl::generation::GenCompletion;
-use crate::rl::rounds::{EngineRound, LoopState, Round, Scoring};
+use crate::rl::rounds::{EngineRound, LoopState, Round, RoundPlan, Scoring};
 
 /// Hands an answered round to the shell for scoring.
 pub(crate) fn hand_to_scorer(
@@ -57,6 +57,27 @@ pub(crate) fn hand_to_scorer(
     let to_score = r.into_score(job_id, l);
     *reason = format!("scoring round {}", to_score.round);
     fx.push(Effect::ScoreRound(Box::new(to_score)));
+}
+
+/// Sends each generator (in rank order) its plan of a round or turn.
+fn send_plans(
+    job: &str,
+    fx: &mut Effects,
+    generation: u64,
+    generators: &[String],
+    plans: Vec<RoundPlan>,
+) {
+    for (rank, (w, plan)) in generators.iter().zip(plans).enumerate() {
+        fx.push(Effect::Send {
+            worker: w.clone(),
+            msg: ToWorker::Generate {
+                job: job.to_string(),
+                generation,
+                rank: rank as u32,
+                plan: Arc::new(plan),
+            },
+        });
+    }
 }
 
 impl JobCtx<'_> {
@@ -357,17 +378,7 @@ impl JobCtx<'_> {
             }
             Backend::Workers => {
                 job.rec.reason = format!("generators generating round {}", round.id);
-                for (rank, (w, plan)) in generators.iter().zip(plans).enumerate() {
-                    self.fx.push(Effect::Send {
-                        worker: w.clone(),
-                        msg: ToWorker::Generate {
-                            job: self.id.clone(),
-                            generation: gen_id,
-                            rank: rank as u32,
-                            plan: Arc::new(plan),
-                        },
-                    });
-                }
+                send_plans(&self.id, self.fx, gen_id, &generators, plans);
             }
         }
         l.engine.as_mut().expect("decided on it").round = Some(Box::new(round));
@@ -440,17 +451,7 @@ impl JobCtx<'_> {
         let l = job.data.rollout_loop.as_mut().expect("a generating job");
         let plans = l.plan_turn(&mut r, generators.len() as u32, &sampling);
         job.rec.reason = format!("generators generating round {}", r.id);
-        for (rank, (w, plan)) in generators.iter().zip(plans).enumerate() {
-            self.fx.push(Effect::Send {
-                worker: w.clone(),
-                msg: ToWorker::Generate {
-                    job: self.id.clone(),
-                    generation: gen_id,
-                    rank: rank as u32,
-                    plan: Arc::new(plan),
-                },
-            });
-        }
+        send_plans(&self.id, self.fx, gen_id, &generators, plans);
         if let Some(e) = job.data.engine_mut() {
             e.round = Some(r);
         }
