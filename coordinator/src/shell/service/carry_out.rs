@@ -122,6 +122,12 @@ impl Shared {
                         self.markers
                             .release(&job, &j.spec.job.output_dir, super::now_ms());
                     }
+                    // Its prompts and verifier go, and an environment
+                    // program it ran ends with them (killed with its group).
+                    self.scorers
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .remove(&job);
                 }
                 written
             }
