@@ -121,3 +121,71 @@ async fn a_generating_spec_is_checked_at_submit() {
     assert!(e.message().contains("rl.verifier"), "{e}");
     s.stop.cancel();
 }
+
+/// Episodes against an environment program through the real server
+/// (issue 36): the program's reward is each episode's, and the program
+/// ends with its job (its process group killed when the job's terminal
+/// state is written), not when the coordinator exits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_environment_program_scores_episodes_and_ends_with_its_job() {
+    let dir = tempfile::tempdir().unwrap();
+    write_prompts(dir.path());
+    std::fs::write(
+        dir.path().join("env.py"),
+        r#"import json, os, sys
+open("env.pid", "w").write(str(os.getpid()))
+for line in sys.stdin:
+    m = json.loads(line)
+    if m["type"] == "step":
+        ok = m["content"].strip() == "0"
+        print(json.dumps({"episode": m["episode"], "done": True, "reward": 1.0 if ok else 0.25, "correct": ok}), flush=True)
+"#,
+    )
+    .unwrap();
+    let s = start(&dir.path().join("state")).await;
+    let wa = tokio::spawn(fake_worker(s.url.clone(), FakeWorker::new(sums)));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let spec = spec(2, 1).replace(
+        "[rl.verifier]",
+        "[rl.env]\nkind = \"command\"\ncommand = [\"python3\", \"env.py\"]\n[rl.verifier]",
+    );
+    let job = common::submit(&s.url, dir.path(), &spec).await;
+    tokio::time::timeout(Duration::from_secs(60), wa)
+        .await
+        .expect("the job completes and releases its worker")
+        .unwrap();
+    let mut admin = accrue_coordinator::wire::admin_client::AdminClient::connect(s.url.clone())
+        .await
+        .unwrap();
+    let rec = admin
+        .get_job(accrue_coordinator::wire::GetJobRequest { job_id: job })
+        .await
+        .unwrap()
+        .into_inner()
+        .job
+        .unwrap();
+    assert_eq!(
+        rec.state,
+        accrue_coordinator::wire::JobState::Completed as i32,
+        "{}",
+        rec.reason
+    );
+    let steps = steps(dir.path());
+    assert_eq!(steps.len(), 2, "{steps:?}");
+    for m in &steps {
+        // The program's rewards (1 and 0.25), not the verifier's (1, 0).
+        assert_eq!(m["extra"]["rl/reward_mean"], 0.625, "{m}");
+        assert_eq!(m["extra"]["rl/turns_mean"], 1.0, "{m}");
+    }
+    let pid = std::fs::read_to_string(dir.path().join("env.pid")).unwrap();
+    let proc_dir = std::path::PathBuf::from(format!("/proc/{pid}"));
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while proc_dir.exists() && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        !proc_dir.exists(),
+        "the environment program {pid} outlived its job"
+    );
+    s.stop.cancel();
+}

@@ -2,6 +2,8 @@
 //! 36), and its checks. The episodes themselves are `crate::rl::episode`;
 //! the tools and tool-call parsing `crate::rl::tools`.
 
+use std::path::{Path, PathBuf};
+
 use serde::{Deserialize, Serialize};
 
 use crate::job::env_names;
@@ -53,6 +55,11 @@ pub struct EnvSection {
     /// sees besides the fixed few (as `rl.verifier.env`); never `ACCRUE_*`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub env: Vec<String>,
+    /// `command`: the directory the program runs in; relative to the
+    /// spec's, which it is by default (set at submit, so a restarted
+    /// coordinator runs it in the same place).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workdir: Option<PathBuf>,
 }
 
 /// The built-in tools (`crate::rl::tools`).
@@ -80,11 +87,24 @@ impl Default for EnvSection {
             command: Vec::new(),
             timeout_s: None,
             env: Vec::new(),
+            workdir: None,
         }
     }
 }
 
 impl EnvSection {
+    /// `command`: makes the program's directory absolute, the spec's
+    /// directory `base` when unset.
+    pub fn resolve_paths(&mut self, base: &Path) {
+        if self.kind == EnvKind::Command {
+            self.workdir = Some(match self.workdir.take() {
+                Some(d) if d.is_relative() => base.join(d),
+                Some(d) => d,
+                None => base.to_path_buf(),
+            });
+        }
+    }
+
     /// Reports every problem as (field, message).
     pub fn validate(&self, bad: &mut impl FnMut(&str, String)) {
         if self.max_turns == 0 {
@@ -112,6 +132,7 @@ impl EnvSection {
                     ("rl.env.command", !self.command.is_empty()),
                     ("rl.env.timeout_s", self.timeout_s.is_some()),
                     ("rl.env.env", !self.env.is_empty()),
+                    ("rl.env.workdir", self.workdir.is_some()),
                 ] {
                     if given {
                         bad(field, "only applies to kind = \"command\"".into());

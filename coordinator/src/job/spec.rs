@@ -236,6 +236,9 @@ impl JobSpec {
         for f in &mut self.rl.eval_prompts {
             abs(f);
         }
+        if let Some(e) = self.rl.env.as_mut() {
+            e.resolve_paths(base);
+        }
         if !self.data.is_byte_tokenizer()
             && !self.data.tokenizer.is_empty()
             && Path::new(&self.data.tokenizer).is_relative()

@@ -126,7 +126,7 @@ impl CommandEnv {
         CommandEnv {
             argv: section.command.clone(),
             env: section.env.clone(),
-            base_dir,
+            base_dir: section.workdir.clone().or(base_dir),
             timeout: Duration::from_secs_f64(section.timeout_s.unwrap_or(DEFAULT_TIMEOUT_S)),
             running: Mutex::new(None),
         }
