@@ -51,8 +51,14 @@ impl PromptSet {
 }
 
 /// Reads the prompt files (file `i` of `files` gets `DocId::file =
-/// first_file + i`).
-pub fn load(enc: &Encoder, files: &[impl AsRef<Path>], first_file: u32) -> Result<Arc<PromptSet>> {
+/// first_file + i`). `tools`: the tool definitions a chat row without
+/// its own `"tools"` is rendered with (a multi-turn job's built-in tools).
+pub fn load(
+    enc: &Encoder,
+    files: &[impl AsRef<Path>],
+    first_file: u32,
+    tools: Option<&Json>,
+) -> Result<Arc<PromptSet>> {
     let mut prompts = Vec::new();
     for (f, path) in files.iter().enumerate() {
         let path = path.as_ref();
@@ -62,7 +68,7 @@ pub fn load(enc: &Encoder, files: &[impl AsRef<Path>], first_file: u32) -> Resul
                 at: at.clone(),
                 message: message.clone(),
             })?;
-            let (ids, text, reference) = prompt_row(enc, value).map_err(|reason| {
+            let (ids, text, reference) = prompt_row(enc, value, tools).map_err(|reason| {
                 // A tokenizer without a chat template is the job's error.
                 match enc.template.check_needed() {
                     Err(e) => e,
@@ -109,8 +115,14 @@ fn reference(obj: &Map<String, Json>) -> RowResult<Option<String>> {
     Ok(None)
 }
 
-/// (prompt ids, prompt text, reference) of one row.
-pub fn prompt_row(enc: &Encoder, row: &Json) -> RowResult<(Vec<u32>, String, String)> {
+/// (prompt ids, prompt text, reference) of one row. A chat row is
+/// rendered with its own `"tools"` (a list of tool definitions, as
+/// `apply_chat_template(tools=…)` takes them), else with `tools`.
+pub fn prompt_row(
+    enc: &Encoder,
+    row: &Json,
+    tools: Option<&Json>,
+) -> RowResult<(Vec<u32>, String, String)> {
     let obj = format::object(row)?;
     let missing = || {
         format!(
@@ -150,7 +162,12 @@ pub fn prompt_row(enc: &Encoder, row: &Json) -> RowResult<(Vec<u32>, String, Str
     if msgs.is_empty() {
         return Err(format!("\"{field}\" holds no prompt turn"));
     }
-    let text = enc.template.render(&msgs, None, true)?;
+    let tools = match obj.get("tools") {
+        None | Some(Json::Null) => tools,
+        Some(t @ Json::Array(_)) => Some(t),
+        Some(_) => return Err("\"tools\" must be a list of tool definitions".into()),
+    };
+    let text = enc.template.render(&msgs, tools, true)?;
     Ok((enc.tok.ids(&text, false)?, text, r))
 }
 
@@ -165,13 +182,56 @@ mod tests {
         crate::stream::data::encoder(&data, 300).unwrap()
     }
 
+    fn prompt_row_plain(e: &Encoder, row: &Json) -> RowResult<(Vec<u32>, String, String)> {
+        prompt_row(e, row, None)
+    }
+
+    /// A chat row is rendered with its own tools, else the job's; a text
+    /// row never (no template renders it).
+    #[test]
+    fn chat_rows_render_tools() {
+        let d = tempfile::tempdir().unwrap();
+        let t = d.path().join("t.jinja");
+        std::fs::write(
+            &t,
+            "{% if tools %}[tools]{% for x in tools %} {{ x.function.name }}{% endfor %}\n{% endif %}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}",
+        )
+        .unwrap();
+        let data: crate::job::data::DataSection = toml::from_str(&format!(
+            "format = \"prompts\"\ntrain = []\nchat_template = \"{}\"",
+            t.display()
+        ))
+        .unwrap();
+        let e = crate::stream::data::encoder(&data, 300).unwrap();
+        let job_tools = json!([{"type": "function", "function": {"name": "calculator"}}]);
+        let chat = json!({"messages": [{"role": "user", "content": "2*3"}], "reference": "6"});
+        let (_, text, _) = prompt_row(&e, &chat, Some(&job_tools)).unwrap();
+        // (The newline after a block tag is trimmed, as transformers'
+        // template environment does.)
+        assert_eq!(text, "[tools] calculator<|user|>2*3\n<|assistant|>");
+        let (_, text, _) = prompt_row(&e, &chat, None).unwrap();
+        assert_eq!(text, "<|user|>2*3\n<|assistant|>");
+        let own = json!({"messages": [{"role": "user", "content": "x"}], "reference": "y",
+            "tools": [{"type": "function", "function": {"name": "search"}}]});
+        let (_, text, _) = prompt_row(&e, &own, Some(&job_tools)).unwrap();
+        assert!(text.starts_with("[tools] search<|user|>"), "{text}");
+        let bad =
+            json!({"messages": [{"role": "user", "content": "x"}], "reference": "y", "tools": 3});
+        let err = prompt_row(&e, &bad, None).unwrap_err();
+        assert!(err.contains("\"tools\" must be a list"), "{err}");
+        let text_row = json!({"prompt": "2*3=", "reference": "6"});
+        let (_, text, _) = prompt_row(&e, &text_row, Some(&job_tools)).unwrap();
+        assert_eq!(text, "2*3=");
+    }
+
     #[test]
     fn the_three_shapes_read() {
         let e = enc();
-        let (ids, text, r) = prompt_row(&e, &json!({"prompt": "1+2=", "completion": "3"})).unwrap();
+        let (ids, text, r) =
+            prompt_row_plain(&e, &json!({"prompt": "1+2=", "completion": "3"})).unwrap();
         assert_eq!((text.as_str(), r.as_str()), ("1+2=", "3"));
         assert_eq!(ids, e.prompt_ids("1+2=").unwrap());
-        let (_, text, r) = prompt_row(
+        let (_, text, r) = prompt_row_plain(
             &e,
             &json!({"question": "How many?", "answer": "so\n#### 4"}),
         )
@@ -180,20 +240,20 @@ mod tests {
         let chat = json!({"messages": [
             {"role": "user", "content": "2+2?"},
             {"role": "assistant", "content": "4"}]});
-        let (ids, text, r) = prompt_row(&e, &chat).unwrap();
+        let (ids, text, r) = prompt_row_plain(&e, &chat).unwrap();
         assert_eq!(r, "4");
         assert!(text.contains("2+2?") && !text.contains('4'), "{text:?}");
         assert_eq!(ids, e.tok.ids(&text, false).unwrap());
         let chat = json!({"messages": [{"role": "user", "content": "hi"}], "reference": "x"});
-        assert_eq!(prompt_row(&e, &chat).unwrap().2, "x");
+        assert_eq!(prompt_row_plain(&e, &chat).unwrap().2, "x");
     }
 
     #[test]
     fn bad_rows_name_the_problem_and_the_line() {
         let e = enc();
-        let err = prompt_row(&e, &json!({"prompt": "1+2="})).unwrap_err();
+        let err = prompt_row_plain(&e, &json!({"prompt": "1+2="})).unwrap_err();
         assert!(err.contains("needs a reference answer"), "{err}");
-        let err = prompt_row(&e, &json!({"text": "x"})).unwrap_err();
+        let err = prompt_row_plain(&e, &json!({"text": "x"})).unwrap_err();
         assert!(err.contains("not a prompt row"), "{err}");
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("p.jsonl");
@@ -202,10 +262,10 @@ mod tests {
             "{\"prompt\": \"a\", \"answer\": \"b\"}\n{\"prompt\": 3}\n",
         )
         .unwrap();
-        let err = load(&e, &[&p], 0).unwrap_err().to_string();
+        let err = load(&e, &[&p], 0, None).unwrap_err().to_string();
         assert!(err.contains("p.jsonl:2"), "{err}");
         std::fs::write(&p, "{\"prompt\": \"a\", \"answer\": \"b\"}\n\n{\"question\": \"q\", \"answer\": \"#### 1\"}\n").unwrap();
-        let set = load(&e, &[&p], 0).unwrap();
+        let set = load(&e, &[&p], 0, None).unwrap();
         let ids: Vec<DocId> = set.prompts.iter().map(|p| p.id).collect();
         assert_eq!(
             ids,

@@ -61,6 +61,33 @@ fn parse_one(body: &str) -> Call {
     }
 }
 
+/// The definitions of the tools `enabled`, as chat templates render
+/// them (`apply_chat_template(tools=…)`: OpenAI's function format).
+pub fn definitions(enabled: &[String]) -> Json {
+    Json::Array(
+        enabled
+            .iter()
+            .filter_map(|t| match t.as_str() {
+                "calculator" => Some(serde_json::json!({
+                    "type": "function",
+                    "function": {
+                        "name": "calculator",
+                        "description": "Evaluates an arithmetic expression: numbers, + - * / ** and parentheses.",
+                        "parameters": {
+                            "type": "object",
+                            "properties": {
+                                "expression": {"type": "string", "description": "The expression, e.g. \"(12+3)*4\"."}
+                            },
+                            "required": ["expression"]
+                        }
+                    }
+                })),
+                _ => None,
+            })
+            .collect(),
+    )
+}
+
 /// Runs one call with the tools `enabled`: the text its result message
 /// carries (an error message when the call cannot be answered).
 pub fn run(call: &Call, enabled: &[String]) -> String {
@@ -275,6 +302,12 @@ mod tests {
         assert_eq!(
             run(&other, &tools),
             "error: no tool named \"search\" (tools: calculator)"
+        );
+        let defs = definitions(&tools);
+        assert_eq!(defs[0]["function"]["name"], "calculator");
+        assert_eq!(
+            defs[0]["function"]["parameters"]["required"][0],
+            "expression"
         );
     }
 

@@ -82,11 +82,19 @@ impl Scorer {
     ) -> Result<Scorer, LoopError> {
         let enc = crate::stream::data::encoder(&spec.data, model_vocab)?;
         let files = spec.data.files();
-        let prompts = prompts::load(&enc, &files, 0)?;
+        // A chat prompt of a job with built-in tools is rendered with
+        // their definitions, where the chat template renders tools.
+        let tools = spec
+            .rl
+            .env
+            .as_ref()
+            .filter(|e| e.kind == EnvKind::Tools)
+            .map(|e| crate::rl::tools::definitions(&e.tools));
+        let prompts = prompts::load(&enc, &files, 0, tools.as_ref())?;
         // Eval prompts' ids follow the training files'.
         let eval = match spec.rl.eval_prompts.as_slice() {
             [] => None,
-            f => Some(prompts::load(&enc, f, files.len() as u32)?),
+            f => Some(prompts::load(&enc, f, files.len() as u32, tools.as_ref())?),
         };
         let section = spec.rl.verifier.clone().unwrap_or_default();
         let mut verifier = Verifier::new(&section)?;
