@@ -122,6 +122,30 @@ fn same_seed_same_completions_whatever_the_batch() {
     );
 }
 
+/// A training forward over `docs` (ids, labels) packed: the final hidden
+/// states, the shifted targets, and the log-prob of every labelled token.
+fn training_logprobs(model: &Llama, docs: &[(Vec<i64>, Vec<i64>)]) -> (Tensor, Vec<i64>, Vec<f64>) {
+    let b = PackedBatch::from_documents(docs);
+    let targets = accrue_worker::model::loss::shifted_targets(&b.labels, &b.cu_seq_lens);
+    let hidden = tch::no_grad(|| model.hidden(&b.input_ids, &b.cu_seq_lens));
+    let lp = token_logps(&hidden, model.lm_head_weight(), &targets, 64, None).unwrap();
+    let labelled = lp
+        .iter()
+        .zip(&targets)
+        .filter(|(_, &t)| t != -100)
+        .map(|(l, _)| *l)
+        .collect();
+    (hidden, targets, labelled)
+}
+
+/// Largest |a − b| over the pairs.
+fn worst_diff(a: &[f64], b: &[f32]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - f64::from(*y)).abs())
+        .fold(0.0, f64::max)
+}
+
 #[test]
 fn returned_logprobs_equal_a_training_forward() {
     let model = tiny_model(7);
@@ -137,25 +161,10 @@ fn returned_logprobs_equal_a_training_forward() {
             (ids, labels)
         })
         .collect();
-    let b = PackedBatch::from_documents(&docs);
-    let targets = accrue_worker::model::loss::shifted_targets(&b.labels, &b.cu_seq_lens);
-    let lp = tch::no_grad(|| {
-        let hidden = model.hidden(&b.input_ids, &b.cu_seq_lens);
-        token_logps(&hidden, model.lm_head_weight(), &targets, 64, None).unwrap()
-    });
-    let train: Vec<f64> = lp
-        .iter()
-        .zip(&targets)
-        .filter(|(_, &t)| t != -100)
-        .map(|(l, _)| *l)
-        .collect();
+    let (_, _, train) = training_logprobs(&model, &docs);
     let ours: Vec<f32> = out.iter().flat_map(|c| c.logprobs.clone()).collect();
     assert_eq!(train.len(), ours.len());
-    let worst = train
-        .iter()
-        .zip(&ours)
-        .map(|(a, b)| (a - *b as f64).abs())
-        .fold(0.0, f64::max);
+    let worst = worst_diff(&train, &ours);
     assert!(worst < 1e-4, "log-probs differ from training by {worst}");
 }
 
@@ -694,26 +703,13 @@ fn a_three_turn_episode_recomputes_its_policy_logprobs() {
             labels.extend(vec![-100; env.len()]);
         }
     }
-    let b = PackedBatch::from_documents(&[(ids.clone(), labels.clone())]);
-    let targets = accrue_worker::model::loss::shifted_targets(&b.labels, &b.cu_seq_lens);
-    let hidden = tch::no_grad(|| model.hidden(&b.input_ids, &b.cu_seq_lens));
-    let lp = token_logps(&hidden, model.lm_head_weight(), &targets, 64, None).unwrap();
-    let train: Vec<f64> = lp
-        .iter()
-        .zip(&targets)
-        .filter(|(_, &t)| t != -100)
-        .map(|(l, _)| *l)
-        .collect();
+    let (hidden, targets, train) = training_logprobs(&model, &[(ids, labels)]);
     assert_eq!(
         train.len(),
         sampled_lp.len(),
         "one log-prob per policy token"
     );
-    let worst = train
-        .iter()
-        .zip(&sampled_lp)
-        .map(|(a, b)| (a - *b as f64).abs())
-        .fold(0.0, f64::max);
+    let worst = worst_diff(&train, &sampled_lp);
     assert!(
         worst < 1e-4,
         "policy log-probs differ from generation by {worst}"

@@ -11,7 +11,8 @@
 //!   to go on, or `{"episode": ID, "done": true}` to end it, with an
 //!   optional `"reward": x`, `"correct": bool` and `"components": {name: x}`
 //!   (a reward replaces the verifier's for that episode);
-//! - `{"type": "close", "episode": ID}` once an episode ended (no answer).
+//! - `{"type": "close", "episode": ID}` once an episode ended, written
+//!   ahead of the next turn's steps (no answer).
 //!
 //! The steps of a turn are written together and may be answered in any
 //! order. What the protocol guarantees: an episode is reset before its
@@ -115,7 +116,12 @@ pub struct CommandEnv {
 struct Running {
     // Dropped (killed with its group) with the environment.
     _group: Group,
-    stdin: ChildStdin,
+    /// Taken by a turn's writer thread, given back when it is done.
+    stdin: Option<ChildStdin>,
+    /// `close` lines not yet written: they go ahead of the next turn's
+    /// steps, on its writer thread (a program that does not read must not
+    /// block the caller).
+    closing: Vec<u8>,
     lines: mpsc::Receiver<std::io::Result<Option<Vec<u8>>>>,
     /// Lines read so far (for errors).
     read: u64,
@@ -152,7 +158,8 @@ impl CommandEnv {
         std::thread::spawn(move || log_stderr(stderr, &name));
         Ok(Running {
             _group: Group::new(child),
-            stdin,
+            stdin: Some(stdin),
+            closing: Vec::new(),
             lines: rx,
             read: 0,
         })
@@ -173,22 +180,21 @@ impl CommandEnv {
         result
     }
 
-    /// Tells the program these episodes ended (best effort: a program
-    /// that went away is found at the next step).
+    /// Tells the program these episodes ended: the lines go ahead of the
+    /// next turn's steps (a program that went away is found then).
     pub fn close(&self, episodes: &[&str]) {
         let mut guard = self.running.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(run) = guard.as_mut() {
-            let mut out = Vec::new();
             for e in episodes {
-                writeln!(out, "{}", json!({"type": "close", "episode": e})).expect("to memory");
+                writeln!(run.closing, "{}", json!({"type": "close", "episode": e}))
+                    .expect("to memory");
             }
-            let _ = run.stdin.write_all(&out).and_then(|()| run.stdin.flush());
         }
     }
 
     fn exchange(&self, run: &mut Running, steps: &[StepIn<'_>]) -> Result<Vec<StepOut>, EnvError> {
         let program = self.program();
-        let mut out = Vec::new();
+        let mut out = std::mem::take(&mut run.closing);
         for s in steps {
             if s.turn == 1 {
                 let reset = json!({"type": "reset", "episode": s.episode, "prompt": s.prompt, "reference": s.reference});
@@ -199,17 +205,13 @@ impl CommandEnv {
             writeln!(out, "{step}").expect("to memory");
         }
         // The program reads as we write; it may answer before the last
-        // step is in (a pipe is bounded): write on a thread of its own.
-        let mut stdin = run
-            .stdin
-            .try_clone_for_write()
-            .map_err(|error| EnvError::Write {
-                program: program.clone(),
-                error,
-            })?;
+        // step is in (a pipe is bounded): write on a thread of its own,
+        // which hands the pipe back when done. (Taken only here, and put
+        // back or the program dropped on every way out.)
+        let mut stdin = run.stdin.take().expect("given back after every turn");
         let writer = std::thread::spawn(move || {
-            stdin.write_all(&out)?;
-            stdin.flush()
+            let written = stdin.write_all(&out).and_then(|()| stdin.flush());
+            (stdin, written)
         });
         let index: BTreeMap<&str, usize> = steps
             .iter()
@@ -266,8 +268,8 @@ impl CommandEnv {
             waiting -= 1;
         }
         match writer.join() {
-            Ok(Ok(())) => {}
-            Ok(Err(error)) => return Err(EnvError::Write { program, error }),
+            Ok((stdin, Ok(()))) => run.stdin = Some(stdin),
+            Ok((_, Err(error))) => return Err(EnvError::Write { program, error }),
             Err(_) => {
                 return Err(EnvError::Write {
                     program,
@@ -279,24 +281,6 @@ impl CommandEnv {
             .into_iter()
             .map(|a| a.expect("all answered"))
             .collect())
-    }
-}
-
-/// A `ChildStdin` the writer thread owns for one turn: a duplicate of
-/// the pipe's descriptor (the original stays for the next turn).
-trait CloneForWrite: Sized {
-    fn try_clone_for_write(&self) -> std::io::Result<std::fs::File>;
-}
-
-impl CloneForWrite for ChildStdin {
-    #[cfg(unix)]
-    fn try_clone_for_write(&self) -> std::io::Result<std::fs::File> {
-        use std::os::fd::AsFd;
-        Ok(std::fs::File::from(self.as_fd().try_clone_to_owned()?))
-    }
-    #[cfg(not(unix))]
-    fn try_clone_for_write(&self) -> std::io::Result<std::fs::File> {
-        Err(std::io::Error::other("environment commands need unix"))
     }
 }
 

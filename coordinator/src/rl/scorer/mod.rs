@@ -184,7 +184,8 @@ impl Scorer {
                 texts.push((p, verify::truncate_at_stop(&text, &self.stop).to_string()));
             }
         }
-        if let (Some(g), Some((_, answer))) = (r.groups.first(), texts.first()) {
+        let logged = tracing::enabled!(tracing::Level::DEBUG);
+        if let (true, Some(g), Some((_, answer))) = (logged, r.groups.first(), texts.first()) {
             // One whole rollout per round, to see what the policy writes.
             if let Some(c) = g.completions.first() {
                 let whole = self.enc.tok.decode_all(&c.token_ids).unwrap_or_default();
