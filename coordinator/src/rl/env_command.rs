@@ -11,8 +11,7 @@
 //!   to go on, or `{"episode": ID, "done": true}` to end it, with an
 //!   optional `"reward": x`, `"correct": bool` and `"components": {name: x}`
 //!   (a reward replaces the verifier's for that episode);
-//! - `{"type": "close", "episode": ID}` once an episode ended, written
-//!   ahead of the next turn's steps (no answer).
+//! - `{"type": "close", "episode": ID}` once an episode ended (no answer).
 //!
 //! The steps of a turn are written together and may be answered in any
 //! order. What the protocol guarantees: an episode is reset before its
@@ -90,11 +89,6 @@ pub enum EnvError {
         waiting: usize,
         timeout: Duration,
     },
-    #[error("environment command {program:?}: writing to its stdin failed: {error}")]
-    Write {
-        program: String,
-        error: std::io::Error,
-    },
     /// A bad answer; `line` counts the program's stdout lines from 1.
     #[error("environment command {program:?}: stdout line {line}: {problem}")]
     BadLine {
@@ -116,12 +110,10 @@ pub struct CommandEnv {
 struct Running {
     // Dropped (killed with its group) with the environment.
     _group: Group,
-    /// Taken by a turn's writer thread, given back when it is done.
-    stdin: Option<ChildStdin>,
-    /// `close` lines not yet written: they go ahead of the next turn's
-    /// steps, on its writer thread (a program that does not read must not
-    /// block the caller).
-    closing: Vec<u8>,
+    /// What to write to the program's stdin, in order, by a thread of its
+    /// own: a program that stops reading never blocks the caller (the
+    /// turn's deadline catches it).
+    stdin: mpsc::Sender<Vec<u8>>,
     lines: mpsc::Receiver<std::io::Result<Option<Vec<u8>>>>,
     /// Lines read so far (for errors).
     read: u64,
@@ -158,8 +150,7 @@ impl CommandEnv {
         std::thread::spawn(move || log_stderr(stderr, &name));
         Ok(Running {
             _group: Group::new(child),
-            stdin: Some(stdin),
-            closing: Vec::new(),
+            stdin: write_lines(stdin),
             lines: rx,
             read: 0,
         })
@@ -180,21 +171,22 @@ impl CommandEnv {
         result
     }
 
-    /// Tells the program these episodes ended: the lines go ahead of the
-    /// next turn's steps (a program that went away is found then).
+    /// Tells the program these episodes ended (best effort: a program
+    /// that went away is found at the next step).
     pub fn close(&self, episodes: &[&str]) {
-        let mut guard = self.running.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(run) = guard.as_mut() {
+        let guard = self.running.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(run) = guard.as_ref() {
+            let mut out = Vec::new();
             for e in episodes {
-                writeln!(run.closing, "{}", json!({"type": "close", "episode": e}))
-                    .expect("to memory");
+                writeln!(out, "{}", json!({"type": "close", "episode": e})).expect("to memory");
             }
+            let _ = run.stdin.send(out);
         }
     }
 
     fn exchange(&self, run: &mut Running, steps: &[StepIn<'_>]) -> Result<Vec<StepOut>, EnvError> {
         let program = self.program();
-        let mut out = std::mem::take(&mut run.closing);
+        let mut out = Vec::new();
         for s in steps {
             if s.turn == 1 {
                 let reset = json!({"type": "reset", "episode": s.episode, "prompt": s.prompt, "reference": s.reference});
@@ -205,14 +197,15 @@ impl CommandEnv {
             writeln!(out, "{step}").expect("to memory");
         }
         // The program reads as we write; it may answer before the last
-        // step is in (a pipe is bounded): write on a thread of its own,
-        // which hands the pipe back when done. (Taken only here, and put
-        // back or the program dropped on every way out.)
-        let mut stdin = run.stdin.take().expect("given back after every turn");
-        let writer = std::thread::spawn(move || {
-            let written = stdin.write_all(&out).and_then(|()| stdin.flush());
-            (stdin, written)
-        });
+        // step is in (a pipe is bounded): the writer thread writes it. A
+        // program that stopped reading or went away shows as a timeout or
+        // the end of its stdout below.
+        if run.stdin.send(out).is_err() {
+            return Err(EnvError::Exited {
+                program,
+                waiting: steps.len(),
+            });
+        }
         let index: BTreeMap<&str, usize> = steps
             .iter()
             .enumerate()
@@ -266,16 +259,6 @@ impl CommandEnv {
             }
             answers[i] = Some(answer);
             waiting -= 1;
-        }
-        match writer.join() {
-            Ok((stdin, Ok(()))) => run.stdin = Some(stdin),
-            Ok((_, Err(error))) => return Err(EnvError::Write { program, error }),
-            Err(_) => {
-                return Err(EnvError::Write {
-                    program,
-                    error: std::io::Error::other("writer panicked"),
-                })
-            }
         }
         Ok(answers
             .into_iter()
@@ -365,6 +348,20 @@ fn parse_answer(line: &[u8]) -> Result<(String, StepOut), String> {
         }
     }
     Ok((episode, StepOut::Messages(out)))
+}
+
+/// The program's stdin, written by a thread of its own in the order the
+/// buffers are sent; it ends when the pipe breaks or the sender goes.
+fn write_lines(mut stdin: ChildStdin) -> mpsc::Sender<Vec<u8>> {
+    let (tx, rx) = mpsc::channel::<Vec<u8>>();
+    std::thread::spawn(move || {
+        for buf in rx {
+            if stdin.write_all(&buf).and_then(|()| stdin.flush()).is_err() {
+                return;
+            }
+        }
+    });
+    tx
 }
 
 /// Sends the program's stdout lines (each at most [`MAX_LINE_BYTES`]),
