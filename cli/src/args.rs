@@ -286,6 +286,14 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Print the bearer token of a served job's OpenAI-compatible
+    /// endpoint (`[rl.serve]`), derived from the admin token (--token,
+    /// --token-file or $ACCRUE_ADMIN_TOKEN); no coordinator is contacted.
+    EndpointToken {
+        /// The job id.
+        #[arg(value_name = "JOB")]
+        job: String,
+    },
     /// Take a worker out of service at the next step boundary.
     Drain {
         /// Worker id.
@@ -444,6 +452,11 @@ pub enum Command {
         /// Default 127.0.0.1:9090, skipped with a warning when taken.
         #[arg(long, value_name = "ADDR")]
         metrics_listen: Option<String>,
+        /// A job with [rl.serve]: where its OpenAI-compatible endpoint
+        /// listens (default 127.0.0.1 with a port the OS picks; the URL
+        /// and key are written to OUTPUT_DIR/endpoint.json).
+        #[arg(long, value_name = "ADDR")]
+        serve_listen: Option<std::net::SocketAddr>,
     },
 }
 

@@ -99,6 +99,15 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Completions { shell } => shell::completions(shell, &mut std::io::stdout()),
         Command::Man { out } => shell::man(out.as_deref(), &mut std::io::stdout()),
         Command::Drain { worker } => admin::drain(conn, &worker).await,
+        Command::EndpointToken { job } => match conn.resolved_token()? {
+            Some(t) => {
+                println!("{}", t.endpoint_token(&job).expose());
+                Ok(ExitCode::SUCCESS)
+            }
+            None => anyhow::bail!(
+                "no admin token: the endpoint token derives from it (pass --token or --token-file, or set ACCRUE_ADMIN_TOKEN); a coordinator without one serves its endpoint open on loopback"
+            ),
+        },
         Command::Checkpoint { job } => admin::checkpoint(conn, &job).await,
         Command::Quarantine {
             job,
@@ -211,7 +220,17 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             workers,
             devices,
             metrics_listen,
-        } => local::run(&spec, workers, devices, metrics_listen.as_deref()).await,
+            serve_listen,
+        } => {
+            local::run(
+                &spec,
+                workers,
+                devices,
+                metrics_listen.as_deref(),
+                serve_listen,
+            )
+            .await
+        }
     }
 }
 

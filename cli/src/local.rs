@@ -90,6 +90,7 @@ pub async fn run(
     workers: u32,
     devices: Devices,
     metrics_listen: Option<&str>,
+    serve_listen: Option<SocketAddr>,
 ) -> anyhow::Result<ExitCode> {
     anyhow::ensure!(workers >= 1, "--workers must be at least 1");
     let spec_toml = accrue_coordinator::job::input::read_spec(
@@ -125,6 +126,10 @@ pub async fn run(
     let mut config = ServerConfig::new(SocketAddr::from(([127, 0, 0, 1], 0)), out.join("state"));
     config.metrics_from_flag(metrics_listen)?;
     let config_metrics = config.metrics_listen;
+    if spec.rl.serve.is_some() {
+        config.serve_listen =
+            Some(serve_listen.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0))));
+    }
     // Local runs are authenticated too: fresh tokens for this run only,
     // handed to the workers through their environment (not argv, which
     // other users can read).
@@ -137,6 +142,11 @@ pub async fn run(
     settle_leftover_jobs(&server, &spec);
     let addr = server.local_addr();
     let metrics = server.metrics_addr();
+    let endpoint = server.serve_addr().map(|addr| Endpoint {
+        addr,
+        admin: tokens.admin.clone(),
+        dir: out.clone(),
+    });
     let shared = server.shared();
     let url = format!("http://{addr}");
     let stop = CancellationToken::new();
@@ -212,7 +222,15 @@ pub async fn run(
                 token: tokens.admin.as_ref().map(|t| t.expose().to_string()),
                 ..Conn::new(&url)
             };
-            follow(&conn, &spec_toml, &base, &mut children, &mut released).await
+            follow(
+                &conn,
+                &spec_toml,
+                &base,
+                endpoint.as_ref(),
+                &mut children,
+                &mut released,
+            )
+            .await
         }
         Err(e) => Err(e),
     };
@@ -292,10 +310,43 @@ fn settle_leftover_jobs(server: &Server, spec: &JobSpec) {
 /// Submits the job and watches it, racing Ctrl-C and the workers' deaths;
 /// sets `released` when the job ended and its workers are writing their
 /// final checkpoint.
+/// A served job's endpoint: where it listens, and what its key derives from.
+struct Endpoint {
+    addr: SocketAddr,
+    admin: Option<Token>,
+    dir: PathBuf,
+}
+
+impl Endpoint {
+    /// Writes `endpoint.json` (the base URL and key an `openai` client
+    /// takes), readable by its owner only: the key opens the job's policy.
+    fn write(&self, job: &str) -> anyhow::Result<()> {
+        let base_url = format!("http://{}/jobs/{job}/v1", self.addr);
+        let key = self
+            .admin
+            .as_ref()
+            .map_or_else(String::new, |t| t.endpoint_token(job).expose().to_string());
+        let path = self.dir.join("endpoint.json");
+        let text =
+            serde_json::json!({"job": job, "base_url": base_url, "api_key": key}).to_string();
+        let mut opts = std::fs::OpenOptions::new();
+        opts.write(true).create(true).truncate(true);
+        #[cfg(unix)]
+        std::os::unix::fs::OpenOptionsExt::mode(&mut opts, 0o600);
+        let mut f = opts
+            .open(&path)
+            .with_context(|| format!("writing {}", path.display()))?;
+        std::io::Write::write_all(&mut f, text.as_bytes())?;
+        errln!("endpoint on {base_url} (the key is in {})", path.display());
+        Ok(())
+    }
+}
+
 async fn follow(
     conn: &Conn,
     spec_toml: &str,
     base: &Path,
+    endpoint: Option<&Endpoint>,
     children: &mut [(Child, PathBuf)],
     released: &mut bool,
 ) -> anyhow::Result<ExitCode> {
@@ -313,6 +364,9 @@ async fn follow(
         .into_inner()
         .job_id;
     errln!("submitted job {job}");
+    if let Some(e) = endpoint {
+        e.write(&job)?;
+    }
     let interrupted = accrue_coordinator::shutdown_on_signal();
     let code = tokio::select! {
         biased;

@@ -65,3 +65,12 @@ def ensure_peft():
     """PEFT, pinned: the LoRA parity tests and export checks load it."""
     ensure_transformers()
     pip_install("peft", PEFT)
+
+
+OPENAI = "openai==3.57.0"  # the client an agent harness drives the endpoint with (issue 36)
+
+
+def ensure_openai():
+    """The `openai` Python client, pinned: the served-episodes test drives
+    the job's endpoint with it."""
+    pip_install("openai", OPENAI)

@@ -120,6 +120,8 @@ const COORDINATOR_LAYERS: &[(&str, &[&str])] = &[
             "rl/rollouts.rs",
             "rl/rounds.rs",
             "rl/stream.rs",
+            "rl/serve.rs",
+            "rl/endpoint/",
             "rl/scorer/",
             "rl/verify/",
             "rl/engine/mod.rs",
@@ -130,7 +132,12 @@ const COORDINATOR_LAYERS: &[(&str, &[&str])] = &[
     ("core", &["core/"]),
     (
         "rl: the core's handlers",
-        &["rl/rollout_loop.rs", "rl/streamed.rs", "rl/engine/tick.rs"],
+        &[
+            "rl/rollout_loop.rs",
+            "rl/streamed.rs",
+            "rl/serving.rs",
+            "rl/engine/tick.rs",
+        ],
     ),
     ("shell", &["shell/"]),
     ("lib", &["lib.rs"]),

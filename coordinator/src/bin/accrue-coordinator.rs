@@ -31,6 +31,11 @@ struct Args {
     /// when taken.
     #[arg(long, value_name = "ADDR")]
     metrics_listen: Option<String>,
+    /// Serve the OpenAI-compatible endpoint of jobs with [rl.serve] here
+    /// (/jobs/JOB/v1/chat/completions; port 0 lets the OS pick). Off by
+    /// default.
+    #[arg(long, value_name = "ADDR")]
+    serve_listen: Option<std::net::SocketAddr>,
     /// Log as JSON lines instead of text.
     #[arg(long)]
     log_json: bool,
@@ -106,6 +111,7 @@ async fn main() -> anyhow::Result<()> {
     config.relay_min_world = args.relay_min_world;
     config.security = args.security.into_security()?;
     config.metrics_from_flag(args.metrics_listen.as_deref())?;
+    config.serve_listen = args.serve_listen;
     let server = Server::bind(config).await?;
     // Machine-readable for scripts and tests that pass port 0. Not
     // println!: stdout may be closed or a pipe whose reader has gone (a
@@ -117,6 +123,9 @@ async fn main() -> anyhow::Result<()> {
         let _ = writeln!(out, "listening on {}", server.local_addr());
         if let Some(a) = server.metrics_addr() {
             let _ = writeln!(out, "metrics on {a}");
+        }
+        if let Some(a) = server.serve_addr() {
+            let _ = writeln!(out, "endpoint on {a}");
         }
     }
     let shutdown = accrue_coordinator::shutdown_on_signal();

@@ -76,6 +76,9 @@ impl JobCtx<'_> {
                     if generating {
                         self.plan_round(need);
                     }
+                    // A served job's endpoint calls run while no step is
+                    // due (a step due goes first: calls wait one step).
+                    self.plan_serve_round();
                     return;
                 }
                 job.rec.reason.clear();

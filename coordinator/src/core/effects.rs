@@ -248,6 +248,11 @@ pub enum Effect {
     /// Step the environments of a round's open episodes off the state
     /// lock, then answer with `Event::EpisodesStepped`.
     StepEpisodes(Box<crate::rl::episode::EpisodesToStep>),
+    /// Hand a served job's generated calls to their callers.
+    Served {
+        job: JobId,
+        served: Vec<crate::rl::serve::Served>,
+    },
     /// Generate a round on the job's external engine (`rl.engine`), off
     /// the state lock; answered with `Event::EngineGenerated`.
     EngineGenerate(Box<EngineRound>),

@@ -20,6 +20,15 @@ pub enum CoreError {
     DuplicateJob(String),
     #[error("job {0} does not take streamed rollouts (its spec has no data.source = \"stream\")")]
     NotStreamed(String),
+    #[error("job {0} has no endpoint (its spec has no [rl.serve])")]
+    NotServed(String),
+    /// Too many of a served job's calls wait for generation; the caller
+    /// retries (HTTP 429).
+    #[error("job {job}: {full}")]
+    ServeFull {
+        job: String,
+        full: crate::rl::serve::ServeFull,
+    },
     /// The job's rollout queue has no room; the pusher waits for a commit.
     #[error("the rollout queue of job {job} is full ({buffered} of {capacity} rollouts)")]
     QueueFull {

@@ -193,6 +193,18 @@ pub enum Event {
         job: JobId,
         rollouts: Vec<Rollout>,
     },
+    /// A chat-completion call to a served job's endpoint, rendered
+    /// (`crate::rl::serve`); answered by an `Effect::Served` once
+    /// generated, or refused (`ServeFull`, not a served job, ended).
+    Serve {
+        job: JobId,
+        request: crate::rl::serve::ServeRequest,
+    },
+    /// The caller of a served call went away.
+    ServeCancel {
+        job: JobId,
+        id: u64,
+    },
     /// A streamed job's stored queue, after its `RestoreJob`.
     RestoreRollouts {
         job: JobId,
@@ -301,6 +313,8 @@ impl Event {
             | Event::UpdateJob { job, .. }
             | Event::ReleaseQuarantine { job, .. }
             | Event::PushRollouts { job, .. }
+            | Event::Serve { job, .. }
+            | Event::ServeCancel { job, .. }
             | Event::RestoreRollouts { job, .. }
             | Event::LoadPrompts { job, .. }
             | Event::GenerateResult { job, .. }
@@ -335,6 +349,7 @@ impl Event {
                 | Event::UpdateJob { .. }
                 | Event::ReleaseQuarantine { .. }
                 | Event::PushRollouts { .. }
+                | Event::Serve { .. }
                 | Event::LoadPrompts { .. }
                 | Event::RoundScored { .. }
                 | Event::OutputFailed { .. }

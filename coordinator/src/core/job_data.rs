@@ -38,6 +38,8 @@ pub struct JobData {
     pub stream: Option<RolloutStream>,
     /// The RL loop (`data.source = "generate"`): prompts and rounds.
     pub rollout_loop: Option<crate::rl::rounds::LoopState>,
+    /// A served job (`[rl.serve]`): its endpoint's waiting calls.
+    pub serve: Option<crate::rl::serve::ServeQueue>,
     /// The loop's rounds scored since the last commit (step metrics).
     pub loop_stats: crate::rl::rounds::RoundStats,
     /// Committed steps after `rec.history_from` held in memory for replay:
@@ -158,6 +160,11 @@ impl JobData {
                     None => l,
                 }
             }),
+            serve: spec
+                .rl
+                .serve
+                .as_ref()
+                .map(|s| crate::rl::serve::ServeQueue::new(s.max_waiting, s.max_batch)),
             loop_stats: Default::default(),
             history: BTreeMap::new(),
             history_stored_through: 0,

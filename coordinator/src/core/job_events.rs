@@ -66,6 +66,12 @@ impl JobCtx<'_> {
                 self.release_quarantine(docs.as_deref())?;
             }
             Event::PushRollouts { rollouts, .. } => self.push_rollouts(rollouts)?,
+            Event::Serve { request, .. } => self.serve(request)?,
+            Event::ServeCancel { id, .. } => {
+                if let Some(q) = self.job.data.serve.as_mut() {
+                    q.cancel(id);
+                }
+            }
             Event::OutputFailed { what, .. } => {
                 if !self.job.rec.state.is_terminal() {
                     let detail = format!("writing the job's output failed: {what}");

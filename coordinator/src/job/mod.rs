@@ -30,6 +30,7 @@ pub mod rl;
 pub mod rules;
 pub mod runtime;
 pub mod section;
+pub mod serve;
 pub mod settings;
 pub mod sources;
 pub mod spec;

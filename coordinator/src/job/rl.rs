@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::job::engine::{self, EngineSection};
 use crate::job::environment::EnvSection;
+use crate::job::serve::ServeSection;
 use crate::job::verifier::VerifierSection;
 
 /// The `[rl]` section: rollout admission and policy publication.
@@ -68,6 +69,10 @@ pub struct RlSection {
     /// the policy's turns (`[rl.env]`); unset, a rollout is one completion.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub env: Option<EnvSection>,
+    /// A streamed job whose rollouts an agent harness makes through the
+    /// job's OpenAI-compatible endpoint (`[rl.serve]`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub serve: Option<ServeSection>,
 }
 
 /// `[rl.sampling]`: how the RL loop's workers sample completions.
@@ -180,6 +185,9 @@ impl RlSection {
                 "rl.routing_replay",
                 "an external engine ([rl.engine]) does not return the experts it routed tokens through; replay needs the job's own workers to generate".into(),
             );
+        }
+        if let Some(serve) = &self.serve {
+            serve.validate(bad);
         }
         if let Some(env) = &self.env {
             env.validate(bad);

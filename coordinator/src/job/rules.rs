@@ -152,7 +152,8 @@ pub fn rl_loop_fields_need_generate(
         return;
     }
     for (field, given) in [
-        ("rl.sampling", rl.sampling.is_some()),
+        // A served job's sampling defaults (`[rl.serve]`).
+        ("rl.sampling", rl.sampling.is_some() && rl.serve.is_none()),
         ("rl.verifier", rl.verifier.is_some()),
         ("rl.prompts_per_round", rl.prompts_per_round.is_some()),
         ("rl.eval_prompts", !rl.eval_prompts.is_empty()),
@@ -165,6 +166,27 @@ pub fn rl_loop_fields_need_generate(
         if given {
             bad(field, "only applies to data.source = \"generate\"".into());
         }
+    }
+}
+
+/// `[rl.serve]`: a streamed job (the harness reports the rollouts) whose
+/// policy turns run on its own training workers between steps; stop
+/// strings are the harness's to apply (a call's `stop` is refused).
+pub fn serve_fits(data: &DataSection, rl: &RlSection, bad: &mut impl FnMut(&str, String)) {
+    if rl.serve.is_none() {
+        return;
+    }
+    if data.source != crate::job::data::DataSource::Stream {
+        bad(
+            "rl.serve",
+            "needs data.source = \"stream\": the agent harness driving the endpoint reports each episode's reward, which makes the job's rollouts".into(),
+        );
+    }
+    if rl.sampling.as_ref().is_some_and(|s| !s.stop.is_empty()) {
+        bad(
+            "rl.sampling.stop",
+            "does not apply to [rl.serve]: a call's stop strings are the harness's (the endpoint stops at the tokenizer's end-of-sequence token)".into(),
+        );
     }
 }
 
@@ -487,6 +509,24 @@ mod tests {
             .replace("source = \"stream\"", "train = [\"c.json\"]")
             .replace("[job]", "[job]\nsteps = 1");
         assert_eq!(fields(files), ["rl.group_size"], "only for streams");
+        // [rl.serve]: a stream's, with the calls' sampling defaults; no
+        // stop strings; bounds at least 1.
+        let served = ok.replace(
+            "group_size = 2",
+            "group_size = 2\n[rl.sampling]\nmax_new_tokens = 64\n[rl.serve]\nmax_waiting = 8",
+        );
+        let parsed = JobSpec::parse(&served, dir.path()).unwrap();
+        assert_eq!(parsed.rl.serve.unwrap().max_waiting, 8);
+        let f = fields(served.replace("max_new_tokens = 64", "stop = [\"x\"]"));
+        assert_eq!(f, ["rl.sampling.stop"]);
+        let f = fields(served.replace("max_waiting = 8", "max_waiting = 0"));
+        assert_eq!(f, ["rl.serve.max_waiting"]);
+        let f = fields(ok.replace("group_size = 2", "group_size = 2\n[rl.sampling]\n"));
+        assert_eq!(
+            f,
+            ["rl.sampling"],
+            "sampling is the loop's or the endpoint's"
+        );
         // A KL penalty: cached needs file rollouts, live works everywhere.
         let kl = ok.replace("kind = \"pg\"", "kind = \"pg\"\nkl_coef = 0.1");
         assert_eq!(fields(kl.clone()), ["objective.reference"]);

@@ -308,6 +308,7 @@ impl JobSpec {
         rules::rl_needs_pg(rl, objective, bad);
         rl.validate(bad);
         rules::rl_loop_fields_need_generate(data, rl, bad);
+        rules::serve_fits(data, rl, bad);
         rules::rl_loop_fits(data, rl, parallel, bad);
         rules::stream_fields_need_stream(data, objective, rl, bad);
         rules::stream_fits(job, data, batch, objective, bad);

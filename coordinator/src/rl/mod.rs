@@ -8,8 +8,10 @@
 //!   [`engine::client`]);
 //! - the core's handlers of its events (import `crate::core`, run on a
 //!   job's context): rounds on the workers ([`rollout_loop`]), apart from
-//!   them ([`engine::tick`]), a streamed queue's pushes ([`streamed`]).
+//!   them ([`engine::tick`]), a streamed queue's pushes ([`streamed`]), a
+//!   served job's endpoint calls ([`serving`]; its queue is [`serve`]).
 
+pub mod endpoint;
 pub mod engine;
 pub mod env_command;
 pub mod episode;
@@ -20,6 +22,8 @@ pub mod rollout_loop;
 pub mod rollouts;
 pub mod rounds;
 pub mod scorer;
+pub mod serve;
+pub mod serving;
 pub mod stream;
 pub mod streamed;
 pub mod tools;

@@ -197,6 +197,9 @@ impl JobCtx<'_> {
     /// episodes are not all over goes to the environments
     /// (`Effect::StepEpisodes`); any other round to the scorer.
     fn round_answered(&mut self, mut r: Box<Round>) {
+        if r.kind == RoundKind::Serve {
+            return self.serve_round_answered(*r);
+        }
         if let Some(step) = r.end_turn(&self.id) {
             self.step_episodes(step);
             if let Some(a) = self.job.active_mut() {

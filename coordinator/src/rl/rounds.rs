@@ -52,6 +52,9 @@ pub enum RoundKind {
     Train,
     /// Greedy answers to the eval prompts: scored, reported, never trained.
     Eval,
+    /// Chat-completion calls of a served job's endpoint
+    /// (`crate::rl::serve`): handed back to their callers.
+    Serve,
 }
 
 /// Everything a rank is asked to generate in one round.
@@ -392,7 +395,7 @@ impl LoopState {
                 temperature: 0.0,
                 ..sampling.clone()
             },
-            RoundKind::Train => sampling.clone(),
+            RoundKind::Train | RoundKind::Serve => sampling.clone(),
         };
         let mut plans = plans_of(r.id, r.policy_version, &sampling, inputs, requests);
         if r.kind == RoundKind::Eval {

@@ -58,6 +58,16 @@ pub fn admit(spec: &JobSpec, scan_data: bool) -> Result<Admitted, Vec<SpecProble
                     problems.push(loop_problem(spec, &e));
                 }
             }
+            // A served job's calls are chat messages: its template must be
+            // there (the tokenizer's, data.chat_template, or the default).
+            if spec.rl.serve.is_some() {
+                if let Err(e) = enc.template.require() {
+                    problems.push(SpecProblem::new(
+                        "rl.serve",
+                        format!("the endpoint renders chat messages: {e}"),
+                    ));
+                }
+            }
             if scan_data && !spec.data.is_stream() {
                 match data::load_job(&enc, spec, &|_, _| {}) {
                     Ok(ds) => Some(ds),

@@ -124,6 +124,18 @@ impl Token {
         &self.0
     }
 
+    /// The bearer token of job `job`'s OpenAI-compatible endpoint
+    /// (`[rl.serve]`), derived from this admin token: HMAC-SHA256 of the
+    /// job id, hex. It opens that job's endpoint and nothing else, and
+    /// needs no storage: whoever holds the admin token computes it
+    /// (`accrue endpoint-token JOB`), and a restarted coordinator agrees.
+    pub fn endpoint_token(&self, job: &str) -> Token {
+        let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, self.0.as_bytes());
+        let tag = ring::hmac::sign(&key, format!("accrue endpoint {job}").as_bytes());
+        let hex: String = tag.as_ref().iter().map(|b| format!("{b:02x}")).collect();
+        Token(format!("accrue-ep-{hex}").into())
+    }
+
     pub fn matches(&self, presented: &[u8]) -> bool {
         // Constant-time in the content; only the length can leak.
         self.0.as_bytes().ct_eq(presented).into()

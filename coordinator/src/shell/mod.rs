@@ -7,6 +7,7 @@
 pub mod admission;
 pub mod auth;
 pub mod http;
+pub mod openai;
 pub mod output;
 pub mod prometheus;
 pub mod server;

@@ -47,6 +47,9 @@ pub struct ServerConfig {
     /// A metrics address that cannot be bound only warns (the default port
     /// may be taken by another coordinator on the machine).
     pub metrics_optional: bool,
+    /// Where served jobs' OpenAI-compatible endpoint listens
+    /// ([`crate::shell::openai`]; None: not served).
+    pub serve_listen: Option<SocketAddr>,
     /// Tokens, TLS and message size limits (see [`crate::shell::auth`]).
     pub security: crate::shell::auth::Security,
     /// How long open connections may run on after shutdown starts.
@@ -66,6 +69,7 @@ impl ServerConfig {
             tick_ms: 200,
             metrics_listen: None,
             metrics_optional: false,
+            serve_listen: None,
             security: crate::shell::auth::Security::default(),
             shutdown_grace: Duration::from_secs(3),
             relay_min_world: crate::core::RELAY_MIN_WORLD,
@@ -99,6 +103,7 @@ pub struct Server {
     listener: TcpListener,
     tls: Option<tonic::transport::ServerTlsConfig>,
     metrics: Option<TcpListener>,
+    serve: Option<TcpListener>,
     shared: Arc<Shared>,
     config: ServerConfig,
 }
@@ -125,6 +130,7 @@ impl Server {
         let records = store.jobs()?;
         let restored = records.len();
         let mut scorers = Vec::new();
+        let mut endpoints = Vec::new();
         for rec in records {
             let (id, terminal) = (rec.id.clone(), rec.state.is_terminal());
             let event = restore_event(rec, &store)?;
@@ -134,6 +140,11 @@ impl Server {
                 }
                 _ => None,
             };
+            if let Event::RestoreJob { spec, .. } = &event {
+                if spec.rl.serve.is_some() && !terminal {
+                    endpoints.extend(restore_endpoint(&id, spec).map(|e| (id.clone(), e)));
+                }
+            }
             core.handle(event, crate::shell::service::now_ms())?;
             if let Some(s) = scorer {
                 let event = Event::LoadPrompts {
@@ -165,6 +176,22 @@ impl Server {
                 Err(e) => return Err(e).with_context(|| format!("binding metrics on {addr}")),
             },
         };
+        let serve = match config.serve_listen {
+            None => None,
+            Some(addr) => {
+                // The endpoint generates with a job's policy and takes
+                // its rollouts: open only where nobody else can reach it.
+                let open = sec.tokens.admin.is_none();
+                if open && !addr.ip().is_loopback() && !sec.insecure_no_auth {
+                    anyhow::bail!("--serve-listen {addr} is not a loopback address and no admin token is configured (served jobs' endpoint tokens derive from it): set ACCRUE_ADMIN_TOKEN, or pass --insecure-no-auth");
+                }
+                let l = TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("binding the endpoint on {addr}"))?;
+                info!(addr = %l.local_addr()?, "served jobs' OpenAI-compatible endpoint listening");
+                Some(l)
+            }
+        };
         let exposed = metrics.as_ref().and_then(|l| l.local_addr().ok());
         if let Some(warning) = exposed.and_then(crate::shell::http::exposure_warning) {
             tracing::warn!("{warning}");
@@ -179,10 +206,14 @@ impl Server {
         for (id, s) in scorers {
             shared.install_scorer(&id, s);
         }
+        for (id, e) in endpoints {
+            shared.install_endpoint(&id, e);
+        }
         Ok(Server {
             listener,
             tls,
             metrics,
+            serve,
             shared,
             config,
         })
@@ -197,6 +228,11 @@ impl Server {
     /// Where `GET /metrics` is served, if it is.
     pub fn metrics_addr(&self) -> Option<SocketAddr> {
         self.metrics.as_ref().and_then(|l| l.local_addr().ok())
+    }
+
+    /// Where served jobs' endpoint listens, if it does.
+    pub fn serve_addr(&self) -> Option<SocketAddr> {
+        self.serve.as_ref().and_then(|l| l.local_addr().ok())
     }
 
     pub fn shared(&self) -> Arc<Shared> {
@@ -250,6 +286,14 @@ impl Server {
         let markers = tokio::spawn(keep_markers(self.shared.clone(), shutdown.clone()));
         if let Some(l) = self.metrics {
             tokio::spawn(crate::shell::http::serve(
+                l,
+                self.shared.clone(),
+                self.config.security.tokens.admin.clone(),
+                shutdown.clone(),
+            ));
+        }
+        if let Some(l) = self.serve {
+            tokio::spawn(crate::shell::openai::serve(
                 l,
                 self.shared.clone(),
                 self.config.security.tokens.admin.clone(),
@@ -384,6 +428,21 @@ fn restore_scorer(id: &str, spec: &JobSpec) -> Option<Arc<crate::rl::scorer::Sco
         Ok(s) => Some(Arc::new(s)),
         Err(e) => {
             error!(job = %id, %e, "the RL loop's prompts could not be loaded after a restart");
+            None
+        }
+    }
+}
+
+/// A served job's endpoint after a restart (its episodes not reported
+/// before it are lost: their callers find them unknown).
+fn restore_endpoint(id: &str, spec: &JobSpec) -> Option<Arc<crate::rl::endpoint::Endpoint>> {
+    let loaded = crate::model::config::read_config(&spec.model)
+        .map_err(|e| e.to_string())
+        .and_then(|m| crate::rl::endpoint::Endpoint::load(spec, m.vocab_size));
+    match loaded {
+        Ok(e) => Some(Arc::new(e)),
+        Err(e) => {
+            error!(job = %id, %e, "the job's endpoint could not be loaded after a restart");
             None
         }
     }

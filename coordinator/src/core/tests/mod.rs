@@ -38,6 +38,7 @@ mod operations;
 mod recovery;
 mod restarts;
 mod rl_loop;
+mod serve;
 mod settings;
 mod stream;
 mod training;
@@ -160,6 +161,8 @@ struct Sim {
     to_score: Vec<generate::RoundToScore>,
     /// Multi-turn rounds whose environments the core asked to step.
     to_step: Vec<crate::rl::episode::EpisodesToStep>,
+    /// Endpoint calls handed back to the shell, in order.
+    served: Vec<crate::rl::serve::Served>,
     /// Whether `run` scores rounds itself (else a test answers them).
     auto_score: bool,
     /// Rounds for the external engine (`rl.engine`), not yet answered.
@@ -241,6 +244,7 @@ impl Sim {
             rounds: Vec::new(),
             to_score: Vec::new(),
             to_step: Vec::new(),
+            served: Vec::new(),
             auto_score: true,
             engine_rounds: Vec::new(),
             engine_reloads: Vec::new(),
@@ -398,6 +402,7 @@ impl Sim {
                 Effect::AppendEval { eval, .. } => self.evals.push(*eval),
                 Effect::ScoreRound(r) => self.to_score.push(*r),
                 Effect::StepEpisodes(s) => self.to_step.push(*s),
+                Effect::Served { served, .. } => self.served.extend(served),
                 Effect::EngineGenerate(r) => {
                     let busy = self.c.job(&r.job).is_ok_and(|j| j.inflight().is_some());
                     self.engine_overlap.push(busy);

@@ -24,10 +24,6 @@ use crate::rl::generation::Finish;
 use crate::rl::tools;
 use crate::rl::verify::Score;
 
-/// Stands for the assistant's content in a render, to find where the
-/// template's text after it starts.
-const SENTINEL: &str = "\u{10FFFE}accrue-turn\u{10FFFE}";
-
 impl Scorer {
     /// Steps the environment of every open episode of a round.
     pub fn step(&self, s: &EpisodesToStep) -> Result<Vec<EnvReply>, LoopError> {
@@ -163,27 +159,11 @@ impl Scorer {
                 })
                 .collect());
         }
-        let mut msgs = vec![
-            serde_json::json!({"role": "user", "content": "-"}),
-            serde_json::json!({"role": "assistant", "content": SENTINEL}),
-        ];
-        msgs.extend(
-            messages
-                .iter()
-                .map(|(role, c)| serde_json::json!({"role": role, "content": c})),
-        );
-        let text = t.render(&msgs, None, true)?;
-        let at = text.rfind(SENTINEL).ok_or_else(|| {
-            format!(
-                "chat template ({}) does not render the assistant's content as given, so the environment's messages cannot follow the policy's turn",
-                t.source
-            )
-        })?;
-        let tail = &text[at + SENTINEL.len()..];
-        Ok(match tail.strip_prefix(t.eos_token.as_str()) {
-            Some(rest) if ended && !t.eos_token.is_empty() => rest.to_string(),
-            _ => tail.to_string(),
-        })
+        let msgs: Vec<serde_json::Value> = messages
+            .iter()
+            .map(|(role, c)| serde_json::json!({"role": role, "content": c}))
+            .collect();
+        t.render_followup(&msgs, ended)
     }
 }
 

@@ -122,6 +122,14 @@ impl Admin for AdminService {
         } else {
             None
         };
+        // A served job's endpoint: its tokenizer and chat template.
+        let endpoint = match spec.rl.serve {
+            Some(_) => Some(Arc::new(
+                crate::rl::endpoint::Endpoint::load(&spec, admitted.model.vocab_size)
+                    .map_err(|e| Status::invalid_argument(format!("rl.serve: {e}")))?,
+            )),
+            None => None,
+        };
         let docs = admitted
             .dataset
             .map(crate::stream::data::Dataset::into_job_docs)
@@ -160,6 +168,9 @@ impl Admin for AdminService {
                 start,
             },
         )?;
+        if let Some(endpoint) = endpoint {
+            self.shared.install_endpoint(&id, endpoint);
+        }
         if let Some(scorer) = scorer {
             let inputs = scorer.inputs();
             self.shared.install_scorer(&id, scorer);

@@ -128,6 +128,8 @@ impl Shared {
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
                         .remove(&job);
+                    // Its endpoint's waiting calls end with an error.
+                    self.drop_endpoint(&job);
                 }
                 written
             }
@@ -328,6 +330,7 @@ impl Shared {
             }
             Effect::ScoreRound(round) => self.score_round(*round),
             Effect::StepEpisodes(step) => self.step_episodes(*step),
+            Effect::Served { served, .. } => self.deliver(served),
             Effect::EngineGenerate(round) => self.engine_generate(*round),
             Effect::EngineReload {
                 job,

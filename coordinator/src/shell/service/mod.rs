@@ -4,6 +4,7 @@
 //! is never held across an `.await` (`shared`).
 
 mod admin;
+mod calls;
 mod carry_out;
 pub mod convert;
 mod engine;
@@ -12,6 +13,7 @@ mod markers;
 mod model_folder;
 mod push_room;
 mod rollouts;
+mod serving;
 mod shared;
 mod tracking;
 mod validate;

@@ -35,7 +35,11 @@ impl Shared {
 
     /// Admits one batch into `job`'s queue, waiting while it is full;
     /// returns after the batch is persisted.
-    async fn push_rollouts(&self, job: &str, batch: Vec<Rollout>) -> Result<AdmitCounts, Status> {
+    pub(super) async fn push_rollouts(
+        &self,
+        job: &str,
+        batch: Vec<Rollout>,
+    ) -> Result<AdmitCounts, Status> {
         loop {
             let mut room = {
                 let mut inner = self.lock();

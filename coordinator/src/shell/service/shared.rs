@@ -34,6 +34,10 @@ pub struct Shared {
     pub(super) tensorboard: TensorBoard,
     /// The RL loop: each generating job's prompts, tokenizer and verifier.
     pub(super) scorers: Mutex<HashMap<JobId, Arc<crate::rl::scorer::Scorer>>>,
+    /// Served jobs' endpoints (`[rl.serve]`).
+    pub(super) endpoints: Mutex<HashMap<JobId, Arc<crate::rl::endpoint::Endpoint>>>,
+    /// Endpoint calls waiting for their generation.
+    pub(super) calls: super::calls::Calls,
     /// The RL loop's calls to external engines (`rl.engine`).
     pub(super) engine: EngineClient,
     /// The runtime the server was built on, for engine calls started from
@@ -132,6 +136,8 @@ impl Shared {
             tokenizers: TokenizerWriter::default(),
             tensorboard: TensorBoard::default(),
             scorers: Mutex::new(HashMap::new()),
+            endpoints: Mutex::new(HashMap::new()),
+            calls: Default::default(),
             engine: EngineClient::default(),
             runtime: tokio::runtime::Handle::try_current().ok(),
             me: me.clone(),
@@ -328,10 +334,12 @@ pub fn core_status(e: CoreError) -> Status {
         CoreError::JobNotFound(_) | CoreError::WorkerNotFound(_) => {
             Status::not_found(e.to_string())
         }
-        CoreError::BadJobState { .. } | CoreError::NotStreamed(_) => {
+        CoreError::BadJobState { .. } | CoreError::NotStreamed(_) | CoreError::NotServed(_) => {
             Status::failed_precondition(e.to_string())
         }
-        CoreError::QueueFull { .. } => Status::resource_exhausted(e.to_string()),
+        CoreError::QueueFull { .. } | CoreError::ServeFull { .. } => {
+            Status::resource_exhausted(e.to_string())
+        }
         CoreError::WorkerIdInUse(_) => Status::already_exists(e.to_string()),
         CoreError::DuplicateJob(_) => Status::already_exists(e.to_string()),
         CoreError::InvalidUpdate { .. }

@@ -39,6 +39,10 @@ use super::tokenize::{Tokenizer, BYTE_EOS};
 use crate::job::input::{self, MAX_CONFIG_BYTES};
 
 /// The built-in chat template (see the module docs).
+/// Stands for the assistant's content in [`ChatTemplate::render_followup`]
+/// (a private-use character no tokenizer or template produces).
+const TURN_SENTINEL: &str = "\u{10FFFE}accrue-turn\u{10FFFE}";
+
 pub const BUILTIN_TEMPLATE: &str = r#"{{ bos_token }}{% for message in messages %}{{ '<|' + message.role + '|>\n' + message.content }}{% if message.role == 'assistant' %}{{ eos_token }}{% else %}{{ '\n' }}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"#;
 
 /// The file `transformers` writes a tokenizer's chat template to, beside
@@ -401,6 +405,33 @@ impl ChatTemplate {
             .text)
     }
 
+    /// The text the template puts after an assistant turn for the
+    /// `messages` that follow it (a tool's results, a user's reply), up to
+    /// and including the generation prompt of the next assistant turn:
+    /// what an episode's tokens continue with after a policy turn (issue
+    /// 36). The assistant's content is rendered as a sentinel and the text
+    /// after it kept; `ended`: the policy sampled the end-of-turn token
+    /// (`eos_token`) itself, so the template's own is left out.
+    pub fn render_followup(&self, messages: &[Json], ended: bool) -> Result<String, String> {
+        let mut msgs = vec![
+            serde_json::json!({"role": "user", "content": "-"}),
+            serde_json::json!({"role": "assistant", "content": TURN_SENTINEL}),
+        ];
+        msgs.extend(messages.iter().cloned());
+        let text = self.render(&msgs, None, true)?;
+        let at = text.rfind(TURN_SENTINEL).ok_or_else(|| {
+            format!(
+                "chat template ({}) does not render the assistant's content as given, so other messages cannot follow the policy's turn",
+                self.source
+            )
+        })?;
+        let tail = &text[at + TURN_SENTINEL.len()..];
+        Ok(match tail.strip_prefix(self.eos_token.as_str()) {
+            Some(rest) if ended && !self.eos_token.is_empty() => rest.to_string(),
+            _ => tail.to_string(),
+        })
+    }
+
     /// [`Self::render`] with where the `{% generation %}` blocks are.
     pub fn render_marked(
         &self,
@@ -477,7 +508,15 @@ impl ChatTemplate {
         self.missing.is_some()
     }
 
-    /// The job error once a chat row needed the missing template.
+    /// The job error when the template is missing, needed or not yet (a
+    /// served job's calls all need it).
+    pub fn require(&self) -> Result<()> {
+        self.needed
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        self.check_needed()
+    }
+
+    /// The job's error when a row needed a template that is missing.
     pub fn check_needed(&self) -> Result<()> {
         match &self.missing {
             Some((tokenizer, looked)) if self.needed.load(std::sync::atomic::Ordering::Relaxed) => {
