@@ -607,6 +607,84 @@ for line in sys.stdin:
     );
 }
 
+/// Issue 36: an agent harness drives a served job (`[rl.serve]`) through
+/// its OpenAI-compatible endpoint with the `openai` Python client —
+/// two-turn tool episodes, rewards reported per episode — while two
+/// worker processes generate between steps and train on what the harness
+/// reported. The harness checks the client-facing contract (a wrong key
+/// refused, log-probs per token, turn 2's prompt extending turn 1's
+/// tokens, an edited history refused by field, a repeated report answered
+/// the same); the trainer's recomputed log-probs of every stitched
+/// episode equal the generation's across the tool message.
+#[test]
+fn an_openai_client_drives_served_tool_episodes_that_train_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    write_tiny_config(d);
+    let body = "steps = 3\n[data]\nsource = \"stream\"\nformat = \"rollouts\"\ntokenizer = \"bytes\"\nmax_tokens = 512\n[batch]\ndocs_per_step = 4\n[objective]\nkind = \"pg\"\n[rl]\ngroup_size = 2\n[rl.sampling]\nmax_new_tokens = 8\n[rl.serve]\n";
+    let spec = small_job(d, "served", "ddp", body);
+    let mut local = std::process::Command::new(real::bin_dir().join("accrue"))
+        .args(["local", spec.to_str().unwrap(), "--workers", "2"])
+        .args(["--metrics-listen", "off"])
+        .current_dir(d)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(d.join("local.err")).unwrap())
+        .spawn()
+        .expect("running accrue local");
+    let endpoint = d.join("out/served/endpoint.json");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while !endpoint.exists() {
+        assert!(
+            std::time::Instant::now() < deadline && local.try_wait().unwrap().is_none(),
+            "no endpoint.json: {}",
+            std::fs::read_to_string(d.join("local.err")).unwrap_or_default()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&endpoint).unwrap().permissions().mode();
+        assert_eq!(mode & 0o077, 0, "the key file is its owner's only");
+    }
+    let harness = std::process::Command::new(root().join(".venv/bin/python"))
+        .arg(root().join("scripts/reference/openai_episodes.py"))
+        .arg(&endpoint)
+        .output()
+        .expect("running the harness");
+    let status = local.wait().unwrap();
+    let err = std::fs::read_to_string(d.join("local.err")).unwrap_or_default();
+    assert!(
+        harness.status.success(),
+        "{}\n{err}",
+        String::from_utf8_lossy(&harness.stderr)
+    );
+    assert!(status.success(), "{err}");
+    let out = String::from_utf8_lossy(&harness.stdout);
+    let seen: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+    for check in ["refused_token", "refused_edit", "repeat_same"] {
+        assert_eq!(seen[check], true, "{check}: {seen}");
+    }
+    assert!(seen["episodes"].as_u64().unwrap() >= 12, "{seen}");
+    assert_eq!(
+        seen["calls"].as_u64(),
+        seen["episodes"].as_u64().map(|e| 2 * e)
+    );
+    // The tool message's tokens: the template's text after the reply.
+    assert!(seen["tool_message_tokens"].as_u64().unwrap() > 0, "{seen}");
+    let m = metrics(&d.join("out/served/metrics.jsonl"));
+    assert_eq!(m.len(), 3);
+    for s in &m {
+        let diff = s["extra"]["logprob_diff"].as_f64().unwrap();
+        assert!(
+            diff < 1e-5,
+            "trainer vs sampler log-probs across turns: {diff} ({s})"
+        );
+        assert!(s["loss_tokens"].as_u64().unwrap() > 0);
+        assert_eq!(s["docs"], 4);
+    }
+}
+
 /// The metrics and the environment program's log of a run of
 /// `multi_turn_episodes_against_an_environment_program_train_exactly`.
 fn check_episodes(d: &Path, name: &str) {

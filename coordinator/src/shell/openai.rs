@@ -172,3 +172,7 @@ async fn not_found() -> Response {
         "not found: the endpoint serves /jobs/JOB/v1/chat/completions, /jobs/JOB/v1/episodes/EPISODE/reward and /jobs/JOB/v1/models",
     ))
 }
+
+#[cfg(test)]
+#[path = "openai_tests.rs"]
+mod tests;
