@@ -109,7 +109,13 @@ impl JobCtx<'_> {
         true
     }
 
-    fn send_round(&mut self, round: super::rounds::Round, plans: Vec<super::rounds::RoundPlan>) {
+    /// Sends each rank its plan of `round`, which the generation is then
+    /// busy with.
+    pub(crate) fn send_round(
+        &mut self,
+        round: super::rounds::Round,
+        plans: Vec<super::rounds::RoundPlan>,
+    ) {
         let job = &mut *self.job;
         info!(
             job = %self.id,

@@ -3,16 +3,13 @@
 //! waiting calls goes to the job's training workers whenever they are
 //! idle and no step is due; its answers go back to the shell.
 
-use std::sync::Arc;
-
 use tracing::info;
 
 use super::rounds::Round;
 use super::serve::ServeRequest;
 use crate::core::ctx::JobCtx;
-use crate::core::effects::{Effect, ToWorker};
+use crate::core::effects::Effect;
 use crate::core::error::{CoreError, Result};
-use crate::core::phase::Work;
 
 impl JobCtx<'_> {
     /// Queues a call to the job's endpoint.
@@ -51,20 +48,8 @@ impl JobCtx<'_> {
         };
         let calls: usize = plans.iter().map(|p| p.requests.len()).sum();
         info!(job = %self.id, round = round.id, calls, policy = step, "serving chat completions");
-        job.rec.reason = format!("serving {calls} chat completions");
-        let active = job.active_mut().expect("a round within a generation");
-        for (rank, (m, plan)) in active.gen.members.iter().zip(plans).enumerate() {
-            self.fx.push(Effect::Send {
-                worker: m.clone(),
-                msg: ToWorker::Generate {
-                    job: self.id.clone(),
-                    generation: gen_id,
-                    rank: rank as u32,
-                    plan: Arc::new(plan),
-                },
-            });
-        }
-        active.work = Work::Generating(Box::new(round));
+        self.send_round(round, plans);
+        self.job.rec.reason = format!("serving {calls} chat completions");
         true
     }
 

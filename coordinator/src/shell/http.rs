@@ -195,12 +195,22 @@ pub async fn serve(
     admin: Option<Token>,
     shutdown: CancellationToken,
 ) {
-    let app = router(shared, admin);
+    serve_app(listener, router(shared, admin), shutdown, "http server").await;
+}
+
+/// Serves `app` on `listener` until `shutdown` fires; `what` names it in
+/// the log line of a failure.
+pub async fn serve_app(
+    listener: TcpListener,
+    app: Router,
+    shutdown: CancellationToken,
+    what: &str,
+) {
     if let Err(e) = axum::serve(listener, app)
         .with_graceful_shutdown(shutdown.cancelled_owned())
         .await
     {
-        warn!(%e, "http server stopped");
+        warn!(%e, "{what} stopped");
     }
 }
 

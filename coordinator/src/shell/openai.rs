@@ -72,12 +72,7 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) {
     let app = router(shared, admin);
-    if let Err(e) = axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown.cancelled_owned())
-        .await
-    {
-        warn!(%e, "endpoint server stopped");
-    }
+    crate::shell::http::serve_app(listener, app, shutdown, "endpoint server").await;
 }
 
 /// Checks the bearer token for the path's job before the body is read.
