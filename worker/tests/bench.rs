@@ -12,6 +12,10 @@
 //!   clip, AdamW) on the bench model, today's one pass over flat buffers
 //!   beside the per-parameter path it replaced, interleaved in one process
 //!   (`scripts/bench_optimizer.sh` runs it beside torch's foreach AdamW).
+//! - `bench_attention`: one attention layer's forward + backward over one
+//!   document of T = `$ACCRUE_BENCH_ATTN_T` tokens (4 query heads over 1
+//!   kv head of 64, fp32, 2 threads): seconds and peak RSS growth, one T
+//!   per process (`scripts/bench_attention.sh` runs it beside torch SDPA).
 
 mod common;
 
@@ -349,4 +353,53 @@ fn bench_optimizer_phase() {
             );
         }
     }
+}
+
+/// One attention layer's forward and backward over one document of T
+/// tokens (`scripts/bench_attention.sh`): what the packed path does per
+/// document (causal SDPA, grouped-query attention without repeated k/v on
+/// the CPU), timed, with the RSS it adds (q/k/v, the output, their
+/// gradients and whatever the kernel keeps).
+#[test]
+#[ignore]
+fn bench_attention() {
+    use accrue_worker::model::attention::Attention;
+    use accrue_worker::model::ModelConfig;
+    tch::set_num_threads(2);
+    tch::manual_seed(0);
+    let t: i64 = std::env::var("ACCRUE_BENCH_ATTN_T")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(4096);
+    let (heads, kv, d) = (4i64, 1i64, 64i64);
+    let cfg = ModelConfig::from_json(&serde_json::json!({
+        "model_type": "llama", "vocab_size": 320, "hidden_size": heads * d,
+        "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": heads,
+        "num_key_value_heads": kv, "max_position_embeddings": t, "rms_norm_eps": 1e-6
+    }))
+    .unwrap();
+    let arch = cfg.arch().unwrap();
+    let vs = tch::nn::VarStore::new(Device::Cpu);
+    let attn = Attention::new(vs.root(), &cfg, &arch, &arch.layers[0]);
+    let make =
+        |h: i64| Tensor::randn([h, t, d], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let (q, k, v) = (make(heads), make(kv), make(kv));
+    let grad_out = Tensor::randn([heads, t, d], (Kind::Float, Device::Cpu));
+    let (base, _) = rss();
+    let start = Instant::now();
+    let out = attn.attend(&q, &k, &v, &[0, t], PackedAttention::PerDocument);
+    let fwd = start.elapsed().as_secs_f64();
+    let grads = Tensor::run_backward(
+        &[(&out * &grad_out).sum(Kind::Float)],
+        &[&q, &k, &v],
+        false,
+        false,
+    );
+    let secs = start.elapsed().as_secs_f64();
+    let (_, peak) = rss();
+    let checksum = f64::try_from(grads[1].abs().sum(Kind::Double)).unwrap();
+    println!(
+        "{{\"attention\": \"accrue\", \"T\": {t}, \"heads\": {heads}, \"kv_heads\": {kv}, \"head_dim\": {d}, \"forward_s\": {fwd:.3}, \"seconds\": {secs:.3}, \"peak_extra_mib\": {:.1}, \"dk_abs_sum\": {checksum:.4e}}}",
+        (peak.saturating_sub(base)) as f64 / (1 << 20) as f64,
+    );
 }

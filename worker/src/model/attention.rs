@@ -29,6 +29,11 @@
 //! over the whole row 9.7 s (the masked kernel computes all T² scores).
 //! PerDocument is the default; BlockMask is kept for the benchmark and tests.
 //!
+//! Grouped-query attention: on the CPU the kv heads are read in place by
+//! SDPA's `enable_gqa` (the flash kernel takes each query group against
+//! its kv head), so neither repeated k/v nor their gradients exist; on
+//! CUDA they are repeated (HF `repeat_kv`), as the fp32 kernel needs.
+//!
 //! Family variants ([`crate::model::config::Arch`]): q/k RMSNorm before
 //! RoPE (per head or over the projection), a softmax scale other than
 //! `1/√d`, and a sliding window (a boolean mask on the documents longer
@@ -154,17 +159,6 @@ impl Attention {
         cu_seq_lens: &[i64],
         mode: PackedAttention,
     ) -> Tensor {
-        // GQA: repeat kv heads (HF `repeat_kv`); the CPU flash kernel has no
-        // native grouped path.
-        let rep = self.heads / self.kv_heads;
-        let (k, v) = if rep > 1 {
-            (
-                k.repeat_interleave_self_int(rep, 0, None),
-                v.repeat_interleave_self_int(rep, 0, None),
-            )
-        } else {
-            (k.shallow_clone(), v.shallow_clone())
-        };
         let scale = self.scale;
         let longest = cu_seq_lens
             .windows(2)
@@ -177,6 +171,22 @@ impl Attention {
         let mode = match (mode.on(q.device()), windowed) {
             (PackedAttention::Bucketed, Some(_)) => PackedAttention::PerDocument,
             (m, _) => m,
+        };
+        // GQA: on the CPU, SDPA's `enable_gqa` lets the flash kernel read
+        // each kv head for its query group (no repeated k/v, nor their
+        // gradients); on CUDA the fp32 memory-efficient kernel has no
+        // grouped path (SDPA would fall back to the T² math kernel), and
+        // the padded buckets gather whole heads, so the kv heads are
+        // repeated there (HF `repeat_kv`).
+        let rep = self.heads / self.kv_heads;
+        let gqa = rep > 1 && !q.device().is_cuda() && mode != PackedAttention::Bucketed;
+        let (k, v) = if rep > 1 && !gqa {
+            (
+                k.repeat_interleave_self_int(rep, 0, None),
+                v.repeat_interleave_self_int(rep, 0, None),
+            )
+        } else {
+            (k.shallow_clone(), v.shallow_clone())
         };
         match mode {
             PackedAttention::Bucketed => bucketed(q, &k, &v, cu_seq_lens, scale),
@@ -205,7 +215,7 @@ impl Attention {
                             0.0,
                             causal,
                             scale,
-                            false,
+                            gqa,
                         )
                         .squeeze_dim(0)
                     })
@@ -226,7 +236,7 @@ impl Attention {
                     0.0,
                     false,
                     scale,
-                    false,
+                    gqa,
                 )
                 .squeeze_dim(0)
             }
@@ -402,6 +412,54 @@ pub fn block_causal_mask(cu_seq_lens: &[i64], device: tch::Device) -> Tensor {
 mod tests {
     use super::*;
     use tch::{Device, Kind};
+
+    /// Grouped-query attention read in place (`enable_gqa`, per document
+    /// and with one mask) computes what repeating the kv heads computes
+    /// (the bucketed path repeats them), forward and backward: every
+    /// query group against its own kv head, in HF `repeat_kv` order.
+    #[test]
+    fn grouped_query_attention_in_place_equals_repeated_kv_heads() {
+        let cfg = super::super::config::ModelConfig::from_json(&serde_json::json!({
+            "model_type": "llama", "vocab_size": 64, "hidden_size": 32,
+            "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-6
+        }))
+        .unwrap();
+        let arch = cfg.arch().unwrap();
+        let vs = nn::VarStore::new(Device::Cpu);
+        let attn = Attention::new(vs.root(), &cfg, &arch, &arch.layers[0]);
+        let cu = [0i64, 37, 42, 142, 210];
+        let t = 210;
+        let i = Tensor::arange(t * 8, (Kind::Double, Device::Cpu));
+        let make = |heads: i64, seed: f64| {
+            (&i.narrow(0, 0, t * 8).repeat([heads]) * seed)
+                .sin()
+                .to_kind(Kind::Float)
+                .view([heads, t, 8])
+                .set_requires_grad(true)
+        };
+        let (q, k, v) = (make(4, 0.37), make(2, 0.71), make(2, 1.13));
+        let grad_out = make(4, 0.05).detach();
+        let run = |mode: PackedAttention| {
+            let out = attn.attend(&q, &k, &v, &cu, mode);
+            let g = Tensor::run_backward(
+                &[(&out * &grad_out).sum(Kind::Float)],
+                &[&q, &k, &v],
+                false,
+                false,
+            );
+            (out, g)
+        };
+        let (want, want_g) = run(PackedAttention::Bucketed);
+        for mode in [PackedAttention::PerDocument, PackedAttention::BlockMask] {
+            let (out, g) = run(mode);
+            let worst = |a: &Tensor, b: &Tensor| f64::try_from((a - b).abs().max()).unwrap();
+            assert!(worst(&out, &want) < 1e-5, "{mode:?}: {}", worst(&out, &want));
+            for (a, b) in g.iter().zip(&want_g) {
+                assert!(worst(a, b) < 1e-5, "{mode:?} gradient: {}", worst(a, b));
+            }
+        }
+    }
 
     /// The bucketed batch computes exactly what per-document calls do,
     /// forward and backward (padding never reaches a real token).
