@@ -333,6 +333,7 @@ pub fn generate_plan(
         },
         share_prompts: true,
         record_routing: s.record_routing,
+        kv_page_tokens: 0,
     };
     let requests = p
         .requests

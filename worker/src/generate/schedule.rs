@@ -66,7 +66,10 @@ pub fn generate(
             .collect());
     }
     tch::no_grad(|| {
-        let mut cache = KvCache::new(model, slots, capacity);
+        let mut cache = match params.kv_page_tokens {
+            0 => KvCache::new(model, slots, capacity),
+            page => KvCache::paged(model, slots, capacity, page),
+        };
         if params.record_routing {
             cache = cache.record_routing();
         }

@@ -24,6 +24,9 @@ pub struct SamplingParams {
     /// Record the experts every token went through (Qwen3-MoE routing
     /// replay: [`Completion::routing`]).
     pub record_routing: bool,
+    /// Tokens per page of the KV cache (0: [`crate::model::decode::PAGE_TOKENS`];
+    /// at least the longest sequence: the static layout).
+    pub kv_page_tokens: usize,
 }
 
 impl Default for SamplingParams {
@@ -38,6 +41,7 @@ impl Default for SamplingParams {
             max_batch: DEFAULT_MAX_BATCH,
             share_prompts: true,
             record_routing: false,
+            kv_page_tokens: 0,
         }
     }
 }

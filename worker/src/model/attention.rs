@@ -454,7 +454,11 @@ mod tests {
         for mode in [PackedAttention::PerDocument, PackedAttention::BlockMask] {
             let (out, g) = run(mode);
             let worst = |a: &Tensor, b: &Tensor| f64::try_from((a - b).abs().max()).unwrap();
-            assert!(worst(&out, &want) < 1e-5, "{mode:?}: {}", worst(&out, &want));
+            assert!(
+                worst(&out, &want) < 1e-5,
+                "{mode:?}: {}",
+                worst(&out, &want)
+            );
             for (a, b) in g.iter().zip(&want_g) {
                 assert!(worst(a, b) < 1e-5, "{mode:?} gradient: {}", worst(a, b));
             }

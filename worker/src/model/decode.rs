@@ -1,29 +1,48 @@
 //! Generation's forward: the same [`Llama`] with a per-layer key/value
 //! cache, so a new token costs one token's forward instead of the whole
-//! sequence's (HF `DynamicCache`/`StaticCache`, vLLM's slots).
+//! sequence's (HF `DynamicCache`, vLLM's paged attention).
 //!
-//! The cache is a fixed set of slots, one sequence each, every layer's keys
-//! and values held as `[slots, kv_heads, capacity, head_dim]` (a static
-//! cache: no reallocation while decoding). [`Llama::prefill`] runs new
-//! prompts as one packed row through the training forward's attention and
-//! writes their keys and values into their slots; [`Llama::decode`] runs one
-//! token for each of any set of slots, each at its own position, attending
-//! to its slot's cache under a length mask. Both return the logits of the
-//! last token per sequence, from the same weights and kernels as a training
-//! forward (the log-probs a sampler reports are then the trainer's
-//! `old_logprobs`).
+//! The cache holds up to `slots` sequences, one each, in PAGES of
+//! [`PAGE_TOKENS`] tokens (issue 37): every layer's keys and values live
+//! in one pool `[pages, kv_heads, page_tokens, head_dim]`, each slot owns
+//! the pages its tokens fill, a page is taken when a slot's length crosses
+//! a page boundary and returned when the slot is cleared, and the pool
+//! doubles when it runs out. So memory follows the tokens held, not
+//! `slots × capacity` (a 32k-token episode does not reserve 32k tokens
+//! for every slot); `capacity` only bounds a slot's length.
+//! [`Llama::prefill`] runs new prompts as one packed row through the
+//! training forward's attention and writes their keys and values into
+//! their slots' pages; [`Llama::decode`] runs one token for each of any
+//! set of slots, each at its own position, attending to its slot's pages
+//! (gathered in order) under a length mask. Both return the logits of the
+//! last token per sequence, from the same weights and kernels as a
+//! training forward (the log-probs a sampler reports are then the
+//! trainer's `old_logprobs`). A cache whose page is `capacity` tokens is
+//! the static layout (one page per slot, all taken up front): the tests
+//! check the two give the same tokens and log-probs.
 
 use anyhow::bail;
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use super::llama::{positions, Llama};
 use super::moe::Route;
 
-/// Keys and values of up to `slots` sequences of at most `capacity` tokens.
+/// Tokens per page of a [`KvCache`] (vLLM's default block is 16; bigger
+/// pages mean fewer index entries per decode step on the CPU, and at most
+/// a page less one of waste per slot).
+pub const PAGE_TOKENS: usize = 64;
+
+/// Keys and values of up to `slots` sequences of at most `capacity` tokens,
+/// in pages (see the module docs).
 pub struct KvCache {
-    /// Per layer, `[slots, kv_heads, capacity, head_dim]`.
+    /// Per layer, the page pool `[pages, kv_heads, page, head_dim]`.
     keys: Vec<Tensor>,
     values: Vec<Tensor>,
+    page: i64,
+    /// Per slot, the pool indices of its pages in token order.
+    tables: Vec<Vec<i64>>,
+    /// Pool pages no slot holds.
+    free: Vec<i64>,
     /// Tokens held per slot.
     lens: Vec<i64>,
     capacity: i64,
@@ -38,15 +57,27 @@ impl std::fmt::Debug for KvCache {
         f.debug_struct("KvCache")
             .field("lens", &self.lens)
             .field("capacity", &self.capacity)
+            .field("page", &self.page)
+            .field("pages", &self.pool_pages())
             .finish_non_exhaustive()
     }
 }
 
 impl KvCache {
-    /// An empty cache for `model` (its dtype and device).
+    /// An empty cache for `model` (its dtype and device), in pages of
+    /// [`PAGE_TOKENS`] (fewer when `capacity` is smaller).
     pub fn new(model: &Llama, slots: usize, capacity: usize) -> KvCache {
+        KvCache::paged(model, slots, capacity, PAGE_TOKENS.min(capacity.max(1)))
+    }
+
+    /// [`Self::new`] with pages of `page` tokens; `page = capacity` is the
+    /// static layout.
+    pub fn paged(model: &Llama, slots: usize, capacity: usize, page: usize) -> KvCache {
         let (_, kv_heads, head_dim) = model.layers[0].self_attn.shape();
-        let shape = [slots as i64, kv_heads, capacity as i64, head_dim];
+        let page = page.max(1) as i64;
+        // One page per slot to start (short completions never grow it).
+        let pages = slots.max(1) as i64;
+        let shape = [pages, kv_heads, page, head_dim];
         let opts = (model.kind(), model.vs.device());
         let make = || -> Vec<Tensor> {
             (0..model.layers.len())
@@ -56,10 +87,97 @@ impl KvCache {
         KvCache {
             keys: make(),
             values: make(),
+            page,
+            tables: vec![Vec::new(); slots],
+            free: (0..pages).rev().collect(),
             lens: vec![0; slots],
             capacity: capacity as i64,
             routing: None,
         }
+    }
+
+    /// Pages in the pool (held or free): what the cache's memory is.
+    pub fn pool_pages(&self) -> usize {
+        self.keys.first().map_or(0, |k| k.size()[0] as usize)
+    }
+
+    /// Tokens per page.
+    pub fn page_tokens(&self) -> usize {
+        self.page as usize
+    }
+
+    /// Gives `slot` the pages to hold `len` tokens, doubling the pool
+    /// when no page is free.
+    fn reserve(&mut self, slot: usize, len: i64) {
+        let need = (len + self.page - 1) / self.page;
+        while (self.tables[slot].len() as i64) < need {
+            if self.free.is_empty() {
+                self.grow();
+            }
+            let p = self.free.pop().expect("grown above");
+            self.tables[slot].push(p);
+        }
+    }
+
+    /// Doubles the pool (its pages keep their indices).
+    fn grow(&mut self) {
+        let old = self.pool_pages() as i64;
+        for pool in self.keys.iter_mut().chain(self.values.iter_mut()) {
+            let mut shape = pool.size();
+            shape[0] = old;
+            let more = Tensor::zeros(shape.as_slice(), (pool.kind(), pool.device()));
+            *pool = Tensor::cat(&[&*pool, &more], 0);
+        }
+        self.free.extend((old..2 * old).rev());
+    }
+
+    /// (page, offset) index tensors of `slot`'s positions `from..from + n`.
+    fn places(&self, slot: usize, from: i64, n: i64, device: Device) -> (Tensor, Tensor) {
+        let (pages, offs): (Vec<i64>, Vec<i64>) = (from..from + n)
+            .map(|t| (self.tables[slot][(t / self.page) as usize], t % self.page))
+            .unzip();
+        (
+            Tensor::from_slice(&pages).to_device(device),
+            Tensor::from_slice(&offs).to_device(device),
+        )
+    }
+
+    /// Writes layer `l`'s keys and values `[kv_heads, n, d]` of `slot`'s
+    /// positions `from..from + n` into its pages.
+    fn write(&mut self, l: usize, slot: usize, from: i64, k: &Tensor, v: &Tensor) {
+        let n = k.size()[1];
+        let (pages, offs) = self.places(slot, from, n, k.device());
+        let index = [Some(pages), None, Some(offs)];
+        let _ = self.keys[l].index_put_(&index, &k.transpose(0, 1), false);
+        let _ = self.values[l].index_put_(&index, &v.transpose(0, 1), false);
+    }
+
+    /// Layer `l`'s keys and values of `slots`' first `span` positions,
+    /// `[slots, kv_heads, span, d]` each: their pages gathered in order (a
+    /// slot holding fewer pages reads its first page there, which the
+    /// length mask hides).
+    fn gather(&self, l: usize, slots: &[usize], span: i64) -> (Tensor, Tensor) {
+        let n = (span + self.page - 1) / self.page;
+        let idx: Vec<i64> = slots
+            .iter()
+            .flat_map(|&s| {
+                let t = &self.tables[s];
+                (0..n as usize).map(move |i| t.get(i).or(t.first()).copied().unwrap_or(0))
+            })
+            .collect();
+        let device = self.keys[l].device();
+        let idx = Tensor::from_slice(&idx).to_device(device);
+        let b = slots.len() as i64;
+        let take = |pool: &Tensor| {
+            let size = pool.size();
+            let (kv, d) = (size[1], size[3]);
+            pool.index_select(0, &idx)
+                .view([b, n, kv, self.page, d])
+                .permute([0, 2, 1, 3, 4])
+                .reshape([b, kv, n * self.page, d])
+                .narrow(2, 0, span)
+        };
+        (take(&self.keys[l]), take(&self.values[l]))
     }
 
     /// Records the experts every cached token is routed through (see
@@ -109,9 +227,11 @@ impl KvCache {
         self.capacity as usize
     }
 
-    /// Frees `slot` for a new sequence (its stale entries are masked out).
+    /// Frees `slot` for a new sequence: its pages go back to the pool.
     pub fn clear(&mut self, slot: usize) {
         self.lens[slot] = 0;
+        let pages = std::mem::take(&mut self.tables[slot]);
+        self.free.extend(pages.into_iter().rev());
         if let Some(r) = &mut self.routing {
             r[slot].clear();
         }
@@ -126,18 +246,19 @@ impl KvCache {
                 self.lens[slot]
             );
         }
-        let take = |c: &Vec<Tensor>| -> Vec<Tensor> {
-            c.iter()
-                .map(|t| t.get(slot as i64).narrow(1, 0, n as i64).copy())
-                .collect()
-        };
+        let (mut keys, mut values) = (Vec::new(), Vec::new());
+        for l in 0..self.keys.len() {
+            let (k, v) = self.gather(l, &[slot], n as i64);
+            keys.push(k.squeeze_dim(0).copy());
+            values.push(v.squeeze_dim(0).copy());
+        }
         let routing = self.routing.as_ref().map(|r| {
             let per_token = r[slot].len() / (self.lens[slot] as usize).max(1);
             r[slot][..n * per_token].to_vec()
         });
         Ok(Prefix {
-            keys: take(&self.keys),
-            values: take(&self.values),
+            keys,
+            values,
             len: n as i64,
             routing,
         })
@@ -155,11 +276,9 @@ impl KvCache {
                 self.capacity
             );
         }
-        for (c, p) in self.keys.iter().zip(&prefix.keys) {
-            c.get(slot as i64).narrow(1, 0, prefix.len).copy_(p);
-        }
-        for (c, p) in self.values.iter().zip(&prefix.values) {
-            c.get(slot as i64).narrow(1, 0, prefix.len).copy_(p);
+        self.reserve(slot, prefix.len);
+        for l in 0..self.keys.len() {
+            self.write(l, slot, 0, &prefix.keys[l], &prefix.values[l]);
         }
         self.lens[slot] = prefix.len;
         if let (Some(r), Some(p)) = (&mut self.routing, &prefix.routing) {
@@ -201,6 +320,9 @@ impl Llama {
             ids.extend_from_slice(p);
             cu.push(ids.len() as i64);
         }
+        for &(slot, p) in prompts {
+            cache.reserve(slot, p.len() as i64);
+        }
         let device = self.vs.device();
         let tables = self.rope_tables(&positions(&cu));
         let tokens = Tensor::from_slice(&ids).to_device(device);
@@ -213,9 +335,7 @@ impl Llama {
                 layer.forward_with_route(&x, cos, sin, Route::default(), |attn, q, k, v| {
                     for (&(slot, _), w) in prompts.iter().zip(cu.windows(2)) {
                         let (s, n) = (w[0], w[1] - w[0]);
-                        let at = |c: &Tensor| c.get(slot as i64).narrow(1, 0, n);
-                        at(&cache.keys[l]).copy_(&k.narrow(1, s, n));
-                        at(&cache.values[l]).copy_(&v.narrow(1, s, n));
+                        cache.write(l, slot, 0, &k.narrow(1, s, n), &v.narrow(1, s, n));
                     }
                     let (heads, _, head_dim) = attn.shape();
                     attn.attend(q, k, v, &cu, self.attention)
@@ -251,7 +371,6 @@ impl Llama {
                 cache.capacity
             );
         }
-        let slots: Vec<i64> = tokens.iter().map(|&(s, _)| s as i64).collect();
         // Only the cache up to the longest sequence is attended.
         let span = pos.iter().max().map_or(0, |m| m + 1);
         // Per layer window (sliding layers see their latest `w` keys).
@@ -272,10 +391,19 @@ impl Llama {
                 masks.push((w, mask_for(w)));
             }
         }
-        // Contiguous slots from 0 (the common case) are a view, not a copy.
-        let in_order = slots.iter().enumerate().all(|(i, &s)| i as i64 == s);
-        let slot_idx = Tensor::from_slice(&slots).to_device(device);
-        let pos_idx = Tensor::from_slice(&pos).to_device(device);
+        // Each new token's place: its slot's page holding its position
+        // (taken now when the position starts a page) and the offset there.
+        let stepped: Vec<usize> = tokens.iter().map(|&(s, _)| s).collect();
+        for (&s, &p) in stepped.iter().zip(&pos) {
+            cache.reserve(s, p + 1);
+        }
+        let (page_of, offset): (Vec<i64>, Vec<i64>) = stepped
+            .iter()
+            .zip(&pos)
+            .map(|(&s, &p)| (cache.tables[s][(p / cache.page) as usize], p % cache.page))
+            .unzip();
+        let page_idx = Tensor::from_slice(&page_of).to_device(device);
+        let offset_idx = Tensor::from_slice(&offset).to_device(device);
         let tables = self.rope_tables(&pos);
         let ids: Vec<i64> = tokens.iter().map(|&(_, t)| t).collect();
         let ids = Tensor::from_slice(&ids).to_device(device);
@@ -286,21 +414,15 @@ impl Llama {
             let (y, routed) =
                 layer.forward_with_route(&x, cos, sin, Route::default(), |attn, q, k, v| {
                     let (heads, kv_heads, head_dim) = attn.shape();
-                    // k, v: [kv_heads, B, d] → [B, kv_heads, d] at (slot, :, pos).
+                    // k, v: [kv_heads, B, d] → [B, kv_heads, d] at (page, :, offset).
                     let index = [
-                        Some(slot_idx.shallow_clone()),
+                        Some(page_idx.shallow_clone()),
                         None,
-                        Some(pos_idx.shallow_clone()),
+                        Some(offset_idx.shallow_clone()),
                     ];
                     let _ = cache.keys[l].index_put_(&index, &k.transpose(0, 1), false);
                     let _ = cache.values[l].index_put_(&index, &v.transpose(0, 1), false);
-                    let window = |c: &Tensor| {
-                        let c = c.narrow(2, 0, span);
-                        match in_order {
-                            true => c.narrow(0, 0, b),
-                            false => c.index_select(0, &slot_idx),
-                        }
-                    };
+                    let (keys, values) = cache.gather(l, &stepped, span);
                     // GQA without repeating the cache: the `heads / kv_heads`
                     // query heads of a kv head (HF `repeat_kv` order) are its
                     // queries.
@@ -314,8 +436,8 @@ impl Llama {
                         .expect("a mask per window");
                     Tensor::scaled_dot_product_attention(
                         &q,
-                        &window(&cache.keys[l]),
-                        &window(&cache.values[l]),
+                        &keys,
+                        &values,
                         Some(mask),
                         0.0,
                         false,
@@ -344,5 +466,50 @@ impl Llama {
             .matmul(&self.lm_head_weight().tr())
             .to_kind(Kind::Float);
         super::loss::cap_logits(z, self.arch.final_softcap)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Init, ModelConfig};
+
+    fn tiny() -> Llama {
+        let raw = serde_json::json!({
+            "model_type": "llama", "vocab_size": 64, "hidden_size": 32,
+            "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6
+        });
+        let cfg = ModelConfig::from_json(&raw).unwrap();
+        Llama::new(cfg, raw, Kind::Float, Device::Cpu, Init::Seeded(1)).unwrap()
+    }
+
+    /// The cache's memory follows the tokens held: eight slots of up to
+    /// 8192 tokens start with one page each; a long sequence takes pages
+    /// as it grows (the pool doubling when none is free) and gives them
+    /// back when cleared, for the next sequences to reuse.
+    #[test]
+    fn pages_follow_the_tokens_held() {
+        let model = tiny();
+        let mut c = KvCache::paged(&model, 8, 8192, 16);
+        assert_eq!((c.pool_pages(), c.page_tokens()), (8, 16));
+        let prompt: Vec<i64> = (0..100).map(|i| i % 60).collect();
+        model.prefill(&mut c, &[(3, &prompt)]).unwrap();
+        assert_eq!(c.tables[3].len(), 7, "100 tokens in pages of 16");
+        assert_eq!(c.pool_pages(), 8, "seven of the eight free pages");
+        model.prefill(&mut c, &[(5, &prompt[..20])]).unwrap();
+        assert_eq!(c.pool_pages(), 16, "no page free: the pool doubled");
+        for _ in 0..60 {
+            model.decode(&mut c, &[(3, 7), (5, 9)]).unwrap();
+        }
+        assert_eq!((c.len(3), c.len(5)), (160, 80));
+        assert_eq!(c.tables[3].len(), 10);
+        assert_eq!(c.pool_pages(), 16, "15 pages held of 16");
+        c.clear(3);
+        assert_eq!(c.free.len(), 11);
+        model.prefill(&mut c, &[(0, &prompt)]).unwrap();
+        assert_eq!(c.pool_pages(), 16, "the cleared slot's pages reused");
+        // The static layout would hold 8 × 8192 tokens from the start.
+        assert!(c.pool_pages() * c.page_tokens() < 8192 / 16);
     }
 }
