@@ -494,20 +494,20 @@ mod tests {
         let mut c = KvCache::paged(&model, 8, 8192, 16);
         assert_eq!((c.pool_pages(), c.page_tokens()), (8, 16));
         let prompt: Vec<i64> = (0..100).map(|i| i % 60).collect();
-        model.prefill(&mut c, &[(3, &prompt)]).unwrap();
+        let _ = model.prefill(&mut c, &[(3, &prompt)]).unwrap();
         assert_eq!(c.tables[3].len(), 7, "100 tokens in pages of 16");
         assert_eq!(c.pool_pages(), 8, "seven of the eight free pages");
-        model.prefill(&mut c, &[(5, &prompt[..20])]).unwrap();
+        let _ = model.prefill(&mut c, &[(5, &prompt[..20])]).unwrap();
         assert_eq!(c.pool_pages(), 16, "no page free: the pool doubled");
         for _ in 0..60 {
-            model.decode(&mut c, &[(3, 7), (5, 9)]).unwrap();
+            let _ = model.decode(&mut c, &[(3, 7), (5, 9)]).unwrap();
         }
         assert_eq!((c.len(3), c.len(5)), (160, 80));
         assert_eq!(c.tables[3].len(), 10);
         assert_eq!(c.pool_pages(), 16, "15 pages held of 16");
         c.clear(3);
         assert_eq!(c.free.len(), 11);
-        model.prefill(&mut c, &[(0, &prompt)]).unwrap();
+        let _ = model.prefill(&mut c, &[(0, &prompt)]).unwrap();
         assert_eq!(c.pool_pages(), 16, "the cleared slot's pages reused");
         // The static layout would hold 8 × 8192 tokens from the start.
         assert!(c.pool_pages() * c.page_tokens() < 8192 / 16);
