@@ -7,7 +7,8 @@
 # ACCRUE_BENCH_ROUNDS pairs, default 3) in one process each; prints each
 # run, the best and median tokens/s of each side and their ratios.
 # ACCRUE_BENCH_PROFILE=dev skips the release build (slower Rust, same
-# libtorch kernels).
+# libtorch kernels). ACCRUE_BENCH_KV_PAGES="4096" also runs ours with that
+# KV-cache page (4096: the static layout, one page per slot) in each round.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
@@ -22,7 +23,11 @@ $py scripts/reference/bench_hf_generate.py make "$work" --batch 8
 cargo test "${profile[@]}" -q -p accrue-worker --test generate --no-run 2>/dev/null
 ours() { cargo test "${profile[@]}" -q -p accrue-worker --test generate -- --ignored --exact --nocapture bench_generate 2>/dev/null | grep '^{'; }
 hf() { $py scripts/reference/bench_hf_generate.py run "$work" "$ACCRUE_BENCH_MAX_NEW"; }
-for _ in $(seq "${ACCRUE_BENCH_ROUNDS:-3}"); do ours; hf; done | tee "$work/results.jsonl"
+for _ in $(seq "${ACCRUE_BENCH_ROUNDS:-3}"); do
+  ours
+  for page in ${ACCRUE_BENCH_KV_PAGES:-}; do ACCRUE_BENCH_KV_PAGE=$page ours; done
+  hf
+done | tee "$work/results.jsonl"
 $py - "$work/results.jsonl" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
@@ -32,6 +37,7 @@ for r in rows:
 for name, f in (("best", max), ("median", statistics.median)):
     got = {k: round(f(v), 1) for k, v in runs.items()}
     print(f"{name} tokens/s: {got}")
-    if len(got) == 2:
-        print(f"{name} ratio accrue-generate / hf-generate: {got['accrue-generate'] / got['hf-generate']:.2f}")
+    for k in got:
+        if k != "hf-generate" and "hf-generate" in got:
+            print(f"{name} ratio {k} / hf-generate: {got[k] / got['hf-generate']:.2f}")
 PY

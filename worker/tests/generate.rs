@@ -330,9 +330,13 @@ fn bench_generate() {
             seed: i as u64,
         })
         .collect();
+    // `ACCRUE_BENCH_KV_PAGE`: the KV cache's page (the default when
+    // unset; one longer than every sequence is the static layout).
+    let page: usize = std::env::var("ACCRUE_BENCH_KV_PAGE").map_or(0, |s| s.parse().unwrap());
     let params = SamplingParams {
         max_new_tokens: max_new,
         max_batch: reqs.len(),
+        kv_page_tokens: page,
         ..SamplingParams::default()
     };
     // Warm-up (allocator, kernels), as the HF side does.
@@ -351,8 +355,8 @@ fn bench_generate() {
     let tokens: usize = out.iter().map(|c| c.tokens.len()).sum();
     println!(
         "{}",
-        serde_json::json!({"impl": "accrue-generate", "tokens": tokens, "seconds": seconds,
-                           "tokens_per_s": tokens as f64 / seconds})
+        serde_json::json!({"impl": match page { 0 => "accrue-generate".to_string(), p => format!("accrue-generate-page{p}") },
+                           "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens as f64 / seconds})
     );
 }
 
@@ -754,9 +758,9 @@ fn a_three_turn_episode_recomputes_its_policy_logprobs() {
 /// Issue 37: the paged KV cache gives what the static layout gives (one
 /// page of the longest sequence per slot, taken up front): the same
 /// tokens and log-probs, greedy and sampled, with shared prompts started
-/// from a prefix and slots reused as sequences end, for pages of 1, 3 and
-/// 4 tokens (every sequence crosses pages, prompts start mid-page) and
-/// the default.
+/// from a prefix and slots reused as sequences end, for pages of 1, 3, 4
+/// and 64 tokens (every sequence crosses pages, prompts start mid-page),
+/// and the default (static here: a small reservation).
 #[test]
 fn a_paged_kv_cache_generates_what_the_static_one_does() {
     let model = tiny_model(13);
@@ -783,7 +787,7 @@ fn a_paged_kv_cache_generates_what_the_static_one_does() {
         };
         // Longer than any prompt plus its completion: one page per slot.
         let fixed = run(4096);
-        for page in [1, 3, 4, 0] {
+        for page in [1, 3, 4, 64, 0] {
             let paged = run(page);
             for (i, (a, b)) in paged.iter().zip(&fixed).enumerate() {
                 assert_eq!(

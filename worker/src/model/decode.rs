@@ -18,7 +18,9 @@
 //! last token per sequence, from the same weights and kernels as a
 //! training forward (the log-probs a sampler reports are then the
 //! trainer's `old_logprobs`). A cache whose page is `capacity` tokens is
-//! the static layout (one page per slot, all taken up front): the tests
+//! the static layout (one page per slot, all taken up front, read in place
+//! by decode with no gather): [`KvCache::new`] takes it while that
+//! reservation is small ([`STATIC_MAX_BYTES`]), pages beyond; the tests
 //! check the two give the same tokens and log-probs.
 
 use anyhow::bail;
@@ -32,6 +34,13 @@ use super::moe::Route;
 /// a page less one of waste per slot).
 pub const PAGE_TOKENS: usize = 64;
 
+/// The most a cache reserves up front in the static layout (every slot's
+/// whole capacity): beyond it the cache is paged. Decode reads the static
+/// layout in place, while pages are gathered each step — on the CPU that
+/// copy made decode 0.91× as fast at 64 new tokens and 0.66× at 512
+/// (`scripts/bench_generate.sh`), so pages are used where memory needs them.
+pub const STATIC_MAX_BYTES: u64 = 1 << 30;
+
 /// Keys and values of up to `slots` sequences of at most `capacity` tokens,
 /// in pages (see the module docs).
 pub struct KvCache {
@@ -39,6 +48,8 @@ pub struct KvCache {
     keys: Vec<Tensor>,
     values: Vec<Tensor>,
     page: i64,
+    /// The static layout (see [`KvCache::paged`]).
+    fixed: bool,
     /// Per slot, the pool indices of its pages in token order.
     tables: Vec<Vec<i64>>,
     /// Pool pages no slot holds.
@@ -58,23 +69,37 @@ impl std::fmt::Debug for KvCache {
             .field("lens", &self.lens)
             .field("capacity", &self.capacity)
             .field("page", &self.page)
+            .field("fixed", &self.fixed)
             .field("pages", &self.pool_pages())
             .finish_non_exhaustive()
     }
 }
 
 impl KvCache {
-    /// An empty cache for `model` (its dtype and device), in pages of
-    /// [`PAGE_TOKENS`] (fewer when `capacity` is smaller).
+    /// An empty cache for `model` (its dtype and device): the static
+    /// layout while reserving every slot's whole capacity costs at most
+    /// [`STATIC_MAX_BYTES`], else pages of [`PAGE_TOKENS`].
     pub fn new(model: &Llama, slots: usize, capacity: usize) -> KvCache {
-        KvCache::paged(model, slots, capacity, PAGE_TOKENS.min(capacity.max(1)))
+        let (_, kv_heads, head_dim) = model.layers[0].self_attn.shape();
+        let per_token = 2
+            * model.layers.len() as u64
+            * (kv_heads * head_dim) as u64
+            * model.kind().elt_size_in_bytes() as u64;
+        let reserve = slots as u64 * capacity as u64 * per_token;
+        let page = match reserve <= STATIC_MAX_BYTES {
+            true => capacity,
+            false => PAGE_TOKENS,
+        };
+        KvCache::paged(model, slots, capacity, page)
     }
 
-    /// [`Self::new`] with pages of `page` tokens; `page = capacity` is the
-    /// static layout.
+    /// [`Self::new`] with pages of `page` tokens; a page of at least
+    /// `capacity` tokens is the static layout: one page per slot, held for
+    /// good, read in place by decode (no gather).
     pub fn paged(model: &Llama, slots: usize, capacity: usize, page: usize) -> KvCache {
         let (_, kv_heads, head_dim) = model.layers[0].self_attn.shape();
-        let page = page.max(1) as i64;
+        let fixed = page >= capacity;
+        let page = page.clamp(1, capacity.max(1)) as i64;
         // One page per slot to start (short completions never grow it).
         let pages = slots.max(1) as i64;
         let shape = [pages, kv_heads, page, head_dim];
@@ -88,8 +113,16 @@ impl KvCache {
             keys: make(),
             values: make(),
             page,
-            tables: vec![Vec::new(); slots],
-            free: (0..pages).rev().collect(),
+            fixed,
+            // Static: slot i's page is page i, for good.
+            tables: match fixed {
+                true => (0..slots as i64).map(|s| vec![s]).collect(),
+                false => vec![Vec::new(); slots],
+            },
+            free: match fixed {
+                true => Vec::new(),
+                false => (0..pages).rev().collect(),
+            },
             lens: vec![0; slots],
             capacity: capacity as i64,
             routing: None,
@@ -157,6 +190,22 @@ impl KvCache {
     /// slot holding fewer pages reads its first page there, which the
     /// length mask hides).
     fn gather(&self, l: usize, slots: &[usize], span: i64) -> (Tensor, Tensor) {
+        let device = self.keys[l].device();
+        if self.fixed {
+            // The static layout: a view when the slots are 0..b in order
+            // (the common case), else one index_select of whole slots.
+            let in_order = slots.iter().enumerate().all(|(i, &s)| i == s);
+            let idx: Vec<i64> = slots.iter().map(|&s| s as i64).collect();
+            let idx = Tensor::from_slice(&idx).to_device(device);
+            let take = |pool: &Tensor| {
+                let c = pool.narrow(2, 0, span);
+                match in_order {
+                    true => c.narrow(0, 0, slots.len() as i64),
+                    false => c.index_select(0, &idx),
+                }
+            };
+            return (take(&self.keys[l]), take(&self.values[l]));
+        }
         let n = (span + self.page - 1) / self.page;
         let idx: Vec<i64> = slots
             .iter()
@@ -165,7 +214,6 @@ impl KvCache {
                 (0..n as usize).map(move |i| t.get(i).or(t.first()).copied().unwrap_or(0))
             })
             .collect();
-        let device = self.keys[l].device();
         let idx = Tensor::from_slice(&idx).to_device(device);
         let b = slots.len() as i64;
         let take = |pool: &Tensor| {
@@ -227,11 +275,14 @@ impl KvCache {
         self.capacity as usize
     }
 
-    /// Frees `slot` for a new sequence: its pages go back to the pool.
+    /// Frees `slot` for a new sequence: its pages go back to the pool
+    /// (the static layout keeps its one page; stale entries are masked).
     pub fn clear(&mut self, slot: usize) {
         self.lens[slot] = 0;
-        let pages = std::mem::take(&mut self.tables[slot]);
-        self.free.extend(pages.into_iter().rev());
+        if !self.fixed {
+            let pages = std::mem::take(&mut self.tables[slot]);
+            self.free.extend(pages.into_iter().rev());
+        }
         if let Some(r) = &mut self.routing {
             r[slot].clear();
         }
