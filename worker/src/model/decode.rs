@@ -63,6 +63,24 @@ pub struct KvCache {
     routing: Option<Vec<Vec<i64>>>,
 }
 
+/// How a decode step reads its slots from a [`KvCache`].
+enum Reads {
+    /// The static layout: `b` slots' first `span` positions; `idx` picks
+    /// the slots when they are not 0..b in order.
+    Slots {
+        b: i64,
+        span: i64,
+        idx: Option<Tensor>,
+    },
+    /// Pages: `n` per slot, `idx` their pool indices slot by slot.
+    Pages {
+        b: i64,
+        n: i64,
+        span: i64,
+        idx: Tensor,
+    },
+}
+
 impl std::fmt::Debug for KvCache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KvCache")
@@ -164,10 +182,11 @@ impl KvCache {
         self.free.extend((old..2 * old).rev());
     }
 
-    /// (page, offset) index tensors of `slot`'s positions `from..from + n`.
-    fn places(&self, slot: usize, from: i64, n: i64, device: Device) -> (Tensor, Tensor) {
-        let (pages, offs): (Vec<i64>, Vec<i64>) = (from..from + n)
-            .map(|t| (self.tables[slot][(t / self.page) as usize], t % self.page))
+    /// (page, offset) index tensors of the cache places of `at`'s
+    /// (slot, position) pairs (each slot holding the page already).
+    fn places(&self, at: impl Iterator<Item = (usize, i64)>, device: Device) -> (Tensor, Tensor) {
+        let (pages, offs): (Vec<i64>, Vec<i64>) = at
+            .map(|(s, t)| (self.tables[s][(t / self.page) as usize], t % self.page))
             .unzip();
         (
             Tensor::from_slice(&pages).to_device(device),
@@ -179,32 +198,30 @@ impl KvCache {
     /// positions `from..from + n` into its pages.
     fn write(&mut self, l: usize, slot: usize, from: i64, k: &Tensor, v: &Tensor) {
         let n = k.size()[1];
-        let (pages, offs) = self.places(slot, from, n, k.device());
-        let index = [Some(pages), None, Some(offs)];
+        let (pages, offs) = self.places((from..from + n).map(|t| (slot, t)), k.device());
+        self.put(l, [Some(pages), None, Some(offs)], k, v);
+    }
+
+    /// Stores `k, v: [kv_heads, N, d]` at the N (page, :, offset) places.
+    fn put(&mut self, l: usize, index: [Option<Tensor>; 3], k: &Tensor, v: &Tensor) {
         let _ = self.keys[l].index_put_(&index, &k.transpose(0, 1), false);
         let _ = self.values[l].index_put_(&index, &v.transpose(0, 1), false);
     }
 
-    /// Layer `l`'s keys and values of `slots`' first `span` positions,
-    /// `[slots, kv_heads, span, d]` each: their pages gathered in order (a
-    /// slot holding fewer pages reads its first page there, which the
-    /// length mask hides).
-    fn gather(&self, l: usize, slots: &[usize], span: i64) -> (Tensor, Tensor) {
-        let device = self.keys[l].device();
+    /// How `slots`' first `span` positions are read, the same for every
+    /// layer (built once per decode step).
+    fn reads(&self, slots: &[usize], span: i64) -> Reads {
+        let device = self.keys[0].device();
+        let b = slots.len() as i64;
         if self.fixed {
             // The static layout: a view when the slots are 0..b in order
             // (the common case), else one index_select of whole slots.
             let in_order = slots.iter().enumerate().all(|(i, &s)| i == s);
-            let idx: Vec<i64> = slots.iter().map(|&s| s as i64).collect();
-            let idx = Tensor::from_slice(&idx).to_device(device);
-            let take = |pool: &Tensor| {
-                let c = pool.narrow(2, 0, span);
-                match in_order {
-                    true => c.narrow(0, 0, slots.len() as i64),
-                    false => c.index_select(0, &idx),
-                }
-            };
-            return (take(&self.keys[l]), take(&self.values[l]));
+            let idx = (!in_order).then(|| {
+                let idx: Vec<i64> = slots.iter().map(|&s| s as i64).collect();
+                Tensor::from_slice(&idx).to_device(device)
+            });
+            return Reads::Slots { b, span, idx };
         }
         let n = (span + self.page - 1) / self.page;
         let idx: Vec<i64> = slots
@@ -215,15 +232,30 @@ impl KvCache {
             })
             .collect();
         let idx = Tensor::from_slice(&idx).to_device(device);
-        let b = slots.len() as i64;
-        let take = |pool: &Tensor| {
-            let size = pool.size();
-            let (kv, d) = (size[1], size[3]);
-            pool.index_select(0, &idx)
-                .view([b, n, kv, self.page, d])
-                .permute([0, 2, 1, 3, 4])
-                .reshape([b, kv, n * self.page, d])
-                .narrow(2, 0, span)
+        Reads::Pages { b, n, span, idx }
+    }
+
+    /// Layer `l`'s keys and values as `reads` says, `[slots, kv_heads,
+    /// span, d]` each: pages gathered in order (a slot holding fewer pages
+    /// reads its first page there, which the length mask hides).
+    fn gather(&self, l: usize, reads: &Reads) -> (Tensor, Tensor) {
+        let take = |pool: &Tensor| match reads {
+            Reads::Slots { b, span, idx } => {
+                let c = pool.narrow(2, 0, *span);
+                match idx {
+                    None => c.narrow(0, 0, *b),
+                    Some(idx) => c.index_select(0, idx),
+                }
+            }
+            Reads::Pages { b, n, span, idx } => {
+                let size = pool.size();
+                let (kv, d) = (size[1], size[3]);
+                pool.index_select(0, idx)
+                    .view([*b, *n, kv, self.page, d])
+                    .permute([0, 2, 1, 3, 4])
+                    .reshape([*b, kv, *n * self.page, d])
+                    .narrow(2, 0, *span)
+            }
         };
         (take(&self.keys[l]), take(&self.values[l]))
     }
@@ -298,8 +330,9 @@ impl KvCache {
             );
         }
         let (mut keys, mut values) = (Vec::new(), Vec::new());
+        let reads = self.reads(&[slot], n as i64);
         for l in 0..self.keys.len() {
-            let (k, v) = self.gather(l, &[slot], n as i64);
+            let (k, v) = self.gather(l, &reads);
             keys.push(k.squeeze_dim(0).copy());
             values.push(v.squeeze_dim(0).copy());
         }
@@ -448,13 +481,10 @@ impl Llama {
         for (&s, &p) in stepped.iter().zip(&pos) {
             cache.reserve(s, p + 1);
         }
-        let (page_of, offset): (Vec<i64>, Vec<i64>) = stepped
-            .iter()
-            .zip(&pos)
-            .map(|(&s, &p)| (cache.tables[s][(p / cache.page) as usize], p % cache.page))
-            .unzip();
-        let page_idx = Tensor::from_slice(&page_of).to_device(device);
-        let offset_idx = Tensor::from_slice(&offset).to_device(device);
+        let (page_idx, offset_idx) =
+            cache.places(stepped.iter().copied().zip(pos.iter().copied()), device);
+        // Every layer reads the same places.
+        let reads = cache.reads(&stepped, span);
         let tables = self.rope_tables(&pos);
         let ids: Vec<i64> = tokens.iter().map(|&(_, t)| t).collect();
         let ids = Tensor::from_slice(&ids).to_device(device);
@@ -471,9 +501,8 @@ impl Llama {
                         None,
                         Some(offset_idx.shallow_clone()),
                     ];
-                    let _ = cache.keys[l].index_put_(&index, &k.transpose(0, 1), false);
-                    let _ = cache.values[l].index_put_(&index, &v.transpose(0, 1), false);
-                    let (keys, values) = cache.gather(l, &stepped, span);
+                    cache.put(l, index, k, v);
+                    let (keys, values) = cache.gather(l, &reads);
                     // GQA without repeating the cache: the `heads / kv_heads`
                     // query heads of a kv head (HF `repeat_kv` order) are its
                     // queries.

@@ -217,30 +217,19 @@ impl Endpoint {
             ));
         }
         let fresh = ep.turns == 0;
-        let rendered = if fresh {
-            self.first(&request)
-        } else {
-            self.next(ep, &request, &id)
-        };
-        let total = rendered.as_ref().map_or(0, |ids| ep.ids.len() + ids.len());
-        let failed = match rendered {
-            Ok(_) if total >= self.max_tokens as usize => Some(ApiError::bad(
-                "messages",
-                format!("episode {id} would be {total} tokens before its reply, and data.max_tokens = {} bounds a whole episode", self.max_tokens),
-            )),
-            Ok(_) => None,
-            Err(ref e) => Some(e.clone()),
-        };
-        if let Some(e) = failed {
-            if fresh {
-                book.open.remove(&id);
+        let ids = match self.render(ep, &request, &id) {
+            Ok(ids) => ids,
+            Err(e) => {
+                // A refused first call opens nothing.
+                if fresh {
+                    book.open.remove(&id);
+                }
+                return Err(e);
             }
-            return Err(e);
-        }
-        let ids = rendered.expect("checked above");
-        let room = self.max_tokens as usize - total;
+        };
         let ep = book.open.get_mut(&id).expect("inserted above");
-        if ep.turns == 0 {
+        let room = self.max_tokens as usize - (ep.ids.len() + ids.len());
+        if fresh {
             ep.prompt_len = ids.len();
             ep.tools = request.tools.clone();
         }
@@ -265,6 +254,23 @@ impl Endpoint {
             stop_ids: vec![self.enc.eos_id],
             request,
         })
+    }
+
+    /// A call's new tokens (the whole prompt for an episode's first call),
+    /// leaving room for at least one token of reply.
+    fn render(&self, ep: &Episode, r: &ChatRequest, id: &str) -> Result<Vec<u32>, ApiError> {
+        let ids = match ep.turns {
+            0 => self.first(r)?,
+            _ => self.next(ep, r, id)?,
+        };
+        let total = ep.ids.len() + ids.len();
+        if total >= self.max_tokens as usize {
+            return Err(ApiError::bad(
+                "messages",
+                format!("episode {id} would be {total} tokens before its reply, and data.max_tokens = {} bounds a whole episode", self.max_tokens),
+            ));
+        }
+        Ok(ids)
     }
 
     /// The first call's prompt: the whole conversation rendered.
@@ -466,10 +472,12 @@ impl Endpoint {
             .zip(&ep.policy)
             .map(|(&t, &p)| if p { t as i32 } else { IGNORE_INDEX })
             .collect();
-        let group = r
-            .group
-            .clone()
-            .unwrap_or_else(|| format!("prompt-{:016x}", fnv(&ep.ids[..ep.prompt_len])));
+        let group = r.group.clone().unwrap_or_else(|| {
+            format!(
+                "prompt-{:016x}",
+                fnv(ep.ids[..ep.prompt_len].iter().copied())
+            )
+        });
         let stats = Stats {
             turns: ep.turns,
             tool_calls: ep.tool_calls,
@@ -526,25 +534,19 @@ pub struct Stats {
     pub tokens: usize,
 }
 
-/// An id's FNV-1a, short: response and tool-call ids.
+/// An id's FNV-1a, short: response and tool-call ids (each byte hashed
+/// as a little-endian u32, as token ids are).
 fn short(id: &str) -> String {
-    format!(
-        "{:08x}",
-        fnv(id
-            .as_bytes()
-            .iter()
-            .map(|&b| u32::from(b))
-            .collect::<Vec<_>>()
-            .as_slice()) as u32
-    )
+    format!("{:08x}", fnv(id.bytes().map(u32::from)) as u32)
 }
 
-fn fnv(ids: &[u32]) -> u64 {
-    ids.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &t| {
-        t.to_le_bytes()
-            .iter()
-            .fold(h, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
-    })
+/// FNV-1a of token ids, each as its 4 little-endian bytes.
+fn fnv(ids: impl IntoIterator<Item = u32>) -> u64 {
+    ids.into_iter()
+        .flat_map(u32::to_le_bytes)
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+        })
 }
 
 #[cfg(test)]
