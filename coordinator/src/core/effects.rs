@@ -226,6 +226,10 @@ pub enum Effect {
     WriteTokenizer {
         job: JobId,
         dir: PathBuf,
+        /// A checkpoint's: the shell acknowledges the files as
+        /// [`super::job::TOKENIZER_FILES`]'s `CheckpointDone` of this step
+        /// (the checkpoint is durable only with them).
+        step: Option<u64>,
     },
     Send {
         worker: WorkerId,

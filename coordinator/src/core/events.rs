@@ -261,6 +261,13 @@ pub enum Event {
         step: u64,
         result: std::result::Result<(), String>,
     },
+    /// The shell wrote the tokenizer files of step `step`'s checkpoint
+    /// (`Effect::WriteTokenizer`): acknowledged as
+    /// [`super::job::TOKENIZER_FILES`].
+    TokenizerWritten {
+        job: JobId,
+        step: u64,
+    },
     /// The shell could not write one of the job's outputs (`metrics.jsonl`,
     /// a checkpoint's removal, …): the job fails, naming it, rather than
     /// go on with a record that silently lacks it.
@@ -323,6 +330,7 @@ impl Event {
             | Event::EpisodesStepped { job, .. }
             | Event::EngineGenerated { job, .. }
             | Event::EngineReloaded { job, .. }
+            | Event::TokenizerWritten { job, .. }
             | Event::OutputFailed { job, .. } => Some(job),
             Event::SubmitJob { id, .. } => Some(id),
             Event::RestoreJob { rec, .. } => Some(&rec.id),

@@ -21,6 +21,11 @@ use crate::job::settings::Settings;
 use crate::job::spec::JobSpec;
 use crate::stream::cursor::Order;
 
+/// Who acknowledges a checkpoint's tokenizer files (the coordinator's
+/// shell, with `Event::TokenizerWritten`, beside the members'
+/// `CheckpointDone`): a worker id that registration refuses.
+pub const TOKENIZER_FILES: &str = "coordinator/tokenizer-files";
+
 /// A job with its live state.
 #[derive(Debug, Clone)]
 pub struct Job {
@@ -362,6 +367,7 @@ impl Job {
         fx.push(Effect::WriteTokenizer {
             job: self.rec.id.clone(),
             dir: dir.clone(),
+            step: Some(step),
         });
         for m in &gen.members {
             fx.push(Effect::Send {
@@ -374,7 +380,11 @@ impl Job {
                 },
             });
         }
-        let writers = gen.members.clone();
+        // The checkpoint is durable once every member wrote its part and
+        // the coordinator its tokenizer files (acknowledged apart: a job
+        // must not complete before a tokenizer write that then fails).
+        let mut writers = gen.members.clone();
+        writers.push(TOKENIZER_FILES.to_string());
         self.acks.checkpoints.expect(step, writers);
     }
 }

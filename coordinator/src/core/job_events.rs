@@ -72,6 +72,9 @@ impl JobCtx<'_> {
                     q.cancel(id);
                 }
             }
+            Event::TokenizerWritten { step, .. } => {
+                self.on_checkpoint_done(super::job::TOKENIZER_FILES, step)
+            }
             Event::OutputFailed { what, .. } => {
                 if !self.job.rec.state.is_terminal() {
                     let detail = format!("writing the job's output failed: {what}");

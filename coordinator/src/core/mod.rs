@@ -74,7 +74,7 @@ pub use error::{CoreError, OutputOverlap, Result};
 pub use eval::EvalMetrics;
 pub use events::{Beat, Event, JobStart, RankResult};
 pub use generation::{Generation, GeneratorSet};
-pub use job::{BoundaryRequests, Job};
+pub use job::{BoundaryRequests, Job, TOKENIZER_FILES};
 pub use job_data::JobData;
 pub use machine::Coordinator;
 pub use metrics::{MetricSums, SourceMetrics, SourceSums, StepMetrics};

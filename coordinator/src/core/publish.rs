@@ -58,6 +58,7 @@ pub(crate) fn request(job: &mut Job, fx: &mut Effects) {
         fx.push(Effect::WriteTokenizer {
             job: job.rec.id.clone(),
             dir: dir.clone(),
+            step: None,
         });
     }
     for m in &members {

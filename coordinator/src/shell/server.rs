@@ -284,21 +284,24 @@ impl Server {
             }
         });
         let markers = tokio::spawn(keep_markers(self.shared.clone(), shutdown.clone()));
+        // Everything holding the state (and so the store) is awaited before
+        // `run` returns: a restarted coordinator opens the same store.
+        let mut listeners = Vec::new();
         if let Some(l) = self.metrics {
-            tokio::spawn(crate::shell::http::serve(
+            listeners.push(tokio::spawn(crate::shell::http::serve(
                 l,
                 self.shared.clone(),
                 self.config.security.tokens.admin.clone(),
                 shutdown.clone(),
-            ));
+            )));
         }
         if let Some(l) = self.serve {
-            tokio::spawn(crate::shell::openai::serve(
+            listeners.push(tokio::spawn(crate::shell::openai::serve(
                 l,
                 self.shared.clone(),
                 self.config.security.tokens.admin.clone(),
                 shutdown.clone(),
-            ));
+            )));
         }
         let max = self.config.security.max_message_bytes;
         let admin = AdminServer::new(AdminService::new(self.shared.clone()))
@@ -343,8 +346,15 @@ impl Server {
                 info!(grace = ?grace, "connections still open after the grace period (worker sessions); closing them");
             }
         }
-        ticker.abort();
-        markers.abort();
+        // Both return once `shutdown` fired (it has: the server stops only
+        // then), after the blocking work in flight, which holds the state.
+        let _ = ticker.await;
+        let _ = markers.await;
+        for l in listeners {
+            if tokio::time::timeout(grace, l).await.is_err() {
+                info!("an HTTP listener still had open connections after the grace period");
+            }
+        }
         let jobs = self.shared.lock().core.jobs().count();
         info!(jobs, state_dir = %self.config.state_dir.display(), "coordinator stopped; state is on disk");
         Ok(())

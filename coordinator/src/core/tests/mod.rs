@@ -161,6 +161,10 @@ struct Sim {
     to_score: Vec<generate::RoundToScore>,
     /// Multi-turn rounds whose environments the core asked to step.
     to_step: Vec<crate::rl::episode::EpisodesToStep>,
+    /// Checkpoint tokenizer writes to acknowledge: (job, step).
+    tokenizer_acks: VecDeque<(JobId, u64)>,
+    /// Leave them to the test (a slow or failing write).
+    hold_tokenizer_acks: bool,
     /// Endpoint calls handed back to the shell, in order.
     served: Vec<crate::rl::serve::Served>,
     /// Whether `run` scores rounds itself (else a test answers them).
@@ -244,6 +248,8 @@ impl Sim {
             rounds: Vec::new(),
             to_score: Vec::new(),
             to_step: Vec::new(),
+            tokenizer_acks: VecDeque::new(),
+            hold_tokenizer_acks: false,
             served: Vec::new(),
             auto_score: true,
             engine_rounds: Vec::new(),
@@ -303,6 +309,20 @@ impl Sim {
     }
 
     fn handle(&mut self, e: Event) -> Result<()> {
+        let result = self.handle_one(e);
+        // The shell's tokenizer writes finish at once (before any worker's
+        // checkpoint ack) unless a test holds them.
+        while !self.hold_tokenizer_acks {
+            let Some((job, step)) = self.tokenizer_acks.pop_front() else {
+                break;
+            };
+            // (A job that ended meanwhile is gone: nothing to acknowledge.)
+            let _ = self.handle_one(Event::TokenizerWritten { job, step });
+        }
+        result
+    }
+
+    fn handle_one(&mut self, e: Event) -> Result<()> {
         self.now += 10;
         let (persists, fx) = self.c.handle(e, self.now)?.into_parts();
         for p in persists {
@@ -413,7 +433,13 @@ impl Sim {
                     self.history_loads.push((from, to));
                     self.history_unanswered.push_back((job, from, to));
                 }
-                Effect::WriteTokenizer { dir, .. } => self.tokenizer_dirs.push(dir),
+                Effect::WriteTokenizer { job, dir, step } => {
+                    self.tokenizer_dirs.push(dir);
+                    // As the shell does once the files are written.
+                    if let Some(step) = step {
+                        self.tokenizer_acks.push_back((job, step));
+                    }
+                }
                 Effect::AppendMetrics { .. } | Effect::Publish { .. } => {}
             }
         }

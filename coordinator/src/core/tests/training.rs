@@ -545,3 +545,49 @@ fn a_job_resumed_from_a_checkpoint_continues_at_its_step_and_cursor() {
         assert_eq!(resumed.0.cursor, reference.0.cursor);
     }
 }
+
+/// A checkpoint is durable only with its tokenizer files: a job whose
+/// last checkpoint's workers are done completes only once the shell
+/// acknowledged the files, and fails (never "completed") when writing them
+/// failed — whenever the write finishes relative to the workers.
+#[test]
+fn a_job_completes_only_after_its_checkpoints_tokenizer_files() {
+    for fails in [false, true] {
+        let mut s = Sim::new();
+        s.hold_tokenizer_acks = true;
+        s.submit(spec("steps = 2", "docs_per_step = 4", 1, 1), docs(8));
+        s.worker("a");
+        s.run();
+        // Every worker message answered; the files are still being written.
+        assert_eq!(s.committed.len(), 2);
+        assert_eq!(
+            s.state(),
+            JobState::Running,
+            "waits for the tokenizer files"
+        );
+        let acks: Vec<(JobId, u64)> = s.tokenizer_acks.drain(..).collect();
+        assert!(acks.iter().any(|(_, step)| *step == 2), "{acks:?}");
+        for (job, step) in acks {
+            let event = match fails {
+                false => Event::TokenizerWritten { job, step },
+                true => Event::OutputFailed {
+                    job,
+                    what: format!("out/checkpoints/step-{step}: tokenizer files: disk full"),
+                },
+            };
+            let _ = s.handle(event);
+        }
+        s.run();
+        let job = s.c.job("job").unwrap();
+        if fails {
+            assert_eq!(job.rec.state, JobState::Failed);
+            assert!(
+                job.rec.reason.contains("tokenizer files"),
+                "{}",
+                job.rec.reason
+            );
+        } else {
+            assert_eq!(job.rec.state, JobState::Completed, "{}", job.rec.reason);
+        }
+    }
+}

@@ -270,15 +270,19 @@ impl Shared {
                     after.failed_outputs.push(Event::OutputFailed { job, what });
                 }
             },
-            Effect::WriteTokenizer { job, dir } => {
+            Effect::WriteTokenizer { job, dir, step } => {
                 if let Ok(j) = inner.core.job(&job) {
                     let (me, id) = (self.me.clone(), job.clone());
                     self.tokenizers
-                        .write(&job, &j.spec.data, &dir, move |what| {
+                        .write(&job, &j.spec.data, &dir, move |result| {
+                            let event = match (result, step) {
+                                (Err(what), _) => Event::OutputFailed { job: id, what },
+                                (Ok(()), Some(step)) => Event::TokenizerWritten { job: id, step },
+                                (Ok(()), None) => return,
+                            };
                             if let Some(s) = me.upgrade() {
-                                let failed = Event::OutputFailed { job: id, what };
-                                if let Err(e) = s.apply(failed) {
-                                    error!(%e, "failing the job after a tokenizer write failed");
+                                if let Err(e) = s.apply(event) {
+                                    error!(%e, "taking a tokenizer write's result failed");
                                 }
                             }
                         });

@@ -7,7 +7,7 @@
 //! that fails is handed to `on_error` (the service fails the job, as for
 //! any output it cannot write).
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
@@ -17,47 +17,76 @@ use crate::core::JobId;
 use crate::job::data::DataSection;
 use crate::model::export::{tokenizer_files, write_tokenizer_files};
 
+/// What a directory's write said, told to whoever asked for it.
+type Done = Box<dyn FnOnce(Result<(), String>) + Send>;
+
+/// A directory's tokenizer write: running (with who waits for it) or its
+/// result.
+enum Write {
+    Running(Vec<Done>),
+    Finished(Result<(), String>),
+}
+
 #[derive(Default)]
 pub(super) struct TokenizerWriter {
-    started: Mutex<HashSet<PathBuf>>,
+    dirs: Mutex<HashMap<PathBuf, Write>>,
 }
 
 impl TokenizerWriter {
-    /// Writes `data`'s tokenizer files into `dir` unless already started
-    /// for it (every rank gets the same request), on another thread;
-    /// `on_error` gets what failed.
+    /// Writes `data`'s tokenizer files into `dir` once, on another thread;
+    /// `done` gets the result — of this write, or of the one that already
+    /// ran or runs for `dir` (a checkpoint asked again is acknowledged
+    /// again). `done` never runs on the caller's thread, which holds the
+    /// state lock it takes.
     pub fn write(
-        &self,
+        self: &std::sync::Arc<Self>,
         job: &JobId,
         data: &DataSection,
         dir: &Path,
-        on_error: impl FnOnce(String) + Send + 'static,
+        done: impl FnOnce(Result<(), String>) + Send + 'static,
     ) {
-        let fresh = self
-            .started
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(dir.to_path_buf());
-        if !fresh {
-            return;
+        let done: Done = Box::new(done);
+        let mut dirs = self.dirs.lock().unwrap_or_else(|p| p.into_inner());
+        match dirs.get_mut(dir) {
+            Some(Write::Running(waiting)) => return waiting.push(done),
+            Some(Write::Finished(result)) => {
+                let result = result.clone();
+                return spawn(move || done(result));
+            }
+            None => {
+                dirs.insert(dir.to_path_buf(), Write::Running(vec![done]));
+            }
         }
+        drop(dirs);
         let (job, data, dir) = (job.clone(), data.clone(), dir.to_path_buf());
-        let work = move || {
+        let me = self.clone();
+        spawn(move || {
             let result = tokenizer_files(&data)
                 .map_err(|e| e.to_string())
-                .and_then(|files| write_tokenizer_files(&dir, &files).map_err(|e| e.to_string()));
-            match result {
+                .and_then(|files| write_tokenizer_files(&dir, &files).map_err(|e| e.to_string()))
+                .map_err(|e| format!("{}: tokenizer files: {e}", dir.display()));
+            match &result {
                 Ok(()) => debug!(%job, dir = %dir.display(), "tokenizer files written"),
-                Err(e) => {
-                    error!(%job, dir = %dir.display(), "tokenizer files not written: {e}");
-                    on_error(format!("{}: tokenizer files: {e}", dir.display()));
-                }
+                Err(e) => error!(%job, "tokenizer files not written: {e}"),
             }
-        };
-        // Never inline: the caller holds the state lock `on_error` takes.
-        match tokio::runtime::Handle::try_current() {
-            Ok(h) => drop(h.spawn_blocking(work)),
-            Err(_) => drop(std::thread::spawn(work)),
-        }
+            let waiting = {
+                let mut dirs = me.dirs.lock().unwrap_or_else(|p| p.into_inner());
+                match dirs.insert(dir, Write::Finished(result.clone())) {
+                    Some(Write::Running(waiting)) => waiting,
+                    _ => Vec::new(),
+                }
+            };
+            for d in waiting {
+                d(result.clone());
+            }
+        });
+    }
+}
+
+/// Runs `work` off the caller's thread.
+fn spawn(work: impl FnOnce() + Send + 'static) {
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) => drop(h.spawn_blocking(work)),
+        Err(_) => drop(std::thread::spawn(work)),
     }
 }

@@ -30,7 +30,7 @@ pub struct Shared {
     pub(super) metrics: crate::shell::prometheus::Exporter,
     /// Wakes rollout pushers waiting for queue room.
     pub(super) rollouts: Signals,
-    pub(super) tokenizers: TokenizerWriter,
+    pub(super) tokenizers: Arc<TokenizerWriter>,
     pub(super) tensorboard: TensorBoard,
     /// The RL loop: each generating job's prompts, tokenizer and verifier.
     pub(super) scorers: Mutex<HashMap<JobId, Arc<crate::rl::scorer::Scorer>>>,
@@ -133,7 +133,7 @@ impl Shared {
             watch,
             metrics: crate::shell::prometheus::Exporter::new(),
             rollouts: Signals::default(),
-            tokenizers: TokenizerWriter::default(),
+            tokenizers: Arc::default(),
             tensorboard: TensorBoard::default(),
             scorers: Mutex::new(HashMap::new()),
             endpoints: Mutex::new(HashMap::new()),

@@ -62,7 +62,15 @@ pub fn register(r: &wire::RegisterRequest) -> Result<(), Status> {
 
 /// The first session message's worker id.
 pub fn hello(h: &wire::Hello) -> Result<(), Status> {
-    non_empty("hello.worker_id", &h.worker_id)
+    non_empty("hello.worker_id", &h.worker_id)?;
+    // The coordinator's own acknowledger of checkpoint tokenizer files.
+    if h.worker_id == crate::core::TOKENIZER_FILES {
+        return Err(Status::invalid_argument(format!(
+            "hello.worker_id {:?} is reserved for the coordinator",
+            h.worker_id
+        )));
+    }
+    Ok(())
 }
 
 /// One session message after hello.
@@ -178,6 +186,10 @@ mod tests {
         }
         let e = hello(&wire::Hello::default()).unwrap_err();
         assert_eq!(e.message(), "hello.worker_id must not be empty");
+        let reserved = wire::Hello {
+            worker_id: crate::core::TOKENIZER_FILES.into(),
+        };
+        assert!(hello(&reserved).unwrap_err().message().contains("reserved"));
         let result = |sums| {
             Msg::StepResult(wire::StepResult {
                 job_id: "j".into(),
