@@ -301,7 +301,7 @@ impl Job {
     /// else the deadline floor (a round's pace is not learned: its length
     /// depends on what the policy samples).
     pub fn round_deadline_ms(&self) -> Option<i64> {
-        let r = self.round()?;
+        let r = self.round().filter(|r| r.out())?;
         let timeout = match self.spec.faults.step_timeout_s {
             Some(s) => (s * 1000.0).ceil() as i64,
             None => super::deadline::FLOOR_MS as i64,

@@ -13,8 +13,10 @@
 //!   (a reward replaces the verifier's for that episode);
 //! - `{"type": "close", "episode": ID}` once an episode ended (no answer).
 //!
-//! The steps of a turn are written together and may be answered in any
-//! order. What the protocol guarantees: an episode is reset before its
+//! Steps may be answered in any order, and other episodes' steps (of the
+//! next waves) may come before a slow one is answered: each answer goes
+//! to the core as it arrives, so an episode waiting on a slow tool holds
+//! no other. What the protocol guarantees: an episode is reset before its
 //! first step and stepped once per policy turn, in order; its ID is new
 //! for every attempt (a round lost with a worker or with the coordinator
 //! starts its episodes again under new IDs, from a reset — never from a
@@ -26,16 +28,17 @@
 //! Fenced like the `command` verifier (`crate::rl::verify::command`): a
 //! cleared environment but for `command::BASE_ENV` and `rl.env.env`, a process
 //! group of its own killed when the job's scorer goes, a deadline per
-//! turn (`rl.env.timeout_s`, default 60 s), lines of at most
+//! step (`rl.env.timeout_s`, default 60 s), lines of at most
 //! [`MAX_LINE_BYTES`], stderr logged (cut short) and never quoted in an
-//! error; an answer that is not JSON, names no open episode, or answers
-//! one twice fails the job naming the episode or the line.
+//! error; an answer that is not JSON, or names an episode not waiting for
+//! one (never stepped, or answered already), fails the job naming the
+//! episode or the line.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::PathBuf;
 use std::process::ChildStdin;
-use std::sync::{mpsc, Mutex};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value as Json};
@@ -89,6 +92,10 @@ pub enum EnvError {
         waiting: usize,
         timeout: Duration,
     },
+    /// Two calls stepped one episode at once (the core steps an episode
+    /// once per turn: a bug).
+    #[error("environment command {program:?}: episode {episode:?} stepped while a step of it waits for its answer")]
+    Twice { program: String, episode: String },
     /// A bad answer; `line` counts the program's stdout lines from 1.
     #[error("environment command {program:?}: stdout line {line}: {problem}")]
     BadLine {
@@ -104,19 +111,40 @@ pub struct CommandEnv {
     env: Vec<String>,
     base_dir: Option<PathBuf>,
     timeout: Duration,
-    running: Mutex<Option<Running>>,
+    running: Mutex<Option<Arc<Running>>>,
 }
 
 struct Running {
-    // Dropped (killed with its group) with the environment.
-    _group: Group,
+    /// Killed (with whatever it started) when taken or dropped.
+    group: Mutex<Option<Group>>,
     /// What to write to the program's stdin, in order, by a thread of its
     /// own: a program that stops reading never blocks the caller (the
-    /// turn's deadline catches it).
+    /// step's deadline catches it).
     stdin: mpsc::Sender<Vec<u8>>,
-    lines: mpsc::Receiver<std::io::Result<Option<Vec<u8>>>>,
-    /// Lines read so far (for errors).
-    read: u64,
+    /// Shared with the thread that reads the program's answers.
+    waiting: Arc<Mutex<Waiting>>,
+}
+
+/// The steps asked of the program and not answered yet.
+#[derive(Default)]
+struct Waiting {
+    /// By episode: where its answer goes (the asking call).
+    by_episode: HashMap<String, mpsc::Sender<Heard>>,
+    /// Set once the program broke; every step fails with it.
+    broken: Option<Broke>,
+}
+
+/// What the reading thread tells a step call.
+enum Heard {
+    Answer(String, StepOut),
+    Broke(Broke),
+}
+
+/// How the program broke (its line number counts its stdout from 1).
+#[derive(Debug, Clone)]
+enum Broke {
+    Exited,
+    BadLine { line: u64, problem: String },
 }
 
 impl CommandEnv {
@@ -144,48 +172,84 @@ impl CommandEnv {
         let stdin = child.stdin.take().expect("piped");
         let stdout = child.stdout.take().expect("piped");
         let stderr = child.stderr.take().expect("piped");
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || read_lines(stdout, tx));
+        let waiting = Arc::new(Mutex::new(Waiting::default()));
+        let w = waiting.clone();
+        std::thread::spawn(move || dispatch(stdout, &w));
         let name = program.clone();
         std::thread::spawn(move || log_stderr(stderr, &name));
         Ok(Running {
-            _group: Group::new(child),
+            group: Mutex::new(Some(Group::new(child))),
             stdin: write_lines(stdin),
-            lines: rx,
-            read: 0,
+            waiting,
         })
     }
 
-    /// Steps every episode of `steps` (one turn of a round); the answers
-    /// in the same order. Any failure kills the program (the job fails).
-    pub fn step(&self, steps: &[StepIn<'_>]) -> Result<Vec<StepOut>, EnvError> {
-        let mut guard = self.running.lock().unwrap_or_else(|p| p.into_inner());
-        if guard.is_none() {
-            *guard = Some(self.start()?);
+    /// The running program, started when there is none (or it broke).
+    fn running(&self) -> Result<Arc<Running>, EnvError> {
+        let mut guard = lock(&self.running);
+        let broken = guard
+            .as_ref()
+            .is_some_and(|r| lock(&r.waiting).broken.is_some());
+        if guard.is_none() || broken {
+            *guard = Some(Arc::new(self.start()?));
         }
-        let run = guard.as_mut().expect("started above");
-        let result = self.exchange(run, steps);
-        if result.is_err() {
+        Ok(guard.as_ref().expect("set above").clone())
+    }
+
+    /// Kills `run` (its steps in flight fail) and forgets it.
+    fn kill(&self, run: &Arc<Running>) {
+        drop(lock(&run.group).take());
+        let mut guard = lock(&self.running);
+        if guard.as_ref().is_some_and(|r| Arc::ptr_eq(r, run)) {
             *guard = None;
         }
-        result
     }
 
-    /// Tells the program these episodes ended (best effort: a program
-    /// that went away is found at the next step).
-    pub fn close(&self, episodes: &[&str]) {
-        let guard = self.running.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(run) = guard.as_ref() {
-            let mut out = Vec::new();
-            for e in episodes {
-                writeln!(out, "{}", json!({"type": "close", "episode": e})).expect("to memory");
+    /// Steps every episode of `steps`; the answers in the same order. Any
+    /// failure kills the program (the job fails).
+    pub fn step(&self, steps: &[StepIn<'_>]) -> Result<Vec<StepOut>, EnvError> {
+        let mut answers: Vec<Option<StepOut>> = vec![None; steps.len()];
+        self.step_each(steps, |batch| {
+            for (i, out) in batch {
+                answers[i] = Some(out);
             }
-            let _ = run.stdin.send(out);
-        }
+        })?;
+        Ok(answers
+            .into_iter()
+            .map(|a| a.expect("all answered"))
+            .collect())
     }
 
-    fn exchange(&self, run: &mut Running, steps: &[StepIn<'_>]) -> Result<Vec<StepOut>, EnvError> {
+    /// Steps every episode of `steps`, handing `deliver` the answers as
+    /// they arrive (with their index in `steps`; those read together in
+    /// one call). Other calls may step other episodes meanwhile. Any
+    /// failure kills the program (the job fails).
+    pub fn step_each(
+        &self,
+        steps: &[StepIn<'_>],
+        mut deliver: impl FnMut(Vec<(usize, StepOut)>),
+    ) -> Result<(), EnvError> {
         let program = self.program();
+        let run = self.running()?;
+        let (tx, rx) = mpsc::channel();
+        {
+            let mut w = lock(&run.waiting);
+            if let Some(b) = &w.broken {
+                return Err(b.clone().into_error(program, steps.len()));
+            }
+            for s in steps {
+                if w.by_episode.contains_key(s.episode) {
+                    return Err(EnvError::Twice {
+                        program,
+                        episode: s.episode.to_string(),
+                    });
+                }
+            }
+            for s in steps {
+                w.by_episode.insert(s.episode.to_string(), tx.clone());
+            }
+        }
+        drop(tx);
         let mut out = Vec::new();
         for s in steps {
             if s.turn == 1 {
@@ -201,69 +265,130 @@ impl CommandEnv {
         // program that stopped reading or went away shows as a timeout or
         // the end of its stdout below.
         if run.stdin.send(out).is_err() {
+            self.kill(&run);
             return Err(EnvError::Exited {
                 program,
                 waiting: steps.len(),
             });
         }
-        let index: BTreeMap<&str, usize> = steps
+        let index: HashMap<&str, usize> = steps
             .iter()
             .enumerate()
             .map(|(i, s)| (s.episode, i))
             .collect();
-        let mut answers: Vec<Option<StepOut>> = vec![None; steps.len()];
         let mut waiting = steps.len();
         let deadline = Instant::now().checked_add(self.timeout);
         while waiting > 0 {
             let left = deadline.map_or(Duration::MAX, |d| {
                 d.saturating_duration_since(Instant::now())
             });
-            let line = match run.lines.recv_timeout(left) {
-                Ok(Ok(Some(line))) => line,
-                Ok(Ok(None)) | Err(mpsc::RecvTimeoutError::Disconnected) => {
-                    return Err(EnvError::Exited { program, waiting })
-                }
-                Ok(Err(e)) => {
-                    run.read += 1;
-                    return Err(EnvError::BadLine {
-                        program,
-                        line: run.read,
-                        problem: e.to_string(),
-                    });
-                }
+            let first = match rx.recv_timeout(left) {
+                Ok(h) => h,
                 Err(mpsc::RecvTimeoutError::Timeout) => {
+                    self.kill(&run);
                     return Err(EnvError::TimedOut {
                         program,
                         waiting,
                         timeout: self.timeout,
-                    })
+                    });
                 }
+                // (The reader tells every waiting call before it goes.)
+                Err(mpsc::RecvTimeoutError::Disconnected) => Heard::Broke(Broke::Exited),
             };
-            run.read += 1;
-            let bad = |problem: String| EnvError::BadLine {
-                program: program.clone(),
-                line: run.read,
-                problem,
-            };
-            if line.iter().all(u8::is_ascii_whitespace) {
-                continue;
+            let mut batch = Vec::new();
+            for heard in std::iter::once(first).chain(rx.try_iter()) {
+                match heard {
+                    Heard::Answer(episode, answer) => {
+                        batch.push((index[episode.as_str()], answer));
+                        waiting -= 1;
+                    }
+                    Heard::Broke(b) => {
+                        self.kill(&run);
+                        return Err(b.into_error(program, waiting));
+                    }
+                }
             }
-            let (episode, answer) = parse_answer(&line).map_err(bad)?;
-            let Some(&i) = index.get(episode.as_str()) else {
-                return Err(bad(format!(
-                    "answers episode {episode:?}, which was not stepped in this turn"
-                )));
-            };
-            if answers[i].is_some() {
-                return Err(bad(format!("answers episode {episode:?} twice")));
-            }
-            answers[i] = Some(answer);
-            waiting -= 1;
+            deliver(batch);
         }
-        Ok(answers
-            .into_iter()
-            .map(|a| a.expect("all answered"))
-            .collect())
+        Ok(())
+    }
+
+    /// Tells the program these episodes ended (best effort: a program
+    /// that went away is found at the next step).
+    pub fn close(&self, episodes: &[&str]) {
+        let guard = lock(&self.running);
+        if let Some(run) = guard.as_ref() {
+            let mut out = Vec::new();
+            for e in episodes {
+                writeln!(out, "{}", json!({"type": "close", "episode": e})).expect("to memory");
+            }
+            let _ = run.stdin.send(out);
+        }
+    }
+}
+
+impl Broke {
+    fn into_error(self, program: String, waiting: usize) -> EnvError {
+        match self {
+            Broke::Exited => EnvError::Exited { program, waiting },
+            Broke::BadLine { line, problem } => EnvError::BadLine {
+                program,
+                line,
+                problem,
+            },
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Reads the program's stdout (lines of at most [`MAX_LINE_BYTES`]) and
+/// hands each answer to the call waiting for its episode, until the
+/// program breaks: it exits, or writes a line that is not an answer to a
+/// waiting step; then every waiting call, and every later one, is told.
+fn dispatch(stdout: impl Read, waiting: &Mutex<Waiting>) {
+    let mut r = BufReader::new(stdout);
+    let mut read = 0u64;
+    let broke = loop {
+        let mut line = Vec::new();
+        let got = (&mut r)
+            .take(MAX_LINE_BYTES as u64 + 1)
+            .read_until(b'\n', &mut line);
+        read += 1;
+        let bad = |problem: String| Broke::BadLine {
+            line: read,
+            problem,
+        };
+        match got {
+            Ok(0) => break Broke::Exited,
+            Ok(_) if line.len() > MAX_LINE_BYTES => {
+                break bad(format!("a line longer than {MAX_LINE_BYTES} bytes"))
+            }
+            Ok(_) => {}
+            Err(e) => break bad(e.to_string()),
+        }
+        if line.iter().all(u8::is_ascii_whitespace) {
+            continue;
+        }
+        let (episode, answer) = match parse_answer(&line) {
+            Ok(a) => a,
+            Err(problem) => break bad(problem),
+        };
+        let to = lock(waiting).by_episode.remove(&episode);
+        let Some(to) = to else {
+            break bad(format!(
+                "answers episode {episode:?}, which is not waiting for an answer (never stepped, or answered already)"
+            ));
+        };
+        // A call that gave up (its deadline) is gone: nothing to tell.
+        let _ = to.send(Heard::Answer(episode, answer));
+    };
+    let mut w = lock(waiting);
+    w.broken = Some(broke.clone());
+    for (_, to) in w.by_episode.drain() {
+        let _ = to.send(Heard::Broke(broke.clone()));
     }
 }
 
@@ -362,30 +487,6 @@ fn write_lines(mut stdin: ChildStdin) -> mpsc::Sender<Vec<u8>> {
         }
     });
     tx
-}
-
-/// Sends the program's stdout lines (each at most [`MAX_LINE_BYTES`]),
-/// then `None` at its end.
-fn read_lines(stdout: impl Read, tx: mpsc::Sender<std::io::Result<Option<Vec<u8>>>>) {
-    let mut r = BufReader::new(stdout);
-    loop {
-        let mut line = Vec::new();
-        let read = (&mut r)
-            .take(MAX_LINE_BYTES as u64 + 1)
-            .read_until(b'\n', &mut line);
-        let msg = match read {
-            Ok(0) => Ok(None),
-            Ok(_) if line.len() > MAX_LINE_BYTES => Err(std::io::Error::other(format!(
-                "a line longer than {MAX_LINE_BYTES} bytes"
-            ))),
-            Ok(_) => Ok(Some(line)),
-            Err(e) => Err(e),
-        };
-        let end = !matches!(msg, Ok(Some(_)));
-        if tx.send(msg).is_err() || end {
-            return;
-        }
-    }
 }
 
 /// Logs the first lines of the program's stderr (cut to 4 KiB each),

@@ -6,12 +6,12 @@
 
 use std::sync::Arc;
 
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use super::engine::tick::hand_to_scorer;
 use super::episode::{EnvReply, EpisodesToStep};
 use super::generation::GenCompletion;
-use super::rounds::{LoopInputs, Round, RoundKind, RoundStats, MAX_BARREN_GROUPS};
+use super::rounds::{LoopInputs, Round, RoundKind, RoundStats, WaveNext, MAX_BARREN_GROUPS};
 use super::stream::Admission;
 use crate::core::ctx::JobCtx;
 use crate::core::effects::{Effect, Persist, ToWorker, WatchItem};
@@ -179,10 +179,9 @@ impl JobCtx<'_> {
             );
             return;
         };
-        // A multi-turn round waiting on its environments has every answer
-        // of its turn: another is a repeat.
-        let stepping = r.stepping();
-        let Some(rank) = rank.filter(|_| r.is(generation, round) && !stepping) else {
+        // (A multi-turn round with no wave out has every answer of its
+        // last wave: another is a repeat.)
+        let Some(rank) = rank.filter(|_| r.is(generation, round)) else {
             return self.stale_answer(worker, generation, round);
         };
         let Work::Generating(mut r) = std::mem::replace(&mut active.work, Work::Idle) else {
@@ -199,23 +198,69 @@ impl JobCtx<'_> {
         self.round_answered(r);
     }
 
-    /// A round every rank answered: the turn of a multi-turn round whose
-    /// episodes are not all over goes to the environments
-    /// (`Effect::StepEpisodes`); any other round to the scorer.
+    /// A round every rank answered: a multi-turn round's wave goes to
+    /// the environments (`Effect::StepEpisodes`) and the round moves on;
+    /// any other round to the scorer.
     fn round_answered(&mut self, mut r: Box<Round>) {
         if r.kind == RoundKind::Serve {
             return self.serve_round_answered(*r);
         }
-        if let Some(step) = r.end_turn(&self.id) {
+        if let Some(step) = r.end_wave(&self.id) {
             self.step_episodes(step);
-            if let Some(a) = self.job.active_mut() {
-                a.work = Work::Generating(r);
-            }
-            return;
         }
+        self.move_round(r);
+    }
+
+    /// The workers' round with no wave out: the next wave when episodes
+    /// are ready, the scorer when all ended, else it waits for their
+    /// environments (the generation stays busy with it: no step runs
+    /// between the turns of a round's episodes).
+    fn move_round(&mut self, mut r: Box<Round>) {
+        match r.after_wave() {
+            WaveNext::Wave => {
+                let world = self.job.gen().map_or(1, |g| g.world_size());
+                let sampling = self.job.spec.rl.sampling.clone().unwrap_or_default();
+                let l = self
+                    .job
+                    .data
+                    .rollout_loop
+                    .as_mut()
+                    .expect("a generating job");
+                let plans = l.plan_wave(&mut r, world, &sampling, self.now);
+                self.send_wave(r, plans);
+            }
+            WaveNext::Wait => {
+                if let Some(a) = self.job.active_mut() {
+                    a.work = Work::Generating(r);
+                }
+            }
+            WaveNext::Score => {
+                let job = &mut *self.job;
+                let l = job.data.rollout_loop.as_mut().expect("a generating job");
+                hand_to_scorer(&self.id, &mut job.rec.reason, l, *r, self.fx);
+            }
+        }
+    }
+
+    /// Sends each rank its part of a multi-turn round's next wave.
+    fn send_wave(&mut self, r: Box<Round>, plans: Vec<super::rounds::RoundPlan>) {
         let job = &mut *self.job;
-        let l = job.data.rollout_loop.as_mut().expect("a generating job");
-        hand_to_scorer(&self.id, &mut job.rec.reason, l, *r, self.fx);
+        let episodes: usize = r.asked.iter().map(Vec::len).sum();
+        debug!(job = %self.id, round = r.id, episodes, "wave of episodes sent");
+        job.rec.reason = format!("generating round {} ({episodes} episodes' turns)", r.id);
+        let active = job.active_mut().expect("a round within a generation");
+        for (rank, (m, plan)) in active.gen.members.iter().zip(plans).enumerate() {
+            self.fx.push(Effect::Send {
+                worker: m.clone(),
+                msg: ToWorker::Generate {
+                    job: self.id.clone(),
+                    generation: r.generation,
+                    rank: rank as u32,
+                    plan: Arc::new(plan),
+                },
+            });
+        }
+        active.work = Work::Generating(r);
     }
 
     /// Asks the shell to step a turn's environments.
@@ -228,12 +273,13 @@ impl JobCtx<'_> {
         self.fx.push(Effect::StepEpisodes(Box::new(step)));
     }
 
-    /// The shell stepped the environments of round `round`'s open
-    /// episodes (on the workers' round, or the generators'): their next
-    /// turn is planned on the same ranks, or the round is scored once
-    /// every episode ended. A reply for any other round (one forgotten
-    /// with its generation) is ignored; one that does not fit, or an
-    /// environment that failed, fails the job.
+    /// The shell stepped the environments of some of round `round`'s
+    /// episodes (on the workers' round, or the generators'): those that
+    /// go on are ready for the next wave, which leaves at once when no
+    /// wave is out; the round is scored once every episode ended. Replies
+    /// for any other round (one forgotten with its generation) are
+    /// ignored; one that does not fit, or an environment that failed,
+    /// fails the job.
     pub(crate) fn on_episodes_stepped(
         &mut self,
         round: u64,
@@ -243,7 +289,7 @@ impl JobCtx<'_> {
         if job.rec.state.is_terminal() {
             return;
         }
-        let ours = |r: &Round| r.id == round && r.stepping();
+        let ours = |r: &Round| r.episodes.as_ref().is_some_and(|e| e.origin == round);
         let on_workers =
             matches!(job.active().map(|a| &a.work), Some(Work::Generating(r)) if ours(r));
         let taken = if on_workers {
@@ -261,8 +307,7 @@ impl JobCtx<'_> {
             warn!(job = %self.id, round, "environment replies for no round being stepped, ignored");
             return;
         };
-        let eps = r.episodes.as_mut().expect("a stepping round");
-        eps.stepping = false;
+        let eps = r.episodes.as_mut().expect("matched above");
         let applied = result.and_then(|replies| eps.apply(replies).map_err(|e| e.to_string()));
         if let Err(error) = applied {
             let why = Why::new(
@@ -272,23 +317,10 @@ impl JobCtx<'_> {
             self.finish(End::Failed(why));
             return;
         }
-        let over = eps.over();
-        match (on_workers, over) {
-            (true, true) => self.round_answered(r),
-            (true, false) => {
-                let world = self.job.gen().map_or(1, |g| g.world_size());
-                let sampling = self.job.spec.rl.sampling.clone().unwrap_or_default();
-                let l = self
-                    .job
-                    .data
-                    .rollout_loop
-                    .as_mut()
-                    .expect("a generating job");
-                let plans = l.plan_turn(&mut r, world, &sampling);
-                self.send_round(*r, plans);
-            }
-            (false, true) => self.generators_round_over(r),
-            (false, false) => self.next_generators_turn(r),
+        if on_workers {
+            self.move_round(r);
+        } else {
+            self.move_generators_round(r);
         }
     }
 

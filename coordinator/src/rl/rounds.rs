@@ -79,14 +79,26 @@ pub struct Round {
     pub policy_version: u64,
     /// Prompt-stream positions of the round (within one epoch).
     pub positions: Range<u64>,
+    /// When it (a multi-turn round: its last wave) was sent.
     pub started_ms: i64,
     /// Per rank: the (prompt, sample) pairs it was asked for.
     pub asked: Vec<Vec<(DocId, u32)>>,
     /// Per rank that answered: its completions and seconds.
     pub answers: BTreeMap<u32, (Vec<GenCompletion>, f64)>,
-    /// A job with `[rl.env]`: the round's episodes, turn by turn (`id`
-    /// and `asked` are those of the turn being generated).
+    /// A job with `[rl.env]`: the round's episodes, wave by wave (`id`
+    /// and `asked` are those of the last wave sent).
     pub episodes: Option<Box<Episodes>>,
+}
+
+/// What a multi-turn round does next ([`Round::after_wave`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WaveNext {
+    /// Send a wave of the ready episodes.
+    Wave,
+    /// Wait: a wave is out, or episodes wait on their environments.
+    Wait,
+    /// Every episode ended: score the round.
+    Score,
 }
 
 /// One prompt's group in a round to score: the prompt and its samples in
@@ -374,22 +386,25 @@ impl LoopState {
         Some((round, plans))
     }
 
-    /// The next turn of multi-turn round `r` whose environments replied:
-    /// a new round id (answers to the last turn are stale from here), its
-    /// open episodes asked of their ranks; greedy for an eval round.
-    pub fn plan_turn(
+    /// The next wave of multi-turn round `r`: a new round id (answers
+    /// to the last wave are stale from here), its ready episodes asked of
+    /// their ranks; greedy for an eval round.
+    pub fn plan_wave(
         &mut self,
         r: &mut Round,
         world: u32,
         sampling: &SamplingSection,
+        now_ms: i64,
     ) -> Vec<RoundPlan> {
         let inputs = self.inputs.as_ref().expect("a round was planned");
         let eps = r.episodes.as_mut().expect("a multi-turn round");
-        let (asked, requests) = eps.next_turn(world);
         r.id = self.next_round;
         self.next_round += 1;
+        let (asked, requests) = eps.next_wave(r.id, world);
         r.asked = asked;
         r.answers.clear();
+        // The deadline is per wave.
+        r.started_ms = now_ms;
         let sampling = match r.kind {
             RoundKind::Eval => SamplingSection {
                 temperature: 0.0,
@@ -473,10 +488,17 @@ fn plans_of(
 }
 
 impl Round {
-    /// Whether this is round `round` of generation `generation` (an answer
-    /// to any other is stale).
+    /// Whether this is round `round` of generation `generation` and
+    /// being generated (an answer to any other is stale; so is one to a
+    /// multi-turn round's wave that every rank answered already).
     pub fn is(&self, generation: u64, round: u64) -> bool {
-        self.generation == generation && self.id == round
+        self.generation == generation && self.id == round && self.out()
+    }
+
+    /// Whether ranks are generating it (a multi-turn round between waves
+    /// waits on environments only, which have deadlines of their own).
+    pub fn out(&self) -> bool {
+        self.episodes.as_ref().is_none_or(|e| e.wave.is_some())
     }
 
     /// Records rank `rank`'s answer after checking it answers exactly what
@@ -515,24 +537,26 @@ impl Round {
         Ok(self.answers.len() == self.asked.len())
     }
 
-    /// A multi-turn round every rank answered: takes the turn's answers
-    /// into its episodes and, while some are open, marks it stepping and
-    /// returns their environments' step; `None` when the round is to be
-    /// scored (every episode ended, or a single-turn round).
-    pub fn end_turn(&mut self, job: &str) -> Option<EpisodesToStep> {
+    /// A multi-turn round's wave every rank answered: takes its turns
+    /// into the episodes and returns them for their environments; `None`
+    /// for a single-turn round (to be scored).
+    pub fn end_wave(&mut self, job: &str) -> Option<EpisodesToStep> {
         let eps = self.episodes.as_mut()?;
-        eps.absorb(std::mem::take(&mut self.answers));
-        if eps.over() {
-            return None;
-        }
-        eps.stepping = true;
-        Some(eps.to_step(job, self.id))
+        Some(eps.absorb(job, std::mem::take(&mut self.answers)))
     }
 
-    /// Whether this multi-turn round waits for its environments' replies
-    /// (every answer of its turn is in: another one is a repeat).
-    pub fn stepping(&self) -> bool {
-        self.episodes.as_ref().is_some_and(|e| e.stepping)
+    /// What a multi-turn round does next once no wave is out: `Wave` when
+    /// episodes are ready, `Score` when every episode ended, else `Wait`
+    /// for environments. `Wait` while a wave is out, and `Score` for a
+    /// single-turn round.
+    pub fn after_wave(&self) -> WaveNext {
+        match &self.episodes {
+            None => WaveNext::Score,
+            Some(e) if e.wave.is_some() => WaveNext::Wait,
+            Some(e) if e.ready() => WaveNext::Wave,
+            Some(e) if e.over() => WaveNext::Score,
+            Some(_) => WaveNext::Wait,
+        }
     }
 
     /// The answered round as groups in stream order (call once complete).

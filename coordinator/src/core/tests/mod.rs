@@ -169,6 +169,8 @@ struct Sim {
     served: Vec<crate::rl::serve::Served>,
     /// Whether `run` scores rounds itself (else a test answers them).
     auto_score: bool,
+    /// Leave environment steps to the test even when `auto_score`.
+    hold_steps: bool,
     /// Rounds for the external engine (`rl.engine`), not yet answered.
     engine_rounds: Vec<generate::EngineRound>,
     /// Engine reloads asked: (step, dir).
@@ -252,6 +254,7 @@ impl Sim {
             hold_tokenizer_acks: false,
             served: Vec::new(),
             auto_score: true,
+            hold_steps: false,
             engine_rounds: Vec::new(),
             engine_reloads: Vec::new(),
             engine_overlap: Vec::new(),
@@ -499,7 +502,7 @@ impl Sim {
             return true;
         }
         let Some((w, msg)) = self.inbox.pop_front() else {
-            if self.auto_score && !self.to_step.is_empty() {
+            if self.auto_score && !self.hold_steps && !self.to_step.is_empty() {
                 let st = self.to_step.remove(0);
                 self.handle(rl_loop::stepped(&st)).unwrap();
                 return true;

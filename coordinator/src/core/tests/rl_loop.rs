@@ -620,6 +620,103 @@ fn episodes_take_turns_and_train_every_prompt_once_per_epoch() {
     }
 }
 
+/// Continuous batching across turns (issue 36): environments answer a
+/// wave's episodes at different times. The episode answered first goes on
+/// in a wave of its own while the others' environments step; those
+/// answered while that wave is out go together in the next; the slowest
+/// goes after; the round is scored when its last episode ended. Every
+/// request (the episode so far, its turn's seed, the policy) and every
+/// trained rollout is what turn-synchronous rounds give.
+#[test]
+fn episodes_answered_apart_go_on_in_waves_with_the_same_requests() {
+    let start = || {
+        let mut s = Sim::new();
+        let mut sp = loop_spec(2, 4, 2, 2);
+        sp.parallel.min_workers = 2;
+        s.worker("a");
+        s.worker("b");
+        s.submit_episodes(sp, 4);
+        s
+    };
+    type Asked = std::collections::BTreeSet<(DocId, u32, Vec<u32>, u64, u64)>;
+    let requests = |s: &Sim| -> Asked {
+        s.rounds
+            .iter()
+            .flat_map(|(_, p)| {
+                p.requests.iter().map(|q| {
+                    (
+                        q.prompt,
+                        q.sample,
+                        q.prompt_ids.to_vec(),
+                        q.seed,
+                        p.policy_version,
+                    )
+                })
+            })
+            .collect()
+    };
+    let asked = |s: &Sim, from: usize| -> usize {
+        s.rounds[from..].iter().map(|(_, p)| p.requests.len()).sum()
+    };
+    let reply = |st: &EpisodesToStep, which: &[usize]| {
+        stepped(&EpisodesToStep {
+            episodes: which.iter().map(|&i| st.episodes[i].clone()).collect(),
+            ..st.clone()
+        })
+    };
+    let mut sync = start();
+    sync.run();
+    assert_eq!(sync.state(), JobState::Completed);
+
+    let mut s = start();
+    s.hold_steps = true;
+    s.run_until(|s| !s.to_step.is_empty());
+    let first = s.to_step.remove(0);
+    assert_eq!(first.episodes.len(), 4);
+    let sent = s.rounds.len();
+    s.handle(reply(&first, &[0])).unwrap();
+    assert_eq!(s.rounds.len(), sent + 2, "a wave goes to every rank");
+    assert_eq!(
+        asked(&s, sent),
+        1,
+        "the episode answered first goes on alone"
+    );
+    let wave2 = s.rounds[sent].1.round;
+    s.handle(reply(&first, &[1, 2])).unwrap();
+    assert_eq!(
+        s.rounds.len(),
+        sent + 2,
+        "answered while a wave is out: they wait"
+    );
+    s.run_until(|s| !s.to_step.is_empty());
+    assert_eq!(
+        s.to_step[0].episodes.len(),
+        1,
+        "wave 2's turn to its environment"
+    );
+    assert_eq!(s.rounds.len(), sent + 4, "wave 3 left when wave 2 ended");
+    assert_eq!(asked(&s, sent + 2), 2);
+    assert!(s.rounds[sent + 2].1.round > wave2);
+    // The slowest environment answers while wave 3 is out.
+    s.handle(reply(&first, &[3])).unwrap();
+    assert!(
+        s.to_score.is_empty(),
+        "no episode of the round is scored early"
+    );
+    s.hold_steps = false;
+    s.run();
+    assert_eq!(s.state(), JobState::Completed);
+    assert_eq!(asked(&s, 0), asked(&sync, 0), "no turn asked twice");
+    assert_eq!(
+        requests(&s),
+        requests(&sync),
+        "the requests of turn-synchronous rounds"
+    );
+    assert_eq!(s.trained_groups(), sync.trained_groups());
+    assert!(s.rounds.len() > sync.rounds.len(), "in more waves");
+    assert_prompts_once_per_epoch(&s, 4, 2);
+}
+
 /// A worker lost while an episode waits for its second turn: the round
 /// starts again from its prompts with the first turn's seeds, nothing of
 /// the lost round is scored, and every prompt still trains once.

@@ -39,7 +39,7 @@ use crate::core::phase::Work;
 use crate::core::publish::{self, policy_dir};
 use crate::core::types::{AbortReason, End, EventKind, JobState, PlanKind, Why};
 use crate::rl::generation::GenCompletion;
-use crate::rl::rounds::{EngineRound, LoopState, Round, RoundPlan, Scoring};
+use crate::rl::rounds::{EngineRound, LoopState, Round, RoundPlan, Scoring, WaveNext};
 
 /// Hands an answered round to the shell for scoring.
 pub(crate) fn hand_to_scorer(
@@ -400,10 +400,7 @@ impl JobCtx<'_> {
         let Some(e) = self.job.data.engine_mut() else {
             return;
         };
-        let Some(mut r) = e
-            .round
-            .take_if(|r| r.is(generation, round) && !r.stepping())
-        else {
+        let Some(mut r) = e.round.take_if(|r| r.is(generation, round)) else {
             return self.stale_answer(worker, generation, round);
         };
         if !self.take_answer(&mut r, "generator", (worker, rank), answer) {
@@ -414,19 +411,29 @@ impl JobCtx<'_> {
             }
             return;
         }
-        if let Some(step) = r.end_turn(&self.id) {
-            // A multi-turn round stays out while its environments step.
+        if let Some(step) = r.end_wave(&self.id) {
             self.step_episodes(step);
-            if let Some(e) = self.job.data.engine_mut() {
-                e.round = Some(r);
-            }
-            return;
         }
-        self.generators_round_over(r);
+        self.move_generators_round(r);
+    }
+
+    /// The generators' round with no wave out: a multi-turn round's next
+    /// wave when episodes are ready, or it stays out while environments
+    /// step; the scorer once whole.
+    pub(crate) fn move_generators_round(&mut self, r: Box<Round>) {
+        match r.after_wave() {
+            WaveNext::Wave => self.next_generators_wave(r),
+            WaveNext::Wait => {
+                if let Some(e) = self.job.data.engine_mut() {
+                    e.round = Some(r);
+                }
+            }
+            WaveNext::Score => self.generators_round_over(r),
+        }
     }
 
     /// The generators' round is whole: to the scorer, or waiting for it.
-    pub(crate) fn generators_round_over(&mut self, r: Box<Round>) {
+    fn generators_round_over(&mut self, r: Box<Round>) {
         let job = &mut *self.job;
         let l = job.data.rollout_loop.as_mut().expect("a generating job");
         if l.scoring.is_some() {
@@ -438,10 +445,10 @@ impl JobCtx<'_> {
         hand_to_scorer(&self.id, &mut job.rec.reason, l, *r, self.fx);
     }
 
-    /// The next turn of the generators' multi-turn round, on the same
+    /// The next wave of the generators' multi-turn round, on the same
     /// generators (no weight sync happens while a round is out, so every
     /// turn samples the policy the round is tagged with).
-    pub(crate) fn next_generators_turn(&mut self, mut r: Box<Round>) {
+    fn next_generators_wave(&mut self, mut r: Box<Round>) {
         let job = &mut *self.job;
         let Some(gen) = job.gen() else {
             return;
@@ -449,7 +456,7 @@ impl JobCtx<'_> {
         let (gen_id, generators) = (gen.id, gen.generators.members.clone());
         let sampling = job.spec.rl.sampling.clone().unwrap_or_default();
         let l = job.data.rollout_loop.as_mut().expect("a generating job");
-        let plans = l.plan_turn(&mut r, generators.len() as u32, &sampling);
+        let plans = l.plan_wave(&mut r, generators.len() as u32, &sampling, self.now);
         job.rec.reason = format!("generators generating round {}", r.id);
         send_plans(&self.id, self.fx, gen_id, &generators, plans);
         if let Some(e) = job.data.engine_mut() {

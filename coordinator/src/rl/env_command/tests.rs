@@ -98,6 +98,58 @@ fn answers_may_come_in_any_order() {
     assert!(matches!(out[2], StepOut::Done(Some(_))));
 }
 
+/// An environment that holds one episode's answer (a slow tool): the
+/// other episodes of its step are answered as they come, and steps of
+/// other episodes (the next waves) go on meanwhile.
+#[test]
+fn a_slow_episode_holds_no_other() {
+    let d = tempfile::tempdir().unwrap();
+    let body = r#"
+import json, sys
+held = []
+def say(o):
+    print(json.dumps(o), flush=True)
+for line in sys.stdin:
+    m = json.loads(line)
+    if m["type"] != "step":
+        continue
+    if m["content"] == "slow":
+        held.append(m["episode"])
+    elif m["content"] == "release":
+        for h in held:
+            say({"episode": h, "messages": [{"role": "tool", "content": "late"}]})
+        held = []
+        say({"episode": m["episode"], "done": True})
+    else:
+        say({"episode": m["episode"], "messages": [{"role": "tool", "content": "now"}]})
+"#;
+    let env = std::sync::Arc::new(env_of(d.path(), "slow.py", body, "timeout_s = 20"));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let e = env.clone();
+    let waiting = std::thread::spawn(move || {
+        e.step_each(&[step("a", 1, "fast"), step("b", 1, "slow")], |batch| {
+            tx.send(batch).unwrap()
+        })
+    });
+    let got = rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    let now = StepOut::Messages(vec![("tool".into(), "now".into())]);
+    assert_eq!(
+        got,
+        vec![(0, now.clone())],
+        "the fast episode's answer alone"
+    );
+    // Another call goes on while "b" waits.
+    assert_eq!(env.step(&[step("c", 1, "fast")]).unwrap(), [now]);
+    let released = env.step(&[step("d", 1, "release")]).unwrap();
+    assert_eq!(released, [StepOut::Done(None)]);
+    let late = rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    assert_eq!(
+        late,
+        vec![(1, StepOut::Messages(vec![("tool".into(), "late".into())]))]
+    );
+    waiting.join().unwrap().unwrap();
+}
+
 /// Every way a program can misbehave fails the turn with a reason that
 /// names the line or the wait, never quoting what the program wrote.
 #[test]
@@ -125,7 +177,7 @@ fn a_misbehaving_environment_is_named_not_quoted() {
         "",
     );
     assert!(
-        e.contains("stdout line 1: answers episode \"zz\", which was not stepped"),
+        e.contains("stdout line 1: answers episode \"zz\", which is not waiting for an answer"),
         "{e}"
     );
     let e = run(
@@ -134,7 +186,7 @@ fn a_misbehaving_environment_is_named_not_quoted() {
         "",
     );
     assert!(
-        e.contains("stdout line 2: answers episode \"e1\" twice"),
+        e.contains("stdout line 2: answers episode \"e1\", which is not waiting"),
         "{e}"
     );
     let e = run("sleepy.py", "        time.sleep(30)", "timeout_s = 0.5");

@@ -25,8 +25,23 @@ use crate::rl::tools;
 use crate::rl::verify::Score;
 
 impl Scorer {
-    /// Steps the environment of every open episode of a round.
+    /// Steps the environment of every episode of `s`; the replies in the
+    /// same order.
     pub fn step(&self, s: &EpisodesToStep) -> Result<Vec<EnvReply>, LoopError> {
+        let mut all = Vec::with_capacity(s.episodes.len());
+        self.step_each(s, |mut replies| all.append(&mut replies))?;
+        Ok(all)
+    }
+
+    /// Steps the environment of every episode of `s`, handing `deliver`
+    /// the replies as the environment gives them (the built-in tools all
+    /// at once; a program's as its answers arrive), so that an episode
+    /// waiting on a slow tool holds no other.
+    pub fn step_each(
+        &self,
+        s: &EpisodesToStep,
+        mut deliver: impl FnMut(Vec<EnvReply>),
+    ) -> Result<(), LoopError> {
         let env_error = |episode: String, message: String| LoopError::Env {
             round: s.round,
             episode,
@@ -46,36 +61,46 @@ impl Scorer {
                     .map_err(|m| env_error(t.episode.clone(), m))
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let outs: Vec<Result<Outcome, String>> = match env.kind {
-            EnvKind::Tools => texts
-                .iter()
-                .map(|text| Ok(tools_outcome(env, text)))
-                .collect(),
-            EnvKind::Command => self.command_outcomes(s, &texts)?,
-        };
-        let mut replies = Vec::with_capacity(outs.len());
-        let mut closed = Vec::new();
-        for (t, out) in s.episodes.iter().zip(outs) {
-            let reply = out
-                .and_then(|o| self.reply(env, t, o))
-                .map_err(|m| env_error(t.episode.clone(), m))?;
-            if reply.done.is_some() {
-                closed.push(t.episode.as_str());
+        // The replies to some of the turns (by index), for `deliver`.
+        let mut reply_to = |outs: Vec<(usize, Outcome)>| -> Result<(), LoopError> {
+            let mut replies = Vec::with_capacity(outs.len());
+            let mut closed = Vec::new();
+            for (i, out) in outs {
+                let t = &s.episodes[i];
+                let reply = self
+                    .reply(env, t, out)
+                    .map_err(|m| env_error(t.episode.clone(), m))?;
+                if reply.done.is_some() {
+                    closed.push(t.episode.as_str());
+                }
+                replies.push(reply);
             }
-            replies.push(reply);
+            if let Some(c) = &self.command_env {
+                c.close(&closed);
+            }
+            deliver(replies);
+            Ok(())
+        };
+        match env.kind {
+            EnvKind::Tools => reply_to(
+                texts
+                    .iter()
+                    .map(|text| tools_outcome(env, text))
+                    .enumerate()
+                    .collect(),
+            ),
+            EnvKind::Command => self.command_outcomes(s, &texts, reply_to),
         }
-        if let Some(c) = &self.command_env {
-            c.close(&closed);
-        }
-        Ok(replies)
     }
 
-    /// What the job's environment program says of each turn.
+    /// What the job's environment program says of each turn, handed to
+    /// `reply_to` as it comes.
     fn command_outcomes(
         &self,
         s: &EpisodesToStep,
         texts: &[String],
-    ) -> Result<Vec<Result<Outcome, String>>, LoopError> {
+        mut reply_to: impl FnMut(Vec<(usize, Outcome)>) -> Result<(), LoopError>,
+    ) -> Result<(), LoopError> {
         let env = self.command_env.as_ref().expect("built for kind = command");
         let steps = s
             .episodes
@@ -92,23 +117,37 @@ impl Scorer {
                 }
             })
             .collect::<Vec<_>>();
-        let outs = env.step(&steps).map_err(|e| LoopError::Env {
+        // A reply that cannot be made (its rendering) ends the stepping.
+        let mut failed = None;
+        let stepped = env.step_each(&steps, |batch| {
+            if failed.is_some() {
+                return;
+            }
+            let outs = batch
+                .into_iter()
+                .map(|(i, o)| {
+                    let o = match o {
+                        StepOut::Messages(m) => Outcome::Messages {
+                            messages: m,
+                            calls: 0,
+                        },
+                        StepOut::Done(score) => Outcome::Done(score),
+                    };
+                    (i, o)
+                })
+                .collect();
+            if let Err(e) = reply_to(outs) {
+                failed = Some(e);
+            }
+        });
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        stepped.map_err(|e| LoopError::Env {
             round: s.round,
             episode: format!("{} episodes", steps.len()),
             message: e.to_string(),
-        })?;
-        Ok(outs
-            .into_iter()
-            .map(|o| {
-                Ok(match o {
-                    StepOut::Messages(m) => Outcome::Messages {
-                        messages: m,
-                        calls: 0,
-                    },
-                    StepOut::Done(score) => Outcome::Done(score),
-                })
-            })
-            .collect())
+        })
     }
 
     /// The reply to one turn: the episode ends (the environment said so,

@@ -158,8 +158,8 @@ impl Shared {
         });
     }
 
-    /// Steps the environments of a multi-turn round's open episodes on
-    /// a thread of their own, then tells the core.
+    /// Steps the environments of a multi-turn round's episodes on a
+    /// thread of their own, telling the core as they answer.
     pub(super) fn step_episodes(&self, step: EpisodesToStep) {
         let scorer = self
             .scorers
@@ -169,19 +169,26 @@ impl Shared {
             .cloned();
         let me = self.me.clone();
         std::thread::spawn(move || {
-            let result = match scorer {
-                None => Err("the job's prompts and environment could not be loaded (see the coordinator log)".into()),
-                Some(s) => s.step(&step).map_err(|e| e.to_string()),
-            };
-            let event = Event::EpisodesStepped {
-                job: step.job.clone(),
-                round: step.round,
-                result,
-            };
-            if let Some(shared) = me.upgrade() {
-                if let Err(status) = shared.apply(event) {
-                    error!(job = %step.job, round = step.round, %status, "taking an environment's replies failed");
+            let tell = |result| {
+                let event = Event::EpisodesStepped {
+                    job: step.job.clone(),
+                    round: step.round,
+                    result,
+                };
+                if let Some(shared) = me.upgrade() {
+                    if let Err(status) = shared.apply(event) {
+                        error!(job = %step.job, round = step.round, %status, "taking an environment's replies failed");
+                    }
                 }
+            };
+            let stepped = match scorer {
+                None => Err("the job's prompts and environment could not be loaded (see the coordinator log)".into()),
+                Some(s) => s
+                    .step_each(&step, |replies| tell(Ok(replies)))
+                    .map_err(|e| e.to_string()),
+            };
+            if let Err(e) = stepped {
+                tell(Err(e));
             }
         });
     }
