@@ -5,6 +5,7 @@
 pub mod adapter;
 pub mod attention;
 pub mod config;
+pub mod context;
 pub mod decode;
 pub mod flops;
 pub mod init;

@@ -1,0 +1,323 @@
+//! Context parallelism's attention (issue 37, `parallel.context = C`): a
+//! packed row split along the sequence over a group of C ranks, each
+//! holding its queries' share, attending over the whole row's keys.
+//!
+//! **The split** ([`ZigZag`]): the row is cut into 2C chunks of near-equal
+//! length and rank r holds chunks r and 2C−1−r, so under a causal mask
+//! every rank has about the same work (an early chunk sees few keys, its
+//! late partner many; Megatron's CP and ring-flash-attention's zig-zag).
+//!
+//! **Keys and values are all-gathered** ([`gather_rows`]) before a layer's
+//! attention, and their gradients reduce-scattered back to the ranks that
+//! own them ([`scatter_rows`]) after its backward — the all-gather form of
+//! CP (Llama 3's), not a ring of K/V passes. Why, for our two collectives:
+//! both are one bandwidth-optimal ring collective per layer on the TCP
+//! ring and on NCCL (the same bytes a ring attention sends, in one call
+//! instead of C−1 steps the ring would have to overlap with compute to
+//! pay off); with grouped-query attention k and v are a fraction of the
+//! layer's activations (kv heads / query heads), so holding the whole
+//! row's for one layer at a time is small; and a packed row's document
+//! mask needs no per-step bookkeeping: every rank sees every key. Ulysses
+//! (all-to-all over heads) would cap C at the kv-head count (1–8 on the
+//! models users post-train) and needs an all-to-all neither collective has.
+//!
+//! **Exact attention over blocks.** A rank's queries of one document,
+//! global positions [a, b) of a document starting at s, see keys [s, a)
+//! whole and keys [a, b) causally. Each block is one flash-attention call
+//! returning its output and log-sum-exp; the two merge by their
+//! log-sum-exps. The backward calls the flash backward once per block with
+//! the MERGED output and log-sum-exp (the global softmax's): its
+//! `P = exp(S − lse)` and `D = rowsum(dO ∘ O)` are then the whole row's, so
+//! the blocks' gradients sum to exactly the unsplit attention's (the
+//! identity ring attention's backward rests on).
+
+use std::ops::Range;
+
+use tch::{Kind, Tensor};
+
+use crate::collective::{Collective, CollectiveError};
+
+/// The zig-zag split of a row of `len` tokens over `ranks` ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ZigZag {
+    pub len: i64,
+    pub ranks: i64,
+}
+
+impl ZigZag {
+    pub fn new(len: i64, ranks: i64) -> ZigZag {
+        assert!(ranks > 0 && len >= 0);
+        ZigZag { len, ranks }
+    }
+
+    /// Chunk `k` of the 2C (lengths differ by at most one token).
+    pub fn chunk(&self, k: i64) -> Range<i64> {
+        let n = 2 * self.ranks;
+        k * self.len / n..(k + 1) * self.len / n
+    }
+
+    /// The row positions rank `rank` holds, in its local order: its early
+    /// chunk then its late one.
+    pub fn held(&self, rank: i64) -> [Range<i64>; 2] {
+        [self.chunk(rank), self.chunk(2 * self.ranks - 1 - rank)]
+    }
+
+    /// How many tokens rank `rank` holds.
+    pub fn count(&self, rank: i64) -> i64 {
+        self.held(rank).iter().map(|r| r.end - r.start).sum()
+    }
+
+    /// Every rank's count at most this (the gather's slot).
+    pub fn slot(&self) -> i64 {
+        (0..self.ranks).map(|r| self.count(r)).max().unwrap_or(0)
+    }
+
+    /// Rank `rank`'s positions, in its local order.
+    pub fn positions(&self, rank: i64) -> Vec<i64> {
+        self.held(rank).into_iter().flatten().collect()
+    }
+
+    /// For each row position, its row in the gathered buffer (rank r's
+    /// rows start at r × slot).
+    fn gathered_rows(&self) -> Vec<i64> {
+        let slot = self.slot();
+        let mut rows = vec![0; self.len as usize];
+        for r in 0..self.ranks {
+            for (i, p) in self.positions(r).into_iter().enumerate() {
+                rows[p as usize] = r * slot + i as i64;
+            }
+        }
+        rows
+    }
+}
+
+/// One run of a rank's queries inside one document: local rows `local`
+/// (global positions `diag`) see keys `before` whole and `diag` causally.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Piece {
+    pub local: Range<i64>,
+    pub before: Range<i64>,
+    pub diag: Range<i64>,
+}
+
+/// Rank `rank`'s pieces of a row whose documents are `cu_seq_lens`
+/// (cumulative, from 0 to the row's length).
+pub fn pieces(split: &ZigZag, rank: i64, cu_seq_lens: &[i64]) -> Vec<Piece> {
+    let mut out = Vec::new();
+    let mut offset = 0;
+    for held in split.held(rank) {
+        for w in cu_seq_lens.windows(2) {
+            let (s, e) = (w[0], w[1]);
+            let (a, b) = (held.start.max(s), held.end.min(e));
+            if a < b {
+                let local = offset + (a - held.start)..offset + (b - held.start);
+                out.push(Piece {
+                    local,
+                    before: s..a,
+                    diag: a..b,
+                });
+            }
+        }
+        offset += held.end - held.start;
+    }
+    out
+}
+
+/// Every rank's `rows` (`[count, W]`, its positions in local order) as the
+/// whole row `[len, W]`, in row order. Float32 over the collective.
+pub fn gather_rows(
+    coll: &mut dyn Collective,
+    split: &ZigZag,
+    rows: &Tensor,
+) -> Result<Tensor, CollectiveError> {
+    let width = rows.size()[1];
+    let (slot, ranks) = (split.slot(), split.ranks);
+    let rank = coll.rank() as i64;
+    let device = coll.device();
+    let mut buf = Tensor::zeros([ranks * slot * width], (Kind::Float, device));
+    let count = split.count(rank);
+    buf.narrow(0, rank * slot * width, count * width)
+        .copy_(&rows.to_device(device).to_kind(Kind::Float).reshape([-1]));
+    coll.all_gather(&mut buf)?;
+    let index = Tensor::from_slice(&split.gathered_rows()).to_device(device);
+    Ok(buf
+        .view([ranks * slot, width])
+        .index_select(0, &index)
+        .to_device(rows.device())
+        .to_kind(rows.kind()))
+}
+
+/// The sum over ranks of `full` (`[len, W]`, each rank's gradient of the
+/// gathered rows), this rank's rows of it in local order: the gradient of
+/// [`gather_rows`].
+pub fn scatter_rows(
+    coll: &mut dyn Collective,
+    split: &ZigZag,
+    full: &Tensor,
+) -> Result<Tensor, CollectiveError> {
+    let width = full.size()[1];
+    let (slot, ranks) = (split.slot(), split.ranks);
+    let rank = coll.rank() as i64;
+    let device = coll.device();
+    let index = Tensor::from_slice(&split.gathered_rows()).to_device(device);
+    let buf = Tensor::zeros([ranks * slot, width], (Kind::Float, device)).index_copy(
+        0,
+        &index,
+        &full.to_device(device).to_kind(Kind::Float),
+    );
+    let mut buf = buf.reshape([-1]);
+    coll.reduce_scatter_sum(&mut buf)?;
+    let count = split.count(rank);
+    Ok(buf
+        .narrow(0, rank * slot * width, count * width)
+        .view([count, width])
+        .to_device(full.device())
+        .to_kind(full.kind()))
+}
+
+/// What the backward of [`attend`] needs besides its inputs: each piece's
+/// merged output and log-sum-exp.
+pub struct Saved {
+    out: Vec<Tensor>,
+    lse: Vec<Tensor>,
+}
+
+/// `[n, heads, d]` rows as SDPA's `[1, heads, n, d]`.
+fn heads_first(t: &Tensor) -> Tensor {
+    t.transpose(0, 1).unsqueeze(0)
+}
+
+/// Repeats each kv head `groups` times (HF `repeat_kv`) in `[1, kv, n, d]`.
+fn repeat(t: &Tensor, groups: i64) -> Tensor {
+    if groups == 1 {
+        t.shallow_clone()
+    } else {
+        t.repeat_interleave_self_int(groups, 1, None)
+    }
+}
+
+/// Attention of this rank's queries `q` (`[count, heads, d]`, local order)
+/// over the whole row's keys and values (`[len, kv_heads, d]`, row order),
+/// causal within each document: `[count, heads, d]`, and what the backward
+/// needs. No autograd (the caller's backward is [`attend_backward`]).
+pub fn attend(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    pieces: &[Piece],
+    scale: Option<f64>,
+) -> (Tensor, Saved) {
+    let groups = q.size()[1] / k.size()[1];
+    let out = Tensor::zeros_like(q);
+    let mut saved = Saved {
+        out: Vec::with_capacity(pieces.len()),
+        lse: Vec::with_capacity(pieces.len()),
+    };
+    tch::no_grad(|| {
+        for p in pieces {
+            let qp = heads_first(&q.narrow(0, p.local.start, p.local.end - p.local.start));
+            let block = |r: &Range<i64>| {
+                let kb = repeat(&heads_first(&k.narrow(0, r.start, r.end - r.start)), groups);
+                let vb = repeat(&heads_first(&v.narrow(0, r.start, r.end - r.start)), groups);
+                (kb, vb)
+            };
+            let (kd, vd) = block(&p.diag);
+            let (mut o, mut lse) = Tensor::internal_scaled_dot_product_flash_attention_for_cpu(
+                &qp,
+                &kd,
+                &vd,
+                0.0,
+                true,
+                None::<Tensor>,
+                scale,
+            );
+            if p.before.start < p.before.end {
+                let (kb, vb) = block(&p.before);
+                let (o1, l1) = Tensor::internal_scaled_dot_product_flash_attention_for_cpu(
+                    &qp,
+                    &kb,
+                    &vb,
+                    0.0,
+                    false,
+                    None::<Tensor>,
+                    scale,
+                );
+                let merged = l1.logaddexp(&lse);
+                o = &o1 * (&l1 - &merged).exp().unsqueeze(-1)
+                    + &o * (&lse - &merged).exp().unsqueeze(-1);
+                lse = merged;
+            }
+            out.narrow(0, p.local.start, p.local.end - p.local.start)
+                .copy_(&o.squeeze_dim(0).transpose(0, 1));
+            saved.out.push(o);
+            saved.lse.push(lse);
+        }
+    });
+    (out, saved)
+}
+
+/// The gradients of [`attend`]'s inputs given its output's gradient `dout`
+/// (`[count, heads, d]`): `dq` (this rank's rows), `dk` and `dv` (the whole
+/// row's, this rank's queries' part: [`scatter_rows`] sums them over the
+/// group).
+pub fn attend_backward(
+    dout: &Tensor,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    pieces: &[Piece],
+    saved: &Saved,
+    scale: Option<f64>,
+) -> (Tensor, Tensor, Tensor) {
+    let (kv_heads, groups) = (k.size()[1], q.size()[1] / k.size()[1]);
+    let dq = Tensor::zeros_like(q);
+    let dk = Tensor::zeros_like(k);
+    let dv = Tensor::zeros_like(v);
+    // `[1, heads, n, d]` of repeated heads back to `[n, kv_heads, d]`.
+    let fold = |t: &Tensor| {
+        let s = t.size();
+        t.view([kv_heads, groups, s[2], s[3]])
+            .sum_dim_intlist([1].as_slice(), false, Kind::Float)
+            .transpose(0, 1)
+            .to_kind(k.kind())
+    };
+    tch::no_grad(|| {
+        for (i, p) in pieces.iter().enumerate() {
+            let n = p.local.end - p.local.start;
+            let qp = heads_first(&q.narrow(0, p.local.start, n));
+            let dop = heads_first(&dout.narrow(0, p.local.start, n)).contiguous();
+            let (o, lse) = (&saved.out[i], &saved.lse[i]);
+            let mut dqp = Tensor::zeros_like(&qp);
+            for (r, causal) in [(&p.diag, true), (&p.before, false)] {
+                if r.start == r.end {
+                    continue;
+                }
+                let len = r.end - r.start;
+                let kb = repeat(&heads_first(&k.narrow(0, r.start, len)), groups);
+                let vb = repeat(&heads_first(&v.narrow(0, r.start, len)), groups);
+                let (gq, gk, gv) =
+                    Tensor::internal_scaled_dot_product_flash_attention_for_cpu_backward(
+                        &dop,
+                        &qp,
+                        &kb,
+                        &vb,
+                        o,
+                        lse,
+                        0.0,
+                        causal,
+                        None::<Tensor>,
+                        scale,
+                    );
+                dqp += gq;
+                let _ = dk.narrow(0, r.start, len).g_add_(&fold(&gk));
+                let _ = dv.narrow(0, r.start, len).g_add_(&fold(&gv));
+            }
+            dq.narrow(0, p.local.start, n)
+                .copy_(&dqp.squeeze_dim(0).transpose(0, 1));
+        }
+    });
+    (dq, dk, dv)
+}
+
+#[cfg(test)]
+mod tests;
