@@ -53,6 +53,9 @@ use crate::rl::verify::Score;
 pub const MAX_LINE_BYTES: usize = 1 << 20;
 /// Default seconds a turn's steps may take.
 pub const DEFAULT_TIMEOUT_S: f64 = 60.0;
+/// How long after an answer the answers that follow it are gathered
+/// before they go on together ([`CommandEnv::step_each`]).
+const ANSWER_LINGER: Duration = Duration::from_millis(10);
 /// Lines of the program's stderr the log keeps (each cut to 4 KiB).
 const STDERR_LINES_LOGGED: usize = 64;
 
@@ -295,8 +298,14 @@ impl CommandEnv {
                 // (The reader tells every waiting call before it goes.)
                 Err(mpsc::RecvTimeoutError::Disconnected) => Heard::Broke(Broke::Exited),
             };
+            // Answers read within a short while of each other go on
+            // together: a wave of one episode each would split the batch
+            // the workers decode (answers arriving apart by more than
+            // this go in waves of their own, not held back).
+            let linger = Instant::now() + ANSWER_LINGER;
             let mut batch = Vec::new();
-            for heard in std::iter::once(first).chain(rx.try_iter()) {
+            let mut next = Some(first);
+            while let Some(heard) = next.take() {
                 match heard {
                     Heard::Answer(episode, answer) => {
                         batch.push((index[episode.as_str()], answer));
@@ -306,6 +315,10 @@ impl CommandEnv {
                         self.kill(&run);
                         return Err(b.into_error(program, waiting));
                     }
+                }
+                if waiting > 0 {
+                    let left = linger.saturating_duration_since(Instant::now());
+                    next = rx.recv_timeout(left).ok();
                 }
             }
             deliver(batch);

@@ -175,6 +175,100 @@ pub fn scatter_rows(
         .to_kind(full.kind()))
 }
 
+/// A rank's share of one packed row under context parallelism.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RowShard {
+    pub split: ZigZag,
+    pub rank: i64,
+    pub pieces: Vec<Piece>,
+    /// The row positions of the local rows, in local order.
+    pub held: Vec<i64>,
+    /// Each local row's position in its document (RoPE's).
+    pub positions: Vec<i64>,
+}
+
+impl RowShard {
+    /// Rank `rank`'s share of a row of documents `cu_seq_lens` split over
+    /// `ranks`.
+    pub fn new(cu_seq_lens: &[i64], ranks: i64, rank: i64) -> RowShard {
+        let len = *cu_seq_lens.last().unwrap_or(&0);
+        let split = ZigZag::new(len, ranks);
+        let held = split.positions(rank);
+        let in_doc = super::llama::positions(cu_seq_lens);
+        let positions = held.iter().map(|&p| in_doc[p as usize]).collect();
+        RowShard {
+            split,
+            rank,
+            pieces: pieces(&split, rank, cu_seq_lens),
+            held,
+            positions,
+        }
+    }
+
+    /// This rank's values of a per-token row (ids, labels, weights).
+    pub fn take<T: Copy>(&self, row: &[T]) -> Vec<T> {
+        self.held.iter().map(|&p| row[p as usize]).collect()
+    }
+}
+
+/// A layer's attention over the group, from this rank's q `[heads, n, d]`,
+/// k and v `[kv_heads, n, d]` (RoPE applied): the heads' outputs
+/// `[n, heads · d]`, the gathered k and v `[len, kv_heads, d]`, and what
+/// the backward needs.
+pub fn core(
+    coll: &mut dyn Collective,
+    shard: &RowShard,
+    scale: Option<f64>,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor, Saved), CollectiveError> {
+    let (heads, n, d) = (q.size()[0], q.size()[1], q.size()[2]);
+    let kv = k.size()[0];
+    let len = shard.split.len;
+    let (kf, vf) = tch::no_grad(|| -> Result<_, CollectiveError> {
+        let rows = |t: &Tensor| t.transpose(0, 1).reshape([n, kv * d]);
+        let kf = gather_rows(coll, &shard.split, &rows(k))?.view([len, kv, d]);
+        let vf = gather_rows(coll, &shard.split, &rows(v))?.view([len, kv, d]);
+        Ok((kf, vf))
+    })?;
+    let q_rows = q.detach().transpose(0, 1).contiguous();
+    let (out, saved) = attend(&q_rows, &kf, &vf, &shard.pieces, scale);
+    Ok((out.reshape([n, heads * d]), kf, vf, saved))
+}
+
+/// The gradients of [`core`]'s q, k and v (this rank's, in their
+/// `[heads, n, d]` layout) from its output's gradient `dout`
+/// `[n, heads · d]`: the attention's backward, then the gathered keys' and
+/// values' gradients summed over the group.
+#[allow(clippy::too_many_arguments)]
+pub fn core_backward(
+    coll: &mut dyn Collective,
+    shard: &RowShard,
+    scale: Option<f64>,
+    dout: &Tensor,
+    q: &Tensor,
+    kf: &Tensor,
+    vf: &Tensor,
+    saved: &Saved,
+) -> Result<(Tensor, Tensor, Tensor), CollectiveError> {
+    let (heads, n, d) = (q.size()[0], q.size()[1], q.size()[2]);
+    let kv = kf.size()[1];
+    let len = shard.split.len;
+    tch::no_grad(|| {
+        let q_rows = q.detach().transpose(0, 1).contiguous();
+        let dout = dout.view([n, heads, d]);
+        let (dq, dk, dv) = attend_backward(&dout, &q_rows, kf, vf, &shard.pieces, saved, scale);
+        let mine = |full: Tensor, coll: &mut dyn Collective| {
+            scatter_rows(coll, &shard.split, &full.reshape([len, kv * d]))
+                .map(|t| t.view([n, kv, d]).transpose(0, 1))
+        };
+        let dk = mine(dk, coll)?;
+        let dv = mine(dv, coll)?;
+        Ok((dq.transpose(0, 1), dk, dv))
+    })
+}
+
 /// What the backward of [`attend`] needs besides its inputs: each piece's
 /// merged output and log-sum-exp.
 pub struct Saved {

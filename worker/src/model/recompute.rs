@@ -19,8 +19,10 @@
 
 use tch::{Kind, Tensor};
 
+use super::context::{self, RowShard};
 use super::llama::{positions, Llama};
 use super::moe::Routes;
+use crate::collective::{Collective, CollectiveError};
 
 /// Which of a model's trained variables (by index into a name-sorted
 /// list) belong to each part the checkpointed backward visits; a part
@@ -84,6 +86,16 @@ enum Tape {
         /// The last layer's output, a leaf that requires grad.
         last: Tensor,
         routes: Routes,
+    },
+    /// Per-layer recomputation of a rank's share of a row under context
+    /// parallelism (`super::context`).
+    Context {
+        ids: Tensor,
+        tables: Vec<(Tensor, Tensor)>,
+        inputs: Vec<Tensor>,
+        last: Tensor,
+        routes: Routes,
+        shard: RowShard,
     },
 }
 
@@ -185,6 +197,9 @@ impl Llama {
                 last,
                 routes,
             } => (ids, tables, cu_seq_lens, inputs, last, routes),
+            Tape::Context { .. } => {
+                unreachable!("a context-parallel forward's backward is backward_train_context")
+            }
         };
         // The final norm and the head, where they train.
         let tail: Vec<usize> = [groups.norm, groups.head].into_iter().flatten().collect();
@@ -231,5 +246,218 @@ impl Llama {
             add(e, &embed);
         }
         out
+    }
+}
+
+/// A stand-in for the heads' outputs `[n, heads · d]` of a core that
+/// failed (its error is returned; the value is never used).
+fn zeros_out(attn: &super::attention::Attention, q: &Tensor) -> Tensor {
+    let (h, _, d) = attn.shape();
+    Tensor::zeros([q.size()[1], h * d], (q.kind(), q.device()))
+}
+
+/// Adds `g` to `out[i]` (an undefined `g` adds nothing).
+fn accumulate(out: &mut [Tensor], i: usize, g: &Tensor) {
+    if !g.defined() {
+        return;
+    }
+    out[i] = if out[i].defined() {
+        &out[i] + g
+    } else {
+        g.shallow_clone()
+    };
+}
+
+impl Llama {
+    /// [`Self::forward_train`] of this rank's share of a packed row under
+    /// context parallelism (`super::context`): `input_ids` are the rank's
+    /// tokens (`shard.take` of the row's), every layer's attention runs
+    /// over the group `coll`, and the backward is per-layer recomputation
+    /// ([`Self::backward_train_context`], called in the same order on every
+    /// rank of the group). Sliding-window layers are not supported.
+    pub fn forward_train_context(
+        &self,
+        input_ids: &[i64],
+        shard: &RowShard,
+        coll: &mut dyn Collective,
+        routes: &Routes,
+    ) -> anyhow::Result<Forward> {
+        anyhow::ensure!(
+            self.layers.iter().all(|l| l.self_attn.window().is_none()),
+            "context parallelism does not support sliding-window attention layers yet"
+        );
+        let device = self.vs.device();
+        let tables = self.rope_tables(&shard.positions);
+        let ids = Tensor::from_slice(input_ids).to_device(device);
+        let mut inputs = Vec::with_capacity(self.layers.len());
+        let mut aux: Option<Tensor> = None;
+        let mut failed: Option<CollectiveError> = None;
+        let x = tch::no_grad(|| {
+            let mut x = self.embed(&ids);
+            for layer in &self.layers {
+                let (cos, sin) = &tables[layer.rope];
+                let route = routes.layer(layer.sparse);
+                let (y, routed) = layer.forward_with_route(&x, cos, sin, route, |attn, q, k, v| {
+                    match context::core(coll, shard, attn.scale(), q, k, v) {
+                        Ok((out, ..)) => out,
+                        Err(e) => {
+                            failed = Some(e);
+                            zeros_out(attn, q)
+                        }
+                    }
+                });
+                if failed.is_some() {
+                    break;
+                }
+                if let Some(a) = routed.aux {
+                    aux = Some(match aux.take() {
+                        Some(sum) => sum + a,
+                        None => a,
+                    });
+                }
+                inputs.push(x);
+                x = y;
+            }
+            x
+        });
+        if let Some(e) = failed {
+            return Err(e.into());
+        }
+        let last = x.detach().set_requires_grad(true);
+        Ok(Forward {
+            hidden: self.norm.forward(&last),
+            aux_share: aux.map(|a| a.double_value(&[])),
+            tape: Tape::Context {
+                ids,
+                tables,
+                inputs,
+                last,
+                routes: routes.shallow_clone(),
+                shard: shard.clone(),
+            },
+        })
+    }
+
+    /// [`Self::backward_train`] of a [`Self::forward_train_context`]: this
+    /// rank's share of the gradients (their sum over the group is the
+    /// row's). Each layer is recomputed and backpropagated in two passes:
+    /// the part after attention, whose gradient at the attention's output
+    /// goes through the attention's backward over the group, then the
+    /// projections before it with the gradients of this rank's q, k and v.
+    pub fn backward_train_context(
+        &self,
+        fwd: Forward,
+        grad_hidden: &Tensor,
+        grad_head: &Tensor,
+        vars: &[Tensor],
+        groups: &VarGroups,
+        coll: &mut dyn Collective,
+    ) -> Result<Vec<Tensor>, CollectiveError> {
+        let mut out: Vec<Tensor> = vars.iter().map(|_| Tensor::new()).collect();
+        let Tape::Context {
+            ids,
+            tables,
+            inputs,
+            last,
+            routes,
+            shard,
+        } = fwd.tape
+        else {
+            unreachable!("backward_train_context takes a forward_train_context");
+        };
+        // Every rank of the group takes part in every layer's collectives,
+        // whether or not it holds a loss token.
+        let grad_hidden = if grad_hidden.defined() {
+            grad_hidden.shallow_clone()
+        } else {
+            fwd.hidden.zeros_like()
+        };
+        let surrogate = (&fwd.hidden * &grad_hidden).sum(Kind::Float);
+        let surrogate = if grad_head.defined() {
+            surrogate + (self.lm_head_weight() * grad_head).sum(Kind::Float)
+        } else {
+            surrogate
+        };
+        let tail: Vec<usize> = [groups.norm, groups.head].into_iter().flatten().collect();
+        let mut wrt = vec![last.shallow_clone()];
+        wrt.extend(tail.iter().map(|&i| vars[i].shallow_clone()));
+        let g = Tensor::run_backward(&[surrogate], &wrt, false, false);
+        for (k, &i) in tail.iter().enumerate() {
+            accumulate(&mut out, i, &g[k + 1]);
+        }
+        let mut upstream = g[0].shallow_clone();
+        for (l, layer) in self.layers.iter().enumerate().rev() {
+            let x = inputs[l].detach().set_requires_grad(true);
+            let (cos, sin) = &tables[layer.rope];
+            let route = routes.layer(layer.sparse);
+            let mut kept = None;
+            let mut failed = None;
+            let (y, routed) =
+                layer.forward_with_route(&x, cos, sin, route, |attn, q, k, v| match context::core(
+                    coll,
+                    &shard,
+                    attn.scale(),
+                    q,
+                    k,
+                    v,
+                ) {
+                    Ok((o, kf, vf, saved)) => {
+                        let o = o.set_requires_grad(true);
+                        kept = Some((
+                            q.shallow_clone(),
+                            k.shallow_clone(),
+                            v.shallow_clone(),
+                            kf,
+                            vf,
+                            saved,
+                            o.shallow_clone(),
+                            attn.scale(),
+                        ));
+                        o
+                    }
+                    Err(e) => {
+                        failed = Some(e);
+                        zeros_out(attn, q)
+                    }
+                });
+            if let Some(e) = failed {
+                return Err(e);
+            }
+            let (q, k, v, kf, vf, saved, o, scale) = kept.expect("the core ran");
+            let surrogate = (&y * &upstream).sum(Kind::Float);
+            let surrogate = match routed.aux {
+                Some(a) => surrogate + a,
+                None => surrogate,
+            };
+            let layer_vars = &groups.layers[l];
+            let mut wrt = vec![x.shallow_clone(), o.shallow_clone()];
+            wrt.extend(layer_vars.iter().map(|&i| vars[i].shallow_clone()));
+            let g = Tensor::run_backward(&[surrogate], &wrt, false, false);
+            let (dq, dk, dv) =
+                context::core_backward(coll, &shard, scale, &g[1], &q, &kf, &vf, &saved)?;
+            // The projections before the attention, with q, k and v's
+            // gradients (autograd's vector-Jacobian product as a surrogate).
+            let before = (&q * &dq).sum(Kind::Float)
+                + (&k * &dk).sum(Kind::Float)
+                + (&v * &dv).sum(Kind::Float);
+            let mut wrt = vec![x.shallow_clone()];
+            wrt.extend(layer_vars.iter().map(|&i| vars[i].shallow_clone()));
+            let g2 = Tensor::run_backward(&[before], &wrt, false, false);
+            for (k, &i) in layer_vars.iter().enumerate() {
+                accumulate(&mut out, i, &g[k + 2]);
+                accumulate(&mut out, i, &g2[k + 1]);
+            }
+            upstream = match (g[0].defined(), g2[0].defined()) {
+                (true, true) => &g[0] + &g2[0],
+                (true, false) => g[0].shallow_clone(),
+                _ => g2[0].shallow_clone(),
+            };
+        }
+        if let Some(e) = groups.embed {
+            let vocab = self.cfg.vocab_size as i64;
+            let embed = super::llama::embed_backward(&upstream, &ids, vocab, self.arch.embed_scale);
+            accumulate(&mut out, e, &embed);
+        }
+        Ok(out)
     }
 }

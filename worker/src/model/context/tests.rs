@@ -169,3 +169,105 @@ fn split_attention_and_its_gradients_equal_the_unsplit_rows() {
         }
     }
 }
+
+fn tiny_model() -> crate::model::Llama {
+    let raw = serde_json::json!({
+        "model_type": "llama", "vocab_size": 64, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6
+    });
+    let cfg = crate::model::ModelConfig::from_json(&raw).unwrap();
+    crate::model::Llama::new(
+        cfg,
+        raw,
+        Kind::Float,
+        tch::Device::Cpu,
+        crate::model::Init::Seeded(1),
+    )
+    .unwrap()
+}
+
+/// The model's variables in name order, and their groups.
+fn vars_of(m: &crate::model::Llama) -> (Vec<Tensor>, crate::model::recompute::VarGroups) {
+    let mut named: Vec<(String, Tensor)> = m.vs.variables().into_iter().collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    let names: Vec<String> = named.iter().map(|(n, _)| n.clone()).collect();
+    let groups = crate::model::recompute::VarGroups::new(&names, 2, m.cfg.tie_word_embeddings);
+    (named.into_iter().map(|(_, t)| t).collect(), groups)
+}
+
+/// The whole model under context parallelism: each rank's final hidden
+/// states equal the unsplit row's at its positions, and the ranks'
+/// gradients summed (as the data-parallel reduction sums them) equal the
+/// unsplit row's, for every variable, on groups of 2 and 4.
+#[test]
+fn a_context_parallel_forward_and_backward_equal_the_unsplit_models() {
+    let cu = [0i64, 9, 13, 121, 122, 157];
+    let len = 157i64;
+    let ids: Vec<i64> = (0..len).map(|i| (i * 7 + 3) % 64).collect();
+    tch::manual_seed(5);
+    let grad_hidden = Tensor::randn([len, 32], (Kind::Float, tch::Device::Cpu));
+    let model = tiny_model();
+    let (vars, groups) = vars_of(&model);
+    let routes = crate::model::Routes::default();
+    let f = model.forward_train(&ids, &cu, true, &routes);
+    let hidden = f.hidden.detach();
+    let want = model.backward_train(f, &grad_hidden, &Tensor::new(), &vars, &groups);
+    for ranks in [2i64, 4] {
+        let threads: Vec<_> = LocalGroup::new(ranks as usize)
+            .into_iter()
+            .enumerate()
+            .map(|(r, mut coll)| {
+                let (ids, gh) = (ids.clone(), grad_hidden.copy());
+                std::thread::spawn(move || {
+                    let model = tiny_model();
+                    let (vars, groups) = vars_of(&model);
+                    let shard = RowShard::new(&cu, ranks, r as i64);
+                    let routes = crate::model::Routes::default();
+                    let f = model
+                        .forward_train_context(&shard.take(&ids), &shard, &mut coll, &routes)
+                        .unwrap();
+                    let at = Tensor::from_slice(&shard.held);
+                    let hidden = f.hidden.detach();
+                    let grads = model
+                        .backward_train_context(
+                            f,
+                            &gh.index_select(0, &at),
+                            &Tensor::new(),
+                            &vars,
+                            &groups,
+                            &mut coll,
+                        )
+                        .unwrap();
+                    (shard.held, hidden, grads)
+                })
+            })
+            .collect();
+        let mut sum: Vec<Tensor> = want.iter().map(|_| Tensor::new()).collect();
+        for t in threads {
+            let (held, h, grads) = t.join().unwrap();
+            let diff = (h - hidden.index_select(0, &Tensor::from_slice(&held)))
+                .abs()
+                .max()
+                .double_value(&[]);
+            assert!(diff < 1e-5, "{ranks} ranks: hidden differs by {diff}");
+            for (s, g) in sum.iter_mut().zip(&grads) {
+                if g.defined() {
+                    *s = if s.defined() { &*s + g } else { g.copy() };
+                }
+            }
+        }
+        for (i, (s, w)) in sum.iter().zip(&want).enumerate() {
+            assert_eq!(s.defined(), w.defined(), "variable {i}");
+            if !w.defined() {
+                continue;
+            }
+            let scale = w.abs().max().double_value(&[]).max(1e-6);
+            let diff = (s - w).abs().max().double_value(&[]) / scale;
+            assert!(
+                diff < 1e-5,
+                "{ranks} ranks: variable {i}: relative difference {diff}"
+            );
+        }
+    }
+}
