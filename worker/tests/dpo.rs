@@ -16,6 +16,7 @@ use std::collections::BTreeMap;
 use accrue_worker::batch::PackedBatch;
 use accrue_worker::batch::{MicrobatchMeta, SeqMeta, StepNorms};
 use accrue_worker::collective::local::LocalGroup;
+use accrue_worker::collective::Collective;
 use accrue_worker::train::{Passes, ReplicatedTrainer, Trainer};
 use tch::Tensor;
 
@@ -497,7 +498,7 @@ fn steps(pairs: &[Pair]) -> Vec<Vec<Pair>> {
     vec![pairs[..5].to_vec(), pairs[5..].to_vec()]
 }
 
-fn train_pairs(loss: &str, pairs: &[Pair], layout: &Layout, norm: Norm) -> Outcome {
+fn train_pairs(loss: &str, pairs: &[Pair], layout: &Layout, norm: Norm, context: usize) -> Outcome {
     let dir = tempfile::tempdir().unwrap();
     let cfg = job(dir.path(), loss, 0.1);
     let steps = steps(pairs);
@@ -508,10 +509,18 @@ fn train_pairs(loss: &str, pairs: &[Pair], layout: &Layout, norm: Norm) -> Outco
         assert_eq!(seen, (0..steps[s].len()).collect::<Vec<_>>(), "step {s}");
         assert!(ranks.iter().all(|r| r.len() == ranks[0].len()), "step {s}");
     }
-    let handles: Vec<_> = LocalGroup::new(world)
+    // Context parallelism (issue 37): each rank of the layout is a group of
+    // `context` ranks given the same microbatches.
+    let mut groups: Vec<Option<Box<dyn Collective>>> = (0..world)
+        .flat_map(|_| LocalGroup::new(context))
+        .map(|r| Some(Box::new(r) as Box<dyn Collective>))
+        .collect();
+    let handles: Vec<_> = LocalGroup::new(world * context)
         .into_iter()
         .enumerate()
-        .map(|(rank, coll)| {
+        .map(|(thread, coll)| {
+            let rank = thread / context;
+            let group = groups[thread].take().expect("one per thread");
             let cfg = cfg.clone();
             let mine: Vec<RankStep> = layout
                 .iter()
@@ -527,7 +536,9 @@ fn train_pairs(loss: &str, pairs: &[Pair], layout: &Layout, norm: Norm) -> Outco
                 .collect();
             std::thread::spawn(move || {
                 tch::set_num_threads(1);
-                let mut t = ReplicatedTrainer::new(&cfg, None, Box::new(coll)).unwrap();
+                let mut t = ReplicatedTrainer::new(&cfg, None, Box::new(coll))
+                    .unwrap()
+                    .with_context(group);
                 let mut per_step = Vec::new();
                 for (global, local, mbs) in &mine {
                     let p: Vec<u64> = mbs
@@ -623,23 +634,30 @@ fn equivalence(loss: &str) {
     let dir = tempfile::tempdir().unwrap();
     let pairs = pairs_with_reference(dir.path());
     let layouts = layouts();
-    let reference = train_pairs(loss, &pairs, &layouts[0].1, Norm::Global);
+    let reference = train_pairs(loss, &pairs, &layouts[0].1, Norm::Global, 1);
     println!(
         "{loss}: losses {:?}, grad norms {:?}",
         reference.losses, reference.grad_norms
     );
     for (name, layout) in &layouts[1..] {
-        let got = train_pairs(loss, &pairs, layout, Norm::Global);
+        let got = train_pairs(loss, &pairs, layout, Norm::Global, 1);
         let (w, what) = compare(&got, &reference);
         println!("{loss}, {name}: worst relative difference {w:e} ({what})");
         assert!(w <= 1e-5, "{loss}, {name}: {what} differs by {w:e}");
     }
+    // Context parallelism (issue 37): the 2-rank layout with each rank a
+    // group of 2 splitting its rows: a pair's two sequences' log-probs
+    // are summed over the group before the pair's loss.
+    let got = train_pairs(loss, &pairs, &layouts[2].1, Norm::Global, 2);
+    let (w, what) = compare(&got, &reference);
+    println!("{loss}, 2 ranks × context 2: worst relative difference {w:e} ({what})");
+    assert!(w <= 1e-5, "{loss}, context 2: {what} differs by {w:e}");
     // Dividing by a local pair count instead of P misses by far.
     for (bug, (name, layout)) in [Norm::MicrobatchPairs, Norm::RankPairs]
         .into_iter()
         .zip(&layouts[1..])
     {
-        let bad = train_pairs(loss, &pairs, layout, bug);
+        let bad = train_pairs(loss, &pairs, layout, bug, 1);
         let (w, what) = common::worst_rel(&bad.params, &reference.params);
         let g = (bad.grad_norms[0] - reference.grad_norms[0]).abs() / reference.grad_norms[0];
         println!("{loss}, {name}, {bug:?}: parameters {w:e} ({what}), grad norm {g:e}");

@@ -19,6 +19,7 @@ use std::collections::BTreeMap;
 use accrue_worker::batch::PackedBatch;
 use accrue_worker::batch::{MicrobatchMeta, SeqMeta, StepNorms};
 use accrue_worker::collective::local::LocalGroup;
+use accrue_worker::collective::Collective;
 use accrue_worker::train::{Passes, ReplicatedTrainer, Trainer};
 use tch::Tensor;
 
@@ -291,7 +292,7 @@ struct Outcome {
     grad_norms: Vec<f64>,
 }
 
-fn train(case: &Case, all: &[Rollout], layout: &Layout, norm: Norm) -> Outcome {
+fn train(case: &Case, all: &[Rollout], layout: &Layout, norm: Norm, context: usize) -> Outcome {
     let dir = tempfile::tempdir().unwrap();
     let cfg = job(dir.path(), case);
     let steps = steps(all);
@@ -304,10 +305,18 @@ fn train(case: &Case, all: &[Rollout], layout: &Layout, norm: Norm) -> Outcome {
     }
     let refs = (case.cached_ref && case.kl_coef > 0.0).then(|| reference_pass(case, all));
     type RankStep = (StepNorms, Vec<(PackedBatch, MicrobatchMeta)>);
-    let handles: Vec<_> = LocalGroup::new(world)
+    // Context parallelism (issue 37): each rank of the layout is a group of
+    // `context` ranks given the same microbatches.
+    let mut groups: Vec<Option<Box<dyn Collective>>> = (0..world)
+        .flat_map(|_| LocalGroup::new(context))
+        .map(|r| Some(Box::new(r) as Box<dyn Collective>))
+        .collect();
+    let handles: Vec<_> = LocalGroup::new(world * context)
         .into_iter()
         .enumerate()
-        .map(|(rank, coll)| {
+        .map(|(thread, coll)| {
+            let rank = thread / context;
+            let group = groups[thread].take().expect("one per thread");
             let cfg = cfg.clone();
             let mine: Vec<RankStep> = layout
                 .iter()
@@ -328,7 +337,9 @@ fn train(case: &Case, all: &[Rollout], layout: &Layout, norm: Norm) -> Outcome {
                 .collect();
             std::thread::spawn(move || {
                 tch::set_num_threads(1);
-                let mut t = ReplicatedTrainer::new(&cfg, None, Box::new(coll)).unwrap();
+                let mut t = ReplicatedTrainer::new(&cfg, None, Box::new(coll))
+                    .unwrap()
+                    .with_context(group);
                 let mut per_step = Vec::new();
                 for (global, mbs) in &mine {
                     let (mut loss, mut extra) = (0.0, BTreeMap::new());
@@ -499,7 +510,7 @@ fn check(case: Case) {
     let dir = tempfile::tempdir().unwrap();
     let (reference, tensors) = python_reference(dir.path(), &case, &all);
     let layouts = layouts();
-    let ours = train(&case, &all, &layouts[1].1, Norm::Global);
+    let ours = train(&case, &all, &layouts[1].1, Norm::Global, 1);
 
     let mut worst = (0.0f64, String::new());
     let mut note = |what: String, d: f64| {
@@ -607,12 +618,12 @@ fn check(case: Case) {
     );
 
     // Same update for every split and world size.
-    let base = train(&case, &all, &layouts[0].1, Norm::Global);
+    let base = train(&case, &all, &layouts[0].1, Norm::Global, 1);
     for (name, layout) in &layouts[1..] {
         let got = if *name == layouts[1].0 {
             ours.clone_outcome()
         } else {
-            train(&case, &all, layout, Norm::Global)
+            train(&case, &all, layout, Norm::Global, 1)
         };
         let ((pw, pn), (w, what)) = compare(&got, &base);
         println!(
@@ -633,6 +644,19 @@ fn check(case: Case) {
             "{label}, {name}: parameter {pn} differs by {pw:e}"
         );
     }
+    // Context parallelism (issue 37): the 2-rank layout with each rank a
+    // group of 2 splitting its rows (the row's log-probs gathered, the
+    // objective's math on the whole row, each rank's tokens' gradients).
+    let got = train(&case, &all, &layouts[2].1, Norm::Global, 2);
+    let ((pw, pn), (w, what)) = compare(&got, &base);
+    println!(
+        "{label}, 2 ranks × context 2: worst relative difference to 1 microbatch: parameters {pw:e} ({pn}), scalars {w:e} ({what})"
+    );
+    assert!(w <= 5e-6, "{label}, context 2: {what} differs by {w:e}");
+    assert!(
+        pw <= 1e-5,
+        "{label}, context 2: parameter {pn} differs by {pw:e}"
+    );
 }
 
 impl Outcome {
@@ -749,7 +773,7 @@ fn pg_cached_kl_matches_reference_any_split_and_the_live_reference() {
     check(case);
     let all = rollouts(case.old);
     let layout = &layouts()[1].1;
-    let cached = train(&case, &all, layout, Norm::Global);
+    let cached = train(&case, &all, layout, Norm::Global, 1);
     let live = train(
         &Case {
             cached_ref: false,
@@ -758,6 +782,7 @@ fn pg_cached_kl_matches_reference_any_split_and_the_live_reference() {
         &all,
         layout,
         Norm::Global,
+        1,
     );
     let ((pw, pn), (w, what)) = compare(&cached, &live);
     println!("cached vs live reference: worst relative difference {pw:e} ({pn}), {w:e} ({what})");
@@ -781,8 +806,8 @@ fn pg_microbatch_token_normaliser_is_caught() {
     };
     let all = rollouts(case.old);
     let layouts = layouts();
-    let base = train(&case, &all, &layouts[0].1, Norm::Global);
-    let bad = train(&case, &all, &layouts[1].1, Norm::MicrobatchTokens);
+    let base = train(&case, &all, &layouts[0].1, Norm::Global, 1);
+    let bad = train(&case, &all, &layouts[1].1, Norm::MicrobatchTokens, 1);
     let (w, what) = common::worst_rel(&bad.params, &base.params);
     let g = rel(bad.grad_norms[0], base.grad_norms[0]);
     println!("per-microbatch T: parameters {w:e} ({what}), grad norm {g:e}");
@@ -822,8 +847,9 @@ fn pg_tis_changes_the_update_only_off_policy() {
         cached_ref: false,
         tis,
     };
-    let run =
-        |old: Old, tis: Option<f64>| train(&case(old, tis), &rollouts(old), layout, Norm::Global);
+    let run = |old: Old, tis: Option<f64>| {
+        train(&case(old, tis), &rollouts(old), layout, Norm::Global, 1)
+    };
     let ((off, name), _) = compare(&run(Old::All, Some(1.1)), &run(Old::All, None));
     println!(
         "off-policy: TIS vs clipped ratio, worst relative parameter difference {off:e} ({name})"

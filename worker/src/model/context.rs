@@ -215,7 +215,7 @@ impl RowShard {
 /// k and v `[kv_heads, n, d]` (RoPE applied): the heads' outputs
 /// `[n, heads · d]`, the gathered k and v `[len, kv_heads, d]`, and what
 /// the backward needs.
-pub fn core(
+pub fn group_attention(
     coll: &mut dyn Collective,
     shard: &RowShard,
     scale: Option<f64>,
@@ -237,12 +237,12 @@ pub fn core(
     Ok((out.reshape([n, heads * d]), kf, vf, saved))
 }
 
-/// The gradients of [`core`]'s q, k and v (this rank's, in their
+/// The gradients of [`group_attention`]'s q, k and v (this rank's, in their
 /// `[heads, n, d]` layout) from its output's gradient `dout`
 /// `[n, heads · d]`: the attention's backward, then the gathered keys' and
 /// values' gradients summed over the group.
 #[allow(clippy::too_many_arguments)]
-pub fn core_backward(
+pub fn group_attention_backward(
     coll: &mut dyn Collective,
     shard: &RowShard,
     scale: Option<f64>,
@@ -267,6 +267,29 @@ pub fn core_backward(
         let dv = mine(dv, coll)?;
         Ok((dq.transpose(0, 1), dk, dv))
     })
+}
+
+/// Every rank's per-token `values` (its positions in local order) as the
+/// whole row's, in row order. Float64 carried exactly enough over the
+/// float32 collective as a (high, low) pair of float32s.
+pub fn gather_values(
+    coll: &mut dyn Collective,
+    split: &ZigZag,
+    values: &[f64],
+) -> Result<Vec<f64>, CollectiveError> {
+    let hi: Vec<f32> = values.iter().map(|&x| x as f32).collect();
+    let lo: Vec<f32> = values
+        .iter()
+        .zip(&hi)
+        .map(|(&x, &h)| (x - f64::from(h)) as f32)
+        .collect();
+    let pairs = Tensor::stack(&[Tensor::from_slice(&hi), Tensor::from_slice(&lo)], 1);
+    let full = gather_rows(coll, split, &pairs)?.to_device(tch::Device::Cpu);
+    let flat = Vec::<f32>::try_from(full.reshape([-1])).expect("float32 values");
+    Ok(flat
+        .chunks_exact(2)
+        .map(|p| f64::from(p[0]) + f64::from(p[1]))
+        .collect())
 }
 
 /// What the backward of [`attend`] needs besides its inputs: each piece's

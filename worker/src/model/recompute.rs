@@ -298,7 +298,7 @@ impl Llama {
                 let (cos, sin) = &tables[layer.rope];
                 let route = routes.layer(layer.sparse);
                 let (y, routed) = layer.forward_with_route(&x, cos, sin, route, |attn, q, k, v| {
-                    match context::core(coll, shard, attn.scale(), q, k, v) {
+                    match context::group_attention(coll, shard, attn.scale(), q, k, v) {
                         Ok((out, ..)) => out,
                         Err(e) => {
                             failed = Some(e);
@@ -392,15 +392,8 @@ impl Llama {
             let route = routes.layer(layer.sparse);
             let mut kept = None;
             let mut failed = None;
-            let (y, routed) =
-                layer.forward_with_route(&x, cos, sin, route, |attn, q, k, v| match context::core(
-                    coll,
-                    &shard,
-                    attn.scale(),
-                    q,
-                    k,
-                    v,
-                ) {
+            let (y, routed) = layer.forward_with_route(&x, cos, sin, route, |attn, q, k, v| {
+                match context::group_attention(coll, &shard, attn.scale(), q, k, v) {
                     Ok((o, kf, vf, saved)) => {
                         let o = o.set_requires_grad(true);
                         kept = Some((
@@ -419,7 +412,8 @@ impl Llama {
                         failed = Some(e);
                         zeros_out(attn, q)
                     }
-                });
+                }
+            });
             if let Some(e) = failed {
                 return Err(e);
             }
@@ -433,8 +427,9 @@ impl Llama {
             let mut wrt = vec![x.shallow_clone(), o.shallow_clone()];
             wrt.extend(layer_vars.iter().map(|&i| vars[i].shallow_clone()));
             let g = Tensor::run_backward(&[surrogate], &wrt, false, false);
-            let (dq, dk, dv) =
-                context::core_backward(coll, &shard, scale, &g[1], &q, &kf, &vf, &saved)?;
+            let (dq, dk, dv) = context::group_attention_backward(
+                coll, &shard, scale, &g[1], &q, &kf, &vf, &saved,
+            )?;
             // The projections before the attention, with q, k and v's
             // gradients (autograd's vector-Jacobian product as a surrogate).
             let before = (&q * &dq).sum(Kind::Float)

@@ -30,6 +30,33 @@ pub struct ObjectiveOut {
     pub extra: BTreeMap<String, f64>,
 }
 
+/// An objective's math on one row's per-token log-probs: each token's
+/// weight in the weighted NLL whose gradient is the objective's, and the
+/// metric sums. Pure arithmetic on the row (no tensors), so a row split
+/// over ranks (context parallelism) gathers its log-probs, runs this the
+/// same on every rank, and backpropagates each rank's tokens' weights.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct RowWeights {
+    /// Per row position (0 where no loss).
+    pub weights: Vec<f64>,
+    pub loss_sum: f64,
+    pub loss_tokens: u64,
+    pub pairs: u64,
+    pub extra: BTreeMap<String, f64>,
+}
+
+impl RowWeights {
+    fn into_out(self, grads: ChunkedLoss) -> ObjectiveOut {
+        ObjectiveOut {
+            grads,
+            loss_sum: self.loss_sum,
+            loss_tokens: self.loss_tokens,
+            pairs: self.pairs,
+            extra: self.extra,
+        }
+    }
+}
+
 /// DPO over the pairs of one microbatch: each pair's two sequences sit in
 /// this microbatch (the planner never splits a pair); `ref` log-probs come
 /// from the plan (`ref_logp` scalar, cached pass) or from `live_ref`, the
@@ -47,6 +74,22 @@ pub fn dpo(
     softcap: Option<f64>,
 ) -> anyhow::Result<ObjectiveOut> {
     let targets = loss::shifted_targets(&batch.labels, &batch.cu_seq_lens);
+    let lp = head::token_logps(hidden, weight, &targets, chunk_tokens, softcap)?;
+    let w = dpo_weights(batch, meta, k, pairs_total, &lp, live_ref)?;
+    let grads = head::weighted_nll(hidden, weight, &targets, &w.weights, chunk_tokens, softcap)?;
+    Ok(w.into_out(grads))
+}
+
+/// [`dpo()`]'s math on the row's per-token log-probs `lp`.
+pub fn dpo_weights(
+    batch: &PackedBatch,
+    meta: &MicrobatchMeta,
+    k: &DpoParams,
+    pairs_total: u64,
+    lp: &[f64],
+    live_ref: Option<&[f64]>,
+) -> anyhow::Result<RowWeights> {
+    let targets = loss::shifted_targets(&batch.labels, &batch.cu_seq_lens);
     let docs = batch.documents();
     if meta.seqs.len() != docs {
         return Err(StepError::invalid(format!(
@@ -59,8 +102,7 @@ pub fn dpo(
             "the step's pair count is 0 but this microbatch holds pairs",
         ));
     }
-    let lp = head::token_logps(hidden, weight, &targets, chunk_tokens, softcap)?;
-    let sums = head::sequence_sums(&lp, &targets, &batch.cu_seq_lens);
+    let sums = head::sequence_sums(lp, &targets, &batch.cu_seq_lens);
     let ref_sums = live_ref.map(|r| head::sequence_sums(r, &targets, &batch.cu_seq_lens));
     let ref_of = |i: usize| -> anyhow::Result<f64> {
         match &ref_sums {
@@ -143,9 +185,8 @@ pub fn dpo(
         add("logps/chosen", out.logp_chosen);
         add("logps/rejected", out.logp_rejected);
     }
-    let grads = head::weighted_nll(hidden, weight, &targets, &weights, chunk_tokens, softcap)?;
-    Ok(ObjectiveOut {
-        grads,
+    Ok(RowWeights {
+        weights,
         loss_sum,
         loss_tokens,
         pairs: mb_pairs,
@@ -172,6 +213,23 @@ pub fn policy_gradient(
     softcap: Option<f64>,
 ) -> anyhow::Result<ObjectiveOut> {
     let targets = loss::shifted_targets(&batch.labels, &batch.cu_seq_lens);
+    let lp = head::token_logps(hidden, weight, &targets, chunk_tokens, softcap)?;
+    let w = pg_weights(batch, meta, k, norm, norms, &lp, live_ref)?;
+    let grads = head::weighted_nll(hidden, weight, &targets, &w.weights, chunk_tokens, softcap)?;
+    Ok(w.into_out(grads))
+}
+
+/// [`policy_gradient`]'s math on the row's per-token log-probs `lp`.
+pub fn pg_weights(
+    batch: &PackedBatch,
+    meta: &MicrobatchMeta,
+    k: &PgParams,
+    norm: Normalization,
+    norms: &StepNorms,
+    lp: &[f64],
+    live_ref: Option<&[f64]>,
+) -> anyhow::Result<RowWeights> {
+    let targets = loss::shifted_targets(&batch.labels, &batch.cu_seq_lens);
     let docs = batch.documents();
     if meta.seqs.len() != docs {
         return Err(StepError::invalid(format!(
@@ -197,7 +255,6 @@ pub fn policy_gradient(
             "kl_coef > 0 with a cached reference, but the plan carries no ref_logprobs",
         ));
     }
-    let lp = head::token_logps(hidden, weight, &targets, chunk_tokens, softcap)?;
     let mut weights = vec![0.0; targets.len()];
     let mut extra = BTreeMap::new();
     let (mut loss_sum, mut loss_tokens) = (0.0, 0u64);
@@ -281,14 +338,34 @@ pub fn policy_gradient(
     if live_ref.is_some() || cached_ref {
         extra.insert("kl".into(), kl_sum);
     }
-    let grads = head::weighted_nll(hidden, weight, &targets, &weights, chunk_tokens, softcap)?;
-    Ok(ObjectiveOut {
-        grads,
+    Ok(RowWeights {
+        weights,
         loss_sum,
         loss_tokens,
         pairs: 0,
         extra,
     })
+}
+
+/// The job's log-prob objective's math on one row's per-token log-probs
+/// `lp` ([`dpo_weights`] or [`pg_weights`]).
+pub fn weights(
+    objective: &Objective,
+    batch: &PackedBatch,
+    meta: &MicrobatchMeta,
+    norms: &StepNorms,
+    lp: &[f64],
+    live_ref: Option<&[f64]>,
+) -> anyhow::Result<RowWeights> {
+    match objective {
+        Objective::Dpo { params, .. } => {
+            dpo_weights(batch, meta, params, norms.pairs, lp, live_ref)
+        }
+        Objective::Pg { params, norm, .. } => {
+            pg_weights(batch, meta, params, *norm, norms, lp, live_ref)
+        }
+        Objective::Sft => bail!("the sft objective has no log-prob head"),
+    }
 }
 
 /// The job's log-prob objective on one microbatch: [`dpo()`] or

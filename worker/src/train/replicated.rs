@@ -29,6 +29,7 @@ mod state;
 mod sync;
 
 use std::path::Path;
+use std::sync::Mutex;
 
 use anyhow::{bail, Context};
 use tch::{Device, Kind, Tensor};
@@ -37,6 +38,7 @@ use crate::batch::{MicrobatchOutcome, PackedBatch};
 use crate::collective::{shard_range, Collective, CollectiveError, Solo};
 use crate::config::{self, JobConfig};
 use crate::error::StepError;
+use crate::model::context::RowShard;
 use crate::model::recompute::VarGroups;
 use crate::model::{loss, Init, Llama, PackedAttention, Routes};
 use crate::objective::Objective;
@@ -112,6 +114,9 @@ pub struct ReplicatedTrainer {
     /// The step's load-balancing weights (`train::routing`), from
     /// `begin_step` to the optimizer step.
     step_aux: Option<Tensor>,
+    /// Context parallelism (`parallel.context`, issue 37): this rank's
+    /// group, whose ranks share every microbatch's row.
+    context: Option<Mutex<Box<dyn Collective>>>,
 }
 
 /// The experts `mb` replays on `model`'s sparse layers (none for a dense
@@ -240,6 +245,7 @@ impl ReplicatedTrainer {
             pristine: restore_from.is_none(),
             init: cfg.clone(),
             step_aux: None,
+            context: None,
         };
         t.refresh_compute();
         Ok(t)
@@ -254,6 +260,16 @@ impl ReplicatedTrainer {
     }
 
     /// Whether only LoRA adapters train.
+    /// Context parallelism (issue 37): every microbatch's row is split
+    /// over `group` (this rank and the others given the same microbatches,
+    /// `crate::model::context`), each rank training its share; the
+    /// data-parallel reduction over the trainer's collective sums the
+    /// shares. A group of one is no split. SFT at ddp and zero2 so far.
+    pub fn with_context(mut self, group: Box<dyn Collective>) -> ReplicatedTrainer {
+        self.context = (group.world_size() > 1).then(|| Mutex::new(group));
+        self
+    }
+
     fn lora(&self) -> bool {
         self.model.adapters.is_some()
     }
@@ -331,6 +347,10 @@ impl ReplicatedTrainer {
                 "microbatch {index}: has loss tokens but the step's global loss-token count is 0"
             )));
         }
+        if let Some(group) = &self.context {
+            let mut group = group.lock().unwrap_or_else(|p| p.into_inner());
+            return self.sft_grads_context(index, mb, &targets, global_loss_tokens, group.as_mut());
+        }
         let net = self.net();
         let routes = self.routes(index, mb)?;
         let keys = self.dropout_keys(mb);
@@ -366,6 +386,61 @@ impl ReplicatedTrainer {
             sequences: 0,
         };
         self.report_routing(aux_share, &norms, mb, &mut sums);
+        Ok((sums, grads))
+    }
+
+    /// [`Self::sft_grads`] of this rank's share of `mb`'s row under context
+    /// parallelism: every rank of the group runs it for every microbatch
+    /// (each layer's attention is a collective of the group), and reports
+    /// its own tokens and loss sums (the group's add up to the row's).
+    fn sft_grads_context(
+        &self,
+        index: usize,
+        mb: &PackedBatch,
+        targets: &[i64],
+        global_loss_tokens: u64,
+        group: &mut dyn Collective,
+    ) -> anyhow::Result<(MicrobatchOutcome, Vec<Tensor>)> {
+        let net = self.net();
+        if self.model.arch.moe.is_some() || self.dropout_keys(mb).is_some() {
+            return Err(StepError::invalid(format!(
+                "microbatch {index}: context parallelism does not run mixture-of-experts models or LoRA dropout yet"
+            )));
+        }
+        let shard = RowShard::new(
+            &mb.cu_seq_lens,
+            group.world_size() as i64,
+            group.rank() as i64,
+        );
+        let ids = shard.take(&mb.input_ids);
+        let local = shard.take(targets);
+        let fwd = net
+            .forward_train_context(&ids, &shard, group, &Routes::default())
+            .with_context(|| format!("microbatch {index}"))?;
+        let chunked = loss::chunked_nll_with(
+            &fwd.hidden,
+            net.lm_head_weight(),
+            &local,
+            self.loss_chunk_tokens,
+            1.0 / global_loss_tokens as f64,
+            net.arch.final_softcap,
+            self.groups.head.is_some(),
+        )
+        .with_context(|| format!("microbatch {index}"))?;
+        let grads = net.backward_train_context(
+            fwd,
+            &chunked.grad_hidden,
+            &chunked.grad_weight,
+            &self.compute_params,
+            &self.groups,
+            group,
+        )?;
+        let sums = MicrobatchOutcome {
+            tokens: ids.len() as u64,
+            loss_sum: chunked.loss_sum,
+            loss_tokens: chunked.loss_tokens,
+            ..Default::default()
+        };
         Ok((sums, grads))
     }
 

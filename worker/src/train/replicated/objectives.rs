@@ -9,11 +9,36 @@ use tch::Tensor;
 
 use super::{reference_model, ReplicatedTrainer, Sharding};
 use crate::batch::{MicrobatchMeta, MicrobatchOutcome, PackedBatch, SequenceLogp, StepNorms};
-use crate::model::{loss, Llama};
+use crate::collective::Collective;
+use crate::model::context::{gather_values, RowShard};
+use crate::model::{loss, Llama, Routes};
 use crate::objective::head;
 use crate::objective::microbatch;
 use crate::objective::Objective;
 use crate::train::trainer::Passes;
+
+/// Per-token log-probs of this rank's share of a row (`ids`, `targets`:
+/// its tokens) under `model`, without autograd; the group's collectives
+/// run inside.
+fn context_logps(
+    model: &Llama,
+    ids: &[i64],
+    shard: &RowShard,
+    targets: &[i64],
+    chunk: usize,
+    group: &mut dyn Collective,
+) -> anyhow::Result<Vec<f64>> {
+    tch::no_grad(|| {
+        let f = model.forward_train_context(ids, shard, group, &Routes::default())?;
+        head::token_logps(
+            &f.hidden,
+            model.lm_head_weight(),
+            targets,
+            chunk,
+            model.arch.final_softcap,
+        )
+    })
+}
 
 /// Per-token reference log-probs of `mb` under `model`, without autograd.
 fn reference_token_logps(
@@ -47,6 +72,10 @@ impl ReplicatedTrainer {
         let objective = self.objective;
         if objective == Objective::Sft {
             return self.sft_grads(index, mb, norms.loss_tokens);
+        }
+        if let Some(group) = &self.context {
+            let mut group = group.lock().unwrap_or_else(|p| p.into_inner());
+            return self.objective_grads_context(index, mb, meta, norms, group.as_mut());
         }
         let mut sums = MicrobatchOutcome {
             tokens: mb.tokens() as u64,
@@ -103,6 +132,87 @@ impl ReplicatedTrainer {
         sums.pairs = out.pairs;
         sums.extra = out.extra;
         self.report_routing(aux_share, norms, mb, &mut sums);
+        Ok((sums, grads))
+    }
+
+    /// [`Self::objective_grads`] of this rank's share of `mb`'s row under
+    /// context parallelism: each rank computes its tokens' log-probs (and
+    /// a live reference's), the row's are gathered over the group, the
+    /// objective's math runs on the whole row alike on every rank, and each
+    /// rank backpropagates its own tokens' weights. The group's rank 0
+    /// reports the row's loss and metric sums, every rank its own tokens.
+    fn objective_grads_context(
+        &self,
+        index: usize,
+        mb: &PackedBatch,
+        meta: &MicrobatchMeta,
+        norms: &StepNorms,
+        group: &mut dyn Collective,
+    ) -> anyhow::Result<(MicrobatchOutcome, Vec<Tensor>)> {
+        let mut sums = MicrobatchOutcome::default();
+        if mb.is_empty() {
+            return Ok((sums, Vec::new()));
+        }
+        mb.validate()
+            .with_context(|| format!("microbatch {index}"))?;
+        self.check_vocabulary(index, mb)?;
+        let net = self.net();
+        if self.model.arch.moe.is_some() || self.dropout_keys(mb).is_some() {
+            return Err(crate::error::StepError::invalid(format!(
+                "microbatch {index}: context parallelism does not run mixture-of-experts models or LoRA dropout yet"
+            )));
+        }
+        let targets = loss::shifted_targets(&mb.labels, &mb.cu_seq_lens);
+        let (ranks, rank) = (group.world_size() as i64, group.rank() as i64);
+        let shard = RowShard::new(&mb.cu_seq_lens, ranks, rank);
+        let ids = shard.take(&mb.input_ids);
+        let local = shard.take(&targets);
+        let chunk = self.loss_chunk_tokens;
+        let reference = match &self.reference {
+            Some(r) => Some(context_logps(r, &ids, &shard, &local, chunk, group)?),
+            // LoRA: the base with the adapters off, no copy.
+            None if self.lora() && self.objective.live_reference() => Some(
+                net.without_adapters(|| context_logps(net, &ids, &shard, &local, chunk, group))?,
+            ),
+            None => None,
+        };
+        let live = match reference {
+            Some(l) => Some(gather_values(group, &shard.split, &l)?),
+            None => None,
+        };
+        let fwd = net
+            .forward_train_context(&ids, &shard, group, &Routes::default())
+            .with_context(|| format!("microbatch {index}"))?;
+        let head_w = net.lm_head_weight();
+        let softcap = net.arch.final_softcap;
+        let mine = head::token_logps(&fwd.hidden, head_w, &local, chunk, softcap)?;
+        let lp = gather_values(group, &shard.split, &mine)?;
+        let w = microbatch::weights(&self.objective, mb, meta, norms, &lp, live.as_deref())
+            .with_context(|| format!("microbatch {index}"))?;
+        let out = head::weighted_nll(
+            &fwd.hidden,
+            head_w,
+            &local,
+            &shard.take(&w.weights),
+            chunk,
+            softcap,
+        )
+        .with_context(|| format!("microbatch {index}"))?;
+        let grads = net.backward_train_context(
+            fwd,
+            &out.grad_hidden,
+            &out.grad_weight,
+            &self.compute_params,
+            &self.groups,
+            group,
+        )?;
+        sums.tokens = ids.len() as u64;
+        if rank == 0 {
+            sums.loss_sum = w.loss_sum;
+            sums.loss_tokens = w.loss_tokens;
+            sums.pairs = w.pairs;
+            sums.extra = w.extra;
+        }
         Ok((sums, grads))
     }
 
