@@ -403,3 +403,136 @@ fn bench_attention() {
         (peak.saturating_sub(base)) as f64 / (1 << 20) as f64,
     );
 }
+
+/// Context parallelism's memory (issue 37): one training forward +
+/// backward of one document of `$ACCRUE_BENCH_CP_T` tokens as this
+/// process's share under `$ACCRUE_BENCH_CP_RANKS` ranks (rank
+/// `$ACCRUE_BENCH_CP_RANK`; the ranks meet over the TCP ring through port
+/// files in `$ACCRUE_BENCH_CP_DIR`), or with the ordinary per-layer
+/// recomputation when there is one rank. A Llama of hidden 256 (8 query
+/// heads over 2 kv heads of 32), 2 layers, intermediate 688, vocab 8192,
+/// fp32, one thread. Prints seconds and peak RSS growth over the built
+/// model (`scripts/bench_context.sh` runs the ranks together).
+#[test]
+#[ignore]
+fn bench_context_rank() {
+    use accrue_worker::collective::{tcp, Collective};
+    use accrue_worker::model::context::RowShard;
+    use accrue_worker::model::recompute::VarGroups;
+    use accrue_worker::model::{Init, Llama, ModelConfig, Routes};
+    tch::set_num_threads(1);
+    let var = |name: &str| -> i64 { std::env::var(name).unwrap().parse().unwrap() };
+    let (t, ranks, rank) = (
+        var("ACCRUE_BENCH_CP_T"),
+        var("ACCRUE_BENCH_CP_RANKS"),
+        var("ACCRUE_BENCH_CP_RANK"),
+    );
+    let raw = serde_json::json!({
+        "model_type": "llama", "vocab_size": 8192, "hidden_size": 256,
+        "intermediate_size": 688, "num_hidden_layers": 2, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "max_position_embeddings": t, "rms_norm_eps": 1e-6
+    });
+    let cfg = ModelConfig::from_json(&raw).unwrap();
+    let model = Llama::new(cfg, raw, Kind::Float, Device::Cpu, Init::Seeded(1)).unwrap();
+    let mut named: Vec<(String, Tensor)> = model.vs.variables().into_iter().collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    let names: Vec<String> = named.iter().map(|(n, _)| n.clone()).collect();
+    let vars: Vec<Tensor> = named.into_iter().map(|(_, v)| v).collect();
+    let groups = VarGroups::new(&names, 2, false);
+    let ids: Vec<i64> = (0..t).map(|i| (i * 7919 + 13) % 8192).collect();
+    let targets: Vec<i64> = (0..t)
+        .map(|i| {
+            if i + 1 < t {
+                ids[(i + 1) as usize]
+            } else {
+                -100
+            }
+        })
+        .collect();
+    let cu = [0, t];
+    let mut ring: Option<Box<dyn Collective>> = None;
+    if ranks > 1 {
+        let dir = PathBuf::from(std::env::var("ACCRUE_BENCH_CP_DIR").unwrap());
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().to_string();
+        std::fs::write(dir.join(format!("tmp-{rank}")), &port).unwrap();
+        std::fs::rename(
+            dir.join(format!("tmp-{rank}")),
+            dir.join(format!("port-{rank}")),
+        )
+        .unwrap();
+        let peers: Vec<String> = (0..ranks)
+            .map(|r| loop {
+                if let Ok(p) = std::fs::read_to_string(dir.join(format!("port-{r}"))) {
+                    break p;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            })
+            .collect();
+        let link = accrue_collective::LinkKey::new(&[7u8; 32], false).unwrap();
+        let r = tcp::connect_cpu(
+            &listener,
+            rank as usize,
+            ranks as usize,
+            &peers,
+            1,
+            std::time::Duration::from_secs(600),
+            link,
+        )
+        .unwrap();
+        ring = Some(Box::new(r));
+    }
+    let (base, _) = rss();
+    let start = Instant::now();
+    let routes = Routes::default();
+    let head = |hidden: &Tensor, targets: &[i64]| {
+        loss::chunked_nll_with(
+            hidden,
+            model.lm_head_weight(),
+            targets,
+            1024,
+            1.0 / t as f64,
+            None,
+            true,
+        )
+        .unwrap()
+    };
+    let (grads, loss_sum) = match ring.as_mut() {
+        None => {
+            let f = model.forward_train(&ids, &cu, true, &routes);
+            let l = head(&f.hidden, &targets);
+            let g = model.backward_train(f, &l.grad_hidden, &l.grad_weight, &vars, &groups);
+            (g, l.loss_sum)
+        }
+        Some(coll) => {
+            let shard = RowShard::new(&cu, ranks, rank);
+            let f = model
+                .forward_train_context(&shard.take(&ids), &shard, coll.as_mut(), &routes)
+                .unwrap();
+            let l = head(&f.hidden, &shard.take(&targets));
+            let g = model
+                .backward_train_context(
+                    f,
+                    &l.grad_hidden,
+                    &l.grad_weight,
+                    &vars,
+                    &groups,
+                    coll.as_mut(),
+                )
+                .unwrap();
+            (g, l.loss_sum)
+        }
+    };
+    let secs = start.elapsed().as_secs_f64();
+    let (_, peak) = rss();
+    let norm: f64 = grads
+        .iter()
+        .filter(|g| g.defined())
+        .map(|g| f64::try_from(g.square().sum(Kind::Double)).unwrap())
+        .sum();
+    println!(
+        "{{\"context\": {ranks}, \"rank\": {rank}, \"T\": {t}, \"tokens_here\": {}, \"seconds\": {secs:.2}, \"peak_extra_mib\": {:.1}, \"loss_sum\": {loss_sum:.6}, \"grad_sq_sum\": {norm:.6e}}}",
+        RowShard::new(&cu, ranks, rank).held.len(),
+        (peak.saturating_sub(base)) as f64 / (1 << 20) as f64,
+    );
+}

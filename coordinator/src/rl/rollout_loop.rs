@@ -127,20 +127,25 @@ impl JobCtx<'_> {
             "generation round planned"
         );
         job.rec.reason = format!("generating round {}", round.id);
-        let gen_id = round.generation;
-        let active = job.active_mut().expect("a round within a generation");
+        self.send_to_members(Box::new(round), plans);
+    }
+
+    /// Sends each member (in rank order) its plan of `round`, which the
+    /// generation is then busy with.
+    fn send_to_members(&mut self, round: Box<Round>, plans: Vec<super::rounds::RoundPlan>) {
+        let active = self.job.active_mut().expect("a round within a generation");
         for (rank, (m, plan)) in active.gen.members.iter().zip(plans).enumerate() {
             self.fx.push(Effect::Send {
                 worker: m.clone(),
                 msg: ToWorker::Generate {
                     job: self.id.clone(),
-                    generation: gen_id,
+                    generation: round.generation,
                     rank: rank as u32,
                     plan: Arc::new(plan),
                 },
             });
         }
-        active.work = Work::Generating(Box::new(round));
+        active.work = Work::Generating(round);
     }
 
     /// One rank's completions; once every rank answered, the round goes to
@@ -248,19 +253,7 @@ impl JobCtx<'_> {
         let episodes: usize = r.asked.iter().map(Vec::len).sum();
         debug!(job = %self.id, round = r.id, episodes, "wave of episodes sent");
         job.rec.reason = format!("generating round {} ({episodes} episodes' turns)", r.id);
-        let active = job.active_mut().expect("a round within a generation");
-        for (rank, (m, plan)) in active.gen.members.iter().zip(plans).enumerate() {
-            self.fx.push(Effect::Send {
-                worker: m.clone(),
-                msg: ToWorker::Generate {
-                    job: self.id.clone(),
-                    generation: r.generation,
-                    rank: rank as u32,
-                    plan: Arc::new(plan),
-                },
-            });
-        }
-        active.work = Work::Generating(r);
+        self.send_to_members(r, plans);
     }
 
     /// Asks the shell to step a turn's environments.

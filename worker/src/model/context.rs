@@ -304,6 +304,26 @@ fn heads_first(t: &Tensor) -> Tensor {
     t.transpose(0, 1).unsqueeze(0)
 }
 
+/// A block of keys every query sees whole (no mask) reads each kv head
+/// in place: the query heads of a kv head's group are laid end to end
+/// along the sequence (`[1, heads, n, ·]` → `[1, kv, groups · n, ·]`,
+/// head h = kv head h / groups, as `repeat_kv` orders them), so the long
+/// prefix of keys a late chunk sees is never repeated per query head.
+fn fold(t: &Tensor, kv: i64) -> Tensor {
+    let s = t.size();
+    let mut shape = vec![1, kv, s[1] / kv * s[2]];
+    shape.extend_from_slice(&s[3..]);
+    t.reshape(shape.as_slice())
+}
+
+/// [`fold`]'s inverse, to `[1, heads, n, ·]`.
+fn unfold(t: &Tensor, heads: i64) -> Tensor {
+    let s = t.size();
+    let mut shape = vec![1, heads, s[2] * s[1] / heads];
+    shape.extend_from_slice(&s[3..]);
+    t.reshape(shape.as_slice())
+}
+
 /// Repeats each kv head `groups` times (HF `repeat_kv`) in `[1, kv, n, d]`.
 fn repeat(t: &Tensor, groups: i64) -> Tensor {
     if groups == 1 {
@@ -324,7 +344,8 @@ pub fn attend(
     pieces: &[Piece],
     scale: Option<f64>,
 ) -> (Tensor, Saved) {
-    let groups = q.size()[1] / k.size()[1];
+    let (heads, kv) = (q.size()[1], k.size()[1]);
+    let groups = heads / kv;
     let out = Tensor::zeros_like(q);
     let mut saved = Saved {
         out: Vec::with_capacity(pieces.len()),
@@ -349,9 +370,11 @@ pub fn attend(
                 scale,
             );
             if p.before.start < p.before.end {
-                let (kb, vb) = block(&p.before);
+                let r = &p.before;
+                let kb = heads_first(&k.narrow(0, r.start, r.end - r.start));
+                let vb = heads_first(&v.narrow(0, r.start, r.end - r.start));
                 let (o1, l1) = Tensor::internal_scaled_dot_product_flash_attention_for_cpu(
-                    &qp,
+                    &fold(&qp, kv),
                     &kb,
                     &vb,
                     0.0,
@@ -359,6 +382,7 @@ pub fn attend(
                     None::<Tensor>,
                     scale,
                 );
+                let (o1, l1) = (unfold(&o1, heads), unfold(&l1, heads));
                 let merged = l1.logaddexp(&lse);
                 o = &o1 * (&l1 - &merged).exp().unsqueeze(-1)
                     + &o * (&lse - &merged).exp().unsqueeze(-1);
@@ -386,48 +410,68 @@ pub fn attend_backward(
     saved: &Saved,
     scale: Option<f64>,
 ) -> (Tensor, Tensor, Tensor) {
-    let (kv_heads, groups) = (k.size()[1], q.size()[1] / k.size()[1]);
+    let (heads, kv) = (q.size()[1], k.size()[1]);
+    let groups = heads / kv;
     let dq = Tensor::zeros_like(q);
     let dk = Tensor::zeros_like(k);
     let dv = Tensor::zeros_like(v);
-    // `[1, heads, n, d]` of repeated heads back to `[n, kv_heads, d]`.
-    let fold = |t: &Tensor| {
+    // `[1, heads, n, d]` of repeated heads, summed back to `[n, kv, d]`.
+    let sum_groups = |t: &Tensor| {
         let s = t.size();
-        t.view([kv_heads, groups, s[2], s[3]])
+        t.view([kv, groups, s[2], s[3]])
             .sum_dim_intlist([1].as_slice(), false, Kind::Float)
             .transpose(0, 1)
             .to_kind(k.kind())
     };
+    // `[1, kv, n, d]` to `[n, kv, d]`.
+    let rows = |t: &Tensor| t.squeeze_dim(0).transpose(0, 1).to_kind(k.kind());
     tch::no_grad(|| {
         for (i, p) in pieces.iter().enumerate() {
             let n = p.local.end - p.local.start;
             let qp = heads_first(&q.narrow(0, p.local.start, n));
             let dop = heads_first(&dout.narrow(0, p.local.start, n)).contiguous();
             let (o, lse) = (&saved.out[i], &saved.lse[i]);
-            let mut dqp = Tensor::zeros_like(&qp);
-            for (r, causal) in [(&p.diag, true), (&p.before, false)] {
-                if r.start == r.end {
-                    continue;
-                }
-                let len = r.end - r.start;
-                let kb = repeat(&heads_first(&k.narrow(0, r.start, len)), groups);
-                let vb = repeat(&heads_first(&v.narrow(0, r.start, len)), groups);
+            // The causal block, its kv heads repeated.
+            let r = &p.diag;
+            let kb = repeat(&heads_first(&k.narrow(0, r.start, n)), groups);
+            let vb = repeat(&heads_first(&v.narrow(0, r.start, n)), groups);
+            let (mut dqp, gk, gv) =
+                Tensor::internal_scaled_dot_product_flash_attention_for_cpu_backward(
+                    &dop,
+                    &qp,
+                    &kb,
+                    &vb,
+                    o,
+                    lse,
+                    0.0,
+                    true,
+                    None::<Tensor>,
+                    scale,
+                );
+            let _ = dk.narrow(0, r.start, n).g_add_(&sum_groups(&gk));
+            let _ = dv.narrow(0, r.start, n).g_add_(&sum_groups(&gv));
+            // The block seen whole, its query heads folded (see [`fold`]).
+            let r = &p.before;
+            let len = r.end - r.start;
+            if len > 0 {
+                let kb = heads_first(&k.narrow(0, r.start, len));
+                let vb = heads_first(&v.narrow(0, r.start, len));
                 let (gq, gk, gv) =
                     Tensor::internal_scaled_dot_product_flash_attention_for_cpu_backward(
-                        &dop,
-                        &qp,
+                        &fold(&dop, kv),
+                        &fold(&qp, kv),
                         &kb,
                         &vb,
-                        o,
-                        lse,
+                        &fold(o, kv),
+                        &fold(lse, kv),
                         0.0,
-                        causal,
+                        false,
                         None::<Tensor>,
                         scale,
                     );
-                dqp += gq;
-                let _ = dk.narrow(0, r.start, len).g_add_(&fold(&gk));
-                let _ = dv.narrow(0, r.start, len).g_add_(&fold(&gv));
+                dqp += unfold(&gq, heads);
+                let _ = dk.narrow(0, r.start, len).g_add_(&rows(&gk));
+                let _ = dv.narrow(0, r.start, len).g_add_(&rows(&gv));
             }
             dq.narrow(0, p.local.start, n)
                 .copy_(&dqp.squeeze_dim(0).transpose(0, 1));

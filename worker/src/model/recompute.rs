@@ -129,12 +129,7 @@ impl Llama {
                 let route = routes.layer(layer.sparse);
                 let (y, routed) =
                     layer.forward_routed(&x, cos, sin, cu_seq_lens, self.attention, route);
-                if let Some(a) = routed.aux {
-                    aux = Some(match aux.take() {
-                        Some(sum) => sum + a,
-                        None => a,
-                    });
-                }
+                add_aux(&mut aux, routed.aux);
                 inputs.push(x);
                 x = y;
             }
@@ -174,13 +169,7 @@ impl Llama {
         if !grad_hidden.defined() {
             return out;
         }
-        let surrogate = (&fwd.hidden * grad_hidden).sum(Kind::Float);
-        // A frozen head (LoRA) has no gradient to pass on.
-        let surrogate = if grad_head.defined() {
-            surrogate + (self.lm_head_weight() * grad_head).sum(Kind::Float)
-        } else {
-            surrogate
-        };
+        let surrogate = self.head_surrogate(&fwd.hidden, grad_hidden, grad_head);
         let (ids, tables, cu_seq_lens, inputs, last, routes) = match fwd.tape {
             Tape::Full { aux } => {
                 let surrogate = match aux {
@@ -201,24 +190,7 @@ impl Llama {
                 unreachable!("a context-parallel forward's backward is backward_train_context")
             }
         };
-        // The final norm and the head, where they train.
-        let tail: Vec<usize> = [groups.norm, groups.head].into_iter().flatten().collect();
-        let mut wrt = vec![last.shallow_clone()];
-        wrt.extend(tail.iter().map(|&i| vars[i].shallow_clone()));
-        let g = Tensor::run_backward(&[surrogate], &wrt, false, false);
-        let mut add = |i: usize, g: &Tensor| {
-            if g.defined() {
-                out[i] = if out[i].defined() {
-                    &out[i] + g
-                } else {
-                    g.shallow_clone()
-                };
-            }
-        };
-        for (k, &i) in tail.iter().enumerate() {
-            add(i, &g[k + 1]);
-        }
-        let mut upstream = g[0].shallow_clone();
+        let mut upstream = self.tail_backward(surrogate, &last, vars, groups, &mut out);
         for (l, layer) in self.layers.iter().enumerate().rev() {
             let x = inputs[l].detach().set_requires_grad(true);
             let (cos, sin) = &tables[layer.rope];
@@ -234,18 +206,70 @@ impl Llama {
             wrt.extend(groups.layers[l].iter().map(|&i| vars[i].shallow_clone()));
             let g = Tensor::run_backward(&[surrogate], &wrt, false, false);
             for (k, &i) in groups.layers[l].iter().enumerate() {
-                add(i, &g[k + 1]);
+                accumulate(&mut out, i, &g[k + 1]);
             }
             upstream = g[0].shallow_clone();
         }
-        // The embedding's gradient needs only the ids and the upstream
-        // gradient (what autograd's embedding backward computes).
+        self.embed_backward_into(&upstream, &ids, groups, &mut out);
+        out
+    }
+
+    /// `⟨hidden, grad_hidden⟩ + ⟨head, grad_head⟩`, whose gradient is the
+    /// chunked loss's (a frozen head, under LoRA, has no `grad_head`).
+    fn head_surrogate(&self, hidden: &Tensor, grad_hidden: &Tensor, grad_head: &Tensor) -> Tensor {
+        let surrogate = (hidden * grad_hidden).sum(Kind::Float);
+        if grad_head.defined() {
+            surrogate + (self.lm_head_weight() * grad_head).sum(Kind::Float)
+        } else {
+            surrogate
+        }
+    }
+
+    /// Backpropagates `surrogate` through the final norm and the head
+    /// (where they train) into `out`; the gradient at the last layer's
+    /// output `last`.
+    fn tail_backward(
+        &self,
+        surrogate: Tensor,
+        last: &Tensor,
+        vars: &[Tensor],
+        groups: &VarGroups,
+        out: &mut [Tensor],
+    ) -> Tensor {
+        let tail: Vec<usize> = [groups.norm, groups.head].into_iter().flatten().collect();
+        let mut wrt = vec![last.shallow_clone()];
+        wrt.extend(tail.iter().map(|&i| vars[i].shallow_clone()));
+        let g = Tensor::run_backward(&[surrogate], &wrt, false, false);
+        for (k, &i) in tail.iter().enumerate() {
+            accumulate(out, i, &g[k + 1]);
+        }
+        g[0].shallow_clone()
+    }
+
+    /// The embedding's gradient, from the ids and the gradient at the
+    /// first layer's input (what autograd's embedding backward computes).
+    fn embed_backward_into(
+        &self,
+        upstream: &Tensor,
+        ids: &Tensor,
+        groups: &VarGroups,
+        out: &mut [Tensor],
+    ) {
         if let Some(e) = groups.embed {
             let vocab = self.cfg.vocab_size as i64;
-            let embed = super::llama::embed_backward(&upstream, &ids, vocab, self.arch.embed_scale);
-            add(e, &embed);
+            let embed = super::llama::embed_backward(upstream, ids, vocab, self.arch.embed_scale);
+            accumulate(out, e, &embed);
         }
-        out
+    }
+}
+
+/// Adds a layer's load-balancing share to the forward's sum.
+fn add_aux(sum: &mut Option<Tensor>, share: Option<Tensor>) {
+    if let Some(a) = share {
+        *sum = Some(match sum.take() {
+            Some(s) => s + a,
+            None => a,
+        });
     }
 }
 
@@ -309,12 +333,7 @@ impl Llama {
                 if failed.is_some() {
                     break;
                 }
-                if let Some(a) = routed.aux {
-                    aux = Some(match aux.take() {
-                        Some(sum) => sum + a,
-                        None => a,
-                    });
-                }
+                add_aux(&mut aux, routed.aux);
                 inputs.push(x);
                 x = y;
             }
@@ -372,20 +391,8 @@ impl Llama {
         } else {
             fwd.hidden.zeros_like()
         };
-        let surrogate = (&fwd.hidden * &grad_hidden).sum(Kind::Float);
-        let surrogate = if grad_head.defined() {
-            surrogate + (self.lm_head_weight() * grad_head).sum(Kind::Float)
-        } else {
-            surrogate
-        };
-        let tail: Vec<usize> = [groups.norm, groups.head].into_iter().flatten().collect();
-        let mut wrt = vec![last.shallow_clone()];
-        wrt.extend(tail.iter().map(|&i| vars[i].shallow_clone()));
-        let g = Tensor::run_backward(&[surrogate], &wrt, false, false);
-        for (k, &i) in tail.iter().enumerate() {
-            accumulate(&mut out, i, &g[k + 1]);
-        }
-        let mut upstream = g[0].shallow_clone();
+        let surrogate = self.head_surrogate(&fwd.hidden, &grad_hidden, grad_head);
+        let mut upstream = self.tail_backward(surrogate, &last, vars, groups, &mut out);
         for (l, layer) in self.layers.iter().enumerate().rev() {
             let x = inputs[l].detach().set_requires_grad(true);
             let (cos, sin) = &tables[layer.rope];
@@ -448,11 +455,7 @@ impl Llama {
                 _ => g2[0].shallow_clone(),
             };
         }
-        if let Some(e) = groups.embed {
-            let vocab = self.cfg.vocab_size as i64;
-            let embed = super::llama::embed_backward(&upstream, &ids, vocab, self.arch.embed_scale);
-            accumulate(&mut out, e, &embed);
-        }
+        self.embed_backward_into(&upstream, &ids, groups, &mut out);
         Ok(out)
     }
 }
