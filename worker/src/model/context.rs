@@ -127,9 +127,10 @@ pub fn pieces(split: &ZigZag, rank: i64, cu_seq_lens: &[i64]) -> Vec<Piece> {
 /// whole row `[len, W]`, in row order. Float32 over the collective.
 pub fn gather_rows(
     coll: &mut dyn Collective,
-    split: &ZigZag,
+    shard: &RowShard,
     rows: &Tensor,
 ) -> Result<Tensor, CollectiveError> {
+    let split = &shard.split;
     let width = rows.size()[1];
     let (slot, ranks) = (split.slot(), split.ranks);
     let rank = coll.rank() as i64;
@@ -139,7 +140,7 @@ pub fn gather_rows(
     buf.narrow(0, rank * slot * width, count * width)
         .copy_(&rows.to_device(device).to_kind(Kind::Float).reshape([-1]));
     coll.all_gather(&mut buf)?;
-    let index = Tensor::from_slice(&split.gathered_rows()).to_device(device);
+    let index = shard.gathered.to_device(device);
     Ok(buf
         .view([ranks * slot, width])
         .index_select(0, &index)
@@ -152,14 +153,15 @@ pub fn gather_rows(
 /// [`gather_rows`].
 pub fn scatter_rows(
     coll: &mut dyn Collective,
-    split: &ZigZag,
+    shard: &RowShard,
     full: &Tensor,
 ) -> Result<Tensor, CollectiveError> {
+    let split = &shard.split;
     let width = full.size()[1];
     let (slot, ranks) = (split.slot(), split.ranks);
     let rank = coll.rank() as i64;
     let device = coll.device();
-    let index = Tensor::from_slice(&split.gathered_rows()).to_device(device);
+    let index = shard.gathered.to_device(device);
     let buf = Tensor::zeros([ranks * slot, width], (Kind::Float, device)).index_copy(
         0,
         &index,
@@ -176,7 +178,7 @@ pub fn scatter_rows(
 }
 
 /// A rank's share of one packed row under context parallelism.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug)]
 pub struct RowShard {
     pub split: ZigZag,
     pub rank: i64,
@@ -185,6 +187,22 @@ pub struct RowShard {
     pub held: Vec<i64>,
     /// Each local row's position in its document (RoPE's).
     pub positions: Vec<i64>,
+    /// For each row position, its row in a gathered buffer (int64, built
+    /// once per row for every layer's gathers and scatters).
+    gathered: Tensor,
+}
+
+impl Clone for RowShard {
+    fn clone(&self) -> RowShard {
+        RowShard {
+            split: self.split,
+            rank: self.rank,
+            pieces: self.pieces.clone(),
+            held: self.held.clone(),
+            positions: self.positions.clone(),
+            gathered: self.gathered.shallow_clone(),
+        }
+    }
 }
 
 impl RowShard {
@@ -202,6 +220,7 @@ impl RowShard {
             pieces: pieces(&split, rank, cu_seq_lens),
             held,
             positions,
+            gathered: Tensor::from_slice(&split.gathered_rows()),
         }
     }
 
@@ -228,8 +247,8 @@ pub fn group_attention(
     let len = shard.split.len;
     let (kf, vf) = tch::no_grad(|| -> Result<_, CollectiveError> {
         let rows = |t: &Tensor| t.transpose(0, 1).reshape([n, kv * d]);
-        let kf = gather_rows(coll, &shard.split, &rows(k))?.view([len, kv, d]);
-        let vf = gather_rows(coll, &shard.split, &rows(v))?.view([len, kv, d]);
+        let kf = gather_rows(coll, shard, &rows(k))?.view([len, kv, d]);
+        let vf = gather_rows(coll, shard, &rows(v))?.view([len, kv, d]);
         Ok((kf, vf))
     })?;
     let q_rows = q.detach().transpose(0, 1).contiguous();
@@ -260,7 +279,7 @@ pub fn group_attention_backward(
         let dout = dout.view([n, heads, d]);
         let (dq, dk, dv) = attend_backward(&dout, &q_rows, kf, vf, &shard.pieces, saved, scale);
         let mine = |full: Tensor, coll: &mut dyn Collective| {
-            scatter_rows(coll, &shard.split, &full.reshape([len, kv * d]))
+            scatter_rows(coll, shard, &full.reshape([len, kv * d]))
                 .map(|t| t.view([n, kv, d]).transpose(0, 1))
         };
         let dk = mine(dk, coll)?;
@@ -274,7 +293,7 @@ pub fn group_attention_backward(
 /// float32 collective as a (high, low) pair of float32s.
 pub fn gather_values(
     coll: &mut dyn Collective,
-    split: &ZigZag,
+    shard: &RowShard,
     values: &[f64],
 ) -> Result<Vec<f64>, CollectiveError> {
     let hi: Vec<f32> = values.iter().map(|&x| x as f32).collect();
@@ -284,7 +303,7 @@ pub fn gather_values(
         .map(|(&x, &h)| (x - f64::from(h)) as f32)
         .collect();
     let pairs = Tensor::stack(&[Tensor::from_slice(&hi), Tensor::from_slice(&lo)], 1);
-    let full = gather_rows(coll, split, &pairs)?.to_device(tch::Device::Cpu);
+    let full = gather_rows(coll, shard, &pairs)?.to_device(tch::Device::Cpu);
     let flat = Vec::<f32>::try_from(full.reshape([-1])).expect("float32 values");
     Ok(flat
         .chunks_exact(2)

@@ -19,6 +19,7 @@
 
 use tch::{Kind, Tensor};
 
+use super::attention::Attention;
 use super::context::{self, RowShard};
 use super::llama::{positions, Llama};
 use super::moe::Routes;
@@ -120,21 +121,15 @@ impl Llama {
         let device = self.vs.device();
         let tables = self.rope_tables(&positions(cu_seq_lens));
         let ids = Tensor::from_slice(input_ids).to_device(device);
-        let mut inputs = Vec::with_capacity(self.layers.len());
-        let mut aux: Option<Tensor> = None;
-        let x = tch::no_grad(|| {
-            let mut x = self.embed(&ids);
-            for layer in &self.layers {
-                let (cos, sin) = &tables[layer.rope];
-                let route = routes.layer(layer.sparse);
-                let (y, routed) =
-                    layer.forward_routed(&x, cos, sin, cu_seq_lens, self.attention, route);
-                add_aux(&mut aux, routed.aux);
-                inputs.push(x);
-                x = y;
-            }
-            x
-        });
+        let t = input_ids.len() as i64;
+        let mode = self.attention;
+        let (inputs, x, aux) = self
+            .recorded_forward(&ids, &tables, routes, |attn, q, k, v| {
+                let (heads, _, d) = attn.shape();
+                let out = attn.attend(q, k, v, cu_seq_lens, mode);
+                Some(out.transpose(0, 1).reshape([t, heads * d]))
+            })
+            .expect("the packed attention cannot fail");
         let last = x.detach().set_requires_grad(true);
         Forward {
             hidden: self.norm.forward(&last),
@@ -263,6 +258,46 @@ impl Llama {
     }
 }
 
+impl Llama {
+    /// The forward per-layer recomputation keeps, without autograd: each
+    /// layer's input, the last layer's output and the summed
+    /// load-balancing share; `core` is the attention core (see
+    /// `DecoderLayer::forward_with`), `None` when it failed (the forward
+    /// stops there and returns `None`).
+    #[allow(clippy::type_complexity)]
+    fn recorded_forward(
+        &self,
+        ids: &Tensor,
+        tables: &[(Tensor, Tensor)],
+        routes: &Routes,
+        mut core: impl FnMut(&Attention, &Tensor, &Tensor, &Tensor) -> Option<Tensor>,
+    ) -> Option<(Vec<Tensor>, Tensor, Option<Tensor>)> {
+        let mut inputs = Vec::with_capacity(self.layers.len());
+        let mut aux: Option<Tensor> = None;
+        tch::no_grad(|| {
+            let mut x = self.embed(ids);
+            for layer in &self.layers {
+                let (cos, sin) = &tables[layer.rope];
+                let route = routes.layer(layer.sparse);
+                let mut ok = true;
+                let (y, routed) = layer.forward_with_route(&x, cos, sin, route, |attn, q, k, v| {
+                    core(attn, q, k, v).unwrap_or_else(|| {
+                        ok = false;
+                        zeros_out(attn, q)
+                    })
+                });
+                if !ok {
+                    return None;
+                }
+                add_aux(&mut aux, routed.aux);
+                inputs.push(x);
+                x = y;
+            }
+            Some((inputs, x, aux))
+        })
+    }
+}
+
 /// Adds a layer's load-balancing share to the forward's sum.
 fn add_aux(sum: &mut Option<Tensor>, share: Option<Tensor>) {
     if let Some(a) = share {
@@ -275,7 +310,7 @@ fn add_aux(sum: &mut Option<Tensor>, share: Option<Tensor>) {
 
 /// A stand-in for the heads' outputs `[n, heads · d]` of a core that
 /// failed (its error is returned; the value is never used).
-fn zeros_out(attn: &super::attention::Attention, q: &Tensor) -> Tensor {
+fn zeros_out(attn: &Attention, q: &Tensor) -> Tensor {
     let (h, _, d) = attn.shape();
     Tensor::zeros([q.size()[1], h * d], (q.kind(), q.device()))
 }
@@ -313,35 +348,20 @@ impl Llama {
         let device = self.vs.device();
         let tables = self.rope_tables(&shard.positions);
         let ids = Tensor::from_slice(input_ids).to_device(device);
-        let mut inputs = Vec::with_capacity(self.layers.len());
-        let mut aux: Option<Tensor> = None;
         let mut failed: Option<CollectiveError> = None;
-        let x = tch::no_grad(|| {
-            let mut x = self.embed(&ids);
-            for layer in &self.layers {
-                let (cos, sin) = &tables[layer.rope];
-                let route = routes.layer(layer.sparse);
-                let (y, routed) = layer.forward_with_route(&x, cos, sin, route, |attn, q, k, v| {
-                    match context::group_attention(coll, shard, attn.scale(), q, k, v) {
-                        Ok((out, ..)) => out,
-                        Err(e) => {
-                            failed = Some(e);
-                            zeros_out(attn, q)
-                        }
-                    }
-                });
-                if failed.is_some() {
-                    break;
+        let recorded = self.recorded_forward(&ids, &tables, routes, |attn, q, k, v| {
+            match context::group_attention(coll, shard, attn.scale(), q, k, v) {
+                Ok((out, ..)) => Some(out),
+                Err(e) => {
+                    failed = Some(e);
+                    None
                 }
-                add_aux(&mut aux, routed.aux);
-                inputs.push(x);
-                x = y;
             }
-            x
         });
         if let Some(e) = failed {
             return Err(e.into());
         }
+        let (inputs, x, aux) = recorded.expect("a forward that did not fail ran whole");
         let last = x.detach().set_requires_grad(true);
         Ok(Forward {
             hidden: self.norm.forward(&last),

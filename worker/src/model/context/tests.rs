@@ -88,7 +88,6 @@ fn split_run(
     cu: &[i64],
 ) -> Vec<RankOut> {
     let len = q.size()[0];
-    let z = ZigZag::new(len, ranks);
     let threads: Vec<_> = LocalGroup::new(ranks as usize)
         .into_iter()
         .enumerate()
@@ -97,7 +96,8 @@ fn split_run(
             let cu = cu.to_vec();
             std::thread::spawn(move || {
                 let r = r as i64;
-                let pos = z.positions(r);
+                let shard = RowShard::new(&cu, ranks, r);
+                let pos = shard.held.clone();
                 let at = Tensor::from_slice(&pos);
                 let (ql, kl, vl, wl) = (
                     q.index_select(0, &at),
@@ -107,20 +107,20 @@ fn split_run(
                 );
                 let (kvh, d) = (k.size()[1], k.size()[2]);
                 let n = pos.len() as i64;
-                let kf = gather_rows(&mut coll, &z, &kl.reshape([n, kvh * d]))
+                let kf = gather_rows(&mut coll, &shard, &kl.reshape([n, kvh * d]))
                     .unwrap()
                     .view([len, kvh, d]);
-                let vf = gather_rows(&mut coll, &z, &vl.reshape([n, kvh * d]))
+                let vf = gather_rows(&mut coll, &shard, &vl.reshape([n, kvh * d]))
                     .unwrap()
                     .view([len, kvh, d]);
                 assert!(kf.equal(&k), "the gather rebuilds the row exactly");
-                let ps = pieces(&z, r, &cu);
-                let (out, saved) = attend(&ql, &kf, &vf, &ps, None);
-                let (dq, dk, dv) = attend_backward(&wl, &ql, &kf, &vf, &ps, &saved, None);
-                let dk = scatter_rows(&mut coll, &z, &dk.reshape([len, kvh * d]))
+                let ps = &shard.pieces;
+                let (out, saved) = attend(&ql, &kf, &vf, ps, None);
+                let (dq, dk, dv) = attend_backward(&wl, &ql, &kf, &vf, ps, &saved, None);
+                let dk = scatter_rows(&mut coll, &shard, &dk.reshape([len, kvh * d]))
                     .unwrap()
                     .view([n, kvh, d]);
-                let dv = scatter_rows(&mut coll, &z, &dv.reshape([len, kvh * d]))
+                let dv = scatter_rows(&mut coll, &shard, &dv.reshape([len, kvh * d]))
                     .unwrap()
                     .view([n, kvh, d]);
                 (pos, out, dq, dk, dv)

@@ -177,7 +177,7 @@ impl ReplicatedTrainer {
             None => None,
         };
         let live = match reference {
-            Some(l) => Some(gather_values(group, &shard.split, &l)?),
+            Some(l) => Some(gather_values(group, &shard, &l)?),
             None => None,
         };
         let fwd = net
@@ -186,7 +186,7 @@ impl ReplicatedTrainer {
         let head_w = net.lm_head_weight();
         let softcap = net.arch.final_softcap;
         let mine = head::token_logps(&fwd.hidden, head_w, &local, chunk, softcap)?;
-        let lp = gather_values(group, &shard.split, &mine)?;
+        let lp = gather_values(group, &shard, &mine)?;
         let w = microbatch::weights(&self.objective, mb, meta, norms, &lp, live.as_deref())
             .with_context(|| format!("microbatch {index}"))?;
         let out = head::weighted_nll(
