@@ -181,11 +181,16 @@ impl Shared {
                     }
                 }
             };
+            // A panic (a bug) is reported as the environment's failure:
+            // while episodes step no wave is out, so no deadline would end
+            // the wait.
             let stepped = match scorer {
                 None => Err("the job's prompts and environment could not be loaded (see the coordinator log)".into()),
-                Some(s) => s
-                    .step_each(&step, |replies| tell(Ok(replies)))
-                    .map_err(|e| e.to_string()),
+                Some(s) => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    s.step_each(&step, |replies| tell(Ok(replies)))
+                        .map_err(|e| e.to_string())
+                }))
+                .unwrap_or_else(|_| Err("stepping the environments panicked (see the coordinator log)".into())),
             };
             if let Err(e) = stepped {
                 tell(Err(e));
