@@ -1371,3 +1371,119 @@ fn every_family_example_trains_and_its_checkpoint_loads_in_transformers() {
         println!("{family}: {}", String::from_utf8_lossy(&out.stdout).trim());
     }
 }
+
+/// Context parallelism end to end (issue 37): documents of up to 460
+/// tokens, most longer than one rank's `data.max_tokens = 256`, trained by
+/// two worker processes as one context-parallel group (each splits every
+/// row, the layers' attention runs over the group's own ring) give the
+/// update of one worker holding whole rows of 512: loss, grad norm, counts
+/// and the final parameters, for SFT at ddp and zero2 and for DPO (its
+/// reference pass included).
+#[test]
+fn a_context_parallel_group_trains_the_one_rank_update() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    write_tiny_config(d);
+    std::fs::create_dir_all(d.join("data")).unwrap();
+    // Deterministic text of a given length (bytes tokenizer: a token a byte).
+    let text = |seed: usize, n: usize| -> String {
+        (0..n)
+            .map(|i| (b'a' + ((seed * 31 + i * 7 + i * i) % 26) as u8) as char)
+            .collect()
+    };
+    let (mut sft, mut dpo) = (String::new(), String::new());
+    for i in 0..24 {
+        let (p, c) = (40 + (i * 53) % 200, 30 + (i * 97) % 220);
+        let row = serde_json::json!({"prompt": text(i, p), "completion": text(i + 100, c)});
+        sft.push_str(&format!("{row}\n"));
+        let (c1, c2) = (20 + (i * 37) % 90, 25 + (i * 61) % 80);
+        let pair = serde_json::json!({
+            "prompt": text(i, p / 2),
+            "chosen": text(i + 200, c1),
+            "rejected": text(i + 300, c2),
+        });
+        dpo.push_str(&format!("{pair}\n"));
+    }
+    std::fs::write(d.join("data/long-sft.jsonl"), sft).unwrap();
+    std::fs::write(d.join("data/long-dpo.jsonl"), dpo).unwrap();
+    let run = |name: &str, body: &str, sharding: &str, context: u32, workers: &str| {
+        let max_tokens = 512 / context;
+        let body = body.replace("MAX", &max_tokens.to_string());
+        let spec = small_job(d, name, sharding, &body);
+        let mut text = std::fs::read_to_string(&spec).unwrap();
+        text = text.replace(
+            "[parallel]\n",
+            &format!("[parallel]\ncontext = {context}\nmin_workers = {workers}\n"),
+        );
+        std::fs::write(&spec, text).unwrap();
+        accrue(d, &["local", spec.to_str().unwrap(), "--workers", workers]);
+        let out = d.join(format!("out/{name}"));
+        let m = metrics(&out.join("metrics.jsonl"));
+        (m, real::cluster::final_params_at(&out, 4))
+    };
+    let sft = "steps = 4\n[data]\ntrain = [\"data/long-sft.jsonl\"]\nformat = \"sft\"\ntokenizer = \"bytes\"\nmax_tokens = MAX\n[batch]\ndocs_per_step = 6\n[runtime]\nloss_chunk_tokens = 64";
+    let dpo = "steps = 4\n[data]\ntrain = [\"data/long-dpo.jsonl\"]\nformat = \"dpo\"\ntokenizer = \"bytes\"\nmax_tokens = MAX\n[batch]\ndocs_per_step = 4\n[objective]\nkind = \"dpo\"\nbeta = 0.1\n[runtime]\nloss_chunk_tokens = 64";
+    let compare = |case: &str,
+                   one: &(Vec<serde_json::Value>, real::cluster::Params),
+                   two: &(Vec<serde_json::Value>, real::cluster::Params),
+                   extra: &[&str]| {
+        assert_eq!(two.0.len(), 4, "{case}");
+        for (a, b) in one.0.iter().zip(&two.0) {
+            assert_eq!(b["world_size"], 2, "{case}: {b}");
+            for k in ["docs", "tokens", "loss_tokens", "microbatches"] {
+                assert_eq!(a[k], b[k], "{case} step {}: {k}", a["step"]);
+            }
+            let close = |x: f64, y: f64| (x - y).abs() <= 1e-5 * x.abs().max(1e-3);
+            for field in ["loss", "grad_norm"] {
+                let (x, y) = (a[field].as_f64().unwrap(), b[field].as_f64().unwrap());
+                assert!(
+                    close(x, y),
+                    "{case} step {}: {field} {x} at C = 1 vs {y} at C = 2",
+                    a["step"]
+                );
+            }
+            // Step 1's margins are 0 up to rounding (policy = reference):
+            // compared to a floor of 0.1.
+            for k in extra {
+                let (x, y) = (
+                    a["extra"][k].as_f64().unwrap(),
+                    b["extra"][k].as_f64().unwrap(),
+                );
+                assert!(
+                    (x - y).abs() <= 1e-5 * x.abs().max(0.1),
+                    "{case} step {}: {k} {x} at C = 1 vs {y} at C = 2",
+                    a["step"]
+                );
+            }
+        }
+        real::cluster::assert_same_params(&two.1, &one.1, case);
+    };
+    // Most documents are longer than one rank's budget: a group of one at
+    // max_tokens = 256 refuses them at once, naming a document and both
+    // fields of the row's budget.
+    let spec = small_job(d, "too-long", "ddp", &sft.replace("MAX", "128"));
+    let text = std::fs::read_to_string(&spec).unwrap();
+    let text = text.replace("[parallel]\n", "[parallel]\ncontext = 2\nmin_workers = 2\n");
+    std::fs::write(&spec, text).unwrap();
+    let out = Command::new(real::bin_dir().join("accrue"))
+        .args(["validate", spec.to_str().unwrap()])
+        .current_dir(d)
+        .output()
+        .unwrap();
+    let said =
+        String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+    assert_ne!(out.status.code(), Some(0), "{said}");
+    assert!(
+        said.contains("long-sft.jsonl")
+            && said.contains("data.max_tokens × parallel.context = 128 × 2 = 256"),
+        "{said}"
+    );
+    let one = run("sft-one", sft, "ddp", 1, "1");
+    for sharding in ["ddp", "zero2"] {
+        let two = run(&format!("sft-{sharding}"), sft, sharding, 2, "2");
+        compare(&format!("sft {sharding}"), &one, &two, &[]);
+    }
+    let one = run("dpo-one", dpo, "ddp", 1, "1");
+    let two = run("dpo-two", dpo, "ddp", 2, "2");
+    compare("dpo", &one, &two, &["rewards/margin", "logps/chosen"]);
+}

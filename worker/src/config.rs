@@ -102,6 +102,9 @@ pub struct JobConfig {
     pub grad_clip: f64,
     pub sharding: Sharding,
     pub collective: CollectiveChoice,
+    /// `parallel.context`: ranks per context-parallel group (consecutive
+    /// ranks: rank r is place r % context of group r / context); 1: none.
+    pub context: usize,
     /// Tokens per chunk of the LM head + cross-entropy.
     pub loss_chunk_tokens: usize,
     /// Recompute each decoder layer in the backward from its saved input.

@@ -234,6 +234,15 @@ pub fn job_config(job: &wire::JobDefinition) -> Result<JobConfig, FieldError> {
     }
     let collective = collective_choice(job)?;
     let lora = job.lora.as_ref().map(lora_config).transpose()?;
+    if job.context == 0 {
+        return Err(invalid("job.context", "must be at least 1"));
+    }
+    if job.context > 1 && sharding == Sharding::Fsdp {
+        return Err(invalid(
+            "job.context",
+            "context parallelism runs at ddp or zero2 sharding",
+        ));
+    }
     Ok(JobConfig {
         name: job.name.clone(),
         seed: job.seed,
@@ -251,6 +260,7 @@ pub fn job_config(job: &wire::JobDefinition) -> Result<JobConfig, FieldError> {
         grad_clip: o.grad_clip,
         sharding,
         collective,
+        context: job.context as usize,
         loss_chunk_tokens: runtime.loss_chunk_tokens as usize,
         activation_checkpointing: runtime.activation_checkpointing,
         device: Device::Cpu,
@@ -401,6 +411,7 @@ pub(crate) mod testing {
             }),
             collective: wire::CollectiveChoice::Auto as i32,
             lora: None,
+            context: 1,
         }
     }
 }
@@ -456,6 +467,13 @@ mod tests {
         let mut d = sft();
         d.precision = None;
         assert_eq!(field(d), "job.precision");
+        let mut d = sft();
+        d.context = 0;
+        assert_eq!(field(d), "job.context");
+        let mut d = sft();
+        d.context = 2;
+        d.sharding = wire::Sharding::Fsdp as i32;
+        assert_eq!(field(d), "job.context");
         let mut d = sft();
         d.collective = 0;
         assert_eq!(field(d), "job.collective");

@@ -28,6 +28,7 @@
 
 mod checkpoint;
 mod configure;
+mod context;
 pub mod fault;
 mod generate;
 mod handle;

@@ -95,6 +95,16 @@ fn train(sharding: &str, groups: usize, size: usize) -> Outcome {
         assert_eq!(w, 0.0, "rank {rank}'s replica drifted from rank 0 at {n}");
     }
     let steps = results[0].1.len();
+    // Every rank of a group reports its group's row sums: the same on
+    // each, counted once.
+    for (rank, r) in results.iter().enumerate() {
+        let first = &results[rank - rank % size].1;
+        let same = r.1.iter().zip(first).all(|(a, b)| a.0 == b.0);
+        assert!(
+            same,
+            "rank {rank}'s loss sums differ from its group's first rank's"
+        );
+    }
     Outcome {
         params: results[0]
             .0
@@ -102,7 +112,7 @@ fn train(sharding: &str, groups: usize, size: usize) -> Outcome {
             .map(|(n, t)| (n.clone(), t.copy()))
             .collect(),
         loss_sums: (0..steps)
-            .map(|s| results.iter().map(|r| r.1[s].0).sum())
+            .map(|s| results.iter().step_by(size).map(|r| r.1[s].0).sum())
             .collect(),
         grad_norms: results[0].1.iter().map(|p| p.1).collect(),
     }

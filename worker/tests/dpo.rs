@@ -563,8 +563,21 @@ fn train_pairs(loss: &str, pairs: &[Pair], layout: &Layout, norm: Norm, context:
         assert_eq!(w, 0.0, "rank {rank}'s replica drifted from rank 0 at {n}");
     }
     let n_steps = layout.len();
+    // Every rank of a context group reports its group's row sums: the
+    // same on each, counted once.
+    for (thread, r) in results.iter().enumerate() {
+        let leader = &results[thread - thread % context];
+        for (s, (mine, first)) in r.1.iter().zip(&leader.1).enumerate() {
+            assert_eq!(
+                (mine.0, &mine.1),
+                (first.0, &first.1),
+                "thread {thread}, step {s}: sums differ within its group"
+            );
+        }
+    }
+    let leaders: Vec<_> = results.iter().step_by(context).collect();
     let mut metrics = vec![BTreeMap::new(); n_steps];
-    for r in &results {
+    for r in &leaders {
         for (s, (_, extra, _)) in r.1.iter().enumerate() {
             for (k, v) in extra {
                 *metrics[s].entry(k.clone()).or_insert(0.0) += v;
@@ -574,7 +587,7 @@ fn train_pairs(loss: &str, pairs: &[Pair], layout: &Layout, norm: Norm, context:
     Outcome {
         params: common::snapshot(&results[0].0),
         losses: (0..n_steps)
-            .map(|s| results.iter().map(|r| r.1[s].0).sum())
+            .map(|s| leaders.iter().map(|r| r.1[s].0).sum())
             .collect(),
         metrics,
         grad_norms: results[0].1.iter().map(|p| p.2).collect(),

@@ -135,7 +135,15 @@ impl JobCtx<'_> {
         let planned = flight.planned.clone();
         active.gen.step = planned.step;
         let (world_size, generation) = (active.gen.world_size(), active.gen.id);
-        let ranks: Vec<_> = flight.results.into_values().collect();
+        // A context-parallel group's ranks each report the group's result:
+        // its first rank's counts (`on_result`).
+        let context = job.spec.parallel.context.max(1);
+        let ranks: Vec<_> = flight
+            .results
+            .into_iter()
+            .filter(|(r, _)| r % context == 0)
+            .map(|(_, sums)| sums)
+            .collect();
         let facts = StepFacts {
             step: planned.step,
             lr: planned.lr,
@@ -269,8 +277,16 @@ impl JobCtx<'_> {
             .iter()
             .any(|(id, w)| w.draining && gen.everyone().any(|m| m == id));
         let size = gen.world_size() + gen.generators.len();
-        let joining =
-            size < job.spec.parallel.max_workers && self.workers.values().any(Worker::available);
+        let joining = size < job.spec.parallel.max_workers
+            && match job.spec.parallel.context {
+                0 | 1 => self.workers.values().any(Worker::available),
+                // Joiners that would not make a whole group more wait
+                // (a new generation of the same members would only cost).
+                _ => {
+                    let spares = self.workers.values().filter(|w| w.available()).count();
+                    grows(job, gen, spares as u32)
+                }
+            };
         if self.job.requests.pause {
             self.job.requests.pause = false;
             self.pause_now();
@@ -279,6 +295,22 @@ impl JobCtx<'_> {
             self.regroup();
         }
     }
+}
+
+/// Whether `spares` more workers would form a larger generation than
+/// `gen` under context parallelism: more whole context-parallel groups of
+/// trainers, or more generators (`membership::compose` decides alike).
+fn grows(job: &super::job::Job, gen: &super::generation::Generation, spares: u32) -> bool {
+    let p = &job.spec.parallel;
+    let size = gen.world_size() + gen.generators.len();
+    let all = (size + spares).min(p.max_workers);
+    let generators = job
+        .spec
+        .rl
+        .generators
+        .map_or(0, |g| g.min(all.saturating_sub(1)));
+    let trainers = (all - generators) / p.context * p.context;
+    trainers > gen.world_size() || generators > gen.generators.len()
 }
 
 /// The groups of a streamed step's documents, in queue order (they are

@@ -57,10 +57,13 @@ impl JobCtx<'_> {
             self.complete("all steps trained");
             return;
         }
-        let world = job
-            .gen()
-            .expect("dispatch within a generation")
-            .world_size();
+        // Plans are for the data-parallel world: each context-parallel
+        // group takes one plan rank's microbatches (`send_plan`).
+        let world = job.spec.parallel.data_parallel(
+            job.gen()
+                .expect("dispatch within a generation")
+                .world_size(),
+        );
         let next = job.rec.step + 1;
         let planned = match planner::next_source(job) {
             Ok(Source::Stream) => {
@@ -163,7 +166,7 @@ impl JobCtx<'_> {
         };
         let (planned, world, generation) = (
             flight.planned.clone(),
-            active.gen.world_size(),
+            job.spec.parallel.data_parallel(active.gen.world_size()),
             active.gen.id,
         );
         // Asked twice for the same step (a late ask after the next dispatch).
@@ -184,6 +187,7 @@ impl JobCtx<'_> {
 
     pub(crate) fn send_plan(&mut self, planned: Arc<PlannedStep>) {
         let job = &mut *self.job;
+        let context = job.spec.parallel.context.max(1);
         let active = job.active_mut().expect("dispatch within a generation");
         let gen = &active.gen;
         for (rank, m) in gen.members.iter().enumerate() {
@@ -193,6 +197,7 @@ impl JobCtx<'_> {
                     job: self.id.clone(),
                     generation: gen.id,
                     rank: rank as u32,
+                    group: rank as u32 / context,
                     planned: planned.clone(),
                 },
             });

@@ -51,6 +51,9 @@ pub enum ToWorker {
         job: JobId,
         generation: u64,
         rank: u32,
+        /// The plan rank whose microbatches it runs: its context-parallel
+        /// group (its own rank without context parallelism).
+        group: u32,
         planned: Arc<PlannedStep>,
     },
     Abort {

@@ -36,14 +36,15 @@ pub enum CoreError {
         buffered: u64,
         capacity: u64,
     },
-    /// A pushed rollout longer than the `data.max_tokens` its step will
-    /// be planned with (the live setting): it would fail the plan.
-    #[error("job {job}: rollouts[{index}] has {tokens} tokens, more than data.max_tokens = {max_tokens} (it is never truncated)")]
+    /// A pushed rollout longer than the row its step will be planned with
+    /// (the live `data.max_tokens`, times `parallel.context`): it would
+    /// fail the plan.
+    #[error("job {job}: rollouts[{index}] has {tokens} tokens, more than {limit} (it is never truncated)")]
     RolloutTooLong {
         job: String,
         index: usize,
         tokens: u64,
-        max_tokens: u32,
+        limit: crate::job::parallel::RowBudget,
     },
     /// Two live jobs would mix their checkpoints and metrics (and one's
     /// pruning delete the other's files).

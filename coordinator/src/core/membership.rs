@@ -87,6 +87,19 @@ pub fn compose(now_ms: i64, job: &Job, workers: &BTreeMap<WorkerId, Worker>) -> 
         }
         None => Vec::new(),
     };
+    // Whole context-parallel groups train: the trainers beyond the last
+    // whole group wait as spares (the last in member order: those
+    // holding no state of the job).
+    let context = job.spec.parallel.context.max(1) as usize;
+    if context > 1 {
+        if free.len() < context {
+            return Composition::Wait(format!(
+                "waiting for workers: {} could train, parallel.context = {context} needs a whole group",
+                free.len()
+            ));
+        }
+        free.truncate(free.len() / context * context);
+    }
     let (members, held): (Vec<WorkerId>, Vec<Option<HeldState>>) =
         free.into_iter().map(|(id, _, h)| (id, h)).unzip();
     let history_from = replayable_from(job);

@@ -159,6 +159,13 @@ pub fn take_ahead(job: &mut Job, world_size: u32) -> Option<PlannedStep> {
     ahead.take_if_from(&origin(job, world_size)?)
 }
 
+/// The longest row a microbatch of a step planned with `settings` holds:
+/// a rank's budget times its context-parallel group (the planner packs
+/// for the group; each of its ranks trains a share of every row).
+fn row_tokens(job: &Job, settings: &StepSettings) -> u32 {
+    job.spec.parallel.row_budget(settings.max_tokens).tokens()
+}
+
 /// A plan's documents before packing.
 struct Chosen {
     kind: PlanKind,
@@ -171,7 +178,8 @@ struct Chosen {
     replay: bool,
 }
 
-/// Plans `job`'s next work from `source` for `world_size` ranks, or `None`
+/// Plans `job`'s next work from `source` for `world_size` data-parallel
+/// ranks (a generation's context-parallel groups), or `None`
 /// when the source has nothing to give (the file stream is exhausted, the
 /// queue does not hold a step, the reference cache is complete).
 pub fn plan(
@@ -192,14 +200,15 @@ pub fn plan(
     let Some(c) = chosen else {
         return Ok(None);
     };
-    let target = StepTarget::new(c.settings.size, world_size, c.settings.max_tokens);
+    let row = row_tokens(job, &c.settings);
+    let target = StepTarget::new(c.settings.size, world_size, row);
     let min_microbatches = match c.kind {
         PlanKind::Train => target.min_microbatches_per_rank(),
         PlanKind::Reference | PlanKind::Probe | PlanKind::Eval => 1,
     };
     let (ranks, normalizers) = pack_documents(
         &c.docs,
-        c.settings.max_tokens,
+        row,
         world_size,
         min_microbatches,
         job.data.annotations(),
@@ -230,7 +239,7 @@ fn files(job: &Job, world_size: u32) -> Option<Chosen> {
     let rollouts = job.data.rollouts.as_ref();
     let order = job.order_at(step);
     let cursor = &job.rec.cursor;
-    let target = StepTarget::new(settings.size, world_size, settings.max_tokens);
+    let target = StepTarget::new(settings.size, world_size, row_tokens(job, &settings));
     // Quarantined documents are passed over as if not in the dataset (a
     // PG group is passed over once all its rollouts are).
     let quarantined: HashSet<DocId> = job.rec.quarantine.iter().map(|q| q.doc).collect();
@@ -373,7 +382,7 @@ fn stream(job: &Job, world_size: u32) -> Option<Chosen> {
     if !s.step_ready(job.settings().rollouts_needed(step)) {
         return None;
     }
-    let target = StepTarget::new(settings.size, world_size, settings.max_tokens);
+    let target = StepTarget::new(settings.size, world_size, row_tokens(job, &settings));
     let selection = rollouts::select_groups(
         target,
         s.groups()

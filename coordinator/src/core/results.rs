@@ -20,6 +20,7 @@ impl JobCtx<'_> {
         step: u64,
         result: RankResult,
     ) {
+        let context = self.job.spec.parallel.context.max(1);
         let Some(active) = self.job.active_mut() else {
             return;
         };
@@ -51,10 +52,15 @@ impl JobCtx<'_> {
             let kind = WorkerErrorKind::NonFinite;
             return self.on_worker_error(worker, generation, step, kind, message);
         }
+        // Every rank of a context-parallel group ran its group's plan rank
+        // and reports the group's whole result (`Trainer` sums its ranks'
+        // shares): each is checked against it, and the group's first
+        // rank's is the one counted.
+        let group = rank / context;
         let disagreement =
             flight
                 .planned
-                .disagreement(rank, &result.sums, &result.logps, &result.nonfinite);
+                .disagreement(group, &result.sums, &result.logps, &result.nonfinite);
         if let Some(field) = disagreement {
             // A confused (or hostile) worker would skew every metric (or
             // fail the job on a malformed eval or reference chunk): it is
@@ -69,8 +75,10 @@ impl JobCtx<'_> {
             return self.refuse(worker, why);
         }
         flight.results.insert(rank, result.sums);
-        flight.logps.extend(result.logps);
-        flight.nonfinite.insert(rank, result.nonfinite);
+        if rank % context == 0 {
+            flight.logps.extend(result.logps);
+            flight.nonfinite.insert(group, result.nonfinite);
+        }
         if flight.results.len() < gen.members.len() {
             return;
         }

@@ -371,6 +371,22 @@ pub fn fsdp_takes_cached_reference(
     }
 }
 
+/// Context parallelism splits a row's tokens over ranks: LoRA dropout's
+/// masks are drawn per row position on one rank (`lora::DropoutKeys`), not
+/// yet per share.
+pub fn context_fits(
+    parallel: &ParallelSection,
+    lora: Option<&crate::job::lora::LoraSection>,
+    bad: &mut impl FnMut(&str, String),
+) {
+    if parallel.context > 1 && lora.is_some_and(|l| l.dropout > 0.0) {
+        bad(
+            "parallel.context",
+            "context parallelism does not run LoRA dropout yet: set lora.dropout = 0".into(),
+        );
+    }
+}
+
 /// A LoRA job's engine must load each step's adapter folder: vLLM's
 /// runtime LoRA loading does (`rl::engine::wire::reload_requests`);
 /// SGLang's weight update and `reload = "none"` would serve the base.

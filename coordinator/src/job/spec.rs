@@ -321,6 +321,7 @@ impl JobSpec {
         self.optimizer.validate(bad);
         rules::warmup_within_steps(&self.optimizer, job, bad);
         parallel.validate(bad);
+        rules::context_fits(parallel, self.lora.as_ref(), bad);
         self.runtime.validate(bad);
         rules::compute_no_wider_than_params(&self.model, &self.precision, bad);
         self.faults.validate(bad);

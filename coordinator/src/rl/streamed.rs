@@ -31,20 +31,23 @@ impl JobCtx<'_> {
             ));
         }
         let next = job.rec.step + 1;
-        let settings = job.settings().at(next);
+        let limit = job
+            .spec
+            .parallel
+            .row_budget(job.settings().at(next).max_tokens);
         // Against the live limit (`accrue set --max-tokens`), not the
         // submitted one: the next plan packs with it.
         if let Some((index, tokens)) = batch
             .iter()
             .map(|r| r.seq.len() as u64)
             .enumerate()
-            .find(|&(_, t)| t > u64::from(settings.max_tokens))
+            .find(|&(_, t)| t > u64::from(limit.tokens()))
         {
             return Err(CoreError::RolloutTooLong {
                 job: self.id.clone(),
                 index,
                 tokens,
-                max_tokens: settings.max_tokens,
+                limit,
             });
         }
         let need = job.settings().rollouts_needed(next);

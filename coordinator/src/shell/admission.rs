@@ -93,6 +93,25 @@ pub fn admit(spec: &JobSpec, scan_data: bool) -> Result<Admitted, Vec<SpecProble
             ));
         }
     }
+    if let Some(m) = model.as_ref().filter(|_| spec.parallel.context > 1) {
+        // The attention split over a group is causal within documents:
+        // windowed layers and expert routing are not split yet.
+        let windowed = m.arch.layers.iter().any(|l| l.window.is_some());
+        let what = match (m.arch.moe.is_some(), windowed) {
+            (true, _) => Some("mixture-of-experts layers"),
+            (false, true) => Some("sliding-window attention layers"),
+            (false, false) => None,
+        };
+        if let Some(what) = what {
+            problems.push(SpecProblem::new(
+                "parallel.context",
+                format!(
+                    "the model ({}) has {what}, which context parallelism does not split yet",
+                    m.path.display()
+                ),
+            ));
+        }
+    }
     if let Some(lora) = spec.lora.as_ref() {
         lora.check_init(&mut |f, m| problems.push(SpecProblem::new(f, m)));
     }

@@ -311,6 +311,30 @@ pub fn gather_values(
         .collect())
 }
 
+/// Each rank's `values` summed over the group in float64, the same sums on
+/// every rank: each rank's values travel as float32 pairs in a slot of
+/// their own (a reduction that adds only zeros to them is exact), and
+/// every rank adds the slots in rank order.
+pub fn sum_values(coll: &mut dyn Collective, values: &[f64]) -> Result<Vec<f64>, CollectiveError> {
+    let (n, ranks, rank) = (values.len(), coll.world_size(), coll.rank());
+    let mut slots = vec![0f32; 2 * n * ranks];
+    for (i, &x) in values.iter().enumerate() {
+        let hi = x as f32;
+        slots[2 * (rank * n + i)] = hi;
+        slots[2 * (rank * n + i) + 1] = (x - f64::from(hi)) as f32;
+    }
+    let mut t = Tensor::from_slice(&slots).to_device(coll.device());
+    coll.all_reduce_sum(&mut t)?;
+    let all = Vec::<f32>::try_from(t.to_device(tch::Device::Cpu)).expect("float32 values");
+    Ok((0..n)
+        .map(|i| {
+            (0..ranks)
+                .map(|r| f64::from(all[2 * (r * n + i)]) + f64::from(all[2 * (r * n + i) + 1]))
+                .sum()
+        })
+        .collect())
+}
+
 /// What the backward of [`attend`] needs besides its inputs: each piece's
 /// merged output and log-sum-exp.
 pub struct Saved {

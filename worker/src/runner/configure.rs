@@ -123,6 +123,9 @@ impl Thread {
             Source::Sync(plan) => self.sync(&c, &cfg, &plan).map(|()| "synced"),
             Source::KeepOrInit => self.keep_or_init(&c, &cfg),
         };
+        // The replica holds the generation's collective: its
+        // context-parallel group joins after it.
+        let result = result.and_then(|how| self.join_context(&c, &cfg).map(|()| how));
         let how = match result {
             Ok(how) => how,
             Err((kind, msg, peer)) => {

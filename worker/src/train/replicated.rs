@@ -259,17 +259,17 @@ impl ReplicatedTrainer {
         ReplicatedTrainer::new(cfg, restore_from, Box::new(Solo))
     }
 
-    /// Whether only LoRA adapters train.
     /// Context parallelism (issue 37): every microbatch's row is split
     /// over `group` (this rank and the others given the same microbatches,
     /// `crate::model::context`), each rank training its share; the
     /// data-parallel reduction over the trainer's collective sums the
-    /// shares. A group of one is no split. SFT at ddp and zero2 so far.
+    /// shares. A group of one is no split. SFT, DPO and PG at ddp and zero2.
     pub fn with_context(mut self, group: Box<dyn Collective>) -> ReplicatedTrainer {
         self.context = (group.world_size() > 1).then(|| Mutex::new(group));
         self
     }
 
+    /// Whether only LoRA adapters train.
     fn lora(&self) -> bool {
         self.model.adapters.is_some()
     }
@@ -391,8 +391,9 @@ impl ReplicatedTrainer {
 
     /// [`Self::sft_grads`] of this rank's share of `mb`'s row under context
     /// parallelism: every rank of the group runs it for every microbatch
-    /// (each layer's attention is a collective of the group), and reports
-    /// its own tokens and loss sums (the group's add up to the row's).
+    /// (each layer's attention is a collective of the group), and every
+    /// rank reports the row's sums (its ranks' shares summed over the
+    /// group), so a group answers its plan rank as one rank would.
     fn sft_grads_context(
         &self,
         index: usize,
@@ -435,10 +436,13 @@ impl ReplicatedTrainer {
             &self.groups,
             group,
         )?;
+        let shares = [chunked.loss_sum, chunked.loss_tokens as f64];
+        let row = crate::model::context::sum_values(group, &shares)
+            .with_context(|| format!("microbatch {index}: summing the loss over the group"))?;
         let sums = MicrobatchOutcome {
-            tokens: ids.len() as u64,
-            loss_sum: chunked.loss_sum,
-            loss_tokens: chunked.loss_tokens,
+            tokens: mb.tokens() as u64,
+            loss_sum: row[0],
+            loss_tokens: row[1].round() as u64,
             ..Default::default()
         };
         Ok((sums, grads))

@@ -142,6 +142,17 @@ pub trait Membership {
     /// [`swap_collective`]).
     fn set_collective(&mut self, coll: Box<dyn Collective>) -> anyhow::Result<()>;
 
+    /// Joins a new generation's context-parallel group (`None`: rows are
+    /// not split); called after [`Self::set_collective`] or the build.
+    fn set_context(&mut self, group: Option<Box<dyn Collective>>) -> anyhow::Result<()> {
+        match group {
+            Some(g) if g.world_size() > 1 => {
+                bail!("context parallelism runs at ddp or zero2 sharding (this trainer does not split rows)")
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// The shard layout `(rank, world)` of the state this replica holds;
     /// `None` when it is whole (ddp: a replica serves any rank).
     fn state_layout(&self) -> Option<(usize, usize)> {

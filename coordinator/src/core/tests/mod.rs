@@ -27,6 +27,7 @@ use crate::stream::doc::Rollout;
 use crate::stream::doc::{DocBody, DocId, Document, Sequence};
 use std::collections::BTreeSet;
 
+mod context;
 mod control_plane;
 mod disagg;
 mod drains;
@@ -537,9 +538,12 @@ impl Sim {
                 job,
                 generation,
                 rank,
+                group,
                 planned,
             } => {
-                let mbs = &planned.ranks[rank as usize];
+                // Every rank of a context-parallel group runs its group's
+                // microbatches and reports the group's sums.
+                let mbs = &planned.ranks[group as usize];
                 let poison = self.poison.clone();
                 let poisoned =
                     |m: &step::MicrobatchPayload| m.seqs.iter().any(|q| poison.contains(&q.doc));

@@ -31,6 +31,7 @@ fn max_tokens_set_at_run_time_reaches_the_plans_sent_to_workers() {
                 job: "job".into(),
                 generation: 1,
                 rank: 0,
+                group: 0,
                 planned: p.clone(),
             });
             match msg.msg {

@@ -22,6 +22,7 @@ use super::shared::{core_status, handle_timed, Shared};
 use crate::core::{CoreError, Event, Persist};
 use crate::job::data::{DataSection, OnBad};
 use crate::job::model::ModelSection;
+use crate::job::parallel::RowBudget;
 use crate::rl::stream::AdmitCounts;
 use crate::stream::data::Encoder;
 use crate::stream::doc::Rollout;
@@ -81,16 +82,19 @@ impl RolloutsService {
 
     /// The data and model sections of a job that takes streamed rollouts
     /// (pushed ids are bounded by the model's vocabulary, as file rows
-    /// are), and the `data.max_tokens` its next step plans with (the live
+    /// are), and the row its next step plans with (the live
     /// setting: `accrue set --max-tokens` may have changed the spec's).
-    fn sections(&self, job: &str) -> Result<(DataSection, ModelSection, u32), Status> {
+    fn sections(&self, job: &str) -> Result<(DataSection, ModelSection, RowBudget), Status> {
         let inner = self.shared.lock();
         let j = inner.core.job(job).map_err(core_status)?;
         if j.data.stream.is_none() {
             return Err(core_status(CoreError::NotStreamed(job.to_string())));
         }
-        let max_tokens = j.settings().at(j.rec.step + 1).max_tokens;
-        Ok((j.spec.data.clone(), j.spec.model.clone(), max_tokens))
+        let limit = j
+            .spec
+            .parallel
+            .row_budget(j.settings().at(j.rec.step + 1).max_tokens);
+        Ok((j.spec.data.clone(), j.spec.model.clone(), limit))
     }
 }
 
@@ -124,7 +128,7 @@ fn json_row(r: &wire::StreamedRollout) -> Json {
 /// `messages[index].rollouts[i]` and the field.
 fn decode_message(
     enc: &Encoder,
-    max_tokens: u32,
+    limit: RowBudget,
     index: u64,
     rollouts: &[wire::StreamedRollout],
 ) -> Result<Vec<Rollout>, String> {
@@ -132,7 +136,7 @@ fn decode_message(
         .iter()
         .enumerate()
         .map(|(i, r)| {
-            crate::stream::data::rollout::checked_rollout(enc, max_tokens, &json_row(r))
+            crate::stream::data::rollout::checked_rollout(enc, limit, &json_row(r))
                 .map_err(|e| format!("messages[{index}].rollouts[{i}]: {e}"))
         })
         .collect()
@@ -168,7 +172,7 @@ impl Rollouts for RolloutsService {
         }
         let job = first.job_id.clone();
         tracing::Span::current().record("job", job.as_str());
-        let (data, model, max_tokens) = self.sections(&job)?;
+        let (data, model, limit) = self.sections(&job)?;
         let skip_bad = data.on_bad_line == OnBad::Skip || data.on_overlong == OnBad::Skip;
         // Pushed ids are bounded by the model's vocabulary, as file rows are.
         let enc = tokio::task::spawn_blocking(move || {
@@ -195,7 +199,7 @@ impl Rollouts for RolloutsService {
             // Tokenizing is CPU work: keep it off the async runtime.
             let e = enc.clone();
             let decoded = tokio::task::spawn_blocking(move || {
-                decode_message(&e, max_tokens, index, &msg.rollouts)
+                decode_message(&e, limit, index, &msg.rollouts)
             })
             .await
             .map_err(|e| Status::internal(format!("decoding task: {e}")))?;
@@ -264,14 +268,15 @@ mod tests {
             reward: f64::INFINITY,
             ..good.clone()
         };
-        let ok = decode_message(&enc, 64, 0, std::slice::from_ref(&good)).unwrap();
+        let ok =
+            decode_message(&enc, RowBudget::single(64), 0, std::slice::from_ref(&good)).unwrap();
         assert_eq!(ok[0].group, "2+2=");
-        let e = decode_message(&enc, 64, 4, &[good.clone(), bad]).unwrap_err();
+        let e = decode_message(&enc, RowBudget::single(64), 4, &[good.clone(), bad]).unwrap_err();
         assert!(
             e.starts_with("messages[4].rollouts[1]: \"reward\" must be a finite number"),
             "{e}"
         );
-        let e = decode_message(&enc, 3, 0, &[good]).unwrap_err();
+        let e = decode_message(&enc, RowBudget::single(3), 0, &[good]).unwrap_err();
         assert!(e.contains("data.max_tokens = 3"), "{e}");
     }
 }

@@ -43,7 +43,16 @@ fn cached(data: &DataSection, root: &Path, builds: &AtomicU64) -> Dataset {
         root,
         progress: &progress,
     };
-    load_sources(&enc, data, ObjectiveKind::Sft, &sources, &data.files(), via).unwrap()
+    load_sources(
+        &enc,
+        data,
+        one(data),
+        ObjectiveKind::Sft,
+        &sources,
+        &data.files(),
+        via,
+    )
+    .unwrap()
 }
 
 const ROWS: &str = "{\"prompt\": \"1+1=\", \"completion\": \"2\"}\n\
@@ -104,6 +113,7 @@ fn a_store_is_built_once_then_found_and_equals_the_in_memory_load() {
     let e = load_sources(
         &enc,
         &strict,
+        one(&strict),
         ObjectiveKind::Sft,
         &strict.train_sources(None),
         &strict.files(),
@@ -449,6 +459,7 @@ fn chats_with_a_tokenizer_that_has_no_template_are_refused_naming_where_it_looke
         let Err(e) = load_sources(
             &enc,
             &data,
+            one(&data),
             ObjectiveKind::Sft,
             &sources,
             &data.files(),
@@ -474,4 +485,9 @@ fn chats_with_a_tokenizer_that_has_no_template_are_refused_naming_where_it_looke
     let data = section(vec![plain], &tok.display().to_string());
     let builds = AtomicU64::new(0);
     assert_eq!(cached(&data, &root, &builds).docs.len(), 1);
+}
+
+/// One rank's row budget of `data`.
+fn one(data: &DataSection) -> crate::job::parallel::RowBudget {
+    crate::job::parallel::RowBudget::single(data.max_tokens)
 }

@@ -48,12 +48,13 @@ pub enum DataError {
     /// A row parsed as JSON but is not a usable document.
     #[error("{at}: {reason}")]
     Row { at: Location, reason: String },
-    /// A document longer than `data.max_tokens` (never truncated).
-    #[error("{at}: document has {tokens} tokens, more than data.max_tokens = {limit} (documents are never truncated; set data.on_overlong = \"skip\" to skip it, or raise data.max_tokens)")]
+    /// A document longer than a microbatch's row (`data.max_tokens`, times
+    /// `parallel.context`): never truncated.
+    #[error("{at}: document has {tokens} tokens, more than {limit} (documents are never truncated; set data.on_overlong = \"skip\" to skip it, or raise data.max_tokens)")]
     Overlong {
         at: Location,
         tokens: u64,
-        limit: u32,
+        limit: crate::job::parallel::RowBudget,
     },
     /// The tokenizer file could not be loaded or is unusable.
     #[error("tokenizer {}: {message}", path.display())]

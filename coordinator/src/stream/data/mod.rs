@@ -52,6 +52,7 @@ use tracing::{debug, info, warn};
 
 use crate::job::data::{DataFormat, DataSection, OnBad};
 use crate::job::objective::ObjectiveKind;
+use crate::job::parallel::RowBudget;
 use crate::job::sources::Source;
 use crate::stream::doc::{DocBody, DocId, Document};
 
@@ -204,7 +205,16 @@ pub fn load(data: &DataSection, objective: ObjectiveKind, model_vocab: u32) -> R
 /// [`load`] with an encoder already built.
 pub fn load_with(enc: &Encoder, data: &DataSection, objective: ObjectiveKind) -> Result<Dataset> {
     let sources = data.train_sources(None);
-    load_sources(enc, data, objective, &sources, &data.files(), Via::Memory)
+    let limit = RowBudget::single(data.max_tokens);
+    load_sources(
+        enc,
+        data,
+        limit,
+        objective,
+        &sources,
+        &data.files(),
+        Via::Memory,
+    )
 }
 
 /// Loads a job's training sources through the token cache (`progress`
@@ -221,7 +231,16 @@ pub fn load_job(
         progress,
     };
     let files = spec.data.files();
-    let mut ds = load_sources(enc, &spec.data, spec.objective.kind, &sources, &files, via)?;
+    let limit = spec.parallel.row_budget(spec.data.max_tokens);
+    let mut ds = load_sources(
+        enc,
+        &spec.data,
+        limit,
+        spec.objective.kind,
+        &sources,
+        &files,
+        via,
+    )?;
     if let Some(e) = &spec.eval {
         let eval_sources = crate::job::sources::resolve(&e.sources, files.len() as u32, None);
         let mut all = files.clone();
@@ -229,6 +248,7 @@ pub fn load_job(
         let ev = load_sources(
             enc,
             &spec.data,
+            limit,
             spec.objective.kind,
             &eval_sources,
             &all,
@@ -243,6 +263,7 @@ pub fn load_job(
 pub fn load_sources(
     enc: &Encoder,
     data: &DataSection,
+    limit: RowBudget,
     objective: ObjectiveKind,
     sources: &[Source],
     files: &[PathBuf],
@@ -282,7 +303,7 @@ pub fn load_sources(
         for file in s.files.clone() {
             let path = &files[file as usize];
             let fr = match via {
-                Via::Memory => load_file(enc, data, file, path, &mut docs)?,
+                Via::Memory => load_file(enc, data, limit, file, path, &mut docs)?,
                 Via::Cache { root, progress } => {
                     let cached = CachedFile {
                         file,
@@ -291,7 +312,7 @@ pub fn load_sources(
                         template: s.chat_template.as_deref(),
                         progress,
                     };
-                    load_cached_file(enc, data, &cached, &mut docs)?
+                    load_cached_file(enc, data, limit, &cached, &mut docs)?
                 }
             };
             info!(path = %path.display(), rows = fr.rows, docs = fr.docs, bad = fr.bad_lines_skipped, overlong = fr.overlong_skipped, "dataset file loaded");
@@ -344,6 +365,7 @@ struct CachedFile<'a> {
 fn load_cached_file(
     enc: &Encoder,
     data: &DataSection,
+    limit: RowBudget,
     c: &CachedFile<'_>,
     docs: &mut Vec<Document>,
 ) -> Result<FileReport> {
@@ -383,11 +405,11 @@ fn load_cached_file(
     for i in 0..store.docs() {
         let e = store.doc(i);
         let tokens = store.doc_tokens(i);
-        if tokens > u64::from(data.max_tokens) {
+        if tokens > u64::from(limit.tokens()) {
             let err = DataError::Overlong {
                 at: at(e.line, e.element),
                 tokens,
-                limit: data.max_tokens,
+                limit,
             };
             match data.on_overlong {
                 OnBad::Skip => {
@@ -430,6 +452,7 @@ pub fn encoder_key(
 fn load_file(
     enc: &Encoder,
     data: &DataSection,
+    limit: RowBudget,
     file: u32,
     path: &Path,
     docs: &mut Vec<Document>,
@@ -468,11 +491,11 @@ fn load_file(
                 body,
             };
             let tokens = doc.tokens();
-            if tokens > u64::from(data.max_tokens) {
+            if tokens > u64::from(limit.tokens()) {
                 let e = DataError::Overlong {
                     at: at(),
                     tokens,
-                    limit: data.max_tokens,
+                    limit,
                 };
                 match data.on_overlong {
                     OnBad::Skip => {

@@ -91,14 +91,19 @@ pub fn rollout_row(enc: &Encoder, row: &Json) -> RowResult<Rollout> {
 }
 
 /// A rollout row checked as the data stream checks file rows: built by
-/// [`rollout_row`], then refused when longer than `max_tokens` (the caller
-/// names where the row came from). Streamed rollouts go through here too.
-pub fn checked_rollout(enc: &Encoder, max_tokens: u32, row: &Json) -> RowResult<Rollout> {
+/// [`rollout_row`], then refused when longer than a row of `limit` (the
+/// caller names where the row came from). Streamed rollouts go through
+/// here too.
+pub fn checked_rollout(
+    enc: &Encoder,
+    limit: crate::job::parallel::RowBudget,
+    row: &Json,
+) -> RowResult<Rollout> {
     let r = rollout_row(enc, row)?;
     let tokens = r.seq.len() as u64;
-    if tokens > u64::from(max_tokens) {
+    if tokens > u64::from(limit.tokens()) {
         return Err(format!(
-            "the rollout has {tokens} tokens, more than data.max_tokens = {max_tokens} (it is never truncated)"
+            "the rollout has {tokens} tokens, more than {limit} (it is never truncated)"
         ));
     }
     Ok(r)

@@ -568,7 +568,10 @@ fn overlong_documents_are_errors_or_skipped_never_truncated() {
             e,
             DataError::Overlong {
                 tokens: 22,
-                limit: 10,
+                limit: crate::job::parallel::RowBudget {
+                    max_tokens: 10,
+                    context: 1
+                },
                 ..
             }
         ),

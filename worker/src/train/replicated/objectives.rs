@@ -139,8 +139,8 @@ impl ReplicatedTrainer {
     /// context parallelism: each rank computes its tokens' log-probs (and
     /// a live reference's), the row's are gathered over the group, the
     /// objective's math runs on the whole row alike on every rank, and each
-    /// rank backpropagates its own tokens' weights. The group's rank 0
-    /// reports the row's loss and metric sums, every rank its own tokens.
+    /// rank backpropagates its own tokens' weights. Every rank reports the
+    /// row's sums (the objective's, computed alike on every rank).
     fn objective_grads_context(
         &self,
         index: usize,
@@ -206,13 +206,11 @@ impl ReplicatedTrainer {
             &self.groups,
             group,
         )?;
-        sums.tokens = ids.len() as u64;
-        if rank == 0 {
-            sums.loss_sum = w.loss_sum;
-            sums.loss_tokens = w.loss_tokens;
-            sums.pairs = w.pairs;
-            sums.extra = w.extra;
-        }
+        sums.tokens = mb.tokens() as u64;
+        sums.loss_sum = w.loss_sum;
+        sums.loss_tokens = w.loss_tokens;
+        sums.pairs = w.pairs;
+        sums.extra = w.extra;
         Ok((sums, grads))
     }
 

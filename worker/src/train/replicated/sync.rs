@@ -74,6 +74,13 @@ impl Membership for ReplicatedTrainer {
         swap_collective(&mut self.coll, coll, fits, "zero2: the optimizer shard")
     }
 
+    fn set_context(&mut self, group: Option<Box<dyn Collective>>) -> anyhow::Result<()> {
+        self.context = group
+            .filter(|g| g.world_size() > 1)
+            .map(std::sync::Mutex::new);
+        Ok(())
+    }
+
     /// `None` at ddp (a replica serves any rank); zero2's optimizer state
     /// is sharded.
     fn state_layout(&self) -> Option<(usize, usize)> {

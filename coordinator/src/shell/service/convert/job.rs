@@ -92,6 +92,7 @@ pub fn job_definition(spec: &JobSpec) -> wire::JobDefinition {
             compute: dtype(spec.compute_dtype()),
             reduce: dtype(spec.precision.reduce),
         }),
+        context: spec.parallel.context,
         collective: match spec.parallel.collective {
             CollectiveChoice::Auto => wire::CollectiveChoice::Auto,
             CollectiveChoice::Ring => wire::CollectiveChoice::Ring,

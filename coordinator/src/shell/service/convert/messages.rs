@@ -31,6 +31,25 @@ fn ring_next(peers: &[(WorkerId, String)], rank: u32) -> Option<wire::Peer> {
     })
 }
 
+/// The member rank `rank` dials in its context-parallel group's ring
+/// (groups of `context` consecutive ranks), numbered by its place in the
+/// group; `None` without context parallelism.
+fn context_next(peers: &[(WorkerId, String)], rank: u32, context: u32) -> Option<wire::Peer> {
+    if context <= 1 {
+        return None;
+    }
+    let (group, place) = (rank / context, rank % context);
+    let next = (place + 1) % context;
+    peers
+        .get((group * context + next) as usize)
+        .map(|(id, addr)| wire::Peer {
+            rank: next,
+            worker_id: id.clone(),
+            collective_addr: addr.clone(),
+            prior: None,
+        })
+}
+
 /// A microbatch's row as the wire carries it: token ids little-endian, 4
 /// bytes a token (`pack_u32` of its rows), and its labels as a loss mask
 /// when every sequence's are its ids or ignored, else packed (`pack_i32`);
@@ -257,6 +276,10 @@ fn configure(msg: &ToWorker) -> wire::Configure {
             Role::Trainer => ring_next(peers, *rank),
             Role::Generator => None,
         },
+        context_next: match role {
+            Role::Trainer => context_next(peers, *rank, spec.parallel.context),
+            Role::Generator => None,
+        },
         role: match role {
             Role::Trainer => wire::Role::Trainer,
             Role::Generator => wire::Role::Generator,
@@ -319,6 +342,7 @@ fn step_plan(msg: &ToWorker) -> wire::StepPlan {
         job,
         generation,
         rank,
+        group,
         planned,
     } = msg
     else {
@@ -331,7 +355,7 @@ fn step_plan(msg: &ToWorker) -> wire::StepPlan {
         rank: *rank,
         lr: planned.lr,
         normalizers: Some(normalizers(&planned.normalizers)),
-        microbatches: planned.ranks[*rank as usize]
+        microbatches: planned.ranks[*group as usize]
             .iter()
             .map(|mb| {
                 // The token rows are materialised here, in the
