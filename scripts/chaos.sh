@@ -11,6 +11,8 @@
 #   ACCRUE_TEST_FAMILY=qwen3 scripts/chaos.sh    a tiny Qwen3 instead of Llama
 #   ACCRUE_CHAOS_LORA=1 ACCRUE_CHAOS_SHARDING=ddp scripts/chaos.sh
 #                                                LoRA adapters over a frozen base
+#   ACCRUE_CHAOS_CONTEXT=2 ACCRUE_CHAOS_SHARDING=ddp scripts/chaos.sh
+#                                                one context-parallel group of 2
 #
 # Prints each seed's schedule first (a failure reproduces with
 # ACCRUE_CHAOS_SEEDS=<seed>), then a summary: per seed and sharding, pass or

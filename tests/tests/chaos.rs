@@ -14,7 +14,8 @@
 //! printed first. Seeds: `ACCRUE_CHAOS_SEED=N` (one) or
 //! `ACCRUE_CHAOS_SEEDS=a,b,c` (several), else a fresh random one. The soak
 //! takes minutes, so it is `#[ignore]`d: `scripts/chaos.sh [N]` runs it (N
-//! random seeds; `ACCRUE_CHAOS_LORA=1` trains LoRA adapters), or `cargo test -p accrue-tests --test chaos -- --ignored
+//! random seeds; `ACCRUE_CHAOS_LORA=1` trains LoRA adapters,
+//! `ACCRUE_CHAOS_CONTEXT=2` a context-parallel group of two), or `cargo test -p accrue-tests --test chaos -- --ignored
 //! --nocapture`. A failure keeps the processes' logs in
 //! `$TMPDIR/accrue-chaos-seed-<seed>-<sharding>/`.
 
@@ -47,6 +48,28 @@ const SHAPE: Shape = Shape {
     heartbeat_ms: 4_000,
 };
 
+/// `ACCRUE_CHAOS_CONTEXT=2`: the job trains as one context-parallel group
+/// of two (issue 37), so every fault takes a rank out of a group: the
+/// schedule keeps two workers after each hold (a third would wait as a
+/// spare, and a gate that is not a member never stops).
+fn context() -> u32 {
+    std::env::var("ACCRUE_CHAOS_CONTEXT")
+        .ok()
+        .map(|v| v.parse().expect("ACCRUE_CHAOS_CONTEXT is a number"))
+        .unwrap_or(1)
+}
+
+/// The job's shape under `context()`.
+pub fn shape() -> Shape {
+    match context() {
+        1 => SHAPE,
+        c => Shape {
+            max_workers: c as usize,
+            ..SHAPE
+        },
+    }
+}
+
 /// How long one hold's gate or the job's end may take before the soak
 /// fails (a hang is a failure too).
 const PATIENCE: Duration = Duration::from_secs(180);
@@ -64,7 +87,7 @@ config = "tiny.json"
 [data]
 train = ["data/arith-sft.jsonl"]
 format = "sft"
-max_tokens = 256
+max_tokens = {max_tokens}
 [batch]
 docs_per_step = {DOCS_PER_STEP}
 [optimizer]
@@ -73,12 +96,17 @@ warmup_steps = 1
 eps = 1e-6
 [parallel]
 sharding = "{sharding}"
-min_workers = 1
+min_workers = {min}
 max_workers = {max}
+context = {context}
 [checkpoint]
 every_steps = {every}
 "#,
-        max = SHAPE.max_workers,
+        // A group's row is the 256 tokens of the one-rank job.
+        max_tokens = 256 / context(),
+        min = context(),
+        max = shape().max_workers,
+        context = context(),
         every = SHAPE.checkpoint_every,
     );
     // `ACCRUE_CHAOS_LORA=1`: the same job training LoRA adapters (issue
@@ -179,7 +207,7 @@ fn soak_seeds(sharding: &str) {
 /// outcome.
 fn soak(seed: u64, sharding: &str) {
     let _g = lock();
-    let schedule = Schedule::generate(seed, SHAPE);
+    let schedule = Schedule::generate(seed, shape());
     eprintln!("chaos: seed {seed}, {sharding}\n{schedule}");
     let want = reference(sharding);
     let t0 = Instant::now();

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use crate::real::cluster::{signal, Cluster};
 use crate::schedule::{GateEnd, Hold, Schedule};
-use crate::{write_job, PATIENCE, SHAPE};
+use crate::{shape, write_job, PATIENCE};
 
 /// What the coordinators' logs say happened: generations formed, workers
 /// lost (by cause), restores from a checkpoint, steps replayed.
@@ -53,7 +53,7 @@ impl Run {
     /// Starts the cluster and the initial workers (worker 0 armed with the
     /// first gate) and submits the job.
     pub fn new(s: &Schedule, sharding: &str) -> Run {
-        let mut c = Cluster::with_heartbeat(Some(SHAPE.heartbeat_ms));
+        let mut c = Cluster::with_heartbeat(Some(shape().heartbeat_ms));
         let spec = write_job(c.d(), "job", sharding);
         c.start_worker(Some(&s.holds[0].fault()));
         for _ in 1..s.initial_workers {
@@ -201,7 +201,7 @@ impl Run {
     /// heartbeats (it is stopped).
     fn wait_lost(&self, k: usize, w: usize) {
         let needle = format!("{} lost: missed heartbeats", self.worker_id(w));
-        let limit = Duration::from_millis(SHAPE.heartbeat_ms) + Duration::from_secs(30);
+        let limit = Duration::from_millis(shape().heartbeat_ms) + Duration::from_secs(30);
         let t0 = Instant::now();
         while !coordinator_logs(self.c.d()).contains(&needle) {
             assert!(

@@ -60,6 +60,32 @@ fn reference_token_logps(
 }
 
 impl ReplicatedTrainer {
+    /// Per-token log-probs of `mb`'s row under `model`, forward only (the
+    /// reference and eval passes): the whole row here, or under context
+    /// parallelism each rank's share, gathered over the group (the same
+    /// values on every rank of it).
+    fn row_logps(
+        &self,
+        model: &Llama,
+        mb: &PackedBatch,
+        targets: &[i64],
+    ) -> anyhow::Result<Vec<f64>> {
+        let chunk = self.loss_chunk_tokens;
+        let Some(group) = &self.context else {
+            return reference_token_logps(model, mb, targets, chunk);
+        };
+        let mut group = group.lock().unwrap_or_else(|p| p.into_inner());
+        let group = group.as_mut();
+        let shard = RowShard::new(
+            &mb.cu_seq_lens,
+            group.world_size() as i64,
+            group.rank() as i64,
+        );
+        let ids = shard.take(&mb.input_ids);
+        let mine = context_logps(model, &ids, &shard, &shard.take(targets), chunk, group)?;
+        Ok(gather_values(group, &shard, &mine)?)
+    }
+
     /// The sums and gradients of one microbatch under the job's objective
     /// (nothing applied).
     pub(super) fn objective_grads(
@@ -269,7 +295,7 @@ impl Passes for ReplicatedTrainer {
         let targets = loss::shifted_targets(&mb.labels, &mb.cu_seq_lens);
         // A LoRA job's reference is its base: the adapters off.
         let lp = model
-            .without_adapters(|| reference_token_logps(model, mb, &targets, self.loss_chunk_tokens))
+            .without_adapters(|| self.row_logps(model, mb, &targets))
             .with_context(|| format!("microbatch {index}"))?;
         let per_token = matches!(self.objective, Objective::Pg { .. });
         head::reference_sequences(&lp, &targets, &mb.cu_seq_lens, per_token)
@@ -286,7 +312,8 @@ impl Passes for ReplicatedTrainer {
             .with_context(|| format!("microbatch {index}"))?;
         self.check_vocabulary(index, mb)?;
         let targets = loss::shifted_targets(&mb.labels, &mb.cu_seq_lens);
-        let lp = reference_token_logps(&self.model, mb, &targets, self.loss_chunk_tokens)
+        let lp = self
+            .row_logps(&self.model, mb, &targets)
             .with_context(|| format!("microbatch {index}"))?;
         head::reference_sequences(&lp, &targets, &mb.cu_seq_lens, false)
             .with_context(|| format!("microbatch {index}"))
