@@ -1377,8 +1377,8 @@ fn every_family_example_trains_and_its_checkpoint_loads_in_transformers() {
 /// two worker processes as one context-parallel group (each splits every
 /// row, the layers' attention runs over the group's own ring) give the
 /// update of one worker holding whole rows of 512: loss, grad norm, counts
-/// and the final parameters, for SFT at ddp and zero2 and for DPO (its
-/// reference pass included).
+/// and the final parameters, for SFT at ddp, zero2 and fsdp and for DPO at
+/// ddp and fsdp (its reference pass included).
 #[test]
 fn a_context_parallel_group_trains_the_one_rank_update() {
     let dir = tempfile::tempdir().unwrap();
@@ -1479,11 +1479,14 @@ fn a_context_parallel_group_trains_the_one_rank_update() {
         "{said}"
     );
     let one = run("sft-one", sft, "ddp", 1, "1");
-    for sharding in ["ddp", "zero2"] {
+    for sharding in ["ddp", "zero2", "fsdp"] {
         let two = run(&format!("sft-{sharding}"), sft, sharding, 2, "2");
         compare(&format!("sft {sharding}"), &one, &two, &[]);
     }
     let one = run("dpo-one", dpo, "ddp", 1, "1");
-    let two = run("dpo-two", dpo, "ddp", 2, "2");
-    compare("dpo", &one, &two, &["rewards/margin", "logps/chosen"]);
+    for sharding in ["ddp", "fsdp"] {
+        let two = run(&format!("dpo-{sharding}"), dpo, sharding, 2, "2");
+        let case = format!("dpo {sharding}");
+        compare(&case, &one, &two, &["rewards/margin", "logps/chosen"]);
+    }
 }

@@ -237,12 +237,6 @@ pub fn job_config(job: &wire::JobDefinition) -> Result<JobConfig, FieldError> {
     if job.context == 0 {
         return Err(invalid("job.context", "must be at least 1"));
     }
-    if job.context > 1 && sharding == Sharding::Fsdp {
-        return Err(invalid(
-            "job.context",
-            "context parallelism runs at ddp or zero2 sharding",
-        ));
-    }
     Ok(JobConfig {
         name: job.name.clone(),
         seed: job.seed,
@@ -469,10 +463,6 @@ mod tests {
         assert_eq!(field(d), "job.precision");
         let mut d = sft();
         d.context = 0;
-        assert_eq!(field(d), "job.context");
-        let mut d = sft();
-        d.context = 2;
-        d.sharding = wire::Sharding::Fsdp as i32;
         assert_eq!(field(d), "job.context");
         let mut d = sft();
         d.collective = 0;

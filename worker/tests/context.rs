@@ -2,7 +2,7 @@
 //! 3 steps by one rank with one microbatch per step, and by groups of
 //! ranks splitting every microbatch's row (C = 2 and 4 in one group, and
 //! two groups of 2 each given half the documents), end with the same
-//! parameters, loss sums and gradient norms, at ddp and zero2. The
+//! parameters, loss sums and gradient norms, at ddp, zero2 and fsdp. The
 //! documents run to 64 tokens, several times a rank's share of a row at
 //! C = 4. Ranks are threads: one `LocalGroup` for the data-parallel
 //! reduction over every rank, one per context group.
@@ -12,7 +12,7 @@ mod common;
 use accrue_worker::batch::PackedBatch;
 use accrue_worker::collective::local::LocalGroup;
 use accrue_worker::collective::Collective;
-use accrue_worker::train::{ReplicatedTrainer, Trainer};
+use accrue_worker::train::{FsdpTrainer, ReplicatedTrainer, Trainer};
 
 const TOL: f64 = 1e-5;
 const LR: f64 = 1e-3;
@@ -76,16 +76,14 @@ fn train(sharding: &str, groups: usize, size: usize) -> Outcome {
             let ctx = context[rank].take().unwrap();
             std::thread::spawn(move || {
                 tch::set_num_threads(1);
-                let mut t = ReplicatedTrainer::new(&cfg, None, Box::new(coll))
-                    .unwrap()
-                    .with_context(ctx);
+                let mut t = Ranked::new(&cfg, Box::new(coll), ctx);
                 let mut per_step = Vec::new();
                 for (s, mb) in mine.iter().enumerate() {
-                    let loss = t.microbatch(0, mb, totals[s]).unwrap().loss_sum;
-                    let st = t.optimizer_step(LR).unwrap();
+                    let loss = t.microbatch(mb, totals[s]);
+                    let st = t.trainer().optimizer_step(LR).unwrap();
                     per_step.push((loss, st.grad_norm));
                 }
-                (common::snapshot(&t.named_parameters()), per_step)
+                (common::snapshot(&t.parameters()), per_step)
             })
         })
         .collect();
@@ -115,6 +113,57 @@ fn train(sharding: &str, groups: usize, size: usize) -> Outcome {
             .map(|s| results.iter().step_by(size).map(|r| r.1[s].0).sum())
             .collect(),
         grad_norms: results[0].1.iter().map(|p| p.1).collect(),
+    }
+}
+
+/// A rank's trainer at the job's sharding, splitting rows over its group.
+enum Ranked {
+    Replicated(Box<ReplicatedTrainer>),
+    Fsdp(Box<FsdpTrainer>),
+}
+
+impl Ranked {
+    fn new(
+        cfg: &accrue_worker::config::JobConfig,
+        coll: Box<dyn Collective>,
+        group: Box<dyn Collective>,
+    ) -> Ranked {
+        match cfg.sharding {
+            accrue_worker::config::Sharding::Fsdp => Ranked::Fsdp(Box::new(
+                FsdpTrainer::new(cfg, None, coll)
+                    .unwrap()
+                    .with_context(group),
+            )),
+            _ => Ranked::Replicated(Box::new(
+                ReplicatedTrainer::new(cfg, None, coll)
+                    .unwrap()
+                    .with_context(group),
+            )),
+        }
+    }
+
+    fn trainer(&mut self) -> &mut dyn Trainer {
+        match self {
+            Ranked::Replicated(t) => t.as_mut(),
+            Ranked::Fsdp(t) => t.as_mut(),
+        }
+    }
+
+    /// One microbatch scaled by the step's loss tokens: its loss sum.
+    fn microbatch(&mut self, mb: &PackedBatch, total: u64) -> f64 {
+        match self {
+            Ranked::Replicated(t) => t.microbatch(0, mb, total),
+            Ranked::Fsdp(t) => t.microbatch(0, mb, total),
+        }
+        .unwrap()
+        .loss_sum
+    }
+
+    fn parameters(&mut self) -> Vec<(String, tch::Tensor)> {
+        match self {
+            Ranked::Replicated(t) => t.named_parameters(),
+            Ranked::Fsdp(t) => t.named_full_parameters().unwrap(),
+        }
     }
 }
 
@@ -157,4 +206,9 @@ fn ddp_context_parallel_steps_equal_one_rank() {
 #[test]
 fn zero2_context_parallel_steps_equal_one_rank() {
     equivalence("zero2");
+}
+
+#[test]
+fn fsdp_context_parallel_steps_equal_one_rank() {
+    equivalence("fsdp");
 }

@@ -184,11 +184,12 @@ fn trainer_refs(cfg: &JobConfig, steps: &[Step]) -> BTreeMap<String, SequenceLog
         .collect()
 }
 
-/// Runs `f(rank, collective)` on 2 threads of an in-process group.
-fn on_2_ranks<R: Send + 'static>(
+/// Runs `f(rank, collective)` on `n` threads of an in-process group.
+fn on_ranks<R: Send + 'static>(
+    n: usize,
     f: impl Fn(usize, Box<dyn Collective>) -> R + Send + Clone + 'static,
 ) -> Vec<R> {
-    let handles: Vec<_> = LocalGroup::new(2)
+    let handles: Vec<_> = LocalGroup::new(n)
         .into_iter()
         .enumerate()
         .map(|(rank, coll)| {
@@ -204,15 +205,32 @@ fn on_2_ranks<R: Send + 'static>(
 
 /// The FSDP reference pass on 2 ranks: rank 0 gets the first step's
 /// sequences in two microbatches, rank 1 the second step's in one
-/// microbatch and a padding one; matches the `ReplicatedTrainer`'s.
-fn check_fsdp_refs(cfg: &JobConfig, steps: &[Step], want: &BTreeMap<String, SequenceLogp>) {
+/// microbatch and a padding one; matches the `ReplicatedTrainer`'s. With
+/// `context` > 1 each rank is a context-parallel group of that many
+/// threads (its first thread's answers are taken, the others' must equal
+/// them).
+fn check_fsdp_refs(
+    cfg: &JobConfig,
+    steps: &[Step],
+    want: &BTreeMap<String, SequenceLogp>,
+    context: usize,
+) {
     let per_rank: Vec<Vec<Vec<Seq>>> = vec![
         vec![steps[0].seqs[..3].to_vec(), steps[0].seqs[3..].to_vec()],
         vec![steps[1].seqs.clone(), Vec::new()],
     ];
     let cfg = cfg.clone();
-    let got = on_2_ranks(move |rank, coll| {
-        let mut t = FsdpTrainer::new(&cfg, None, coll).unwrap();
+    let groups: Vec<Option<Box<dyn Collective>>> = (0..2)
+        .flat_map(|_| LocalGroup::new(context))
+        .map(|g| Some(Box::new(g) as Box<dyn Collective>))
+        .collect();
+    let groups = std::sync::Arc::new(std::sync::Mutex::new(groups));
+    let got = on_ranks(2 * context, move |thread, coll| {
+        let rank = thread / context;
+        let group = groups.lock().unwrap()[thread].take().unwrap();
+        let mut t = FsdpTrainer::new(&cfg, None, coll)
+            .unwrap()
+            .with_context(group);
         let mut out = Vec::new();
         for (i, seqs) in per_rank[rank].iter().enumerate() {
             let refs: Vec<&Seq> = seqs.iter().collect();
@@ -229,9 +247,12 @@ fn check_fsdp_refs(cfg: &JobConfig, steps: &[Step], want: &BTreeMap<String, Sequ
         }
         out
     });
+    for (thread, g) in got.iter().enumerate() {
+        assert_eq!(g, &got[thread - thread % context], "thread {thread}");
+    }
     let mut n = 0;
     let mut worst: f64 = 0.0;
-    for (key, l) in got.into_iter().flatten() {
+    for (key, l) in got.into_iter().step_by(context).flatten() {
         let w = &want[&key];
         assert_eq!(l.loss_tokens, w.loss_tokens, "{key}");
         assert_eq!(l.tokens.len(), w.tokens.len(), "{key}");
@@ -285,16 +306,33 @@ fn run_ddp(cfg: &JobConfig, steps: &[Step], refs: &BTreeMap<String, SequenceLogp
     (stats, common::snapshot(&t.named_parameters()))
 }
 
-/// 2 FSDP ranks; after the steps, a reference plan must be refused.
-fn run_fsdp(cfg: &JobConfig, steps: Vec<Step>, refs: BTreeMap<String, SequenceLogp>) -> Outcome {
+/// 2 FSDP ranks, each a context-parallel group of `context` threads given
+/// the same microbatches (every thread an FSDP rank of the 2 × `context`;
+/// a group's threads report the same sums, counted once); after the steps,
+/// a reference plan must be refused.
+fn run_fsdp(
+    cfg: &JobConfig,
+    steps: Vec<Step>,
+    refs: BTreeMap<String, SequenceLogp>,
+    context: usize,
+) -> Outcome {
     let pg = matches!(
         cfg.objective,
         accrue_worker::objective::Objective::Pg { .. }
     );
     let cfg = cfg.clone();
     let steps = std::sync::Arc::new(steps);
-    let results = on_2_ranks(move |rank, coll| {
-        let mut t = FsdpTrainer::new(&cfg, None, coll).unwrap();
+    let groups: Vec<Option<Box<dyn Collective>>> = (0..2)
+        .flat_map(|_| LocalGroup::new(context))
+        .map(|g| Some(Box::new(g) as Box<dyn Collective>))
+        .collect();
+    let groups = std::sync::Arc::new(std::sync::Mutex::new(groups));
+    let results = on_ranks(2 * context, move |thread, coll| {
+        let rank = thread / context;
+        let group = groups.lock().unwrap()[thread].take().unwrap();
+        let mut t = FsdpTrainer::new(&cfg, None, coll)
+            .unwrap()
+            .with_context(group);
         let mut stats = Vec::new();
         for step in steps.iter() {
             let n = norms(step);
@@ -317,16 +355,18 @@ fn run_fsdp(cfg: &JobConfig, steps: Vec<Step>, refs: BTreeMap<String, SequenceLo
         );
         (stats, common::snapshot(&t.named_full_parameters().unwrap()))
     });
-    let (w, n) = common::worst_rel(&results[1].1, &results[0].1);
-    assert_eq!(w, 0.0, "ranks gathered different values of {n}");
+    for (thread, r) in results.iter().enumerate().skip(1) {
+        let (w, n) = common::worst_rel(&r.1, &results[0].1);
+        assert_eq!(w, 0.0, "thread {thread} gathered different values of {n}");
+        let first = &results[thread - thread % context].0;
+        assert_eq!(&r.0, first, "thread {thread}: sums differ within its group");
+    }
     let mut stats = results[0].0.clone();
     for (s, st) in stats.iter_mut().enumerate() {
-        assert_eq!(
-            results[1].0[s].2, st.2,
-            "step {s}: ranks disagree on the norm"
-        );
-        st.0 += results[1].0[s].0;
-        add_extra(&mut st.1, results[1].0[s].1.clone());
+        let other = &results[context].0[s];
+        assert_eq!(other.2, st.2, "step {s}: ranks disagree on the norm");
+        st.0 += other.0;
+        add_extra(&mut st.1, other.1.clone());
     }
     (stats, results.into_iter().next().unwrap().1)
 }
@@ -380,10 +420,14 @@ fn equivalence(label: &str, objective: &str, steps: fn() -> Vec<Step>) {
     let dir = tempfile::tempdir().unwrap();
     let cfg = job(dir.path(), objective);
     let refs = trainer_refs(&cfg, &steps());
-    check_fsdp_refs(&cfg, &steps(), &refs);
+    check_fsdp_refs(&cfg, &steps(), &refs, 1);
+    check_fsdp_refs(&cfg, &steps(), &refs, 2);
     let want = run_ddp(&cfg, &steps(), &refs);
-    let got = run_fsdp(&cfg, steps(), refs);
+    let got = run_fsdp(&cfg, steps(), refs.clone(), 1);
     assert_equivalent(label, &got, &want);
+    // Each FSDP rank a context-parallel group of 2 (issue 37).
+    let got = run_fsdp(&cfg, steps(), refs, 2);
+    assert_equivalent(&format!("{label}, context 2"), &got, &want);
     // The cached reference is live in the math: after a step the policy
     // moved away from it (the KL term is 0 at step 1 only).
     if let Some(kl) = want.0[1].1.get("kl") {

@@ -95,8 +95,7 @@ impl ParallelSection {
 
     /// The checks of `[parallel]`: a world of 1 to [`limits::MAX_WORKERS`]
     /// workers, the minimum no larger than the maximum; whole
-    /// context-parallel groups (both bounds multiples of `context`) of
-    /// ddp or zero2 (fsdp's unit-by-unit pass does not split rows yet).
+    /// context-parallel groups (both bounds multiples of `context`).
     pub fn validate(&self, bad: &mut impl FnMut(&str, String)) {
         if self.context == 0 {
             bad("parallel.context", "must be at least 1".into());
@@ -122,12 +121,6 @@ impl ParallelSection {
                         ),
                     );
                 }
-            }
-            if self.sharding == Sharding::Fsdp {
-                bad(
-                    "parallel.context",
-                    "context parallelism runs at sharding = \"ddp\" or \"zero2\" (fsdp does not split rows yet)".into(),
-                );
             }
         }
         if self.min_workers == 0 {
@@ -200,7 +193,7 @@ mod tests {
     }
 
     #[test]
-    fn context_takes_whole_groups_at_ddp_or_zero2() {
+    fn context_takes_whole_groups_at_any_sharding() {
         let ok = ParallelSection {
             context: 2,
             min_workers: 2,
@@ -221,7 +214,7 @@ mod tests {
             sharding: Sharding::Fsdp,
             ..ok.clone()
         };
-        assert_eq!(fields(fsdp), ["parallel.context"]);
+        assert!(fields(fsdp).is_empty());
         let zero = ParallelSection {
             context: 0,
             ..ok.clone()

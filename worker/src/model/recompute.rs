@@ -21,8 +21,8 @@ use tch::{Kind, Tensor};
 
 use super::attention::Attention;
 use super::context::{self, RowShard};
-use super::llama::{positions, Llama};
-use super::moe::Routes;
+use super::llama::{positions, DecoderLayer, Llama};
+use super::moe::{Route, Routed, Routes};
 use crate::collective::{Collective, CollectiveError};
 
 /// Which of a model's trained variables (by index into a name-sorted
@@ -414,68 +414,134 @@ impl Llama {
         let surrogate = self.head_surrogate(&fwd.hidden, &grad_hidden, grad_head);
         let mut upstream = self.tail_backward(surrogate, &last, vars, groups, &mut out);
         for (l, layer) in self.layers.iter().enumerate().rev() {
-            let x = inputs[l].detach().set_requires_grad(true);
             let (cos, sin) = &tables[layer.rope];
             let route = routes.layer(layer.sparse);
-            let mut kept = None;
-            let mut failed = None;
-            let (y, routed) = layer.forward_with_route(&x, cos, sin, route, |attn, q, k, v| {
-                match context::group_attention(coll, &shard, attn.scale(), q, k, v) {
-                    Ok((o, kf, vf, saved)) => {
-                        let o = o.set_requires_grad(true);
-                        kept = Some((
-                            q.shallow_clone(),
-                            k.shallow_clone(),
-                            v.shallow_clone(),
-                            kf,
-                            vf,
-                            saved,
-                            o.shallow_clone(),
-                            attn.scale(),
-                        ));
-                        o
-                    }
+            let layer_vars: Vec<Tensor> = groups.layers[l]
+                .iter()
+                .map(|&i| vars[i].shallow_clone())
+                .collect();
+            let (gx, g) = layer.backward_context(
+                &inputs[l],
+                (cos, sin),
+                route,
+                &upstream,
+                &layer_vars,
+                coll,
+                &shard,
+            )?;
+            for (k, &i) in groups.layers[l].iter().enumerate() {
+                accumulate(&mut out, i, &g[k]);
+            }
+            upstream = gx;
+        }
+        self.embed_backward_into(&upstream, &ids, groups, &mut out);
+        Ok(out)
+    }
+}
+
+impl DecoderLayer {
+    /// This layer without autograd on this rank's share of a row under
+    /// context parallelism: its attention runs over the group `coll`.
+    pub fn forward_context(
+        &self,
+        x: &Tensor,
+        (cos, sin): (&Tensor, &Tensor),
+        route: Route<'_>,
+        coll: &mut dyn Collective,
+        shard: &RowShard,
+    ) -> Result<(Tensor, Routed), CollectiveError> {
+        let mut failed = None;
+        let out = tch::no_grad(|| {
+            self.forward_with_route(x, cos, sin, route, |attn, q, k, v| {
+                match context::group_attention(coll, shard, attn.scale(), q, k, v) {
+                    Ok((out, ..)) => out,
                     Err(e) => {
                         failed = Some(e);
                         zeros_out(attn, q)
                     }
                 }
-            });
-            if let Some(e) = failed {
-                return Err(e);
-            }
-            let (q, k, v, kf, vf, saved, o, scale) = kept.expect("the core ran");
-            let surrogate = (&y * &upstream).sum(Kind::Float);
-            let surrogate = match routed.aux {
-                Some(a) => surrogate + a,
-                None => surrogate,
-            };
-            let layer_vars = &groups.layers[l];
-            let mut wrt = vec![x.shallow_clone(), o.shallow_clone()];
-            wrt.extend(layer_vars.iter().map(|&i| vars[i].shallow_clone()));
-            let g = Tensor::run_backward(&[surrogate], &wrt, false, false);
-            let (dq, dk, dv) = context::group_attention_backward(
-                coll, &shard, scale, &g[1], &q, &kf, &vf, &saved,
-            )?;
-            // The projections before the attention, with q, k and v's
-            // gradients (autograd's vector-Jacobian product as a surrogate).
-            let before = (&q * &dq).sum(Kind::Float)
-                + (&k * &dk).sum(Kind::Float)
-                + (&v * &dv).sum(Kind::Float);
-            let mut wrt = vec![x.shallow_clone()];
-            wrt.extend(layer_vars.iter().map(|&i| vars[i].shallow_clone()));
-            let g2 = Tensor::run_backward(&[before], &wrt, false, false);
-            for (k, &i) in layer_vars.iter().enumerate() {
-                accumulate(&mut out, i, &g[k + 2]);
-                accumulate(&mut out, i, &g2[k + 1]);
-            }
-            upstream = match (g[0].defined(), g2[0].defined()) {
-                (true, true) => &g[0] + &g2[0],
-                (true, false) => g[0].shallow_clone(),
-                _ => g2[0].shallow_clone(),
-            };
+            })
+        });
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(out),
         }
-        self.embed_backward_into(&upstream, &ids, groups, &mut out);
-        Ok(out)
+    }
+
+    /// This layer recomputed from its input `x` and backpropagated from
+    /// `upstream` under context parallelism (every rank of the group calls
+    /// it for the same layer): the gradient of `x` and this rank's share
+    /// of each of `vars`' (undefined where none). Two passes: the part
+    /// after attention, whose gradient at the attention's output goes
+    /// through the attention's backward over the group, then the
+    /// projections before it with the gradients of this rank's q, k, v.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_context(
+        &self,
+        x: &Tensor,
+        (cos, sin): (&Tensor, &Tensor),
+        route: Route<'_>,
+        upstream: &Tensor,
+        vars: &[Tensor],
+        coll: &mut dyn Collective,
+        shard: &RowShard,
+    ) -> Result<(Tensor, Vec<Tensor>), CollectiveError> {
+        let x = x.detach().set_requires_grad(true);
+        let mut kept = None;
+        let mut failed = None;
+        let (y, routed) = self.forward_with_route(&x, cos, sin, route, |attn, q, k, v| {
+            match context::group_attention(coll, shard, attn.scale(), q, k, v) {
+                Ok((o, kf, vf, saved)) => {
+                    let o = o.set_requires_grad(true);
+                    kept = Some((
+                        q.shallow_clone(),
+                        k.shallow_clone(),
+                        v.shallow_clone(),
+                        kf,
+                        vf,
+                        saved,
+                        o.shallow_clone(),
+                        attn.scale(),
+                    ));
+                    o
+                }
+                Err(e) => {
+                    failed = Some(e);
+                    zeros_out(attn, q)
+                }
+            }
+        });
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        let (q, k, v, kf, vf, saved, o, scale) = kept.expect("the core ran");
+        let surrogate = (&y * upstream).sum(Kind::Float);
+        let surrogate = match routed.aux {
+            Some(a) => surrogate + a,
+            None => surrogate,
+        };
+        let mut wrt = vec![x.shallow_clone(), o.shallow_clone()];
+        wrt.extend(vars.iter().map(Tensor::shallow_clone));
+        let g = Tensor::run_backward(&[surrogate], &wrt, false, false);
+        let (dq, dk, dv) =
+            context::group_attention_backward(coll, shard, scale, &g[1], &q, &kf, &vf, &saved)?;
+        // The projections before the attention, with q, k and v's
+        // gradients (autograd's vector-Jacobian product as a surrogate).
+        let before =
+            (&q * &dq).sum(Kind::Float) + (&k * &dk).sum(Kind::Float) + (&v * &dv).sum(Kind::Float);
+        let mut wrt = vec![x.shallow_clone()];
+        wrt.extend(vars.iter().map(Tensor::shallow_clone));
+        let g2 = Tensor::run_backward(&[before], &wrt, false, false);
+        let mut grads: Vec<Tensor> = vars.iter().map(|_| Tensor::new()).collect();
+        for k in 0..vars.len() {
+            accumulate(&mut grads, k, &g[k + 2]);
+            accumulate(&mut grads, k, &g2[k + 1]);
+        }
+        let gx = match (g[0].defined(), g2[0].defined()) {
+            (true, true) => &g[0] + &g2[0],
+            (true, false) => g[0].shallow_clone(),
+            _ => g2[0].shallow_clone(),
+        };
+        Ok((gx, grads))
     }
 }

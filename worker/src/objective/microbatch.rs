@@ -46,7 +46,7 @@ pub struct RowWeights {
 }
 
 impl RowWeights {
-    fn into_out(self, grads: ChunkedLoss) -> ObjectiveOut {
+    pub fn into_out(self, grads: ChunkedLoss) -> ObjectiveOut {
         ObjectiveOut {
             grads,
             loss_sum: self.loss_sum,

@@ -263,7 +263,7 @@ impl ReplicatedTrainer {
     /// over `group` (this rank and the others given the same microbatches,
     /// `crate::model::context`), each rank training its share; the
     /// data-parallel reduction over the trainer's collective sums the
-    /// shares. A group of one is no split. SFT, DPO and PG at ddp and zero2.
+    /// shares. A group of one is no split.
     pub fn with_context(mut self, group: Box<dyn Collective>) -> ReplicatedTrainer {
         self.context = (group.world_size() > 1).then(|| Mutex::new(group));
         self

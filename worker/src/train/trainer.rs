@@ -147,7 +147,7 @@ pub trait Membership {
     fn set_context(&mut self, group: Option<Box<dyn Collective>>) -> anyhow::Result<()> {
         match group {
             Some(g) if g.world_size() > 1 => {
-                bail!("context parallelism runs at ddp or zero2 sharding (this trainer does not split rows)")
+                bail!("this trainer does not split rows (context parallelism)")
             }
             _ => Ok(()),
         }

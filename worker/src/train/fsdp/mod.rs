@@ -120,7 +120,14 @@ pub struct FsdpTrainer {
     lora: Option<FsdpLora>,
     /// `job.seed` (LoRA dropout masks).
     seed: u64,
+    /// Context parallelism (`parallel.context`, issue 37): the group this
+    /// rank splits every row with (`crate::model::context`); shared so a
+    /// pass can hold it while it gathers units over `coll`.
+    context: Option<Group>,
 }
+
+/// A context-parallel group's collective.
+type Group = std::sync::Arc<std::sync::Mutex<Box<dyn Collective>>>;
 
 /// What a LoRA job adds to the FSDP trainer. The base's units are sharded
 /// like any unit but frozen: their shards are held in the compute dtype,
@@ -326,7 +333,17 @@ impl FsdpTrainer {
             step_aux: None,
             lora,
             seed: cfg.seed,
+            context: None,
         })
+    }
+
+    /// Context parallelism: every microbatch's row split over `group`
+    /// (this rank and the others given the same microbatches); a group of
+    /// one is no split.
+    pub fn with_context(mut self, group: Box<dyn Collective>) -> FsdpTrainer {
+        self.context =
+            (group.world_size() > 1).then(|| std::sync::Arc::new(std::sync::Mutex::new(group)));
+        self
     }
 
     /// The LoRA dropout masks' keys of a training forward of `mb` (none

@@ -81,6 +81,19 @@ impl FsdpTrainer {
             pairs,
             extra,
         } = loss.unwrap_or_default();
+        // Context parallelism: SFT's sums are this rank's tokens'; every
+        // rank of the group reports the row's (an objective's already are).
+        let (loss_sum, loss_tokens) = match (&self.context, obj) {
+            (Some(g), None) => {
+                let shares = [loss_sum, loss_tokens as f64];
+                let row = crate::model::context::sum_values(super::pass::lock(g).as_mut(), &shares)
+                    .with_context(|| {
+                        format!("microbatch {index}: summing the loss over the group")
+                    })?;
+                (row[0], row[1].round() as u64)
+            }
+            _ => (loss_sum, loss_tokens),
+        };
         sums.loss_sum = loss_sum;
         sums.loss_tokens = loss_tokens;
         sums.pairs = pairs;
@@ -220,7 +233,18 @@ impl FsdpTrainer {
             self.loss_chunk_tokens,
             self.arch.final_softcap,
         )?;
-        Ok(Some(lp))
+        // Context parallelism: this rank's tokens'; the row's gathered.
+        match (&p.shard, &self.context) {
+            (Some(shard), Some(g)) => {
+                let row = crate::model::context::gather_values(
+                    super::pass::lock(g).as_mut(),
+                    shard,
+                    &lp,
+                )?;
+                Ok(Some(row))
+            }
+            _ => Ok(Some(lp)),
+        }
     }
 }
 

@@ -9,8 +9,10 @@ use anyhow::{bail, Context};
 use tch::{Kind, Tensor};
 
 use crate::batch::{MicrobatchMeta, PackedBatch, StepNorms};
+use crate::collective::Collective;
 use crate::error::StepError;
 use crate::model::config::MoeSpec;
+use crate::model::context::{gather_values, RowShard};
 use crate::model::llama::RoutedForward;
 use crate::model::{llama, loss, Routes};
 use crate::objective::microbatch::{self, ObjectiveOut};
@@ -78,6 +80,47 @@ impl<'a> ObjectiveIn<'a> {
             softcap,
         )
     }
+
+    /// [`Self::run`] on this rank's share of a row split over `group`
+    /// (`hidden` and `targets` are its tokens'): the row's log-probs are
+    /// gathered, the objective's math runs on the whole row alike on every
+    /// rank, and this rank's tokens take their weights.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn run_context(
+        &self,
+        hidden: &Tensor,
+        head_w: &Tensor,
+        chunk: usize,
+        softcap: Option<f64>,
+        targets: &[i64],
+        shard: &RowShard,
+        group: &mut dyn Collective,
+    ) -> anyhow::Result<ObjectiveOut> {
+        let mine = crate::objective::head::token_logps(hidden, head_w, targets, chunk, softcap)?;
+        let lp = gather_values(group, shard, &mine)?;
+        let w = microbatch::weights(
+            &self.objective,
+            self.mb,
+            self.meta,
+            self.norms,
+            &lp,
+            self.reference,
+        )?;
+        let grads = crate::objective::head::weighted_nll(
+            hidden,
+            head_w,
+            targets,
+            &shard.take(&w.weights),
+            chunk,
+            softcap,
+        )?;
+        Ok(w.into_out(grads))
+    }
+}
+
+/// Locks a context-parallel group (a poisoned lock still holds it).
+pub(super) fn lock(g: &super::Group) -> std::sync::MutexGuard<'_, Box<dyn Collective>> {
+    g.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The per-microbatch inputs a rank with loss tokens computes on.
@@ -87,6 +130,9 @@ pub(super) struct Prepared {
     /// The RoPE tables (a layer takes `tables[layer.rope]`).
     pub(super) tables: Vec<(Tensor, Tensor)>,
     pub(super) targets: Vec<i64>,
+    /// Under context parallelism, this rank's share of the row: `ids`,
+    /// `tables` and `targets` are then its tokens'.
+    pub(super) shard: Option<RowShard>,
     /// How the sparse layers route (the step's load-balancing weights).
     pub(super) routes: Routes,
     /// `1/T` of the SFT loss (0 for the other objectives, which take
@@ -153,13 +199,34 @@ impl FsdpTrainer {
         let replay =
             crate::model::moe::replay_tensors(&mb.routing, mb.tokens(), &self.arch, self.device)
                 .map_err(|e| StepError::invalid(format!("microbatch {index}: {e}")))?;
-        let positions = llama::positions(&mb.cu_seq_lens);
+        let group = self.context.as_ref().map(|g| {
+            let g = lock(g);
+            (g.world_size() as i64, g.rank() as i64)
+        });
+        if group.is_some() && self.arch.moe.is_some() {
+            return Err(StepError::invalid(format!(
+                "microbatch {index}: context parallelism does not run mixture-of-experts models yet"
+            )));
+        }
+        let (ids, targets, positions, shard) = match group {
+            Some((n, r)) => {
+                let shard = RowShard::new(&mb.cu_seq_lens, n, r);
+                let ids = shard.take(&mb.input_ids);
+                let targets = shard.take(&targets);
+                (ids, targets, shard.positions.clone(), Some(shard))
+            }
+            None => {
+                let positions = llama::positions(&mb.cu_seq_lens);
+                (mb.input_ids.clone(), targets, positions, None)
+            }
+        };
         let tables = llama::rope_tables(&self.ropes, &positions, self.kind, self.device);
         Ok(Some(Prepared {
-            ids: Tensor::from_slice(&mb.input_ids).to_device(self.device),
+            ids: Tensor::from_slice(&ids).to_device(self.device),
             cu_seq_lens: mb.cu_seq_lens.clone(),
             tables,
             targets,
+            shard,
             routes: Routes {
                 replay,
                 aux: self.step_aux.as_ref().map(Tensor::shallow_clone),
@@ -183,6 +250,7 @@ impl FsdpTrainer {
         drop(embed);
         let mut saved = Vec::with_capacity(self.shells.len() + 1);
         let mut routing = RoutedForward::default();
+        let group = self.context.clone();
         for l in 0..self.shells.len() {
             let u = layer_unit(l);
             let flat = self.gather(u)?;
@@ -195,16 +263,23 @@ impl FsdpTrainer {
                     .map(|(a, flat)| shell.bind_adapters(flat, &self.layouts[*a]));
                 let (cos, sin) = &p.tables[shell.layer.rope];
                 let route = p.routes.layer(shell.layer.sparse);
-                let (out, routed) = tch::no_grad(|| {
-                    shell.layer.forward_routed(
-                        &input,
-                        cos,
-                        sin,
-                        &p.cu_seq_lens,
-                        self.attention,
-                        route,
-                    )
-                });
+                let (out, routed) = match (&p.shard, &group) {
+                    (Some(shard), Some(g)) => {
+                        let mut g = lock(g);
+                        let layer = &shell.layer;
+                        layer.forward_context(&input, (cos, sin), route, g.as_mut(), shard)?
+                    }
+                    _ => tch::no_grad(|| {
+                        shell.layer.forward_routed(
+                            &input,
+                            cos,
+                            sin,
+                            &p.cu_seq_lens,
+                            self.attention,
+                            route,
+                        )
+                    }),
+                };
                 routing.absorb(routed);
                 saved.push(input);
                 x = Some(out);
@@ -322,23 +397,40 @@ impl FsdpTrainer {
                 head_trains,
             )
             .map(|c| (c, 0, BTreeMap::new())),
-            Some(o) => o
-                .run(
+            Some(o) => match (&p.shard, self.context.clone()) {
+                (Some(shard), Some(g)) => o.run_context(
                     &hidden,
                     &head_w,
                     self.loss_chunk_tokens,
                     self.arch.final_softcap,
-                )
-                .map(|out| {
-                    let mut c = out.grads;
-                    // The objective's own sums, not Σ w·nll.
-                    (c.loss_sum, c.loss_tokens) = (out.loss_sum, out.loss_tokens);
-                    (c, out.pairs, out.extra)
-                }),
+                    &p.targets,
+                    shard,
+                    lock(&g).as_mut(),
+                ),
+                _ => o.run(
+                    &hidden,
+                    &head_w,
+                    self.loss_chunk_tokens,
+                    self.arch.final_softcap,
+                ),
+            }
+            .map(|out| {
+                let mut c = out.grads;
+                // The objective's own sums, not Σ w·nll.
+                (c.loss_sum, c.loss_tokens) = (out.loss_sum, out.loss_tokens);
+                (c, out.pairs, out.extra)
+            }),
         }
         .with_context(|| format!("microbatch {index}"))?;
+        let mut chunked = chunked;
         if !chunked.grad_hidden.defined() {
-            bail!("microbatch {index}: the loss has no gradient (no loss token)");
+            if p.shard.is_none() {
+                bail!("microbatch {index}: the loss has no gradient (no loss token)");
+            }
+            // A row's share without a loss token: the group's layers
+            // still run over it, with a zero gradient.
+            chunked.grad_hidden = hidden.zeros_like();
+            chunked.grad_weight = head_w.zeros_like();
         }
         let surrogate = (&hidden * &chunked.grad_hidden).sum(Kind::Float);
         let g = Tensor::run_backward(&[surrogate], &[&x, &norm_w], false, false);
@@ -383,6 +475,7 @@ impl FsdpTrainer {
         saved: &[Tensor],
         mut grad: Option<Tensor>,
     ) -> anyhow::Result<()> {
+        let group = self.context.clone();
         for l in (0..self.shells.len()).rev() {
             let u = layer_unit(l);
             let flat = self.gather(u)?;
@@ -400,32 +493,56 @@ impl FsdpTrainer {
                     let _adapters = adapters
                         .as_ref()
                         .map(|(a, flat)| shell.bind_adapters(flat, &self.layouts[*a]));
-                    let x = saved[l].detach().set_requires_grad(true);
                     let (cos, sin) = &p.tables[shell.layer.rope];
                     let route = p.routes.layer(shell.layer.sparse);
-                    let (y, routed) = shell.layer.forward_routed(
-                        &x,
-                        cos,
-                        sin,
-                        &p.cu_seq_lens,
-                        self.attention,
-                        route,
-                    );
-                    let surrogate = (&y * &gy).sum(Kind::Float);
-                    let surrogate = match routed.aux {
-                        Some(a) => surrogate + a,
-                        None => surrogate,
-                    };
-                    let mut inputs = vec![x];
-                    match target {
-                        Some(t) if t != u => inputs.extend(shell.adapter_vars()),
-                        Some(_) => inputs.extend(shell.vars()),
-                        None => {}
+                    if let (Some(shard), Some(g)) = (&p.shard, &group) {
+                        let vars = match target {
+                            Some(t) if t != u => shell.adapter_vars(),
+                            Some(_) => shell.vars(),
+                            None => Vec::new(),
+                        };
+                        let (gx, grads) = shell.layer.backward_context(
+                            &saved[l],
+                            (cos, sin),
+                            route,
+                            &gy,
+                            &vars,
+                            lock(g).as_mut(),
+                            shard,
+                        )?;
+                        grad = Some(gx);
+                        let grads: Vec<Tensor> = grads
+                            .into_iter()
+                            .zip(&vars)
+                            .map(|(g, v)| if g.defined() { g } else { v.zeros_like() })
+                            .collect();
+                        target.map(|t| self.layouts[t].flatten(&grads))
+                    } else {
+                        let x = saved[l].detach().set_requires_grad(true);
+                        let (y, routed) = shell.layer.forward_routed(
+                            &x,
+                            cos,
+                            sin,
+                            &p.cu_seq_lens,
+                            self.attention,
+                            route,
+                        );
+                        let surrogate = (&y * &gy).sum(Kind::Float);
+                        let surrogate = match routed.aux {
+                            Some(a) => surrogate + a,
+                            None => surrogate,
+                        };
+                        let mut inputs = vec![x];
+                        match target {
+                            Some(t) if t != u => inputs.extend(shell.adapter_vars()),
+                            Some(_) => inputs.extend(shell.vars()),
+                            None => {}
+                        }
+                        let mut grads = Tensor::run_backward(&[surrogate], &inputs, false, false);
+                        let gx = grads.remove(0);
+                        grad = Some(gx);
+                        target.map(|t| self.layouts[t].flatten(&grads))
                     }
-                    let mut grads = Tensor::run_backward(&[surrogate], &inputs, false, false);
-                    let gx = grads.remove(0);
-                    grad = Some(gx);
-                    target.map(|t| self.layouts[t].flatten(&grads))
                 }
                 _ => target.map(|t| self.layouts[t].zeros(self.device)),
             };

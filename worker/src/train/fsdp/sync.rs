@@ -49,6 +49,13 @@ impl Membership for FsdpTrainer {
         swap_collective(&mut self.coll, coll, fits, "fsdp shards")
     }
 
+    fn set_context(&mut self, group: Option<Box<dyn Collective>>) -> anyhow::Result<()> {
+        self.context = group
+            .filter(|g| g.world_size() > 1)
+            .map(|g| std::sync::Arc::new(std::sync::Mutex::new(g)));
+        Ok(())
+    }
+
     /// Every shard belongs to one (rank, world).
     fn state_layout(&self) -> Option<(usize, usize)> {
         Some((self.rank(), self.world_size()))
