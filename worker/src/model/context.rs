@@ -77,6 +77,33 @@ impl ZigZag {
         self.held(rank).into_iter().flatten().collect()
     }
 
+    /// The rows of the gathered buffer (rank r's rows at r × slot, in
+    /// its local order) that hold row positions `r`, in row order: one
+    /// range per chunk `r` meets.
+    pub fn segments(&self, r: &Range<i64>) -> Vec<Range<i64>> {
+        let (n, slot) = (2 * self.ranks, self.slot());
+        (0..n)
+            .filter_map(|k| {
+                let c = self.chunk(k);
+                let (a, b) = (r.start.max(c.start), r.end.min(c.end));
+                if a >= b {
+                    return None;
+                }
+                // Chunk k's owner holds it first (k < C) or after its
+                // early chunk.
+                let owner = if k < self.ranks { k } else { n - 1 - k };
+                let first = self.chunk(owner);
+                let offset = if k < self.ranks {
+                    0
+                } else {
+                    first.end - first.start
+                };
+                let base = owner * slot + offset - c.start;
+                Some(base + a..base + b)
+            })
+            .collect()
+    }
+
     /// For each row position, its row in the gathered buffer (rank r's
     /// rows start at r × slot).
     fn gathered_rows(&self) -> Vec<i64> {
@@ -123,14 +150,16 @@ pub fn pieces(split: &ZigZag, rank: i64, cu_seq_lens: &[i64]) -> Vec<Piece> {
     out
 }
 
-/// Every rank's `rows` (`[count, W]`, its positions in local order) as the
-/// whole row `[len, W]`, in row order. Float32 over the collective.
-pub fn gather_rows(
+/// Every rank's `rows` (`[count, W]`, its positions in local order) in
+/// the gathered layout `[ranks · slot, W]` (float32, on the collective's
+/// device): rank r's rows at r × slot, in its local order. Attention reads
+/// the row's ranges in place through [`ZigZag::segments`], so the whole
+/// row is never copied into row order.
+pub fn gather_slots(
     coll: &mut dyn Collective,
-    shard: &RowShard,
+    split: &ZigZag,
     rows: &Tensor,
 ) -> Result<Tensor, CollectiveError> {
-    let split = &shard.split;
     let width = rows.size()[1];
     let (slot, ranks) = (split.slot(), split.ranks);
     let rank = coll.rank() as i64;
@@ -140,41 +169,41 @@ pub fn gather_rows(
     buf.narrow(0, rank * slot * width, count * width)
         .copy_(&rows.to_device(device).to_kind(Kind::Float).reshape([-1]));
     coll.all_gather(&mut buf)?;
-    let index = shard.gathered.to_device(device);
-    Ok(buf
-        .view([ranks * slot, width])
-        .index_select(0, &index)
-        .to_device(rows.device())
-        .to_kind(rows.kind()))
+    Ok(buf.view([ranks * slot, width]))
 }
 
-/// The sum over ranks of `full` (`[len, W]`, each rank's gradient of the
-/// gathered rows), this rank's rows of it in local order: the gradient of
-/// [`gather_rows`].
-pub fn scatter_rows(
+/// The gradient of [`gather_slots`]: `full` (`[ranks · slot, W]` float32,
+/// this rank's gradient of the gathered rows, reduced in place) summed over
+/// the ranks, this rank's rows of it in local order.
+pub fn scatter_slots(
     coll: &mut dyn Collective,
-    shard: &RowShard,
-    full: &Tensor,
+    split: &ZigZag,
+    full: Tensor,
 ) -> Result<Tensor, CollectiveError> {
-    let split = &shard.split;
     let width = full.size()[1];
-    let (slot, ranks) = (split.slot(), split.ranks);
     let rank = coll.rank() as i64;
-    let device = coll.device();
-    let index = shard.gathered.to_device(device);
-    let buf = Tensor::zeros([ranks * slot, width], (Kind::Float, device)).index_copy(
-        0,
-        &index,
-        &full.to_device(device).to_kind(Kind::Float),
-    );
-    let mut buf = buf.reshape([-1]);
+    let mut buf = full.to_device(coll.device()).reshape([-1]);
     coll.reduce_scatter_sum(&mut buf)?;
     let count = split.count(rank);
     Ok(buf
-        .narrow(0, rank * slot * width, count * width)
-        .view([count, width])
-        .to_device(full.device())
-        .to_kind(full.kind()))
+        .narrow(0, rank * split.slot() * width, count * width)
+        .view([count, width]))
+}
+
+/// Every rank's `rows` (`[count, W]`, its positions in local order) as the
+/// whole row `[len, W]`, in row order (per-token values; attention's keys
+/// stay in the gathered layout, [`gather_slots`]).
+pub fn gather_rows(
+    coll: &mut dyn Collective,
+    shard: &RowShard,
+    rows: &Tensor,
+) -> Result<Tensor, CollectiveError> {
+    let buf = gather_slots(coll, &shard.split, rows)?;
+    let index = shard.gathered.to_device(buf.device());
+    Ok(buf
+        .index_select(0, &index)
+        .to_device(rows.device())
+        .to_kind(rows.kind()))
 }
 
 /// A rank's share of one packed row under context parallelism.
@@ -232,8 +261,8 @@ impl RowShard {
 
 /// A layer's attention over the group, from this rank's q `[heads, n, d]`,
 /// k and v `[kv_heads, n, d]` (RoPE applied): the heads' outputs
-/// `[n, heads · d]`, the gathered k and v `[len, kv_heads, d]`, and what
-/// the backward needs.
+/// `[n, heads · d]`, the gathered k and v (`[ranks · slot, kv_heads, d]`,
+/// [`gather_slots`]' layout), and what the backward needs.
 pub fn group_attention(
     coll: &mut dyn Collective,
     shard: &RowShard,
@@ -244,27 +273,31 @@ pub fn group_attention(
 ) -> Result<(Tensor, Tensor, Tensor, Saved), CollectiveError> {
     let (heads, n, d) = (q.size()[0], q.size()[1], q.size()[2]);
     let kv = k.size()[0];
-    let len = shard.split.len;
+    let split = &shard.split;
     let (kf, vf) = tch::no_grad(|| -> Result<_, CollectiveError> {
-        let rows = |t: &Tensor| t.transpose(0, 1).reshape([n, kv * d]);
-        let kf = gather_rows(coll, shard, &rows(k))?.view([len, kv, d]);
-        let vf = gather_rows(coll, shard, &rows(v))?.view([len, kv, d]);
+        let gathered = |t: &Tensor, coll: &mut dyn Collective| {
+            let rows = t.transpose(0, 1).reshape([n, kv * d]);
+            gather_slots(coll, split, &rows)
+                .map(|b| b.view([-1, kv, d]).to_device(k.device()).to_kind(k.kind()))
+        };
+        let kf = gathered(k, coll)?;
+        let vf = gathered(v, coll)?;
         Ok((kf, vf))
     })?;
-    let q_rows = q.detach().transpose(0, 1).contiguous();
-    let (out, saved) = attend(&q_rows, &kf, &vf, &shard.pieces, scale);
+    let (out, saved) = attend(&q.detach(), &kf, &vf, split, &shard.pieces, scale);
     Ok((out.reshape([n, heads * d]), kf, vf, saved))
 }
 
 /// The gradients of [`group_attention`]'s q, k and v (this rank's, in their
-/// `[heads, n, d]` layout) from its output's gradient `dout`
-/// `[n, heads · d]`: the attention's backward, then the gathered keys' and
-/// values' gradients summed over the group.
+/// `[heads, n, d]` layout) from its output `out` and the output's gradient
+/// `dout` (both `[n, heads · d]`): the attention's backward, then the
+/// gathered keys' and values' gradients summed over the group.
 #[allow(clippy::too_many_arguments)]
 pub fn group_attention_backward(
     coll: &mut dyn Collective,
     shard: &RowShard,
     scale: Option<f64>,
+    out: &Tensor,
     dout: &Tensor,
     q: &Tensor,
     kf: &Tensor,
@@ -273,14 +306,28 @@ pub fn group_attention_backward(
 ) -> Result<(Tensor, Tensor, Tensor), CollectiveError> {
     let (heads, n, d) = (q.size()[0], q.size()[1], q.size()[2]);
     let kv = kf.size()[1];
-    let len = shard.split.len;
+    let split = &shard.split;
     tch::no_grad(|| {
-        let q_rows = q.detach().transpose(0, 1).contiguous();
-        let dout = dout.view([n, heads, d]);
-        let (dq, dk, dv) = attend_backward(&dout, &q_rows, kf, vf, &shard.pieces, saved, scale);
+        let (dout, out) = (dout.view([n, heads, d]), out.detach().view([n, heads, d]));
+        let pieces = &shard.pieces;
+        let (dq, dk, dv) = attend_backward(
+            &dout,
+            &q.detach(),
+            &out,
+            kf,
+            vf,
+            split,
+            pieces,
+            saved,
+            scale,
+        );
         let mine = |full: Tensor, coll: &mut dyn Collective| {
-            scatter_rows(coll, shard, &full.reshape([len, kv * d]))
-                .map(|t| t.view([n, kv, d]).transpose(0, 1))
+            scatter_slots(coll, split, full.view([-1, kv * d])).map(|t| {
+                t.view([n, kv, d])
+                    .transpose(0, 1)
+                    .to_device(q.device())
+                    .to_kind(q.kind())
+            })
         };
         let dk = mine(dk, coll)?;
         let dv = mine(dv, coll)?;
@@ -335,10 +382,19 @@ pub fn sum_values(coll: &mut dyn Collective, values: &[f64]) -> Result<Vec<f64>,
         .collect())
 }
 
-/// What the backward of [`attend`] needs besides its inputs: each piece's
+/// The gathered-layout rows of `p`'s causal block: one segment, since a
+/// piece lies in one of this rank's chunks.
+fn diag_segment(split: &ZigZag, p: &Piece) -> Range<i64> {
+    let mut s = split.segments(&p.diag);
+    assert_eq!(s.len(), 1, "a piece lies in one chunk");
+    s.pop().expect("one segment")
+}
+
+/// What the backward of [`attend`] needs besides its inputs and output: each piece's
 /// merged output and log-sum-exp.
 pub struct Saved {
-    out: Vec<Tensor>,
+    /// Each piece's merged log-sum-exp (its merged output is the
+    /// attention's output itself, which the caller keeps).
     lse: Vec<Tensor>,
 }
 
@@ -376,33 +432,35 @@ fn repeat(t: &Tensor, groups: i64) -> Tensor {
     }
 }
 
-/// Attention of this rank's queries `q` (`[count, heads, d]`, local order)
-/// over the whole row's keys and values (`[len, kv_heads, d]`, row order),
-/// causal within each document: `[count, heads, d]`, and what the backward
-/// needs. No autograd (the caller's backward is [`attend_backward`]).
+/// Attention of this rank's queries `q` (`[heads, count, d]`, local order)
+/// over the whole row's keys and values (`[ranks · slot, kv_heads, d]`,
+/// [`gather_slots`]' layout, read through `split`'s segments), causal
+/// within each document: `[count, heads, d]`, and what the backward needs.
+/// The keys a piece sees whole are one block per chunk they lie in, each
+/// merged by log-sum-exp (so no block is larger than a chunk). No autograd
+/// (the caller's backward is [`attend_backward`]).
 pub fn attend(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
+    split: &ZigZag,
     pieces: &[Piece],
     scale: Option<f64>,
 ) -> (Tensor, Saved) {
-    let (heads, kv) = (q.size()[1], k.size()[1]);
+    let (heads, count, d) = (q.size()[0], q.size()[1], q.size()[2]);
+    let kv = k.size()[1];
     let groups = heads / kv;
-    let out = Tensor::zeros_like(q);
+    let out = Tensor::zeros([count, heads, d], (q.kind(), q.device()));
     let mut saved = Saved {
-        out: Vec::with_capacity(pieces.len()),
         lse: Vec::with_capacity(pieces.len()),
     };
     tch::no_grad(|| {
         for p in pieces {
-            let qp = heads_first(&q.narrow(0, p.local.start, p.local.end - p.local.start));
-            let block = |r: &Range<i64>| {
-                let kb = repeat(&heads_first(&k.narrow(0, r.start, r.end - r.start)), groups);
-                let vb = repeat(&heads_first(&v.narrow(0, r.start, r.end - r.start)), groups);
-                (kb, vb)
-            };
-            let (kd, vd) = block(&p.diag);
+            let n = p.local.end - p.local.start;
+            let qp = q.narrow(1, p.local.start, n).unsqueeze(0).contiguous();
+            let r = diag_segment(split, p);
+            let kd = repeat(&heads_first(&k.narrow(0, r.start, n)), groups);
+            let vd = repeat(&heads_first(&v.narrow(0, r.start, n)), groups);
             let (mut o, mut lse) = Tensor::internal_scaled_dot_product_flash_attention_for_cpu(
                 &qp,
                 &kd,
@@ -412,12 +470,13 @@ pub fn attend(
                 None::<Tensor>,
                 scale,
             );
-            if p.before.start < p.before.end {
-                let r = &p.before;
+            let before = split.segments(&p.before);
+            let folded = (!before.is_empty()).then(|| fold(&qp, kv));
+            for r in before {
                 let kb = heads_first(&k.narrow(0, r.start, r.end - r.start));
                 let vb = heads_first(&v.narrow(0, r.start, r.end - r.start));
                 let (o1, l1) = Tensor::internal_scaled_dot_product_flash_attention_for_cpu(
-                    &fold(&qp, kv),
+                    folded.as_ref().expect("folded when any block"),
                     &kb,
                     &vb,
                     0.0,
@@ -431,51 +490,55 @@ pub fn attend(
                     + &o * (&lse - &merged).exp().unsqueeze(-1);
                 lse = merged;
             }
-            out.narrow(0, p.local.start, p.local.end - p.local.start)
+            out.narrow(0, p.local.start, n)
                 .copy_(&o.squeeze_dim(0).transpose(0, 1));
-            saved.out.push(o);
             saved.lse.push(lse);
         }
     });
     (out, saved)
 }
 
-/// The gradients of [`attend`]'s inputs given its output's gradient `dout`
-/// (`[count, heads, d]`): `dq` (this rank's rows), `dk` and `dv` (the whole
-/// row's, this rank's queries' part: [`scatter_rows`] sums them over the
-/// group).
+/// The gradients of [`attend`]'s inputs given its output `out` and the
+/// output's gradient `dout` (both `[count, heads, d]`): `dq` (this rank's
+/// rows, `[count, heads, d]`), `dk` and `dv` (float32, in `k`'s gathered
+/// layout, this rank's queries' part: [`scatter_slots`] sums them over
+/// the group in place).
+#[allow(clippy::too_many_arguments)]
 pub fn attend_backward(
     dout: &Tensor,
     q: &Tensor,
+    out: &Tensor,
     k: &Tensor,
     v: &Tensor,
+    split: &ZigZag,
     pieces: &[Piece],
     saved: &Saved,
     scale: Option<f64>,
 ) -> (Tensor, Tensor, Tensor) {
-    let (heads, kv) = (q.size()[1], k.size()[1]);
+    let (heads, count, d) = (q.size()[0], q.size()[1], q.size()[2]);
+    let kv = k.size()[1];
     let groups = heads / kv;
-    let dq = Tensor::zeros_like(q);
-    let dk = Tensor::zeros_like(k);
-    let dv = Tensor::zeros_like(v);
+    let dq = Tensor::zeros([count, heads, d], (q.kind(), q.device()));
+    let dk = Tensor::zeros(k.size(), (Kind::Float, k.device()));
+    let dv = Tensor::zeros(v.size(), (Kind::Float, v.device()));
     // `[1, heads, n, d]` of repeated heads, summed back to `[n, kv, d]`.
     let sum_groups = |t: &Tensor| {
         let s = t.size();
         t.view([kv, groups, s[2], s[3]])
             .sum_dim_intlist([1].as_slice(), false, Kind::Float)
             .transpose(0, 1)
-            .to_kind(k.kind())
     };
     // `[1, kv, n, d]` to `[n, kv, d]`.
-    let rows = |t: &Tensor| t.squeeze_dim(0).transpose(0, 1).to_kind(k.kind());
+    let rows = |t: &Tensor| t.squeeze_dim(0).transpose(0, 1).to_kind(Kind::Float);
     tch::no_grad(|| {
         for (i, p) in pieces.iter().enumerate() {
             let n = p.local.end - p.local.start;
-            let qp = heads_first(&q.narrow(0, p.local.start, n));
+            let qp = q.narrow(1, p.local.start, n).unsqueeze(0).contiguous();
             let dop = heads_first(&dout.narrow(0, p.local.start, n)).contiguous();
-            let (o, lse) = (&saved.out[i], &saved.lse[i]);
+            let o = heads_first(&out.narrow(0, p.local.start, n)).contiguous();
+            let lse = &saved.lse[i];
             // The causal block, its kv heads repeated.
-            let r = &p.diag;
+            let r = diag_segment(split, p);
             let kb = repeat(&heads_first(&k.narrow(0, r.start, n)), groups);
             let vb = repeat(&heads_first(&v.narrow(0, r.start, n)), groups);
             let (mut dqp, gk, gv) =
@@ -484,7 +547,7 @@ pub fn attend_backward(
                     &qp,
                     &kb,
                     &vb,
-                    o,
+                    &o,
                     lse,
                     0.0,
                     true,
@@ -493,28 +556,32 @@ pub fn attend_backward(
                 );
             let _ = dk.narrow(0, r.start, n).g_add_(&sum_groups(&gk));
             let _ = dv.narrow(0, r.start, n).g_add_(&sum_groups(&gv));
-            // The block seen whole, its query heads folded (see [`fold`]).
-            let r = &p.before;
-            let len = r.end - r.start;
-            if len > 0 {
-                let kb = heads_first(&k.narrow(0, r.start, len));
-                let vb = heads_first(&v.narrow(0, r.start, len));
-                let (gq, gk, gv) =
-                    Tensor::internal_scaled_dot_product_flash_attention_for_cpu_backward(
-                        &fold(&dop, kv),
-                        &fold(&qp, kv),
-                        &kb,
-                        &vb,
-                        &fold(o, kv),
-                        &fold(lse, kv),
-                        0.0,
-                        false,
-                        None::<Tensor>,
-                        scale,
-                    );
-                dqp += unfold(&gq, heads);
-                let _ = dk.narrow(0, r.start, len).g_add_(&rows(&gk));
-                let _ = dv.narrow(0, r.start, len).g_add_(&rows(&gv));
+            // The blocks seen whole, their query heads folded (see [`fold`]).
+            let before = split.segments(&p.before);
+            if !before.is_empty() {
+                let (fdo, fq, fo, flse) =
+                    (fold(&dop, kv), fold(&qp, kv), fold(&o, kv), fold(lse, kv));
+                for r in before {
+                    let len = r.end - r.start;
+                    let kb = heads_first(&k.narrow(0, r.start, len));
+                    let vb = heads_first(&v.narrow(0, r.start, len));
+                    let (gq, gk, gv) =
+                        Tensor::internal_scaled_dot_product_flash_attention_for_cpu_backward(
+                            &fdo,
+                            &fq,
+                            &kb,
+                            &vb,
+                            &fo,
+                            &flse,
+                            0.0,
+                            false,
+                            None::<Tensor>,
+                            scale,
+                        );
+                    dqp += unfold(&gq, heads);
+                    let _ = dk.narrow(0, r.start, len).g_add_(&rows(&gk));
+                    let _ = dv.narrow(0, r.start, len).g_add_(&rows(&gv));
+                }
             }
             dq.narrow(0, p.local.start, n)
                 .copy_(&dqp.squeeze_dim(0).transpose(0, 1));

@@ -524,7 +524,7 @@ impl DecoderLayer {
         wrt.extend(vars.iter().map(Tensor::shallow_clone));
         let g = Tensor::run_backward(&[surrogate], &wrt, false, false);
         let (dq, dk, dv) =
-            context::group_attention_backward(coll, shard, scale, &g[1], &q, &kf, &vf, &saved)?;
+            context::group_attention_backward(coll, shard, scale, &o, &g[1], &q, &kf, &vf, &saved)?;
         // The projections before the attention, with q, k and v's
         // gradients (autograd's vector-Jacobian product as a surrogate).
         let before =

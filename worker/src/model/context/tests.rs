@@ -107,20 +107,34 @@ fn split_run(
                 );
                 let (kvh, d) = (k.size()[1], k.size()[2]);
                 let n = pos.len() as i64;
-                let kf = gather_rows(&mut coll, &shard, &kl.reshape([n, kvh * d]))
+                let row = gather_rows(&mut coll, &shard, &kl.reshape([n, kvh * d])).unwrap();
+                assert!(
+                    row.view([len, kvh, d]).equal(&k),
+                    "the gather rebuilds the row exactly"
+                );
+                let split = &shard.split;
+                let kf = gather_slots(&mut coll, split, &kl.reshape([n, kvh * d]))
                     .unwrap()
-                    .view([len, kvh, d]);
-                let vf = gather_rows(&mut coll, &shard, &vl.reshape([n, kvh * d]))
+                    .view([-1, kvh, d]);
+                let vf = gather_slots(&mut coll, split, &vl.reshape([n, kvh * d]))
                     .unwrap()
-                    .view([len, kvh, d]);
-                assert!(kf.equal(&k), "the gather rebuilds the row exactly");
+                    .view([-1, kvh, d]);
+                // Every row range reads the row's keys through the segments.
+                let whole: Vec<Tensor> = split
+                    .segments(&(0..len))
+                    .into_iter()
+                    .map(|r| kf.narrow(0, r.start, r.end - r.start))
+                    .collect();
+                assert!(Tensor::cat(&whole, 0).equal(&k), "the segments are the row");
                 let ps = &shard.pieces;
-                let (out, saved) = attend(&ql, &kf, &vf, ps, None);
-                let (dq, dk, dv) = attend_backward(&wl, &ql, &kf, &vf, ps, &saved, None);
-                let dk = scatter_rows(&mut coll, &shard, &dk.reshape([len, kvh * d]))
+                let qh = ql.transpose(0, 1);
+                let (out, saved) = attend(&qh, &kf, &vf, split, ps, None);
+                let (dq, dk, dv) =
+                    attend_backward(&wl, &qh, &out, &kf, &vf, split, ps, &saved, None);
+                let dk = scatter_slots(&mut coll, split, dk.view([-1, kvh * d]))
                     .unwrap()
                     .view([n, kvh, d]);
-                let dv = scatter_rows(&mut coll, &shard, &dv.reshape([len, kvh * d]))
+                let dv = scatter_slots(&mut coll, split, dv.view([-1, kvh * d]))
                     .unwrap()
                     .view([n, kvh, d]);
                 (pos, out, dq, dk, dv)
