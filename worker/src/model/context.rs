@@ -261,8 +261,11 @@ impl RowShard {
 
 /// A layer's attention over the group, from this rank's q `[heads, n, d]`,
 /// k and v `[kv_heads, n, d]` (RoPE applied): the heads' outputs
-/// `[n, heads · d]`, the gathered k and v (`[ranks · slot, kv_heads, d]`,
-/// [`gather_slots`]' layout), and what the backward needs.
+/// `[n, heads · d]` and what the backward needs. One kv head at a time:
+/// its keys and values gathered, its query heads' attention, the gathered
+/// rows dropped — so the row-sized buffers are one kv head's (and
+/// [`group_attention_backward`] gathers them again the same way: the whole
+/// row's are never held through a layer's backward).
 pub fn group_attention(
     coll: &mut dyn Collective,
     shard: &RowShard,
@@ -270,28 +273,52 @@ pub fn group_attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-) -> Result<(Tensor, Tensor, Tensor, Saved), CollectiveError> {
+) -> Result<(Tensor, Saved), CollectiveError> {
     let (heads, n, d) = (q.size()[0], q.size()[1], q.size()[2]);
     let kv = k.size()[0];
+    let groups = heads / kv;
     let split = &shard.split;
-    let (kf, vf) = tch::no_grad(|| -> Result<_, CollectiveError> {
-        let gathered = |t: &Tensor, coll: &mut dyn Collective| {
-            let rows = t.transpose(0, 1).reshape([n, kv * d]);
-            gather_slots(coll, split, &rows)
-                .map(|b| b.view([-1, kv, d]).to_device(k.device()).to_kind(k.kind()))
-        };
-        let kf = gathered(k, coll)?;
-        let vf = gathered(v, coll)?;
-        Ok((kf, vf))
+    let out = Tensor::zeros([n, heads, d], (q.kind(), q.device()));
+    let mut saved = Saved {
+        lse: Vec::with_capacity(kv as usize),
+    };
+    tch::no_grad(|| -> Result<(), CollectiveError> {
+        let q = q.detach();
+        for h in 0..kv {
+            let kf = gather_heads(coll, split, &k.narrow(0, h, 1))?;
+            let vf = gather_heads(coll, split, &v.narrow(0, h, 1))?;
+            let q_h = q.narrow(0, h * groups, groups);
+            let (out_h, lse) = attend(&q_h, &kf, &vf, split, &shard.pieces, scale);
+            out.narrow(1, h * groups, groups).copy_(&out_h);
+            saved.lse.push(lse);
+        }
+        Ok(())
     })?;
-    let (out, saved) = attend(&q.detach(), &kf, &vf, split, &shard.pieces, scale);
-    Ok((out.reshape([n, heads * d]), kf, vf, saved))
+    Ok((out.reshape([n, heads * d]), saved))
+}
+
+/// The gathered layout (`[ranks · slot, kv, d]`, [`gather_slots`]) of every
+/// rank's `t` (`[kv, n, d]`), in `t`'s kind and device.
+fn gather_heads(
+    coll: &mut dyn Collective,
+    split: &ZigZag,
+    t: &Tensor,
+) -> Result<Tensor, CollectiveError> {
+    let (kv, n, d) = (t.size()[0], t.size()[1], t.size()[2]);
+    let rows = t.transpose(0, 1).reshape([n, kv * d]);
+    Ok(gather_slots(coll, split, &rows)?
+        .view([-1, kv, d])
+        .to_device(t.device())
+        .to_kind(t.kind()))
 }
 
 /// The gradients of [`group_attention`]'s q, k and v (this rank's, in their
 /// `[heads, n, d]` layout) from its output `out` and the output's gradient
-/// `dout` (both `[n, heads · d]`): the attention's backward, then the
-/// gathered keys' and values' gradients summed over the group.
+/// `dout` (both `[n, heads · d]`). One kv head at a time: its keys and
+/// values gathered again, its query heads' attention backward, its keys'
+/// and values' gradients summed over the group (reduce-scattered) — so
+/// the row-sized buffers are one kv head's (the all-gather form's memory
+/// cost, `1/kv_heads` of it), for one more gather of k and v per layer.
 #[allow(clippy::too_many_arguments)]
 pub fn group_attention_backward(
     coll: &mut dyn Collective,
@@ -300,37 +327,42 @@ pub fn group_attention_backward(
     out: &Tensor,
     dout: &Tensor,
     q: &Tensor,
-    kf: &Tensor,
-    vf: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
     saved: &Saved,
 ) -> Result<(Tensor, Tensor, Tensor), CollectiveError> {
     let (heads, n, d) = (q.size()[0], q.size()[1], q.size()[2]);
-    let kv = kf.size()[1];
+    let kv = k.size()[0];
+    let groups = heads / kv;
     let split = &shard.split;
     tch::no_grad(|| {
         let (dout, out) = (dout.view([n, heads, d]), out.detach().view([n, heads, d]));
-        let pieces = &shard.pieces;
-        let (dq, dk, dv) = attend_backward(
-            &dout,
-            &q.detach(),
-            &out,
-            kf,
-            vf,
-            split,
-            pieces,
-            saved,
-            scale,
-        );
-        let mine = |full: Tensor, coll: &mut dyn Collective| {
-            scatter_slots(coll, split, full.view([-1, kv * d])).map(|t| {
-                t.view([n, kv, d])
-                    .transpose(0, 1)
-                    .to_device(q.device())
-                    .to_kind(q.kind())
-            })
-        };
-        let dk = mine(dk, coll)?;
-        let dv = mine(dv, coll)?;
+        let (q, k, v) = (q.detach(), k.detach(), v.detach());
+        let dq = Tensor::zeros([n, heads, d], (q.kind(), q.device()));
+        let (dk, dv) = (k.zeros_like(), v.zeros_like());
+        for h in 0..kv {
+            let (g0, kh, vh) = (h * groups, k.narrow(0, h, 1), v.narrow(0, h, 1));
+            let kf = gather_heads(coll, split, &kh)?;
+            let vf = gather_heads(coll, split, &vh)?;
+            let (dq_h, dk_h, dv_h) = attend_backward(
+                &dout.narrow(1, g0, groups),
+                &q.narrow(0, g0, groups),
+                &out.narrow(1, g0, groups),
+                &kf,
+                &vf,
+                split,
+                &shard.pieces,
+                &saved.lse[h as usize],
+                scale,
+            );
+            drop((kf, vf));
+            dq.narrow(1, g0, groups).copy_(&dq_h);
+            let mine = |full: Tensor, coll: &mut dyn Collective| {
+                scatter_slots(coll, split, full.view([-1, d])).map(|t| t.view([1, n, d]))
+            };
+            dk.narrow(0, h, 1).copy_(&mine(dk_h, coll)?);
+            dv.narrow(0, h, 1).copy_(&mine(dv_h, coll)?);
+        }
         Ok((dq.transpose(0, 1), dk, dv))
     })
 }
@@ -393,9 +425,10 @@ fn diag_segment(split: &ZigZag, p: &Piece) -> Range<i64> {
 /// What the backward of [`attend`] needs besides its inputs and output: each piece's
 /// merged output and log-sum-exp.
 pub struct Saved {
-    /// Each piece's merged log-sum-exp (its merged output is the
-    /// attention's output itself, which the caller keeps).
-    lse: Vec<Tensor>,
+    /// Per kv head, each piece's merged log-sum-exp over its query heads
+    /// (its merged output is the attention's output itself, which the
+    /// caller keeps).
+    lse: Vec<Vec<Tensor>>,
 }
 
 /// `[n, heads, d]` rows as SDPA's `[1, heads, n, d]`.
@@ -423,19 +456,11 @@ fn unfold(t: &Tensor, heads: i64) -> Tensor {
     t.reshape(shape.as_slice())
 }
 
-/// Repeats each kv head `groups` times (HF `repeat_kv`) in `[1, kv, n, d]`.
-fn repeat(t: &Tensor, groups: i64) -> Tensor {
-    if groups == 1 {
-        t.shallow_clone()
-    } else {
-        t.repeat_interleave_self_int(groups, 1, None)
-    }
-}
-
 /// Attention of this rank's queries `q` (`[heads, count, d]`, local order)
 /// over the whole row's keys and values (`[ranks · slot, kv_heads, d]`,
 /// [`gather_slots`]' layout, read through `split`'s segments), causal
-/// within each document: `[count, heads, d]`, and what the backward needs.
+/// within each document: `[count, heads, d]`, and each piece's
+/// log-sum-exp (what the backward needs besides the output).
 /// The keys a piece sees whole are one block per chunk they lie in, each
 /// merged by log-sum-exp (so no block is larger than a chunk). No autograd
 /// (the caller's backward is [`attend_backward`]).
@@ -446,21 +471,20 @@ pub fn attend(
     split: &ZigZag,
     pieces: &[Piece],
     scale: Option<f64>,
-) -> (Tensor, Saved) {
+) -> (Tensor, Vec<Tensor>) {
     let (heads, count, d) = (q.size()[0], q.size()[1], q.size()[2]);
     let kv = k.size()[1];
-    let groups = heads / kv;
     let out = Tensor::zeros([count, heads, d], (q.kind(), q.device()));
-    let mut saved = Saved {
-        lse: Vec::with_capacity(pieces.len()),
-    };
+    let mut saved = Vec::with_capacity(pieces.len());
     tch::no_grad(|| {
         for p in pieces {
             let n = p.local.end - p.local.start;
             let qp = q.narrow(1, p.local.start, n).unsqueeze(0).contiguous();
+            // The causal block: the kernel reads each kv head for its
+            // query heads in place (grouped-query attention).
             let r = diag_segment(split, p);
-            let kd = repeat(&heads_first(&k.narrow(0, r.start, n)), groups);
-            let vd = repeat(&heads_first(&v.narrow(0, r.start, n)), groups);
+            let kd = heads_first(&k.narrow(0, r.start, n));
+            let vd = heads_first(&v.narrow(0, r.start, n));
             let (mut o, mut lse) = Tensor::internal_scaled_dot_product_flash_attention_for_cpu(
                 &qp,
                 &kd,
@@ -484,15 +508,17 @@ pub fn attend(
                     None::<Tensor>,
                     scale,
                 );
-                let (o1, l1) = (unfold(&o1, heads), unfold(&l1, heads));
+                let (mut o1, l1) = (unfold(&o1, heads), unfold(&l1, heads));
                 let merged = l1.logaddexp(&lse);
-                o = &o1 * (&l1 - &merged).exp().unsqueeze(-1)
-                    + &o * (&lse - &merged).exp().unsqueeze(-1);
+                // In place: a block's output is the size of the piece's.
+                let _ = o.g_mul_(&(&lse - &merged).exp().unsqueeze(-1));
+                let _ = o1.g_mul_(&(&l1 - &merged).exp().unsqueeze(-1));
+                let _ = o.g_add_(&o1);
                 lse = merged;
             }
             out.narrow(0, p.local.start, n)
                 .copy_(&o.squeeze_dim(0).transpose(0, 1));
-            saved.lse.push(lse);
+            saved.push(lse);
         }
     });
     (out, saved)
@@ -512,22 +538,14 @@ pub fn attend_backward(
     v: &Tensor,
     split: &ZigZag,
     pieces: &[Piece],
-    saved: &Saved,
+    lse: &[Tensor],
     scale: Option<f64>,
 ) -> (Tensor, Tensor, Tensor) {
     let (heads, count, d) = (q.size()[0], q.size()[1], q.size()[2]);
     let kv = k.size()[1];
-    let groups = heads / kv;
     let dq = Tensor::zeros([count, heads, d], (q.kind(), q.device()));
     let dk = Tensor::zeros(k.size(), (Kind::Float, k.device()));
     let dv = Tensor::zeros(v.size(), (Kind::Float, v.device()));
-    // `[1, heads, n, d]` of repeated heads, summed back to `[n, kv, d]`.
-    let sum_groups = |t: &Tensor| {
-        let s = t.size();
-        t.view([kv, groups, s[2], s[3]])
-            .sum_dim_intlist([1].as_slice(), false, Kind::Float)
-            .transpose(0, 1)
-    };
     // `[1, kv, n, d]` to `[n, kv, d]`.
     let rows = |t: &Tensor| t.squeeze_dim(0).transpose(0, 1).to_kind(Kind::Float);
     tch::no_grad(|| {
@@ -536,11 +554,11 @@ pub fn attend_backward(
             let qp = q.narrow(1, p.local.start, n).unsqueeze(0).contiguous();
             let dop = heads_first(&dout.narrow(0, p.local.start, n)).contiguous();
             let o = heads_first(&out.narrow(0, p.local.start, n)).contiguous();
-            let lse = &saved.lse[i];
-            // The causal block, its kv heads repeated.
+            let lse = &lse[i];
+            // The causal block, each kv head read in place.
             let r = diag_segment(split, p);
-            let kb = repeat(&heads_first(&k.narrow(0, r.start, n)), groups);
-            let vb = repeat(&heads_first(&v.narrow(0, r.start, n)), groups);
+            let kb = heads_first(&k.narrow(0, r.start, n));
+            let vb = heads_first(&v.narrow(0, r.start, n));
             let (mut dqp, gk, gv) =
                 Tensor::internal_scaled_dot_product_flash_attention_for_cpu_backward(
                     &dop,
@@ -554,8 +572,8 @@ pub fn attend_backward(
                     None::<Tensor>,
                     scale,
                 );
-            let _ = dk.narrow(0, r.start, n).g_add_(&sum_groups(&gk));
-            let _ = dv.narrow(0, r.start, n).g_add_(&sum_groups(&gv));
+            let _ = dk.narrow(0, r.start, n).g_add_(&rows(&gk));
+            let _ = dv.narrow(0, r.start, n).g_add_(&rows(&gv));
             // The blocks seen whole, their query heads folded (see [`fold`]).
             let before = split.segments(&p.before);
             if !before.is_empty() {

@@ -491,14 +491,12 @@ impl DecoderLayer {
         let mut failed = None;
         let (y, routed) = self.forward_with_route(&x, cos, sin, route, |attn, q, k, v| {
             match context::group_attention(coll, shard, attn.scale(), q, k, v) {
-                Ok((o, kf, vf, saved)) => {
+                Ok((o, saved)) => {
                     let o = o.set_requires_grad(true);
                     kept = Some((
                         q.shallow_clone(),
                         k.shallow_clone(),
                         v.shallow_clone(),
-                        kf,
-                        vf,
                         saved,
                         o.shallow_clone(),
                         attn.scale(),
@@ -514,7 +512,7 @@ impl DecoderLayer {
         if let Some(e) = failed {
             return Err(e);
         }
-        let (q, k, v, kf, vf, saved, o, scale) = kept.expect("the core ran");
+        let (q, k, v, saved, o, scale) = kept.expect("the core ran");
         let surrogate = (&y * upstream).sum(Kind::Float);
         let surrogate = match routed.aux {
             Some(a) => surrogate + a,
@@ -523,8 +521,10 @@ impl DecoderLayer {
         let mut wrt = vec![x.shallow_clone(), o.shallow_clone()];
         wrt.extend(vars.iter().map(Tensor::shallow_clone));
         let g = Tensor::run_backward(&[surrogate], &wrt, false, false);
+        // The layer's output is not needed again (its gradient is in `g`).
+        drop(y);
         let (dq, dk, dv) =
-            context::group_attention_backward(coll, shard, scale, &o, &g[1], &q, &kf, &vf, &saved)?;
+            context::group_attention_backward(coll, shard, scale, &o, &g[1], &q, &k, &v, &saved)?;
         // The projections before the attention, with q, k and v's
         // gradients (autograd's vector-Jacobian product as a surrogate).
         let before =

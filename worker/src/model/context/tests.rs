@@ -62,8 +62,8 @@ fn sdpa_reference(q: &Tensor, k: &Tensor, v: &Tensor, cu: &[i64]) -> Tensor {
             let f = |t: &Tensor| heads_first(&t.narrow(0, w[0], n));
             let o = Tensor::scaled_dot_product_attention(
                 &f(q),
-                &repeat(&f(k), groups),
-                &repeat(&f(v), groups),
+                &f(k).repeat_interleave_self_int(groups, 1, None),
+                &f(v).repeat_interleave_self_int(groups, 1, None),
                 None::<Tensor>,
                 0.0,
                 true,
@@ -128,9 +128,8 @@ fn split_run(
                 assert!(Tensor::cat(&whole, 0).equal(&k), "the segments are the row");
                 let ps = &shard.pieces;
                 let qh = ql.transpose(0, 1);
-                let (out, saved) = attend(&qh, &kf, &vf, split, ps, None);
-                let (dq, dk, dv) =
-                    attend_backward(&wl, &qh, &out, &kf, &vf, split, ps, &saved, None);
+                let (out, lse) = attend(&qh, &kf, &vf, split, ps, None);
+                let (dq, dk, dv) = attend_backward(&wl, &qh, &out, &kf, &vf, split, ps, &lse, None);
                 let dk = scatter_slots(&mut coll, split, dk.view([-1, kvh * d]))
                     .unwrap()
                     .view([n, kvh, d]);
