@@ -289,6 +289,39 @@ mod tests {
         );
     }
 
+    /// Context parallelism does not split expert routing or windowed
+    /// attention yet: such a model is refused naming the field and file.
+    #[test]
+    fn context_parallelism_refuses_what_it_does_not_split() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = spec(dir.path(), 320, "docs_per_step = 1", ROWS);
+        s.parallel.context = 2;
+        assert!(admit(&s, false).is_ok(), "a dense model");
+        let configs = [
+            (
+                r#"{"model_type": "qwen3_moe", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}"#,
+                "mixture-of-experts",
+            ),
+            (
+                r#"{"model_type": "mistral", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": 16}"#,
+                "sliding-window",
+            ),
+        ];
+        for (config, what) in configs {
+            std::fs::write(dir.path().join("tiny.json"), config).unwrap();
+            let p = admit(&s, false).unwrap_err();
+            assert_eq!(p.len(), 1, "{p:?}");
+            assert_eq!(p[0].field, "parallel.context");
+            assert!(
+                p[0].message.contains(what) && p[0].message.contains("tiny.json"),
+                "{}",
+                p[0].message
+            );
+        }
+        s.parallel.context = 1;
+        assert!(admit(&s, false).is_ok(), "without context parallelism");
+    }
+
     #[test]
     fn a_scan_names_the_bad_line_and_checks_the_step_against_the_dataset() {
         let dir = tempfile::tempdir().unwrap();
