@@ -203,6 +203,17 @@ fn on_ranks<R: Send + 'static>(
     handles.into_iter().map(|h| h.join().unwrap()).collect()
 }
 
+/// Two context-parallel groups of `context` threads, taken by thread.
+type Groups = std::sync::Arc<std::sync::Mutex<Vec<Option<Box<dyn Collective>>>>>;
+
+fn context_groups(context: usize) -> Groups {
+    let groups = (0..2)
+        .flat_map(|_| LocalGroup::new(context))
+        .map(|g| Some(Box::new(g) as Box<dyn Collective>))
+        .collect();
+    std::sync::Arc::new(std::sync::Mutex::new(groups))
+}
+
 /// The FSDP reference pass on 2 ranks: rank 0 gets the first step's
 /// sequences in two microbatches, rank 1 the second step's in one
 /// microbatch and a padding one; matches the `ReplicatedTrainer`'s. With
@@ -220,11 +231,7 @@ fn check_fsdp_refs(
         vec![steps[1].seqs.clone(), Vec::new()],
     ];
     let cfg = cfg.clone();
-    let groups: Vec<Option<Box<dyn Collective>>> = (0..2)
-        .flat_map(|_| LocalGroup::new(context))
-        .map(|g| Some(Box::new(g) as Box<dyn Collective>))
-        .collect();
-    let groups = std::sync::Arc::new(std::sync::Mutex::new(groups));
+    let groups = context_groups(context);
     let got = on_ranks(2 * context, move |thread, coll| {
         let rank = thread / context;
         let group = groups.lock().unwrap()[thread].take().unwrap();
@@ -322,11 +329,7 @@ fn run_fsdp(
     );
     let cfg = cfg.clone();
     let steps = std::sync::Arc::new(steps);
-    let groups: Vec<Option<Box<dyn Collective>>> = (0..2)
-        .flat_map(|_| LocalGroup::new(context))
-        .map(|g| Some(Box::new(g) as Box<dyn Collective>))
-        .collect();
-    let groups = std::sync::Arc::new(std::sync::Mutex::new(groups));
+    let groups = context_groups(context);
     let results = on_ranks(2 * context, move |thread, coll| {
         let rank = thread / context;
         let group = groups.lock().unwrap()[thread].take().unwrap();

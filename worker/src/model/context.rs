@@ -7,19 +7,22 @@
 //! every rank has about the same work (an early chunk sees few keys, its
 //! late partner many; Megatron's CP and ring-flash-attention's zig-zag).
 //!
-//! **Keys and values are all-gathered** ([`gather_rows`]) before a layer's
-//! attention, and their gradients reduce-scattered back to the ranks that
-//! own them ([`scatter_rows`]) after its backward — the all-gather form of
-//! CP (Llama 3's), not a ring of K/V passes. Why, for our two collectives:
-//! both are one bandwidth-optimal ring collective per layer on the TCP
-//! ring and on NCCL (the same bytes a ring attention sends, in one call
-//! instead of C−1 steps the ring would have to overlap with compute to
-//! pay off); with grouped-query attention k and v are a fraction of the
-//! layer's activations (kv heads / query heads), so holding the whole
-//! row's for one layer at a time is small; and a packed row's document
-//! mask needs no per-step bookkeeping: every rank sees every key. Ulysses
-//! (all-to-all over heads) would cap C at the kv-head count (1–8 on the
-//! models users post-train) and needs an all-to-all neither collective has.
+//! **Keys and values are all-gathered** ([`gather_slots`]) before a
+//! layer's attention, and their gradients reduce-scattered back to the
+//! ranks that own them ([`scatter_slots`]) after its backward — the
+//! all-gather form of CP (Llama 3's), not a ring of K/V passes. Why, for
+//! our two collectives: both are bandwidth-optimal ring collectives on the
+//! TCP ring and on NCCL (the same bytes a ring attention sends, in a few
+//! calls instead of C−1 steps the ring would have to overlap with compute
+//! to pay off); with grouped-query attention k and v are a fraction of the
+//! layer's activations (kv heads / query heads), and they are gathered one
+//! kv head at a time (again in the backward rather than kept), so the
+//! row-sized buffers are one kv head's k, v and their gradients, read in
+//! place in the gather's layout (each chunk a flash block of its own); and
+//! a packed row's document mask needs no per-step bookkeeping: every rank
+//! sees every key. Ulysses (all-to-all over heads) would cap C at the
+//! kv-head count (1–8 on the models users post-train) and needs an
+//! all-to-all neither collective has.
 //!
 //! **Exact attention over blocks.** A rank's queries of one document,
 //! global positions [a, b) of a document starting at s, see keys [s, a)
