@@ -136,6 +136,19 @@ impl Coordinator {
                     w.heard = heard;
                     w.job = None;
                     w.rank = None;
+                    if w.draining {
+                        // Drained before it was lost: released now (it
+                        // never got its release, or it may have been lost).
+                        w.state = WorkerState::Draining;
+                        tracing::info!(worker, "a drained worker came back: released");
+                        fx.push(super::effects::Effect::Send {
+                            worker: worker.clone(),
+                            msg: super::effects::ToWorker::Release {
+                                job: String::new(),
+                                reason: "drained".into(),
+                            },
+                        });
+                    }
                 }
             }
             Event::SessionClosed { worker } => {

@@ -150,6 +150,10 @@ impl Workers {
 
     pub fn register(&mut self, id: WorkerId, reg: Registration, now_ms: i64) {
         self.next_seq += 1;
+        // A drained worker lost before its release (a peer blamed it, its
+        // session broke) and registering again under its id is still
+        // drained: it must not join a later generation.
+        let draining = self.map.get(&id).is_some_and(|w| w.draining);
         info!(worker = %id, host = %reg.hostname, device = %reg.device, held = ?reg.held, "worker registered");
         let held = reg.held.clone();
         let worker = Worker {
@@ -159,7 +163,7 @@ impl Workers {
             heard: self.liveness.heard(now_ms, None),
             job: None,
             rank: None,
-            draining: false,
+            draining,
             seq: self.next_seq,
             held,
             follows: None,

@@ -105,6 +105,38 @@ fn a_draining_member_of_a_generation_ended_by_a_loss_is_released() {
     }
 }
 
+/// Regression (chaos soak, seed 12 at fsdp with Qwen3): a worker drained
+/// mid-step and then lost before its boundary (a peer's collective timeout
+/// blamed it) registered again under its id as a fresh worker and was
+/// configured into a later generation. Its drain now survives the loss: it
+/// is released when it comes back and never trains again.
+#[test]
+fn a_drained_worker_lost_before_its_release_stays_drained_when_it_registers_again() {
+    for sharding in [Sharding::Ddp, Sharding::Fsdp] {
+        let (mut s, d) = three_workers_step_1_in_flight(sharding);
+        s.handle(Event::DrainWorker { worker: "c".into() }).unwrap();
+        s.handle(Event::SessionClosed { worker: "c".into() })
+            .unwrap();
+        assert_eq!(s.c.worker("c").unwrap().state, WorkerState::Lost);
+        let releases = s.releases.len();
+        s.worker("c");
+        assert_eq!(
+            s.releases[releases..],
+            ["c".to_string()],
+            "{sharding:?}: released on its return"
+        );
+        assert_eq!(s.c.worker("c").unwrap().state, WorkerState::Draining);
+        let configured = s.configures.len();
+        s.run();
+        assert_eq!(s.state(), JobState::Completed, "{sharding:?}");
+        assert!(
+            s.configures[configured..].iter().all(|(w, _)| w != "c"),
+            "{sharding:?}: c configured again"
+        );
+        assert_eq!(check_exactly_once(&s.manifests, 1, &universe(&d)), vec![]);
+    }
+}
+
 /// Regression (chaos soak): a worker lost by heartbeat (SIGSTOP, then
 /// SIGCONT) kept heartbeating on its open session into a core that ignores
 /// Lost workers, and was never used or told again. Its session is now
