@@ -1490,3 +1490,49 @@ fn a_context_parallel_group_trains_the_one_rank_update() {
         compare(&case, &one, &two, &["rewards/margin", "logps/chosen"]);
     }
 }
+
+/// The RL loop under context parallelism (issue 37): two workers as one
+/// group of 2 (rows of 2 × 256) sample, score and train what two
+/// data-parallel workers (rows of 512) do: the same documents, tokens,
+/// loss tokens and grad norms at every step, and the same final
+/// parameters.
+#[test]
+fn rl_loop_with_context_parallelism_trains_as_data_parallel_workers() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let rows = ["--task", "arithmetic", "--out", "data", "--rows", "64"];
+    accrue(d, &[&["data", "synth"][..], &rows[..]].concat());
+    write_tiny_config(d);
+    let run = |name: &str, context: u32| {
+        let body = format!("steps = 4\n[data]\nsource = \"generate\"\nformat = \"prompts\"\ntrain = [\"data/arith-sft.jsonl\"]\ntokenizer = \"bytes\"\nmax_tokens = {}\n[batch]\ndocs_per_step = 16\n[objective]\nkind = \"pg\"\n[rl]\ngroup_size = 4\n[rl.sampling]\ntemperature = 1.0\nmax_new_tokens = 6\n[rl.verifier]\nkind = \"regex\"\npattern = \"[0-9]\"", 512 / context);
+        let spec = small_job(d, name, "ddp", &body);
+        let text = std::fs::read_to_string(&spec).unwrap().replace(
+            "[parallel]\n",
+            &format!("[parallel]\ncontext = {context}\nmin_workers = 2\n"),
+        );
+        std::fs::write(&spec, text).unwrap();
+        accrue(d, &["local", spec.to_str().unwrap(), "--workers", "2"]);
+        let out = d.join(format!("out/{name}"));
+        (
+            metrics(&out.join("metrics.jsonl")),
+            real::cluster::final_params_at(&out, 4),
+        )
+    };
+    let (dp, cp) = (run("dp", 1), run("cp", 2));
+    assert_eq!(cp.0.len(), 4);
+    for (a, b) in dp.0.iter().zip(&cp.0) {
+        for k in ["docs", "tokens", "loss_tokens", "world_size"] {
+            assert_eq!(a[k], b[k], "step {}: {k}", a["step"]);
+        }
+        let (x, y) = (
+            a["grad_norm"].as_f64().unwrap(),
+            b["grad_norm"].as_f64().unwrap(),
+        );
+        assert!(
+            (x - y).abs() <= 1e-5 * x,
+            "step {}: grad norm {x} vs {y}",
+            a["step"]
+        );
+    }
+    real::cluster::assert_same_params(&cp.1, &dp.1, "rl, context 2");
+}
