@@ -4,7 +4,9 @@
 #  1. transformers parity on CUDA (logits, loss, gradients), bf16-mixed vs
 #     fp32 over 20 steps, the GPU memory a step reports, and with >= 2 GPUs
 #     2 ranks on NCCL at ddp/zero2/fsdp (+ the staged ring) against one rank
-#     (worker/tests/gpu.rs, built with --features cuda);
+#     (worker/tests/gpu.rs, built with --features cuda); varlen flash
+#     attention (issue 37) against the CPU's per-document attention, and its
+#     tokens/s and peak memory at 8k/32k beside SDPA with repeated kv heads;
 #  2. a 1-GPU SFT run of the demo (`accrue local`, 20 steps): the loss falls
 #     and metrics.jsonl carries the GPU memory peaks;
 #  3. tokens/s and MFU of one training step beside HF eager and HF sdpa on

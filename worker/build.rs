@@ -3,12 +3,16 @@
 //! also builds the CUDA memory shim (`csrc/cuda_memory.cpp`, see
 //! `src/gpu_memory.rs`) when libtorch's CUDA library and the CUDA headers
 //! are there, and says so with a warning when they are not (the worker
-//! then reports device-level memory through the CUDA driver instead).
+//! then reports device-level memory through the CUDA driver instead), and
+//! the varlen flash attention shim (`csrc/flash_varlen.cpp`, see
+//! `src/model/varlen.rs`).
 use std::path::{Path, PathBuf};
 
 fn main() {
     println!("cargo::rustc-check-cfg=cfg(accrue_cuda_memory)");
+    println!("cargo::rustc-check-cfg=cfg(accrue_flash_varlen)");
     println!("cargo:rerun-if-changed=csrc/cuda_memory.cpp");
+    println!("cargo:rerun-if-changed=csrc/flash_varlen.cpp");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
     let lib = std::env::var("DEP_TCH_LIBTORCH_LIB")
         .ok()
@@ -21,6 +25,7 @@ fn main() {
             Some(dir) => {
                 link_torch_cuda(dir);
                 cuda_memory_shim(dir);
+                flash_varlen_shim(dir);
             }
             None => println!("cargo:warning=cuda memory shim skipped: libtorch's lib/ unknown"),
         }
@@ -103,4 +108,44 @@ fn cuda_memory_shim(lib: &Path) {
     println!("cargo:rustc-link-lib=dylib=c10_cuda");
     println!("cargo:rustc-link-lib=dylib=c10");
     println!("cargo:rustc-cfg=accrue_cuda_memory");
+}
+
+/// The varlen flash attention shim (`csrc/flash_varlen.cpp`): libtorch's
+/// headers only (the CUDA kernel is found through the dispatcher at run
+/// time), so it compiles against a CPU libtorch too, which is how CI
+/// checks it on machines without a GPU.
+fn flash_varlen_shim(lib: &Path) {
+    let Some(torch) = lib.parent() else { return };
+    let include = torch.join("include");
+    if !include
+        .join("ATen/ops/_flash_attention_forward.h")
+        .is_file()
+    {
+        println!(
+            "cargo:warning=varlen flash shim skipped: libtorch at {} declares no _flash_attention_forward",
+            lib.display()
+        );
+        return;
+    }
+    let abi = std::env::var("ACCRUE_CXX11_ABI").unwrap_or_else(|_| "1".into());
+    let built = cc::Build::new()
+        .cpp(true)
+        .std("c++17")
+        .file("csrc/flash_varlen.cpp")
+        .include(&include)
+        .include(include.join("torch/csrc/api/include"))
+        .define("_GLIBCXX_USE_CXX11_ABI", abi.as_str())
+        .warnings(false)
+        .cargo_warnings(false)
+        .try_compile("accrue_flash_varlen");
+    // Like the memory shim: a shim that does not compile costs the varlen
+    // path (CUDA rows run bucketed), never the build.
+    if let Err(e) = built {
+        println!("cargo:warning=varlen flash shim skipped: it did not compile ({e})");
+        return;
+    }
+    println!("cargo:rustc-link-search=native={}", lib.display());
+    println!("cargo:rustc-link-lib=dylib=torch_cpu");
+    println!("cargo:rustc-link-lib=dylib=c10");
+    println!("cargo:rustc-cfg=accrue_flash_varlen");
 }

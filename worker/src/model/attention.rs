@@ -59,21 +59,38 @@ use super::rope;
 /// MiB.
 pub const GQA_IN_PLACE_FROM: i64 = 8192;
 
+/// A row the varlen kernel refused runs bucketed; said once per process
+/// (every layer of every step would refuse alike).
+fn varlen_fallback(e: &anyhow::Error) {
+    static SAID: std::sync::Once = std::sync::Once::new();
+    SAID.call_once(
+        || tracing::warn!(error = %e, "varlen flash attention refused a row: it runs bucketed"),
+    );
+}
+
 /// How the packed row's block-diagonal causal attention is computed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PackedAttention {
-    /// `PerDocument` on the CPU, `Bucketed` on CUDA.
+    /// `PerDocument` on the CPU; on CUDA `Bucketed`, or `Varlen` where
+    /// enabled (`super::varlen::enabled`).
     #[default]
     Auto,
     PerDocument,
     Bucketed,
     BlockMask,
+    /// Varlen flash attention on CUDA (`super::varlen`): the row's
+    /// documents by their cumulative lengths, no padding; a row the
+    /// kernel cannot take (fp32, a sliding window) runs bucketed.
+    Varlen,
 }
 
 impl PackedAttention {
     /// The implementation `Auto` stands for on `device`.
     pub fn on(self, device: tch::Device) -> PackedAttention {
         match self {
+            PackedAttention::Auto if device.is_cuda() && super::varlen::enabled() => {
+                PackedAttention::Varlen
+            }
             PackedAttention::Auto if device.is_cuda() => PackedAttention::Bucketed,
             PackedAttention::Auto => PackedAttention::PerDocument,
             m => m,
@@ -179,7 +196,21 @@ impl Attention {
         let windowed = self.window.filter(|&w| w < longest);
         let mode = match (mode.on(q.device()), windowed) {
             (PackedAttention::Bucketed, Some(_)) => PackedAttention::PerDocument,
+            (PackedAttention::Varlen, Some(_)) => PackedAttention::PerDocument,
             (m, _) => m,
+        };
+        let mode = match mode {
+            PackedAttention::Varlen => {
+                let rows = |t: &Tensor| t.transpose(0, 1);
+                match super::varlen::attend(&rows(q), &rows(k), &rows(v), cu_seq_lens, scale) {
+                    Ok(out) => return out.transpose(0, 1),
+                    Err(e) => {
+                        varlen_fallback(&e);
+                        PackedAttention::Bucketed
+                    }
+                }
+            }
+            m => m,
         };
         // GQA: on the CPU, SDPA's `enable_gqa` lets the flash kernel read
         // each kv head for its query group (no repeated k/v, nor their
@@ -198,7 +229,10 @@ impl Attention {
             (k.shallow_clone(), v.shallow_clone())
         };
         match mode {
-            PackedAttention::Bucketed => bucketed(q, &k, &v, cu_seq_lens, scale),
+            // (A row the varlen kernel refused, above.)
+            PackedAttention::Bucketed | PackedAttention::Varlen => {
+                bucketed(q, &k, &v, cu_seq_lens, scale)
+            }
             PackedAttention::Auto | PackedAttention::PerDocument => {
                 // `split` rather than one `narrow` per document: its backward
                 // is one concatenation, not a zero-filled full-size gradient

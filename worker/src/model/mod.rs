@@ -18,6 +18,7 @@ pub mod moe;
 pub mod norm;
 pub mod recompute;
 pub mod rope;
+pub mod varlen;
 pub mod weights;
 
 pub use attention::PackedAttention;
