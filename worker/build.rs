@@ -84,24 +84,11 @@ fn cuda_memory_shim(lib: &Path) {
         );
         return;
     }
-    // PyTorch's wheels are built with the C++11 ABI; the shim shares
-    // c10's types with them.
-    let abi = std::env::var("ACCRUE_CXX11_ABI").unwrap_or_else(|_| "1".into());
-    let built = cc::Build::new()
-        .cpp(true)
-        .std("c++17")
-        .file("csrc/cuda_memory.cpp")
-        .include(&include)
-        .include(include.join("torch/csrc/api/include"))
-        .include(&cuda)
-        .define("_GLIBCXX_USE_CXX11_ABI", abi.as_str())
-        .warnings(false)
-        .cargo_warnings(false)
-        .try_compile("accrue_cuda_memory");
-    // A shim that does not compile (headers of another CUDA, a compiler
-    // too old for c10) costs the allocator figures, never the build.
-    if let Err(e) = built {
-        println!("cargo:warning=cuda memory shim skipped: it did not compile ({e})");
+    if !compile_shim(
+        "csrc/cuda_memory.cpp",
+        "accrue_cuda_memory",
+        &[include.as_path(), cuda.as_path()],
+    ) {
         return;
     }
     println!("cargo:rustc-link-search=native={}", lib.display());
@@ -127,25 +114,50 @@ fn flash_varlen_shim(lib: &Path) {
         );
         return;
     }
-    let abi = std::env::var("ACCRUE_CXX11_ABI").unwrap_or_else(|_| "1".into());
-    let built = cc::Build::new()
-        .cpp(true)
-        .std("c++17")
-        .file("csrc/flash_varlen.cpp")
-        .include(&include)
-        .include(include.join("torch/csrc/api/include"))
-        .define("_GLIBCXX_USE_CXX11_ABI", abi.as_str())
-        .warnings(false)
-        .cargo_warnings(false)
-        .try_compile("accrue_flash_varlen");
     // Like the memory shim: a shim that does not compile costs the varlen
     // path (CUDA rows run bucketed), never the build.
-    if let Err(e) = built {
-        println!("cargo:warning=varlen flash shim skipped: it did not compile ({e})");
+    if !compile_shim(
+        "csrc/flash_varlen.cpp",
+        "accrue_flash_varlen",
+        &[include.as_path()],
+    ) {
         return;
     }
     println!("cargo:rustc-link-search=native={}", lib.display());
     println!("cargo:rustc-link-lib=dylib=torch_cpu");
     println!("cargo:rustc-link-lib=dylib=c10");
     println!("cargo:rustc-cfg=accrue_flash_varlen");
+}
+
+/// Compiles the C++ shim `file` into the static library `name` against
+/// libtorch's headers (`include`: libtorch's, then any other); false, with
+/// a warning, when it does not compile (headers of another CUDA, a compiler
+/// too old for c10): a shim costs its feature, never the build.
+fn compile_shim(file: &str, name: &str, include: &[&Path]) -> bool {
+    // PyTorch's wheels are built with the C++11 ABI; the shims share c10's
+    // types with them.
+    let abi = std::env::var("ACCRUE_CXX11_ABI").unwrap_or_else(|_| "1".into());
+    let mut build = cc::Build::new();
+    build
+        .cpp(true)
+        .std("c++17")
+        .file(file)
+        .define("_GLIBCXX_USE_CXX11_ABI", abi.as_str())
+        .warnings(false)
+        .cargo_warnings(false);
+    if let Some(torch) = include.first() {
+        build
+            .include(torch)
+            .include(torch.join("torch/csrc/api/include"));
+    }
+    for dir in &include[1..] {
+        build.include(dir);
+    }
+    match build.try_compile(name) {
+        Ok(()) => true,
+        Err(e) => {
+            println!("cargo:warning={name} shim skipped: it did not compile ({e})");
+            false
+        }
+    }
 }

@@ -661,10 +661,16 @@ fn equivalence(loss: &str) {
     // Context parallelism (issue 37): the 2-rank layout with each rank a
     // group of 2 splitting its rows: a pair's two sequences' log-probs
     // are summed over the group before the pair's loss.
-    let got = train_pairs(loss, &pairs, &layouts[2].1, Norm::Global, 2);
-    let (w, what) = compare(&got, &reference);
-    println!("{loss}, 2 ranks × context 2: worst relative difference {w:e} ({what})");
-    assert!(w <= 1e-5, "{loss}, context 2: {what} differs by {w:e}");
+    // Groups of 2 and of 4.
+    for context in [2, 4] {
+        let got = train_pairs(loss, &pairs, &layouts[2].1, Norm::Global, context);
+        let (w, what) = compare(&got, &reference);
+        println!("{loss}, 2 ranks × context {context}: worst relative difference {w:e} ({what})");
+        assert!(
+            w <= 1e-5,
+            "{loss}, context {context}: {what} differs by {w:e}"
+        );
+    }
     // Dividing by a local pair count instead of P misses by far.
     for (bug, (name, layout)) in [Norm::MicrobatchPairs, Norm::RankPairs]
         .into_iter()

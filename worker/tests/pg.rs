@@ -660,20 +660,26 @@ fn check(case: Case) {
     // Context parallelism (issue 37): the 2-rank layout with each rank a
     // group of 2 splitting its rows (the row's log-probs gathered, the
     // objective's math on the whole row, each rank's tokens' gradients).
-    let got = train(&case, &all, &layouts[2].1, Norm::Global, 2);
-    let ((pw, pn), (w, what)) = compare(&got, &base);
-    println!(
-        "{label}, 2 ranks × context 2: worst relative difference to 1 microbatch: parameters {pw:e} ({pn}), scalars {w:e} ({what})"
-    );
-    // Each rank's keys seen whole are one flash block per chunk, merged by
-    // log-sum-exp: more float32 reassociation than one microbatch's single
-    // call. Measured ≤ 2.1e-6, except 5.3e-6 on step 2's loss sum with TIS
-    // (1.98, a sum of terms of both signs).
-    assert!(w <= 1e-5, "{label}, context 2: {what} differs by {w:e}");
-    assert!(
-        pw <= 1e-5,
-        "{label}, context 2: parameter {pn} differs by {pw:e}"
-    );
+    // Groups of 2 and of 4.
+    for context in [2, 4] {
+        let got = train(&case, &all, &layouts[2].1, Norm::Global, context);
+        let ((pw, pn), (w, what)) = compare(&got, &base);
+        println!(
+            "{label}, 2 ranks × context {context}: worst relative difference to 1 microbatch: parameters {pw:e} ({pn}), scalars {w:e} ({what})"
+        );
+        // Each rank's keys seen whole are one flash block per chunk, merged
+        // by log-sum-exp: more float32 reassociation than one microbatch's
+        // single call. Measured ≤ 2.1e-6, except 5.3e-6 on step 2's loss
+        // sum with TIS (1.98, a sum of terms of both signs).
+        assert!(
+            w <= 1e-5,
+            "{label}, context {context}: {what} differs by {w:e}"
+        );
+        assert!(
+            pw <= 1e-5,
+            "{label}, context {context}: parameter {pn} differs by {pw:e}"
+        );
+    }
 }
 
 impl Outcome {
