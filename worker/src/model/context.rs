@@ -378,19 +378,29 @@ pub fn gather_values(
     shard: &RowShard,
     values: &[f64],
 ) -> Result<Vec<f64>, CollectiveError> {
-    let hi: Vec<f32> = values.iter().map(|&x| x as f32).collect();
-    let lo: Vec<f32> = values
-        .iter()
-        .zip(&hi)
-        .map(|(&x, &h)| (x - f64::from(h)) as f32)
-        .collect();
-    let pairs = Tensor::stack(&[Tensor::from_slice(&hi), Tensor::from_slice(&lo)], 1);
+    let pairs = Tensor::from_slice(&to_pairs(values)).view([-1, 2]);
     let full = gather_rows(coll, shard, &pairs)?.to_device(tch::Device::Cpu);
     let flat = Vec::<f32>::try_from(full.reshape([-1])).expect("float32 values");
-    Ok(flat
-        .chunks_exact(2)
+    Ok(from_pairs(&flat))
+}
+
+/// Float64 values as (high, low) float32 pairs, flat: what the float32
+/// collectives carry exactly enough (`from_pairs` inverts it).
+fn to_pairs(values: &[f64]) -> Vec<f32> {
+    values
+        .iter()
+        .flat_map(|&x| {
+            let hi = x as f32;
+            [hi, (x - f64::from(hi)) as f32]
+        })
+        .collect()
+}
+
+/// [`to_pairs`]' inverse.
+fn from_pairs(flat: &[f32]) -> Vec<f64> {
+    flat.chunks_exact(2)
         .map(|p| f64::from(p[0]) + f64::from(p[1]))
-        .collect())
+        .collect()
 }
 
 /// Each rank's `values` summed over the group in float64, the same sums on
@@ -400,20 +410,13 @@ pub fn gather_values(
 pub fn sum_values(coll: &mut dyn Collective, values: &[f64]) -> Result<Vec<f64>, CollectiveError> {
     let (n, ranks, rank) = (values.len(), coll.world_size(), coll.rank());
     let mut slots = vec![0f32; 2 * n * ranks];
-    for (i, &x) in values.iter().enumerate() {
-        let hi = x as f32;
-        slots[2 * (rank * n + i)] = hi;
-        slots[2 * (rank * n + i) + 1] = (x - f64::from(hi)) as f32;
-    }
+    slots[2 * n * rank..2 * n * (rank + 1)].copy_from_slice(&to_pairs(values));
     let mut t = Tensor::from_slice(&slots).to_device(coll.device());
     coll.all_reduce_sum(&mut t)?;
     let all = Vec::<f32>::try_from(t.to_device(tch::Device::Cpu)).expect("float32 values");
+    let all = from_pairs(&all);
     Ok((0..n)
-        .map(|i| {
-            (0..ranks)
-                .map(|r| f64::from(all[2 * (r * n + i)]) + f64::from(all[2 * (r * n + i) + 1]))
-                .sum()
-        })
+        .map(|i| (0..ranks).map(|r| all[r * n + i]).sum())
         .collect())
 }
 
